@@ -1,0 +1,224 @@
+"""When to speculate and how far: acceptance EWMA, measured costs, draft length, fallback.
+
+Plain data and rules, no I/O. The quantities:
+
+* ``a``, the **acceptance EWMA**: the probability that a draft token is accepted given that every
+  earlier one in its round was, estimated from rounds with exponential weights (decay ``alpha``
+  per round). A round that drafted k and accepted n counts n successes in ``n + (1 if n < k)``
+  trials, which is the maximum-likelihood estimate for geometric acceptance, whatever k was.
+* **costs**, in units of one plain target step: ``d`` per draft token and ``v(k) = 1 + s*k`` for
+  one verify call over k drafts. Measured (EWMA of seconds) unless the request is seeded, then the
+  configured defaults, so that a seeded request's schedule never depends on the wall clock.
+* The expected tokens per round with k drafts is ``E(a, k) = 1 + a + ... + a^k`` and the predicted
+  speedup over plain decoding ``E(a, k) / (k*d + v(k))``. The draft length is its argmax over
+  ``k_min..k_max``.
+
+Fallback to plain decoding happens when ``a < fallback_below``, after ``zero_rounds`` rounds that
+accepted nothing, or when no k is predicted to pay (``speedup < min_speedup``). While falling back,
+a probe round speculates every ``probe_every`` plain tokens (backing off after failed probes); it
+resumes only if ``a >= resume_above`` and the speedup is predicted, a gap (hysteresis) that keeps a
+request from flapping between the modes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import InvalidInputError
+from .types import FallbackEvent, Mode
+
+__all__ = ["SpecConfig", "AcceptanceEWMA", "CostModel", "RequestPolicy", "expected_tokens"]
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Every threshold of adaptive speculation. All configurable; the defaults are the issue's."""
+
+    alpha: float = 0.1  # EWMA weight of the newest round
+    initial_acceptance: float = 0.7  # EWMA before anything was observed
+    k_init: int = 4  # draft length when adapt_k is off
+    k_min: int = 1
+    k_max: int = 8
+    adapt_k: bool = True
+    fallback_below: float = 0.4
+    zero_rounds: int = 3
+    min_speedup: float = 1.0
+    resume_above: float = 0.6
+    resume_speedup: float = 1.1
+    probe_every: int = 16
+    probe_backoff: float = 2.0
+    probe_max_every: int = 256
+    draft_cost: float = 0.1  # default cost of a draft token, in target steps, until measured
+    verify_cost_per_token: float = 0.05  # default extra cost per verified position, likewise
+    measure_costs: bool = True  # False: always use the two defaults above (toy models, tests)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise InvalidInputError(f"SpecConfig.{name}={getattr(self, name)!r}: {why}")
+
+        if not 0 < self.alpha <= 1:
+            bad("alpha", "must be in (0, 1]")
+        for name in ("initial_acceptance", "fallback_below", "resume_above"):
+            if not 0 <= getattr(self, name) <= 1:
+                bad(name, "must be in [0, 1]")
+        if not 1 <= self.k_min <= self.k_init <= self.k_max:
+            bad("k_init", f"need 1 <= k_min ({self.k_min}) <= k_init <= k_max ({self.k_max})")
+        if self.resume_above < self.fallback_below:
+            bad("resume_above", f"must be >= fallback_below ({self.fallback_below}) for hysteresis")
+        if self.zero_rounds < 1 or self.probe_every < 1 or self.probe_max_every < self.probe_every:
+            bad("probe_every", "need zero_rounds >= 1, 1 <= probe_every <= probe_max_every")
+        if self.probe_backoff < 1:
+            bad("probe_backoff", "must be >= 1")
+        if self.draft_cost < 0 or self.verify_cost_per_token < 0:
+            bad("draft_cost", "costs must be >= 0")
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Expected tokens emitted by one round of k drafts at acceptance a: 1 + a + ... + a^k."""
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass
+class AcceptanceEWMA:
+    """Exponentially weighted estimate of the per-token acceptance probability.
+
+    The ratio of two decayed sums (accepted drafts over tried drafts), each decayed by
+    ``1 - alpha`` per round: an EWMA in which a round that tried more drafts carries more weight.
+    The prior counts as ``prior_weight`` tried drafts.
+    """
+
+    alpha: float = 0.1
+    hits: float = 2.8  # decayed accepted drafts
+    trials: float = 4.0  # decayed drafts that were tried
+
+    @classmethod
+    def start(cls, alpha: float, value: float, prior_weight: float = 4.0) -> "AcceptanceEWMA":
+        return cls(alpha, value * prior_weight, prior_weight)
+
+    @property
+    def value(self) -> float:
+        return self.hits / self.trials if self.trials > 0 else 0.0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        tried = accepted + (1 if accepted < drafted else 0)
+        self.hits = (1 - self.alpha) * self.hits + accepted
+        self.trials = (1 - self.alpha) * self.trials + tried
+
+    def soften(self, factor: float = 0.25) -> None:
+        """Keep the estimate but weigh it less, so the next observations move it faster."""
+        self.hits *= factor
+        self.trials *= factor
+
+    def copy(self) -> "AcceptanceEWMA":
+        return AcceptanceEWMA(self.alpha, self.hits, self.trials)
+
+
+@dataclass
+class CostModel:
+    """Measured seconds per draft token and per verify call (EWMAs), as costs relative to one
+    plain target step. Unmeasured quantities use the configured defaults; ``measure=False`` keeps
+    the defaults forever (seeded requests)."""
+
+    config: SpecConfig = field(default_factory=SpecConfig)
+    measure: bool = True
+    draft_token_s: float | None = None
+    verify_s: dict[int, float] = field(default_factory=dict)  # drafts k -> seconds per verify call
+
+    def observe(self, drafted: int, t_draft: float, t_verify: float) -> None:
+        if not self.measure:
+            return
+        a = self.config.alpha
+        if drafted:
+            per = t_draft / drafted
+            self.draft_token_s = per if self.draft_token_s is None else self.draft_token_s + a * (per - self.draft_token_s)
+        old = self.verify_s.get(drafted)
+        self.verify_s[drafted] = t_verify if old is None else old + a * (t_verify - old)
+
+    def relative(self) -> tuple[float, float]:
+        """``(d, s)``: draft-token cost and verify slope, in units of one plain target step."""
+        d, s = self.config.draft_cost, self.config.verify_cost_per_token
+        if not self.verify_s:
+            return d, s
+        ks = sorted(self.verify_s)
+        if len(ks) >= 2:  # slope and base from the two most distant measurements
+            k0, k1 = ks[0], ks[-1]
+            slope_s = max(0.0, (self.verify_s[k1] - self.verify_s[k0]) / (k1 - k0))
+            base = max(1e-9, self.verify_s[k0] - slope_s * k0)
+            s = slope_s / base
+        else:
+            base = self.verify_s[ks[0]] / (1.0 + s * ks[0])
+        if self.draft_token_s is not None:
+            d = self.draft_token_s / base
+        return d, s
+
+    def speedup(self, a: float, k: int) -> float:
+        """Predicted tokens/s of k-draft rounds relative to plain decoding."""
+        d, s = self.relative()
+        return expected_tokens(a, k) / (k * d + 1.0 + s * k)
+
+
+class RequestPolicy:
+    """One request's speculation state machine: draft length, fallback, probing."""
+
+    def __init__(self, config: SpecConfig, mode: Mode, ewma: AcceptanceEWMA, costs: CostModel,
+                 shared: AcceptanceEWMA | None = None) -> None:
+        if mode not in ("spec", "ar"):
+            raise InvalidInputError(f"mode must be 'spec' or 'ar', got {mode!r}")
+        self.config, self.mode, self.ewma, self.costs, self.shared = config, mode, ewma, costs, shared
+        self.speculating = mode == "spec"
+        self._zero = 0  # consecutive rounds that accepted nothing
+        self._probing = False
+        self._plain_since_probe = 0
+        self._probe_every = config.probe_every
+
+    def best_k(self) -> tuple[int, float]:
+        """The draft length with the highest predicted speedup, and that speedup."""
+        c = self.config
+        if not c.adapt_k:
+            return c.k_init, self.costs.speedup(self.ewma.value, c.k_init)
+        a = self.ewma.value
+        return max(((k, self.costs.speedup(a, k)) for k in range(c.k_min, c.k_max + 1)), key=lambda t: t[1])
+
+    def draft_length(self, remaining: int) -> int:
+        """Drafts for the next round (0 = one plain target step). ``remaining``: tokens still
+        allowed, so a round never drafts past the budget (it emits at most k+1)."""
+        if self.mode == "ar" or remaining <= 1:
+            return 0
+        if not self.speculating:
+            if self._plain_since_probe < self._probe_every:
+                return 0
+            self._probing = True  # a probe drafts at least k_init tokens: one round, enough evidence
+            return min(max(self.best_k()[0], self.config.k_init), remaining - 1)
+        return min(self.best_k()[0], remaining - 1)
+
+    def observe(self, at: int, drafted: int, accepted: int, t_draft: float, t_verify: float,
+                timed: bool = True) -> FallbackEvent | None:
+        """Feed one finished round; returns the mode switch it caused, if any. ``timed=False``
+        (e.g. a round that included prefill) keeps its times out of the cost model."""
+        if timed:
+            self.costs.observe(drafted, t_draft, t_verify)
+        if drafted == 0:
+            self._plain_since_probe += 1
+            return None
+        self.ewma.observe(drafted, accepted)
+        if self.shared is not None:
+            self.shared.observe(drafted, accepted)
+        self._zero = self._zero + 1 if accepted == 0 else 0
+        c, a = self.config, self.ewma.value
+        if self._probing:
+            self._probing, self._plain_since_probe = False, 0
+            if a >= c.resume_above and self.best_k()[1] >= c.resume_speedup:
+                self.speculating, self._zero, self._probe_every = True, 0, c.probe_every
+                return FallbackEvent(at, "spec", "probe_ok", a)
+            self._probe_every = min(int(self._probe_every * c.probe_backoff), c.probe_max_every)
+            return None
+        reason = ("ewma" if a < c.fallback_below else
+                  "zero_rounds" if self._zero >= c.zero_rounds else
+                  "cost" if self.best_k()[1] < c.min_speedup else None)
+        if reason is None:
+            return None
+        self.speculating, self._plain_since_probe, self._probe_every = False, 0, c.probe_every
+        self.ewma.soften()  # let the probes' evidence count (hysteresis still needs resume_above)
+        return FallbackEvent(at, "ar", reason, a)

@@ -1,0 +1,132 @@
+"""Turn any :class:`~specdec_rt.protocols.LanguageModel` into a drafter or a verifier.
+
+The KV bookkeeping of speculative decoding lives here, once, for every backend:
+
+* The target's cache holds every committed token but the last; a verify call feeds the missing
+  tokens (the last committed one, or the whole prompt on the first call) plus the k drafts, and
+  reads the logits of the last k+1 positions: ``p_0 .. p_k``.
+* The draft's cache is brought back in step the same way: after a partial acceptance it rolls
+  back to the longest prefix it shares with the committed tokens and feeds only the 1-2 tokens it
+  has not seen (never the whole context again).
+* Rejected positions are forgotten by ``rollback`` (a length change); nothing is copied.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .context import RequestContext
+from .errors import ContextLengthError
+from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
+from .sampling import greedy_accept, rejection_sample, sample, warp
+from .types import DraftToken, Verdict
+
+__all__ = ["SyncedSession", "ModelDrafter", "ModelVerifier"]
+
+Sampler = Callable[[np.ndarray, np.ndarray, np.ndarray, np.random.Generator], np.ndarray]
+
+
+class SyncedSession:
+    """A :class:`CacheSession` plus the ids it holds, kept consistent with committed tokens."""
+
+    def __init__(self, session: CacheSession, capacity: int) -> None:
+        self.session = session
+        self.ids = np.zeros(capacity, dtype=np.int64)  # [capacity] ids whose KV the cache holds
+        self._matched = 0  # ids[:_matched] are known to equal committed tokens (which never change)
+
+    def pending(self, tokens: np.ndarray) -> np.ndarray:
+        """Roll back to the longest cached prefix of ``tokens`` (keeping at least the last token
+        uncached, so there is always something to feed) and return the tokens to feed next."""
+        n = self.session.length
+        m = min(n, tokens.size - 1)
+        lo = min(self._matched, m)
+        diff = np.flatnonzero(self.ids[lo:m] != tokens[lo:m])
+        if diff.size:
+            m = lo + int(diff[0])
+        if m < n:
+            self.session.rollback(m)
+        self._matched = m
+        return tokens[m:]
+
+    async def extend(self, ids: np.ndarray, logits_rows: int) -> np.ndarray:
+        """Feed ``ids`` ``[S]``; logits of the last ``logits_rows`` positions ``[rows, V]``."""
+        n = self.session.length
+        if n + ids.size > self.ids.size:
+            raise ContextLengthError(
+                f"sequence of {n + ids.size} tokens exceeds the model's maximum length of {self.ids.size}"
+            )
+        logits = await self.session.extend(ids, logits_rows)
+        self.ids[n : n + ids.size] = ids
+        return logits
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class _ModelUser:
+    """Shared plumbing: one SyncedSession per request, stored in the request context."""
+
+    def __init__(self, model: LanguageModel) -> None:
+        self.model = model
+        self.vocab_size = model.vocab_size
+        self.max_length = model.max_length
+
+    def _session(self, ctx: RequestContext) -> SyncedSession:
+        return ctx.state(self, lambda: SyncedSession(self.model.start(), self.model.max_length))
+
+    def release(self, ctx: RequestContext) -> None:
+        s = ctx.pop_state(self)
+        if s is not None:
+            s.close()
+
+
+class ModelDrafter(_ModelUser, DraftInferrer):
+    """Draft with a (small) language model: k autoregressive steps from its own cache."""
+
+    async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
+        s = self._session(ctx)
+        feed = s.pending(ctx.tokens)  # [1..] tokens the draft cache has not seen
+        drafts: list[DraftToken] = []
+        for _ in range(k):
+            logits = (await s.extend(feed, 1))[0]  # [V]
+            if ctx.params.greedy:
+                x = int(np.argmax(logits))
+                drafts.append(DraftToken(x))  # deterministic: q is one-hot at x
+            else:
+                q = warp(logits, ctx.params)  # [V]
+                x = sample(q, ctx.rng)
+                drafts.append(DraftToken(x, q))
+            feed = np.array([x], dtype=np.int64)  # the last draft is never fed: it may be rejected
+        return drafts
+
+
+class ModelVerifier(_ModelUser, TargetVerifier):
+    """Verify with the target model: one call over the k drafts plus one position.
+
+    ``sampler`` is the rejection sampler (the contract of :func:`rejection_sample`); tests swap in
+    deliberately broken ones to prove the distribution checks catch them.
+    """
+
+    def __init__(self, model: LanguageModel, sampler: Sampler = rejection_sample) -> None:
+        super().__init__(model)
+        self.sampler = sampler
+
+    async def verify_and_accept(self, ctx: RequestContext, drafts: Sequence[DraftToken]) -> Verdict:
+        s = self._session(ctx)
+        k = len(drafts)
+        draft_ids = np.fromiter((d.id for d in drafts), dtype=np.int64, count=k)  # [k]
+        feed = np.concatenate([s.pending(ctx.tokens), draft_ids])  # [S >= k+1]
+        logits = await s.extend(feed, k + 1)  # [k+1, V]: p_0 .. p_k before warping
+        if ctx.params.greedy:
+            target_ids = np.argmax(logits, axis=-1)  # [k+1]
+            out = greedy_accept(draft_ids, target_ids)
+        else:
+            p = warp(logits, ctx.params)  # [k+1, V]
+            if k == 0:
+                out = np.array([sample(p[0], ctx.rng)], dtype=np.int64)
+            else:
+                q = np.stack([d.q_row(p.shape[-1]) for d in drafts]).astype(p.dtype, copy=False)  # [k, V]
+                out = self.sampler(draft_ids, q, p, ctx.rng)
+        return Verdict(tokens=out, accepted=len(out) - 1)

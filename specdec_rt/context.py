@@ -1,0 +1,107 @@
+"""One request's committed state, shared by the scheduler, its drafter and its verifier."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, TypeVar
+
+import numpy as np
+
+from .errors import ContextLengthError, InvalidInputError
+from .sampling import SamplingParams
+from .types import FinishReason, Stats
+
+__all__ = ["RequestContext"]
+
+S = TypeVar("S")
+
+
+class RequestContext:
+    """The Go design's ``ctx``: what a request has committed so far, and per-model state.
+
+    ``tokens`` is the whole sequence (prompt + generated tokens that are final); only
+    :meth:`commit` appends to it, after a verification completed, so a cancelled round leaves it
+    as it was. Models keep their per-request state (KV cache sessions) in :meth:`state`, keyed by
+    the model object, and must tolerate caches that ran ahead of ``tokens``.
+    """
+
+    def __init__(
+        self,
+        prompt_ids: Iterable[int],
+        max_new_tokens: int,
+        params: SamplingParams | None = None,
+        stop_ids: Iterable[int] = (),
+        max_length: int | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> None:
+        prompt = np.asarray(list(prompt_ids) if not isinstance(prompt_ids, np.ndarray) else prompt_ids)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise InvalidInputError(f"prompt must be a non-empty sequence of token ids, got shape {prompt.shape}")
+        if not np.issubdtype(prompt.dtype, np.integer) or prompt.min() < 0:
+            raise InvalidInputError(f"prompt token ids must be non-negative integers, got {prompt[:8]!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if max_length is not None and prompt.size + max_new_tokens > max_length:
+            raise ContextLengthError(
+                f"prompt of {prompt.size} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                f"model's maximum length of {max_length} tokens"
+            )
+        self.params = params or SamplingParams()
+        self.rng = rng if rng is not None else np.random.default_rng(self.params.seed)
+        self.prompt_len = int(prompt.size)
+        self.max_new_tokens = int(max_new_tokens)
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        self._buf = np.zeros(self.prompt_len + self.max_new_tokens, dtype=np.int64)  # [capacity]
+        self._buf[: self.prompt_len] = prompt
+        self._n = self.prompt_len
+        self.finish_reason: FinishReason | None = None
+        self.stats = Stats(prompt_tokens=self.prompt_len)
+        self._state: dict[Any, Any] = {}
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Committed tokens, prompt included, ``[n]`` int64 (a read-only view)."""
+        view = self._buf[: self._n]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def generated(self) -> np.ndarray:
+        """Committed tokens after the prompt ``[n - prompt_len]``."""
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def remaining(self) -> int:
+        """How many more tokens may be generated."""
+        return 0 if self.done else self.prompt_len + self.max_new_tokens - self._n
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def commit(self, ids: np.ndarray) -> np.ndarray:
+        """Append verified tokens, cut at the token budget and after the first stop id (the stop
+        id itself is kept, nothing after it). Returns what was appended."""
+        room = self.prompt_len + self.max_new_tokens - self._n
+        ids = np.asarray(ids, dtype=np.int64)[: max(room, 0)]
+        if self.stop_ids:
+            hits = np.flatnonzero(np.isin(ids, list(self.stop_ids)))
+            if hits.size:
+                ids = ids[: hits[0] + 1]
+                self.finish_reason = "stop"
+        self._buf[self._n : self._n + ids.size] = ids
+        self._n += ids.size
+        if self.finish_reason is None and self._n == self._buf.size:
+            self.finish_reason = "length"
+        return ids
+
+    def state(self, owner: object, factory: Callable[[], S]) -> S:
+        """Per-request state of ``owner`` (e.g. a KV cache session), created on first use."""
+        try:
+            return self._state[owner]
+        except KeyError:
+            value = self._state[owner] = factory()
+            return value
+
+    def pop_state(self, owner: object) -> Any:
+        """Remove and return ``owner``'s state (None if it never made any)."""
+        return self._state.pop(owner, None)

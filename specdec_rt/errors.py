@@ -1,0 +1,56 @@
+"""One exception root for everything specdec-rt raises on purpose.
+
+Every error the library raises on purpose derives from :class:`SpecDecError`, so a service can
+catch the whole family in one place. Backend failures (ONNX Runtime, the tokenizer) are mapped to
+these types at the boundary with ``raise ... from exc``; the original stays in ``__cause__``.
+
+Families::
+
+    SpecDecError
+    ├── InvalidInputError (also ValueError)   bad arguments: sampling rows, ids, parameters, prompts
+    │   └── ContextLengthError                prompt + max_new_tokens do not fit the KV cache
+    ├── ModelLoadError                        missing files, a manifest that does not match its model
+    │   └── ModelNotBuiltError                a recipe name whose artifacts are not built yet
+    ├── InferenceError                        a model call failed in the middle of a request
+    └── EngineClosedError                     a call on a closed engine
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SpecDecError",
+    "InvalidInputError",
+    "ContextLengthError",
+    "ModelLoadError",
+    "ModelNotBuiltError",
+    "InferenceError",
+    "EngineClosedError",
+]
+
+
+class SpecDecError(Exception):
+    """Root of every error specdec-rt raises on purpose."""
+
+
+class InvalidInputError(SpecDecError, ValueError):
+    """An argument is invalid; the message names the value. Nothing was changed."""
+
+
+class ContextLengthError(InvalidInputError):
+    """The prompt (plus the requested new tokens) does not fit the model's KV cache."""
+
+
+class ModelLoadError(SpecDecError):
+    """A model folder cannot be loaded: a missing file or a manifest that does not match."""
+
+
+class ModelNotBuiltError(ModelLoadError):
+    """A recipe name was given but its artifacts are not built; the message names the command."""
+
+
+class InferenceError(SpecDecError):
+    """A backend call failed in the middle of a request. The request is over; the engine is not."""
+
+
+class EngineClosedError(SpecDecError):
+    """The engine (or scheduler) was closed and cannot serve requests."""

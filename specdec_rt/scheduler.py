@@ -1,0 +1,182 @@
+"""``SpecDecScheduler``: draft, verify, accept, update stats (a port of the Go scheduler).
+
+Differences from the Go sketch, on purpose: the context is the whole sequence (not the last
+``draftLen`` tokens), a rejection resamples from ``norm(max(0, p - q))`` (not from ``p``), and a
+fully accepted round also emits the target's bonus token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from time import perf_counter
+from typing import AsyncIterator, Iterable, Sequence
+
+import numpy as np
+
+from .acceptance import AcceptanceEWMA, CostModel, RequestPolicy, SpecConfig
+from .context import RequestContext
+from .errors import InferenceError, InvalidInputError, SpecDecError
+from .logs import get_logger
+from .protocols import DraftInferrer, TargetVerifier
+from .sampling import SamplingParams
+from .types import DraftToken, GenerationResult, Mode, Stats, TokenEvent, Verdict
+
+__all__ = ["SpecDecScheduler", "RequestStream"]
+
+log = get_logger("specdec_rt.scheduler")
+
+
+class SpecDecScheduler:
+    """Runs requests with speculative decoding (``mode="spec"``) or plain decoding (``"ar"``).
+
+    One scheduler serves any number of concurrent requests (each ``stream``/``run`` call is one
+    request with its own :class:`RequestContext`). Acceptance is tracked per request and across
+    requests: a new request starts from the shared EWMA and the measured costs, except a seeded
+    request, which starts from the configured defaults and ignores timings so that its output
+    depends only on its seed.
+
+    Cancellation: cancelling the task that iterates :meth:`stream` (or awaits :meth:`run`), or
+    closing the iterator early, takes effect at the next model call boundary (a call already
+    running in a worker thread finishes first and its result is dropped). Committed tokens are
+    exactly those already yielded; the request's model state is released; the scheduler and its
+    models stay usable for other requests.
+    """
+
+    def __init__(self, drafter: DraftInferrer | None, verifier: TargetVerifier,
+                 config: SpecConfig | None = None, *, eos_ids: Iterable[int] = ()) -> None:
+        self.drafter = drafter
+        self.verifier = verifier
+        self.config = config or SpecConfig()
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self.shared_ewma = AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance)
+        self.costs = CostModel(self.config, measure=self.config.measure_costs)
+        self.totals = Stats(mode="total")
+
+    @property
+    def max_length(self) -> int | None:
+        """Longest sequence (prompt + generated) both models can hold, if they say."""
+        lengths = [m for m in (getattr(self.verifier, "max_length", None),
+                               getattr(self.drafter, "max_length", None)) if m]
+        return min(lengths) if lengths else None
+
+    def stream(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int,
+               params: SamplingParams | None = None, *, mode: Mode = "spec",
+               stop_ids: Iterable[int] = (), rng: np.random.Generator | None = None,
+               ) -> "RequestStream":
+        """Start a request; an async iterator of :class:`TokenEvent` as tokens become final.
+
+        Arguments are checked here, before any model work: a bad value raises
+        :class:`~specdec_rt.errors.InvalidInputError` (``ContextLengthError`` if the prompt plus
+        ``max_new_tokens`` does not fit). Generation stops after exactly ``max_new_tokens`` tokens
+        or at the first EOS / stop id (which is emitted; nothing after it is).
+        """
+        if mode == "spec" and self.drafter is None:
+            raise InvalidInputError("mode 'spec' needs a drafter; this scheduler has none (use mode='ar')")
+        ctx = RequestContext(prompt_ids, max_new_tokens, params, self.eos_ids | set(stop_ids),
+                             self.max_length, rng)
+        seeded = ctx.params.seed is not None and not ctx.params.greedy
+        ewma = (AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance) if seeded
+                else self.shared_ewma.copy())
+        costs = CostModel(self.config, measure=False) if seeded else self.costs
+        policy = RequestPolicy(self.config, mode, ewma, costs, shared=self.shared_ewma)
+        return RequestStream(self._loop(ctx, policy), ctx)
+
+    async def run(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int,
+                  params: SamplingParams | None = None, **kwargs) -> GenerationResult:
+        """The whole request: generated ids and stats (same arguments as :meth:`stream`)."""
+        it = self.stream(prompt_ids, max_new_tokens, params, **kwargs)
+        async with contextlib.aclosing(it):
+            async for _ in it:
+                pass
+        return GenerationResult(it.token_ids, it.stats)
+
+    async def _loop(self, ctx: RequestContext, policy: RequestPolicy) -> AsyncIterator[TokenEvent]:
+        stats, timed = ctx.stats, False  # the first round includes prefill: keep it out of costs
+        stats.mode = policy.mode
+        t_start = perf_counter()
+        try:
+            while not ctx.done:
+                # 1. choose: how many tokens to draft this round (0 = one plain target step)
+                k = policy.draft_length(ctx.remaining)
+                # 2. draft: up to k proposals continuing the committed tokens
+                t0 = perf_counter()
+                drafts = list(await self.drafter.generate_draft(ctx, k))[:k] if k else []
+                # 3. verify: one target call over len(drafts) + 1 positions
+                t1 = perf_counter()
+                verdict = _checked(await self.verifier.verify_and_accept(ctx, drafts), drafts)
+                t2 = perf_counter()
+                # 4. commit: append what the target kept, cut at the budget and at a stop id
+                at = ctx.generated.size
+                new = ctx.commit(verdict.tokens)
+                # 5. observe: stats, acceptance EWMA, costs, next draft length, fallback
+                switch = policy.observe(at, len(drafts), verdict.accepted, t1 - t0, t2 - t1, timed)
+                stats.observe_round(len(drafts), verdict.accepted, new.size, t1 - t0, t2 - t1,
+                                    policy.ewma.value if drafts or stats.rounds else None)
+                timed = True
+                if switch is not None:
+                    stats.fallbacks.append(switch)
+                    log.info("speculation.switch", to=switch.to, reason=switch.reason,
+                             at=switch.at, ewma=round(switch.ewma, 3))
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("round", k=len(drafts), accepted=verdict.accepted, emitted=new.size,
+                              ewma=round(policy.ewma.value, 3), t_draft=t1 - t0, t_verify=t2 - t1)
+                # 6. emit: these tokens are final
+                yield TokenEvent(tuple(new.tolist()), at, len(drafts), verdict.accepted, ctx.finish_reason)
+        except SpecDecError:
+            ctx.finish_reason = "error"
+            raise
+        except Exception as exc:  # a plug-in model failed: one error root for callers
+            ctx.finish_reason = "error"
+            raise InferenceError(f"model call failed: {type(exc).__name__}: {exc}") from exc
+        except BaseException:  # cancelled, or the consumer closed the iterator
+            ctx.finish_reason = ctx.finish_reason or "cancelled"
+            raise
+        finally:
+            stats.finish_reason = ctx.finish_reason
+            stats.time_total = perf_counter() - t_start
+            self.totals.merge(stats)
+            if self.drafter is not None:
+                self.drafter.release(ctx)
+            self.verifier.release(ctx)
+            log.info("request.end", mode=stats.mode, new_tokens=stats.new_tokens,
+                     finish=stats.finish_reason, acceptance=round(stats.acceptance_rate, 3),
+                     tokens_per_s=round(stats.tokens_per_s, 2))
+
+
+class RequestStream:
+    """One request's async iterator of :class:`TokenEvent`; ``stats`` and ``token_ids`` hold
+    what it has committed so far (complete once iteration ends). ``aclose()`` ends it early."""
+
+    def __init__(self, agen: AsyncIterator[TokenEvent], ctx: RequestContext) -> None:
+        self._agen, self.context = agen, ctx
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        return await self._agen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._agen.aclose()
+
+    @property
+    def stats(self) -> Stats:
+        return self.context.stats
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.context.generated.tolist()
+
+
+def _checked(verdict: Verdict, drafts: Sequence[DraftToken]) -> Verdict:
+    """A plug-in verifier's verdict must keep a prefix of the drafts and add exactly one token."""
+    n = verdict.accepted
+    if not 0 <= n <= len(drafts) or len(verdict.tokens) != n + 1 or any(
+        int(verdict.tokens[i]) != drafts[i].id for i in range(n)
+    ):
+        raise InferenceError(
+            f"verifier returned an inconsistent verdict: accepted={n}, tokens={list(verdict.tokens)}, "
+            f"drafts={[d.id for d in drafts]}"
+        )
+    return verdict

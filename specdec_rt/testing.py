@@ -1,0 +1,252 @@
+"""Deterministic toy language models and checks, for our tests and for yours.
+
+* :class:`ToyLM` is a fixed random Markov model over a small vocabulary: the logits of the next
+  token depend on the last ``order`` tokens. It implements
+  :class:`~specdec_rt.protocols.LanguageModel`, so ``ModelDrafter(ToyLM(...))`` and
+  ``ModelVerifier(ToyLM(...))`` run the real scheduler with no ONNX.
+* :func:`toy_pair` builds a target and a draft whose distance is a knob (0: the same model).
+* :func:`sequence_distribution` computes the exact distribution of whole generated sequences of a
+  toy target, so sampling can be checked against it with :func:`chi_square_pvalue`.
+* :func:`check_greedy_lossless` runs any drafter against any verifier and asserts greedy
+  speculative output equals greedy plain output: use it on your own drafter.
+* :func:`rejection_cases` (needs ``hypothesis``) generates valid ``(draft_ids, q, p)`` inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .adapters import ModelDrafter, ModelVerifier
+from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
+from .sampling import SamplingParams, warp
+from .acceptance import SpecConfig
+from .scheduler import SpecDecScheduler
+
+__all__ = [
+    "ToyLM",
+    "ToySession",
+    "FaultyModel",
+    "toy_pair",
+    "toy_scheduler",
+    "sequence_distribution",
+    "chi_square_pvalue",
+    "check_greedy_lossless",
+    "rejection_cases",
+]
+
+
+class ToyLM(LanguageModel):
+    """A fixed random order-``order`` Markov LM: ``logits(next | last order tokens)``.
+
+    ``table`` ``[V**order, V]`` holds the logits; ``sharpness`` scales them (higher: peakier).
+    Counts ``calls`` (forward passes) and ``positions`` (tokens fed) so tests and the toy demo can
+    measure speculation in model calls.
+    """
+
+    def __init__(self, vocab_size: int = 8, order: int = 2, seed: int = 0, sharpness: float = 2.0,
+                 max_length: int = 4096, table: np.ndarray | None = None) -> None:
+        self.vocab_size, self.order, self.max_length = vocab_size, order, max_length
+        rng = np.random.default_rng(seed)
+        self.table = table if table is not None else rng.normal(size=(vocab_size**order, vocab_size)) * sharpness
+        self.calls = 0
+        self.positions = 0
+
+    def logits_at(self, ids: np.ndarray) -> np.ndarray:
+        """Next-token logits after each prefix ``ids[:i+1]``: ``[len(ids), V]``."""
+        ids = np.asarray(ids, dtype=np.int64)
+        padded = np.concatenate([np.zeros(self.order - 1, dtype=np.int64), ids])  # left-pad with 0
+        ctx = np.zeros(ids.size, dtype=np.int64)
+        for j in range(self.order):  # row index = sum of the last `order` tokens in base V
+            ctx = ctx * self.vocab_size + padded[j : j + ids.size]
+        return self.table[ctx]
+
+    def start(self) -> "ToySession":
+        return ToySession(self)
+
+
+class ToySession(CacheSession):
+    """The toy model's 'KV cache': the ids fed so far (rollback truncates, nothing recomputed)."""
+
+    def __init__(self, model: ToyLM) -> None:
+        self.model = model
+        self._ids = np.zeros(model.max_length, dtype=np.int64)
+        self._n = 0
+        self.closed = False
+
+    @property
+    def length(self) -> int:
+        return self._n
+
+    async def extend(self, ids: np.ndarray, logits_rows: int) -> np.ndarray:
+        if self.closed:
+            raise RuntimeError("session is closed")
+        ids = np.asarray(ids, dtype=np.int64)
+        self._ids[self._n : self._n + ids.size] = ids
+        self._n += ids.size
+        self.model.calls += 1
+        self.model.positions += ids.size
+        start = max(0, self._n - self.model.order + 1 - logits_rows)  # context the rows need
+        logits = self.model.logits_at(self._ids[start : self._n])
+        return logits[-logits_rows:]
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self._n:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self._n}")
+        self._n = length
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FaultyModel(LanguageModel):
+    """Wraps a model; the ``fail_on``-th forward call (1-based, counted across sessions) raises."""
+
+    def __init__(self, model: LanguageModel, fail_on: int) -> None:
+        self.model, self.fail_on, self.calls = model, fail_on, 0
+        self.vocab_size, self.max_length = model.vocab_size, model.max_length
+        self.open_sessions = 0
+
+    def start(self) -> CacheSession:
+        inner, outer = self.model.start(), self
+        outer.open_sessions += 1
+
+        class _Session(CacheSession):
+            length = property(lambda s: inner.length)
+
+            async def extend(s, ids, logits_rows):
+                outer.calls += 1
+                if outer.calls == outer.fail_on:
+                    raise RuntimeError(f"injected failure on call {outer.calls}")
+                return await inner.extend(ids, logits_rows)
+
+            def rollback(s, length):
+                inner.rollback(length)
+
+            def close(s):
+                if not getattr(s, "_closed", False):
+                    s._closed = True
+                    outer.open_sessions -= 1
+                inner.close()
+
+        return _Session()
+
+
+def toy_pair(vocab_size: int = 8, order: int = 2, seed: int = 0, distance: float = 0.5,
+             sharpness: float = 2.0) -> tuple[ToyLM, ToyLM]:
+    """``(target, draft)``: the draft's logits are ``(1-distance)*target + distance*noise``."""
+    target = ToyLM(vocab_size, order, seed, sharpness)
+    noise = np.random.default_rng(seed + 10_007).normal(size=target.table.shape) * sharpness
+    draft = ToyLM(vocab_size, order, table=(1 - distance) * target.table + distance * noise,
+                  max_length=target.max_length)
+    return target, draft
+
+
+def toy_scheduler(distance: float = 0.5, vocab_size: int = 8, seed: int = 0,
+                  config: SpecConfig | None = None, eos_ids: Iterable[int] = ()
+                  ) -> tuple[SpecDecScheduler, ToyLM, ToyLM]:
+    """A scheduler over a :func:`toy_pair`: ``(scheduler, target, draft)``."""
+    target, draft = toy_pair(vocab_size, seed=seed, distance=distance)
+    return SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), config, eos_ids=eos_ids), target, draft
+
+
+def sequence_distribution(model: ToyLM, prompt: Sequence[int], length: int,
+                          params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """Exact probability of every generated sequence of ``length`` tokens (no stop ids)."""
+    out: dict[tuple[int, ...], float] = {}
+    for seq in itertools.product(range(model.vocab_size), repeat=length):
+        ids = np.array(list(prompt) + list(seq))
+        probs = warp(model.logits_at(ids[:-1])[len(prompt) - 1 :], params)  # [length, V]
+        out[seq] = float(np.prod(probs[np.arange(length), list(seq)]))
+    return out
+
+
+def chi_square_pvalue(counts: dict, expected: dict[tuple, float], min_expected: float = 5.0) -> float:
+    """Goodness-of-fit p-value of observed ``counts`` against ``expected`` probabilities.
+
+    Outcomes with expected count below ``min_expected`` are pooled into one bin; an observed
+    outcome of probability 0 gives p = 0.
+    """
+    n = sum(counts.values())
+    if any(expected.get(k, 0.0) == 0.0 for k, c in counts.items() if c):
+        return 0.0
+    stat, dof, pool_obs, pool_exp = 0.0, -1, 0.0, 0.0
+    for key, prob in expected.items():
+        e, o = prob * n, counts.get(key, 0)
+        if e < min_expected:
+            pool_obs, pool_exp = pool_obs + o, pool_exp + e
+            continue
+        stat += (o - e) ** 2 / e
+        dof += 1
+    if pool_exp > 0:
+        stat += (pool_obs - pool_exp) ** 2 / pool_exp
+        dof += 1
+    return _chi2_sf(stat, max(dof, 1))
+
+
+def _chi2_sf(x: float, dof: int) -> float:
+    """P(X > x) for X ~ chi-square(dof): the regularized upper incomplete gamma Q(dof/2, x/2)."""
+    a, z = dof / 2.0, x / 2.0
+    if z <= 0:
+        return 1.0
+    if z < a + 1:  # series for P(a, z)
+        term = total = 1.0 / a
+        for n in range(1, 1000):
+            term *= z / (a + n)
+            total += term
+            if abs(term) < abs(total) * 1e-15:
+                break
+        return max(0.0, 1.0 - total * math.exp(-z + a * math.log(z) - math.lgamma(a)))
+    b, c, d = z + 1 - a, 1e300, 1 / (z + 1 - a)  # continued fraction for Q(a, z) (Lentz)
+    h = d
+    for i in range(1, 1000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1e-300 if abs(d) < 1e-300 else d
+        c = b + an / c
+        c = 1e-300 if abs(c) < 1e-300 else c
+        d = 1 / d
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return min(1.0, math.exp(-z + a * math.log(z) - math.lgamma(a)) * h)
+
+
+async def check_greedy_lossless(drafter: DraftInferrer, verifier: TargetVerifier,
+                                prompts: Iterable[Sequence[int]], max_new_tokens: int = 32,
+                                eos_ids: Iterable[int] = ()) -> None:
+    """Assert that greedy speculative decoding with ``drafter`` reproduces greedy plain decoding
+    with ``verifier`` token for token on every prompt. Raises ``AssertionError`` naming the prompt."""
+    sched = SpecDecScheduler(drafter, verifier, eos_ids=eos_ids)
+    for prompt in prompts:
+        ar = await sched.run(prompt, max_new_tokens, mode="ar")
+        spec = await sched.run(prompt, max_new_tokens, mode="spec")
+        if spec.token_ids != ar.token_ids:
+            raise AssertionError(f"prompt {list(prompt)}: spec {spec.token_ids} != ar {ar.token_ids}")
+
+
+def rejection_cases(max_k: int = 6, max_vocab: int = 8):
+    """Hypothesis strategy of valid ``(draft_ids [k], q [k, V], p [k+1, V])`` with each draft id
+    drawn from the support of its q row (as a real drafter would). Needs ``hypothesis``."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def cases(draw):
+        k = draw(st.integers(1, max_k))
+        v = draw(st.integers(1, max_vocab))
+        weights = st.lists(st.one_of(st.just(0.0), st.floats(0.01, 10.0)), min_size=v, max_size=v)
+
+        def row():
+            w = np.array(draw(weights.filter(lambda w: sum(w) > 0)))
+            return w / w.sum()
+
+        q = np.stack([row() for _ in range(k)])
+        p = np.stack([row() for _ in range(k + 1)])
+        ids = np.array([draw(st.sampled_from(np.flatnonzero(q[i]).tolist())) for i in range(k)])
+        return ids, q, p
+
+    return cases()

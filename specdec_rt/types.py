@@ -1,0 +1,195 @@
+"""Plain data passed between the scheduler, the models and the caller (no behaviour but arithmetic)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from .sampling import SamplingParams
+
+__all__ = [
+    "SamplingParams",
+    "DraftToken",
+    "Verdict",
+    "TokenEvent",
+    "FallbackEvent",
+    "RoundRecord",
+    "Stats",
+    "GenerationResult",
+    "Mode",
+    "FinishReason",
+]
+
+Mode = Literal["spec", "ar"]
+FinishReason = Literal["length", "stop", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class DraftToken:
+    """One drafted token (the Go design's ``DraftToken{ID, Probs}``).
+
+    ``probs`` is the draft distribution ``q`` ``[V]`` the token was drawn from. ``None`` means a
+    deterministic proposal (greedy drafting, n-gram lookup): ``q`` is one-hot at ``id``, which keeps
+    rejection sampling exact without building a ``[V]`` row.
+    """
+
+    id: int
+    probs: np.ndarray | None = None
+
+    def q_row(self, vocab_size: int) -> np.ndarray:
+        """The draft distribution as a dense row ``[V]``."""
+        if self.probs is not None:
+            return self.probs
+        row = np.zeros(vocab_size)
+        row[self.id] = 1.0
+        return row
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one verification emitted: ``tokens[:accepted]`` are accepted drafts, ``tokens[-1]``
+    is the target's recovered (after a rejection) or bonus (after full acceptance) token."""
+
+    tokens: np.ndarray  # [accepted + 1] int64
+    accepted: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Tokens that became final in one scheduler round, in order."""
+
+    token_ids: tuple[int, ...]
+    index: int  # position of token_ids[0] among the generated tokens
+    drafted: int  # drafts proposed this round (0: a plain target step)
+    accepted: int  # drafts accepted this round
+    finished: FinishReason | None = None  # set on the last event of a request
+
+
+@dataclass(frozen=True)
+class FallbackEvent:
+    """A switch between speculation and plain decoding, at generated-token ``at``."""
+
+    at: int
+    to: Mode
+    reason: str  # "ewma" | "zero_rounds" | "cost" | "probe_ok"
+    ewma: float
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One scheduler round, for plots of acceptance over time."""
+
+    drafted: int
+    accepted: int
+    emitted: int
+    ewma: float | None
+
+
+@dataclass
+class Stats:
+    """Counters of one request (or summed over many). Reporting lives elsewhere."""
+
+    mode: str = "spec"
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0  # speculative rounds: draft k >= 1, then one verify call
+    ar_steps: int = 0  # plain target steps (mode "ar", fallback, or no draft available)
+    drafted: int = 0
+    accepted: int = 0
+    position_drafted: list[int] = field(default_factory=list)  # [k_max] rounds that drafted position i
+    position_accepted: list[int] = field(default_factory=list)  # [k_max] ... and accepted it
+    fallbacks: list[FallbackEvent] = field(default_factory=list)
+    history: list[RoundRecord] = field(default_factory=list)
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_total: float = 0.0
+    acceptance_ewma: float | None = None
+    finish_reason: FinishReason | None = None
+
+    def observe_round(self, drafted: int, accepted: int, emitted: int, t_draft: float, t_verify: float,
+                      ewma: float | None) -> None:
+        """Count one round that proposed ``drafted`` tokens and kept ``accepted`` of them."""
+        if drafted:
+            self.rounds += 1
+            self.drafted += drafted
+            self.accepted += accepted
+            while len(self.position_drafted) < drafted:
+                self.position_drafted.append(0)
+                self.position_accepted.append(0)
+            # position i was tried if every earlier draft was accepted
+            for i in range(min(drafted, accepted + 1)):
+                self.position_drafted[i] += 1
+                self.position_accepted[i] += int(i < accepted)
+        else:
+            self.ar_steps += 1
+        self.new_tokens += emitted
+        self.time_draft += t_draft
+        self.time_verify += t_verify
+        self.acceptance_ewma = ewma
+        self.history.append(RoundRecord(drafted, accepted, emitted, ewma))
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean accepted drafts per speculative round (0..k; the recovered/bonus token excluded)."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        """Generated tokens per target forward pass: 1.0 for plain decoding."""
+        calls = self.rounds + self.ar_steps
+        return self.new_tokens / calls if calls else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """For draft position i: P(accepted | every earlier draft was accepted)."""
+        return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.time_total if self.time_total > 0 else 0.0
+
+    def merge(self, other: "Stats") -> None:
+        """Add another request's counters to these (for totals across requests)."""
+        for name in ("prompt_tokens", "new_tokens", "rounds", "ar_steps", "drafted", "accepted",
+                     "time_draft", "time_verify", "time_total"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.position_drafted, other.position_drafted),
+                             (self.position_accepted, other.position_accepted)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+        self.fallbacks.extend(other.fallbacks)
+        self.acceptance_ewma = other.acceptance_ewma
+
+    def to_dict(self, history: bool = False) -> dict:
+        """JSON-ready summary (derived rates included; per-round history only if asked)."""
+        d = asdict(self)
+        if not history:
+            d.pop("history")
+        d.update(
+            acceptance_rate=self.acceptance_rate,
+            mean_accepted=self.mean_accepted,
+            tokens_per_target_call=self.tokens_per_target_call,
+            per_position_acceptance=self.per_position_acceptance,
+            tokens_per_s=self.tokens_per_s,
+        )
+        return d
+
+
+@dataclass
+class GenerationResult:
+    """A finished request: the generated ids (prompt excluded) and its stats."""
+
+    token_ids: list[int]
+    stats: Stats
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.stats.finish_reason
