@@ -23,7 +23,27 @@ from .types import DraftToken, GenerationResult, Stats, TokenEvent, Verdict
 
 __version__ = "0.1.0"
 
+_LAZY = {  # ONNX Runtime is imported only when these are used
+    "Engine": ".engine", "EngineResult": ".engine", "StreamEvent": ".engine",
+    "OrtTargetVerifier": ".ort", "OrtDraftInferrer": ".ort", "OrtModel": ".ort",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'specdec_rt' has no attribute {name!r}")
+
+
 __all__ = [
+    "Engine",
+    "EngineResult",
+    "StreamEvent",
+    "OrtTargetVerifier",
+    "OrtDraftInferrer",
+    "OrtModel",
     "SpecDecScheduler",
     "RequestStream",
     "SpecConfig",

@@ -1,0 +1,123 @@
+"""``python -m specdec_rt``: ``demo``, ``generate`` and ``bench``.
+
+``--json`` prints exactly one JSON document on stdout; progress and logs go to stderr.
+Errors print one line ``specdec_rt: error: ...`` on stderr and exit with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import anyio
+
+from .errors import SpecDecError
+from .logs import configure_cli_logging
+
+__all__ = ["main"]
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specdec_rt", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-vv: per round)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with speculative (or plain) decoding")
+    _model_args(gen)
+    gen.add_argument("--prompt", required=True, help="the prompt text (a user message with --chat)")
+    gen.add_argument("--chat", action="store_true", help="render the prompt with the chat template")
+    gen.add_argument("--mode", choices=["spec", "ar"], default="spec")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+
+    demo = sub.add_parser("demo", help="the main job: build the default model if needed, stream, compare")
+    _model_args(demo)
+    demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.add_argument("--no-build", action="store_true", help="fail instead of building a missing model")
+
+    bench = sub.add_parser("bench", help="side-by-side benchmark (see docs/benchmarks.md)")
+    _model_args(bench)
+    bench.add_argument("--prompts", default=None, help="JSONL file: {'prompt': ...} or {'messages': [...]} per line")
+    bench.add_argument("--modes", default=None, help="comma-separated modes (default: all available)")
+    bench.add_argument("--max-new-tokens", type=int, default=64)
+    bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    bench.add_argument("--repeats", type=int, default=1, help="runs of each prompt per mode")
+    bench.add_argument("--out", default="bench-out", help="folder for the JSON report and the PNG chart")
+    bench.add_argument("--micro", action="store_true", help="also run the step-cost micro-benchmarks")
+    bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+
+    args = parser.parse_args(argv)
+    configure_cli_logging(logging.WARNING - 10 * min(args.verbose, 2))
+    try:
+        if args.command == "generate":
+            return anyio.run(_generate, args)
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return anyio.run(run_demo, args)
+        from .bench import run_bench
+
+        return run_bench(args)
+    except SpecDecError as exc:
+        print(f"specdec_rt: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("specdec_rt: interrupted", file=sys.stderr)
+        return 130
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"recipe name or export folder (default {DEFAULT_MODEL})")
+    p.add_argument("--draft", default=None, help="draft name from the manifest, a folder, or 'none'")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads per model")
+    p.add_argument("--max-length", type=int, default=None, help="KV cache capacity per request")
+    p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
+
+
+async def load_engine(args, draft=None):
+    from .engine import Engine
+
+    return await Engine.load(args.model, draft=draft if draft is not None else args.draft,
+                             threads=args.threads, max_length=args.max_length, provider=args.provider, slots=1)
+
+
+async def _generate(args) -> int:
+    draft = "none" if args.mode == "ar" and args.draft is None else None
+    engine = await load_engine(args, draft)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed, mode=args.mode, stop=args.stop)
+    async with engine:
+        if args.json:
+            r = await engine.generate(prompt, **kwargs)
+            print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": stats_json(r.stats)}))
+            return 0
+        stats = None
+        async for ev in engine.stream(prompt, **kwargs):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            stats = ev.stats or stats
+        sys.stdout.write("\n")
+        s = stats
+        print(f"[{s.mode}] {s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance "
+              f"{s.acceptance_rate:.2f}, mean accepted {s.mean_accepted:.2f}, finish {s.finish_reason}",
+              file=sys.stderr)
+    return 0
+
+
+def stats_json(stats) -> dict:
+    """The CLI's stats object: the contract keys first, then everything else."""
+    d = stats.to_dict()
+    head = {k: d.pop(k) for k in ("tokens_per_s", "acceptance_rate", "mean_accepted", "mode")}
+    d.pop("fallbacks", None)
+    head["fallbacks"] = [{"at": f.at, "to": f.to, "reason": f.reason} for f in stats.fallbacks]
+    return {**head, **d}

@@ -1,0 +1,39 @@
+"""ONNX Runtime backends: models from ``python -m export`` folders behind the scheduler's Protocols."""
+
+from __future__ import annotations
+
+import os
+
+from ..adapters import ModelDrafter, ModelVerifier
+from .manifest import Manifest, load_manifest, resolve_model_dir
+from .model import KVPool, OrtModel, OrtSession, default_threads
+
+__all__ = [
+    "OrtTargetVerifier",
+    "OrtDraftInferrer",
+    "OrtModel",
+    "OrtSession",
+    "KVPool",
+    "Manifest",
+    "load_manifest",
+    "resolve_model_dir",
+    "default_threads",
+]
+
+
+class OrtTargetVerifier(ModelVerifier):
+    """The target: verifies k drafts in one ONNX Runtime call (k+1 logits rows).
+
+    ``model``: an :class:`OrtModel`, or a folder / manifest plus ``OrtModel`` options.
+    """
+
+    def __init__(self, model: OrtModel | str | os.PathLike | Manifest, **options) -> None:
+        super().__init__(model if isinstance(model, OrtModel) else OrtModel(model, **options))
+
+
+class OrtDraftInferrer(ModelDrafter):
+    """A draft model run by ONNX Runtime: k single-token steps from its own KV cache, brought back
+    in step after a partial acceptance by a rollback and a 1-2 token extend."""
+
+    def __init__(self, model: OrtModel | str | os.PathLike | Manifest, **options) -> None:
+        super().__init__(model if isinstance(model, OrtModel) else OrtModel(model, **options))

@@ -1,0 +1,229 @@
+"""ONNX Runtime language model with preallocated, IO-bound KV caches.
+
+Memory layout: per layer one key and one value buffer ``[slots, kv_heads, max_len, head_dim]``
+(the pool). A request owns one slot. Each layer's ``past_key_values.i.*`` input and
+``present.i.*`` output are bound to the same slot slice, so GroupQueryAttention appends the new
+positions in place: no cache copy per step, and rollback is a length change. The pool is laid out
+by slot so that a later batched target call can bind ``[B, ...]`` consecutive slots unchanged.
+
+Only the logits come back to the host (``io.get_outputs()[i].numpy()``); the KV buffers stay where
+they are (host memory on CPU, device memory with CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import anyio
+import numpy as np
+
+from ..errors import ContextLengthError, InferenceError, ModelLoadError
+from ..protocols import CacheSession, LanguageModel
+from .manifest import Manifest, load_manifest
+
+__all__ = ["OrtModel", "OrtSession", "KVPool", "default_threads", "pick_providers"]
+
+DEFAULT_MAX_LENGTH = 4096
+
+
+def default_threads() -> int:
+    """Intra-op threads: the CPUs this process may use (2 on a 2-core machine)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def pick_providers(provider: str, ort) -> list[str]:
+    """``"auto"``: CUDA when onnxruntime-gpu sees a GPU, else CPU; or ``"cpu"`` / ``"cuda"``."""
+    available = ort.get_available_providers()
+    if provider == "cpu":
+        return ["CPUExecutionProvider"]
+    if provider == "cuda":
+        if "CUDAExecutionProvider" not in available:
+            raise ModelLoadError(f"provider 'cuda' asked for, but ONNX Runtime offers only {available} "
+                                 "(install the gpu extra: onnxruntime-gpu)")
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if provider != "auto":
+        raise ModelLoadError(f"unknown provider {provider!r}; use 'auto', 'cpu' or 'cuda'")
+    return (["CUDAExecutionProvider", "CPUExecutionProvider"] if "CUDAExecutionProvider" in available
+            else ["CPUExecutionProvider"])
+
+
+class KVPool:
+    """Key and value buffers for ``slots`` requests, per layer ``[slots, kv_heads, max_len, d]``.
+
+    On CPU these are NumPy arrays (pages are committed only when written, so an unused slot costs
+    address space, not memory); with CUDA they are device OrtValues.
+    """
+
+    def __init__(self, m: Manifest, slots: int, max_len: int, device: str, ort) -> None:
+        self.shape = (slots, m.num_kv_heads, max_len, m.head_dim)
+        self.device = device
+        self.slot_bytes = int(np.prod(self.shape[1:])) * 4  # float32
+        self._buffers = []  # [layer] -> (key, value)
+        for _ in range(m.num_layers):
+            if device == "cpu":
+                pair = (np.zeros(self.shape, np.float32), np.zeros(self.shape, np.float32))
+            else:
+                pair = tuple(ort.OrtValue.ortvalue_from_shape_and_type(self.shape, np.float32, "cuda", 0)
+                             for _ in range(2))
+            self._buffers.append(pair)
+        self._free = list(range(slots))[::-1]
+
+    def pointer(self, layer: int, which: int, slot: int) -> int:
+        """Address of ``slot``'s ``[1, kv_heads, max_len, d]`` slice (which: 0 key, 1 value)."""
+        buf = self._buffers[layer][which]
+        base = buf.ctypes.data if isinstance(buf, np.ndarray) else buf.data_ptr()
+        return base + slot * self.slot_bytes
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise InferenceError(f"all {self.shape[0]} KV cache slots are in use (raise slots=)")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+
+class OrtModel(LanguageModel):
+    """A model folder from ``python -m export``, run by ONNX Runtime.
+
+    ``max_length``: KV capacity per request (default min(4096, the model's max positions));
+    ``slots``: concurrent requests; ``threads``: intra-op threads (default: usable CPUs);
+    ``provider``: ``"auto"`` | ``"cpu"`` | ``"cuda"``. Calls run in a worker thread, one at a time
+    per model (ONNX Runtime uses all its intra-op threads for one call anyway).
+    """
+
+    def __init__(self, folder: str | os.PathLike | Manifest, *, max_length: int | None = None,
+                 slots: int = 4, threads: int | None = None, provider: str = "auto") -> None:
+        import onnxruntime as ort
+
+        self.manifest = m = folder if isinstance(folder, Manifest) else load_manifest(folder)
+        self.name = m.name
+        self.vocab_size = m.vocab_size
+        self.max_length = min(max_length or DEFAULT_MAX_LENGTH, m.max_positions)
+        if self.max_length < 2 or slots < 1:
+            raise ModelLoadError(f"max_length={max_length!r} and slots={slots!r} must be >= 2 and >= 1")
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads or default_threads()
+        so.inter_op_num_threads = 1
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        providers = pick_providers(provider, ort)
+        try:
+            self.session = ort.InferenceSession(str(m.onnx_file), so, providers=providers)
+        except Exception as exc:  # noqa: BLE001 - ORT raises its own hierarchy
+            raise ModelLoadError(f"{m.onnx_file}: ONNX Runtime cannot load it: {exc}") from exc
+        self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
+        _check_graph(m, self.session)
+        self.has_hidden = bool(m.outputs.get("hidden")) and m.outputs["hidden"] in {
+            o.name for o in self.session.get_outputs()}
+        self.pool = KVPool(m, slots, self.max_length, self.device, ort)
+        self._lock = anyio.Lock()
+        self.calls = 0
+
+    def start(self) -> "OrtSession":
+        return OrtSession(self, self.pool.acquire())
+
+
+class OrtSession(CacheSession):
+    """One request's slot in the model's KV pool, with its IO binding built once."""
+
+    def __init__(self, model: OrtModel, slot: int) -> None:
+        self.model, self.slot = model, slot
+        m = model.manifest
+        self._length = 0
+        self._closed = False
+        io = self._io = model.session.io_binding()
+        kv_shape = [1, m.num_kv_heads, model.max_length, m.head_dim]
+        for layer in range(m.num_layers):
+            for which, (past, present) in enumerate((("past_key", "present_key"), ("past_value", "present_value"))):
+                ptr = model.pool.pointer(layer, which, slot)
+                io.bind_input(m.kv_name(past, layer), model.device, 0, np.float32, kv_shape, ptr)
+                io.bind_output(m.kv_name(present, layer), model.device, 0, np.float32, kv_shape, ptr)
+        self._names = m.inputs
+        self._logits_at = 2 * m.num_layers  # outputs come back in binding order: KV first
+        self._pos = np.arange(model.max_length, dtype=np.int64)  # [max_len] positions to slice from
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    async def extend(self, ids: np.ndarray, logits_rows: int) -> np.ndarray:
+        if self._closed:
+            raise InferenceError("KV cache session is closed")
+        n, s = self._length, int(np.size(ids))
+        if not 1 <= logits_rows <= s:
+            raise InferenceError(f"logits_rows={logits_rows} must be in 1..{s}")
+        if n + s > self.model.max_length:
+            raise ContextLengthError(f"{n + s} tokens exceed the KV cache of {self.model.max_length}")
+        async with self.model._lock:
+            logits = await anyio.to_thread.run_sync(self._run, np.asarray(ids, dtype=np.int64), logits_rows)
+        self._length = n + s  # only once the call finished: a cancelled call leaves the length as it was
+        return logits
+
+    def _run(self, ids: np.ndarray, rows: int) -> np.ndarray:  # in a worker thread
+        n, s = self._length, ids.size
+        names, io = self._names, self._io
+        io.bind_cpu_input(names["input_ids"], ids[None, :])  # [1, S]
+        if names.get("position_ids"):
+            io.bind_cpu_input(names["position_ids"], self._pos[None, n : n + s])  # [1, S]
+        io.bind_cpu_input(names["seqlens_k"], np.array([n + s - 1], dtype=np.int32))  # [1]
+        io.bind_cpu_input(names["total_sequence_length"], np.array(n + s, dtype=np.int32))  # scalar
+        io.bind_cpu_input(names["logits_index"], self._pos[s - rows : s])  # [R]
+        # outputs whose shape changes per call are re-bound unallocated (ORT allocates them);
+        # only the logits come back to the host, the KV buffers stay bound in place
+        io.bind_output(self.model.manifest.outputs["logits"], "cpu")
+        try:
+            self.model.session.run_with_iobinding(io)
+            self.model.calls += 1
+            return io.get_outputs()[self._logits_at].numpy()[0]  # [R, V]
+        except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
+            raise InferenceError(f"ONNX Runtime failed in {self.model.name} "
+                                 f"(past {n}, new {s} tokens): {exc}") from exc
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise InferenceError(f"cannot roll back to {length}: the cache holds {self._length}")
+        self._length = length  # positions >= length are overwritten by the next extend
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._io.clear_binding_inputs()
+            self._io.clear_binding_outputs()
+            self.model.pool.release(self.slot)
+
+
+def _check_graph(m: Manifest, session) -> None:
+    """The ONNX graph has every input/output the manifest names, with compatible shapes."""
+    ins = {i.name: i for i in session.get_inputs()}
+    outs = {o.name: o for o in session.get_outputs()}
+    path = Path(m.folder) / "manifest.json"
+    wanted = [(m.inputs[r], ins, "input") for r in ("input_ids", "seqlens_k", "total_sequence_length",
+                                                    "logits_index") if m.inputs.get(r)]
+    wanted += [(m.outputs["logits"], outs, "output")]
+    for layer in range(m.num_layers):
+        wanted += [(m.kv_name("past_key", layer), ins, "input"), (m.kv_name("past_value", layer), ins, "input"),
+                   (m.kv_name("present_key", layer), outs, "output"),
+                   (m.kv_name("present_value", layer), outs, "output")]
+    for name, table, kind in wanted:
+        if name not in table:
+            raise ModelLoadError(f"{path}: names {kind} {name!r}, which {m.onnx_file.name} does not have")
+    extra = [n for n in ins if n.startswith("past_key_values.") and
+             int(n.split(".")[1]) >= m.num_layers]
+    if extra:
+        raise ModelLoadError(f"{path}: num_layers={m.num_layers} but the graph has {extra[0]!r}")
+    kv = ins[m.kv_name("past_key", 0)].shape  # [B, kv_heads, max_len, head_dim]
+    if len(kv) != 4 or kv[1] != m.num_kv_heads or kv[3] != m.head_dim:
+        raise ModelLoadError(f"{path}: KV shape [B, {m.num_kv_heads}, max_len, {m.head_dim}] expected, "
+                             f"the graph has {kv}")
+    vocab = outs[m.outputs["logits"]].shape[-1]
+    if isinstance(vocab, int) and vocab != m.vocab_size:
+        raise ModelLoadError(f"{path}: vocab_size={m.vocab_size} but the graph's logits have {vocab}")
