@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--prompts", default=None, help="JSONL file: {'prompt': ...} or {'messages': [...]} per line")
     bench.add_argument("--modes", default=None, help="comma-separated modes (default: all available)")
     bench.add_argument("--max-new-tokens", type=int, default=64)
+    bench.add_argument("--categories", default=None, help="comma-separated prompt categories to keep")
     bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     bench.add_argument("--repeats", type=int, default=1, help="runs of each prompt per mode")
     bench.add_argument("--out", default="bench-out", help="folder for the JSON report and the PNG chart")

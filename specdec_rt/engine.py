@@ -18,6 +18,7 @@ import anyio
 
 from .acceptance import SpecConfig
 from .errors import EngineClosedError, InvalidInputError, ModelLoadError
+from .drafters import CombinedDrafter, NgramDrafter
 from .ort import OrtDraftInferrer, OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
 from .protocols import DraftInferrer
 from .sampling import SamplingParams
@@ -28,6 +29,9 @@ from .types import FinishReason, Mode, Stats
 __all__ = ["Engine", "EngineResult", "StreamEvent"]
 
 Prompt = str | Sequence[dict]
+
+# The drafter when Engine.load gets draft=None (see docs/benchmarks.md for why).
+DEFAULT_DRAFT = "ngram+model"
 
 
 @dataclass
@@ -83,8 +87,9 @@ class Engine:
                    slots: int = 4, spec_config: SpecConfig | None = None) -> "Engine":
         """Load a built recipe (``"smollm2-135m"``) or an export folder.
 
-        ``draft``: ``None`` for the model's default draft (the first in its manifest; none if it
-        lists none), a draft name from the manifest (``"q4"``), a folder, or ``"none"``.
+        ``draft``: ``None`` for the default (``DEFAULT_DRAFT``: n-gram lookup, else the manifest's
+        first draft model), ``"none"``, ``"ngram"``, a draft model (a name from the manifest such as
+        ``"q4"``, ``"model"`` for the first, or a folder), or ``"ngram+<draft model>"``.
         A recipe that is not built raises :class:`~specdec_rt.errors.ModelNotBuiltError` naming
         the command that builds it.
         """
@@ -97,18 +102,7 @@ class Engine:
         m = load_manifest(folder)
         opts = dict(max_length=max_length, threads=threads, provider=provider, slots=slots)
         target = OrtModel(m, **opts)
-        drafter, draft_name = None, None
-        if draft != "none":
-            draft_dir = _draft_folder(m, draft)
-            if draft_dir is not None:
-                dm = load_manifest(draft_dir)
-                if m.tokenizer_sha256 and dm.tokenizer_sha256 and dm.tokenizer_sha256 != m.tokenizer_sha256:
-                    raise ModelLoadError(f"{draft_dir}: its tokenizer differs from the target's ({folder}); "
-                                         "a draft must share the target's vocabulary")
-                if dm.vocab_size != m.vocab_size:
-                    raise ModelLoadError(f"{draft_dir}: vocab_size {dm.vocab_size} != target's {m.vocab_size}")
-                drafter = OrtDraftInferrer(OrtModel(dm, **opts))
-                draft_name = dm.name
+        drafter, draft_name = _make_drafter(m, DEFAULT_DRAFT if draft is None else str(draft), opts)
         return cls(target, drafter, TextCodec.from_manifest(m), spec_config, slots=slots, draft_name=draft_name)
 
     # ------------------------------------------------------------------ generation
@@ -188,10 +182,31 @@ def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
     return min(hits) if hits else None
 
 
-def _draft_folder(m, draft) -> Path | None:
-    if draft is None:
-        return m.draft_dir()
-    path = Path(draft).expanduser()
+def _make_drafter(m, spec: str, opts: dict) -> tuple[DraftInferrer | None, str | None]:
+    """A drafter from a draft spec: ``"none"``, ``"ngram"``, a model draft (a name from the
+    manifest or a folder; ``"model"`` is the manifest's first), or ``"ngram+<model draft>"``."""
+    if spec == "none":
+        return None, None
+    if spec == "ngram":
+        return NgramDrafter(), "ngram"
+    combined = spec.startswith("ngram+")
+    model_spec = spec[len("ngram+"):] if combined else spec
+    path = Path(model_spec).expanduser()
     if (path / "manifest.json").is_file():
-        return path
-    return m.draft_dir(str(draft))
+        draft_dir = path
+    elif model_spec in ("", "model"):
+        draft_dir = m.draft_dir()
+        if draft_dir is None:  # no model draft exported: n-gram lookup alone
+            return NgramDrafter(), "ngram"
+    else:
+        draft_dir = m.draft_dir(model_spec)
+    dm = load_manifest(draft_dir)
+    if m.tokenizer_sha256 and dm.tokenizer_sha256 and dm.tokenizer_sha256 != m.tokenizer_sha256:
+        raise ModelLoadError(f"{draft_dir}: its tokenizer differs from the target's ({m.folder}); "
+                             "a draft must share the target's vocabulary")
+    if dm.vocab_size != m.vocab_size:
+        raise ModelLoadError(f"{draft_dir}: vocab_size {dm.vocab_size} != the target's {m.vocab_size}")
+    model = OrtDraftInferrer(OrtModel(dm, **opts))
+    if combined:
+        return CombinedDrafter(NgramDrafter(), model), f"ngram+{dm.name}"
+    return model, dm.name

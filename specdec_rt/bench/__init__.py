@@ -1,0 +1,144 @@
+"""``python -m specdec_rt bench``: our modes and the Hugging Face baselines, side by side.
+
+Order of work: load our models; micro-benchmarks (verify width, context length, memory,
+bandwidth) while only our models are in memory; then every prompt through every mode,
+interleaved; medians and ratios; ``<out>/bench.json`` and ``<out>/bench.png``.
+Hugging Face modes need torch + transformers (``hf_*``) and optimum-onnx (``optimum_ar``); a mode
+whose package is missing is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import anyio
+
+from ..adapters import ModelDrafter
+from ..ort import OrtTargetVerifier
+from ..sampling import SamplingParams
+from ..scheduler import SpecDecScheduler
+from .micro import memory_bandwidth_gbs, rss_mb, step_costs, weight_bytes
+from .report import format_table, plot, summarize
+from .runner import (HF_MODES, build_our_modes, default_threads, load_prompts, log, machine_info,
+                     resolve_model_dir, run_modes)
+
+__all__ = ["run_bench"]
+
+
+def run_bench(args) -> int:
+    return anyio.run(_bench, args)
+
+
+async def _bench(args) -> int:
+    from ..demo import ensure_built
+    from ..ort.manifest import cache_root
+    from ..text import TextCodec
+
+    ensure_built(args.model)
+    folder = resolve_model_dir(args.model)
+    threads = args.threads or default_threads()
+    max_length = args.max_length or 4096
+    t0 = time.perf_counter()
+    ours, ctx = build_our_modes(folder, threads, max_length)
+    m = ctx["manifest"]
+    log(f"loaded {m.name} and {len(m.drafts)} draft(s) in {time.perf_counter() - t0:.1f} s; {threads} threads")
+    codec = TextCodec.from_manifest(m)
+    cats = set(args.categories.split(",")) if getattr(args, "categories", None) else None
+    prompts = load_prompts(codec, args.prompts, cats, args.limit)
+    if not prompts:
+        raise SystemExit("no prompts to run")
+
+    wanted = args.modes.split(",") if args.modes else list(ours) + list(HF_MODES)
+    unknown = [w for w in wanted if w not in ours and w not in HF_MODES]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}; available: {list(ours) + list(HF_MODES)}")
+    report: dict = {"model": ctx["info"], "machine": machine_info(threads),
+                    "settings": {"max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
+                                 "repeats": args.repeats, "prompt_file": args.prompts or "built-in",
+                                 "decoding": "greedy"}, "skipped": {}}
+
+    if args.micro:  # before any PyTorch model is loaded, so memory is ours alone
+        report["micro"] = await _micro(ctx, m, max_length)
+
+    modes = {k: v for k, v in ours.items() if k in wanted}
+    hf_wanted = [w for w in wanted if w in HF_MODES]
+    if hf_wanted:
+        hf = _hf_modes(hf_wanted, ctx, threads, cache_root() / "bench", report["skipped"])
+        modes.update(hf)
+    samples = await run_modes(modes, prompts, args.max_new_tokens, args.repeats)
+    report.update(summarize(samples))
+    if "hf_assisted" in modes:
+        report["model"]["hf_assistant"] = getattr(modes["hf_assisted"], "kind", None)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    png = plot(report, out / "bench.png", f"{m.name}: {len(prompts)} prompts, {args.max_new_tokens} new tokens")
+    report["chart"] = str(png) if png else None
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_table(report))
+        if report.get("micro"):
+            print(json.dumps(report["micro"], indent=2))
+        for k, v in report["skipped"].items():
+            print(f"skipped {k}: {v}")
+    log(f"wrote {out / 'bench.json'}" + (f" and {png}" if png else ""))
+    return 0
+
+
+async def _micro(ctx, m, max_length) -> dict:
+    target = ctx["target"]
+    log("micro: step costs (verify width 5 vs 1, context 2000 vs 100)")
+    costs = await step_costs(target, progress=log, long=min(2000, max_length - 8))
+    micro = dict(costs)
+    # memory of target + draft + KV for one 2,048-token request
+    log("micro: memory for one 2,048-token request (target + draft)")
+    drafts = ctx["draft_models"]
+    sched = SpecDecScheduler(ModelDrafter(drafts[0]) if drafts else None, OrtTargetVerifier(target), eos_ids=())
+    length = min(2048, sched.max_length or 2048)
+    prompt = [(7 * i) % m.vocab_size for i in range(length - 48)]
+    await sched.run(prompt, 48, SamplingParams(), mode="spec" if drafts else "ar")
+    micro["memory_request_tokens"] = length
+    micro["memory"] = rss_mb()  # before the bandwidth test's buffers raise the peak
+    log("micro: memory bandwidth")
+    bw = memory_bandwidth_gbs()
+    wbytes = weight_bytes(m)
+    ceiling_ms = wbytes / (bw * 1e9) * 1e3
+    micro.update(bandwidth_gbs=bw, weight_bytes=wbytes, bandwidth_floor_step_ms=ceiling_ms,
+                 ar_step_vs_floor=costs["step_ms_ctx_short"] / ceiling_ms)
+    return micro
+
+
+def _hf_modes(wanted, ctx, threads, cache_dir, skipped) -> dict:
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        for w in wanted:
+            skipped[w] = "needs torch + transformers (pip install -e '.[export,bench]')"
+        return {}
+    from .hf import HFBaselines
+
+    hf = HFBaselines(ctx["manifest"], ctx["draft_manifest"], threads, cache_dir, log)
+    modes = {}
+    for w in wanted:
+        if w == "optimum_ar" and importlib.util.find_spec("optimum") is None:
+            skipped[w] = "needs optimum-onnx (the bench extra)"
+            continue
+        fn = getattr(hf, w)
+
+        async def run(ids, n, fn=fn):
+            new, secs = fn(ids, n)
+            return new, secs, None
+
+        if w == "hf_assisted":
+            hf.assistant()
+            run.kind = hf.assistant_kind
+        modes[w] = run
+    return modes
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(run_bench(None))

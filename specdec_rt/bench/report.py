@@ -1,0 +1,115 @@
+"""Benchmark numbers -> medians, ratios, a table, a JSON document and a PNG chart."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+__all__ = ["summarize", "format_table", "plot"]
+
+
+def _q(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return 0.0
+    i = (len(xs) - 1) * q
+    lo, hi = int(i), min(int(i) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def _mode_summary(samples, by_prompt_ar, by_prompt_hf) -> dict:
+    tps = [s.tokens_per_s for s in samples]
+    out = {"tokens_per_s": statistics.median(tps), "p25": _q(tps, 0.25), "p75": _q(tps, 0.75), "n": len(samples)}
+    for ref_name, ref in (("ar", by_prompt_ar), ("hf_ar", by_prompt_hf)):
+        ratios = [s.tokens_per_s / ref[s.prompt].tokens_per_s for s in samples if s.prompt in ref]
+        if ratios:
+            out[f"speedup_vs_{ref_name}"] = statistics.median(ratios)
+    if by_prompt_ar:
+        same = [s.token_ids == by_prompt_ar[s.prompt].token_ids for s in samples if s.prompt in by_prompt_ar]
+        out["identical_to_ar"] = sum(same) / len(same) if same else None
+    stats = [s.stats for s in samples if s.stats is not None and s.stats.drafted]
+    if stats:
+        drafted, accepted = sum(x.drafted for x in stats), sum(x.accepted for x in stats)
+        rounds = sum(x.rounds for x in stats)
+        calls = sum(x.rounds + x.ar_steps for x in stats)
+        out.update(acceptance_rate=accepted / drafted, mean_accepted=accepted / rounds,
+                   tokens_per_target_call=sum(x.new_tokens for x in stats) / calls,
+                   fallbacks=sum(len(x.fallbacks) for x in stats))
+        pos_d, pos_a = defaultdict(int), defaultdict(int)
+        for x in stats:
+            for i, (d, a) in enumerate(zip(x.position_drafted, x.position_accepted)):
+                pos_d[i] += d
+                pos_a[i] += a
+        out["per_position_acceptance"] = [pos_a[i] / pos_d[i] for i in sorted(pos_d) if pos_d[i]]
+    return out
+
+
+def summarize(samples) -> dict:
+    """``{"modes": {mode: {...}}, "categories": {category: {mode: {...}}}}`` (medians, ratios)."""
+    by_mode = defaultdict(list)
+    for s in samples:
+        by_mode[s.mode].append(s)
+
+    def index(mode, subset):
+        return {s.prompt: s for s in subset if s.mode == mode}
+
+    modes = {m: _mode_summary(xs, index("ar", samples), index("hf_ar", samples)) for m, xs in by_mode.items()}
+    categories = {}
+    for cat in sorted({s.category for s in samples}):
+        sub = [s for s in samples if s.category == cat]
+        per = defaultdict(list)
+        for s in sub:
+            per[s.mode].append(s)
+        categories[cat] = {m: _mode_summary(xs, index("ar", sub), index("hf_ar", sub)) for m, xs in per.items()}
+    return {"modes": modes, "categories": categories}
+
+
+def format_table(summary: dict) -> str:
+    rows = [f"{'mode':<22} {'tok/s':>7} {'p25-p75':>13} {'vs ar':>6} {'vs hf_ar':>8} {'accept':>6} "
+            f"{'mean acc':>8} {'identical':>9}"]
+    for m, d in summary["modes"].items():
+        def f(key, fmt):
+            return format(d[key], fmt) if d.get(key) is not None else "-"
+        rows.append(f"{m:<22} {d['tokens_per_s']:>7.1f} {d['p25']:>6.1f}-{d['p75']:<6.1f} "
+                    f"{f('speedup_vs_ar', '.2f'):>6} {f('speedup_vs_hf_ar', '.2f'):>8} "
+                    f"{f('acceptance_rate', '.2f'):>6} {f('mean_accepted', '.2f'):>8} {f('identical_to_ar', '.0%'):>9}")
+    return "\n".join(rows)
+
+
+def plot(summary: dict, path: Path, title: str) -> Path | None:
+    """Median tokens/s per mode (bars, p25-p75 whiskers) and per-category speedup over ``ar``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    modes = summary["modes"]
+    names = list(modes)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
+    med = [modes[n]["tokens_per_s"] for n in names]
+    err = [[m - modes[n]["p25"] for n, m in zip(names, med)], [modes[n]["p75"] - m for n, m in zip(names, med)]]
+    colors = ["#888888" if n.startswith(("hf", "optimum")) else "#1f77b4" if n == "ar" else "#2ca02c" for n in names]
+    ax1.bar(names, med, yerr=err, color=colors, capsize=3)
+    ax1.set_ylabel("tokens/s (median over prompts)")
+    ax1.set_title(title)
+    ax1.tick_params(axis="x", rotation=35)
+    for lbl in ax1.get_xticklabels():
+        lbl.set_ha("right")
+    cats = list(summary["categories"])
+    spec_modes = [n for n in names if n.startswith("spec")]
+    width = 0.8 / max(1, len(spec_modes))
+    for j, mname in enumerate(spec_modes):
+        vals = [summary["categories"][c].get(mname, {}).get("speedup_vs_ar", 0) for c in cats]
+        ax2.bar([i + j * width for i in range(len(cats))], vals, width, label=mname)
+    ax2.axhline(1.0, color="black", linewidth=0.8)
+    ax2.set_xticks([i + width * (len(spec_modes) - 1) / 2 for i in range(len(cats))], cats)
+    ax2.set_ylabel("speedup over our plain decoding (median)")
+    ax2.set_title("speculative speedup by prompt category")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

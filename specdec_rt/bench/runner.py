@@ -1,0 +1,142 @@
+"""The side-by-side benchmark: every mode on every prompt, interleaved, medians and ratios."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from ..adapters import ModelDrafter
+from ..drafters import CombinedDrafter, NgramDrafter
+from ..engine import DEFAULT_DRAFT
+from ..ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
+from ..scheduler import SpecDecScheduler
+from ..text import TextCodec
+from ..types import Stats
+
+__all__ = ["Prompt", "Sample", "load_prompts", "build_our_modes", "run_modes"]
+
+HF_MODES = ("hf_ar", "hf_assisted", "hf_prompt_lookup", "optimum_ar")
+
+
+@dataclass
+class Prompt:
+    category: str
+    ids: list[int]
+    label: str
+
+
+@dataclass
+class Sample:
+    mode: str
+    prompt: int
+    category: str
+    token_ids: list[int]
+    seconds: float
+    stats: Stats | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def load_prompts(codec: TextCodec, path: str | None, categories: set[str] | None = None,
+                 limit: int | None = None) -> list[Prompt]:
+    """The built-in prompts, or a JSONL file of ``{"prompt": ...}`` / ``{"messages": [...]}``
+    lines (optional ``"category"``)."""
+    if path:
+        lines = Path(path).read_text().splitlines()
+    else:
+        lines = resources.files("specdec_rt").joinpath("data/prompts.jsonl").read_text().splitlines()
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            text = d["messages"] if "messages" in d else d["prompt"]
+        except (ValueError, KeyError) as exc:
+            raise SystemExit(f"{path or 'built-in prompts'}:{n}: need a JSON object with 'prompt' or 'messages' ({exc})")
+        cat = d.get("category", "custom")
+        if categories and cat not in categories:
+            continue
+        label = text if isinstance(text, str) else text[-1]["content"]
+        out.append(Prompt(cat, codec.encode_prompt(text), label.replace("\n", " ")[:48]))
+    return out[:limit] if limit else out
+
+
+Runner = Callable[[list[int], int], Awaitable[tuple[list[int], float, Stats | None]]]
+
+
+def build_our_modes(folder: Path, threads: int, max_length: int | None) -> tuple[dict[str, Runner], dict]:
+    """Our modes over one shared target: ``ar``, ``spec`` (the engine's default drafter),
+    ``spec_ngram``, ``spec_<draft>`` per exported draft, ``spec_ngram+<first draft>``."""
+    m = load_manifest(folder)
+    target = OrtModel(m, max_length=max_length, threads=threads, slots=2)
+    verifier = OrtTargetVerifier(target)
+    drafts = {d["name"]: ModelDrafter(OrtModel(load_manifest(folder / d["path"]), max_length=max_length,
+                                               threads=threads, slots=2)) for d in m.drafts}
+    drafters: dict[str, object] = {"ngram": NgramDrafter()}
+    drafters.update(drafts)
+    if drafts:
+        first = next(iter(drafts))
+        drafters[f"ngram+{first}"] = CombinedDrafter(NgramDrafter(), drafts[first])
+    default = ("ngram" if not drafts else f"ngram+{next(iter(drafts))}") if DEFAULT_DRAFT == "ngram+model" else DEFAULT_DRAFT
+    modes: dict[str, Runner] = {}
+
+    def runner(sched: SpecDecScheduler, mode: str) -> Runner:
+        async def run(ids, n):
+            t = time.perf_counter()
+            res = await sched.run(ids, n, mode=mode)
+            return res.token_ids, time.perf_counter() - t, res.stats
+        return run
+
+    modes["ar"] = runner(SpecDecScheduler(None, verifier, eos_ids=m.eos_ids), "ar")
+    modes["spec"] = runner(SpecDecScheduler(drafters[default], verifier, eos_ids=m.eos_ids), "spec")
+    for name, drafter in drafters.items():
+        modes[f"spec_{name}"] = runner(SpecDecScheduler(drafter, verifier, eos_ids=m.eos_ids), "spec")
+    info = {"target": m.name, "exact_to": m.exact_to, "default_drafter": default,
+            "drafts": {n: d.model.manifest.raw.get("onnx", {}).get("quantization") for n, d in drafts.items()},
+            "threads": threads, "provider": target.device}
+    return modes, {"manifest": m, "target": target, "info": info,
+                   "draft_models": [d.model for d in drafts.values()],
+                   "draft_manifest": next(iter(drafts.values())).model.manifest if drafts else None}
+
+
+async def run_modes(modes: dict[str, Runner], prompts: list[Prompt], n: int, repeats: int = 1) -> list[Sample]:
+    """Each prompt through every mode, the mode order rotated per prompt so that no mode always
+    runs first (warm caches) or last; one warm-up run per mode first."""
+    names = list(modes)
+    for name in names:  # warm-up: allocations, thread pools, cost measurements
+        await modes[name](prompts[0].ids, min(8, n))
+    samples = []
+    total = len(prompts) * len(names) * repeats
+    done = 0
+    for r in range(repeats):
+        for i, p in enumerate(prompts):
+            shift = (i + r) % len(names)
+            for name in names[shift:] + names[:shift]:
+                ids, secs, stats = await modes[name](p.ids, n)
+                samples.append(Sample(name, i, p.category, ids, secs, stats))
+                done += 1
+                log(f"{done}/{total} [{p.category}] {p.label!r:.40} {name}: "
+                    f"{len(ids) / secs:.1f} tok/s" + (f", acceptance {stats.acceptance_rate:.2f}"
+                                                      if stats and stats.drafted else ""))
+    return samples
+
+
+def machine_info(threads: int) -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "threads": threads, "cpus": default_threads()}
+
+
+__all__ += ["HF_MODES", "machine_info", "resolve_model_dir", "log"]

@@ -1,0 +1,75 @@
+"""Drafters beyond a plain draft model: n-gram / prompt lookup, and a combination of drafters.
+
+Every drafter here implements :class:`~specdec_rt.protocols.DraftInferrer`; a model draft is
+:class:`~specdec_rt.adapters.ModelDrafter` (``OrtDraftInferrer`` for exported models).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .context import RequestContext
+from .errors import InvalidInputError
+from .protocols import DraftInferrer
+from .types import DraftToken
+
+__all__ = ["NgramDrafter", "CombinedDrafter"]
+
+
+class NgramDrafter(DraftInferrer):
+    """Prompt lookup decoding: find the latest earlier occurrence of the last ``n`` tokens
+    (``n`` from ``n_max`` down to ``n_min``) in the prompt and the text generated so far, and
+    propose the tokens that followed it. No model call; proposals are deterministic (``q`` is
+    one-hot), which keeps rejection sampling exact at any temperature.
+
+    ``window``: only the last ``window`` tokens are searched (bounded cost on long contexts).
+    """
+
+    def __init__(self, n_max: int = 3, n_min: int = 1, k_max: int = 8, window: int = 4096) -> None:
+        if not 1 <= n_min <= n_max:
+            raise InvalidInputError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        if k_max < 1 or window < 2:
+            raise InvalidInputError(f"k_max={k_max} and window={window} must be >= 1 and >= 2")
+        self.n_max, self.n_min, self.k_max, self.window = n_max, n_min, k_max, window
+
+    def propose(self, tokens: np.ndarray, k: int) -> np.ndarray:
+        """Up to ``k`` continuation tokens for ``tokens`` ``[L]`` (empty if no n-gram matches)."""
+        k = min(k, self.k_max)
+        hay = tokens[-self.window:]  # [W]
+        for n in range(min(self.n_max, hay.size - 1), self.n_min - 1, -1):
+            suffix = hay[-n:]  # [n]
+            windows = np.lib.stride_tricks.sliding_window_view(hay[:-1], n)  # [W-n, n]: excludes the suffix itself
+            hits = np.flatnonzero((windows == suffix).all(axis=1))  # start positions of matches
+            if hits.size:
+                start = int(hits[-1]) + n  # the latest match: its continuation starts here
+                return hay[start : start + k].copy()
+        return hay[:0].copy()
+
+    async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
+        return [DraftToken(int(t)) for t in self.propose(ctx.tokens, k)]
+
+    def release(self, ctx: RequestContext) -> None:
+        pass  # no per-request state
+
+
+class CombinedDrafter(DraftInferrer):
+    """N-gram proposals when the context has a match of at least ``min_tokens`` tokens, the model
+    draft otherwise. The model's cache catches up by itself the next time it is used."""
+
+    def __init__(self, ngram: NgramDrafter, model: DraftInferrer, min_tokens: int = 2) -> None:
+        self.ngram, self.model, self.min_tokens = ngram, model, min_tokens
+        self.max_length = getattr(model, "max_length", None)
+        self.used = {"ngram": 0, "model": 0}  # rounds served by each, for stats
+
+    async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
+        proposal = self.ngram.propose(ctx.tokens, k)
+        if proposal.size >= min(self.min_tokens, k):
+            self.used["ngram"] += 1
+            return [DraftToken(int(t)) for t in proposal]
+        self.used["model"] += 1
+        return await self.model.generate_draft(ctx, k)
+
+    def release(self, ctx: RequestContext) -> None:
+        self.model.release(ctx)
