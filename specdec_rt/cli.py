@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     configure_cli_logging(logging.WARNING - 10 * min(args.verbose, 2))
+    from .ort import use_global_thread_pool
+
+    use_global_thread_pool(args.threads)  # we own this process: one ONNX Runtime pool for all models
     try:
         if args.command == "generate":
             return anyio.run(_generate, args)

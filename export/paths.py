@@ -1,0 +1,35 @@
+"""Where fetched wheels and built models live (the runtime applies the same rule).
+
+    root      = $SPECDEC_RT_CACHE, else $XDG_CACHE_HOME/specdec-rt, else ~/.cache/specdec-rt
+    downloads = <root>/downloads/            wheels and assembled GGUF files
+    models    = <root>/models/<recipe-name>/ a built target (drafts in draft-<name>/ inside)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["CACHE_ENV", "cache_root", "downloads_dir", "model_dir"]
+
+CACHE_ENV = "SPECDEC_RT_CACHE"
+
+
+def cache_root() -> Path:
+    """The cache root; nothing is created."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "specdec-rt"
+
+
+def downloads_dir() -> Path:
+    """Folder for wheels and the files assembled from them."""
+    return cache_root() / "downloads"
+
+
+def model_dir(name: str) -> Path:
+    """Folder a recipe's built target goes to: `<root>/models/<name>`."""
+    return cache_root() / "models" / name

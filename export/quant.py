@@ -1,0 +1,102 @@
+"""Block-wise weight quantization for ONNX Runtime's `com.microsoft.MatMulNBits`, in numpy.
+
+`MatMulNBits(A, B, scales, zero_points)` computes `A @ W` for `A [..., K]` and a weight
+`W [K, N]` stored column-major in blocks of `block_size` along K:
+
+    B            uint8 [N, n_blocks, block_size * bits / 8]   packed codes q in [0, 2^bits)
+    scales       float [N, n_blocks]
+    zero_points  uint8 [N, ceil(n_blocks * bits / 8)]         packed like B (two per byte at 4 bits)
+    W[k, n] ~= (q[n, k] - zero_point[n, k // block_size]) * scale[n, k // block_size]
+
+4-bit codes are packed low nibble first. Quantization is asymmetric (min/max of each block,
+with 0 always representable, as ONNX Runtime's own quantizer does): slightly more accurate than
+symmetric at the same size. `dequantize` returns exactly what the kernel reconstructs, so tests
+and validation can compare against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["QuantSpec", "QuantizedWeight", "quantize", "dequantize", "QUANT_SPECS"]
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How to quantize every MatMul weight: bit width, block size, ORT accuracy level."""
+
+    bits: int
+    block_size: int = 32
+    accuracy_level: int = 4  # 4 = int8 activations in the CPU kernel (the fast path)
+
+    def manifest(self) -> dict:
+        """The manifest's `onnx.quantization` record."""
+        return {
+            "method": "MatMulNBits",
+            "bits": self.bits,
+            "block_size": self.block_size,
+            "accuracy_level": self.accuracy_level,
+            "symmetric": False,
+        }
+
+
+QUANT_SPECS = {"int4": QuantSpec(bits=4), "int8": QuantSpec(bits=8)}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """The three MatMulNBits initializers for one `W [K, N]`."""
+
+    packed: np.ndarray  # uint8 [N, n_blocks, block_size * bits // 8]
+    scales: np.ndarray  # float32 [N, n_blocks]
+    zero_points: np.ndarray  # uint8 [N, ceil(n_blocks * bits / 8)]
+    k: int
+    n: int
+
+
+def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """Pack 4-bit codes along the last axis (even length), low nibble first."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def quantize(weight: np.ndarray, spec: QuantSpec) -> QuantizedWeight:
+    """Quantize `weight` float32 [K, N] (the right operand of `x @ W`) block-wise along K."""
+    k, n = weight.shape
+    bs, bits = spec.block_size, spec.bits
+    n_blocks = -(-k // bs)
+    qmax = (1 << bits) - 1
+    # [N, n_blocks, bs]: column n's K values, zero-padded to whole blocks
+    wt = np.zeros((n, n_blocks * bs), dtype=np.float32)
+    wt[:, :k] = weight.T
+    blocks = wt.reshape(n, n_blocks, bs)
+    lo = np.minimum(blocks.min(axis=2), 0.0)  # [N, n_blocks]; 0 must stay representable
+    hi = np.maximum(blocks.max(axis=2), 0.0)
+    scales = (hi - lo) / qmax
+    scales[scales == 0] = 1.0
+    zp = np.clip(np.rint(-lo / scales), 0, qmax).astype(np.uint8)  # [N, n_blocks]
+    codes = np.clip(np.rint(blocks / scales[..., None]) + zp[..., None], 0, qmax).astype(np.uint8)
+    if bits == 4:
+        packed = _pack_nibbles(codes)  # [N, n_blocks, bs / 2]
+        zp_pad = np.zeros((n, n_blocks + (n_blocks & 1)), dtype=np.uint8)
+        zp_pad[:, :n_blocks] = zp
+        zp_packed = _pack_nibbles(zp_pad)  # [N, ceil(n_blocks / 2)]
+    elif bits == 8:
+        packed, zp_packed = codes, zp
+    else:
+        raise ValueError(f"unsupported bit width {bits}")
+    return QuantizedWeight(packed, scales.astype(np.float32), zp_packed, k, n)
+
+
+def dequantize(q: QuantizedWeight, spec: QuantSpec) -> np.ndarray:
+    """Reconstruct float32 [K, N] exactly as the MatMulNBits kernel reads the weight."""
+    n, n_blocks, _ = q.packed.shape
+    if spec.bits == 4:
+        codes = np.stack([q.packed & 0x0F, q.packed >> 4], axis=-1).reshape(n, n_blocks, -1)
+        zp = np.stack([q.zero_points & 0x0F, q.zero_points >> 4], axis=-1).reshape(n, -1)
+        zp = zp[:, :n_blocks]
+    else:
+        codes, zp = q.packed, q.zero_points
+    w = (codes.astype(np.float32) - zp[..., None].astype(np.float32)) * q.scales[..., None]
+    return np.ascontiguousarray(w.reshape(n, -1)[:, : q.k].T)  # [K, N]

@@ -1,0 +1,93 @@
+"""Model sources: a Hugging Face checkpoint folder or a GGUF file (recipes resolve to one).
+
+Cheap checks come first (path exists, GGUF header and tensor extents, architecture name), so a
+wrong source fails in milliseconds, before any weights are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CorruptSourceError, SourceNotFoundError
+from .gguf_meta import read_gguf_info
+from .graph import SUPPORTED_FAMILIES, unsupported_architecture
+
+__all__ = ["Source", "open_source"]
+
+
+@dataclass
+class Source:
+    """A resolved model source. `folder` (+ `gguf_file`) is what transformers loads."""
+
+    kind: str  # "folder" | "gguf"
+    folder: Path
+    gguf_file: str | None
+    family: str
+    label: str  # default output name
+    record: dict = field(default_factory=dict)  # the manifest's `source`
+
+    @property
+    def path(self) -> Path:
+        return self.folder / self.gguf_file if self.gguf_file else self.folder
+
+    def fingerprint(self) -> dict:
+        """What decides whether an existing output is still up to date."""
+        if "sha256" in self.record:
+            return {"sha256": self.record["sha256"]}
+        files = [self.path] if self.gguf_file else sorted(
+            p for p in self.folder.iterdir() if p.is_file())
+        return {"files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}}
+
+    def vocab_size(self) -> int | None:
+        """The logits width, read cheaply (config.json or the GGUF header)."""
+        if self.gguf_file:
+            return read_gguf_info(self.path).vocab_size
+        return json.loads((self.folder / "config.json").read_text()).get("vocab_size")
+
+    def load_model(self):
+        """The float32 PyTorch model (GGUF tensors are dequantized by transformers)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(self.folder), gguf_file=self.gguf_file, dtype=torch.float32)
+        except Exception as exc:  # noqa: BLE001 - loader errors are source errors
+            raise CorruptSourceError(f"cannot load the model from {self.path}: {exc}") from exc
+        return model.eval()
+
+    def load_tokenizer(self):
+        """The fast tokenizer, special tokens fixed (see `export.tokenizer`)."""
+        from .tokenizer import load_tokenizer
+
+        return load_tokenizer(self.folder, self.gguf_file)
+
+
+def open_source(src: str | os.PathLike, record: dict | None = None) -> Source:
+    """Resolve a folder or `.gguf` path; check it exists, is readable, and is supported."""
+    path = Path(src).expanduser()
+    if not path.exists():
+        raise SourceNotFoundError(f"no such file or folder: {path}")
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise SourceNotFoundError(f"{path} is not a Hugging Face checkpoint (no config.json)")
+        try:
+            family = json.loads(config.read_text()).get("model_type")
+        except (OSError, ValueError) as exc:
+            raise CorruptSourceError(f"unreadable {config}: {exc}") from exc
+        kind, folder, gguf_file = "folder", path.resolve(), None
+        default_record = {"kind": "folder", "path": str(folder)}
+    elif path.suffix.lower() == ".gguf":
+        family = read_gguf_info(path).architecture  # raises on corrupt or truncated files
+        kind, folder, gguf_file = "gguf", path.resolve().parent, path.name
+        default_record = {"kind": "gguf", "path": str(path.resolve())}
+    else:
+        raise SourceNotFoundError(f"{path} is neither a checkpoint folder nor a .gguf file")
+    if family not in SUPPORTED_FAMILIES:
+        raise unsupported_architecture(family)
+    label = path.stem if gguf_file else path.name
+    return Source(kind, folder, gguf_file, family, label, record or default_record)

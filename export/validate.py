@@ -1,0 +1,141 @@
+"""Compare an exported graph with the PyTorch model it came from, the way the runtime calls it.
+
+Reference: PyTorch greedily continues a prompt, then one uncached forward over the whole
+sequence gives reference logits at every position. The ONNX graph replays the same tokens
+through shared KV buffers in the runtime's call pattern:
+
+    prefill P tokens (all rows) -> 3 single-token decodes -> a rejected 5-token "verify" of
+    random tokens (garbage written into the cache) -> 4-token chunks from the rollback point
+    (the first overwrites the garbage) -> the last chunk asks for its last row only.
+
+Reported: max |logit difference|, greedy agreement (argmax equal) over every compared row.
+float32 graphs must match to `FP32_RTOL` of the logit scale with every confident argmax equal.
+Quantized graphs differ by design (int4 moves SmolLM2's logits by ~10); they must give finite
+logits whose rows correlate with the float32 ones (mean Pearson r >= `QUANT_MIN_CORRELATION`):
+a sanity floor that catches a broken graph (r ~ 0), not a bound on quantization error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ValidationError
+from .ortrun import KVSession
+
+__all__ = ["ValidationReport", "reference_logits", "validate_graph", "FP32_RTOL"]
+
+FP32_RTOL = 1e-3  # max |diff| allowed, relative to max(1, max |reference logit|)
+QUANT_MIN_CORRELATION = 0.5  # quantized graphs: broken packing gives r ~ 0, int4 SmolLM2 ~0.9
+NEW_TOKENS = 12
+_PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a number is prime, "
+           "and explain it briefly.<|im_end|>\n<|im_start|>assistant\n")
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """The figures the summary table and the manifest record."""
+
+    rows: int
+    max_abs_diff: float
+    logit_scale: float
+    greedy_agreement: float
+    correlation: float
+    reference: str
+    passed: bool
+
+    def manifest(self) -> dict:
+        """The manifest's `validation` record."""
+        return {"rows": self.rows, "max_abs_logit_diff": round(self.max_abs_diff, 7),
+                "logit_scale": round(self.logit_scale, 3),
+                "greedy_agreement": round(self.greedy_agreement, 4),
+                "logit_correlation": round(self.correlation, 5),
+                "reference": self.reference}
+
+
+def prompt_ids(tokenizer, vocab_size: int) -> list[int]:
+    """A short code/chat prompt as ids (at most 48), padded with fixed ids if it is short."""
+    ids = [i for i in tokenizer.encode(_PROMPT, add_special_tokens=False) if i < vocab_size][:48]
+    rng = np.random.default_rng(0)
+    return ids + [int(x) for x in rng.integers(0, vocab_size, max(0, 16 - len(ids)))]
+
+
+def reference_logits(model, prompt: list[int], new_tokens: int = NEW_TOKENS):
+    """Greedy-continue `prompt` in PyTorch; return (ids int64 [T], logits float32 [T, V])."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt], dtype=torch.long)  # [1, P]
+        out = model(ids, use_cache=True)
+        seq = list(prompt)
+        for _ in range(new_tokens):
+            nxt = int(out.logits[0, -1].argmax())
+            seq.append(nxt)
+            out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+        full = torch.tensor([seq], dtype=torch.long)  # [1, T]
+        logits = model(full, use_cache=False).logits[0].float().numpy()  # [T, V]
+    return np.array(seq, dtype=np.int64), logits
+
+
+def _replay(session: KVSession, ids: np.ndarray, prompt_len: int, vocab: int):
+    """Run the runtime's call pattern; yield (position of first row, logits [R, V], rows)."""
+    total, p = len(ids), prompt_len
+    yield 0, session.forward(ids[:p], 0)  # prefill, all rows
+    pos = p
+    for _ in range(min(3, total - pos)):
+        yield pos, session.forward(ids[pos:pos + 1], pos)
+        pos += 1
+    garbage = np.random.default_rng(1).integers(0, vocab, 5)
+    session.forward(garbage[: max(1, min(5, session.max_len - pos))], pos)  # rejected verify
+    while pos < total:
+        end = min(pos + 4, total)
+        if end == total and end - pos > 1:  # last chunk: only its last row
+            yield end - 1, session.forward(ids[pos:end], pos, rows=[end - pos - 1])
+        else:
+            yield pos, session.forward(ids[pos:end], pos)
+        pos = end
+
+
+def validate_graph(model_dir: Path, manifest: dict, ids: np.ndarray, ref: np.ndarray,
+                   prompt_len: int, threads: int | None = None, quantized: bool = False,
+                   raise_on_fail: bool = True) -> ValidationReport:
+    """Replay `ids` through the exported graph and compare with `ref` [T, V]."""
+    vocab = manifest["architecture"]["vocab_size"]
+    max_len = min(manifest["architecture"]["max_positions"], len(ids) + 16)
+    session = KVSession(model_dir, manifest, max_len=max_len, threads=threads)
+    got = np.full_like(ref, np.nan)
+    for start, logits in _replay(session, ids, prompt_len, vocab):
+        got[start:start + len(logits)] = logits
+    rows = ~np.isnan(got).all(axis=1)  # compared rows
+    a, b = got[rows], ref[rows]
+    finite = bool(np.isfinite(a).all())
+    diff = float(np.abs(a - b).max()) if finite else float("inf")
+    scale = float(max(1.0, np.abs(b).max()))
+    agree = a.argmax(axis=1) == b.argmax(axis=1)
+    top2 = np.sort(b, axis=1)[:, -2:]
+    confident = (top2[:, 1] - top2[:, 0]) > 2 * diff  # a near-tie may flip legitimately
+    corr = _row_correlation(a, b) if finite else 0.0
+    if quantized:
+        passed = finite and corr >= QUANT_MIN_CORRELATION
+        reference = "float32 PyTorch model (quantized graph: correlation floor only)"
+    else:
+        passed = finite and diff <= FP32_RTOL * scale and bool(agree[confident].all())
+        reference = "float32 PyTorch model"
+    report = ValidationReport(int(rows.sum()), diff, scale, float(agree.mean()), corr,
+                              reference, passed)
+    if raise_on_fail and not passed:
+        raise ValidationError(
+            f"validation failed for {model_dir.name}: max |logit diff| {diff:.3g} "
+            f"(scale {scale:.3g}), greedy agreement {agree.mean():.1%}, correlation "
+            f"{corr:.3f} over {rows.sum()} rows")
+    return report
+
+
+def _row_correlation(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean Pearson correlation of matching rows of a, b [R, V]."""
+    a = a - a.mean(axis=1, keepdims=True)
+    b = b - b.mean(axis=1, keepdims=True)
+    den = np.sqrt((a * a).sum(axis=1) * (b * b).sum(axis=1))
+    return float(np.mean((a * b).sum(axis=1) / np.maximum(den, 1e-30)))

