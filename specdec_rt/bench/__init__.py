@@ -22,7 +22,7 @@ from ..ort import OrtTargetVerifier
 from ..sampling import SamplingParams
 from ..scheduler import SpecDecScheduler
 from .micro import memory_bandwidth_gbs, rss_mb, step_costs, weight_bytes
-from .report import format_table, plot, summarize
+from .report import format_table, plot, plot_acceptance, summarize
 from .runner import (HF_MODES, build_our_modes, default_threads, load_prompts, log, machine_info,
                      resolve_model_dir, run_modes)
 
@@ -78,6 +78,8 @@ async def _bench(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     png = plot(report, out / "bench.png", f"{m.name}: {len(prompts)} prompts, {args.max_new_tokens} new tokens")
     report["chart"] = str(png) if png else None
+    acc_png = plot_acceptance(samples, out / "acceptance.png")
+    report["acceptance_chart"] = str(acc_png) if acc_png else None
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report))

@@ -37,7 +37,7 @@ def load_source_model(manifest, threads: int):
     torch.set_num_threads(threads)
     folder, gguf = _source_of(manifest)
     kw = {"gguf_file": gguf} if gguf else {}
-    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, **kw)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
     return model.eval()
 
 

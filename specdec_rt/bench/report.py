@@ -6,7 +6,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["summarize", "format_table", "plot"]
+__all__ = ["summarize", "format_table", "plot", "plot_acceptance"]
 
 
 def _q(xs: list[float], q: float) -> float:
@@ -109,6 +109,50 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
     ax2.set_ylabel("speedup over our plain decoding (median)")
     ax2.set_title("speculative speedup by prompt category")
     ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance(samples, path: Path, mode: str = "spec") -> Path | None:
+    """Acceptance over time for one speculative mode: the EWMA after each round of every prompt,
+    and the acceptance at each draft position (given the earlier ones were accepted)."""
+    runs = [s for s in samples if s.mode == mode and s.stats is not None and s.stats.history]
+    if not runs:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for s in runs:
+        ewma = [r.ewma for r in s.stats.history if r.ewma is not None]
+        ax1.plot(range(1, len(ewma) + 1), ewma, alpha=0.35, linewidth=1)
+    ax1.axhline(0.4, color="red", linestyle="--", linewidth=0.8, label="fall back below 0.4")
+    ax1.axhline(0.6, color="green", linestyle="--", linewidth=0.8, label="resume above 0.6")
+    fallbacks = sum(1 for s in runs for f in s.stats.fallbacks if f.to == "ar")
+    ax1.set_title(f"{mode}: acceptance EWMA per round ({len(runs)} prompts, {fallbacks} fallbacks)")
+    ax1.set_xlabel("round")
+    ax1.set_ylabel("acceptance EWMA")
+    ax1.set_ylim(0, 1.02)
+    ax1.legend(fontsize=8)
+    drafted, accepted = defaultdict(int), defaultdict(int)
+    for s in runs:
+        for i, (d, a) in enumerate(zip(s.stats.position_drafted, s.stats.position_accepted)):
+            drafted[i] += d
+            accepted[i] += a
+    pos = sorted(i for i in drafted if drafted[i])
+    ax2.bar([i + 1 for i in pos], [accepted[i] / drafted[i] for i in pos], color="#2ca02c")
+    for i in pos:
+        ax2.text(i + 1, accepted[i] / drafted[i] + 0.01, str(drafted[i]), ha="center", fontsize=7)
+    ax2.set_xlabel("draft position (numbers: rounds that reached it)")
+    ax2.set_ylabel("P(accepted | earlier accepted)")
+    ax2.set_ylim(0, 1.05)
+    ax2.set_title("acceptance by draft position")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
