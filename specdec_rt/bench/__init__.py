@@ -17,12 +17,8 @@ from pathlib import Path
 
 import anyio
 
-from ..adapters import ModelDrafter
-from ..ort import OrtTargetVerifier
-from ..sampling import SamplingParams
-from ..scheduler import SpecDecScheduler
-from .micro import memory_bandwidth_gbs, rss_mb, step_costs, weight_bytes
-from .report import format_table, plot, plot_acceptance, summarize
+from .micro import memory_bandwidth_gbs, request_memory, step_costs, weight_bytes
+from .report import format_markdown, format_table, plot, plot_acceptance, summarize
 from .runner import (HF_MODES, build_our_modes, default_threads, load_prompts, log, machine_info,
                      resolve_model_dir, run_modes)
 
@@ -81,6 +77,7 @@ async def _bench(args) -> int:
     acc_png = plot_acceptance(samples, out / "acceptance.png")
     report["acceptance_chart"] = str(acc_png) if acc_png else None
     (out / "bench.json").write_text(json.dumps(report, indent=2))
+    (out / "bench.md").write_text(format_markdown(report) + "\n")
     if args.json:
         print(json.dumps(report))
     else:
@@ -98,15 +95,10 @@ async def _micro(ctx, m, max_length) -> dict:
     log("micro: step costs (verify width 5 vs 1, context 2000 vs 100)")
     costs = await step_costs(target, progress=log, long=min(2000, max_length - 8))
     micro = dict(costs)
-    # memory of target + draft + KV for one 2,048-token request
-    log("micro: memory for one 2,048-token request (target + draft)")
-    drafts = ctx["draft_models"]
-    sched = SpecDecScheduler(ModelDrafter(drafts[0]) if drafts else None, OrtTargetVerifier(target), eos_ids=())
-    length = min(2048, sched.max_length or 2048)
-    prompt = [(7 * i) % m.vocab_size for i in range(length - 48)]
-    await sched.run(prompt, 48, SamplingParams(), mode="spec" if drafts else "ar")
-    micro["memory_request_tokens"] = length
-    micro["memory"] = rss_mb()  # before the bandwidth test's buffers raise the peak
+    log("micro: memory of target + default draft + KV for one 2,048-token request (a fresh process)")
+    draft_dir = m.draft_dir()
+    micro["memory"] = request_memory(m.folder, draft_dir, target.threads)
+    micro["memory"]["models"] = [m.name] + ([draft_dir.name] if draft_dir else [])
     log("micro: memory bandwidth")
     bw = memory_bandwidth_gbs()
     wbytes = weight_bytes(m)

@@ -8,6 +8,8 @@ folder, or the GGUF file (dequantized, the same float weights the ONNX export wa
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -67,7 +69,8 @@ class HFBaselines:
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
                                  eos_token_id=self.eos, pad_token_id=self.eos[0], **kw)
         dt = time.perf_counter() - t
-        return out[0, x.shape[1]:].tolist(), dt
+        # prompt lookup can overshoot max_new_tokens within its last round: keep n, as we do
+        return out[0, x.shape[1]:][:n].tolist(), dt
 
     def hf_ar(self, ids, n):
         return self._generate(self.model, ids, n)
@@ -127,8 +130,11 @@ class HFBaselines:
                     self.log(f"saving the PyTorch checkpoint for optimum to {hf_dir}")
                     self.model.save_pretrained(hf_dir)
                 self.log("exporting with optimum (once; cached)")
-                model = ORTModelForCausalLM.from_pretrained(hf_dir, export=True, use_cache=True, session_options=so)
-                model.save_pretrained(folder)
+                # in a child process: optimum's exporter opens ONNX Runtime sessions of its own,
+                # which a process with a global thread pool (ours) refuses
+                code = ("import sys; from optimum.onnxruntime import ORTModelForCausalLM as M; "
+                        "M.from_pretrained(sys.argv[1], export=True, use_cache=True).save_pretrained(sys.argv[2])")
+                subprocess.run([sys.executable, "-c", code, str(hf_dir), str(folder)], check=True)
             self._optimum = ORTModelForCausalLM.from_pretrained(folder, use_cache=True, use_io_binding=False,
                                                                 session_options=so)
         return self._optimum

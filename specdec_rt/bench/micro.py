@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-__all__ = ["step_costs", "memory_bandwidth_gbs", "rss_mb", "weight_bytes"]
+__all__ = ["step_costs", "memory_bandwidth_gbs", "rss_mb", "weight_bytes", "request_memory"]
 
 
 def rss_mb() -> dict[str, float]:
@@ -40,9 +40,40 @@ def memory_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
 
 
 def weight_bytes(manifest) -> int:
-    """Bytes of weights a decoding step reads: the ONNX file and its external data."""
+    """Bytes of weights a decoding step reads: the ONNX file and its external data, less the
+    float32 embedding table (a step reads one row of it)."""
     files = manifest.raw.get("files", {})
-    return sum(info.get("bytes", 0) for name, info in files.items() if name.startswith(manifest.onnx_file.name))
+    total = sum(info.get("bytes", 0) for name, info in files.items() if name.startswith(manifest.onnx_file.name))
+    return total - manifest.vocab_size * manifest.hidden_size * 4
+
+
+_MEMORY_PROBE = """
+import json, sys, anyio
+from specdec_rt.ort import OrtModel, OrtTargetVerifier, OrtDraftInferrer, use_global_thread_pool
+from specdec_rt.scheduler import SpecDecScheduler
+from specdec_rt.bench.micro import rss_mb
+use_global_thread_pool(int(sys.argv[3]))
+folder, draft, n = sys.argv[1], sys.argv[2], 2048
+target = OrtModel(folder, max_length=n, slots=1)
+n = target.max_length
+drafter = OrtDraftInferrer(OrtModel(draft, max_length=n, slots=1)) if draft else None
+sched = SpecDecScheduler(drafter, OrtTargetVerifier(target))
+prompt = [(7 * i) % target.vocab_size for i in range(n - 48)]
+anyio.run(lambda: sched.run(prompt, 48, mode="spec" if drafter else "ar"))
+print(json.dumps({"tokens": n, **rss_mb()}))
+"""
+
+
+def request_memory(folder, draft_folder, threads: int) -> dict:
+    """Resident memory of a fresh process holding the target, one draft and the KV caches of one
+    2,048-token request (prefill + 48 generated tokens), in MB."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(folder), str(draft_folder or ""), str(threads)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 async def _time(session, ids: np.ndarray, rows: int, back_to: int) -> float:

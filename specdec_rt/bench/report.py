@@ -157,3 +157,48 @@ def plot_acceptance(samples, path: Path, mode: str = "spec") -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def format_markdown(report: dict) -> str:
+    """Markdown tables of a bench report: modes, categories, micro-benchmarks."""
+    lines = ["| mode | tokens/s (median) | p25-p75 | vs our ar | vs hf_ar | acceptance | mean accepted | identical to ar |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def f(d, key, fmt):
+        return format(d[key], fmt) if d.get(key) is not None else "-"
+
+    for m, d in report["modes"].items():
+        lines.append(f"| `{m}` | {d['tokens_per_s']:.1f} | {d['p25']:.1f}-{d['p75']:.1f} | "
+                     f"{f(d, 'speedup_vs_ar', '.2f')} | {f(d, 'speedup_vs_hf_ar', '.2f')} | "
+                     f"{f(d, 'acceptance_rate', '.2f')} | {f(d, 'mean_accepted', '.2f')} | "
+                     f"{f(d, 'identical_to_ar', '.0%')} |")
+    spec = [m for m in report["modes"] if m.startswith("spec")]
+    if spec and len(report.get("categories", {})) > 1:
+        lines += ["", "| category | " + " | ".join(f"`{m}` vs ar (acceptance, mean accepted)" for m in spec) + " |",
+                  "|---|" + "---|" * len(spec)]
+        for cat, modes in report["categories"].items():
+            cells = []
+            for m in spec:
+                d = modes.get(m, {})
+                cells.append(f"{f(d, 'speedup_vs_ar', '.2f')}x ({f(d, 'acceptance_rate', '.2f')}, "
+                             f"{f(d, 'mean_accepted', '.2f')})" if d else "-")
+            lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    micro = report.get("micro")
+    if micro:
+        lines += ["", "| micro-benchmark | value |", "|---|---|"]
+        lines.append(f"| 1-token step @ context {micro['context_short']} | {micro['step_ms_ctx_short']:.1f} ms |")
+        wide_ms = micro["call_ms_%d_positions" % micro["verify_width"]]
+        lines.append(f"| {micro['verify_width']}-position call @ context {micro['context_short']} | "
+                     f"{wide_ms:.1f} ms "
+                     f"(**{micro['verify_width_ratio']:.2f}x** a 1-token step) |")
+        lines.append(f"| 1-token step @ context {micro['context_long']} | {micro['step_ms_ctx_long']:.1f} ms "
+                     f"(**{micro['context_ratio']:.2f}x** context {micro['context_short']}) |")
+        lines.append(f"| copy bandwidth | {micro['bandwidth_gbs']:.1f} GB/s |")
+        lines.append(f"| weights read per step / bandwidth | {micro['bandwidth_floor_step_ms']:.1f} ms "
+                     f"({micro['weight_bytes'] / 1e6:.0f} MB); our step is {micro['ar_step_vs_floor']:.2f}x that |")
+        mem = micro.get("memory", {})
+        if mem:
+            lines.append(f"| resident memory of {' + '.join(mem.get('models', []))} + KV, one "
+                         f"{mem.get('tokens')}-token request (fresh process) | {mem.get('rss_mb', 0):.0f} MB "
+                         f"(peak {mem.get('peak_rss_mb', 0):.0f} MB) |")
+    return "\n".join(lines)
