@@ -102,7 +102,7 @@ class Engine:
         m = load_manifest(folder)
         opts = dict(max_length=max_length, threads=threads, provider=provider, slots=slots)
         target = OrtModel(m, **opts)
-        drafter, draft_name = _make_drafter(m, DEFAULT_DRAFT if draft is None else str(draft), opts)
+        drafter, draft_name = _make_drafter(m, draft, opts)
         return cls(target, drafter, TextCodec.from_manifest(m), spec_config, slots=slots, draft_name=draft_name)
 
     # ------------------------------------------------------------------ generation
@@ -182,9 +182,23 @@ def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
     return min(hits) if hits else None
 
 
+def resolve_draft_spec(m, spec: str | None) -> str:
+    """The concrete draft spec for a manifest: ``None`` means ``DEFAULT_DRAFT``, and ``"model"``
+    the manifest's first draft (or, when it lists none, n-gram lookup alone)."""
+    spec = DEFAULT_DRAFT if spec is None else str(spec)
+    combined = spec.startswith("ngram+")
+    model_spec = spec[len("ngram+"):] if combined else spec
+    if model_spec in ("", "model"):
+        if not m.drafts:
+            return "ngram"
+        model_spec = m.drafts[0]["name"]
+    return f"ngram+{model_spec}" if combined else model_spec
+
+
 def _make_drafter(m, spec: str, opts: dict) -> tuple[DraftInferrer | None, str | None]:
     """A drafter from a draft spec: ``"none"``, ``"ngram"``, a model draft (a name from the
     manifest or a folder; ``"model"`` is the manifest's first), or ``"ngram+<model draft>"``."""
+    spec = resolve_draft_spec(m, spec)
     if spec == "none":
         return None, None
     if spec == "ngram":
@@ -192,14 +206,7 @@ def _make_drafter(m, spec: str, opts: dict) -> tuple[DraftInferrer | None, str |
     combined = spec.startswith("ngram+")
     model_spec = spec[len("ngram+"):] if combined else spec
     path = Path(model_spec).expanduser()
-    if (path / "manifest.json").is_file():
-        draft_dir = path
-    elif model_spec in ("", "model"):
-        draft_dir = m.draft_dir()
-        if draft_dir is None:  # no model draft exported: n-gram lookup alone
-            return NgramDrafter(), "ngram"
-    else:
-        draft_dir = m.draft_dir(model_spec)
+    draft_dir = path if (path / "manifest.json").is_file() else m.draft_dir(model_spec)
     dm = load_manifest(draft_dir)
     if m.tokenizer_sha256 and dm.tokenizer_sha256 and dm.tokenizer_sha256 != m.tokenizer_sha256:
         raise ModelLoadError(f"{draft_dir}: its tokenizer differs from the target's ({m.folder}); "

@@ -13,7 +13,7 @@ from typing import Awaitable, Callable
 
 from ..adapters import ModelDrafter
 from ..drafters import CombinedDrafter, NgramDrafter
-from ..engine import DEFAULT_DRAFT
+from ..engine import resolve_draft_spec
 from ..ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
 from ..scheduler import SpecDecScheduler
 from ..text import TextCodec
@@ -90,7 +90,7 @@ def build_our_modes(folder: Path, threads: int, max_length: int | None) -> tuple
     if drafts:
         first = next(iter(drafts))
         drafters[f"ngram+{first}"] = CombinedDrafter(NgramDrafter(), drafts[first])
-    default = ("ngram" if not drafts else f"ngram+{next(iter(drafts))}") if DEFAULT_DRAFT == "ngram+model" else DEFAULT_DRAFT
+    default = resolve_draft_spec(m, None)
     modes: dict[str, Runner] = {}
 
     def runner(sched: SpecDecScheduler, mode: str) -> Runner:
