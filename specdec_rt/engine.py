@@ -166,8 +166,13 @@ class Engine:
 
     # ------------------------------------------------------------------ lifecycle
     async def aclose(self) -> None:
-        """Release the models. Later calls raise :class:`EngineClosedError`."""
+        """Release the models (ONNX Runtime sessions and KV pools). Later calls raise
+        :class:`EngineClosedError`; a request still running fails with an ``InferenceError``."""
         self._closed = True
+        for model in (self.target, getattr(self.drafter, "model", None),
+                      getattr(getattr(self.drafter, "model", None), "model", None)):
+            if isinstance(model, OrtModel):  # the target, a draft model, a combined drafter's model
+                model.close()
 
     async def __aenter__(self) -> "Engine":
         return self

@@ -259,6 +259,7 @@ def test_closed_engine_refuses(tiny_llama):
         await engine.aclose()
         with pytest.raises(EngineClosedError):
             await engine.generate("hi", max_new_tokens=2)
+        assert engine.target.session is None and engine.drafter.model.model.session is None
 
     anyio.run(main)
 

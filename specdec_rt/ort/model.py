@@ -167,7 +167,15 @@ class OrtModel(LanguageModel):
         self.calls = 0
 
     def start(self) -> "OrtSession":
+        if self.session is None:
+            raise InferenceError(f"model {self.name} is closed")
         return OrtSession(self, self.pool.acquire())
+
+    def close(self) -> None:
+        """Drop the ONNX Runtime session and the KV pool (idempotent). A session still open
+        fails its next call with an ``InferenceError``."""
+        self.session = None
+        self.pool = None
 
 
 class OrtSession(CacheSession):
@@ -236,7 +244,8 @@ class OrtSession(CacheSession):
             self._closed = True
             self._io.clear_binding_inputs()
             self._io.clear_binding_outputs()
-            self.model.pool.release(self.slot)
+            if self.model.pool is not None:  # None: the model was closed meanwhile
+                self.model.pool.release(self.slot)
 
 
 def _check_graph(m: Manifest, session) -> None:
