@@ -14,7 +14,9 @@ Plain data and rules, no I/O. The quantities:
   ``k_min..k_max``.
 
 Fallback to plain decoding happens when ``a < fallback_below``, after ``zero_rounds`` rounds that
-accepted nothing, or when no k is predicted to pay (``speedup < min_speedup``). While falling back,
+accepted nothing, or when no k is predicted to pay (``speedup < min_speedup``); a whole request
+decodes plainly when the draft's prefill of its prompt is predicted to cost more than
+speculating over ``max_new_tokens`` saves (measured prefill cost per prompt token). While falling back,
 a probe round speculates every ``probe_every`` plain tokens (backing off after failed probes); it
 resumes only if ``a >= resume_above`` and the speedup is predicted, a gap (hysteresis) that keeps a
 request from flapping between the modes.
@@ -125,33 +127,54 @@ class CostModel:
     measure: bool = True
     draft_token_s: float | None = None
     verify_s: dict[int, float] = field(default_factory=dict)  # drafts k -> seconds per verify call
+    draft_prefill_s: float | None = None  # seconds per prompt token of the draft's prefill
 
     def observe(self, drafted: int, t_draft: float, t_verify: float) -> None:
         if not self.measure:
             return
-        a = self.config.alpha
         if drafted:
-            per = t_draft / drafted
-            self.draft_token_s = per if self.draft_token_s is None else self.draft_token_s + a * (per - self.draft_token_s)
-        old = self.verify_s.get(drafted)
-        self.verify_s[drafted] = t_verify if old is None else old + a * (t_verify - old)
+            self.draft_token_s = self._ewma(self.draft_token_s, t_draft / drafted)
+        self.verify_s[drafted] = self._ewma(self.verify_s.get(drafted), t_verify)
 
-    def relative(self) -> tuple[float, float]:
-        """``(d, s)``: draft-token cost and verify slope, in units of one plain target step."""
-        d, s = self.config.draft_cost, self.config.verify_cost_per_token
+    def observe_prefill(self, prompt_tokens: int, drafted: int, t_draft: float) -> None:
+        """A first round: the draft prefilled ``prompt_tokens`` then took ``drafted - 1`` steps."""
+        if not self.measure or not drafted or prompt_tokens <= 0 or self.draft_token_s is None:
+            return
+        per = max(0.0, t_draft - (drafted - 1) * self.draft_token_s) / prompt_tokens
+        self.draft_prefill_s = self._ewma(self.draft_prefill_s, per)
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.config.alpha * (new - old)
+
+    def _base_and_slope(self) -> tuple[float | None, float]:
+        """Seconds of one plain target step (None if unmeasured) and the relative verify slope."""
+        s = self.config.verify_cost_per_token
         if not self.verify_s:
-            return d, s
+            return None, s
         ks = sorted(self.verify_s)
         if len(ks) >= 2:  # slope and base from the two most distant measurements
             k0, k1 = ks[0], ks[-1]
             slope_s = max(0.0, (self.verify_s[k1] - self.verify_s[k0]) / (k1 - k0))
             base = max(1e-9, self.verify_s[k0] - slope_s * k0)
-            s = slope_s / base
-        else:
-            base = self.verify_s[ks[0]] / (1.0 + s * ks[0])
-        if self.draft_token_s is not None:
+            return base, slope_s / base
+        return self.verify_s[ks[0]] / (1.0 + s * ks[0]), s
+
+    def relative(self) -> tuple[float, float]:
+        """``(d, s)``: draft-token cost and verify slope, in units of one plain target step."""
+        base, s = self._base_and_slope()
+        d = self.config.draft_cost
+        if base is not None and self.draft_token_s is not None:
             d = self.draft_token_s / base
         return d, s
+
+    def prefill_pays(self, prompt_tokens: int, new_tokens: int, a: float, k: int) -> bool:
+        """Whether speculating over ``new_tokens`` saves more time than the draft needs to
+        prefill the prompt (True until both are measured)."""
+        base, _ = self._base_and_slope()
+        if not self.measure or base is None or self.draft_prefill_s is None:
+            return True
+        saved = new_tokens * base * (1.0 - 1.0 / max(self.speedup(a, k), 1e-9))
+        return saved > prompt_tokens * self.draft_prefill_s
 
     def speedup(self, a: float, k: int) -> float:
         """Predicted tokens/s of k-draft rounds relative to plain decoding."""
@@ -163,11 +186,13 @@ class RequestPolicy:
     """One request's speculation state machine: draft length, fallback, probing."""
 
     def __init__(self, config: SpecConfig, mode: Mode, ewma: AcceptanceEWMA, costs: CostModel,
-                 shared: AcceptanceEWMA | None = None) -> None:
+                 shared: AcceptanceEWMA | None = None, prompt_tokens: int = 0) -> None:
         if mode not in ("spec", "ar"):
             raise InvalidInputError(f"mode must be 'spec' or 'ar', got {mode!r}")
         self.config, self.mode, self.ewma, self.costs, self.shared = config, mode, ewma, costs, shared
+        self.prompt_tokens = prompt_tokens
         self.speculating = mode == "spec"
+        self._probes = True  # False: this request never speculates again
         self._zero = 0  # consecutive rounds that accepted nothing
         self._probing = False
         self._plain_since_probe = 0
@@ -181,13 +206,22 @@ class RequestPolicy:
         a = self.ewma.value
         return max(((k, self.costs.speedup(a, k)) for k in range(c.k_min, c.k_max + 1)), key=lambda t: t[1])
 
+    def start(self, prompt_tokens: int, new_tokens: int) -> FallbackEvent | None:
+        """Before the first round: plain decoding for the whole request if the draft's prefill of
+        the prompt would cost more than speculation can save (long prompt, short answer)."""
+        a = self.ewma.value
+        if self.speculating and not self.costs.prefill_pays(prompt_tokens, new_tokens, a, self.best_k()[0]):
+            self.speculating = self._probes = False
+            return FallbackEvent(0, "ar", "prefill", a)
+        return None
+
     def draft_length(self, remaining: int) -> int:
         """Drafts for the next round (0 = one plain target step). ``remaining``: tokens still
         allowed, so a round never drafts past the budget (it emits at most k+1)."""
         if self.mode == "ar" or remaining <= 1:
             return 0
         if not self.speculating:
-            if self._plain_since_probe < self._probe_every:
+            if not self._probes or self._plain_since_probe < self._probe_every:
                 return 0
             self._probing = True  # a probe drafts at least k_init tokens: one round, enough evidence
             return min(max(self.best_k()[0], self.config.k_init), remaining - 1)
@@ -196,9 +230,12 @@ class RequestPolicy:
     def observe(self, at: int, drafted: int, accepted: int, t_draft: float, t_verify: float,
                 timed: bool = True) -> FallbackEvent | None:
         """Feed one finished round; returns the mode switch it caused, if any. ``timed=False``
-        (e.g. a round that included prefill) keeps its times out of the cost model."""
+        marks the first round, which included the prefills: its times are kept out of the
+        per-step costs (the draft's is used for its prefill cost instead)."""
         if timed:
             self.costs.observe(drafted, t_draft, t_verify)
+        else:
+            self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
         if drafted == 0:
             self._plain_since_probe += 1
             return None

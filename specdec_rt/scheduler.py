@@ -79,7 +79,8 @@ class SpecDecScheduler:
         ewma = (AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance) if seeded
                 else self.shared_ewma.copy())
         costs = CostModel(self.config, measure=False) if seeded else self.costs
-        policy = RequestPolicy(self.config, mode, ewma, costs, shared=self.shared_ewma)
+        policy = RequestPolicy(self.config, mode, ewma, costs, shared=self.shared_ewma,
+                               prompt_tokens=ctx.prompt_len)
         return RequestStream(self._loop(ctx, policy), ctx)
 
     async def run(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int,
@@ -96,6 +97,8 @@ class SpecDecScheduler:
         stats.mode = policy.mode
         t_start = perf_counter()
         try:
+            if (switch := policy.start(ctx.prompt_len, ctx.max_new_tokens)) is not None:
+                stats.fallbacks.append(switch)  # the draft's prefill would cost more than it saves
             while not ctx.done:
                 # 1. choose: how many tokens to draft this round (0 = one plain target step)
                 k = policy.draft_length(ctx.remaining)

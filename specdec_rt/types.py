@@ -73,7 +73,7 @@ class FallbackEvent:
 
     at: int
     to: Mode
-    reason: str  # "ewma" | "zero_rounds" | "cost" | "probe_ok"
+    reason: str  # "ewma" | "zero_rounds" | "cost" | "prefill" | "probe_ok"
     ewma: float
 
 

@@ -284,3 +284,24 @@ def test_stats_are_consistent():
     assert all(0 <= a <= 1 for a in s.per_position_acceptance)
     assert s.to_dict()["tokens_per_target_call"] == pytest.approx(100 / (s.rounds + s.ar_steps))
     assert sched.totals.new_tokens >= 100
+
+
+def test_long_prompt_short_answer_decodes_plainly_when_the_draft_prefill_costs_more():
+    from specdec_rt.acceptance import AcceptanceEWMA, CostModel, RequestPolicy
+
+    # measured (SmolLM2-like): target step 25 ms, verify slope 1.25 ms/position, int8 draft step
+    # 12 ms, draft prefill 3.5 ms per prompt token; acceptance 0.9 -> best speedup ~1.33x
+    def policy(prompt):
+        costs = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030},
+                          draft_prefill_s=0.0035)
+        return RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), costs, prompt_tokens=prompt)
+
+    long = policy(250)  # 0.875 s of draft prefill > ~0.4 s saved over 64 tokens
+    event = long.start(250, 64)
+    assert event is not None and event.reason == "prefill" and event.to == "ar"
+    assert all(long.draft_length(64 - i) == 0 for i in range(63))  # and no probes later
+    short = policy(30)  # 0.105 s of prefill: speculation pays
+    assert short.start(30, 64) is None and short.draft_length(64) > 0
+    assert policy(250).start(250, 1000) is None  # a long answer amortizes the prefill
+    unmeasured = RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), CostModel(SpecConfig()))
+    assert unmeasured.start(5000, 8) is None  # nothing measured yet: speculate and learn
