@@ -206,11 +206,11 @@ class RequestPolicy:
         a = self.ewma.value
         return max(((k, self.costs.speedup(a, k)) for k in range(c.k_min, c.k_max + 1)), key=lambda t: t[1])
 
-    def start(self, prompt_tokens: int, new_tokens: int) -> FallbackEvent | None:
+    def start(self, new_tokens: int) -> FallbackEvent | None:
         """Before the first round: plain decoding for the whole request if the draft's prefill of
         the prompt would cost more than speculation can save (long prompt, short answer)."""
         a = self.ewma.value
-        if self.speculating and not self.costs.prefill_pays(prompt_tokens, new_tokens, a, self.best_k()[0]):
+        if self.speculating and not self.costs.prefill_pays(self.prompt_tokens, new_tokens, a, self.best_k()[0]):
             self.speculating = self._probes = False
             return FallbackEvent(0, "ar", "prefill", a)
         return None

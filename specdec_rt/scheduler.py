@@ -97,7 +97,7 @@ class SpecDecScheduler:
         stats.mode = policy.mode
         t_start = perf_counter()
         try:
-            if (switch := policy.start(ctx.prompt_len, ctx.max_new_tokens)) is not None:
+            if (switch := policy.start(ctx.max_new_tokens)) is not None:
                 stats.fallbacks.append(switch)  # the draft's prefill would cost more than it saves
             while not ctx.done:
                 # 1. choose: how many tokens to draft this round (0 = one plain target step)

@@ -297,11 +297,12 @@ def test_long_prompt_short_answer_decodes_plainly_when_the_draft_prefill_costs_m
         return RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), costs, prompt_tokens=prompt)
 
     long = policy(250)  # 0.875 s of draft prefill > ~0.4 s saved over 64 tokens
-    event = long.start(250, 64)
+    event = long.start(64)
     assert event is not None and event.reason == "prefill" and event.to == "ar"
     assert all(long.draft_length(64 - i) == 0 for i in range(63))  # and no probes later
     short = policy(30)  # 0.105 s of prefill: speculation pays
-    assert short.start(30, 64) is None and short.draft_length(64) > 0
-    assert policy(250).start(250, 1000) is None  # a long answer amortizes the prefill
-    unmeasured = RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), CostModel(SpecConfig()))
-    assert unmeasured.start(5000, 8) is None  # nothing measured yet: speculate and learn
+    assert short.start(64) is None and short.draft_length(64) > 0
+    assert policy(250).start(1000) is None  # a long answer amortizes the prefill
+    unmeasured = RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), CostModel(SpecConfig()),
+                               prompt_tokens=5000)
+    assert unmeasured.start(8) is None  # nothing measured yet: speculate and learn
