@@ -1,4 +1,5 @@
-"""Command line: `python -m export SRC [options]`.
+"""Command line: `python -m export SRC [options]`, and `python -m export train-draft ...`
+(a trained EAGLE draft, see `export.draft`).
 
 Progress and logs go to stderr; on success the output folder's path is the only line on
 stdout. Failures print one line, `export: error: <reason>`, and exit 1 (2 for usage errors,
@@ -64,6 +65,11 @@ def summary(result, ui: Reporter) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "train-draft":
+        from .draft.cli import main as train_draft
+
+        return train_draft(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if not args.verbose:  # before transformers is imported

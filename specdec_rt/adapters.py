@@ -23,7 +23,9 @@ from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifie
 from .sampling import greedy_accept, rejection_sample, sample, warp
 from .types import DraftToken, Verdict
 
-__all__ = ["SyncedSession", "ModelDrafter", "ModelVerifier"]
+__all__ = ["SyncedSession", "ModelDrafter", "ModelVerifier", "TargetHidden", "TARGET_HIDDEN"]
+
+TARGET_HIDDEN = "target_hidden"  # RequestContext state key of the verifier's TargetHidden
 
 Sampler = Callable[[np.ndarray, np.ndarray, np.ndarray, np.random.Generator], np.ndarray]
 
@@ -50,19 +52,35 @@ class SyncedSession:
         self._matched = m
         return tokens[m:]
 
-    async def extend(self, ids: np.ndarray, logits_rows: int) -> np.ndarray:
-        """Feed ``ids`` ``[S]``; logits of the last ``logits_rows`` positions ``[rows, V]``."""
+    async def extend(self, ids: np.ndarray, logits_rows: int, **extra):
+        """Feed ``ids`` ``[S]``; logits of the last ``logits_rows`` positions ``[rows, V]``
+        (``extra``: backend options such as ``hidden=True``)."""
         n = self.session.length
         if n + ids.size > self.ids.size:
             raise ContextLengthError(
                 f"sequence of {n + ids.size} tokens exceeds the model's maximum length of {self.ids.size}"
             )
-        logits = await self.session.extend(ids, logits_rows)
+        out = await self.session.extend(ids, logits_rows, **extra)
         self.ids[n : n + ids.size] = ids
-        return logits
+        return out
 
     def close(self) -> None:
         self.session.close()
+
+
+class TargetHidden:
+    """The target's last hidden state per position, as the verifier saw it (EAGLE drafts read it).
+
+    ``rows[j]`` [H] is the target's normalised hidden state after reading token j. Rows below
+    ``len(ctx.tokens) - 1`` belong to committed tokens and never change; rows past that may hold
+    rejected drafts' states until they are overwritten.
+    """
+
+    def __init__(self, capacity: int, hidden_size: int) -> None:
+        self.rows = np.zeros((capacity, hidden_size), dtype=np.float32)  # [capacity, H]
+
+    def write(self, start: int, hidden: np.ndarray) -> None:
+        self.rows[start : start + hidden.shape[0]] = hidden
 
 
 class _ModelUser:
@@ -77,6 +95,7 @@ class _ModelUser:
         return ctx.state(self, lambda: SyncedSession(self.model.start(), self.model.max_length))
 
     def release(self, ctx: RequestContext) -> None:
+        ctx.pop_state(TARGET_HIDDEN)
         s = ctx.pop_state(self)
         if s is not None:
             s.close()
@@ -107,18 +126,28 @@ class ModelVerifier(_ModelUser, TargetVerifier):
 
     ``sampler`` is the rejection sampler (the contract of :func:`rejection_sample`); tests swap in
     deliberately broken ones to prove the distribution checks catch them.
+
+    ``share_hidden=True`` also keeps the target's hidden states of the fed positions in the
+    request context (:class:`TargetHidden`), for drafters that set ``needs_target_hidden``.
     """
 
-    def __init__(self, model: LanguageModel, sampler: Sampler = rejection_sample) -> None:
+    def __init__(self, model: LanguageModel, sampler: Sampler = rejection_sample,
+                 share_hidden: bool = False) -> None:
         super().__init__(model)
         self.sampler = sampler
+        self.share_hidden = share_hidden
 
     async def verify_and_accept(self, ctx: RequestContext, drafts: Sequence[DraftToken]) -> Verdict:
         s = self._session(ctx)
         k = len(drafts)
         draft_ids = np.fromiter((d.id for d in drafts), dtype=np.int64, count=k)  # [k]
         feed = np.concatenate([s.pending(ctx.tokens), draft_ids])  # [S >= k+1]
-        logits = await s.extend(feed, k + 1)  # [k+1, V]: p_0 .. p_k before warping
+        if self.share_hidden:
+            start = s.session.length
+            logits, hidden = await s.extend(feed, k + 1, hidden=True)  # hidden [S, H]
+            ctx.state(TARGET_HIDDEN, lambda: TargetHidden(self.max_length, hidden.shape[-1])).write(start, hidden)
+        else:
+            logits = await s.extend(feed, k + 1)  # [k+1, V]: p_0 .. p_k before warping
         if ctx.params.greedy:
             target_ids = np.argmax(logits, axis=-1)  # [k+1]
             out = greedy_accept(draft_ids, target_ids)

@@ -102,6 +102,10 @@ class RequestContext:
             value = self._state[owner] = factory()
             return value
 
+    def peek_state(self, owner: object) -> Any:
+        """``owner``'s state, or None if it has made none (nothing is created)."""
+        return self._state.get(owner)
+
     def pop_state(self, owner: object) -> Any:
         """Remove and return ``owner``'s state (None if it never made any)."""
         return self._state.pop(owner, None)

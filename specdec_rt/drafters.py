@@ -73,6 +73,7 @@ class CombinedDrafter(DraftInferrer):
         self.alpha = alpha
         self.max_length = getattr(model, "max_length", None)
         self.used = {"ngram": 0, "model": 0}  # rounds served by each (all requests)
+        self.needs_target_hidden = bool(getattr(model, "needs_target_hidden", False))
 
     async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
         st = ctx.state(self, _CombinedState)

@@ -75,7 +75,8 @@ class Engine:
         self.target, self.drafter, self.codec = target, drafter, codec
         self.manifest = target.manifest
         self.draft_name = draft_name
-        self.scheduler = SpecDecScheduler(drafter, OrtTargetVerifier(target), config,
+        verifier = OrtTargetVerifier(target, share_hidden=bool(getattr(drafter, "needs_target_hidden", False)))
+        self.scheduler = SpecDecScheduler(drafter, verifier, config,
                                           eos_ids=self.manifest.eos_ids)
         self._slots = anyio.Semaphore(slots)
         self._closed = False
@@ -216,9 +217,17 @@ def _make_drafter(m, spec: str, opts: dict) -> tuple[DraftInferrer | None, str |
     if m.tokenizer_sha256 and dm.tokenizer_sha256 and dm.tokenizer_sha256 != m.tokenizer_sha256:
         raise ModelLoadError(f"{draft_dir}: its tokenizer differs from the target's ({m.folder}); "
                              "a draft must share the target's vocabulary")
-    if dm.vocab_size != m.vocab_size:
+    if dm.raw.get("kind") == "eagle":
+        from .eagle import EagleDrafter, load_vocab_map
+
+        if load_vocab_map(dm)[1] != m.vocab_size:
+            raise ModelLoadError(f"{draft_dir}: drafts for a vocabulary of {load_vocab_map(dm)[1]}, "
+                                 f"the target has {m.vocab_size}")
+        model = EagleDrafter(OrtModel(dm, **opts))
+    elif dm.vocab_size != m.vocab_size:
         raise ModelLoadError(f"{draft_dir}: vocab_size {dm.vocab_size} != the target's {m.vocab_size}")
-    model = OrtDraftInferrer(OrtModel(dm, **opts))
+    else:
+        model = OrtDraftInferrer(OrtModel(dm, **opts))
     if combined:
         return CombinedDrafter(NgramDrafter(), model), f"ngram+{dm.name}"
     return model, dm.name

@@ -116,7 +116,7 @@ class SpecDecScheduler:
                 switch = policy.observe(at, len(drafts), verdict.accepted, t1 - t0, t2 - t1, timed)
                 stats.observe_round(len(drafts), verdict.accepted, new.size, t1 - t0, t2 - t1,
                                     policy.ewma.value if drafts or stats.rounds else None)
-                timed = True
+                timed = timed or bool(drafts)  # a drafter's prefill may come in its first drafting round
                 if switch is not None:
                     stats.fallbacks.append(switch)
                     log.info("speculation.switch", to=switch.to, reason=switch.reason,

@@ -26,10 +26,13 @@ class OrtTargetVerifier(ModelVerifier):
     """The target: verifies k drafts in one ONNX Runtime call (k+1 logits rows).
 
     ``model``: an :class:`OrtModel`, or a folder / manifest plus ``OrtModel`` options.
+    ``share_hidden``: keep the target's hidden states for an EAGLE drafter (see ``ModelVerifier``).
     """
 
-    def __init__(self, model: OrtModel | str | os.PathLike | Manifest, **options) -> None:
-        super().__init__(model if isinstance(model, OrtModel) else OrtModel(model, **options))
+    def __init__(self, model: OrtModel | str | os.PathLike | Manifest, *, share_hidden: bool = False,
+                 **options) -> None:
+        super().__init__(model if isinstance(model, OrtModel) else OrtModel(model, **options),
+                         share_hidden=share_hidden)
 
 
 class OrtDraftInferrer(ModelDrafter):

@@ -195,13 +195,20 @@ class OrtSession(CacheSession):
                 io.bind_output(m.kv_name(present, layer), model.device, 0, np.float32, kv_shape, ptr)
         self._names = m.inputs
         self._logits_at = 2 * m.num_layers  # outputs come back in binding order: KV first
+        self._hidden_at: int | None = None  # hidden_states, bound on first request
         self._pos = np.arange(model.max_length, dtype=np.int64)  # [max_len] positions to slice from
 
     @property
     def length(self) -> int:
         return self._length
 
-    async def extend(self, ids: np.ndarray, logits_rows: int) -> np.ndarray:
+    async def extend(self, ids: np.ndarray, logits_rows: int, *, features: np.ndarray | None = None,
+                     hidden: bool = False):
+        """Append ``ids`` [S]; the logits of the last ``logits_rows`` positions [R, V].
+
+        ``features`` [S, H]: the extra per-position input of an EAGLE draft head. ``hidden=True``
+        also returns the graph's ``hidden_states`` of the S positions: ``(logits, hidden [S, H])``.
+        """
         if self._closed:
             raise InferenceError("KV cache session is closed")
         n, s = self._length, int(np.size(ids))
@@ -210,11 +217,12 @@ class OrtSession(CacheSession):
         if n + s > self.model.max_length:
             raise ContextLengthError(f"{n + s} tokens exceed the KV cache of {self.model.max_length}")
         async with self.model._lock:
-            logits = await anyio.to_thread.run_sync(self._run, np.asarray(ids, dtype=np.int64), logits_rows)
+            out = await anyio.to_thread.run_sync(self._run, np.asarray(ids, dtype=np.int64), logits_rows,
+                                                 features, hidden)
         self._length = n + s  # only once the call finished: a cancelled call leaves the length as it was
-        return logits
+        return out
 
-    def _run(self, ids: np.ndarray, rows: int) -> np.ndarray:  # in a worker thread
+    def _run(self, ids: np.ndarray, rows: int, features=None, hidden: bool = False):  # in a worker thread
         n, s = self._length, ids.size
         names, io = self._names, self._io
         io.bind_cpu_input(names["input_ids"], ids[None, :])  # [1, S]
@@ -223,13 +231,24 @@ class OrtSession(CacheSession):
         io.bind_cpu_input(names["seqlens_k"], np.array([n + s - 1], dtype=np.int32))  # [1]
         io.bind_cpu_input(names["total_sequence_length"], np.array(n + s, dtype=np.int32))  # scalar
         io.bind_cpu_input(names["logits_index"], self._pos[s - rows : s])  # [R]
+        if features is not None:
+            if not names.get("features"):
+                raise InferenceError(f"model {self.model.name} takes no features input")
+            io.bind_cpu_input(names["features"], np.ascontiguousarray(features, dtype=np.float32)[None])  # [1, S, H]
         # outputs whose shape changes per call are re-bound unallocated (ORT allocates them);
         # only the logits come back to the host, the KV buffers stay bound in place
         io.bind_output(self.model.manifest.outputs["logits"], "cpu")
+        if hidden or self._hidden_at is not None:  # once bound, re-bound unallocated every call
+            if not self.model.has_hidden:
+                raise InferenceError(f"model {self.model.name} has no hidden_states output")
+            io.bind_output(self.model.manifest.outputs["hidden"], "cpu")  # [1, S, H], after logits
+            self._hidden_at = self._logits_at + 1
         try:
             self.model.session.run_with_iobinding(io)
             self.model.calls += 1
-            return io.get_outputs()[self._logits_at].numpy()[0]  # [R, V]
+            outs = io.get_outputs()
+            logits = outs[self._logits_at].numpy()[0]  # [R, V]
+            return (logits, outs[self._hidden_at].numpy()[0]) if hidden else logits  # [S, H]
         except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
             raise InferenceError(f"ONNX Runtime failed in {self.model.name} "
                                  f"(past {n}, new {s} tokens): {exc}") from exc

@@ -1,0 +1,84 @@
+"""Command line: `python -m export train-draft --target M [--out DIR] ...` (see `run.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from ..errors import ExportError
+from ..ui import Reporter
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m export train-draft",
+        description="Train an EAGLE-style draft head for a built float32 target by "
+                    "self-distillation, export it as an ONNX draft folder and measure its acceptance. "
+                    "Resumable: rerun with --resume after --time-budget stops it.")
+    p.add_argument("--target", required=True, help="recipe name or export folder of the target")
+    p.add_argument("--out", type=Path, help="output folder (default: beside the target, <name>-eagle)")
+    p.add_argument("--arch", default="eagle", choices=["eagle"],
+                   help="draft architecture: an EAGLE head over the target's hidden states")
+    p.add_argument("--tokens", type=int, default=300_000, metavar="N",
+                   help="target-generated answer tokens to train on (default 300000)")
+    p.add_argument("--time-budget", type=float, metavar="MINUTES",
+                   help="stop cleanly (checkpointed) after this many minutes")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--source", help="the target's PyTorch checkpoint or GGUF (default: its manifest's)")
+    p.add_argument("--epochs", type=float, default=4.0)
+    p.add_argument("--depth", type=int, default=3, help="draft steps unrolled in training")
+    p.add_argument("--vocab-size", type=int, default=8192, help="reduced output vocabulary")
+    p.add_argument("--batch", type=int, default=64, help="prompts per generation batch")
+    p.add_argument("--max-new", type=int, default=128, help="answer tokens per prompt at most")
+    p.add_argument("--prompts", type=int, metavar="N", help="use only the first N training prompts")
+    p.add_argument("--val-prompts", type=int, default=96)
+    p.add_argument("--eval-prompts", type=int, default=14, help="held-out prompts for acceptance")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--threads", type=int)
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    ui = Reporter(quiet=args.quiet)
+    from .run import TrainDraftRequest, run_train_draft
+
+    req = TrainDraftRequest(
+        target=args.target, out=args.out, arch=args.arch, tokens=args.tokens,
+        time_budget=args.time_budget, resume=args.resume, source=args.source, epochs=args.epochs,
+        depth=args.depth, vocab_size=args.vocab_size, batch=args.batch, max_new=args.max_new,
+        prompts=args.prompts, val_prompts=args.val_prompts, eval_prompts=args.eval_prompts,
+        lr=args.lr, threads=args.threads)
+    try:
+        report = run_train_draft(req, ui)
+    except KeyboardInterrupt:
+        print("export: error: interrupted (checkpoints kept; rerun with --resume)", file=sys.stderr)
+        return 130
+    except ExportError as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"export: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Exception as exc:  # noqa: BLE001 - the one-line contract holds for bugs too
+        if args.verbose:
+            traceback.print_exc()
+        print(f"export: error: internal error: {type(exc).__name__}: {exc} (rerun with -v)",
+              file=sys.stderr)
+        return 1
+    if report["status"] != "done":
+        print(report["why"], file=sys.stderr)
+        print(report["out"])
+        return 3
+    acc = report["acceptance"]
+    ui.log(f"acceptance by depth {acc['per_depth']}, mean accepted {acc['mean_accepted']} per round "
+           f"(k={acc['k']}), exact: {acc['exact']}")
+    print(str(Path(report["out"]) / "draft"))
+    return 0

@@ -1,0 +1,111 @@
+"""The EAGLE head as an ONNX graph, assembled from the trained weights plus the target's own
+(embedding, LM-head rows, rotary tables) read straight from the target's exported folder.
+
+    e       = Cast(Gather(embed_fp16, input_ids))                    # [B, S, H]   e(x_{j+1})
+    z       = MatMul(Concat(e, features), W_fc)                      # [B, S, H]   features: h_j
+    a       = GroupQueryAttention(SimplifiedLayerNorm(z) W_qkv, past, ...)   # rotary inside
+    x, u    = SkipSimplifiedLayerNorm(a W_o, z, ln2)                 # u = z + attn
+    g       = SkipSimplifiedLayerNorm(MLP(x), u, norm)               # "hidden_states" [B, S, H]
+    logits  = Gather(g, logits_index) W_lm'                          # [B, R, V'] reduced vocab
+
+Same IO conventions as the target graphs (one shared KV buffer per layer, ``logits_index``),
+plus the ``features`` input. Needs numpy and onnx only: no PyTorch at assembly time.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from ..graph import MS, OPSET, _Graph
+from ..weights import ExternalDataWriter
+
+__all__ = ["HEAD_KEYS", "build_head_onnx", "target_tensors"]
+
+# trained tensors, torch nn.Linear layout [out, in] (RMSNorm weights [H])
+HEAD_KEYS = ("fc", "ln1", "q", "k", "v", "o", "ln2", "gate", "up", "down", "norm")
+
+
+def target_tensors(folder: Path, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Read initializers from a target's ``model.onnx`` (+ external data) without loading the rest."""
+    folder = Path(folder)
+    proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    out = {}
+    for t in proto.graph.initializer:
+        if t.name not in names:
+            continue
+        dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+        if t.data_location == TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in t.external_data}
+            arr = np.fromfile(folder / info["location"], dtype=dtype,
+                              count=int(info["length"]) // np.dtype(dtype).itemsize,
+                              offset=int(info["offset"]))
+            out[t.name] = arr.reshape(tuple(t.dims))
+        else:
+            out[t.name] = onnx.numpy_helper.to_array(t)
+    missing = [n for n in names if n not in out]
+    if missing:
+        raise KeyError(f"{folder / 'model.onnx'} has no initializer {missing[0]!r}")
+    return out
+
+
+def build_head_onnx(head: dict[str, np.ndarray], cfg: dict, vocab: np.ndarray, embed: np.ndarray,
+                    lm_head: np.ndarray, cos: np.ndarray, sin: np.ndarray, out_dir: Path) -> dict:
+    """Write ``model.onnx`` + ``model.onnx.data``. ``head``: HEAD_KEYS -> float arrays;
+    ``vocab`` [V'] full ids; ``embed`` [V, H]; ``lm_head`` [H, V] (the target graph's layout)."""
+    H, nh, kv, d = cfg["hidden_size"], cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+    f = {k: np.asarray(v, np.float32) for k, v in head.items()}
+    out_dir = Path(out_dir)
+    with ExternalDataWriter(out_dir / "model.onnx.data") as data:
+        g = _Graph(data, None, cfg["rms_eps"])
+        g.init("cos_cache", cos)
+        g.init("sin_cache", sin)
+        e16 = g.node("Gather", [g.init("embed_tokens.weight_fp16", embed.astype(np.float16)),
+                                "input_ids"], ["/embed/gathered"], "/embed/Gather")[0]
+        e = g.node("Cast", [e16], ["/embed/output"], "/embed/Cast", to=TensorProto.FLOAT)[0]
+        cat = g.node("Concat", [e, "features"], ["/fc/input"], "/fc/Concat", axis=-1)[0]
+        z = g.linear(cat, f["fc"].T, "/fc")  # [B, S, H]
+        h, _ = g.rms_norm(z, None, f["ln1"], "/layer/input_layernorm")
+        qkv = g.linear(h, np.concatenate([f["q"].T, f["k"].T, f["v"].T], axis=1), "/layer/attn/qkv")
+        a = g.node("GroupQueryAttention",
+                   [qkv, "", "", "past_key_values.0.key", "past_key_values.0.value", "seqlens_k",
+                    "total_sequence_length", "cos_cache", "sin_cache"],
+                   ["/layer/attn/output", "present.0.key", "present.0.value"],
+                   "/layer/attn/GroupQueryAttention", domain=MS, num_heads=nh, kv_num_heads=kv,
+                   scale=1.0 / math.sqrt(d), do_rotary=1, rotary_interleaved=0,
+                   local_window_size=-1)[0]
+        o = g.linear(a, f["o"].T, "/layer/attn/o_proj")
+        x, u = g.rms_norm(o, z, f["ln2"], "/layer/post_attention_layernorm")
+        gate = g.linear(x, f["gate"].T, "/layer/mlp/gate_proj")
+        up = g.linear(x, f["up"].T, "/layer/mlp/up_proj")
+        sig = g.node("Sigmoid", [gate], ["/layer/mlp/sigmoid"], "/layer/mlp/Sigmoid")[0]
+        silu = g.node("Mul", [gate, sig], ["/layer/mlp/silu"], "/layer/mlp/SiLU")[0]
+        act = g.node("Mul", [silu, up], ["/layer/mlp/act"], "/layer/mlp/Mul")[0]
+        down = g.linear(act, f["down"].T, "/layer/mlp/down_proj")
+        g.rms_norm(down, u, f["norm"], "/norm", out="hidden_states")
+        picked = g.node("Gather", ["hidden_states", "logits_index"], ["/lm_head/rows"],
+                        "/lm_head/Gather", axis=1)[0]
+        g.linear(picked, np.ascontiguousarray(lm_head[:, vocab]), "/lm_head", out="logits")
+
+    f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+    kv_shape = ["batch_size", kv, "max_cache_length", d]
+    vi = helper.make_tensor_value_info
+    inputs = [vi("input_ids", i64, ["batch_size", "sequence_length"]),
+              vi("features", f32, ["batch_size", "sequence_length", H]),
+              vi("seqlens_k", i32, ["batch_size"]), vi("total_sequence_length", i32, []),
+              vi("logits_index", i64, ["num_logits"]),
+              vi("past_key_values.0.key", f32, kv_shape), vi("past_key_values.0.value", f32, kv_shape)]
+    outputs = [vi("logits", f32, ["batch_size", "num_logits", int(vocab.size)]),
+               vi("hidden_states", f32, ["batch_size", "sequence_length", H]),
+               vi("present.0.key", f32, kv_shape), vi("present.0.value", f32, kv_shape)]
+    graph = helper.make_graph(g.nodes, "eagle_head", inputs, outputs, initializer=g.inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid(MS, 1)],
+                              producer_name="specdec-rt export train-draft")
+    proto.ir_version = 10
+    onnx.save_model(proto, str(out_dir / "model.onnx"))
+    return {"nodes": len(g.nodes), "weights_bytes": data.bytes_written}

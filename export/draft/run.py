@@ -1,0 +1,356 @@
+"""`python -m export train-draft`: data -> features/labels -> training -> ONNX draft -> validation.
+
+Every stage is resumable from ``OUT/work`` (shards, vocabulary, checkpoints), so a useful draft
+can be trained over several sessions: ``--time-budget`` stops cleanly (checkpoint written) and
+``--resume`` continues where the last run stopped. The stages:
+
+    data      the target answers training prompts (greedy, batched PyTorch); every position's
+              normalised hidden state and top-k next-token distribution -> work/data/{val,train}
+    train     EAGLE head, multi-depth unrolled training, best checkpoint by validation top-1
+    export    head.npz (float16, what ships) -> draft/ (ONNX + manifest, assembled with the target)
+    validate  ONNX vs PyTorch head; acceptance per depth on held-out prompts through the runtime
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ExportError, SourceNotFoundError, UsageError
+from ..ui import Reporter
+
+__all__ = ["TrainDraftRequest", "run_train_draft"]
+
+DATA_KEYS = ("arch", "batch", "max_new", "seed", "prompts", "val_prompts")  # fixed once data exists
+RESERVE_S = 120.0  # time kept back from training for export and validation
+
+
+@dataclass
+class TrainDraftRequest:
+    target: str  # recipe name or export folder (float32 target)
+    out: Path | None = None
+    arch: str = "eagle"
+    tokens: int = 300_000  # target-generated answer tokens to train on
+    time_budget: float | None = None  # minutes for this run
+    resume: bool = False
+    source: str | None = None  # PyTorch checkpoint / GGUF of the target (default: from its manifest)
+    batch: int = 64
+    max_new: int = 128
+    prompts: int | None = None  # use only the first N training prompts (tests)
+    val_prompts: int = 96
+    epochs: float = 4.0
+    depth: int = 3
+    vocab_size: int = 8192
+    batch_tokens: int = 2048
+    lr: float = 6e-4
+    eval_prompts: int = 14
+    eval_k: int = 4
+    eval_new_tokens: int = 64
+    seed: int = 0
+    threads: int | None = None
+
+
+def _target_dirs(req: TrainDraftRequest, ui: Reporter) -> tuple[Path, str]:
+    """(built target folder, PyTorch source path) for a recipe name or an export folder."""
+    from ..recipes import fetch_source, find_recipe, load_recipe
+
+    path = Path(req.target).expanduser()
+    if (path / "manifest.json").is_file():
+        folder = path
+    else:
+        recipe = find_recipe(req.target)
+        if recipe is None:
+            raise SourceNotFoundError(f"--target {req.target}: not an export folder or a recipe")
+        from ..pipeline import Request, run
+
+        folder = run(Request(src=req.target), ui).out  # a no-op when already built
+    manifest = json.loads((folder / "manifest.json").read_text())
+    if manifest["onnx"].get("quantization"):
+        raise UsageError(f"--target {folder}: a quantized target; train drafts for the float32 one")
+    if req.source:
+        return folder, req.source
+    src = manifest.get("source", {})
+    if src.get("kind") == "recipe":
+        recipe = load_recipe(find_recipe(src["recipe"]))
+        return folder, str(fetch_source(recipe["target"]))
+    if src.get("path"):
+        return folder, src["path"]
+    raise UsageError(f"{folder}: its manifest does not say where its weights came from; pass --source")
+
+
+def _prompts(req: TrainDraftRequest, codec) -> tuple[list[list[int]], list[list[int]]]:
+    from .prompts import split_of, training_prompts
+
+    allp = training_prompts(req.seed)
+    train = [p for p in allp if split_of(p) == "train"][: req.prompts]
+    val = [p for p in allp if split_of(p) == "val"][: req.val_prompts]
+    enc = (lambda p: codec.encode_prompt([{"role": "user", "content": p}])) if codec.chat_template \
+        else codec.encode
+    return [enc(p) for p in train], [enc(p) for p in val]
+
+
+def _eval_prompts(n: int) -> list:
+    """Held-out prompts (the benchmark set, never trained on), chat first."""
+    import importlib.resources
+
+    lines = importlib.resources.files("specdec_rt.data").joinpath("prompts.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines if x.strip()]
+    rows.sort(key=lambda r: r["category"] != "chat")
+    return [r["messages"] for r in rows[:n]]
+
+
+def _state(work: Path, req: TrainDraftRequest) -> dict:
+    """The run's fixed settings; a resumed run must match them."""
+    path = work / "run.json"
+    mine = {k: getattr(req, k) for k in DATA_KEYS}
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if not req.resume:
+            raise UsageError(f"{work.parent} holds a run already; pass --resume to continue it "
+                             "or choose another --out")
+        diff = [k for k in DATA_KEYS if saved["settings"].get(k) != mine[k]]
+        if diff:
+            raise UsageError(f"--resume with different {', '.join(diff)} than the saved run "
+                             "(" + ", ".join(f"{k}={saved['settings'][k]}" for k in diff) + ")")
+        return saved
+    work.mkdir(parents=True, exist_ok=True)
+    saved = {"settings": mine, "request": {k: str(v) for k, v in asdict(req).items()}}
+    path.write_text(json.dumps(saved, indent=1))
+    return saved
+
+
+def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
+    """Run (or resume) every stage; returns the report (also written to OUT/report.json)."""
+    ui = ui or Reporter()
+    if req.arch != "eagle":
+        raise UsageError(f"--arch {req.arch}: only 'eagle' is built (see docs/train-draft.md)")
+    start = time.monotonic()
+    deadline = None if req.time_budget is None else start + 60.0 * req.time_budget
+    folder, source = _target_dirs(req, ui)
+    out = Path(req.out or folder.parent / f"{folder.name}-eagle").expanduser().absolute()
+    work = out / "work"
+    _state(work, req)
+    import torch
+
+    torch.set_num_threads(req.threads or torch.get_num_threads())
+    from specdec_rt.ort.manifest import load_manifest
+    from specdec_rt.text import TextCodec
+
+    tm = load_manifest(folder)
+    codec = TextCodec.from_manifest(tm)
+    train_ids, val_ids = _prompts(req, codec)
+    report = {"target": str(folder), "out": str(out)}
+
+    # 1. data (validation first: training needs it from the first evaluation)
+    from .data import generate_shards, load_shards
+
+    data_done = work / "data" / "done.json"
+    if not data_done.exists():
+        with ui.stage("load the target in PyTorch (data generation)"):
+            model = _load_torch(source)
+        eos = set(tm.eos_ids) or {0}
+        gen = dict(batch=req.batch, max_new=req.max_new, eos=eos, log=ui.log)
+        with ui.stage(f"data: {len(val_ids)} validation answers"):
+            generate_shards(model, val_ids, work / "data" / "val", tokens_goal=10**12,
+                            deadline=deadline, **gen)
+        with ui.stage(f"data: training answers, goal {req.tokens:,} tokens"):
+            have = generate_shards(model, train_ids, work / "data" / "train", tokens_goal=req.tokens,
+                                   deadline=deadline, **gen)
+        del model
+        n_val = len(list((work / "data" / "val").glob("shard-*.npz")))
+        if deadline is not None and time.monotonic() > deadline or n_val < -(-len(val_ids) // req.batch):
+            return _stopped(out, report, f"time budget reached during data generation ({have:,} "
+                            f"of {req.tokens:,} tokens); rerun with --resume", ui)
+        data_done.write_text(json.dumps({"answer_tokens": have}))
+    train_sh, val_sh = load_shards(work / "data" / "train"), load_shards(work / "data" / "val")
+    report["train_answer_tokens"] = sum(s.answer_tokens for s in train_sh)
+    report["train_sequences"] = sum(len(s.prompt_lens) for s in train_sh)
+
+    # 2. train
+    from .eagle import EagleHead, HeadConfig
+    from .train import TrainConfig, make_batches, reduced_vocab, train
+
+    vocab_path = work / "vocab.npy"
+    if not vocab_path.exists():
+        np.save(vocab_path, reduced_vocab(train_sh, req.vocab_size, list(tm.eos_ids)))
+    vocab = np.load(vocab_path)
+    cover = _coverage(val_sh, vocab)
+    ui.log(f"train: reduced vocabulary {vocab.size} tokens covers {cover:.2%} of the target's "
+           "validation argmax tokens")
+    head, cfg = _new_head(folder, tm, vocab)
+    with ui.stage("train: batches"):
+        train_b = make_batches(train_sh, vocab, req.batch_tokens, tm.vocab_size)
+        val_b = make_batches(val_sh, vocab, req.batch_tokens, tm.vocab_size)
+    tcfg = TrainConfig(depth=req.depth, lr=req.lr, epochs=req.epochs, batch_tokens=req.batch_tokens,
+                       seed=req.seed)
+    train_deadline = None if deadline is None else deadline - min(RESERVE_S, 0.2 * 60 * req.time_budget)
+    with ui.stage(f"train: {len(train_b)} batches x {req.epochs} epochs, depth {req.depth}"):
+        stop = None if train_deadline is None else (lambda: time.monotonic() > train_deadline)
+        summary = train(head, train_b, val_b, tcfg, work, stop, ui.log)
+    report["training"] = {k: v for k, v in summary.items() if k != "curve"}
+    report["curve"] = summary["curve"]
+    report["vocab"] = {"size": int(vocab.size), "val_argmax_coverage": round(cover, 5)}
+    if summary["stopped"] != "done":
+        return _stopped(out, report, f"time budget reached at training step {summary['step']}/"
+                        f"{summary['total_steps']}; rerun with --resume", ui)
+
+    # 3. export: the shippable head file, then the draft folder
+    from .assemble import assemble_draft, save_head
+
+    head.load_state_dict(torch.load(work / "best.pt", weights_only=False), strict=False)
+    training = {"answer_tokens": report["train_answer_tokens"], "steps": summary["step"],
+                "depth": req.depth, "val_top1": summary["curve"][-1]["val"],
+                "best_val_top1_depth1": summary["best_val_top1"]}
+    head_file = save_head(out / "head.npz", _weights(head), vocab, {**cfg.to_dict(),
+                          "target_vocab_size": tm.vocab_size, "training": training})
+    _load_weights(head, head_file)  # the shipped float16 weights: what the ONNX draft computes
+    draft = out / "draft"
+    shutil.rmtree(draft, ignore_errors=True)
+    with ui.stage("export: assemble the ONNX draft"):
+        assemble_draft(folder, head_file, draft, source={"kind": "trained head", "file": "head.npz",
+                                                         "sha256": _sha(head_file)})
+    # 4. validate
+    with ui.stage("validate: ONNX head vs PyTorch head"):
+        report["onnx_max_abs_diff"] = _check_onnx(head, draft, val_sh)
+    from .evaluate import measure_acceptance
+
+    with ui.stage(f"validate: acceptance on {req.eval_prompts} held-out prompts (k={req.eval_k})"):
+        report["acceptance"] = measure_acceptance(folder, draft, _eval_prompts(req.eval_prompts),
+                                                  k=req.eval_k, max_new_tokens=req.eval_new_tokens,
+                                                  threads=req.threads)
+    report["head_file"] = {"path": str(head_file), "bytes": head_file.stat().st_size,
+                           "sha256": _sha(head_file)}
+    report["status"] = "done"
+    _write_report(out, report, ui)
+    return report
+
+
+def _load_torch(source: str):
+    import torch
+
+    from ..source import open_source
+
+    model = open_source(source).load_model()
+    return model.to(torch.float32).eval()
+
+
+def _new_head(folder: Path, tm, vocab: np.ndarray):
+    import torch
+
+    from .assemble import TARGET_TENSORS
+    from .eagle import EagleHead, HeadConfig
+    from .graph import target_tensors
+
+    t = target_tensors(folder, TARGET_TENSORS)
+    cfg = HeadConfig(hidden_size=tm.hidden_size, num_heads=tm.num_heads, num_kv_heads=tm.num_kv_heads,
+                     head_dim=tm.head_dim, intermediate_size=_intermediate(folder, tm),
+                     rms_eps=_eps(folder), draft_vocab=int(vocab.size))
+    torch.manual_seed(0)  # the head's initial weights do not depend on what ran before
+    # float16-rounded, as the ONNX draft stores it: training sees what inference computes
+    embed = torch.from_numpy(t["embed_tokens.weight"].astype(np.float16).astype(np.float32))
+    lm = torch.from_numpy(np.ascontiguousarray(t["lm_head.weight"][:, vocab].T))  # [V', H]
+    head = EagleHead(cfg, embed, lm, torch.from_numpy(t["cos_cache"]), torch.from_numpy(t["sin_cache"]),
+                     norm_weight=torch.from_numpy(t["norm.weight"].copy()))
+    return head, cfg
+
+
+def _intermediate(folder: Path, tm) -> int:
+    """The target's MLP width (read off its graph): the head's layer copies the target's shape."""
+    import onnx
+
+    proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    for t in proto.graph.initializer:
+        if t.name == "layers.0/mlp/gate_proj.weight":
+            return int(t.dims[1])
+    return 4 * tm.hidden_size
+
+
+def _eps(folder: Path) -> float:
+    import onnx
+
+    proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    for n in proto.graph.node:
+        if n.op_type in ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"):
+            return float(next(a.f for a in n.attribute if a.name == "epsilon"))
+    return 1e-6
+
+
+def _weights(head) -> dict[str, np.ndarray]:
+    from .graph import HEAD_KEYS
+
+    sd = head.state_dict()
+    return {k: sd[f"{k}.weight"].detach().float().numpy() for k in HEAD_KEYS}
+
+
+def _load_weights(head, head_file: Path) -> None:
+    import torch
+
+    from .assemble import load_head
+
+    weights, _, _ = load_head(head_file)
+    head.load_state_dict({f"{k}.weight": torch.from_numpy(w) for k, w in weights.items()}, strict=False)
+
+
+def _coverage(shards, vocab: np.ndarray) -> float:
+    top = np.concatenate([s.topk_ids[:, 0] for s in shards]) if shards else np.zeros(0, np.int64)
+    return float(np.isin(top, vocab).mean()) if top.size else float("nan")
+
+
+def _check_onnx(head, draft: Path, val_sh) -> float:
+    """Max |logit| difference between the ONNX draft and the PyTorch head on one sequence,
+    fed in two chunks (prefill, then one step) to exercise the KV cache."""
+    import anyio
+    import torch
+
+    from specdec_rt.ort import OrtModel
+
+    tok, _, feats, _, _ = next(val_sh[0].sequences())
+    n = min(len(tok) - 1, 24)
+    m = OrtModel(draft, slots=1, max_length=64)
+    s = m.start()
+
+    async def go():
+        a, _ = await s.extend(tok[1:n].astype(np.int64), n - 1, features=feats[: n - 1].astype(np.float32), hidden=True)
+        b, _ = await s.extend(tok[n:n + 1].astype(np.int64), 1, features=feats[n - 1:n].astype(np.float32), hidden=True)
+        return np.concatenate([a, b])
+
+    got = anyio.run(go)
+    s.close()
+    m.close()
+    g, _ = head.step(torch.from_numpy(tok[1:n + 1].astype(np.int64)), torch.from_numpy(feats[:n].astype(np.float32)), None, 0)
+    ref = head.logits(g).numpy()
+    diff = float(np.abs(got - ref).max())
+    if not diff < 1e-2 * max(1.0, float(np.abs(ref).max())):
+        raise ExportError(f"the ONNX draft disagrees with the PyTorch head: max |dlogit| {diff:.3g}")
+    return diff
+
+
+def _sha(path: Path) -> str:
+    from ..tokenizer import sha256_file
+
+    return sha256_file(path)
+
+
+def _stopped(out: Path, report: dict, why: str, ui: Reporter) -> dict:
+    report["status"] = "stopped"
+    report["why"] = why
+    ui.log(why)
+    _write_report(out, report, ui)
+    return report
+
+
+def _write_report(out: Path, report: dict, ui: Reporter) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    if report.get("curve"):
+        try:
+            from .plot import plot_curve
+
+            plot_curve(report, out / "curve.png")
+        except ImportError:
+            ui.log("matplotlib not installed: no curve.png (pip install .[bench])")

@@ -1,0 +1,219 @@
+"""Train the EAGLE-style head on self-distillation shards; resumable, time-boxed, with a curve.
+
+Loss at draft depth s and position j (only where x_{j+2} is an answer token):
+    CE(P_{j+1} restricted to V' and renormalised, softmax(g^(s)_j W^T)) + FEAT_W * SmoothL1(g^(s)_j, h_{j+1})
+weighted by DEPTH_W[s]. P is the target's top-k (soft labels), not just its argmax.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .data import Shard
+from .eagle import EagleHead
+
+__all__ = ["TrainConfig", "Batch", "make_batches", "reduced_vocab", "train", "evaluate"]
+
+FEAT_W = 0.2
+DEPTH_W = (1.0, 0.8, 0.6, 0.5)
+
+
+@dataclass
+class TrainConfig:
+    depth: int = 3
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    batch_tokens: int = 2048
+    epochs: float = 4.0
+    warmup: int = 50
+    eval_every: int = 200  # optimizer steps
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, T] int64 (padded with 0)
+    feats: torch.Tensor  # [B, T-1, H] float32
+    label_idx: torch.Tensor  # [B, T-1, K] int64 into V' (0 where masked)
+    label_p: torch.Tensor  # [B, T-1, K] float32 (0 outside V' / padding), rows sum to 1 or 0
+    loss_mask: torch.Tensor  # [B, T-1] bool: position j predicts an answer token x_{j+2}
+    n_tokens: int
+
+
+def reduced_vocab(shards: list[Shard], size: int, always: list[int]) -> np.ndarray:
+    """The ``size`` tokens the target predicts most often (argmax, then answer tokens), plus
+    ``always`` (eos); sorted ids [V'] int64 -- index i of the draft's output is token ids[i]."""
+    counts: dict[int, int] = {}
+    for sh in shards:
+        for arr in (sh.topk_ids[:, 0], sh.tokens):
+            u, c = np.unique(arr, return_counts=True)
+            for a, b in zip(u.tolist(), c.tolist()):
+                counts[a] = counts.get(a, 0) + b
+    ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    keep = list(dict.fromkeys(list(always) + ranked))[:size]
+    return np.array(sorted(keep), dtype=np.int64)
+
+
+def make_batches(shards: list[Shard], vocab: np.ndarray, batch_tokens: int, full_vocab: int) -> list[Batch]:
+    """Length-bucketed batches of whole sequences."""
+    lookup = np.full(full_vocab, -1, dtype=np.int64)
+    lookup[vocab] = np.arange(vocab.size)
+    seqs = [s for sh in shards for s in sh.sequences() if len(s[0]) >= 3]
+    seqs.sort(key=lambda s: len(s[0]))
+    batches, cur = [], []
+    for s in seqs:
+        cur.append(s)
+        if len(cur) * len(s[0]) >= batch_tokens:
+            batches.append(_collate(cur, lookup))
+            cur = []
+    if cur:
+        batches.append(_collate(cur, lookup))
+    return batches
+
+
+def _collate(seqs, lookup: np.ndarray) -> Batch:
+    B, T = len(seqs), max(len(s[0]) for s in seqs)
+    H, K = seqs[0][2].shape[1], seqs[0][3].shape[1]
+    tokens = np.zeros((B, T), np.int64)
+    feats = np.zeros((B, T - 1, H), np.float32)
+    idx = np.zeros((B, T - 1, K), np.int64)
+    p = np.zeros((B, T - 1, K), np.float32)
+    mask = np.zeros((B, T - 1), bool)
+    n = 0
+    for b, (tok, plen, f, ti, tp) in enumerate(seqs):
+        t = len(tok)
+        tokens[b, :t] = tok
+        feats[b, : t - 1] = f
+        # position j's label is P_{j+1}: the distribution of x_{j+2}
+        li = lookup[ti[1:]]  # [t-2, K]
+        lp = np.where(li >= 0, tp[1:].astype(np.float32), 0.0)
+        s = lp.sum(-1, keepdims=True)
+        lp = np.divide(lp, s, out=np.zeros_like(lp), where=s > 0)
+        idx[b, : t - 2] = np.maximum(li, 0)
+        p[b, : t - 2] = lp
+        j = np.arange(t - 2)
+        m = (j + 2 >= plen) & (s[:, 0] > 0)
+        mask[b, : t - 2] = m
+        n += int(m.sum())
+    return Batch(torch.from_numpy(tokens), torch.from_numpy(feats), torch.from_numpy(idx),
+                 torch.from_numpy(p), torch.from_numpy(mask), n)
+
+
+def _losses(head: EagleHead, b: Batch, depth: int):
+    """Per depth: (loss, top-1 agreement count, positions). Top-1: the draft's argmax equals
+    the target's argmax (label index 0, the largest soft label)."""
+    outs = head.unrolled(b.tokens, b.feats, depth)
+    feat_next = torch.cat([b.feats[:, 1:], torch.zeros_like(b.feats[:, :1])], 1)  # h_{j+1}
+    j = torch.arange(b.feats.shape[1])
+    res = []
+    for s, g in enumerate(outs, start=1):
+        m = b.loss_mask & (j >= s - 1)[None, :]
+        gm = g[m]  # [N, H]
+        logp = F.log_softmax(head.logits(gm), -1)  # [N, V']
+        ce = -(b.label_p[m] * logp.gather(-1, b.label_idx[m])).sum(-1).mean()
+        reg = F.smooth_l1_loss(gm, feat_next[m])
+        top1 = (logp.argmax(-1) == b.label_idx[m][:, 0]).sum()
+        res.append((ce + FEAT_W * reg, int(top1), int(m.sum())))
+    return res
+
+
+@torch.no_grad()
+def evaluate(head: EagleHead, batches: list[Batch], depth: int) -> list[float]:
+    """Top-1 agreement with the target per depth (conditional on the earlier depths being right
+    only in that the inputs are the teacher-forced tokens)."""
+    head.eval()
+    hit, tot = [0] * depth, [0] * depth
+    for b in batches:
+        for s, (_, h, n) in enumerate(_losses(head, b, depth)):
+            hit[s] += h
+            tot[s] += n
+    head.train()
+    return [h / max(t, 1) for h, t in zip(hit, tot)]
+
+
+def _save(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def train(head: EagleHead, train_b: list[Batch], val_b: list[Batch], cfg: TrainConfig, work: Path,
+          should_stop: Callable[[], bool] | None, log) -> dict:
+    """Train (resuming from ``work/ckpt.pt``); keeps ``work/best.pt`` (best validation depth-1
+    agreement) and ``work/curve.json`` ([{tokens, step, val: [per depth]}]). ``should_stop()`` is
+    asked before every step (a time budget); stopping writes a checkpoint. Deterministic: a run
+    stopped and resumed ends with the same weights as one that never stopped."""
+    torch.manual_seed(cfg.seed)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    steps_per_epoch = len(train_b)
+    total = max(1, int(cfg.epochs * steps_per_epoch))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / cfg.warmup) * 0.5 * (
+        1 + math.cos(math.pi * min(i, total) / total)) * 0.95 + 0.05)
+    ck, best_p, curve_p = work / "ckpt.pt", work / "best.pt", work / "curve.json"
+    state = {"step": 0, "tokens": 0, "best": -1.0, "curve": []}
+    if ck.exists():
+        saved = torch.load(ck, weights_only=False)
+        head.load_state_dict(saved["head"], strict=False)
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        state = saved["state"]
+        log(f"train: resumed at step {state['step']}/{total}")
+    rng = np.random.default_rng(cfg.seed)
+    orders = [rng.permutation(steps_per_epoch) for _ in range(int(math.ceil(cfg.epochs)) + 1)]
+    t0, step0 = time.monotonic(), state["step"]
+
+    def checkpoint():
+        _save(ck, {"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                   "state": state})
+
+    def validate():
+        val = evaluate(head, val_b, cfg.depth)
+        state["curve"].append({"step": state["step"], "tokens": state["tokens"], "val": val})
+        curve_p.write_text(json.dumps(state["curve"], indent=1))
+        if val[0] > state["best"]:
+            state["best"] = val[0]
+            _save(best_p, head.state_dict())
+        return val
+
+    head.train()
+    stopped = "done"
+    while state["step"] < total:
+        if should_stop is not None and should_stop():
+            stopped = "time budget"
+            break
+        i = state["step"]
+        b = train_b[orders[i // steps_per_epoch][i % steps_per_epoch]]
+        losses = _losses(head, b, cfg.depth)
+        loss = sum(DEPTH_W[s] * l for s, (l, _, _) in enumerate(losses))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        state["step"] += 1
+        state["tokens"] += b.n_tokens
+        if state["step"] % cfg.eval_every == 0 or state["step"] == total:
+            val = validate()
+            done = state["step"] - step0
+            eta = (total - state["step"]) * (time.monotonic() - t0) / max(done, 1)
+            log(f"train: step {state['step']}/{total} (epoch {state['step'] / steps_per_epoch:.2f}), "
+                f"loss {loss.item():.3f}, val top-1 by depth "
+                + " ".join(f"{v:.3f}" for v in val) + f", ETA {eta / 60:.1f} min")
+            checkpoint()
+    if stopped == "done" and (not state["curve"] or state["curve"][-1]["step"] != state["step"]):
+        validate()  # (a stop does not validate: the curve and best.pt stay those of one run)
+    checkpoint()
+    return {"stopped": stopped, "step": state["step"], "total_steps": total,
+            "tokens": state["tokens"], "best_val_top1": state["best"], "curve": state["curve"]}

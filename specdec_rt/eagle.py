@@ -1,0 +1,111 @@
+"""EAGLE-style drafting: a one-layer head that reads the target's own hidden states.
+
+Notation: h_j is the target's normalised last hidden state after token x_j (the verifier shares
+it, see :class:`~specdec_rt.adapters.TargetHidden`); the head at position j reads
+``(x_{j+1}, h_j)`` and returns ``g_j`` (its guess of h_{j+1}) and logits over a reduced
+vocabulary V' for x_{j+2}. Drafting continues from its own guesses: ``(d_1, g)``, ``(d_2, g')``...
+
+The head's KV cache holds only positions computed from true features (``true_len`` of them);
+drafted positions are rolled back at the next call (a length change), and the positions that
+the target has since verified are fed once, in one call. The first round of a request has no
+target features yet, so it drafts nothing (that round is the target's prefill anyway).
+Draft ids map back to the target's ids through ``vocab`` [V'] exactly; in sampling mode the
+draft's q is zero outside V', which rejection sampling handles (those tokens are never proposed).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .adapters import TARGET_HIDDEN
+from .context import RequestContext
+from .errors import ModelLoadError
+from .ort.manifest import Manifest, load_manifest
+from .ort.model import OrtModel
+from .protocols import DraftInferrer
+from .sampling import sample, warp
+from .types import DraftToken
+
+__all__ = ["EagleDrafter", "load_vocab_map"]
+
+
+def load_vocab_map(m: Manifest) -> tuple[np.ndarray, int]:
+    """``(vocab [V'] int64, target_vocab_size)`` of an EAGLE draft folder, checked."""
+    info = m.raw.get("draft_vocab") or {}
+    path = m.folder / str(info.get("file", "vocab.npy"))
+    try:
+        vocab = np.load(path).astype(np.int64)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot read the draft vocabulary map ({exc})") from exc
+    full = int(info.get("target_vocab_size", 0))
+    if (vocab.ndim != 1 or vocab.size != m.vocab_size or vocab.size == 0
+            or np.any(np.diff(vocab) <= 0) or vocab[0] < 0 or vocab[-1] >= full):
+        raise ModelLoadError(f"{path}: must hold {m.vocab_size} sorted distinct ids below "
+                             f"target_vocab_size={full}")
+    return vocab, full
+
+
+class _HeadState:
+    def __init__(self, session) -> None:
+        self.session = session
+        self.true_len = 0  # head positions computed from committed tokens and true features
+
+
+class EagleDrafter(DraftInferrer):
+    """Drafts with an EAGLE head folder from ``python -m export train-draft``.
+
+    The target's verifier must share its hidden states (``share_hidden=True``; the Engine sets
+    it because this class sets ``needs_target_hidden``).
+    """
+
+    needs_target_hidden = True
+
+    def __init__(self, model: OrtModel | str | os.PathLike | Manifest, **options) -> None:
+        if not isinstance(model, OrtModel):
+            m = model if isinstance(model, Manifest) else load_manifest(Path(model))
+            model = OrtModel(m, **options)
+        if model.manifest.raw.get("kind") != "eagle" or not model.manifest.inputs.get("features"):
+            raise ModelLoadError(f"{model.manifest.folder}: not an EAGLE draft head (kind 'eagle' "
+                                 "with a features input)")
+        self.model = model
+        self.vocab, self.target_vocab_size = load_vocab_map(model.manifest)
+        self.max_length = model.max_length
+        self.name = model.name
+
+    async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
+        feats = ctx.peek_state(TARGET_HIDDEN)
+        n = ctx.tokens.size  # committed tokens x_0 .. x_{n-1}; the target has read all but the last
+        st = ctx.state(self, lambda: _HeadState(self.model.start()))
+        if feats is None or k <= 0 or st.true_len >= n - 1:
+            return []  # first round (no target features yet), or nothing new to read
+        s = st.session
+        s.rollback(st.true_len)  # forget the drafted positions of the last round
+        ids = ctx.tokens[st.true_len + 1 : n]  # [S] x_{j+1}
+        h = feats.rows[st.true_len : n - 1]  # [S, H] h_j, true features
+        logits, g = await s.extend(ids, 1, features=h, hidden=True)  # [1, V'], [S, H]
+        st.true_len = n - 1
+        drafts: list[DraftToken] = []
+        while True:
+            drafts.append(self._pick(logits[0], ctx))
+            if len(drafts) == k:
+                return drafts
+            x = np.array([drafts[-1].id], dtype=np.int64)
+            logits, g = await s.extend(x, 1, features=g[-1:], hidden=True)  # its own guess of h
+
+    def _pick(self, logits: np.ndarray, ctx: RequestContext) -> DraftToken:
+        """logits [V'] -> a draft token with a full-vocabulary id (and q when sampling)."""
+        if ctx.params.greedy:
+            return DraftToken(int(self.vocab[int(np.argmax(logits))]))
+        full = np.full(self.target_vocab_size, -np.inf, dtype=np.float32)  # [V]
+        full[self.vocab] = logits
+        q = warp(full, ctx.params)  # [V], zero outside V'
+        return DraftToken(sample(q, ctx.rng), q)
+
+    def release(self, ctx: RequestContext) -> None:
+        st = ctx.pop_state(self)
+        if st is not None:
+            st.session.close()
