@@ -29,7 +29,7 @@ from .paths import model_dir
 from .quant import QUANT_SPECS
 from .recipes import fetch_source, find_recipe, list_recipes, load_recipe
 from .source import Source, open_source
-from .tokenizer import check_encoding, compare_tokenizers, save_tokenizer
+from .tokenizer import check_encoding, compare_tokenizers, save_tokenizer, sha256_file
 from .ui import Reporter
 from .validate import prompt_ids, reference_logits, validate_graph
 
@@ -93,9 +93,12 @@ class Job:
     subdir: str  # "" for the target
     ref: SourceRef | None  # None: built from the target's weights
     quantize: str | None
+    head: dict | None = None  # a trained EAGLE head shipped with the recipe: {path, sha256}
 
     def build_key(self) -> dict:
         src = self.ref.fingerprint() if self.ref else "target"
+        if self.head is not None:
+            src = {"trained_head": self.head["sha256"]}
         return {"name": self.name, "role": self.role, "source": src, "quantize": self.quantize}
 
 
@@ -142,7 +145,10 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
     elif target.recipe:
         for d in target.recipe.get("drafts", []):
             ref = SourceRef(entry=d["source"], recipe=target.recipe) if "source" in d else None
-            drafts.append(Job(d["name"], "draft", f"draft-{d['name']}", ref, d.get("quantize")))
+            head = None
+            if "head" in d:  # a trained head file beside the recipe (python -m export train-draft)
+                head = {"path": target.recipe["_dir"] / d["head"], "sha256": d["sha256"]}
+            drafts.append(Job(d["name"], "draft", f"draft-{d['name']}", ref, d.get("quantize"), head))
     if req.out:
         out = Path(req.out).expanduser()
         name = name if target.recipe else out.name
@@ -243,7 +249,7 @@ class _Builder:
         opened = self.open_all(jobs)
         target = jobs[0]
         # groups: a model with a source, plus the quantized copies built from its weights
-        groups = [[target] + [j for j in jobs[1:] if j.ref is None]]
+        groups = [[target] + [j for j in jobs[1:] if j.ref is None and j.head is None]]
         groups += [[j] for j in jobs[1:] if j.ref is not None]
         manifests = {}
         for group in groups:
@@ -257,9 +263,30 @@ class _Builder:
             gc.collect()
             for job, folder, w in written:
                 manifests[job.name] = self.finish_folder(job, src, spec, folder, ref, w)
+        for job in jobs[1:]:
+            if job.head is not None:
+                self.trained_head(job, staging)
         manifest = manifests[target.name]
         manifest["drafts"] = [{"name": j.name, "path": j.subdir} for j in jobs[1:]]
         write_manifest(staging, manifest)  # last: the folder is complete
+
+    def trained_head(self, job: Job, staging: Path) -> None:
+        """Assemble a shipped EAGLE head with the just-built target (no PyTorch needed)."""
+        from .draft.assemble import assemble_draft
+        from .errors import HashMismatchError
+
+        path = Path(job.head["path"])
+        if not path.is_file():
+            raise SourceNotFoundError(f"trained draft head {path} is missing")
+        got = sha256_file(path)
+        if got != job.head["sha256"]:
+            raise HashMismatchError(f"{path}: sha256 {got[:16]}... but the recipe pins "
+                                    f"{job.head['sha256'][:16]}...")
+        with self.ui.stage(f"assemble the trained draft {job.name}"):
+            manifest = assemble_draft(staging, path, staging / job.subdir, name=job.name,
+                                      source={"kind": "trained head", "file": path.name,
+                                              "sha256": got})
+        self.folders.append((job.name, staging / job.subdir, manifest))
 
     def _load(self, src: Source, tok, label: str):
         """PyTorch model, its ModelSpec, and (when validating) the reference logits."""

@@ -66,6 +66,7 @@ def load_recipe(path: Path) -> dict:
     for key in ("name", "license", "target"):
         if key not in recipe:
             raise SourceNotFoundError(f"recipe {path} lacks '{key}'")
+    recipe["_dir"] = Path(path).resolve().parent  # shipped files (trained draft heads) live here
     return recipe
 
 

@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     bench.add_argument("--repeats", type=int, default=1, help="runs of each prompt per mode")
     bench.add_argument("--out", default="bench-out", help="folder for the JSON report and the PNG chart")
+    bench.add_argument("--add-draft", action="append", metavar="FOLDER",
+                       help="also benchmark this draft folder (e.g. a train-draft output; repeatable)")
     bench.add_argument("--micro", action="store_true", help="also run the step-cost micro-benchmarks")
     bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 

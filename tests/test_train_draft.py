@@ -19,7 +19,7 @@ from specdec_rt.errors import ModelLoadError
 pytestmark = pytest.mark.export
 
 TINY = ["--tokens", "2500", "--prompts", "128", "--batch", "32", "--max-new", "24", "--val-prompts", "32",
-        "--epochs", "3", "--eval-prompts", "4", "--threads", "1", "--vocab-size", "200", "-q"]
+        "--epochs", "3", "--depth", "3", "--eval-prompts", "4", "--threads", "1", "--vocab-size", "200", "-q"]
 PROMPTS = ["def add(a, b):", "Hello world! The quick", [{"role": "user", "content": "Write a Python function."}],
            [{"role": "user", "content": "What is 12 times 7?"}]]
 
@@ -120,6 +120,36 @@ def test_bad_vocabulary_map_is_a_load_error(trained, tmp_path):
     np.save(bad / "vocab.npy", v[::-1])  # same size, not sorted
     with pytest.raises(ModelLoadError, match="vocab.npy"):
         EagleDrafter(bad)
+
+
+def test_recipe_head_is_hash_checked_and_assembled(trained, tiny_llama, tmp_path):
+    """A recipe's shipped head (``drafts: [{"name", "head", "sha256"}]``) is assembled with the
+    freshly built target, and only if its sha256 matches the pin."""
+    from export.errors import HashMismatchError
+    from export.pipeline import Job, Request, _Builder
+    from export.tokenizer import sha256_file
+    from export.ui import Reporter
+
+    staging = tmp_path / "target"
+    shutil.copytree(tiny_llama, staging, ignore=shutil.ignore_patterns("draft-*"))
+    head = trained / "head.npz"
+    builder = _Builder(Request(src="x"), "tiny", None, Reporter(quiet=True), {})
+    bad = Job("eagle", "draft", "draft-eagle", None, None, {"path": head, "sha256": "0" * 64})
+    with pytest.raises(HashMismatchError, match="head.npz"):
+        builder.trained_head(bad, staging)
+    good = Job("eagle", "draft", "draft-eagle", None, None, {"path": head, "sha256": sha256_file(head)})
+    builder.trained_head(good, staging)
+    m = json.loads((staging / "draft-eagle" / "manifest.json").read_text())
+    assert m["kind"] == "eagle" and m["source"]["sha256"] == sha256_file(head)
+
+    async def main():
+        async with await Engine.load(staging, draft=str(staging / "draft-eagle"),
+                                     spec_config=SpecConfig(measure_costs=False)) as eng:
+            ar = await eng.generate(PROMPTS[0], max_new_tokens=30, mode="ar")
+            spec = await eng.generate(PROMPTS[0], max_new_tokens=30)
+            assert spec.token_ids == ar.token_ids and spec.stats.drafted > 0
+
+    anyio.run(main)
 
 
 def test_resume_after_a_stop(tiny_llama, tmp_path):

@@ -30,15 +30,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="stop cleanly (checkpointed) after this many minutes")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--source", help="the target's PyTorch checkpoint or GGUF (default: its manifest's)")
-    p.add_argument("--epochs", type=float, default=4.0)
-    p.add_argument("--depth", type=int, default=3, help="draft steps unrolled in training")
+    p.add_argument("--epochs", type=float, default=5.0)
+    p.add_argument("--depth", type=int, default=2, help="draft steps unrolled in training (HASS-style)")
+    p.add_argument("--batch-tokens", type=int, default=1024, help="tokens per optimizer step")
+    p.add_argument("--eval-every", type=int, default=100, help="optimizer steps between validations")
     p.add_argument("--vocab-size", type=int, default=8192, help="reduced output vocabulary")
     p.add_argument("--batch", type=int, default=64, help="prompts per generation batch")
     p.add_argument("--max-new", type=int, default=128, help="answer tokens per prompt at most")
     p.add_argument("--prompts", type=int, metavar="N", help="use only the first N training prompts")
     p.add_argument("--val-prompts", type=int, default=96)
     p.add_argument("--eval-prompts", type=int, default=14, help="held-out prompts for acceptance")
-    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--lr", type=float, default=8e-4)
     p.add_argument("--threads", type=int)
     p.add_argument("-q", "--quiet", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -56,7 +58,7 @@ def main(argv: list[str]) -> int:
         time_budget=args.time_budget, resume=args.resume, source=args.source, epochs=args.epochs,
         depth=args.depth, vocab_size=args.vocab_size, batch=args.batch, max_new=args.max_new,
         prompts=args.prompts, val_prompts=args.val_prompts, eval_prompts=args.eval_prompts,
-        lr=args.lr, threads=args.threads)
+        lr=args.lr, threads=args.threads, batch_tokens=args.batch_tokens, eval_every=args.eval_every)
     try:
         report = run_train_draft(req, ui)
     except KeyboardInterrupt:

@@ -43,11 +43,12 @@ class TrainDraftRequest:
     max_new: int = 128
     prompts: int | None = None  # use only the first N training prompts (tests)
     val_prompts: int = 96
-    epochs: float = 4.0
-    depth: int = 3
+    epochs: float = 5.0
+    depth: int = 2
     vocab_size: int = 8192
-    batch_tokens: int = 2048
-    lr: float = 6e-4
+    batch_tokens: int = 1024
+    lr: float = 8e-4
+    eval_every: int = 100
     eval_prompts: int = 14
     eval_k: int = 4
     eval_new_tokens: int = 64
@@ -187,7 +188,7 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
         train_b = make_batches(train_sh, vocab, req.batch_tokens, tm.vocab_size)
         val_b = make_batches(val_sh, vocab, req.batch_tokens, tm.vocab_size)
     tcfg = TrainConfig(depth=req.depth, lr=req.lr, epochs=req.epochs, batch_tokens=req.batch_tokens,
-                       seed=req.seed)
+                       seed=req.seed, eval_every=req.eval_every)
     train_deadline = None if deadline is None else deadline - min(RESERVE_S, 0.2 * 60 * req.time_budget)
     with ui.stage(f"train: {len(train_b)} batches x {req.epochs} epochs, depth {req.depth}"):
         stop = None if train_deadline is None else (lambda: time.monotonic() > train_deadline)

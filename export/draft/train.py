@@ -30,13 +30,13 @@ DEPTH_W = (1.0, 0.8, 0.6, 0.5)
 
 @dataclass
 class TrainConfig:
-    depth: int = 3
-    lr: float = 6e-4
+    depth: int = 2
+    lr: float = 8e-4
     weight_decay: float = 0.01
-    batch_tokens: int = 2048
-    epochs: float = 4.0
+    batch_tokens: int = 1024
+    epochs: float = 5.0
     warmup: int = 50
-    eval_every: int = 200  # optimizer steps
+    eval_every: int = 100  # optimizer steps
     seed: int = 0
     extra: dict = field(default_factory=dict)
 

@@ -39,7 +39,7 @@ async def _bench(args) -> int:
     threads = args.threads or default_threads()
     max_length = args.max_length or 4096
     t0 = time.perf_counter()
-    ours, ctx = build_our_modes(folder, threads, max_length)
+    ours, ctx = build_our_modes(folder, threads, max_length, getattr(args, "add_draft", None) or ())
     m = ctx["manifest"]
     log(f"loaded {m.name} and {len(m.drafts)} draft(s) in {time.perf_counter() - t0:.1f} s; {threads} threads")
     codec = TextCodec.from_manifest(m)

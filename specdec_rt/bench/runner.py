@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 from ..adapters import ModelDrafter
 from ..drafters import CombinedDrafter, NgramDrafter
@@ -77,19 +77,32 @@ def load_prompts(codec: TextCodec, path: str | None, categories: set[str] | None
 Runner = Callable[[list[int], int], Awaitable[tuple[list[int], float, Stats | None]]]
 
 
-def build_our_modes(folder: Path, threads: int, max_length: int | None) -> tuple[dict[str, Runner], dict]:
+def _drafter(dm, max_length, threads):
+    model = OrtModel(dm, max_length=max_length, threads=threads, slots=2)
+    if dm.raw.get("kind") == "eagle":
+        from ..eagle import EagleDrafter
+
+        return EagleDrafter(model)
+    return ModelDrafter(model)
+
+
+def build_our_modes(folder: Path, threads: int, max_length: int | None,
+                    extra_drafts: Sequence[str | Path] = ()) -> tuple[dict[str, Runner], dict]:
     """Our modes over one shared target: ``ar``, ``spec`` (the engine's default drafter),
-    ``spec_ngram``, ``spec_<draft>`` per exported draft, ``spec_ngram+<first draft>``."""
+    ``spec_ngram``, ``spec_<draft>`` per exported draft (and per folder in ``extra_drafts``, e.g.
+    a ``train-draft`` output), ``spec_ngram+<draft>`` for the first draft and for EAGLE drafts."""
     m = load_manifest(folder)
     target = OrtModel(m, max_length=max_length, threads=threads, slots=2)
     verifier = OrtTargetVerifier(target)
-    drafts = {d["name"]: ModelDrafter(OrtModel(load_manifest(folder / d["path"]), max_length=max_length,
-                                               threads=threads, slots=2)) for d in m.drafts}
+    sharing = OrtTargetVerifier(target, share_hidden=True)  # same model; for EAGLE drafts only
+    manifests = [load_manifest(folder / d["path"]) for d in m.drafts]
+    manifests += [load_manifest(Path(p)) for p in extra_drafts]
+    drafts = {dm.name: _drafter(dm, max_length, threads) for dm in manifests}
     drafters: dict[str, object] = {"ngram": NgramDrafter()}
     drafters.update(drafts)
-    if drafts:
-        first = next(iter(drafts))
-        drafters[f"ngram+{first}"] = CombinedDrafter(NgramDrafter(), drafts[first])
+    for i, (name, d) in enumerate(drafts.items()):
+        if i == 0 or getattr(d, "needs_target_hidden", False):
+            drafters[f"ngram+{name}"] = CombinedDrafter(NgramDrafter(), d)
     default = resolve_draft_spec(m, None)
     modes: dict[str, Runner] = {}
 
@@ -101,15 +114,20 @@ def build_our_modes(folder: Path, threads: int, max_length: int | None) -> tuple
         return run
 
     modes["ar"] = runner(SpecDecScheduler(None, verifier, eos_ids=m.eos_ids), "ar")
-    modes["spec"] = runner(SpecDecScheduler(drafters[default], verifier, eos_ids=m.eos_ids), "spec")
+    def verifier_for(d):
+        return sharing if getattr(d, "needs_target_hidden", False) else verifier
+
+    modes["spec"] = runner(SpecDecScheduler(drafters[default], verifier_for(drafters[default]),
+                                            eos_ids=m.eos_ids), "spec")
     for name, drafter in drafters.items():
-        modes[f"spec_{name}"] = runner(SpecDecScheduler(drafter, verifier, eos_ids=m.eos_ids), "spec")
+        modes[f"spec_{name}"] = runner(SpecDecScheduler(drafter, verifier_for(drafter), eos_ids=m.eos_ids), "spec")
     info = {"target": m.name, "exact_to": m.exact_to, "default_drafter": default,
             "drafts": {n: d.model.manifest.raw.get("onnx", {}).get("quantization") for n, d in drafts.items()},
             "threads": threads, "provider": target.device}
     return modes, {"manifest": m, "target": target, "info": info,
                    "draft_models": [d.model for d in drafts.values()],
-                   "draft_manifest": next(iter(drafts.values())).model.manifest if drafts else None}
+                   "draft_manifest": next((d.model.manifest for d in drafts.values()
+                                           if not getattr(d, "needs_target_hidden", False)), None)}
 
 
 async def run_modes(modes: dict[str, Runner], prompts: list[Prompt], n: int, repeats: int = 1) -> list[Sample]:
