@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-prompts", type=int, default=14, help="held-out prompts for acceptance")
     p.add_argument("--lr", type=float, default=8e-4)
     p.add_argument("--threads", type=int)
+    p.add_argument("--device", default="auto", help="PyTorch device: auto (cuda if present), cpu, cuda")
     p.add_argument("-q", "--quiet", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -58,7 +59,8 @@ def main(argv: list[str]) -> int:
         time_budget=args.time_budget, resume=args.resume, source=args.source, epochs=args.epochs,
         depth=args.depth, vocab_size=args.vocab_size, batch=args.batch, max_new=args.max_new,
         prompts=args.prompts, val_prompts=args.val_prompts, eval_prompts=args.eval_prompts,
-        lr=args.lr, threads=args.threads, batch_tokens=args.batch_tokens, eval_every=args.eval_every)
+        lr=args.lr, threads=args.threads, batch_tokens=args.batch_tokens, eval_every=args.eval_every,
+        device=args.device)
     try:
         report = run_train_draft(req, ui)
     except KeyboardInterrupt:

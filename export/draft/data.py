@@ -66,7 +66,7 @@ def _topk(logits, k: int):
 
     p = torch.softmax(logits.float(), dim=-1)
     vals, ids = torch.topk(p, k, dim=-1)
-    return ids.to(torch.int32).numpy(), vals.to(torch.float16).numpy()
+    return ids.to(torch.int32).cpu().numpy(), vals.to(torch.float16).cpu().numpy()
 
 
 def _generate_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], topk: int) -> Shard:
@@ -82,29 +82,31 @@ def _generate_batch(model, prompts: list[list[int]], max_new: int, eos: set[int]
         ids[b, L - len(p):] = torch.tensor(p)
         mask[b, L - len(p):] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    dev = next(model.parameters()).device
+    ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
     cache = DynamicCache()
     feats, tk_ids, tk_p, gen = [], [], [], []
     with torch.inference_mode():
         h = model.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                         use_cache=True).last_hidden_state  # [B, L, H], normalised
         logits = model.lm_head(h)  # [B, L, V]
-        feats.append(h.half().numpy())
+        feats.append(h.half().cpu().numpy())
         a, b = _topk(logits, topk)
         tk_ids.append(a), tk_p.append(b)
         nxt = logits[:, -1].argmax(-1)  # [B]
         done = torch.zeros(B, dtype=torch.bool)
         last = pos[:, -1]
         for step in range(max_new):
-            gen.append(nxt.numpy().copy())
+            gen.append(nxt.cpu().numpy().copy())
             done |= torch.tensor([int(t) in eos for t in nxt.tolist()])
             if bool(done.all()) or step == max_new - 1:
                 break
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long, device=dev)], dim=1)
             last = last + 1
             h = model.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None],
                             past_key_values=cache, use_cache=True).last_hidden_state  # [B, 1, H]
             logits = model.lm_head(h)
-            feats.append(h.half().numpy())
+            feats.append(h.half().cpu().numpy())
             a, b = _topk(logits, topk)
             tk_ids.append(a), tk_p.append(b)
             nxt = logits[:, -1].argmax(-1)

@@ -54,6 +54,7 @@ class TrainDraftRequest:
     eval_new_tokens: int = 64
     seed: int = 0
     threads: int | None = None
+    device: str = "auto"  # PyTorch device for data generation and training: auto = cuda if present
 
 
 def _target_dirs(req: TrainDraftRequest, ui: Reporter) -> tuple[Path, str]:
@@ -139,6 +140,8 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
     import torch
 
     torch.set_num_threads(req.threads or torch.get_num_threads())
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if req.device == "auto" else req.device
+    ui.log(f"PyTorch device: {device}")
     from specdec_rt.ort.manifest import load_manifest
     from specdec_rt.text import TextCodec
 
@@ -153,7 +156,7 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
     data_done = work / "data" / "done.json"
     if not data_done.exists():
         with ui.stage("load the target in PyTorch (data generation)"):
-            model = _load_torch(source)
+            model = _load_torch(source).to(device)
         eos = set(tm.eos_ids) or {0}
         gen = dict(batch=req.batch, max_new=req.max_new, eos=eos, log=ui.log)
         with ui.stage(f"data: {len(val_ids)} validation answers"):
@@ -184,6 +187,7 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
     ui.log(f"train: reduced vocabulary {vocab.size} tokens covers {cover:.2%} of the target's "
            "validation argmax tokens")
     head, cfg = _new_head(folder, tm, vocab)
+    head.to(device)
     with ui.stage("train: batches"):
         train_b = make_batches(train_sh, vocab, req.batch_tokens, tm.vocab_size)
         val_b = make_batches(val_sh, vocab, req.batch_tokens, tm.vocab_size)
@@ -203,7 +207,8 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
     # 3. export: the shippable head file, then the draft folder
     from .assemble import assemble_draft, save_head
 
-    head.load_state_dict(torch.load(work / "best.pt", weights_only=False), strict=False)
+    head.load_state_dict(torch.load(work / "best.pt", weights_only=False, map_location="cpu"), strict=False)
+    head.to("cpu")
     training = {"answer_tokens": report["train_answer_tokens"], "steps": summary["step"],
                 "depth": req.depth, "val_top1": summary["curve"][-1]["val"],
                 "best_val_top1_depth1": summary["best_val_top1"]}

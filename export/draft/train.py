@@ -50,6 +50,12 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T-1] bool: position j predicts an answer token x_{j+2}
     n_tokens: int
 
+    def to(self, device) -> "Batch":
+        if self.tokens.device == torch.device(device):
+            return self
+        return Batch(self.tokens.to(device), self.feats.to(device), self.label_idx.to(device),
+                     self.label_p.to(device), self.loss_mask.to(device), self.n_tokens)
+
 
 def reduced_vocab(shards: list[Shard], size: int, always: list[int]) -> np.ndarray:
     """The ``size`` tokens the target predicts most often (argmax, then answer tokens), plus
@@ -113,9 +119,10 @@ def _collate(seqs, lookup: np.ndarray) -> Batch:
 def _losses(head: EagleHead, b: Batch, depth: int):
     """Per depth: (loss, top-1 agreement count, positions). Top-1: the draft's argmax equals
     the target's argmax (label index 0, the largest soft label)."""
+    b = b.to(head.embed.device)
     outs = head.unrolled(b.tokens, b.feats, depth)
     feat_next = torch.cat([b.feats[:, 1:], torch.zeros_like(b.feats[:, :1])], 1)  # h_{j+1}
-    j = torch.arange(b.feats.shape[1])
+    j = torch.arange(b.feats.shape[1], device=b.feats.device)
     res = []
     for s, g in enumerate(outs, start=1):
         m = b.loss_mask & (j >= s - 1)[None, :]
@@ -164,7 +171,7 @@ def train(head: EagleHead, train_b: list[Batch], val_b: list[Batch], cfg: TrainC
     ck, best_p, curve_p = work / "ckpt.pt", work / "best.pt", work / "curve.json"
     state = {"step": 0, "tokens": 0, "best": -1.0, "curve": []}
     if ck.exists():
-        saved = torch.load(ck, weights_only=False)
+        saved = torch.load(ck, weights_only=False, map_location=head.embed.device)
         head.load_state_dict(saved["head"], strict=False)
         opt.load_state_dict(saved["opt"])
         sched.load_state_dict(saved["sched"])
