@@ -117,6 +117,9 @@ class AcceptanceEWMA:
         return AcceptanceEWMA(self.alpha, self.hits, self.trials)
 
 
+PREFILL_EXPLORE_EVERY = 8  # after this many prefill skips in a row, one request speculates anyway
+
+
 @dataclass
 class CostModel:
     """Measured seconds per draft token and per verify call (EWMAs), as costs relative to one
@@ -128,6 +131,7 @@ class CostModel:
     draft_token_s: float | None = None
     verify_s: dict[int, float] = field(default_factory=dict)  # drafts k -> seconds per verify call
     draft_prefill_s: float | None = None  # seconds per prompt token of the draft's prefill
+    prefill_skips: int = 0  # requests in a row decoded plainly by the prefill rule
 
     def observe(self, drafted: int, t_draft: float, t_verify: float) -> None:
         if not self.measure:
@@ -169,12 +173,28 @@ class CostModel:
 
     def prefill_pays(self, prompt_tokens: int, new_tokens: int, a: float, k: int) -> bool:
         """Whether speculating over ``new_tokens`` saves more time than the draft needs to
-        prefill the prompt (True until both are measured)."""
+        prefill the prompt (True until both are measured).
+
+        Never a standing verdict: a request decoded plainly measures nothing, so after
+        ``PREFILL_EXPLORE_EVERY`` skips in a row one request speculates anyway and refreshes the
+        estimates (without this, one noisy measurement could switch speculation off for good).
+        And when speculation does not pay at all (speedup <= 1) this rule abstains: the per-round
+        cost rule decides, and it probes.
+        """
         base, _ = self._base_and_slope()
         if not self.measure or base is None or self.draft_prefill_s is None:
             return True
-        saved = new_tokens * base * (1.0 - 1.0 / max(self.speedup(a, k), 1e-9))
-        return saved > prompt_tokens * self.draft_prefill_s
+        speedup = self.speedup(a, k)
+        if speedup <= 1.0:
+            return True
+        saved = new_tokens * base * (1.0 - 1.0 / speedup)
+        if saved > prompt_tokens * self.draft_prefill_s:
+            return True
+        self.prefill_skips += 1
+        if self.prefill_skips >= PREFILL_EXPLORE_EVERY:
+            self.prefill_skips = 0
+            return True
+        return False
 
     def speedup(self, a: float, k: int) -> float:
         """Predicted tokens/s of k-draft rounds relative to plain decoding."""

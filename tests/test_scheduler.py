@@ -306,3 +306,20 @@ def test_long_prompt_short_answer_decodes_plainly_when_the_draft_prefill_costs_m
     unmeasured = RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), CostModel(SpecConfig()),
                                prompt_tokens=5000)
     assert unmeasured.start(8) is None  # nothing measured yet: speculate and learn
+
+
+def test_prefill_rule_is_never_a_standing_verdict():
+    """A plain request measures nothing, so the prefill rule must let some requests speculate,
+    or one bad estimate would switch speculation off for every later request."""
+    from specdec_rt.acceptance import PREFILL_EXPLORE_EVERY, AcceptanceEWMA, CostModel, RequestPolicy
+
+    costs = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030}, draft_prefill_s=0.0035)
+    verdicts = [RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), costs,
+                              prompt_tokens=250).start(64) for _ in range(3 * PREFILL_EXPLORE_EVERY)]
+    explored = [i for i, v in enumerate(verdicts) if v is None]
+    assert explored == [PREFILL_EXPLORE_EVERY - 1, 2 * PREFILL_EXPLORE_EVERY - 1, 3 * PREFILL_EXPLORE_EVERY - 1]
+    # when no draft length pays at all (here: acceptance 0.1), the prefill rule abstains and the
+    # per-round cost rule (which probes) decides
+    slow = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030}, draft_prefill_s=0.0035)
+    low = RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.1), slow, prompt_tokens=250)
+    assert low.start(64) is None and slow.prefill_skips == 0

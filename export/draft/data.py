@@ -54,7 +54,7 @@ def shard_path(data_dir: Path, index: int) -> Path:
 
 def load_shards(data_dir: Path) -> list[Shard]:
     out = []
-    for path in sorted(Path(data_dir).glob("shard-*.npz")):
+    for path in sorted(Path(data_dir).glob("shard-?????.npz")):  # not a half-written .tmp.npz
         with np.load(path) as z:
             out.append(Shard(**{k: z[k] for k in Shard.__dataclass_fields__}))
     return out

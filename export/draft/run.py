@@ -166,7 +166,7 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
             have = generate_shards(model, train_ids, work / "data" / "train", tokens_goal=req.tokens,
                                    deadline=deadline, **gen)
         del model
-        n_val = len(list((work / "data" / "val").glob("shard-*.npz")))
+        n_val = len(list((work / "data" / "val").glob("shard-?????.npz")))
         if deadline is not None and time.monotonic() > deadline or n_val < -(-len(val_ids) // req.batch):
             return _stopped(out, report, f"time budget reached during data generation ({have:,} "
                             f"of {req.tokens:,} tokens); rerun with --resume", ui)
