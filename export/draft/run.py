@@ -359,4 +359,4 @@ def _write_report(out: Path, report: dict, ui: Reporter) -> None:
 
             plot_curve(report, out / "curve.png")
         except ImportError:
-            ui.log("matplotlib not installed: no curve.png (pip install .[bench])")
+            ui.log("matplotlib not installed: no curve.png (pip install .[export])")
