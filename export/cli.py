@@ -13,11 +13,14 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from .errors import ExportError
 from .ui import Reporter, format_bytes, format_table
 
-__all__ = ["main", "summary"]
+__all__ = ["main", "summary", "one_line_errors"]
+
+T = TypeVar("T")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,6 +66,28 @@ def summary(result, ui: Reporter) -> str:
     return f"\n{table}\n\n{stages}\n"
 
 
+def one_line_errors(work: Callable[[], T], verbose: bool,
+                    interrupted: str = "interrupted") -> tuple[T | None, int]:
+    """Run ``work()``; any failure becomes one line on stderr and an exit code (the CLI's
+    contract, also for bugs; ``verbose`` adds the traceback). Returns (result, 0) on success."""
+    try:
+        return work(), 0
+    except KeyboardInterrupt:
+        print(f"export: error: {interrupted}", file=sys.stderr)
+        return None, 130
+    except ExportError as exc:
+        if verbose:
+            traceback.print_exc()
+        print(f"export: error: {exc}", file=sys.stderr)
+        return None, exc.exit_code
+    except Exception as exc:  # noqa: BLE001 - the one-line contract holds for bugs too
+        if verbose:
+            traceback.print_exc()
+        print(f"export: error: internal error: {type(exc).__name__}: {exc} (rerun with -v)",
+              file=sys.stderr)
+        return None, 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
@@ -83,27 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.src:
         parser.error("SRC is required")
     ui = Reporter(quiet=args.quiet)
-    try:
+
+    def work():
         from .pipeline import Request, run
 
-        result = run(Request(src=args.src, out=args.out, draft=args.draft,
-                             draft_quant=args.draft_quant, quantize=args.quantize,
-                             max_positions=args.max_positions, validate=args.validate,
-                             force=args.force, threads=args.threads), ui)
-    except KeyboardInterrupt:
-        print("export: error: interrupted", file=sys.stderr)
-        return 130
-    except ExportError as exc:
-        if args.verbose:
-            traceback.print_exc()
-        print(f"export: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except Exception as exc:  # noqa: BLE001 - the one-line contract holds for bugs too
-        if args.verbose:
-            traceback.print_exc()
-        print(f"export: error: internal error: {type(exc).__name__}: {exc} (rerun with -v)",
-              file=sys.stderr)
-        return 1
+        return run(Request(src=args.src, out=args.out, draft=args.draft,
+                           draft_quant=args.draft_quant, quantize=args.quantize,
+                           max_positions=args.max_positions, validate=args.validate,
+                           force=args.force, threads=args.threads), ui)
+
+    result, code = one_line_errors(work, args.verbose)
+    if code:
+        return code
     if not result.noop and not args.quiet:
         print(summary(result, ui), file=sys.stderr)
     print(result.out)

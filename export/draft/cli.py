@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from pathlib import Path
 
-from ..errors import ExportError
+from ..cli import one_line_errors
 from ..ui import Reporter
 
 __all__ = ["main"]
@@ -61,22 +60,10 @@ def main(argv: list[str]) -> int:
         prompts=args.prompts, val_prompts=args.val_prompts, eval_prompts=args.eval_prompts,
         lr=args.lr, threads=args.threads, batch_tokens=args.batch_tokens, eval_every=args.eval_every,
         device=args.device)
-    try:
-        report = run_train_draft(req, ui)
-    except KeyboardInterrupt:
-        print("export: error: interrupted (checkpoints kept; rerun with --resume)", file=sys.stderr)
-        return 130
-    except ExportError as exc:
-        if args.verbose:
-            traceback.print_exc()
-        print(f"export: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except Exception as exc:  # noqa: BLE001 - the one-line contract holds for bugs too
-        if args.verbose:
-            traceback.print_exc()
-        print(f"export: error: internal error: {type(exc).__name__}: {exc} (rerun with -v)",
-              file=sys.stderr)
-        return 1
+    report, code = one_line_errors(lambda: run_train_draft(req, ui), args.verbose,
+                                   "interrupted (checkpoints kept; rerun with --resume)")
+    if code:
+        return code
     if report["status"] != "done":
         print(report["why"], file=sys.stderr)
         print(report["out"])
