@@ -35,7 +35,7 @@ from .quant import QuantSpec, quantize
 from .weights import ExternalDataWriter
 
 __all__ = ["ModelSpec", "IO_NAMES", "SUPPORTED_FAMILIES", "build_onnx", "rotary_tables",
-           "unsupported_architecture"]
+           "unsupported_architecture", "decoder_io", "save_graph"]
 
 SUPPORTED_FAMILIES = ("llama", "qwen2")
 MAX_POSITIONS_CAP = 32768
@@ -249,27 +249,35 @@ def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = 
         head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
         g.linear(picked, _np(head).T, "/lm_head", out="logits")  # [B, R, V]
 
+    inputs, outputs = decoder_io(spec.num_layers, kv, d, spec.vocab_size, spec.hidden_size)
+    return save_graph(g, "decoder", inputs, outputs, out_dir / "model.onnx", "specdec-rt export")
+
+
+def decoder_io(num_layers: int, kv_heads: int, head_dim: int, vocab: int, hidden: int,
+               extra_inputs: tuple = ()) -> tuple[list, list]:
+    """The graph inputs / outputs every decoder graph of this exporter has (the manifest's
+    names), plus ``extra_inputs`` (value infos)."""
     f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
-    kv_shape = ["batch_size", kv, "max_cache_length", d]
-    inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch_size", "sequence_length"]),
-              helper.make_tensor_value_info("seqlens_k", i32, ["batch_size"]),
-              helper.make_tensor_value_info("total_sequence_length", i32, []),
-              helper.make_tensor_value_info("logits_index", i64, ["num_logits"])]
-    outputs = [
-        helper.make_tensor_value_info("logits", f32,
-                                      ["batch_size", "num_logits", spec.vocab_size]),
-        helper.make_tensor_value_info("hidden_states", f32,
-                                      ["batch_size", "sequence_length", spec.hidden_size])]
-    for i in range(spec.num_layers):
+    vi = helper.make_tensor_value_info
+    kv_shape = ["batch_size", kv_heads, "max_cache_length", head_dim]
+    inputs = [vi("input_ids", i64, ["batch_size", "sequence_length"]), *extra_inputs,
+              vi("seqlens_k", i32, ["batch_size"]), vi("total_sequence_length", i32, []),
+              vi("logits_index", i64, ["num_logits"])]
+    outputs = [vi("logits", f32, ["batch_size", "num_logits", vocab]),
+               vi("hidden_states", f32, ["batch_size", "sequence_length", hidden])]
+    for i in range(num_layers):
         for kind in ("key", "value"):
-            inputs.append(
-                helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape))
-            outputs.append(
-                helper.make_tensor_value_info(f"present.{i}.{kind}", f32, kv_shape))
-    graph = helper.make_graph(g.nodes, "decoder", inputs, outputs, initializer=g.inits)
+            inputs.append(vi(f"past_key_values.{i}.{kind}", f32, kv_shape))
+            outputs.append(vi(f"present.{i}.{kind}", f32, kv_shape))
+    return inputs, outputs
+
+
+def save_graph(g: "_Graph", name: str, inputs: list, outputs: list, path: Path, producer: str) -> dict:
+    """Write the accumulated graph as ``path`` (opset 21 + com.microsoft); returns its stats."""
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, initializer=g.inits)
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                     helper.make_opsetid(MS, 1)],
-                              producer_name="specdec-rt export")
+                              producer_name=producer)
     proto.ir_version = 10
-    onnx.save_model(proto, str(out_dir / "model.onnx"))
-    return {"nodes": len(g.nodes), "weights_bytes": data.bytes_written}
+    onnx.save_model(proto, str(path))
+    return {"nodes": len(g.nodes), "weights_bytes": g.data.bytes_written}

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..graph import MS, OPSET, _Graph
+from ..graph import MS, _Graph, decoder_io, save_graph
 from ..weights import ExternalDataWriter
 
 __all__ = ["HEAD_KEYS", "build_head_onnx", "target_tensors"]
@@ -91,21 +91,8 @@ def build_head_onnx(head: dict[str, np.ndarray], cfg: dict, vocab: np.ndarray, e
                         "/lm_head/Gather", axis=1)[0]
         g.linear(picked, np.ascontiguousarray(lm_head[:, vocab]), "/lm_head", out="logits")
 
-    f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
-    kv_shape = ["batch_size", kv, "max_cache_length", d]
-    vi = helper.make_tensor_value_info
-    inputs = [vi("input_ids", i64, ["batch_size", "sequence_length"]),
-              vi("features", f32, ["batch_size", "sequence_length", H]),
-              vi("seqlens_k", i32, ["batch_size"]), vi("total_sequence_length", i32, []),
-              vi("logits_index", i64, ["num_logits"]),
-              vi("past_key_values.0.key", f32, kv_shape), vi("past_key_values.0.value", f32, kv_shape)]
-    outputs = [vi("logits", f32, ["batch_size", "num_logits", int(vocab.size)]),
-               vi("hidden_states", f32, ["batch_size", "sequence_length", H]),
-               vi("present.0.key", f32, kv_shape), vi("present.0.value", f32, kv_shape)]
-    graph = helper.make_graph(g.nodes, "eagle_head", inputs, outputs, initializer=g.inits)
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                    helper.make_opsetid(MS, 1)],
-                              producer_name="specdec-rt export train-draft")
-    proto.ir_version = 10
-    onnx.save_model(proto, str(out_dir / "model.onnx"))
-    return {"nodes": len(g.nodes), "weights_bytes": data.bytes_written}
+    features = helper.make_tensor_value_info("features", TensorProto.FLOAT,
+                                             ["batch_size", "sequence_length", H])
+    inputs, outputs = decoder_io(1, kv, d, int(vocab.size), H, (features,))
+    return save_graph(g, "eagle_head", inputs, outputs, out_dir / "model.onnx",
+                      "specdec-rt export train-draft")
