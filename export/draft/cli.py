@@ -9,11 +9,13 @@ from pathlib import Path
 
 from ..cli import one_line_errors
 from ..ui import Reporter
+from .run import TrainDraftRequest, run_train_draft
 
 __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
+    R = TrainDraftRequest  # the defaults live there (and the training ones in TrainConfig)
     p = argparse.ArgumentParser(
         prog="python -m export train-draft",
         description="Train an EAGLE-style draft head for a built float32 target by "
@@ -23,23 +25,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="output folder (default: beside the target, <name>-eagle)")
     p.add_argument("--arch", default="eagle", choices=["eagle"],
                    help="draft architecture: an EAGLE head over the target's hidden states")
-    p.add_argument("--tokens", type=int, default=300_000, metavar="N",
-                   help="target-generated answer tokens to train on (default 300000)")
+    p.add_argument("--tokens", type=int, default=R.tokens, metavar="N",
+                   help=f"target-generated answer tokens to train on (default {R.tokens})")
     p.add_argument("--time-budget", type=float, metavar="MINUTES",
                    help="stop cleanly (checkpointed) after this many minutes")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--source", help="the target's PyTorch checkpoint or GGUF (default: its manifest's)")
-    p.add_argument("--epochs", type=float, default=5.0)
-    p.add_argument("--depth", type=int, default=2, help="draft steps unrolled in training (HASS-style)")
-    p.add_argument("--batch-tokens", type=int, default=1024, help="tokens per optimizer step")
-    p.add_argument("--eval-every", type=int, default=100, help="optimizer steps between validations")
-    p.add_argument("--vocab-size", type=int, default=8192, help="reduced output vocabulary")
-    p.add_argument("--batch", type=int, default=64, help="prompts per generation batch")
-    p.add_argument("--max-new", type=int, default=128, help="answer tokens per prompt at most")
+    p.add_argument("--epochs", type=float, default=R.epochs)
+    p.add_argument("--depth", type=int, default=R.depth, help="draft steps unrolled in training (HASS-style)")
+    p.add_argument("--batch-tokens", type=int, default=R.batch_tokens, help="tokens per optimizer step")
+    p.add_argument("--eval-every", type=int, default=R.eval_every, help="optimizer steps between validations")
+    p.add_argument("--vocab-size", type=int, default=R.vocab_size, help="reduced output vocabulary")
+    p.add_argument("--batch", type=int, default=R.batch, help="prompts per generation batch")
+    p.add_argument("--max-new", type=int, default=R.max_new, help="answer tokens per prompt at most")
     p.add_argument("--prompts", type=int, metavar="N", help="use only the first N training prompts")
-    p.add_argument("--val-prompts", type=int, default=96)
-    p.add_argument("--eval-prompts", type=int, default=14, help="held-out prompts for acceptance")
-    p.add_argument("--lr", type=float, default=8e-4)
+    p.add_argument("--val-prompts", type=int, default=R.val_prompts)
+    p.add_argument("--eval-prompts", type=int, default=R.eval_prompts, help="held-out prompts for acceptance")
+    p.add_argument("--lr", type=float, default=R.lr)
     p.add_argument("--threads", type=int)
     p.add_argument("--device", default="auto", help="PyTorch device: auto (cuda if present), cpu, cuda")
     p.add_argument("-q", "--quiet", action="store_true")
@@ -51,8 +53,6 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     ui = Reporter(quiet=args.quiet)
-    from .run import TrainDraftRequest, run_train_draft
-
     req = TrainDraftRequest(
         target=args.target, out=args.out, arch=args.arch, tokens=args.tokens,
         time_budget=args.time_budget, resume=args.resume, source=args.source, epochs=args.epochs,

@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ExportError, SourceNotFoundError, UsageError
+from ..tokenizer import sha256_file
 from ..ui import Reporter
+from .train import TrainConfig
 
 __all__ = ["TrainDraftRequest", "run_train_draft"]
 
@@ -43,12 +45,12 @@ class TrainDraftRequest:
     max_new: int = 128
     prompts: int | None = None  # use only the first N training prompts (tests)
     val_prompts: int = 96
-    epochs: float = 5.0
-    depth: int = 2
+    epochs: float = TrainConfig.epochs
+    depth: int = TrainConfig.depth
     vocab_size: int = 8192
-    batch_tokens: int = 1024
-    lr: float = 8e-4
-    eval_every: int = 100
+    batch_tokens: int = TrainConfig.batch_tokens
+    lr: float = TrainConfig.lr
+    eval_every: int = TrainConfig.eval_every
     eval_prompts: int = 14
     eval_k: int = 4
     eval_new_tokens: int = 64
@@ -176,8 +178,7 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
     report["train_sequences"] = sum(len(s.prompt_lens) for s in train_sh)
 
     # 2. train
-    from .eagle import EagleHead, HeadConfig
-    from .train import TrainConfig, make_batches, reduced_vocab, train
+    from .train import make_batches, reduced_vocab, train
 
     vocab_path = work / "vocab.npy"
     if not vocab_path.exists():
@@ -217,9 +218,10 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
     _load_weights(head, head_file)  # the shipped float16 weights: what the ONNX draft computes
     draft = out / "draft"
     shutil.rmtree(draft, ignore_errors=True)
+    head_sha = sha256_file(head_file)
     with ui.stage("export: assemble the ONNX draft"):
         assemble_draft(folder, head_file, draft, source={"kind": "trained head", "file": "head.npz",
-                                                         "sha256": _sha(head_file)})
+                                                         "sha256": head_sha})
     # 4. validate
     with ui.stage("validate: ONNX head vs PyTorch head"):
         report["onnx_max_abs_diff"] = _check_onnx(head, draft, val_sh)
@@ -230,7 +232,7 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
                                                   k=req.eval_k, max_new_tokens=req.eval_new_tokens,
                                                   threads=req.threads)
     report["head_file"] = {"path": str(head_file), "bytes": head_file.stat().st_size,
-                           "sha256": _sha(head_file)}
+                           "sha256": head_sha}
     report["status"] = "done"
     _write_report(out, report, ui)
     return report
@@ -253,9 +255,10 @@ def _new_head(folder: Path, tm, vocab: np.ndarray):
     from .graph import target_tensors
 
     t = target_tensors(folder, TARGET_TENSORS)
+    intermediate, eps = _graph_facts(folder, tm)
     cfg = HeadConfig(hidden_size=tm.hidden_size, num_heads=tm.num_heads, num_kv_heads=tm.num_kv_heads,
-                     head_dim=tm.head_dim, intermediate_size=_intermediate(folder, tm),
-                     rms_eps=_eps(folder), draft_vocab=int(vocab.size))
+                     head_dim=tm.head_dim, intermediate_size=intermediate, rms_eps=eps,
+                     draft_vocab=int(vocab.size))
     torch.manual_seed(0)  # the head's initial weights do not depend on what ran before
     # float16-rounded, as the ONNX draft stores it: training sees what inference computes
     embed = torch.from_numpy(t["embed_tokens.weight"].astype(np.float16).astype(np.float32))
@@ -265,25 +268,17 @@ def _new_head(folder: Path, tm, vocab: np.ndarray):
     return head, cfg
 
 
-def _intermediate(folder: Path, tm) -> int:
-    """The target's MLP width (read off its graph): the head's layer copies the target's shape."""
+def _graph_facts(folder: Path, tm) -> tuple[int, float]:
+    """The target's MLP width and RMSNorm epsilon, read off its graph (one parse): the head's
+    layer copies the target's shape."""
     import onnx
 
     proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    for t in proto.graph.initializer:
-        if t.name == "layers.0/mlp/gate_proj.weight":
-            return int(t.dims[1])
-    return 4 * tm.hidden_size
-
-
-def _eps(folder: Path) -> float:
-    import onnx
-
-    proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    for n in proto.graph.node:
-        if n.op_type in ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"):
-            return float(next(a.f for a in n.attribute if a.name == "epsilon"))
-    return 1e-6
+    width = next((int(t.dims[1]) for t in proto.graph.initializer
+                  if t.name == "layers.0/mlp/gate_proj.weight"), 4 * tm.hidden_size)
+    eps = next((float(next(a.f for a in n.attribute if a.name == "epsilon")) for n in proto.graph.node
+                if n.op_type in ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")), 1e-6)
+    return width, eps
 
 
 def _weights(head) -> dict[str, np.ndarray]:
@@ -334,12 +329,6 @@ def _check_onnx(head, draft: Path, val_sh) -> float:
     if not diff < 1e-2 * max(1.0, float(np.abs(ref).max())):
         raise ExportError(f"the ONNX draft disagrees with the PyTorch head: max |dlogit| {diff:.3g}")
     return diff
-
-
-def _sha(path: Path) -> str:
-    from ..tokenizer import sha256_file
-
-    return sha256_file(path)
 
 
 def _stopped(out: Path, report: dict, why: str, ui: Reporter) -> dict:
