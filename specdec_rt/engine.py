@@ -201,6 +201,27 @@ def resolve_draft_spec(m, spec: str | None) -> str:
     return f"ngram+{model_spec}" if combined else model_spec
 
 
+def model_drafter(m, dm, **opts) -> DraftInferrer:
+    """The drafter for draft folder ``dm`` of target ``m`` (both manifests): an
+    :class:`~specdec_rt.eagle.EagleDrafter` for ``"kind": "eagle"``, else a draft model run by
+    ONNX Runtime. Checks that it shares the target's tokenizer and vocabulary. ``opts``:
+    :class:`OrtModel` options."""
+    if m.tokenizer_sha256 and dm.tokenizer_sha256 and dm.tokenizer_sha256 != m.tokenizer_sha256:
+        raise ModelLoadError(f"{dm.folder}: its tokenizer differs from the target's ({m.folder}); "
+                             "a draft must share the target's vocabulary")
+    if dm.raw.get("kind") == "eagle":
+        from .eagle import EagleDrafter, load_vocab_map
+
+        full = load_vocab_map(dm)[1]
+        if full != m.vocab_size:
+            raise ModelLoadError(f"{dm.folder}: drafts for a vocabulary of {full}, "
+                                 f"the target has {m.vocab_size}")
+        return EagleDrafter(OrtModel(dm, **opts))
+    if dm.vocab_size != m.vocab_size:
+        raise ModelLoadError(f"{dm.folder}: vocab_size {dm.vocab_size} != the target's {m.vocab_size}")
+    return OrtDraftInferrer(OrtModel(dm, **opts))
+
+
 def _make_drafter(m, spec: str, opts: dict) -> tuple[DraftInferrer | None, str | None]:
     """A drafter from a draft spec: ``"none"``, ``"ngram"``, a model draft (a name from the
     manifest or a folder; ``"model"`` is the manifest's first), or ``"ngram+<model draft>"``."""
@@ -214,20 +235,7 @@ def _make_drafter(m, spec: str, opts: dict) -> tuple[DraftInferrer | None, str |
     path = Path(model_spec).expanduser()
     draft_dir = path if (path / "manifest.json").is_file() else m.draft_dir(model_spec)
     dm = load_manifest(draft_dir)
-    if m.tokenizer_sha256 and dm.tokenizer_sha256 and dm.tokenizer_sha256 != m.tokenizer_sha256:
-        raise ModelLoadError(f"{draft_dir}: its tokenizer differs from the target's ({m.folder}); "
-                             "a draft must share the target's vocabulary")
-    if dm.raw.get("kind") == "eagle":
-        from .eagle import EagleDrafter, load_vocab_map
-
-        if load_vocab_map(dm)[1] != m.vocab_size:
-            raise ModelLoadError(f"{draft_dir}: drafts for a vocabulary of {load_vocab_map(dm)[1]}, "
-                                 f"the target has {m.vocab_size}")
-        model = EagleDrafter(OrtModel(dm, **opts))
-    elif dm.vocab_size != m.vocab_size:
-        raise ModelLoadError(f"{draft_dir}: vocab_size {dm.vocab_size} != the target's {m.vocab_size}")
-    else:
-        model = OrtDraftInferrer(OrtModel(dm, **opts))
+    model = model_drafter(m, dm, **opts)
     if combined:
         return CombinedDrafter(NgramDrafter(), model), f"ngram+{dm.name}"
     return model, dm.name

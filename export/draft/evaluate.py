@@ -19,18 +19,16 @@ def depth_table(position_drafted: list[int], position_accepted: list[int]) -> li
     return out
 
 
-def measure_acceptance(target_dir: Path, draft_dir: Path | None, prompts: list, *, k: int = 4,
-                       max_new_tokens: int = 64, threads: int | None = None,
-                       ngram: bool = False) -> dict:
+def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list, *, k: int = 4,
+                       max_new_tokens: int = 64, threads: int | None = None) -> dict:
     """Run every prompt with a fixed draft length ``k`` (no fallback) and return
     ``{"per_depth": [k], "mean_accepted": float, "tokens_per_call": float, "acceptance": float,
     "exact": bool}``; ``exact`` compares the output with plain greedy decoding."""
     import anyio
 
     from specdec_rt.acceptance import SpecConfig
-    from specdec_rt.drafters import NgramDrafter
-    from specdec_rt.eagle import EagleDrafter
-    from specdec_rt.ort import OrtDraftInferrer, OrtModel, OrtTargetVerifier, load_manifest
+    from specdec_rt.engine import model_drafter
+    from specdec_rt.ort import OrtModel, OrtTargetVerifier, load_manifest
     from specdec_rt.scheduler import SpecDecScheduler
     from specdec_rt.text import TextCodec
     from specdec_rt.types import Stats
@@ -38,12 +36,7 @@ def measure_acceptance(target_dir: Path, draft_dir: Path | None, prompts: list, 
     m = load_manifest(target_dir)
     codec = TextCodec.from_manifest(m)
     target = OrtModel(m, threads=threads, slots=1, max_length=2048)
-    if ngram:
-        drafter = NgramDrafter()
-    else:
-        dm = load_manifest(draft_dir)
-        model = OrtModel(dm, threads=threads, slots=1, max_length=2048)
-        drafter = EagleDrafter(model) if dm.raw.get("kind") == "eagle" else OrtDraftInferrer(model)
+    drafter = model_drafter(m, load_manifest(draft_dir), threads=threads, slots=1, max_length=2048)
     verifier = OrtTargetVerifier(target, share_hidden=bool(getattr(drafter, "needs_target_hidden", False)))
     cfg = SpecConfig(adapt_k=False, k_init=k, k_max=max(k, 1), fallback_below=0.0, zero_rounds=10**9,
                      min_speedup=0.0, measure_costs=False)

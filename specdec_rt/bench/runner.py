@@ -11,9 +11,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
-from ..adapters import ModelDrafter
 from ..drafters import CombinedDrafter, NgramDrafter
-from ..engine import resolve_draft_spec
+from ..engine import model_drafter, resolve_draft_spec
 from ..ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
 from ..scheduler import SpecDecScheduler
 from ..text import TextCodec
@@ -77,15 +76,6 @@ def load_prompts(codec: TextCodec, path: str | None, categories: set[str] | None
 Runner = Callable[[list[int], int], Awaitable[tuple[list[int], float, Stats | None]]]
 
 
-def _drafter(dm, max_length, threads):
-    model = OrtModel(dm, max_length=max_length, threads=threads, slots=2)
-    if dm.raw.get("kind") == "eagle":
-        from ..eagle import EagleDrafter
-
-        return EagleDrafter(model)
-    return ModelDrafter(model)
-
-
 def build_our_modes(folder: Path, threads: int, max_length: int | None,
                     extra_drafts: Sequence[str | Path] = ()) -> tuple[dict[str, Runner], dict]:
     """Our modes over one shared target: ``ar``, ``spec`` (the engine's default drafter),
@@ -97,7 +87,8 @@ def build_our_modes(folder: Path, threads: int, max_length: int | None,
     sharing = OrtTargetVerifier(target, share_hidden=True)  # same model; for EAGLE drafts only
     manifests = [load_manifest(folder / d["path"]) for d in m.drafts]
     manifests += [load_manifest(Path(p)) for p in extra_drafts]
-    drafts = {dm.name: _drafter(dm, max_length, threads) for dm in manifests}
+    drafts = {dm.name: model_drafter(m, dm, max_length=max_length, threads=threads, slots=2)
+              for dm in manifests}
     drafters: dict[str, object] = {"ngram": NgramDrafter()}
     drafters.update(drafts)
     for i, (name, d) in enumerate(drafts.items()):
