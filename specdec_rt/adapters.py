@@ -95,7 +95,6 @@ class _ModelUser:
         return ctx.state(self, lambda: SyncedSession(self.model.start(), self.model.max_length))
 
     def release(self, ctx: RequestContext) -> None:
-        ctx.pop_state(TARGET_HIDDEN)
         s = ctx.pop_state(self)
         if s is not None:
             s.close()
@@ -136,6 +135,10 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         super().__init__(model)
         self.sampler = sampler
         self.share_hidden = share_hidden
+
+    def release(self, ctx: RequestContext) -> None:
+        ctx.pop_state(TARGET_HIDDEN)  # the hidden states this verifier shared
+        super().release(ctx)
 
     async def verify_and_accept(self, ctx: RequestContext, drafts: Sequence[DraftToken]) -> Verdict:
         s = self._session(ctx)
