@@ -16,7 +16,6 @@ draft's q is zero outside V', which rejection sampling handles (those tokens are
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -24,7 +23,7 @@ import numpy as np
 from .adapters import TARGET_HIDDEN
 from .context import RequestContext
 from .errors import ModelLoadError
-from .ort.manifest import Manifest, load_manifest
+from .ort.manifest import Manifest
 from .ort.model import OrtModel
 from .protocols import DraftInferrer
 from .sampling import sample, warp
@@ -66,8 +65,7 @@ class EagleDrafter(DraftInferrer):
 
     def __init__(self, model: OrtModel | str | os.PathLike | Manifest, **options) -> None:
         if not isinstance(model, OrtModel):
-            m = model if isinstance(model, Manifest) else load_manifest(Path(model))
-            model = OrtModel(m, **options)
+            model = OrtModel(model, **options)
         if model.manifest.raw.get("kind") != "eagle" or not model.manifest.inputs.get("features"):
             raise ModelLoadError(f"{model.manifest.folder}: not an EAGLE draft head (kind 'eagle' "
                                  "with a features input)")

@@ -210,13 +210,13 @@ def model_drafter(m, dm, **opts) -> DraftInferrer:
         raise ModelLoadError(f"{dm.folder}: its tokenizer differs from the target's ({m.folder}); "
                              "a draft must share the target's vocabulary")
     if dm.raw.get("kind") == "eagle":
-        from .eagle import EagleDrafter, load_vocab_map
+        from .eagle import EagleDrafter
 
-        full = load_vocab_map(dm)[1]
-        if full != m.vocab_size:
-            raise ModelLoadError(f"{dm.folder}: drafts for a vocabulary of {full}, "
+        drafter = EagleDrafter(OrtModel(dm, **opts))  # reads and checks its vocabulary map
+        if drafter.target_vocab_size != m.vocab_size:
+            raise ModelLoadError(f"{dm.folder}: drafts for a vocabulary of {drafter.target_vocab_size}, "
                                  f"the target has {m.vocab_size}")
-        return EagleDrafter(OrtModel(dm, **opts))
+        return drafter
     if dm.vocab_size != m.vocab_size:
         raise ModelLoadError(f"{dm.folder}: vocab_size {dm.vocab_size} != the target's {m.vocab_size}")
     return OrtDraftInferrer(OrtModel(dm, **opts))
