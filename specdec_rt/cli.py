@@ -14,11 +14,10 @@ import sys
 import anyio
 
 from .errors import SpecDecError
+from .loading import DEFAULT_MODEL, load_engine
 from .logs import configure_cli_logging
 
 __all__ = ["main"]
-
-DEFAULT_MODEL = "smollm2-135m"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,13 +86,6 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads per model")
     p.add_argument("--max-length", type=int, default=None, help="KV cache capacity per request")
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
-
-
-async def load_engine(args, draft=None):
-    from .engine import Engine
-
-    return await Engine.load(args.model, draft=draft if draft is not None else args.draft,
-                             threads=args.threads, max_length=args.max_length, provider=args.provider, slots=1)
 
 
 async def _generate(args) -> int:

@@ -9,11 +9,10 @@ length and whether the outputs matched token for token.
 from __future__ import annotations
 
 import statistics
-import subprocess
 import sys
 import time
 
-from .errors import ModelNotBuiltError, SpecDecError
+from .loading import ensure_built, load_engine
 
 __all__ = ["run_demo", "DEMO_PROMPTS"]
 
@@ -29,27 +28,8 @@ def _say(msg: str) -> None:
     print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
 
-def ensure_built(model: str, allow_build: bool = True) -> None:
-    """Build a recipe with ``python -m export`` if it is not built yet (progress on stderr)."""
-    from .ort import resolve_model_dir
-
-    try:
-        resolve_model_dir(model)
-        return
-    except ModelNotBuiltError:
-        if not allow_build:
-            raise
-    _say(f"model {model!r} is not built yet: building it now (python -m export {model}); "
-         "this happens once")
-    proc = subprocess.run([sys.executable, "-m", "export", model])
-    if proc.returncode != 0:
-        raise SpecDecError(f"building {model!r} failed (python -m export {model} exited {proc.returncode})")
-
-
 async def run_demo(args) -> int:
-    from .cli import load_engine
-
-    ensure_built(args.model, allow_build=not args.no_build)
+    ensure_built(args.model, allow_build=not args.no_build, say=_say)
     t0 = time.perf_counter()
     engine = await load_engine(args)
     _say(f"loaded {engine.manifest.name} with draft {engine.draft_name!r} in {time.perf_counter() - t0:.1f} s "

@@ -19,8 +19,7 @@ import anyio
 
 from .micro import memory_bandwidth_gbs, request_memory, step_costs, weight_bytes
 from .report import format_markdown, format_table, plot, plot_acceptance, summarize
-from .runner import (HF_MODES, build_our_modes, default_threads, load_prompts, log, machine_info,
-                     resolve_model_dir, run_modes)
+from .runner import HF_MODES, build_our_modes, default_threads, load_prompts, log, machine_info, run_modes
 
 __all__ = ["run_bench"]
 
@@ -30,12 +29,11 @@ def run_bench(args) -> int:
 
 
 async def _bench(args) -> int:
-    from ..demo import ensure_built
+    from ..loading import ensure_built
     from ..ort.manifest import cache_root
     from ..text import TextCodec
 
-    ensure_built(args.model)
-    folder = resolve_model_dir(args.model)
+    folder = ensure_built(args.model, say=log)
     threads = args.threads or default_threads()
     max_length = args.max_length or 4096
     t0 = time.perf_counter()
