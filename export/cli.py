@@ -11,16 +11,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from pathlib import Path
-from typing import Callable, TypeVar
 
-from .errors import ExportError
+from .errors import one_line_errors
 from .ui import Reporter, format_bytes, format_table
 
-__all__ = ["main", "summary", "one_line_errors"]
-
-T = TypeVar("T")
+__all__ = ["main", "summary"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,28 +60,6 @@ def summary(result, ui: Reporter) -> str:
                           "max|dlogit|", "greedy agree"], rows)
     stages = format_table(["stage", "seconds"], [[s, f"{t:.1f}"] for s, t in ui.timings])
     return f"\n{table}\n\n{stages}\n"
-
-
-def one_line_errors(work: Callable[[], T], verbose: bool,
-                    interrupted: str = "interrupted") -> tuple[T | None, int]:
-    """Run ``work()``; any failure becomes one line on stderr and an exit code (the CLI's
-    contract, also for bugs; ``verbose`` adds the traceback). Returns (result, 0) on success."""
-    try:
-        return work(), 0
-    except KeyboardInterrupt:
-        print(f"export: error: {interrupted}", file=sys.stderr)
-        return None, 130
-    except ExportError as exc:
-        if verbose:
-            traceback.print_exc()
-        print(f"export: error: {exc}", file=sys.stderr)
-        return None, exc.exit_code
-    except Exception as exc:  # noqa: BLE001 - the one-line contract holds for bugs too
-        if verbose:
-            traceback.print_exc()
-        print(f"export: error: internal error: {type(exc).__name__}: {exc} (rerun with -v)",
-              file=sys.stderr)
-        return None, 1
 
 
 def main(argv: list[str] | None = None) -> int:

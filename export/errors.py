@@ -4,11 +4,17 @@ Every failure the exporter anticipates is an `ExportError` subclass whose messag
 that tells the user what went wrong. The CLI prints it as `export: error: <message>` and exits
 with the class's `exit_code`. Library errors (torch, onnx, zipfile, OSError) are mapped onto
 these at the boundary with `raise ... from exc`, so the cause stays in the traceback for `-v`.
+`one_line_errors` is that boundary for the command lines (`python -m export`, `train-draft`).
 """
 
 from __future__ import annotations
 
+import sys
+import traceback
+from typing import Callable, TypeVar
+
 __all__ = [
+    "one_line_errors",
     "ExportError",
     "UsageError",
     "SourceNotFoundError",
@@ -71,3 +77,28 @@ class InterruptedExportError(ExportError):
     """The export was interrupted (Ctrl-C); nothing was left behind."""
 
     exit_code = 130
+
+
+T = TypeVar("T")
+
+
+def one_line_errors(work: Callable[[], T], verbose: bool,
+                    interrupted: str = "interrupted") -> tuple[T | None, int]:
+    """Run ``work()``; any failure becomes one line on stderr and an exit code (the CLI's
+    contract, also for bugs; ``verbose`` adds the traceback). Returns (result, 0) on success."""
+    try:
+        return work(), 0
+    except KeyboardInterrupt:
+        print(f"export: error: {interrupted}", file=sys.stderr)
+        return None, 130
+    except ExportError as exc:
+        if verbose:
+            traceback.print_exc()
+        print(f"export: error: {exc}", file=sys.stderr)
+        return None, exc.exit_code
+    except Exception as exc:  # noqa: BLE001 - the one-line contract holds for bugs too
+        if verbose:
+            traceback.print_exc()
+        print(f"export: error: internal error: {type(exc).__name__}: {exc} (rerun with -v)",
+              file=sys.stderr)
+        return None, 1

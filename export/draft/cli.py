@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import one_line_errors
+from ..errors import one_line_errors
 from ..ui import Reporter
 from .run import TrainDraftRequest, run_train_draft
 
