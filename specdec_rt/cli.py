@@ -1,4 +1,4 @@
-"""``python -m specdec_rt``: ``demo``, ``generate`` and ``bench``.
+"""``python -m specdec_rt``: ``demo``, ``generate``, ``bench`` and ``serve``.
 
 ``--json`` prints exactly one JSON document on stdout; progress and logs go to stderr.
 Errors print one line ``specdec_rt: error: ...`` on stderr and exit with status 1.
@@ -16,6 +16,7 @@ import anyio
 from .errors import SpecDecError
 from .loading import DEFAULT_MODEL, load_engine
 from .logs import configure_cli_logging
+from .serve.cli import add_serve_parser, run_serve
 
 __all__ = ["main"]
 
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--micro", action="store_true", help="also run the step-cost micro-benchmarks")
     bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
+    _model_args(add_serve_parser(sub))  # the OpenAI-compatible server: specdec_rt/serve, docs/serving.md
+
     args = parser.parse_args(argv)
     configure_cli_logging(logging.WARNING - 10 * min(args.verbose, 2))
     from .ort import use_global_thread_pool
@@ -69,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return anyio.run(run_demo, args)
+        if args.command == "serve":
+            return run_serve(args)
         from .bench import run_bench
 
         return run_bench(args)

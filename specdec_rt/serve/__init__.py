@@ -1,0 +1,16 @@
+"""An OpenAI-compatible HTTP server over :class:`specdec_rt.Engine` (``python -m specdec_rt serve``).
+
+Needs the ``serve`` extra (Starlette, uvicorn, prometheus-client); importing ``specdec_rt`` does
+not. ``create_app(engine_or_loader, slots=..., max_queued=...)`` builds the ASGI app to run under
+any ASGI server or to test with ``httpx.ASGITransport``; see docs/serving.md.
+"""
+
+__all__ = ["create_app", "begin_drain"]
+
+
+def __getattr__(name: str):
+    if name in __all__:  # Starlette is imported only when the app is built
+        import importlib
+
+        return getattr(importlib.import_module(".app", __name__), name)
+    raise AttributeError(f"module 'specdec_rt.serve' has no attribute {name!r}")
