@@ -86,20 +86,28 @@ def read_manifest(folder: Path) -> dict | None:
 
 def is_up_to_date(folder: Path, build: dict) -> bool:
     """True when `folder` was built with exactly `build` and its files (and its drafts'
-    files) are all present with their recorded sizes."""
+    files) are all present with their recorded sizes. A manifest that is malformed or names
+    a path outside its folder is simply not up to date (it gets rebuilt)."""
     manifest = read_manifest(folder)
-    if not manifest or manifest.get("build") != build:
+    if not isinstance(manifest, dict) or manifest.get("build") != build:
         return False
-    folders = [(Path(folder), manifest)]
-    for draft in manifest.get("drafts", []):
-        sub = Path(folder) / draft["path"]
-        folders.append((sub, read_manifest(sub) or {}))
-    for where, man in folders:
-        files = man.get("files")
-        if not files:
-            return False
-        for fname, meta in files.items():
-            path = where / fname
-            if not path.is_file() or path.stat().st_size != meta["bytes"]:
+    root = Path(folder).resolve()
+    try:
+        folders = [(root, manifest)]
+        for draft in manifest.get("drafts", []):
+            sub = (root / draft["path"]).resolve()
+            if sub == root or not sub.is_relative_to(root):
                 return False
+            folders.append((sub, read_manifest(sub) or {}))
+        for where, man in folders:
+            files = man.get("files") if isinstance(man, dict) else None
+            if not files:
+                return False
+            for fname, meta in files.items():
+                path = (where / fname).resolve()
+                if not path.is_relative_to(where) or not path.is_file() \
+                        or path.stat().st_size != meta["bytes"]:
+                    return False
+    except (KeyError, TypeError, AttributeError, ValueError, OSError):
+        return False
     return True

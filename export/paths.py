@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["CACHE_ENV", "cache_root", "downloads_dir", "model_dir"]
+__all__ = ["CACHE_ENV", "cache_root", "downloads_dir", "model_dir", "inside"]
 
 CACHE_ENV = "SPECDEC_RT_CACHE"
 
@@ -33,3 +33,16 @@ def downloads_dir() -> Path:
 def model_dir(name: str) -> Path:
     """Folder a recipe's built target goes to: `<root>/models/<name>`."""
     return cache_root() / "models" / name
+
+
+def inside(root: Path, name: str | os.PathLike, what: str, error=None) -> Path:
+    """`root / name` resolved (symlinks followed), which must lie strictly inside `root`;
+    else `error` (default `SourceNotFoundError`) naming `what`. Used for every path that comes
+    from a recipe or a manifest, so none can reach outside its folder."""
+    from .errors import SourceNotFoundError
+
+    base = Path(root).resolve()
+    path = (base / name).resolve()
+    if path == base or not path.is_relative_to(base):
+        raise (error or SourceNotFoundError)(f"{what} {str(name)!r} points outside {root}")
+    return path

