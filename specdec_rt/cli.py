@@ -1,4 +1,4 @@
-"""``python -m specdec_rt``: ``demo``, ``generate``, ``bench`` and ``serve``.
+"""``python -m specdec_rt``: ``demo``, ``generate``, ``bench``, ``serve`` and ``loadtest``.
 
 ``--json`` prints exactly one JSON document on stdout; progress and logs go to stderr.
 Errors print one line ``specdec_rt: error: ...`` on stderr and exit with status 1.
@@ -15,6 +15,8 @@ import anyio
 
 from .errors import SpecDecError
 from .loading import DEFAULT_MODEL, load_engine
+from .loadtest import add_arguments as add_loadtest_arguments
+from .loadtest import run_loadtest
 from .logs import configure_cli_logging
 from .serve.cli import add_serve_parser, run_serve
 
@@ -60,12 +62,18 @@ def main(argv: list[str] | None = None) -> int:
 
     _model_args(add_serve_parser(sub))  # the OpenAI-compatible server: specdec_rt/serve, docs/serving.md
 
+    add_loadtest_arguments(sub.add_parser(
+        "loadtest", help="concurrent streaming clients against the server on loopback (docs/benchmarks.md)"))
+
     args = parser.parse_args(argv)
     configure_cli_logging(logging.WARNING - 10 * min(args.verbose, 2))
-    from .ort import use_global_thread_pool
+    if args.command != "loadtest":  # the load test is an HTTP client: no model in this process
+        from .ort import use_global_thread_pool
 
-    use_global_thread_pool(args.threads)  # we own this process: one ONNX Runtime pool for all models
+        use_global_thread_pool(args.threads)  # we own this process: one ONNX Runtime pool for all models
     try:
+        if args.command == "loadtest":
+            return run_loadtest(args)
         if args.command == "generate":
             return anyio.run(_generate, args)
         if args.command == "demo":
