@@ -1,0 +1,105 @@
+"""``create_app``: the Starlette app of the OpenAI-compatible server.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics``. Errors, including 404 and 405, carry the OpenAI error body.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .jobs import completions, error_response
+from .metrics import CONTENT_TYPE_LATEST
+from .protocol import APIError, error_body, models_body
+from .state import Serving
+
+__all__ = ["create_app", "begin_drain"]
+
+
+def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: int = 16, model_name: str | None = None,
+               request_timeout: float | None = 600.0, max_body_bytes: int = 1 << 20,
+               default_max_tokens: int = 256, retry_after: int = 1) -> Starlette:
+    """The ASGI app.
+
+    ``engine_or_loader``: a loaded :class:`~specdec_rt.Engine` (the app is ready at once and
+    never closes it), or an async callable that returns one: the app's lifespan loads it in the
+    background at startup (``/health`` and the completion routes answer 503 until then) and
+    closes it at shutdown. ``slots``: requests generating at once (default: the engine's
+    ``slots``, else 4; give the engine the same number); ``max_queued``: admitted requests waiting for a slot; past ``slots + max_queued``
+    a request gets 429 with ``Retry-After``. ``request_timeout``: seconds per request, queueing
+    included (504 after; ``None``: no limit). ``max_body_bytes``: larger bodies get 413.
+    ``default_max_tokens``: for requests without ``max_tokens``. ``app.state.serving`` holds the
+    state; :func:`begin_drain` starts a graceful shutdown.
+    """
+    if slots is None:
+        slots = getattr(engine_or_loader, "slots", None)
+        slots = slots if isinstance(slots, int) else 4
+    serving = Serving(engine_or_loader, slots=slots, max_queued=max_queued, model_name=model_name,
+                      request_timeout=request_timeout, max_body_bytes=max_body_bytes,
+                      default_max_tokens=default_max_tokens, retry_after=retry_after)
+    created = int(time.time())
+
+    async def chat(request: Request) -> Any:
+        return await completions(request, "chat")
+
+    async def completion(request: Request) -> Any:
+        return await completions(request, "completion")
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse(models_body(serving.model_name or "specdec-rt", created))
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok" if serving.state == "ready" else serving.state,
+                             "model": serving.model_name, "admitted": serving.admitted},
+                            status_code=200 if serving.state == "ready" else 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        async with anyio.create_task_group() as tg:
+            if serving.state == "loading":
+                tg.start_soon(serving.load)  # the server listens meanwhile: /health says loading
+            try:
+                yield
+            finally:
+                serving.begin_drain()
+                tg.cancel_scope.cancel()  # a load still running is abandoned
+        await serving.shutdown()
+
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return error_response(err)
+
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completion, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+    )
+    app.state.serving = serving
+    return app
+
+
+def begin_drain(app: Starlette) -> None:
+    """Stop taking requests (503, ``/health`` 503); admitted ones finish. The CLI calls this on
+    SIGTERM, before uvicorn waits for the running requests and runs the lifespan shutdown."""
+    app.state.serving.begin_drain()

@@ -1,0 +1,75 @@
+"""Prometheus metrics of one server (its own ``CollectorRegistry``, so several apps can coexist).
+
+Token counters are fed from the engine's per-request :class:`~specdec_rt.types.Stats`, so over any
+run their deltas equal the sums of the requests' ``Stats`` (a cancelled request counts the tokens
+it streamed; it has no final ``Stats``, so its drafts are not counted).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["Metrics", "CONTENT_TYPE_LATEST"]
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+
+
+class Metrics:
+    """The server's metrics. ``running`` / ``waiting`` are read when scraped."""
+
+    def __init__(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+        self.registry = r = CollectorRegistry()
+        self.running = Gauge("specdec_requests_running", "Requests generating (holding an engine slot)",
+                             registry=r)
+        self.running.set_function(running)
+        self.waiting = Gauge("specdec_requests_waiting", "Admitted requests waiting for an engine slot",
+                             registry=r)
+        self.waiting.set_function(waiting)
+        self.generation_tokens = Counter("specdec_generation_tokens", "Generated tokens", registry=r)
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.drafts = Counter("specdec_spec_decode_num_drafts",
+                              "Speculative rounds (a draft of k >= 1 tokens, then one verify call)", registry=r)
+        self.draft_tokens = Counter("specdec_spec_decode_num_draft_tokens", "Drafted tokens", registry=r)
+        self.accepted_tokens = Counter("specdec_spec_decode_num_accepted_tokens",
+                                       "Drafted tokens the target accepted", registry=r)
+        self.success = Counter("specdec_request_success", "Requests that finished",
+                               ["finished_reason"], registry=r)
+        self.rejected = Counter("specdec_requests_rejected", "Requests refused before generation",
+                                ["reason"], registry=r)
+        self.aborted = Counter("specdec_requests_aborted", "Requests ended early after admission",
+                               ["reason"], registry=r)
+        self.ttft = Histogram("specdec_time_to_first_token_seconds", "Arrival to the first generated token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("specdec_inter_token_latency_seconds",
+                             "Time between consecutive streamed events of a request", buckets=ITL_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("specdec_e2e_request_latency_seconds", "Arrival to the last token",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.batch_size = Histogram("specdec_batch_size", "Rows in one batched target-model call",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        for reason in ("stop", "length"):
+            self.success.labels(reason)
+        for reason in ("invalid", "too_large", "overloaded", "loading", "draining"):
+            self.rejected.labels(reason)
+        for reason in ("cancelled", "timeout", "error"):
+            self.aborted.labels(reason)
+
+    def observe_batch(self, rows: int) -> None:
+        """A ``batch_listeners`` callback (may be called from the engine's worker threads)."""
+        self.batch_size.observe(rows)
+
+    def observe_stats(self, stats) -> None:
+        """A finished request's :class:`~specdec_rt.types.Stats` (its tokens were counted as they came)."""
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.drafts.inc(stats.rounds)
+        self.draft_tokens.inc(stats.drafted)
+        self.accepted_tokens.inc(stats.accepted)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

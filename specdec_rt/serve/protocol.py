@@ -1,0 +1,254 @@
+"""The OpenAI wire format: request parsing and validation, response / chunk / error bodies.
+
+Pure functions and plain data (no I/O, no Starlette), so every rule here is testable alone.
+Unknown OpenAI parameters are ignored; a known one of the wrong type or range is an
+:class:`APIError` (400) whose ``param`` names it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..errors import ContextLengthError, InvalidInputError
+
+__all__ = ["APIError", "GenParams", "Reply", "parse_request", "engine_error", "error_body",
+           "models_body", "usage_body", "sse"]
+
+Kind = Literal["chat", "completion"]
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI error body ``{"error": {message, type, code, param}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "code": code, "param": param}}
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+@dataclass
+class GenParams:
+    """A validated request: the engine's arguments plus the response options."""
+
+    kind: Kind
+    prompt: str | list[dict]
+    max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
+    temperature: float = 1.0  # OpenAI's defaults: sampling at temperature 1
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    mode: str = "spec"
+    stream: bool = False
+    include_usage: bool = False
+
+    def engine_kwargs(self, default_max_tokens: int) -> dict:
+        """Keyword arguments for ``Engine.stream`` (after the prompt)."""
+        return dict(max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
+                    top_k=self.top_k, top_p=self.top_p, seed=self.seed, mode=self.mode,
+                    stop=self.stop or None)
+
+
+def parse_request(kind: Kind, body: Any) -> GenParams:
+    """Validate a ``/v1/chat/completions`` (``kind="chat"``) or ``/v1/completions`` body."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_type")
+    prompt = _messages(body) if kind == "chat" else _prompt(body)
+    p = GenParams(kind, prompt)
+    for name in ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",):
+        if body.get(name) is not None:
+            p.max_tokens, p.max_tokens_param = _int(body, name, minimum=1), name
+            break
+    if body.get("temperature") is not None:
+        p.temperature = _number(body, "temperature", minimum=0.0)
+    if body.get("top_p") is not None:
+        p.top_p = _number(body, "top_p", minimum=0.0)
+        if not 0.0 < p.top_p <= 1.0:
+            raise _bad("top_p", f"top_p must be in (0, 1], got {p.top_p!r}")
+        p.top_p = None if p.top_p == 1.0 else p.top_p
+    if body.get("top_k") is not None:
+        top_k = _int(body, "top_k")
+        p.top_k = top_k if top_k > 0 else None  # 0 and -1 mean "off", as in vLLM
+    if body.get("seed") is not None:
+        p.seed = _int(body, "seed", minimum=0)
+    p.stop = _stop(body.get("stop"))
+    n = body.get("n")
+    if n is not None and (_int(body, "n") != 1):
+        raise _bad("n", f"only n=1 is supported, got {n!r}")
+    mode = body.get("mode", "spec")
+    if mode not in ("spec", "ar"):
+        raise _bad("mode", f"mode must be 'spec' or 'ar', got {mode!r}")
+    p.mode = mode
+    p.stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _bad("stream_options", "stream_options must be an object", "invalid_type")
+        p.include_usage = _bool(options, "include_usage", param="stream_options.include_usage")
+    return p
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if messages is None:
+        raise _bad("messages", "'messages' is required", "missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "'messages' must be a non-empty list of {role, content} objects", "invalid_type")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise _bad(f"messages[{i}]", f"messages[{i}] must be an object with a role among {', '.join(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text parts can be read
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       for c in content):
+                raise _bad(f"messages[{i}].content", "only text content parts are supported")
+            content = "".join(c["text"] for c in content)
+        elif content is None and m["role"] == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string", "invalid_type")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if prompt is None:
+        raise _bad("prompt", "'prompt' is required", "missing_required_parameter")
+    if not isinstance(prompt, str) or not prompt:
+        raise _bad("prompt", "'prompt' must be a non-empty string (token-id and batched prompts are not "
+                             "supported)", "invalid_type")
+    return prompt
+
+
+def _int(body: dict, name: str, minimum: int | None = None) -> int:
+    value = body[name]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, f"{name} must be an integer, got {value!r}", "invalid_type")
+    if minimum is not None and value < minimum:
+        raise _bad(name, f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _number(body: dict, name: str, minimum: float) -> float:
+    value = body[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(name, f"{name} must be a number, got {value!r}", "invalid_type")
+    if value < minimum:
+        raise _bad(name, f"{name} must be >= {minimum}, got {value}")
+    return float(value)
+
+
+def _bool(body: dict, name: str, param: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(param or name, f"{param or name} must be true or false, got {value!r}", "invalid_type")
+    return value
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("stop", "stop must be a string or a list of strings", "invalid_type")
+    return [s for s in stops if s]  # an empty stop string stops nothing
+
+
+def engine_error(exc: InvalidInputError, p: GenParams) -> APIError:
+    """A 400 for an error ``Engine.stream`` raised on these arguments, naming the field."""
+    prompt_param = "messages" if p.kind == "chat" else "prompt"
+    if isinstance(exc, ContextLengthError):
+        return APIError(400, str(exc), code="context_length_exceeded", param=prompt_param)
+    text = str(exc)
+    for prefix, param in (("max_new_tokens", p.max_tokens_param), ("temperature", "temperature"),
+                          ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"), ("stop", "stop"),
+                          ("mode", "mode"), ("this engine has no draft", "mode")):
+        if text.startswith(prefix):
+            return _bad(param, text)
+    return _bad(prompt_param, text)  # the prompt or the chat template
+
+
+@dataclass
+class Reply:
+    """Formats one request's response: chunks while streaming, one object otherwise."""
+
+    kind: Kind
+    model: str
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = self.created or int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
+        """A streamed chunk; the first chat chunk carries ``"role": "assistant"``."""
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        """The last chunk when ``stream_options.include_usage`` is set: no choices, the usage."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage_body(prompt_tokens, completion_tokens)}
+
+    def response(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+        """The whole (non-streamed) response."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": usage_body(prompt_tokens, completion_tokens)}
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def models_body(model: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                        "owned_by": "specdec-rt"}]}
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {text}\n\n".encode()

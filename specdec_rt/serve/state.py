@@ -1,0 +1,123 @@
+"""The server's state: the engine (or its loader), admission control, draining, metrics.
+
+A request is *admitted* once it passed validation and until its response is over; at most
+``slots + max_queued`` are admitted at once, the next one is refused with 429 before any engine
+call. ``slots`` of them generate (the engine's own limit); the rest wait for a slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable, Literal
+
+from ..logs import get_logger
+from .metrics import Metrics
+from .protocol import APIError
+
+__all__ = ["Serving"]
+
+State = Literal["loading", "ready", "draining", "failed"]
+log = get_logger("specdec_rt.serve")
+
+
+class Serving:
+    """What the routes share. ``engine_or_loader``: a loaded :class:`~specdec_rt.Engine` (ready at
+    once; the caller keeps ownership), or an async callable returning one (loaded at startup by
+    the app's lifespan, closed at shutdown)."""
+
+    def __init__(self, engine_or_loader: Any, *, slots: int, max_queued: int, model_name: str | None,
+                 request_timeout: float | None, max_body_bytes: int, default_max_tokens: int,
+                 retry_after: int = 1) -> None:
+        if slots < 1 or max_queued < 0:
+            raise ValueError(f"slots must be >= 1 and max_queued >= 0, got {slots} and {max_queued}")
+        self.slots, self.max_queued = slots, max_queued
+        self.request_timeout, self.max_body_bytes = request_timeout, max_body_bytes
+        self.default_max_tokens, self.retry_after = default_max_tokens, retry_after
+        self.admitted = 0
+        self.engine: Any = None
+        self.loader: Callable[[], Awaitable[Any]] | None = None
+        self.state: State = "loading"
+        self.on_load_error: Callable[[BaseException], None] | None = None  # the CLI exits on it
+        self.metrics = Metrics(self._running, self._waiting)
+        self._listening: list | None = None
+        if callable(getattr(engine_or_loader, "stream", None)):
+            self._attach(engine_or_loader)
+            self.state = "ready"
+        elif callable(engine_or_loader):
+            self.loader = engine_or_loader
+        else:
+            raise TypeError(f"create_app needs an Engine or an async callable returning one, "
+                            f"got {type(engine_or_loader).__name__}")
+        self.model_name = model_name or _model_name(self.engine)
+
+    # ------------------------------------------------------------------ engine
+    def _attach(self, engine: Any) -> None:
+        self.engine = engine
+        listeners = getattr(engine, "batch_listeners", None)  # one call per batched target call
+        if isinstance(listeners, list):
+            listeners.append(self.metrics.observe_batch)
+            self._listening = listeners
+
+    async def load(self) -> None:
+        """Load the engine (lifespan startup); a failure is logged and handed to ``on_load_error``."""
+        try:
+            engine = await self.loader()
+        except Exception as exc:  # noqa: BLE001 - reported, and /health says failed
+            self.state = "failed"
+            log.error("model.load_failed", error=f"{type(exc).__name__}: {exc}")
+            if self.on_load_error is not None:
+                self.on_load_error(exc)
+            return
+        self._attach(engine)
+        if self.model_name is None:
+            self.model_name = _model_name(engine)
+        if self.state == "loading":
+            self.state = "ready"
+        log.info("model.ready", model=self.model_name)
+
+    async def shutdown(self) -> None:
+        """Lifespan shutdown: stop counting batches; close the engine if this server loaded it."""
+        self.begin_drain()
+        if self._listening is not None and self.metrics.observe_batch in self._listening:
+            self._listening.remove(self.metrics.observe_batch)
+        if self.loader is not None and self.engine is not None:
+            await self.engine.aclose()
+
+    def begin_drain(self) -> None:
+        """From now on new requests get 503 and ``/health`` 503; admitted ones run to the end."""
+        if self.state in ("loading", "ready"):
+            self.state = "draining"
+            log.info("server.draining", admitted=self.admitted)
+
+    # ------------------------------------------------------------------ admission
+    def check_open(self) -> None:
+        if self.state == "ready":
+            return
+        message = {"loading": "the model is loading; retry shortly",
+                   "draining": "the server is shutting down",
+                   "failed": "the model failed to load"}[self.state]
+        raise APIError(503, message, type="service_unavailable", code=self.state)
+
+    def admit(self) -> None:
+        """Count one more request in, or raise 429 (with ``Retry-After``) when full."""
+        if self.admitted >= self.slots + self.max_queued:
+            raise APIError(429, f"the server is at capacity ({self.slots} running + {self.max_queued} queued "
+                                "requests); retry later", type="rate_limit_error", code="overloaded",
+                           headers={"Retry-After": str(self.retry_after)})
+        self.admitted += 1
+
+    def release(self) -> None:
+        self.admitted -= 1
+
+    def _running(self) -> float:
+        n = getattr(self.engine, "running", None)
+        return n if isinstance(n, int) else min(self.admitted, self.slots)
+
+    def _waiting(self) -> float:
+        n = getattr(self.engine, "waiting", None)
+        return n if isinstance(n, int) else max(0, self.admitted - self.slots)
+
+
+def _model_name(engine: Any) -> str | None:
+    if engine is None:
+        return None
+    return getattr(getattr(engine, "manifest", None), "name", None) or "specdec-rt"
