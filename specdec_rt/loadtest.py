@@ -450,9 +450,9 @@ def _check(args) -> tuple[list[int], list[str]]:
         raise LoadTestError(f"--warmup must be >= 0, got {args.warmup}")
     if args.url:
         args.url = check_loopback(args.url)
-    elif args.server_arg or args.slots or args.max_queued:
-        if not args.model:
-            raise LoadTestError("--slots, --max-queued and --server-arg need --model (a server started here)")
+        if args.server_arg or args.slots or args.max_queued:
+            raise LoadTestError("--slots, --max-queued and --server-arg are for a server started here (--model), "
+                                "not for --url")
     return levels, modes
 
 
@@ -511,16 +511,19 @@ async def _main(args, levels: list[int], modes: list[str]) -> int:
 
 
 async def _served_model(client, url: str) -> str:
-    """The first model id of ``GET /v1/models``, else ``"default"``."""
+    """The first model id of ``GET /v1/models``, else ``"default"``; :class:`LoadTestError` when
+    nothing answers at ``url``."""
     import httpx
 
     try:
         resp = await client.get(f"{url}/v1/models")
-        if resp.status_code == 200:
-            return str(resp.json()["data"][0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        pass
-    return "default"
+    except httpx.TransportError as exc:
+        raise LoadTestError(f"cannot reach the server at {url}: {type(exc).__name__}: {exc} "
+                            "(start it with: python -m specdec_rt serve, or use --model)") from None
+    try:
+        return str(resp.json()["data"][0]["id"]) if resp.status_code == 200 else "default"
+    except (ValueError, KeyError, IndexError, TypeError):
+        return "default"
 
 
 async def _run_levels(url: str, levels: list[int], modes: list[str], prompts: list, args, httpx) -> dict:
@@ -555,7 +558,7 @@ async def _run_levels(url: str, levels: list[int], modes: list[str], prompts: li
                  f"ITL p50 {_fmt_ms(p['itl_p50_ms'])} ({wall:.1f} s); "
                  f"ETA {_eta(todo[n + 1:], args, count, e2e_by_mode)}"
                  + (f"; e.g. {p['error_examples'][0]}" if p["error_examples"] else ""))
-    return {"settings": {"concurrency": levels, "modes": modes, "requests": args.requests,
+    return {"settings": {"concurrency": levels, "modes": modes, "requests": None if args.duration else count,
                          "duration": args.duration, "requests_per_phase_bound": count, "seconds_per_phase_bound": seconds,
                          "max_tokens": args.max_tokens, "temperature": args.temperature,
                          "prompts": args.prompts or "built-in", "n_prompts": len(prompts),

@@ -97,8 +97,8 @@ def speedups(phases: Sequence[dict], num: str = "spec", den: str = "ar") -> dict
             if m == num and (c, den) in by and by[c, den] > 0}
 
 
-def _f(v, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
+def _f(v, fmt: str, unit: str = "") -> str:
+    return "-" if v is None else format(v, fmt) + unit
 
 
 def format_table(report: dict) -> str:
@@ -108,9 +108,9 @@ def format_table(report: dict) -> str:
     for p in report["phases"]:
         rows.append(f"{p['concurrency']:>4} {p['mode']:<5} {p['tokens_per_s']:>8.1f} {p['requests_per_s']:>6.2f} "
                     f"{p['ok']:>5} {p['rejected_429']:>5} {p['errors']:>4} "
-                    f"{_f(p['ttft_p50_ms'], '.0f'):>7}ms {_f(p['ttft_p99_ms'], '.0f'):>7}ms "
-                    f"{_f(p['itl_p50_ms'], '.1f'):>6}ms {_f(p['itl_p99_ms'], '.1f'):>6}ms "
-                    f"{_f(p['e2e_p50_ms'], '.0f'):>7}ms")
+                    f"{_f(p['ttft_p50_ms'], '.0f', 'ms'):>9} {_f(p['ttft_p99_ms'], '.0f', 'ms'):>9} "
+                    f"{_f(p['itl_p50_ms'], '.1f', 'ms'):>8} {_f(p['itl_p99_ms'], '.1f', 'ms'):>8} "
+                    f"{_f(p['e2e_p50_ms'], '.0f', 'ms'):>9}")
     for c, s in report.get("speedup_spec_vs_ar", {}).items():
         rows.append(f"concurrency {c}: spec / ar tokens/s = {s:.2f}x")
     return "\n".join(rows)
@@ -119,7 +119,7 @@ def format_table(report: dict) -> str:
 def format_markdown(report: dict) -> str:
     """Markdown: the settings line and one table row per (concurrency, mode)."""
     s = report["settings"]
-    bound = f"{s['requests']} requests" if s.get("requests") else f"{s['duration']} s"
+    bound = f"{s['duration']:g} s" if s.get("duration") else f"{s['requests']} requests"
     lines = [f"Load test: {report.get('model') or s['url']}, {bound} per level and mode, "
              f"max_tokens {s['max_tokens']}, {s['n_prompts']} prompts ({s['prompts']}), greedy.", "",
              "| concurrency | mode | tokens/s | requests ok / 429 / errors | TTFT p50 | TTFT p99 | "
@@ -127,9 +127,9 @@ def format_markdown(report: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for p in report["phases"]:
         lines.append(f"| {p['concurrency']} | `{p['mode']}` | {p['tokens_per_s']:.1f} | "
-                     f"{p['ok']} / {p['rejected_429']} / {p['errors']} | {_f(p['ttft_p50_ms'], '.0f')} ms | "
-                     f"{_f(p['ttft_p99_ms'], '.0f')} ms | {_f(p['itl_p50_ms'], '.1f')} ms | "
-                     f"{_f(p['itl_p99_ms'], '.1f')} ms | {_f(p['e2e_p50_ms'], '.0f')} ms | "
+                     f"{p['ok']} / {p['rejected_429']} / {p['errors']} | {_f(p['ttft_p50_ms'], '.0f', ' ms')} | "
+                     f"{_f(p['ttft_p99_ms'], '.0f', ' ms')} | {_f(p['itl_p50_ms'], '.1f', ' ms')} | "
+                     f"{_f(p['itl_p99_ms'], '.1f', ' ms')} | {_f(p['e2e_p50_ms'], '.0f', ' ms')} | "
                      f"{_f(p['tokens_per_chunk'], '.2f')} |")
     sp = report.get("speedup_spec_vs_ar") or {}
     if sp:

@@ -208,12 +208,25 @@ def test_cli_refuses_a_remote_url_with_one_line(capsys, tmp_path):
     assert not (tmp_path / "o").exists()  # refused before anything was done
 
 
-def test_cli_checks_its_settings(capsys):
+def test_cli_checks_its_settings(capsys, tmp_path):
+    out = ["--out", str(tmp_path / "o")]
     for bad in (["--concurrency", "0,2"], ["--modes", "spec,beam"], ["--max-tokens", "0"],
                 ["--url", "http://127.0.0.1:1", "--slots", "2"]):
-        assert main(["loadtest", *bad]) == 1, bad
+        assert main(["loadtest", *bad, *out]) == 1, bad
+        assert capsys.readouterr().err.startswith("specdec_rt: error: --")
+    assert not (tmp_path / "o").exists()
     with pytest.raises(SystemExit):
-        main(["loadtest", "--requests", "3", "--duration", "2"])  # one bound or the other
+        main(["loadtest", "--requests", "3", "--duration", "2", *out])  # one bound or the other
+
+
+def test_cli_says_when_nothing_answers(capsys, tmp_path):
+    pytest.importorskip("httpx")
+    with socket.socket() as s:  # a loopback port with no server on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["loadtest", "--url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("specdec_rt: error: cannot reach the server at http://127.0.0.1:")
 
 
 def test_read_prompts(tmp_path):
