@@ -25,6 +25,7 @@ request from flapping between the modes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .errors import InvalidInputError
 from .types import FallbackEvent, Mode
@@ -132,6 +133,8 @@ class CostModel:
     verify_s: dict[int, float] = field(default_factory=dict)  # drafts k -> seconds per verify call
     draft_prefill_s: float | None = None  # seconds per prompt token of the draft's prefill
     prefill_skips: int = 0  # requests in a row decoded plainly by the prefill rule
+    # seconds of one batched plain step of B rows (measured by the step loop; None: unknown)
+    batch_step_s: Callable[[int], float | None] | None = None
 
     def observe(self, drafted: int, t_draft: float, t_verify: float) -> None:
         if not self.measure:
@@ -201,6 +204,25 @@ class CostModel:
         d, s = self.relative()
         return expected_tokens(a, k) / (k * d + 1.0 + s * k)
 
+    def batch_speedup(self, a: float, k: int, batch: int) -> float:
+        """Predicted tokens/s of the whole batch when this request drafts k, relative to all
+        ``batch`` requests taking one plain step together.
+
+        A drafting request leaves the batched step (the others take theirs, ``c(B-1)``) and pays
+        its own k draft steps and verify call: ``(B - 1 + E(a, k)) / (c(B-1) + k*d + v(k))``
+        against ``B / c(B)``, in seconds. For B = 1 this is :meth:`speedup`. Unknown costs
+        (never measured at this batch size) predict no gain: the request then decodes plainly
+        in the batch, which measures ``c(B)``.
+        """
+        if batch <= 1 or self.batch_step_s is None or not self.measure:
+            return self.speedup(a, k)
+        base, s = self._base_and_slope()
+        c_b, c_rest = self.batch_step_s(batch), self.batch_step_s(batch - 1)
+        if base is None or self.draft_token_s is None or c_b is None or c_rest is None:
+            return 0.0
+        t_spec = c_rest + k * self.draft_token_s + base * (1.0 + s * k)
+        return (batch - 1 + expected_tokens(a, k)) / t_spec * (c_b / batch)
+
 
 class RequestPolicy:
     """One request's speculation state machine: draft length, fallback, probing."""
@@ -218,13 +240,12 @@ class RequestPolicy:
         self._plain_since_probe = 0
         self._probe_every = config.probe_every
 
-    def best_k(self) -> tuple[int, float]:
-        """The draft length with the highest predicted speedup, and that speedup."""
-        c = self.config
-        if not c.adapt_k:
-            return c.k_init, self.costs.speedup(self.ewma.value, c.k_init)
-        a = self.ewma.value
-        return max(((k, self.costs.speedup(a, k)) for k in range(c.k_min, c.k_max + 1)), key=lambda t: t[1])
+    def best_k(self, batch: int = 1) -> tuple[int, float]:
+        """The draft length with the highest predicted speedup, and that speedup, for a request
+        alone (``batch=1``) or sharing each step with ``batch - 1`` others."""
+        c, a = self.config, self.ewma.value
+        ks = [c.k_init] if not c.adapt_k else range(c.k_min, c.k_max + 1)
+        return max(((k, self.costs.batch_speedup(a, k, batch)) for k in ks), key=lambda t: t[1])
 
     def start(self, new_tokens: int) -> FallbackEvent | None:
         """Before the first round: plain decoding for the whole request if the draft's prefill of
@@ -235,24 +256,33 @@ class RequestPolicy:
             return FallbackEvent(0, "ar", "prefill", a)
         return None
 
-    def draft_length(self, remaining: int) -> int:
+    def draft_length(self, remaining: int, batch: int = 1) -> int:
         """Drafts for the next round (0 = one plain target step). ``remaining``: tokens still
-        allowed, so a round never drafts past the budget (it emits at most k+1)."""
+        allowed, so a round never drafts past the budget (it emits at most k+1). ``batch``:
+        requests running now; when drafting would slow the batch down, this round is plain
+        (speculation turns down smoothly as the batch grows; no fallback is recorded, since
+        that is the load's doing, not the draft's)."""
         if self.mode == "ar" or remaining <= 1:
             return 0
         if not self.speculating:
-            if not self._probes or self._plain_since_probe < self._probe_every:
+            if batch > 1 or not self._probes or self._plain_since_probe < self._probe_every:
                 return 0
             self._probing = True  # a probe drafts at least k_init tokens: one round, enough evidence
             return min(max(self.best_k()[0], self.config.k_init), remaining - 1)
+        if batch > 1:
+            k, gain = self.best_k(batch)
+            return min(k, remaining - 1) if gain > self.config.min_speedup else 0
         return min(self.best_k()[0], remaining - 1)
 
     def observe(self, at: int, drafted: int, accepted: int, t_draft: float, t_verify: float,
-                timed: bool = True) -> FallbackEvent | None:
+                timed: bool = True, alone: bool = True) -> FallbackEvent | None:
         """Feed one finished round; returns the mode switch it caused, if any. ``timed=False``
         marks the first round, which included the prefills: its times are kept out of the
-        per-step costs (the draft's is used for its prefill cost instead)."""
-        if timed:
+        per-step costs (the draft's is used for its prefill cost instead). ``alone=False``: other
+        requests shared the round's calls, so its times are not this request's costs."""
+        if not alone:
+            pass
+        elif timed:
             self.costs.observe(drafted, t_draft, t_verify)
         else:
             self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)

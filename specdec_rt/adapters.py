@@ -60,9 +60,9 @@ class SyncedSession:
             raise ContextLengthError(
                 f"sequence of {n + ids.size} tokens exceeds the model's maximum length of {self.ids.size}"
             )
-        out = await self.session.extend(ids, logits_rows, **extra)
-        self.ids[n : n + ids.size] = ids
-        return out
+        self.ids[n : n + ids.size] = ids  # before the call: a cancelled call may still have written them
+        self._matched = min(self._matched, n)
+        return await self.session.extend(ids, logits_rows, **extra)
 
     def close(self) -> None:
         self.session.close()

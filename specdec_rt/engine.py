@@ -9,14 +9,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Sequence
+from typing import Callable, Sequence
 
 import anyio
 
 from .acceptance import SpecConfig
+from .batching import BatchExecutor
 from .errors import EngineClosedError, InvalidInputError, ModelLoadError
 from .drafters import CombinedDrafter, NgramDrafter
 from .ort import OrtDraftInferrer, OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
@@ -26,12 +30,15 @@ from .scheduler import SpecDecScheduler
 from .text import TextCodec
 from .types import FinishReason, Mode, Stats
 
-__all__ = ["Engine", "EngineResult", "StreamEvent"]
+__all__ = ["Engine", "EngineResult", "EngineStream", "StreamEvent"]
 
 Prompt = str | Sequence[dict]
 
 # The drafter when Engine.load gets draft=None (see docs/benchmarks.md for why).
 DEFAULT_DRAFT = "ngram+model"
+DEFAULT_SLOTS = 8  # requests batched at once; a slot's KV memory is committed only as it is used
+MAX_SLOTS = 256
+STREAM_BUFFER = 4  # events a request may run ahead of its consumer before it waits
 
 
 @dataclass
@@ -63,42 +70,66 @@ class StreamEvent:
 class Engine:
     """Speculative decoding over an exported target (and draft), for async services.
 
-    Requests may run concurrently (up to ``slots`` at once; more wait their turn); model calls run
-    in worker threads, so the event loop stays responsive. A failed request raises a
-    :class:`~specdec_rt.errors.SpecDecError`, releases its KV slots and leaves the engine usable.
-    Cancelling a request (task cancel, timeout, breaking out of ``stream``) takes effect after the
-    model call in flight, if any, and releases its slots.
+    One engine serves many concurrent requests: up to ``slots`` run at once (more wait their turn,
+    see :attr:`waiting`), and their model calls are batched across requests by one step loop
+    (:class:`~specdec_rt.batching.BatchExecutor`) whose calls run in a worker thread, so the event
+    loop stays responsive. Each request chooses its own draft length from its acceptance and from
+    the measured cost of the batch it runs in (speculation turns down as the batch grows).
+
+    A failed request raises a :class:`~specdec_rt.errors.SpecDecError`, releases its KV slots and
+    leaves the engine usable. Cancelling a request (task cancel, timeout, ``break`` out of
+    ``stream``, dropping or ``aclose()``-ing the stream) takes effect at once for the caller; its
+    model state is released on the next event-loop pass (a model call already running finishes
+    first and its result is dropped), without waiting for a garbage collection.
     """
 
     def __init__(self, target: OrtModel, drafter: DraftInferrer | None, codec: TextCodec,
-                 config: SpecConfig | None = None, *, slots: int = 4, draft_name: str | None = None) -> None:
+                 config: SpecConfig | None = None, *, slots: int = DEFAULT_SLOTS, draft_name: str | None = None) -> None:
         self.target, self.drafter, self.codec = target, drafter, codec
         self.manifest = target.manifest
         self.draft_name = draft_name
+        self.slots = slots
+        self.executor = BatchExecutor()
+        for model in _models(target, drafter):
+            model.executor = self.executor  # every model call of this engine goes through one loop
+        #: callables ``f(rows)`` told about every target-model call (rows: requests in the batch)
+        self.batch_listeners: list[Callable[[int], None]] = []
+        self.executor.listeners.append(self._tell_batch)
         verifier = OrtTargetVerifier(target, share_hidden=bool(getattr(drafter, "needs_target_hidden", False)))
-        self.scheduler = SpecDecScheduler(drafter, verifier, config,
-                                          eos_ids=self.manifest.eos_ids)
+        self.scheduler = SpecDecScheduler(drafter, verifier, config, eos_ids=self.manifest.eos_ids,
+                                          batch_costs=lambda rows: self.executor.step_seconds(target, rows))
         self._slots = anyio.Semaphore(slots)
+        self._tasks: set[asyncio.Task] = set()
+        self.running = 0  #: requests holding a slot
+        self.waiting = 0  #: requests waiting for a slot
         self._closed = False
+
+    def _tell_batch(self, model, rows: int, seconds: float) -> None:
+        if model is self.target:
+            for f in self.batch_listeners:
+                f(rows)
 
     # ------------------------------------------------------------------ loading
     @classmethod
     async def load(cls, name_or_path: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                    max_length: int | None = None, threads: int | None = None, provider: str = "auto",
-                   slots: int = 4, spec_config: SpecConfig | None = None) -> "Engine":
+                   slots: int = DEFAULT_SLOTS, spec_config: SpecConfig | None = None) -> "Engine":
         """Load a built recipe (``"smollm2-135m"``) or an export folder.
 
         ``draft``: ``None`` for the default (``DEFAULT_DRAFT``: n-gram lookup, else the manifest's
         first draft model), ``"none"``, ``"ngram"``, a draft model (a name from the manifest such as
         ``"q4"``, ``"model"`` for the first, or a folder), or ``"ngram+<draft model>"``.
-        A recipe that is not built raises :class:`~specdec_rt.errors.ModelNotBuiltError` naming
-        the command that builds it.
+        ``slots``: requests that run (and are batched) at once; KV memory is committed only for
+        the positions a request uses. A recipe that is not built raises
+        :class:`~specdec_rt.errors.ModelNotBuiltError` naming the command that builds it.
         """
         return await anyio.to_thread.run_sync(
             lambda: cls._load(name_or_path, draft, max_length, threads, provider, slots, spec_config))
 
     @classmethod
     def _load(cls, name_or_path, draft, max_length, threads, provider, slots, spec_config) -> "Engine":
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+            raise InvalidInputError(f"slots must be an integer in 1..{MAX_SLOTS}, got {slots!r}")
         folder = resolve_model_dir(name_or_path)
         m = load_manifest(folder)
         opts = dict(max_length=max_length, threads=threads, provider=provider, slots=slots)
@@ -117,19 +148,20 @@ class Engine:
         generation (the text is cut before the stop string). ``truncate_prompt``: keep only the
         last tokens that fit instead of raising ``ContextLengthError``."""
         parts, ids, stats = [], [], None
-        async for ev in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
-                                    stop, truncate_prompt):
-            parts.append(ev.text)
-            ids.extend(ev.token_ids)
-            stats = ev.stats or stats
+        async with self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
+                               stop, truncate_prompt) as events:
+            async for ev in events:
+                parts.append(ev.text)
+                ids.extend(ev.token_ids)
+                stats = ev.stats or stats
         return EngineResult("".join(parts), ids, stats, stats.prompt_tokens if stats else 0)
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                mode: Mode = "spec", stop: str | Sequence[str] | None = None,
-               truncate_prompt: bool = False) -> AsyncIterator[StreamEvent]:
-        """Like :meth:`generate`, as an async iterator of :class:`StreamEvent`. Arguments are
-        checked here, before any model work."""
+               truncate_prompt: bool = False) -> "EngineStream":
+        """Like :meth:`generate`, as an async iterator of :class:`StreamEvent` (also an async
+        context manager that closes it). Arguments are checked here, before any model work."""
         if self._closed:
             raise EngineClosedError("this engine is closed")
         if mode == "spec" and self.drafter is None:
@@ -143,43 +175,120 @@ class Engine:
         if truncate_prompt and isinstance(max_new_tokens, int) and len(ids) + max_new_tokens > limit:
             ids = ids[-max(1, limit - max_new_tokens):]
         request = self.scheduler.stream(ids, max_new_tokens, params, mode=mode)  # validates now
-        return self._events(request, stops)
+        send, receive = anyio.create_memory_object_stream(STREAM_BUFFER)
+        task = asyncio.get_running_loop().create_task(self._produce(request, stops, send))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return EngineStream(receive, task, self)
 
-    async def _events(self, request, stops: list[str]) -> AsyncIterator[StreamEvent]:
+    async def _produce(self, request, stops: list[str], send) -> None:
+        """One request, as a task: run it, detokenize, cut at stop strings, hand events over."""
         decoder, text = self.codec.decoder(), ""
-        async with self._slots:
+        async with send:
             try:
-                async for ev in request:
-                    delta = decoder.push(ev.token_ids)
-                    finished = ev.finished
-                    if finished:
-                        delta += decoder.flush()
-                    text += delta
-                    cut = _find_stop(text, stops, len(text) - len(delta))
-                    if cut is not None:  # end at a stop string: emit the text before it
-                        delta = delta[: max(0, len(delta) - (len(text) - cut))]
-                        request.context.finish_reason = request.stats.finish_reason = finished = "stop"
-                    yield StreamEvent(delta, ev.token_ids, finished, request.stats if finished else None)
-                    if cut is not None:
-                        break
-            finally:
-                await request.aclose()  # releases the request's KV slots, however it ended
+                self.waiting += 1
+                try:
+                    await self._slots.acquire()
+                finally:
+                    self.waiting -= 1
+                self.running += 1
+                try:
+                    async for ev in request:
+                        delta = decoder.push(ev.token_ids)
+                        finished = ev.finished
+                        if finished:
+                            delta += decoder.flush()
+                        text += delta
+                        cut = _find_stop(text, stops, len(text) - len(delta))
+                        if cut is not None:  # end at a stop string: emit the text before it
+                            delta = delta[: max(0, len(delta) - (len(text) - cut))]
+                            request.context.finish_reason = request.stats.finish_reason = finished = "stop"
+                        await send.send(StreamEvent(delta, ev.token_ids, finished,
+                                                    request.stats if finished else None))
+                        if cut is not None:
+                            break
+                finally:
+                    await request.aclose()  # releases the request's KV slots, however it ended
+                    self.running -= 1
+                    self._slots.release()
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the consumer went away: nothing to tell
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await send.send(exc)
 
     # ------------------------------------------------------------------ lifecycle
     async def aclose(self) -> None:
-        """Release the models (ONNX Runtime sessions and KV pools). Later calls raise
-        :class:`EngineClosedError`; a request still running fails with an ``InferenceError``."""
+        """Stop the step loop after the model call in flight, end running requests with
+        :class:`EngineClosedError`, then release the models (ONNX Runtime sessions and KV pools).
+        Later calls raise :class:`EngineClosedError`."""
+        if self._closed:
+            return
         self._closed = True
-        for model in (self.target, getattr(self.drafter, "model", None),
-                      getattr(getattr(self.drafter, "model", None), "model", None)):
-            if isinstance(model, OrtModel):  # the target, a draft model, a combined drafter's model
-                model.close()
+        await self.executor.aclose()  # no model call runs after this
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
+        for model in _models(self.target, self.drafter):
+            model.close()
 
     async def __aenter__(self) -> "Engine":
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+
+class EngineStream:
+    """One request's :class:`StreamEvent` iterator. The request runs in its own task; closing
+    this (``aclose()``, ``async with``, or dropping the last reference, e.g. ``break`` out of
+    ``async for``) cancels it and frees its slots on the next event-loop pass."""
+
+    def __init__(self, receive, task: asyncio.Task, engine: Engine) -> None:
+        self._receive, self._task, self._engine = receive, task, engine
+        self._finalizer = weakref.finalize(self, _cancel_soon, task.get_loop(), task, receive)
+        self._finalizer.atexit = False
+
+    def __aiter__(self) -> "EngineStream":
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        try:
+            item = await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            if self._finalizer.alive and self._engine._closed and self._task.cancelled():
+                raise EngineClosedError("the engine was closed while this request ran") from None
+            raise StopAsyncIteration from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        """End the request now (its slots are freed on the next event-loop pass)."""
+        self._finalizer()
+
+    async def __aenter__(self) -> "EngineStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+def _cancel_soon(loop, task: asyncio.Task, receive) -> None:
+    """Cancel a request's task from wherever its stream was dropped (thread-safe)."""
+    receive.close()
+    if not task.done() and not loop.is_closed():
+        loop.call_soon_threadsafe(task.cancel)
+
+
+def _models(target, drafter) -> list[OrtModel]:
+    """The ONNX Runtime models of an engine: the target, a draft model, a combined drafter's."""
+    found = []
+    for model in (target, getattr(drafter, "model", None), getattr(getattr(drafter, "model", None), "model", None)):
+        if isinstance(model, OrtModel) and model not in found:
+            found.append(model)
+    return found
 
 
 def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from time import perf_counter
-from typing import AsyncIterator, Iterable, Sequence
+from typing import AsyncIterator, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -44,14 +44,16 @@ class SpecDecScheduler:
     """
 
     def __init__(self, drafter: DraftInferrer | None, verifier: TargetVerifier,
-                 config: SpecConfig | None = None, *, eos_ids: Iterable[int] = ()) -> None:
+                 config: SpecConfig | None = None, *, eos_ids: Iterable[int] = (),
+                 batch_costs: Callable[[int], float | None] | None = None) -> None:
         self.drafter = drafter
         self.verifier = verifier
         self.config = config or SpecConfig()
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.shared_ewma = AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance)
-        self.costs = CostModel(self.config, measure=self.config.measure_costs)
+        self.costs = CostModel(self.config, measure=self.config.measure_costs, batch_step_s=batch_costs)
         self.totals = Stats(mode="total")
+        self.running = 0  # requests in their loop now: the batch their model calls share
 
     @property
     def max_length(self) -> int | None:
@@ -96,12 +98,15 @@ class SpecDecScheduler:
         stats, timed = ctx.stats, False  # the first round includes prefill: keep it out of costs
         stats.mode = policy.mode
         t_start = perf_counter()
+        self.running += 1
         try:
             if (switch := policy.start(ctx.max_new_tokens)) is not None:
                 stats.fallbacks.append(switch)  # the draft's prefill would cost more than it saves
             while not ctx.done:
-                # 1. choose: how many tokens to draft this round (0 = one plain target step)
-                k = policy.draft_length(ctx.remaining)
+                # 1. choose: how many tokens to draft this round (0 = one plain target step), for
+                #    this request's acceptance and the batch its calls share with the others
+                batch = self.running
+                k = policy.draft_length(ctx.remaining, batch)
                 # 2. draft: up to k proposals continuing the committed tokens
                 t0 = perf_counter()
                 drafts = list(await self.drafter.generate_draft(ctx, k))[:k] if k else []
@@ -113,7 +118,8 @@ class SpecDecScheduler:
                 at = ctx.generated.size
                 new = ctx.commit(verdict.tokens)
                 # 5. observe: stats, acceptance EWMA, costs, next draft length, fallback
-                switch = policy.observe(at, len(drafts), verdict.accepted, t1 - t0, t2 - t1, timed)
+                switch = policy.observe(at, len(drafts), verdict.accepted, t1 - t0, t2 - t1, timed,
+                                        alone=batch == 1 == self.running)
                 stats.observe_round(len(drafts), verdict.accepted, new.size, t1 - t0, t2 - t1,
                                     policy.ewma.value if drafts or stats.rounds else None)
                 timed = timed or bool(drafts)  # a drafter's prefill may come in its first drafting round
@@ -125,6 +131,8 @@ class SpecDecScheduler:
                     log.debug("round", k=len(drafts), accepted=verdict.accepted, emitted=new.size,
                               ewma=round(policy.ewma.value, 3), t_draft=t1 - t0, t_verify=t2 - t1)
                 # 6. emit: these tokens are final
+                if stats.time_to_first_token is None:
+                    stats.time_to_first_token = perf_counter() - t_start
                 yield TokenEvent(tuple(new.tolist()), at, len(drafts), verdict.accepted, ctx.finish_reason)
         except SpecDecError:
             ctx.finish_reason = "error"
@@ -136,6 +144,7 @@ class SpecDecScheduler:
             ctx.finish_reason = ctx.finish_reason or "cancelled"
             raise
         finally:
+            self.running -= 1
             stats.finish_reason = ctx.finish_reason
             stats.time_total = perf_counter() - t_start
             self.totals.merge(stats)

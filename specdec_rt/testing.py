@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .adapters import ModelDrafter, ModelVerifier
+from .batching import BatchExecutor
 from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
 from .sampling import SamplingParams, warp
 from .acceptance import SpecConfig
@@ -54,6 +55,13 @@ class ToyLM(LanguageModel):
         self.table = table if table is not None else rng.normal(size=(vocab_size**order, vocab_size)) * sharpness
         self.calls = 0
         self.positions = 0
+        self.batches: list[int] = []  # rows of every batched call (with an executor)
+        self.executor = None  # a BatchExecutor: calls go through its step loop, batched
+
+    def run_batch_sync(self, sessions: list["ToySession"], ids: np.ndarray, pasts: np.ndarray) -> np.ndarray:
+        """One single-token step of several sessions in one call: logits ``[B, V]``."""
+        self.batches.append(len(sessions))
+        return np.concatenate([s.run_sync(ids[i : i + 1], 1, int(pasts[i])) for i, s in enumerate(sessions)])
 
     def logits_at(self, ids: np.ndarray) -> np.ndarray:
         """Next-token logits after each prefix ``ids[:i+1]``: ``[len(ids), V]``."""
@@ -85,6 +93,13 @@ class ToySession(CacheSession):
         if self.closed:
             raise RuntimeError("session is closed")
         ids = np.asarray(ids, dtype=np.int64)
+        if self.model.executor is not None:
+            return await self.model.executor.extend(self, ids, logits_rows)
+        return self.run_sync(ids, logits_rows, self._n)
+
+    def run_sync(self, ids: np.ndarray, logits_rows: int, past: int) -> np.ndarray:
+        """Feed ``ids`` [S] after ``past`` cached tokens (the executor's entry point)."""
+        self._n = past
         self._ids[self._n : self._n + ids.size] = ids
         self._n += ids.size
         self.model.calls += 1
@@ -146,10 +161,14 @@ def toy_pair(vocab_size: int = 8, order: int = 2, seed: int = 0, distance: float
 
 
 def toy_scheduler(distance: float = 0.5, vocab_size: int = 8, seed: int = 0,
-                  config: SpecConfig | None = None, eos_ids: Iterable[int] = ()
+                  config: SpecConfig | None = None, eos_ids: Iterable[int] = (), batched: bool = False,
                   ) -> tuple[SpecDecScheduler, ToyLM, ToyLM]:
-    """A scheduler over a :func:`toy_pair`: ``(scheduler, target, draft)``."""
+    """A scheduler over a :func:`toy_pair`: ``(scheduler, target, draft)``. ``batched=True``
+    runs every model call through one :class:`~specdec_rt.batching.BatchExecutor`, as an Engine
+    does (concurrent requests' single-token steps become batched calls; long feeds are chunked)."""
     target, draft = toy_pair(vocab_size, seed=seed, distance=distance)
+    if batched:
+        target.executor = draft.executor = BatchExecutor(chunk=4)
     return SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), config, eos_ids=eos_ids), target, draft
 
 

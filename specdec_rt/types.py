@@ -105,6 +105,7 @@ class Stats:
     time_draft: float = 0.0
     time_verify: float = 0.0
     time_total: float = 0.0
+    time_to_first_token: float | None = None  # seconds from the request's start to its first token
     acceptance_ewma: float | None = None
     finish_reason: FinishReason | None = None
 

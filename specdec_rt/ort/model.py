@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import anyio
 import numpy as np
 
+from ..batching import BatchExecutor
 from ..errors import ContextLengthError, InferenceError, ModelLoadError
 from ..protocols import CacheSession, LanguageModel
 from .manifest import Manifest, load_manifest
@@ -90,14 +90,17 @@ def _configure_threads(so, threads: int) -> int:
 
 
 class KVPool:
-    """Key and value buffers for ``slots`` requests, per layer ``[slots, kv_heads, max_len, d]``.
+    """Key and value buffers for ``slots`` requests, per layer ``[slots, kv_heads, max_len + 1, d]``.
 
+    Position ``max_len`` of every slot is scratch: a batched call writes the dummy token of a row
+    that takes no part in it there when the row's cache is full (see ``OrtModel.run_batch_sync``).
     On CPU these are NumPy arrays (pages are committed only when written, so an unused slot costs
-    address space, not memory); with CUDA they are device OrtValues.
+    address space, not memory); with CUDA they are device OrtValues. Slots are handed out lowest
+    first, so the rows of a batch sit close together.
     """
 
     def __init__(self, m: Manifest, slots: int, max_len: int, device: str, ort) -> None:
-        self.shape = (slots, m.num_kv_heads, max_len, m.head_dim)
+        self.shape = (slots, m.num_kv_heads, max_len + 1, m.head_dim)
         self.device = device
         self.slot_bytes = int(np.prod(self.shape[1:])) * 4  # float32
         self._buffers = []  # [layer] -> (key, value)
@@ -108,10 +111,11 @@ class KVPool:
                 pair = tuple(ort.OrtValue.ortvalue_from_shape_and_type(self.shape, np.float32, "cuda", 0)
                              for _ in range(2))
             self._buffers.append(pair)
-        self._free = list(range(slots))[::-1]
+        self._free = list(range(slots))
 
     def pointer(self, layer: int, which: int, slot: int) -> int:
-        """Address of ``slot``'s ``[1, kv_heads, max_len, d]`` slice (which: 0 key, 1 value)."""
+        """Address of ``slot``'s ``[1, kv_heads, max_len + 1, d]`` slice (which: 0 key, 1 value);
+        ``[B, ...]`` from there covers slots ``slot .. slot + B - 1``."""
         buf = self._buffers[layer][which]
         base = buf.ctypes.data if isinstance(buf, np.ndarray) else buf.data_ptr()
         return base + slot * self.slot_bytes
@@ -119,7 +123,8 @@ class KVPool:
     def acquire(self) -> int:
         if not self._free:
             raise InferenceError(f"all {self.shape[0]} KV cache slots are in use (raise slots=)")
-        return self._free.pop()
+        self._free.sort()
+        return self._free.pop(0)
 
     def release(self, slot: int) -> None:
         self._free.append(slot)
@@ -136,7 +141,8 @@ class OrtModel(LanguageModel):
     ``slots``: concurrent requests; ``threads``: intra-op threads (default: usable CPUs; ignored
     after :func:`use_global_thread_pool`);
     ``provider``: ``"auto"`` | ``"cpu"`` | ``"cuda"``. Calls run in a worker thread, one at a time
-    per model (ONNX Runtime uses all its intra-op threads for one call anyway).
+    on the model's :class:`~specdec_rt.batching.BatchExecutor` (``executor``; an Engine shares one
+    between its models), which batches the single-token steps of concurrent requests.
     """
 
     def __init__(self, folder: str | os.PathLike | Manifest, *, max_length: int | None = None,
@@ -163,19 +169,82 @@ class OrtModel(LanguageModel):
         self.has_hidden = bool(m.outputs.get("hidden")) and m.outputs["hidden"] in {
             o.name for o in self.session.get_outputs()}
         self.pool = KVPool(m, slots, self.max_length, self.device, ort)
-        self._lock = anyio.Lock()
+        self.executor = BatchExecutor()  # an Engine puts all its models on one executor
+        self._owners: dict[int, OrtSession] = {}  # slot -> the open session that holds it
+        self._batch_io: dict[tuple[int, int], object] = {}  # (first slot, rows) -> IO binding
         self.calls = 0
 
     def start(self) -> "OrtSession":
         if self.session is None:
             raise InferenceError(f"model {self.name} is closed")
-        return OrtSession(self, self.pool.acquire())
+        session = OrtSession(self, self.pool.acquire())
+        self._owners[session.slot] = session
+        return session
 
     def close(self) -> None:
-        """Drop the ONNX Runtime session and the KV pool (idempotent). A session still open
-        fails its next call with an ``InferenceError``."""
+        """Drop the ONNX Runtime session and the KV pool (idempotent). A call already running
+        keeps them alive until it returns; a session still open fails its next call with an
+        ``InferenceError``."""
         self.session = None
         self.pool = None
+        self._batch_io.clear()
+        self._owners.clear()
+
+    def _bind_kv(self, io, first_slot: int, rows: int) -> None:
+        """Bind every layer's past and present KV to the same ``[rows, kv, max_len + 1, d]``
+        slice of the pool, starting at ``first_slot``: appends happen in place."""
+        m = self.manifest
+        shape = [rows, *self.pool.shape[1:]]
+        for layer in range(m.num_layers):
+            for which, (past, present) in enumerate((("past_key", "present_key"), ("past_value", "present_value"))):
+                ptr = self.pool.pointer(layer, which, first_slot)
+                io.bind_input(m.kv_name(past, layer), self.device, 0, np.float32, shape, ptr)
+                io.bind_output(m.kv_name(present, layer), self.device, 0, np.float32, shape, ptr)
+
+    def run_batch_sync(self, sessions: list["OrtSession"], ids: np.ndarray, pasts: np.ndarray) -> np.ndarray:
+        """One single-token step for several sessions in one call (in a worker thread): session
+        i feeds ``ids[i]`` after its first ``pasts[i]`` cached tokens. Returns logits ``[B, V]``.
+
+        The call covers the contiguous slots from the lowest to the highest of the sessions;
+        a slot in between that takes no part feeds a dummy token at its own cache length (a
+        position its owner has not committed, or the scratch position), whose output is dropped.
+        """
+        session, pool = self.session, self.pool  # held for the call: close() cannot free them under it
+        if session is None:
+            raise InferenceError(f"model {self.name} is closed")
+        slots = [s.slot for s in sessions]
+        lo, rows = min(slots), max(slots) - min(slots) + 1
+        past = np.zeros(rows, dtype=np.int64)  # [rows] cached tokens per slot
+        for slot in range(lo, lo + rows):
+            owner = self._owners.get(slot)
+            past[slot - lo] = owner.length if owner is not None else 0
+        feed = np.zeros((rows, 1), dtype=np.int64)  # [rows, 1]
+        at = np.array(slots, dtype=np.int64) - lo
+        feed[at, 0] = ids
+        past[at] = pasts
+        io = self._batch_io.get((lo, rows))
+        if io is None:
+            io = self._batch_io[(lo, rows)] = session.io_binding()
+            self._bind_kv(io, lo, rows)
+        names = self.manifest.inputs
+        io.bind_cpu_input(names["input_ids"], feed)
+        if names.get("position_ids"):
+            io.bind_cpu_input(names["position_ids"], past[:, None])  # [rows, 1]
+        io.bind_cpu_input(names["seqlens_k"], past.astype(np.int32))  # [rows]: total - 1 per row
+        io.bind_cpu_input(names["total_sequence_length"], np.array(int(past.max()) + 1, dtype=np.int32))
+        io.bind_cpu_input(names["logits_index"], np.zeros(1, dtype=np.int64))  # [1]
+        io.bind_output(self.manifest.outputs["logits"], "cpu")
+        try:
+            session.run_with_iobinding(io)
+            self.calls += 1
+            logits = io.get_outputs()[2 * self.manifest.num_layers].numpy()  # [rows, 1, V]
+        except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
+            raise InferenceError(f"ONNX Runtime failed in {self.name} (batch of {len(sessions)} "
+                                 f"rows over slots {lo}..{lo + rows - 1}): {exc}") from exc
+        del pool
+        for s, p in zip(sessions, pasts):
+            s._length = int(p) + 1
+        return logits[at, 0]  # [B, V]
 
 
 class OrtSession(CacheSession):
@@ -186,13 +255,8 @@ class OrtSession(CacheSession):
         m = model.manifest
         self._length = 0
         self._closed = False
-        io = self._io = model.session.io_binding()
-        kv_shape = [1, m.num_kv_heads, model.max_length, m.head_dim]
-        for layer in range(m.num_layers):
-            for which, (past, present) in enumerate((("past_key", "present_key"), ("past_value", "present_value"))):
-                ptr = model.pool.pointer(layer, which, slot)
-                io.bind_input(m.kv_name(past, layer), model.device, 0, np.float32, kv_shape, ptr)
-                io.bind_output(m.kv_name(present, layer), model.device, 0, np.float32, kv_shape, ptr)
+        self._io = model.session.io_binding()
+        model._bind_kv(self._io, slot, 1)
         self._names = m.inputs
         self._logits_at = 2 * m.num_layers  # outputs come back in binding order: KV first
         self._hidden_at: int | None = None  # hidden_states, bound on first request
@@ -208,6 +272,8 @@ class OrtSession(CacheSession):
 
         ``features`` [S, H]: the extra per-position input of an EAGLE draft head. ``hidden=True``
         also returns the graph's ``hidden_states`` of the S positions: ``(logits, hidden [S, H])``.
+        The call goes through the model's :class:`~specdec_rt.batching.BatchExecutor`, which
+        batches it with other requests' single-token steps and advances ``length``.
         """
         if self._closed:
             raise InferenceError("KV cache session is closed")
@@ -216,14 +282,18 @@ class OrtSession(CacheSession):
             raise InferenceError(f"logits_rows={logits_rows} must be in 1..{s}")
         if n + s > self.model.max_length:
             raise ContextLengthError(f"{n + s} tokens exceed the KV cache of {self.model.max_length}")
-        async with self.model._lock:
-            out = await anyio.to_thread.run_sync(self._run, np.asarray(ids, dtype=np.int64), logits_rows,
-                                                 features, hidden)
-        self._length = n + s  # only once the call finished: a cancelled call leaves the length as it was
-        return out
+        extra = {k: v for k, v in (("features", features), ("hidden", hidden)) if v is not None and v is not False}
+        return await self.model.executor.extend(self, np.asarray(ids, dtype=np.int64), logits_rows, **extra)
 
-    def _run(self, ids: np.ndarray, rows: int, features=None, hidden: bool = False):  # in a worker thread
-        n, s = self._length, ids.size
+    def run_sync(self, ids: np.ndarray, rows: int, past: int, features=None, hidden: bool = False):
+        """Feed ``ids`` [S] after ``past`` cached tokens and set ``length`` to ``past + S``
+        (in a worker thread: the executor calls it)."""
+        if self._closed:
+            raise InferenceError("KV cache session is closed")
+        session, pool = self.model.session, self.model.pool  # held: close() cannot free them under the call
+        if session is None:
+            raise InferenceError(f"model {self.model.name} is closed")
+        n, s = past, ids.size
         names, io = self._names, self._io
         io.bind_cpu_input(names["input_ids"], ids[None, :])  # [1, S]
         if names.get("position_ids"):
@@ -244,14 +314,17 @@ class OrtSession(CacheSession):
             io.bind_output(self.model.manifest.outputs["hidden"], "cpu")  # [1, S, H], after logits
             self._hidden_at = self._logits_at + 1
         try:
-            self.model.session.run_with_iobinding(io)
+            session.run_with_iobinding(io)
             self.model.calls += 1
             outs = io.get_outputs()
             logits = outs[self._logits_at].numpy()[0]  # [R, V]
+            self._length = n + s
             return (logits, outs[self._hidden_at].numpy()[0]) if hidden else logits  # [S, H]
         except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
             raise InferenceError(f"ONNX Runtime failed in {self.model.name} "
                                  f"(past {n}, new {s} tokens): {exc}") from exc
+        finally:
+            del pool
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self._length:
@@ -264,6 +337,8 @@ class OrtSession(CacheSession):
             self._io.clear_binding_inputs()
             self._io.clear_binding_outputs()
             if self.model.pool is not None:  # None: the model was closed meanwhile
+                if self.model._owners.get(self.slot) is self:
+                    del self.model._owners[self.slot]
                 self.model.pool.release(self.slot)
 
 

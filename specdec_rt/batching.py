@@ -1,0 +1,213 @@
+"""The step loop that batches model calls across requests (continuous batching).
+
+Every request runs its own scheduler loop (:mod:`specdec_rt.scheduler`: choose k, draft, verify,
+commit, observe, emit), and every model call it makes ends here, in one :class:`BatchExecutor`
+per engine. Each iteration of the executor's loop:
+
+1. **gather**: let every request that is ready submit its next call (the event loop runs until
+   no new call arrives), so the rows of concurrent requests meet in one iteration;
+2. **batch**: per model, the single-token steps of all requests (plain decoding rows, draft
+   steps) become **one** batched call over their KV slots (``run_batch_sync``); multi-position
+   calls (prefill, a verify over k+1 positions) run one request at a time, and long ones are cut
+   into chunks of ``chunk`` positions while other rows wait, so a new prompt never stalls the
+   batch for more than one chunk;
+3. **run**: one call at a time, in a worker thread (one call already uses every core), then
+   resolve the callers' futures and record the call's cost (seconds per batch size).
+
+Requests join and leave between iterations. Why several positions run one request at a time:
+ONNX Runtime's CPU GroupQueryAttention refuses ``batch > 1`` with several new positions and a
+past; and on a CPU a multi-position verify batch pays only at batch 1 or 2 (measured, see
+docs/architecture.md), which is what the scheduler's cost model picks anyway.
+
+A model takes part by offering two synchronous methods (run in the worker thread):
+``session.run_sync(ids [S], rows, past, **extra)`` and, for batching,
+``model.run_batch_sync(sessions, ids [B], pasts [B]) -> logits [B, V]``. Both set each
+session's ``length`` as soon as its KV entries are written (also per chunk), so a batched call
+can tell which positions of every slot are free to scribble on.
+
+Cancellation: a caller cancelled while its call waits is dropped from the queue; a call already
+running finishes and its result is discarded (the session's cache then holds positions its owner
+never saw, which the next call rolls back). :meth:`aclose` stops the loop after the call in
+flight, so model buffers are never freed under a running call; waiting callers get
+``EngineClosedError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any, Callable
+
+import anyio
+import numpy as np
+
+from .errors import EngineClosedError, InferenceError, SpecDecError
+
+__all__ = ["BatchExecutor"]
+
+GATHER_PASSES = 16  # most event-loop passes spent gathering calls before a batch is cut
+
+
+@dataclass(eq=False)
+class _Call:
+    session: Any
+    ids: np.ndarray  # [S] int64
+    rows: int  # logits rows wanted (of the last positions)
+    extra: dict
+    future: asyncio.Future
+    done: int = 0  # positions already fed (chunked calls)
+    hidden: list = field(default_factory=list)  # hidden states of fed chunks, when asked for
+
+    @property
+    def model(self):
+        return self.session.model
+
+    @property
+    def batchable(self) -> bool:
+        return (self.ids.size == 1 and self.rows == 1 and not self.extra
+                and hasattr(self.model, "run_batch_sync"))
+
+
+class BatchExecutor:
+    """Runs the model calls of one engine (all its models), batching across requests.
+
+    ``chunk``: longest piece of a multi-position call run while other rows wait.
+    ``listeners``: callables ``f(model, rows, seconds)`` told about every model call.
+    """
+
+    def __init__(self, chunk: int = 32) -> None:
+        self.chunk = max(1, int(chunk))
+        self.listeners: list[Callable[[Any, int, float], None]] = []
+        self._pending: list[_Call] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        self._step_s: dict[tuple[int, int], float] = {}  # (id(model), rows) -> EWMA seconds
+        self.calls = 0
+
+    # ------------------------------------------------------------------ the callers' side
+    async def extend(self, session, ids: np.ndarray, rows: int, **extra):
+        """Feed ``ids`` ``[S]`` to ``session`` and return the logits of the last ``rows``
+        positions (``(logits, hidden)`` with ``hidden=True``), batched with other requests."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._loop(), name="specdec-batch-executor")
+        call = _Call(session, np.asarray(ids, dtype=np.int64), rows, extra, loop.create_future())
+        self._pending.append(call)
+        self._wake.set()
+        try:
+            return await call.future
+        finally:
+            if not call.future.done():  # cancelled while waiting: leave the queue
+                call.future.cancel()
+                if call in self._pending:
+                    self._pending.remove(call)
+
+    def step_seconds(self, model, rows: int) -> float | None:
+        """Measured seconds of one batched single-token step of ``rows`` rows (None: never seen)."""
+        return self._step_s.get((id(model), rows))
+
+    async def aclose(self) -> None:
+        """Stop after the call in flight; calls still waiting fail with ``EngineClosedError``."""
+        self._closed = True
+        for call in self._pending:
+            if not call.future.done():
+                call.future.set_exception(EngineClosedError("the engine was closed"))
+        self._pending.clear()
+        if self._task is not None:
+            self._wake.set()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait([self._task])
+
+    # ------------------------------------------------------------------ the loop
+    async def _loop(self) -> None:
+        while not self._closed:
+            if not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            # 1. gather: every request that is ready submits its call before the batch is cut
+            seen = -1
+            for _ in range(GATHER_PASSES):
+                if seen == len(self._pending):
+                    break
+                seen = len(self._pending)
+                await asyncio.sleep(0)
+            calls = [c for c in self._pending if not c.future.done()]
+            self._pending.clear()
+            # 2. batch: single-token steps per model, then multi-position calls one at a time
+            groups: dict[int, list[_Call]] = {}
+            for c in calls:
+                if c.batchable:
+                    groups.setdefault(id(c.model), []).append(c)
+            singles = [c for c in calls if not c.batchable]
+            waiting = len(calls) > 1
+            # 3. run: one call at a time in a worker thread, results out as soon as they exist
+            for group in groups.values():
+                await self._run(group, self._batch_job)
+            for c in singles:
+                await self._run([c], lambda calls: self._single_job(calls[0], chunked=waiting))
+                if not c.future.done() and c.done < c.ids.size:
+                    self._pending.append(c)  # a long call continues in the next iteration
+
+    async def _run(self, calls: list[_Call], make_job: Callable[[list[_Call]], Callable[[], list]]) -> None:
+        calls = [c for c in calls if not c.future.done()]  # a caller cancelled meanwhile is skipped
+        if self._closed or not calls:
+            return
+        t0 = perf_counter()
+        try:
+            results = await anyio.to_thread.run_sync(make_job(calls))
+        except BaseException as exc:  # noqa: BLE001 - handed to the callers
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            err = exc if isinstance(exc, SpecDecError) else InferenceError(f"model call failed: {exc}")
+            for c in calls:
+                if not c.future.done():
+                    c.future.set_exception(err)
+            return
+        seconds = perf_counter() - t0
+        self.calls += 1
+        model = calls[0].model
+        if len(calls) > 1 or calls[0].batchable:
+            key = (id(model), len(calls))
+            old = self._step_s.get(key)
+            self._step_s[key] = seconds if old is None else old + 0.1 * (seconds - old)
+        for f in self.listeners:
+            f(model, len(calls), seconds)
+        for c, r in zip(calls, results):
+            if r is not None and not c.future.done():
+                c.future.set_result(r)
+
+    def _batch_job(self, group: list[_Call]) -> Callable[[], list]:
+        def job():  # in the worker thread
+            sessions = [c.session for c in group]
+            if len(group) == 1:
+                c = group[0]
+                return [c.session.run_sync(c.ids, 1, c.session.length)]
+            pasts = np.array([s.length for s in sessions], dtype=np.int64)  # [B]
+            ids = np.array([int(c.ids[0]) for c in group], dtype=np.int64)  # [B]
+            logits = group[0].model.run_batch_sync(sessions, ids, pasts)  # [B, V]
+            return [logits[i : i + 1] for i in range(len(group))]  # [1, V] each
+        return job
+
+    def _single_job(self, c: _Call, chunked: bool) -> Callable[[], list]:
+        def job():  # in the worker thread
+            s, n, size = c.session, c.ids.size, self.chunk
+            end = n if not chunked or n - c.done <= size + c.rows else c.done + size
+            part = c.ids[c.done : end]
+            extra = dict(c.extra)
+            if "features" in extra and extra["features"] is not None:
+                extra["features"] = extra["features"][c.done : end]
+            rows = c.rows if end == n else 1
+            out = s.run_sync(part, rows, s.length, **extra)
+            c.done = end
+            if extra.get("hidden"):
+                logits, hidden = out
+                c.hidden.append(hidden)
+                out = (logits, np.concatenate(c.hidden) if len(c.hidden) > 1 else hidden)
+            return [out if end == n else None]
+        return job
