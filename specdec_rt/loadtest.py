@@ -488,11 +488,12 @@ async def _main(args, levels: list[int], modes: list[str]) -> int:
         report = await _run_levels(url, levels, modes, prompts, args, httpx)
     finally:
         if server:
-            code = server.stop()
-            _log(f"server stopped (exit status {code})")
+            server_status = server.stop()
+            _log(f"server stopped (exit status {server_status})")
     report["settings"]["url"] = url
     report["model"] = args.model
-    report["server"] = {"cmd": server.cmd[1:], "log": str(server.log_path)} if server else None
+    report["server"] = ({"cmd": server.cmd[1:], "log": str(server.log_path), "exit_status": server_status}
+                        if server else None)
     png = plot(report, out / "loadtest.png")
     if png is None:
         _log("matplotlib is not installed: no chart (pip install matplotlib)")
@@ -578,8 +579,9 @@ def _eta(rest: list[tuple[int, str]], args, count: int, e2e_by_mode: dict[str, f
         return "0 s"
     if args.duration:
         secs = args.duration * len(rest)
-    elif all(m in e2e_by_mode for _, m in rest):
-        secs = sum(min(math.ceil(count / c) * e2e_by_mode[m], args.time_limit) for c, m in rest)
+    elif e2e_by_mode:  # a mode not measured yet: the mean of the others
+        guess = sum(e2e_by_mode.values()) / len(e2e_by_mode)
+        secs = sum(min(math.ceil(count / c) * e2e_by_mode.get(m, guess), args.time_limit) for c, m in rest)
     else:
         return "?"
     return f"{secs / 60:.0f} min" if secs >= 120 else f"{secs:.0f} s"

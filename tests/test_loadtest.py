@@ -364,3 +364,38 @@ def test_duration_bound_stops_by_itself(capsys, tmp_path):
     table = captured.out.splitlines()
     assert table[0].split()[:3] == ["conc", "mode", "tok/s"] and table[1].split()[:2] == ["2", "ar"]
     assert seen["n"] > 2  # the closed loop kept sending until the time was up
+
+
+# ----------------------------------------------------------------------------------- the real server
+
+def _needs_the_server():
+    for mod in ("httpx", "starlette", "uvicorn", "prometheus_client"):
+        pytest.importorskip(mod)
+    pytest.importorskip("specdec_rt.serve.app")
+
+
+def test_model_starts_the_real_server_and_stops_it(tiny_llama, capsys, tmp_path):
+    """--model: `python -m specdec_rt serve` on a free loopback port, /health, both modes, SIGTERM."""
+    _needs_the_server()
+    out = tmp_path / "lt"
+    code = main(["loadtest", "--model", str(tiny_llama), "--concurrency", "1,2", "--requests", "3",
+                 "--max-tokens", "8", "--json", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    for p in report["phases"]:  # slots = max-queued = the highest concurrency: nothing refused
+        assert (p["requests"], p["ok"], p["rejected_429"], p["errors"], p["usage_missing"]) == (3, 3, 0, 0, 0), p
+        assert 0 < p["completion_tokens"] <= 3 * 8 and p["ttft_p50_ms"] > 0
+    assert report["server"]["exit_status"] == 0  # drained and exited on SIGTERM
+    assert report["server"]["cmd"][:5] == ["-m", "specdec_rt", "serve", "--model", str(tiny_llama)]
+    assert report["settings"]["url"].startswith("http://127.0.0.1:")
+    assert "server ready at http://127.0.0.1:" in captured.err and (out / "server.log").stat().st_size > 0
+
+
+def test_model_server_that_fails_to_start_is_one_error(tiny_llama, capsys, tmp_path):
+    _needs_the_server()
+    code = main(["loadtest", "--model", str(tiny_llama), "--server-arg=--no-such-option", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "specdec_rt: error: the server exited with status 2 before it was ready" in err
+    assert "--no-such-option" in err  # its last output, from server.log
