@@ -37,7 +37,9 @@ def ensure_built(model: str, allow_build: bool = True, say: Callable[[str], None
             raise
     say(f"model {model!r} is not built yet: building it now (python -m export {model}); "
         "this happens once")
-    proc = subprocess.run([sys.executable, "-m", "export", model])
+    # the exporter prints the folder on stdout: send it to stderr, where a --json caller's stdout
+    # stays one JSON document
+    proc = subprocess.run([sys.executable, "-m", "export", model], stdout=2)
     if proc.returncode != 0:
         raise SpecDecError(f"building {model!r} failed (python -m export {model} exited {proc.returncode})")
     return resolve_model_dir(model)
