@@ -17,6 +17,7 @@ __all__ = ["SCHEMA_VERSION", "MANIFEST", "build_manifest", "write_manifest", "re
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+STAMP = ".specdec-verified.json"  # the runtime's record of verified sha256 (docs/manifest.md)
 
 
 def onnx_section(quantization: dict | None) -> dict:
@@ -39,7 +40,8 @@ def onnx_section(quantization: dict | None) -> dict:
 def file_table(folder: Path) -> dict:
     """sha256 and size of every regular file directly in `folder` except the manifest."""
     return {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-            for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != MANIFEST}
+            for p in sorted(Path(folder).iterdir())
+            if p.is_file() and p.name not in (MANIFEST, STAMP)}
 
 
 def build_manifest(*, name: str, role: str, spec: ModelSpec, tok: TokenizerInfo,
@@ -70,9 +72,17 @@ def build_manifest(*, name: str, role: str, spec: ModelSpec, tok: TokenizerInfo,
 
 
 def write_manifest(folder: Path, manifest: dict) -> Path:
-    """Write `manifest.json` (the last file of a folder)."""
+    """Write `manifest.json` (the last file of a folder), and the runtime's verification stamp
+    for the files just hashed into it, so the first load does not hash them again."""
     path = Path(folder) / MANIFEST
     path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    stamp = {}
+    for fname, meta in (manifest.get("files") or {}).items():
+        st = (Path(folder) / fname).stat()
+        if st.st_size != meta["bytes"]:
+            return path  # changed since it was hashed: let the runtime verify it
+        stamp[fname] = [st.st_size, st.st_mtime_ns, meta["sha256"]]
+    (Path(folder) / STAMP).write_text(json.dumps({"files": stamp}))
     return path
 
 

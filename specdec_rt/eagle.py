@@ -23,7 +23,7 @@ import numpy as np
 from .adapters import TARGET_HIDDEN
 from .context import RequestContext
 from .errors import ModelLoadError
-from .ort.manifest import Manifest
+from .ort.manifest import LIMITS, Manifest
 from .ort.model import OrtModel
 from .protocols import DraftInferrer
 from .sampling import sample, warp
@@ -33,14 +33,34 @@ __all__ = ["EagleDrafter", "load_vocab_map"]
 
 
 def load_vocab_map(m: Manifest) -> tuple[np.ndarray, int]:
-    """``(vocab [V'] int64, target_vocab_size)`` of an EAGLE draft folder, checked."""
+    """``(vocab [V'] int64, target_vocab_size)`` of an EAGLE draft folder, checked.
+
+    The file is untrusted: it must lie inside the folder, and its ``.npy`` header (read first,
+    without loading anything) must describe a 1-D integer array of exactly ``vocab_size``
+    entries; no pickles, no npz, no floats, no header that claims more than it holds."""
     info = m.raw.get("draft_vocab") or {}
-    path = m.folder / str(info.get("file", "vocab.npy"))
+    if not isinstance(info, dict):
+        raise ModelLoadError(f"{m.folder / 'manifest.json'}: draft_vocab must be an object")
+    path = m.path(info.get("file", "vocab.npy"), "draft_vocab.file")
+    full = info.get("target_vocab_size", 0)
+    if type(full) is not int or not 0 < full <= LIMITS["vocab_size"][1]:
+        raise ModelLoadError(f"{m.folder / 'manifest.json'}: draft_vocab.target_vocab_size must be "
+                             f"an integer from 1 to {LIMITS['vocab_size'][1]}, got {full!r}")
+    fmt = np.lib.format
     try:
-        vocab = np.load(path).astype(np.int64)
-    except (OSError, ValueError) as exc:
+        with open(path, "rb") as f:
+            version = fmt.read_magic(f)
+            if version not in ((1, 0), (2, 0), (3, 0)):
+                raise ValueError(f"unsupported .npy version {version}")
+            read_header = {(1, 0): fmt.read_array_header_1_0}.get(version, fmt.read_array_header_2_0)
+            shape, fortran, dtype = read_header(f)
+            if dtype.kind not in "iu" or dtype.hasobject or len(shape) != 1 or shape[0] != m.vocab_size:
+                raise ValueError(f"holds {dtype} {list(shape)}, expected an integer array "
+                                 f"[{m.vocab_size}]")
+            f.seek(0)
+            vocab = np.asarray(fmt.read_array(f, allow_pickle=False)).astype(np.int64)
+    except (OSError, ValueError, EOFError) as exc:
         raise ModelLoadError(f"{path}: cannot read the draft vocabulary map ({exc})") from exc
-    full = int(info.get("target_vocab_size", 0))
     if (vocab.ndim != 1 or vocab.size != m.vocab_size or vocab.size == 0
             or np.any(np.diff(vocab) <= 0) or vocab[0] < 0 or vocab[-1] >= full):
         raise ModelLoadError(f"{path}: must hold {m.vocab_size} sorted distinct ids below "

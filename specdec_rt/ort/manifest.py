@@ -2,6 +2,13 @@
 
 The runtime takes every shape and ONNX name from the manifest. A folder that is missing files, or
 whose manifest disagrees with its ONNX graph, fails here with the path and the mismatch.
+
+A model folder is untrusted input (docs/security.md): every path the manifest names must resolve
+inside the folder (symlinks included), every number is bounded before it sizes anything, the KV
+name templates may use only ``{layer}``, and anything malformed is a ``ModelLoadError`` that
+reveals nothing about files outside the folder. The sha256 of every listed file is verified once
+per folder: a stamp file (``.specdec-verified.json``: size, mtime and sha256 per file) records a
+successful check, and a file whose size or mtime changed is hashed again.
 """
 
 from __future__ import annotations
@@ -9,16 +16,57 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import ModelLoadError, ModelNotBuiltError
 
-__all__ = ["Manifest", "load_manifest", "resolve_model_dir", "cache_root", "SCHEMA_VERSION"]
+__all__ = ["Manifest", "load_manifest", "resolve_model_dir", "cache_root", "SCHEMA_VERSION",
+           "STAMP", "LIMITS", "inside"]
 
 SCHEMA_VERSION = 1
 CACHE_ENV = "SPECDEC_RT_CACHE"
+STAMP = ".specdec-verified.json"  # sha256 of the listed files, verified at (size, mtime)
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_TEMPLATE_CHARS = 256 << 10  # chat template source
+MAX_NAME_CHARS = 256  # ONNX input/output names and KV name templates
+MAX_FILES = 4096
+# architecture numbers: inclusive bounds, checked before anything is sized from them
+LIMITS = {
+    "num_layers": (1, 1024),
+    "hidden_size": (1, 1 << 16),
+    "num_heads": (1, 1024),
+    "num_kv_heads": (1, 1024),
+    "head_dim": (1, 4096),
+    "vocab_size": (1, 1 << 22),
+    "max_positions": (2, 1 << 22),
+}
+MAX_TOKEN_ID = 1 << 22
+KV_ROLES = ("past_key", "past_value", "present_key", "present_value")
+
+
+def inside(folder: Path, rel, what: str, manifest: Path | None = None) -> Path:
+    """``folder / rel`` for a relative path that resolves (symlinks followed) inside ``folder``;
+    else ``ModelLoadError``. The message names the manifest and the field, never anything about
+    the file outside (whether it exists, its size)."""
+    where = manifest or Path(folder) / "manifest.json"
+    if not isinstance(rel, str) or not rel or len(rel) > 1024 or "\0" in rel:
+        raise ModelLoadError(f"{where}: {what} must be a relative path inside the model folder, got {_short(rel)}")
+    base = Path(folder).resolve()
+    try:
+        real = (base / rel).resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a name too long
+        raise ModelLoadError(f"{where}: {what} {_short(rel)} cannot be resolved") from None
+    if real == base or not real.is_relative_to(base):
+        raise ModelLoadError(f"{where}: {what} {_short(rel)} points outside the model folder")
+    return Path(folder) / rel
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def cache_root() -> Path:
@@ -82,77 +130,228 @@ class Manifest:
         """ONNX name of ``past_key`` / ``past_value`` / ``present_key`` / ``present_value``."""
         return self.kv[role].format(layer=layer)
 
+    def path(self, rel, what: str) -> Path:
+        """A file the manifest names (``rel``), checked to lie inside the folder."""
+        return inside(self.folder, rel, what)
+
     def draft_dir(self, name: str | None = None) -> Path | None:
         """Folder of a draft listed in this manifest (the first one if ``name`` is None)."""
         if not self.drafts:
             return None
         if name is None:
-            return self.folder / self.drafts[0]["path"]
-        for d in self.drafts:
+            return self.path(self.drafts[0]["path"], "drafts[0].path")
+        for i, d in enumerate(self.drafts):
             if d.get("name") == name:
-                return self.folder / d["path"]
+                return self.path(d["path"], f"drafts[{i}].path")
         names = [d.get("name") for d in self.drafts]
         raise ModelLoadError(f"{self.folder}: no draft named {name!r}; this model has {names}")
 
 
-def load_manifest(folder: str | os.PathLike, verify_hashes: bool = False) -> Manifest:
-    """Parse and check ``folder/manifest.json``: schema, required fields, files present with the
-    recorded sizes (and sha256 when ``verify_hashes``)."""
+def load_manifest(folder: str | os.PathLike, verify_hashes: bool | str = "once") -> Manifest:
+    """Parse and check ``folder/manifest.json``: schema, required fields and their bounds, every
+    named path inside the folder, files present with the recorded sizes and sha256.
+
+    ``verify_hashes``: ``"once"`` (default) hashes each listed file unless the folder's stamp
+    says it was verified at its current size and mtime, then updates the stamp; ``"always"``
+    (or ``True``) ignores the stamp; ``"never"`` (or ``False``) checks sizes only."""
+    mode = {True: "always", False: "never"}.get(verify_hashes, verify_hashes)
+    if mode not in ("once", "always", "never"):
+        raise ValueError(f"verify_hashes must be 'once', 'always' or 'never', got {verify_hashes!r}")
     folder = Path(folder)
     path = folder / "manifest.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path}: missing") from None
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: unreadable ({exc})") from exc
+    raw = _read_json(path)
     if raw.get("schema_version") != SCHEMA_VERSION:
-        raise ModelLoadError(f"{path}: schema_version {raw.get('schema_version')!r}, this runtime reads {SCHEMA_VERSION}")
-    try:
-        arch, onnx_ = raw["architecture"], raw["onnx"]
-        tok, special = raw["tokenizer"], raw.get("special_tokens", {})
-        eos = special.get("eos") or []
-        m = Manifest(
-            folder=folder, name=raw.get("name", folder.name), role=raw.get("role", "target"),
-            num_layers=int(arch["num_layers"]), hidden_size=int(arch["hidden_size"]),
-            num_heads=int(arch["num_heads"]), num_kv_heads=int(arch["num_kv_heads"]),
-            head_dim=int(arch["head_dim"]), vocab_size=int(arch["vocab_size"]),
-            max_positions=int(arch["max_positions"]),
-            bos_id=special.get("bos"), eos_ids=tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])),
-            tokenizer_file=folder / tok["file"], tokenizer_sha256=tok.get("sha256"),
-            add_bos=bool(tok.get("add_bos", False)), chat_template=tok.get("chat_template"),
-            onnx_file=folder / onnx_["file"], inputs=dict(onnx_["inputs"]), outputs=dict(onnx_["outputs"]),
-            kv=dict(onnx_["kv"]), quantization=onnx_.get("quantization"),
-            drafts=tuple(raw.get("drafts") or ()), exact_to=raw.get("exact_to"), raw=raw,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: malformed manifest ({type(exc).__name__}: {exc})") from exc
+        raise ModelLoadError(f"{path}: schema_version {_short(raw.get('schema_version'))}, this runtime reads {SCHEMA_VERSION}")
+    arch = _obj(raw, "architecture", path)
+    onnx_ = _obj(raw, "onnx", path)
+    tok = _obj(raw, "tokenizer", path)
+    special = _obj(raw, "special_tokens", path, default={})
+    nums = {k: _int(arch.get(k), f"architecture.{k}", path, lo, hi) for k, (lo, hi) in LIMITS.items()}
+    if nums["num_kv_heads"] > nums["num_heads"]:
+        raise ModelLoadError(f"{path}: num_kv_heads={nums['num_kv_heads']} exceeds "
+                             f"num_heads={nums['num_heads']}")
+    eos = special.get("eos")
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if len(eos) > 64:
+        raise ModelLoadError(f"{path}: special_tokens.eos lists {len(eos)} ids (at most 64)")
+    bos = special.get("bos")
+    kv = _obj(onnx_, "kv", path)
+    m = Manifest(
+        folder=folder, name=_str(raw.get("name", folder.name), "name", path),
+        role=_str(raw.get("role", "target"), "role", path), **nums,
+        bos_id=None if bos is None else _int(bos, "special_tokens.bos", path, 0, MAX_TOKEN_ID - 1),
+        eos_ids=tuple(_int(e, "special_tokens.eos", path, 0, MAX_TOKEN_ID - 1) for e in eos),
+        tokenizer_file=inside(folder, tok.get("file"), "tokenizer.file", path),
+        tokenizer_sha256=_opt_str(tok.get("sha256"), "tokenizer.sha256", path, 128),
+        add_bos=bool(tok.get("add_bos", False)),
+        chat_template=_opt_str(tok.get("chat_template"), "tokenizer.chat_template", path, MAX_TEMPLATE_CHARS),
+        onnx_file=inside(folder, onnx_.get("file"), "onnx.file", path),
+        inputs=_names(onnx_, "inputs", path), outputs=_names(onnx_, "outputs", path),
+        kv=dict(kv), quantization=onnx_.get("quantization") if isinstance(onnx_.get("quantization"), dict) else None,
+        drafts=_drafts(folder, raw.get("drafts"), path), exact_to=raw.get("exact_to"), raw=raw,
+    )
     for role in ("input_ids", "seqlens_k", "total_sequence_length", "logits_index"):
         if not m.inputs.get(role):
             raise ModelLoadError(f"{path}: onnx.inputs.{role} is missing")
     if not m.outputs.get("logits"):
         raise ModelLoadError(f"{path}: onnx.outputs.logits is missing")
-    if m.kv.get("layout") != "BNSH" or not m.kv.get("shared_buffer"):
-        raise ModelLoadError(f"{path}: KV layout {m.kv.get('layout')!r} shared={m.kv.get('shared_buffer')!r}; "
+    if m.kv.get("layout") != "BNSH" or m.kv.get("shared_buffer") is not True:
+        raise ModelLoadError(f"{path}: KV layout {_short(m.kv.get('layout'))} shared={_short(m.kv.get('shared_buffer'))}; "
                              "this runtime needs BNSH with a shared past/present buffer")
-    for fname, info in (raw.get("files") or {}).items():
-        _check_file(folder / fname, info, verify_hashes)
+    for role in KV_ROLES:
+        _check_kv_template(m.kv.get(role), f"onnx.kv.{role}", path)
+    if len({m.kv[r] for r in KV_ROLES}) != len(KV_ROLES):
+        raise ModelLoadError(f"{path}: onnx.kv names must differ from one another")
+    if "draft_vocab" in raw:
+        vocab = _obj(raw, "draft_vocab", path)
+        inside(folder, vocab.get("file", "vocab.npy"), "draft_vocab.file", path)
+        _int(vocab.get("target_vocab_size"), "draft_vocab.target_vocab_size", path, 1, LIMITS["vocab_size"][1])
+    files = raw.get("files") or {}
+    if not isinstance(files, dict) or len(files) > MAX_FILES:
+        raise ModelLoadError(f"{path}: files must be an object of at most {MAX_FILES} entries")
+    checked = {}
+    for fname, info in files.items():
+        p = inside(folder, fname, "files entry", path)
+        checked[fname] = _check_file(p, info, path)
     for p in (m.onnx_file, m.tokenizer_file):
         if not p.is_file():
             raise ModelLoadError(f"{p}: missing (listed in {path})")
+    if mode != "never":
+        _verify_hashes(folder, checked, path, use_stamp=mode == "once")
     return m
 
 
-def _check_file(p: Path, info: dict, verify_hash: bool) -> None:
+def _read_json(path: Path) -> dict:
+    try:
+        if path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise ModelLoadError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes; not a manifest")
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: missing") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ModelLoadError(f"{path}: unreadable ({type(exc).__name__}: {str(exc)[:200]})") from exc
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: must hold a JSON object, not {type(raw).__name__}")
+    return raw
+
+
+def _obj(parent: dict, key: str, path: Path, default=None) -> dict:
+    value = parent.get(key, default)
+    if value is None and default is not None:
+        value = default
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path}: {key} must be an object, got {_short(value)}")
+    return value
+
+
+def _int(value, what: str, path: Path, lo: int, hi: int) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise ModelLoadError(f"{path}: {what} must be an integer from {lo} to {hi}, got {_short(value)}")
+    return value
+
+
+def _str(value, what: str, path: Path, limit: int = MAX_NAME_CHARS) -> str:
+    if not isinstance(value, str) or len(value) > limit:
+        raise ModelLoadError(f"{path}: {what} must be a string of at most {limit} characters, got {_short(value)}")
+    return value
+
+
+def _opt_str(value, what: str, path: Path, limit: int) -> str | None:
+    return None if value is None else _str(value, what, path, limit)
+
+
+def _names(onnx_: dict, key: str, path: Path) -> dict[str, str | None]:
+    table = _obj(onnx_, key, path)
+    for role, name in table.items():
+        if name is not None:
+            _str(name, f"onnx.{key}.{role}", path)
+    return dict(table)
+
+
+def _check_kv_template(value, what: str, path: Path) -> None:
+    """A KV name template: a bounded string whose only field is ``{layer}``, with no conversion
+    or format spec (``{layer:>300000000}`` would build a 300 MB name)."""
+    _str(value, what, path)
+    try:
+        fields = [(f, conv, spec) for _, f, spec, conv in string.Formatter().parse(value) if f is not None]
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {what} {_short(value)} is not a valid name template ({exc})") from None
+    if not fields or any(f != "layer" or conv is not None or spec for f, conv, spec in fields):
+        raise ModelLoadError(f"{path}: {what} {_short(value)} must use the field {{layer}} and no other, "
+                             "without conversion or format spec")
+
+
+def _drafts(folder: Path, drafts, path: Path) -> tuple[dict, ...]:
+    if drafts is None:
+        return ()
+    if not isinstance(drafts, list) or len(drafts) > 64:
+        raise ModelLoadError(f"{path}: drafts must be a list of at most 64 entries")
+    for i, d in enumerate(drafts):
+        if not isinstance(d, dict):
+            raise ModelLoadError(f"{path}: drafts[{i}] must be an object, got {_short(d)}")
+        _str(d.get("name"), f"drafts[{i}].name", path)
+        inside(folder, d.get("path"), f"drafts[{i}].path", path)
+    return tuple(drafts)
+
+
+def _check_file(p: Path, info, manifest: Path) -> tuple[int, str | None]:
+    """Size check of one listed file (already confined); returns (size, sha256 or None)."""
+    if not isinstance(info, dict):
+        raise ModelLoadError(f"{manifest}: files entry for {p.name!r} must be an object")
+    want = info.get("sha256")
+    if want is not None and not (isinstance(want, str) and len(want) == 64):
+        raise ModelLoadError(f"{manifest}: files entry for {p.name!r} has a malformed sha256")
+    if "bytes" in info and (type(info["bytes"]) is not int or info["bytes"] < 0):
+        raise ModelLoadError(f"{manifest}: files entry for {p.name!r} has a malformed size")
     if not p.is_file():
         raise ModelLoadError(f"{p}: missing (listed in the manifest)")
     size = p.stat().st_size
     if "bytes" in info and size != info["bytes"]:
         raise ModelLoadError(f"{p}: {size} bytes, the manifest says {info['bytes']} (truncated or replaced?)")
-    if verify_hash and "sha256" in info:
-        h = hashlib.sha256()
-        with p.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        if h.hexdigest() != info["sha256"]:
-            raise ModelLoadError(f"{p}: sha256 {h.hexdigest()[:16]}... does not match the manifest's {info['sha256'][:16]}...")
+    return size, want
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with p.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_stamp(folder: Path) -> dict:
+    try:
+        p = folder / STAMP
+        if p.stat().st_size > MAX_MANIFEST_BYTES:
+            return {}
+        stamp = json.loads(p.read_text(encoding="utf-8"))
+        files = stamp.get("files") if isinstance(stamp, dict) else None
+        return files if isinstance(files, dict) else {}
+    except (OSError, ValueError, RecursionError):
+        return {}
+
+
+def _verify_hashes(folder: Path, checked: dict, manifest: Path, use_stamp: bool) -> None:
+    """sha256 of every listed file that has one, skipping those the stamp records as verified
+    at their current (size, mtime_ns, sha256); a mismatch names the file. Writes the stamp."""
+    stamp = _read_stamp(folder) if use_stamp else {}
+    record, changed = {}, False
+    for fname, (size, want) in checked.items():
+        if want is None:
+            continue
+        p = folder / fname
+        key = [size, p.stat().st_mtime_ns, want]
+        if stamp.get(fname) != key:
+            got = _sha256(p)
+            if got != want:
+                raise ModelLoadError(f"{p}: sha256 {got[:16]}... does not match the manifest's {want[:16]}... "
+                                     "(corrupt or replaced; rebuild the folder)")
+            changed = True
+        record[fname] = key
+    if changed or (use_stamp and record != stamp):
+        try:  # best effort: a read-only folder is verified again at every load
+            tmp = folder / f"{STAMP}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps({"files": record}))
+            os.replace(tmp, folder / STAMP)
+        except OSError:
+            pass
