@@ -1,0 +1,141 @@
+"""Helpers for the server tests: engine wrappers (public Engine API only), SSE and Prometheus
+parsing, and an in-process uvicorn on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+
+import anyio
+
+
+class WrappedEngine:
+    """Delegates to an Engine; subclasses change the event stream. Has no ``running`` /
+    ``waiting`` / ``batch_listeners``, so the server counts requests itself."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.slots = engine.slots if isinstance(getattr(engine, "slots", None), int) else None
+        self.manifest = engine.manifest
+
+    def stream(self, *args, **kwargs):
+        inner = self.engine.stream(*args, **kwargs)  # bad arguments raise here, synchronously
+        return self._events(inner)
+
+    async def _events(self, inner):
+        try:
+            async for ev in inner:
+                yield ev
+        finally:
+            await inner.aclose()
+
+
+class SlowEngine(WrappedEngine):
+    """Each event comes ``delay`` seconds late (a slow model, deterministically)."""
+
+    def __init__(self, engine, delay: float) -> None:
+        super().__init__(engine)
+        self.delay = delay
+        self.closed = 0  # streams closed, however they ended
+
+    async def _events(self, inner):
+        try:
+            async for ev in inner:
+                await anyio.sleep(self.delay)
+                yield ev
+        finally:
+            self.closed += 1
+            await inner.aclose()
+
+
+class RecordingEngine(WrappedEngine):
+    """Keeps the final ``Stats`` of every request that finished."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.stats = []
+
+    async def _events(self, inner):
+        try:
+            async for ev in inner:
+                if ev.stats is not None:
+                    self.stats.append(ev.stats)
+                yield ev
+        finally:
+            await inner.aclose()
+
+
+class FailingEngine(WrappedEngine):
+    """The model fails (``InferenceError``) after ``after`` events."""
+
+    def __init__(self, engine, after: int = 1) -> None:
+        super().__init__(engine)
+        self.after = after
+
+    async def _events(self, inner):
+        from specdec_rt.errors import InferenceError
+
+        try:
+            n = 0
+            async for ev in inner:
+                if n == self.after:
+                    raise InferenceError("model call failed: RuntimeError: injected failure")
+                n += 1
+                yield ev
+        finally:
+            await inner.aclose()
+
+
+def sse_data(text: str) -> list:
+    """The ``data:`` payloads of an SSE body: JSON objects, and the string ``"[DONE]"``."""
+    out = []
+    for block in text.split("\n\n"):
+        block = block.strip()
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def metric_values(text: str) -> dict:
+    """Prometheus text -> {(sample name, frozenset(labels)): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric(values: dict, name: str, **labels) -> float:
+    return values.get((name, frozenset(labels.items())), 0.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def running_server(app, lifespan: str = "off"):
+    """Real uvicorn in this event loop; yields its base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, lifespan=lifespan, log_level="warning", access_log=False))
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()

@@ -1,0 +1,405 @@
+"""The OpenAI-compatible server in process (httpx.ASGITransport) on a tiny model: schemas,
+validation, limits, overload, drain, timeouts, failures, metrics. Real sockets, the openai client
+and the CLI process are in test_serve_http.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import anyio
+import pytest
+
+pytest.importorskip("starlette")
+httpx = pytest.importorskip("httpx")
+
+from serve_util import FailingEngine, RecordingEngine, SlowEngine, metric, metric_values, sse_data  # noqa: E402
+
+from specdec_rt import Engine  # noqa: E402
+from specdec_rt.errors import ContextLengthError, EngineClosedError, InvalidInputError  # noqa: E402
+from specdec_rt.serve import begin_drain, create_app  # noqa: E402
+from specdec_rt.serve.protocol import APIError, engine_error, parse_request  # noqa: E402
+
+CHAT = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+PROMPT = "def add(a, b):"
+
+
+def client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test", timeout=30)
+
+
+def run(fn, folder, **load):
+    """Run ``fn(engine)`` with a freshly loaded engine."""
+    async def main():
+        async with await Engine.load(folder, **load) as engine:
+            return await fn(engine)
+    return anyio.run(main)
+
+
+# ---------------------------------------------------------------- parsing (no model)
+@pytest.mark.parametrize("kind,body,param", [
+    ("chat", {"messages": CHAT, "temperature": "hot"}, "temperature"),
+    ("chat", {"messages": CHAT, "temperature": -0.5}, "temperature"),
+    ("chat", {"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+    ("chat", {"messages": CHAT, "max_tokens": "5"}, "max_tokens"),
+    ("chat", {"messages": CHAT, "max_completion_tokens": 2.5}, "max_completion_tokens"),
+    ("chat", {}, "messages"),
+    ("chat", {"messages": "hi"}, "messages"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
+    ("chat", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ("chat", {"messages": CHAT, "n": 2}, "n"),
+    ("chat", {"messages": CHAT, "top_p": 0}, "top_p"),
+    ("chat", {"messages": CHAT, "top_k": 1.5}, "top_k"),
+    ("chat", {"messages": CHAT, "seed": -1}, "seed"),
+    ("chat", {"messages": CHAT, "stop": 7}, "stop"),
+    ("chat", {"messages": CHAT, "stop": ["a", None]}, "stop"),
+    ("chat", {"messages": CHAT, "mode": "turbo"}, "mode"),
+    ("chat", {"messages": CHAT, "stream": "yes"}, "stream"),
+    ("chat", {"messages": CHAT, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ("completion", {"prompt": [1, 2, 3]}, "prompt"),
+    ("completion", {"prompt": ""}, "prompt"),
+    ("completion", {"max_tokens": 4}, "prompt"),
+])
+def test_parse_names_the_bad_field(kind, body, param):
+    with pytest.raises(APIError) as err:
+        parse_request(kind, body)
+    assert err.value.status == 400 and err.value.param == param
+    assert err.value.body()["error"]["param"] == param and err.value.body()["error"]["message"]
+
+
+def test_parse_defaults_and_ignores_unknown_fields():
+    p = parse_request("chat", {"messages": [{"role": "system", "content": [{"type": "text", "text": "a"},
+                                                                            {"type": "text", "text": "b"}]},
+                                            {"role": "user", "content": "hi"}],
+                               "logit_bias": {"1": 2}, "user": "u", "presence_penalty": 0.5, "model": "x",
+                               "stop": "END", "top_k": -1, "top_p": 1, "max_completion_tokens": 7, "n": 1})
+    assert p.prompt == [{"role": "system", "content": "ab"}, {"role": "user", "content": "hi"}]
+    assert p.engine_kwargs(99) == dict(max_new_tokens=7, temperature=1.0, top_k=None, top_p=None, seed=None,
+                                       mode="spec", stop=["END"])
+    q = parse_request("completion", {"prompt": ["only one"], "temperature": 0})
+    assert q.prompt == "only one" and q.engine_kwargs(99)["max_new_tokens"] == 99 and q.temperature == 0.0
+
+
+def test_engine_errors_map_to_fields():
+    chat = parse_request("chat", {"messages": CHAT, "max_completion_tokens": 3})
+    assert engine_error(ContextLengthError("prompt of 9 tokens ..."), chat).param == "messages"
+    assert engine_error(ContextLengthError("x"), chat).code == "context_length_exceeded"
+    assert engine_error(InvalidInputError("max_new_tokens must be ..."), chat).param == "max_completion_tokens"
+    assert engine_error(InvalidInputError("top_p must be in (0, 1]"), chat).param == "top_p"
+    assert engine_error(InvalidInputError("chat template rejected the messages"), chat).param == "messages"
+
+
+# ---------------------------------------------------------------- responses
+@pytest.mark.export
+def test_non_streaming_schemas_and_greedy_output_equal_engine_generate(tiny_llama):
+    async def check(engine):
+        async with client(create_app(engine)) as c:
+            r = await c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 12, "temperature": 0})
+            c2 = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 9, "temperature": 0,
+                                                       "mode": "ar"})
+            models = (await c.get("/v1/models")).json()
+        want_chat = await engine.generate(CHAT, 12)
+        want_text = await engine.generate(PROMPT, 9, mode="ar")
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+        assert isinstance(body["created"], int) and body["model"] == models["data"][0]["id"]
+        (choice,) = body["choices"]
+        assert choice["message"] == {"role": "assistant", "content": want_chat.text}
+        assert choice["finish_reason"] == "length"
+        assert body["usage"] == {"prompt_tokens": want_chat.prompt_tokens, "completion_tokens": 12,
+                                 "total_tokens": want_chat.prompt_tokens + 12}
+        body = c2.json()
+        assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+        assert body["choices"][0]["text"] == want_text.text and body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 9
+        assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    run(check, tiny_llama)
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_streaming_chunks(tiny_llama, kind):
+    async def check(engine):
+        path, field = (("/v1/chat/completions", {"messages": CHAT}) if kind == "chat"
+                       else ("/v1/completions", {"prompt": PROMPT}))
+        async with client(create_app(engine)) as c:
+            r = await c.post(path, json={**field, "max_tokens": 16, "temperature": 0, "stream": True,
+                                         "stream_options": {"include_usage": True}})
+            plain = await c.post(path, json={**field, "max_tokens": 4, "stream": True, "seed": 3})
+        want = await engine.generate(CHAT if kind == "chat" else PROMPT, 16)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_data(r.text)
+        assert events[-1] == "[DONE]"
+        chunks, usage = events[:-2], events[-2]
+        assert usage["choices"] == [] and usage["usage"] == {
+            "prompt_tokens": want.prompt_tokens, "completion_tokens": 16, "total_tokens": want.prompt_tokens + 16}
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        assert {(e["id"], e["object"], e["model"], e["created"]) for e in events[:-1]} == {
+            (chunks[0]["id"], obj, chunks[0]["model"], chunks[0]["created"])}
+        assert chunks[0]["id"].startswith("chatcmpl-" if kind == "chat" else "cmpl-")
+        finishes = [e["choices"][0]["finish_reason"] for e in chunks]
+        assert [f for f in finishes if f is not None] == ["length"]
+        if kind == "chat":
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+            assert all("role" not in e["choices"][0]["delta"] for e in chunks[1:])
+            text = "".join(e["choices"][0]["delta"]["content"] for e in chunks)
+        else:
+            text = "".join(e["choices"][0]["text"] for e in chunks)
+        assert text == want.text
+        plain_events = sse_data(plain.text)  # no usage chunk unless asked
+        assert plain_events[-1] == "[DONE]" and all(e["choices"] for e in plain_events[:-1])
+        assert sum(e["choices"][0]["finish_reason"] is not None for e in plain_events[:-1]) == 1
+    run(check, tiny_llama)
+
+
+@pytest.mark.export
+def test_stop_string_ends_with_stop(tiny_llama):
+    async def check(engine):
+        full = (await engine.generate(PROMPT, 12, mode="ar")).text
+        stop = full[3:5]  # the tiny model's text: a stop string it reaches
+        assert len(stop) == 2
+        async with client(create_app(engine)) as c:
+            r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                                                      "mode": "ar", "stop": [stop]})
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["text"] == full[:full.index(stop)]
+    run(check, tiny_llama)
+
+
+# ---------------------------------------------------------------- errors and limits
+@pytest.mark.export
+def test_bad_requests_are_400_naming_the_field(tiny_llama):
+    async def check(engine):
+        cases = [("/v1/chat/completions", {"messages": CHAT, "temperature": "warm"}, "temperature"),
+                 ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -3}, "max_tokens"),
+                 ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages[0]"),
+                 ("/v1/chat/completions", {"messages": CHAT, "n": 3, "stream": True}, "n"),
+                 ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100_000}, "prompt"),  # the engine's check
+                 ("/v1/completions", {"prompt": 5}, "prompt")]
+        async with client(create_app(engine)) as c:
+            for path, body, param in cases:
+                r = await c.post(path, json=body)
+                assert r.status_code == 400, (body, r.text)
+                err = r.json()["error"]
+                assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+            r = await c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+            r = await c.get("/v1/nothing")
+            assert r.status_code == 404 and r.json()["error"]["message"]
+            values = metric_values((await c.get("/metrics")).text)
+        assert metric(values, "specdec_requests_rejected_total", reason="invalid") == len(cases) + 1
+        assert metric(values, "specdec_generation_tokens_total") == 0
+    run(check, tiny_llama)
+
+
+@pytest.mark.export
+def test_body_over_the_limit_is_413(tiny_llama):
+    async def check(engine):
+        app = create_app(engine, max_body_bytes=200)
+        big = {"prompt": "x" * 300, "max_tokens": 2}
+
+        async def chunked():  # no Content-Length: the limit is found while reading
+            for _ in range(10):
+                yield b" " * 50
+
+        async with client(app) as c:
+            r = await c.post("/v1/completions", json=big)
+            r2 = await c.post("/v1/completions", content=chunked())
+            ok = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert "content-length" not in r2.request.headers and r2.status_code == 413
+        assert ok.status_code == 200
+    run(check, tiny_llama)
+
+
+@pytest.mark.export
+def test_overload_gets_429_at_once_and_no_model_call(tiny_llama):
+    async def check(engine):
+        recorder = RecordingEngine(engine)
+        app = create_app(recorder, slots=1, max_queued=1)
+        async with client(app) as c:
+            async def post():
+                t0 = time.perf_counter()
+                r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 48, "temperature": 0})
+                return r, time.perf_counter() - t0
+
+            results = await asyncio.gather(*[post() for _ in range(6)])
+            values = metric_values((await c.get("/metrics")).text)
+        codes = sorted(r.status_code for r, _ in results)
+        assert codes == [200, 200, 429, 429, 429, 429]
+        for r, seconds in results:
+            if r.status_code == 429:
+                assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"
+                assert seconds < 0.1, seconds
+        assert len(recorder.stats) == 2  # the rejected ones never reached the engine
+        assert metric(values, "specdec_requests_rejected_total", reason="overloaded") == 4
+        assert metric(values, "specdec_request_success_total", finished_reason="length") == 2
+    run(check, tiny_llama, slots=1)
+
+
+@pytest.mark.export
+def test_drain_refuses_new_requests_and_finishes_running_ones(tiny_llama):
+    async def check(engine):
+        slow = SlowEngine(engine, delay=0.01)
+        app = create_app(slow, slots=2)
+        async with client(app) as c:
+            running = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 30}))
+            while app.state.serving.admitted == 0:
+                await asyncio.sleep(0.005)
+            assert (await c.get("/health")).status_code == 200
+            begin_drain(app)
+            health = await c.get("/health")
+            refused = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert not running.done()
+            done = await running
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 30
+        assert slow.closed == 1 and app.state.serving.admitted == 0
+    run(check, tiny_llama)
+
+
+@pytest.mark.export
+def test_loader_lifespan_loading_then_ready_then_closed(tiny_llama):
+    async def check():
+        gate = anyio.Event()
+        loaded = []
+
+        async def loader():
+            await gate.wait()
+            engine = await Engine.load(tiny_llama)
+            loaded.append(engine)
+            return engine
+
+        app = create_app(loader, slots=2, model_name="tiny")
+        async with app.router.lifespan_context(app), client(app) as c:
+            health = await c.get("/health")
+            refused = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            models = (await c.get("/v1/models")).json()
+            gate.set()
+            while (await c.get("/health")).status_code != 200:
+                await asyncio.sleep(0.01)
+            ok = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "loading"
+        assert models["data"][0]["id"] == "tiny" and ok.json()["model"] == "tiny"
+        assert ok.status_code == 200
+        with pytest.raises(EngineClosedError):  # the app loaded it, so the app closed it
+            loaded[0].stream(PROMPT, 2)
+    anyio.run(check)
+
+
+@pytest.mark.export
+def test_timeout_is_504_or_a_stream_error_event(tiny_llama):
+    async def check(engine):
+        app = create_app(SlowEngine(engine, delay=0.05), slots=2, request_timeout=0.3)
+        body = {"prompt": PROMPT, "max_tokens": 40}
+        async with client(app) as c:
+            whole = await c.post("/v1/completions", json=body)
+            streamed = await c.post("/v1/completions", json={**body, "stream": True})
+            values = metric_values((await c.get("/metrics")).text)
+        assert whole.status_code == 504 and whole.json()["error"]["code"] == "request_timeout"
+        events = sse_data(streamed.text)
+        assert streamed.status_code == 200 and "[DONE]" not in events
+        assert events[-1]["error"]["code"] == "request_timeout"
+        assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+        assert metric(values, "specdec_requests_aborted_total", reason="timeout") == 2
+        assert app.state.serving.admitted == 0 and metric(values, "specdec_requests_running") == 0
+    run(check, tiny_llama)
+
+
+@pytest.mark.export
+def test_model_failure_is_500_or_a_stream_error_event_and_the_server_goes_on(tiny_llama):
+    async def check(engine):
+        app = create_app(FailingEngine(engine, after=2), slots=2)
+        body = {"prompt": PROMPT, "max_tokens": 30, "mode": "ar"}
+        async with client(app) as c:
+            whole = await c.post("/v1/completions", json=body)
+            streamed = await c.post("/v1/completions", json={**body, "stream": True})
+        assert whole.status_code == 500
+        assert whole.json()["error"]["type"] == "server_error" and "injected" in whole.json()["error"]["message"]
+        events = sse_data(streamed.text)
+        assert events[-1]["error"]["code"] == "inference_error" and "[DONE]" not in events
+        async with client(create_app(engine)) as c:  # the engine itself is fine
+            assert (await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})).status_code == 200
+    run(check, tiny_llama)
+
+
+# ---------------------------------------------------------------- metrics
+@pytest.mark.export
+def test_metric_deltas_equal_the_sums_of_stats(tiny_llama):
+    async def check(engine):
+        recorder = RecordingEngine(engine)
+        app = create_app(recorder, slots=4)
+        requests = [("/v1/completions", {"prompt": PROMPT, "max_tokens": 20, "temperature": 0}),
+                    ("/v1/completions", {"prompt": "Hello world", "max_tokens": 13, "stream": True, "seed": 1}),
+                    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 17, "temperature": 0.8, "seed": 2}),
+                    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 11, "mode": "ar", "stream": True, "seed": 3}),
+                    ("/v1/completions", {"prompt": "import numpy", "max_tokens": 25, "top_k": 5, "seed": 4})]
+        async with client(app) as c:
+            before = metric_values((await c.get("/metrics")).text)
+            await c.post(*requests[0][:1], json=requests[0][1])  # one alone, then the rest at once
+            rs = await asyncio.gather(*[c.post(path, json=body) for path, body in requests[1:]])
+            after = metric_values((await c.get("/metrics")).text)
+        assert all(r.status_code == 200 for r in rs)
+        stats = recorder.stats
+        assert len(stats) == len(requests)
+
+        def delta(name, **labels):
+            return metric(after, name, **labels) - metric(before, name, **labels)
+
+        assert delta("specdec_generation_tokens_total") == sum(s.new_tokens for s in stats) > 0
+        assert delta("specdec_prompt_tokens_total") == sum(s.prompt_tokens for s in stats)
+        assert delta("specdec_spec_decode_num_drafts_total") == sum(s.rounds for s in stats)
+        assert delta("specdec_spec_decode_num_draft_tokens_total") == sum(s.drafted for s in stats)
+        assert delta("specdec_spec_decode_num_accepted_tokens_total") == sum(s.accepted for s in stats)
+        assert sum(s.drafted for s in stats) > 0  # speculation ran, so the draft counters were exercised
+        assert (delta("specdec_request_success_total", finished_reason="length")
+                + delta("specdec_request_success_total", finished_reason="stop")) == len(requests)
+        for hist in ("specdec_time_to_first_token_seconds", "specdec_e2e_request_latency_seconds"):
+            assert delta(f"{hist}_count") == len(requests)
+        assert delta("specdec_inter_token_latency_seconds_count") > 0
+        assert metric(after, "specdec_requests_running") == 0 and metric(after, "specdec_requests_waiting") == 0
+    run(check, tiny_llama)
+
+
+@pytest.mark.export
+def test_batch_sizes_come_from_the_engine_listeners(tiny_llama):
+    async def check(engine):
+        app = create_app(engine, slots=4)
+        if not isinstance(getattr(engine, "batch_listeners", None), list):
+            pytest.skip("this Engine has no batch_listeners")
+        async with client(app) as c:
+            rs = await asyncio.gather(*[c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
+                                        for _ in range(3)])
+            values = metric_values((await c.get("/metrics")).text)
+        assert all(r.status_code == 200 for r in rs)
+        assert metric(values, "specdec_batch_size_count") > 0
+        assert metric(values, "specdec_batch_size_sum") >= metric(values, "specdec_batch_size_count")
+    run(check, tiny_llama, slots=4)
+
+
+def test_batch_listener_is_registered_and_removed_at_shutdown():
+    class FakeEngine:
+        batch_listeners: list = []
+        running, waiting = 3, 5
+
+        def stream(self, *a, **k):
+            raise AssertionError("not called")
+
+    engine = FakeEngine()
+    app = create_app(engine, slots=2, model_name="fake")
+
+    async def check():
+        async with app.router.lifespan_context(app), client(app) as c:
+            assert len(engine.batch_listeners) == 1
+            engine.batch_listeners[0](3)
+            engine.batch_listeners[0](1)
+            values = metric_values((await c.get("/metrics")).text)
+        assert engine.batch_listeners == []
+        assert metric(values, "specdec_batch_size_count") == 2 and metric(values, "specdec_batch_size_sum") == 4
+        assert metric(values, "specdec_requests_running") == 3 and metric(values, "specdec_requests_waiting") == 5
+    anyio.run(check)
+

@@ -1,0 +1,197 @@
+"""The server on real sockets: uvicorn in process with the official openai client, client
+disconnects, and ``python -m specdec_rt serve`` as a process drained by SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from serve_util import FailingEngine, SlowEngine, metric, metric_values, running_server, sse_data  # noqa: E402
+
+from specdec_rt import Engine  # noqa: E402
+from specdec_rt.serve import create_app  # noqa: E402
+
+pytestmark = pytest.mark.export
+
+CHAT = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+PROMPT = "def add(a, b):"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_openai_client_parses_every_response_shape(tiny_llama):
+    async def main():
+        async with await Engine.load(tiny_llama) as engine:
+            want_chat = await engine.generate(CHAT, 10)
+            want_text = await engine.generate(PROMPT, 8, mode="ar")
+            async with running_server(create_app(engine, model_name="tiny")) as url:
+                client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+                models = await client.models.list()
+                assert [m.id for m in models.data] == ["tiny"]
+
+                r = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0)
+                assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+                assert r.choices[0].message.role == "assistant"
+                assert r.choices[0].message.content == want_chat.text
+                assert r.choices[0].finish_reason == "length"
+                assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (want_chat.prompt_tokens, 10)
+
+                stream = await client.chat.completions.create(
+                    model="tiny", messages=CHAT, max_completion_tokens=10, temperature=0, stream=True,
+                    stream_options={"include_usage": True})
+                chunks = [c async for c in stream]
+                assert chunks[0].choices[0].delta.role == "assistant"
+                assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat.text
+                assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+                    "length"]
+                assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == want_chat.prompt_tokens + 10
+                assert len({c.id for c in chunks}) == 1
+
+                t = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                                                    extra_body={"mode": "ar"})
+                assert t.object == "text_completion" and t.choices[0].text == want_text.text
+                assert t.usage.completion_tokens == 8
+                parts = [c async for c in await client.completions.create(
+                    model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                    extra_body={"mode": "ar"})]
+                assert "".join(c.choices[0].text for c in parts) == want_text.text
+                assert [c.choices[0].finish_reason for c in parts if c.choices[0].finish_reason] == ["length"]
+
+                with pytest.raises(openai.BadRequestError) as err:
+                    await client.chat.completions.create(model="tiny", messages=CHAT, temperature=-1)
+                assert err.value.param == "temperature" and err.value.status_code == 400
+                with pytest.raises(openai.BadRequestError) as err:
+                    await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=100_000)
+                assert err.value.code == "context_length_exceeded"
+
+            async with running_server(create_app(FailingEngine(engine, after=1), model_name="tiny")) as url:
+                client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+                with pytest.raises(openai.InternalServerError):
+                    await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, extra_body={"mode": "ar"})
+                stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, stream=True,
+                                                         extra_body={"mode": "ar"})
+                with pytest.raises(openai.APIError, match="injected failure"):
+                    async for _ in stream:
+                        pass
+
+    anyio.run(main)
+
+
+def test_client_disconnect_cancels_the_request_and_frees_its_slot(tiny_llama):
+    async def main():
+        async with await Engine.load(tiny_llama, slots=1) as engine:
+            slow = SlowEngine(engine, delay=0.02)  # 200 tokens: 4 s, unless cancelled
+            app = create_app(slow, slots=1, max_queued=4)
+            long = {"prompt": PROMPT, "max_tokens": 200}
+            async with running_server(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+                t0 = time.perf_counter()
+                async with c.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+                    seen = 0
+                    async for line in r.aiter_lines():
+                        seen += line.startswith("data: ")
+                        if seen == 3:
+                            break  # leaving the block closes the connection
+                await _until(lambda: slow.closed == 1 and app.state.serving.admitted == 0)
+                assert time.perf_counter() - t0 < 2.0
+
+                waiting = asyncio.ensure_future(c.post("/v1/completions", json=long))  # not streamed
+                await _until(lambda: app.state.serving.admitted == 1)
+                await asyncio.sleep(0.1)
+                waiting.cancel()  # the client gives up: httpx closes the connection
+                await _until(lambda: slow.closed == 2 and app.state.serving.admitted == 0)
+                assert time.perf_counter() - t0 < 3.0
+                await _until(lambda: getattr(engine, "running", 0) == 0)  # the engine slot too
+
+                after = await asyncio.gather(*[c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5})
+                                               for _ in range(3)])
+                assert [r.status_code for r in after] == [200, 200, 200]
+                values = metric_values((await c.get("/metrics")).text)
+            assert metric(values, "specdec_requests_aborted_total", reason="cancelled") == 2
+            assert metric(values, "specdec_request_success_total", finished_reason="length") == 3
+            assert metric(values, "specdec_requests_running") == 0
+
+    anyio.run(main)
+
+
+async def _until(cond, timeout: float = 2.0) -> None:
+    deadline = time.perf_counter() + timeout
+    while not cond():
+        assert time.perf_counter() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def test_cli_serve_drains_on_sigterm_and_exits_0(tiny_llama):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "specdec_rt", "serve", "--model", str(tiny_llama), "--port", "0",
+                             "--slots", "1", "--threads", "1", "--drain-timeout", "60"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"listening on (http://[\d.]+:\d+)", "".join(lines))):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
+        url = m.group(1)
+        anyio.run(_drain_scenario, url, proc)
+        assert proc.wait(timeout=60) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=5)
+    log = "".join(lines)
+    assert "draining" in log and log.count("event='request'") >= 3
+
+
+async def _drain_scenario(url: str, proc: subprocess.Popen) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        while True:
+            try:
+                if (await c.get("/health")).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.05)
+        started = asyncio.Event()
+        body = {"prompt": PROMPT, "max_tokens": 480, "temperature": 0, "stream": True}
+
+        async def stream(i: int) -> tuple[list, float]:
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                text = ""
+                async for chunk in r.aiter_text():
+                    text += chunk
+                    started.set()
+            return sse_data(text), time.perf_counter()
+
+        tasks = [asyncio.ensure_future(stream(i)) for i in range(3)]  # one slot: they run one by one
+        await started.wait()
+        sigterm_at = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.05)
+        try:  # a new request while draining: refused (503, or no longer accepted at all)
+            r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert r.status_code == 503
+        except httpx.TransportError:
+            pass
+        results = await asyncio.gather(*tasks)
+    assert max(t for _, t in results) > sigterm_at  # they were in flight at SIGTERM
+    for events, _ in results:
+        assert events[-1] == "[DONE]"
+        finishes = [e["choices"][0]["finish_reason"] for e in events[:-1]]
+        assert [f for f in finishes if f] == ["length"]
