@@ -1,14 +1,18 @@
-"""The examples run: a custom drafter checked lossless, and the HTTP service on a tiny model."""
+"""The examples run: a custom drafter checked lossless; the openai client against the server and
+an Engine embedded in a Starlette app, on a tiny model."""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import os
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from specdec_rt import EngineClosedError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -18,40 +22,38 @@ def test_custom_drafter_example(capsys):
     assert "identical to plain decoding: ok" in capsys.readouterr().out
 
 
-async def _post(port: int, path: str, payload: dict) -> tuple[int, bytes]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    body = json.dumps(payload).encode()
-    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-    await writer.drain()
-    data = await reader.read()
-    writer.close()
-    head, _, rest = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), rest
+@pytest.mark.export
+def test_openai_client_example(tiny_llama):
+    """The example starts `python -m specdec_rt serve` itself and talks to it with the openai client."""
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    root = EXAMPLES.parent
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "openai_client.py"), "--model", str(tiny_llama),
+                           "--max-tokens", "8"], capture_output=True, text=True, timeout=180, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "chat (length, 8 tokens)" in out and "[usage:" in out and "completion (mode ar):" in out
+    assert "error: HTTP 400, param='temperature'" in out
 
 
 @pytest.mark.export
-def test_http_service_example(tiny_llama):
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import http_service
-    finally:
-        sys.path.pop(0)
+def test_starlette_embed_example(tiny_llama):
+    pytest.importorskip("starlette")
+    httpx = pytest.importorskip("httpx")
+    app = runpy.run_path(str(EXAMPLES / "starlette_embed.py"))["build_app"](str(tiny_llama))
 
     async def main():
-        port_box: asyncio.Future = asyncio.get_running_loop().create_future()
-        server = asyncio.create_task(http_service.serve(str(tiny_llama), port=0, ready=port_box.set_result))
-        port = await port_box
-        try:
-            ok = _post(port, "/generate", {"prompt": "def add(a, b):", "max_new_tokens": 10})
-            bad = _post(port, "/generate", {"prompt": "hi", "max_new_tokens": -1})
-            streamed = _post(port, "/stream", {"prompt": "Hello", "chat": True, "max_new_tokens": 10})
-            (s1, b1), (s2, b2), (s3, b3) = await asyncio.gather(ok, bad, streamed)
-            assert s1 == 200 and len(json.loads(b1)["token_ids"]) == 10
-            assert s2 == 400 and "max_new_tokens" in json.loads(b2)["error"]
-            assert s3 == 200 and b3.rstrip().endswith(b"data: [DONE]")
-            again = await _post(port, "/generate", {"prompt": "def add(a, b):", "max_new_tokens": 10})
-            assert again == (s1, b1) or json.loads(again[1])["token_ids"] == json.loads(b1)["token_ids"]
-        finally:
-            server.cancel()
+        async with app.router.lifespan_context(app):
+            engine = app.state.engine
+            want = await engine.generate("def add(a, b):", 10)
+            transport = httpx.ASGITransport(app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                ok = await c.post("/generate", json={"prompt": "def add(a, b):", "max_new_tokens": 10})
+                bad = await c.post("/generate", json={"prompt": "hi", "max_new_tokens": -1})
+        assert ok.status_code == 200 and ok.text == want.text
+        assert bad.status_code == 400 and "max_new_tokens" in bad.json()["error"]
+        with pytest.raises(EngineClosedError):  # the lifespan closed the engine
+            engine.stream("x", 2)
 
     asyncio.run(main())
