@@ -24,6 +24,7 @@ __all__ = [
     "HashMismatchError",
     "FetchError",
     "DiskFullError",
+    "InsufficientMemoryError",
     "ValidationError",
     "InterruptedExportError",
 ]
@@ -67,6 +68,10 @@ class FetchError(ExportError):
 
 class DiskFullError(ExportError):
     """Writing an output failed because the disk is full."""
+
+
+class InsufficientMemoryError(ExportError):
+    """The model needs more memory to export than this machine has (checked before loading)."""
 
 
 class ValidationError(ExportError):

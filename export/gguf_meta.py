@@ -9,18 +9,35 @@ Layout (GGUF v2/v3, little-endian):
     n_kv x (string key, u32 type, value)          arrays: u32 item type, u64 count, items
     n_tensors x (string name, u32 n_dims, u64 dims[n_dims], u32 ggml type, u64 offset)
     padding to `general.alignment` (default 32), then tensor data (offsets relative to it)
+
+The file is untrusted: every count and length is checked against the bytes left in the file
+before anything is allocated or looped over, and `check_model` compares the architecture's
+metadata (block count, embedding width, heads, vocabulary) with the tensor index and estimates
+the memory the export needs against the machine's before any weights are loaded.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import CorruptSourceError
+from .errors import CorruptSourceError, InsufficientMemoryError
 
-__all__ = ["GGUFInfo", "GGUFArray", "read_gguf_info"]
+__all__ = ["GGUFInfo", "GGUFArray", "read_gguf_info", "check_model", "machine_memory",
+           "export_memory_estimate"]
+
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NAME = 256  # tensor names (llama.cpp: 64)
+MAX_ALIGNMENT = 1 << 16
+# architecture metadata bounds (inclusive), checked before anything is sized from them
+LIMITS = {"block_count": (1, 1024), "embedding_length": (1, 1 << 16),
+          "feed_forward_length": (1, 1 << 20), "attention.head_count": (1, 1024),
+          "attention.head_count_kv": (1, 1024), "context_length": (1, 1 << 24)}
+MAX_VOCAB = 1 << 22
 
 # arrays kept in full (all others are skipped): the token list and the token types
 _KEEP_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"}
@@ -46,6 +63,7 @@ class GGUFInfo:
     n_tensors: int
     data_end: int  # byte offset just past the last tensor
     file_size: int
+    tensors: dict = field(default_factory=dict)  # name -> (dims (ggml order: fastest first), type)
 
     @property
     def architecture(self) -> str:
@@ -68,8 +86,17 @@ class GGUFInfo:
 
 
 class _Reader:
-    def __init__(self, f):
+    def __init__(self, f, size: int):
         self.f = f
+        self.size = size
+
+    def left(self) -> int:
+        return self.size - self.f.tell()
+
+    def claim(self, n: int, what: str) -> None:
+        """Refuse a count or length that needs more bytes than the file has left."""
+        if n > self.left():
+            raise EOFError(f"{what} claims {n} bytes, the file has {max(self.left(), 0)} left")
 
     def unpack(self, fmt: str):
         size = struct.calcsize("<" + fmt)
@@ -82,6 +109,7 @@ class _Reader:
         n = self.unpack("Q")
         if n > 1 << 30:
             raise ValueError(f"implausible string length {n}")
+        self.claim(n, "a string")
         if not keep:
             self.f.seek(n, 1)
             return None
@@ -97,6 +125,11 @@ class _Reader:
             return self.string()
         if vtype == 9:  # arrays are skipped unless kept: only their extent matters
             itype, count = self.unpack("I"), self.unpack("Q")
+            item = struct.calcsize("<" + _SCALAR[itype]) if itype in _SCALAR else 8 if itype == 8 \
+                else 12 if itype == 9 else None
+            if item is None:
+                raise ValueError(f"unknown GGUF array item type {itype}")
+            self.claim(count * item, "an array")  # strings: at least their 8-byte length each
             if keep_array and itype == 8:
                 return [self.string() for _ in range(count)]
             if keep_array and itype in _SCALAR:
@@ -121,29 +154,40 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFInfo:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     with open(path, "rb", buffering=1 << 20) as f:
-        r = _Reader(f)
+        r = _Reader(f, size)
         if f.read(4) != b"GGUF":
             raise CorruptSourceError(f"{path} is not a GGUF file (bad magic)")
         version = r.unpack("I")
         if version not in (2, 3):
             raise CorruptSourceError(f"{path}: unsupported GGUF version {version}")
         n_tensors, n_kv = r.unpack("Q"), r.unpack("Q")
+        r.claim(n_kv * 12, f"{n_kv} metadata entries")  # key length + type, at least
+        r.claim(n_tensors * 24, f"{n_tensors} tensor entries")  # name length, dims, type, offset
         meta = {}
         for _ in range(n_kv):
             key = r.string()
             meta[key] = r.value(r.unpack("I"), keep_array=key in _KEEP_ARRAYS)
-        extents = []
+        extents, tensors = [], {}
         for _ in range(n_tensors):
-            r.string(keep=False)
-            dims = [r.unpack("Q") for _ in range(r.unpack("I"))]
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(r.unpack("I"))]
+            name = r.string()
+            n_dims = r.unpack("I")
+            if n_dims > MAX_DIMS or len(name) > MAX_NAME:
+                raise ValueError(f"tensor {name[:64]!r}: {n_dims} dimensions or a name over "
+                                 f"{MAX_NAME} characters")
+            dims = tuple(r.unpack("Q") for _ in range(n_dims))
+            gtype = r.unpack("I")
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(gtype)]
             n = 1
             for d in dims:
                 n *= d
             extents.append(r.unpack("Q") + n // block * type_size)
-        align = int(meta.get("general.alignment") or 32)
+            tensors[name] = (dims, gtype)
+        align = meta.get("general.alignment", 32)
+        if type(align) is not int or not 1 <= align <= MAX_ALIGNMENT or align & (align - 1):
+            raise ValueError(f"general.alignment {align!r} is not a power of two up to "
+                             f"{MAX_ALIGNMENT}")
         data_start = -(-f.tell() // align) * align
-    return GGUFInfo(meta, n_tensors, data_start + max(extents, default=0), size)
+    return GGUFInfo(meta, n_tensors, data_start + max(extents, default=0), size, tensors)
 
 
 def read_gguf_info(path: Path) -> GGUFInfo:
@@ -161,3 +205,95 @@ def read_gguf_info(path: Path) -> GGUFInfo:
         raise CorruptSourceError(f"truncated GGUF file {path}: tensors need {info.data_end} "
                                  f"bytes, the file has {info.file_size}")
     return info
+
+
+def machine_memory() -> int:
+    """Physical memory of this machine in bytes (MemTotal, else sysconf); 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def export_memory_estimate(info: GGUFInfo) -> int:
+    """Bytes the export needs at its peak, roughly: transformers dequantizes every tensor to
+    float32 (4 bytes a weight) and holds the model plus loading buffers, about 1.5x the float32
+    size, plus ~1 GiB for the libraries (measured: 1.37 GB for smollm2-135m, 9.1 GB for
+    qwen2.5-coder-1.5b, see docs/export.md)."""
+    n = 0
+    for dims, _ in info.tensors.values():
+        count = 1
+        for d in dims:
+            count *= d
+        n += count
+    return 6 * n + (1 << 30)
+
+
+def _meta_int(info: GGUFInfo, key: str, path, required: bool = True) -> int | None:
+    arch = info.architecture
+    value = info.metadata.get(f"{arch}.{key}")
+    if value is None and not required:
+        return None
+    lo, hi = LIMITS[key]
+    if type(value) is not int or not lo <= value <= hi:
+        raise CorruptSourceError(f"GGUF {path}: {arch}.{key} = {value!r} is not an integer "
+                                 f"from {lo} to {hi}")
+    return value
+
+
+def check_model(info: GGUFInfo, path) -> None:
+    """Compare a Llama/Qwen2 GGUF's metadata with its tensor index and its size with this
+    machine's memory, before anything is loaded: a header claiming 200000 blocks, a vocabulary
+    its embedding does not have, or a model too large to export fails here in milliseconds
+    (transformers would otherwise allocate the claimed model and die in `std::bad_alloc`)."""
+    arch = info.architecture
+    blocks = _meta_int(info, "block_count", path)
+    embd = _meta_int(info, "embedding_length", path)
+    heads = _meta_int(info, "attention.head_count", path)
+    kv_heads = _meta_int(info, "attention.head_count_kv", path, required=False) or heads
+    ffn = _meta_int(info, "feed_forward_length", path)
+    _meta_int(info, "context_length", path, required=False)
+    if kv_heads > heads:
+        raise CorruptSourceError(f"GGUF {path}: {heads} heads / {kv_heads} KV heads do not fit "
+                                 f"embedding length {embd}")
+    found = set()
+    for name in info.tensors:
+        m = re.fullmatch(r"blk\.(\d{1,7})\..+", name)
+        if m:
+            found.add(int(m.group(1)))
+    if found != set(range(blocks)):
+        missing = sorted(set(range(blocks)) - found)
+        raise CorruptSourceError(
+            f"GGUF {path}: {arch}.block_count = {blocks} but the tensor index has "
+            f"{len(found)} blocks" + (f" (block {missing[0]} is missing)" if missing else
+                                      f" (up to blk.{max(found)})"))
+    embed = info.tensors.get("token_embd.weight")
+    if embed is None or len(embed[0]) != 2 or embed[0][0] != embd:
+        raise CorruptSourceError(f"GGUF {path}: token_embd.weight {embed[0] if embed else 'missing'} "
+                                 f"does not match embedding length {embd}")
+    vocab = embed[0][1]
+    tokens = info.metadata.get("tokenizer.ggml.tokens")
+    claimed = info.metadata.get(f"{arch}.vocab_size")
+    if not 1 <= vocab <= MAX_VOCAB or (claimed is not None and claimed != vocab) or (
+            isinstance(tokens, list) and len(tokens) > vocab):
+        raise CorruptSourceError(
+            f"GGUF {path}: vocabulary {claimed if claimed is not None else len(tokens or [])} "
+            f"does not match token_embd.weight's {vocab} rows")
+    for name, want in (("output.weight", (embd, vocab)), ("blk.0.ffn_up.weight", (embd, ffn)),
+                       ("blk.0.attn_norm.weight", (embd,))):
+        got = info.tensors.get(name)
+        if got is not None and got[0] != want:
+            raise CorruptSourceError(f"GGUF {path}: {name} is {list(got[0])}, the metadata "
+                                     f"implies {list(want)}")
+    need, have = export_memory_estimate(info), machine_memory()
+    if have and need > have:
+        raise InsufficientMemoryError(
+            f"exporting {Path(path).name} needs about {need / 2**30:.1f} GiB of memory "
+            f"(float32 weights and loading buffers), this machine has {have / 2**30:.1f} GiB")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CorruptSourceError, SourceNotFoundError
-from .gguf_meta import read_gguf_info
+from .gguf_meta import check_model, read_gguf_info
 from .graph import SUPPORTED_FAMILIES, unsupported_architecture
 
 __all__ = ["Source", "open_source"]
@@ -82,7 +82,10 @@ def open_source(src: str | os.PathLike, record: dict | None = None) -> Source:
         kind, folder, gguf_file = "folder", path.resolve(), None
         default_record = {"kind": "folder", "path": str(folder)}
     elif path.suffix.lower() == ".gguf":
-        family = read_gguf_info(path).architecture  # raises on corrupt or truncated files
+        info = read_gguf_info(path)  # raises on corrupt or truncated files
+        family = info.architecture
+        if family in SUPPORTED_FAMILIES:  # metadata vs tensor index, memory: before loading
+            check_model(info, path)
         kind, folder, gguf_file = "gguf", path.resolve().parent, path.name
         default_record = {"kind": "gguf", "path": str(path.resolve())}
     else:
