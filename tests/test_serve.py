@@ -403,3 +403,23 @@ def test_batch_listener_is_registered_and_removed_at_shutdown():
         assert metric(values, "specdec_requests_running") == 3 and metric(values, "specdec_requests_waiting") == 5
     anyio.run(check)
 
+
+
+def test_a_failed_load_is_reported_and_health_says_failed():
+    async def loader():
+        raise RuntimeError("no such model")
+
+    app = create_app(loader, slots=1, model_name="broken")
+    errors = []
+    app.state.serving.on_load_error = errors.append
+
+    async def check():
+        async with app.router.lifespan_context(app), client(app) as c:
+            while not errors:
+                await asyncio.sleep(0.01)
+            health = await c.get("/health")
+            refused = await c.post("/v1/completions", json={"prompt": PROMPT})
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "failed"
+        assert str(errors[0]) == "no such model"
+    anyio.run(check)
