@@ -71,7 +71,8 @@ def demo(base_url: str, max_tokens: int = 48) -> None:
 
     messages = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
     r = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0)
-    print(f"chat ({r.choices[0].finish_reason}, {r.usage.completion_tokens} tokens):\n{r.choices[0].message.content}\n")
+    print(f"chat ({r.choices[0].finish_reason}, {r.usage.completion_tokens} tokens):")
+    print(r.choices[0].message.content + "\n")
 
     print("chat, streamed: ", end="", flush=True)
     stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,

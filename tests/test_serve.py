@@ -336,7 +336,8 @@ def test_metric_deltas_equal_the_sums_of_stats(tiny_llama):
         requests = [("/v1/completions", {"prompt": PROMPT, "max_tokens": 20, "temperature": 0}),
                     ("/v1/completions", {"prompt": "Hello world", "max_tokens": 13, "stream": True, "seed": 1}),
                     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 17, "temperature": 0.8, "seed": 2}),
-                    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 11, "mode": "ar", "stream": True, "seed": 3}),
+                    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 11, "mode": "ar", "stream": True,
+                                              "seed": 3}),
                     ("/v1/completions", {"prompt": "import numpy", "max_tokens": 25, "top_k": 5, "seed": 4})]
         async with client(app) as c:
             before = metric_values((await c.get("/metrics")).text)

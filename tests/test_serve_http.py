@@ -80,7 +80,8 @@ def test_openai_client_parses_every_response_shape(tiny_llama):
             async with running_server(create_app(FailingEngine(engine, after=1), model_name="tiny")) as url:
                 client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
                 with pytest.raises(openai.InternalServerError):
-                    await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, extra_body={"mode": "ar"})
+                    await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20,
+                                                    extra_body={"mode": "ar"})
                 stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, stream=True,
                                                          extra_body={"mode": "ar"})
                 with pytest.raises(openai.APIError, match="injected failure"):

@@ -25,17 +25,17 @@ from .state import Serving
 __all__ = ["create_app", "begin_drain"]
 
 
-def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: int = 16, model_name: str | None = None,
-               request_timeout: float | None = 600.0, max_body_bytes: int = 1 << 20,
-               default_max_tokens: int = 256, retry_after: int = 1) -> Starlette:
+def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: int = 16,
+               model_name: str | None = None, request_timeout: float | None = 600.0,
+               max_body_bytes: int = 1 << 20, default_max_tokens: int = 256, retry_after: int = 1) -> Starlette:
     """The ASGI app.
 
     ``engine_or_loader``: a loaded :class:`~specdec_rt.Engine` (the app is ready at once and
     never closes it), or an async callable that returns one: the app's lifespan loads it in the
     background at startup (``/health`` and the completion routes answer 503 until then) and
     closes it at shutdown. ``slots``: requests generating at once (default: the engine's
-    ``slots``, else 4; give the engine the same number); ``max_queued``: admitted requests waiting for a slot; past ``slots + max_queued``
-    a request gets 429 with ``Retry-After``. ``request_timeout``: seconds per request, queueing
+    ``slots``, else 4; give the engine the same number); ``max_queued``: admitted requests
+    waiting for a slot; past ``slots + max_queued`` a request gets 429 with ``Retry-After``. ``request_timeout``: seconds per request, queueing
     included (504 after; ``None``: no limit). ``max_body_bytes``: larger bodies get 413.
     ``default_max_tokens``: for requests without ``max_tokens``. ``app.state.serving`` holds the
     state; :func:`begin_drain` starts a graceful shutdown.
