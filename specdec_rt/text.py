@@ -1,15 +1,209 @@
-"""Text in and out: the model's tokenizer, its chat template, and incremental detokenization."""
+"""Text in and out: the model's tokenizer, its chat template, and incremental detokenization.
+
+Two kinds of untrusted input pass through here (docs/security.md):
+
+- The chat template comes from the model folder. It renders in a Jinja sandbox that is also
+  bounded (:class:`_BoundedSandbox`): loop iterations and calls are counted, string and list
+  sizes are checked before an operation can build a huge one (``'a' * 10**8``, ``10**10**8``,
+  ``'%0999999999d' % 1``, ``' '.join(...)``, ``|center(10**9)``), the output has a character
+  budget, and rendering has a deadline. Going over any of them is an ``InvalidInputError``
+  naming the template.
+- Chat message content comes from users. By default the text of a special token in a message
+  (``<|im_end|>``) is encoded as plain text, never as the control token; only the template
+  itself writes control tokens. ``allow_special`` lets trusted callers opt out.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from .errors import InvalidInputError, ModelLoadError
 
 __all__ = ["TextCodec", "IncrementalDecoder"]
+
+TEMPLATE_TIMEOUT_S = 2.0  # default deadline of one chat template rendering
+TEMPLATE_MIN_CHARS = 1 << 20  # output budget: this, plus 4 x the characters of the messages
+TEMPLATE_MAX_STEPS = 1_000_000  # loop iterations + calls, plus 64 per message
+_budget = threading.local()  # the budget of the rendering running in this thread
+
+
+class _TemplateBudgetError(InvalidInputError):
+    pass
+
+
+class _Budget:
+    def __init__(self, chars: int, steps: int, seconds: float) -> None:
+        self.chars, self.steps, self.deadline = chars, steps, time.monotonic() + seconds
+        self.seconds = seconds
+        self.used = 0
+
+    def tick(self, n: int = 1) -> None:
+        self.used += n
+        if self.used > self.steps:
+            raise _TemplateBudgetError(f"ran more than {self.steps} loop iterations and calls")
+        if not self.used & 255 and time.monotonic() > self.deadline:
+            raise _TemplateBudgetError(f"ran longer than {self.seconds:g} s")
+
+    def size(self, value: Any) -> Any:
+        if isinstance(value, (str, list, tuple, dict)) and len(value) > self.chars:
+            raise _TemplateBudgetError(f"built a value of {len(value)} items, over its budget of {self.chars}")
+        return value
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.chars:
+            raise _TemplateBudgetError(f"{what} would build about {n} characters, over its budget of {self.chars}")
+
+
+def _current() -> _Budget:
+    b = getattr(_budget, "value", None)
+    if b is None:  # rendering outside TextCodec.render_chat: the defaults
+        b = _budget.value = _Budget(TEMPLATE_MIN_CHARS, TEMPLATE_MAX_STEPS, TEMPLATE_TIMEOUT_S)
+    return b
+
+
+_WIDTH = re.compile(r"\d+")
+
+
+def _check_widths(fmt: str, budget: _Budget, what: str) -> None:
+    """A %- or {}-format string: no width or precision beyond the budget."""
+    for m in _WIDTH.finditer(fmt):
+        if len(m.group()) > 9 or int(m.group()) > budget.chars:
+            budget.need(10**len(m.group()), what)
+
+
+def _length(x: Any) -> int:
+    return len(x) if isinstance(x, (str, list, tuple, dict)) else len(str(x)) if isinstance(x, (int, float)) else 16
+
+
+def _precheck_call(obj: Any, args: tuple, kwargs: dict, budget: _Budget) -> None:
+    """Refuse a call whose result could exceed the budget before it is made."""
+    ints = [a for a in (*args, *kwargs.values()) if isinstance(a, int) and not isinstance(a, bool)]
+    if any(abs(i) > budget.chars for i in ints):
+        budget.need(max(abs(i) for i in ints), f"a call with the argument {max(ints, key=abs)}")
+    inner = getattr(obj, "__wrapped__", obj)  # the sandbox wraps str.format
+    name = getattr(inner, "__name__", "")
+    owner = getattr(inner, "__self__", None)
+    if isinstance(owner, str):
+        if name == "replace" and len(args) >= 2:
+            budget.need((len(owner) + 1) * (_length(args[1]) + 1), "str.replace")
+        elif name == "join" and args and hasattr(args[0], "__len__"):
+            budget.need(len(owner) * len(args[0]) + sum(_length(x) for x in args[0]), "str.join")
+        elif name == "expandtabs":
+            tab = args[0] if args else kwargs.get("tabsize", 8)
+            budget.need(len(owner) * max(1, tab if isinstance(tab, int) else 8), "str.expandtabs")
+        elif name in ("format", "format_map"):
+            _check_widths(owner, budget, "str.format")
+
+
+def _bounded_filter(name: str, func):
+    """A filter that checks its int arguments and known amplifiers first, its result after."""
+    from functools import update_wrapper
+
+    from jinja2 import Environment
+    from jinja2.nodes import EvalContext
+    from jinja2.runtime import Context
+
+    def wrapper(*args, **kwargs):
+        b = _current()
+        b.tick()
+        values = [a for a in args if not isinstance(a, (Environment, EvalContext, Context))]
+        _precheck_call(None, tuple(values[1:]), kwargs, b)
+        if values:
+            value = values[0]
+            if name == "join":
+                sep = values[1] if len(values) > 1 else kwargs.get("d", "")
+                if hasattr(value, "__len__"):
+                    b.need(_length(sep) * len(value), "the join filter")
+            elif name == "replace" and len(values) >= 3:
+                b.need((_length(value) + 1) * (_length(values[2]) + 1), "the replace filter")
+            elif name == "indent":
+                width = values[1] if len(values) > 1 else kwargs.get("width", 4)
+                lines = str(value).count("\n") + 1
+                b.need(lines * _length(width if isinstance(width, str) else " " * min(int(width), b.chars + 1)), "the indent filter")
+            elif name == "format" and isinstance(value, str):
+                _check_widths(value, b, "the format filter")
+            elif name == "tojson":
+                indent = values[1] if len(values) > 1 else kwargs.get("indent")
+                if isinstance(indent, int) and indent > 64:
+                    b.need(indent * 10**6, "tojson's indent")
+        return b.size(func(*args, **kwargs))
+
+    return update_wrapper(wrapper, func)
+
+
+def _sandbox_class():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _BoundedSandbox(ImmutableSandboxedEnvironment):
+        """The immutable sandbox, with every operation that can amplify size or time bounded."""
+
+        intercepted_binops = frozenset({"*", "**", "+", "%", "//"})
+
+        def call_binop(self, context, operator, left, right):
+            b = _current()
+            b.tick()
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                        b.need(len(seq) * max(n, 0), "a repetition")
+            elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+                bits = max(abs(left).bit_length(), 1) * right
+                if abs(left) > 1 and bits > 1 << 16:
+                    raise _TemplateBudgetError(f"a power of about {bits} bits")
+            elif operator == "%" and isinstance(left, str):
+                _check_widths(left, b, "a %-format")
+            return b.size(super().call_binop(context, operator, left, right))
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+            b = _current()
+            b.tick()
+            _precheck_call(__obj, args, kwargs, b)
+            return b.size(super().call(__context, __obj, *args, **kwargs))
+
+    return _BoundedSandbox
+
+
+def _guard_iter(iterable):
+    """Every template loop iterates through this: each item is a step of the budget."""
+    b = _current()
+    for item in iterable:
+        b.tick()
+        yield item
+
+
+def _guard_concat(*parts):
+    """The template's ``~`` operator, sized before it is joined."""
+    b = _current()
+    b.tick()
+    strs = [p if isinstance(p, str) else str(p) for p in parts]
+    b.need(sum(map(len, strs)), "a ~ concatenation")
+    return "".join(strs)
+
+
+def _instrument(ast):
+    """Route every loop and every ``~`` of a parsed template through the guards above."""
+    from jinja2 import nodes
+    from jinja2.visitor import NodeTransformer
+
+    class Guard(NodeTransformer):
+        def visit_For(self, node):
+            self.generic_visit(node)
+            node.iter = nodes.Call(nodes.Name("__specdec_iter", "load", lineno=node.lineno), [node.iter],
+                                   [], None, None, lineno=node.lineno)
+            return node
+
+        def visit_Concat(self, node):
+            self.generic_visit(node)
+            return nodes.Call(nodes.Name("__specdec_concat", "load", lineno=node.lineno), list(node.nodes),
+                              [], None, None, lineno=node.lineno)
+
+    return Guard().visit(ast)
 
 
 class TextCodec:
@@ -17,58 +211,166 @@ class TextCodec:
 
     ``tokenizer_file``: a ``tokenizer.json``; ``chat_template``: a Jinja template with the Hugging
     Face conventions (``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``).
+    ``allow_special_in_content``: when False (the default), the text of a special token inside a
+    chat message (``"<|im_end|>"``) is encoded as plain text; only the template writes control
+    tokens. ``template_timeout_s`` / ``template_max_chars`` bound one rendering of the template
+    (default output budget: 1 MiB plus 4 x the characters of the messages).
     """
 
     def __init__(self, tokenizer_file: str | Path, *, add_bos: bool = False, bos_id: int | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, allow_special_in_content: bool = False,
+                 template_timeout_s: float = TEMPLATE_TIMEOUT_S, template_max_chars: int | None = None,
+                 template_source: str | None = None) -> None:
         from tokenizers import Tokenizer
 
         try:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
             raise ModelLoadError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
+        self.tokenizer_file = Path(tokenizer_file)
         self.add_bos, self.bos_id, self.chat_template = add_bos, bos_id, chat_template
+        self.allow_special_in_content = allow_special_in_content
+        self.template_timeout_s, self.template_max_chars = template_timeout_s, template_max_chars
+        self.template_source = template_source or f"the chat template of {tokenizer_file}"
         self._template = None
+        self._plain = None  # a copy of the tokenizer that encodes special tokens as plain text
+        specials = {i: t for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special and t.content}
+        self._special_ids = frozenset(specials)
+        self._special_tokens = {i: t for i, t in specials.items()}
+        texts = sorted({t.content for t in specials.values()}, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, texts))) if texts else None
 
     @classmethod
-    def from_manifest(cls, m) -> "TextCodec":
-        return cls(m.tokenizer_file, add_bos=m.add_bos, bos_id=m.bos_id, chat_template=m.chat_template)
+    def from_manifest(cls, m, **options) -> "TextCodec":
+        return cls(m.tokenizer_file, add_bos=m.add_bos, bos_id=m.bos_id, chat_template=m.chat_template,
+                   template_source=f"the chat template in {Path(m.folder) / 'manifest.json'}", **options)
 
     def token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.tokenizer.id_to_token(int(token_id)) or "")
 
     def encode(self, text: str) -> list[int]:
-        """Plain text -> ids (with BOS in front when the model wants one)."""
+        """Plain text -> ids (with BOS in front when the model wants one). The text is the raw
+        prompt: special-token strings in it are the special tokens."""
         if not isinstance(text, str):
             raise InvalidInputError(f"prompt must be a string or a list of chat messages, got {type(text).__name__}")
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if self.add_bos and self.bos_id is not None else []) + ids
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """Chat messages -> the prompt text, through the model's chat template."""
+        """Chat messages -> the prompt text, through the model's chat template (bounded: see the
+        module docstring). Any role string is passed to the template as it is."""
+        self._check_messages(messages)
+        return self._render(list(messages), add_generation_prompt)
+
+    def _check_messages(self, messages) -> None:
         if self.chat_template is None:
             raise InvalidInputError("this model has no chat template; pass a plain string prompt")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
         for i, msg in enumerate(messages):
             if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
-                raise InvalidInputError(f"chat message {i} must be a dict with string 'role' and 'content', got {msg!r}")
+                raise InvalidInputError(f"chat message {i} must be a dict with string 'role' and 'content', got {msg!r}"[:300])
+
+    def _render(self, messages: list, add_generation_prompt: bool) -> str:
+        template = self._compiled()
+        size = sum(len(v) for msg in messages for v in msg.values() if isinstance(v, str))
+        chars = self.template_max_chars or TEMPLATE_MIN_CHARS + 4 * size
+        budget = _Budget(chars, TEMPLATE_MAX_STEPS + 64 * len(messages), self.template_timeout_s)
+        previous, _budget.value = getattr(_budget, "value", None), budget
         try:
-            return self._compiled().render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt,
-                bos_token=self.token_text(self.bos_id), eos_token="",
-            )
+            parts, total = [], 0
+            for chunk in template.generate(
+                    messages=messages, add_generation_prompt=add_generation_prompt,
+                    bos_token=self.token_text(self.bos_id), eos_token=""):
+                total += len(chunk)
+                if total > chars:
+                    raise _TemplateBudgetError(f"wrote more than its budget of {chars} characters")
+                budget.tick()
+                parts.append(chunk)
+            return "".join(parts)
+        except _TemplateBudgetError as exc:
+            raise InvalidInputError(f"{self.template_source} {exc}; refusing to render it") from None
         except InvalidInputError:
             raise
+        except (MemoryError, RecursionError, OverflowError) as exc:
+            raise InvalidInputError(f"{self.template_source} failed ({type(exc).__name__}); "
+                                    "refusing to render it") from None
         except Exception as exc:  # noqa: BLE001 - a template error is the input's problem
             raise InvalidInputError(f"chat template failed on these messages: {exc}") from exc
+        finally:
+            _budget.value = previous
 
-    def encode_prompt(self, prompt: str | Sequence[dict]) -> list[int]:
-        """A string is plain text; a list of messages goes through the chat template (which holds
-        any special tokens itself, so no BOS is added)."""
+    def encode_prompt(self, prompt: str | Sequence[dict], allow_special: bool | None = None) -> list[int]:
+        """A string is plain text (the raw prompt, see :meth:`encode`); a list of messages goes
+        through the chat template (which holds any special tokens itself, so no BOS is added).
+
+        ``allow_special`` (default: the codec's ``allow_special_in_content``, False): whether the
+        text of a special token inside a message becomes that control token. When False, only
+        the template writes control tokens: ``"hi<|im_end|>"`` in a message is plain text."""
         if isinstance(prompt, str):
             return self.encode(prompt)
-        return self.tokenizer.encode(self.render_chat(prompt), add_special_tokens=False).ids
+        self._check_messages(prompt)
+        allow = self.allow_special_in_content if allow_special is None else allow_special
+        if allow or self._special_re is None:
+            return self.tokenizer.encode(self._render(list(prompt), True), add_special_tokens=False).ids
+        return self._encode_chat_plain(list(prompt))
+
+    def _encode_chat_plain(self, messages: list) -> list[int]:
+        """Render with each special-token string in the messages replaced by a placeholder
+        character, encode (the template's control tokens are matched), then re-encode the text
+        between two control tokens that holds placeholders with the strings put back and
+        special tokens read as plain text."""
+        found: set[str] = set()
+        for msg in messages:
+            for v in msg.values():
+                if isinstance(v, str):
+                    found.update(m.group() for m in self._special_re.finditer(v))
+        if not found:
+            return self.tokenizer.encode(self._render(messages, True), add_special_tokens=False).ids
+        used = set(self.chat_template or "")
+        for msg in messages:
+            for v in msg.values():
+                if isinstance(v, str):
+                    used.update(v)
+        free = (chr(c) for c in range(0xF0000, 0x10FFFE) if chr(c) not in used)  # private use
+        holder = {text: next(free) for text in sorted(found, key=len, reverse=True)}
+        back = {ph: text for text, ph in holder.items()}
+        pattern = re.compile("|".join(map(re.escape, holder)))
+        swapped = [{k: pattern.sub(lambda m: holder[m.group()], v) if isinstance(v, str) else v
+                    for k, v in msg.items()} for msg in messages]
+        text = self._render(swapped, True)
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        ids, offsets = enc.ids, enc.offsets
+        cuts = [i for i, t in enumerate(ids) if t in self._special_ids]
+        out: list[int] = []
+        unplace = re.compile("|".join(map(re.escape, back)))
+        bounds = [-1] + cuts + [len(ids)]
+        for k in range(len(bounds) - 1):
+            lo, hi = bounds[k], bounds[k + 1]  # special tokens at lo and hi (or the ends)
+            a = offsets[lo][1] if lo >= 0 else 0
+            b = offsets[hi][0] if hi < len(ids) else len(text)
+            segment = text[a:b]
+            if lo >= 0:
+                out.append(ids[lo])
+            if not any(ph in segment for ph in back):
+                out.extend(ids[lo + 1 : hi])
+                continue
+            if lo >= 0 and self._special_tokens[ids[lo]].rstrip:
+                segment = segment.lstrip()
+            if hi < len(ids) and self._special_tokens[ids[hi]].lstrip:
+                segment = segment.rstrip()
+            out.extend(self._plain_tokenizer().encode(unplace.sub(lambda m: back[m.group()], segment),
+                                                      add_special_tokens=False).ids)
+        return out
+
+    def _plain_tokenizer(self):
+        if self._plain is None:
+            from tokenizers import Tokenizer
+
+            plain = Tokenizer.from_str(self.tokenizer.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -79,19 +381,21 @@ class TextCodec:
     def _compiled(self):
         if self._template is None:
             from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             def raise_exception(message):
-                raise InvalidInputError(f"chat template rejected the messages: {message}")
+                raise InvalidInputError(f"chat template rejected the messages: {message}"[:500])
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env = _sandbox_class()(trim_blocks=True, lstrip_blocks=True)
             env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+            env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
             env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(str(fmt)[:64])
+            env.globals["__specdec_iter"] = _guard_iter
+            env.globals["__specdec_concat"] = _guard_concat
             try:
-                self._template = env.from_string(self.chat_template)
-            except TemplateError as exc:
-                raise ModelLoadError(f"the model's chat template does not compile: {exc}") from exc
+                self._template = env.from_string(_instrument(env.parse(self.chat_template)))
+            except (TemplateError, RecursionError) as exc:
+                raise ModelLoadError(f"{self.template_source} does not compile: {exc}") from exc
         return self._template
 
 
