@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import ExportError, SourceNotFoundError, UsageError
 from ..tokenizer import sha256_file
 from ..ui import Reporter
-from .train import TrainConfig
+from .train import TrainConfig, load_checkpoint
 
 __all__ = ["TrainDraftRequest", "run_train_draft"]
 
@@ -208,7 +208,7 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
     # 3. export: the shippable head file, then the draft folder
     from .assemble import assemble_draft, save_head
 
-    head.load_state_dict(torch.load(work / "best.pt", weights_only=False, map_location="cpu"), strict=False)
+    head.load_state_dict(load_checkpoint(work / "best.pt"), strict=False)
     head.to("cpu")
     training = {"answer_tokens": report["train_answer_tokens"], "steps": summary["step"],
                 "depth": req.depth, "val_top1": summary["curve"][-1]["val"],

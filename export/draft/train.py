@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from .data import Shard
 from .eagle import EagleHead
 
-__all__ = ["TrainConfig", "Batch", "make_batches", "reduced_vocab", "train", "evaluate"]
+__all__ = ["TrainConfig", "Batch", "make_batches", "reduced_vocab", "train", "evaluate",
+           "load_checkpoint"]
 
 FEAT_W = 0.2
 DEPTH_W = (1.0, 0.8, 0.6, 0.5)
@@ -150,9 +151,26 @@ def evaluate(head: EagleHead, batches: list[Batch], depth: int) -> list[float]:
 
 
 def _save(path: Path, obj) -> None:
+    """Checkpoints hold only tensors, numbers, strings and plain containers (state dicts), so
+    `load_checkpoint` can read them with PyTorch's restricted (weights-only) unpickler."""
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, device="cpu"):
+    """Read `ckpt.pt` / `best.pt` with `weights_only=True`: a crafted file in a work folder
+    cannot run code on `--resume` (anything but tensors and plain containers is refused)."""
+    import pickle
+
+    from ..errors import CorruptSourceError
+
+    try:
+        return torch.load(path, weights_only=True, map_location=device)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CorruptSourceError(f"{path}: not a plain tensor checkpoint, refusing to load it "
+                                 f"({first[:200]}); delete it to start that stage over") from exc
 
 
 def train(head: EagleHead, train_b: list[Batch], val_b: list[Batch], cfg: TrainConfig, work: Path,
@@ -171,7 +189,7 @@ def train(head: EagleHead, train_b: list[Batch], val_b: list[Batch], cfg: TrainC
     ck, best_p, curve_p = work / "ckpt.pt", work / "best.pt", work / "curve.json"
     state = {"step": 0, "tokens": 0, "best": -1.0, "curve": []}
     if ck.exists():
-        saved = torch.load(ck, weights_only=False, map_location=head.embed.device)
+        saved = load_checkpoint(ck, head.embed.device)
         head.load_state_dict(saved["head"], strict=False)
         opt.load_state_dict(saved["opt"])
         sched.load_state_dict(saved["sched"])

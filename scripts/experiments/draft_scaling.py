@@ -44,7 +44,7 @@ def main(run: Path, sizes: list[int]) -> None:
                            batch_tokens=int(settings["batch_tokens"]))
         t0 = time.monotonic()
         summary = train(head, tb, vb, tcfg, out, None, lambda s: print(f"[{n}] {s}", flush=True))
-        head.load_state_dict(torch.load(out / "best.pt", weights_only=False), strict=False)
+        head.load_state_dict(torch.load(out / "best.pt", weights_only=True), strict=False)
         hf = save_head(out / "head.npz", _weights(head), vocab, {**cfg.to_dict(), "target_vocab_size": tm.vocab_size})
         draft = out / "draft"
         if draft.exists():
