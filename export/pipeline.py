@@ -131,7 +131,7 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
         if value is not None and value not in QUANT_SPECS:
             raise UsageError(f"{opt} must be one of {', '.join(QUANT_SPECS)}")
     target, name = _resolve(req.src)
-    options = target.recipe.get("export", {}) if target.recipe else {}
+    options = (target.recipe.get("export") or {}) if target.recipe else {}
     quantize = req.quantize or options.get("quantize")
     max_positions = req.max_positions or options.get("max_positions")
     drafts: list[Job] = []
@@ -145,7 +145,7 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
         qname = QUANT_SUFFIX[req.draft_quant]
         drafts.append(Job(qname, "draft", f"draft-{qname}", None, req.draft_quant))
     elif target.recipe:
-        for d in target.recipe.get("drafts", []):
+        for d in target.recipe.get("drafts") or []:
             ref = SourceRef(entry=d["source"], recipe=target.recipe) if "source" in d else None
             head = None
             if "head" in d:  # a trained head file beside the recipe (python -m export train-draft)

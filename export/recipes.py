@@ -150,13 +150,13 @@ def check_recipe(recipe, path="<recipe>") -> None:
     if not isinstance(recipe["license"], str):
         raise _bad(path, "license", recipe["license"], "a string")
     _check_source(path, "target", recipe["target"])
-    options = _dict(path, "export", recipe.get("export") or {})
+    options = _dict(path, "export", {} if recipe.get("export") is None else recipe["export"])
     mp = options.get("max_positions")
     if mp is not None and (type(mp) is not int or not 2 <= mp <= 1 << 20):
         raise _bad(path, "export.max_positions", mp, "an integer from 2 to 1048576")
     if options.get("quantize") not in QUANTIZE:
         raise _bad(path, "export.quantize", options.get("quantize"), "null, int4 or int8")
-    drafts = recipe.get("drafts") or []
+    drafts = [] if recipe.get("drafts") is None else recipe["drafts"]
     if not isinstance(drafts, list) or len(drafts) > 16:
         raise _bad(path, "drafts", drafts, "a list of at most 16 drafts")
     names = set()

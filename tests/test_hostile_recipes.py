@@ -222,6 +222,9 @@ def test_head_symlink_out_of_the_recipe_folder_is_refused(env):
     lambda r: r.update(drafts=[{"name": "q8", "quantize": "int3"}]),
     lambda r: r.update(export={"max_positions": 10**12}),
     lambda r: r.update(export={"quantize": "fp8"}),
+    lambda r: r.update(export=[]),  # found by the fuzz suite: was an internal error
+    lambda r: r.update(drafts={}),
+    lambda r: r.update(drafts=0),
 ])
 def test_malformed_recipes_fail_with_one_line(env, capsys, mutate):
     r = json.loads(json.dumps(env["recipe"]))
@@ -244,3 +247,21 @@ def test_repository_recipes_pass_the_checks():
 
     for name in list_recipes():
         load_recipe(recipes_dir() / name / "recipe.json")
+
+
+def test_up_to_date_check_never_reads_outside_the_output(tmp_path):
+    """An existing output whose manifest names ../ drafts or files (or is malformed) is simply
+    not up to date: it gets rebuilt, nothing outside is stat()ed."""
+    from export.manifest import is_up_to_date
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "x.bin").write_bytes(b"12345")
+    build = {"exporter": "test"}
+    for man in ({"build": build, "files": {"../x.bin": {"bytes": 5}}},
+                {"build": build, "files": {"a": {"bytes": 1}}, "drafts": [{"path": ".."}]},
+                {"build": build, "files": {"a": {"bytes": 1}}, "drafts": ["x"]},
+                {"build": build, "files": ["a"]}, [1, 2]):
+        (out / "manifest.json").write_text(json.dumps(man))
+        (out / "a").write_bytes(b"1")
+        assert is_up_to_date(out, build) is False
