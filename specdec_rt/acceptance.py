@@ -264,6 +264,8 @@ class RequestPolicy:
         that is the load's doing, not the draft's)."""
         if self.mode == "ar" or remaining <= 1:
             return 0
+        if not self.costs.measure:
+            batch = 1  # a seeded request's schedule (so its output) never depends on the load
         if not self.speculating:
             if batch > 1 or not self._probes or self._plain_since_probe < self._probe_every:
                 return 0

@@ -46,7 +46,9 @@ from .errors import EngineClosedError, InferenceError, SpecDecError
 
 __all__ = ["BatchExecutor"]
 
-GATHER_PASSES = 16  # most event-loop passes spent gathering calls before a batch is cut
+GATHER_PASSES = 32  # most event-loop passes spent gathering calls before a batch is cut
+GATHER_STABLE = 4  # ... and it is cut after this many passes in a row brought no new call
+ALONE_CHUNKS = 4  # with nobody waiting, a long call is fed ALONE_CHUNKS * chunk positions at a time
 
 
 @dataclass(eq=False)
@@ -131,12 +133,14 @@ class BatchExecutor:
                 await self._wake.wait()
                 continue
             # 1. gather: every request that is ready submits its call before the batch is cut
-            seen = -1
+            #    (a request needs a few event-loop passes from its last result to its next call)
+            seen, stable = len(self._pending), 0
             for _ in range(GATHER_PASSES):
-                if seen == len(self._pending):
-                    break
-                seen = len(self._pending)
                 await asyncio.sleep(0)
+                stable = stable + 1 if len(self._pending) == seen else 0
+                seen = len(self._pending)
+                if stable == GATHER_STABLE:
+                    break
             calls = [c for c in self._pending if not c.future.done()]
             self._pending.clear()
             # 2. batch: single-token steps per model, then multi-position calls one at a time
@@ -145,12 +149,11 @@ class BatchExecutor:
                 if c.batchable:
                     groups.setdefault(id(c.model), []).append(c)
             singles = [c for c in calls if not c.batchable]
-            waiting = len(calls) > 1
             # 3. run: one call at a time in a worker thread, results out as soon as they exist
             for group in groups.values():
                 await self._run(group, self._batch_job)
             for c in singles:
-                await self._run([c], lambda calls: self._single_job(calls[0], chunked=waiting))
+                await self._run([c], lambda calls: self._single_job(calls[0]))
                 if not c.future.done() and c.done < c.ids.size:
                     self._pending.append(c)  # a long call continues in the next iteration
 
@@ -194,20 +197,24 @@ class BatchExecutor:
             return [logits[i : i + 1] for i in range(len(group))]  # [1, V] each
         return job
 
-    def _single_job(self, c: _Call, chunked: bool) -> Callable[[], list]:
+    def _single_job(self, c: _Call) -> Callable[[], list]:
         def job():  # in the worker thread
-            s, n, size = c.session, c.ids.size, self.chunk
-            end = n if not chunked or n - c.done <= size + c.rows else c.done + size
-            part = c.ids[c.done : end]
-            extra = dict(c.extra)
-            if "features" in extra and extra["features"] is not None:
-                extra["features"] = extra["features"][c.done : end]
-            rows = c.rows if end == n else 1
-            out = s.run_sync(part, rows, s.length, **extra)
-            c.done = end
-            if extra.get("hidden"):
-                logits, hidden = out
-                c.hidden.append(hidden)
-                out = (logits, np.concatenate(c.hidden) if len(c.hidden) > 1 else hidden)
-            return [out if end == n else None]
+            s, n = c.session, c.ids.size
+            while c.done < n:
+                # while other calls wait, feed at most `chunk` positions and give them a turn;
+                # alone, bigger pieces (checked between pieces: a newcomer waits one piece at most)
+                size = self.chunk if self._pending else ALONE_CHUNKS * self.chunk
+                end = n if n - c.done <= size + c.rows else c.done + size
+                extra = dict(c.extra)
+                if extra.get("features") is not None:
+                    extra["features"] = extra["features"][c.done : end]
+                out = s.run_sync(c.ids[c.done : end], c.rows if end == n else 1, s.length, **extra)
+                c.done = end
+                if extra.get("hidden"):
+                    logits, hidden = out
+                    c.hidden.append(hidden)
+                    out = (logits, np.concatenate(c.hidden) if len(c.hidden) > 1 else hidden)
+                if end < n and self._pending:
+                    return [None]  # to be continued in the next iteration
+            return [out]
         return job
