@@ -38,6 +38,7 @@ Prompt = str | Sequence[dict]
 DEFAULT_DRAFT = "ngram+model"
 DEFAULT_SLOTS = 8  # requests batched at once; a slot's KV memory is committed only as it is used
 MAX_SLOTS = 256
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # about 250k tokens: more than any context here holds
 STREAM_BUFFER = 4  # events a request may run ahead of its consumer before it waits
 
 
@@ -102,6 +103,7 @@ class Engine:
         self._tasks: set[asyncio.Task] = set()
         self.running = 0  #: requests holding a slot
         self.waiting = 0  #: requests waiting for a slot
+        self.max_prompt_chars = DEFAULT_MAX_PROMPT_CHARS  #: longer prompts are refused before encoding
         self._closed = False
 
     def _tell_batch(self, model, rows: int, seconds: float) -> None:
@@ -161,31 +163,57 @@ class Engine:
                mode: Mode = "spec", stop: str | Sequence[str] | None = None,
                truncate_prompt: bool = False) -> "EngineStream":
         """Like :meth:`generate`, as an async iterator of :class:`StreamEvent` (also an async
-        context manager that closes it). Arguments are checked here, before any model work."""
+        context manager that closes it).
+
+        Cheap checks run here and raise at once (sampling values, ``mode``, ``stop``,
+        ``max_new_tokens``, the prompt's type and size: at most ``max_prompt_chars`` characters).
+        Rendering the chat template and tokenizing run in a worker thread, so a huge prompt never
+        stalls the event loop; what they find (e.g. ``ContextLengthError``) is raised by
+        :meth:`EngineStream.ready` and by the first iteration, still before any model work."""
         if self._closed:
             raise EngineClosedError("this engine is closed")
+        if mode not in ("spec", "ar"):
+            raise InvalidInputError(f"mode must be 'spec' or 'ar', got {mode!r}")
         if mode == "spec" and self.drafter is None:
             raise InvalidInputError("this engine has no draft model: load it with draft=... or use mode='ar'")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         params = SamplingParams(temperature, top_k, top_p, seed)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
+        stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else stop
+        if stops is not None and (not isinstance(stops, list) or any(not isinstance(s, str) or not s for s in stops)):
             raise InvalidInputError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-        ids = self.codec.encode_prompt(prompt)
-        limit = self.scheduler.max_length or len(ids) + max_new_tokens
-        if truncate_prompt and isinstance(max_new_tokens, int) and len(ids) + max_new_tokens > limit:
-            ids = ids[-max(1, limit - max_new_tokens):]
-        request = self.scheduler.stream(ids, max_new_tokens, params, mode=mode)  # validates now
+        _check_prompt_size(prompt, self.max_prompt_chars)
         send, receive = anyio.create_memory_object_stream(STREAM_BUFFER)
-        task = asyncio.get_running_loop().create_task(self._produce(request, stops, send))
+        stream = EngineStream(receive, self)
+        task = asyncio.get_running_loop().create_task(self._produce(
+            stream._ready, prompt, max_new_tokens, params, mode, stops or [], truncate_prompt, send))
+        stream._attach(task)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return EngineStream(receive, task, self)
+        return stream
 
-    async def _produce(self, request, stops: list[str], send) -> None:
-        """One request, as a task: run it, detokenize, cut at stop strings, hand events over."""
+    def _start(self, prompt: Prompt, max_new_tokens: int, params: SamplingParams, mode: Mode,
+               truncate_prompt: bool):
+        """Encode the prompt and start the scheduler's request (in a worker thread)."""
+        ids = self.codec.encode_prompt(prompt)
+        limit = self.scheduler.max_length or len(ids) + max_new_tokens
+        if truncate_prompt and len(ids) + max_new_tokens > limit:
+            ids = ids[-max(1, limit - max_new_tokens):]
+        return self.scheduler.stream(ids, max_new_tokens, params, mode=mode)  # validates the rest
+
+    async def _produce(self, ready: "_Ready", prompt, max_new_tokens, params, mode, stops: list[str],
+                       truncate_prompt: bool, send) -> None:
+        """One request, as a task: encode, run, detokenize, cut at stop strings, hand events over."""
         decoder, text = self.codec.decoder(), ""
         async with send:
             try:
+                try:
+                    request = await anyio.to_thread.run_sync(
+                        lambda: self._start(prompt, max_new_tokens, params, mode, truncate_prompt))
+                except BaseException as exc:
+                    ready.set(exc if isinstance(exc, Exception) else None)
+                    raise
+                ready.set(None)
                 self.waiting += 1
                 try:
                     await self._slots.acquire()
@@ -245,10 +273,22 @@ class EngineStream:
     this (``aclose()``, ``async with``, or dropping the last reference, e.g. ``break`` out of
     ``async for``) cancels it and frees its slots on the next event-loop pass."""
 
-    def __init__(self, receive, task: asyncio.Task, engine: Engine) -> None:
-        self._receive, self._task, self._engine = receive, task, engine
-        self._finalizer = weakref.finalize(self, _cancel_soon, task.get_loop(), task, receive)
+    def __init__(self, receive, engine: Engine) -> None:
+        self._receive, self._engine = receive, engine
+        self._ready = _Ready()
+        self._task: asyncio.Task | None = None
+        self._finalizer = None
+
+    def _attach(self, task: asyncio.Task) -> None:
+        self._task = task
+        self._finalizer = weakref.finalize(self, _cancel_soon, task.get_loop(), task, self._receive)
         self._finalizer.atexit = False
+
+    async def ready(self) -> None:
+        """Wait until the prompt is encoded and the request checked (before any model work);
+        raises what that found (``InvalidInputError``, ``ContextLengthError``). Optional: the
+        first iteration raises the same. A server awaits it to answer 400 before streaming."""
+        await self._ready.wait()
 
     def __aiter__(self) -> "EngineStream":
         return self
@@ -273,6 +313,34 @@ class EngineStream:
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+
+class _Ready:
+    """Set once a request's prompt was checked: with None, or with the error it raised."""
+
+    def __init__(self) -> None:
+        self._event, self._error = asyncio.Event(), None
+
+    def set(self, error: Exception | None) -> None:
+        self._error = error
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        if self._error is not None:
+            raise self._error
+
+
+def _check_prompt_size(prompt, limit: int) -> None:
+    """The cheap checks of a prompt: its type, and at most ``limit`` characters of text."""
+    if isinstance(prompt, str):
+        size = len(prompt)
+    elif isinstance(prompt, (list, tuple)):
+        size = sum(len(v) for m in prompt if isinstance(m, dict) for v in m.values() if isinstance(v, str))
+    else:
+        raise InvalidInputError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+    if size > limit:
+        raise InvalidInputError(f"prompt has {size} characters, more than max_prompt_chars={limit}")
 
 
 def _cancel_soon(loop, task: asyncio.Task, receive) -> None:

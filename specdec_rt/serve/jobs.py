@@ -62,15 +62,22 @@ async def completions(request: Request, kind: Kind) -> Any:
         return error_response(err)
     except ClientDisconnect:
         return Response(status_code=499)  # nobody is there to read it
+    stream = None
     try:  # from here on the request is admitted: Job.close releases it
         stream = serving.engine.stream(params.prompt, **params.engine_kwargs(serving.default_max_tokens))
+        if hasattr(stream, "ready"):  # an EngineStream: the prompt encoded and checked, 400 before streaming
+            await stream.ready()
     except (InvalidInputError, EngineClosedError) as exc:
+        if stream is not None:
+            await stream.aclose()
         serving.release()
         err = (engine_error(exc, params) if isinstance(exc, InvalidInputError) else
                APIError(503, str(exc), type="service_unavailable", code="draining"))
         serving.metrics.rejected.labels("invalid" if err.status == 400 else "draining").inc()
         return error_response(err)
     except BaseException:
+        if stream is not None:
+            await stream.aclose()
         serving.release()
         raise
     job = Job(serving, params, stream, arrived)
