@@ -1,0 +1,166 @@
+"""The Engine under concurrency, on tiny exported models: batched ONNX Runtime calls give each
+row the logits it gets alone, concurrent requests equal their solo runs, slots come back however
+a consumer stops (without a garbage collection), and closing mid-call never crashes."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import numpy as np
+import pytest
+
+from specdec_rt import EngineClosedError, SpecConfig
+from specdec_rt.engine import Engine
+from specdec_rt.ort import OrtModel
+
+pytestmark = pytest.mark.export
+
+PROMPTS = ["def add(a, b):", "Hello world! The quick", "1, 2, 3,", "import os",
+           [{"role": "user", "content": "Write a Python function."}], "Once upon a time"]
+STATIC = SpecConfig(measure_costs=False)
+
+
+def test_a_batched_step_gives_every_row_its_solo_logits(tiny_llama):
+    """Rows over slots 0..3 with slot 2 taking no part (a gap row gets a dummy token): each
+    real row's logits equal the same step run alone, and the gap row's cache is untouched."""
+    model = OrtModel(tiny_llama, max_length=64, slots=5)
+    prompts = [np.array(p, dtype=np.int64) for p in ([5, 6, 7, 8, 9], [10, 11], [3, 4, 5], [12, 13, 14, 15])]
+
+    async def main():
+        sessions = [model.start() for _ in prompts]
+        for s, p in zip(sessions, prompts):
+            await s.extend(p, 1)
+        keys = model.pool._buffers[0][0]  # layer 0 keys [slots, kv, max_len + 1, d]
+        gap = keys[sessions[2].slot, :, :3].copy()
+        nxt = np.array([20, 21, 22, 23], dtype=np.int64)
+        rows = [0, 1, 3]
+        batched = model.run_batch_sync([sessions[i] for i in rows], nxt[rows],
+                                       np.array([sessions[i].length for i in rows]))  # [3, V]
+        assert [sessions[i].length for i in rows] == [6, 3, 5]
+        assert np.array_equal(keys[sessions[2].slot, :, :3], gap) and sessions[2].length == 3
+        for j, i in enumerate(rows):  # the same step alone, from a fresh cache
+            alone = model.start()
+            want = await alone.extend(np.append(prompts[i], nxt[i]), 1)  # [1, V]
+            np.testing.assert_allclose(batched[j], want[0], rtol=0, atol=2e-5)
+            assert int(np.argmax(batched[j])) == int(np.argmax(want[0]))
+            alone.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("draft", ["q4", "ngram+q4"])
+def test_concurrent_requests_equal_their_solo_runs_and_really_batch(tiny_llama, draft):
+    async def main():
+        async with await Engine.load(tiny_llama, draft=draft, slots=8, spec_config=STATIC) as engine:
+            sizes: list[int] = []
+            engine.batch_listeners.append(sizes.append)
+            for mode in ("ar", "spec"):
+                solo = [(await engine.generate(p, 24, mode=mode)).token_ids for p in PROMPTS]
+                sizes.clear()
+                both = await asyncio.gather(*[engine.generate(p, 24, mode=m) for p in PROMPTS
+                                              for m in ("ar", "spec")])
+                assert [r.token_ids for r in both[::2]] == solo if mode == "ar" else True
+                assert [r.token_ids for r in both[1::2]] == [r.token_ids for r in both[::2]]
+                assert max(sizes) > 1  # several requests' rows in one target call
+            assert engine.target.pool.free == engine.slots and engine.running == 0
+
+    asyncio.run(main())
+
+
+def test_measured_costs_turn_speculation_down_as_the_batch_grows(tiny_llama):
+    async def main():
+        async with await Engine.load(tiny_llama, draft="q4", slots=8) as engine:
+            for p in PROMPTS:  # alone: measures the draft and verify costs
+                await engine.generate(p, 16)
+            for _ in range(3):
+                res = await asyncio.gather(*[engine.generate(p, 16, mode="spec") for p in PROMPTS])
+            solo = [(await engine.generate(p, 16, mode="ar")).token_ids for p in PROMPTS]
+            assert [r.token_ids for r in res] == solo
+            assert engine.executor.step_seconds(engine.target, 6) is not None
+            assert sum(r.stats.ar_steps for r in res) > 0  # plain batched steps under load
+
+    asyncio.run(main())
+
+
+def test_slots_come_back_however_the_consumer_stops_without_a_garbage_collection(tiny_llama):
+    async def main():
+        async with await Engine.load(tiny_llama, draft="q4", slots=4) as engine:
+            want = (await engine.generate(PROMPTS[0], 20)).token_ids
+            gc.disable()
+            try:
+                async for _ in engine.stream(PROMPTS[0], 40):  # break, never closing the iterator
+                    break
+                it = engine.stream(PROMPTS[1], 40)
+                await it.__anext__()
+                del it  # dropped mid-request
+                task = asyncio.ensure_future(engine.generate(PROMPTS[2], 200))
+                await asyncio.sleep(0.05)
+                task.cancel()  # a cancelled consumer
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                try:
+                    await asyncio.wait_for(engine.generate(PROMPTS[3], 200), 0.05)  # a timeout
+                except asyncio.TimeoutError:
+                    pass
+                for _ in range(200):
+                    if engine.running == 0 and engine.target.pool.free == 4:
+                        break
+                    await asyncio.sleep(0.005)
+                assert engine.running == 0 and engine.waiting == 0
+                assert engine.target.pool.free == 4 and engine.drafter.model.pool.free == 4
+            finally:
+                gc.enable()
+            assert (await engine.generate(PROMPTS[0], 20)).token_ids == want  # and still exact
+
+    asyncio.run(main())
+
+
+def test_a_slow_consumer_does_not_hold_up_the_others(tiny_llama):
+    async def main():
+        async with await Engine.load(tiny_llama, draft="none", slots=4) as engine:
+            idle = engine.stream(PROMPTS[0], 100, mode="ar")
+            await idle.__anext__()  # then never read again
+            res = await asyncio.wait_for(asyncio.gather(*[engine.generate(p, 30, mode="ar") for p in PROMPTS[1:4]]), 30)
+            assert all(len(r.token_ids) == 30 or r.finish_reason == "stop" for r in res)
+            await idle.aclose()
+
+    asyncio.run(main())
+
+
+def test_aclose_while_calls_run_ends_them_with_engine_closed_and_never_crashes(tiny_llama):
+    async def main():
+        engine = await Engine.load(tiny_llama, draft="q4", slots=4)
+        streams = [engine.stream(p, 200) for p in PROMPTS[:4]]
+        for s in streams:
+            await s.__anext__()
+        await engine.aclose()  # model calls are in flight or queued right now
+        for s in streams:
+            with pytest.raises(EngineClosedError):
+                async for _ in s:
+                    pass
+        with pytest.raises(EngineClosedError):
+            engine.stream(PROMPTS[0], 5)
+        assert engine.target.pool is None  # released, after the last call returned
+
+    asyncio.run(main())
+
+
+def test_prompt_errors_surface_from_ready_before_any_model_work(tiny_llama):
+    from specdec_rt import ContextLengthError, InvalidInputError
+
+    async def main():
+        async with await Engine.load(tiny_llama, draft="none", max_length=64) as engine:
+            calls = engine.target.calls
+            s = engine.stream("word " * 500, 10, mode="ar")
+            with pytest.raises(ContextLengthError):
+                await s.ready()
+            with pytest.raises(ContextLengthError):
+                await s.__anext__()
+            with pytest.raises(InvalidInputError, match="max_prompt_chars"):
+                engine.stream("x" * (engine.max_prompt_chars + 1), 10, mode="ar")
+            with pytest.raises(InvalidInputError, match="max_new_tokens"):
+                engine.stream("x", 0, mode="ar")
+            assert engine.target.calls == calls and engine.running == 0
+
+    asyncio.run(main())
