@@ -19,6 +19,8 @@ as a ``numpy.random.Generator`` so callers decide seeding.
 
 from __future__ import annotations
 
+import math
+import reprlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,11 +35,17 @@ __all__ = [
     "rejection_sample",
     "greedy_accept",
     "ROW_SUM_TOLERANCE",
+    "MIN_TEMPERATURE",
 ]
 
 # A probability row may deviate from 1 by this much (float32 softmax over 150k entries stays
 # well inside it; anything larger is a bug upstream, not rounding).
 ROW_SUM_TOLERANCE = 1e-3
+
+# Temperatures in (0, MIN_TEMPERATURE) are greedy (see SamplingParams): below it, a logit 1e-3
+# under the maximum gets a weight under exp(-100) ~ 4e-44 (zero or subnormal in float32), so only
+# tokens tied with the maximum to float32 noise could still be drawn. vLLM uses the same cut-off.
+MIN_TEMPERATURE = 1e-5
 
 # Top-p first looks among this many most likely tokens and sorts the whole row only if they do not
 # hold top_p of the mass (a full argsort of a 49k row costs ~2 ms; a partition ~0.3 ms).
@@ -50,9 +58,20 @@ class SamplingParams:
     speculative decoding is exact with respect to the *warped* target distribution.
 
     ``temperature == 0`` means greedy: a one-hot row at the argmax (the lowest id wins ties).
+    So does any temperature below :data:`MIN_TEMPERATURE` (``1e-5``, as in vLLM): at such a
+    temperature a logit only 1e-3 under the maximum gets a weight below ``exp(-100)``, zero or
+    subnormal in float32, so sampling could differ from greedy only among tokens tied with the
+    maximum to float32 noise; greedy decides those ties by the lowest id, deterministically, and
+    takes the exact-match fast path. (Dividing float32 logits by ``1e-300`` itself would give
+    inf and NaN.) ``temperature`` keeps the value given; :attr:`greedy` says which applies.
+    Any finite temperature above that samples; one beyond float32's range (> 3.4e38) acts as
+    3.4e38, which is uniform over the tokens top-k/top-p keep.
     ``top_k`` keeps the k most likely tokens (ties with the k-th are kept), ``top_p`` the smallest
     set of most likely tokens holding at least that much mass (ties at the boundary are kept).
     ``seed`` makes a request reproducible (see ``SpecDecScheduler``).
+
+    Bad values (wrong types, bools, NaN, inf, negative, ``top_p`` outside (0, 1]) raise
+    :class:`InvalidInputError` naming the field.
     """
 
     temperature: float = 0.0
@@ -62,53 +81,93 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not np.isfinite(t) or t < 0:
-            raise InvalidInputError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not _finite_number(t) or t < 0:
+            raise InvalidInputError(f"temperature must be a finite number >= 0, got {brief_repr(t)}")
         if self.top_k is not None and (
             isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 1
         ):
-            raise InvalidInputError(f"top_k must be a positive integer or None, got {self.top_k!r}")
-        if self.top_p is not None and (
-            isinstance(self.top_p, bool)
-            or not isinstance(self.top_p, (int, float))
-            or not 0.0 < self.top_p <= 1.0
-        ):
-            raise InvalidInputError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+            raise InvalidInputError(f"top_k must be a positive integer or None, got {brief_repr(self.top_k)}")
+        if self.top_p is not None and (not _finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0):
+            raise InvalidInputError(f"top_p must be in (0, 1] or None, got {brief_repr(self.top_p)}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0
         ):
-            raise InvalidInputError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+            raise InvalidInputError(f"seed must be a non-negative integer or None, got {brief_repr(self.seed)}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or below :data:`MIN_TEMPERATURE`: the argmax, no sampling."""
+        return self.temperature < MIN_TEMPERATURE
+
+
+def brief_repr(value, limit: int = 80) -> str:
+    """A short repr of a caller's value for an error message, cheap whatever its size (a string
+    of 10**8 characters, a list of 10**7 items), never raising (an int of 10**5 digits has no
+    str(); a hostile ``__repr__``)."""
+    try:
+        text = reprlib.repr(value)
+    except Exception:  # noqa: BLE001 - any failure to describe it
+        bits = value.bit_length() if isinstance(value, int) else None
+        text = f"an int of {bits} bits" if bits is not None else f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _finite_number(x) -> bool:
+    """A real number (not a bool) that is finite as a float (``10**400`` is not)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Logits ``[..., V]`` -> probabilities ``[..., V]`` (same float dtype; float64 stays float64).
 
     Temperature, then top-k, then softmax, then top-p, as Hugging Face ``generate`` orders them.
+    If dividing by the temperature overflows, each row is shifted by its maximum first, so the
+    scaled logits are <= 0 (an overflow is -inf, a weight of 0) and every row keeps its maximum
+    at weight 1: no temperature turns finite logits into NaN. A row with NaN, +inf or no finite
+    logit is not a distribution: :class:`InvalidInputError` naming the row.
     """
     z = np.asarray(logits)
     if not np.issubdtype(z.dtype, np.floating):
         z = z.astype(np.float64)
     if z.ndim == 0 or z.shape[-1] == 0:
         raise InvalidInputError(f"logits must have a non-empty last axis, got shape {z.shape}")
+    top = np.max(z, axis=-1, keepdims=True)  # [..., 1]; NaN if the row holds one
+    if not np.isfinite(top).all():
+        raise InvalidInputError(f"logits {_row_name(~np.isfinite(top[..., 0]))} holds NaN or +inf, or no "
+                                "finite value: not a distribution to sample from")
     if params.greedy:
         out = np.zeros_like(z)  # [..., V]
         np.put_along_axis(out, np.argmax(z, axis=-1)[..., None], 1.0, axis=-1)
         return out
-    z = z / z.dtype.type(params.temperature)
-    if params.top_k is not None and params.top_k < z.shape[-1]:
+    t = z.dtype.type(min(float(params.temperature), float(np.finfo(z.dtype).max)))  # > 0, finite
+    with np.errstate(over="ignore"):
+        scaled = z / t  # [..., V]
+        peak = np.max(scaled, axis=-1, keepdims=True)  # top-k keeps it: the softmax's shift
+        if not np.isfinite(peak).all():  # a row overflowed (inf - inf would be NaN): shift first
+            scaled, peak = (z - top) / t, 0.0  # <= 0, exactly 0 at the maximum; overflow -> -inf
+    if params.top_k is not None and params.top_k < scaled.shape[-1]:
         # k-th largest value per row; everything strictly below it is dropped
-        kth = -np.partition(-z, params.top_k - 1, axis=-1)[..., params.top_k - 1 : params.top_k]
-        z = np.where(z < kth, -np.inf, z)
-    z = z - np.max(z, axis=-1, keepdims=True)
-    probs = np.exp(z)
-    probs /= probs.sum(axis=-1, keepdims=True)
+        kth = -np.partition(-scaled, params.top_k - 1, axis=-1)[..., params.top_k - 1 : params.top_k]
+        scaled = np.where(scaled < kth, -np.inf, scaled)
+    with np.errstate(over="ignore"):
+        probs = np.exp(scaled - peak)  # an overflow below the peak is -inf: weight 0
+    probs /= probs.sum(axis=-1, keepdims=True)  # each sum >= 1 (the maximum's weight)
     if params.top_p is not None and params.top_p < 1.0:
         probs = _top_p(probs, params.top_p)
     return probs
+
+
+def _row_name(bad: np.ndarray) -> str:
+    """'row 3' (or 'row (0, 3)') for the first True of ``bad``, or '' for a single row."""
+    if bad.ndim == 0:
+        return "row"
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    return f"row {where[0] if len(where) == 1 else where}"
 
 
 def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
@@ -139,10 +198,20 @@ def uniforms(rng: np.random.Generator, n: int) -> np.ndarray:
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """One token id drawn from the distribution ``probs`` ``[V]`` (need not be normalized).
 
-    Inverse-CDF with one uniform; tokens of probability 0 are never returned.
+    Inverse-CDF with one uniform; tokens of probability 0 are never returned. A row that is not
+    a distribution (empty, NaN, inf, negative entries, all zero) raises
+    :class:`InvalidInputError` saying which: nothing is ever picked from NaN.
     """
+    probs = np.asarray(probs)
+    if probs.ndim != 1 or probs.size == 0:
+        raise InvalidInputError(f"probs must be a non-empty row [V], got shape {probs.shape}")
     cdf = np.cumsum(probs)  # [V]
-    u = uniforms(rng, 1)[0] * cdf[-1]
+    total = cdf[-1]  # NaN if any entry is NaN, inf if one is inf
+    if not np.isfinite(total) or total <= 0 or probs.min() < 0:
+        what = ("holds NaN or inf" if not np.isfinite(total) else
+                "has negative entries" if probs.min() < 0 else "sums to 0")
+        raise InvalidInputError(f"probs row {what}: not a distribution to sample from")
+    u = uniforms(rng, 1)[0] * total
     return int(min(np.searchsorted(cdf, u, side="right"), len(cdf) - 1))
 
 
