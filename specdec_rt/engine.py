@@ -21,11 +21,11 @@ import anyio
 
 from .acceptance import SpecConfig
 from .batching import BatchExecutor
-from .errors import EngineClosedError, InvalidInputError, ModelLoadError
+from .errors import EngineClosedError, InvalidInputError, ModelLoadError, SpecDecError
 from .drafters import CombinedDrafter, NgramDrafter
 from .ort import OrtDraftInferrer, OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
 from .protocols import DraftInferrer
-from .sampling import SamplingParams
+from .sampling import SamplingParams, brief_repr
 from .scheduler import SpecDecScheduler
 from .text import TextCodec
 from .types import FinishReason, Mode, Stats
@@ -40,6 +40,7 @@ DEFAULT_SLOTS = 8  # requests batched at once; a slot's KV memory is committed o
 MAX_SLOTS = 256
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # about 250k tokens: more than any context here holds
 STREAM_BUFFER = 4  # events a request may run ahead of its consumer before it waits
+MAX_STOP_STRINGS = 64  # each event searches for every stop string (OpenAI allows 4)
 
 
 @dataclass
@@ -172,21 +173,21 @@ class Engine:
         :meth:`EngineStream.ready` and by the first iteration, still before any model work."""
         if self._closed:
             raise EngineClosedError("this engine is closed")
-        if mode not in ("spec", "ar"):
-            raise InvalidInputError(f"mode must be 'spec' or 'ar', got {mode!r}")
+        if not isinstance(mode, str) or mode not in ("spec", "ar"):
+            raise InvalidInputError(f"mode must be 'spec' or 'ar', got {brief_repr(mode)}")
         if mode == "spec" and self.drafter is None:
             raise InvalidInputError("this engine has no draft model: load it with draft=... or use mode='ar'")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+            raise InvalidInputError(f"max_new_tokens must be a positive integer, got {brief_repr(max_new_tokens)}")
         params = SamplingParams(temperature, top_k, top_p, seed)
-        stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else stop
-        if stops is not None and (not isinstance(stops, list) or any(not isinstance(s, str) or not s for s in stops)):
-            raise InvalidInputError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        stops = _check_stop(stop)
+        if not isinstance(truncate_prompt, bool):
+            raise InvalidInputError(f"truncate_prompt must be True or False, got {brief_repr(truncate_prompt)}")
         _check_prompt_size(prompt, self.max_prompt_chars)
         send, receive = anyio.create_memory_object_stream(STREAM_BUFFER)
         stream = EngineStream(receive, self)
         task = asyncio.get_running_loop().create_task(self._produce(
-            stream._ready, prompt, max_new_tokens, params, mode, stops or [], truncate_prompt, send))
+            stream._ready, prompt, max_new_tokens, params, mode, stops, truncate_prompt, send))
         stream._attach(task)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -195,7 +196,14 @@ class Engine:
     def _start(self, prompt: Prompt, max_new_tokens: int, params: SamplingParams, mode: Mode,
                truncate_prompt: bool):
         """Encode the prompt and start the scheduler's request (in a worker thread)."""
-        ids = self.codec.encode_prompt(prompt)
+        try:
+            ids = self.codec.encode_prompt(prompt)
+        except SpecDecError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the codec maps what it knows; anything else is still the prompt's
+            raise InvalidInputError(f"prompt cannot be encoded: {type(exc).__name__}: {exc}"[:300]) from exc
+        if not ids:
+            raise InvalidInputError("prompt encodes to no tokens: give some text")
         limit = self.scheduler.max_length or len(ids) + max_new_tokens
         if truncate_prompt and len(ids) + max_new_tokens > limit:
             ids = ids[-max(1, limit - max_new_tokens):]
@@ -331,12 +339,34 @@ class _Ready:
             raise self._error
 
 
+def _check_stop(stop) -> list[str]:
+    """``stop`` as a list: None, a string or a list/tuple of non-empty strings of valid Unicode."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if isinstance(stops, (list, tuple)) and len(stops) > MAX_STOP_STRINGS:
+        raise InvalidInputError(f"stop holds {len(stops)} strings, more than {MAX_STOP_STRINGS}")
+    if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s for s in stops):
+        raise InvalidInputError(f"stop must be a non-empty string or a list of them, got {brief_repr(stop)}")
+    for i, s in enumerate(stops):
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidInputError(f"stop[{i}] is not valid Unicode text (a lone surrogate): "
+                                    f"{brief_repr(s)}") from None
+    return list(stops)
+
+
 def _check_prompt_size(prompt, limit: int) -> None:
-    """The cheap checks of a prompt: its type, and at most ``limit`` characters of text."""
+    """The cheap checks of a prompt: its type, and at most ``limit`` characters of text (each
+    chat message counts one more, so a list of millions of empty messages is refused at once)."""
     if isinstance(prompt, str):
         size = len(prompt)
     elif isinstance(prompt, (list, tuple)):
-        size = sum(len(v) for m in prompt if isinstance(m, dict) for v in m.values() if isinstance(v, str))
+        if len(prompt) > limit:
+            raise InvalidInputError(f"prompt has {len(prompt)} messages, more than max_prompt_chars={limit}")
+        size = len(prompt) + sum(len(v) for m in prompt if isinstance(m, dict)
+                                 for v in m.values() if isinstance(v, str))
     else:
         raise InvalidInputError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
     if size > limit:

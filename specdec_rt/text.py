@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import InvalidInputError, ModelLoadError
+from .sampling import brief_repr
 
 __all__ = ["TextCodec", "IncrementalDecoder"]
 
@@ -253,7 +254,7 @@ class TextCodec:
         prompt: special-token strings in it are the special tokens."""
         if not isinstance(text, str):
             raise InvalidInputError(f"prompt must be a string or a list of chat messages, got {type(text).__name__}")
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = self._tokenize(self.tokenizer, text, lambda: [("prompt", text)]).ids
         return ([self.bos_id] if self.add_bos and self.bos_id is not None else []) + ids
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
@@ -269,7 +270,30 @@ class TextCodec:
             raise InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
         for i, msg in enumerate(messages):
             if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
-                raise InvalidInputError(f"chat message {i} must be a dict with string 'role' and 'content', got {msg!r}"[:300])
+                raise InvalidInputError(f"messages[{i}] must be a dict with string 'role' and 'content', "
+                                        f"got {brief_repr(msg)}")
+
+    @staticmethod
+    def _tokenize(tokenizer, text: str, fields):
+        """``tokenizer.encode(text)``; a failure is the input's: :class:`InvalidInputError` naming
+        the field. ``fields()`` (called only on failure) yields ``(name, value)`` for the strings
+        the text came from. The tokenizer raises ``TypeError`` for a lone surrogate
+        (``"\\ud800"``): that is not Unicode text, and the error names the first such field."""
+        try:
+            return tokenizer.encode(text, add_special_tokens=False)
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises TypeError / Exception
+            for name, value in fields():
+                at = _bad_unicode(value)
+                if at:
+                    raise InvalidInputError(f"{name} is not valid Unicode text: a lone surrogate "
+                                            f"{value[at - 1]!r} at index {at - 1}") from exc
+            raise InvalidInputError(f"the prompt cannot be tokenized: {type(exc).__name__}: {exc}"[:300]) from exc
+
+    @staticmethod
+    def _message_fields(messages: Sequence[dict]):
+        """``(messages[i].key, value)`` for the string fields of chat messages."""
+        return lambda: ((f"messages[{i}].{k}", v) for i, msg in enumerate(messages)
+                        for k, v in msg.items() if isinstance(v, str))
 
     def _render(self, messages: list, add_generation_prompt: bool) -> str:
         template = self._compiled()
@@ -312,7 +336,8 @@ class TextCodec:
         self._check_messages(prompt)
         allow = self.allow_special_in_content if allow_special is None else allow_special
         if allow or self._special_re is None:
-            return self.tokenizer.encode(self._render(list(prompt), True), add_special_tokens=False).ids
+            return self._tokenize(self.tokenizer, self._render(list(prompt), True),
+                                  self._message_fields(prompt)).ids
         return self._encode_chat_plain(list(prompt))
 
     def _encode_chat_plain(self, messages: list) -> list[int]:
@@ -325,8 +350,9 @@ class TextCodec:
             for v in msg.values():
                 if isinstance(v, str):
                     found.update(m.group() for m in self._special_re.finditer(v))
+        fields = self._message_fields(messages)
         if not found:
-            return self.tokenizer.encode(self._render(messages, True), add_special_tokens=False).ids
+            return self._tokenize(self.tokenizer, self._render(messages, True), fields).ids
         used = set(self.chat_template or "")
         for msg in messages:
             for v in msg.values():
@@ -339,7 +365,7 @@ class TextCodec:
         swapped = [{k: pattern.sub(lambda m: holder[m.group()], v) if isinstance(v, str) else v
                     for k, v in msg.items()} for msg in messages]
         text = self._render(swapped, True)
-        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        enc = self._tokenize(self.tokenizer, text, fields)
         ids, offsets = enc.ids, enc.offsets
         cuts = [i for i, t in enumerate(ids) if t in self._special_ids]
         out: list[int] = []
@@ -359,8 +385,8 @@ class TextCodec:
                 segment = segment.lstrip()
             if hi < len(ids) and self._special_tokens[ids[hi]].lstrip:
                 segment = segment.rstrip()
-            out.extend(self._plain_tokenizer().encode(unplace.sub(lambda m: back[m.group()], segment),
-                                                      add_special_tokens=False).ids)
+            out.extend(self._tokenize(self._plain_tokenizer(), unplace.sub(lambda m: back[m.group()], segment),
+                                      fields).ids)
         return out
 
     def _plain_tokenizer(self):
@@ -397,6 +423,15 @@ class TextCodec:
             except (TemplateError, RecursionError) as exc:
                 raise ModelLoadError(f"{self.template_source} does not compile: {exc}") from exc
         return self._template
+
+
+def _bad_unicode(text: str) -> int:
+    """0 if ``text`` is valid Unicode (encodable as UTF-8), else 1 + the index of a lone surrogate."""
+    try:
+        text.encode("utf-8")
+        return 0
+    except UnicodeEncodeError as exc:
+        return exc.start + 1
 
 
 class IncrementalDecoder:
