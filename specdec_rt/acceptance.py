@@ -118,6 +118,7 @@ class AcceptanceEWMA:
         return AcceptanceEWMA(self.alpha, self.hits, self.trials)
 
 
+CATCHUP_FREE = 4  # a draft this few tokens behind catches up in its next call at no extra cost
 PREFILL_EXPLORE_EVERY = 8  # after this many prefill skips in a row, one request speculates anyway
 
 
@@ -199,6 +200,15 @@ class CostModel:
             return True
         return False
 
+    def catchup_pays(self, lag: int, new_tokens: int, a: float, k: int) -> bool:
+        """Whether speculating over ``new_tokens`` saves more than feeding the draft the ``lag``
+        tokens it has not seen (after plain steps in a batch). True until both are measured."""
+        base, _ = self._base_and_slope()
+        if not self.measure or base is None or self.draft_prefill_s is None:
+            return True
+        speedup = self.speedup(a, k)
+        return speedup > 1.0 and new_tokens * base * (1.0 - 1.0 / speedup) > lag * self.draft_prefill_s
+
     def speedup(self, a: float, k: int) -> float:
         """Predicted tokens/s of k-draft rounds relative to plain decoding."""
         d, s = self.relative()
@@ -239,6 +249,7 @@ class RequestPolicy:
         self._probing = False
         self._plain_since_probe = 0
         self._probe_every = config.probe_every
+        self._drafted_at = 0  # generated tokens when this request last drafted (the draft has read up to there)
 
     def best_k(self, batch: int = 1) -> tuple[int, float]:
         """The draft length with the highest predicted speedup, and that speedup, for a request
@@ -256,12 +267,13 @@ class RequestPolicy:
             return FallbackEvent(0, "ar", "prefill", a)
         return None
 
-    def draft_length(self, remaining: int, batch: int = 1) -> int:
+    def draft_length(self, remaining: int, batch: int = 1, at: int = 0) -> int:
         """Drafts for the next round (0 = one plain target step). ``remaining``: tokens still
         allowed, so a round never drafts past the budget (it emits at most k+1). ``batch``:
         requests running now; when drafting would slow the batch down, this round is plain
         (speculation turns down smoothly as the batch grows; no fallback is recorded, since
-        that is the load's doing, not the draft's)."""
+        that is the load's doing, not the draft's). ``at``: tokens generated so far; after plain
+        steps in a batch the draft must first read what it missed, which must pay too."""
         if self.mode == "ar" or remaining <= 1:
             return 0
         if not self.costs.measure:
@@ -274,7 +286,11 @@ class RequestPolicy:
         if batch > 1:
             k, gain = self.best_k(batch)
             return min(k, remaining - 1) if gain > self.config.min_speedup else 0
-        return min(self.best_k()[0], remaining - 1)
+        k = self.best_k()[0]
+        lag = at - self._drafted_at
+        if lag > CATCHUP_FREE and not self.costs.catchup_pays(lag, remaining, self.ewma.value, k):
+            return 0
+        return min(k, remaining - 1)
 
     def observe(self, at: int, drafted: int, accepted: int, t_draft: float, t_verify: float,
                 timed: bool = True, alone: bool = True) -> FallbackEvent | None:
@@ -291,6 +307,7 @@ class RequestPolicy:
         if drafted == 0:
             self._plain_since_probe += 1
             return None
+        self._drafted_at = at + accepted + 1  # the draft read up to what this round committed
         self.ewma.observe(drafted, accepted)
         if self.shared is not None:
             self.shared.observe(drafted, accepted)

@@ -8,9 +8,10 @@ per engine. Each iteration of the executor's loop:
    no new call arrives), so the rows of concurrent requests meet in one iteration;
 2. **batch**: per model, the single-token steps of all requests (plain decoding rows, draft
    steps) become **one** batched call over their KV slots (``run_batch_sync``); multi-position
-   calls (prefill, a verify over k+1 positions) run one request at a time, and long ones are cut
-   into chunks of ``chunk`` positions while other rows wait, so a new prompt never stalls the
-   batch for more than one chunk;
+   calls (a verify over k+1 positions, the rest of a long prompt) run one request at a time, and
+   long ones are cut into chunks of ``chunk`` positions while other rows wait, so a new prompt
+   never stalls the batch for more than one chunk; the first prompts of requests that arrive
+   together are prefilled in one call (``run_prefill_batch_sync``: right-padded rows, no past);
 3. **run**: one call at a time, in a worker thread (one call already uses every core), then
    resolve the callers' futures and record the call's cost (seconds per batch size).
 
@@ -48,7 +49,7 @@ __all__ = ["BatchExecutor"]
 
 GATHER_PASSES = 32  # most event-loop passes spent gathering calls before a batch is cut
 GATHER_STABLE = 4  # ... and it is cut after this many passes in a row brought no new call
-ALONE_CHUNKS = 4  # with nobody waiting, a long call is fed ALONE_CHUNKS * chunk positions at a time
+ALONE_CHUNKS = 2  # with nobody waiting, a long call is fed ALONE_CHUNKS * chunk positions at a time
 
 
 @dataclass(eq=False)
@@ -66,6 +67,12 @@ class _Call:
         return self.session.model
 
     @property
+    def fresh(self) -> bool:
+        """A first prompt (nothing cached yet) that may be prefilled with other first prompts."""
+        return (self.session.length == 0 and self.done == 0 and self.ids.size > 1 and self.rows == 1
+                and not self.extra and hasattr(self.model, "run_prefill_batch_sync"))
+
+    @property
     def batchable(self) -> bool:
         return (self.ids.size == 1 and self.rows == 1 and not self.extra
                 and hasattr(self.model, "run_batch_sync"))
@@ -74,11 +81,14 @@ class _Call:
 class BatchExecutor:
     """Runs the model calls of one engine (all its models), batching across requests.
 
+    Optional model methods for more batching: ``can_prefill_together(sessions) -> bool`` and
+    ``run_prefill_batch_sync(sessions, prompts [B][S_i]) -> logits [B, V]`` (first prompts).
+
     ``chunk``: longest piece of a multi-position call run while other rows wait.
     ``listeners``: callables ``f(model, rows, seconds)`` told about every model call.
     """
 
-    def __init__(self, chunk: int = 32) -> None:
+    def __init__(self, chunk: int = 64) -> None:
         self.chunk = max(1, int(chunk))
         self.listeners: list[Callable[[Any, int, float], None]] = []
         self._pending: list[_Call] = []
@@ -149,9 +159,19 @@ class BatchExecutor:
                 if c.batchable:
                     groups.setdefault(id(c.model), []).append(c)
             singles = [c for c in calls if not c.batchable]
+            prompts: dict[int, list[_Call]] = {}
+            for c in singles:
+                if c.fresh:
+                    prompts.setdefault(id(c.model), []).append(c)
+            prompts = {k: g for k, g in prompts.items() if len(g) > 1 and g[0].model.can_prefill_together(
+                [c.session for c in g])}
+            singles = [c for c in singles if id(c.model) not in prompts]
             # 3. run: one call at a time in a worker thread, results out as soon as they exist
             for group in groups.values():
                 await self._run(group, self._batch_job)
+            for group in prompts.values():  # new requests' prompts (their first pieces) together
+                await self._run(group, self._prefill_job)
+                self._pending.extend(c for c in group if not c.future.done() and c.done < c.ids.size)
             for c in singles:
                 await self._run([c], lambda calls: self._single_job(calls[0]))
                 if not c.future.done() and c.done < c.ids.size:
@@ -195,6 +215,17 @@ class BatchExecutor:
             ids = np.array([int(c.ids[0]) for c in group], dtype=np.int64)  # [B]
             logits = group[0].model.run_batch_sync(sessions, ids, pasts)  # [B, V]
             return [logits[i : i + 1] for i in range(len(group))]  # [1, V] each
+        return job
+
+    def _prefill_job(self, group: list[_Call]) -> Callable[[], list]:
+        def job():  # in the worker thread
+            size = ALONE_CHUNKS * self.chunk  # per row: what is left goes on as single calls
+            ends = [c.ids.size if c.ids.size <= size + 1 else size for c in group]
+            logits = group[0].model.run_prefill_batch_sync([c.session for c in group],
+                                                          [c.ids[:e] for c, e in zip(group, ends)])  # [B, V]
+            for c, e in zip(group, ends):
+                c.done = e
+            return [logits[i : i + 1] if e == c.ids.size else None for i, (c, e) in enumerate(zip(group, ends))]
         return job
 
     def _single_job(self, c: _Call) -> Callable[[], list]:

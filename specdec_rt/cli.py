@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--add-draft", action="append", metavar="FOLDER",
                        help="also benchmark this draft folder (e.g. a train-draft output; repeatable)")
     bench.add_argument("--micro", action="store_true", help="also run the step-cost micro-benchmarks")
+    bench.add_argument("--concurrency", default=None, metavar="LEVELS",
+                       help="instead: one Engine under concurrent clients, e.g. 1,2,4,8 (spec and ar)")
     bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
     _model_args(add_serve_parser(sub))  # the OpenAI-compatible server: specdec_rt/serve, docs/serving.md
@@ -82,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             return anyio.run(run_demo, args)
         if args.command == "serve":
             return run_serve(args)
+        if args.concurrency:
+            from .bench.concurrency import run_concurrency
+
+            return run_concurrency(args)
         from .bench import run_bench
 
         return run_bench(args)

@@ -106,7 +106,7 @@ class SpecDecScheduler:
                 # 1. choose: how many tokens to draft this round (0 = one plain target step), for
                 #    this request's acceptance and the batch its calls share with the others
                 batch = self.running
-                k = policy.draft_length(ctx.remaining, batch)
+                k = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
                 # 2. draft: up to k proposals continuing the committed tokens
                 t0 = perf_counter()
                 drafts = list(await self.drafter.generate_draft(ctx, k))[:k] if k else []

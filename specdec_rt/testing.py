@@ -58,6 +58,14 @@ class ToyLM(LanguageModel):
         self.batches: list[int] = []  # rows of every batched call (with an executor)
         self.executor = None  # a BatchExecutor: calls go through its step loop, batched
 
+    def can_prefill_together(self, sessions: list["ToySession"]) -> bool:
+        return True
+
+    def run_prefill_batch_sync(self, sessions: list["ToySession"], prompts: list[np.ndarray]) -> np.ndarray:
+        """First prompts of several sessions in one call: each prompt's last logits ``[B, V]``."""
+        self.batches.append(len(sessions))
+        return np.concatenate([s.run_sync(p, 1, 0) for s, p in zip(sessions, prompts)])
+
     def run_batch_sync(self, sessions: list["ToySession"], ids: np.ndarray, pasts: np.ndarray) -> np.ndarray:
         """One single-token step of several sessions in one call: logits ``[B, V]``."""
         self.batches.append(len(sessions))

@@ -164,3 +164,23 @@ def test_prompt_errors_surface_from_ready_before_any_model_work(tiny_llama):
             assert engine.target.calls == calls and engine.running == 0
 
     asyncio.run(main())
+
+
+def test_first_prompts_of_requests_arriving_together_are_prefilled_in_one_call(tiny_llama):
+    model = OrtModel(tiny_llama, max_length=64, slots=4)
+    prompts = [np.array(p, dtype=np.int64) for p in ([5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15])]
+
+    async def main():
+        sessions = [model.start() for _ in prompts]
+        assert model.can_prefill_together(sessions)
+        together = model.run_prefill_batch_sync(sessions, prompts)  # [3, V]
+        assert [s.length for s in sessions] == [6, 2, 3]
+        for j, p in enumerate(prompts):
+            alone = model.start()
+            np.testing.assert_allclose(together[j], (await alone.extend(p, 1))[0], rtol=0, atol=2e-5)
+            alone.close()
+        sessions[1].close()  # a free slot in between is fine; an open one with data is not
+        fresh = model.start()
+        assert fresh.slot == 1 and not model.can_prefill_together([sessions[0], sessions[2]])
+
+    asyncio.run(main())

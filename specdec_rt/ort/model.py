@@ -212,14 +212,12 @@ class OrtModel(LanguageModel):
         session, pool = self.session, self.pool  # held for the call: close() cannot free them under it
         if session is None:
             raise InferenceError(f"model {self.name} is closed")
-        slots = [s.slot for s in sessions]
-        lo, rows = min(slots), max(slots) - min(slots) + 1
+        lo, rows, at = self._span(sessions)
         past = np.zeros(rows, dtype=np.int64)  # [rows] cached tokens per slot
         for slot in range(lo, lo + rows):
             owner = self._owners.get(slot)
             past[slot - lo] = owner.length if owner is not None else 0
         feed = np.zeros((rows, 1), dtype=np.int64)  # [rows, 1]
-        at = np.array(slots, dtype=np.int64) - lo
         feed[at, 0] = ids
         past[at] = pasts
         io = self._batch_io.get((lo, rows))
@@ -245,6 +243,56 @@ class OrtModel(LanguageModel):
         for s, p in zip(sessions, pasts):
             s._length = int(p) + 1
         return logits[at, 0]  # [B, V]
+
+
+    def _span(self, sessions) -> tuple[int, int, np.ndarray]:
+        """``(first slot, rows, row of each session)`` of the slots a batched call covers."""
+        slots = [s.slot for s in sessions]
+        lo = min(slots)
+        return lo, max(slots) - lo + 1, np.array(slots, dtype=np.int64) - lo
+
+    def can_prefill_together(self, sessions: list["OrtSession"]) -> bool:
+        """A batched first-prompt call writes positions 0.. of every slot it covers: only when
+        no other open session holds a slot in between."""
+        lo, rows, _ = self._span(sessions)
+        mine = {s.slot for s in sessions}
+        return all(slot in mine or slot not in self._owners for slot in range(lo, lo + rows))
+
+    def run_prefill_batch_sync(self, sessions: list["OrtSession"], prompts: list[np.ndarray]) -> np.ndarray:
+        """The first prompts of several sessions in one call (GroupQueryAttention takes several
+        rows of several positions when nothing is cached): rows right-padded to the longest,
+        each row's length in ``seqlens_k``. Returns each prompt's last logits ``[B, V]``."""
+        session, pool = self.session, self.pool  # held for the call
+        if session is None:
+            raise InferenceError(f"model {self.name} is closed")
+        lo, rows, at = self._span(sessions)
+        lengths = np.ones(rows, dtype=np.int64)  # a free slot in between: one dummy position
+        lengths[at] = [p.size for p in prompts]
+        feed = np.zeros((rows, int(lengths.max())), dtype=np.int64)  # [rows, S]
+        for r, p in zip(at, prompts):
+            feed[r, : p.size] = p
+        last = sorted({int(n) - 1 for n in lengths[at]})
+        io = session.io_binding()
+        self._bind_kv(io, lo, rows)
+        names = self.manifest.inputs
+        io.bind_cpu_input(names["input_ids"], feed)
+        if names.get("position_ids"):
+            io.bind_cpu_input(names["position_ids"], np.tile(np.arange(feed.shape[1]), (rows, 1)))
+        io.bind_cpu_input(names["seqlens_k"], (lengths - 1).astype(np.int32))  # [rows]
+        io.bind_cpu_input(names["total_sequence_length"], np.array(feed.shape[1], dtype=np.int32))
+        io.bind_cpu_input(names["logits_index"], np.array(last, dtype=np.int64))  # [R]
+        io.bind_output(self.manifest.outputs["logits"], "cpu")
+        try:
+            session.run_with_iobinding(io)
+            self.calls += 1
+            logits = io.get_outputs()[2 * self.manifest.num_layers].numpy()  # [rows, R, V]
+        except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
+            raise InferenceError(f"ONNX Runtime failed in {self.name} (prefill of {len(sessions)} "
+                                 f"prompts over slots {lo}..{lo + rows - 1}): {exc}") from exc
+        del pool
+        for s, p in zip(sessions, prompts):
+            s._length = p.size
+        return logits[at, [last.index(p.size - 1) for p in prompts]]  # [B, V]
 
 
 class OrtSession(CacheSession):
