@@ -406,7 +406,7 @@ def _check_graph(m: Manifest, session) -> None:
         if name not in table:
             raise ModelLoadError(f"{path}: names {kind} {name!r}, which {m.onnx_file.name} does not have")
     extra = [n for n in ins if n.startswith("past_key_values.") and
-             int(n.split(".")[1]) >= m.num_layers]
+             not (n.split(".")[1].isdigit() and int(n.split(".")[1]) < m.num_layers)]
     if extra:
         raise ModelLoadError(f"{path}: num_layers={m.num_layers} but the graph has {extra[0]!r}")
     kv = ins[m.kv_name("past_key", 0)].shape  # [B, kv_heads, max_len, head_dim]
