@@ -165,17 +165,17 @@ class BatchExecutor:
                     prompts.setdefault(id(c.model), []).append(c)
             prompts = {k: g for k, g in prompts.items() if len(g) > 1 and g[0].model.can_prefill_together(
                 [c.session for c in g])}
-            singles = [c for c in singles if id(c.model) not in prompts]
+            together = {id(c) for g in prompts.values() for c in g}
+            singles = [c for c in singles if id(c) not in together]
             # 3. run: one call at a time in a worker thread, results out as soon as they exist
             for group in groups.values():
                 await self._run(group, self._batch_job)
             for group in prompts.values():  # new requests' prompts (their first pieces) together
                 await self._run(group, self._prefill_job)
-                self._pending.extend(c for c in group if not c.future.done() and c.done < c.ids.size)
             for c in singles:
                 await self._run([c], lambda calls: self._single_job(calls[0]))
-                if not c.future.done() and c.done < c.ids.size:
-                    self._pending.append(c)  # a long call continues in the next iteration
+            # 4. every call taken is answered, or (a long one, part fed) waits for the next turn
+            self._pending.extend(c for c in calls if not c.future.done() and c not in self._pending)
 
     async def _run(self, calls: list[_Call], make_job: Callable[[list[_Call]], Callable[[], list]]) -> None:
         calls = [c for c in calls if not c.future.done()]  # a caller cancelled meanwhile is skipped

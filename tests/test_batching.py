@@ -157,3 +157,28 @@ def test_closing_the_executor_fails_waiting_calls_with_engine_closed():
             await sched.run([1], 3)
 
     asyncio.run(main())
+
+
+def test_new_prompts_arriving_while_others_verify_never_strand_a_call():
+    """Two first prompts (prefilled together) and a verify-like multi-position call of the same
+    model, submitted in one iteration: every call is answered (a stranded one would hang,
+    bounded by wait_for) with the logits each gets alone."""
+    from specdec_rt.batching import BatchExecutor
+    from specdec_rt.testing import ToyLM
+
+    model, ref = ToyLM(10, seed=4), ToyLM(10, seed=4)
+    model.executor = BatchExecutor(chunk=4)
+
+    async def main():
+        a = model.start()
+        await a.extend(np.array([1, 2, 3]), 1)
+        b, c = model.start(), model.start()
+        feeds = [(a, [4, 5, 6], 3), (b, [7, 8, 9, 1, 2], 1), (c, [3, 3], 1)]
+        got = await asyncio.wait_for(asyncio.gather(*[s.extend(np.array(f), r) for s, f, r in feeds]), 10)
+        want = [ref.logits_at(np.array([1, 2, 3, 4, 5, 6]))[-3:], ref.logits_at(np.array([7, 8, 9, 1, 2]))[-1:],
+                ref.logits_at(np.array([3, 3]))[-1:]]
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+        assert 2 in model.batches  # the two first prompts went in one call
+
+    asyncio.run(main())
