@@ -22,7 +22,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                                    "/health and /metrics (see docs/serving.md).")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--slots", type=_positive, default=4, help="requests generating at once (default 4)")
+    p.add_argument("--slots", type=_positive, default=8, help="requests generating (and batched) at once (default 8)")
     p.add_argument("--max-queued", type=_non_negative, default=16,
                    help="requests waiting for a slot before new ones get 429 (default 16)")
     p.add_argument("--request-timeout", type=float, default=600.0,
