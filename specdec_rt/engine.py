@@ -99,7 +99,8 @@ class Engine:
         self.executor.listeners.append(self._tell_batch)
         verifier = OrtTargetVerifier(target, share_hidden=bool(getattr(drafter, "needs_target_hidden", False)))
         self.scheduler = SpecDecScheduler(drafter, verifier, config, eos_ids=self.manifest.eos_ids,
-                                          batch_costs=lambda rows: self.executor.step_seconds(target, rows))
+                                          batch_costs=lambda rows: self.executor.step_seconds(target, rows),
+                                          load=lambda: min(len(self._tasks), self.slots))
         self._slots = anyio.Semaphore(slots)
         self._tasks: set[asyncio.Task] = set()
         self.running = 0  #: requests holding a slot

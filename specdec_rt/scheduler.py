@@ -45,7 +45,8 @@ class SpecDecScheduler:
 
     def __init__(self, drafter: DraftInferrer | None, verifier: TargetVerifier,
                  config: SpecConfig | None = None, *, eos_ids: Iterable[int] = (),
-                 batch_costs: Callable[[int], float | None] | None = None) -> None:
+                 batch_costs: Callable[[int], float | None] | None = None,
+                 load: Callable[[], int] | None = None) -> None:
         self.drafter = drafter
         self.verifier = verifier
         self.config = config or SpecConfig()
@@ -54,6 +55,7 @@ class SpecDecScheduler:
         self.costs = CostModel(self.config, measure=self.config.measure_costs, batch_step_s=batch_costs)
         self.totals = Stats(mode="total")
         self.running = 0  # requests in their loop now: the batch their model calls share
+        self.load = load  # requests about to share it too (e.g. the Engine's admitted ones)
 
     @property
     def max_length(self) -> int | None:
@@ -105,7 +107,7 @@ class SpecDecScheduler:
             while not ctx.done:
                 # 1. choose: how many tokens to draft this round (0 = one plain target step), for
                 #    this request's acceptance and the batch its calls share with the others
-                batch = self.running
+                batch = max(self.running, self.load() if self.load else 0)
                 k = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
                 # 2. draft: up to k proposals continuing the committed tokens
                 t0 = perf_counter()
@@ -119,7 +121,7 @@ class SpecDecScheduler:
                 new = ctx.commit(verdict.tokens)
                 # 5. observe: stats, acceptance EWMA, costs, next draft length, fallback
                 switch = policy.observe(at, len(drafts), verdict.accepted, t1 - t0, t2 - t1, timed,
-                                        alone=batch == 1 == self.running)
+                                        alone=batch == 1 == max(self.running, self.load() if self.load else 0))
                 stats.observe_round(len(drafts), verdict.accepted, new.size, t1 - t0, t2 - t1,
                                     policy.ewma.value if drafts or stats.rounds else None)
                 timed = timed or bool(drafts)  # a drafter's prefill may come in its first drafting round

@@ -4,6 +4,7 @@ disconnects, and ``python -m specdec_rt serve`` as a process drained by SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -196,3 +197,54 @@ async def _drain_scenario(url: str, proc: subprocess.Popen) -> None:
         assert events[-1] == "[DONE]"
         finishes = [e["choices"][0]["finish_reason"] for e in events[:-1]]
         assert [f for f in finishes if f] == ["length"]
+
+
+def test_cancel_storm_leaves_nothing_running_and_survivors_equal_their_solo_outputs(tiny_llama):
+    """50 streams on a slots=8 server; half are abandoned at random points (streams closed
+    mid-way, non-streaming clients that give up). Afterwards nothing runs, every KV slot is free
+    without a garbage collection, and every survivor got exactly its solo greedy output."""
+    import gc
+    import random
+
+    prompts = [f"{PROMPT} # case {i}" for i in range(50)]
+
+    async def main():
+        async with await Engine.load(tiny_llama, draft="q4", slots=8) as engine:
+            solo = {p: (await engine.generate(p, max_new_tokens=24)).text for p in set(prompts)}
+            app = create_app(engine, slots=8, max_queued=64)
+            rng = random.Random(7)
+            gc.disable()
+            try:
+                async with running_server(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
+                    async def one(i: int):
+                        body = {"prompt": prompts[i], "max_tokens": 24, "temperature": 0}
+                        quit_after = rng.randint(1, 10) if i % 2 else None
+                        if quit_after is not None and i % 4 == 1:  # a non-streaming client gives up
+                            task = asyncio.ensure_future(c.post("/v1/completions", json=body))
+                            await asyncio.sleep(0.01 * quit_after)
+                            task.cancel()
+                            return None
+                        text = ""
+                        async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                            n = 0
+                            async for line in r.aiter_lines():
+                                if not line.startswith("data: {"):
+                                    continue
+                                n += 1
+                                if quit_after is not None and n >= quit_after:
+                                    return None  # closes the stream mid-way
+                                text += json.loads(line[6:])["choices"][0]["text"]
+                        return text
+
+                    got = await asyncio.gather(*[one(i) for i in range(50)], return_exceptions=True)
+                    await _until(lambda: engine.running == 0 and app.state.serving.admitted == 0, 10)
+                    values = metric_values((await c.get("/metrics")).text)
+                assert metric(values, "specdec_requests_running") == 0
+                assert engine.target.pool.free == engine.slots and engine.drafter.model.pool.free == engine.slots
+            finally:
+                gc.enable()
+            survivors = [(p, t) for p, t in zip(prompts, got) if isinstance(t, str)]
+            assert len(survivors) >= 25 and all(t == solo[p] for p, t in survivors)
+            assert (await engine.generate(prompts[0], max_new_tokens=24)).text == solo[prompts[0]]
+
+    anyio.run(main)
