@@ -230,6 +230,7 @@ class CostModel:
         c_b, c_rest = self.batch_step_s(batch), self.batch_step_s(batch - 1)
         if base is None or self.draft_token_s is None or c_b is None or c_rest is None:
             return 0.0
+        c_rest = min(c_rest, c_b)  # fewer rows never cost more (a noisy measurement must not say so)
         t_spec = c_rest + k * self.draft_token_s + base * (1.0 + s * k)
         return (batch - 1 + expected_tokens(a, k)) / t_spec * (c_b / batch)
 

@@ -96,6 +96,7 @@ class BatchExecutor:
         self._task: asyncio.Task | None = None
         self._closed = False
         self._step_s: dict[tuple[int, int], float] = {}  # (id(model), rows) -> EWMA seconds
+        self._seen: set[tuple[int, int]] = set()
         self.calls = 0
 
     # ------------------------------------------------------------------ the callers' side
@@ -197,8 +198,11 @@ class BatchExecutor:
         model = calls[0].model
         if len(calls) > 1 or calls[0].batchable:
             key = (id(model), len(calls))
-            old = self._step_s.get(key)
-            self._step_s[key] = seconds if old is None else old + 0.1 * (seconds - old)
+            if key not in self._seen:  # the first call of a shape allocates: not its cost
+                self._seen.add(key)
+            else:
+                old = self._step_s.get(key)
+                self._step_s[key] = seconds if old is None else old + 0.1 * (seconds - old)
         for f in self.listeners:
             f(model, len(calls), seconds)
         for c, r in zip(calls, results):
