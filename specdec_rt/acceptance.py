@@ -284,9 +284,9 @@ class RequestPolicy:
                 return 0
             self._probing = True  # a probe drafts at least k_init tokens: one round, enough evidence
             return min(max(self.best_k()[0], self.config.k_init), remaining - 1)
-        if batch > 1:
+        if batch > 1:  # leave the batched step only for a clear gain (resume_speedup, hysteresis)
             k, gain = self.best_k(batch)
-            return min(k, remaining - 1) if gain > self.config.min_speedup else 0
+            return min(k, remaining - 1) if gain >= self.config.resume_speedup else 0
         k = self.best_k()[0]
         lag = at - self._drafted_at
         if lag > CATCHUP_FREE and not self.costs.catchup_pays(lag, remaining, self.ewma.value, k):

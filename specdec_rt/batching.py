@@ -36,6 +36,7 @@ flight, so model buffers are never freed under a running call; waiting callers g
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Callable
@@ -49,6 +50,7 @@ __all__ = ["BatchExecutor"]
 
 GATHER_PASSES = 32  # most event-loop passes spent gathering calls before a batch is cut
 GATHER_STABLE = 4  # ... and it is cut after this many passes in a row brought no new call
+COST_SAMPLES = 16  # batched step times kept per batch size
 ALONE_CHUNKS = 2  # with nobody waiting, a long call is fed ALONE_CHUNKS * chunk positions at a time
 
 
@@ -95,7 +97,7 @@ class BatchExecutor:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closed = False
-        self._step_s: dict[tuple[int, int], float] = {}  # (id(model), rows) -> EWMA seconds
+        self._step_s: dict[tuple[int, int], collections.deque] = {}  # (id(model), rows) -> recent seconds
         self._seen: set[tuple[int, int]] = set()
         self.calls = 0
 
@@ -121,8 +123,10 @@ class BatchExecutor:
                     self._pending.remove(call)
 
     def step_seconds(self, model, rows: int) -> float | None:
-        """Measured seconds of one batched single-token step of ``rows`` rows (None: never seen)."""
-        return self._step_s.get((id(model), rows))
+        """Measured seconds of one batched single-token step of ``rows`` rows (None: not yet):
+        the least of the recent samples, since timing noise on a shared machine only adds."""
+        recent = self._step_s.get((id(model), rows))
+        return min(recent) if recent else None
 
     async def aclose(self) -> None:
         """Stop after the call in flight; calls still waiting fail with ``EngineClosedError``."""
@@ -201,8 +205,8 @@ class BatchExecutor:
             if key not in self._seen:  # the first call of a shape allocates: not its cost
                 self._seen.add(key)
             else:
-                old = self._step_s.get(key)
-                self._step_s[key] = seconds if old is None else old + 0.1 * (seconds - old)
+                recent = self._step_s.setdefault(key, collections.deque(maxlen=COST_SAMPLES))
+                recent.append(seconds)
         for f in self.listeners:
             f(model, len(calls), seconds)
         for c, r in zip(calls, results):

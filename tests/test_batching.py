@@ -182,3 +182,31 @@ def test_new_prompts_arriving_while_others_verify_never_strand_a_call():
         assert 2 in model.batches  # the two first prompts went in one call
 
     asyncio.run(main())
+
+
+def test_batch_cost_model_predictions_and_robustness():
+    """The batch rule: with a cheap batch, drafting alone in it does not pay; a noisy sample that
+    says fewer rows cost more is not believed; unmeasured batch sizes predict no gain."""
+    from specdec_rt.acceptance import CostModel
+
+    steps = {1: 0.030, 7: 0.050, 8: 0.054}
+    costs = CostModel(SpecConfig(), batch_step_s=steps.get)
+    costs.draft_token_s, costs.verify_s = 0.010, {0: 0.030, 4: 0.036}
+    alone = costs.batch_speedup(0.8, 4, 1)
+    assert alone == costs.speedup(0.8, 4) > 1.5  # alone: the usual rule
+    assert costs.batch_speedup(0.8, 4, 8) < 1.0  # 8 rows: the batched plain step wins
+    assert costs.batch_speedup(0.8, 4, 3) == 0.0  # never measured at 3 or 2 rows
+    steps[7] = 0.5  # a slow sample at 7 rows
+    assert costs.batch_speedup(0.8, 4, 8) < 1.0
+
+
+def test_the_first_call_of_a_batch_size_is_not_a_cost_sample():
+    sched, target, _ = toy_scheduler(0.3, vocab_size=10, config=STATIC, batched=True)
+
+    async def main():
+        await asyncio.gather(*[sched.run([i], 1, mode="ar") for i in range(3)])  # one 3-row step
+        assert target.executor.step_seconds(target, 3) is None
+        await asyncio.gather(*[sched.run([i], 3, mode="ar") for i in range(3)])
+        assert target.executor.step_seconds(target, 3) is not None
+
+    asyncio.run(main())
