@@ -193,7 +193,7 @@ def test_batch_cost_model_predictions_and_robustness():
     costs = CostModel(SpecConfig(), batch_step_s=steps.get)
     costs.draft_token_s, costs.verify_s = 0.010, {0: 0.030, 4: 0.036}
     alone = costs.batch_speedup(0.8, 4, 1)
-    assert alone == costs.speedup(0.8, 4) > 1.5  # alone: the usual rule
+    assert alone == costs.speedup(0.8, 4) > 1.2  # alone: the usual rule
     assert costs.batch_speedup(0.8, 4, 8) < 1.0  # 8 rows: the batched plain step wins
     assert costs.batch_speedup(0.8, 4, 3) == 0.0  # never measured at 3 or 2 rows
     steps[7] = 0.5  # a slow sample at 7 rows
