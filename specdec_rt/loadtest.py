@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 
 from .errors import SpecDecError
 from .loading import DEFAULT_MODEL, ensure_built
+from .reports import write_report
 from .loadtest_report import (ERROR, OK, REJECTED, RequestSample, format_markdown, format_table, plot,
                               speedups, summarize_phase)
 
@@ -498,12 +499,7 @@ async def _main(args, levels: list[int], modes: list[str]) -> int:
     if png is None:
         _log("matplotlib is not installed: no chart (pip install matplotlib)")
     report["chart"] = str(png) if png else None
-    (out / "loadtest.json").write_text(json.dumps(report, indent=2))
-    (out / "loadtest.md").write_text(format_markdown(report) + "\n")
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(format_table(report))
+    write_report(out, "loadtest", report, format_markdown(report), format_table(report), args.json)
     _log(f"wrote {out / 'loadtest.json'}, {out / 'loadtest.md'}" + (f" and {png}" if png else ""))
     failed = sum(p["ok"] for p in report["phases"]) == 0
     if failed:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import anyio
 
+from ..reports import write_report
 from .micro import memory_bandwidth_gbs, request_memory, step_costs, weight_bytes
 from .report import format_markdown, format_table, plot, plot_acceptance, summarize
 from .runner import HF_MODES, build_our_modes, default_threads, load_prompts, log, machine_info, run_modes
@@ -74,12 +75,8 @@ async def _bench(args) -> int:
     report["chart"] = str(png) if png else None
     acc_png = plot_acceptance(samples, out / "acceptance.png")
     report["acceptance_chart"] = str(acc_png) if acc_png else None
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
-    (out / "bench.md").write_text(format_markdown(report) + "\n")
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(format_table(report))
+    write_report(out, "bench", report, format_markdown(report), format_table(report), args.json)
+    if not args.json:
         if report.get("micro"):
             print(json.dumps(report["micro"], indent=2))
         for k, v in report["skipped"].items():

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..reports import write_report
 from .runner import log
 
 __all__ = ["run_concurrency"]
@@ -118,10 +119,8 @@ async def _concurrency(args) -> int:
     report = {"settings": {"model": str(args.model), "draft": engine.draft_name, "prompts": len(prompts),
                            "max_new_tokens": n, "repeats": args.repeats, "levels": levels,
                            "prompt_file": args.prompts or "built-in general chat"}, "levels": summary}
-    (out / "concurrency.json").write_text(json.dumps(report, indent=2))
-    (out / "concurrency.md").write_text(format_markdown(summary))
     chart = plot(summary, out / "concurrency.png")
-    print(json.dumps(report) if args.json else format_markdown(summary))
+    write_report(out, "concurrency", report, format_markdown(summary), format_markdown(summary), args.json)
     log(f"wrote {out / 'concurrency.json'}, {out / 'concurrency.md'}" + (f", {chart}" if chart else ""))
     return 0
 
