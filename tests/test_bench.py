@@ -38,3 +38,20 @@ def test_bench_rejects_unknown_modes(tiny_llama, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "specdec_rt", "bench", "--model", str(tiny_llama),
                            "--modes", "ar,warp_speed", "--out", str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode != 0 and "warp_speed" in proc.stderr
+
+
+def test_bench_concurrency_json_table_and_chart(tiny_llama, tmp_path):
+    out = tmp_path / "conc"
+    cmd = [sys.executable, "-m", "specdec_rt", "bench", "--concurrency", "1,2", "--model", str(tiny_llama),
+           "--draft", "q4", "--max-new-tokens", "6", "--repeats", "1", "--json", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)  # one JSON document; progress on stderr
+    rows = {(r["concurrency"], r["mode"]): r for r in doc["levels"]}
+    assert set(rows) == {(c, m) for c in (0, 1, 2) for m in ("spec", "ar")}
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and r["identical"] == "2/2"  # every output equals its solo run
+        assert r["itl_p99"] >= r["itl_p50"] >= 0 and r["max_stall"] >= 0
+    assert rows[(0, "spec")]["vs_sequential_spec"] == 1.0 and rows[(2, "ar")]["vs_previous_level"] is not None
+    assert "| clients |" in (out / "concurrency.md").read_text()
+    assert json.loads((out / "concurrency.json").read_text())["levels"] == doc["levels"]
