@@ -201,6 +201,43 @@ class OrtModel(LanguageModel):
                 io.bind_input(m.kv_name(past, layer), self.device, 0, np.float32, shape, ptr)
                 io.bind_output(m.kv_name(present, layer), self.device, 0, np.float32, shape, ptr)
 
+    def _span(self, sessions) -> tuple[int, int, np.ndarray]:
+        """``(first slot, rows, row of each session)`` of the slots a batched call covers."""
+        slots = [s.slot for s in sessions]
+        lo = min(slots)
+        return lo, max(slots) - lo + 1, np.array(slots, dtype=np.int64) - lo
+
+    def _run_rows(self, lo: int, feed: np.ndarray, positions: np.ndarray, seqlens: np.ndarray,
+                  logits_index: np.ndarray, what: str) -> np.ndarray:
+        """One call over the contiguous slots ``lo .. lo + rows - 1`` (in a worker thread):
+        ``feed`` / ``positions`` ``[rows, S]``, ``seqlens`` ``[rows]`` (total length - 1 per row),
+        logits of positions ``logits_index`` ``[R]``. Returns logits ``[rows, R, V]``."""
+        session, pool = self.session, self.pool  # held for the call: close() cannot free them under it
+        if session is None:
+            raise InferenceError(f"model {self.name} is closed")
+        rows = feed.shape[0]
+        io = self._batch_io.get((lo, rows))
+        if io is None:  # KV bound once per slot range
+            io = self._batch_io[(lo, rows)] = session.io_binding()
+            self._bind_kv(io, lo, rows)
+        names = self.manifest.inputs
+        io.bind_cpu_input(names["input_ids"], feed)
+        if names.get("position_ids"):
+            io.bind_cpu_input(names["position_ids"], positions)
+        io.bind_cpu_input(names["seqlens_k"], seqlens.astype(np.int32))
+        io.bind_cpu_input(names["total_sequence_length"], np.array(int(seqlens.max()) + 1, dtype=np.int32))
+        io.bind_cpu_input(names["logits_index"], logits_index)
+        io.bind_output(self.manifest.outputs["logits"], "cpu")
+        try:
+            session.run_with_iobinding(io)
+            self.calls += 1
+            return io.get_outputs()[2 * self.manifest.num_layers].numpy()  # [rows, R, V]
+        except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
+            raise InferenceError(f"ONNX Runtime failed in {self.name} ({what} over slots "
+                                 f"{lo}..{lo + rows - 1}): {exc}") from exc
+        finally:
+            del pool
+
     def run_batch_sync(self, sessions: list["OrtSession"], ids: np.ndarray, pasts: np.ndarray) -> np.ndarray:
         """One single-token step for several sessions in one call (in a worker thread): session
         i feeds ``ids[i]`` after its first ``pasts[i]`` cached tokens. Returns logits ``[B, V]``.
@@ -209,9 +246,6 @@ class OrtModel(LanguageModel):
         a slot in between that takes no part feeds a dummy token at its own cache length (a
         position its owner has not committed, or the scratch position), whose output is dropped.
         """
-        session, pool = self.session, self.pool  # held for the call: close() cannot free them under it
-        if session is None:
-            raise InferenceError(f"model {self.name} is closed")
         lo, rows, at = self._span(sessions)
         past = np.zeros(rows, dtype=np.int64)  # [rows] cached tokens per slot
         for slot in range(lo, lo + rows):
@@ -220,36 +254,11 @@ class OrtModel(LanguageModel):
         feed = np.zeros((rows, 1), dtype=np.int64)  # [rows, 1]
         feed[at, 0] = ids
         past[at] = pasts
-        io = self._batch_io.get((lo, rows))
-        if io is None:
-            io = self._batch_io[(lo, rows)] = session.io_binding()
-            self._bind_kv(io, lo, rows)
-        names = self.manifest.inputs
-        io.bind_cpu_input(names["input_ids"], feed)
-        if names.get("position_ids"):
-            io.bind_cpu_input(names["position_ids"], past[:, None])  # [rows, 1]
-        io.bind_cpu_input(names["seqlens_k"], past.astype(np.int32))  # [rows]: total - 1 per row
-        io.bind_cpu_input(names["total_sequence_length"], np.array(int(past.max()) + 1, dtype=np.int32))
-        io.bind_cpu_input(names["logits_index"], np.zeros(1, dtype=np.int64))  # [1]
-        io.bind_output(self.manifest.outputs["logits"], "cpu")
-        try:
-            session.run_with_iobinding(io)
-            self.calls += 1
-            logits = io.get_outputs()[2 * self.manifest.num_layers].numpy()  # [rows, 1, V]
-        except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
-            raise InferenceError(f"ONNX Runtime failed in {self.name} (batch of {len(sessions)} "
-                                 f"rows over slots {lo}..{lo + rows - 1}): {exc}") from exc
-        del pool
+        logits = self._run_rows(lo, feed, past[:, None], past, np.zeros(1, dtype=np.int64),
+                                f"a step of {len(sessions)} rows")  # [rows, 1, V]
         for s, p in zip(sessions, pasts):
             s._length = int(p) + 1
         return logits[at, 0]  # [B, V]
-
-
-    def _span(self, sessions) -> tuple[int, int, np.ndarray]:
-        """``(first slot, rows, row of each session)`` of the slots a batched call covers."""
-        slots = [s.slot for s in sessions]
-        lo = min(slots)
-        return lo, max(slots) - lo + 1, np.array(slots, dtype=np.int64) - lo
 
     def can_prefill_together(self, sessions: list["OrtSession"]) -> bool:
         """A batched first-prompt call writes positions 0.. of every slot it covers: only when
@@ -262,34 +271,16 @@ class OrtModel(LanguageModel):
         """The first prompts of several sessions in one call (GroupQueryAttention takes several
         rows of several positions when nothing is cached): rows right-padded to the longest,
         each row's length in ``seqlens_k``. Returns each prompt's last logits ``[B, V]``."""
-        session, pool = self.session, self.pool  # held for the call
-        if session is None:
-            raise InferenceError(f"model {self.name} is closed")
         lo, rows, at = self._span(sessions)
         lengths = np.ones(rows, dtype=np.int64)  # a free slot in between: one dummy position
         lengths[at] = [p.size for p in prompts]
         feed = np.zeros((rows, int(lengths.max())), dtype=np.int64)  # [rows, S]
         for r, p in zip(at, prompts):
             feed[r, : p.size] = p
-        last = sorted({int(n) - 1 for n in lengths[at]})
-        io = session.io_binding()
-        self._bind_kv(io, lo, rows)
-        names = self.manifest.inputs
-        io.bind_cpu_input(names["input_ids"], feed)
-        if names.get("position_ids"):
-            io.bind_cpu_input(names["position_ids"], np.tile(np.arange(feed.shape[1]), (rows, 1)))
-        io.bind_cpu_input(names["seqlens_k"], (lengths - 1).astype(np.int32))  # [rows]
-        io.bind_cpu_input(names["total_sequence_length"], np.array(feed.shape[1], dtype=np.int32))
-        io.bind_cpu_input(names["logits_index"], np.array(last, dtype=np.int64))  # [R]
-        io.bind_output(self.manifest.outputs["logits"], "cpu")
-        try:
-            session.run_with_iobinding(io)
-            self.calls += 1
-            logits = io.get_outputs()[2 * self.manifest.num_layers].numpy()  # [rows, R, V]
-        except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
-            raise InferenceError(f"ONNX Runtime failed in {self.name} (prefill of {len(sessions)} "
-                                 f"prompts over slots {lo}..{lo + rows - 1}): {exc}") from exc
-        del pool
+        last = sorted({int(n) - 1 for n in lengths[at]})  # [R] positions whose logits are needed
+        positions = np.tile(np.arange(feed.shape[1]), (rows, 1))  # [rows, S]
+        logits = self._run_rows(lo, feed, positions, lengths - 1, np.array(last, dtype=np.int64),
+                                f"a prefill of {len(sessions)} prompts")  # [rows, R, V]
         for s, p in zip(sessions, prompts):
             s._length = p.size
         return logits[at, [last.index(p.size - 1) for p in prompts]]  # [B, V]
@@ -330,7 +321,9 @@ class OrtSession(CacheSession):
             raise InferenceError(f"logits_rows={logits_rows} must be in 1..{s}")
         if n + s > self.model.max_length:
             raise ContextLengthError(f"{n + s} tokens exceed the KV cache of {self.model.max_length}")
-        extra = {k: v for k, v in (("features", features), ("hidden", hidden)) if v is not None and v is not False}
+        extra = {"features": features} if features is not None else {}
+        if hidden:
+            extra["hidden"] = True  # no extras: a single-token step the executor may batch
         return await self.model.executor.extend(self, np.asarray(ids, dtype=np.int64), logits_rows, **extra)
 
     def run_sync(self, ids: np.ndarray, rows: int, past: int, features=None, hidden: bool = False):
