@@ -299,11 +299,9 @@ class RequestPolicy:
         marks the first round, which included the prefills: its times are kept out of the
         per-step costs (the draft's is used for its prefill cost instead). ``alone=False``: other
         requests shared the round's calls, so its times are not this request's costs."""
-        if not alone:
-            pass
-        elif timed:
+        if alone and timed:
             self.costs.observe(drafted, t_draft, t_verify)
-        else:
+        elif alone:
             self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
         if drafted == 0:
             self._plain_since_probe += 1
