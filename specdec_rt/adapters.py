@@ -33,10 +33,13 @@ Sampler = Callable[[np.ndarray, np.ndarray, np.ndarray, np.random.Generator], np
 class SyncedSession:
     """A :class:`CacheSession` plus the ids it holds, kept consistent with committed tokens."""
 
-    def __init__(self, session: CacheSession, capacity: int) -> None:
+    def __init__(self, session: CacheSession, capacity: int, tokens: np.ndarray | None = None) -> None:
         self.session = session
         self.ids = np.zeros(capacity, dtype=np.int64)  # [capacity] ids whose KV the cache holds
         self._matched = 0  # ids[:_matched] are known to equal committed tokens (which never change)
+        if session.length:  # a prefix cache hit: the first `length` of `tokens` are cached
+            self.ids[: session.length] = tokens[: session.length]
+            self._matched = session.length
 
     def pending(self, tokens: np.ndarray) -> np.ndarray:
         """Roll back to the longest cached prefix of ``tokens`` (keeping at least the last token
@@ -76,8 +79,9 @@ class TargetHidden:
     rejected drafts' states until they are overwritten.
     """
 
-    def __init__(self, capacity: int, hidden_size: int) -> None:
-        self.rows = np.zeros((capacity, hidden_size), dtype=np.float32)  # [capacity, H]
+    def __init__(self, capacity: int, hidden_size: int, session: CacheSession | None = None) -> None:
+        kept = getattr(session, "hidden_rows", None)  # the backend keeps them per slot (prefix cache)
+        self.rows = kept(hidden_size) if kept else np.zeros((capacity, hidden_size), dtype=np.float32)  # [capacity, H]
 
     def write(self, start: int, hidden: np.ndarray) -> None:
         self.rows[start : start + hidden.shape[0]] = hidden
@@ -92,7 +96,14 @@ class _ModelUser:
         self.max_length = model.max_length
 
     def _session(self, ctx: RequestContext) -> SyncedSession:
-        return ctx.state(self, lambda: SyncedSession(self.model.start(), self.model.max_length))
+        return ctx.state(self, lambda: self._start(ctx.tokens))
+
+    def _start(self, tokens: np.ndarray) -> SyncedSession:
+        """A model with a prefix cache (``caches_prefixes``) starts from what it holds of
+        ``tokens``; any other starts empty."""
+        if getattr(self.model, "caches_prefixes", False):
+            return SyncedSession(self.model.start(tokens), self.model.max_length, tokens)
+        return SyncedSession(self.model.start(), self.model.max_length)
 
     def release(self, ctx: RequestContext) -> None:
         s = ctx.pop_state(self)
@@ -142,15 +153,19 @@ class ModelVerifier(_ModelUser, TargetVerifier):
 
     async def verify_and_accept(self, ctx: RequestContext, drafts: Sequence[DraftToken]) -> Verdict:
         s = self._session(ctx)
+        first = ctx.stats.rounds + ctx.stats.ar_steps == 0
         k = len(drafts)
         draft_ids = np.fromiter((d.id for d in drafts), dtype=np.int64, count=k)  # [k]
         feed = np.concatenate([s.pending(ctx.tokens), draft_ids])  # [S >= k+1]
         if self.share_hidden:
             start = s.session.length
             logits, hidden = await s.extend(feed, k + 1, hidden=True)  # hidden [S, H]
-            ctx.state(TARGET_HIDDEN, lambda: TargetHidden(self.max_length, hidden.shape[-1])).write(start, hidden)
+            ctx.state(TARGET_HIDDEN, lambda: TargetHidden(self.max_length, hidden.shape[-1], s.session)).write(
+                start, hidden)
         else:
             logits = await s.extend(feed, k + 1)  # [k+1, V]: p_0 .. p_k before warping
+        if first:  # prompt positions the prefix cache supplied (set by the session's first call)
+            ctx.stats.cached_prompt_tokens = int(getattr(s.session, "cached_tokens", 0))
         if ctx.params.greedy:
             target_ids = np.argmax(logits, axis=-1)  # [k+1]
             out = greedy_accept(draft_ids, target_ids)

@@ -45,8 +45,11 @@ import anyio
 import numpy as np
 
 from .errors import EngineClosedError, InferenceError, SpecDecError
+from .logs import get_logger
 
 __all__ = ["BatchExecutor"]
+
+log = get_logger("specdec_rt.batching")
 
 GATHER_PASSES = 32  # most event-loop passes spent gathering calls before a batch is cut
 GATHER_STABLE = 4  # ... and it is cut after this many passes in a row brought no new call
@@ -76,8 +79,13 @@ class _Call:
 
     @property
     def batchable(self) -> bool:
-        return (self.ids.size == 1 and self.rows == 1 and not self.extra
+        return (self.ids.size == 1 and self.rows == 1 and not self.extra and self.source is None
                 and hasattr(self.model, "run_batch_sync"))
+
+    @property
+    def source(self):
+        """The running session this one copies a cached prefix from at its first call."""
+        return getattr(self.session, "waits_for", None)
 
 
 class BatchExecutor:
@@ -99,6 +107,8 @@ class BatchExecutor:
         self._closed = False
         self._step_s: dict[tuple[int, int], collections.deque] = {}  # (id(model), rows) -> recent seconds
         self._seen: set[tuple[int, int]] = set()
+        self._chores: dict[int, Callable[[], Any]] = {}  # idle-time work (see chore)
+        self._chore: Any = None  # the piece of idle-time work under way
         self.calls = 0
 
     # ------------------------------------------------------------------ the callers' side
@@ -122,6 +132,34 @@ class BatchExecutor:
                 if call in self._pending:
                     self._pending.remove(call)
 
+    def chore(self, fn: Callable[[], Any]) -> None:
+        """Idle-time work: while no call waits, ``fn()`` (on the event loop) returns a job with
+        ``step() -> bool`` (more to do), whose steps run in the worker thread, one at a time,
+        until it is done or a call arrives; then ``fn`` is asked again, until it returns None.
+        (The prefix cache copies finished requests' KV out this way, a layer per step, so the
+        next request's first token does not wait for it.)"""
+        self._chores[id(fn)] = fn
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _idle_work(self) -> bool:
+        """One step of idle-time work; False if there is none."""
+        while self._chore is None:
+            if not self._chores:
+                return False
+            key = next(iter(self._chores))
+            self._chore = self._chores[key]()
+            if self._chore is None:
+                del self._chores[key]
+        try:
+            more = await anyio.to_thread.run_sync(self._chore.step)
+        except Exception as exc:  # noqa: BLE001 - idle work is an optimisation: log it, go on
+            log.warning("executor.chore_failed", error=f"{type(exc).__name__}: {exc}")
+            more = False
+        if not more:
+            self._chore = None
+        return True
+
     def step_seconds(self, model, rows: int) -> float | None:
         """Measured seconds of one batched single-token step of ``rows`` rows (None: not yet):
         the least of the recent samples, since timing noise on a shared machine only adds."""
@@ -144,6 +182,8 @@ class BatchExecutor:
     async def _loop(self) -> None:
         while not self._closed:
             if not self._pending:
+                if await self._idle_work():
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -158,6 +198,10 @@ class BatchExecutor:
                     break
             calls = [c for c in self._pending if not c.future.done()]
             self._pending.clear()
+            # a call that copies a prefix from a request still computing it waits for that call
+            busy = {id(c.session) for c in calls}
+            later = [c for c in calls if c.source is not None and id(c.source) in busy]
+            calls = [c for c in calls if c not in later]
             # 2. batch: single-token steps per model, then multi-position calls one at a time
             groups: dict[int, list[_Call]] = {}
             for c in calls:
@@ -180,7 +224,7 @@ class BatchExecutor:
             for c in singles:
                 await self._run([c], lambda calls: self._single_job(calls[0]))
             # 4. every call taken is answered, or (a long one, part fed) waits for the next turn
-            self._pending.extend(c for c in calls if not c.future.done() and c not in self._pending)
+            self._pending.extend(c for c in calls + later if not c.future.done() and c not in self._pending)
 
     async def _run(self, calls: list[_Call], make_job: Callable[[list[_Call]], Callable[[], list]]) -> None:
         calls = [c for c in calls if not c.future.done()]  # a caller cancelled meanwhile is skipped

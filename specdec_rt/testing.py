@@ -22,6 +22,7 @@ import numpy as np
 
 from .adapters import ModelDrafter, ModelVerifier
 from .batching import BatchExecutor
+from .prefix_cache import CachedStart, Hit, PrefixCache
 from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
 from .sampling import SamplingParams, warp
 from .acceptance import SpecConfig
@@ -46,10 +47,16 @@ class ToyLM(LanguageModel):
     ``table`` ``[V**order, V]`` holds the logits; ``sharpness`` scales them (higher: peakier).
     Counts ``calls`` (forward passes) and ``positions`` (tokens fed) so tests and the toy demo can
     measure speculation in model calls.
+
+    ``prefix_cache_tokens > 0``: a :class:`~specdec_rt.prefix_cache.PrefixCache` over a pool of
+    ``slots`` running and ``cache_entries`` entry slots holding ids (the toy's "KV"), as the ONNX
+    backend has. Every call then checks that its slot holds exactly the ids its session was
+    started with and fed, so a cache that copies the wrong positions fails loudly.
     """
 
     def __init__(self, vocab_size: int = 8, order: int = 2, seed: int = 0, sharpness: float = 2.0,
-                 max_length: int = 4096, table: np.ndarray | None = None) -> None:
+                 max_length: int = 4096, table: np.ndarray | None = None, *, slots: int = 16,
+                 prefix_cache_tokens: int = 0, cache_entries: int | None = None, block: int = 4) -> None:
         self.vocab_size, self.order, self.max_length = vocab_size, order, max_length
         rng = np.random.default_rng(seed)
         self.table = table if table is not None else rng.normal(size=(vocab_size**order, vocab_size)) * sharpness
@@ -57,6 +64,22 @@ class ToyLM(LanguageModel):
         self.positions = 0
         self.batches: list[int] = []  # rows of every batched call (with an executor)
         self.executor = None  # a BatchExecutor: calls go through its step loop, batched
+        self.prefix_cache: PrefixCache | None = None
+        if prefix_cache_tokens:
+            entries = slots if cache_entries is None else cache_entries
+            self.store = np.full((slots + entries, max_length + 1), -1, dtype=np.int64)  # the pool's "KV"
+            self.prefix_cache = PrefixCache(slots, entries, block=block, budget_bytes=prefix_cache_tokens,
+                                            token_bytes=1, copy=self._copy, discard=self._discard)
+
+    @property
+    def caches_prefixes(self) -> bool:
+        return self.prefix_cache is not None and self.prefix_cache.enabled
+
+    def _copy(self, src: int, dst: int, start: int, stop: int) -> None:
+        self.store[dst, start:stop] = self.store[src, start:stop]
+
+    def _discard(self, slot: int, start: int, stop: int) -> None:
+        self.store[slot, start:stop] = -1
 
     def can_prefill_together(self, sessions: list["ToySession"]) -> bool:
         return True
@@ -80,18 +103,31 @@ class ToyLM(LanguageModel):
             ctx = ctx * self.vocab_size + padded[j : j + ids.size]
         return self.table[ctx]
 
-    def start(self) -> "ToySession":
-        return ToySession(self)
+    def start(self, prefix: np.ndarray | None = None) -> "ToySession":
+        if self.prefix_cache is None:
+            return ToySession(self)
+        tokens = None if prefix is None else np.asarray(prefix, dtype=np.int64)
+        slot, hit = self.prefix_cache.acquire(tokens)
+        session = ToySession(self, slot, hit, tokens)
+        self.prefix_cache.register(slot, session, tokens)
+        return session
 
 
-class ToySession(CacheSession):
-    """The toy model's 'KV cache': the ids fed so far (rollback truncates, nothing recomputed)."""
+class ToySession(CachedStart, CacheSession):
+    """The toy model's 'KV cache': the ids fed so far (rollback truncates, nothing recomputed);
+    with a prefix cache, a row of the model's ``store`` (``truth`` keeps what it should hold)."""
 
-    def __init__(self, model: ToyLM) -> None:
-        self.model = model
-        self._ids = np.zeros(model.max_length, dtype=np.int64)
-        self._n = 0
+    def __init__(self, model: ToyLM, slot: int = -1, hit: Hit | None = None, tokens: np.ndarray | None = None) -> None:
+        self.model, self.slot = model, slot
+        self.truth = np.zeros(model.max_length + 1, dtype=np.int64)  # [max_len + 1] ids it was given
+        self._ids = model.store[slot] if slot >= 0 else self.truth
+        self._n = self._start_from(hit, tokens)
+        self.truth[: self._n] = tokens[: self._n] if self._n else ()
         self.closed = False
+
+    @property
+    def _length(self) -> int:  # CachedStart's name for it
+        return self._n
 
     @property
     def length(self) -> int:
@@ -107,6 +143,14 @@ class ToySession(CacheSession):
 
     def run_sync(self, ids: np.ndarray, logits_rows: int, past: int) -> np.ndarray:
         """Feed ``ids`` [S] after ``past`` cached tokens (the executor's entry point)."""
+        cache = self.model.prefix_cache
+        if cache is not None:
+            cache.apply()
+            ids, past = self._settle(cache, ids, past, self.truth)
+            if not np.array_equal(self._ids[:past], self.truth[:past]):
+                bad = int(np.flatnonzero(self._ids[:past] != self.truth[:past])[0])
+                raise AssertionError(f"prefix cache corrupted slot {self.slot} at position {bad}")
+            self.truth[past : past + ids.size] = ids
         self._n = past
         self._ids[self._n : self._n + ids.size] = ids
         self._n += ids.size
@@ -122,6 +166,14 @@ class ToySession(CacheSession):
         self._n = length
 
     def close(self) -> None:
+        cache = self.model.prefix_cache
+        if not self.closed and cache is not None:
+            cache.release(self.slot, self.truth[: self.kept_length()])
+            if self.model.executor is not None:
+                self.model.executor.chore(cache.next_stash)  # copied into an entry while idle
+            else:
+                while (stash := cache.next_stash()) is not None:
+                    stash.finish()
         self.closed = True
 
 
@@ -159,22 +211,23 @@ class FaultyModel(LanguageModel):
 
 
 def toy_pair(vocab_size: int = 8, order: int = 2, seed: int = 0, distance: float = 0.5,
-             sharpness: float = 2.0) -> tuple[ToyLM, ToyLM]:
-    """``(target, draft)``: the draft's logits are ``(1-distance)*target + distance*noise``."""
-    target = ToyLM(vocab_size, order, seed, sharpness)
+             sharpness: float = 2.0, **options) -> tuple[ToyLM, ToyLM]:
+    """``(target, draft)``: the draft's logits are ``(1-distance)*target + distance*noise``.
+    ``options``: more :class:`ToyLM` options for both (``max_length``, ``prefix_cache_tokens``, ...)."""
+    target = ToyLM(vocab_size, order, seed, sharpness, **options)
     noise = np.random.default_rng(seed + 10_007).normal(size=target.table.shape) * sharpness
-    draft = ToyLM(vocab_size, order, table=(1 - distance) * target.table + distance * noise,
-                  max_length=target.max_length)
+    draft = ToyLM(vocab_size, order, table=(1 - distance) * target.table + distance * noise, **options)
     return target, draft
 
 
 def toy_scheduler(distance: float = 0.5, vocab_size: int = 8, seed: int = 0,
                   config: SpecConfig | None = None, eos_ids: Iterable[int] = (), batched: bool = False,
-                  ) -> tuple[SpecDecScheduler, ToyLM, ToyLM]:
+                  **options) -> tuple[SpecDecScheduler, ToyLM, ToyLM]:
     """A scheduler over a :func:`toy_pair`: ``(scheduler, target, draft)``. ``batched=True``
     runs every model call through one :class:`~specdec_rt.batching.BatchExecutor`, as an Engine
-    does (concurrent requests' single-token steps become batched calls; long feeds are chunked)."""
-    target, draft = toy_pair(vocab_size, seed=seed, distance=distance)
+    does (concurrent requests' single-token steps become batched calls; long feeds are chunked).
+    ``options``: :class:`ToyLM` options for both models (e.g. ``prefix_cache_tokens=...``)."""
+    target, draft = toy_pair(vocab_size, seed=seed, distance=distance, **options)
     if batched:
         target.executor = draft.executor = BatchExecutor(chunk=4)
     return SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), config, eos_ids=eos_ids), target, draft

@@ -93,6 +93,7 @@ class Stats:
 
     mode: str = "spec"
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt positions the prefix cache supplied (not computed)
     new_tokens: int = 0
     rounds: int = 0  # speculative rounds: draft k >= 1, then one verify call
     ar_steps: int = 0  # plain target steps (mode "ar", fallback, or no draft available)
@@ -158,7 +159,7 @@ class Stats:
 
     def merge(self, other: "Stats") -> None:
         """Add another request's counters to these (for totals across requests)."""
-        for name in ("prompt_tokens", "new_tokens", "rounds", "ar_steps", "drafted", "accepted",
+        for name in ("prompt_tokens", "cached_prompt_tokens", "new_tokens", "rounds", "ar_steps", "drafted", "accepted",
                      "time_draft", "time_verify", "time_total"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.position_drafted, other.position_drafted),

@@ -218,7 +218,7 @@ def test_kv_is_written_in_place_and_rollback_is_exact(tiny_llama):
         ids = np.array([0, 5, 9, 13, 40, 41, 42], dtype=np.int64)
         s = model.start()
         ref = await s.extend(ids, 7)  # [7, V] fresh, in one call
-        keys = model.pool._buffers[0][0]  # layer 0 keys [slots, kv, max_len, d]
+        keys = model.pool._buffers[0][0].array  # layer 0 keys [slots, kv, max_len + 1, d]
         assert np.abs(keys[s.slot, :, :7]).sum() > 0 and np.abs(keys[s.slot, :, 7:]).sum() == 0
         s.rollback(3)
         junk = await s.extend(np.array([7, 7, 7, 7, 7], dtype=np.int64), 1)  # overwrite positions 3..7

@@ -31,7 +31,7 @@ def test_a_batched_step_gives_every_row_its_solo_logits(tiny_llama):
         sessions = [model.start() for _ in prompts]
         for s, p in zip(sessions, prompts):
             await s.extend(p, 1)
-        keys = model.pool._buffers[0][0]  # layer 0 keys [slots, kv, max_len + 1, d]
+        keys = model.pool._buffers[0][0].array  # layer 0 keys [slots, kv, max_len + 1, d]
         gap = keys[sessions[2].slot, :, :3].copy()
         nxt = np.array([20, 21, 22, 23], dtype=np.int64)
         rows = [0, 1, 3]

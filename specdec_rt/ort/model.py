@@ -19,7 +19,9 @@ import numpy as np
 
 from ..batching import BatchExecutor
 from ..errors import ContextLengthError, InferenceError, ModelLoadError
+from ..prefix_cache import DEFAULT_BLOCK, CachedStart, Hit
 from ..protocols import CacheSession, LanguageModel
+from .kvpool import KVPool
 from .manifest import Manifest, load_manifest
 
 __all__ = ["OrtModel", "OrtSession", "KVPool", "default_threads", "pick_providers", "use_global_thread_pool"]
@@ -89,51 +91,6 @@ def _configure_threads(so, threads: int) -> int:
     return threads
 
 
-class KVPool:
-    """Key and value buffers for ``slots`` requests, per layer ``[slots, kv_heads, max_len + 1, d]``.
-
-    Position ``max_len`` of every slot is scratch: a batched call writes the dummy token of a row
-    that takes no part in it there when the row's cache is full (see ``OrtModel.run_batch_sync``).
-    On CPU these are NumPy arrays (pages are committed only when written, so an unused slot costs
-    address space, not memory); with CUDA they are device OrtValues. Slots are handed out lowest
-    first, so the rows of a batch sit close together.
-    """
-
-    def __init__(self, m: Manifest, slots: int, max_len: int, device: str, ort) -> None:
-        self.shape = (slots, m.num_kv_heads, max_len + 1, m.head_dim)
-        self.device = device
-        self.slot_bytes = int(np.prod(self.shape[1:])) * 4  # float32
-        self._buffers = []  # [layer] -> (key, value)
-        for _ in range(m.num_layers):
-            if device == "cpu":
-                pair = (np.zeros(self.shape, np.float32), np.zeros(self.shape, np.float32))
-            else:
-                pair = tuple(ort.OrtValue.ortvalue_from_shape_and_type(self.shape, np.float32, "cuda", 0)
-                             for _ in range(2))
-            self._buffers.append(pair)
-        self._free = list(range(slots))
-
-    def pointer(self, layer: int, which: int, slot: int) -> int:
-        """Address of ``slot``'s ``[1, kv_heads, max_len + 1, d]`` slice (which: 0 key, 1 value);
-        ``[B, ...]`` from there covers slots ``slot .. slot + B - 1``."""
-        buf = self._buffers[layer][which]
-        base = buf.ctypes.data if isinstance(buf, np.ndarray) else buf.data_ptr()
-        return base + slot * self.slot_bytes
-
-    def acquire(self) -> int:
-        if not self._free:
-            raise InferenceError(f"all {self.shape[0]} KV cache slots are in use (raise slots=)")
-        self._free.sort()
-        return self._free.pop(0)
-
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-
 class OrtModel(LanguageModel):
     """A model folder from ``python -m export``, run by ONNX Runtime.
 
@@ -143,10 +100,16 @@ class OrtModel(LanguageModel):
     ``provider``: ``"auto"`` | ``"cpu"`` | ``"cuda"``. Calls run in a worker thread, one at a time
     on the model's :class:`~specdec_rt.batching.BatchExecutor` (``executor``; an Engine shares one
     between its models), which batches the single-token steps of concurrent requests.
+
+    ``prefix_cache_bytes > 0`` keeps what finished requests computed in ``cache_entries`` extra
+    slots (:mod:`specdec_rt.prefix_cache`, CPU only): ``start(prefix)`` then begins with the
+    longest cached prefix. ``block``: tokens per indexed block.
     """
 
     def __init__(self, folder: str | os.PathLike | Manifest, *, max_length: int | None = None,
-                 slots: int = 4, threads: int | None = None, provider: str = "auto") -> None:
+                 slots: int = 4, threads: int | None = None, provider: str = "auto",
+                 prefix_cache_bytes: int = 0, cache_entries: int | None = None,
+                 block: int = DEFAULT_BLOCK) -> None:
         import onnxruntime as ort
 
         self.manifest = m = folder if isinstance(folder, Manifest) else load_manifest(folder)
@@ -168,17 +131,30 @@ class OrtModel(LanguageModel):
         _check_graph(m, self.session)
         self.has_hidden = bool(m.outputs.get("hidden")) and m.outputs["hidden"] in {
             o.name for o in self.session.get_outputs()}
-        self.pool = KVPool(m, slots, self.max_length, self.device, ort)
+        entries = slots if cache_entries is None else cache_entries
+        self.pool = KVPool(m.num_layers, m.num_kv_heads, m.head_dim, slots, self.max_length, self.device, ort,
+                           entries=entries if prefix_cache_bytes else 0, budget_bytes=prefix_cache_bytes,
+                           block=block)
+        self.prefix_cache = self.pool.cache  # slot bookkeeping; .enabled: it keeps prefixes
         self.executor = BatchExecutor()  # an Engine puts all its models on one executor
         self._owners: dict[int, OrtSession] = {}  # slot -> the open session that holds it
         self._batch_io: dict[tuple[int, int], object] = {}  # (first slot, rows) -> IO binding
         self.calls = 0
 
-    def start(self) -> "OrtSession":
+    @property
+    def caches_prefixes(self) -> bool:
+        return self.pool is not None and self.pool.cache.enabled
+
+    def start(self, prefix: np.ndarray | None = None) -> "OrtSession":
+        """A session for one request. ``prefix``: its committed tokens; with the prefix cache on,
+        the session starts with the longest cached prefix of them (``length`` > 0)."""
         if self.session is None:
             raise InferenceError(f"model {self.name} is closed")
-        session = OrtSession(self, self.pool.acquire())
-        self._owners[session.slot] = session
+        tokens = None if prefix is None else np.asarray(prefix, dtype=np.int64)
+        slot, hit = self.pool.acquire(tokens)
+        session = OrtSession(self, slot, hit, tokens)
+        self._owners[slot] = session
+        self.pool.cache.register(slot, session, tokens)
         return session
 
     def close(self) -> None:
@@ -215,6 +191,7 @@ class OrtModel(LanguageModel):
         session, pool = self.session, self.pool  # held for the call: close() cannot free them under it
         if session is None:
             raise InferenceError(f"model {self.name} is closed")
+        pool.cache.apply()  # queued prefix-cache copies first: they may read what this call writes
         rows = feed.shape[0]
         io = self._batch_io.get((lo, rows))
         if io is None:  # KV bound once per slot range
@@ -256,7 +233,8 @@ class OrtModel(LanguageModel):
         past[at] = pasts
         logits = self._run_rows(lo, feed, past[:, None], past, np.zeros(1, dtype=np.int64),
                                 f"a step of {len(sessions)} rows")  # [rows, 1, V]
-        for s, p in zip(sessions, pasts):
+        for s, p, x in zip(sessions, pasts, ids):
+            s._ids[p] = x
             s._length = int(p) + 1
         return logits[at, 0]  # [B, V]
 
@@ -282,17 +260,24 @@ class OrtModel(LanguageModel):
         logits = self._run_rows(lo, feed, positions, lengths - 1, np.array(last, dtype=np.int64),
                                 f"a prefill of {len(sessions)} prompts")  # [rows, R, V]
         for s, p in zip(sessions, prompts):
+            s._ids[: p.size] = p
             s._length = p.size
         return logits[at, [last.index(p.size - 1) for p in prompts]]  # [B, V]
 
 
-class OrtSession(CacheSession):
-    """One request's slot in the model's KV pool, with its IO binding built once."""
+class OrtSession(CachedStart, CacheSession):
+    """One request's slot in the model's KV pool, with its IO binding built once.
 
-    def __init__(self, model: OrtModel, slot: int) -> None:
+    With a prefix-cache ``hit`` it starts at ``length = hit.length``: those first tokens of
+    ``tokens`` are (or, from a running source, will be at its first call) in the slot already.
+    """
+
+    def __init__(self, model: OrtModel, slot: int, hit: Hit | None = None, tokens: np.ndarray | None = None) -> None:
         self.model, self.slot = model, slot
         m = model.manifest
-        self._length = 0
+        self._ids = np.zeros(model.max_length + 1, dtype=np.int64)  # [max_len + 1] ids of the cached positions
+        self._length = self._start_from(hit, tokens)
+        self._ids[: self._length] = tokens[: self._length] if hit is not None else ()
         self._closed = False
         self._io = model.session.io_binding()
         model._bind_kv(self._io, slot, 1)
@@ -304,6 +289,11 @@ class OrtSession(CacheSession):
     @property
     def length(self) -> int:
         return self._length
+
+    def hidden_rows(self, size: int) -> np.ndarray:
+        """``[max_len + 1, size]`` host rows this slot's hidden states are kept in (they move with
+        the prefix cache's copies, so cached positions keep theirs)."""
+        return self.model.pool.hidden_rows(self.slot, size)
 
     async def extend(self, ids: np.ndarray, logits_rows: int, *, features: np.ndarray | None = None,
                      hidden: bool = False):
@@ -334,6 +324,12 @@ class OrtSession(CacheSession):
         session, pool = self.model.session, self.model.pool  # held: close() cannot free them under the call
         if session is None:
             raise InferenceError(f"model {self.model.name} is closed")
+        pool.cache.apply()  # queued prefix-cache copies first
+        wanted = ids.size
+        if self._deferred is not None and features is not None:
+            raise InferenceError("a session fed features cannot start from a prefix-cache hit")
+        ids, past = self._settle(pool.cache, ids, past, self._ids)  # a hit on a running source: copy now
+        self._ids[past : past + ids.size] = ids
         n, s = past, ids.size
         names, io = self._names, self._io
         io.bind_cpu_input(names["input_ids"], ids[None, :])  # [1, S]
@@ -360,7 +356,12 @@ class OrtSession(CacheSession):
             outs = io.get_outputs()
             logits = outs[self._logits_at].numpy()[0]  # [R, V]
             self._length = n + s
-            return (logits, outs[self._hidden_at].numpy()[0]) if hidden else logits  # [S, H]
+            if not hidden:
+                return logits
+            h = outs[self._hidden_at].numpy()[0]  # [S, H]
+            if pool.hidden is not None:
+                pool.hidden.array[self.slot, n : n + s] = h
+            return logits, h[s - wanted :]
         except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
             raise InferenceError(f"ONNX Runtime failed in {self.model.name} "
                                  f"(past {n}, new {s} tokens): {exc}") from exc
@@ -380,7 +381,8 @@ class OrtSession(CacheSession):
             if self.model.pool is not None:  # None: the model was closed meanwhile
                 if self.model._owners.get(self.slot) is self:
                     del self.model._owners[self.slot]
-                self.model.pool.release(self.slot)
+                self.model.pool.release(self.slot, self._ids[: self.kept_length()])
+                self.model.executor.chore(self.model.pool.cache.next_stash)  # copied out while idle
 
 
 def _check_graph(m: Manifest, session) -> None:
