@@ -24,6 +24,7 @@ from .batching import BatchExecutor
 from .errors import EngineClosedError, InvalidInputError, ModelLoadError, SpecDecError
 from .drafters import CombinedDrafter, NgramDrafter
 from .ort import OrtDraftInferrer, OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
+from .prefix_cache import DEFAULT_BUDGET_BYTES
 from .protocols import DraftInferrer
 from .sampling import SamplingParams, brief_repr
 from .scheduler import SpecDecScheduler
@@ -108,6 +109,16 @@ class Engine:
         self.max_prompt_chars = DEFAULT_MAX_PROMPT_CHARS  #: longer prompts are refused before encoding
         self._closed = False
 
+    @property
+    def prefix_cache(self) -> dict:
+        """The prefix cache now: ``enabled``, ``queries`` and ``hit_tokens`` (target lookups and
+        prompt tokens they supplied), ``entries``, ``evictions`` and ``bytes`` (KV held, all models)."""
+        caches = [m.prefix_cache for m in _models(self.target, self.drafter) if m.pool is not None]
+        mine = self.target.prefix_cache
+        return {"enabled": mine.enabled, "queries": mine.queries, "hit_tokens": mine.hit_tokens,
+                "entries": sum(len(c.entries()) for c in caches), "evictions": sum(c.evictions for c in caches),
+                "bytes": sum(c.bytes for c in caches)}
+
     def _tell_batch(self, model, rows: int, seconds: float) -> None:
         if model is self.target:
             for f in self.batch_listeners:
@@ -117,7 +128,8 @@ class Engine:
     @classmethod
     async def load(cls, name_or_path: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                    max_length: int | None = None, threads: int | None = None, provider: str = "auto",
-                   slots: int = DEFAULT_SLOTS, spec_config: SpecConfig | None = None) -> "Engine":
+                   slots: int = DEFAULT_SLOTS, spec_config: SpecConfig | None = None,
+                   prefix_cache: bool = True, prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES) -> "Engine":
         """Load a built recipe (``"smollm2-135m"``) or an export folder.
 
         ``draft``: ``None`` for the default (``DEFAULT_DRAFT``: n-gram lookup, else the manifest's
@@ -126,19 +138,34 @@ class Engine:
         ``slots``: requests that run (and are batched) at once; KV memory is committed only for
         the positions a request uses. A recipe that is not built raises
         :class:`~specdec_rt.errors.ModelNotBuiltError` naming the command that builds it.
+        ``prefix_cache``: keep what finished requests computed (prompt and answer) and start new
+        requests from the longest cached prefix (:mod:`specdec_rt.prefix_cache`; CPU), in at most
+        ``prefix_cache_bytes`` of KV memory over all models (least recently used entries go first).
         """
         return await anyio.to_thread.run_sync(
-            lambda: cls._load(name_or_path, draft, max_length, threads, provider, slots, spec_config))
+            lambda: cls._load(name_or_path, draft, max_length, threads, provider, slots, spec_config,
+                              prefix_cache, prefix_cache_bytes))
 
     @classmethod
-    def _load(cls, name_or_path, draft, max_length, threads, provider, slots, spec_config) -> "Engine":
+    def _load(cls, name_or_path, draft, max_length, threads, provider, slots, spec_config,
+              prefix_cache=True, prefix_cache_bytes=DEFAULT_BUDGET_BYTES) -> "Engine":
         if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
             raise InvalidInputError(f"slots must be an integer in 1..{MAX_SLOTS}, got {slots!r}")
+        if not isinstance(prefix_cache, bool):
+            raise InvalidInputError(f"prefix_cache must be True or False, got {prefix_cache!r}")
+        if (isinstance(prefix_cache_bytes, bool) or not isinstance(prefix_cache_bytes, int)
+                or prefix_cache_bytes < 0):
+            raise InvalidInputError(f"prefix_cache_bytes must be an integer >= 0, got {prefix_cache_bytes!r}")
         folder = resolve_model_dir(name_or_path)
         m = load_manifest(folder)
-        opts = dict(max_length=max_length, threads=threads, provider=provider, slots=slots)
+        budget = prefix_cache_bytes if prefix_cache else 0
+        opts = dict(max_length=max_length, threads=threads, provider=provider, slots=slots,
+                    prefix_cache_bytes=budget)
         target = OrtModel(m, **opts)
         drafter, draft_name = _make_drafter(m, draft, opts)
+        models = [mod for mod in _models(target, drafter) if mod.caches_prefixes]
+        for mod in models:  # one budget for the engine, shared so every model holds as many tokens
+            mod.prefix_cache.budget_bytes = budget * mod.pool.token_bytes // sum(x.pool.token_bytes for x in models)
         return cls(target, drafter, TextCodec.from_manifest(m), spec_config, slots=slots, draft_name=draft_name)
 
     # ------------------------------------------------------------------ generation
@@ -420,7 +447,9 @@ def model_drafter(m, dm, **opts) -> DraftInferrer:
     if dm.raw.get("kind") == "eagle":
         from .eagle import EagleDrafter
 
-        drafter = EagleDrafter(OrtModel(dm, **opts))  # reads and checks its vocabulary map
+        # the head is fed the target's hidden states and never starts from a cached prefix: the
+        # target's cache keeps those states instead
+        drafter = EagleDrafter(OrtModel(dm, **{**opts, "prefix_cache_bytes": 0}))  # checks its vocabulary map
         if drafter.target_vocab_size != m.vocab_size:
             raise ModelLoadError(f"{dm.folder}: drafts for a vocabulary of {drafter.target_vocab_size}, "
                                  f"the target has {m.vocab_size}")

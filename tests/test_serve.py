@@ -109,7 +109,8 @@ def test_non_streaming_schemas_and_greedy_output_equal_engine_generate(tiny_llam
         assert choice["message"] == {"role": "assistant", "content": want_chat.text}
         assert choice["finish_reason"] == "length"
         assert body["usage"] == {"prompt_tokens": want_chat.prompt_tokens, "completion_tokens": 12,
-                                 "total_tokens": want_chat.prompt_tokens + 12}
+                                 "total_tokens": want_chat.prompt_tokens + 12,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}  # the first request
         body = c2.json()
         assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
         assert body["choices"][0]["text"] == want_text.text and body["choices"][0]["finish_reason"] == "length"
@@ -133,8 +134,10 @@ def test_streaming_chunks(tiny_llama, kind):
         events = sse_data(r.text)
         assert events[-1] == "[DONE]"
         chunks, usage = events[:-2], events[-2]
+        cached = usage["usage"].pop("prompt_tokens_details")["cached_tokens"]
         assert usage["choices"] == [] and usage["usage"] == {
             "prompt_tokens": want.prompt_tokens, "completion_tokens": 16, "total_tokens": want.prompt_tokens + 16}
+        assert isinstance(cached, int) and 0 <= cached < want.prompt_tokens
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         assert {(e["id"], e["object"], e["model"], e["created"]) for e in events[:-1]} == {
             (chunks[0]["id"], obj, chunks[0]["model"], chunks[0]["created"])}

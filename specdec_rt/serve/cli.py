@@ -11,6 +11,8 @@ import logging
 import signal
 import sys
 
+from ..prefix_cache import DEFAULT_BUDGET_BYTES
+
 __all__ = ["add_serve_parser", "run_serve"]
 
 
@@ -35,6 +37,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="max_tokens when a request sets none (default 256)")
     p.add_argument("--served-model-name", default=None,
                    help="model id in responses and /v1/models (default: the --model value's name)")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep finished requests' KV and start new ones from the longest cached prefix (default on)")
+    p.add_argument("--prefix-cache-bytes", type=_non_negative, default=DEFAULT_BUDGET_BYTES,
+                   help=f"KV memory the prefix cache may hold, all models (default {DEFAULT_BUDGET_BYTES})")
     p.add_argument("--no-build", action="store_true", help="fail instead of building a missing recipe")
     p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
     return p
@@ -76,7 +82,8 @@ def run_serve(args) -> int:
 
     async def load() -> Engine:
         return await Engine.load(folder, draft=args.draft, threads=args.threads, max_length=args.max_length,
-                                 provider=args.provider, slots=args.slots)
+                                 provider=args.provider, slots=args.slots, prefix_cache=args.prefix_cache,
+                                 prefix_cache_bytes=args.prefix_cache_bytes)
 
     logging.getLogger("specdec_rt.serve").setLevel(logging.INFO)  # one event per request on stderr
     app = create_app(load, slots=args.slots, max_queued=args.max_queued, model_name=name,

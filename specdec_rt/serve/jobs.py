@@ -140,7 +140,7 @@ class Job:
             self.finish = ev.finished if ev.finished in ("stop", "length") else "stop"
             self.stats = ev.stats
             if ev.stats is not None:
-                m.observe_stats(ev.stats)
+                m.observe_stats(ev.stats, cached=self.serving.caching)
             m.success.labels(self.finish).inc()
             m.e2e.observe(now - self.arrived)
 
@@ -161,13 +161,15 @@ class Job:
         end = perf_counter()
         log.info("request", id=self.reply.id, kind=self.params.kind, mode=s.mode if s else self.params.mode,
                  stream=self.params.stream, prompt_tokens=s.prompt_tokens if s else None,
+                 cached_tokens=s.cached_prompt_tokens if s else None,
                  completion_tokens=self.tokens, acceptance=round(s.acceptance_rate, 3) if s else None,
                  finish=self.finish or self.outcome,
                  ttft=round(self.first_at - self.arrived, 4) if self.first_at else None,
                  e2e=round(end - self.arrived, 4))
 
-    def usage(self) -> tuple[int, int]:
-        return (self.stats.prompt_tokens if self.stats else 0), self.tokens
+    def usage(self) -> tuple[int, int, int]:
+        s = self.stats
+        return (s.prompt_tokens if s else 0), self.tokens, (s.cached_prompt_tokens if s else 0)
 
     async def respond_whole(self, receive) -> Response:
         """The non-streamed response; a disconnect meanwhile cancels the generation."""

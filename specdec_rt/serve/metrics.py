@@ -23,7 +23,8 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 class Metrics:
     """The server's metrics. ``running`` / ``waiting`` are read when scraped."""
 
-    def __init__(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+    def __init__(self, running: Callable[[], float], waiting: Callable[[], float],
+                 cache_bytes: Callable[[], float] = lambda: 0.0) -> None:
         self.registry = r = CollectorRegistry()
         self.running = Gauge("specdec_requests_running", "Requests generating (holding an engine slot)",
                              registry=r)
@@ -51,6 +52,12 @@ class Metrics:
                              registry=r)
         self.e2e = Histogram("specdec_e2e_request_latency_seconds", "Arrival to the last token",
                              buckets=E2E_BUCKETS, registry=r)
+        self.cache_hit_tokens = Counter("specdec_prefix_cache_hit_tokens",
+                                        "Prompt tokens the prefix cache supplied (not computed)", registry=r)
+        self.cache_queries = Counter("specdec_prefix_cache_queries",
+                                     "Requests that looked their prompt up in the prefix cache", registry=r)
+        self.cache_bytes = Gauge("specdec_prefix_cache_bytes", "KV memory the prefix cache holds", registry=r)
+        self.cache_bytes.set_function(cache_bytes)
         self.batch_size = Histogram("specdec_batch_size", "Rows in one batched target-model call",
                                     buckets=BATCH_BUCKETS, registry=r)
         for reason in ("stop", "length"):
@@ -64,9 +71,12 @@ class Metrics:
         """A ``batch_listeners`` callback (may be called from the engine's worker threads)."""
         self.batch_size.observe(rows)
 
-    def observe_stats(self, stats) -> None:
-        """A finished request's :class:`~specdec_rt.types.Stats` (its tokens were counted as they came)."""
+    def observe_stats(self, stats, cached: bool = False) -> None:
+        """A finished request's :class:`~specdec_rt.types.Stats` (its tokens were counted as they
+        came); ``cached``: the engine's prefix cache is on (the request looked its prompt up)."""
         self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cache_queries.inc(int(cached))
+        self.cache_hit_tokens.inc(stats.cached_prompt_tokens)
         self.drafts.inc(stats.rounds)
         self.draft_tokens.inc(stats.drafted)
         self.accepted_tokens.inc(stats.accepted)

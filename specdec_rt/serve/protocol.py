@@ -221,12 +221,13 @@ class Reply:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         """The last chunk when ``stream_options.include_usage`` is set: no choices, the usage."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage_body(prompt_tokens, completion_tokens)}
+        return {**self._head(obj), "choices": [], "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
 
-    def response(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def response(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                 cached_tokens: int = 0) -> dict:
         """The whole (non-streamed) response."""
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -235,12 +236,15 @@ class Reply:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
             head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": usage_body(prompt_tokens, completion_tokens)}
+        return {**head, "choices": [choice], "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage block; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix
+    cache supplied."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def models_body(model: str, created: int) -> dict:

@@ -37,7 +37,7 @@ class Serving:
         self.loader: Callable[[], Awaitable[Any]] | None = None
         self.state: State = "loading"
         self.on_load_error: Callable[[BaseException], None] | None = None  # the CLI exits on it
-        self.metrics = Metrics(self._running, self._waiting)
+        self.metrics = Metrics(self._running, self._waiting, self._cache_bytes)
         self._listening: list | None = None
         if callable(getattr(engine_or_loader, "stream", None)):
             self._attach(engine_or_loader)
@@ -111,6 +111,15 @@ class Serving:
     def _running(self) -> float:
         n = getattr(self.engine, "running", None)
         return n if isinstance(n, int) else min(self.admitted, self.slots)
+
+    def _cache_bytes(self) -> float:
+        info = getattr(self.engine, "prefix_cache", None)
+        return float(info["bytes"]) if isinstance(info, dict) else 0.0
+
+    @property
+    def caching(self) -> bool:
+        info = getattr(self.engine, "prefix_cache", None)
+        return bool(info["enabled"]) if isinstance(info, dict) else False
 
     def _waiting(self) -> float:
         n = getattr(self.engine, "waiting", None)
