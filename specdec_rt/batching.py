@@ -79,12 +79,13 @@ class _Call:
 
     @property
     def batchable(self) -> bool:
-        return (self.ids.size == 1 and self.rows == 1 and not self.extra and self.source is None
-                and hasattr(self.model, "run_batch_sync"))
+        return (self.ids.size == 1 and self.rows == 1 and not self.extra
+                and getattr(self.session, "settled", True) and hasattr(self.model, "run_batch_sync"))
 
     @property
     def source(self):
-        """The running session this one copies a cached prefix from at its first call."""
+        """The running session whose prompt this one copies at its first call, while that
+        session has not computed it yet."""
         return getattr(self.session, "waits_for", None)
 
 

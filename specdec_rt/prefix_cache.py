@@ -76,6 +76,7 @@ class _Entry:
     keys: list = field(default_factory=list)
     used: int = 0  # LRU clock
     ready: bool = True  # an entry being stashed is not a source until its copy is done
+    owner: object = None  # a residue: the session that left it
 
 
 @dataclass(eq=False)
@@ -211,7 +212,8 @@ class PrefixCache:
         n = min(int(ids.size), self.budget_bytes // max(1, self.token_bytes))
         if self.enabled and n >= self.block:
             ids = np.array(ids[:n], dtype=np.int64)
-            self._residue[slot] = e = _Entry(ids, block_keys(ids, self.block, n), self._tick())
+            self._residue[slot] = e = _Entry(ids, block_keys(ids, self.block, n), self._tick(),
+                                             owner=live.session if live is not None else None)
             self._add_keys(slot, e.keys)
 
     def next_stash(self) -> _Stash | None:
@@ -239,10 +241,13 @@ class PrefixCache:
     def settle(self, hit: Hit, slot: int) -> int:
         """Copy a deferred hit from its running source into ``slot`` now (worker thread), as far
         as the source has computed it and still holds it; returns the positions copied."""
-        live = self._live.get(hit.slot)
-        if live is None or live.session is not hit.owner:
-            return 0  # the source ended (its slot may already hold another request)
-        n = max(0, min(hit.length, int(live.session.stable_length())))
+        live, left = self._live.get(hit.slot), self._residue.get(hit.slot)
+        if live is not None and live.session is hit.owner:
+            n = max(0, min(hit.length, int(live.session.stable_length())))
+        elif left is not None and left.owner is hit.owner:  # the source ended; its slot is untouched
+            n = min(hit.length, left.ids.size)
+        else:
+            return 0  # the source ended and its slot holds another request
         if n > 0:
             self._copy(hit.slot, slot, 0, n)
             self.hit_tokens += n
@@ -372,9 +377,17 @@ class CachedStart:
         return hit.length if hit is not None else 0
 
     @property
+    def settled(self) -> bool:
+        """False until a deferred copy is done (the first call may then feed more positions)."""
+        return self._deferred is None
+
+    @property
     def waits_for(self):
-        """The running session whose prompt this one copies at its first call (if not yet)."""
-        return self._deferred.owner if self._deferred is not None else None
+        """The running session whose prompt this one will copy, while it has not computed it."""
+        hit = self._deferred
+        if hit is None or hit.owner.stable_length() >= hit.length:
+            return None
+        return hit.owner
 
     def stable_length(self) -> int:
         """Positions whose KV is final (committed tokens its owner never rolls back), as a

@@ -187,7 +187,8 @@ def test_cached_runs_equal_uncached_runs(reqs, waves, entries):
             ours = await _run(cached, reqs)
             want = await _run(plain, reqs)
             for (got, cancelled), (ref, _) in zip(ours, want):
-                assert got == ref[: len(got)] and (cancelled or got == ref)
+                n = min(len(got), len(ref))  # a cancelled request stops after an event of any size
+                assert got[:n] == ref[:n] and (cancelled or got == ref)
         assert target.prefix_cache.free == 10 and draft.prefix_cache.free == 10
         assert target.prefix_cache.bytes <= target.prefix_cache.budget_bytes
 

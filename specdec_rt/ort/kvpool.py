@@ -35,7 +35,9 @@ class _HostBuffer:
 
     def __init__(self, shape: tuple[int, ...]) -> None:
         nbytes = int(np.prod(shape)) * 4
-        self.map = mmap.mmap(-1, max(nbytes, 1))
+        private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        # private: MADV_DONTNEED then frees the pages (a shared map would keep them in memory)
+        self.map = mmap.mmap(-1, max(nbytes, 1), flags=private) if private else mmap.mmap(-1, max(nbytes, 1))
         if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a slot's rows are ~1 MB runs: 2 MB pages would
             self.map.madvise(mmap.MADV_NOHUGEPAGE)  # commit (and zero) memory nobody writes
         self.array = np.frombuffer(self.map, dtype=np.float32, count=int(np.prod(shape))).reshape(shape)
