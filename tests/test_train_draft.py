@@ -225,3 +225,26 @@ def test_unrolled_training_matches_incremental_drafting(depth):
         if depth == 1:
             guess = head.step(tokens[0, 1:j + 2], feats[0, :j + 1], None, 0)[0][-1:]
         assert torch.allclose(guess[0], outs[depth - 1][0, j], atol=1e-5), (depth, j)
+
+
+def test_eagle_drafts_as_well_from_a_cached_prefix(trained, tiny_llama):
+    """The head reads the target's hidden states of every position; with a prefix-cache hit the
+    target does not compute the cached ones, so they must come from the cache with the KV: the
+    same drafts (same acceptance) as without the cache, and the same output."""
+    async def run(cache: bool):
+        cfg = SpecConfig(measure_costs=False)
+        async with await Engine.load(tiny_llama, draft=str(trained / "draft"), spec_config=cfg,
+                                     prefix_cache=cache, slots=1) as eng:
+            out = []
+            for prompt in ("The quick brown fox jumps over the lazy dog. " * 12,
+                           [{"role": "user", "content": "Write a Python function. " * 12}]):  # > one block
+                await eng.generate(prompt, max_new_tokens=8, mode="ar")  # leaves the prompt cached
+                await anyio.sleep(0.3)  # idle: copied into an entry
+                await eng.generate("Lorem ipsum dolor sit amet. " * 18, max_new_tokens=2, mode="ar")  # takes the slot
+                r = await eng.generate(prompt, max_new_tokens=32)  # copies the entry (KV and hidden)
+                out.append((r.token_ids, r.stats.accepted, r.stats.cached_prompt_tokens))
+            return out
+
+    plain, cached = anyio.run(run, False), anyio.run(run, True)
+    assert [(ids, acc) for ids, acc, _ in cached] == [(ids, acc) for ids, acc, _ in plain]
+    assert all(hit > 0 for _, _, hit in cached) and all(hit == 0 for _, _, hit in plain)

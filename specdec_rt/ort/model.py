@@ -27,6 +27,7 @@ from .manifest import Manifest, load_manifest
 __all__ = ["OrtModel", "OrtSession", "KVPool", "default_threads", "pick_providers", "use_global_thread_pool"]
 
 DEFAULT_MAX_LENGTH = 4096
+MIN_CACHE_ENTRIES = 16  # prefix-cache entry slots (address space only until used; the byte budget bounds memory)
 
 
 def default_threads() -> int:
@@ -102,7 +103,7 @@ class OrtModel(LanguageModel):
     between its models), which batches the single-token steps of concurrent requests.
 
     ``prefix_cache_bytes > 0`` keeps what finished requests computed in ``cache_entries`` extra
-    slots (:mod:`specdec_rt.prefix_cache`, CPU only): ``start(prefix)`` then begins with the
+    slots (default max(slots, 16); :mod:`specdec_rt.prefix_cache`, CPU only): ``start(prefix)`` begins with the
     longest cached prefix. ``block``: tokens per indexed block.
     """
 
@@ -131,7 +132,7 @@ class OrtModel(LanguageModel):
         _check_graph(m, self.session)
         self.has_hidden = bool(m.outputs.get("hidden")) and m.outputs["hidden"] in {
             o.name for o in self.session.get_outputs()}
-        entries = slots if cache_entries is None else cache_entries
+        entries = max(slots, MIN_CACHE_ENTRIES) if cache_entries is None else cache_entries
         self.pool = KVPool(m.num_layers, m.num_kv_heads, m.head_dim, slots, self.max_length, self.device, ort,
                            entries=entries if prefix_cache_bytes else 0, budget_bytes=prefix_cache_bytes,
                            block=block)
