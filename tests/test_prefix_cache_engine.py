@@ -93,7 +93,7 @@ def test_rotating_conversations_stay_within_the_budget(tiny_llama):
                     assert (await engine.generate(c, 6, mode="ar")).token_ids == w
                     await asyncio.sleep(0.05)
                     assert engine.prefix_cache["bytes"] <= budget
-            assert engine.prefix_cache["evictions"] > 0 and engine.prefix_cache["entries"] <= 2
+            assert engine.prefix_cache["evictions"] > 0 and engine.prefix_cache["entries"] < len(convs)
 
     asyncio.run(main())
 
