@@ -60,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--micro", action="store_true", help="also run the step-cost micro-benchmarks")
     bench.add_argument("--concurrency", default=None, metavar="LEVELS",
                        help="instead: one Engine under concurrent clients, e.g. 1,2,4,8 (spec and ar)")
+    bench.add_argument("--prefix-cache", action="store_true",
+                       help="instead: time to first token with and without the prefix cache (multi-turn, "
+                            "shared system prompt, memory pressure)")
+    bench.add_argument("--conversations", type=int, default=4, help="--prefix-cache: conversations")
+    bench.add_argument("--turns", type=int, default=3, help="--prefix-cache: turns per conversation")
+    bench.add_argument("--prefix-concurrency", type=int, default=8,
+                       help="--prefix-cache: requests at once sharing a system prompt")
     bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
     _model_args(add_serve_parser(sub))  # the OpenAI-compatible server: specdec_rt/serve, docs/serving.md
@@ -84,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             return anyio.run(run_demo, args)
         if args.command == "serve":
             return run_serve(args)
+        if args.prefix_cache:
+            from .bench.prefix import run_prefix
+
+            return run_prefix(args)
         if args.concurrency:
             from .bench.concurrency import run_concurrency
 
