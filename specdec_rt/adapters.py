@@ -114,6 +114,11 @@ class _ModelUser:
 class ModelDrafter(_ModelUser, DraftInferrer):
     """Draft with a (small) language model: k autoregressive steps from its own cache."""
 
+    def cached_prefix(self, tokens: np.ndarray) -> int:
+        """Tokens of ``tokens`` its model's prefix cache holds: its prefill costs only the rest."""
+        cache = getattr(self.model, "prefix_cache", None)
+        return cache.peek(tokens) if cache is not None else 0
+
     async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
         s = self._session(ctx)
         feed = s.pending(ctx.tokens)  # [1..] tokens the draft cache has not seen

@@ -75,6 +75,11 @@ class CombinedDrafter(DraftInferrer):
         self.used = {"ngram": 0, "model": 0}  # rounds served by each (all requests)
         self.needs_target_hidden = bool(getattr(model, "needs_target_hidden", False))
 
+    def cached_prefix(self, tokens) -> int:
+        """What the model drafter's prefix cache holds of ``tokens`` (its prefill is the rest)."""
+        peek = getattr(self.model, "cached_prefix", None)
+        return peek(tokens) if peek is not None else 0
+
     async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
         st = ctx.state(self, _CombinedState)
         st.score(ctx.tokens, self.alpha)

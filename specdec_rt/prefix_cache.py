@@ -192,6 +192,13 @@ class PrefixCache:
                 hit = Hit(slot, hit.length)
         return slot, hit
 
+    def peek(self, tokens: np.ndarray) -> int:
+        """How many of ``tokens`` a session started now would find cached (nothing changes)."""
+        if not self.enabled:
+            return 0
+        hit = self._lookup(np.asarray(tokens, dtype=np.int64))
+        return hit.length if hit is not None else 0
+
     def register(self, slot: int, session: object, tokens: np.ndarray | None) -> None:
         """``session`` now holds ``slot``; its first ``tokens`` (committed) may serve as a source."""
         if not self.enabled or tokens is None or tokens.size <= self.block:

@@ -83,8 +83,9 @@ class SpecDecScheduler:
         ewma = (AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance) if seeded
                 else self.shared_ewma.copy())
         costs = CostModel(self.config, measure=False) if seeded else self.costs
-        policy = RequestPolicy(self.config, mode, ewma, costs, shared=self.shared_ewma,
-                               prompt_tokens=ctx.prompt_len)
+        cached = getattr(self.drafter, "cached_prefix", None) if mode == "spec" and not seeded else None
+        policy = RequestPolicy(self.config, mode, ewma, costs, shared=self.shared_ewma,  # the draft's prefill:
+                               prompt_tokens=ctx.prompt_len - (cached(ctx.tokens) if cached else 0))  # what it lacks
         return RequestStream(self._loop(ctx, policy), ctx)
 
     async def run(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int,

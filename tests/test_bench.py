@@ -55,3 +55,19 @@ def test_bench_concurrency_json_table_and_chart(tiny_llama, tmp_path):
     assert rows[(0, "spec")]["vs_sequential_spec"] == 1.0 and rows[(2, "ar")]["vs_previous_level"] is not None
     assert "| clients |" in (out / "concurrency.md").read_text()
     assert json.loads((out / "concurrency.json").read_text())["levels"] == doc["levels"]
+
+
+def test_bench_prefix_cache_json_table_and_chart(tiny_llama, tmp_path):
+    out = tmp_path / "prefix"
+    cmd = [sys.executable, "-m", "specdec_rt", "bench", "--prefix-cache", "--model", str(tiny_llama),
+           "--draft", "q4", "--max-new-tokens", "6", "--conversations", "1", "--turns", "2",
+           "--prefix-concurrency", "3", "--repeats", "1", "--json", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    turns, shared, mem = doc["multi_turn"], doc["shared_system_prompt"], doc["memory_pressure"]
+    assert turns["identical"] and shared["identical"]  # greedy: the cache changes no token
+    assert turns["cached_tokens_p50"][0] == 0 and turns["cached_tokens_p50"][1] > 50  # turn 2 reuses turn 1
+    assert len(turns["ttft_p50"]["cache"]) == 2 and shared["concurrency"] == 3
+    assert mem["within_budget"] and mem["peak_bytes"] <= mem["budget_bytes"] and mem["evictions"] > 0
+    assert "| turn |" in (out / "prefix.md").read_text() and json.loads((out / "prefix.json").read_text()) == doc

@@ -70,11 +70,22 @@ async def _ttft(engine, prompt, n: int) -> tuple[float, list[int], str, int]:
     return first or 0.0, ids, "".join(text), stats.cached_prompt_tokens if stats else 0
 
 
+def _fit(engine, texts: list[str], tokens: int) -> list[str]:
+    """Each text cut to about ``tokens`` tokens, and to a third of the model's context at most
+    (the tiny test models hold 512 tokens)."""
+    tokens = min(tokens, engine.target.max_length // 3)
+    out = []
+    for t in texts:
+        n = len(engine.codec.encode(t))
+        out.append(t if n <= tokens else t[: int(len(t) * tokens / n * 0.95)])
+    return out
+
+
 async def multi_turn(engines: dict, convs: int, turns: int, n: int) -> dict:
     """TTFT per turn, both engines, conversations fed their own answers."""
     out = {name: [[] for _ in range(turns)] for name in engines}
     cached, same = [[] for _ in range(turns)], True
-    for k, doc in enumerate(documents(convs)):
+    for k, doc in enumerate(_fit(engines["cache"], documents(convs), 1000)):
         history = {name: [{"role": "user", "content": doc}] for name in engines}
         for t in range(turns):
             got = {}
@@ -94,7 +105,7 @@ async def multi_turn(engines: dict, convs: int, turns: int, n: int) -> dict:
 
 async def shared_prompt(engines: dict, questions: list, c: int, n: int, waves: int) -> dict:
     """``c`` requests at once sharing one long system prompt: p50 TTFT per wave and engine."""
-    system = {"role": "system", "content": system_prompt()}
+    system = {"role": "system", "content": _fit(engines["cache"], [system_prompt()], 500)[0]}
     res = {name: [] for name in engines}
     same = True
     for w in range(waves):
@@ -115,8 +126,8 @@ async def shared_prompt(engines: dict, questions: list, c: int, n: int, waves: i
 
 async def pressure(load, n: int) -> dict:
     """Six conversations rotating through a cache with room for two: bytes, evictions, hits."""
-    docs = documents(6, chars=1600)
     probe = await load(prefix_cache=False)
+    docs = _fit(probe, documents(6), 400)
     async with probe:
         per_token = sum(m.pool.token_bytes for m in _models(probe))
         longest = max(len(probe.codec.encode_prompt([{"role": "user", "content": d}])) for d in docs) + 3 * n
