@@ -20,6 +20,10 @@ class WrappedEngine:
         self.slots = engine.slots if isinstance(getattr(engine, "slots", None), int) else None
         self.manifest = engine.manifest
 
+    @property
+    def prefix_cache(self) -> dict:
+        return self.engine.prefix_cache
+
     def stream(self, *args, **kwargs):
         inner = self.engine.stream(*args, **kwargs)  # bad arguments raise here, synchronously
         return self._events(inner)

@@ -336,7 +336,9 @@ def test_metric_deltas_equal_the_sums_of_stats(tiny_llama):
     async def check(engine):
         recorder = RecordingEngine(engine)
         app = create_app(recorder, slots=4)
-        requests = [("/v1/completions", {"prompt": PROMPT, "max_tokens": 20, "temperature": 0}),
+        long = "Tell me about prefix caches. " * 12  # several blocks: the second request reuses them
+        requests = [("/v1/completions", {"prompt": long, "max_tokens": 20, "temperature": 0}),
+                    ("/v1/completions", {"prompt": long + " And LRU.", "max_tokens": 6, "temperature": 0}),
                     ("/v1/completions", {"prompt": "Hello world", "max_tokens": 13, "stream": True, "seed": 1}),
                     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 17, "temperature": 0.8, "seed": 2}),
                     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 11, "mode": "ar", "stream": True,
@@ -366,6 +368,10 @@ def test_metric_deltas_equal_the_sums_of_stats(tiny_llama):
             assert delta(f"{hist}_count") == len(requests)
         assert delta("specdec_inter_token_latency_seconds_count") > 0
         assert metric(after, "specdec_requests_running") == 0 and metric(after, "specdec_requests_waiting") == 0
+        assert delta("specdec_prefix_cache_hit_tokens_total") == sum(s.cached_prompt_tokens for s in stats) > 0
+        assert delta("specdec_prefix_cache_queries_total") == len(requests)
+        assert rs[0].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the long prompt again
+        assert metric(after, "specdec_prefix_cache_bytes") == engine.prefix_cache["bytes"]
     run(check, tiny_llama)
 
 
