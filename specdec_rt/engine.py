@@ -14,16 +14,15 @@ import contextlib
 import os
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Sequence
 
 import anyio
 
 from .acceptance import SpecConfig
 from .batching import BatchExecutor
-from .errors import EngineClosedError, InvalidInputError, ModelLoadError, SpecDecError
-from .drafters import CombinedDrafter, NgramDrafter
-from .ort import OrtDraftInferrer, OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
+from .errors import EngineClosedError, InvalidInputError, SpecDecError
+from .drafting import engine_models, make_drafter
+from .ort import OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
 from .prefix_cache import DEFAULT_BUDGET_BYTES
 from .protocols import DraftInferrer
 from .sampling import SamplingParams, brief_repr
@@ -35,8 +34,6 @@ __all__ = ["Engine", "EngineResult", "EngineStream", "StreamEvent"]
 
 Prompt = str | Sequence[dict]
 
-# The drafter when Engine.load gets draft=None (see docs/benchmarks.md for why).
-DEFAULT_DRAFT = "ngram+model"
 DEFAULT_SLOTS = 8  # requests batched at once; a slot's KV memory is committed only as it is used
 MAX_SLOTS = 256
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # about 250k tokens: more than any context here holds
@@ -93,7 +90,7 @@ class Engine:
         self.draft_name = draft_name
         self.slots = slots
         self.executor = BatchExecutor()
-        for model in _models(target, drafter):
+        for model in engine_models(target, drafter):
             model.executor = self.executor  # every model call of this engine goes through one loop
         #: callables ``f(rows)`` told about every target-model call (rows: requests in the batch)
         self.batch_listeners: list[Callable[[int], None]] = []
@@ -113,7 +110,7 @@ class Engine:
     def prefix_cache(self) -> dict:
         """The prefix cache now: ``enabled``, ``queries`` and ``hit_tokens`` (target lookups and
         prompt tokens they supplied), ``entries``, ``evictions`` and ``bytes`` (KV held, all models)."""
-        caches = [m.prefix_cache for m in _models(self.target, self.drafter) if m.pool is not None]
+        caches = [m.prefix_cache for m in engine_models(self.target, self.drafter) if m.pool is not None]
         mine = self.target.prefix_cache
         return {"enabled": mine.enabled, "queries": mine.queries, "hit_tokens": mine.hit_tokens,
                 "entries": sum(len(c.entries()) for c in caches), "evictions": sum(c.evictions for c in caches),
@@ -162,8 +159,8 @@ class Engine:
         opts = dict(max_length=max_length, threads=threads, provider=provider, slots=slots,
                     prefix_cache_bytes=budget)
         target = OrtModel(m, **opts)
-        drafter, draft_name = _make_drafter(m, draft, opts)
-        models = [mod for mod in _models(target, drafter) if mod.caches_prefixes]
+        drafter, draft_name = make_drafter(m, draft, opts)
+        models = [mod for mod in engine_models(target, drafter) if mod.caches_prefixes]
         for mod in models:  # one budget for the engine, shared so every model holds as many tokens
             mod.prefix_cache.budget_bytes = budget * mod.pool.token_bytes // sum(x.pool.token_bytes for x in models)
         return cls(target, drafter, TextCodec.from_manifest(m), spec_config, slots=slots, draft_name=draft_name)
@@ -294,7 +291,7 @@ class Engine:
             task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks))
-        for model in _models(self.target, self.drafter):
+        for model in engine_models(self.target, self.drafter):
             model.close()
 
     async def __aenter__(self) -> "Engine":
@@ -408,71 +405,7 @@ def _cancel_soon(loop, task: asyncio.Task, receive) -> None:
         loop.call_soon_threadsafe(task.cancel)
 
 
-def _models(target, drafter) -> list[OrtModel]:
-    """The ONNX Runtime models of an engine: the target, a draft model, a combined drafter's."""
-    found = []
-    for model in (target, getattr(drafter, "model", None), getattr(getattr(drafter, "model", None), "model", None)):
-        if isinstance(model, OrtModel) and model not in found:
-            found.append(model)
-    return found
-
-
 def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
     """Index where the earliest stop string starts, if one ends in the new text."""
     hits = [i for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
     return min(hits) if hits else None
-
-
-def resolve_draft_spec(m, spec: str | None) -> str:
-    """The concrete draft spec for a manifest: ``None`` means ``DEFAULT_DRAFT``, and ``"model"``
-    the manifest's first draft (or, when it lists none, n-gram lookup alone)."""
-    spec = DEFAULT_DRAFT if spec is None else str(spec)
-    combined = spec.startswith("ngram+")
-    model_spec = spec[len("ngram+"):] if combined else spec
-    if model_spec in ("", "model"):
-        if not m.drafts:
-            return "ngram"
-        model_spec = m.drafts[0]["name"]
-    return f"ngram+{model_spec}" if combined else model_spec
-
-
-def model_drafter(m, dm, **opts) -> DraftInferrer:
-    """The drafter for draft folder ``dm`` of target ``m`` (both manifests): an
-    :class:`~specdec_rt.eagle.EagleDrafter` for ``"kind": "eagle"``, else a draft model run by
-    ONNX Runtime. Checks that it shares the target's tokenizer and vocabulary. ``opts``:
-    :class:`OrtModel` options."""
-    if m.tokenizer_sha256 and dm.tokenizer_sha256 and dm.tokenizer_sha256 != m.tokenizer_sha256:
-        raise ModelLoadError(f"{dm.folder}: its tokenizer differs from the target's ({m.folder}); "
-                             "a draft must share the target's vocabulary")
-    if dm.raw.get("kind") == "eagle":
-        from .eagle import EagleDrafter
-
-        # the head is fed the target's hidden states and never starts from a cached prefix: the
-        # target's cache keeps those states instead
-        drafter = EagleDrafter(OrtModel(dm, **{**opts, "prefix_cache_bytes": 0}))  # checks its vocabulary map
-        if drafter.target_vocab_size != m.vocab_size:
-            raise ModelLoadError(f"{dm.folder}: drafts for a vocabulary of {drafter.target_vocab_size}, "
-                                 f"the target has {m.vocab_size}")
-        return drafter
-    if dm.vocab_size != m.vocab_size:
-        raise ModelLoadError(f"{dm.folder}: vocab_size {dm.vocab_size} != the target's {m.vocab_size}")
-    return OrtDraftInferrer(OrtModel(dm, **opts))
-
-
-def _make_drafter(m, spec: str, opts: dict) -> tuple[DraftInferrer | None, str | None]:
-    """A drafter from a draft spec: ``"none"``, ``"ngram"``, a model draft (a name from the
-    manifest or a folder; ``"model"`` is the manifest's first), or ``"ngram+<model draft>"``."""
-    spec = resolve_draft_spec(m, spec)
-    if spec == "none":
-        return None, None
-    if spec == "ngram":
-        return NgramDrafter(), "ngram"
-    combined = spec.startswith("ngram+")
-    model_spec = spec[len("ngram+"):] if combined else spec
-    path = Path(model_spec).expanduser()
-    draft_dir = path if (path / "manifest.json").is_file() else m.draft_dir(model_spec)
-    dm = load_manifest(draft_dir)
-    model = model_drafter(m, dm, **opts)
-    if combined:
-        return CombinedDrafter(NgramDrafter(), model), f"ngram+{dm.name}"
-    return model, dm.name

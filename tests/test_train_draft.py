@@ -4,7 +4,6 @@ vocabulary, and the EAGLE head's training forward against its incremental (infer
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 
 __all__ = ["measure_acceptance", "depth_table"]
 
@@ -27,7 +26,7 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list, *, k: i
     import anyio
 
     from specdec_rt.acceptance import SpecConfig
-    from specdec_rt.engine import model_drafter
+    from specdec_rt.drafting import model_drafter
     from specdec_rt.ort import OrtModel, OrtTargetVerifier, load_manifest
     from specdec_rt.scheduler import SpecDecScheduler
     from specdec_rt.text import TextCodec

@@ -151,7 +151,7 @@ async def pressure(load, n: int) -> dict:
 
 
 def _models(engine) -> list:
-    from ..engine import _models as models
+    from ..drafting import engine_models as models
 
     return [m for m in models(engine.target, engine.drafter)]
 

@@ -6,13 +6,13 @@ import json
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
 from ..drafters import CombinedDrafter, NgramDrafter
-from ..engine import model_drafter, resolve_draft_spec
+from ..drafting import model_drafter, resolve_draft_spec
 from ..ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
 from ..scheduler import SpecDecScheduler
 from ..text import TextCodec
