@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from specdec_rt import SpecConfig  # noqa: E402
-from specdec_rt.engine import Engine, EngineResult, StreamEvent, _models  # noqa: E402
+from specdec_rt.drafting import engine_models as _models  # noqa: E402
+from specdec_rt.engine import Engine, EngineResult, StreamEvent  # noqa: E402
 from specdec_rt.errors import SpecDecError  # noqa: E402
 
 pytestmark = pytest.mark.export

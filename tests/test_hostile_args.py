@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from specdec_rt import InvalidInputError, SpecConfig
-from specdec_rt.engine import MAX_STOP_STRINGS, Engine, _models
+from specdec_rt.drafting import engine_models as _models
+from specdec_rt.engine import MAX_STOP_STRINGS, Engine
 from specdec_rt.sampling import MIN_TEMPERATURE, SamplingParams, sample, warp
 
 PROMPT = "def add(a, b):"
