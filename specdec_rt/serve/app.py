@@ -27,7 +27,8 @@ __all__ = ["create_app", "begin_drain"]
 
 def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: int = 16,
                model_name: str | None = None, request_timeout: float | None = 600.0,
-               max_body_bytes: int = 1 << 20, default_max_tokens: int = 256, retry_after: int = 1) -> Starlette:
+               max_body_bytes: int = 1 << 20, default_max_tokens: int = 256, retry_after: int = 1,
+               wait_for_load: bool = False) -> Starlette:
     """The ASGI app.
 
     ``engine_or_loader``: a loaded :class:`~specdec_rt.Engine` (the app is ready at once and
@@ -38,7 +39,9 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
     waiting for a slot; past ``slots + max_queued`` a request gets 429 with ``Retry-After``. ``request_timeout``: seconds per request, queueing
     included (504 after; ``None``: no limit). ``max_body_bytes``: larger bodies get 413.
     ``default_max_tokens``: for requests without ``max_tokens``. ``app.state.serving`` holds the
-    state; :func:`begin_drain` starts a graceful shutdown.
+    state; :func:`begin_drain` starts a graceful shutdown. ``wait_for_load``: the lifespan
+    startup returns only once the engine is loaded, and fails if it cannot be (for hosts that
+    route to an app only after its startup, such as a Ray Serve replica).
     """
     if slots is None:
         slots = getattr(engine_or_loader, "slots", None)
@@ -67,6 +70,10 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        if wait_for_load and serving.state == "loading":
+            await serving.load()
+            if serving.state != "ready":
+                raise RuntimeError(f"the model did not load (state {serving.state!r}); see the log")
         async with anyio.create_task_group() as tg:
             if serving.state == "loading":
                 tg.start_soon(serving.load)  # the server listens meanwhile: /health says loading

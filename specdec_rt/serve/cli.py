@@ -43,7 +43,20 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help=f"KV memory the prefix cache may hold, all models (default {DEFAULT_BUDGET_BYTES})")
     p.add_argument("--no-build", action="store_true", help="fail instead of building a missing recipe")
     p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
+    ray = p.add_argument_group("replicas on Ray Serve (the 'ray' extra; docs/serving.md)")
+    ray.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve instead of one process")
+    ray.add_argument("--replicas", type=_replicas, default=1, help="replicas: a number or 'auto' (default 1)")
+    ray.add_argument("--cpus-per-replica", type=float, default=1.0,
+                     help="CPUs Ray reserves per replica; its ONNX Runtime threads (default 1)")
+    ray.add_argument("--ray-address", default=None,
+                     help="join this Ray cluster (default: start a local one on loopback)")
     return p
+
+
+def _replicas(text: str) -> int | str:
+    if text == "auto":
+        return text
+    return _positive(text)
 
 
 def _positive(text: str) -> int:
@@ -63,7 +76,10 @@ def _non_negative(text: str) -> int:
 def run_serve(args) -> int:
     """Load the model (in the background: ``/health`` answers 503 meanwhile), serve until SIGTERM
     or SIGINT, then drain: new requests get 503, running ones get ``--drain-timeout`` seconds to
-    finish, the engine is closed, and the exit status is 0. A model that fails to load exits 1."""
+    finish, the engine is closed, and the exit status is 0. A model that fails to load exits 1.
+    ``--ray``: replicas on Ray Serve instead (:func:`run_ray_serve`)."""
+    if args.ray:
+        return run_ray_serve(args)
     try:
         import uvicorn
 
@@ -136,3 +152,74 @@ def _draining_server(config, app):
             self.should_exit = True
 
     return DrainingServer(config)
+
+
+def run_ray_serve(args) -> int:
+    """``serve --ray``: start a local Ray instance on loopback (no dashboard, no usage stats, state
+    in a temporary folder) or join ``--ray-address``, deploy the replicas, say where they listen,
+    and on SIGTERM / SIGINT delete the deployment and stop what it started (exit 0)."""
+    import os
+    import shutil
+    import socket
+    import tempfile
+    import threading
+
+    try:
+        import ray
+        from ray import serve
+
+        from .ray import APP_NAME, RayOptions, deployment_app, replica_states
+    except ImportError as exc:
+        print(f"specdec_rt: error: serve --ray needs the 'ray' extra (pip install 'specdec-rt[ray]'): {exc}",
+              file=sys.stderr)
+        return 1
+    from pathlib import Path
+
+    from ..loading import ensure_built
+
+    folder = ensure_built(args.model, allow_build=not args.no_build)
+    port = args.port
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((args.host, 0))
+            port = s.getsockname()[1]
+    opts = RayOptions(model=str(folder), draft=args.draft, slots=args.slots, max_queued=args.max_queued,
+                      request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes,
+                      default_max_tokens=args.default_max_tokens, max_length=args.max_length,
+                      provider=args.provider, prefix_cache=args.prefix_cache,
+                      prefix_cache_bytes=args.prefix_cache_bytes, threads=args.threads,
+                      model_name=args.served_model_name or Path(str(args.model)).name,
+                      replicas=args.replicas, cpus_per_replica=args.cpus_per_replica)
+    stop = threading.Event()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    temp = None
+    try:
+        if args.ray_address:
+            ray.init(address=args.ray_address, log_to_driver=False)
+        else:
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            temp = tempfile.mkdtemp(prefix="specdec-ray-")
+            ray.init(include_dashboard=False, _temp_dir=temp, _node_ip_address="127.0.0.1", log_to_driver=False)
+        for sig in previous:  # after ray.init, which installs handlers of its own
+            signal.signal(sig, lambda *_: stop.set())
+        serve.start(http_options={"host": args.host, "port": port})
+        print(f"specdec_rt serve: deploying {args.replicas} replica(s) on Ray", file=sys.stderr, flush=True)
+        serve.run(deployment_app(opts), name=APP_NAME, route_prefix="/", blocking=False)
+        states = ", ".join(f"{n} {k.lower()}" for k, n in replica_states().items())
+        print(f"specdec_rt serve: listening on http://{args.host}:{port} (Ray Serve replicas: {states}; "
+              "the models are loaded)", file=sys.stderr, flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("specdec_rt serve: stopping: deleting the deployment", file=sys.stderr, flush=True)
+    finally:
+        try:
+            serve.delete(APP_NAME)
+            if not args.ray_address:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if temp is not None:
+                shutil.rmtree(temp, ignore_errors=True)
+    return 0

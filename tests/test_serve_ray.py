@@ -1,0 +1,160 @@
+"""Replicas on Ray Serve: the replica app without a cluster, then one loopback cluster started
+by ``python -m specdec_rt serve --ray`` (2 replicas of a tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from serve_util import free_port, sse_data
+from specdec_rt.engine import Engine
+
+pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.export
+
+CHAT = [{"role": "user", "content": "Write a Python function."}]
+
+
+def test_the_replica_app_is_the_server_app_without_a_cluster(tiny_llama):
+    """The builder Ray calls on each replica: the same app and greedy output as a plain Engine,
+    the engine loaded before startup returns, a replica header on every response."""
+    from specdec_rt.serve.ray import RayOptions, _replica_app
+
+    async def main():
+        async with await Engine.load(tiny_llama, slots=2) as engine:
+            want = await engine.generate(CHAT, 10)
+        app = _replica_app(RayOptions(model=str(tiny_llama), slots=2, threads=1))
+        async with app.router.lifespan_context(app):
+            assert app.state.serving.state == "ready"  # loaded before the replica takes traffic
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+                r = await c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 10, "temperature": 0})
+                bad = await c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": -1})
+        assert r.json()["choices"][0]["message"]["content"] == want.text
+        assert r.headers["x-specdec-replica"] and bad.status_code == 400
+
+    anyio.run(main)
+
+
+def test_options_from_serve_run_key_values(tiny_llama):
+    from specdec_rt.serve.ray import RayOptions, _parse, build
+
+    with pytest.raises(ValueError, match="unknown option"):
+        build({"model": "m", "replica": "2"})
+    with pytest.raises(ValueError, match="'model' option is required"):
+        build({"replicas": "2"})
+    with pytest.raises(ValueError, match="replicas"):
+        RayOptions(model="m", replicas=0)
+    assert [_parse(k, v) for k, v in (("replicas", "auto"), ("replicas", "3"), ("prefix_cache", "false"),
+                                       ("cpus_per_replica", "0.5"), ("autoscaling", '{"max_replicas": 4}'))] == [
+        "auto", 3, False, 0.5, {"max_replicas": 4}]
+    assert build({"model": str(tiny_llama), "replicas": "2"}) is not None  # an application, not run
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def ray_server(tiny_llama):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec_rt", "serve", "--ray", "--replicas", "2",
+                             "--cpus-per-replica", "1", "--slots", "2", "--model", str(tiny_llama),
+                             "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    lines = []
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if "listening on" in line:
+            break
+    assert any("listening on" in x for x in lines), "".join(lines)[-3000:]
+    yield f"http://127.0.0.1:{port}", proc, lines
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_two_replicas_serve_like_the_engine(ray_server, tiny_llama):
+    url, proc, lines = ray_server
+    assert "2 running" in lines[-1]  # Ray reports two running replicas
+
+    async def main():
+        async with await Engine.load(tiny_llama, slots=2) as engine:
+            want_chat = (await engine.generate(CHAT, 12)).text
+            want_text = (await engine.generate("def add(a, b):", 30)).text
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            rs = await asyncio.gather(*[c.post("/v1/chat/completions", json={
+                "messages": CHAT, "max_tokens": 12, "temperature": 0}) for _ in range(8)])
+            assert all(r.status_code == 200 for r in rs)
+            assert {r.json()["choices"][0]["message"]["content"] for r in rs} == {want_chat}
+            assert len({r.headers["x-specdec-replica"] for r in rs}) == 2  # both replicas served
+            bad = await c.post("/v1/completions", json={"prompt": "x", "temperature": "hot"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+            # streaming: chunks arrive spread over time (one event per token in mode "ar"), [DONE] last
+            times, body = [], []
+            async with c.stream("POST", "/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 300,
+                                                                "temperature": 0, "stream": True, "mode": "ar"}) as r:
+                t0 = time.perf_counter()
+                async for chunk in r.aiter_text():
+                    times.append(time.perf_counter() - t0)
+                    body.append(chunk)
+            events = sse_data("".join(body))
+            assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]).startswith(want_text)
+            assert len(times) > 10 and times[0] < 0.5 * times[-1], times[:3] + times[-3:]  # not buffered
+            # a client that leaves mid-stream; every request after it succeeds
+            async with c.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 200,
+                                                                "stream": True}) as r:
+                async for _ in r.aiter_text():
+                    break
+            after = await asyncio.gather(*[c.post("/v1/completions", json={
+                "prompt": "def add(a, b):", "max_tokens": 30, "temperature": 0}) for _ in range(4)])
+            assert [r.json()["choices"][0]["text"] for r in after] == [want_text] * 4
+
+    anyio.run(main)
+
+
+def test_sigterm_removes_the_deployment_and_every_process(ray_server):
+    url, proc, _ = ray_server
+    below = _descendants(proc.pid)
+    assert below  # Ray's processes
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    deadline = time.time() + 30
+    while time.time() < deadline and any(_alive(p) for p in below):
+        time.sleep(0.5)
+    assert not [p for p in below if _alive(p)]
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/health", timeout=2)
