@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -158,3 +160,56 @@ def test_sigterm_removes_the_deployment_and_every_process(ray_server):
     assert not [p for p in below if _alive(p)]
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/health", timeout=2)
+
+
+def test_replicas_on_two_nodes_and_losing_one(tiny_llama, monkeypatch):
+    """Two raylets on this machine: one replica per node; after a node is removed, requests
+    succeed again (the client retries while Ray notices)."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from specdec_rt.serve.ray import APP_NAME, RayOptions, deployment_app
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    temp = tempfile.mkdtemp(prefix="sdray-")  # short: Ray's socket paths must fit in 107 bytes
+    os.makedirs(os.path.join(temp, "ray"))
+    monkeypatch.setenv("RAY_TMPDIR", temp)  # all of this cluster's state goes there
+    # (the nodes use this machine's address: a driver joining a cluster pinned to 127.0.0.1 is
+    # sent to the machine's address and never finds its control store)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    port = free_port()
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(deployment_app(RayOptions(model=str(tiny_llama), replicas=2, slots=2, max_replicas_per_node=1)),
+                  name=APP_NAME, route_prefix="/", blocking=False)
+        body = {"messages": CHAT, "max_tokens": 8, "temperature": 0}
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        async def burst(n):  # at once: a replica takes `slots` at a time, the rest go to the other
+            async with httpx.AsyncClient(timeout=60) as ac:
+                return await asyncio.gather(*[ac.post(url, json=body) for _ in range(n)])
+
+        with httpx.Client(timeout=30) as c:
+            rs = anyio.run(burst, 8)
+            assert all(r.status_code == 200 for r in rs)
+            want = rs[0].json()["choices"][0]["message"]["content"]
+            seen = {r.headers["x-specdec-replica"] for r in rs}
+            assert len({x.split("@")[1] for x in seen}) == 2, (seen, serve.status())  # two nodes
+            cluster.remove_node(nodes[0])
+            ok, deadline = 0, time.time() + 120
+            while ok < 6 and time.time() < deadline:  # a client that retries
+                try:
+                    r = c.post(url, json=body)
+                    ok = ok + 1 if r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want else 0
+                except httpx.HTTPError:
+                    ok = 0
+                if not ok:
+                    time.sleep(1)
+            assert ok == 6, "requests did not succeed again after a node was removed"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)

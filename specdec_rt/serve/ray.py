@@ -6,7 +6,7 @@
 Each replica owns one :class:`~specdec_rt.Engine` behind the very app ``python -m specdec_rt
 serve`` runs (:func:`~specdec_rt.serve.app.create_app`, built on the replica through
 ``serve.ingress`` with a builder): same routes, errors, streaming and ``/metrics`` (per replica);
-responses name the replica that answered in an ``x-specdec-replica`` header.
+responses name the replica (and node) that answered in an ``x-specdec-replica`` header.
 The app's lifespan loads the engine before the replica takes traffic and closes it when the
 replica stops. ONNX Runtime gets as many threads as CPUs Ray reserved for the replica
 (``cpus_per_replica``; otherwise it would size its pool to the whole host and replicas would
@@ -98,10 +98,13 @@ def _replica_app(opts: RayOptions):
 
 
 def _replica_id() -> str:
+    """``<replica>@<node>`` on a Ray replica, else the process id."""
     try:
+        import ray
         from ray import serve
 
-        return str(serve.get_replica_context().replica_id.unique_id)
+        replica = serve.get_replica_context().replica_id.unique_id
+        return f"{replica}@{ray.get_runtime_context().get_node_id()[:12]}"
     except Exception:  # noqa: BLE001 - not on a replica (tests call the builder directly)
         return f"pid-{os.getpid()}"
 
