@@ -85,6 +85,9 @@ def _replica_app(opts: RayOptions):
     threads = opts.threads or replica_threads(opts.cpus_per_replica)
 
     async def load() -> Engine:
+        from ..ort import use_global_thread_pool
+
+        use_global_thread_pool(threads)  # the replica's process is ours: one pool for all its models
         return await Engine.load(opts.model, draft=opts.draft, threads=threads, max_length=opts.max_length,
                                  provider=opts.provider, slots=opts.slots, prefix_cache=opts.prefix_cache,
                                  prefix_cache_bytes=opts.prefix_cache_bytes)
