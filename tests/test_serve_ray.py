@@ -92,7 +92,7 @@ def _alive(pid: int) -> bool:
 def ray_server(tiny_llama):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specdec_rt", "serve", "--ray", "--replicas", "2",
-                             "--cpus-per-replica", "1", "--slots", "2", "--model", str(tiny_llama),
+                             "--cpus-per-replica", "1", "--slots", "2", "--max-queued", "2", "--model", str(tiny_llama),
                              "--port", str(port)], stderr=subprocess.PIPE, text=True)
     lines = []
     deadline = time.time() + 240
@@ -117,8 +117,16 @@ def test_two_replicas_serve_like_the_engine(ray_server, tiny_llama):
         async with await Engine.load(tiny_llama, slots=2) as engine:
             want_chat = (await engine.generate(CHAT, 12)).text
             want_text = (await engine.generate("def add(a, b):", 30)).text
+        async def post(c, path, body):  # a polite client: waits out a 429's Retry-After
+            for _ in range(30):
+                r = await c.post(path, json=body)
+                if r.status_code != 429:
+                    return r
+                await asyncio.sleep(float(r.headers.get("retry-after", 1)))
+            return r
+
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-            rs = await asyncio.gather(*[c.post("/v1/chat/completions", json={
+            rs = await asyncio.gather(*[post(c, "/v1/chat/completions", {
                 "messages": CHAT, "max_tokens": 12, "temperature": 0}) for _ in range(8)])
             assert all(r.status_code == 200 for r in rs)
             assert {r.json()["choices"][0]["message"]["content"] for r in rs} == {want_chat}
@@ -141,9 +149,15 @@ def test_two_replicas_serve_like_the_engine(ray_server, tiny_llama):
                                                                 "stream": True}) as r:
                 async for _ in r.aiter_text():
                     break
-            after = await asyncio.gather(*[c.post("/v1/completions", json={
+            after = await asyncio.gather(*[post(c, "/v1/completions", {
                 "prompt": "def add(a, b):", "max_tokens": 30, "temperature": 0}) for _ in range(4)])
             assert [r.json()["choices"][0]["text"] for r in after] == [want_text] * 4
+            # overload: 2 replicas x 2 slots + 2 queued in Ray's router; a burst of 16 long ones
+            burst = await asyncio.gather(*[c.post("/v1/completions", json={
+                "prompt": "Once upon a time", "max_tokens": 300, "mode": "ar"}) for _ in range(16)])
+            codes = [r.status_code for r in burst]
+            assert set(codes) <= {200, 429} and codes.count(429) >= 6 and codes.count(200) >= 2, codes
+            assert all(r.headers.get("retry-after") for r in burst if r.status_code == 429)
 
     anyio.run(main)
 

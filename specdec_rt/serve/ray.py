@@ -11,8 +11,9 @@ The app's lifespan loads the engine before the replica takes traffic and closes 
 replica stops. ONNX Runtime gets as many threads as CPUs Ray reserved for the replica
 (``cpus_per_replica``; otherwise it would size its pool to the whole host and replicas would
 fight for the cores). ``max_ongoing_requests`` is the replica's ``slots``, so requests beyond
-what a replica batches wait in Ray's router (``max_queued`` of them per replica); past that,
-Ray's proxy refuses them itself (503, not the plain server's 429).
+what a replica batches wait in Ray's router (``max_queued`` of them); past that, Ray's proxy
+refuses them at once with 429 and ``Retry-After``, as the single-process server does (its body is
+Ray's plain-text message, not the OpenAI error object).
 
 Model folders must exist at the same path on every node (build them into the image or a shared
 volume); the CLI builds a missing recipe on the head node before deploying.
@@ -147,6 +148,7 @@ def deployment_app(opts: RayOptions):
 
     options: dict[str, Any] = {
         "name": "SpecDecReplica", "max_ongoing_requests": opts.slots, "max_queued_requests": opts.max_queued,
+        "backpressure_config": {"status_code": 429, "retry_after_s": 1},  # the single server's overload answer
         "ray_actor_options": {"num_cpus": opts.cpus_per_replica}, "health_check_period_s": 10,
         "graceful_shutdown_timeout_s": 30,
     }
