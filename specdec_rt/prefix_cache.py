@@ -175,8 +175,9 @@ class PrefixCache:
             stash = self._stashes.pop(slot, None)
             if stash is not None and not stash.entry.ready:  # nobody can read the half-made entry
                 stash.cancelled = True
-                dst = next(s for s, e in self._entries.items() if e is stash.entry)
-                self._evict(dst)
+                dst = next((s for s, e in self._entries.items() if e is stash.entry), None)
+                if dst is not None:
+                    self._evict(dst)
         else:  # lowest first (batches stay packed), but not one whose residue is still to copy
             done = lambda s: s not in self._residue or (s in self._stashes and self._stashes[s].entry.ready)  # noqa: E731
             slot = min(self._free, key=lambda s: (not done(s), s))
