@@ -71,7 +71,7 @@ def test_a_kept_entry_is_copied_into_another_slot_and_the_match_is_exact():
     c.apply()
     assert hit.length == 10 and s != s_other
     assert moves.store[s, :10].tolist() == a[:10]
-    assert c.acquire.__self__ is c and c.free == 0
+    assert c.free == 0
 
 
 def test_no_hit_below_one_block_and_the_last_token_is_always_fed():
@@ -214,3 +214,47 @@ def test_requests_arriving_together_prefill_their_shared_prompt_once():
     hits = asyncio.run(main())
     assert sorted(hits)[0] == 0 and all(h >= 36 for h in sorted(hits)[1:])  # one computed it
     assert target.positions < plain_target.positions - 100  # 3 x ~40 positions never fed
+
+
+def _halves(moves):
+    """copy_parts: a copy in two halves (as the ONNX pool copies a layer at a time)."""
+    return lambda src, dst, a, b: [lambda: moves.copy(src, dst, a, (a + b) // 2),
+                                   lambda: moves.copy(src, dst, (a + b) // 2, b)]
+
+
+def test_a_copy_under_way_is_dropped_when_the_next_turn_takes_its_slot():
+    moves = Moves(3)
+    c = PrefixCache(1, 2, block=4, budget_bytes=100, copy=moves.copy, copy_parts=_halves(moves),
+                    discard=moves.discard)
+    conv = list(range(16))
+    slot, _ = c.acquire(np.array(conv))
+    moves.store[slot, :16] = conv
+    c.release(slot, np.array(conv))
+    stash = c.next_stash()
+    assert stash.step() and stash.step()  # the queued moves, then the first half
+    slot2, hit = c.acquire(np.array(conv + [20]))  # the next turn, before the second half
+    assert slot2 == slot and hit.length == 16
+    assert not stash.step() and c.entries() == []  # cancelled; the half-made entry is gone
+    c.apply()
+    assert (moves.store[1:, :16] == -1).all()  # and its memory discarded
+
+
+def test_a_new_owner_of_the_slot_waits_for_the_copy_to_finish():
+    moves = Moves(3)
+    c = PrefixCache(1, 2, block=4, budget_bytes=100, copy=moves.copy, copy_parts=_halves(moves),
+                    discard=moves.discard)
+    conv = list(range(16))
+    slot, _ = c.acquire(np.array(conv))
+    moves.store[slot, :16] = conv
+    c.release(slot, np.array(conv))
+    stash = c.next_stash()
+    stash.step()
+    stash.step()  # half copied
+    other, hit = c.acquire(np.array([50 + i for i in range(8)]))  # the only slot, another prompt
+    assert other == slot and hit is None
+    c.apply()  # before the new owner's first call: the rest of the copy
+    [entry] = c.entries()
+    assert entry.tolist() == conv
+    dst = 1 if (moves.store[1, :16] == conv).all() else 2
+    assert moves.store[dst, :16].tolist() == conv
+    assert c.peek(np.array(conv + [1])) == 16  # and it is a source now
