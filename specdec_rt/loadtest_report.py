@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from .reports import pyplot, save_figure
+
 __all__ = ["RequestSample", "percentile", "summarize_phase", "speedups", "format_table",
            "format_markdown", "plot"]
 
@@ -140,12 +142,8 @@ def format_markdown(report: dict) -> str:
 def plot(report: dict, path: Path) -> Path | None:
     """tokens/s vs concurrency (one line per mode) and TTFT p50 vs concurrency; ``None`` (and no
     file) when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     phases = report["phases"]
     modes = list(dict.fromkeys(p["mode"] for p in phases))
@@ -167,6 +165,4 @@ def plot(report: dict, path: Path) -> Path | None:
     ax1.set_title(f"throughput: {report.get('model') or report['settings']['url']}")
     ax2.set_title("time to first token")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

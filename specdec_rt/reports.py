@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["write_report"]
+__all__ = ["write_report", "pyplot", "save_figure"]
 
 
 def write_report(out: Path, stem: str, report: dict, markdown: str, table: str, as_json: bool) -> None:
@@ -14,3 +14,25 @@ def write_report(out: Path, stem: str, report: dict, markdown: str, table: str, 
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     (out / f"{stem}.md").write_text(markdown.rstrip("\n") + "\n")
     print(json.dumps(report) if as_json else table)
+
+
+def pyplot():
+    """matplotlib's ``pyplot`` on the non-interactive Agg backend, or None when matplotlib is not
+    installed (a report then has no chart)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Write ``fig`` to ``path`` (PNG, 110 dpi) and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..reports import write_report
+from ..reports import pyplot, save_figure, write_report
 from .runner import log
 
 __all__ = ["run_concurrency"]
@@ -159,12 +159,8 @@ def format_markdown(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> Path | None:
     """Aggregate tokens/s against concurrent clients, one line per mode, sequential as dashes."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         log("matplotlib is not installed: no chart")
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -179,9 +175,7 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     ax.set_xticks(sorted({r["concurrency"] for r in rows if r["concurrency"]}))
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run_concurrency(args) -> int:

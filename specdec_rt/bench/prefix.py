@@ -28,7 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ..reports import write_report
+from ..reports import pyplot, save_figure, write_report
 from .concurrency import load_texts
 from .runner import log
 
@@ -214,12 +214,8 @@ def format_markdown(r: dict) -> str:
 
 def plot(r: dict, path: Path) -> Path | None:
     """Left: TTFT per turn of a conversation; right: the shared-system-prompt waves."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         log("matplotlib is not installed: no chart")
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
@@ -242,9 +238,7 @@ def plot(r: dict, path: Path) -> Path | None:
     b.set_title(f"{s['concurrency']} requests sharing a ~500-token system prompt")
     b.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run_prefix(args) -> int:

@@ -6,6 +6,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from ..reports import pyplot, save_figure
+
 __all__ = ["summarize", "format_table", "plot", "plot_acceptance"]
 
 
@@ -79,12 +81,8 @@ def format_table(summary: dict) -> str:
 
 def plot(summary: dict, path: Path, title: str) -> Path | None:
     """Median tokens/s per mode (bars, p25-p75 whiskers) and per-category speedup over ``ar``."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     modes = summary["modes"]
     names = list(modes)
@@ -110,9 +108,7 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
     ax2.set_title("speculative speedup by prompt category")
     ax2.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_acceptance(samples, path: Path, mode: str = "spec") -> Path | None:
@@ -121,12 +117,8 @@ def plot_acceptance(samples, path: Path, mode: str = "spec") -> Path | None:
     runs = [s for s in samples if s.mode == mode and s.stats is not None and s.stats.history]
     if not runs:
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
     for s in runs:
@@ -154,9 +146,7 @@ def plot_acceptance(samples, path: Path, mode: str = "spec") -> Path | None:
     ax2.set_ylim(0, 1.05)
     ax2.set_title("acceptance by draft position")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def format_markdown(report: dict) -> str:
