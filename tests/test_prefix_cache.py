@@ -222,7 +222,9 @@ def _halves(moves):
                                    lambda: moves.copy(src, dst, (a + b) // 2, b)]
 
 
-def test_a_copy_under_way_is_dropped_when_the_next_turn_takes_its_slot():
+def _half_copied():
+    """One running slot, a finished 16-token conversation in it, its copy into an entry half
+    done: ``(cache, moves, slot, conversation, copy under way)``."""
     moves = Moves(3)
     c = PrefixCache(1, 2, block=4, budget_bytes=100, copy=moves.copy, copy_parts=_halves(moves),
                     discard=moves.discard)
@@ -232,6 +234,11 @@ def test_a_copy_under_way_is_dropped_when_the_next_turn_takes_its_slot():
     c.release(slot, np.array(conv))
     stash = c.next_stash()
     assert stash.step() and stash.step()  # the queued moves, then the first half
+    return c, moves, slot, conv, stash
+
+
+def test_a_copy_under_way_is_dropped_when_the_next_turn_takes_its_slot():
+    c, moves, slot, conv, stash = _half_copied()
     slot2, hit = c.acquire(np.array(conv + [20]))  # the next turn, before the second half
     assert slot2 == slot and hit.length == 16
     assert not stash.step() and c.entries() == []  # cancelled; the half-made entry is gone
@@ -240,16 +247,7 @@ def test_a_copy_under_way_is_dropped_when_the_next_turn_takes_its_slot():
 
 
 def test_a_new_owner_of_the_slot_waits_for_the_copy_to_finish():
-    moves = Moves(3)
-    c = PrefixCache(1, 2, block=4, budget_bytes=100, copy=moves.copy, copy_parts=_halves(moves),
-                    discard=moves.discard)
-    conv = list(range(16))
-    slot, _ = c.acquire(np.array(conv))
-    moves.store[slot, :16] = conv
-    c.release(slot, np.array(conv))
-    stash = c.next_stash()
-    stash.step()
-    stash.step()  # half copied
+    c, moves, slot, conv, _ = _half_copied()
     other, hit = c.acquire(np.array([50 + i for i in range(8)]))  # the only slot, another prompt
     assert other == slot and hit is None
     c.apply()  # before the new owner's first call: the rest of the copy
