@@ -157,6 +157,10 @@ class PrefixCache:
         """KV memory the entries hold now (at most ``budget_bytes``)."""
         return self.cached_tokens * self.token_bytes
 
+    @property
+    def _budget_tokens(self) -> int:
+        return self.budget_bytes // max(1, self.token_bytes)
+
     def entries(self) -> list[np.ndarray]:
         """The cached sequences, least recently used first (for tests and reports)."""
         return [e.ids for e in sorted(self._entries.values(), key=lambda e: e.used)]
@@ -189,8 +193,6 @@ class PrefixCache:
             if hit.slot in self._entries:
                 self._ops.append(lambda s=hit.slot, n=hit.length: self._copy(s, slot, 0, n))
                 self._entries[hit.slot].used = self._tick()
-            elif hit.owner is None:  # taken in place
-                hit = Hit(slot, hit.length)
         return slot, hit
 
     def peek(self, tokens: np.ndarray) -> int:
@@ -217,7 +219,7 @@ class PrefixCache:
         if live is not None:
             self._drop_keys(slot, live.keys)
         self._free.append(slot)
-        n = min(int(ids.size), self.budget_bytes // max(1, self.token_bytes))
+        n = min(int(ids.size), self._budget_tokens)
         if self.enabled and n >= self.block:
             ids = np.array(ids[:n], dtype=np.int64)
             self._residue[slot] = e = _Entry(ids, block_keys(ids, self.block, n), self._tick(),
@@ -314,7 +316,7 @@ class PrefixCache:
                 break
         if dst is not None:
             self._drop_keys(dst, self._entries.pop(dst).keys)
-        budget = self.budget_bytes // max(1, self.token_bytes)
+        budget = self._budget_tokens
         while True:
             ready = [s for s, x in self._entries.items() if x.ready]
             if not ready or (dst is not None or self._spare) and self.cached_tokens + n <= budget:
@@ -326,10 +328,10 @@ class PrefixCache:
             else:
                 self._evict(lru)
         if self.cached_tokens + n > budget or dst is None and not self._spare:
-            if dst is not None:  # the entry it would have extended is gone: free its slot
+            if dst is not None:  # the entry it would have extended or reused is gone: free its slot
                 self._spare.append(dst)
                 if self._discard is not None:
-                    self._ops.append(lambda d=dst, m=start: self._discard(d, 0, m))
+                    self._ops.append(lambda d=dst: self._discard(d, 0, n))
             return None
         if dst is None:
             dst = self._spare.pop(0)
