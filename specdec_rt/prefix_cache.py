@@ -195,6 +195,11 @@ class PrefixCache:
                 self._entries[hit.slot].used = self._tick()
         return slot, hit
 
+    def kept(self, slot: int) -> int:
+        """Positions a free running slot keeps for the cache (its last owner's KV); 0 if none."""
+        e = self._residue.get(slot)
+        return e.ids.size if e is not None else 0
+
     def peek(self, tokens: np.ndarray) -> int:
         """How many of ``tokens`` a session started now would find cached (nothing changes)."""
         if not self.enabled:

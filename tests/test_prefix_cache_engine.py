@@ -129,3 +129,30 @@ def test_an_evicted_entry_gives_its_memory_back():
     pool.discard(1, 0, n)
     assert _rss() - before < 0.1 * n * pool.token_bytes
     assert np.all(pool._buffers[0][0].array[1, :, 32 : n - 32] == 0)  # whole pages discarded read as zeros
+
+
+def test_a_batched_step_leaves_what_a_free_slot_keeps_alone(tiny_llama):
+    """Slots 0..2 prefilled; the middle session ends and its slot keeps its KV for the cache.
+    A batched step of the other two spans that slot: its gap row must not write over what it
+    keeps (the tokenizer's first token is id 0, the dummy's id, so this is checked on the KV)."""
+    from specdec_rt.ort import OrtModel
+
+    model = OrtModel(tiny_llama, max_length=256, slots=3, prefix_cache_bytes=1 << 26)
+    prompts = [(np.arange(80) * (k + 3)) % 250 + 2 for k in range(3)]  # [80] each, no id 0
+
+    async def main():
+        sessions = [model.start(p) for p in prompts]
+        for s, p in zip(sessions, prompts):
+            await s.extend(p, 1)
+        middle = sessions[1].slot
+        assert middle not in (sessions[0].slot, sessions[2].slot)
+        sessions[1].close()
+        assert model.prefix_cache.kept(middle) == 80
+        keys = model.pool._buffers[0][0].array  # layer 0 keys [slots, kv, max_len + 1, d]
+        before = keys[middle, :, :80].copy()
+        model.run_batch_sync([sessions[0], sessions[2]], np.array([7, 9]), np.array([80, 80]))
+        assert np.array_equal(keys[middle, :, :80], before)
+        assert not model.can_prefill_together([sessions[0], sessions[2]])  # that would write it too
+
+    asyncio.run(main())
+    model.close()

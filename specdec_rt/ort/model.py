@@ -222,13 +222,14 @@ class OrtModel(LanguageModel):
 
         The call covers the contiguous slots from the lowest to the highest of the sessions;
         a slot in between that takes no part feeds a dummy token at its own cache length (a
-        position its owner has not committed, or the scratch position), whose output is dropped.
+        position its owner has not committed, past what a free slot keeps for the prefix cache,
+        or the scratch position), whose output is dropped.
         """
         lo, rows, at = self._span(sessions)
         past = np.zeros(rows, dtype=np.int64)  # [rows] cached tokens per slot
-        for slot in range(lo, lo + rows):
+        for slot in range(lo, lo + rows):  # a free slot may keep a finished request's KV: after it
             owner = self._owners.get(slot)
-            past[slot - lo] = owner.length if owner is not None else 0
+            past[slot - lo] = owner.length if owner is not None else self.pool.cache.kept(slot)
         feed = np.zeros((rows, 1), dtype=np.int64)  # [rows, 1]
         feed[at, 0] = ids
         past[at] = pasts
@@ -241,10 +242,12 @@ class OrtModel(LanguageModel):
 
     def can_prefill_together(self, sessions: list["OrtSession"]) -> bool:
         """A batched first-prompt call writes positions 0.. of every slot it covers: only when
-        no other open session holds a slot in between."""
+        no other open session holds a slot in between, and no free one keeps a finished
+        request's KV for the prefix cache."""
         lo, rows, _ = self._span(sessions)
         mine = {s.slot for s in sessions}
-        return all(slot in mine or slot not in self._owners for slot in range(lo, lo + rows))
+        return all(slot in mine or (slot not in self._owners and not self.pool.cache.kept(slot))
+                   for slot in range(lo, lo + rows))
 
     def run_prefill_batch_sync(self, sessions: list["OrtSession"], prompts: list[np.ndarray]) -> np.ndarray:
         """The first prompts of several sessions in one call (GroupQueryAttention takes several
