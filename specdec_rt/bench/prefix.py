@@ -124,14 +124,19 @@ async def shared_prompt(engines: dict, questions: list, c: int, n: int, waves: i
             "warm_speedup": round(warm["no cache"] / warm["cache"], 2) if warm["cache"] else None}
 
 
-async def pressure(load, n: int) -> dict:
+def pressure_budget(engine, n: int) -> tuple[list[str], int]:
+    """The memory-pressure scenario's six opening documents, and a budget with room for two of
+    the conversations they start (KV bytes per token over the engine's models)."""
+    from ..drafting import engine_models
+
+    docs = _fit(engine, documents(6), 400)
+    per_token = sum(m.pool.token_bytes for m in engine_models(engine.target, engine.drafter))
+    longest = max(len(engine.codec.encode_prompt([{"role": "user", "content": d}])) for d in docs) + 3 * n
+    return docs, 2 * longest * per_token
+
+
+async def pressure(load, docs: list[str], budget: int, n: int) -> dict:
     """Six conversations rotating through a cache with room for two: bytes, evictions, hits."""
-    probe = await load(prefix_cache=False)
-    docs = _fit(probe, documents(6), 400)
-    async with probe:
-        per_token = sum(m.pool.token_bytes for m in _models(probe))
-        longest = max(len(probe.codec.encode_prompt([{"role": "user", "content": d}])) for d in docs) + 3 * n
-    budget = 2 * longest * per_token
     engine = await load(prefix_cache_bytes=budget)
     peak, hits = 0, 0
     async with engine:
@@ -148,12 +153,6 @@ async def pressure(load, n: int) -> dict:
         f"{info['evictions']} evictions")
     return {"budget_bytes": budget, "peak_bytes": peak, "within_budget": peak <= budget,
             "evictions": info["evictions"], "hit_tokens": hits}
-
-
-def _models(engine) -> list:
-    from ..drafting import engine_models as models
-
-    return [m for m in models(engine.target, engine.drafter)]
 
 
 async def _prefix(args) -> int:
@@ -175,10 +174,11 @@ async def _prefix(args) -> int:
             await e.generate("Hello! How are you today?", 8)
         turns = await multi_turn(engines, args.conversations, args.turns, n)
         shared = await shared_prompt(engines, questions, args.prefix_concurrency, n, waves=1 + args.repeats)
+        docs, budget = pressure_budget(engines["no cache"], n)
     finally:
         for e in engines.values():
             await e.aclose()
-    mem = await pressure(load, n)
+    mem = await pressure(load, docs, budget, n)
     report = {"settings": {"model": str(args.model), "draft": args.draft, "max_new_tokens": n,
                            "conversations": args.conversations, "turns": args.turns,
                            "concurrency": args.prefix_concurrency},
