@@ -19,6 +19,7 @@ import pytest
 
 from serve_util import free_port, sse_data
 from specdec_rt.engine import Engine
+from specdec_rt.errors import InvalidInputError
 
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.export
@@ -49,12 +50,19 @@ def test_the_replica_app_is_the_server_app_without_a_cluster(tiny_llama):
 def test_options_from_serve_run_key_values(tiny_llama):
     from specdec_rt.serve.ray import RayOptions, _parse, build
 
-    with pytest.raises(ValueError, match="unknown option"):
+    with pytest.raises(InvalidInputError, match="unknown option"):
         build({"model": "m", "replica": "2"})
-    with pytest.raises(ValueError, match="'model' option is required"):
+    with pytest.raises(InvalidInputError, match="'model' option is required"):
         build({"replicas": "2"})
-    with pytest.raises(ValueError, match="replicas"):
+    with pytest.raises(InvalidInputError, match="replicas"):
         RayOptions(model="m", replicas=0)
+    with pytest.raises(InvalidInputError, match="option slots='many'"):
+        build({"model": "m", "slots": "many"})
+    with pytest.raises(InvalidInputError, match="option autoscaling="):
+        build({"model": "m", "autoscaling": "{max: 4"})
+    cli = subprocess.run([sys.executable, "-m", "specdec_rt", "serve", "--ray", "--cpus-per-replica", "0",
+                          "--model", str(tiny_llama)], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 2 and "--cpus-per-replica: must be > 0, got 0" in cli.stderr
     assert [_parse(k, v) for k, v in (("replicas", "auto"), ("replicas", "3"), ("prefix_cache", "false"),
                                        ("cpus_per_replica", "0.5"), ("autoscaling", '{"max_replicas": 4}'))] == [
         "auto", 3, False, 0.5, {"max_replicas": 4}]

@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 
+from ..errors import SpecDecError
 from ..prefix_cache import DEFAULT_BUDGET_BYTES
 
 __all__ = ["add_serve_parser", "run_serve"]
@@ -46,7 +47,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     ray = p.add_argument_group("replicas on Ray Serve (the 'ray' extra; docs/serving.md)")
     ray.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve instead of one process")
     ray.add_argument("--replicas", type=_replicas, default=1, help="replicas: a number or 'auto' (default 1)")
-    ray.add_argument("--cpus-per-replica", type=float, default=1.0,
+    ray.add_argument("--cpus-per-replica", type=_positive_float, default=1.0,
                      help="CPUs Ray reserves per replica; its ONNX Runtime threads (default 1)")
     ray.add_argument("--ray-address", default=None,
                      help="join this Ray cluster (default: start a local one on loopback)")
@@ -63,6 +64,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -194,12 +202,16 @@ def run_ray_serve(args) -> int:
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     temp = None
     try:
-        if args.ray_address:
-            ray.init(address=args.ray_address, log_to_driver=False)
-        else:
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            temp = tempfile.mkdtemp(prefix="specdec-ray-")
-            ray.init(include_dashboard=False, _temp_dir=temp, _node_ip_address="127.0.0.1", log_to_driver=False)
+        try:
+            if args.ray_address:
+                ray.init(address=args.ray_address, log_to_driver=False)
+            else:
+                os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+                temp = tempfile.mkdtemp(prefix="specdec-ray-")
+                ray.init(include_dashboard=False, _temp_dir=temp, _node_ip_address="127.0.0.1", log_to_driver=False)
+        except Exception as exc:  # noqa: BLE001 - Ray raises many kinds
+            where = f"join Ray at --ray-address {args.ray_address!r}" if args.ray_address else "start a local Ray"
+            raise SpecDecError(f"cannot {where}: {type(exc).__name__}: {exc}") from None
         for sig in previous:  # after ray.init, which installs handlers of its own
             signal.signal(sig, lambda *_: stop.set())
         serve.start(http_options={"host": args.host, "port": port})
@@ -213,9 +225,10 @@ def run_ray_serve(args) -> int:
         print("specdec_rt serve: stopping: deleting the deployment", file=sys.stderr, flush=True)
     finally:
         try:
-            serve.delete(APP_NAME)
-            if not args.ray_address:
-                serve.shutdown()
+            if ray.is_initialized():
+                serve.delete(APP_NAME)
+                if not args.ray_address:
+                    serve.shutdown()
         finally:
             ray.shutdown()
             for sig, handler in previous.items():

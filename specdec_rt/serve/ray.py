@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..errors import InvalidInputError
 from ..prefix_cache import DEFAULT_BUDGET_BYTES
 
 __all__ = ["RayOptions", "deployment_app", "build", "replica_threads", "replica_states"]
@@ -61,9 +62,9 @@ class RayOptions:
 
     def __post_init__(self) -> None:
         if self.replicas != "auto" and (not isinstance(self.replicas, int) or self.replicas < 1):
-            raise ValueError(f"replicas must be a positive integer or 'auto', got {self.replicas!r}")
+            raise InvalidInputError(f"replicas must be a positive integer or 'auto', got {self.replicas!r}")
         if not self.cpus_per_replica > 0 or self.slots < 1 or self.max_queued < 0:
-            raise ValueError(f"cpus_per_replica > 0, slots >= 1 and max_queued >= 0 needed, got "
+            raise InvalidInputError(f"cpus_per_replica > 0, slots >= 1 and max_queued >= 0 needed, got "
                              f"{self.cpus_per_replica!r}, {self.slots!r}, {self.max_queued!r}")
 
 
@@ -168,10 +169,16 @@ def build(args: dict) -> Any:
     known = {f.name: f for f in fields(RayOptions)}
     unknown = sorted(set(args) - set(known))
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown}; known: {sorted(known)}")
+        raise InvalidInputError(f"unknown option(s) {unknown}; known: {sorted(known)}")
     if "model" not in args:
-        raise ValueError("the 'model' option is required (a built recipe name or an export folder)")
-    return deployment_app(RayOptions(**{k: _parse(k, v) for k, v in args.items()}))
+        raise InvalidInputError("the 'model' option is required (a built recipe name or an export folder)")
+    parsed = {}
+    for k, v in args.items():
+        try:
+            parsed[k] = _parse(k, v)
+        except ValueError as exc:  # int("many"), bad JSON, ...
+            raise InvalidInputError(f"option {k}={v!r}: {exc}") from None
+    return deployment_app(RayOptions(**parsed))
 
 
 def _parse(key: str, value: Any) -> Any:
