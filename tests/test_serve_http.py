@@ -97,7 +97,7 @@ def test_client_disconnect_cancels_the_request_and_frees_its_slot(tiny_llama):
         async with await Engine.load(tiny_llama, slots=1) as engine:
             slow = SlowEngine(engine, delay=0.02)  # 200 tokens: 4 s, unless cancelled
             app = create_app(slow, slots=1, max_queued=4)
-            long = {"prompt": PROMPT, "max_tokens": 200}
+            long = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0}  # greedy: no early EOS by chance
             async with running_server(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
                 t0 = time.perf_counter()
                 async with c.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
@@ -117,8 +117,8 @@ def test_client_disconnect_cancels_the_request_and_frees_its_slot(tiny_llama):
                 assert time.perf_counter() - t0 < 3.0
                 await _until(lambda: getattr(engine, "running", 0) == 0)  # the engine slot too
 
-                after = await asyncio.gather(*[c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5})
-                                               for _ in range(3)])
+                after = await asyncio.gather(*[c.post("/v1/completions", json={
+                    "prompt": PROMPT, "max_tokens": 5, "temperature": 0}) for _ in range(3)])
                 assert [r.status_code for r in after] == [200, 200, 200]
                 values = metric_values((await c.get("/metrics")).text)
             assert metric(values, "specdec_requests_aborted_total", reason="cancelled") == 2
