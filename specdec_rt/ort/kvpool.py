@@ -7,10 +7,11 @@ running requests (a batched call binds ``[B, ...]`` consecutive slots as they ar
 above hold prefix-cache entries (:mod:`specdec_rt.prefix_cache`), which moves data between slots
 with :meth:`KVPool.copy` and frees it with :meth:`KVPool.discard`.
 
-On CPU the buffers are anonymous memory maps of 4 KiB pages (no transparent huge pages: a slot's
-rows are runs of ~1 MB, so a 2 MB page would commit and zero memory nobody writes; measured here,
-stashing 1,000 positions into an unused slot took 0.21 s with huge pages and 0.03 s without).
-Pages are committed only when written, and
+On CPU the buffers are private anonymous memory maps of 4 KiB pages (no transparent huge pages:
+a slot's rows are runs of ~1 MB, so a 2 MB page would commit memory nobody writes, and resident
+memory would no longer follow what the cache holds). Pages are committed only when written (the
+first write of an unused slot is slow: 0.2 s per 1,000 positions of SmolLM2 measured in the engine
+process, 9 ms once written; hence the cache's copies run in idle time), and
 ``discard`` gives an evicted entry's pages back to the operating system (``MADV_DONTNEED``), so
 resident memory follows what the cache holds, not its capacity. With CUDA they are device
 OrtValues allocated up front, and the prefix cache is off (ONNX Runtime's Python API has no
@@ -60,7 +61,8 @@ class KVPool:
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, running: int, max_len: int,
                  device: str, ort=None, *, entries: int = 0, budget_bytes: int = 0, block: int = 64) -> None:
-        slots = running + (entries if device == "cpu" else 0)
+        entries = entries if device == "cpu" else 0  # CUDA: no prefix cache (see above)
+        slots = running + entries
         self.shape = (slots, kv_heads, max_len + 1, head_dim)
         self.device = device
         self.slot_bytes = int(np.prod(self.shape[1:])) * 4  # float32
@@ -74,8 +76,6 @@ class KVPool:
                              for _ in range(2))
             self._buffers.append(pair)
         self.hidden: _HostBuffer | None = None  # [slots, max_len + 1, H] target hidden states, if kept
-        if device != "cpu":
-            entries = 0
         self.cache = PrefixCache(running, entries, block=block, budget_bytes=budget_bytes,
                                  token_bytes=self.token_bytes, copy=self.copy, copy_parts=self.copy_parts,
                                  discard=self.discard)
