@@ -2,16 +2,25 @@
 
 The graph is what onnxruntime-genai's model builder would write, ~12 nodes a layer:
 
-    x = Gather(embed, input_ids)                                        # [B, S, H]
+    x = Gather(embed, input_ids)                                        # [1, N, H]: packed
     per layer i:
       h, res = SkipSimplifiedLayerNormalization(mlp_out, res, ln_in_i)  # RMSNorm + residual add
-      qkv    = MatMul(h, W_qkv) (+ bias for Qwen2)                      # [B, S, (nh + 2 kv) * d]
-      a, present_k, present_v = GroupQueryAttention(qkv, past_k, past_v, seqlens_k,
-                                  total_sequence_length, cos, sin)      # rotary inside, BNSH cache
+      qkv    = MatMul(h, W_qkv) (+ bias for Qwen2)                      # [1, N, (nh + 2 kv) * d]
+      rows   = Reshape(Gather(qkv, pad_index), padded_shape)            # [B, S, ...] right-padded
+      a, present_k, present_v = GroupQueryAttention(rows, past_k, past_v, seqlens_k,
+                                  total_sequence_length, cos, sin, query_seqlens)  # rotary inside
+      a      = Gather(Reshape(a, [1, -1, 0]), pack_index)               # [1, N, nh * d]
       h, res = SkipSimplifiedLayerNormalization(MatMul(a, W_o), res, ln_post_i)
       mlp_out = MatMul(SiLU(MatMul(h, W_gate)) * MatMul(h, W_up), W_down)
-    hidden_states = SkipSimplifiedLayerNormalization(mlp_out, res, final_norm)   # [B, S, H]
-    logits = MatMul(Gather(hidden_states, logits_index, axis=1), W_head)         # [B, R, V]
+    hidden_states = SkipSimplifiedLayerNormalization(mlp_out, res, final_norm)   # [1, N, H]
+    logits = MatMul(Gather(hidden_states, logits_index, axis=1), W_head)         # [1, R, V]
+
+**Packed positions.** The new positions of all the rows of a call (B requests, N positions in
+all) come as one row: the MatMuls, which are nearly all the work, run on the N real positions;
+only attention sees them as B right-padded rows of S (``query_seqlens`` ``[B]`` tells it each
+row's real positions: padding is neither attended to nor cached). A batch of verifies of
+different lengths then costs what its positions cost, not B x the longest, and ``logits_index``
+picks any of the N positions. For one row the layout is the identity.
 
 `past_key_values.{i}.*` and `present.{i}.*` are meant to be bound to one preallocated buffer
 `[B, kv, max_len, d]` (GroupQueryAttention then appends in place). The LM head is always its own
@@ -35,12 +44,14 @@ from .quant import QuantSpec, quantize
 from .weights import ExternalDataWriter
 
 __all__ = ["ModelSpec", "IO_NAMES", "SUPPORTED_FAMILIES", "build_onnx", "rotary_tables",
-           "unsupported_architecture", "decoder_io", "save_graph"]
+           "unsupported_architecture", "decoder_io", "gqa_inputs", "save_graph", "PACKED_ROLES"]
 
 SUPPORTED_FAMILIES = ("llama", "qwen2")
 MAX_POSITIONS_CAP = 32768
 OPSET = 21
 MS = "com.microsoft"
+
+PACKED_ROLES = ("query_seqlens", "pad_index", "pack_index", "padded_shape")
 
 # role -> ONNX name; `{layer}` is filled per layer (the manifest repeats these)
 IO_NAMES = {
@@ -49,6 +60,12 @@ IO_NAMES = {
     "seqlens_k": "seqlens_k",
     "total_sequence_length": "total_sequence_length",
     "logits_index": "logits_index",
+    # packed graphs: all rows' new positions in one row for the MatMuls, laid out as right-padded
+    # rows for attention only (a batch of verifies pays for its real positions, not the padding)
+    "query_seqlens": "query_seqlens",  # [B] new positions per row
+    "pad_index": "pad_index",  # [B*S] packed position of each padded one
+    "pack_index": "pack_index",  # [N] padded position of each packed one
+    "padded_shape": "padded_shape",  # [3] = B, S, -1
     "logits": "logits",
     "hidden": "hidden_states",
     "past_key": "past_key_values.{layer}.key",
@@ -150,6 +167,21 @@ class _Graph:
         self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
         return outputs
 
+    def unpack(self, x: str, name: str) -> str:
+        """Packed positions ``[1, N, D]`` to right-padded rows ``[B, S, D]`` (``pad_index``
+        ``[B*S]``: the packed position of each padded one; padding may point anywhere, since
+        GroupQueryAttention neither attends to nor caches it)."""
+        rows = self.node("Gather", [x, "pad_index"], [f"{name}/padded"], f"{name}/Unpack", axis=1)[0]
+        return self.node("Reshape", [rows, "padded_shape"], [f"{name}/rows_in"], f"{name}/UnpackReshape")[0]
+
+    def pack(self, x: str, name: str) -> str:
+        """Right-padded rows ``[B, S, D]`` back to packed positions ``[1, N, D]`` (``pack_index``
+        ``[N]``: the padded position of each packed one)."""
+        if "flat_shape" not in {t.name for t in self.inits}:
+            self.inits.append(helper.make_tensor("flat_shape", TensorProto.INT64, [3], [1, -1, 0]))
+        flat = self.node("Reshape", [x, "flat_shape"], [f"{name}/flat"], f"{name}/PackReshape")[0]
+        return self.node("Gather", [flat, "pack_index"], [f"{name}/output"], f"{name}/Pack", axis=1)[0]
+
     def init(self, name: str, array: np.ndarray) -> str:
         """Add an initializer named after its node path (`layers.0/attn/qkv.weight`)."""
         name = name.lstrip("/")
@@ -220,15 +252,14 @@ def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = 
             b_qkv = None
             if att + "q_proj.bias" in sd:
                 b_qkv = np.concatenate([_np(sd[att + f"{n}_proj.bias"]) for n in "qkv"])
-            qkv = g.linear(h, w_qkv, f"/layers.{i}/attn/qkv", b_qkv)  # [B, S, (nh + 2 kv) d]
+            qkv = g.linear(h, w_qkv, f"/layers.{i}/attn/qkv", b_qkv)  # [1, N, (nh + 2 kv) d]
             del w_qkv
-            a = g.node("GroupQueryAttention",
-                       [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value",
-                        "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"],
-                       [f"/layers.{i}/attn/output", f"present.{i}.key", f"present.{i}.value"],
+            a = g.node("GroupQueryAttention", gqa_inputs(g.unpack(qkv, f"/layers.{i}/attn"), i),
+                       [f"/layers.{i}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
                        f"/layers.{i}/attn/GroupQueryAttention", domain=MS,
                        num_heads=nh, kv_num_heads=kv, scale=1.0 / math.sqrt(d),
                        do_rotary=1, rotary_interleaved=0, local_window_size=-1)[0]
+            a = g.pack(a, f"/layers.{i}/attn")  # [1, N, nh d]
             o = g.linear(a, _np(sd[att + "o_proj.weight"]).T, f"/layers.{i}/attn/o_proj")
             h, res = g.rms_norm(o, res, _np(sd[p + "post_attention_layernorm.weight"]),
                                 f"/layers.{i}/post_attention_layernorm")
@@ -253,16 +284,31 @@ def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = 
     return save_graph(g, "decoder", inputs, outputs, out_dir / "model.onnx", "specdec-rt export")
 
 
+def gqa_inputs(qkv: str, layer: int, packed: bool = True) -> list[str]:
+    """GroupQueryAttention's inputs: QKV, the layer's KV, the sequence lengths, the rotary
+    tables, and (17th, ``packed``) ``query_seqlens`` ``[B]``, the new positions of each row. With
+    it ONNX Runtime's CPU kernel takes several rows of several new positions *with* a past in one
+    call (rows right-padded; padding is neither attended to nor written to the cache; a row with
+    0 new positions is left untouched), which a batched verify needs; without it, only batch 1."""
+    return [qkv, "", "", f"past_key_values.{layer}.key", f"past_key_values.{layer}.value", "seqlens_k",
+            "total_sequence_length", "cos_cache", "sin_cache", *([""] * 7 + ["query_seqlens"] if packed else [])]
+
+
 def decoder_io(num_layers: int, kv_heads: int, head_dim: int, vocab: int, hidden: int,
-               extra_inputs: tuple = ()) -> tuple[list, list]:
+               extra_inputs: tuple = (), packed: bool = True) -> tuple[list, list]:
     """The graph inputs / outputs every decoder graph of this exporter has (the manifest's
-    names), plus ``extra_inputs`` (value infos)."""
+    names), plus ``extra_inputs`` (value infos). ``packed``: the positions of all rows come
+    packed in one row (``input_ids`` ``[1, N]``, ``logits_index`` over the N), with the
+    ``PACKED_INPUTS`` that lay them out as rows for attention."""
     f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
     vi = helper.make_tensor_value_info
     kv_shape = ["batch_size", kv_heads, "max_cache_length", head_dim]
     inputs = [vi("input_ids", i64, ["batch_size", "sequence_length"]), *extra_inputs,
               vi("seqlens_k", i32, ["batch_size"]), vi("total_sequence_length", i32, []),
               vi("logits_index", i64, ["num_logits"])]
+    if packed:
+        inputs += [vi("query_seqlens", i32, ["rows"]), vi("pad_index", i64, ["padded_positions"]),
+                   vi("pack_index", i64, ["sequence_length"]), vi("padded_shape", i64, [3])]
     outputs = [vi("logits", f32, ["batch_size", "num_logits", vocab]),
                vi("hidden_states", f32, ["batch_size", "sequence_length", hidden])]
     for i in range(num_layers):

@@ -73,6 +73,11 @@ class KVSession:
             "total_sequence_length": np.array(total, dtype=np.int32),  # scalar
             "logits_index": rows.astype(np.int64),  # [R]
             "position_ids": np.arange(past_len, total, dtype=np.int64)[None],  # [1, S]
+            # packed graphs, one row: the layout is the identity
+            "query_seqlens": np.array([s], dtype=np.int32),  # [1]
+            "pad_index": np.arange(s, dtype=np.int64),  # [S]
+            "pack_index": np.arange(s, dtype=np.int64),  # [S]
+            "padded_shape": np.array([1, s, -1], dtype=np.int64),  # [3]
         }
         for role, value in feeds.items():
             name = self.inputs.get(role)

@@ -118,7 +118,9 @@ class AcceptanceEWMA:
         return AcceptanceEWMA(self.alpha, self.hits, self.trials)
 
 
-CATCHUP_FREE = 4  # a draft this few tokens behind catches up in its next call at no extra cost
+CHEAP_PRIOR = 0.5  # acceptance assumed for free drafts (n-gram matches) in a batch, until observed
+CATCHUP_FREE = 4
+CATCHUP_BLIND = 4  # unmeasured: a draft catches up on at most this many tokens per token left  # a draft this few tokens behind catches up in its next call at no extra cost
 PREFILL_EXPLORE_EVERY = 8  # after this many prefill skips in a row, one request speculates anyway
 
 
@@ -134,8 +136,11 @@ class CostModel:
     verify_s: dict[int, float] = field(default_factory=dict)  # drafts k -> seconds per verify call
     draft_prefill_s: float | None = None  # seconds per prompt token of the draft's prefill
     prefill_skips: int = 0  # requests in a row decoded plainly by the prefill rule
-    # seconds of one batched plain step of B rows (measured by the step loop; None: unknown)
-    batch_step_s: Callable[[int], float | None] | None = None
+    # seconds of one batched target call of B rows and N new positions in all, (B, N) -> seconds
+    # (measured by the step loop; None: unknown)
+    batch_step_s: Callable[[int, int], float | None] | None = None
+    batched_verify: bool = False  # the target verifies the rows of a batch in one call
+    draft_step_s: Callable[[int], float | None] | None = None  # batched draft model step of B rows
 
     def observe(self, drafted: int, t_draft: float, t_verify: float) -> None:
         if not self.measure:
@@ -202,10 +207,12 @@ class CostModel:
 
     def catchup_pays(self, lag: int, new_tokens: int, a: float, k: int) -> bool:
         """Whether speculating over ``new_tokens`` saves more than feeding the draft the ``lag``
-        tokens it has not seen (after plain steps in a batch). True until both are measured."""
+        tokens it has not seen (after plain steps in a batch). Until both are measured: when the
+        lag is at most ``CATCHUP_BLIND`` tokens per token left (a draft that missed a whole
+        prompt and answer is not fed them for the last few tokens of a request)."""
         base, _ = self._base_and_slope()
         if not self.measure or base is None or self.draft_prefill_s is None:
-            return True
+            return lag <= CATCHUP_BLIND * new_tokens
         speedup = self.speedup(a, k)
         return speedup > 1.0 and new_tokens * base * (1.0 - 1.0 / speedup) > lag * self.draft_prefill_s
 
@@ -226,6 +233,8 @@ class CostModel:
         """
         if batch <= 1 or self.batch_step_s is None or not self.measure:
             return self.speedup(a, k)
+        if self.batched_verify:
+            return self._batched_speedup(a, k, batch)
         base, s = self._base_and_slope()
         c_b, c_rest = self.batch_step_s(batch), self.batch_step_s(batch - 1)
         if base is None or self.draft_token_s is None or c_b is None or c_rest is None:
@@ -233,6 +242,52 @@ class CostModel:
         c_rest = min(c_rest, c_b)  # fewer rows never cost more (a noisy measurement must not say so)
         t_spec = c_rest + k * self.draft_token_s + base * (1.0 + s * k)
         return (batch - 1 + expected_tokens(a, k)) / t_spec * (c_b / batch)
+
+
+    def _batched_speedup(self, a: float, k: int, batch: int) -> float:
+        """Every request of the batch drafting k with the draft model (their draft steps run
+        together, before the target's calls; their verifies are one call of B rows and B(k+1)
+        positions) against all taking plain steps: ``E(a, k) c(B, B) / (k d(B) + c(B, B(k+1)))``.
+        ``d(B)``: the draft model's measured batched step, else its step alone scaled as the
+        target's step scales from 1 to B rows. Unknown costs: no gain predicted (plain steps
+        measure ``c(B, B)``; requests alone measure the draft)."""
+        c1 = self.batch_step_s(batch, batch)
+        if c1 is None:
+            return 0.0
+        d = self.draft_step_s(batch) if self.draft_step_s is not None else None
+        alone = self.batch_step_s(1, 1)
+        if d is None and self.draft_token_s is not None and alone:
+            d = self.draft_token_s * c1 / alone  # a draft step grows with rows as the target's does
+        if d is None:  # never measured: exploring would cost the draft's prefill of every prompt
+            return 0.0
+        return expected_tokens(a, k) * c1 / (k * d + self.batch_call_s(batch, batch * (k + 1)))
+
+    def cheap_speedup(self, a: float, k: int, batch: int) -> float:
+        """This request verifying k drafts that cost nothing to make (n-gram matches) inside the
+        batch's call, against its plain step there: its share of a plain batched step is
+        ``c(B, B) / B``; the k extra positions add ``k m`` (``m``: the marginal cost of one more
+        position in a batched call, measured). ``E(a, k) (c/B) / (c/B + k m)``."""
+        c1 = self.batch_step_s(batch, batch) if self.batch_step_s is not None else None
+        if c1 is None:
+            return 0.0
+        share = c1 / batch
+        m = (self.batch_call_s(batch, batch + k) - c1) / k
+        return expected_tokens(a, k) * share / (share + k * m)
+
+    def batch_call_s(self, batch: int, positions: int) -> float:
+        """Seconds of a batched target call of ``batch`` rows and ``positions`` positions: the
+        measurement, else a line through ``c(B, B)`` and the nearest longer measured call, else
+        the slope of a verify alone (measured, else the default)."""
+        c1 = self.batch_step_s(batch, batch)
+        t = self.batch_step_s(batch, positions)
+        if t is not None or positions <= batch:
+            return max(t if t is not None else c1, c1)
+        longer = next((n for n in range(positions, positions + 4 * batch) if self.batch_step_s(batch, n) is not None), None)
+        if longer is not None:
+            return c1 + max(0.0, self.batch_step_s(batch, longer) - c1) * (positions - batch) / (longer - batch)
+        base, s = self._base_and_slope()
+        per = (base if base is not None else c1 / batch) * s  # seconds per extra position
+        return c1 + per * (positions - batch)
 
 
 class RequestPolicy:
@@ -250,14 +305,20 @@ class RequestPolicy:
         self._probing = False
         self._plain_since_probe = 0
         self._probe_every = config.probe_every
-        self._drafted_at = 0  # generated tokens when this request last drafted (the draft has read up to there)
+        self._drafted_at = -prompt_tokens  # generated tokens when the draft model last drafted (it has read
+        # up to there); before its first draft it lacks the prompt too (what its prefix cache lacks)
+        self.cheap_drafts = False  # the drafter can propose drafts that cost nothing (n-gram matches)
+        self.cheap = False  # this round: only such drafts (set by draft_length)
+        self.cheap_ewma = AcceptanceEWMA.start(config.alpha, CHEAP_PRIOR)  # their acceptance, apart
 
-    def best_k(self, batch: int = 1) -> tuple[int, float]:
+    def best_k(self, batch: int = 1, cheap: bool = False) -> tuple[int, float]:
         """The draft length with the highest predicted speedup, and that speedup, for a request
-        alone (``batch=1``) or sharing each step with ``batch - 1`` others."""
-        c, a = self.config, self.ewma.value
+        alone (``batch=1``) or sharing each step with ``batch - 1`` others (``cheap``: with
+        drafts that cost nothing to make, verified in the batch's call)."""
+        c, a = self.config, (self.cheap_ewma if cheap else self.ewma).value
         ks = [c.k_init] if not c.adapt_k else range(c.k_min, c.k_max + 1)
-        return max(((k, self.costs.batch_speedup(a, k, batch)) for k in ks), key=lambda t: t[1])
+        rate = self.costs.cheap_speedup if cheap else self.costs.batch_speedup
+        return max(((k, rate(a, k, batch)) for k in ks), key=lambda t: t[1])
 
     def start(self, new_tokens: int) -> FallbackEvent | None:
         """Before the first round: plain decoding for the whole request if the draft's prefill of
@@ -275,6 +336,7 @@ class RequestPolicy:
         (speculation turns down smoothly as the batch grows; no fallback is recorded, since
         that is the load's doing, not the draft's). ``at``: tokens generated so far; after plain
         steps in a batch the draft must first read what it missed, which must pay too."""
+        self.cheap = False
         if self.mode == "ar" or remaining <= 1:
             return 0
         if not self.costs.measure:
@@ -284,12 +346,19 @@ class RequestPolicy:
                 return 0
             self._probing = True  # a probe drafts at least k_init tokens: one round, enough evidence
             return min(max(self.best_k()[0], self.config.k_init), remaining - 1)
-        if batch > 1:  # leave the batched step only for a clear gain (resume_speedup, hysteresis)
+        if batch > 1:  # leave plain batched steps only for a clear gain (resume_speedup, hysteresis)
             k, gain = self.best_k(batch)
-            return min(k, remaining - 1) if gain >= self.config.resume_speedup else 0
-        k = self.best_k()[0]
-        lag = at - self._drafted_at
-        if lag > CATCHUP_FREE and not self.costs.catchup_pays(lag, remaining, self.ewma.value, k):
+            if self.cheap_drafts and self.costs.batched_verify:  # or verify free drafts in the batch's call
+                kc, cheap = self.best_k(batch, cheap=True)
+                if cheap > gain:
+                    self.cheap, k, gain = True, kc, cheap
+            if gain < self.config.resume_speedup:
+                self.cheap = False
+                return 0
+        else:
+            k = self.best_k()[0]
+        lag = at - self._drafted_at if at else 0  # the first round's prefill: start() decided
+        if not self.cheap and lag > CATCHUP_FREE and not self.costs.catchup_pays(lag, remaining, self.ewma.value, k):
             return 0
         return min(k, remaining - 1)
 
@@ -298,15 +367,21 @@ class RequestPolicy:
         """Feed one finished round; returns the mode switch it caused, if any. ``timed=False``
         marks the first round, which included the prefills: its times are kept out of the
         per-step costs (the draft's is used for its prefill cost instead). ``alone=False``: other
-        requests shared the round's calls, so its times are not this request's costs."""
+        requests shared the round's calls, so its times are not this request's costs (the step
+        loop measures the batched calls instead)."""
         if alone and timed:
             self.costs.observe(drafted, t_draft, t_verify)
         elif alone:
             self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
+
+        if self.cheap:  # free drafts in a batch: their own acceptance; they never switch modes
+            self.cheap_ewma.observe(drafted, accepted)
+            return None
         if drafted == 0:
             self._plain_since_probe += 1
             return None
-        self._drafted_at = at + accepted + 1  # the draft read up to what this round committed
+        if not self.cheap:
+            self._drafted_at = at + accepted + 1  # the draft model read up to what this round committed
         self.ewma.observe(drafted, accepted)
         if self.shared is not None:
             self.shared.observe(drafted, accepted)

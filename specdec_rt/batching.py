@@ -6,23 +6,27 @@ per engine. Each iteration of the executor's loop:
 
 1. **gather**: let every request that is ready submit its next call (the event loop runs until
    no new call arrives), so the rows of concurrent requests meet in one iteration;
-2. **batch**: per model, the single-token steps of all requests (plain decoding rows, draft
-   steps) become **one** batched call over their KV slots (``run_batch_sync``); multi-position
-   calls (a verify over k+1 positions, the rest of a long prompt) run one request at a time, and
-   long ones are cut into chunks of ``chunk`` positions while other rows wait, so a new prompt
-   never stalls the batch for more than one chunk; the first prompts of requests that arrive
-   together are prefilled in one call (``run_prefill_batch_sync``: right-padded rows, no past);
+2. **batch**: per model, every call of at most ``RAGGED_MAX`` new positions (plain decoding
+   rows, draft steps, verifies over k+1 positions) becomes **one** call over the requests' KV
+   slots: ``run_rows_sync`` for a model whose graph is packed (``model.ragged``: several
+   positions per row, each row costing its real positions), else ``run_batch_sync`` for the
+   single-token steps. Longer calls (the rest of a long prompt) run one request at a time, cut
+   into chunks of ``chunk`` positions while other rows wait, so a new prompt never stalls the
+   batch for more than one chunk; the first prompts of requests that arrive together are
+   prefilled in one call (``run_prefill_batch_sync``). While a *lead* model (a draft model,
+   ``lead``) has calls, the other models' calls wait for the next iteration, so the rows of a
+   batch draft together, then verify together;
 3. **run**: one call at a time, in a worker thread (one call already uses every core), then
-   resolve the callers' futures and record the call's cost (seconds per batch size).
+   resolve the callers' futures and record the call's cost (seconds per rows and positions).
 
-Requests join and leave between iterations. Why several positions run one request at a time:
-ONNX Runtime's CPU GroupQueryAttention refuses ``batch > 1`` with several new positions and a
-past; and on a CPU a multi-position verify batch pays only at batch 1 or 2 (measured, see
-docs/architecture.md), which is what the scheduler's cost model picks anyway.
+Requests join and leave between iterations. Exports from before packing cannot take several
+positions per row with a past (ONNX Runtime's CPU GroupQueryAttention needs ``query_seqlens``
+for that), so their verifies run one request at a time.
 
-A model takes part by offering two synchronous methods (run in the worker thread):
+A model takes part by offering synchronous methods (run in the worker thread):
 ``session.run_sync(ids [S], rows, past, **extra)`` and, for batching,
-``model.run_batch_sync(sessions, ids [B], pasts [B]) -> logits [B, V]``. Both set each
+``model.run_batch_sync(sessions, ids [B], pasts [B]) -> logits [B, V]`` and (with
+``model.ragged``) ``model.run_rows_sync(sessions, feeds [B][S_i], wants [B]) -> [B][wants_i, V]``. Both set each
 session's ``length`` as soon as its KV entries are written (also per chunk), so a batched call
 can tell which positions of every slot are free to scribble on.
 
@@ -55,6 +59,7 @@ GATHER_PASSES = 32  # most event-loop passes spent gathering calls before a batc
 GATHER_STABLE = 4  # ... and it is cut after this many passes in a row brought no new call
 COST_SAMPLES = 16  # batched step times kept per batch size
 ALONE_CHUNKS = 2  # with nobody waiting, a long call is fed ALONE_CHUNKS * chunk positions at a time
+RAGGED_MAX = 16  # most new positions of a call batched with other rows (more: run alone, in chunks)
 
 
 @dataclass(eq=False)
@@ -83,6 +88,13 @@ class _Call:
                 and getattr(self.session, "settled", True) and hasattr(self.model, "run_batch_sync"))
 
     @property
+    def raggable(self) -> bool:
+        """A few new positions (a verify, a draft catching up) that a ragged model (one that
+        takes new positions per row) runs in one call with other rows."""
+        return (1 < self.ids.size <= RAGGED_MAX and self.done == 0 and not self.extra and not self.fresh
+                and getattr(self.session, "settled", True) and getattr(self.model, "ragged", False))
+
+    @property
     def source(self):
         """The running session whose prompt this one copies at its first call, while that
         session has not computed it yet."""
@@ -106,11 +118,13 @@ class BatchExecutor:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closed = False
-        self._step_s: dict[tuple[int, int], collections.deque] = {}  # (id(model), rows) -> recent seconds
-        self._seen: set[tuple[int, int]] = set()
+        self._step_s: dict[tuple[int, int, int], collections.deque] = {}  # (id(model), rows, positions) -> recent seconds
+        self._seen: set[tuple[int, int, int]] = set()
         self._chores: dict[int, Callable[[], Any]] = {}  # idle-time work (see chore)
         self._chore: Any = None  # the piece of idle-time work under way
         self.calls = 0
+        #: ids of the models whose calls go first (draft models): others wait while they have calls
+        self.lead: set[int] = set()
 
     # ------------------------------------------------------------------ the callers' side
     async def extend(self, session, ids: np.ndarray, rows: int, **extra):
@@ -161,10 +175,11 @@ class BatchExecutor:
             self._chore = None
         return True
 
-    def step_seconds(self, model, rows: int) -> float | None:
-        """Measured seconds of one batched single-token step of ``rows`` rows (None: not yet):
-        the least of the recent samples, since timing noise on a shared machine only adds."""
-        recent = self._step_s.get((id(model), rows))
+    def step_seconds(self, model, rows: int, positions: int | None = None) -> float | None:
+        """Measured seconds of one batched call of ``rows`` rows and ``positions`` new positions
+        in all (default ``rows``: a single-token step), None if not measured yet: the least of the
+        recent samples, since timing noise on a shared machine only adds."""
+        recent = self._step_s.get((id(model), rows, positions or rows))
         return min(recent) if recent else None
 
     async def aclose(self) -> None:
@@ -199,6 +214,13 @@ class BatchExecutor:
                     break
             calls = [c for c in self._pending if not c.future.done()]
             self._pending.clear()
+            # draft steps first: while a lead (draft) model has steps to take, the others' calls
+            # wait, so the rows of a batch draft together and then verify together in one call
+            # (a draft's long prefill alone holds nobody up)
+            steps = [c for c in calls if id(c.model) in self.lead and (c.batchable or c.raggable)]
+            if steps and not all(id(c.model) in self.lead for c in calls):
+                self._pending.extend(c for c in calls if id(c.model) not in self.lead)
+                calls = [c for c in calls if id(c.model) in self.lead]
             # a call that copies a prefix from a request still computing it waits for that call
             busy = {id(c.session) for c in calls}
             later = [c for c in calls if c.source is not None and id(c.source) in busy]
@@ -206,9 +228,9 @@ class BatchExecutor:
             # 2. batch: single-token steps per model, then multi-position calls one at a time
             groups: dict[int, list[_Call]] = {}
             for c in calls:
-                if c.batchable:
+                if c.batchable or c.raggable:
                     groups.setdefault(id(c.model), []).append(c)
-            singles = [c for c in calls if not c.batchable]
+            singles = [c for c in calls if not (c.batchable or c.raggable)]
             prompts: dict[int, list[_Call]] = {}
             for c in singles:
                 if c.fresh:
@@ -245,8 +267,8 @@ class BatchExecutor:
         seconds = perf_counter() - t0
         self.calls += 1
         model = calls[0].model
-        if len(calls) > 1 or calls[0].batchable:
-            key = (id(model), len(calls))
+        if len(calls) > 1 or calls[0].batchable or calls[0].raggable:
+            key = (id(model), len(calls), sum(c.ids.size for c in calls))
             if key not in self._seen:  # the first call of a shape allocates: not its cost
                 self._seen.add(key)
             else:
@@ -263,7 +285,9 @@ class BatchExecutor:
             sessions = [c.session for c in group]
             if len(group) == 1:
                 c = group[0]
-                return [c.session.run_sync(c.ids, 1, c.session.length)]
+                return [c.session.run_sync(c.ids, c.rows, c.session.length)]
+            if any(c.ids.size > 1 for c in group):  # a ragged model: rows of several positions
+                return group[0].model.run_rows_sync(sessions, [c.ids for c in group], [c.rows for c in group])
             pasts = np.array([s.length for s in sessions], dtype=np.int64)  # [B]
             ids = np.array([int(c.ids[0]) for c in group], dtype=np.int64)  # [B]
             logits = group[0].model.run_batch_sync(sessions, ids, pasts)  # [B, V]

@@ -27,6 +27,8 @@ class NgramDrafter(DraftInferrer):
     ``window``: only the last ``window`` tokens are searched (bounded cost on long contexts).
     """
 
+    cheap_drafts = True  # every proposal costs nothing: verified inside a batch's call
+
     def __init__(self, n_max: int = 3, n_min: int = 1, k_max: int = 8, window: int = 4096) -> None:
         if not 1 <= n_min <= n_max:
             raise InvalidInputError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
@@ -74,6 +76,7 @@ class CombinedDrafter(DraftInferrer):
         self.max_length = getattr(model, "max_length", None)
         self.used = {"ngram": 0, "model": 0}  # rounds served by each (all requests)
         self.needs_target_hidden = bool(getattr(model, "needs_target_hidden", False))
+        self.cheap_drafts = True  # honours ctx.cheap_drafts: n-gram proposals only
 
     def cached_prefix(self, tokens) -> int:
         """What the model drafter's prefix cache holds of ``tokens`` (its prefill is the rest)."""
@@ -83,6 +86,12 @@ class CombinedDrafter(DraftInferrer):
     async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
         st = ctx.state(self, _CombinedState)
         st.score(ctx.tokens, self.alpha)
+        if ctx.cheap_drafts:  # sharing a batch: long n-gram matches only (maybe none), verified in its call
+            drafts = [DraftToken(int(t)) for t in self.ngram.propose(ctx.tokens, k, n_min=max(self.ngram.n_min,
+                                                                                             self.min_match))]
+            st.last = ("ngram", ctx.tokens.size, [d.id for d in drafts])
+            self.used["ngram"] += 1
+            return drafts
         proposal = self.ngram.propose(ctx.tokens, k, n_min=max(self.ngram.n_min, self.min_match))
         if proposal.size >= min(self.min_tokens, k) and st.acceptance["ngram"] >= st.acceptance["model"]:
             source, drafts = "ngram", [DraftToken(int(t)) for t in proposal]

@@ -90,14 +90,20 @@ class Engine:
         self.draft_name = draft_name
         self.slots = slots
         self.executor = BatchExecutor()
-        for model in engine_models(target, drafter):
+        models = engine_models(target, drafter)
+        for model in models:
             model.executor = self.executor  # every model call of this engine goes through one loop
+        drafts = [m for m in models if m is not target]
+        self.executor.lead = {id(m) for m in drafts}  # draft steps first: a batch drafts, then verifies, together
         #: callables ``f(rows)`` told about every target-model call (rows: requests in the batch)
         self.batch_listeners: list[Callable[[int], None]] = []
         self.executor.listeners.append(self._tell_batch)
         verifier = OrtTargetVerifier(target, share_hidden=bool(getattr(drafter, "needs_target_hidden", False)))
         self.scheduler = SpecDecScheduler(drafter, verifier, config, eos_ids=self.manifest.eos_ids,
-                                          batch_costs=lambda rows: self.executor.step_seconds(target, rows),
+                                          batch_costs=lambda rows, positions=None: self.executor.step_seconds(
+                                              target, rows, positions), batched_verify=target.ragged,
+                                          draft_costs=(lambda rows: self.executor.step_seconds(drafts[0], rows))
+                                          if drafts else None,
                                           load=lambda: min(len(self._tasks), self.slots))
         self._slots = anyio.Semaphore(slots)
         self._tasks: set[asyncio.Task] = set()

@@ -45,14 +45,16 @@ class SpecDecScheduler:
 
     def __init__(self, drafter: DraftInferrer | None, verifier: TargetVerifier,
                  config: SpecConfig | None = None, *, eos_ids: Iterable[int] = (),
-                 batch_costs: Callable[[int], float | None] | None = None,
+                 batch_costs: Callable[[int, int], float | None] | None = None,
+                 batched_verify: bool = False, draft_costs: Callable[[int], float | None] | None = None,
                  load: Callable[[], int] | None = None) -> None:
         self.drafter = drafter
         self.verifier = verifier
         self.config = config or SpecConfig()
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.shared_ewma = AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance)
-        self.costs = CostModel(self.config, measure=self.config.measure_costs, batch_step_s=batch_costs)
+        self.costs = CostModel(self.config, measure=self.config.measure_costs, batch_step_s=batch_costs,
+                               batched_verify=batched_verify, draft_step_s=draft_costs)
         self.totals = Stats(mode="total")
         self.running = 0  # requests in their loop now: the batch their model calls share
         self.load = load  # requests about to share it too (e.g. the Engine's admitted ones)
@@ -86,6 +88,7 @@ class SpecDecScheduler:
         cached = getattr(self.drafter, "cached_prefix", None) if mode == "spec" and not seeded else None
         policy = RequestPolicy(self.config, mode, ewma, costs, shared=self.shared_ewma,  # the draft's prefill:
                                prompt_tokens=ctx.prompt_len - (cached(ctx.tokens) if cached else 0))  # what it lacks
+        policy.cheap_drafts = bool(getattr(self.drafter, "cheap_drafts", False))
         return RequestStream(self._loop(ctx, policy), ctx)
 
     async def run(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int,
@@ -110,6 +113,7 @@ class SpecDecScheduler:
                 #    this request's acceptance and the batch its calls share with the others
                 batch = max(self.running, self.load() if self.load else 0)
                 k = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
+                ctx.cheap_drafts = policy.cheap  # in a batch: only drafts that cost nothing
                 # 2. draft: up to k proposals continuing the committed tokens
                 t0 = perf_counter()
                 drafts = list(await self.drafter.generate_draft(ctx, k))[:k] if k else []

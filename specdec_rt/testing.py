@@ -48,6 +48,8 @@ class ToyLM(LanguageModel):
     Counts ``calls`` (forward passes) and ``positions`` (tokens fed) so tests and the toy demo can
     measure speculation in model calls.
 
+    ``ragged``: the executor may batch calls of several positions (verifies) across requests.
+
     ``prefix_cache_tokens > 0``: a :class:`~specdec_rt.prefix_cache.PrefixCache` over a pool of
     ``slots`` running and ``cache_entries`` entry slots holding ids (the toy's "KV"), as the ONNX
     backend has. Every call then checks that its slot holds exactly the ids its session was
@@ -56,13 +58,16 @@ class ToyLM(LanguageModel):
 
     def __init__(self, vocab_size: int = 8, order: int = 2, seed: int = 0, sharpness: float = 2.0,
                  max_length: int = 4096, table: np.ndarray | None = None, *, slots: int = 16,
-                 prefix_cache_tokens: int = 0, cache_entries: int | None = None, block: int = 4) -> None:
+                 prefix_cache_tokens: int = 0, cache_entries: int | None = None, block: int = 4,
+                 ragged: bool = True) -> None:
         self.vocab_size, self.order, self.max_length = vocab_size, order, max_length
         rng = np.random.default_rng(seed)
         self.table = table if table is not None else rng.normal(size=(vocab_size**order, vocab_size)) * sharpness
         self.calls = 0
         self.positions = 0
         self.batches: list[int] = []  # rows of every batched call (with an executor)
+        self.ragged = ragged  # batched calls of several positions per row (a batched verify)
+        self.ragged_calls = 0
         self.executor = None  # a BatchExecutor: calls go through its step loop, batched
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_tokens:
@@ -93,6 +98,13 @@ class ToyLM(LanguageModel):
         """One single-token step of several sessions in one call: logits ``[B, V]``."""
         self.batches.append(len(sessions))
         return np.concatenate([s.run_sync(ids[i : i + 1], 1, int(pasts[i])) for i, s in enumerate(sessions)])
+
+    def run_rows_sync(self, sessions: list["ToySession"], feeds: list[np.ndarray], wants: list[int]) -> list[np.ndarray]:
+        """Several positions of several sessions in one call (``ragged=True``): session i feeds
+        ``feeds[i]`` after its cached tokens; the logits of its last ``wants[i]`` ``[wants[i], V]``."""
+        self.batches.append(len(sessions))
+        self.ragged_calls += 1
+        return [s.run_sync(f, w, s.length) for s, f, w in zip(sessions, feeds, wants)]
 
     def logits_at(self, ids: np.ndarray) -> np.ndarray:
         """Next-token logits after each prefix ``ids[:i+1]``: ``[len(ids), V]``."""

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..graph import MS, _Graph, decoder_io, save_graph
+from ..graph import MS, _Graph, decoder_io, gqa_inputs, save_graph
 from ..weights import ExternalDataWriter
 
 __all__ = ["HEAD_KEYS", "build_head_onnx", "target_tensors"]
@@ -72,8 +72,7 @@ def build_head_onnx(head: dict[str, np.ndarray], cfg: dict, vocab: np.ndarray, e
         h, _ = g.rms_norm(z, None, f["ln1"], "/layer/input_layernorm")
         qkv = g.linear(h, np.concatenate([f["q"].T, f["k"].T, f["v"].T], axis=1), "/layer/attn/qkv")
         a = g.node("GroupQueryAttention",
-                   [qkv, "", "", "past_key_values.0.key", "past_key_values.0.value", "seqlens_k",
-                    "total_sequence_length", "cos_cache", "sin_cache"],
+                   gqa_inputs(qkv, 0, packed=False),
                    ["/layer/attn/output", "present.0.key", "present.0.value"],
                    "/layer/attn/GroupQueryAttention", domain=MS, num_heads=nh, kv_num_heads=kv,
                    scale=1.0 / math.sqrt(d), do_rotary=1, rotary_interleaved=0,
@@ -93,6 +92,6 @@ def build_head_onnx(head: dict[str, np.ndarray], cfg: dict, vocab: np.ndarray, e
 
     features = helper.make_tensor_value_info("features", TensorProto.FLOAT,
                                              ["batch_size", "sequence_length", H])
-    inputs, outputs = decoder_io(1, kv, d, int(vocab.size), H, (features,))
+    inputs, outputs = decoder_io(1, kv, d, int(vocab.size), H, (features,), packed=False)
     return save_graph(g, "eagle_head", inputs, outputs, out_dir / "model.onnx",
                       "specdec-rt export train-draft")

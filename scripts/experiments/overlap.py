@@ -5,7 +5,7 @@ import onnxruntime as ort
 mode = sys.argv[1]
 if mode == "sequential":
     ort.set_global_thread_pool_sizes(2, 1)
-from specdec_rt.ort import model as mm
+from specdec_rt.ort import setup as mm
 if mode == "sequential":
     mm._GLOBAL_POOL["threads"] = 2
 import anyio

@@ -120,7 +120,7 @@ class HFBaselines:
             from optimum.onnxruntime import ORTModelForCausalLM
 
             folder = self._cache_dir / f"optimum-{self.manifest.name}"
-            from ..ort.model import _configure_threads
+            from ..ort.setup import _configure_threads
 
             so = ort.SessionOptions()
             _configure_threads(so, self.threads)  # the same thread-pool rules as our models

@@ -28,6 +28,7 @@ __all__ = ["Manifest", "load_manifest", "resolve_model_dir", "cache_root", "SCHE
 
 SCHEMA_VERSION = 1
 CACHE_ENV = "SPECDEC_RT_CACHE"
+PACKED_ROLES = ("query_seqlens", "pad_index", "pack_index", "padded_shape")  # inputs of packed graphs
 STAMP = ".specdec-verified.json"  # sha256 of the listed files, verified at (size, mtime)
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_TEMPLATE_CHARS = 256 << 10  # chat template source

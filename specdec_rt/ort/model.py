@@ -13,7 +13,6 @@ they are (host memory on CPU, device memory with CUDA).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 
@@ -22,74 +21,13 @@ from ..errors import ContextLengthError, InferenceError, ModelLoadError
 from ..prefix_cache import DEFAULT_BLOCK, CachedStart, Hit
 from ..protocols import CacheSession, LanguageModel
 from .kvpool import KVPool
-from .manifest import Manifest, load_manifest
+from .manifest import PACKED_ROLES, Manifest, load_manifest
+from .setup import _configure_threads, check_graph, default_threads, pick_providers, use_global_thread_pool
 
 __all__ = ["OrtModel", "OrtSession", "KVPool", "default_threads", "pick_providers", "use_global_thread_pool"]
 
 DEFAULT_MAX_LENGTH = 4096
 MIN_CACHE_ENTRIES = 16  # prefix-cache entry slots (address space only until used; the byte budget bounds memory)
-
-
-def default_threads() -> int:
-    """Intra-op threads: the CPUs this process may use (2 on a 2-core machine)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def pick_providers(provider: str, ort) -> list[str]:
-    """``"auto"``: CUDA when onnxruntime-gpu sees a GPU, else CPU; or ``"cpu"`` / ``"cuda"``."""
-    available = ort.get_available_providers()
-    if provider == "cpu":
-        return ["CPUExecutionProvider"]
-    if provider == "cuda":
-        if "CUDAExecutionProvider" not in available:
-            raise ModelLoadError(f"provider 'cuda' asked for, but ONNX Runtime offers only {available} "
-                                 "(install the gpu extra: onnxruntime-gpu)")
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    if provider != "auto":
-        raise ModelLoadError(f"unknown provider {provider!r}; use 'auto', 'cpu' or 'cuda'")
-    return (["CUDAExecutionProvider", "CPUExecutionProvider"] if "CUDAExecutionProvider" in available
-            else ["CPUExecutionProvider"])
-
-
-_GLOBAL_POOL: dict[str, int] = {"threads": 0}
-
-
-def use_global_thread_pool(threads: int | None = None) -> bool:
-    """Run every ONNX Runtime session of this process on one shared thread pool.
-
-    Call it once, before any ONNX Runtime session exists (the CLI does). It is faster when draft
-    and target alternate: with a pool per session, one pool's idle threads spin while the other
-    pool works. Measured on 2 cores (SmolLM2 + int8 draft, 4 draft steps + 1 verify): shared pool
-    67 ms, separate non-spinning pools (the default) 77 ms, separate spinning pools 150 ms.
-    Not the default because ONNX Runtime then requires every session in the process, including
-    other libraries', to set ``use_per_session_threads = False``. Returns False if ONNX Runtime
-    was already initialised (then nothing changes).
-    """
-    import onnxruntime as ort
-
-    if _GLOBAL_POOL["threads"]:
-        return True
-    threads = threads or default_threads()
-    try:
-        ort.set_global_thread_pool_sizes(threads, 1)
-    except Exception:  # noqa: BLE001 - the ONNX Runtime environment exists already
-        return False
-    _GLOBAL_POOL["threads"] = threads
-    return True
-
-
-def _configure_threads(so, threads: int) -> int:
-    """The shared pool if :func:`use_global_thread_pool` set one up; else a pool per session
-    whose threads do not spin (two spinning pools fight for the cores: see above)."""
-    if _GLOBAL_POOL["threads"]:
-        so.use_per_session_threads = False
-        return _GLOBAL_POOL["threads"]
-    so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return threads
 
 
 class OrtModel(LanguageModel):
@@ -129,9 +67,12 @@ class OrtModel(LanguageModel):
         except Exception as exc:  # noqa: BLE001 - ORT raises its own hierarchy
             raise ModelLoadError(f"{m.onnx_file}: ONNX Runtime cannot load it: {exc}") from exc
         self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
-        _check_graph(m, self.session)
+        check_graph(m, self.session)
         self.has_hidden = bool(m.outputs.get("hidden")) and m.outputs["hidden"] in {
             o.name for o in self.session.get_outputs()}
+        # a packed graph (export 0.2+): several rows of several new positions with a past in one
+        # call (a batched verify), costing their real positions; older exports: one row at a time
+        self.ragged = all(m.inputs.get(r) for r in PACKED_ROLES)
         entries = max(slots, MIN_CACHE_ENTRIES) if cache_entries is None else cache_entries
         self.pool = KVPool(m.num_layers, m.num_kv_heads, m.head_dim, slots, self.max_length, self.device, ort,
                            entries=entries if prefix_cache_bytes else 0, budget_bytes=prefix_cache_bytes,
@@ -185,15 +126,16 @@ class OrtModel(LanguageModel):
         return lo, max(slots) - lo + 1, np.array(slots, dtype=np.int64) - lo
 
     def _run_rows(self, lo: int, feed: np.ndarray, positions: np.ndarray, seqlens: np.ndarray,
-                  logits_index: np.ndarray, what: str) -> np.ndarray:
+                  logits_index: np.ndarray, what: str, layout: tuple | None = None) -> np.ndarray:
         """One call over the contiguous slots ``lo .. lo + rows - 1`` (in a worker thread):
-        ``feed`` / ``positions`` ``[rows, S]``, ``seqlens`` ``[rows]`` (total length - 1 per row),
-        logits of positions ``logits_index`` ``[R]``. Returns logits ``[rows, R, V]``."""
+        ``feed`` / ``positions`` ``[rows, S]`` (packed graphs: ``[1, N]``, with ``layout``, see
+        :func:`_packed_layout`), ``seqlens`` ``[rows]`` (total length - 1 per row), logits of
+        positions ``logits_index`` ``[R]``. Returns logits ``[rows, R, V]`` (packed: ``[1, R, V]``)."""
         session, pool = self.session, self.pool  # held for the call: close() cannot free them under it
         if session is None:
             raise InferenceError(f"model {self.name} is closed")
         pool.cache.apply()  # queued prefix-cache copies first: they may read what this call writes
-        rows = feed.shape[0]
+        rows = seqlens.shape[0]
         io = self._batch_io.get((lo, rows))
         if io is None:  # KV bound once per slot range
             io = self._batch_io[(lo, rows)] = session.io_binding()
@@ -205,6 +147,9 @@ class OrtModel(LanguageModel):
         io.bind_cpu_input(names["seqlens_k"], seqlens.astype(np.int32))
         io.bind_cpu_input(names["total_sequence_length"], np.array(int(seqlens.max()) + 1, dtype=np.int32))
         io.bind_cpu_input(names["logits_index"], logits_index)
+        if layout is not None:
+            for role, value in zip(PACKED_ROLES, layout):
+                io.bind_cpu_input(names[role], value)
         io.bind_output(self.manifest.outputs["logits"], "cpu")
         try:
             session.run_with_iobinding(io)
@@ -225,6 +170,8 @@ class OrtModel(LanguageModel):
         position its owner has not committed, past what a free slot keeps for the prefix cache,
         or the scratch position), whose output is dropped.
         """
+        if self.ragged:  # rows in between feed nothing
+            return np.concatenate(self.run_rows_sync(sessions, [np.asarray([x]) for x in ids], [1] * len(sessions)))
         lo, rows, at = self._span(sessions)
         past = np.zeros(rows, dtype=np.int64)  # [rows] cached tokens per slot
         for slot in range(lo, lo + rows):  # a free slot may keep a finished request's KV: after it
@@ -240,6 +187,37 @@ class OrtModel(LanguageModel):
             s._length = int(p) + 1
         return logits[at, 0]  # [B, V]
 
+    def run_rows_sync(self, sessions: list["OrtSession"], feeds: list[np.ndarray], wants: list[int]) -> list[np.ndarray]:
+        """Several new positions for each of several sessions in one call (packed graphs only;
+        in a worker thread): session i feeds ``feeds[i]`` ``[S_i]`` after its ``length`` cached
+        tokens and gets the logits of its last ``wants[i]`` positions ``[wants[i], V]``.
+
+        The positions go packed (the MatMuls see only real positions); attention sees right-
+        padded rows, and the slots in between that take no part feed nothing (0 new positions)
+        and keep their cache as it is.
+        """
+        lo, rows, at = self._span(sessions)
+        news = np.zeros(rows, dtype=np.int64)  # [rows] new positions per slot
+        news[at] = [f.size for f in feeds]
+        past = np.zeros(rows, dtype=np.int64)  # [rows] cached tokens per slot (0 for rows in between)
+        past[at] = [s.length for s in sessions]
+        starts = np.cumsum(news) - news  # [rows] first packed position of each row
+        index = np.concatenate([starts[r] + np.arange(f.size - w, f.size)
+                                for r, f, w in zip(at, feeds, wants)])  # [R] packed positions wanted
+        order = np.argsort(at, kind="stable")  # feeds in slot order, as the packing lays them out
+        feed = np.concatenate([np.asarray(feeds[i], dtype=np.int64) for i in order])[None]  # [1, N]
+        seqlens = np.maximum(past + news - 1, 0)  # [rows] a row feeding nothing: untouched
+        logits = self._run_rows(lo, feed, feed, seqlens, index, f"{len(sessions)} rows, {feed.shape[1]} positions",
+                                _packed_layout(news))[0]  # [R, V]
+        out, at_row = [], 0
+        for s, f, w in zip(sessions, feeds, wants):
+            n = s.length
+            s._ids[n : n + f.size] = f
+            s._length = n + f.size
+            out.append(logits[at_row : at_row + w])  # [w, V]
+            at_row += w
+        return out
+
     def can_prefill_together(self, sessions: list["OrtSession"]) -> bool:
         """A batched first-prompt call writes positions 0.. of every slot it covers: only when
         no other open session holds a slot in between, and no free one keeps a finished
@@ -253,6 +231,8 @@ class OrtModel(LanguageModel):
         """The first prompts of several sessions in one call (GroupQueryAttention takes several
         rows of several positions when nothing is cached): rows right-padded to the longest,
         each row's length in ``seqlens_k``. Returns each prompt's last logits ``[B, V]``."""
+        if self.ragged:
+            return np.concatenate(self.run_rows_sync(sessions, prompts, [1] * len(sessions)))
         lo, rows, at = self._span(sessions)
         lengths = np.ones(rows, dtype=np.int64)  # a free slot in between: one dummy position
         lengths[at] = [p.size for p in prompts]
@@ -267,6 +247,21 @@ class OrtModel(LanguageModel):
             s._ids[: p.size] = p
             s._length = p.size
         return logits[at, [last.index(p.size - 1) for p in prompts]]  # [B, V]
+
+
+def _packed_layout(news: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The inputs that lay packed positions out as rows for attention, for ``news`` ``[B]`` new
+    positions per row: ``(query_seqlens [B], pad_index [B*S], pack_index [N], padded_shape [3])``
+    with S the longest row; padding points at position 0 (attention ignores it)."""
+    rows, width = news.size, max(1, int(news.max()))
+    starts = np.cumsum(news) - news  # [B]
+    pad = np.zeros((rows, width), dtype=np.int64)  # [B, S]
+    pack = np.empty(int(news.sum()), dtype=np.int64)  # [N]
+    for r in np.flatnonzero(news):
+        q = int(news[r])
+        pad[r, :q] = starts[r] + np.arange(q)
+        pack[starts[r] : starts[r] + q] = r * width + np.arange(q)
+    return news.astype(np.int32), pad.reshape(-1), pack, np.array([rows, width, -1], dtype=np.int64)
 
 
 class OrtSession(CachedStart, CacheSession):
@@ -342,6 +337,9 @@ class OrtSession(CachedStart, CacheSession):
         io.bind_cpu_input(names["seqlens_k"], np.array([n + s - 1], dtype=np.int32))  # [1]
         io.bind_cpu_input(names["total_sequence_length"], np.array(n + s, dtype=np.int32))  # scalar
         io.bind_cpu_input(names["logits_index"], self._pos[s - rows : s])  # [R]
+        if self.model.ragged:  # one row: the packed layout is the identity
+            for role, value in zip(PACKED_ROLES, _packed_layout(np.array([s]))):
+                io.bind_cpu_input(names[role], value)
         if features is not None:
             if not names.get("features"):
                 raise InferenceError(f"model {self.model.name} takes no features input")
@@ -387,31 +385,3 @@ class OrtSession(CachedStart, CacheSession):
                     del self.model._owners[self.slot]
                 self.model.pool.release(self.slot, self._ids[: self.kept_length()])
                 self.model.executor.chore(self.model.pool.cache.next_stash)  # copied out while idle
-
-
-def _check_graph(m: Manifest, session) -> None:
-    """The ONNX graph has every input/output the manifest names, with compatible shapes."""
-    ins = {i.name: i for i in session.get_inputs()}
-    outs = {o.name: o for o in session.get_outputs()}
-    path = Path(m.folder) / "manifest.json"
-    wanted = [(m.inputs[r], ins, "input") for r in ("input_ids", "seqlens_k", "total_sequence_length",
-                                                    "logits_index") if m.inputs.get(r)]
-    wanted += [(m.outputs["logits"], outs, "output")]
-    for layer in range(m.num_layers):
-        wanted += [(m.kv_name("past_key", layer), ins, "input"), (m.kv_name("past_value", layer), ins, "input"),
-                   (m.kv_name("present_key", layer), outs, "output"),
-                   (m.kv_name("present_value", layer), outs, "output")]
-    for name, table, kind in wanted:
-        if name not in table:
-            raise ModelLoadError(f"{path}: names {kind} {name!r}, which {m.onnx_file.name} does not have")
-    extra = [n for n in ins if n.startswith("past_key_values.") and
-             not (n.split(".")[1].isdigit() and int(n.split(".")[1]) < m.num_layers)]
-    if extra:
-        raise ModelLoadError(f"{path}: num_layers={m.num_layers} but the graph has {extra[0]!r}")
-    kv = ins[m.kv_name("past_key", 0)].shape  # [B, kv_heads, max_len, head_dim]
-    if len(kv) != 4 or kv[1] != m.num_kv_heads or kv[3] != m.head_dim:
-        raise ModelLoadError(f"{path}: KV shape [B, {m.num_kv_heads}, max_len, {m.head_dim}] expected, "
-                             f"the graph has {kv}")
-    vocab = outs[m.outputs["logits"]].shape[-1]
-    if isinstance(vocab, int) and vocab != m.vocab_size:
-        raise ModelLoadError(f"{path}: vocab_size={m.vocab_size} but the graph's logits have {vocab}")

@@ -1,0 +1,99 @@
+"""Speculation inside a batch (packed target calls): which rounds draft, and with what.
+
+Costs are given (a fake step loop), so each test pins one decision of the cost model: a draft
+model whose batched steps cost most of a target step is not used in a batch; drafts that cost
+nothing are verified in the batch's call when their acceptance pays for the extra positions; a
+cheap draft model drafts for the whole batch; nothing unmeasured is assumed to pay.
+"""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+from specdec_rt.acceptance import AcceptanceEWMA, CostModel, RequestPolicy, SpecConfig
+from specdec_rt.context import RequestContext
+from specdec_rt.drafters import CombinedDrafter, NgramDrafter
+
+STEP_8 = 0.044  # seconds of a batched plain step of 8 rows (SmolLM2, measured)
+PER_POSITION = 0.0017  # seconds per extra position in a batched call (measured)
+
+
+def _costs(draft_step: float | None, measured: bool = True) -> CostModel:
+    def step(rows: int, positions: int | None = None) -> float | None:
+        if not measured:
+            return None
+        positions = positions or rows
+        return STEP_8 * rows / 8 + PER_POSITION * (positions - rows)
+
+    return CostModel(SpecConfig(), batch_step_s=step, batched_verify=True,
+                     draft_step_s=(lambda rows: draft_step) if draft_step is not None else None)
+
+
+def _policy(costs: CostModel, acceptance: float, cheap_drafts: bool, cheap: float | None = None) -> RequestPolicy:
+    p = RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, acceptance, prior_weight=100.0), costs)
+    p.cheap_drafts = cheap_drafts
+    if cheap is not None:  # the free drafts' own acceptance (observed so far)
+        p.cheap_ewma = AcceptanceEWMA.start(0.1, cheap, prior_weight=100.0)
+    return p
+
+
+def test_an_expensive_draft_model_does_not_draft_in_a_batch():
+    p = _policy(_costs(draft_step=0.035), acceptance=0.7, cheap_drafts=False)
+    assert p.draft_length(48, batch=8) == 0
+    assert p.draft_length(48, batch=1) > 0  # alone it still speculates
+
+
+def test_free_drafts_with_good_acceptance_are_verified_in_the_batch_call():
+    p = _policy(_costs(draft_step=0.035), acceptance=0.7, cheap_drafts=True, cheap=0.9)
+    k = p.draft_length(48, batch=8)
+    assert k > 0 and p.cheap
+    # ... but not when they are rarely right (the extra positions would cost more than they give)
+    p = _policy(_costs(draft_step=0.035), acceptance=0.7, cheap_drafts=True, cheap=0.2)
+    assert p.draft_length(48, batch=8) == 0 and not p.cheap
+    # their acceptance is their own: rounds of free drafts move it, not the request's
+    p = _policy(_costs(draft_step=0.035), acceptance=0.7, cheap_drafts=True, cheap=0.9)
+    assert p.draft_length(48, batch=8) > 0 and p.cheap
+    for _ in range(30):
+        p.observe(0, 3, 0, 0.0, 0.04, alone=False)
+    assert p.cheap_ewma.value < 0.3 and p.ewma.value == pytest.approx(0.7)
+    assert p.draft_length(48, batch=8) == 0
+
+
+def test_a_cheap_draft_model_drafts_for_the_whole_batch():
+    p = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=True)
+    assert p.draft_length(48, batch=8) > 0
+    assert not p.cheap  # the model's drafts beat n-gram matches here
+
+
+def test_unmeasured_batch_costs_predict_no_gain():
+    p = _policy(_costs(draft_step=0.002, measured=False), acceptance=0.9, cheap_drafts=True)
+    assert p.draft_length(48, batch=8) == 0
+
+
+def test_marginal_cost_comes_from_the_measured_calls():
+    costs = _costs(draft_step=None)
+    assert costs.batch_call_s(8, 12) == pytest.approx(STEP_8 + 4 * PER_POSITION)
+    assert costs.cheap_speedup(1.0, 2, 8) == pytest.approx(3 * (STEP_8 / 8) / (STEP_8 / 8 + 2 * PER_POSITION))
+
+
+def test_cheap_rounds_of_a_combined_drafter_never_call_its_model():
+    class Refuses:
+        max_length = None
+
+        async def generate_draft(self, ctx, k):
+            raise AssertionError("the draft model was called in a cheap round")
+
+        def release(self, ctx):
+            pass
+
+    drafter = CombinedDrafter(NgramDrafter(), Refuses())
+    repeated = np.array([5, 6, 7, 8, 9, 5, 6, 7], dtype=np.int64)  # "5 6 7" seen before: "8 9" follows
+    ctx = RequestContext(repeated, 8)
+    ctx.cheap_drafts = True
+    drafts = anyio.run(drafter.generate_draft, ctx, 3)
+    assert [d.id for d in drafts] == [8, 9, 5]
+    ctx = RequestContext(np.array([1, 2, 3, 4], dtype=np.int64), 8)  # no match: no drafts, no model call
+    ctx.cheap_drafts = True
+    assert anyio.run(drafter.generate_draft, ctx, 3) == []
