@@ -216,6 +216,15 @@ class CostModel:
         speedup = self.speedup(a, k)
         return speedup > 1.0 and new_tokens * base * (1.0 - 1.0 / speedup) > lag * self.draft_prefill_s
 
+    def catchup_pays_batch(self, lag: int, new_tokens: int, gain: float, batch: int) -> bool:
+        """In a batch: model drafts at ``gain`` over plain batched steps save ``new_tokens`` x
+        ``c(B, B)`` x ``(1 - 1/gain)``; first every row's draft reads what it missed (``lag``
+        tokens each, one row after another while the batch waits). Unmeasured: the blind rule."""
+        c1 = self.batch_step_s(batch, batch) if self.batch_step_s is not None else None
+        if c1 is None or self.draft_prefill_s is None or gain <= 1.0:
+            return gain > 1.0 and lag <= CATCHUP_BLIND * new_tokens
+        return new_tokens * c1 * (1.0 - 1.0 / gain) > batch * lag * self.draft_prefill_s
+
     def speedup(self, a: float, k: int) -> float:
         """Predicted tokens/s of k-draft rounds relative to plain decoding."""
         d, s = self.relative()
@@ -346,8 +355,11 @@ class RequestPolicy:
                 return 0
             self._probing = True  # a probe drafts at least k_init tokens: one round, enough evidence
             return min(max(self.best_k()[0], self.config.k_init), remaining - 1)
+        lag = at - self._drafted_at if at else 0  # the first round's prefill: start() decided
         if batch > 1:  # leave plain batched steps only for a clear gain (resume_speedup, hysteresis)
             k, gain = self.best_k(batch)
+            if lag > CATCHUP_FREE and not self.costs.catchup_pays_batch(lag, remaining, gain, batch):
+                gain = 0.0  # the draft model would first have to read what it missed, in every row
             if self.cheap_drafts and self.costs.batched_verify:  # or verify free drafts in the batch's call
                 kc, cheap = self.best_k(batch, cheap=True)
                 if cheap > gain:
@@ -357,9 +369,8 @@ class RequestPolicy:
                 return 0
         else:
             k = self.best_k()[0]
-        lag = at - self._drafted_at if at else 0  # the first round's prefill: start() decided
-        if not self.cheap and lag > CATCHUP_FREE and not self.costs.catchup_pays(lag, remaining, self.ewma.value, k):
-            return 0
+            if lag > CATCHUP_FREE and not self.costs.catchup_pays(lag, remaining, self.ewma.value, k):
+                return 0
         return min(k, remaining - 1)
 
     def observe(self, at: int, drafted: int, accepted: int, t_draft: float, t_verify: float,

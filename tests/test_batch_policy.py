@@ -97,3 +97,12 @@ def test_cheap_rounds_of_a_combined_drafter_never_call_its_model():
     ctx = RequestContext(np.array([1, 2, 3, 4], dtype=np.int64), 8)  # no match: no drafts, no model call
     ctx.cheap_drafts = True
     assert anyio.run(drafter.generate_draft, ctx, 3) == []
+
+
+def test_a_draft_that_missed_the_answer_catches_up_only_when_it_pays_in_the_batch():
+    costs = _costs(draft_step=0.002)
+    costs.draft_prefill_s = 0.002  # seconds per token the draft reads (measured alone)
+    p = _policy(costs, acceptance=0.8, cheap_drafts=False)
+    p._drafted_at = -40  # it never drafted: it lacks a 40-token prompt and what was generated
+    assert p.draft_length(4, batch=8, at=30) == 0  # 70 tokens to read for 4 left: no
+    assert p.draft_length(400, batch=8, at=30) > 0  # for 400 left: yes
