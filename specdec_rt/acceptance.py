@@ -142,6 +142,7 @@ class CostModel:
     batch_step_s: Callable[[int, int], float | None] | None = None
     batched_verify: bool = False  # the target verifies the rows of a batch in one call
     draft_step_s: Callable[[int], float | None] | None = None  # batched draft model step of B rows
+    batch_gain: dict[int, float] = field(default_factory=dict)  # batch -> realized gain of model-draft rounds
 
     def observe(self, drafted: int, t_draft: float, t_verify: float) -> None:
         if not self.measure:
@@ -217,6 +218,15 @@ class CostModel:
         speedup = self.speedup(a, k)
         return speedup > 1.0 and new_tokens * base * (1.0 - 1.0 / speedup) > lag * self.draft_prefill_s
 
+    def observe_batch_round(self, batch: int, emitted: int, seconds: float) -> None:
+        """A model-draft round shared with ``batch - 1`` others took ``seconds`` for ``emitted``
+        tokens: its realized gain over a plain batched step (EWMA per batch size), which caps
+        the prediction (it includes what the prediction leaves out: catching up, rows drifting
+        out of phase, the batch shrinking as requests end)."""
+        c1 = self.batch_step_s(batch, batch) if self.batch_step_s is not None else None
+        if self.measure and c1 is not None and seconds > 0:
+            self.batch_gain[batch] = self._ewma(self.batch_gain.get(batch), emitted * c1 / seconds)
+
     def catchup_pays_batch(self, lag: int, new_tokens: int, gain: float, batch: int) -> bool:
         """In a batch: model drafts at ``gain`` over plain batched steps save ``new_tokens`` x
         ``c(B, B)`` x ``(1 - 1/gain)``; first every row's draft reads what it missed (``lag``
@@ -272,7 +282,8 @@ class CostModel:
             d = self.draft_token_s * c1 / alone * DRAFT_BATCH_MARGIN
         if d is None:  # never measured: exploring would cost the draft's prefill of every prompt
             return 0.0
-        return expected_tokens(a, k) * c1 / (k * d + self.batch_call_s(batch, batch * (k + 1)))
+        predicted = expected_tokens(a, k) * c1 / (k * d + self.batch_call_s(batch, batch * (k + 1)))
+        return min(predicted, self.batch_gain.get(batch, predicted))
 
     def cheap_speedup(self, a: float, k: int, batch: int) -> float:
         """This request verifying k drafts that cost nothing to make (n-gram matches) inside the
@@ -377,16 +388,18 @@ class RequestPolicy:
         return min(k, remaining - 1)
 
     def observe(self, at: int, drafted: int, accepted: int, t_draft: float, t_verify: float,
-                timed: bool = True, alone: bool = True) -> FallbackEvent | None:
+                timed: bool = True, alone: bool = True, batch: int = 1) -> FallbackEvent | None:
         """Feed one finished round; returns the mode switch it caused, if any. ``timed=False``
         marks the first round, which included the prefills: its times are kept out of the
         per-step costs (the draft's is used for its prefill cost instead). ``alone=False``: other
-        requests shared the round's calls, so its times are not this request's costs (the step
-        loop measures the batched calls instead)."""
+        requests (``batch`` in all) shared the round's calls, so its times are not this request's
+        costs (the step loop measures the batched calls), only the realized gain of the round."""
         if alone and timed:
             self.costs.observe(drafted, t_draft, t_verify)
         elif alone:
             self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
+        elif drafted and not self.cheap:  # a model-draft round in a batch: what it really gained
+            self.costs.observe_batch_round(batch, accepted + 1, t_draft + t_verify)
 
         if self.cheap:  # free drafts in a batch: their own acceptance; they never switch modes
             self.cheap_ewma.observe(drafted, accepted)

@@ -126,7 +126,8 @@ class SpecDecScheduler:
                 new = ctx.commit(verdict.tokens)
                 # 5. observe: stats, acceptance EWMA, costs, next draft length, fallback
                 switch = policy.observe(at, len(drafts), verdict.accepted, t1 - t0, t2 - t1, timed,
-                                        alone=batch == 1 == max(self.running, self.load() if self.load else 0))
+                                        alone=batch == 1 == max(self.running, self.load() if self.load else 0),
+                                        batch=batch)
                 stats.observe_round(len(drafts), verdict.accepted, new.size, t1 - t0, t2 - t1,
                                     policy.ewma.value if drafts or stats.rounds else None)
                 timed = timed or bool(drafts)  # a drafter's prefill may come in its first drafting round

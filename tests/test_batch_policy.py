@@ -106,3 +106,12 @@ def test_a_draft_that_missed_the_answer_catches_up_only_when_it_pays_in_the_batc
     p._drafted_at = -40  # it never drafted: it lacks a 40-token prompt and what was generated
     assert p.draft_length(4, batch=8, at=30) == 0  # 70 tokens to read for 4 left: no
     assert p.draft_length(400, batch=8, at=30) > 0  # for 400 left: yes
+
+
+def test_model_drafts_that_did_not_pay_in_a_batch_stop():
+    p = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
+    assert p.draft_length(48, batch=8) > 0  # predicted to pay
+    for _ in range(10):  # but each round took 3 plain steps' time for 2 tokens
+        p.observe(0, 3, 1, 0.066, 0.066, alone=False, batch=8)
+    assert p.costs.batch_gain[8] < 1.0
+    assert p.draft_length(48, batch=8) == 0
