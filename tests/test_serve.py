@@ -248,7 +248,8 @@ def test_drain_refuses_new_requests_and_finishes_running_ones(tiny_llama):
         slow = SlowEngine(engine, delay=0.01)
         app = create_app(slow, slots=2)
         async with client(app) as c:
-            running = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 30}))
+            running = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 30,
+                                                                            "temperature": 0}))  # greedy: no early EOS
             while app.state.serving.admitted == 0:
                 await asyncio.sleep(0.005)
             assert (await c.get("/health")).status_code == 200
@@ -298,7 +299,7 @@ def test_loader_lifespan_loading_then_ready_then_closed(tiny_llama):
 def test_timeout_is_504_or_a_stream_error_event(tiny_llama):
     async def check(engine):
         app = create_app(SlowEngine(engine, delay=0.05), slots=2, request_timeout=0.3)
-        body = {"prompt": PROMPT, "max_tokens": 40}
+        body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0}  # greedy: no early EOS by chance
         async with client(app) as c:
             whole = await c.post("/v1/completions", json=body)
             streamed = await c.post("/v1/completions", json={**body, "stream": True})
@@ -317,7 +318,7 @@ def test_timeout_is_504_or_a_stream_error_event(tiny_llama):
 def test_model_failure_is_500_or_a_stream_error_event_and_the_server_goes_on(tiny_llama):
     async def check(engine):
         app = create_app(FailingEngine(engine, after=2), slots=2)
-        body = {"prompt": PROMPT, "max_tokens": 30, "mode": "ar"}
+        body = {"prompt": PROMPT, "max_tokens": 30, "mode": "ar", "temperature": 0}  # greedy: no early EOS
         async with client(app) as c:
             whole = await c.post("/v1/completions", json=body)
             streamed = await c.post("/v1/completions", json={**body, "stream": True})
