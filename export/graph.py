@@ -196,9 +196,9 @@ class _Graph:
             self.node("MatMul", [x, self.init(f"{name}.weight", w)], [out], f"{name}/MatMul")
         else:
             q = quantize(w, self.quant)
-            ins = [x, self.init(f"{name}.weight_q", q.packed),
-                   self.init(f"{name}.scales", q.scales),
-                   self.init(f"{name}.zero_points", q.zero_points)]
+            ins = [x, self.init(f"{name}.weight_q", q.packed), self.init(f"{name}.scales", q.scales)]
+            if q.zero_points is not None:  # symmetric: none (the kernel's default, 2^(bits-1))
+                ins.append(self.init(f"{name}.zero_points", q.zero_points))
             self.node("MatMulNBits", ins, [out], f"{name}/MatMulNBits", domain=MS,
                       K=q.k, N=q.n, bits=self.quant.bits, block_size=self.quant.block_size,
                       accuracy_level=self.quant.accuracy_level)

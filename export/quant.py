@@ -30,6 +30,7 @@ class QuantSpec:
     bits: int
     block_size: int = 32
     accuracy_level: int = 4  # 4 = int8 activations in the CPU kernel (the fast path)
+    symmetric: bool = False  # True: scale = max|w| / (2^(bits-1) - 1), no zero points (ORT's default 2^(bits-1))
 
     def manifest(self) -> dict:
         """The manifest's `onnx.quantization` record."""
@@ -38,7 +39,7 @@ class QuantSpec:
             "bits": self.bits,
             "block_size": self.block_size,
             "accuracy_level": self.accuracy_level,
-            "symmetric": False,
+            "symmetric": self.symmetric,
         }
 
 
@@ -51,7 +52,7 @@ class QuantizedWeight:
 
     packed: np.ndarray  # uint8 [N, n_blocks, block_size * bits // 8]
     scales: np.ndarray  # float32 [N, n_blocks]
-    zero_points: np.ndarray  # uint8 [N, ceil(n_blocks * bits / 8)]
+    zero_points: np.ndarray | None  # uint8 [N, ceil(n_blocks * bits / 8)]; None: symmetric
     k: int
     n: int
 
@@ -71,11 +72,17 @@ def quantize(weight: np.ndarray, spec: QuantSpec) -> QuantizedWeight:
     wt = np.zeros((n, n_blocks * bs), dtype=np.float32)
     wt[:, :k] = weight.T
     blocks = wt.reshape(n, n_blocks, bs)
-    lo = np.minimum(blocks.min(axis=2), 0.0)  # [N, n_blocks]; 0 must stay representable
-    hi = np.maximum(blocks.max(axis=2), 0.0)
-    scales = (hi - lo) / qmax
-    scales[scales == 0] = 1.0
-    zp = np.clip(np.rint(-lo / scales), 0, qmax).astype(np.uint8)  # [N, n_blocks]
+    if spec.symmetric:  # codes - 2^(bits-1) in [-(2^(bits-1) - 1), 2^(bits-1) - 1]
+        half = 1 << (bits - 1)
+        scales = np.abs(blocks).max(axis=2) / (half - 1)  # [N, n_blocks]
+        scales[scales == 0] = 1.0
+        zp = np.full(scales.shape, half, dtype=np.uint8)
+    else:
+        lo = np.minimum(blocks.min(axis=2), 0.0)  # [N, n_blocks]; 0 must stay representable
+        hi = np.maximum(blocks.max(axis=2), 0.0)
+        scales = (hi - lo) / qmax
+        scales[scales == 0] = 1.0
+        zp = np.clip(np.rint(-lo / scales), 0, qmax).astype(np.uint8)  # [N, n_blocks]
     codes = np.clip(np.rint(blocks / scales[..., None]) + zp[..., None], 0, qmax).astype(np.uint8)
     if bits == 4:
         packed = _pack_nibbles(codes)  # [N, n_blocks, bs / 2]
@@ -86,7 +93,7 @@ def quantize(weight: np.ndarray, spec: QuantSpec) -> QuantizedWeight:
         packed, zp_packed = codes, zp
     else:
         raise ValueError(f"unsupported bit width {bits}")
-    return QuantizedWeight(packed, scales.astype(np.float32), zp_packed, k, n)
+    return QuantizedWeight(packed, scales.astype(np.float32), None if spec.symmetric else zp_packed, k, n)
 
 
 def dequantize(q: QuantizedWeight, spec: QuantSpec) -> np.ndarray:
@@ -94,9 +101,12 @@ def dequantize(q: QuantizedWeight, spec: QuantSpec) -> np.ndarray:
     n, n_blocks, _ = q.packed.shape
     if spec.bits == 4:
         codes = np.stack([q.packed & 0x0F, q.packed >> 4], axis=-1).reshape(n, n_blocks, -1)
-        zp = np.stack([q.zero_points & 0x0F, q.zero_points >> 4], axis=-1).reshape(n, -1)
-        zp = zp[:, :n_blocks]
+        if q.zero_points is not None:
+            zp = np.stack([q.zero_points & 0x0F, q.zero_points >> 4], axis=-1).reshape(n, -1)
+            zp = zp[:, :n_blocks]
     else:
         codes, zp = q.packed, q.zero_points
+    if q.zero_points is None:  # symmetric: ORT's default zero point
+        zp = np.full((n, n_blocks), 1 << (spec.bits - 1), dtype=np.uint8)
     w = (codes.astype(np.float32) - zp[..., None].astype(np.float32)) * q.scales[..., None]
     return np.ascontiguousarray(w.reshape(n, -1)[:, : q.k].T)  # [K, N]

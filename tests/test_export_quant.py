@@ -16,15 +16,15 @@ pytestmark = pytest.mark.export
 
 
 def _run_matmulnbits(x, q, spec: QuantSpec):
-    node = helper.make_node("MatMulNBits", ["x", "B", "s", "z"], ["y"], domain="com.microsoft",
+    zp = [] if q.zero_points is None else [numpy_helper.from_array(q.zero_points, "z")]  # symmetric: none
+    node = helper.make_node("MatMulNBits", ["x", "B", "s"] + ["z"] * len(zp), ["y"], domain="com.microsoft",
                             K=q.k, N=q.n, bits=spec.bits, block_size=spec.block_size,
                             accuracy_level=spec.accuracy_level)
     graph = helper.make_graph(
         [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", q.k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", q.n])],
         initializer=[numpy_helper.from_array(q.packed, "B"),
-                     numpy_helper.from_array(q.scales, "s"),
-                     numpy_helper.from_array(q.zero_points, "z")])
+                     numpy_helper.from_array(q.scales, "s"), *zp])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10
@@ -32,12 +32,13 @@ def _run_matmulnbits(x, q, spec: QuantSpec):
     return sess.run(None, {"x": x})[0]
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("k,n", [(64, 48), (100, 40), (96, 33)])  # K not a multiple of 32, odd N
-def test_kernel_reads_exactly_the_dequantized_weight(bits, k, n):
+def test_kernel_reads_exactly_the_dequantized_weight(bits, k, n, symmetric):
     # accuracy level 0 keeps activations in float: the kernel must equal x @ dequantize(q)
     rng = np.random.default_rng(bits * 1000 + k)
-    spec = QuantSpec(bits=bits, accuracy_level=0)
+    spec = QuantSpec(bits=bits, accuracy_level=0, symmetric=symmetric)
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((3, k)).astype(np.float32)
     q = quantize(w, spec)
