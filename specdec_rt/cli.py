@@ -13,7 +13,7 @@ import sys
 
 import anyio
 
-from .errors import SpecDecError
+from .errors import InvalidInputError, SpecDecError
 from .loading import DEFAULT_MODEL, load_engine
 from .loadtest import add_arguments as add_loadtest_arguments
 from .loadtest import run_loadtest
@@ -67,6 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--turns", type=int, default=3, help="--prefix-cache: turns per conversation")
     bench.add_argument("--prefix-concurrency", type=int, default=8,
                        help="--prefix-cache: requests at once sharing a system prompt")
+    bench.add_argument("--llama-cpp", default=None, metavar="BIN_DIR",
+                       help="also run llama.cpp (its bin folder; scripts/build-llama-cpp builds it) on every "
+                            "prompt: llamacpp_<quant> modes and an ours/theirs table")
+    bench.add_argument("--llama-gguf", default=None, metavar="FILES_OR_FOLDER",
+                       help="--llama-cpp: comma-separated GGUF files or a folder of them (default: F32, Q8_0 "
+                            "and Q4_1 made with llama-quantize from the model's source GGUF)")
+    bench.add_argument("--llama-draft", default=None, metavar="GGUF",
+                       help="--llama-cpp: also llama.cpp's speculative decoding with this draft GGUF")
     bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
     _model_args(add_serve_parser(sub))  # the OpenAI-compatible server: specdec_rt/serve, docs/serving.md
@@ -91,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             return anyio.run(run_demo, args)
         if args.command == "serve":
             return run_serve(args)
+        if args.llama_cpp and (args.prefix_cache or args.concurrency):
+            raise InvalidInputError("--llama-cpp goes with the side-by-side bench, not --concurrency / --prefix-cache")
         if args.prefix_cache:
             from .bench.prefix import run_prefix
 

@@ -4,7 +4,8 @@ Order of work: load our models; micro-benchmarks (verify width, context length, 
 bandwidth) while only our models are in memory; then every prompt through every mode,
 interleaved; medians and ratios; ``<out>/bench.json`` and ``<out>/bench.png``.
 Hugging Face modes need torch + transformers (``hf_*``) and optimum-onnx (``optimum_ar``); a mode
-whose package is missing is skipped with a note.
+whose package is missing is skipped with a note. ``--llama-cpp BIN_DIR`` adds llama.cpp's runs as
+``llamacpp_<quant>`` modes and a side-by-side table (``llamacpp.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import anyio
 
+from ..errors import InvalidInputError
 from ..reports import write_report
 from .micro import memory_bandwidth_gbs, request_memory, step_costs, weight_bytes
 from .report import format_markdown, format_table, plot, plot_acceptance, summarize
@@ -34,6 +36,13 @@ async def _bench(args) -> int:
     from ..ort.manifest import cache_root
     from ..text import TextCodec
 
+    llama_bin = getattr(args, "llama_cpp", None)
+    if llama_bin:
+        from .llamacpp import find_tools
+
+        find_tools(llama_bin)  # a wrong folder fails before any model is built or loaded
+    elif getattr(args, "llama_gguf", None) or getattr(args, "llama_draft", None):
+        raise InvalidInputError("--llama-gguf / --llama-draft need --llama-cpp BIN_DIR")
     folder = ensure_built(args.model, say=log)
     threads = args.threads or default_threads()
     max_length = args.max_length or 4096
@@ -64,8 +73,24 @@ async def _bench(args) -> int:
     if hf_wanted:
         hf = _hf_modes(hf_wanted, ctx, threads, cache_root() / "bench", report["skipped"])
         modes.update(hf)
+    if llama_bin:
+        from .llamacpp import llamacpp_modes
+
+        llama, report["llama_cpp"] = llamacpp_modes(llama_bin, args.llama_gguf, args.llama_draft, codec,
+                                                    threads, max_length, m, log)
+        log(f"llama.cpp modes: {', '.join(llama)}")
+        modes.update(llama)
     samples = await run_modes(modes, prompts, args.max_new_tokens, args.repeats)
     report.update(summarize(samples))
+    markdown, table = format_markdown(report), format_table(report)
+    if llama_bin:
+        from .llamacpp import format_llamacpp, summarize_llamacpp
+
+        report["llama_cpp"]["rows"] = rows = summarize_llamacpp(samples, codec)
+        report["llama_cpp"]["runs"] = [{"mode": s.mode, "prompt": s.prompt, **s.extra["llama"]}
+                                       for s in samples if s.extra and "llama" in s.extra]
+        markdown += "\n\n" + format_llamacpp(rows)
+        table += "\n\n" + format_llamacpp(rows)
     if "hf_assisted" in modes:
         report["model"]["hf_assistant"] = getattr(modes["hf_assisted"], "kind", None)
 
@@ -75,7 +100,7 @@ async def _bench(args) -> int:
     report["chart"] = str(png) if png else None
     acc_png = plot_acceptance(samples, out / "acceptance.png")
     report["acceptance_chart"] = str(acc_png) if acc_png else None
-    write_report(out, "bench", report, format_markdown(report), format_table(report), args.json)
+    write_report(out, "bench", report, markdown, table, args.json)
     if not args.json:
         if report.get("micro"):
             print(json.dumps(report["micro"], indent=2))

@@ -38,10 +38,12 @@ class Sample:
     token_ids: list[int]
     seconds: float
     stats: Stats | None = None
+    extra: dict | None = None  # a runner's own details; ``extra["tokens"]``: the count it made
 
     @property
     def tokens_per_s(self) -> float:
-        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+        n = self.extra["tokens"] if self.extra and "tokens" in self.extra else len(self.token_ids)
+        return n / self.seconds if self.seconds > 0 else 0.0
 
 
 def log(msg: str) -> None:
@@ -73,7 +75,8 @@ def load_prompts(codec: TextCodec, path: str | None, categories: set[str] | None
     return out[:limit] if limit else out
 
 
-Runner = Callable[[list[int], int], Awaitable[tuple[list[int], float, Stats | None]]]
+# -> (ids, seconds, stats) or (ids, seconds, stats, extra): see Sample.extra (llama.cpp runs)
+Runner = Callable[[list[int], int], Awaitable[tuple]]
 
 
 def build_our_modes(folder: Path, threads: int, max_length: int | None,
@@ -134,12 +137,12 @@ async def run_modes(modes: dict[str, Runner], prompts: list[Prompt], n: int, rep
         for i, p in enumerate(prompts):
             shift = (i + r) % len(names)
             for name in names[shift:] + names[:shift]:
-                ids, secs, stats = await modes[name](p.ids, n)
-                samples.append(Sample(name, i, p.category, ids, secs, stats))
+                ids, secs, stats, *extra = await modes[name](p.ids, n)
+                samples.append(Sample(name, i, p.category, ids, secs, stats, extra[0] if extra else None))
                 done += 1
                 log(f"{done}/{total} [{p.category}] {p.label!r:.40} {name}: "
-                    f"{len(ids) / secs:.1f} tok/s" + (f", acceptance {stats.acceptance_rate:.2f}"
-                                                      if stats and stats.drafted else ""))
+                    f"{samples[-1].tokens_per_s:.1f} tok/s" + (f", acceptance {stats.acceptance_rate:.2f}"
+                                                               if stats and stats.drafted else ""))
     return samples
 
 
