@@ -100,7 +100,8 @@ class Job:
         src = self.ref.fingerprint() if self.ref else "target"
         if self.head is not None:
             src = {"trained_head": self.head["sha256"]}
-        return {"name": self.name, "role": self.role, "source": src, "quantize": self.quantize}
+        quant = QUANT_SPECS[self.quantize].manifest() if self.quantize else None  # the form, not just the bits
+        return {"name": self.name, "role": self.role, "source": src, "quantize": quant}
 
 
 @dataclass
@@ -172,7 +173,8 @@ def _exact_to(source: Source, quantize: str | None) -> str:
     if quantize is None:
         return what
     spec = QUANT_SPECS[quantize]
-    return (f"this {quantize} MatMulNBits graph (block {spec.block_size}, accuracy level "
+    return (f"this {quantize} MatMulNBits graph (block {spec.block_size}, "
+            f"{'symmetric' if spec.symmetric else 'asymmetric'}, accuracy level "
             f"{spec.accuracy_level}) of {what}: greedy output is exact to the quantized "
             "model, not to the float32 weights")
 

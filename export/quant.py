@@ -43,7 +43,14 @@ class QuantSpec:
         }
 
 
-QUANT_SPECS = {"int4": QuantSpec(bits=4), "int8": QuantSpec(bits=8)}
+# Measured on SmolLM2-135M (2 cores, AVX-512 VNNI; step time vs the float32 graph, and top-1
+# agreement with it teacher-forced over 8 chat prompts x 64 tokens):
+#   int8 block 32 symmetric 0.44x, 0.971 | asymmetric 0.48x, 0.969 | block 128 sym 0.45x, 0.935
+#   int8 accuracy level 0 (float activations) 7.9x slower | per-channel DynamicQuantizeMatMul 0.32x
+#   but 0.585 (activations quantized per tensor) | int4 block 32 asymmetric 0.38x, 0.674 |
+#   symmetric 0.37x, 0.630 | block 128 sym 0.34x, 0.568. Block 32 with int8 activations per block
+#   (accuracy level 4) is the fast path that keeps the model; int8 symmetric is llama.cpp's Q8_0.
+QUANT_SPECS = {"int4": QuantSpec(bits=4), "int8": QuantSpec(bits=8, symmetric=True)}
 
 
 @dataclass(frozen=True)

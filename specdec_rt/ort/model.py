@@ -73,6 +73,15 @@ class OrtModel(LanguageModel):
         # a packed graph (export 0.2+): several rows of several new positions with a past in one
         # call (a batched verify), costing their real positions; older exports: one row at a time
         self.ragged = all(m.inputs.get(r) for r in PACKED_ROLES)
+        # A row of one new position takes another GroupQueryAttention path than rows of several
+        # (a difference of ~1e-5 in float32 logits, amplified to ~0.6 by the int8 activations of
+        # MatMulNBits at accuracy level 4). A quantized target therefore feeds every row at least
+        # two positions: a lone new token goes with the one before it again (same KV, rewritten
+        # bit for bit: any position computed in a row of >= 2 comes out the same, whatever its
+        # index), so plain steps take the path verifies take and greedy speculative output
+        # equals plain. It costs ~45% of an int8 plain step alone.
+        quantized = (m.quantization or {}).get("accuracy_level", 0) not in (0, 1)
+        self.min_positions = 2 if quantized and m.role == "target" and self.ragged else 1
         entries = max(slots, MIN_CACHE_ENTRIES) if cache_entries is None else cache_entries
         self.pool = KVPool(m.num_layers, m.num_kv_heads, m.head_dim, slots, self.max_length, self.device, ort,
                            entries=entries if prefix_cache_bytes else 0, budget_bytes=prefix_cache_bytes,
@@ -197,10 +206,15 @@ class OrtModel(LanguageModel):
         and keep their cache as it is.
         """
         lo, rows, at = self._span(sessions)
+        pasts = [s.length for s in sessions]
+        again = [f.size < self.min_positions and n > 0 for f, n in zip(feeds, pasts)]  # see __init__:
+        feeds = [np.concatenate([s._ids[n - 1 : n], f]) if a else f  # a lone token goes with the one
+                 for s, f, n, a in zip(sessions, feeds, pasts, again)]  # before it again
+        pasts = [n - a for n, a in zip(pasts, again)]
         news = np.zeros(rows, dtype=np.int64)  # [rows] new positions per slot
         news[at] = [f.size for f in feeds]
         past = np.zeros(rows, dtype=np.int64)  # [rows] cached tokens per slot (0 for rows in between)
-        past[at] = [s.length for s in sessions]
+        past[at] = pasts
         starts = np.cumsum(news) - news  # [rows] first packed position of each row
         index = np.concatenate([starts[r] + np.arange(f.size - w, f.size)
                                 for r, f, w in zip(at, feeds, wants)])  # [R] packed positions wanted
@@ -210,8 +224,7 @@ class OrtModel(LanguageModel):
         logits = self._run_rows(lo, feed, feed, seqlens, index, f"{len(sessions)} rows, {feed.shape[1]} positions",
                                 _packed_layout(news))[0]  # [R, V]
         out, at_row = [], 0
-        for s, f, w in zip(sessions, feeds, wants):
-            n = s.length
+        for s, f, w, n in zip(sessions, feeds, wants, pasts):
             s._ids[n : n + f.size] = f
             s._length = n + f.size
             out.append(logits[at_row : at_row + w])  # [w, V]
@@ -328,6 +341,8 @@ class OrtSession(CachedStart, CacheSession):
         if self._deferred is not None and features is not None:
             raise InferenceError("a session fed features cannot start from a prefix-cache hit")
         ids, past = self._settle(pool.cache, ids, past, self._ids)  # a hit on a running source: copy now
+        if ids.size < self.model.min_positions and past > 0:  # see OrtModel: with the token before it
+            ids, past = np.concatenate([self._ids[past - 1 : past], ids]), past - 1
         self._ids[past : past + ids.size] = ids
         n, s = past, ids.size
         names, io = self._names, self._io

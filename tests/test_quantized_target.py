@@ -1,0 +1,69 @@
+"""A quantized target (int8 weights, int8 activations per block) is exact to itself: greedy
+speculative output equals its greedy plain output, and a position's logits do not depend on how
+many positions the call fed (a lone token goes with the one before it again)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from specdec_rt import Engine
+from specdec_rt.acceptance import SpecConfig
+from specdec_rt.ort.model import OrtModel
+
+pytestmark = pytest.mark.export
+
+
+@pytest.fixture(scope="module")
+def tiny_int8(tmp_path_factory):
+    from tiny_models import export_tiny
+
+    return export_tiny(tmp_path_factory.mktemp("tiny-int8"), "llama", draft="int4", quantize="int8")
+
+
+def test_manifest_says_what_the_output_is_exact_to(tiny_int8):
+    m = OrtModel(tiny_int8, max_length=64, slots=1, threads=1)
+    assert m.manifest.quantization["bits"] == 8 and m.manifest.quantization["symmetric"] is True
+    assert "exact to the quantized model" in m.manifest.exact_to
+    assert m.min_positions == 2  # float32 targets and drafts keep 1
+    draft = OrtModel(tiny_int8 / "draft-q4", max_length=64, slots=1, threads=1)
+    assert draft.min_positions == 1
+
+
+def test_a_lone_token_gets_the_logits_it_gets_inside_a_verify(tiny_int8):
+    model = OrtModel(tiny_int8, max_length=64, slots=3, threads=1)
+    toks = np.random.default_rng(2).integers(3, model.vocab_size, size=40)
+    s = model.start()
+    s.run_sync(toks[:20], 1, 0)
+    lone = s.run_sync(toks[20:21], 1, 20)
+    assert s.length == 21
+    s.rollback(20)
+    verify = s.run_sync(toks[20:25], 5, 20)
+    np.testing.assert_array_equal(lone[0], verify[0])
+    a, b = model.start(), model.start()
+    model.run_rows_sync([a, b], [toks[:12], toks[:7]], [1, 1])
+    one = model.run_rows_sync([a, b], [toks[12:13], toks[7:10]], [1, 3])
+    a.rollback(12)
+    b.rollback(7)
+    two = model.run_rows_sync([a, b], [toks[12:14], toks[7:8]], [2, 1])
+    np.testing.assert_array_equal(one[0][0], two[0][0])
+    np.testing.assert_array_equal(one[1][0], two[1][0])
+    assert (a.length, b.length) == (14, 8)
+
+
+@pytest.mark.parametrize("draft", ["q4", "ngram"])
+def test_greedy_speculative_equals_plain_for_the_quantized_target(tiny_int8, draft):
+    prompts = ["one two three", "def f(x):\n    return", "a b a b a b"]
+
+    async def go():
+        async with await Engine.load(tiny_int8, draft=draft, slots=3,
+                                     spec_config=SpecConfig(measure_costs=False, adapt_k=False, k_init=3)) as engine:
+            plain = [(await engine.generate(p, 20, mode="ar")).token_ids for p in prompts]
+            spec = [(await engine.generate(p, 20, mode="spec")).token_ids for p in prompts]
+            together = await asyncio.gather(*[engine.generate(p, 20, mode="spec") for p in prompts])
+            return plain, spec, [r.token_ids for r in together]
+
+    plain, spec, together = asyncio.run(go())
+    assert spec == plain and together == plain
