@@ -120,8 +120,8 @@ class AcceptanceEWMA:
 
 DRAFT_BATCH_MARGIN = 1.5  # a draft's batched step, estimated from its step alone, is taken this much dearer
 CHEAP_PRIOR = 0.5  # acceptance assumed for free drafts (n-gram matches) in a batch, until observed
-CATCHUP_FREE = 4
-CATCHUP_BLIND = 4  # unmeasured: a draft catches up on at most this many tokens per token left  # a draft this few tokens behind catches up in its next call at no extra cost
+CATCHUP_FREE = 4  # a draft this few tokens behind catches up in its next call at no extra cost
+CATCHUP_BLIND = 4  # unmeasured: a draft catches up on at most this many tokens per token left
 PREFILL_EXPLORE_EVERY = 8  # after this many prefill skips in a row, one request speculates anyway
 
 
