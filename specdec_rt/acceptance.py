@@ -218,12 +218,16 @@ class CostModel:
         speedup = self.speedup(a, k)
         return speedup > 1.0 and new_tokens * base * (1.0 - 1.0 / speedup) > lag * self.draft_prefill_s
 
+    def _plain_batch_s(self, batch: int) -> float | None:
+        """``c(B, B)``: seconds of a plain batched step of ``batch`` rows (None: unknown)."""
+        return self.batch_step_s(batch, batch) if self.batch_step_s is not None else None
+
     def observe_batch_round(self, batch: int, emitted: int, seconds: float) -> None:
         """A model-draft round shared with ``batch - 1`` others took ``seconds`` for ``emitted``
         tokens: its realized gain over a plain batched step (EWMA per batch size), which caps
         the prediction (it includes what the prediction leaves out: catching up, rows drifting
         out of phase, the batch shrinking as requests end)."""
-        c1 = self.batch_step_s(batch, batch) if self.batch_step_s is not None else None
+        c1 = self._plain_batch_s(batch)
         if self.measure and c1 is not None and seconds > 0:
             self.batch_gain[batch] = self._ewma(self.batch_gain.get(batch), emitted * c1 / seconds)
 
@@ -231,7 +235,7 @@ class CostModel:
         """In a batch: model drafts at ``gain`` over plain batched steps save ``new_tokens`` x
         ``c(B, B)`` x ``(1 - 1/gain)``; first every row's draft reads what it missed (``lag``
         tokens each, one row after another while the batch waits). Unmeasured: the blind rule."""
-        c1 = self.batch_step_s(batch, batch) if self.batch_step_s is not None else None
+        c1 = self._plain_batch_s(batch)
         if c1 is None or self.draft_prefill_s is None or gain <= 1.0:
             return gain > 1.0 and lag <= CATCHUP_BLIND * new_tokens
         return new_tokens * c1 * (1.0 - 1.0 / gain) > batch * lag * self.draft_prefill_s
@@ -263,7 +267,6 @@ class CostModel:
         t_spec = c_rest + k * self.draft_token_s + base * (1.0 + s * k)
         return (batch - 1 + expected_tokens(a, k)) / t_spec * (c_b / batch)
 
-
     def _batched_speedup(self, a: float, k: int, batch: int) -> float:
         """Every request of the batch drafting k with the draft model (their draft steps run
         together, before the target's calls; their verifies are one call of B rows and B(k+1)
@@ -290,7 +293,7 @@ class CostModel:
         batch's call, against its plain step there: its share of a plain batched step is
         ``c(B, B) / B``; the k extra positions add ``k m`` (``m``: the marginal cost of one more
         position in a batched call, measured). ``E(a, k) (c/B) / (c/B + k m)``."""
-        c1 = self.batch_step_s(batch, batch) if self.batch_step_s is not None else None
+        c1 = self._plain_batch_s(batch)
         if c1 is None:
             return 0.0
         share = c1 / batch
@@ -400,15 +403,13 @@ class RequestPolicy:
             self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
         elif drafted and not self.cheap:  # a model-draft round in a batch: what it really gained
             self.costs.observe_batch_round(batch, accepted + 1, t_draft + t_verify)
-
         if self.cheap:  # free drafts in a batch: their own acceptance; they never switch modes
             self.cheap_ewma.observe(drafted, accepted)
             return None
         if drafted == 0:
             self._plain_since_probe += 1
             return None
-        if not self.cheap:
-            self._drafted_at = at + accepted + 1  # the draft model read up to what this round committed
+        self._drafted_at = at + accepted + 1  # the draft model read up to what this round committed
         self.ewma.observe(drafted, accepted)
         if self.shared is not None:
             self.shared.observe(drafted, accepted)

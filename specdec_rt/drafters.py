@@ -86,14 +86,10 @@ class CombinedDrafter(DraftInferrer):
     async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
         st = ctx.state(self, _CombinedState)
         st.score(ctx.tokens, self.alpha)
-        if ctx.cheap_drafts:  # sharing a batch: long n-gram matches only (maybe none), verified in its call
-            drafts = [DraftToken(int(t)) for t in self.ngram.propose(ctx.tokens, k, n_min=max(self.ngram.n_min,
-                                                                                             self.min_match))]
-            st.last = ("ngram", ctx.tokens.size, [d.id for d in drafts])
-            self.used["ngram"] += 1
-            return drafts
         proposal = self.ngram.propose(ctx.tokens, k, n_min=max(self.ngram.n_min, self.min_match))
-        if proposal.size >= min(self.min_tokens, k) and st.acceptance["ngram"] >= st.acceptance["model"]:
+        # sharing a batch (ctx.cheap_drafts): the long n-gram match only, maybe none, never the model
+        if ctx.cheap_drafts or (proposal.size >= min(self.min_tokens, k)
+                                and st.acceptance["ngram"] >= st.acceptance["model"]):
             source, drafts = "ngram", [DraftToken(int(t)) for t in proposal]
         else:
             source, drafts = "model", list(await self.model.generate_draft(ctx, k))
