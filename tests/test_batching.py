@@ -59,6 +59,7 @@ def test_spec_and_ar_requests_share_batches_and_each_equals_its_solo_run():
 
     asyncio.run(main())
     assert max(draft.batches) > 1  # draft steps of the speculating requests were batched
+    assert target.ragged_calls > 0  # verifies (several positions a row) met in one target call
 
 
 def test_seeded_sampling_in_a_batch_equals_the_same_seed_alone():

@@ -220,8 +220,9 @@ class OrtModel(LanguageModel):
                                 for r, f, w in zip(at, feeds, wants)])  # [R] packed positions wanted
         order = np.argsort(at, kind="stable")  # feeds in slot order, as the packing lays them out
         feed = np.concatenate([np.asarray(feeds[i], dtype=np.int64) for i in order])[None]  # [1, N]
+        positions = np.concatenate([past[r] + np.arange(news[r]) for r in range(rows)])[None]  # [1, N]
         seqlens = np.maximum(past + news - 1, 0)  # [rows] a row feeding nothing: untouched
-        logits = self._run_rows(lo, feed, feed, seqlens, index, f"{len(sessions)} rows, {feed.shape[1]} positions",
+        logits = self._run_rows(lo, feed, positions, seqlens, index, f"{len(sessions)} rows, {feed.shape[1]} positions",
                                 _packed_layout(news))[0]  # [R, V]
         out, at_row = [], 0
         for s, f, w, n in zip(sessions, feeds, wants, pasts):
