@@ -40,6 +40,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from .errors import UnsupportedModelError
+from .grid import find_grid
 from .quant import QuantSpec, quantize
 from .weights import ExternalDataWriter
 
@@ -162,6 +163,8 @@ class _Graph:
         self.inits: list[TensorProto] = []
         self.data = data
         self.quant = quant
+        self.grids: dict[str, int] = {}  # weights kept on their source's grid, by form
+        self._block_sums: dict[str, str] = {}  # input -> its sums over blocks of 32 (offsets)
 
     def node(self, op, inputs, outputs, name, domain="", **attrs) -> list[str]:
         self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
@@ -195,17 +198,36 @@ class _Graph:
         if self.quant is None:
             self.node("MatMul", [x, self.init(f"{name}.weight", w)], [out], f"{name}/MatMul")
         else:
-            q = quantize(w, self.quant)
+            grid = find_grid(w, self.quant.block_size) if self.quant.source_grid else None
+            form = grid.form if grid else "requantized"
+            self.grids[form] = self.grids.get(form, 0) + 1
+            q, bits = (grid.q, grid.bits) if grid else (quantize(w, self.quant), self.quant.bits)
             ins = [x, self.init(f"{name}.weight_q", q.packed), self.init(f"{name}.scales", q.scales)]
             if q.zero_points is not None:  # symmetric: none (the kernel's default, 2^(bits-1))
                 ins.append(self.init(f"{name}.zero_points", q.zero_points))
-            self.node("MatMulNBits", ins, [out], f"{name}/MatMulNBits", domain=MS,
-                      K=q.k, N=q.n, bits=self.quant.bits, block_size=self.quant.block_size,
-                      accuracy_level=self.quant.accuracy_level)
+            offsets = grid is not None and grid.offsets is not None
+            self.node("MatMulNBits", ins, [f"{name}/codes" if offsets else out],
+                      f"{name}/MatMulNBits", domain=MS, K=q.k, N=q.n, bits=bits,
+                      block_size=self.quant.block_size, accuracy_level=self.quant.accuracy_level)
+            if offsets:  # + sum over each block of x, times the block's offset
+                part = self.node("MatMul", [self.block_sums(x, q.k), self.init(
+                    f"{name}.offsets", grid.offsets)], [f"{name}/offset"], f"{name}/Offsets")[0]
+                self.node("Add", [f"{name}/codes", part], [out], f"{name}/AddOffsets")
         if bias is None:
             return out
         return self.node("Add", [out, self.init(f"{name}.bias", bias)], [f"{name}/biased"],
                          f"{name}/Add")[0]
+
+    def block_sums(self, x: str, k: int) -> str:
+        """``x [1, N, K]`` summed over each block of K: ``[1, N, K / block]`` (once per input)."""
+        if x not in self._block_sums:
+            bs = self.quant.block_size
+            shape = self.init(f"{x}/block_shape", np.array([0, 0, k // bs, bs], dtype=np.int64))
+            rows = self.node("Reshape", [x, shape], [f"{x}/blocks"], f"{x}/Blocks")[0]
+            axes = self.init(f"{x}/block_axis", np.array([-1], dtype=np.int64))
+            self._block_sums[x] = self.node("ReduceSum", [rows, axes], [f"{x}/block_sums"],
+                                            f"{x}/BlockSums", keepdims=0)[0]
+        return self._block_sums[x]
 
     def rms_norm(self, x: str, skip: str | None, w: np.ndarray, name: str,
                  out: str | None = None):
@@ -326,4 +348,7 @@ def save_graph(g: "_Graph", name: str, inputs: list, outputs: list, path: Path, 
                               producer_name=producer)
     proto.ir_version = 10
     onnx.save_model(proto, str(path))
-    return {"nodes": len(g.nodes), "weights_bytes": g.data.bytes_written}
+    stats = {"nodes": len(g.nodes), "weights_bytes": g.data.bytes_written}
+    if g.grids:  # MatMulNBits weights by form: "q4_1" / "q8_0" kept on the source's grid
+        stats["weight_forms"] = dict(sorted(g.grids.items()))
+    return stats

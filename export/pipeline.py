@@ -173,6 +173,12 @@ def _exact_to(source: Source, quantize: str | None) -> str:
     if quantize is None:
         return what
     spec = QUANT_SPECS[quantize]
+    if spec.source_grid and source.gguf_file:
+        return (f"this {quantize} MatMulNBits graph of {what}, with every weight found on the "
+                "file's own grid (Q4_1 / Q8_0 blocks, see onnx.weight_forms) carried over exactly "
+                f"and the rest requantized (block {spec.block_size}); activations int8 per block "
+                f"(accuracy level {spec.accuracy_level}): greedy output is exact to this graph, "
+                "not to the float32 one")
     return (f"this {quantize} MatMulNBits graph (block {spec.block_size}, "
             f"{'symmetric' if spec.symmetric else 'asymmetric'}, accuracy level "
             f"{spec.accuracy_level}) of {what}: greedy output is exact to the quantized "

@@ -31,16 +31,20 @@ class QuantSpec:
     block_size: int = 32
     accuracy_level: int = 4  # 4 = int8 activations in the CPU kernel (the fast path)
     symmetric: bool = False  # True: scale = max|w| / (2^(bits-1) - 1), no zero points (ORT's default 2^(bits-1))
+    source_grid: bool = False  # True: a weight already on a Q4_1 / Q8_0 grid keeps it (export.grid)
 
     def manifest(self) -> dict:
         """The manifest's `onnx.quantization` record."""
-        return {
+        record = {
             "method": "MatMulNBits",
             "bits": self.bits,
             "block_size": self.block_size,
             "accuracy_level": self.accuracy_level,
             "symmetric": self.symmetric,
         }
+        if self.source_grid:
+            record["source_grid"] = True
+        return record
 
 
 # Measured on SmolLM2-135M (2 cores, AVX-512 VNNI; step time vs the float32 graph, and top-1
@@ -50,7 +54,8 @@ class QuantSpec:
 #   but 0.585 (activations quantized per tensor) | int4 block 32 asymmetric 0.38x, 0.674 |
 #   symmetric 0.37x, 0.630 | block 128 sym 0.34x, 0.568. Block 32 with int8 activations per block
 #   (accuracy level 4) is the fast path that keeps the model; int8 symmetric is llama.cpp's Q8_0.
-QUANT_SPECS = {"int4": QuantSpec(bits=4), "int8": QuantSpec(bits=8, symmetric=True)}
+#   int4 on the source's own grid (SmolLM2's GGUF is Q4_1, its LM head Q8_0): see export.grid.
+QUANT_SPECS = {"int4": QuantSpec(bits=4, source_grid=True), "int8": QuantSpec(bits=8, symmetric=True)}
 
 
 @dataclass(frozen=True)
