@@ -1,6 +1,6 @@
 """A quantized target (int8 weights, int8 activations per block) is exact to itself: greedy
 speculative output equals its greedy plain output, and a position's logits do not depend on how
-many positions the call fed (a lone token goes with the one before it again)."""
+many positions the call fed (attention computes a lone query twice)."""
 
 from __future__ import annotations
 
@@ -27,9 +27,21 @@ def test_manifest_says_what_the_output_is_exact_to(tiny_int8):
     m = OrtModel(tiny_int8, max_length=64, slots=1, threads=1)
     assert m.manifest.quantization["bits"] == 8 and m.manifest.quantization["symmetric"] is True
     assert "exact to the quantized model" in m.manifest.exact_to
-    assert m.min_positions == 2  # float32 targets and drafts keep 1
+    assert m.lone_twice  # float32 targets and drafts compute a lone query once
     draft = OrtModel(tiny_int8 / "draft-q4", max_length=64, slots=1, threads=1)
-    assert draft.min_positions == 1
+    assert not draft.lone_twice
+
+
+def test_a_lone_position_goes_to_attention_twice_and_to_the_matmuls_once():
+    from specdec_rt.ort.model import _packed_layout
+
+    queries, pad, pack, shape = _packed_layout(np.array([1, 3, 0, 1]), lone_twice=True)
+    assert queries.tolist() == [2, 3, 0, 2]  # attention: each lone query twice
+    assert shape.tolist() == [4, 3, -1]
+    assert pad.reshape(4, 3)[:, :2].tolist() == [[0, 0], [1, 2], [0, 0], [4, 4]]  # the same packed position
+    assert pack.tolist() == [0, 3, 4, 5, 9]  # 5 packed positions: only the first copy comes back
+    queries, pad, pack, shape = _packed_layout(np.array([1]))
+    assert queries.tolist() == [1] and pad.tolist() == [0] and pack.tolist() == [0]
 
 
 def test_a_lone_token_gets_the_logits_it_gets_inside_a_verify(tiny_int8):

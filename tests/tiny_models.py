@@ -106,11 +106,14 @@ def build_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, voca
     return path
 
 
-def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, **kw) -> Path:
+def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized: bool = False,
+                    **kw) -> Path:
     """Write a tiny random checkpoint as an F32 GGUF file (what llama.cpp's converter would
     write: its tensor names, q/k rows permuted for llama, BPE tokens + merges + token types),
     so the GGUF path (transformers' loader, special-token fixes) runs offline in seconds.
-    Returns the .gguf path; the checkpoint it came from is saved beside it (`<stem>-hf`)."""
+    ``quantized``: the layers' matrices as Q4_1 and the embedding / LM head as Q8_0 (the mix
+    SmolLM2's packaged file has). Returns the .gguf path; the checkpoint it came from is saved
+    beside it (`<stem>-hf`)."""
     import json
 
     import gguf
@@ -177,7 +180,13 @@ def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, **kw) -> P
                                 else cfg.num_key_value_heads)
                 tensors[f"blk.{i}.{gg}.{kind}"] = w
     for name, w in tensors.items():
-        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if quantized and w.ndim == 2:
+            kind = (gguf.GGMLQuantizationType.Q8_0 if name in ("token_embd.weight", "output.weight")
+                    else gguf.GGMLQuantizationType.Q4_1)
+            writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -73,15 +73,16 @@ class OrtModel(LanguageModel):
         # a packed graph (export 0.2+): several rows of several new positions with a past in one
         # call (a batched verify), costing their real positions; older exports: one row at a time
         self.ragged = all(m.inputs.get(r) for r in PACKED_ROLES)
-        # A row of one new position takes another GroupQueryAttention path than rows of several
-        # (a difference of ~1e-5 in float32 logits, amplified to ~0.6 by the int8 activations of
-        # MatMulNBits at accuracy level 4). A quantized target therefore feeds every row at least
-        # two positions: a lone new token goes with the one before it again (same KV, rewritten
-        # bit for bit: any position computed in a row of >= 2 comes out the same, whatever its
-        # index), so plain steps take the path verifies take and greedy speculative output
-        # equals plain. It costs ~45% of an int8 plain step alone.
+        # GroupQueryAttention computes a row of one query by another path than rows of several
+        # (~1e-5 apart in float32 logits, amplified to ~0.5 by the int8 activations of
+        # MatMulNBits at accuracy level 4). A quantized target therefore gives attention a lone
+        # query twice: the second copy sits one position later, its KV lands past the row's
+        # length (rolled back like a rejected draft) and its output is dropped; the MatMuls see
+        # one position. Plain steps then take the path verifies take, a position's logits are bit
+        # for bit the same in a call of 1 or of k + 1, and greedy speculative output equals
+        # plain. (Re-feeding the previous token instead cost ~45% of an int8 step.)
         quantized = (m.quantization or {}).get("accuracy_level", 0) not in (0, 1)
-        self.min_positions = 2 if quantized and m.role == "target" and self.ragged else 1
+        self.lone_twice = quantized and m.role == "target" and self.ragged
         entries = max(slots, MIN_CACHE_ENTRIES) if cache_entries is None else cache_entries
         self.pool = KVPool(m.num_layers, m.num_kv_heads, m.head_dim, slots, self.max_length, self.device, ort,
                            entries=entries if prefix_cache_bytes else 0, budget_bytes=prefix_cache_bytes,
@@ -207,10 +208,6 @@ class OrtModel(LanguageModel):
         """
         lo, rows, at = self._span(sessions)
         pasts = [s.length for s in sessions]
-        again = [f.size < self.min_positions and n > 0 for f, n in zip(feeds, pasts)]  # see __init__:
-        feeds = [np.concatenate([s._ids[n - 1 : n], f]) if a else f  # a lone token goes with the one
-                 for s, f, n, a in zip(sessions, feeds, pasts, again)]  # before it again
-        pasts = [n - a for n, a in zip(pasts, again)]
         news = np.zeros(rows, dtype=np.int64)  # [rows] new positions per slot
         news[at] = [f.size for f in feeds]
         past = np.zeros(rows, dtype=np.int64)  # [rows] cached tokens per slot (0 for rows in between)
@@ -221,9 +218,10 @@ class OrtModel(LanguageModel):
         order = np.argsort(at, kind="stable")  # feeds in slot order, as the packing lays them out
         feed = np.concatenate([np.asarray(feeds[i], dtype=np.int64) for i in order])[None]  # [1, N]
         positions = np.concatenate([past[r] + np.arange(news[r]) for r in range(rows)])[None]  # [1, N]
-        seqlens = np.maximum(past + news - 1, 0)  # [rows] a row feeding nothing: untouched
+        layout = _packed_layout(news, self.lone_twice)
+        seqlens = np.maximum(past + layout[0] - 1, 0)  # [rows] a row feeding nothing: untouched
         logits = self._run_rows(lo, feed, positions, seqlens, index, f"{len(sessions)} rows, {feed.shape[1]} positions",
-                                _packed_layout(news))[0]  # [R, V]
+                                layout)[0]  # [R, V]
         out, at_row = [], 0
         for s, f, w, n in zip(sessions, feeds, wants, pasts):
             s._ids[n : n + f.size] = f
@@ -263,19 +261,22 @@ class OrtModel(LanguageModel):
         return logits[at, [last.index(p.size - 1) for p in prompts]]  # [B, V]
 
 
-def _packed_layout(news: np.ndarray) -> tuple[np.ndarray, ...]:
+def _packed_layout(news: np.ndarray, lone_twice: bool = False) -> tuple[np.ndarray, ...]:
     """The inputs that lay packed positions out as rows for attention, for ``news`` ``[B]`` new
     positions per row: ``(query_seqlens [B], pad_index [B*S], pack_index [N], padded_shape [3])``
-    with S the longest row; padding points at position 0 (attention ignores it)."""
-    rows, width = news.size, max(1, int(news.max()))
+    with S the longest row; padding points at position 0 (attention ignores it). ``lone_twice``:
+    a row of one position goes to attention as two copies of it (``query_seqlens`` 2; see
+    :class:`OrtModel`), so a caller's ``seqlens_k`` is ``past + query_seqlens - 1``."""
+    queries = np.where((news == 1) & lone_twice, 2, news)  # [B] query rows attention computes
+    rows, width = news.size, max(1, int(queries.max()))
     starts = np.cumsum(news) - news  # [B]
     pad = np.zeros((rows, width), dtype=np.int64)  # [B, S]
     pack = np.empty(int(news.sum()), dtype=np.int64)  # [N]
     for r in np.flatnonzero(news):
         q = int(news[r])
-        pad[r, :q] = starts[r] + np.arange(q)
+        pad[r, : queries[r]] = starts[r] + np.minimum(np.arange(queries[r]), q - 1)
         pack[starts[r] : starts[r] + q] = r * width + np.arange(q)
-    return news.astype(np.int32), pad.reshape(-1), pack, np.array([rows, width, -1], dtype=np.int64)
+    return queries.astype(np.int32), pad.reshape(-1), pack, np.array([rows, width, -1], dtype=np.int64)
 
 
 class OrtSession(CachedStart, CacheSession):
@@ -342,19 +343,19 @@ class OrtSession(CachedStart, CacheSession):
         if self._deferred is not None and features is not None:
             raise InferenceError("a session fed features cannot start from a prefix-cache hit")
         ids, past = self._settle(pool.cache, ids, past, self._ids)  # a hit on a running source: copy now
-        if ids.size < self.model.min_positions and past > 0:  # see OrtModel: with the token before it
-            ids, past = np.concatenate([self._ids[past - 1 : past], ids]), past - 1
         self._ids[past : past + ids.size] = ids
         n, s = past, ids.size
         names, io = self._names, self._io
         io.bind_cpu_input(names["input_ids"], ids[None, :])  # [1, S]
         if names.get("position_ids"):
             io.bind_cpu_input(names["position_ids"], self._pos[None, n : n + s])  # [1, S]
-        io.bind_cpu_input(names["seqlens_k"], np.array([n + s - 1], dtype=np.int32))  # [1]
-        io.bind_cpu_input(names["total_sequence_length"], np.array(n + s, dtype=np.int32))  # scalar
+        layout = _packed_layout(np.array([s]), self.model.lone_twice) if self.model.ragged else None
+        q = int(layout[0][0]) if layout is not None else s  # query rows attention computes (see OrtModel)
+        io.bind_cpu_input(names["seqlens_k"], np.array([n + q - 1], dtype=np.int32))  # [1]
+        io.bind_cpu_input(names["total_sequence_length"], np.array(n + q, dtype=np.int32))  # scalar
         io.bind_cpu_input(names["logits_index"], self._pos[s - rows : s])  # [R]
-        if self.model.ragged:  # one row: the packed layout is the identity
-            for role, value in zip(PACKED_ROLES, _packed_layout(np.array([s]))):
+        if layout is not None:  # one row: the packed layout is the identity (a lone query twice, see above)
+            for role, value in zip(PACKED_ROLES, layout):
                 io.bind_cpu_input(names[role], value)
         if features is not None:
             if not names.get("features"):
