@@ -45,7 +45,8 @@ from .quant import QuantSpec, quantize
 from .weights import ExternalDataWriter
 
 __all__ = ["ModelSpec", "IO_NAMES", "SUPPORTED_FAMILIES", "build_onnx", "rotary_tables",
-           "unsupported_architecture", "decoder_io", "gqa_inputs", "save_graph", "PACKED_ROLES"]
+           "unsupported_architecture", "decoder_io", "gqa_inputs", "save_graph", "PACKED_ROLES",
+           "TREE_ROLES"]
 
 SUPPORTED_FAMILIES = ("llama", "qwen2")
 MAX_POSITIONS_CAP = 32768
@@ -53,11 +54,16 @@ OPSET = 21
 MS = "com.microsoft"
 
 PACKED_ROLES = ("query_seqlens", "pad_index", "pack_index", "padded_shape")
+TREE_ROLES = ("position_ids", "attention_bias")  # packed graphs of exporter 0.3+
 
 # role -> ONNX name; `{layer}` is filled per layer (the manifest repeats these)
 IO_NAMES = {
     "input_ids": "input_ids",
-    "position_ids": None,  # rotary runs inside GroupQueryAttention from seqlens_k
+    # packed graphs: the position of each packed one ([1, N]; rotary inside GroupQueryAttention
+    # reads them) and an additive attention bias ([1, 1, S, total]): a tree of drafts verified
+    # in one call (each node sees the committed tokens and its ancestors, at position past + depth)
+    "position_ids": "position_ids",
+    "attention_bias": "attention_bias",
     "seqlens_k": "seqlens_k",
     "total_sequence_length": "total_sequence_length",
     "logits_index": "logits_index",
@@ -185,6 +191,15 @@ class _Graph:
         flat = self.node("Reshape", [x, "flat_shape"], [f"{name}/flat"], f"{name}/PackReshape")[0]
         return self.node("Gather", [flat, "pack_index"], [f"{name}/output"], f"{name}/Pack", axis=1)[0]
 
+    def position_rows(self) -> str:
+        """``position_ids`` ``[1, N]`` (packed) laid out as attention's rows ``[B, S]``."""
+        rows = self.node("Gather", ["position_ids", "pad_index"], ["/positions/padded"],
+                         "/positions/Unpack", axis=1)[0]  # [1, B*S]
+        lo, hi = self.init("/positions/lo", np.array([0], dtype=np.int64)), self.init(
+            "/positions/hi", np.array([2], dtype=np.int64))
+        shape = self.node("Slice", ["padded_shape", lo, hi], ["/positions/shape"], "/positions/Shape")[0]
+        return self.node("Reshape", [rows, shape], ["position_rows"], "/positions/Rows")[0]
+
     def init(self, name: str, array: np.ndarray) -> str:
         """Add an initializer named after its node path (`layers.0/attn/qkv.weight`)."""
         name = name.lstrip("/")
@@ -265,6 +280,7 @@ def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = 
         x = g.node("Gather", [g.init("embed_tokens.weight", _np(sd["model.embed_tokens.weight"])),
                               "input_ids"], ["/embed/output"], "/embed/Gather")[0]  # [B, S, H]
         stream, res = x, None  # stream: the branch output to add; res: the running residual
+        g.position_rows()  # [B, S] for attention, from the packed [1, N]
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             h, res = g.rms_norm(stream, res, _np(sd[p + "input_layernorm.weight"]),
@@ -308,12 +324,16 @@ def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = 
 
 def gqa_inputs(qkv: str, layer: int, packed: bool = True) -> list[str]:
     """GroupQueryAttention's inputs: QKV, the layer's KV, the sequence lengths, the rotary
-    tables, and (17th, ``packed``) ``query_seqlens`` ``[B]``, the new positions of each row. With
-    it ONNX Runtime's CPU kernel takes several rows of several new positions *with* a past in one
-    call (rows right-padded; padding is neither attended to nor written to the cache; a row with
-    0 new positions is left untouched), which a batched verify needs; without it, only batch 1."""
+    tables, and for ``packed`` graphs: (10th, 11th) ``position_rows`` ``[B, S]`` and
+    ``attention_bias`` ``[1, 1, S, total]`` (a tree mask: each new position sees what the bias
+    leaves at 0, besides causal order), and (17th) ``query_seqlens`` ``[B]``, the new positions
+    of each row. With it ONNX Runtime's CPU kernel takes several rows of several new positions
+    *with* a past in one call (rows right-padded; padding is neither attended to nor written to
+    the cache; a row with 0 new positions is left untouched), which a batched verify needs;
+    without it, only batch 1."""
     return [qkv, "", "", f"past_key_values.{layer}.key", f"past_key_values.{layer}.value", "seqlens_k",
-            "total_sequence_length", "cos_cache", "sin_cache", *([""] * 7 + ["query_seqlens"] if packed else [])]
+            "total_sequence_length", "cos_cache", "sin_cache",
+            *(["position_rows", "attention_bias"] + [""] * 5 + ["query_seqlens"] if packed else [])]
 
 
 def decoder_io(num_layers: int, kv_heads: int, head_dim: int, vocab: int, hidden: int,
@@ -330,7 +350,9 @@ def decoder_io(num_layers: int, kv_heads: int, head_dim: int, vocab: int, hidden
               vi("logits_index", i64, ["num_logits"])]
     if packed:
         inputs += [vi("query_seqlens", i32, ["rows"]), vi("pad_index", i64, ["padded_positions"]),
-                   vi("pack_index", i64, ["sequence_length"]), vi("padded_shape", i64, [3])]
+                   vi("pack_index", i64, ["sequence_length"]), vi("padded_shape", i64, [3]),
+                   vi("position_ids", i64, [1, "sequence_length"]),
+                   vi("attention_bias", f32, [1, 1, "padded_width", "total_length"])]
     outputs = [vi("logits", f32, ["batch_size", "num_logits", vocab]),
                vi("hidden_states", f32, ["batch_size", "sequence_length", hidden])]
     for i in range(num_layers):

@@ -29,7 +29,8 @@ def onnx_section(quantization: dict | None) -> dict:
         "quantization": quantization,
         "inputs": {k: IO_NAMES[k] for k in
                    ("input_ids", "position_ids", "seqlens_k", "total_sequence_length",
-                    "logits_index", "query_seqlens", "pad_index", "pack_index", "padded_shape")},
+                    "logits_index", "query_seqlens", "pad_index", "pack_index", "padded_shape",
+                    "attention_bias")},
         "outputs": {"logits": IO_NAMES["logits"], "hidden": IO_NAMES["hidden"]},
         "kv": {"layout": "BNSH", "shared_buffer": True, "dtype": "float32",
                **{k: IO_NAMES[k] for k in ("past_key", "past_value", "present_key",

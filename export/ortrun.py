@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-__all__ = ["KVSession", "session_options"]
+__all__ = ["KVSession", "open_session", "session_options"]
 
 
 def session_options(threads: int | None = None) -> ort.SessionOptions:
@@ -23,6 +23,19 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     if threads:
         so.intra_op_num_threads = threads
     return so
+
+
+def open_session(path: Path, so: ort.SessionOptions) -> ort.InferenceSession:
+    """A CPU session; in a process whose ONNX Runtime runs on one global thread pool (the
+    runtime's CLI and server set one up), on that pool (ONNX Runtime refuses a session with
+    its own threads there)."""
+    try:
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - only this one error is retried
+        if "global thread pool" not in str(exc):
+            raise
+        so.use_per_session_threads = False
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
 class KVSession:
@@ -39,9 +52,7 @@ class KVSession:
         arch, names = manifest["architecture"], manifest["onnx"]
         if max_len > arch["max_positions"]:
             raise ValueError(f"max_len {max_len} > max_positions {arch['max_positions']}")
-        self.session = ort.InferenceSession(str(Path(model_dir) / names["file"]),
-                                            session_options(threads),
-                                            providers=["CPUExecutionProvider"])
+        self.session = open_session(Path(model_dir) / names["file"], session_options(threads))
         self.max_len = max_len
         self.inputs, self.outputs = names["inputs"], names["outputs"]
         shape = (1, arch["num_kv_heads"], max_len, arch["head_dim"])  # BNSH
@@ -78,6 +89,7 @@ class KVSession:
             "pad_index": np.arange(s, dtype=np.int64),  # [S]
             "pack_index": np.arange(s, dtype=np.int64),  # [S]
             "padded_shape": np.array([1, s, -1], dtype=np.int64),  # [3]
+            "attention_bias": np.zeros((1, 1, s, total), dtype=np.float32),  # no tree: causal only
         }
         for role, value in feeds.items():
             name = self.inputs.get(role)

@@ -38,7 +38,8 @@ def test_manifest_describes_the_folder(exported):
     assert m["schema_version"] == 1 and m["role"] == "target"
     assert arch == {"family": arch["family"], "num_layers": 2, "hidden_size": 64, "num_heads": 4,
                     "num_kv_heads": 2, "head_dim": 16, "vocab_size": 384, "max_positions": 512}
-    assert m["onnx"]["inputs"]["position_ids"] is None
+    assert m["onnx"]["inputs"]["position_ids"] == "position_ids"  # exporter 0.3: packed [1, N]
+    assert m["onnx"]["inputs"]["attention_bias"] == "attention_bias"  # zeros, or a tree mask
     assert m["onnx"]["kv"]["shared_buffer"] is True and m["onnx"]["kv"]["layout"] == "BNSH"
     assert m["onnx"]["quantization"] is None
     for name, meta in m["files"].items():
@@ -228,3 +229,20 @@ def test_disk_full_is_reported(tmp_path, monkeypatch):
     with pytest.raises(DiskFullError, match="disk full"):
         run(Request(src=str(ckpt), out=tmp_path / "out"), Reporter(quiet=True))
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
+def test_export_in_a_process_whose_onnx_runtime_has_a_global_thread_pool(tmp_path):
+    """The runtime's CLI and server run ONNX Runtime on one global pool; an export (validation
+    sessions) in such a process used to fail ("use_per_session_threads must be false")."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, 'tests')\n"
+            "from specdec_rt.ort.setup import use_global_thread_pool\n"
+            "assert use_global_thread_pool(1)\n"
+            "from pathlib import Path\nfrom tiny_models import export_tiny\n"
+            f"print(export_tiny(Path({str(tmp_path)!r}), 'llama'))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "llama-onnx" / "manifest.json").is_file()

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import pytest
 
+from export.graph import TREE_ROLES
 from specdec_rt import Engine
 from specdec_rt.acceptance import SpecConfig
 from specdec_rt.errors import ModelLoadError
@@ -70,14 +71,14 @@ def test_rows_of_several_positions_equal_each_row_alone(tiny_llama):
 
 def _unpack(src: Path, dst: Path) -> Path:
     """A copy of a packed export as an export from before packing: the pack/unpack nodes and the
-    packed inputs removed, the manifest's roles and file hashes updated."""
+    packed (and tree) inputs removed, the manifest's roles and file hashes updated."""
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("draft-*", ".specdec-verified.json"))
     m = onnx.load(str(dst / "model.onnx"), load_external_data=False)
     g = m.graph
     producer = {o: n for n in g.node for o in n.output}
     keep, rename = [], {}
     for n in g.node:
-        if n.name.endswith(("/Unpack", "/UnpackReshape", "/PackReshape", "/Pack")):
+        if n.name.endswith(("/Unpack", "/UnpackReshape", "/PackReshape", "/Pack")) or n.name.startswith("/positions/"):
             continue
         if n.op_type == "GroupQueryAttention":
             del n.input[9:]
@@ -89,12 +90,12 @@ def _unpack(src: Path, dst: Path) -> Path:
             n.input[i] = rename.get(name, name)
     del g.node[:]
     g.node.extend(keep)
-    inputs = [i for i in g.input if i.name not in PACKED_ROLES]
+    inputs = [i for i in g.input if i.name not in PACKED_ROLES + TREE_ROLES]
     del g.input[:]
     g.input.extend(inputs)
     onnx.save(m, str(dst / "model.onnx"))
     manifest = json.loads((dst / "manifest.json").read_text())
-    for role in PACKED_ROLES:
+    for role in PACKED_ROLES + TREE_ROLES:
         manifest["onnx"]["inputs"].pop(role)
     manifest["drafts"] = []
     data = (dst / "model.onnx").read_bytes()

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import __version__
 from ..manifest import SCHEMA_VERSION, file_table, onnx_section, write_manifest
-from ..graph import PACKED_ROLES
+from ..graph import PACKED_ROLES, TREE_ROLES
 from .graph import HEAD_KEYS, build_head_onnx, target_tensors
 
 __all__ = ["save_head", "load_head", "assemble_draft", "TARGET_TENSORS"]
@@ -82,7 +82,7 @@ def assemble_draft(target_dir: Path, head_file: Path, out_dir: Path, *, name: st
         "special_tokens": tm["special_tokens"],
         "tokenizer": tm["tokenizer"],
         "onnx": {**tm["onnx"], "quantization": None, "nodes": graph["nodes"],
-                 "inputs": {**{k: v for k, v in onnx_section(None)["inputs"].items() if k not in PACKED_ROLES},
+                 "inputs": {**{k: v for k, v in onnx_section(None)["inputs"].items() if k not in PACKED_ROLES + TREE_ROLES},
                             "features": "features"}},
         "drafts": [],
         "exact_to": "a draft only: speculative output is exact to the target",
