@@ -54,6 +54,7 @@ class SpecConfig:
     draft_cost: float = 0.1  # default cost of a draft token, in target steps, until measured
     verify_cost_per_token: float = 0.05  # default extra cost per verified position, likewise
     measure_costs: bool = True  # False: always use the two defaults above (toy models, tests)
+    tree_nodes: int = 0  # drafts beyond the main chain a request alone may add (a draft tree)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -72,6 +73,8 @@ class SpecConfig:
             bad("probe_every", "need zero_rounds >= 1, 1 <= probe_every <= probe_max_every")
         if self.probe_backoff < 1:
             bad("probe_backoff", "must be >= 1")
+        if isinstance(self.tree_nodes, bool) or not isinstance(self.tree_nodes, int) or not 0 <= self.tree_nodes <= 16:
+            bad("tree_nodes", "must be an integer in 0..16")
         if self.draft_cost < 0 or self.verify_cost_per_token < 0:
             bad("draft_cost", "costs must be >= 0")
 

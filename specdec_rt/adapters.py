@@ -21,11 +21,13 @@ from .context import RequestContext
 from .errors import ContextLengthError
 from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
 from .sampling import greedy_accept, rejection_sample, sample, warp
+from .tree_sampling import DraftTree, greedy_tree_accept, tree_accept
 from .types import DraftToken, Verdict
 
 __all__ = ["SyncedSession", "ModelDrafter", "ModelVerifier", "TargetHidden", "TARGET_HIDDEN"]
 
 TARGET_HIDDEN = "target_hidden"  # RequestContext state key of the verifier's TargetHidden
+TREE_TAIL_MAX = 8  # a tree goes after at most this many uncommitted tokens (not after a prompt)
 
 Sampler = Callable[[np.ndarray, np.ndarray, np.ndarray, np.random.Generator], np.ndarray]
 
@@ -66,6 +68,13 @@ class SyncedSession:
         self.ids[n : n + ids.size] = ids  # before the call: a cancelled call may still have written them
         self._matched = min(self._matched, n)
         return await self.session.extend(ids, logits_rows, **extra)
+
+    def accept_tree(self, start: int, keep: np.ndarray) -> None:
+        """After a tree call that started at ``start``: keep positions ``start + keep`` (the
+        accepted path), moved to ``start ..`` (see :meth:`OrtSession.accept_tree`)."""
+        self.session.accept_tree(start, keep)
+        self.ids[start : start + keep.size] = self.ids[start + keep]
+        self._matched = min(self._matched, start)
 
     def close(self) -> None:
         self.session.close()
@@ -120,10 +129,15 @@ class ModelDrafter(_ModelUser, DraftInferrer):
         return cache.peek(tokens) if cache is not None else 0
 
     async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
+        """k autoregressive steps; with ``ctx.tree_nodes`` > 0, also the draft's runner-up at the
+        first ``tree_nodes`` depths, as siblings of the chain's tokens (a tree; free: the same
+        logits). A sibling is a deterministic choice (one-hot ``q``), which keeps tree rejection
+        sampling exact (see :mod:`specdec_rt.tree_sampling`)."""
         s = self._session(ctx)
         feed = s.pending(ctx.tokens)  # [1..] tokens the draft cache has not seen
         drafts: list[DraftToken] = []
-        for _ in range(k):
+        siblings: list[DraftToken] = []
+        for i in range(k):
             logits = (await s.extend(feed, 1))[0]  # [V]
             if ctx.params.greedy:
                 x = int(np.argmax(logits))
@@ -132,8 +146,12 @@ class ModelDrafter(_ModelUser, DraftInferrer):
                 q = warp(logits, ctx.params)  # [V]
                 x = sample(q, ctx.rng)
                 drafts.append(DraftToken(x, q))
+            if i < ctx.tree_nodes:  # the runner-up, continuing what the chain token continues
+                masked = logits.copy()
+                masked[x] = -np.inf
+                siblings.append(DraftToken(int(np.argmax(masked)), parent=i - 1))
             feed = np.array([x], dtype=np.int64)  # the last draft is never fed: it may be rejected
-        return drafts
+        return drafts + siblings
 
 
 class ModelVerifier(_ModelUser, TargetVerifier):
@@ -156,7 +174,19 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         ctx.pop_state(TARGET_HIDDEN)  # the hidden states this verifier shared
         super().release(ctx)
 
+    @property
+    def trees(self) -> bool:
+        """Whether it verifies a draft tree in one call (a backend with ``tree``, e.g.
+        :class:`~specdec_rt.ort.model.OrtModel`; not while sharing hidden states)."""
+        return bool(getattr(self.model, "tree", False)) and not self.share_hidden
+
     async def verify_and_accept(self, ctx: RequestContext, drafts: Sequence[DraftToken]) -> Verdict:
+        parents = [i - 1 if d.parent is None else int(d.parent) for i, d in enumerate(drafts)]
+        chain = next((i for i, p in enumerate(parents) if p != i - 1), len(drafts))
+        if chain < len(drafts):
+            if self.trees and ctx.tokens.size - self._session(ctx).session.length <= TREE_TAIL_MAX:
+                return await self._verify_tree(ctx, drafts, parents)
+            drafts = drafts[:chain]  # a tree, but chains only here (or a long tail): its main chain
         s = self._session(ctx)
         first = ctx.stats.rounds + ctx.stats.ar_steps == 0
         k = len(drafts)
@@ -182,3 +212,26 @@ class ModelVerifier(_ModelUser, TargetVerifier):
                 q = np.stack([d.q_row(p.shape[-1]) for d in drafts]).astype(p.dtype, copy=False)  # [k, V]
                 out = self.sampler(draft_ids, q, p, ctx.rng)
         return Verdict(tokens=out, accepted=len(out) - 1)
+
+    async def _verify_tree(self, ctx: RequestContext, drafts: Sequence[DraftToken], parents: list[int]) -> Verdict:
+        """One call over the n tree nodes after the uncommitted tail (as a chain), then the tree
+        walk of :mod:`specdec_rt.tree_sampling`, then the accepted path compacted in the cache."""
+        s = self._session(ctx)
+        first = ctx.stats.rounds + ctx.stats.ar_steps == 0
+        n = len(drafts)
+        tree = DraftTree([d.id for d in drafts], parents)
+        tail = s.pending(ctx.tokens)  # [m >= 1]
+        m, start = tail.size, s.session.length
+        feed = np.concatenate([tail, tree.tokens])  # [m + n]
+        links = np.concatenate([np.arange(m) - 1, np.where(tree.parents < 0, m - 1, m + tree.parents)])  # [m + n]
+        logits = await s.extend(feed, n + 1, tree=links)  # [n + 1, V]: after the tail, after each node
+        if first:
+            ctx.stats.cached_prompt_tokens = int(getattr(s.session, "cached_tokens", 0))
+        if ctx.params.greedy:
+            path, out = greedy_tree_accept(tree, np.argmax(logits, axis=-1))
+        else:
+            p = warp(logits, ctx.params)  # [n + 1, V]
+            tree.q = np.stack([d.q_row(p.shape[-1]) for d in drafts]).astype(p.dtype, copy=False)  # [n, V]
+            path, out = tree_accept(tree, p, ctx.rng)
+        s.accept_tree(start, np.concatenate([np.arange(m), m + path]))
+        return Verdict(tokens=out, accepted=int(path.size), path=tuple(int(i) for i in path))

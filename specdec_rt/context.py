@@ -56,6 +56,7 @@ class RequestContext:
         self.finish_reason: FinishReason | None = None
         self.stats = Stats(prompt_tokens=self.prompt_len)
         self._state: dict[Any, Any] = {}
+        self.tree_nodes = 0  # set by the scheduler each round: nodes a drafter may add to its chain
         #: this round, drafters that can should propose only what costs nothing to draft (n-gram
         #: matches): set by the scheduler when the request shares a batch (see RequestPolicy)
         self.cheap_drafts = False

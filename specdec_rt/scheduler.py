@@ -20,9 +20,10 @@ from .errors import InferenceError, InvalidInputError, SpecDecError
 from .logs import get_logger
 from .protocols import DraftInferrer, TargetVerifier
 from .sampling import SamplingParams
+from .tree_policy import TreePolicy
 from .types import DraftToken, GenerationResult, Mode, Stats, TokenEvent, Verdict
 
-__all__ = ["SpecDecScheduler", "RequestStream"]
+__all__ = ["SpecDecScheduler", "RequestStream", "tree_parents", "tree_depth"]
 
 log = get_logger("specdec_rt.scheduler")
 
@@ -57,6 +58,10 @@ class SpecDecScheduler:
                                batched_verify=batched_verify, draft_step_s=draft_costs)
         self.totals = Stats(mode="total")
         self.running = 0  # requests in their loop now: the batch their model calls share
+        # a request alone may draft a tree: its main chain plus up to `tree_nodes` other nodes,
+        # when the verifier takes trees (ONNX Runtime targets of exporter 0.3+, float32, CPU)
+        self.trees = bool(getattr(verifier, "trees", False))
+        self.tree_nodes = self.config.tree_nodes
         self.load = load  # requests about to share it too (e.g. the Engine's admitted ones)
 
     @property
@@ -89,7 +94,8 @@ class SpecDecScheduler:
         policy = RequestPolicy(self.config, mode, ewma, costs, shared=self.shared_ewma,  # the draft's prefill:
                                prompt_tokens=ctx.prompt_len - (cached(ctx.tokens) if cached else 0))  # what it lacks
         policy.cheap_drafts = bool(getattr(self.drafter, "cheap_drafts", False))
-        return RequestStream(self._loop(ctx, policy), ctx)
+        tree = TreePolicy(self.tree_nodes if self.trees and mode == "spec" else 0, self.config.alpha)
+        return RequestStream(self._loop(ctx, policy, tree, seeded), ctx)
 
     async def run(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int,
                   params: SamplingParams | None = None, **kwargs) -> GenerationResult:
@@ -100,7 +106,8 @@ class SpecDecScheduler:
                 pass
         return GenerationResult(it.token_ids, it.stats)
 
-    async def _loop(self, ctx: RequestContext, policy: RequestPolicy) -> AsyncIterator[TokenEvent]:
+    async def _loop(self, ctx: RequestContext, policy: RequestPolicy, tree: TreePolicy,
+                    seeded: bool) -> AsyncIterator[TokenEvent]:
         stats, timed = ctx.stats, False  # the first round includes prefill: keep it out of costs
         stats.mode = policy.mode
         t_start = perf_counter()
@@ -114,10 +121,13 @@ class SpecDecScheduler:
                 batch = max(self.running, self.load() if self.load else 0)
                 k = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
                 ctx.cheap_drafts = policy.cheap  # in a batch: only drafts that cost nothing
-                # 2. draft: up to k proposals continuing the committed tokens
+                ctx.tree_nodes = tree.nodes(batch == 1 or seeded, policy.costs.relative()[1],  # alone:
+                                            policy.costs.speedup(policy.ewma.value, k) if k else 1.0)  # a tree
+                # 2. draft: up to k proposals continuing the committed tokens (a tree: up to k deep)
                 t0 = perf_counter()
-                drafts = list(await self.drafter.generate_draft(ctx, k))[:k] if k else []
-                # 3. verify: one target call over len(drafts) + 1 positions
+                drafts = list(await self.drafter.generate_draft(ctx, k))[: k + ctx.tree_nodes] if k else []
+                depth, chain = tree_depth(drafts), _chain_length(drafts)
+                # 3. verify: one target call over len(drafts) + 1 positions (a tree: in one call too)
                 t1 = perf_counter()
                 verdict = _checked(await self.verifier.verify_and_accept(ctx, drafts), drafts)
                 t2 = perf_counter()
@@ -125,23 +135,25 @@ class SpecDecScheduler:
                 at = ctx.generated.size
                 new = ctx.commit(verdict.tokens)
                 # 5. observe: stats, acceptance EWMA, costs, next draft length, fallback
-                switch = policy.observe(at, len(drafts), verdict.accepted, t1 - t0, t2 - t1, timed,
+                switch = policy.observe(at, depth, verdict.accepted, t1 - t0, t2 - t1, timed,
                                         alone=batch == 1 == max(self.running, self.load() if self.load else 0),
                                         batch=batch)
-                stats.observe_round(len(drafts), verdict.accepted, new.size, t1 - t0, t2 - t1,
+                stats.observe_round(depth, verdict.accepted, new.size, t1 - t0, t2 - t1,
                                     policy.ewma.value if drafts or stats.rounds else None)
+                stats.observe_tree(len(drafts) - chain, any(i >= chain for i in verdict.path or ()))
+                tree.observe(len(drafts) - chain, any(i >= chain for i in verdict.path or ()))
                 timed = timed or bool(drafts)  # a drafter's prefill may come in its first drafting round
                 if switch is not None:
                     stats.fallbacks.append(switch)
                     log.info("speculation.switch", to=switch.to, reason=switch.reason,
                              at=switch.at, ewma=round(switch.ewma, 3))
                 if log.isEnabledFor(logging.DEBUG):
-                    log.debug("round", k=len(drafts), accepted=verdict.accepted, emitted=new.size,
+                    log.debug("round", k=depth, nodes=len(drafts), accepted=verdict.accepted, emitted=new.size,
                               ewma=round(policy.ewma.value, 3), t_draft=t1 - t0, t_verify=t2 - t1)
                 # 6. emit: these tokens are final
                 if stats.time_to_first_token is None:
                     stats.time_to_first_token = perf_counter() - t_start
-                yield TokenEvent(tuple(new.tolist()), at, len(drafts), verdict.accepted, ctx.finish_reason)
+                yield TokenEvent(tuple(new.tolist()), at, depth, verdict.accepted, ctx.finish_reason)
         except SpecDecError:
             ctx.finish_reason = "error"
             raise
@@ -190,13 +202,38 @@ class RequestStream:
 
 
 def _checked(verdict: Verdict, drafts: Sequence[DraftToken]) -> Verdict:
-    """A plug-in verifier's verdict must keep a prefix of the drafts and add exactly one token."""
+    """A plug-in verifier's verdict must keep a path of the drafts (a prefix of a chain) and add
+    exactly one token."""
     n = verdict.accepted
-    if not 0 <= n <= len(drafts) or len(verdict.tokens) != n + 1 or any(
-        int(verdict.tokens[i]) != drafts[i].id for i in range(n)
-    ):
+    path = tuple(range(n)) if verdict.path is None else tuple(int(i) for i in verdict.path)
+    parents = tree_parents(drafts)
+    ok = 0 <= n <= len(drafts) and len(verdict.tokens) == n + 1 and len(path) == n and all(
+        0 <= path[i] < len(drafts) and parents[path[i]] == (path[i - 1] if i else -1)
+        and int(verdict.tokens[i]) == drafts[path[i]].id for i in range(n))
+    if not ok:
         raise InferenceError(
             f"verifier returned an inconsistent verdict: accepted={n}, tokens={list(verdict.tokens)}, "
-            f"drafts={[d.id for d in drafts]}"
+            f"path={verdict.path}, drafts={[d.id for d in drafts]}"
         )
     return verdict
+
+
+def tree_parents(drafts: Sequence[DraftToken]) -> list[int]:
+    """Each draft's parent index (``-1``: the committed tokens); a chain's are ``i - 1``."""
+    parents = [i - 1 if d.parent is None else int(d.parent) for i, d in enumerate(drafts)]
+    if any(not -1 <= p < i for i, p in enumerate(parents)):
+        raise InferenceError(f"a draft tree's parents must come before their children, got {parents}")
+    return parents
+
+
+def _chain_length(drafts: Sequence[DraftToken]) -> int:
+    """How many drafts, from the first, form a chain (a tree's main chain)."""
+    return next((i for i, d in enumerate(drafts) if d.parent is not None and d.parent != i - 1), len(drafts))
+
+
+def tree_depth(drafts: Sequence[DraftToken]) -> int:
+    """The longest path of a draft tree (a chain's length): what one round can accept."""
+    depth: list[int] = []
+    for p in tree_parents(drafts):
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max(depth, default=0)

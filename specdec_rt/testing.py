@@ -49,6 +49,8 @@ class ToyLM(LanguageModel):
     measure speculation in model calls.
 
     ``ragged``: the executor may batch calls of several positions (verifies) across requests.
+    ``tree``: it verifies a draft tree in one call (``extend(..., tree=parents)``, then
+    ``accept_tree``), as ONNX Runtime targets of exporter 0.3+ do; ``tree_calls`` counts them.
 
     ``prefix_cache_tokens > 0``: a :class:`~specdec_rt.prefix_cache.PrefixCache` over a pool of
     ``slots`` running and ``cache_entries`` entry slots holding ids (the toy's "KV"), as the ONNX
@@ -59,7 +61,7 @@ class ToyLM(LanguageModel):
     def __init__(self, vocab_size: int = 8, order: int = 2, seed: int = 0, sharpness: float = 2.0,
                  max_length: int = 4096, table: np.ndarray | None = None, *, slots: int = 16,
                  prefix_cache_tokens: int = 0, cache_entries: int | None = None, block: int = 4,
-                 ragged: bool = True) -> None:
+                 ragged: bool = True, tree: bool = True) -> None:
         self.vocab_size, self.order, self.max_length = vocab_size, order, max_length
         rng = np.random.default_rng(seed)
         self.table = table if table is not None else rng.normal(size=(vocab_size**order, vocab_size)) * sharpness
@@ -68,6 +70,8 @@ class ToyLM(LanguageModel):
         self.batches: list[int] = []  # rows of every batched call (with an executor)
         self.ragged = ragged  # batched calls of several positions per row (a batched verify)
         self.ragged_calls = 0
+        self.tree = tree
+        self.tree_calls = 0
         self.executor = None  # a BatchExecutor: calls go through its step loop, batched
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_tokens:
@@ -145,16 +149,18 @@ class ToySession(CachedStart, CacheSession):
     def length(self) -> int:
         return self._n
 
-    async def extend(self, ids: np.ndarray, logits_rows: int) -> np.ndarray:
+    async def extend(self, ids: np.ndarray, logits_rows: int, tree=None) -> np.ndarray:
         if self.closed:
             raise RuntimeError("session is closed")
         ids = np.asarray(ids, dtype=np.int64)
+        extra = {} if tree is None else {"tree": np.asarray(tree, dtype=np.int64)}
         if self.model.executor is not None:
-            return await self.model.executor.extend(self, ids, logits_rows)
-        return self.run_sync(ids, logits_rows, self._n)
+            return await self.model.executor.extend(self, ids, logits_rows, **extra)
+        return self.run_sync(ids, logits_rows, self._n, **extra)
 
-    def run_sync(self, ids: np.ndarray, logits_rows: int, past: int) -> np.ndarray:
-        """Feed ``ids`` [S] after ``past`` cached tokens (the executor's entry point)."""
+    def run_sync(self, ids: np.ndarray, logits_rows: int, past: int, tree=None) -> np.ndarray:
+        """Feed ``ids`` [S] after ``past`` cached tokens (the executor's entry point); ``tree``
+        [S]: each position's parent (-1: the cached tokens), and ``length`` stays ``past``."""
         cache = self.model.prefix_cache
         if cache is not None:
             cache.apply()
@@ -165,12 +171,35 @@ class ToySession(CachedStart, CacheSession):
             self.truth[past : past + ids.size] = ids
         self._n = past
         self._ids[self._n : self._n + ids.size] = ids
-        self._n += ids.size
         self.model.calls += 1
         self.model.positions += ids.size
+        if tree is not None:  # each node sees the cached tokens and its own path
+            if not self.model.tree:
+                raise RuntimeError("this toy model verifies chains only")
+            self.model.tree_calls += 1
+            rows = []
+            for j in range(ids.size - logits_rows, ids.size):
+                path, a = [], j
+                while a >= 0:
+                    path.append(int(ids[a]))
+                    a = int(tree[a])
+                ctx = np.concatenate([self._ids[max(0, past - self.model.order):past], path[::-1]])
+                rows.append(self.model.logits_at(ctx)[-1])
+            return np.stack(rows)  # [rows, V]
+        self._n += ids.size
         start = max(0, self._n - self.model.order + 1 - logits_rows)  # context the rows need
         logits = self.model.logits_at(self._ids[start : self._n])
         return logits[-logits_rows:]
+
+    def accept_tree(self, start: int, keep) -> None:
+        """Keep the tree positions ``start + keep`` as ``start ..`` (the accepted path)."""
+        if self._n != start:
+            raise ValueError(f"accept_tree at {start}: the cache holds {self._n}")
+        keep = np.asarray(keep, dtype=np.int64)
+        self._ids[start : start + keep.size] = self._ids[start + keep]
+        if self.model.prefix_cache is not None:
+            self.truth[start : start + keep.size] = self.truth[start + keep]
+        self._n = start + keep.size
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self._n:

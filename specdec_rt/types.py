@@ -33,10 +33,16 @@ class DraftToken:
     ``probs`` is the draft distribution ``q`` ``[V]`` the token was drawn from. ``None`` means a
     deterministic proposal (greedy drafting, n-gram lookup): ``q`` is one-hot at ``id``, which keeps
     rejection sampling exact without building a ``[V]`` row.
+
+    ``parent``: for a *tree* of drafts, the index of the draft this one continues (``-1``: the
+    committed tokens; an earlier index otherwise); ``None`` means the previous draft (a chain).
+    A drafter lists a tree's main chain first (each continuing the one before), then the other
+    nodes, so a verifier that takes chains only keeps that prefix.
     """
 
     id: int
     probs: np.ndarray | None = None
+    parent: int | None = None
 
     def q_row(self, vocab_size: int) -> np.ndarray:
         """The draft distribution as a dense row ``[V]``."""
@@ -50,10 +56,13 @@ class DraftToken:
 @dataclass(frozen=True)
 class Verdict:
     """What one verification emitted: ``tokens[:accepted]`` are accepted drafts, ``tokens[-1]``
-    is the target's recovered (after a rejection) or bonus (after full acceptance) token."""
+    is the target's recovered (after a rejection) or bonus (after full acceptance) token.
+    ``path``: for a tree, the indices of the accepted drafts (a path from the committed tokens);
+    ``None``: the first ``accepted`` drafts."""
 
     tokens: np.ndarray  # [accepted + 1] int64
     accepted: int
+    path: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,9 @@ class Stats:
     ar_steps: int = 0  # plain target steps (mode "ar", fallback, or no draft available)
     drafted: int = 0
     accepted: int = 0
+    tree_rounds: int = 0  # rounds that verified a draft tree (its main chain counts in drafted)
+    tree_nodes: int = 0  # nodes those trees had beyond their main chains
+    tree_hits: int = 0  # tree rounds whose accepted path left the main chain
     position_drafted: list[int] = field(default_factory=list)  # [k_max] rounds that drafted position i
     position_accepted: list[int] = field(default_factory=list)  # [k_max] ... and accepted it
     fallbacks: list[FallbackEvent] = field(default_factory=list)
@@ -132,6 +144,14 @@ class Stats:
         self.acceptance_ewma = ewma
         self.history.append(RoundRecord(drafted, accepted, emitted, ewma))
 
+    def observe_tree(self, nodes: int, hit: bool) -> None:
+        """Count a round's tree: ``nodes`` beyond its main chain (0: a chain), ``hit``: the
+        accepted path used one of them."""
+        if nodes > 0:
+            self.tree_rounds += 1
+            self.tree_nodes += nodes
+            self.tree_hits += int(hit)
+
     @property
     def acceptance_rate(self) -> float:
         """Accepted drafts / drafted tokens (0 when nothing was drafted)."""
@@ -160,7 +180,7 @@ class Stats:
     def merge(self, other: "Stats") -> None:
         """Add another request's counters to these (for totals across requests)."""
         for name in ("prompt_tokens", "cached_prompt_tokens", "new_tokens", "rounds", "ar_steps", "drafted", "accepted",
-                     "time_draft", "time_verify", "time_total"):
+                     "tree_rounds", "tree_nodes", "tree_hits", "time_draft", "time_verify", "time_total"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.position_drafted, other.position_drafted),
                              (self.position_accepted, other.position_accepted)):

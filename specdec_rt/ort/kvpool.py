@@ -24,6 +24,7 @@ import mmap
 
 import numpy as np
 
+from ..errors import InferenceError
 from ..prefix_cache import PrefixCache
 
 __all__ = ["KVPool"]
@@ -86,6 +87,12 @@ class KVPool:
         buf = self._buffers[layer][which]
         base = buf.array.ctypes.data if isinstance(buf, _HostBuffer) else buf.data_ptr()
         return base + slot * self.slot_bytes
+
+    def host_arrays(self) -> list[np.ndarray]:
+        """Every layer's key and value array ``[slots, kv_heads, max_len + 1, d]`` (CPU only)."""
+        if self.device != "cpu":
+            raise InferenceError("the KV cache is not on the host")
+        return [buf.array for pair in self._buffers for buf in pair]
 
     def hidden_rows(self, slot: int, size: int) -> np.ndarray:
         """``[max_len + 1, size]``: the hidden states kept for ``slot`` (allocated on first use,

@@ -23,6 +23,8 @@ from ..protocols import CacheSession, LanguageModel
 from .kvpool import KVPool
 from .manifest import PACKED_ROLES, Manifest, load_manifest
 from .setup import _configure_threads, check_graph, default_threads, pick_providers, use_global_thread_pool
+from .tree import compact_rows, tree_feeds
+from .tree import packed_layout as _packed_layout
 
 __all__ = ["OrtModel", "OrtSession", "KVPool", "default_threads", "pick_providers", "use_global_thread_pool"]
 
@@ -83,6 +85,14 @@ class OrtModel(LanguageModel):
         # plain. (Re-feeding the previous token instead cost ~45% of an int8 step.)
         quantized = (m.quantization or {}).get("accuracy_level", 0) not in (0, 1)
         self.lone_twice = quantized and m.role == "target" and self.ragged
+        # exporter 0.3+: an attention bias on every call (zeros but for a tree, see ort.tree).
+        # Trees need the KV on the host to compact it (CUDA verifies chains), and a tree node's
+        # logits equal its path's as a chain only to float rounding (~1e-6: attention sums the
+        # path's keys at other indices), which int8 activations would amplify: quantized targets
+        # verify chains too
+        self.biased = self.ragged and bool(m.inputs.get("attention_bias"))
+        self.tree = (self.biased and bool(m.inputs.get("position_ids")) and self.device == "cpu"
+                     and not quantized)
         entries = max(slots, MIN_CACHE_ENTRIES) if cache_entries is None else cache_entries
         self.pool = KVPool(m.num_layers, m.num_kv_heads, m.head_dim, slots, self.max_length, self.device, ort,
                            entries=entries if prefix_cache_bytes else 0, budget_bytes=prefix_cache_bytes,
@@ -160,6 +170,9 @@ class OrtModel(LanguageModel):
         if layout is not None:
             for role, value in zip(PACKED_ROLES, layout):
                 io.bind_cpu_input(names[role], value)
+            if self.biased:  # no tree: causal order alone
+                width, total = int(layout[3][1]), int(seqlens.max()) + 1
+                io.bind_cpu_input(names["attention_bias"], np.zeros((1, 1, width, total), dtype=np.float32))
         io.bind_output(self.manifest.outputs["logits"], "cpu")
         try:
             session.run_with_iobinding(io)
@@ -261,24 +274,6 @@ class OrtModel(LanguageModel):
         return logits[at, [last.index(p.size - 1) for p in prompts]]  # [B, V]
 
 
-def _packed_layout(news: np.ndarray, lone_twice: bool = False) -> tuple[np.ndarray, ...]:
-    """The inputs that lay packed positions out as rows for attention, for ``news`` ``[B]`` new
-    positions per row: ``(query_seqlens [B], pad_index [B*S], pack_index [N], padded_shape [3])``
-    with S the longest row; padding points at position 0 (attention ignores it). ``lone_twice``:
-    a row of one position goes to attention as two copies of it (``query_seqlens`` 2; see
-    :class:`OrtModel`), so a caller's ``seqlens_k`` is ``past + query_seqlens - 1``."""
-    queries = np.where((news == 1) & lone_twice, 2, news)  # [B] query rows attention computes
-    rows, width = news.size, max(1, int(queries.max()))
-    starts = np.cumsum(news) - news  # [B]
-    pad = np.zeros((rows, width), dtype=np.int64)  # [B, S]
-    pack = np.empty(int(news.sum()), dtype=np.int64)  # [N]
-    for r in np.flatnonzero(news):
-        q = int(news[r])
-        pad[r, : queries[r]] = starts[r] + np.minimum(np.arange(queries[r]), q - 1)
-        pack[starts[r] : starts[r] + q] = r * width + np.arange(q)
-    return queries.astype(np.int32), pad.reshape(-1), pack, np.array([rows, width, -1], dtype=np.int64)
-
-
 class OrtSession(CachedStart, CacheSession):
     """One request's slot in the model's KV pool, with its IO binding built once.
 
@@ -310,13 +305,15 @@ class OrtSession(CachedStart, CacheSession):
         return self.model.pool.hidden_rows(self.slot, size)
 
     async def extend(self, ids: np.ndarray, logits_rows: int, *, features: np.ndarray | None = None,
-                     hidden: bool = False):
+                     hidden: bool = False, tree=None):
         """Append ``ids`` [S]; the logits of the last ``logits_rows`` positions [R, V].
 
         ``features`` [S, H]: the extra per-position input of an EAGLE draft head. ``hidden=True``
         also returns the graph's ``hidden_states`` of the S positions: ``(logits, hidden [S, H])``.
         The call goes through the model's :class:`~specdec_rt.batching.BatchExecutor`, which
         batches it with other requests' single-token steps and advances ``length``.
+        ``tree`` [S]: each position's parent (see :mod:`specdec_rt.ort.tree`): one call over a
+        draft tree; ``length`` stays put until :meth:`accept_tree`.
         """
         if self._closed:
             raise InferenceError("KV cache session is closed")
@@ -328,29 +325,39 @@ class OrtSession(CachedStart, CacheSession):
         extra = {"features": features} if features is not None else {}
         if hidden:
             extra["hidden"] = True  # no extras: a single-token step the executor may batch
+        if tree is not None:
+            extra["tree"] = np.asarray(tree, dtype=np.int64)
         return await self.model.executor.extend(self, np.asarray(ids, dtype=np.int64), logits_rows, **extra)
 
-    def run_sync(self, ids: np.ndarray, rows: int, past: int, features=None, hidden: bool = False):
+    def run_sync(self, ids: np.ndarray, rows: int, past: int, features=None, hidden: bool = False,
+                 tree=None):
         """Feed ``ids`` [S] after ``past`` cached tokens and set ``length`` to ``past + S``
-        (in a worker thread: the executor calls it)."""
+        (in a worker thread: the executor calls it). ``tree``: the parent of each new position
+        (see :mod:`specdec_rt.ort.tree`); the length stays ``past`` until :meth:`accept_tree`."""
         if self._closed:
             raise InferenceError("KV cache session is closed")
         session, pool = self.model.session, self.model.pool  # held: close() cannot free them under the call
         if session is None:
             raise InferenceError(f"model {self.model.name} is closed")
+        if tree is not None and not self.model.tree:
+            raise InferenceError(f"model {self.model.name} cannot verify a tree (export 0.3+ on CPU)")
         pool.cache.apply()  # queued prefix-cache copies first
         wanted = ids.size
-        if self._deferred is not None and features is not None:
-            raise InferenceError("a session fed features cannot start from a prefix-cache hit")
+        if self._deferred is not None and (features is not None or tree is not None):
+            raise InferenceError("a session fed features or a tree cannot start from a prefix-cache hit")
         ids, past = self._settle(pool.cache, ids, past, self._ids)  # a hit on a running source: copy now
         self._ids[past : past + ids.size] = ids
         n, s = past, ids.size
         names, io = self._names, self._io
         io.bind_cpu_input(names["input_ids"], ids[None, :])  # [1, S]
-        if names.get("position_ids"):
-            io.bind_cpu_input(names["position_ids"], self._pos[None, n : n + s])  # [1, S]
         layout = _packed_layout(np.array([s]), self.model.lone_twice) if self.model.ragged else None
         q = int(layout[0][0]) if layout is not None else s  # query rows attention computes (see OrtModel)
+        positions, bias = (tree_feeds(tree, n, q) if tree is not None else
+                           (self._pos[None, n : n + s], np.zeros((1, 1, q, n + q), dtype=np.float32)))
+        if names.get("position_ids"):
+            io.bind_cpu_input(names["position_ids"], positions)  # [1, S]
+        if self.model.biased:
+            io.bind_cpu_input(names["attention_bias"], bias)  # [1, 1, q, n + q]
         io.bind_cpu_input(names["seqlens_k"], np.array([n + q - 1], dtype=np.int32))  # [1]
         io.bind_cpu_input(names["total_sequence_length"], np.array(n + q, dtype=np.int32))  # scalar
         io.bind_cpu_input(names["logits_index"], self._pos[s - rows : s])  # [R]
@@ -374,7 +381,7 @@ class OrtSession(CachedStart, CacheSession):
             self.model.calls += 1
             outs = io.get_outputs()
             logits = outs[self._logits_at].numpy()[0]  # [R, V]
-            self._length = n + s
+            self._length = n if tree is not None else n + s
             if not hidden:
                 return logits
             h = outs[self._hidden_at].numpy()[0]  # [S, H]
@@ -386,6 +393,20 @@ class OrtSession(CachedStart, CacheSession):
                                  f"(past {n}, new {s} tokens): {exc}") from exc
         finally:
             del pool
+
+    def accept_tree(self, past: int, keep) -> None:
+        """After a tree call at ``past``: keep the nodes ``keep`` (increasing: the accepted path),
+        their KV moved to positions ``past ..`` in place; ``length`` becomes ``past + len(keep)``."""
+        if self._length != past:
+            raise InferenceError(f"accept_tree at {past}: the cache holds {self._length}")
+        pool = self.model.pool
+        keep = np.asarray(keep, dtype=np.int64)
+        compact_rows(pool.host_arrays(), self.slot, past, keep)
+        if pool.hidden is not None:
+            rows = pool.hidden.array[self.slot]  # [max_len + 1, H]
+            rows[past : past + keep.size] = rows[past + keep]
+        self._ids[past : past + keep.size] = self._ids[past + keep]
+        self._length = past + keep.size
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self._length:

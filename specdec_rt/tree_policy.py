@@ -1,0 +1,55 @@
+"""When a draft tree pays: its extra nodes against what they cost in the verify call.
+
+A request alone may draft its main chain (k tokens) plus up to ``n`` other nodes (the draft's
+runner-up at the first depths). In units of one plain target step, a round costs
+``R = 1 + s (k + 1) + k d`` and yields ``T`` tokens (``s``: the measured cost of one more verified
+position; ``d``: of one draft step). ``n`` extra nodes cost ``n s`` more and yield ``n h`` more
+tokens, ``h`` being how often an offered node ends up on the accepted path. They pay when
+``(T + n h) / (R + n s) > T / R``, i.e. when ``h > s T / R = s x (the round's speedup)``.
+
+``h`` is an EWMA per request (prior ``TREE_PRIOR``). While trees do not pay the request drafts
+chains and offers a tree again every ``TREE_PROBE_EVERY`` rounds, so the estimate can recover.
+Stats are data: ``offered`` and ``hits`` count what happened.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TreePolicy", "TREE_PRIOR", "TREE_PROBE_EVERY"]
+
+TREE_PRIOR = 0.3  # hits per offered node before any was observed
+TREE_PROBE_EVERY = 16  # rounds between trees while they do not pay
+
+
+class TreePolicy:
+    """Per request: how many tree nodes to offer this round (0: a chain)."""
+
+    def __init__(self, nodes: int, alpha: float) -> None:
+        self.max_nodes = nodes
+        self.alpha = alpha
+        self.hit_rate = TREE_PRIOR
+        self.offered = 0  # nodes offered beyond the main chains, in all
+        self.hits = 0  # rounds whose accepted path went through one of them
+        self._since_probe = 0
+
+    def nodes(self, alone: bool, slope: float, speedup: float) -> int:
+        """Nodes to offer: ``alone`` (trees go in a call of their own), ``slope`` s and the
+        expected ``speedup`` T / R of a chain round (both from the cost model)."""
+        if not self.max_nodes or not alone:
+            return 0
+        if self.hit_rate > slope * max(speedup, 1.0):
+            self._since_probe = 0
+            return self.max_nodes
+        self._since_probe += 1
+        if self._since_probe >= TREE_PROBE_EVERY:
+            self._since_probe = 0
+            return self.max_nodes
+        return 0
+
+    def observe(self, offered: int, hit: bool) -> None:
+        """A round that offered ``offered`` nodes beyond the main chain; ``hit``: one of them was
+        accepted."""
+        if offered <= 0:
+            return
+        self.offered += offered
+        self.hits += int(hit)
+        self.hit_rate += self.alpha * (float(hit) / offered - self.hit_rate)

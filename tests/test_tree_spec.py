@@ -1,0 +1,123 @@
+"""Tree speculation end to end on toy models: a request alone drafts its main chain plus the
+draft's runner-up at the first depths (``SpecConfig.tree_nodes``), the target verifies the tree
+in one call and walks it (specdec_rt.tree_sampling). Greedy output equals plain decoding;
+sampled sequences keep the target's distribution (chi-square), and the same test catches a tree
+walk without the residual update."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+import specdec_rt.adapters as adapters
+from specdec_rt import ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
+from specdec_rt.errors import InferenceError
+from specdec_rt.sampling import sample
+from specdec_rt.scheduler import _checked, tree_depth, tree_parents
+from specdec_rt.testing import ToyLM, chi_square_pvalue, sequence_distribution, toy_pair
+from specdec_rt.tree_sampling import DraftTree
+from specdec_rt.types import DraftToken, Verdict
+
+VOCAB, LENGTH, PROMPT, N = 4, 3, [1, 2], 6000
+ALWAYS = dict(measure_costs=False, adapt_k=False, fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)
+
+
+def _run(target, draft, config, prompt, n, params=None, mode="spec", rng=None):
+    sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), config)
+    return anyio.run(lambda: sched.run(prompt, n, params or SamplingParams(), mode=mode, rng=rng))
+
+
+def test_tree_shapes_and_verdict_checks():
+    chain = [DraftToken(5), DraftToken(6), DraftToken(7)]
+    tree = chain + [DraftToken(8, parent=-1), DraftToken(9, parent=0)]
+    assert tree_parents(chain) == [-1, 0, 1] and tree_parents(tree) == [-1, 0, 1, -1, 0]
+    assert tree_depth(chain) == 3 and tree_depth(tree) == 3 and tree_depth([]) == 0
+    ok = Verdict(np.array([5, 9, 1]), 2, path=(0, 4))
+    assert _checked(ok, tree) is ok
+    for bad in (Verdict(np.array([5, 8, 1]), 2, path=(0, 3)),  # 3 is not a child of 0
+                Verdict(np.array([5, 7, 1]), 2, path=(0, 4)),  # token is not node 4's
+                Verdict(np.array([9, 1]), 1)):  # no path: a prefix, and drafts[0] is 5
+        with pytest.raises(InferenceError, match="inconsistent verdict"):
+            _checked(bad, tree)
+    with pytest.raises(InferenceError, match="parents must come before"):
+        tree_parents([DraftToken(1, parent=1)])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_tree_speculation_equals_plain_decoding(seed):
+    target, draft = toy_pair(16, seed=seed, distance=0.8)
+    prompt = list(np.random.default_rng(seed).integers(0, 16, size=5))
+    plain = _run(target, draft, SpecConfig(**ALWAYS), prompt, 40, mode="ar").token_ids
+    for nodes in (0, 1, 3):
+        cfg = SpecConfig(k_init=4, tree_nodes=nodes, **ALWAYS)
+        before = target.tree_calls
+        res = _run(target, draft, cfg, prompt, 40)
+        assert res.token_ids == plain
+        assert (target.tree_calls > before) == (nodes > 0)
+
+
+def test_the_runner_up_pays_when_the_draft_is_off():
+    target, draft = toy_pair(16, seed=4, distance=0.6)  # deterministic: 1.09 -> 1.87 tokens a call
+    per_call = {}
+    for nodes in (0, 3):
+        res = _run(target, draft, SpecConfig(k_init=3, tree_nodes=nodes, **ALWAYS), [3, 1, 4], 200)
+        per_call[nodes] = res.stats.tokens_per_target_call
+    assert per_call[3] > per_call[0] * 1.1  # rejected chain tokens often had the runner-up right
+
+
+def test_a_target_that_takes_chains_only_verifies_the_main_chain():
+    chains_only, draft = toy_pair(16, seed=2, distance=0.8, tree=False)
+    res = _run(chains_only, draft, SpecConfig(k_init=4, tree_nodes=3, **ALWAYS), [1, 2, 3], 30)
+    plain = _run(chains_only, draft, SpecConfig(**ALWAYS), [1, 2, 3], 30, mode="ar")
+    assert res.token_ids == plain.token_ids and chains_only.tree_calls == 0
+
+
+def _collect(params, config, n=N, seed=0):
+    target, draft = toy_pair(VOCAB, seed=3, distance=0.7)
+    sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), config)
+    rng = np.random.default_rng(seed)
+
+    async def main():
+        counts: dict = {}
+        for _ in range(n):
+            key = tuple((await sched.run(PROMPT, LENGTH, params, rng=rng)).token_ids)
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+    return anyio.run(main), target
+
+
+TREE = SpecConfig(k_min=2, k_init=2, k_max=2, tree_nodes=2, **ALWAYS)
+
+
+def test_tree_sampling_keeps_the_sequence_distribution():
+    params = SamplingParams(temperature=1.0)
+    counts, target = _collect(params, TREE)
+    assert target.tree_calls > N  # trees were verified (several rounds per sequence)
+    target, _ = toy_pair(VOCAB, seed=3, distance=0.7)
+    assert chi_square_pvalue(counts, sequence_distribution(target, PROMPT, LENGTH, params)) > 1e-3
+
+
+def _walk_without_residual(tree: DraftTree, p, rng):
+    """A broken tree walk: after a rejected child, the next child is judged against p itself,
+    not against norm(max(0, p - q)); when all fail, the token is drawn from p."""
+    path, node = [], -1
+    while True:
+        r = p[node + 1]
+        for c in tree.children(node):
+            q = tree.q_row(c, p.shape[1])
+            x = tree.tokens[c]
+            if rng.random() * q[x] < r[x]:
+                node = int(c)
+                path.append(node)
+                break
+        else:
+            return np.array(path, dtype=np.int64), np.append(tree.tokens[path], sample(r, rng)).astype(np.int64)
+
+
+def test_the_same_test_catches_a_walk_without_the_residual(monkeypatch):
+    monkeypatch.setattr(adapters, "tree_accept", _walk_without_residual)
+    params = SamplingParams(temperature=1.0)
+    counts, _ = _collect(params, TREE)
+    target, _ = toy_pair(VOCAB, seed=3, distance=0.7)
+    assert chi_square_pvalue(counts, sequence_distribution(target, PROMPT, LENGTH, params)) < 1e-6
