@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
+from ..acceptance import SpecConfig
 from ..drafters import CombinedDrafter, NgramDrafter
 from ..drafting import model_drafter, resolve_draft_spec
 from ..ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
@@ -79,11 +80,15 @@ def load_prompts(codec: TextCodec, path: str | None, categories: set[str] | None
 Runner = Callable[[list[int], int], Awaitable[tuple]]
 
 
+BENCH_TREE_NODES = 3  # the tree modes: main chain + the draft's runner-up at the first 3 depths
+
+
 def build_our_modes(folder: Path, threads: int, max_length: int | None,
                     extra_drafts: Sequence[str | Path] = ()) -> tuple[dict[str, Runner], dict]:
     """Our modes over one shared target: ``ar``, ``spec`` (the engine's default drafter),
     ``spec_ngram``, ``spec_<draft>`` per exported draft (and per folder in ``extra_drafts``, e.g.
-    a ``train-draft`` output), ``spec_ngram+<draft>`` for the first draft and for EAGLE drafts."""
+    a ``train-draft`` output), ``spec_ngram+<draft>`` for the first draft and for EAGLE drafts;
+    with a target that verifies trees, ``spec_tree`` and ``spec_<draft>_tree`` (draft trees)."""
     m = load_manifest(folder)
     target = OrtModel(m, max_length=max_length, threads=threads, slots=2)
     verifier = OrtTargetVerifier(target)
@@ -115,6 +120,13 @@ def build_our_modes(folder: Path, threads: int, max_length: int | None,
                                             eos_ids=m.eos_ids), "spec")
     for name, drafter in drafters.items():
         modes[f"spec_{name}"] = runner(SpecDecScheduler(drafter, verifier_for(drafter), eos_ids=m.eos_ids), "spec")
+    if target.tree:  # the same drafters with draft trees (each model draft's runner-up as siblings)
+        trees = SpecConfig(tree_nodes=BENCH_TREE_NODES)
+        for name in dict.fromkeys([default, *drafts, *(n for n in drafters if n.startswith("ngram+"))]):
+            if name == "ngram" or getattr(drafters[name], "needs_target_hidden", False):
+                continue  # EAGLE drafts: chains (their verifier shares hidden states)
+            mode = "spec_tree" if name == default else f"spec_{name}_tree"
+            modes[mode] = runner(SpecDecScheduler(drafters[name], verifier, trees, eos_ids=m.eos_ids), "spec")
     info = {"target": m.name, "exact_to": m.exact_to, "default_drafter": default,
             "drafts": {n: d.model.manifest.raw.get("onnx", {}).get("quantization") for n, d in drafts.items()},
             "threads": threads, "provider": target.device}
