@@ -4,12 +4,9 @@ many positions the call fed (attention computes a lone query twice)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 
-from specdec_rt import Engine
 from specdec_rt.acceptance import SpecConfig
 from specdec_rt.ort.model import OrtModel
 
@@ -67,15 +64,9 @@ def test_a_lone_token_gets_the_logits_it_gets_inside_a_verify(tiny_int8):
 
 @pytest.mark.parametrize("draft", ["q4", "ngram"])
 def test_greedy_speculative_equals_plain_for_the_quantized_target(tiny_int8, draft):
+    from tiny_models import plain_spec_together
+
     prompts = ["one two three", "def f(x):\n    return", "a b a b a b"]
-
-    async def go():
-        async with await Engine.load(tiny_int8, draft=draft, slots=3,
-                                     spec_config=SpecConfig(measure_costs=False, adapt_k=False, k_init=3)) as engine:
-            plain = [(await engine.generate(p, 20, mode="ar")).token_ids for p in prompts]
-            spec = [(await engine.generate(p, 20, mode="spec")).token_ids for p in prompts]
-            together = await asyncio.gather(*[engine.generate(p, 20, mode="spec") for p in prompts])
-            return plain, spec, [r.token_ids for r in together]
-
-    plain, spec, together = asyncio.run(go())
+    cfg = SpecConfig(measure_costs=False, adapt_k=False, k_init=3)
+    plain, spec, together = plain_spec_together(tiny_int8, draft, cfg, prompts, 20, slots=3)
     assert spec == plain and together == plain

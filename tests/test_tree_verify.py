@@ -118,12 +118,9 @@ def test_a_model_without_the_tree_inputs_refuses_a_tree(tiny, tmp_path):
 
 
 def test_greedy_tree_speculation_through_the_engine_equals_plain(tmp_path, monkeypatch):
-    import asyncio
-
     import specdec_rt.adapters as adapters
-    from specdec_rt import Engine
     from specdec_rt.acceptance import SpecConfig
-    from tiny_models import export_tiny
+    from tiny_models import export_tiny, plain_spec_together
 
     out = export_tiny(tmp_path, "llama", draft="int8")  # a close draft: long accepted paths
     trees = []
@@ -136,16 +133,8 @@ def test_greedy_tree_speculation_through_the_engine_equals_plain(tmp_path, monke
 
     monkeypatch.setattr(adapters.ModelVerifier, "_verify_tree", spy)
     prompts = ["one two three", "def f(x):\n    return", "Hello world! The", "import numpy"]
-
-    async def go():
-        cfg = SpecConfig(measure_costs=False, adapt_k=False, k_init=4, tree_nodes=3, fallback_below=0.0)
-        async with await Engine.load(out, draft="model", slots=2, spec_config=cfg) as engine:
-            plain = [(await engine.generate(p, 24, mode="ar")).token_ids for p in prompts]
-            spec = [(await engine.generate(p, 24, mode="spec")).token_ids for p in prompts]
-            together = await asyncio.gather(*[engine.generate(p, 24, mode="spec") for p in prompts])
-            return plain, spec, [r.token_ids for r in together]
-
-    plain, spec, together = asyncio.run(go())
+    cfg = SpecConfig(measure_costs=False, adapt_k=False, k_init=4, tree_nodes=3, fallback_below=0.0)
+    plain, spec, together = plain_spec_together(out, "model", cfg, prompts, 24, slots=2)
     assert spec == plain and together == plain
     assert trees and any(len(p) > 1 for p in trees)  # trees verified, paths several nodes long
 

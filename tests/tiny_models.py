@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = ["build_tiny_tokenizer", "build_tiny_checkpoint", "build_tiny_gguf", "export_tiny",
-           "FAMILIES", "CHATML_TEMPLATE"]
+           "plain_spec_together", "FAMILIES", "CHATML_TEMPLATE"]
 
 FAMILIES = ("llama", "qwen2")
 CHATML_TEMPLATE = (
@@ -213,3 +213,19 @@ def export_tiny(tmp_path: Path, family: str = "llama", draft: str | None = None,
     run(Request(src=str(ckpt), out=out, validate=validate, threads=1, **request),
         Reporter(quiet=True))
     return out
+
+
+def plain_spec_together(folder: Path, draft: str, config, prompts: list[str], n: int, slots: int):
+    """Greedy token ids of ``prompts`` through an Engine on ``folder``: ``(plain, spec one at a
+    time, spec all at once)``, for exactness checks."""
+    import asyncio
+
+    from specdec_rt import Engine
+
+    async def go():
+        async with await Engine.load(folder, draft=draft, slots=slots, spec_config=config) as engine:
+            plain = [(await engine.generate(p, n, mode="ar")).token_ids for p in prompts]
+            spec = [(await engine.generate(p, n, mode="spec")).token_ids for p in prompts]
+            together = await asyncio.gather(*[engine.generate(p, n, mode="spec") for p in prompts])
+            return plain, spec, [r.token_ids for r in together]
+    return asyncio.run(go())
