@@ -121,8 +121,7 @@ class SpecDecScheduler:
                 batch = max(self.running, self.load() if self.load else 0)
                 k = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
                 ctx.cheap_drafts = policy.cheap  # in a batch: only drafts that cost nothing
-                ctx.tree_nodes = tree.nodes(batch == 1 or seeded, policy.costs.relative()[1],  # alone:
-                                            policy.costs.speedup(policy.ewma.value, k) if k else 1.0)  # a tree
+                ctx.tree_nodes = self._tree_nodes(ctx, tree, policy, k, batch == 1 or seeded)  # alone: a tree
                 # 2. draft: up to k proposals continuing the committed tokens (a tree: up to k deep)
                 t0 = perf_counter()
                 drafts = list(await self.drafter.generate_draft(ctx, k))[: k + ctx.tree_nodes] if k else []
@@ -174,6 +173,17 @@ class SpecDecScheduler:
             log.info("request.end", mode=stats.mode, new_tokens=stats.new_tokens,
                      finish=stats.finish_reason, acceptance=round(stats.acceptance_rate, 3),
                      tokens_per_s=round(stats.tokens_per_s, 2))
+
+
+    def _tree_nodes(self, ctx: RequestContext, tree: TreePolicy, policy: RequestPolicy, k: int,
+                    alone: bool) -> int:
+        """Nodes a round of ``k`` drafts may add as a tree: what the tree policy pays for, within
+        the room the models have left (the nodes take positions after the k drafts)."""
+        if not k:
+            return 0
+        nodes = tree.nodes(alone, policy.costs.relative()[1], policy.costs.speedup(policy.ewma.value, k))
+        room = self.max_length - ctx.tokens.size - k if self.max_length else nodes
+        return max(0, min(nodes, room))
 
 
 class RequestStream:

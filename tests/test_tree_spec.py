@@ -121,3 +121,13 @@ def test_the_same_test_catches_a_walk_without_the_residual(monkeypatch):
     counts, _ = _collect(params, TREE)
     target, _ = toy_pair(VOCAB, seed=3, distance=0.7)
     assert chi_square_pvalue(counts, sequence_distribution(target, PROMPT, LENGTH, params)) < 1e-6
+
+
+def test_trees_never_outgrow_the_models_length():
+    """Near the end of a model's context the tree nodes shrink to the room that is left: the
+    request still finishes, same output."""
+    target, draft = toy_pair(16, seed=3, distance=0.6, max_length=24)
+    prompt = [1, 2, 3, 4]
+    plain = _run(target, draft, SpecConfig(**ALWAYS), prompt, 20, mode="ar").token_ids
+    res = _run(target, draft, SpecConfig(k_init=4, tree_nodes=8, **ALWAYS), prompt, 20)
+    assert res.token_ids == plain and len(plain) == 20
