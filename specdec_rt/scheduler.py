@@ -20,7 +20,7 @@ from .errors import InferenceError, InvalidInputError, SpecDecError
 from .logs import get_logger
 from .protocols import DraftInferrer, TargetVerifier
 from .sampling import SamplingParams
-from .tree_policy import TreePolicy
+from .tree_policy import TreePolicy, TreeRates
 from .types import DraftToken, GenerationResult, Mode, Stats, TokenEvent, Verdict
 
 __all__ = ["SpecDecScheduler", "RequestStream", "tree_parents", "tree_depth"]
@@ -62,6 +62,7 @@ class SpecDecScheduler:
         # when the verifier takes trees (ONNX Runtime targets of exporter 0.3+, float32, CPU)
         self.trees = bool(getattr(verifier, "trees", False))
         self.tree_nodes = self.config.tree_nodes
+        self.tree_rates = TreeRates(self.config.alpha)  # realized speed of tree vs chain rounds
         self.load = load  # requests about to share it too (e.g. the Engine's admitted ones)
 
     @property
@@ -95,7 +96,8 @@ class SpecDecScheduler:
                                prompt_tokens=ctx.prompt_len - (cached(ctx.tokens) if cached else 0))  # what it lacks
         policy.cheap_drafts = bool(getattr(self.drafter, "cheap_drafts", False))
         tree = TreePolicy(self.tree_nodes if self.trees and mode == "spec" else 0, self.config.alpha)
-        return RequestStream(self._loop(ctx, policy, tree, seeded), ctx)
+        rates = self.tree_rates if self.config.measure_costs and not seeded else None  # timings decide?
+        return RequestStream(self._loop(ctx, policy, tree, rates), ctx)
 
     async def run(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int,
                   params: SamplingParams | None = None, **kwargs) -> GenerationResult:
@@ -107,7 +109,7 @@ class SpecDecScheduler:
         return GenerationResult(it.token_ids, it.stats)
 
     async def _loop(self, ctx: RequestContext, policy: RequestPolicy, tree: TreePolicy,
-                    seeded: bool) -> AsyncIterator[TokenEvent]:
+                    rates: TreeRates | None) -> AsyncIterator[TokenEvent]:
         stats, timed = ctx.stats, False  # the first round includes prefill: keep it out of costs
         stats.mode = policy.mode
         t_start = perf_counter()
@@ -121,7 +123,7 @@ class SpecDecScheduler:
                 batch = max(self.running, self.load() if self.load else 0)
                 k = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
                 ctx.cheap_drafts = policy.cheap  # in a batch: only drafts that cost nothing
-                ctx.tree_nodes = self._tree_nodes(ctx, tree, policy, k, batch == 1 or seeded)  # alone: a tree
+                ctx.tree_nodes = self._tree_nodes(ctx, tree, policy, k, batch == 1 or rates is None, rates)
                 # 2. draft: up to k proposals continuing the committed tokens (a tree: up to k deep)
                 t0 = perf_counter()
                 drafts = list(await self.drafter.generate_draft(ctx, k))[: k + ctx.tree_nodes] if k else []
@@ -141,6 +143,8 @@ class SpecDecScheduler:
                                     policy.ewma.value if drafts or stats.rounds else None)
                 stats.observe_tree(len(drafts) - chain, any(i >= chain for i in verdict.path or ()))
                 tree.observe(len(drafts) - chain, any(i >= chain for i in verdict.path or ()))
+                if rates is not None and timed and drafts and batch == 1:  # realized speed, alone
+                    rates.observe(len(drafts) > chain, new.size, t2 - t0)
                 timed = timed or bool(drafts)  # a drafter's prefill may come in its first drafting round
                 if switch is not None:
                     stats.fallbacks.append(switch)
@@ -176,12 +180,12 @@ class SpecDecScheduler:
 
 
     def _tree_nodes(self, ctx: RequestContext, tree: TreePolicy, policy: RequestPolicy, k: int,
-                    alone: bool) -> int:
+                    alone: bool, rates: TreeRates | None) -> int:
         """Nodes a round of ``k`` drafts may add as a tree: what the tree policy pays for, within
         the room the models have left (the nodes take positions after the k drafts)."""
         if not k:
             return 0
-        nodes = tree.nodes(alone, policy.costs.relative()[1], policy.costs.speedup(policy.ewma.value, k))
+        nodes = tree.nodes(alone, policy.costs.relative()[1], policy.costs.speedup(policy.ewma.value, k), rates)
         room = self.max_length - ctx.tokens.size - k if self.max_length else nodes
         return max(0, min(nodes, room))
 

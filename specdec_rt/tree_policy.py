@@ -10,11 +10,19 @@ tokens, ``h`` being how often an offered node ends up on the accepted path. They
 ``h`` is an EWMA per request (prior ``TREE_PRIOR``). While trees do not pay the request drafts
 chains and offers a tree again every ``TREE_PROBE_EVERY`` rounds, so the estimate can recover.
 Stats are data: ``offered`` and ``hits`` count what happened.
+
+That rule sees the verify call only. A tree also makes longer accepted paths, hence longer
+drafts, and its walk and compaction cost a little host time; where drafting bounds the round
+(SmolLM2's int8 draft costs ~0.45 of a target step) trees measured 4% slower with the rule
+satisfied. So the scheduler also keeps ``TreeRates``: the realized tokens per second of tree
+rounds and of chain rounds (EWMAs shared by its requests; each mode is probed every
+``TREE_PROBE_EVERY`` rounds), and trees stay on only while their rounds are not slower. Seeded
+requests skip the realized rates (timings would make their output depend on the machine).
 """
 
 from __future__ import annotations
 
-__all__ = ["TreePolicy", "TREE_PRIOR", "TREE_PROBE_EVERY"]
+__all__ = ["TreePolicy", "TreeRates", "TREE_PRIOR", "TREE_PROBE_EVERY"]
 
 TREE_PRIOR = 0.3  # hits per offered node before any was observed
 TREE_PROBE_EVERY = 16  # rounds between trees while they do not pay
@@ -31,19 +39,19 @@ class TreePolicy:
         self.hits = 0  # rounds whose accepted path went through one of them
         self._since_probe = 0
 
-    def nodes(self, alone: bool, slope: float, speedup: float) -> int:
+    def nodes(self, alone: bool, slope: float, speedup: float, rates: "TreeRates | None" = None) -> int:
         """Nodes to offer: ``alone`` (trees go in a call of their own), ``slope`` s and the
-        expected ``speedup`` T / R of a chain round (both from the cost model)."""
+        expected ``speedup`` T / R of a chain round (both from the cost model); ``rates``: the
+        realized speeds of both kinds of round, when they may decide."""
         if not self.max_nodes or not alone:
             return 0
-        if self.hit_rate > slope * max(speedup, 1.0):
-            self._since_probe = 0
-            return self.max_nodes
+        realized = rates.pays() if rates is not None else None
+        pays = self.hit_rate > slope * max(speedup, 1.0) if realized is None else realized
         self._since_probe += 1
-        if self._since_probe >= TREE_PROBE_EVERY:
+        if self._since_probe >= TREE_PROBE_EVERY:  # the other kind of round, now and then
             self._since_probe = 0
-            return self.max_nodes
-        return 0
+            pays = not pays
+        return self.max_nodes if pays else 0
 
     def observe(self, offered: int, hit: bool) -> None:
         """A round that offered ``offered`` nodes beyond the main chain; ``hit``: one of them was
@@ -53,3 +61,29 @@ class TreePolicy:
         self.offered += offered
         self.hits += int(hit)
         self.hit_rate += self.alpha * (float(hit) / offered - self.hit_rate)
+
+
+class TreeRates:
+    """Realized tokens per second of tree rounds and of chain rounds (EWMAs; shared)."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.tree: float | None = None
+        self.chain: float | None = None
+
+    def observe(self, tree: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self.tree if tree else self.chain
+        new = rate if old is None else old + self.alpha * (rate - old)
+        if tree:
+            self.tree = new
+        else:
+            self.chain = new
+
+    def pays(self) -> bool | None:
+        """Whether tree rounds are not slower (None until both kinds were measured)."""
+        if self.tree is None or self.chain is None:
+            return None
+        return self.tree >= self.chain

@@ -131,3 +131,21 @@ def test_trees_never_outgrow_the_models_length():
     plain = _run(target, draft, SpecConfig(**ALWAYS), prompt, 20, mode="ar").token_ids
     res = _run(target, draft, SpecConfig(k_init=4, tree_nodes=8, **ALWAYS), prompt, 20)
     assert res.token_ids == plain and len(plain) == 20
+
+
+def test_realized_rates_switch_trees_off_when_their_rounds_are_slower():
+    from specdec_rt.tree_policy import TREE_PROBE_EVERY, TreePolicy, TreeRates
+
+    rates = TreeRates(alpha=0.5)
+    policy = TreePolicy(nodes=3, alpha=0.1)
+    assert rates.pays() is None
+    assert policy.nodes(True, slope=0.05, speedup=1.4, rates=rates) == 3  # the hit-rate rule: prior 0.3
+    assert policy.nodes(False, 0.05, 1.4, rates) == 0  # in a batch: chains
+    rates.observe(True, 10, 1.0)
+    rates.observe(False, 12, 1.0)
+    assert rates.pays() is False
+    offered = [policy.nodes(True, 0.05, 1.4, rates) for _ in range(2 * TREE_PROBE_EVERY)]
+    assert offered.count(3) == 2  # only the probes
+    rates.observe(True, 20, 1.0)
+    assert rates.pays() is True
+    assert policy.nodes(True, 0.05, 1.4, rates) == 3
