@@ -47,9 +47,10 @@ class TreePolicy:
             return 0
         realized = rates.pays() if rates is not None else None
         pays = self.hit_rate > slope * max(speedup, 1.0) if realized is None else realized
-        self._since_probe += 1
-        if self._since_probe >= TREE_PROBE_EVERY:  # the other kind of round, now and then
-            self._since_probe = 0
+        clock = rates if rates is not None else self  # shared: short requests still probe
+        clock._since_probe += 1
+        if clock._since_probe >= TREE_PROBE_EVERY:  # the other kind of round, now and then
+            clock._since_probe = 0
             pays = not pays
         return self.max_nodes if pays else 0
 
@@ -70,6 +71,7 @@ class TreeRates:
         self.alpha = alpha
         self.tree: float | None = None
         self.chain: float | None = None
+        self._since_probe = 0  # rounds of all requests since the other kind was tried
 
     def observe(self, tree: bool, tokens: int, seconds: float) -> None:
         if seconds <= 0:

@@ -149,3 +149,16 @@ def test_realized_rates_switch_trees_off_when_their_rounds_are_slower():
     rates.observe(True, 20, 1.0)
     assert rates.pays() is True
     assert policy.nodes(True, 0.05, 1.4, rates) == 3
+
+
+def test_short_requests_still_probe_the_other_kind_of_round():
+    from specdec_rt.tree_policy import TREE_PROBE_EVERY, TreePolicy, TreeRates
+
+    rates = TreeRates(alpha=0.5)
+    rates.observe(True, 10, 1.0)
+    rates.observe(False, 12, 1.0)  # trees measured slower
+    offered = []
+    for _ in range(2 * TREE_PROBE_EVERY // 4):  # requests of 4 rounds, each its own policy
+        policy = TreePolicy(nodes=3, alpha=0.1)
+        offered += [policy.nodes(True, 0.05, 1.4, rates) for _ in range(4)]
+    assert offered.count(3) == 2  # the shared clock probes trees every 16 rounds
