@@ -21,7 +21,7 @@ import anyio
 from .acceptance import SpecConfig
 from .batching import BatchExecutor
 from .errors import EngineClosedError, InvalidInputError, SpecDecError
-from .drafting import engine_models, make_drafter
+from .drafting import engine_models, make_drafter, resolve_draft_spec
 from .ort import OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
 from .prefix_cache import DEFAULT_BUDGET_BYTES
 from .protocols import DraftInferrer
@@ -164,7 +164,8 @@ class Engine:
         budget = prefix_cache_bytes if prefix_cache else 0
         opts = dict(max_length=max_length, threads=threads, provider=provider, slots=slots,
                     prefix_cache_bytes=budget)
-        target = OrtModel(m, **opts)
+        alone = resolve_draft_spec(m, draft) in ("ngram", "none")  # no draft model beside the target
+        target = OrtModel(m, **opts, alone=alone)
         drafter, draft_name = make_drafter(m, draft, opts)
         models = [mod for mod in engine_models(target, drafter) if mod.caches_prefixes]
         for mod in models:  # one budget for the engine, shared so every model holds as many tokens

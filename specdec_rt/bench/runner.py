@@ -90,7 +90,8 @@ def build_our_modes(folder: Path, threads: int, max_length: int | None,
     a ``train-draft`` output), ``spec_ngram+<draft>`` for the first draft and for EAGLE drafts;
     with a target that verifies trees, ``spec_tree`` and ``spec_<draft>_tree`` (draft trees)."""
     m = load_manifest(folder)
-    target = OrtModel(m, max_length=max_length, threads=threads, slots=2)
+    alone = not m.drafts and not extra_drafts  # no draft model beside it, as in an Engine
+    target = OrtModel(m, max_length=max_length, threads=threads, slots=2, alone=alone)
     verifier = OrtTargetVerifier(target)
     sharing = OrtTargetVerifier(target, share_hidden=True)  # same model; for EAGLE drafts only
     manifests = [load_manifest(folder / d["path"]) for d in m.drafts]

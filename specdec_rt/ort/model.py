@@ -37,7 +37,8 @@ class OrtModel(LanguageModel):
 
     ``max_length``: KV capacity per request (default min(4096, the model's max positions));
     ``slots``: concurrent requests; ``threads``: intra-op threads (default: usable CPUs; ignored
-    after :func:`use_global_thread_pool`);
+    after :func:`use_global_thread_pool`); ``alone``: no other model runs beside it (no draft model), so
+    its threads keep spinning between runs (see ``ort.setup._configure_threads``);
     ``provider``: ``"auto"`` | ``"cpu"`` | ``"cuda"``. Calls run in a worker thread, one at a time
     on the model's :class:`~specdec_rt.batching.BatchExecutor` (``executor``; an Engine shares one
     between its models), which batches the single-token steps of concurrent requests.
@@ -50,7 +51,7 @@ class OrtModel(LanguageModel):
     def __init__(self, folder: str | os.PathLike | Manifest, *, max_length: int | None = None,
                  slots: int = 4, threads: int | None = None, provider: str = "auto",
                  prefix_cache_bytes: int = 0, cache_entries: int | None = None,
-                 block: int = DEFAULT_BLOCK) -> None:
+                 block: int = DEFAULT_BLOCK, alone: bool = False) -> None:
         import onnxruntime as ort
 
         self.manifest = m = folder if isinstance(folder, Manifest) else load_manifest(folder)
@@ -60,7 +61,7 @@ class OrtModel(LanguageModel):
         if self.max_length < 2 or slots < 1:
             raise ModelLoadError(f"max_length={max_length!r} and slots={slots!r} must be >= 2 and >= 1")
         so = ort.SessionOptions()
-        self.threads = _configure_threads(so, threads or default_threads())
+        self.threads = _configure_threads(so, threads or default_threads(), alone)
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = 3
         providers = pick_providers(provider, ort)
