@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .quant import QuantizedWeight, _pack_nibbles
+from .quant import QuantizedWeight, QuantSpec, _pack_nibbles, dequantize, quantize
 
 __all__ = ["GridWeight", "find_grid", "grid_dequantize"]
 
@@ -48,14 +48,14 @@ def _blocks(weight: np.ndarray, bs: int) -> np.ndarray | None:
     return np.ascontiguousarray(weight.T, dtype=np.float32).reshape(n, k // bs, bs)  # [N, nb, bs]
 
 
-def _q8_0(blocks: np.ndarray, k: int) -> GridWeight | None:
-    step = np.abs(blocks).max(axis=2) / 127  # [N, nb]
-    step[step == 0] = 1.0
-    codes = np.rint(blocks / step[..., None])
-    if (np.abs(codes * step[..., None] - blocks).max(axis=2) / step).max() > TOLERANCE:
+def _q8_0(weight: np.ndarray, blocks: np.ndarray, bs: int) -> GridWeight | None:
+    """Q8_0 is our int8 symmetric form (``max|w| / 127`` per block): quantize, keep if lossless."""
+    spec = QuantSpec(bits=8, block_size=bs, symmetric=True)
+    q = quantize(weight, spec)
+    back = dequantize(q, spec).T.reshape(blocks.shape)  # [N, nb, bs]
+    if (np.abs(back - blocks).max(axis=2) / q.scales).max() > TOLERANCE:
         return None
-    packed = (codes + 128).astype(np.uint8)  # [N, nb, bs]
-    return GridWeight("q8_0", 8, QuantizedWeight(packed, step.astype(np.float32), None, k, blocks.shape[0]), None)
+    return GridWeight("q8_0", 8, q, None)
 
 
 def _q4_1(blocks: np.ndarray, k: int) -> GridWeight | None:
@@ -82,17 +82,12 @@ def find_grid(weight: np.ndarray, block_size: int = 32) -> GridWeight | None:
     if blocks is None:
         return None
     k = weight.shape[0]
-    return _q8_0(blocks, k) or _q4_1(blocks, k)
+    return _q8_0(weight, blocks, block_size) or _q4_1(blocks, k)
 
 
 def grid_dequantize(g: GridWeight) -> np.ndarray:
     """float32 [K, N]: exactly the weight MatMulNBits (+ offsets) computes with."""
-    n, nb, _ = g.q.packed.shape
-    if g.bits == 4:
-        codes = np.stack([g.q.packed & 0x0F, g.q.packed >> 4], axis=-1).reshape(n, nb, -1)
-    else:
-        codes = g.q.packed
-    w = (codes.astype(np.float32) - (1 << (g.bits - 1))) * g.q.scales[..., None]  # [N, nb, bs]
+    w = dequantize(g.q, QuantSpec(bits=g.bits, symmetric=True))  # [K, N], the kernel's zero point
     if g.offsets is not None:
-        w = w + g.offsets.T[..., None]
-    return np.ascontiguousarray(w.reshape(n, -1).T)
+        w = w + np.repeat(g.offsets, w.shape[0] // g.offsets.shape[0], axis=0)  # [K, N]: o per block
+    return np.ascontiguousarray(w, dtype=np.float32)
