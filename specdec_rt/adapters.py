@@ -21,7 +21,7 @@ from .context import RequestContext
 from .errors import ContextLengthError
 from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
 from .sampling import greedy_accept, rejection_sample, sample, warp
-from .tree_sampling import DraftTree, greedy_tree_accept, tree_accept
+from .tree_sampling import DraftTree, chain_length, greedy_tree_accept, tree_accept, tree_parents
 from .types import DraftToken, Verdict
 
 __all__ = ["SyncedSession", "ModelDrafter", "ModelVerifier", "TargetHidden", "TARGET_HIDDEN"]
@@ -181,11 +181,10 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         return bool(getattr(self.model, "tree", False)) and not self.share_hidden
 
     async def verify_and_accept(self, ctx: RequestContext, drafts: Sequence[DraftToken]) -> Verdict:
-        parents = [i - 1 if d.parent is None else int(d.parent) for i, d in enumerate(drafts)]
-        chain = next((i for i, p in enumerate(parents) if p != i - 1), len(drafts))
+        chain = chain_length(drafts)
         if chain < len(drafts):
             if self.trees and ctx.tokens.size - self._session(ctx).session.length <= TREE_TAIL_MAX:
-                return await self._verify_tree(ctx, drafts, parents)
+                return await self._verify_tree(ctx, drafts, tree_parents(drafts))
             drafts = drafts[:chain]  # a tree, but chains only here (or a long tail): its main chain
         s = self._session(ctx)
         first = ctx.stats.rounds + ctx.stats.ar_steps == 0
@@ -199,8 +198,7 @@ class ModelVerifier(_ModelUser, TargetVerifier):
                 start, hidden)
         else:
             logits = await s.extend(feed, k + 1)  # [k+1, V]: p_0 .. p_k before warping
-        if first:  # prompt positions the prefix cache supplied (set by the session's first call)
-            ctx.stats.cached_prompt_tokens = int(getattr(s.session, "cached_tokens", 0))
+        _note_cached_prompt(ctx, s, first)
         if ctx.params.greedy:
             target_ids = np.argmax(logits, axis=-1)  # [k+1]
             out = greedy_accept(draft_ids, target_ids)
@@ -209,8 +207,7 @@ class ModelVerifier(_ModelUser, TargetVerifier):
             if k == 0:
                 out = np.array([sample(p[0], ctx.rng)], dtype=np.int64)
             else:
-                q = np.stack([d.q_row(p.shape[-1]) for d in drafts]).astype(p.dtype, copy=False)  # [k, V]
-                out = self.sampler(draft_ids, q, p, ctx.rng)
+                out = self.sampler(draft_ids, _q_rows(drafts, p), p, ctx.rng)
         return Verdict(tokens=out, accepted=len(out) - 1)
 
     async def _verify_tree(self, ctx: RequestContext, drafts: Sequence[DraftToken], parents: list[int]) -> Verdict:
@@ -225,13 +222,23 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         feed = np.concatenate([tail, tree.tokens])  # [m + n]
         links = np.concatenate([np.arange(m) - 1, np.where(tree.parents < 0, m - 1, m + tree.parents)])  # [m + n]
         logits = await s.extend(feed, n + 1, tree=links)  # [n + 1, V]: after the tail, after each node
-        if first:
-            ctx.stats.cached_prompt_tokens = int(getattr(s.session, "cached_tokens", 0))
+        _note_cached_prompt(ctx, s, first)
         if ctx.params.greedy:
             path, out = greedy_tree_accept(tree, np.argmax(logits, axis=-1))
         else:
             p = warp(logits, ctx.params)  # [n + 1, V]
-            tree.q = np.stack([d.q_row(p.shape[-1]) for d in drafts]).astype(p.dtype, copy=False)  # [n, V]
+            tree.q = _q_rows(drafts, p)
             path, out = tree_accept(tree, p, ctx.rng)
         s.accept_tree(start, np.concatenate([np.arange(m), m + path]))
         return Verdict(tokens=out, accepted=int(path.size), path=tuple(int(i) for i in path))
+
+
+def _note_cached_prompt(ctx: RequestContext, s: SyncedSession, first: bool) -> None:
+    """After a request's first target call: the prompt positions the prefix cache supplied."""
+    if first:
+        ctx.stats.cached_prompt_tokens = int(getattr(s.session, "cached_tokens", 0))
+
+
+def _q_rows(drafts: Sequence[DraftToken], p: np.ndarray) -> np.ndarray:
+    """The drafts' distributions q as dense rows ``[k, V]`` in ``p``'s dtype."""
+    return np.stack([d.q_row(p.shape[-1]) for d in drafts]).astype(p.dtype, copy=False)

@@ -21,9 +21,10 @@ from .logs import get_logger
 from .protocols import DraftInferrer, TargetVerifier
 from .sampling import SamplingParams
 from .tree_policy import TreePolicy, TreeRates
+from .tree_sampling import chain_length, tree_depth, tree_parents
 from .types import DraftToken, GenerationResult, Mode, Stats, TokenEvent, Verdict
 
-__all__ = ["SpecDecScheduler", "RequestStream", "tree_parents", "tree_depth"]
+__all__ = ["SpecDecScheduler", "RequestStream"]
 
 log = get_logger("specdec_rt.scheduler")
 
@@ -127,7 +128,7 @@ class SpecDecScheduler:
                 # 2. draft: up to k proposals continuing the committed tokens (a tree: up to k deep)
                 t0 = perf_counter()
                 drafts = list(await self.drafter.generate_draft(ctx, k))[: k + ctx.tree_nodes] if k else []
-                depth, chain = tree_depth(drafts), _chain_length(drafts)
+                depth, chain = tree_depth(drafts), chain_length(drafts)
                 # 3. verify: one target call over len(drafts) + 1 positions (a tree: in one call too)
                 t1 = perf_counter()
                 verdict = _checked(await self.verifier.verify_and_accept(ctx, drafts), drafts)
@@ -141,8 +142,9 @@ class SpecDecScheduler:
                                         batch=batch)
                 stats.observe_round(depth, verdict.accepted, new.size, t1 - t0, t2 - t1,
                                     policy.ewma.value if drafts or stats.rounds else None)
-                stats.observe_tree(len(drafts) - chain, any(i >= chain for i in verdict.path or ()))
-                tree.observe(len(drafts) - chain, any(i >= chain for i in verdict.path or ()))
+                took_tree = any(i >= chain for i in verdict.path or ())  # the path left the main chain
+                stats.observe_tree(len(drafts) - chain, took_tree)
+                tree.observe(len(drafts) - chain, took_tree)
                 if rates is not None and timed and drafts and batch == 1:  # realized speed, alone
                     rates.observe(len(drafts) > chain, new.size, t2 - t0)
                 timed = timed or bool(drafts)  # a drafter's prefill may come in its first drafting round
@@ -178,12 +180,11 @@ class SpecDecScheduler:
                      finish=stats.finish_reason, acceptance=round(stats.acceptance_rate, 3),
                      tokens_per_s=round(stats.tokens_per_s, 2))
 
-
     def _tree_nodes(self, ctx: RequestContext, tree: TreePolicy, policy: RequestPolicy, k: int,
                     alone: bool, rates: TreeRates | None) -> int:
         """Nodes a round of ``k`` drafts may add as a tree: what the tree policy pays for, within
         the room the models have left (the nodes take positions after the k drafts)."""
-        if not k:
+        if not k or not tree.max_nodes:  # trees off (the default): no cost estimates per round
             return 0
         nodes = tree.nodes(alone, policy.costs.relative()[1], policy.costs.speedup(policy.ewma.value, k), rates)
         room = self.max_length - ctx.tokens.size - k if self.max_length else nodes
@@ -230,24 +231,3 @@ def _checked(verdict: Verdict, drafts: Sequence[DraftToken]) -> Verdict:
             f"path={verdict.path}, drafts={[d.id for d in drafts]}"
         )
     return verdict
-
-
-def tree_parents(drafts: Sequence[DraftToken]) -> list[int]:
-    """Each draft's parent index (``-1``: the committed tokens); a chain's are ``i - 1``."""
-    parents = [i - 1 if d.parent is None else int(d.parent) for i, d in enumerate(drafts)]
-    if any(not -1 <= p < i for i, p in enumerate(parents)):
-        raise InferenceError(f"a draft tree's parents must come before their children, got {parents}")
-    return parents
-
-
-def _chain_length(drafts: Sequence[DraftToken]) -> int:
-    """How many drafts, from the first, form a chain (a tree's main chain)."""
-    return next((i for i, d in enumerate(drafts) if d.parent is not None and d.parent != i - 1), len(drafts))
-
-
-def tree_depth(drafts: Sequence[DraftToken]) -> int:
-    """The longest path of a draft tree (a chain's length): what one round can accept."""
-    depth: list[int] = []
-    for p in tree_parents(drafts):
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return max(depth, default=0)

@@ -9,7 +9,7 @@ tokens, ``h`` being how often an offered node ends up on the accepted path. They
 
 ``h`` is an EWMA per request (prior ``TREE_PRIOR``). While trees do not pay the request drafts
 chains and offers a tree again every ``TREE_PROBE_EVERY`` rounds, so the estimate can recover.
-Stats are data: ``offered`` and ``hits`` count what happened.
+What happened is counted in the request's ``Stats`` (``tree_nodes``, ``tree_hits``).
 
 That rule sees the verify call only. A tree also makes longer accepted paths, hence longer
 drafts, and its walk and compaction cost a little host time; where drafting bounds the round
@@ -35,8 +35,6 @@ class TreePolicy:
         self.max_nodes = nodes
         self.alpha = alpha
         self.hit_rate = TREE_PRIOR
-        self.offered = 0  # nodes offered beyond the main chains, in all
-        self.hits = 0  # rounds whose accepted path went through one of them
         self._since_probe = 0
 
     def nodes(self, alone: bool, slope: float, speedup: float, rates: "TreeRates | None" = None) -> int:
@@ -59,8 +57,6 @@ class TreePolicy:
         accepted."""
         if offered <= 0:
             return
-        self.offered += offered
-        self.hits += int(hit)
         self.hit_rate += self.alpha * (float(hit) / offered - self.hit_rate)
 
 

@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import InvalidInputError
+from .errors import InferenceError, InvalidInputError
 from .sampling import sample
 
-__all__ = ["DraftTree", "node_outcomes", "tree_accept", "greedy_tree_accept", "chain"]
+__all__ = ["DraftTree", "node_outcomes", "tree_accept", "greedy_tree_accept", "chain", "depths_of",
+           "tree_parents", "chain_length", "tree_depth"]
 
 
 class DraftTree:
@@ -68,10 +69,7 @@ class DraftTree:
 
     def depth(self) -> np.ndarray:
         """``[n]`` depth of each node (root's children: 1): their position ids after the committed tokens."""
-        d = np.zeros(len(self), dtype=np.int64)
-        for i, par in enumerate(self.parents):
-            d[i] = 1 if par < 0 else d[par] + 1
-        return d
+        return depths_of(self.parents)
 
     def q_row(self, node: int, vocab: int) -> np.ndarray:
         if self.q is not None:
@@ -79,6 +77,33 @@ class DraftTree:
         row = np.zeros(vocab)
         row[self.tokens[node]] = 1.0
         return row
+
+
+def depths_of(parents) -> np.ndarray:
+    """``[n]`` depth of each node of a valid ``parents`` (-1 or an earlier node): 1 + its parent's."""
+    out = np.empty(len(parents), dtype=np.int64)
+    for i, par in enumerate(parents):
+        out[i] = 1 if par < 0 else out[par] + 1
+    return out
+
+
+def tree_parents(drafts) -> list[int]:
+    """Each draft's parent index (``-1``: the committed tokens) from ``DraftToken.parent``; a
+    chain's are ``i - 1``. A parent that is not earlier is a drafter's bug: ``InferenceError``."""
+    parents = [i - 1 if d.parent is None else int(d.parent) for i, d in enumerate(drafts)]
+    if any(not -1 <= p < i for i, p in enumerate(parents)):
+        raise InferenceError(f"a draft tree's parents must come before their children, got {parents}")
+    return parents
+
+
+def chain_length(drafts) -> int:
+    """How many drafts, from the first, form a chain (a tree's main chain)."""
+    return next((i for i, d in enumerate(drafts) if d.parent is not None and d.parent != i - 1), len(drafts))
+
+
+def tree_depth(drafts) -> int:
+    """The longest path of a draft tree (a chain's length): what one round can accept."""
+    return int(depths_of(tree_parents(drafts)).max(initial=0))
 
 
 def chain(tokens, q: np.ndarray | None = None) -> DraftTree:

@@ -14,9 +14,9 @@ import specdec_rt.adapters as adapters
 from specdec_rt import ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
 from specdec_rt.errors import InferenceError
 from specdec_rt.sampling import sample
-from specdec_rt.scheduler import _checked, tree_depth, tree_parents
+from specdec_rt.scheduler import _checked
 from specdec_rt.testing import chi_square_pvalue, sequence_distribution, toy_pair
-from specdec_rt.tree_sampling import DraftTree
+from specdec_rt.tree_sampling import DraftTree, tree_depth, tree_parents
 from specdec_rt.types import DraftToken, Verdict
 
 VOCAB, LENGTH, PROMPT, N = 4, 3, [1, 2], 6000

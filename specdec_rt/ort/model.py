@@ -353,12 +353,12 @@ class OrtSession(CachedStart, CacheSession):
         io.bind_cpu_input(names["input_ids"], ids[None, :])  # [1, S]
         layout = _packed_layout(np.array([s]), self.model.lone_twice) if self.model.ragged else None
         q = int(layout[0][0]) if layout is not None else s  # query rows attention computes (see OrtModel)
-        positions, bias = (tree_feeds(tree, n, q) if tree is not None else
-                           (self._pos[None, n : n + s], np.zeros((1, 1, q, n + q), dtype=np.float32)))
+        positions, bias = tree_feeds(tree, n, q) if tree is not None else (self._pos[None, n : n + s], None)
         if names.get("position_ids"):
             io.bind_cpu_input(names["position_ids"], positions)  # [1, S]
-        if self.model.biased:
-            io.bind_cpu_input(names["attention_bias"], bias)  # [1, 1, q, n + q]
+        if self.model.biased:  # no tree: zeros, causal order alone
+            io.bind_cpu_input(names["attention_bias"], bias if bias is not None
+                              else np.zeros((1, 1, q, n + q), dtype=np.float32))  # [1, 1, q, n + q]
         io.bind_cpu_input(names["seqlens_k"], np.array([n + q - 1], dtype=np.int32))  # [1]
         io.bind_cpu_input(names["total_sequence_length"], np.array(n + q, dtype=np.int32))  # scalar
         io.bind_cpu_input(names["logits_index"], self._pos[s - rows : s])  # [R]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InferenceError
+from ..tree_sampling import depths_of
 
 __all__ = ["packed_layout", "depths", "tree_feeds", "compact_rows"]
 
@@ -34,12 +35,10 @@ def depths(parents) -> np.ndarray:
     """``[S]`` depth of each node (1 for a child of the committed tokens), checking that
     ``parents[i]`` is -1 or an earlier node."""
     parents = np.asarray(parents, dtype=np.int64)
-    out = np.empty(parents.size, dtype=np.int64)
     for i, p in enumerate(parents):
         if not -1 <= p < i:
             raise InferenceError(f"tree node {i} has parent {int(p)}: it must be -1 or an earlier node")
-        out[i] = 1 if p < 0 else out[p] + 1
-    return out
+    return depths_of(parents)
 
 
 def tree_feeds(parents, past: int, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
