@@ -162,3 +162,11 @@ def test_short_requests_still_probe_the_other_kind_of_round():
         policy = TreePolicy(nodes=3, alpha=0.1)
         offered += [policy.nodes(True, 0.05, 1.4, rates) for _ in range(4)]
     assert offered.count(3) == 2  # the shared clock probes trees every 16 rounds
+
+
+@pytest.mark.parametrize("bad", [-1, 17, 2.5, True])
+def test_a_bad_tree_size_is_refused_by_name(bad):
+    from specdec_rt.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=r"SpecConfig\.tree_nodes=" + repr(bad).replace(".", r"\.")):
+        SpecConfig(tree_nodes=bad)
