@@ -17,13 +17,13 @@ import os
 import numpy as np
 
 from ..batching import BatchExecutor
-from ..errors import ContextLengthError, InferenceError, ModelLoadError
-from ..prefix_cache import DEFAULT_BLOCK, CachedStart, Hit
-from ..protocols import CacheSession, LanguageModel
+from ..errors import InferenceError, ModelLoadError
+from ..prefix_cache import DEFAULT_BLOCK
+from ..protocols import LanguageModel
 from .kvpool import KVPool
 from .manifest import PACKED_ROLES, Manifest, load_manifest
+from .session import OrtSession
 from .setup import _configure_threads, check_graph, default_threads, pick_providers, use_global_thread_pool
-from .tree import compact_rows, tree_feeds
 from .tree import packed_layout as _packed_layout
 
 __all__ = ["OrtModel", "OrtSession", "KVPool", "default_threads", "pick_providers", "use_global_thread_pool"]
@@ -273,154 +273,3 @@ class OrtModel(LanguageModel):
             s._ids[: p.size] = p
             s._length = p.size
         return logits[at, [last.index(p.size - 1) for p in prompts]]  # [B, V]
-
-
-class OrtSession(CachedStart, CacheSession):
-    """One request's slot in the model's KV pool, with its IO binding built once.
-
-    With a prefix-cache ``hit`` it starts at ``length = hit.length``: those first tokens of
-    ``tokens`` are (or, from a running source, will be at its first call) in the slot already.
-    """
-
-    def __init__(self, model: OrtModel, slot: int, hit: Hit | None = None, tokens: np.ndarray | None = None) -> None:
-        self.model, self.slot = model, slot
-        m = model.manifest
-        self._ids = np.zeros(model.max_length + 1, dtype=np.int64)  # [max_len + 1] ids of the cached positions
-        self._length = self._start_from(hit, tokens)
-        self._ids[: self._length] = tokens[: self._length] if hit is not None else ()
-        self._closed = False
-        self._io = model.session.io_binding()
-        model._bind_kv(self._io, slot, 1)
-        self._names = m.inputs
-        self._logits_at = 2 * m.num_layers  # outputs come back in binding order: KV first
-        self._hidden_at: int | None = None  # hidden_states, bound on first request
-        self._pos = np.arange(model.max_length, dtype=np.int64)  # [max_len] positions to slice from
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    def hidden_rows(self, size: int) -> np.ndarray:
-        """``[max_len + 1, size]`` host rows this slot's hidden states are kept in (they move with
-        the prefix cache's copies, so cached positions keep theirs)."""
-        return self.model.pool.hidden_rows(self.slot, size)
-
-    async def extend(self, ids: np.ndarray, logits_rows: int, *, features: np.ndarray | None = None,
-                     hidden: bool = False, tree=None):
-        """Append ``ids`` [S]; the logits of the last ``logits_rows`` positions [R, V].
-
-        ``features`` [S, H]: the extra per-position input of an EAGLE draft head. ``hidden=True``
-        also returns the graph's ``hidden_states`` of the S positions: ``(logits, hidden [S, H])``.
-        The call goes through the model's :class:`~specdec_rt.batching.BatchExecutor`, which
-        batches it with other requests' single-token steps and advances ``length``.
-        ``tree`` [S]: each position's parent (see :mod:`specdec_rt.ort.tree`): one call over a
-        draft tree; ``length`` stays put until :meth:`accept_tree`.
-        """
-        if self._closed:
-            raise InferenceError("KV cache session is closed")
-        n, s = self._length, int(np.size(ids))
-        if not 1 <= logits_rows <= s:
-            raise InferenceError(f"logits_rows={logits_rows} must be in 1..{s}")
-        if n + s > self.model.max_length:
-            raise ContextLengthError(f"{n + s} tokens exceed the KV cache of {self.model.max_length}")
-        extra = {"features": features} if features is not None else {}
-        if hidden:
-            extra["hidden"] = True  # no extras: a single-token step the executor may batch
-        if tree is not None:
-            extra["tree"] = np.asarray(tree, dtype=np.int64)
-        return await self.model.executor.extend(self, np.asarray(ids, dtype=np.int64), logits_rows, **extra)
-
-    def run_sync(self, ids: np.ndarray, rows: int, past: int, features=None, hidden: bool = False,
-                 tree=None):
-        """Feed ``ids`` [S] after ``past`` cached tokens and set ``length`` to ``past + S``
-        (in a worker thread: the executor calls it). ``tree``: the parent of each new position
-        (see :mod:`specdec_rt.ort.tree`); the length stays ``past`` until :meth:`accept_tree`."""
-        if self._closed:
-            raise InferenceError("KV cache session is closed")
-        session, pool = self.model.session, self.model.pool  # held: close() cannot free them under the call
-        if session is None:
-            raise InferenceError(f"model {self.model.name} is closed")
-        if tree is not None and not self.model.tree:
-            raise InferenceError(f"model {self.model.name} cannot verify a tree (export 0.3+ on CPU)")
-        pool.cache.apply()  # queued prefix-cache copies first
-        wanted = ids.size
-        if self._deferred is not None and (features is not None or tree is not None):
-            raise InferenceError("a session fed features or a tree cannot start from a prefix-cache hit")
-        ids, past = self._settle(pool.cache, ids, past, self._ids)  # a hit on a running source: copy now
-        self._ids[past : past + ids.size] = ids
-        n, s = past, ids.size
-        names, io = self._names, self._io
-        io.bind_cpu_input(names["input_ids"], ids[None, :])  # [1, S]
-        layout = _packed_layout(np.array([s]), self.model.lone_twice) if self.model.ragged else None
-        q = int(layout[0][0]) if layout is not None else s  # query rows attention computes (see OrtModel)
-        positions, bias = tree_feeds(tree, n, q) if tree is not None else (self._pos[None, n : n + s], None)
-        if names.get("position_ids"):
-            io.bind_cpu_input(names["position_ids"], positions)  # [1, S]
-        if self.model.biased:  # no tree: zeros, causal order alone
-            io.bind_cpu_input(names["attention_bias"], bias if bias is not None
-                              else np.zeros((1, 1, q, n + q), dtype=np.float32))  # [1, 1, q, n + q]
-        io.bind_cpu_input(names["seqlens_k"], np.array([n + q - 1], dtype=np.int32))  # [1]
-        io.bind_cpu_input(names["total_sequence_length"], np.array(n + q, dtype=np.int32))  # scalar
-        io.bind_cpu_input(names["logits_index"], self._pos[s - rows : s])  # [R]
-        if layout is not None:  # one row: the packed layout is the identity (a lone query twice, see above)
-            for role, value in zip(PACKED_ROLES, layout):
-                io.bind_cpu_input(names[role], value)
-        if features is not None:
-            if not names.get("features"):
-                raise InferenceError(f"model {self.model.name} takes no features input")
-            io.bind_cpu_input(names["features"], np.ascontiguousarray(features, dtype=np.float32)[None])  # [1, S, H]
-        # outputs whose shape changes per call are re-bound unallocated (ORT allocates them);
-        # only the logits come back to the host, the KV buffers stay bound in place
-        io.bind_output(self.model.manifest.outputs["logits"], "cpu")
-        if hidden or self._hidden_at is not None:  # once bound, re-bound unallocated every call
-            if not self.model.has_hidden:
-                raise InferenceError(f"model {self.model.name} has no hidden_states output")
-            io.bind_output(self.model.manifest.outputs["hidden"], "cpu")  # [1, S, H], after logits
-            self._hidden_at = self._logits_at + 1
-        try:
-            session.run_with_iobinding(io)
-            self.model.calls += 1
-            outs = io.get_outputs()
-            logits = outs[self._logits_at].numpy()[0]  # [R, V]
-            self._length = n if tree is not None else n + s
-            if not hidden:
-                return logits
-            h = outs[self._hidden_at].numpy()[0]  # [S, H]
-            if pool.hidden is not None:
-                pool.hidden.array[self.slot, n : n + s] = h
-            return logits, h[s - wanted :]
-        except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
-            raise InferenceError(f"ONNX Runtime failed in {self.model.name} "
-                                 f"(past {n}, new {s} tokens): {exc}") from exc
-        finally:
-            del pool
-
-    def accept_tree(self, past: int, keep) -> None:
-        """After a tree call at ``past``: keep the nodes ``keep`` (increasing: the accepted path),
-        their KV moved to positions ``past ..`` in place; ``length`` becomes ``past + len(keep)``."""
-        if self._length != past:
-            raise InferenceError(f"accept_tree at {past}: the cache holds {self._length}")
-        pool = self.model.pool
-        keep = np.asarray(keep, dtype=np.int64)
-        compact_rows(pool.host_arrays(), self.slot, past, keep)
-        if pool.hidden is not None:
-            rows = pool.hidden.array[self.slot]  # [max_len + 1, H]
-            rows[past : past + keep.size] = rows[past + keep]
-        self._ids[past : past + keep.size] = self._ids[past + keep]
-        self._length = past + keep.size
-
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise InferenceError(f"cannot roll back to {length}: the cache holds {self._length}")
-        self._length = length  # positions >= length are overwritten by the next extend
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._io.clear_binding_inputs()
-            self._io.clear_binding_outputs()
-            if self.model.pool is not None:  # None: the model was closed meanwhile
-                if self.model._owners.get(self.slot) is self:
-                    del self.model._owners[self.slot]
-                self.model.pool.release(self.slot, self._ids[: self.kept_length()])
-                self.model.executor.chore(self.model.pool.cache.next_stash)  # copied out while idle
