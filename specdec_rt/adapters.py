@@ -105,12 +105,16 @@ class _ModelUser:
         self.max_length = model.max_length
 
     def _session(self, ctx: RequestContext) -> SyncedSession:
-        return ctx.state(self, lambda: self._start(ctx.tokens))
+        # a seeded sampled request computes its prompt itself: cached KV equals a fresh prefill
+        # only to float rounding (another call shape), which can move a sampled token, and its
+        # output must depend on its seed alone (greedy output does not move: tested)
+        seeded = ctx.params.seed is not None and not ctx.params.greedy
+        return ctx.state(self, lambda: self._start(ctx.tokens, cached=not seeded))
 
-    def _start(self, tokens: np.ndarray) -> SyncedSession:
+    def _start(self, tokens: np.ndarray, cached: bool = True) -> SyncedSession:
         """A model with a prefix cache (``caches_prefixes``) starts from what it holds of
-        ``tokens``; any other starts empty."""
-        if getattr(self.model, "caches_prefixes", False):
+        ``tokens`` (unless ``cached=False``); any other starts empty."""
+        if cached and getattr(self.model, "caches_prefixes", False):
             return SyncedSession(self.model.start(tokens), self.model.max_length, tokens)
         return SyncedSession(self.model.start(), self.model.max_length)
 

@@ -40,7 +40,7 @@ from .errors import InferenceError, InvalidInputError
 
 __all__ = ["PrefixCache", "Hit", "common_prefix", "DEFAULT_BLOCK", "DEFAULT_BUDGET_BYTES"]
 
-DEFAULT_BLOCK = 64  # tokens per indexed block
+DEFAULT_BLOCK = 16  # tokens per indexed block
 DEFAULT_BUDGET_BYTES = 1 << 30  # KV bytes all entries of an engine may hold (all its models)
 
 

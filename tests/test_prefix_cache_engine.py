@@ -156,3 +156,27 @@ def test_a_batched_step_leaves_what_a_free_slot_keeps_alone(tiny_llama):
 
     asyncio.run(main())
     model.close()
+
+
+def test_the_chat_templates_shared_turn_is_not_prefilled_again(tiny_llama):
+    """Every chat request to a model starts with the same tokens: its system turn (SmolLM2's
+    template adds ~24 tokens of it to every chat). Short questions share only those, so the
+    default block must be short enough to find them. The second request starts from them
+    (cached, exactly), and says what it says without the cache."""
+    from specdec_rt.prefix_cache import DEFAULT_BLOCK
+
+    system = {"role": "system", "content": "You are a helpful AI assistant named Tiny, trained by us."}
+    chats = [[system, {"role": "user", "content": q}] for q in ("Name a color.", "Why is the sky blue?")]
+
+    async def main():
+        async with await Engine.load(tiny_llama, draft="ngram", spec_config=STATIC, prefix_cache=False) as plain:
+            want = [(await plain.generate(c, 12)).token_ids for c in chats]
+        async with await Engine.load(tiny_llama, draft="ngram", spec_config=STATIC) as engine:
+            ids = [np.array(engine.codec.encode_prompt(c)) for c in chats]
+            shared = common_prefix(ids[0], ids[1])
+            assert shared >= DEFAULT_BLOCK, (shared, DEFAULT_BLOCK)  # the premise: a block's worth
+            got = [await engine.generate(c, 12) for c in chats]
+            assert [g.token_ids for g in got] == want
+            assert got[0].stats.cached_prompt_tokens == 0 and got[1].stats.cached_prompt_tokens == shared
+
+    asyncio.run(main())
