@@ -24,8 +24,9 @@ request from flapping between the modes.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from .errors import InvalidInputError
 from .types import FallbackEvent, Mode
@@ -143,6 +144,7 @@ class CostModel:
     # seconds of one batched target call of B rows and N new positions in all, (B, N) -> seconds
     # (measured by the step loop; None: unknown)
     batch_step_s: Callable[[int, int], float | None] | None = None
+    batch_shapes: Callable[[int], Sequence[int]] | None = None  # rows -> measured positions, sorted
     batched_verify: bool = False  # the target verifies the rows of a batch in one call
     draft_step_s: Callable[[int], float | None] | None = None  # batched draft model step of B rows
     batch_gain: dict[int, float] = field(default_factory=dict)  # batch -> realized gain of model-draft rounds
@@ -281,7 +283,7 @@ class CostModel:
         if c1 is None:
             return 0.0
         d = self.draft_step_s(batch) if self.draft_step_s is not None else None
-        alone = self.batch_step_s(1, 1)
+        alone = self.batch_step_s(1, 1) or self._base_and_slope()[0]  # a plain step alone, else a verify's base
         if d is None and self.draft_token_s is not None and alone:
             # a draft step grows with rows at least as the target's does (quantized drafts grow
             # faster: int8 SmolLM2 0.62 of the target alone, 0.79 at 8 rows): unmeasured, a margin
@@ -311,7 +313,12 @@ class CostModel:
         t = self.batch_step_s(batch, positions)
         if t is not None or positions <= batch:
             return max(t if t is not None else c1, c1)
-        longer = next((n for n in range(positions, positions + 4 * batch) if self.batch_step_s(batch, n) is not None), None)
+        if self.batch_shapes is not None:  # asked for every k of every request every round: no scan
+            shapes = self.batch_shapes(batch)
+            i = bisect.bisect_left(shapes, positions)
+            longer = shapes[i] if i < len(shapes) and shapes[i] < positions + 4 * batch else None
+        else:
+            longer = next((n for n in range(positions, positions + 4 * batch) if self.batch_step_s(batch, n) is not None), None)
         if longer is not None:
             return c1 + max(0.0, self.batch_step_s(batch, longer) - c1) * (positions - batch) / (longer - batch)
         base, s = self._base_and_slope()
@@ -339,6 +346,7 @@ class RequestPolicy:
         self.cheap_drafts = False  # the drafter can propose drafts that cost nothing (n-gram matches)
         self.cheap = False  # this round: only such drafts (set by draft_length)
         self.cheap_ewma = AcceptanceEWMA.start(config.alpha, CHEAP_PRIOR)  # their acceptance, apart
+        self._lag = 0  # this round: tokens the draft model had to read before drafting
 
     def best_k(self, batch: int = 1, cheap: bool = False) -> tuple[int, float]:
         """The draft length with the highest predicted speedup, and that speedup, for a request
@@ -375,12 +383,14 @@ class RequestPolicy:
                 return 0
             self._probing = True  # a probe drafts at least k_init tokens: one round, enough evidence
             return min(max(self.best_k()[0], self.config.k_init), remaining - 1)
-        lag = at - self._drafted_at if at else 0  # the first round's prefill: start() decided
+        self._lag = lag = at - self._drafted_at if at else 0  # the first round's prefill: start() decided
         if batch > 1:  # leave plain batched steps only for a clear gain (resume_speedup, hysteresis)
             k, gain = self.best_k(batch)
             if lag > CATCHUP_FREE and not self.costs.catchup_pays_batch(lag, remaining, gain, batch):
                 gain = 0.0  # the draft model would first have to read what it missed, in every row
-            if self.cheap_drafts and self.costs.batched_verify:  # or verify free drafts in the batch's call
+            if gain < self.config.resume_speedup and self.cheap_drafts and self.costs.batched_verify:
+                # model drafts do not pay: verify free drafts (when a match turns up) in the
+                # batch's call instead. (Not when they pay: free drafts exist only now and then.)
                 kc, cheap = self.best_k(batch, cheap=True)
                 if cheap > gain:
                     self.cheap, k, gain = True, kc, cheap
@@ -404,7 +414,9 @@ class RequestPolicy:
             self.costs.observe(drafted, t_draft, t_verify)
         elif alone:
             self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
-        elif drafted and not self.cheap:  # a model-draft round in a batch: what it really gained
+        elif drafted and not self.cheap and self._lag <= CATCHUP_FREE:
+            # a model-draft round in a batch: what it really gained (a round that first fed the
+            # draft what it missed is not: catchup_pays_batch prices that apart)
             self.costs.observe_batch_round(batch, accepted + 1, t_draft + t_verify)
         if self.cheap:  # free drafts in a batch: their own acceptance; they never switch modes
             self.cheap_ewma.observe(drafted, accepted)

@@ -40,6 +40,7 @@ flight, so model buffers are never freed under a running call; waiting callers g
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -119,6 +120,8 @@ class BatchExecutor:
         self._task: asyncio.Task | None = None
         self._closed = False
         self._step_s: dict[tuple[int, int, int], collections.deque] = {}  # (id(model), rows, positions) -> recent seconds
+        self._least: dict[tuple[int, int, int], float] = {}  # ... -> the least of them (asked every round)
+        self._shapes: dict[tuple[int, int], list[int]] = {}  # (id(model), rows) -> measured positions, sorted
         self._seen: set[tuple[int, int, int]] = set()
         self._chores: dict[int, Callable[[], Any]] = {}  # idle-time work (see chore)
         self._chore: Any = None  # the piece of idle-time work under way
@@ -179,8 +182,22 @@ class BatchExecutor:
         """Measured seconds of one batched call of ``rows`` rows and ``positions`` new positions
         in all (default ``rows``: a single-token step), None if not measured yet: the least of the
         recent samples, since timing noise on a shared machine only adds."""
-        recent = self._step_s.get((id(model), rows, positions or rows))
-        return min(recent) if recent else None
+        return self._least.get((id(model), rows, positions or rows))
+
+    def record(self, model, rows: int, positions: int, seconds: float) -> None:
+        """One batched call's cost (also from :func:`specdec_rt.drafting.calibrate_draft`)."""
+        key = (id(model), rows, positions)
+        self._seen.add(key)
+        recent = self._step_s.get(key)
+        if recent is None:
+            recent = self._step_s[key] = collections.deque(maxlen=COST_SAMPLES)
+            bisect.insort(self._shapes.setdefault(key[:2], []), positions)
+        recent.append(seconds)
+        self._least[key] = min(recent)
+
+    def measured_positions(self, model, rows: int) -> list[int]:
+        """The position counts (sorted) of the batched calls of ``rows`` rows measured so far."""
+        return self._shapes.get((id(model), rows), [])
 
     async def aclose(self) -> None:
         """Stop after the call in flight; calls still waiting fail with ``EngineClosedError``."""
@@ -272,8 +289,7 @@ class BatchExecutor:
             if key not in self._seen:  # the first call of a shape allocates: not its cost
                 self._seen.add(key)
             else:
-                recent = self._step_s.setdefault(key, collections.deque(maxlen=COST_SAMPLES))
-                recent.append(seconds)
+                self.record(model, len(calls), key[2], seconds)
         for f in self.listeners:
             f(model, len(calls), seconds)
         for c, r in zip(calls, results):

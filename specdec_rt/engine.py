@@ -104,7 +104,8 @@ class Engine:
                                               target, rows, positions), batched_verify=target.ragged,
                                           draft_costs=(lambda rows: self.executor.step_seconds(drafts[0], rows))
                                           if drafts else None,
-                                          load=lambda: min(len(self._tasks), self.slots))
+                                          load=lambda: min(len(self._tasks), self.slots),
+                                          batch_shapes=lambda rows: self.executor.measured_positions(target, rows))
         self._slots = anyio.Semaphore(slots)
         self._tasks: set[asyncio.Task] = set()
         self.running = 0  #: requests holding a slot

@@ -49,14 +49,15 @@ class SpecDecScheduler:
                  config: SpecConfig | None = None, *, eos_ids: Iterable[int] = (),
                  batch_costs: Callable[[int, int], float | None] | None = None,
                  batched_verify: bool = False, draft_costs: Callable[[int], float | None] | None = None,
-                 load: Callable[[], int] | None = None) -> None:
+                 load: Callable[[], int] | None = None,
+                 batch_shapes: Callable[[int], Sequence[int]] | None = None) -> None:
         self.drafter = drafter
         self.verifier = verifier
         self.config = config or SpecConfig()
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.shared_ewma = AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance)
         self.costs = CostModel(self.config, measure=self.config.measure_costs, batch_step_s=batch_costs,
-                               batched_verify=batched_verify, draft_step_s=draft_costs)
+                               batched_verify=batched_verify, draft_step_s=draft_costs, batch_shapes=batch_shapes)
         self.totals = Stats(mode="total")
         self.running = 0  # requests in their loop now: the batch their model calls share
         # a request alone may draft a tree: its main chain plus up to `tree_nodes` other nodes,

@@ -115,3 +115,36 @@ def test_model_drafts_that_did_not_pay_in_a_batch_stop():
         p.observe(0, 3, 1, 0.066, 0.066, alone=False, batch=8)
     assert p.costs.batch_gain[8] < 1.0
     assert p.draft_length(48, batch=8) == 0
+
+
+def test_a_round_that_first_fed_the_draft_what_it_missed_is_not_its_realized_gain():
+    p = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
+    p._drafted_at = -40  # the draft lacks a 40-token prompt: this round's time is mostly catching up
+    assert p.draft_length(400, batch=8, at=10) > 0
+    p.observe(10, 3, 3, 0.2, 0.066, alone=False, batch=8)
+    assert 8 not in p.costs.batch_gain  # catching up is priced apart (catchup_pays_batch)
+    assert p.draft_length(400, batch=8, at=14) > 0  # caught up: this round's gain counts
+    p.observe(14, 3, 3, 0.006, 0.066, alone=False, batch=8)
+    assert p.costs.batch_gain[8] > 1.0
+
+
+def test_free_drafts_do_not_displace_model_drafts_that_pay():
+    # n-gram matches turn up only now and then: preferring them would leave most rounds plain
+    p = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=True, cheap=0.99)
+    assert p.draft_length(48, batch=8) > 0 and not p.cheap
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_nearest_longer_call_is_found_by_bisection_as_by_scanning(seed):
+    rng = np.random.default_rng(seed)
+    table = {(8, int(n)): float(rng.uniform(0.04, 0.1)) for n in rng.choice(np.arange(8, 80), 6, replace=False)}
+    table[(8, 8)] = 0.044
+
+    def step(rows, positions=None):
+        return table.get((rows, positions or rows))
+
+    scan = CostModel(SpecConfig(), batch_step_s=step, batched_verify=True)
+    fast = CostModel(SpecConfig(), batch_step_s=step, batched_verify=True,
+                     batch_shapes=lambda rows: sorted(n for r, n in table if r == rows))
+    for positions in range(8, 90):
+        assert fast.batch_call_s(8, positions) == scan.batch_call_s(8, positions)

@@ -211,3 +211,17 @@ def test_the_first_call_of_a_batch_size_is_not_a_cost_sample():
         assert target.executor.step_seconds(target, 3) is not None
 
     asyncio.run(main())
+
+
+def test_the_cost_table_keeps_the_least_sample_and_the_measured_shapes_in_order():
+    from specdec_rt.batching import COST_SAMPLES, BatchExecutor
+
+    ex, model = BatchExecutor(), object()
+    for positions, seconds in [(24, 0.07), (8, 0.05), (16, 0.06), (8, 0.04), (8, 0.045)]:
+        ex.record(model, 8, positions, seconds)
+    assert ex.measured_positions(model, 8) == [8, 16, 24]
+    assert ex.step_seconds(model, 8) == 0.04 and ex.step_seconds(model, 8, 24) == 0.07
+    assert ex.step_seconds(model, 4) is None and ex.measured_positions(model, 4) == []
+    for _ in range(COST_SAMPLES):  # the least of the *recent* samples: an old fast one ages out
+        ex.record(model, 8, 8, 0.05)
+    assert ex.step_seconds(model, 8) == 0.05
