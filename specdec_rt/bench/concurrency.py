@@ -106,9 +106,12 @@ async def _concurrency(args) -> int:
             await asyncio.gather(*[engine.generate(p, n, mode=mode) for p in prompts[: max(levels)]])
         runs: dict[str, list[dict]] = {}
         t_start = time.perf_counter()
+        order = [0] + levels  # 0: one after another
         for rep in range(args.repeats):
-            for c in [0] + levels:  # 0: one after another
-                for mode in ("spec", "ar"):
+            # odd repeats run the levels and modes backwards: a machine that drifts (shared, noisy)
+            # then biases neither end of the ratios the bars name (c=8 against one after another)
+            for c in order if rep % 2 == 0 else order[::-1]:
+                for mode in ("spec", "ar") if rep % 2 == 0 else ("ar", "spec"):
                     r = await run_level(engine, prompts, n, mode, max(1, c))
                     runs.setdefault(f"{c}/{mode}", []).append(r)
                     log(f"repeat {rep + 1}/{args.repeats} {'sequential' if c == 0 else f'c={c}'} {mode}: "
