@@ -28,6 +28,7 @@ __all__ = ["SyncedSession", "ModelDrafter", "ModelVerifier", "TargetHidden", "TA
 
 TARGET_HIDDEN = "target_hidden"  # RequestContext state key of the verifier's TargetHidden
 TREE_TAIL_MAX = 8  # a tree goes after at most this many uncommitted tokens (not after a prompt)
+SIBLING_RANKS = 3  # a model draft's tree ranks the draft's 3 best alternatives at every depth
 
 Sampler = Callable[[np.ndarray, np.ndarray, np.ndarray, np.random.Generator], np.ndarray]
 
@@ -133,29 +134,40 @@ class ModelDrafter(_ModelUser, DraftInferrer):
         return cache.peek(tokens) if cache is not None else 0
 
     async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
-        """k autoregressive steps; with ``ctx.tree_nodes`` > 0, also the draft's runner-up at the
-        first ``tree_nodes`` depths, as siblings of the chain's tokens (a tree; free: the same
-        logits). A sibling is a deterministic choice (one-hot ``q``), which keeps tree rejection
-        sampling exact (see :mod:`specdec_rt.tree_sampling`)."""
+        """k autoregressive steps; with ``ctx.tree_nodes`` = n > 0, also n siblings of the chain's
+        tokens (a tree; free: the same logits), the most probable under the draft (EAGLE-2's
+        rule, within the chain's siblings): a candidate y at depth i scores
+        ``q_0(x_0) ... q_{i-1}(x_{i-1}) q_i(y)``, the draft's probability of reaching it, over the
+        draft's ``SIBLING_RANKS`` best alternatives at every depth. A sibling is a deterministic
+        choice (one-hot ``q``), which keeps tree rejection sampling exact (see
+        :mod:`specdec_rt.tree_sampling`)."""
         s = self._session(ctx)
         feed = s.pending(ctx.tokens)  # [1..] tokens the draft cache has not seen
         drafts: list[DraftToken] = []
-        siblings: list[DraftToken] = []
+        candidates: list[tuple[float, int, int]] = []  # (draft probability of the node, depth, token)
+        reach = 1.0  # draft probability of the chain so far
         for i in range(k):
             logits = (await s.extend(feed, 1))[0]  # [V]
             if ctx.params.greedy:
                 x = int(np.argmax(logits))
                 drafts.append(DraftToken(x))  # deterministic: q is one-hot at x
+                q = _softmax(logits) if ctx.tree_nodes else None  # [V] only to rank siblings
             else:
                 q = warp(logits, ctx.params)  # [V]
                 x = sample(q, ctx.rng)
                 drafts.append(DraftToken(x, q))
-            if i < ctx.tree_nodes:  # the runner-up, continuing what the chain token continues
-                masked = logits.copy()
-                masked[x] = -np.inf
-                siblings.append(DraftToken(int(np.argmax(masked)), parent=i - 1))
+            if ctx.tree_nodes:
+                best = np.argpartition(q, -(SIBLING_RANKS + 1))[-(SIBLING_RANKS + 1):]  # [ranks + 1]
+                candidates += [(reach * float(q[y]), i, int(y)) for y in best if y != x and q[y] > 0]
+                reach *= float(q[x])
             feed = np.array([x], dtype=np.int64)  # the last draft is never fed: it may be rejected
-        return drafts + siblings
+        chosen = sorted(candidates, reverse=True)[: ctx.tree_nodes]
+        return drafts + [DraftToken(y, parent=i - 1) for _, i, y in sorted(chosen, key=lambda c: c[1])]
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    z = np.exp(logits - logits.max())  # [V]
+    return z / z.sum()
 
 
 class ModelVerifier(_ModelUser, TargetVerifier):

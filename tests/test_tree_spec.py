@@ -170,3 +170,31 @@ def test_a_bad_tree_size_is_refused_by_name(bad):
 
     with pytest.raises(InvalidInputError, match=r"SpecConfig\.tree_nodes=" + repr(bad).replace(".", r"\.")):
         SpecConfig(tree_nodes=bad)
+
+
+def test_a_model_drafts_siblings_go_where_the_draft_is_least_sure():
+    """EAGLE-2's rule: a sibling's score is the draft's probability of reaching it. The draft is
+    sure of its first token (0.97) and torn at the second (0.6 / 0.35): the one sibling a round
+    may add is the second depth's alternative, not the first depth's 1%-runner-up."""
+    import anyio
+
+    from specdec_rt.adapters import ModelDrafter
+    from specdec_rt.context import RequestContext
+    from specdec_rt.testing import ToyLM
+
+    def row(probs: dict) -> np.ndarray:  # logits with these probabilities, the rest ~0
+        p = np.full(6, 1e-4)
+        p[list(probs)] = list(probs.values())
+        return np.log(p / p.sum())
+
+    table = np.stack([row({1: 0.97, 2: 0.012, 3: 0.008}),  # after 0: surely 1
+                      row({2: 0.6, 3: 0.35}),  # after 1: 2, or 3
+                      row({4: 0.9}), row({4: 0.9}), row({0: 0.9}), row({0: 0.9})])  # after 2: 4
+    drafter = ModelDrafter(ToyLM(vocab_size=6, order=1, table=table))
+    for nodes, want in [(1, [(3, 0)]), (2, [(3, 0), (2, -1)])]:
+        ctx = RequestContext(np.array([0], dtype=np.int64), 8)
+        ctx.tree_nodes = nodes
+        drafts = anyio.run(drafter.generate_draft, ctx, 3)
+        assert [d.id for d in drafts[:3]] == [1, 2, 4]
+        assert sorted((d.id, d.parent) for d in drafts[3:]) == sorted(want)
+        drafter.release(ctx)
