@@ -1,7 +1,7 @@
 """When a draft tree pays: its extra nodes against what they cost in the verify call.
 
 A request alone may draft its main chain (k tokens) plus up to ``n`` other nodes (the draft's
-runner-up at the first depths). In units of one plain target step, a round costs
+most probable alternatives to the chain's tokens). In units of one plain target step, a round costs
 ``R = 1 + s (k + 1) + k d`` and yields ``T`` tokens (``s``: the measured cost of one more verified
 position; ``d``: of one draft step). ``n`` extra nodes cost ``n s`` more and yield ``n h`` more
 tokens, ``h`` being how often an offered node ends up on the accepted path. They pay when
