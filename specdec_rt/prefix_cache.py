@@ -138,6 +138,8 @@ class PrefixCache:
         self._live: dict[int, _Live] = {}  # running slot -> its session, a possible source
         self._index: dict[int, set[int]] = {}  # block key -> slots (entries, residues, live) holding it
         self._ops: collections.deque = collections.deque()  # data moves for the worker thread, in order
+        self._applying = False  # apply() is running them (see apply)
+        self._pinned: int | None = None  # an entry a hit is about to copy: not evicted meanwhile
         self._clock = 0
         self.queries = 0  # lookups made (requests that could have hit)
         self.hit_tokens = 0  # tokens taken or copied instead of computed
@@ -185,7 +187,13 @@ class PrefixCache:
         else:  # lowest first (batches stay packed), but not one whose residue is still to copy
             done = lambda s: s not in self._residue or (s in self._stashes and self._stashes[s].entry.ready)  # noqa: E731
             slot = min(self._free, key=lambda s: (not done(s), s))
-            self._stash_now(slot)  # what it held is copied out before the new session writes
+            # what it held is copied out before the new session writes; that copy may need an
+            # entry slot, but never the hit's own (its copy into this slot comes after)
+            self._pinned = hit.slot if hit is not None else None
+            try:
+                self._stash_now(slot)
+            finally:
+                self._pinned = None
         self._free.remove(slot)
         self._drop_residue(slot)
         if hit is not None:
@@ -249,9 +257,20 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ worker-thread side
     def apply(self) -> None:
-        """Run the queued data moves, in order (in the worker thread, before a model call)."""
-        while self._ops:
-            self._ops.popleft()()
+        """Run the queued data moves, in order (in the worker thread, before a model call).
+
+        Not re-entrant: a residue's copy into an entry starts by applying what was queued
+        before it (its entry slot may be the source of a pending hit copy); when that copy
+        itself runs from this queue, everything queued before it has run, and what was queued
+        after it (a hit copied into the slot it reads) must wait until it is done."""
+        if self._applying:
+            return
+        self._applying = True
+        try:
+            while self._ops:
+                self._ops.popleft()()
+        finally:
+            self._applying = False
 
     def settle(self, hit: Hit, slot: int) -> int:
         """Copy a deferred hit from its running source into ``slot`` now (worker thread), as far
@@ -323,7 +342,7 @@ class PrefixCache:
             self._drop_keys(dst, self._entries.pop(dst).keys)
         budget = self._budget_tokens
         while True:
-            ready = [s for s, x in self._entries.items() if x.ready]
+            ready = [s for s, x in self._entries.items() if x.ready and s != self._pinned]
             if not ready or (dst is not None or self._spare) and self.cached_tokens + n <= budget:
                 break
             lru = min(ready, key=lambda s: self._entries[s].used)
