@@ -414,9 +414,9 @@ class RequestPolicy:
             self.costs.observe(drafted, t_draft, t_verify)
         elif alone:
             self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
-        elif drafted and not self.cheap and self._lag <= CATCHUP_FREE:
+        elif drafted and not self.cheap and timed and self._lag <= CATCHUP_FREE:
             # a model-draft round in a batch: what it really gained (a round that first fed the
-            # draft what it missed is not: catchup_pays_batch prices that apart)
+            # draft what it missed, or the prompt, is not: catchup_pays_batch prices that apart)
             self.costs.observe_batch_round(batch, accepted + 1, t_draft + t_verify)
         if self.cheap:  # free drafts in a batch: their own acceptance; they never switch modes
             self.cheap_ewma.observe(drafted, accepted)
