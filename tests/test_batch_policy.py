@@ -123,11 +123,13 @@ def test_a_round_that_first_fed_the_draft_what_it_missed_is_not_its_realized_gai
     assert p.draft_length(400, batch=8, at=10) > 0
     p.observe(10, 3, 3, 0.2, 0.066, alone=False, batch=8)
     assert 8 not in p.costs.batch_gain  # catching up is priced apart (catchup_pays_batch)
-    p.observe(0, 3, 0, 0.3, 0.066, timed=False, alone=False, batch=8)  # a first round: the prompt's prefills
-    assert 8 not in p.costs.batch_gain
     assert p.draft_length(400, batch=8, at=14) > 0  # caught up: this round's gain counts
     p.observe(14, 3, 3, 0.006, 0.066, alone=False, batch=8)
     assert p.costs.batch_gain[8] > 1.0
+    first = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
+    assert first.draft_length(400, batch=8) > 0
+    first.observe(0, 3, 0, 0.3, 0.066, timed=False, alone=False, batch=8)  # with the prompt's prefills
+    assert 8 not in first.costs.batch_gain
 
 
 def test_free_drafts_do_not_displace_model_drafts_that_pay():
