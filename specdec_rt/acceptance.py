@@ -1,6 +1,7 @@
-"""When to speculate and how far: acceptance EWMA, measured costs, draft length, fallback.
+"""What speculation is worth: acceptance EWMA and measured costs (the rules that use them, draft
+length and fallback, are :mod:`specdec_rt.policy`).
 
-Plain data and rules, no I/O. The quantities:
+Plain data, no I/O. The quantities:
 
 * ``a``, the **acceptance EWMA**: the probability that a draft token is accepted given that every
   earlier one in its round was, estimated from rounds with exponential weights (decay ``alpha``
@@ -29,9 +30,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .errors import InvalidInputError
-from .types import FallbackEvent, Mode
 
-__all__ = ["SpecConfig", "AcceptanceEWMA", "CostModel", "RequestPolicy", "expected_tokens"]
+__all__ = ["SpecConfig", "AcceptanceEWMA", "BatchArms", "CostModel", "expected_tokens"]
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,46 @@ DRAFT_BATCH_MARGIN = 1.5  # a draft's batched step, estimated from its step alon
 CHEAP_PRIOR = 0.5  # acceptance assumed for free drafts (n-gram matches) in a batch, until observed
 CATCHUP_FREE = 4  # a draft this few tokens behind catches up in its next call at no extra cost
 CATCHUP_BLIND = 4  # unmeasured: a draft catches up on at most this many tokens per token left
+ARM_PROBE_EVERY = 24  # rounds (per request of the batch) between rounds of the slower kind in a batch
+ARM_MARGIN = 1.02  # model drafts in a batch must be this much faster per request than plain rounds
 PREFILL_EXPLORE_EVERY = 8  # after this many prefill skips in a row, one request speculates anyway
+
+
+@dataclass
+class BatchArms:
+    """Tokens per second of one request in the rounds of a batch of one size, per kind of round:
+    plain (the request fed one token) and model drafts (draft k, verify k + 1). Predicted costs
+    miss what a batch really does (rows that wait for the longest, the draft's own batched
+    steps), so once both kinds were measured the faster one is used, by ``ARM_MARGIN`` for
+    drafts; every ``ARM_PROBE_EVERY`` rounds per request, one whole round of the batch (its next
+    ``batch`` requests) takes the other kind, so that a change of load or prompts is seen."""
+
+    plain: float | None = None  # tokens/s (EWMA) of a request in plain rounds
+    drafts: float | None = None  # ... in model-draft rounds
+    rounds: int = 0  # request rounds observed since the last probe
+    probing: int = 0  # requests still to take the other kind in the probe round
+
+    @property
+    def measured(self) -> bool:
+        return self.plain is not None and self.drafts is not None
+
+    def observe(self, drafting: bool, rate: float, ewma: Callable[[float | None, float], float]) -> None:
+        if drafting:
+            self.drafts = ewma(self.drafts, rate)
+        else:
+            self.plain = ewma(self.plain, rate)
+        self.rounds += 1
+
+    def choose(self, batch: int, predicted: bool) -> bool:
+        if not self.measured:
+            return predicted
+        best = self.drafts > self.plain * ARM_MARGIN
+        if self.rounds >= ARM_PROBE_EVERY * batch:
+            self.rounds, self.probing = 0, batch
+        if self.probing:
+            self.probing -= 1
+            return not best
+        return best
 
 
 @dataclass
@@ -148,6 +187,7 @@ class CostModel:
     batched_verify: bool = False  # the target verifies the rows of a batch in one call
     draft_step_s: Callable[[int], float | None] | None = None  # batched draft model step of B rows
     batch_gain: dict[int, float] = field(default_factory=dict)  # batch -> realized gain of model-draft rounds
+    batch_arms: dict[int, "BatchArms"] = field(default_factory=dict)  # batch -> measured kinds of round
 
     def observe(self, drafted: int, t_draft: float, t_verify: float) -> None:
         if not self.measure:
@@ -236,6 +276,20 @@ class CostModel:
         if self.measure and c1 is not None and seconds > 0:
             self.batch_gain[batch] = self._ewma(self.batch_gain.get(batch), emitted * c1 / seconds)
 
+    def observe_arm(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
+        """A round of one request in a batch of ``batch``: its tokens per second, as an EWMA per
+        kind of round (plain, model drafts), which :meth:`batch_drafts` compares."""
+        if self.measure and seconds > 0:
+            arms = self.batch_arms.setdefault(batch, BatchArms())
+            arms.observe(drafting, tokens / seconds, self._ewma)
+
+    def batch_drafts(self, batch: int, predicted: bool) -> bool:
+        """Whether a request in a batch of ``batch`` drafts with the model this round: the
+        kind of round measured faster at this batch size, or ``predicted`` (it pays) until both
+        kinds were measured; see :class:`BatchArms`."""
+        arms = self.batch_arms.get(batch)
+        return predicted if arms is None else arms.choose(batch, predicted)
+
     def catchup_pays_batch(self, lag: int, new_tokens: int, gain: float, batch: int) -> bool:
         """In a batch: model drafts at ``gain`` over plain batched steps save ``new_tokens`` x
         ``c(B, B)`` x ``(1 - 1/gain)``; first every row's draft reads what it missed (``lag``
@@ -291,6 +345,9 @@ class CostModel:
         if d is None:  # never measured: exploring would cost the draft's prefill of every prompt
             return 0.0
         predicted = expected_tokens(a, k) * c1 / (k * d + self.batch_call_s(batch, batch * (k + 1)))
+        arms = self.batch_arms.get(batch)
+        if arms is not None and arms.measured:
+            return predicted  # measured rounds decide (batch_drafts); this only picks k
         return min(predicted, self.batch_gain.get(batch, predicted))
 
     def cheap_speedup(self, a: float, k: int, batch: int) -> float:
@@ -324,124 +381,3 @@ class CostModel:
         base, s = self._base_and_slope()
         per = (base if base is not None else c1 / batch) * s  # seconds per extra position
         return c1 + per * (positions - batch)
-
-
-class RequestPolicy:
-    """One request's speculation state machine: draft length, fallback, probing."""
-
-    def __init__(self, config: SpecConfig, mode: Mode, ewma: AcceptanceEWMA, costs: CostModel,
-                 shared: AcceptanceEWMA | None = None, prompt_tokens: int = 0) -> None:
-        if mode not in ("spec", "ar"):
-            raise InvalidInputError(f"mode must be 'spec' or 'ar', got {mode!r}")
-        self.config, self.mode, self.ewma, self.costs, self.shared = config, mode, ewma, costs, shared
-        self.prompt_tokens = prompt_tokens
-        self.speculating = mode == "spec"
-        self._probes = True  # False: this request never speculates again
-        self._zero = 0  # consecutive rounds that accepted nothing
-        self._probing = False
-        self._plain_since_probe = 0
-        self._probe_every = config.probe_every
-        self._drafted_at = -prompt_tokens  # generated tokens when the draft model last drafted (it has read
-        # up to there); before its first draft it lacks the prompt too (what its prefix cache lacks)
-        self.cheap_drafts = False  # the drafter can propose drafts that cost nothing (n-gram matches)
-        self.cheap = False  # this round: only such drafts (set by draft_length)
-        self.cheap_ewma = AcceptanceEWMA.start(config.alpha, CHEAP_PRIOR)  # their acceptance, apart
-        self._lag = 0  # this round: tokens the draft model had to read before drafting
-
-    def best_k(self, batch: int = 1, cheap: bool = False) -> tuple[int, float]:
-        """The draft length with the highest predicted speedup, and that speedup, for a request
-        alone (``batch=1``) or sharing each step with ``batch - 1`` others (``cheap``: with
-        drafts that cost nothing to make, verified in the batch's call)."""
-        c, a = self.config, (self.cheap_ewma if cheap else self.ewma).value
-        ks = [c.k_init] if not c.adapt_k else range(c.k_min, c.k_max + 1)
-        rate = self.costs.cheap_speedup if cheap else self.costs.batch_speedup
-        return max(((k, rate(a, k, batch)) for k in ks), key=lambda t: t[1])
-
-    def start(self, new_tokens: int) -> FallbackEvent | None:
-        """Before the first round: plain decoding for the whole request if the draft's prefill of
-        the prompt would cost more than speculation can save (long prompt, short answer)."""
-        a = self.ewma.value
-        if self.speculating and not self.costs.prefill_pays(self.prompt_tokens, new_tokens, a, self.best_k()[0]):
-            self.speculating = self._probes = False
-            return FallbackEvent(0, "ar", "prefill", a)
-        return None
-
-    def draft_length(self, remaining: int, batch: int = 1, at: int = 0) -> int:
-        """Drafts for the next round (0 = one plain target step). ``remaining``: tokens still
-        allowed, so a round never drafts past the budget (it emits at most k+1). ``batch``:
-        requests running now; when drafting would slow the batch down, this round is plain
-        (speculation turns down smoothly as the batch grows; no fallback is recorded, since
-        that is the load's doing, not the draft's). ``at``: tokens generated so far; after plain
-        steps in a batch the draft must first read what it missed, which must pay too."""
-        self.cheap = False
-        if self.mode == "ar" or remaining <= 1:
-            return 0
-        if not self.costs.measure:
-            batch = 1  # a seeded request's schedule (so its output) never depends on the load
-        if not self.speculating:
-            if batch > 1 or not self._probes or self._plain_since_probe < self._probe_every:
-                return 0
-            self._probing = True  # a probe drafts at least k_init tokens: one round, enough evidence
-            return min(max(self.best_k()[0], self.config.k_init), remaining - 1)
-        self._lag = lag = at - self._drafted_at if at else 0  # the first round's prefill: start() decided
-        if batch > 1:  # leave plain batched steps only for a clear gain (resume_speedup, hysteresis)
-            k, gain = self.best_k(batch)
-            if lag > CATCHUP_FREE and not self.costs.catchup_pays_batch(lag, remaining, gain, batch):
-                gain = 0.0  # the draft model would first have to read what it missed, in every row
-            if gain < self.config.resume_speedup and self.cheap_drafts and self.costs.batched_verify:
-                # model drafts do not pay: verify free drafts (when a match turns up) in the
-                # batch's call instead. (Not when they pay: free drafts exist only now and then.)
-                kc, cheap = self.best_k(batch, cheap=True)
-                if cheap > gain:
-                    self.cheap, k, gain = True, kc, cheap
-            if gain < self.config.resume_speedup:
-                self.cheap = False
-                return 0
-        else:
-            k = self.best_k()[0]
-            if lag > CATCHUP_FREE and not self.costs.catchup_pays(lag, remaining, self.ewma.value, k):
-                return 0
-        return min(k, remaining - 1)
-
-    def observe(self, at: int, drafted: int, accepted: int, t_draft: float, t_verify: float,
-                timed: bool = True, alone: bool = True, batch: int = 1) -> FallbackEvent | None:
-        """Feed one finished round; returns the mode switch it caused, if any. ``timed=False``
-        marks the first round, which included the prefills: its times are kept out of the
-        per-step costs (the draft's is used for its prefill cost instead). ``alone=False``: other
-        requests (``batch`` in all) shared the round's calls, so its times are not this request's
-        costs (the step loop measures the batched calls), only the realized gain of the round."""
-        if alone and timed:
-            self.costs.observe(drafted, t_draft, t_verify)
-        elif alone:
-            self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
-        elif drafted and not self.cheap and timed and self._lag <= CATCHUP_FREE:
-            # a model-draft round in a batch: what it really gained (a round that first fed the
-            # draft what it missed, or the prompt, is not: catchup_pays_batch prices that apart)
-            self.costs.observe_batch_round(batch, accepted + 1, t_draft + t_verify)
-        if self.cheap:  # free drafts in a batch: their own acceptance; they never switch modes
-            self.cheap_ewma.observe(drafted, accepted)
-            return None
-        if drafted == 0:
-            self._plain_since_probe += 1
-            return None
-        self._drafted_at = at + accepted + 1  # the draft model read up to what this round committed
-        self.ewma.observe(drafted, accepted)
-        if self.shared is not None:
-            self.shared.observe(drafted, accepted)
-        self._zero = self._zero + 1 if accepted == 0 else 0
-        c, a = self.config, self.ewma.value
-        if self._probing:
-            self._probing, self._plain_since_probe = False, 0
-            if a >= c.resume_above and self.best_k()[1] >= c.resume_speedup:
-                self.speculating, self._zero, self._probe_every = True, 0, c.probe_every
-                return FallbackEvent(at, "spec", "probe_ok", a)
-            self._probe_every = min(int(self._probe_every * c.probe_backoff), c.probe_max_every)
-            return None
-        reason = ("ewma" if a < c.fallback_below else
-                  "zero_rounds" if self._zero >= c.zero_rounds else
-                  "cost" if self.best_k()[1] < c.min_speedup else None)
-        if reason is None:
-            return None
-        self.speculating, self._plain_since_probe, self._probe_every = False, 0, c.probe_every
-        self.ewma.soften()  # let the probes' evidence count (hysteresis still needs resume_above)
-        return FallbackEvent(at, "ar", reason, a)

@@ -14,7 +14,8 @@ from typing import AsyncIterator, Callable, Iterable, Sequence
 
 import numpy as np
 
-from .acceptance import AcceptanceEWMA, CostModel, RequestPolicy, SpecConfig
+from .acceptance import AcceptanceEWMA, CostModel, SpecConfig
+from .policy import RequestPolicy
 from .context import RequestContext
 from .errors import InferenceError, InvalidInputError, SpecDecError
 from .logs import get_logger

@@ -12,7 +12,8 @@ import anyio
 import numpy as np
 import pytest
 
-from specdec_rt.acceptance import AcceptanceEWMA, CostModel, RequestPolicy, SpecConfig
+from specdec_rt.acceptance import AcceptanceEWMA, CostModel, SpecConfig
+from specdec_rt.policy import RequestPolicy
 from specdec_rt.context import RequestContext
 from specdec_rt.drafters import CombinedDrafter, NgramDrafter
 
@@ -152,3 +153,62 @@ def test_the_nearest_longer_call_is_found_by_bisection_as_by_scanning(seed):
                      batch_shapes=lambda rows: sorted(n for r, n in table if r == rows))
     for positions in range(8, 90):
         assert fast.batch_call_s(8, positions) == scan.batch_call_s(8, positions)
+
+
+def _measured_arms(plain: float, drafts: float, batch: int = 4) -> RequestPolicy:
+    """A policy whose batch of ``batch`` saw plain rounds at ``plain`` and model-draft rounds at
+    ``drafts`` tokens per second (per request)."""
+    p = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
+    p._drafted_at = 10
+    p.observe(10, 0, 0, 0.0, 1.0 / plain, alone=False, batch=batch)
+    p.observe(11, 3, 2, 0.01, 3.0 / drafts - 0.01, alone=False, batch=batch)
+    return p
+
+
+def test_a_batch_takes_the_kind_of_round_measured_faster():
+    # predicted to pay (acceptance 0.8, a cheap draft) but measured slower than plain rounds
+    p = _measured_arms(plain=30.0, drafts=20.0)
+    assert p.costs.batch_arms[4].measured
+    assert p.draft_length(48, batch=4, at=14) == 0
+    # and the other way round: drafts measured faster are used
+    p = _measured_arms(plain=20.0, drafts=30.0)
+    assert p.draft_length(48, batch=4, at=14) > 0
+    # within the margin, plain rounds stay (no gain worth a round's risk)
+    p = _measured_arms(plain=30.0, drafts=30.0 * 1.01)
+    assert p.draft_length(48, batch=4, at=14) == 0
+
+
+def test_the_slower_kind_is_probed_for_one_whole_round_of_the_batch():
+    from specdec_rt.acceptance import ARM_PROBE_EVERY
+    batch = 4
+    p = _measured_arms(plain=30.0, drafts=20.0, batch=batch)
+    arms = p.costs.batch_arms[batch]
+    choices = []
+    period = ARM_PROBE_EVERY * batch
+    for i in range(2 * period + period // 2):
+        choices.append(p.costs.batch_drafts(batch, predicted=True))
+        arms.observe(choices[-1], 30.0 if not choices[-1] else 20.0, p.costs._ewma)
+    probes = [i for i, c in enumerate(choices) if c]
+    assert len(probes) == 2 * batch  # one round of the batch (all its requests) per period
+    for start in probes[::batch]:  # consecutive: the whole round drafts
+        assert choices[start:start + batch] == [True] * batch
+    assert probes[batch] - probes[0] == period
+    # a probe that found drafts faster now turns the batch to drafts
+    for _ in range(40):
+        arms.observe(True, 60.0, p.costs._ewma)
+    assert p.costs.batch_drafts(batch, predicted=False)
+
+
+def test_arms_are_per_batch_size_and_untouched_by_the_prompt_round_and_catch_up():
+    p = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
+    p.observe(0, 0, 0, 0.0, 0.5, timed=False, alone=False, batch=4)  # the prompt's round
+    assert 4 not in p.costs.batch_arms
+    p._drafted_at = -40  # the draft lacks 40 tokens: its next round is a catch-up
+    assert p.draft_length(400, batch=4, at=10) > 0
+    p.observe(10, 3, 3, 0.2, 0.066, alone=False, batch=4)
+    assert 4 not in p.costs.batch_arms
+    p.observe(14, 0, 0, 0.0, 0.03, alone=False, batch=4)
+    assert p.costs.batch_arms[4].plain is not None and 8 not in p.costs.batch_arms
+    alone = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
+    alone.observe(14, 0, 0, 0.0, 0.03)  # a request alone has no arms: its costs are its own
+    assert not alone.costs.batch_arms

@@ -287,7 +287,8 @@ def test_stats_are_consistent():
 
 
 def test_long_prompt_short_answer_decodes_plainly_when_the_draft_prefill_costs_more():
-    from specdec_rt.acceptance import AcceptanceEWMA, CostModel, RequestPolicy
+    from specdec_rt.acceptance import AcceptanceEWMA, CostModel
+    from specdec_rt.policy import RequestPolicy
 
     # measured (SmolLM2-like): target step 25 ms, verify slope 1.25 ms/position, int8 draft step
     # 12 ms, draft prefill 3.5 ms per prompt token; acceptance 0.9 -> best speedup ~1.33x
@@ -311,7 +312,8 @@ def test_long_prompt_short_answer_decodes_plainly_when_the_draft_prefill_costs_m
 def test_prefill_rule_is_never_a_standing_verdict():
     """A plain request measures nothing, so the prefill rule must let some requests speculate,
     or one bad estimate would switch speculation off for every later request."""
-    from specdec_rt.acceptance import PREFILL_EXPLORE_EVERY, AcceptanceEWMA, CostModel, RequestPolicy
+    from specdec_rt.acceptance import PREFILL_EXPLORE_EVERY, AcceptanceEWMA, CostModel
+    from specdec_rt.policy import RequestPolicy
 
     costs = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030}, draft_prefill_s=0.0035)
     verdicts = [RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), costs,

@@ -1,0 +1,142 @@
+"""One request's speculation state machine: draft length, fallback, probing, and its choices
+inside a batch. The quantities it decides from (acceptance EWMA, costs, the predicted speedup) and
+the fallback rules are stated in :mod:`specdec_rt.acceptance`. Plain rules, no I/O.
+"""
+
+from __future__ import annotations
+
+from .acceptance import CATCHUP_FREE, CHEAP_PRIOR, AcceptanceEWMA, CostModel, SpecConfig
+from .errors import InvalidInputError
+from .types import FallbackEvent, Mode
+
+__all__ = ["RequestPolicy"]
+
+
+class RequestPolicy:
+    """One request's speculation state machine: draft length, fallback, probing."""
+
+    def __init__(self, config: SpecConfig, mode: Mode, ewma: AcceptanceEWMA, costs: CostModel,
+                 shared: AcceptanceEWMA | None = None, prompt_tokens: int = 0) -> None:
+        if mode not in ("spec", "ar"):
+            raise InvalidInputError(f"mode must be 'spec' or 'ar', got {mode!r}")
+        self.config, self.mode, self.ewma, self.costs, self.shared = config, mode, ewma, costs, shared
+        self.prompt_tokens = prompt_tokens
+        self.speculating = mode == "spec"
+        self._probes = True  # False: this request never speculates again
+        self._zero = 0  # consecutive rounds that accepted nothing
+        self._probing = False
+        self._plain_since_probe = 0
+        self._probe_every = config.probe_every
+        self._drafted_at = -prompt_tokens  # generated tokens when the draft model last drafted (it has read
+        # up to there); before its first draft it lacks the prompt too (what its prefix cache lacks)
+        self.cheap_drafts = False  # the drafter can propose drafts that cost nothing (n-gram matches)
+        self.cheap = False  # this round: only such drafts (set by draft_length)
+        self.cheap_ewma = AcceptanceEWMA.start(config.alpha, CHEAP_PRIOR)  # their acceptance, apart
+        self._lag = 0  # this round: tokens the draft model had to read before drafting
+
+    def best_k(self, batch: int = 1, cheap: bool = False) -> tuple[int, float]:
+        """The draft length with the highest predicted speedup, and that speedup, for a request
+        alone (``batch=1``) or sharing each step with ``batch - 1`` others (``cheap``: with
+        drafts that cost nothing to make, verified in the batch's call)."""
+        c, a = self.config, (self.cheap_ewma if cheap else self.ewma).value
+        ks = [c.k_init] if not c.adapt_k else range(c.k_min, c.k_max + 1)
+        rate = self.costs.cheap_speedup if cheap else self.costs.batch_speedup
+        return max(((k, rate(a, k, batch)) for k in ks), key=lambda t: t[1])
+
+    def start(self, new_tokens: int) -> FallbackEvent | None:
+        """Before the first round: plain decoding for the whole request if the draft's prefill of
+        the prompt would cost more than speculation can save (long prompt, short answer)."""
+        a = self.ewma.value
+        if self.speculating and not self.costs.prefill_pays(self.prompt_tokens, new_tokens, a, self.best_k()[0]):
+            self.speculating = self._probes = False
+            return FallbackEvent(0, "ar", "prefill", a)
+        return None
+
+    def draft_length(self, remaining: int, batch: int = 1, at: int = 0) -> int:
+        """Drafts for the next round (0 = one plain target step). ``remaining``: tokens still
+        allowed, so a round never drafts past the budget (it emits at most k+1). ``batch``:
+        requests running now; when drafting would slow the batch down, this round is plain
+        (speculation turns down smoothly as the batch grows; no fallback is recorded, since
+        that is the load's doing, not the draft's). ``at``: tokens generated so far; after plain
+        steps in a batch the draft must first read what it missed, which must pay too."""
+        self.cheap = False
+        if self.mode == "ar" or remaining <= 1:
+            return 0
+        if not self.costs.measure:
+            batch = 1  # a seeded request's schedule (so its output) never depends on the load
+        if not self.speculating:
+            if batch > 1 or not self._probes or self._plain_since_probe < self._probe_every:
+                return 0
+            self._probing = True  # a probe drafts at least k_init tokens: one round, enough evidence
+            return min(max(self.best_k()[0], self.config.k_init), remaining - 1)
+        self._lag = lag = at - self._drafted_at if at else 0  # the first round's prefill: start() decided
+        if batch > 1:  # leave plain batched steps only for a clear gain (resume_speedup, hysteresis)
+            k, gain = self.best_k(batch)
+            behind = lag > CATCHUP_FREE and not self.costs.catchup_pays_batch(lag, remaining, gain, batch)
+            if behind:
+                gain = 0.0  # the draft model would first have to read what it missed, in every row
+            if gain < self.config.resume_speedup and self.cheap_drafts and self.costs.batched_verify:
+                # model drafts do not pay: verify free drafts (when a match turns up) in the
+                # batch's call instead. (Not when they pay: free drafts exist only now and then.)
+                kc, cheap = self.best_k(batch, cheap=True)
+                if cheap > gain:
+                    self.cheap, k, gain = True, kc, cheap
+            if not self.cheap:  # model drafts: the faster kind of round, once both were measured
+                if behind or not self.costs.batch_drafts(batch, gain >= self.config.resume_speedup):
+                    return 0
+            elif gain < self.config.resume_speedup:
+                self.cheap = False
+                return 0
+        else:
+            k = self.best_k()[0]
+            if lag > CATCHUP_FREE and not self.costs.catchup_pays(lag, remaining, self.ewma.value, k):
+                return 0
+        return min(k, remaining - 1)
+
+    def observe(self, at: int, drafted: int, accepted: int, t_draft: float, t_verify: float,
+                timed: bool = True, alone: bool = True, batch: int = 1) -> FallbackEvent | None:
+        """Feed one finished round; returns the mode switch it caused, if any. ``timed=False``
+        marks the first round, which included the prefills: its times are kept out of the
+        per-step costs (the draft's is used for its prefill cost instead). ``alone=False``: other
+        requests (``batch`` in all) shared the round's calls, so its times are not this request's
+        costs (the step loop measures the batched calls), only this request's tokens per second
+        in that kind of round (:class:`BatchArms`) and the realized gain of a model-draft round."""
+        if alone and timed:
+            self.costs.observe(drafted, t_draft, t_verify)
+        elif alone:
+            self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
+        if not alone and not self.cheap:
+            if not drafted and timed and at > 0 and self.mode == "spec":  # a plain round, not the prompt's
+                self.costs.observe_arm(batch, False, 1, t_verify)
+            elif drafted and timed and self._lag <= CATCHUP_FREE:
+                # a model-draft round in a batch: what it really gained (a round that first fed
+                # the draft what it missed is not: catchup_pays_batch prices that apart)
+                self.costs.observe_arm(batch, True, accepted + 1, t_draft + t_verify)
+                self.costs.observe_batch_round(batch, accepted + 1, t_draft + t_verify)
+        if self.cheap:  # free drafts in a batch: their own acceptance; they never switch modes
+            self.cheap_ewma.observe(drafted, accepted)
+            return None
+        if drafted == 0:
+            self._plain_since_probe += 1
+            return None
+        self._drafted_at = at + accepted + 1  # the draft model read up to what this round committed
+        self.ewma.observe(drafted, accepted)
+        if self.shared is not None:
+            self.shared.observe(drafted, accepted)
+        self._zero = self._zero + 1 if accepted == 0 else 0
+        c, a = self.config, self.ewma.value
+        if self._probing:
+            self._probing, self._plain_since_probe = False, 0
+            if a >= c.resume_above and self.best_k()[1] >= c.resume_speedup:
+                self.speculating, self._zero, self._probe_every = True, 0, c.probe_every
+                return FallbackEvent(at, "spec", "probe_ok", a)
+            self._probe_every = min(int(self._probe_every * c.probe_backoff), c.probe_max_every)
+            return None
+        reason = ("ewma" if a < c.fallback_below else
+                  "zero_rounds" if self._zero >= c.zero_rounds else
+                  "cost" if self.best_k()[1] < c.min_speedup else None)
+        if reason is None:
+            return None
+        self.speculating, self._plain_since_probe, self._probe_every = False, 0, c.probe_every
+        self.ewma.soften()  # let the probes' evidence count (hysteresis still needs resume_above)
+        return FallbackEvent(at, "ar", reason, a)
