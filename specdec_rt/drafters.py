@@ -17,6 +17,8 @@ from .types import DraftToken
 
 __all__ = ["NgramDrafter", "CombinedDrafter"]
 
+TREE_MATCHES = 32  # earlier matches per n-gram length walked for a tree's branches
+
 
 class NgramDrafter(DraftInferrer):
     """Prompt lookup decoding: find the latest earlier occurrence of the last ``n`` tokens
@@ -50,7 +52,47 @@ class NgramDrafter(DraftInferrer):
                 return hay[start : start + k].copy()
         return hay[:0].copy()
 
+    def propose_tree(self, tokens: np.ndarray, k: int, nodes: int, n_min: int | None = None) -> list[DraftToken]:
+        """:meth:`propose`'s chain plus up to ``nodes`` other nodes: where earlier matches went
+        on differently. Matches are taken longest n-gram first, latest first (at most
+        ``TREE_MATCHES`` per n) and laid over each other as a trie, as deep as the chain; the
+        nodes off the chain are kept shallowest first (they are reached more often), then by
+        how many matches lead through them. Every node is a fixed choice (one-hot ``q``),
+        which keeps tree rejection sampling exact. The chain comes first, then the other
+        nodes, parents before children (see :class:`~specdec_rt.types.DraftToken`)."""
+        hay = tokens[-self.window:]  # [W]
+        token, parent, depth, support = [], [], [], []  # the trie's nodes
+        children: dict[tuple[int, int], int] = {}  # (node (-1: the root), token) -> child node
+        deepest = min(k, self.k_max)
+        for n in range(min(self.n_max, hay.size - 1), (n_min or self.n_min) - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(hay[:-1], n)  # [W-n, n]: excludes the suffix itself
+            for start in (np.flatnonzero((windows == hay[-n:]).all(axis=1))[::-1][:TREE_MATCHES] + n).tolist():
+                node = -1  # latest match first: the first one is the chain (as propose)
+                for t in hay[start : start + deepest].tolist():
+                    nxt = children.get((node, t))
+                    if nxt is None:
+                        nxt = children[(node, t)] = len(token)
+                        token.append(t), parent.append(node), depth.append(depth[node] + 1 if node >= 0 else 1)
+                        support.append(0)
+                    support[nxt] += 1
+                    node = nxt
+                if not nodes:
+                    return [DraftToken(t) for t in token]
+                deepest = max(depth, default=0)  # branches go no deeper than the chain
+        chain = max(depth, default=0)  # nodes 0 .. chain - 1, each the previous one's child
+        at = {i: i for i in range(chain)}  # trie node -> draft index
+        out = [DraftToken(t) for t in token[:chain]]
+        for i in sorted(range(chain, len(token)), key=lambda i: (depth[i], -support[i], i)):
+            if len(out) == chain + nodes:
+                break
+            if parent[i] < 0 or parent[i] in at:  # parents before children (a skipped parent: skip)
+                at[i] = len(out)
+                out.append(DraftToken(token[i], parent=at.get(parent[i], -1)))
+        return out
+
     async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
+        if ctx.tree_nodes:
+            return self.propose_tree(ctx.tokens, k, ctx.tree_nodes)
         return [DraftToken(int(t)) for t in self.propose(ctx.tokens, k)]
 
     def release(self, ctx: RequestContext) -> None:
@@ -91,10 +133,13 @@ class CombinedDrafter(DraftInferrer):
         if ctx.cheap_drafts or (proposal.size >= min(self.min_tokens, k)
                                 and st.acceptance["ngram"] >= st.acceptance["model"]):
             source, drafts = "ngram", [DraftToken(int(t)) for t in proposal]
+            if ctx.tree_nodes and drafts:  # a tree: where earlier matches went on differently
+                drafts = self.ngram.propose_tree(ctx.tokens, k, ctx.tree_nodes,
+                                                 n_min=max(self.ngram.n_min, self.min_match))
         else:
             source, drafts = "model", list(await self.model.generate_draft(ctx, k))
         self.used[source] += 1
-        st.last = (source, ctx.tokens.size, [d.id for d in drafts])
+        st.last = (source, ctx.tokens.size, [d.id for d in drafts if d.parent is None])  # the chain
         return drafts
 
     def release(self, ctx: RequestContext) -> None:

@@ -48,10 +48,11 @@ def test_ngram_and_combined_are_lossless_greedy():
     assert combined.used["ngram"] > 0 and combined.used["model"] > 0
 
 
-def test_ngram_sampling_keeps_the_target_distribution():
+@pytest.mark.parametrize("nodes", [0, 3])  # 3: n-gram trees, several fixed candidates a depth
+def test_ngram_sampling_keeps_the_target_distribution(nodes):
     target = ToyLM(4, seed=3)
     config = SpecConfig(measure_costs=False, k_min=2, k_init=2, k_max=2, adapt_k=False,
-                        fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)
+                        fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0, tree_nodes=nodes)
     sched = SpecDecScheduler(NgramDrafter(n_min=1), ModelVerifier(target), config)
     params, rng, counts = SamplingParams(temperature=1.0), np.random.default_rng(5), {}
     prompt = [1, 2, 1]  # "1" repeats: the drafter always has a proposal
@@ -63,4 +64,68 @@ def test_ngram_sampling_keeps_the_target_distribution():
 
     anyio.run(main)
     assert chi_square_pvalue(counts, sequence_distribution(target, prompt, 3, params)) > 1e-3
-    assert sched.totals.drafted > 0
+    assert sched.totals.drafted > 0 and (sched.totals.tree_nodes > 0) == (nodes > 0)
+
+
+# ------------------------------------------------------------------ n-gram draft trees
+TREE_CONTEXT = [1, 2, 3, 10, 11, 12, 5, 1, 2, 3, 20, 21, 22, 6, 1, 2, 3, 10, 11, 13, 7, 9, 2, 3, 30, 1, 2, 3]
+
+
+def test_an_ngram_tree_is_the_chain_plus_where_earlier_matches_went_on():
+    from specdec_rt.tree_sampling import DraftTree, chain_length, tree_depth, tree_parents
+    d, tokens = NgramDrafter(n_max=3), np.array(TREE_CONTEXT)
+    chain = d.propose(tokens, 4).tolist()
+    assert [x.id for x in d.propose_tree(tokens, 4, 0)] == chain == [10, 11, 13, 7]
+    tree = d.propose_tree(tokens, 4, 3)
+    assert [x.id for x in tree[: chain_length(tree)]] == chain and len(tree) == 7
+    parents = tree_parents(tree)
+    DraftTree([x.id for x in tree], parents)  # a valid tree: parents before children
+    # shallowest first: the root's other children ("1 2 3" -> 20, "2 3" -> 30), then 20's child
+    assert [(x.id, p) for x, p in zip(tree[4:], parents[4:])] == [(20, -1), (30, -1), (21, 4)]
+    full = d.propose_tree(tokens, 4, 16)
+    assert tree_depth(full) == 4  # no branch deeper than the chain
+    paths = set()
+    for i in range(len(full)):  # every node's path is a distinct continuation seen in the context
+        path, node = [], i
+        while node >= 0:
+            path.append(full[node].id)
+            node = tree_parents(full)[node]
+        paths.add(tuple(path[::-1]))
+    assert len(paths) == len(full)
+    assert (10, 11, 12, 5) in paths and (20, 21, 22, 6) in paths and (30, 1, 2, 3) in paths
+    assert d.propose_tree(np.array([1, 2, 3]), 4, 3) == []  # no match: nothing
+
+
+def test_ngram_trees_are_lossless_and_pay_where_continuations_differ():
+    from specdec_rt.testing import toy_pair as pair
+    target, _ = pair(6, seed=2, distance=0.3)
+    always = dict(measure_costs=False, adapt_k=False, k_init=4, fallback_below=0.0, zero_rounds=10**6,
+                  min_speedup=0.0)
+    prompts = [[1, 2, 3, 1, 2], [0], [4, 4, 4, 4], [5, 0, 5, 1, 5, 2, 5]]
+    per_call = {}
+    for nodes in (0, 4):
+        # 1-gram matches of an order-2 target: the latest match is often not where it goes on
+        sched = SpecDecScheduler(NgramDrafter(n_max=1), ModelVerifier(target), SpecConfig(tree_nodes=nodes, **always))
+
+        async def main():
+            out = []
+            for p in prompts:
+                spec = await sched.run(p, 60, SamplingParams())
+                plain = await sched.run(p, 60, SamplingParams(), mode="ar")
+                assert spec.token_ids == plain.token_ids
+                out.append(spec.stats)
+            return out
+
+        stats = anyio.run(main)
+        per_call[nodes] = sum(s.new_tokens for s in stats) / sum(s.rounds + s.ar_steps for s in stats)
+        assert (sum(s.tree_nodes for s in stats) > 0) == (nodes > 0)
+    assert per_call[4] > 1.3 * per_call[0], per_call  # 1.25 -> 2.12 tokens a target call
+
+
+def test_the_ngram_tree_distribution_test_catches_a_walk_without_the_residual(monkeypatch):
+    import specdec_rt.adapters as adapters
+    from test_tree_spec import _walk_without_residual
+
+    monkeypatch.setattr(adapters, "tree_accept", _walk_without_residual)
+    with pytest.raises(AssertionError, match="chi_square_pvalue"):
+        test_ngram_sampling_keeps_the_target_distribution(3)
