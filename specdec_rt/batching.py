@@ -5,7 +5,8 @@ commit, observe, emit), and every model call it makes ends here, in one :class:`
 per engine. Each iteration of the executor's loop:
 
 1. **gather**: let every request that is ready submit its next call (the event loop runs until
-   no new call arrives), so the rows of concurrent requests meet in one iteration;
+   no new call arrives, or until every running request has one in, ``clients``), so the rows of
+   concurrent requests meet in one iteration;
 2. **batch**: per model, every call of at most ``RAGGED_MAX`` new positions (plain decoding
    rows, draft steps, verifies over k+1 positions) becomes **one** call over the requests' KV
    slots: ``run_rows_sync`` for a model whose graph is packed (``model.ragged``: several
@@ -16,7 +17,8 @@ per engine. Each iteration of the executor's loop:
    prefilled in one call (``run_prefill_batch_sync``). While a *lead* model (a draft model,
    ``lead``) has calls, the other models' calls wait for the next iteration, so the rows of a
    batch draft together, then verify together;
-3. **run**: one call at a time, in a worker thread (one call already uses every core), then
+3. **run**: one call at a time, in a worker thread (one call already uses every core; a request
+   alone runs its short single-token steps on the loop's thread, ``INLINE_MAX_S``), then
    resolve the callers' futures and record the call's cost (seconds per rows and positions).
 
 Requests join and leave between iterations. Exports from before packing cannot take several
@@ -61,6 +63,10 @@ GATHER_STABLE = 4  # ... and it is cut after this many passes in a row brought n
 COST_SAMPLES = 16  # batched step times kept per batch size
 ALONE_CHUNKS = 2  # with nobody waiting, a long call is fed ALONE_CHUNKS * chunk positions at a time
 RAGGED_MAX = 16  # most new positions of a call batched with other rows (more: run alone, in chunks)
+# A request alone runs its single-token steps that measured at most this many seconds on the
+# event loop's own thread: handing a call to a worker thread and back costs ~0.3 ms, ~5% of a
+# 6 ms step (SmolLM2 int8); the loop is busy that long instead (a 20 ms step still goes out)
+INLINE_MAX_S = 0.010
 
 
 @dataclass(eq=False)
@@ -128,6 +134,10 @@ class BatchExecutor:
         self.calls = 0
         #: ids of the models whose calls go first (draft models): others wait while they have calls
         self.lead: set[int] = set()
+        #: how many requests may submit calls now (an Engine's running requests); once that many
+        #: calls are in, gathering stops at once (a request alone pays no gathering passes).
+        #: None: unknown, gather until no new call arrives
+        self.clients: Callable[[], int] | None = None
 
     # ------------------------------------------------------------------ the callers' side
     async def extend(self, session, ids: np.ndarray, rows: int, **extra):
@@ -224,6 +234,8 @@ class BatchExecutor:
             #    (a request needs a few event-loop passes from its last result to its next call)
             seen, stable = len(self._pending), 0
             for _ in range(GATHER_PASSES):
+                if self.clients is not None and seen >= self.clients():
+                    break  # every request that could submit a call has
                 await asyncio.sleep(0)
                 stable = stable + 1 if len(self._pending) == seen else 0
                 seen = len(self._pending)
@@ -270,9 +282,13 @@ class BatchExecutor:
         calls = [c for c in calls if not c.future.done()]  # a caller cancelled meanwhile is skipped
         if self._closed or not calls:
             return
+        model = calls[0].model
+        inline = (len(calls) == 1 and calls[0].ids.size == 1 and self.clients is not None
+                  and self.clients() <= 1 and (self.step_seconds(model, 1) or 1.0) <= INLINE_MAX_S)
         t0 = perf_counter()
         try:
-            results = await anyio.to_thread.run_sync(make_job(calls))
+            job = make_job(calls)
+            results = job() if inline else await anyio.to_thread.run_sync(job)
         except BaseException as exc:  # noqa: BLE001 - handed to the callers
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -283,7 +299,6 @@ class BatchExecutor:
             return
         seconds = perf_counter() - t0
         self.calls += 1
-        model = calls[0].model
         if len(calls) > 1 or calls[0].batchable or calls[0].raggable:
             key = (id(model), len(calls), sum(c.ids.size for c in calls))
             if key not in self._seen:  # the first call of a shape allocates: not its cost

@@ -94,6 +94,7 @@ class Engine:
         for model in models:
             model.executor = self.executor  # every model call of this engine goes through one loop
         drafts = [m for m in models if m is not target]
+        self.executor.clients = lambda: self.running  # every running request's call in: cut the batch
         self.executor.lead = {id(m) for m in drafts}  # draft steps first: a batch drafts, then verifies, together
         #: callables ``f(rows)`` told about every target-model call (rows: requests in the batch)
         self.batch_listeners: list[Callable[[int], None]] = []

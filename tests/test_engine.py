@@ -185,8 +185,10 @@ def test_event_loop_stays_responsive(tiny_llama):
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(heartbeat)
-                for _ in range(3):
+                start, runs = time.perf_counter(), 0
+                while runs < 3 or time.perf_counter() - start < 0.3:  # steps may run on the loop's thread
                     await engine.generate("Hello world", max_new_tokens=60)
+                    runs += 1
                 tg.cancel_scope.cancel()
             assert len(gaps) > 10 and max(gaps) < 0.25
 

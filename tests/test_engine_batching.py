@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
+import anyio
 import numpy as np
 import pytest
 
@@ -94,15 +95,26 @@ def test_slots_come_back_however_the_consumer_stops_without_a_garbage_collection
                 it = engine.stream(PROMPTS[1], 40)
                 await it.__anext__()
                 del it  # dropped mid-request
+
+                async def running():  # the request holds its slots (a tiny model's is over in ms)
+                    while engine.running == 0:
+                        await asyncio.sleep(0)
+
                 task = asyncio.ensure_future(engine.generate(PROMPTS[2], 200))
-                await asyncio.sleep(0.05)
+                await running()
                 task.cancel()  # a cancelled consumer
                 with pytest.raises(asyncio.CancelledError):
                     await task
-                try:
-                    await asyncio.wait_for(engine.generate(PROMPTS[3], 200), 0.05)  # a timeout
-                except asyncio.TimeoutError:
-                    pass
+                with anyio.CancelScope() as timeout:  # a timeout: its deadline passes mid-request
+
+                    async def expire():
+                        await running()
+                        timeout.deadline = anyio.current_time()
+
+                    expiry = asyncio.ensure_future(expire())
+                    await engine.generate(PROMPTS[3], 200)
+                assert timeout.cancelled_caught
+                await expiry
                 for _ in range(200):
                     if engine.running == 0 and engine.target.pool.free == 4:
                         break

@@ -216,3 +216,28 @@ def test_tree_sampling_on_an_exported_pair_keeps_the_distribution(tiny_pair, mon
     monkeypatch.setattr(adapters, "tree_accept", _walk_without_residual)
     (broken, _), _ = _tree_samples(tiny_pair, params, 1500, seed=1)
     assert chi_square_pvalue(broken, expected) < 1e-6
+
+
+def test_a_plain_step_through_its_bound_buffers_equals_the_same_step_fed_generally(tiny):
+    """Single-token steps bind their inputs and logits once (OrtSession._step) and write them in
+    place; interleaved with calls of other shapes (which re-bind), every step's logits are those
+    of the general path, and the returned logits are the caller's (the next step reuses the buffer)."""
+    model = OrtModel(tiny, max_length=64, slots=2, threads=1)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(3, model.vocab_size, size=20)
+    fast, slow = model.start(), model.start()
+    fast.run_sync(ids[:5], 1, 0)
+    slow.run_sync(ids[:5], 1, 0)
+    kept = []
+    for i in range(5, 20):
+        if i % 4 == 0:  # another shape in between: a two-position call, then rolled back
+            fast.run_sync(ids[i - 1 : i + 1], 2, i - 1)
+            fast.rollback(i)
+        got = fast.run_sync(ids[i : i + 1], 1, i)  # [1, V] via the bound buffers
+        kept.append(got)
+        # the general path for the same step: feed the previous token again with it, take the last row
+        slow.rollback(i - 1)
+        want = slow.run_sync(ids[i - 1 : i + 1], 1, i - 1)  # [1, V]
+        assert fast.length == slow.length == i + 1
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert not np.shares_memory(kept[0], kept[-1]) and not np.allclose(kept[0], kept[-1])

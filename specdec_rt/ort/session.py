@@ -37,6 +37,8 @@ class OrtSession(CachedStart, CacheSession):
         self._logits_at = 2 * m.num_layers  # outputs come back in binding order: KV first
         self._hidden_at: int | None = None  # hidden_states, bound on first request
         self._pos = np.arange(model.max_length, dtype=np.int64)  # [max_len] positions to slice from
+        self._buffers: _StepBuffers | None = None  # a plain step's inputs and logits, bound once
+        self._step_bound = False  # ... and bound now (a call of another shape re-binds)
 
     @property
     def length(self) -> int:
@@ -91,6 +93,9 @@ class OrtSession(CachedStart, CacheSession):
         ids, past = self._settle(pool.cache, ids, past, self._ids)  # a hit on a running source: copy now
         self._ids[past : past + ids.size] = ids
         n, s = past, ids.size
+        if s == 1 and rows == 1 and tree is None and features is None and not hidden and self._hidden_at is None:
+            return self._step(session, int(ids[0]), n)
+        self._step_bound = False  # the inputs below replace the plain step's
         names, io = self._names, self._io
         io.bind_cpu_input(names["input_ids"], ids[None, :])  # [1, S]
         layout = _packed_layout(np.array([s]), self.model.lone_twice) if self.model.ragged else None
@@ -137,6 +142,31 @@ class OrtSession(CachedStart, CacheSession):
         finally:
             del pool
 
+    def _step(self, session, token: int, n: int) -> np.ndarray:
+        """A plain single-token step after ``n`` cached tokens: logits ``[1, V]``. Most calls
+        are these, so their inputs and the logits are host buffers bound once (``_StepBuffers``)
+        and written in place: a call binds nothing new (an attention bias, whose width grows,
+        aside) and creates no output objects."""
+        b, io, names = self._buffers, self._io, self._names
+        if b is None:
+            b = self._buffers = _StepBuffers(self.model)
+        b.ids[0, 0], b.positions[0, 0], b.seqlens[0], b.total[()] = token, n, n + b.q - 1, n + b.q
+        if not self._step_bound:
+            for name, value in b.inputs(names):
+                io.bind_ortvalue_input(name, value)
+            io.bind_ortvalue_output(self.model.manifest.outputs["logits"], b.logits_value)
+            self._step_bound = True
+        if self.model.biased:  # no tree: zeros, causal order alone
+            io.bind_cpu_input(names["attention_bias"], b.bias[..., : n + b.q])  # [1, 1, q, n + q]
+        try:
+            session.run_with_iobinding(io)
+        except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
+            self._step_bound = False
+            raise InferenceError(f"ONNX Runtime failed in {self.model.name} (past {n}, one new token): {exc}") from exc
+        self.model.calls += 1
+        self._length = n + 1
+        return b.logits[0].copy()  # [1, V]: the buffer is the next step's
+
     def accept_tree(self, past: int, keep) -> None:
         """After a tree call at ``past``: keep the nodes ``keep`` (increasing: the accepted path),
         their KV moved to positions ``past ..`` in place; ``length`` becomes ``past + len(keep)``."""
@@ -166,3 +196,49 @@ class OrtSession(CachedStart, CacheSession):
                     del self.model._owners[self.slot]
                 self.model.pool.release(self.slot, self._ids[: self.kept_length()])
                 self.model.executor.chore(self.model.pool.cache.next_stash)  # copied out while idle
+
+
+class _StepBuffers:
+    """Host buffers of a single-token step (``OrtValue`` views of them, bound by reference, so
+    writing the arrays changes what the next run reads): ids, position, ``seqlens_k``, the
+    total length, the logits index (0), a packed graph's layout of one row (constant), the
+    attention bias (zeros; sliced to the call's width) and the logits ``[1, 1, V]``."""
+
+    def __init__(self, model) -> None:
+        from onnxruntime import OrtValue
+
+        self.ids = np.zeros((1, 1), dtype=np.int64)  # [1, 1]
+        self.positions = np.zeros((1, 1), dtype=np.int64)  # [1, 1]
+        self.seqlens = np.zeros(1, dtype=np.int32)  # [1]
+        self.total = np.zeros((), dtype=np.int32)  # scalar
+        self.index = np.zeros(1, dtype=np.int64)  # [1]
+        self.layout = _packed_layout(np.array([1]), model.lone_twice) if model.ragged else None
+        self.q = int(self.layout[0][0]) if self.layout is not None else 1  # query rows attention computes
+        self.bias = np.zeros((1, 1, self.q, model.max_length + self.q), dtype=np.float32) if model.biased else None
+        self.logits = np.zeros((1, 1, _logits_width(model)), dtype=np.float32)  # [1, 1, V]
+        self._values = {}  # array id -> OrtValue over it (kept alive with the arrays)
+        self._ortvalue = OrtValue.ortvalue_from_numpy
+        self.logits_value = self._value(self.logits)
+
+    def _value(self, array: np.ndarray):
+        v = self._values.get(id(array))
+        if v is None:
+            v = self._values[id(array)] = self._ortvalue(array)
+        return v
+
+    def inputs(self, names: dict):
+        """``(input name, OrtValue)`` to bind, for the inputs the graph has."""
+        pairs = [("input_ids", self.ids), ("position_ids", self.positions), ("seqlens_k", self.seqlens),
+                 ("total_sequence_length", self.total), ("logits_index", self.index)]
+        if self.layout is not None:
+            pairs += list(zip(PACKED_ROLES, self.layout))
+        return [(names[role], self._value(a)) for role, a in pairs if names.get(role)]
+
+
+def _logits_width(model) -> int:
+    """The graph's logits width (a draft head's reduced vocabulary has its own), else the vocabulary."""
+    name = model.manifest.outputs["logits"]
+    for out in model.session.get_outputs():
+        if out.name == name and out.shape and isinstance(out.shape[-1], int):
+            return out.shape[-1]
+    return model.manifest.vocab_size
