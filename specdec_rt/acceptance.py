@@ -189,10 +189,12 @@ class CostModel:
     batch_gain: dict[int, float] = field(default_factory=dict)  # batch -> realized gain of model-draft rounds
     batch_arms: dict[int, "BatchArms"] = field(default_factory=dict)  # batch -> measured kinds of round
 
-    def observe(self, drafted: int, t_draft: float, t_verify: float) -> None:
+    def observe(self, drafted: int, t_draft: float, t_verify: float, model_drafts: bool = True) -> None:
+        """A round alone: its verify call over ``drafted`` drafts, and (``model_drafts``: the
+        drafts came from the drafter's own steps, not only free n-gram matches) their cost."""
         if not self.measure:
             return
-        if drafted:
+        if drafted and model_drafts:
             self.draft_token_s = self._ewma(self.draft_token_s, t_draft / drafted)
         self.verify_s[drafted] = self._ewma(self.verify_s.get(drafted), t_verify)
 
@@ -299,10 +301,11 @@ class CostModel:
             return gain > 1.0 and lag <= CATCHUP_BLIND * new_tokens
         return new_tokens * c1 * (1.0 - 1.0 / gain) > batch * lag * self.draft_prefill_s
 
-    def speedup(self, a: float, k: int) -> float:
-        """Predicted tokens/s of k-draft rounds relative to plain decoding."""
+    def speedup(self, a: float, k: int, free: bool = False) -> float:
+        """Predicted tokens/s of k-draft rounds relative to plain decoding (``free``: drafts
+        that cost nothing to make, n-gram matches)."""
         d, s = self.relative()
-        return expected_tokens(a, k) / (k * d + 1.0 + s * k)
+        return expected_tokens(a, k) / ((0.0 if free else k * d) + 1.0 + s * k)
 
     def batch_speedup(self, a: float, k: int, batch: int) -> float:
         """Predicted tokens/s of the whole batch when this request drafts k, relative to all

@@ -33,6 +33,7 @@ class RequestPolicy:
         self.cheap = False  # this round: only such drafts (set by draft_length)
         self.cheap_ewma = AcceptanceEWMA.start(config.alpha, CHEAP_PRIOR)  # their acceptance, apart
         self._lag = 0  # this round: tokens the draft model had to read before drafting
+        self.free_only = False  # the draft model never drafts for this request (its prefill would not pay)
 
     def best_k(self, batch: int = 1, cheap: bool = False) -> tuple[int, float]:
         """The draft length with the highest predicted speedup, and that speedup, for a request
@@ -40,14 +41,21 @@ class RequestPolicy:
         drafts that cost nothing to make, verified in the batch's call)."""
         c, a = self.config, (self.cheap_ewma if cheap else self.ewma).value
         ks = [c.k_init] if not c.adapt_k else range(c.k_min, c.k_max + 1)
+        if cheap and batch == 1:  # alone: the verify call's extra positions are all they cost
+            return max(((k, self.costs.speedup(a, k, free=True)) for k in ks), key=lambda t: t[1])
         rate = self.costs.cheap_speedup if cheap else self.costs.batch_speedup
         return max(((k, rate(a, k, batch)) for k in ks), key=lambda t: t[1])
 
     def start(self, new_tokens: int) -> FallbackEvent | None:
-        """Before the first round: plain decoding for the whole request if the draft's prefill of
-        the prompt would cost more than speculation can save (long prompt, short answer)."""
+        """Before the first round: if the draft's prefill of the prompt would cost more than
+        speculation can save (long prompt, short answer), the draft model sits this request out:
+        it speculates with free drafts only (n-gram matches, which need no prefill) when the
+        drafter has them, else decodes plainly throughout."""
         a = self.ewma.value
         if self.speculating and not self.costs.prefill_pays(self.prompt_tokens, new_tokens, a, self.best_k()[0]):
+            if self.cheap_drafts:
+                self.free_only = True
+                return FallbackEvent(0, "spec", "prefill_free_drafts", a)
             self.speculating = self._probes = False
             return FallbackEvent(0, "ar", "prefill", a)
         return None
@@ -72,7 +80,8 @@ class RequestPolicy:
         self._lag = lag = at - self._drafted_at if at else 0  # the first round's prefill: start() decided
         if batch > 1:  # leave plain batched steps only for a clear gain (resume_speedup, hysteresis)
             k, gain = self.best_k(batch)
-            behind = lag > CATCHUP_FREE and not self.costs.catchup_pays_batch(lag, remaining, gain, batch)
+            behind = self.free_only or (lag > CATCHUP_FREE and not self.costs.catchup_pays_batch(
+                lag, remaining, gain, batch))
             if behind:
                 gain = 0.0  # the draft model would first have to read what it missed, in every row
             if gain < self.config.resume_speedup and self.cheap_drafts and self.costs.batched_verify:
@@ -87,6 +96,11 @@ class RequestPolicy:
             elif gain < self.config.resume_speedup:
                 self.cheap = False
                 return 0
+        elif self.free_only:  # alone, free drafts only: when a match's acceptance pays its positions
+            k, gain = self.best_k(cheap=True)
+            if gain < self.config.resume_speedup:
+                return 0
+            self.cheap = True
         else:
             k = self.best_k()[0]
             if lag > CATCHUP_FREE and not self.costs.catchup_pays(lag, remaining, self.ewma.value, k):
@@ -102,7 +116,7 @@ class RequestPolicy:
         costs (the step loop measures the batched calls), only this request's tokens per second
         in that kind of round (:class:`BatchArms`) and the realized gain of a model-draft round."""
         if alone and timed:
-            self.costs.observe(drafted, t_draft, t_verify)
+            self.costs.observe(drafted, t_draft, t_verify, model_drafts=not self.cheap)
         elif alone:
             self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
         if not alone and not self.cheap:

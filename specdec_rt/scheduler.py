@@ -125,7 +125,7 @@ class SpecDecScheduler:
                 #    this request's acceptance and the batch its calls share with the others
                 batch = max(self.running, self.load() if self.load else 0)
                 k = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
-                ctx.cheap_drafts = policy.cheap  # in a batch: only drafts that cost nothing
+                ctx.cheap_drafts = policy.cheap  # only drafts that cost nothing (a batch, or no draft prefill)
                 ctx.tree_nodes = self._tree_nodes(ctx, tree, policy, k, batch == 1 or rates is None, rates)
                 # 2. draft: up to k proposals continuing the committed tokens (a tree: up to k deep)
                 t0 = perf_counter()

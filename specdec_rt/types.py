@@ -82,7 +82,7 @@ class FallbackEvent:
 
     at: int
     to: Mode
-    reason: str  # "ewma" | "zero_rounds" | "cost" | "prefill" | "probe_ok"
+    reason: str  # "ewma" | "zero_rounds" | "cost" | "prefill" | "prefill_free_drafts" | "probe_ok"
     ewma: float
 
 

@@ -129,3 +129,23 @@ def test_the_ngram_tree_distribution_test_catches_a_walk_without_the_residual(mo
     monkeypatch.setattr(adapters, "tree_accept", _walk_without_residual)
     with pytest.raises(AssertionError, match="chi_square_pvalue"):
         test_ngram_sampling_keeps_the_target_distribution(3)
+
+
+def test_when_the_draft_prefill_does_not_pay_the_combined_drafter_speculates_with_matches_alone():
+    target, draft = toy_pair(6, seed=2, distance=0.3)
+    combined = CombinedDrafter(NgramDrafter(), ModelDrafter(draft))
+    sched = SpecDecScheduler(combined, ModelVerifier(target), SpecConfig())
+    # measured costs that make the draft's prefill of a long prompt too dear for a short answer
+    sched.costs.draft_token_s, sched.costs.verify_s, sched.costs.draft_prefill_s = 0.012, {0: 0.025, 4: 0.030}, 0.05
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3, 4, 1, 2, 3] * 4  # long, and full of repeats
+
+    async def main():
+        plain = await sched.run(prompt, 30, SamplingParams(), mode="ar")
+        spec = await sched.run(prompt, 30, SamplingParams())
+        return plain, spec
+
+    before = draft.calls
+    plain, spec = anyio.run(main)
+    assert spec.token_ids == plain.token_ids
+    assert [f.reason for f in spec.stats.fallbacks][:1] == ["prefill_free_drafts"]
+    assert spec.stats.drafted > 0 and draft.calls == before  # drafts, and never a draft model call

@@ -309,6 +309,35 @@ def test_long_prompt_short_answer_decodes_plainly_when_the_draft_prefill_costs_m
     assert unmeasured.start(8) is None  # nothing measured yet: speculate and learn
 
 
+def test_a_drafter_with_free_drafts_keeps_speculating_with_those_when_the_prefill_does_not_pay():
+    from specdec_rt.acceptance import AcceptanceEWMA, CostModel
+    from specdec_rt.policy import RequestPolicy
+
+    costs = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030}, draft_prefill_s=0.0035)
+    p = RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), costs, prompt_tokens=250)
+    p.cheap_drafts = True  # n-gram matches: they need no prefill
+    event = p.start(64)
+    assert event is not None and event.reason == "prefill_free_drafts" and event.to == "spec"
+    k = p.draft_length(64)
+    assert k > 0 and p.cheap  # free drafts only: the drafter never calls its model
+    p.observe(0, k, k, 0.0001, 0.03)  # a free round alone: its verify is measured, not its draft cost
+    assert costs.draft_token_s == 0.012
+    for i in range(30):  # matches that keep missing: their own acceptance says stop
+        k = p.draft_length(60)
+        p.observe(i + 1, k, 0, 0.0, 0.03)
+    assert p.draft_length(50) == 0 and not p.cheap and p.speculating and p.cheap_ewma.value < 0.2
+    # in a batch the model does not draft for it either (it never read the prompt)
+    q = RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9),
+                      CostModel(SpecConfig(), draft_token_s=0.001, verify_s={0: 0.025, 4: 0.026},
+                                draft_prefill_s=0.0035, batch_step_s=lambda rows, positions=None: 0.03 * rows,
+                                batched_verify=True, draft_step_s=lambda rows: 0.001), prompt_tokens=5000)
+    q.cheap_drafts = True
+    assert q.start(8) is not None and q.free_only
+    for at in range(5):
+        if q.draft_length(8 - at, batch=4, at=at):
+            assert q.cheap
+
+
 def test_prefill_rule_is_never_a_standing_verdict():
     """A plain request measures nothing, so the prefill rule must let some requests speculate,
     or one bad estimate would switch speculation off for every later request."""
