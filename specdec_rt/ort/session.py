@@ -157,7 +157,7 @@ class OrtSession(CachedStart, CacheSession):
             io.bind_ortvalue_output(self.model.manifest.outputs["logits"], b.logits_value)
             self._step_bound = True
         if self.model.biased:  # no tree: zeros, causal order alone
-            io.bind_cpu_input(names["attention_bias"], b.bias[..., : n + b.q])  # [1, 1, q, n + q]
+            io.bind_cpu_input(names["attention_bias"], b.bias[: b.q * (n + b.q)].reshape(1, 1, b.q, n + b.q))
         try:
             session.run_with_iobinding(io)
         except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
@@ -214,7 +214,8 @@ class _StepBuffers:
         self.index = np.zeros(1, dtype=np.int64)  # [1]
         self.layout = _packed_layout(np.array([1]), model.lone_twice) if model.ragged else None
         self.q = int(self.layout[0][0]) if self.layout is not None else 1  # query rows attention computes
-        self.bias = np.zeros((1, 1, self.q, model.max_length + self.q), dtype=np.float32) if model.biased else None
+        # zeros (causal order alone); a contiguous prefix of it is each call's [1, 1, q, n + q]
+        self.bias = np.zeros(self.q * (model.max_length + self.q), dtype=np.float32) if model.biased else None
         self.logits = np.zeros((1, 1, _logits_width(model)), dtype=np.float32)  # [1, 1, V]
         self._values = {}  # array id -> OrtValue over it (kept alive with the arrays)
         self._ortvalue = OrtValue.ortvalue_from_numpy
