@@ -29,6 +29,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from .errors import InvalidInputError
 
 __all__ = ["SpecConfig", "AcceptanceEWMA", "BatchArms", "CostModel", "expected_tokens"]
@@ -129,6 +131,7 @@ CATCHUP_BLIND = 4  # unmeasured: a draft catches up on at most this many tokens 
 ARM_PROBE_EVERY = 24  # rounds (per request of the batch) between rounds of the slower kind in a batch
 ARM_MARGIN = 1.02  # model drafts in a batch must be this much faster per request than plain rounds
 PREFILL_EXPLORE_EVERY = 8  # after this many prefill skips in a row, one request speculates anyway
+PREFILL_SAMPLES = 8  # draft prefill measurements the estimate is the median of
 
 
 @dataclass
@@ -180,6 +183,7 @@ class CostModel:
     verify_s: dict[int, float] = field(default_factory=dict)  # drafts k -> seconds per verify call
     draft_prefill_s: float | None = None  # seconds per prompt token of the draft's prefill
     prefill_skips: int = 0  # requests in a row decoded plainly by the prefill rule
+    prefill_samples: list[float] = field(default_factory=list)  # recent draft prefill seconds per token
     # seconds of one batched target call of B rows and N new positions in all, (B, N) -> seconds
     # (measured by the step loop; None: unknown)
     batch_step_s: Callable[[int, int], float | None] | None = None
@@ -199,11 +203,15 @@ class CostModel:
         self.verify_s[drafted] = self._ewma(self.verify_s.get(drafted), t_verify)
 
     def observe_prefill(self, prompt_tokens: int, drafted: int, t_draft: float) -> None:
-        """A first round: the draft prefilled ``prompt_tokens`` then took ``drafted - 1`` steps."""
+        """A first round: the draft prefilled ``prompt_tokens`` then took ``drafted - 1`` steps.
+        The estimate is the median of the last ``PREFILL_SAMPLES`` such rounds, not an EWMA: a
+        first prefill that also paid for allocations (a cold engine) would otherwise keep
+        requests from speculating, and so from measuring again, for dozens of requests."""
         if not self.measure or not drafted or prompt_tokens <= 0 or self.draft_token_s is None:
             return
         per = max(0.0, t_draft - (drafted - 1) * self.draft_token_s) / prompt_tokens
-        self.draft_prefill_s = self._ewma(self.draft_prefill_s, per)
+        self.prefill_samples = (self.prefill_samples + [per])[-PREFILL_SAMPLES:]
+        self.draft_prefill_s = float(np.median(self.prefill_samples))
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.config.alpha * (new - old)
@@ -249,7 +257,8 @@ class CostModel:
         if saved > prompt_tokens * self.draft_prefill_s:
             return True
         self.prefill_skips += 1
-        if self.prefill_skips >= PREFILL_EXPLORE_EVERY:
+        # explore sooner while the estimate rests on fewer than 3 measurements
+        if self.prefill_skips >= (PREFILL_EXPLORE_EVERY if len(self.prefill_samples) >= 3 else 2):
             self.prefill_skips = 0
             return True
         return False

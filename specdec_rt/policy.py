@@ -117,7 +117,7 @@ class RequestPolicy:
         in that kind of round (:class:`BatchArms`) and the realized gain of a model-draft round."""
         if alone and timed:
             self.costs.observe(drafted, t_draft, t_verify, model_drafts=not self.cheap)
-        elif alone:
+        elif alone and not self.cheap:  # free drafts read no prompt: no prefill to measure
             self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
         if not alone and not self.cheap:
             if not drafted and timed and at > 0 and self.mode == "spec":  # a plain round, not the prompt's

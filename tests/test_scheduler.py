@@ -320,8 +320,9 @@ def test_a_drafter_with_free_drafts_keeps_speculating_with_those_when_the_prefil
     assert event is not None and event.reason == "prefill_free_drafts" and event.to == "spec"
     k = p.draft_length(64)
     assert k > 0 and p.cheap  # free drafts only: the drafter never calls its model
-    p.observe(0, k, k, 0.0001, 0.03)  # a free round alone: its verify is measured, not its draft cost
-    assert costs.draft_token_s == 0.012
+    p.observe(0, k, k, 0.0001, 0.03, timed=False)  # its first round read no prompt: no prefill sample
+    p.observe(1, k, k, 0.0001, 0.03)  # a free round alone: its verify is measured, not its draft cost
+    assert costs.draft_token_s == 0.012 and costs.draft_prefill_s == 0.0035 and not costs.prefill_samples
     for i in range(30):  # matches that keep missing: their own acceptance says stop
         k = p.draft_length(60)
         p.observe(i + 1, k, 0, 0.0, 0.03)
@@ -338,17 +339,36 @@ def test_a_drafter_with_free_drafts_keeps_speculating_with_those_when_the_prefil
             assert q.cheap
 
 
+def test_one_slow_first_prefill_is_outvoted_by_the_next_measurements():
+    """A cold engine's first draft prefill also pays for allocations; the estimate is a median
+    of recent rounds, so two ordinary ones undo it (an EWMA kept it for dozens of requests)."""
+    from specdec_rt.acceptance import CostModel
+
+    costs = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030})
+    costs.observe_prefill(40, 4, 40 * 0.050 + 3 * 0.012)  # 50 ms a token: cold
+    assert costs.draft_prefill_s == pytest.approx(0.050)
+    for _ in range(2):
+        costs.observe_prefill(40, 4, 40 * 0.002 + 3 * 0.012)  # 2 ms a token
+    assert costs.draft_prefill_s == pytest.approx(0.002)
+
+
 def test_prefill_rule_is_never_a_standing_verdict():
     """A plain request measures nothing, so the prefill rule must let some requests speculate,
     or one bad estimate would switch speculation off for every later request."""
     from specdec_rt.acceptance import PREFILL_EXPLORE_EVERY, AcceptanceEWMA, CostModel
     from specdec_rt.policy import RequestPolicy
 
-    costs = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030}, draft_prefill_s=0.0035)
+    costs = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030}, draft_prefill_s=0.0035,
+                      prefill_samples=[0.0035] * 3)
     verdicts = [RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), costs,
                               prompt_tokens=250).start(64) for _ in range(3 * PREFILL_EXPLORE_EVERY)]
     explored = [i for i, v in enumerate(verdicts) if v is None]
     assert explored == [PREFILL_EXPLORE_EVERY - 1, 2 * PREFILL_EXPLORE_EVERY - 1, 3 * PREFILL_EXPLORE_EVERY - 1]
+    # on fewer than 3 measurements, every second request explores
+    few = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030}, draft_prefill_s=0.0035)
+    verdicts = [RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), few,
+                              prompt_tokens=250).start(64) for _ in range(6)]
+    assert [i for i, v in enumerate(verdicts) if v is None] == [1, 3, 5]
     # when no draft length pays at all (here: acceptance 0.1), the prefill rule abstains and the
     # per-round cost rule (which probes) decides
     slow = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030}, draft_prefill_s=0.0035)
