@@ -195,7 +195,7 @@ class BatchExecutor:
         return self._least.get((id(model), rows, positions or rows))
 
     def record(self, model, rows: int, positions: int, seconds: float) -> None:
-        """One batched call's cost (also from :func:`specdec_rt.drafting.calibrate_draft`)."""
+        """One batched call's cost, seconds for ``rows`` rows and ``positions`` new positions in all."""
         key = (id(model), rows, positions)
         self._seen.add(key)
         recent = self._step_s.get(key)

@@ -120,7 +120,7 @@ class RequestPolicy:
         elif alone and not self.cheap:  # free drafts read no prompt: no prefill to measure
             self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
         if not alone and not self.cheap:
-            if not drafted and timed and at > 0 and self.mode == "spec":  # a plain round, not the prompt's
+            if not drafted and at > 0 and self.mode == "spec":  # a plain round, not the prompt's
                 self.costs.observe_arm(batch, False, 1, t_verify)
             elif drafted and timed and self._lag <= CATCHUP_FREE:
                 # a model-draft round in a batch: what it really gained (a round that first fed

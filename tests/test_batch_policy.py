@@ -209,6 +209,9 @@ def test_arms_are_per_batch_size_and_untouched_by_the_prompt_round_and_catch_up(
     assert 4 not in p.costs.batch_arms
     p.observe(14, 0, 0, 0.0, 0.03, alone=False, batch=4)
     assert p.costs.batch_arms[4].plain is not None and 8 not in p.costs.batch_arms
+    never = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
+    never.observe(5, 0, 0, 0.0, 0.03, timed=False, alone=False, batch=2)  # it never drafted: plain rounds count
+    assert never.costs.batch_arms[2].plain == pytest.approx(1 / 0.03)
     alone = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
     alone.observe(14, 0, 0, 0.0, 0.03)  # a request alone has no arms: its costs are its own
     assert not alone.costs.batch_arms
