@@ -152,7 +152,7 @@ class OrtSession(CachedStart, CacheSession):
             b = self._buffers = _StepBuffers(self.model)
         b.ids[0, 0], b.positions[0, 0], b.seqlens[0], b.total[()] = token, n, n + b.q - 1, n + b.q
         if not self._step_bound:
-            for name, value in b.inputs(names):
+            for name, value in b.inputs:
                 io.bind_ortvalue_input(name, value)
             io.bind_ortvalue_output(self.model.manifest.outputs["logits"], b.logits_value)
             self._step_bound = True
@@ -217,23 +217,14 @@ class _StepBuffers:
         # zeros (causal order alone); a contiguous prefix of it is each call's [1, 1, q, n + q]
         self.bias = np.zeros(self.q * (model.max_length + self.q), dtype=np.float32) if model.biased else None
         self.logits = np.zeros((1, 1, _logits_width(model)), dtype=np.float32)  # [1, 1, V]
-        self._values = {}  # array id -> OrtValue over it (kept alive with the arrays)
-        self._ortvalue = OrtValue.ortvalue_from_numpy
-        self.logits_value = self._value(self.logits)
-
-    def _value(self, array: np.ndarray):
-        v = self._values.get(id(array))
-        if v is None:
-            v = self._values[id(array)] = self._ortvalue(array)
-        return v
-
-    def inputs(self, names: dict):
-        """``(input name, OrtValue)`` to bind, for the inputs the graph has."""
+        self.logits_value = OrtValue.ortvalue_from_numpy(self.logits)
         pairs = [("input_ids", self.ids), ("position_ids", self.positions), ("seqlens_k", self.seqlens),
                  ("total_sequence_length", self.total), ("logits_index", self.index)]
         if self.layout is not None:
             pairs += list(zip(PACKED_ROLES, self.layout))
-        return [(names[role], self._value(a)) for role, a in pairs if names.get(role)]
+        names = model.manifest.inputs
+        #: ``(input name, OrtValue)`` to bind, for the inputs the graph has
+        self.inputs = [(names[role], OrtValue.ortvalue_from_numpy(a)) for role, a in pairs if names.get(role)]
 
 
 def _logits_width(model) -> int:
