@@ -128,14 +128,16 @@ class CombinedDrafter(DraftInferrer):
     async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
         st = ctx.state(self, _CombinedState)
         st.score(ctx.tokens, self.alpha)
-        proposal = self.ngram.propose(ctx.tokens, k, n_min=max(self.ngram.n_min, self.min_match))
+        n_min = max(self.ngram.n_min, self.min_match)
+        if ctx.tree_nodes:  # a tree: its chain is propose's, plus where earlier matches went on differently
+            ngram = self.ngram.propose_tree(ctx.tokens, k, ctx.tree_nodes, n_min=n_min)
+        else:
+            ngram = [DraftToken(int(t)) for t in self.ngram.propose(ctx.tokens, k, n_min=n_min)]
+        chain = sum(d.parent is None for d in ngram)  # the proposal's chain comes first
         # sharing a batch (ctx.cheap_drafts): the long n-gram match only, maybe none, never the model
-        if ctx.cheap_drafts or (proposal.size >= min(self.min_tokens, k)
+        if ctx.cheap_drafts or (chain >= min(self.min_tokens, k)
                                 and st.acceptance["ngram"] >= st.acceptance["model"]):
-            source, drafts = "ngram", [DraftToken(int(t)) for t in proposal]
-            if ctx.tree_nodes and drafts:  # a tree: where earlier matches went on differently
-                drafts = self.ngram.propose_tree(ctx.tokens, k, ctx.tree_nodes,
-                                                 n_min=max(self.ngram.n_min, self.min_match))
+            source, drafts = "ngram", ngram
         else:
             source, drafts = "model", list(await self.model.generate_draft(ctx, k))
         self.used[source] += 1
