@@ -60,6 +60,8 @@ class NgramDrafter(DraftInferrer):
         how many matches lead through them. Every node is a fixed choice (one-hot ``q``),
         which keeps tree rejection sampling exact. The chain comes first, then the other
         nodes, parents before children (see :class:`~specdec_rt.types.DraftToken`)."""
+        if k < 0 or nodes < 0:
+            raise InvalidInputError(f"propose_tree needs k >= 0 and nodes >= 0, got k={k}, nodes={nodes}")
         hay = tokens[-self.window:]  # [W]
         token, parent, depth, support = [], [], [], []  # the trie's nodes
         children: dict[tuple[int, int], int] = {}  # (node (-1: the root), token) -> child node

@@ -94,6 +94,9 @@ def test_an_ngram_tree_is_the_chain_plus_where_earlier_matches_went_on():
     assert len(paths) == len(full)
     assert (10, 11, 12, 5) in paths and (20, 21, 22, 6) in paths and (30, 1, 2, 3) in paths
     assert d.propose_tree(np.array([1, 2, 3]), 4, 3) == []  # no match: nothing
+    for k, nodes in ((4, -1), (-2, 3)):
+        with pytest.raises(InvalidInputError, match=f"k={k}, nodes={nodes}"):
+            d.propose_tree(tokens, k, nodes)
 
 
 def test_ngram_trees_are_lossless_and_pay_where_continuations_differ():
