@@ -25,10 +25,13 @@ from .drafting import engine_models, make_drafter, resolve_draft_spec
 from .ort import OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
 from .prefix_cache import DEFAULT_BUDGET_BYTES
 from .protocols import DraftInferrer
+from .request_checks import MAX_STOP_STRINGS  # noqa: F401 - re-exported (the stop-string limit)
+from .request_checks import check_prompt_size, check_stop, find_stop
 from .sampling import SamplingParams, brief_repr
 from .scheduler import SpecDecScheduler
 from .text import TextCodec
 from .types import FinishReason, Mode, Stats
+from .warmup import WARMUP_REQUESTS, WARMUP_TOKENS, warm_up
 
 __all__ = ["Engine", "EngineResult", "EngineStream", "StreamEvent"]
 
@@ -38,7 +41,6 @@ DEFAULT_SLOTS = 8  # requests batched at once; a slot's KV memory is committed o
 MAX_SLOTS = 256
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # about 250k tokens: more than any context here holds
 STREAM_BUFFER = 4  # events a request may run ahead of its consumer before it waits
-MAX_STOP_STRINGS = 64  # each event searches for every stop string (OpenAI allows 4)
 
 
 @dataclass
@@ -134,7 +136,8 @@ class Engine:
     async def load(cls, name_or_path: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                    max_length: int | None = None, threads: int | None = None, provider: str = "auto",
                    slots: int = DEFAULT_SLOTS, spec_config: SpecConfig | None = None,
-                   prefix_cache: bool = True, prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES) -> "Engine":
+                   prefix_cache: bool = True, prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
+                   warmup: bool = True) -> "Engine":
         """Load a built recipe (``"smollm2-135m"``) or an export folder.
 
         ``draft``: ``None`` for the default (``DEFAULT_DRAFT``: n-gram lookup, else the manifest's
@@ -146,10 +149,25 @@ class Engine:
         ``prefix_cache``: keep what finished requests computed (prompt and answer) and start new
         requests from the longest cached prefix (:mod:`specdec_rt.prefix_cache`; CPU), in at most
         ``prefix_cache_bytes`` of KV memory over all models (least recently used entries go first).
+        ``warmup``: run :meth:`warm_up` before returning (about a second on the default model).
         """
-        return await anyio.to_thread.run_sync(
+        if not isinstance(warmup, bool):
+            raise InvalidInputError(f"warmup must be True or False, got {brief_repr(warmup)}")
+        engine = await anyio.to_thread.run_sync(
             lambda: cls._load(name_or_path, draft, max_length, threads, provider, slots, spec_config,
                               prefix_cache, prefix_cache_bytes))
+        if warmup:
+            try:
+                await engine.warm_up()
+            except BaseException:
+                await engine.aclose()
+                raise
+        return engine
+
+    async def warm_up(self, requests: int = WARMUP_REQUESTS, max_new_tokens: int = WARMUP_TOKENS) -> None:
+        """Run ``requests`` short requests one after another before serving, then forget them
+        except what they measured (see :func:`specdec_rt.warmup.warm_up`, which says why)."""
+        await warm_up(self, requests, max_new_tokens)
 
     @classmethod
     def _load(cls, name_or_path, draft, max_length, threads, provider, slots, spec_config,
@@ -214,10 +232,10 @@ class Engine:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidInputError(f"max_new_tokens must be a positive integer, got {brief_repr(max_new_tokens)}")
         params = SamplingParams(temperature, top_k, top_p, seed)
-        stops = _check_stop(stop)
+        stops = check_stop(stop)
         if not isinstance(truncate_prompt, bool):
             raise InvalidInputError(f"truncate_prompt must be True or False, got {brief_repr(truncate_prompt)}")
-        _check_prompt_size(prompt, self.max_prompt_chars)
+        check_prompt_size(prompt, self.max_prompt_chars)
         send, receive = anyio.create_memory_object_stream(STREAM_BUFFER)
         stream = EngineStream(receive, self)
         task = asyncio.get_running_loop().create_task(self._produce(
@@ -269,7 +287,7 @@ class Engine:
                         if finished:
                             delta += decoder.flush()
                         text += delta
-                        cut = _find_stop(text, stops, len(text) - len(delta))
+                        cut = find_stop(text, stops, len(text) - len(delta))
                         if cut is not None:  # end at a stop string: emit the text before it
                             delta = delta[: max(0, len(delta) - (len(text) - cut))]
                             request.context.finish_reason = request.stats.finish_reason = finished = "stop"
@@ -373,48 +391,8 @@ class _Ready:
             raise self._error
 
 
-def _check_stop(stop) -> list[str]:
-    """``stop`` as a list: None, a string or a list/tuple of non-empty strings of valid Unicode."""
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if isinstance(stops, (list, tuple)) and len(stops) > MAX_STOP_STRINGS:
-        raise InvalidInputError(f"stop holds {len(stops)} strings, more than {MAX_STOP_STRINGS}")
-    if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s for s in stops):
-        raise InvalidInputError(f"stop must be a non-empty string or a list of them, got {brief_repr(stop)}")
-    for i, s in enumerate(stops):
-        try:
-            s.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidInputError(f"stop[{i}] is not valid Unicode text (a lone surrogate): "
-                                    f"{brief_repr(s)}") from None
-    return list(stops)
-
-
-def _check_prompt_size(prompt, limit: int) -> None:
-    """The cheap checks of a prompt: its type, and at most ``limit`` characters of text (each
-    chat message counts one more, so a list of millions of empty messages is refused at once)."""
-    if isinstance(prompt, str):
-        size = len(prompt)
-    elif isinstance(prompt, (list, tuple)):
-        if len(prompt) > limit:
-            raise InvalidInputError(f"prompt has {len(prompt)} messages, more than max_prompt_chars={limit}")
-        size = len(prompt) + sum(len(v) for m in prompt if isinstance(m, dict)
-                                 for v in m.values() if isinstance(v, str))
-    else:
-        raise InvalidInputError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
-    if size > limit:
-        raise InvalidInputError(f"prompt has {size} characters, more than max_prompt_chars={limit}")
-
-
 def _cancel_soon(loop, task: asyncio.Task, receive) -> None:
     """Cancel a request's task from wherever its stream was dropped (thread-safe)."""
     receive.close()
     if not task.done() and not loop.is_closed():
         loop.call_soon_threadsafe(task.cancel)
-
-
-def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
-    """Index where the earliest stop string starts, if one ends in the new text."""
-    hits = [i for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
-    return min(hits) if hits else None

@@ -11,7 +11,7 @@ import anyio
 import numpy as np
 import pytest
 
-from specdec_rt import EngineClosedError, SpecConfig
+from specdec_rt import EngineClosedError, InvalidInputError, SpecConfig
 from specdec_rt.engine import Engine
 from specdec_rt.ort import OrtModel
 
@@ -196,3 +196,27 @@ def test_first_prompts_of_requests_arriving_together_are_prefilled_in_one_call(t
         assert fresh.slot == 1 and not model.can_prefill_together([sessions[0], sessions[2]])
 
     asyncio.run(main())
+
+
+def test_load_warms_up_alone_and_keeps_only_what_it_measured(tiny_llama):
+    """``Engine.load`` runs short requests alone first: the draft's step, its prefill and the
+    verify call are measured (the batch policy predicts from them; a server whose requests always
+    share a batch would never measure them), while the prefix cache, the totals and every later
+    output are as on an engine loaded with ``warmup=False``."""
+    async def main():
+        async with await Engine.load(tiny_llama, draft="q4") as warm, \
+                await Engine.load(tiny_llama, draft="q4", warmup=False) as cold:
+            c, c0 = warm.scheduler.costs, cold.scheduler.costs
+            assert c.draft_token_s is not None and c.verify_s and c.draft_prefill_s is not None
+            assert c0.draft_token_s is None and not c0.verify_s and c0.draft_prefill_s is None
+            assert warm.scheduler.totals.new_tokens == 0 and warm.running == 0
+            cache = warm.prefix_cache
+            assert cache["enabled"] and cache["entries"] == 0 and cache["queries"] == 0
+            for prompt in PROMPTS[:3]:
+                a, b = await warm.generate(prompt, 12), await cold.generate(prompt, 12)
+                assert a.token_ids == b.token_ids
+            assert warm.prefix_cache["queries"] == 3
+        with pytest.raises(InvalidInputError, match="warmup"):
+            await Engine.load(tiny_llama, warmup="yes")
+
+    anyio.run(main)

@@ -1,0 +1,51 @@
+"""The cheap checks of a request's text arguments (before any encoding or model work), and
+finding stop strings in the text as it grows."""
+
+from __future__ import annotations
+
+from .errors import InvalidInputError
+from .sampling import brief_repr
+
+__all__ = ["MAX_STOP_STRINGS", "check_stop", "check_prompt_size", "find_stop"]
+
+MAX_STOP_STRINGS = 64  # each event searches for every stop string (OpenAI allows 4)
+
+
+def check_stop(stop) -> list[str]:
+    """``stop`` as a list: None, a string or a list/tuple of non-empty strings of valid Unicode."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if isinstance(stops, (list, tuple)) and len(stops) > MAX_STOP_STRINGS:
+        raise InvalidInputError(f"stop holds {len(stops)} strings, more than {MAX_STOP_STRINGS}")
+    if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s for s in stops):
+        raise InvalidInputError(f"stop must be a non-empty string or a list of them, got {brief_repr(stop)}")
+    for i, s in enumerate(stops):
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidInputError(f"stop[{i}] is not valid Unicode text (a lone surrogate): "
+                                    f"{brief_repr(s)}") from None
+    return list(stops)
+
+
+def check_prompt_size(prompt, limit: int) -> None:
+    """The cheap checks of a prompt: its type, and at most ``limit`` characters of text (each
+    chat message counts one more, so a list of millions of empty messages is refused at once)."""
+    if isinstance(prompt, str):
+        size = len(prompt)
+    elif isinstance(prompt, (list, tuple)):
+        if len(prompt) > limit:
+            raise InvalidInputError(f"prompt has {len(prompt)} messages, more than max_prompt_chars={limit}")
+        size = len(prompt) + sum(len(v) for m in prompt if isinstance(m, dict)
+                                 for v in m.values() if isinstance(v, str))
+    else:
+        raise InvalidInputError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+    if size > limit:
+        raise InvalidInputError(f"prompt has {size} characters, more than max_prompt_chars={limit}")
+
+
+def find_stop(text: str, stops: list[str], new_from: int) -> int | None:
+    """Index where the earliest stop string starts, if one ends in the new text."""
+    hits = [i for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
+    return min(hits) if hits else None
