@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .arms import ARM_MARGIN, BatchArms, RoundLedger
 from .errors import InvalidInputError
 
 __all__ = ["SpecConfig", "AcceptanceEWMA", "BatchArms", "CostModel", "expected_tokens"]
@@ -128,47 +129,8 @@ DRAFT_BATCH_MARGIN = 1.5  # a draft's batched step, estimated from its step alon
 CHEAP_PRIOR = 0.5  # acceptance assumed for free drafts (n-gram matches) in a batch, until observed
 CATCHUP_FREE = 4  # a draft this few tokens behind catches up in its next call at no extra cost
 CATCHUP_BLIND = 4  # unmeasured: a draft catches up on at most this many tokens per token left
-ARM_PROBE_EVERY = 24  # rounds (per request of the batch) between rounds of the slower kind in a batch
-ARM_MARGIN = 1.02  # model drafts in a batch must be this much faster per request than plain rounds
 PREFILL_EXPLORE_EVERY = 8  # after this many prefill skips in a row, one request speculates anyway
 PREFILL_SAMPLES = 8  # draft prefill measurements the estimate is the median of
-
-
-@dataclass
-class BatchArms:
-    """Tokens per second of one request in the rounds of a batch of one size, per kind of round:
-    plain (the request fed one token) and model drafts (draft k, verify k + 1). Predicted costs
-    miss what a batch really does (rows that wait for the longest, the draft's own batched
-    steps), so once both kinds were measured the faster one is used, by ``ARM_MARGIN`` for
-    drafts; every ``ARM_PROBE_EVERY`` rounds per request, one whole round of the batch (its next
-    ``batch`` requests) takes the other kind, so that a change of load or prompts is seen."""
-
-    plain: float | None = None  # tokens/s (EWMA) of a request in plain rounds
-    drafts: float | None = None  # ... in model-draft rounds
-    rounds: int = 0  # request rounds observed since the last probe
-    probing: int = 0  # requests still to take the other kind in the probe round
-
-    @property
-    def measured(self) -> bool:
-        return self.plain is not None and self.drafts is not None
-
-    def observe(self, drafting: bool, rate: float, ewma: Callable[[float | None, float], float]) -> None:
-        if drafting:
-            self.drafts = ewma(self.drafts, rate)
-        else:
-            self.plain = ewma(self.plain, rate)
-        self.rounds += 1
-
-    def choose(self, batch: int, predicted: bool) -> bool:
-        if not self.measured:
-            return predicted
-        best = self.drafts > self.plain * ARM_MARGIN
-        if self.rounds >= ARM_PROBE_EVERY * batch:
-            self.rounds, self.probing = 0, batch
-        if self.probing:
-            self.probing -= 1
-            return not best
-        return best
 
 
 @dataclass
@@ -190,8 +152,8 @@ class CostModel:
     batch_shapes: Callable[[int], Sequence[int]] | None = None  # rows -> measured positions, sorted
     batched_verify: bool = False  # the target verifies the rows of a batch in one call
     draft_step_s: Callable[[int], float | None] | None = None  # batched draft model step of B rows
-    batch_gain: dict[int, float] = field(default_factory=dict)  # batch -> realized gain of model-draft rounds
-    batch_arms: dict[int, "BatchArms"] = field(default_factory=dict)  # batch -> measured kinds of round
+    batch_arms: dict[int, BatchArms] = field(default_factory=dict)  # batch -> measured kinds of round
+    ledger: RoundLedger = field(default_factory=RoundLedger)  # kinds of round running now (their purity)
 
     def observe(self, drafted: int, t_draft: float, t_verify: float, model_drafts: bool = True) -> None:
         """A round alone: its verify call over ``drafted`` drafts, and (``model_drafts``: the
@@ -278,28 +240,35 @@ class CostModel:
         """``c(B, B)``: seconds of a plain batched step of ``batch`` rows (None: unknown)."""
         return self.batch_step_s(batch, batch) if self.batch_step_s is not None else None
 
-    def observe_batch_round(self, batch: int, emitted: int, seconds: float) -> None:
-        """A model-draft round shared with ``batch - 1`` others took ``seconds`` for ``emitted``
-        tokens: its realized gain over a plain batched step (EWMA per batch size), which caps
-        the prediction (it includes what the prediction leaves out: catching up, rows drifting
-        out of phase, the batch shrinking as requests end)."""
-        c1 = self._plain_batch_s(batch)
-        if self.measure and c1 is not None and seconds > 0:
-            self.batch_gain[batch] = self._ewma(self.batch_gain.get(batch), emitted * c1 / seconds)
-
     def observe_arm(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
-        """A round of one request in a batch of ``batch``: its tokens per second, as an EWMA per
-        kind of round (plain, model drafts), which :meth:`batch_drafts` compares."""
+        """A round of one request in a batch of ``batch``: its tokens per second, per kind of
+        round (plain, model drafts; the median of recent rounds), which :meth:`batch_drafts`
+        compares."""
         if self.measure and seconds > 0:
             arms = self.batch_arms.setdefault(batch, BatchArms())
-            arms.observe(drafting, tokens / seconds, self._ewma)
+            arms.observe(drafting, tokens / seconds)
 
-    def batch_drafts(self, batch: int, predicted: bool) -> bool:
-        """Whether a request in a batch of ``batch`` drafts with the model this round: the
-        kind of round measured faster at this batch size, or ``predicted`` (it pays) until both
-        kinds were measured; see :class:`BatchArms`."""
+    def batch_drafts(self, batch: int, gain: float, caught_up: bool = True, behind: bool = False,
+                     alone_gain: float = 0.0) -> bool:
+        """Whether a request in a batch of ``batch`` drafts with the model this round: the kind
+        of round measured faster at this batch size, or the prediction (``gain`` >=
+        ``resume_speedup``, not ``behind``) until both kinds were measured; see
+        :class:`~specdec_rt.arms.BatchArms`. ``alone_gain``: the predicted speedup of this
+        request alone (whether 2 requests explore model drafts)."""
+        threshold = self.config.resume_speedup
         arms = self.batch_arms.get(batch)
-        return predicted if arms is None else arms.choose(batch, predicted)
+        if arms is None:
+            return gain >= threshold and not behind
+        return arms.choose(batch, gain, threshold, caught_up, behind, self._explore(batch, alone_gain))
+
+    def _explore(self, batch: int, alone_gain: float) -> bool:
+        """Model drafts never measured at ``batch`` are within reach: they won at the nearest
+        smaller batch size that measured both kinds, or (none, 2 requests) they pay alone."""
+        for b in range(batch - 1, 1, -1):
+            arms = self.batch_arms.get(b)
+            if arms is not None and arms.measured:
+                return arms.drafts > arms.plain * ARM_MARGIN
+        return batch == 2 and alone_gain >= self.config.resume_speedup
 
     def catchup_pays_batch(self, lag: int, new_tokens: int, gain: float, batch: int) -> bool:
         """In a batch: model drafts at ``gain`` over plain batched steps save ``new_tokens`` x
@@ -356,11 +325,9 @@ class CostModel:
             d = self.draft_token_s * c1 / alone * DRAFT_BATCH_MARGIN
         if d is None:  # never measured: exploring would cost the draft's prefill of every prompt
             return 0.0
-        predicted = expected_tokens(a, k) * c1 / (k * d + self.batch_call_s(batch, batch * (k + 1)))
-        arms = self.batch_arms.get(batch)
-        if arms is not None and arms.measured:
-            return predicted  # measured rounds decide (batch_drafts); this only picks k
-        return min(predicted, self.batch_gain.get(batch, predicted))
+        # measured rounds decide whether to draft (batch_drafts, BatchArms); this picks k, and
+        # whether to draft until the rounds of both kinds were measured
+        return expected_tokens(a, k) * c1 / (k * d + self.batch_call_s(batch, batch * (k + 1)))
 
     def cheap_speedup(self, a: float, k: int, batch: int) -> float:
         """This request verifying k drafts that cost nothing to make (n-gram matches) inside the

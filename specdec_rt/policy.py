@@ -34,6 +34,7 @@ class RequestPolicy:
         self.cheap_ewma = AcceptanceEWMA.start(config.alpha, CHEAP_PRIOR)  # their acceptance, apart
         self._lag = 0  # this round: tokens the draft model had to read before drafting
         self.free_only = False  # the draft model never drafts for this request (its prefill would not pay)
+        self._round: tuple | None = None  # this round's entry in the batch's RoundLedger
 
     def best_k(self, batch: int = 1, cheap: bool = False) -> tuple[int, float]:
         """The draft length with the highest predicted speedup, and that speedup, for a request
@@ -61,6 +62,24 @@ class RequestPolicy:
         return None
 
     def draft_length(self, remaining: int, batch: int = 1, at: int = 0) -> int:
+        """Drafts for the next round (see :meth:`_draft_length`); the round is entered in the
+        batch's :class:`~specdec_rt.arms.RoundLedger` until :meth:`observe` (or :meth:`close`)."""
+        k = self._draft_length(remaining, batch, at)
+        self.close()
+        if self.mode == "ar" and at > 0:
+            return k  # always plain: the same beside either kind, so it spoils neither's measurement
+        model = bool(k) and not self.cheap
+        kind = "other" if at == 0 or (model and self._lag > CATCHUP_FREE) else "drafts" if model else "plain"
+        self._round = self.costs.ledger.start(kind)
+        return k
+
+    def close(self) -> None:
+        """End the round in progress, unmeasured (the request stops: cancelled, failed, done)."""
+        if self._round is not None:
+            self.costs.ledger.end(self._round)
+            self._round = None
+
+    def _draft_length(self, remaining: int, batch: int = 1, at: int = 0) -> int:
         """Drafts for the next round (0 = one plain target step). ``remaining``: tokens still
         allowed, so a round never drafts past the budget (it emits at most k+1). ``batch``:
         requests running now; when drafting would slow the batch down, this round is plain
@@ -80,22 +99,19 @@ class RequestPolicy:
         self._lag = lag = at - self._drafted_at if at else 0  # the first round's prefill: start() decided
         if batch > 1:  # leave plain batched steps only for a clear gain (resume_speedup, hysteresis)
             k, gain = self.best_k(batch)
-            behind = self.free_only or (lag > CATCHUP_FREE and not self.costs.catchup_pays_batch(
-                lag, remaining, gain, batch))
-            if behind:
-                gain = 0.0  # the draft model would first have to read what it missed, in every row
-            if gain < self.config.resume_speedup and self.cheap_drafts and self.costs.batched_verify:
-                # model drafts do not pay: verify free drafts (when a match turns up) in the
-                # batch's call instead. (Not when they pay: free drafts exist only now and then.)
-                kc, cheap = self.best_k(batch, cheap=True)
-                if cheap > gain:
-                    self.cheap, k, gain = True, kc, cheap
-            if not self.cheap:  # model drafts: the faster kind of round, once both were measured
-                if behind or not self.costs.batch_drafts(batch, gain >= self.config.resume_speedup):
-                    return 0
-            elif gain < self.config.resume_speedup:
-                self.cheap = False
+            caught_up = lag <= CATCHUP_FREE
+            behind = not caught_up and not self.costs.catchup_pays_batch(lag, remaining, gain, batch)
+            # model drafts: the faster kind of round once both were measured, else the prediction
+            alone = self.best_k()[1] if batch == 2 else 0.0  # 2 requests explore drafts if they pay alone
+            if not self.free_only and self.costs.batch_drafts(batch, gain, caught_up, behind, alone):
+                return min(k, remaining - 1)
+            if not (self.cheap_drafts and self.costs.batched_verify):
                 return 0
+            # no model drafts: verify free drafts (when a match turns up) in the batch's call
+            k, gain = self.best_k(batch, cheap=True)
+            if gain < self.config.resume_speedup:
+                return 0
+            self.cheap = True
         elif self.free_only:  # alone, free drafts only: when a match's acceptance pays its positions
             k, gain = self.best_k(cheap=True)
             if gain < self.config.resume_speedup:
@@ -114,19 +130,17 @@ class RequestPolicy:
         per-step costs (the draft's is used for its prefill cost instead). ``alone=False``: other
         requests (``batch`` in all) shared the round's calls, so its times are not this request's
         costs (the step loop measures the batched calls), only this request's tokens per second
-        in that kind of round (:class:`BatchArms`) and the realized gain of a model-draft round."""
+        in that kind of round (:class:`BatchArms`)."""
         if alone and timed:
             self.costs.observe(drafted, t_draft, t_verify, model_drafts=not self.cheap)
         elif alone and not self.cheap:  # free drafts read no prompt: no prefill to measure
             self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
-        if not alone and not self.cheap:
-            if not drafted and at > 0 and self.mode == "spec":  # a plain round, not the prompt's
-                self.costs.observe_arm(batch, False, 1, t_verify)
-            elif drafted and timed and self._lag <= CATCHUP_FREE:
-                # a model-draft round in a batch: what it really gained (a round that first fed
-                # the draft what it missed is not: catchup_pays_batch prices that apart)
-                self.costs.observe_arm(batch, True, accepted + 1, t_draft + t_verify)
-                self.costs.observe_batch_round(batch, accepted + 1, t_draft + t_verify)
+        pure = self.costs.ledger.end(self._round) if self._round is not None else True
+        self._round = None
+        if not alone and pure and self.mode == "spec" and at > 0:  # no other kind of round ran meanwhile
+            model = bool(drafted) and not self.cheap
+            if not model or (timed and self._lag <= CATCHUP_FREE):  # not the prompt's, nor a catch-up
+                self.costs.observe_arm(batch, model, accepted + 1 if drafted else 1, t_draft + t_verify)
         if self.cheap:  # free drafts in a batch: their own acceptance; they never switch modes
             self.cheap_ewma.observe(drafted, accepted)
             return None

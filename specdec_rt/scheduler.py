@@ -172,6 +172,7 @@ class SpecDecScheduler:
             raise
         finally:
             self.running -= 1
+            policy.close()  # a round cut short is not measured
             stats.finish_reason = ctx.finish_reason
             stats.time_total = perf_counter() - t_start
             self.totals.merge(stats)
