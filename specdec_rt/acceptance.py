@@ -263,12 +263,15 @@ class CostModel:
 
     def _explore(self, batch: int, alone_gain: float) -> bool:
         """Model drafts never measured at ``batch`` are within reach: they won at the nearest
-        smaller batch size that measured both kinds, or (none, 2 requests) they pay alone."""
-        for b in range(batch - 1, 1, -1):
+        smaller batch size that measured both kinds, if it is at least half this one (a win at 2
+        says little about 8), or (2 requests) they pay alone."""
+        if batch == 2:
+            return alone_gain >= self.config.resume_speedup
+        for b in range(batch - 1, (batch + 1) // 2 - 1, -1):
             arms = self.batch_arms.get(b)
             if arms is not None and arms.measured:
                 return arms.drafts > arms.plain * ARM_MARGIN
-        return batch == 2 and alone_gain >= self.config.resume_speedup
+        return False
 
     def catchup_pays_batch(self, lag: int, new_tokens: int, gain: float, batch: int) -> bool:
         """In a batch: model drafts at ``gain`` over plain batched steps save ``new_tokens`` x

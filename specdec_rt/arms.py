@@ -24,8 +24,9 @@ and rows whose catching up does not pay sit it out. The probe period doubles whi
 with model drafts costs every row's catch-up, so it happens only where the prediction is within
 reach and catching up pays: cold, at 8 requests, every row read its prompt again (~0.2 s a
 round) and the batch ran at 0.79-0.84x plain decoding. Within reach means: the nearest smaller
-batch size measured both kinds and model drafts won there (a batch only makes plain rows
-cheaper), or, for 2 requests, speculation pays alone. The prediction is no guide for this: on
+batch size, at least half this one, measured both kinds and model drafts won there (a batch
+only makes plain rows cheaper; from a win at 2 alone, exploring at 8 ran at 0.91x), or, for 2
+requests, speculation pays alone. The prediction is no guide for this: on
 the default pair it said 1.01 / 0.97 / 0.93 at 2 / 4 / 8 requests where drafts measured
 1.1-1.2x at 2 and lost at 4 and 8.
 """
@@ -33,8 +34,6 @@ the default pair it said 1.01 / 0.97 / 0.93 at 2 / 4 / 8 requests where drafts m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import numpy as np
 
 __all__ = ["BatchArms", "RoundLedger", "ROUND_KINDS"]
 
@@ -49,7 +48,10 @@ ROUND_KINDS = ("plain", "drafts", "other")  # other: a prompt's round, or a draf
 
 
 def _median_of(rates: list[float]) -> float | None:
-    return float(np.median(rates)) if len(rates) >= ARM_MIN_SAMPLES else None
+    if len(rates) < ARM_MIN_SAMPLES:
+        return None
+    r, n = sorted(rates), len(rates)  # a few numbers, asked every round: no numpy call
+    return r[n // 2] if n % 2 else 0.5 * (r[n // 2 - 1] + r[n // 2])
 
 
 @dataclass
@@ -65,23 +67,25 @@ class BatchArms:
     period: int = ARM_PROBE_EVERY  # rounds per request between probes (doubles while confirmed)
     last_best: bool | None = None  # the kind in use when the last probe started
 
-    @property
-    def plain(self) -> float | None:
-        return _median_of(self.plain_rates)
-
-    @property
-    def drafts(self) -> float | None:
-        return _median_of(self.draft_rates)
+    plain: float | None = None  # the median of plain_rates (None: fewer than ARM_MIN_SAMPLES)
+    drafts: float | None = None  # ... of draft_rates
 
     @property
     def measured(self) -> bool:
         return self.plain is not None and self.drafts is not None
+
+    def __post_init__(self) -> None:
+        self.plain, self.drafts = _median_of(self.plain_rates), _median_of(self.draft_rates)
 
     def observe(self, drafting: bool, rate: float) -> None:
         rates = self.draft_rates if drafting else self.plain_rates
         rates.append(rate)
         del rates[:-ARM_SAMPLES]
         self.rounds += 1
+        if drafting:
+            self.drafts = _median_of(rates)
+        else:
+            self.plain = _median_of(rates)
 
     def choose(self, batch: int, predicted: float, threshold: float, caught_up: bool = True,
                behind: bool = False, explore: bool = True) -> bool:
