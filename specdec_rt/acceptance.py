@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .arms import ARM_MARGIN, BatchArms, RoundLedger
+from .arms import BatchArms, RoundLedger
 from .errors import InvalidInputError
 
 __all__ = ["SpecConfig", "AcceptanceEWMA", "BatchArms", "CostModel", "expected_tokens"]
@@ -262,15 +262,15 @@ class CostModel:
         return arms.choose(batch, gain, threshold, caught_up, behind, self._explore(batch, alone_gain))
 
     def _explore(self, batch: int, alone_gain: float) -> bool:
-        """Model drafts never measured at ``batch`` are within reach: they won at the nearest
-        smaller batch size that measured both kinds, if it is at least half this one (a win at 2
-        says little about 8), or (2 requests) they pay alone."""
+        """Model drafts never measured at ``batch`` are within reach: they won clearly (by
+        ``resume_speedup``) at the nearest smaller batch size that measured both kinds, if it is
+        at least half this one (a win at 2 says little about 8), or (2 requests) they pay alone."""
         if batch == 2:
             return alone_gain >= self.config.resume_speedup
         for b in range(batch - 1, (batch + 1) // 2 - 1, -1):
             arms = self.batch_arms.get(b)
-            if arms is not None and arms.measured:
-                return arms.drafts > arms.plain * ARM_MARGIN
+            if arms is not None and arms.measured:  # a clear win there, not one within noise
+                return arms.drafts > arms.plain * self.config.resume_speedup
         return False
 
     def catchup_pays_batch(self, lag: int, new_tokens: int, gain: float, batch: int) -> bool:

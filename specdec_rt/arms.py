@@ -18,12 +18,14 @@ only rounds that did not are measured.
 
 A probe is one whole round of the batch taking the other kind. A probe of model drafts after
 plain rounds first lets every draft read what it missed (a round that is not measured), then
-takes the measured round; it starts only with a request whose catching up is predicted to pay,
-and rows whose catching up does not pay sit it out. The probe period doubles while probes confirm the kind in use (up to
+takes the measured round (every request of the batch takes a probe: a probe some sat out would
+be a mixed round, measured by nobody); a periodic probe of drafts measured slower is skipped when
+the catching up would not pay (at 8 requests each such probe cost ~0.19 s, and the batch ran at
+0.90x plain decoding). The probe period doubles while probes confirm the kind in use (up to
 ``ARM_PROBE_MAX``): in a steady load they cost little. Exploring a batch size never measured
 with model drafts costs every row's catch-up, so it happens only where the prediction is within
-reach and catching up pays: cold, at 8 requests, every row read its prompt again (~0.2 s a
-round) and the batch ran at 0.79-0.84x plain decoding. Within reach means: the nearest smaller
+reach: cold, at 8 requests, every row read its prompt again (~0.2 s a round) and the batch ran
+at 0.79-0.84x plain decoding. Within reach means: the nearest smaller
 batch size, at least half this one, measured both kinds and model drafts won there (a batch
 only makes plain rows cheaper; from a win at 2 alone, exploring at 8 ran at 0.91x), or, for 2
 requests, speculation pays alone. The prediction is no guide for this: on
@@ -92,11 +94,11 @@ class BatchArms:
         """Model drafts this round? ``predicted``: their predicted gain over plain rounds (drafts
         when >= ``threshold``, and not ``behind``, until both kinds were measured);
         ``caught_up``: this request's draft has read what the target committed (else a probe of
-        drafts takes two rounds); ``behind``: its catching up is predicted not to pay;
+        drafts takes two rounds); ``behind``: its catching up is predicted not to pay (the
+        prediction then says plain, and a periodic probe of model drafts measured slower is
+        skipped; an exploration of drafts never measured still catches up);
         ``explore``: model drafts never measured at this batch size may be probed."""
-        if self.probing:  # the rest of a probe (which a draft whose catching up does not pay sits out)
-            if self.probe_drafts and behind:
-                return False
+        if self.probing:  # the rest of a probe: every request takes it, or nothing is measured
             self.probing -= 1
             return self.probe_drafts
         want = predicted >= threshold and not behind
@@ -112,13 +114,14 @@ class BatchArms:
                 return best  # not worth every row's catch-up where drafts are not likely to pay
         if self.rounds < every * batch:
             return best
+        probe = not best
         if self.measured:  # probes that keep confirming the kind in use come less often
             same = best == self.last_best
             self.period = min(self.period * 2, ARM_PROBE_MAX) if same else ARM_PROBE_EVERY
             self.last_best = best
-        probe = not best
-        if probe and behind:
-            return best  # a probe of model drafts starts with a request whose catching up pays
+            if probe and behind:  # measured slower, and every row's catch-up would not pay: skipped
+                self.rounds = 0
+                return best
         self.rounds, self.probe_drafts = 0, probe
         self.probing = (2 * batch if probe and not caught_up else batch) - 1
         return probe

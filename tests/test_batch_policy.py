@@ -303,6 +303,21 @@ def test_model_drafts_are_explored_only_where_they_are_within_reach():
     assert costs._explore(4, 1.0)
     costs.batch_arms[4] = arms(plain=40.0, drafts=48.0)
     assert costs._explore(8, 1.0) and not costs._explore(9, 1.0)
+    costs.batch_arms[4] = arms(plain=40.0, drafts=41.0)  # a win within noise: not enough
+    assert not costs._explore(8, 1.0)
+
+
+def test_a_periodic_probe_of_slower_drafts_is_skipped_when_catching_up_would_not_pay():
+    from specdec_rt.arms import ARM_MIN_SAMPLES, ARM_PROBE_EVERY, BatchArms
+    batch, arms = 8, BatchArms()
+    for _ in range(ARM_MIN_SAMPLES):
+        arms.observe(False, 40.0)
+        arms.observe(True, 30.0)
+    arms.rounds = ARM_PROBE_EVERY * batch
+    assert not arms.choose(batch, 0.9, 1.1, caught_up=False, behind=True)
+    assert arms.rounds == 0 and not arms.probing and arms.period > ARM_PROBE_EVERY or arms.last_best is False
+    arms.rounds = arms.period * batch  # when catching up pays, the probe takes place (two rounds)
+    assert all(arms.choose(batch, 0.9, 1.1, caught_up=False, behind=False) for _ in range(2 * batch))
 
 
 def test_only_rounds_that_no_other_kind_of_round_overlapped_are_measured():
