@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--micro", action="store_true", help="also run the step-cost micro-benchmarks")
     bench.add_argument("--concurrency", default=None, metavar="LEVELS",
                        help="instead: one Engine under concurrent clients, e.g. 1,2,4,8 (spec and ar)")
+    bench.add_argument("--cold", action="store_true",
+                       help="--concurrency: a fresh engine per level and repeat, prefix cache off (a server "
+                            "that just started)")
     bench.add_argument("--prefix-cache", action="store_true",
                        help="instead: time to first token with and without the prefix cache (multi-turn, "
                             "shared system prompt, memory pressure)")

@@ -55,6 +55,31 @@ def test_bench_concurrency_json_table_and_chart(tiny_llama, tmp_path):
     assert rows[(0, "spec")]["vs_sequential_spec"] == 1.0 and rows[(2, "ar")]["vs_previous_level"] is not None
     assert "| clients |" in (out / "concurrency.md").read_text()
     assert json.loads((out / "concurrency.json").read_text())["levels"] == doc["levels"]
+    assert doc["settings"]["draft"] and doc["settings"]["cold"] is False
+
+
+def test_bench_concurrency_cold_uses_a_fresh_engine_per_level(tiny_llama, tmp_path, monkeypatch):
+    """``--cold``: every level of every repeat on a new Engine with the prefix cache off."""
+    import argparse
+
+    from specdec_rt.bench import concurrency
+    from specdec_rt.engine import Engine
+
+    loads, real = [], Engine.load.__func__
+
+    async def load(cls, *a, **kw):
+        loads.append(kw.get("prefix_cache"))
+        return await real(cls, *a, **kw)
+
+    monkeypatch.setattr(Engine, "load", classmethod(load))
+    args = argparse.Namespace(concurrency="1,2", model=str(tiny_llama), draft="q4", threads=None, max_length=None,
+                              provider="cpu", prompts=None, limit=None, max_new_tokens=4, repeats=2,
+                              out=str(tmp_path / "cold"), json=False, cold=True)
+    assert concurrency.run_concurrency(args) == 0
+    assert loads == [False] * 6  # 3 levels (one after another, 1, 2) x 2 repeats
+    doc = json.loads((tmp_path / "cold" / "concurrency.json").read_text())
+    assert doc["settings"]["cold"] is True and doc["settings"]["draft"]
+    assert all(r["identical"] == "2/2" for r in doc["levels"])
 
 
 def test_bench_prefix_cache_json_table_and_chart(tiny_llama, tmp_path):

@@ -7,6 +7,11 @@ level, so both see the same machine): aggregate tokens/s, time to first token, i
 latency (time between consecutive stream events of a request), the longest event-loop stall (a
 heartbeat task), and whether every output equals the prompt run alone. Repeated ``--repeats``
 times; medians. Writes ``concurrency.json``, ``concurrency.md`` and ``concurrency.png``.
+
+``--cold``: what a server that just started sees. Each level of each repeat gets a fresh Engine
+(only :meth:`Engine.load`'s own warm-up, none of the bench's) with the prefix cache off, so that
+the second mode gets no cache hits from the first; otherwise one Engine, warmed up first (alone
+and in a batch of the highest level), serves every level.
 """
 
 from __future__ import annotations
@@ -96,31 +101,50 @@ async def _concurrency(args) -> int:
     folder = ensure_built(args.model, say=log)
     prompts = load_texts(args.prompts, args.limit or max(levels))
     n = args.max_new_tokens
-    engine = await Engine.load(folder, draft=args.draft, threads=args.threads, max_length=args.max_length,
-                               provider=args.provider, slots=max(levels))
-    async with engine:
-        log(f"{len(prompts)} prompts x {n} tokens, concurrency {levels}, draft {engine.draft_name}; warming up")
-        for p in prompts[:4]:  # alone: shapes, arena and the draft/verify costs
-            await engine.generate(p, n)
-        for mode in ("spec", "ar"):  # batched: every batch size's shapes, and its step costs
-            await asyncio.gather(*[engine.generate(p, n, mode=mode) for p in prompts[: max(levels)]])
-        runs: dict[str, list[dict]] = {}
+    cold = bool(getattr(args, "cold", False))
+
+    async def load(prefix_cache: bool = True):
+        return await Engine.load(folder, draft=args.draft, threads=args.threads, max_length=args.max_length,
+                                 provider=args.provider, slots=max(levels), prefix_cache=prefix_cache)
+
+    runs: dict[str, list[dict]] = {}
+    order = [0] + levels  # 0: one after another
+    engine = None if cold else await load()
+    draft = engine.draft_name if engine is not None else None
+    try:
+        if engine is not None:
+            log(f"{len(prompts)} prompts x {n} tokens, concurrency {levels}, draft {engine.draft_name}; warming up")
+            for p in prompts[:4]:  # alone: shapes, arena and the draft/verify costs
+                await engine.generate(p, n)
+            for mode in ("spec", "ar"):  # batched: every batch size's shapes, and its step costs
+                await asyncio.gather(*[engine.generate(p, n, mode=mode) for p in prompts[: max(levels)]])
+        else:
+            log(f"{len(prompts)} prompts x {n} tokens, concurrency {levels}: a fresh engine per level and "
+                "repeat (only Engine.load's own warm-up), prefix cache off")
         t_start = time.perf_counter()
-        order = [0] + levels  # 0: one after another
         for rep in range(args.repeats):
             # odd repeats run the levels and modes backwards: a machine that drifts (shared, noisy)
             # then biases neither end of the ratios the bars name (c=8 against one after another)
             for c in order if rep % 2 == 0 else order[::-1]:
-                for mode in ("spec", "ar") if rep % 2 == 0 else ("ar", "spec"):
-                    r = await run_level(engine, prompts, n, mode, max(1, c))
-                    runs.setdefault(f"{c}/{mode}", []).append(r)
-                    log(f"repeat {rep + 1}/{args.repeats} {'sequential' if c == 0 else f'c={c}'} {mode}: "
-                        f"{r['tokens_per_s']:.1f} tok/s ({time.perf_counter() - t_start:.0f} s)")
+                fresh = await load(prefix_cache=False) if cold else None
+                draft = draft or fresh.draft_name
+                try:
+                    for mode in ("spec", "ar") if rep % 2 == 0 else ("ar", "spec"):
+                        r = await run_level(fresh or engine, prompts, n, mode, max(1, c))
+                        runs.setdefault(f"{c}/{mode}", []).append(r)
+                        log(f"repeat {rep + 1}/{args.repeats} {'sequential' if c == 0 else f'c={c}'} {mode}: "
+                            f"{r['tokens_per_s']:.1f} tok/s ({time.perf_counter() - t_start:.0f} s)")
+                finally:
+                    if fresh is not None:
+                        await fresh.aclose()
+    finally:
+        if engine is not None:
+            await engine.aclose()
     summary = summarize(runs, levels)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"settings": {"model": str(args.model), "draft": engine.draft_name, "prompts": len(prompts),
-                           "max_new_tokens": n, "repeats": args.repeats, "levels": levels,
+    report = {"settings": {"model": str(args.model), "draft": draft, "prompts": len(prompts),
+                           "max_new_tokens": n, "repeats": args.repeats, "levels": levels, "cold": cold,
                            "prompt_file": args.prompts or "built-in general chat"}, "levels": summary}
     chart = plot(summary, out / "concurrency.png")
     write_report(out, "concurrency", report, format_markdown(summary), format_markdown(summary), args.json)
