@@ -11,8 +11,9 @@ __all__ = ["WARMUP_REQUESTS", "WARMUP_TOKENS", "warm_up"]
 
 WARMUP_REQUESTS = 2  # the first measures the draft's steps, the second its prefill (it needs the steps)
 WARMUP_TOKENS = 16
-WARMUP_PROMPTS = ("Give me three tips for staying focused while working from home.",
-                  "Explain in a few sentences how a refrigerator keeps food cold.")
+# general chat, in no prompt set of the benchmarks or the demo
+WARMUP_PROMPTS = ("Describe the water cycle for a ten-year-old.",
+                  "List a few ways to reuse glass jars at home.")
 
 
 async def warm_up(engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int = WARMUP_TOKENS) -> None:
