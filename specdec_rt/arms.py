@@ -25,12 +25,12 @@ ran at 0.90x plain decoding). The probe period doubles while probes confirm the 
 to ``ARM_PROBE_MAX``): in a steady load they cost little. Exploring a batch size never measured
 with model drafts costs every row's catch-up, so it happens only where drafts are within reach:
 cold, at 8 requests, every row read its prompt again (~0.2 s a round) and the batch ran at
-0.79-0.84x plain decoding. Within reach means: the nearest smaller batch size, at least half
-this one, measured both kinds and model drafts won clearly there (by ``resume_speedup``; a
-batch only makes plain rows cheaper; from a win at 2 alone, exploring at 8 ran at 0.91x), or,
-for 2 requests, speculation pays alone.
-The prediction is no guide for this: on the default pair it said 1.01 / 0.97 / 0.93 at 2 / 4 / 8
-requests where drafts measured 1.1-1.2x at 2 and lost at 4 and 8.
+0.79-0.84x plain decoding. Within reach means: the nearest smaller batch size, at most 2
+smaller, measured both kinds and model drafts won clearly there (by ``resume_speedup``; a batch
+only makes plain rows cheaper; from a win at 2 or 4, exploring at 8 ran at 0.86-0.93x), or, for
+2 requests, speculation pays alone. The prediction is no guide for this: on the default pair it
+said 1.01 / 0.97 / 0.93 at 2 / 4 / 8 requests where drafts measured 1.1-1.2x at 2 and lost at 4
+and 8.
 """
 
 from __future__ import annotations

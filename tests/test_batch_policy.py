@@ -280,7 +280,7 @@ def test_the_kind_never_measured_is_probed_soon_and_then_decides():
 
 def test_model_drafts_are_explored_only_where_they_are_within_reach():
     """Where drafts lost at a smaller batch they are not explored at a larger one (a batch only
-    makes plain rows cheaper), nor from a win at less than half the size; 2 requests explore
+    makes plain rows cheaper), nor from a win more than 2 requests smaller; 2 requests explore
     them when speculation pays alone."""
     from specdec_rt.arms import ARM_MIN_SAMPLES, BatchArms
     costs = _costs(draft_step=0.002)
@@ -298,13 +298,15 @@ def test_model_drafts_are_explored_only_where_they_are_within_reach():
     assert costs._explore(3, 1.0) and costs._explore(4, 1.0)
     assert not costs._explore(5, 1.0) and not costs._explore(8, 1.0)  # a win at 2 says little about 8
     costs.batch_arms[3] = arms(plain=50.0, drafts=45.0)  # the nearest smaller one decides
-    assert not costs._explore(4, 1.5) and not costs._explore(6, 1.5)
+    assert not costs._explore(4, 1.5) and not costs._explore(5, 1.5)
     costs.batch_arms[3] = BatchArms(draft_rates=[45.0] * ARM_MIN_SAMPLES)  # 3 not measured in full: 2 decides
     assert costs._explore(4, 1.0)
     costs.batch_arms[4] = arms(plain=40.0, drafts=48.0)
-    assert costs._explore(8, 1.0) and not costs._explore(9, 1.0)
+    assert costs._explore(6, 1.0) and not costs._explore(7, 1.0) and not costs._explore(8, 1.0)
     costs.batch_arms[4] = arms(plain=40.0, drafts=41.0)  # a win within noise: not enough
-    assert not costs._explore(8, 1.0)
+    assert not costs._explore(6, 1.0)
+    costs.batch_arms[6] = arms(plain=30.0, drafts=36.0)
+    assert costs._explore(8, 1.0)
 
 
 def test_a_periodic_probe_of_slower_drafts_is_skipped_when_catching_up_would_not_pay():
