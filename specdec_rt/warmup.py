@@ -6,8 +6,12 @@ from __future__ import annotations
 import copy
 
 from .drafting import engine_models
+from .errors import SpecDecError
+from .logs import get_logger
 
 __all__ = ["WARMUP_REQUESTS", "WARMUP_TOKENS", "warm_up"]
+
+log = get_logger("specdec_rt.warmup")
 
 WARMUP_REQUESTS = 2  # the first measures the draft's steps, the second its prefill (it needs the steps)
 WARMUP_TOKENS = 16
@@ -24,12 +28,16 @@ async def warm_up(engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int =
     request would otherwise pay; and the cost model measures the draft's step, its prefill and
     the verify call *alone*, which the batch policy predicts from. A server whose requests always
     share a batch would otherwise never measure them, and its batches would never speculate
-    (a cold engine, 2 requests at once on the default pair: plain rounds only, 0.99x ``ar``
-    against 1.12x warmed up; docs/benchmarks.md). Kept: the measured costs and the shared
+    (cold engines, 2 requests at once on the default pair: 0.99x ``ar`` before, 1.10-1.22x
+    warmed up; docs/benchmarks.md). Kept: the measured costs and the shared
     acceptance EWMA (evidence about this draft and target, a better prior than the configured
     default). Not kept: prefix-cache entries (the cache is off meanwhile) and the scheduler's
     totals. The prompts are fixed general chat, rendered with the model's chat template when it
-    has one, cut to fit a short context."""
+    has one (as plain text if that fails), cut to fit a short context.
+
+    A failure is logged (``engine.warmup_failed``) and ends the warm-up, never the load: it is a
+    request's failure (a chat template that refuses, a model that fails on some input), and a
+    user's requests must meet it as their own, with the engine still there for the next one."""
     models = [m for m in engine_models(engine.target, engine.drafter) if getattr(m, "pool", None) is not None]
     caches = [m.prefix_cache for m in models if m.prefix_cache.enabled]
     totals = copy.deepcopy(engine.scheduler.totals)  # merged into in place
@@ -42,8 +50,15 @@ async def warm_up(engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int =
     try:
         for i in range(requests):
             text = WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)]
-            prompt = [{"role": "user", "content": text}] if chat else text
-            await engine.generate(prompt, tokens, mode=mode, truncate_prompt=True)
+            prompts = ([[{"role": "user", "content": text}]] if chat else []) + [text]
+            for j, prompt in enumerate(prompts):
+                try:
+                    await engine.generate(prompt, tokens, mode=mode, truncate_prompt=True)
+                    break
+                except SpecDecError as exc:
+                    if j == len(prompts) - 1:
+                        log.warning("engine.warmup_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+                        return
     finally:
         for c in caches:
             c.enabled = True

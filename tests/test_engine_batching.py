@@ -223,3 +223,37 @@ def test_load_warms_up_alone_and_keeps_only_what_it_measured(tiny_llama):
             await Engine.load(tiny_llama, warmup="yes")
 
     anyio.run(main)
+
+
+def test_a_failing_warm_up_never_fails_the_load(tiny_llama):
+    """Warm-up requests that fail (a chat template that refuses, a model failing on some input)
+    end the warm-up with a logged warning, not the load: the engine stays usable."""
+    from specdec_rt import InferenceError
+    from specdec_rt.warmup import warm_up
+
+    async def main():
+        async with await Engine.load(tiny_llama, draft="q4", warmup=False) as engine:
+            real, calls = engine.generate, []
+
+            async def chat_refused(prompt, *a, **kw):
+                calls.append(type(prompt).__name__)
+                if not isinstance(prompt, str):
+                    raise InvalidInputError("chat template refused")
+                return await real(prompt, *a, **kw)
+
+            engine.generate = chat_refused
+            await warm_up(engine)  # messages refused: warmed up with the plain text instead
+            assert calls == ["list", "str", "list", "str"] and engine.scheduler.costs.draft_token_s is not None
+
+            async def broken(prompt, *a, **kw):
+                calls.append("broken")
+                raise InferenceError("simulated model failure")
+
+            engine.generate, calls[:] = broken, []
+            await warm_up(engine)  # gives up at the first request that fails both ways
+            assert calls == ["broken", "broken"]
+            assert engine.prefix_cache["enabled"] and engine.scheduler.totals.new_tokens == 0
+            engine.generate = real
+            assert len((await engine.generate(PROMPTS[0], 8)).token_ids) == 8
+
+    anyio.run(main)
