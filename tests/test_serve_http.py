@@ -241,6 +241,7 @@ def test_cancel_storm_leaves_nothing_running_and_survivors_equal_their_solo_outp
                     values = metric_values((await c.get("/metrics")).text)
                 assert metric(values, "specdec_requests_running") == 0
                 assert engine.target.pool.free == engine.slots and engine.drafter.model.pool.free == engine.slots
+                assert not any(engine.scheduler.costs.ledger.active.values())  # no round left measuring
             finally:
                 gc.enable()
             survivors = [(p, t) for p, t in zip(prompts, got) if isinstance(t, str)]
