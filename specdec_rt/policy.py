@@ -107,20 +107,17 @@ class RequestPolicy:
                 return min(k, remaining - 1)
             if not (self.cheap_drafts and self.costs.batched_verify):
                 return 0
-            # no model drafts: verify free drafts (when a match turns up) in the batch's call
-            k, gain = self.best_k(batch, cheap=True)
-            if gain < self.config.resume_speedup:
-                return 0
-            self.cheap = True
-        elif self.free_only:  # alone, free drafts only: when a match's acceptance pays its positions
-            k, gain = self.best_k(cheap=True)
-            if gain < self.config.resume_speedup:
-                return 0
-            self.cheap = True
-        else:
+        elif not self.free_only:
             k = self.best_k()[0]
             if lag > CATCHUP_FREE and not self.costs.catchup_pays(lag, remaining, self.ewma.value, k):
                 return 0
+            return min(k, remaining - 1)
+        # no model drafts (in a batch, or alone when the draft's prefill would not pay): free
+        # drafts, when a match turns up, verified in the call, if their acceptance pays their positions
+        k, gain = self.best_k(batch, cheap=True)
+        if gain < self.config.resume_speedup:
+            return 0
+        self.cheap = True
         return min(k, remaining - 1)
 
     def observe(self, at: int, drafted: int, accepted: int, t_draft: float, t_verify: float,
