@@ -38,8 +38,7 @@ async def warm_up(engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int =
     A failure is logged (``engine.warmup_failed``) and ends the warm-up, never the load: it is a
     request's failure (a chat template that refuses, a model that fails on some input), and a
     user's requests must meet it as their own, with the engine still there for the next one."""
-    models = [m for m in engine_models(engine.target, engine.drafter) if getattr(m, "pool", None) is not None]
-    caches = [m.prefix_cache for m in models if m.prefix_cache.enabled]
+    caches = [m.prefix_cache for m in engine_models(engine.target, engine.drafter) if m.caches_prefixes]
     totals = copy.deepcopy(engine.scheduler.totals)  # merged into in place
     chat = engine.codec.chat_template is not None
     limit = engine.scheduler.max_length
@@ -50,15 +49,15 @@ async def warm_up(engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int =
     try:
         for i in range(requests):
             text = WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)]
-            prompts = ([[{"role": "user", "content": text}]] if chat else []) + [text]
-            for j, prompt in enumerate(prompts):
+            for prompt in ([[{"role": "user", "content": text}]] if chat else []) + [text]:
                 try:
                     await engine.generate(prompt, tokens, mode=mode, truncate_prompt=True)
                     break
                 except SpecDecError as exc:
-                    if j == len(prompts) - 1:
-                        log.warning("engine.warmup_failed", error=f"{type(exc).__name__}: {exc}"[:300])
-                        return
+                    error = exc
+            else:  # failed as chat and as plain text
+                log.warning("engine.warmup_failed", error=f"{type(error).__name__}: {error}"[:300])
+                return
     finally:
         for c in caches:
             c.enabled = True
