@@ -26,10 +26,9 @@ request from flapping between the modes.
 from __future__ import annotations
 
 import bisect
+import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
-
-import numpy as np
 
 from .arms import BatchArms, RoundLedger
 from .errors import InvalidInputError
@@ -173,7 +172,7 @@ class CostModel:
             return
         per = max(0.0, t_draft - (drafted - 1) * self.draft_token_s) / prompt_tokens
         self.prefill_samples = (self.prefill_samples + [per])[-PREFILL_SAMPLES:]
-        self.draft_prefill_s = float(np.median(self.prefill_samples))
+        self.draft_prefill_s = statistics.median(self.prefill_samples)
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.config.alpha * (new - old)

@@ -35,6 +35,7 @@ and 8.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 __all__ = ["BatchArms", "RoundLedger", "ROUND_KINDS"]
@@ -50,10 +51,7 @@ ROUND_KINDS = ("plain", "drafts", "other")  # other: a prompt's round, or a draf
 
 
 def _median_of(rates: list[float]) -> float | None:
-    if len(rates) < ARM_MIN_SAMPLES:
-        return None
-    r, n = sorted(rates), len(rates)  # a few numbers, asked every round: no numpy call
-    return r[n // 2] if n % 2 else 0.5 * (r[n // 2 - 1] + r[n // 2])
+    return statistics.median(rates) if len(rates) >= ARM_MIN_SAMPLES else None
 
 
 @dataclass
