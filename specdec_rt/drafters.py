@@ -43,14 +43,19 @@ class NgramDrafter(DraftInferrer):
         ``n_min`` tokens, default ``self.n_min``, matches)."""
         k = min(k, self.k_max)
         hay = tokens[-self.window:]  # [W]
-        for n in range(min(self.n_max, hay.size - 1), (n_min or self.n_min) - 1, -1):
-            suffix = hay[-n:]  # [n]
-            windows = np.lib.stride_tricks.sliding_window_view(hay[:-1], n)  # [W-n, n]: excludes the suffix itself
-            hits = np.flatnonzero((windows == suffix).all(axis=1))  # start positions of matches
-            if hits.size:
-                start = int(hits[-1]) + n  # the latest match: its continuation starts here
+        for starts in self._matches(hay, n_min):
+            if starts.size:
+                start = int(starts[-1])  # the latest match
                 return hay[start : start + k].copy()
         return hay[:0].copy()
+
+    def _matches(self, hay: np.ndarray, n_min: int | None):
+        """For n from ``n_max`` down to ``n_min`` (default ``self.n_min``): where the tokens
+        following each earlier occurrence of the last n tokens of ``hay`` ``[W]`` start, oldest
+        first (the suffix itself is not an occurrence)."""
+        for n in range(min(self.n_max, hay.size - 1), (n_min or self.n_min) - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(hay[:-1], n)  # [W-n, n]
+            yield np.flatnonzero((windows == hay[-n:]).all(axis=1)) + n
 
     def propose_tree(self, tokens: np.ndarray, k: int, nodes: int, n_min: int | None = None) -> list[DraftToken]:
         """:meth:`propose`'s chain plus up to ``nodes`` other nodes: where earlier matches went
@@ -66,9 +71,8 @@ class NgramDrafter(DraftInferrer):
         token, parent, depth, support = [], [], [], []  # the trie's nodes
         children: dict[tuple[int, int], int] = {}  # (node (-1: the root), token) -> child node
         deepest = min(k, self.k_max)
-        for n in range(min(self.n_max, hay.size - 1), (n_min or self.n_min) - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(hay[:-1], n)  # [W-n, n]: excludes the suffix itself
-            for start in (np.flatnonzero((windows == hay[-n:]).all(axis=1))[::-1][:TREE_MATCHES] + n).tolist():
+        for starts in self._matches(hay, n_min):
+            for start in starts[::-1][:TREE_MATCHES].tolist():
                 node = -1  # latest match first: the first one is the chain (as propose)
                 for t in hay[start : start + deepest].tolist():
                     nxt = children.get((node, t))
