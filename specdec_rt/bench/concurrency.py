@@ -114,7 +114,7 @@ async def _concurrency(args) -> int:
     try:
         if engine is not None:
             log(f"{len(prompts)} prompts x {n} tokens, concurrency {levels}, draft {engine.draft_name}; warming up")
-            for p in prompts[:4]:  # alone: shapes, arena and the draft/verify costs
+            for p in prompts[:4]:  # alone, on these prompts: their shapes and arena (Engine.load measured the costs)
                 await engine.generate(p, n)
             for mode in ("spec", "ar"):  # batched: every batch size's shapes, and its step costs
                 await asyncio.gather(*[engine.generate(p, n, mode=mode) for p in prompts[: max(levels)]])
