@@ -7,9 +7,11 @@ Plain data, no I/O. The quantities:
   earlier one in its round was, estimated from rounds with exponential weights (decay ``alpha``
   per round). A round that drafted k and accepted n counts n successes in ``n + (1 if n < k)``
   trials, which is the maximum-likelihood estimate for geometric acceptance, whatever k was.
-* **costs**, in units of one plain target step: ``d`` per draft token and ``v(k) = 1 + s*k`` for
-  one verify call over k drafts. Measured (EWMA of seconds) unless the request is seeded, then the
-  configured defaults, so that a seeded request's schedule never depends on the wall clock.
+* **costs**, in units of one plain target step: ``d`` per draft token and ``v(k) = 1 + j + s*k``
+  for one verify call over k >= 1 drafts (``j``: what the first draft costs beyond the slope,
+  since measured verify costs are concave in k). Measured (EWMA of seconds) unless the request is
+  seeded, then the configured defaults, so that a seeded request's schedule never depends on the
+  wall clock.
 * The expected tokens per round with k drafts is ``E(a, k) = 1 + a + ... + a^k`` and the predicted
   speedup over plain decoding ``E(a, k) / (k*d + v(k))``. The draft length is its argmax over
   ``k_min..k_max``.
@@ -153,6 +155,7 @@ class CostModel:
     draft_step_s: Callable[[int], float | None] | None = None  # batched draft model step of B rows
     batch_arms: dict[int, BatchArms] = field(default_factory=dict)  # batch -> measured kinds of round
     ledger: RoundLedger = field(default_factory=RoundLedger)  # kinds of round running now (their purity)
+    _line: tuple | None = field(default=None, repr=False, compare=False)  # _verify_line, until verify_s changes
 
     def observe(self, drafted: int, t_draft: float, t_verify: float, model_drafts: bool = True) -> None:
         """A round alone: its verify call over ``drafted`` drafts, and (``model_drafts``: the
@@ -162,6 +165,7 @@ class CostModel:
         if drafted and model_drafts:
             self.draft_token_s = self._ewma(self.draft_token_s, t_draft / drafted)
         self.verify_s[drafted] = self._ewma(self.verify_s.get(drafted), t_verify)
+        self._line = None
 
     def observe_prefill(self, prompt_tokens: int, drafted: int, t_draft: float) -> None:
         """A first round: the draft prefilled ``prompt_tokens`` then took ``drafted - 1`` steps.
@@ -177,18 +181,47 @@ class CostModel:
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.config.alpha * (new - old)
 
+    def _verify_line(self) -> tuple[float | None, float, float]:
+        """``(base, j, s)``: seconds of one plain target step (None if unmeasured) and the cost
+        of a verify over k >= 1 drafts, ``1 + j + s*k`` plain steps.
+
+        Measured verify costs are concave in k: the first draft costs most (one position goes
+        through matrix-vector kernels, two or more through matrix-matrix ones; SmolLM2 fp32:
+        11.3 ms plain, 13.9 / 14.9 / 16.0 / 16.9 / 17.7 ms over 1-5 drafts). So ``s`` is the
+        least-squares slope of the verifies measured over k >= 1 (when they span at least 2) and
+        ``j`` the jump from a plain step to that line. A line through the plain step and the
+        longest verify (the earlier model) overstates the slope, so every longer chain looked
+        dearer than it is and requests kept to short ones (measured only what they chose)."""
+        if self._line is None:
+            self._line = self._fit_verify_line()
+        return self._line
+
+    def _fit_verify_line(self) -> tuple[float | None, float, float]:
+        s_default = self.config.verify_cost_per_token
+        points = {k: v for k, v in self.verify_s.items() if k > 0}
+        plain = self.verify_s.get(0)
+        if len(points) >= 2 and max(points) - min(points) >= 2:
+            n = len(points)
+            mk = sum(points) / n
+            mv = sum(points.values()) / n
+            slope_s = max(0.0, sum((k - mk) * (v - mv) for k, v in points.items())
+                          / sum((k - mk) ** 2 for k in points))
+            at_zero = max(1e-9, mv - slope_s * mk)  # the line's value at k = 0
+        elif points:  # one verify length (or adjacent ones): the configured slope, the rest a jump
+            k0 = min(points)
+            slope_s = None
+            at_zero = points[k0]
+        else:
+            return plain, 0.0, s_default
+        base = plain if plain is not None else (at_zero if slope_s is not None else at_zero / (1.0 + s_default * k0))
+        if slope_s is None:
+            return base, max(0.0, at_zero / base - 1.0 - s_default * k0), s_default
+        return base, max(0.0, at_zero / base - 1.0), slope_s / base
+
     def _base_and_slope(self) -> tuple[float | None, float]:
         """Seconds of one plain target step (None if unmeasured) and the relative verify slope."""
-        s = self.config.verify_cost_per_token
-        if not self.verify_s:
-            return None, s
-        ks = sorted(self.verify_s)
-        if len(ks) >= 2:  # slope and base from the two most distant measurements
-            k0, k1 = ks[0], ks[-1]
-            slope_s = max(0.0, (self.verify_s[k1] - self.verify_s[k0]) / (k1 - k0))
-            base = max(1e-9, self.verify_s[k0] - slope_s * k0)
-            return base, slope_s / base
-        return self.verify_s[ks[0]] / (1.0 + s * ks[0]), s
+        base, _, s = self._verify_line()
+        return base, s
 
     def relative(self) -> tuple[float, float]:
         """``(d, s)``: draft-token cost and verify slope, in units of one plain target step."""
@@ -197,6 +230,13 @@ class CostModel:
         if base is not None and self.draft_token_s is not None:
             d = self.draft_token_s / base
         return d, s
+
+    def verify_cost(self, k: int) -> float:
+        """A verify call over ``k`` drafts, in plain target steps: ``1 + j + s*k`` (1 for k = 0)."""
+        if k <= 0:
+            return 1.0
+        _, j, s = self._verify_line()
+        return 1.0 + j + s * k
 
     def prefill_pays(self, prompt_tokens: int, new_tokens: int, a: float, k: int) -> bool:
         """Whether speculating over ``new_tokens`` saves more time than the draft needs to
@@ -285,8 +325,8 @@ class CostModel:
     def speedup(self, a: float, k: int, free: bool = False) -> float:
         """Predicted tokens/s of k-draft rounds relative to plain decoding (``free``: drafts
         that cost nothing to make, n-gram matches)."""
-        d, s = self.relative()
-        return expected_tokens(a, k) / ((0.0 if free else k * d) + 1.0 + s * k)
+        d, _ = self.relative()
+        return expected_tokens(a, k) / ((0.0 if free else k * d) + self.verify_cost(k))
 
     def batch_speedup(self, a: float, k: int, batch: int) -> float:
         """Predicted tokens/s of the whole batch when this request drafts k, relative to all
@@ -302,12 +342,12 @@ class CostModel:
             return self.speedup(a, k)
         if self.batched_verify:
             return self._batched_speedup(a, k, batch)
-        base, s = self._base_and_slope()
+        base, _ = self._base_and_slope()
         c_b, c_rest = self.batch_step_s(batch), self.batch_step_s(batch - 1)
         if base is None or self.draft_token_s is None or c_b is None or c_rest is None:
             return 0.0
         c_rest = min(c_rest, c_b)  # fewer rows never cost more (a noisy measurement must not say so)
-        t_spec = c_rest + k * self.draft_token_s + base * (1.0 + s * k)
+        t_spec = c_rest + k * self.draft_token_s + base * self.verify_cost(k)
         return (batch - 1 + expected_tokens(a, k)) / t_spec * (c_b / batch)
 
     def _batched_speedup(self, a: float, k: int, batch: int) -> float:

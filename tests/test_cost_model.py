@@ -1,0 +1,64 @@
+"""The cost of a verify call as a function of its drafts k (``CostModel.verify_cost``), alone.
+
+Measured verify costs are concave in k: a call over 1 draft (2 positions) costs much more than a
+plain step, each further draft less. The model is a jump plus a slope fitted to the verifies
+measured, so that neither the first draft's jump makes long chains look dear nor short chains
+measured alone keep a request from trying longer ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec_rt.acceptance import AcceptanceEWMA, CostModel, SpecConfig
+from specdec_rt.policy import RequestPolicy
+
+# SmolLM2-135M fp32 alone on a 2-core EPYC (engine, ms): plain step, then verifies over 1-5 drafts
+CONCAVE_MS = {0: 11.3, 1: 13.85, 2: 14.91, 3: 15.95, 4: 16.89, 5: 17.74}
+
+
+def _costs(points_ms: dict[int, float], draft_ms: float = 5.5) -> CostModel:
+    return CostModel(SpecConfig(), draft_token_s=draft_ms / 1e3, verify_s={k: v / 1e3 for k, v in points_ms.items()})
+
+
+def test_concave_verify_costs_are_fitted_at_every_measured_length():
+    costs = _costs(CONCAVE_MS)
+    for k, ms in CONCAVE_MS.items():
+        # a line joining the plain step and the longest verify was 9% low at k = 1, 4% at k = 2
+        assert costs.verify_cost(k) == pytest.approx(ms / CONCAVE_MS[0], rel=0.015), k
+    # beyond the measurements it goes on with the fitted slope, not the steeper end-to-end one
+    end_to_end = (CONCAVE_MS[5] - CONCAVE_MS[0]) / 5 / CONCAVE_MS[0]
+    assert costs.relative()[1] < 0.8 * end_to_end
+    assert costs.verify_cost(8) < 1 + 8 * end_to_end
+
+
+def test_one_measured_verify_length_is_a_jump_plus_the_configured_slope():
+    """Only k = 1 measured (what a request that kept to short chains saw): its excess over a
+    plain step is the first draft's jump, so longer chains are predicted at the configured slope
+    and get tried, rather than at a slope of 0.23 steps per draft that ruled them out."""
+    config = SpecConfig()
+    costs = _costs({0: 11.3, 1: 13.85})
+    assert costs.verify_cost(1) == pytest.approx(13.85 / 11.3)
+    assert costs.verify_cost(8) - costs.verify_cost(1) == pytest.approx(7 * config.verify_cost_per_token)
+    policy = RequestPolicy(config, "spec", AcceptanceEWMA.start(0.1, 0.95, prior_weight=100.0), costs)
+    assert policy.best_k()[0] >= 5  # the joined line (slope 0.23) peaked at k = 3
+
+
+def test_a_new_measurement_refits_the_line():
+    costs = _costs({0: 11.3, 1: 13.85})
+    before = costs.verify_cost(6)
+    for _ in range(60):  # six-draft verifies turn out dear: the fit follows them
+        costs.observe(6, 6 * 0.0055, 0.030)
+    assert costs.verify_cost(6) > before
+    assert costs.verify_cost(6) == pytest.approx(costs.verify_s[6] / 0.0113, rel=0.05)
+
+
+def test_unmeasured_and_seeded_costs_keep_the_configured_line():
+    config = SpecConfig()
+    for costs in (CostModel(config), CostModel(config, measure=False)):
+        costs.observe(4, 0.02, 0.05)
+        assert costs.verify_cost(0) == 1.0
+        # measured: one length and no plain step says nothing about the slope or a jump
+        assert costs.verify_cost(4) == pytest.approx(1 + 4 * config.verify_cost_per_token)
+    seeded = CostModel(config, measure=False)
+    assert seeded.relative() == (config.draft_cost, config.verify_cost_per_token)
