@@ -96,3 +96,23 @@ def test_bench_prefix_cache_json_table_and_chart(tiny_llama, tmp_path):
     assert len(turns["ttft_p50"]["cache"]) == 2 and shared["concurrency"] == 3
     assert mem["within_budget"] and mem["peak_bytes"] <= mem["budget_bytes"] and mem["evictions"] > 0
     assert "| turn |" in (out / "prefix.md").read_text() and json.loads((out / "prefix.json").read_text()) == doc
+
+
+@pytest.mark.parametrize("name", ["prompts.jsonl", "chat_general.jsonl", "code_general.jsonl"])
+def test_shipped_prompt_sets_load_through_the_bench_reader(name):
+    """Every prompt set in the package is what ``bench --prompts`` reads: one chat or prompt per
+    line with a category, each turned into token ids (here by a stand-in codec)."""
+    from importlib import resources
+
+    from specdec_rt.bench.runner import load_prompts
+
+    class Codec:  # what load_prompts needs of a TextCodec
+        def encode_prompt(self, prompt):
+            text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
+            return [len(w) for w in text.split()]
+
+    path = resources.files("specdec_rt").joinpath("data", name)
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    prompts = load_prompts(Codec(), str(path))
+    assert len(prompts) == len(lines) >= 8
+    assert all("category" in d for d in lines) and all(len(p.ids) >= 5 for p in prompts)
