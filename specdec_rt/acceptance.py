@@ -157,6 +157,11 @@ class CostModel:
     ledger: RoundLedger = field(default_factory=RoundLedger)  # kinds of round running now (their purity)
     _line: tuple | None = field(default=None, repr=False, compare=False)  # _verify_line, until verify_s changes
 
+    def __setattr__(self, name: str, value) -> None:
+        if name == "verify_s":  # a new dict of measurements: the fitted line goes with the old one
+            object.__setattr__(self, "_line", None)
+        object.__setattr__(self, name, value)
+
     def observe(self, drafted: int, t_draft: float, t_verify: float, model_drafts: bool = True) -> None:
         """A round alone: its verify call over ``drafted`` drafts, and (``model_drafts``: the
         drafts came from the drafter's own steps, not only free n-gram matches) their cost."""

@@ -62,3 +62,10 @@ def test_unmeasured_and_seeded_costs_keep_the_configured_line():
         assert costs.verify_cost(4) == pytest.approx(1 + 4 * config.verify_cost_per_token)
     seeded = CostModel(config, measure=False)
     assert seeded.relative() == (config.draft_cost, config.verify_cost_per_token)
+
+
+def test_replacing_the_measurements_refits_the_line():
+    costs = _costs({0: 11.3, 1: 13.85})
+    assert costs.verify_cost(1) == pytest.approx(13.85 / 11.3)  # fitted (and kept)
+    costs.verify_s = {0: 0.0113, 1: 0.0226}
+    assert costs.verify_cost(1) == pytest.approx(2.0)
