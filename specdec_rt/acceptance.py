@@ -205,23 +205,20 @@ class CostModel:
         s_default = self.config.verify_cost_per_token
         points = {k: v for k, v in self.verify_s.items() if k > 0}
         plain = self.verify_s.get(0)
-        if len(points) >= 2 and max(points) - min(points) >= 2:
+        if not points:
+            return plain, 0.0, s_default
+        if len(points) >= 2 and max(points) - min(points) >= 2:  # least squares over k >= 1
             n = len(points)
-            mk = sum(points) / n
-            mv = sum(points.values()) / n
+            mk, mv = sum(points) / n, sum(points.values()) / n
             slope_s = max(0.0, sum((k - mk) * (v - mv) for k, v in points.items())
                           / sum((k - mk) ** 2 for k in points))
             at_zero = max(1e-9, mv - slope_s * mk)  # the line's value at k = 0
-        elif points:  # one verify length (or adjacent ones): the configured slope, the rest a jump
-            k0 = min(points)
-            slope_s = None
-            at_zero = points[k0]
-        else:
-            return plain, 0.0, s_default
-        base = plain if plain is not None else (at_zero if slope_s is not None else at_zero / (1.0 + s_default * k0))
-        if slope_s is None:
-            return base, max(0.0, at_zero / base - 1.0 - s_default * k0), s_default
-        return base, max(0.0, at_zero / base - 1.0), slope_s / base
+            base = plain if plain is not None else at_zero
+            return base, max(0.0, at_zero / base - 1.0), slope_s / base
+        # one verify length (or adjacent ones): the configured slope, the rest a jump
+        k0 = min(points)
+        base = plain if plain is not None else points[k0] / (1.0 + s_default * k0)
+        return base, max(0.0, points[k0] / base - 1.0 - s_default * k0), s_default
 
     def _base_and_slope(self) -> tuple[float | None, float]:
         """Seconds of one plain target step (None if unmeasured) and the relative verify slope."""
