@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
-
 from specdec_rt import DraftInferrer, DraftToken, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
 from specdec_rt.testing import ToyLM, check_greedy_lossless
 

@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from export.draft.assemble import assemble_draft, save_head
