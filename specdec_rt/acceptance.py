@@ -60,6 +60,7 @@ class SpecConfig:
     verify_cost_per_token: float = 0.05  # default extra cost per verified position, likewise
     measure_costs: bool = True  # False: always use the two defaults above (toy models, tests)
     tree_nodes: int = 0  # drafts beyond the main chain a request alone may add (a draft tree)
+    confidence_stop: bool = False  # a request alone stops a model chain where the draft is unsure
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -80,6 +81,8 @@ class SpecConfig:
             bad("probe_backoff", "must be >= 1")
         if isinstance(self.tree_nodes, bool) or not isinstance(self.tree_nodes, int) or not 0 <= self.tree_nodes <= 16:
             bad("tree_nodes", "must be an integer in 0..16")
+        if not isinstance(self.confidence_stop, bool):
+            bad("confidence_stop", "must be True or False")
         if self.draft_cost < 0 or self.verify_cost_per_token < 0:
             bad("draft_cost", "costs must be >= 0")
 

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .confidence import confidence
 from .context import RequestContext
 from .errors import ContextLengthError
 from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
@@ -146,6 +147,7 @@ class ModelDrafter(_ModelUser, DraftInferrer):
         drafts: list[DraftToken] = []
         candidates: list[tuple[float, int, int]] = []  # (draft probability of the node, depth, token)
         reach = 1.0  # draft probability of the chain so far
+        stop = ctx.chain_stop  # set: end the chain where the draft is unsure (confidence.py)
         for i in range(k):
             logits = (await s.extend(feed, 1))[0]  # [V]
             if ctx.params.greedy:
@@ -156,6 +158,8 @@ class ModelDrafter(_ModelUser, DraftInferrer):
                 q = warp(logits, ctx.params)  # [V]
                 x = sample(q, ctx.rng)
                 drafts.append(DraftToken(x, q))
+            if stop is not None and not stop.more(confidence(logits) if q is None else float(q[x])) and i + 1 < k:
+                break  # one more draft would cost more than it is likely to bring
             if ctx.tree_nodes:
                 best = np.argpartition(q, -(SIBLING_RANKS + 1))[-(SIBLING_RANKS + 1):]  # [ranks + 1]
                 candidates += [(reach * float(q[y]), i, int(y)) for y in best if y != x and q[y] > 0]

@@ -6,6 +6,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
 
+from .confidence import ChainStop
 from .errors import ContextLengthError, InvalidInputError
 from .sampling import SamplingParams
 from .types import FinishReason, Stats
@@ -57,6 +58,8 @@ class RequestContext:
         self.stats = Stats(prompt_tokens=self.prompt_len)
         self._state: dict[Any, Any] = {}
         self.tree_nodes = 0  # set by the scheduler each round: nodes a drafter may add to its chain
+        #: this round, where a model drafter should stop its chain (confidence.py), or None
+        self.chain_stop: ChainStop | None = None
         #: this round, drafters that can should propose only what costs nothing to draft (n-gram
         #: matches): set by the scheduler when the request shares a batch (see RequestPolicy)
         self.cheap_drafts = False

@@ -15,6 +15,7 @@ from typing import AsyncIterator, Callable, Iterable, Sequence
 import numpy as np
 
 from .acceptance import AcceptanceEWMA, CostModel, SpecConfig
+from .confidence import ChainStop, ConfidenceRates
 from .policy import RequestPolicy
 from .context import RequestContext
 from .errors import InferenceError, InvalidInputError, SpecDecError
@@ -66,6 +67,7 @@ class SpecDecScheduler:
         self.trees = bool(getattr(verifier, "trees", False))
         self.tree_nodes = self.config.tree_nodes
         self.tree_rates = TreeRates(self.config.alpha)  # realized speed of tree vs chain rounds
+        self.confidence_rates = ConfidenceRates()  # acceptance of model drafts by their confidence
         self.load = load  # requests about to share it too (e.g. the Engine's admitted ones)
 
     @property
@@ -127,6 +129,7 @@ class SpecDecScheduler:
                 k = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
                 ctx.cheap_drafts = policy.cheap  # only drafts that cost nothing (a batch, or no draft prefill)
                 ctx.tree_nodes = self._tree_nodes(ctx, tree, policy, k, batch == 1 or rates is None, rates)
+                ctx.chain_stop = self._chain_stop(ctx, policy, k, batch)
                 # 2. draft: up to k proposals continuing the committed tokens (a tree: up to k deep)
                 t0 = perf_counter()
                 drafts = list(await self.drafter.generate_draft(ctx, k))[: k + ctx.tree_nodes] if k else []
@@ -144,6 +147,8 @@ class SpecDecScheduler:
                                         batch=batch)
                 stats.observe_round(depth, verdict.accepted, new.size, t1 - t0, t2 - t1,
                                     policy.ewma.value if drafts or stats.rounds else None)
+                if ctx.chain_stop is not None:
+                    ctx.chain_stop.observe(verdict.accepted)  # model drafts by confidence: accepted?
                 took_tree = any(i >= chain for i in verdict.path or ())  # the path left the main chain
                 stats.observe_tree(len(drafts) - chain, took_tree)
                 tree.observe(len(drafts) - chain, took_tree)
@@ -182,6 +187,18 @@ class SpecDecScheduler:
             log.info("request.end", mode=stats.mode, new_tokens=stats.new_tokens,
                      finish=stats.finish_reason, acceptance=round(stats.acceptance_rate, 3),
                      tokens_per_s=round(stats.tokens_per_s, 2))
+
+    def _chain_stop(self, ctx: RequestContext, policy: RequestPolicy, k: int, batch: int) -> ChainStop | None:
+        """A request alone that drafts a chain with the draft model stops it where one more draft
+        would not pay at the rates measured for its confidences (confidence.py). Not in a batch
+        (its costs are the batch's), not in trees, probes or cheap rounds, and not for a seeded
+        sampled request (its schedule must not depend on other requests)."""
+        if (not self.config.confidence_stop or k < 2 or batch > 1 or ctx.tree_nodes or policy.cheap
+                or not policy.speculating or (ctx.params.seed is not None and not ctx.params.greedy)):
+            return None
+        d, s = policy.costs.relative()
+        a = policy.ewma.value
+        return ChainStop(self.confidence_rates, a, (d + s) * policy.costs.speedup(a, k) / max(a, 1e-3))
 
     def _tree_nodes(self, ctx: RequestContext, tree: TreePolicy, policy: RequestPolicy, k: int,
                     alone: bool, rates: TreeRates | None) -> int:
