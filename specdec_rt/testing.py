@@ -35,6 +35,7 @@ __all__ = [
     "toy_pair",
     "toy_scheduler",
     "sequence_distribution",
+    "sequence_counts",
     "chi_square_pvalue",
     "check_greedy_lossless",
     "rejection_cases",
@@ -283,6 +284,17 @@ def sequence_distribution(model: ToyLM, prompt: Sequence[int], length: int,
         probs = warp(model.logits_at(ids[:-1])[len(prompt) - 1 :], params)  # [length, V]
         out[seq] = float(np.prod(probs[np.arange(length), list(seq)]))
     return out
+
+
+async def sequence_counts(sched: SpecDecScheduler, prompt: Sequence[int], length: int, params: SamplingParams,
+                          n: int, rng: np.random.Generator, mode: str = "spec") -> dict[tuple[int, ...], int]:
+    """How often each generated sequence came up in ``n`` sampled runs of ``sched`` (to compare
+    with :func:`sequence_distribution` by :func:`chi_square_pvalue`)."""
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(n):
+        key = tuple((await sched.run(prompt, length, params, mode=mode, rng=rng)).token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def chi_square_pvalue(counts: dict, expected: dict[tuple, float], min_expected: float = 5.0) -> float:

@@ -10,7 +10,7 @@ import pytest
 from specdec_rt import ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
 from specdec_rt.confidence import ChainStop, ConfidenceRates, confidence
 from specdec_rt.sampling import rejection_sample
-from specdec_rt.testing import chi_square_pvalue, sequence_distribution, toy_pair
+from specdec_rt.testing import chi_square_pvalue, sequence_counts, sequence_distribution, toy_pair
 
 FORCED = dict(measure_costs=False, draft_cost=0.4, adapt_k=False, k_min=1, fallback_below=0.0,
               zero_rounds=10**6, min_speedup=0.0)  # always speculate, k fixed: only the stop varies
@@ -105,16 +105,7 @@ def test_stopped_chains_keep_the_sampled_distribution(monkeypatch):
     def collect(sampler):
         cfg = SpecConfig(k_init=3, k_max=3, confidence_stop=True, **FORCED)
         sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target, sampler=sampler), cfg)
-        rng = np.random.default_rng(0)
-
-        async def main():
-            counts: dict = {}
-            for _ in range(n):
-                key = tuple((await sched.run(prompt, length, params, rng=rng)).token_ids)
-                counts[key] = counts.get(key, 0) + 1
-            return counts
-
-        return anyio.run(main)
+        return anyio.run(sequence_counts, sched, prompt, length, params, n, np.random.default_rng(0))
 
     assert chi_square_pvalue(collect(rejection_sample), expected) > 1e-3
     assert sum(stopped) > 0.1 * len(stopped)  # chains did stop early

@@ -14,7 +14,7 @@ import pytest
 
 from specdec_rt import ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
 from specdec_rt.sampling import rejection_sample, sample
-from specdec_rt.testing import chi_square_pvalue, sequence_distribution, toy_pair
+from specdec_rt.testing import chi_square_pvalue, sequence_counts, sequence_distribution, toy_pair
 
 VOCAB, LENGTH, PROMPT, N = 4, 3, [1, 2], 6000
 CONFIG = SpecConfig(measure_costs=False, k_min=2, k_init=2, k_max=2, adapt_k=False,
@@ -24,17 +24,7 @@ CONFIG = SpecConfig(measure_costs=False, k_min=2, k_init=2, k_max=2, adapt_k=Fal
 def collect(sampler, params: SamplingParams, n: int = N, mode: str = "spec", seed: int = 0) -> dict:
     target, draft = toy_pair(VOCAB, seed=3, distance=0.7)
     sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target, sampler=sampler), CONFIG)
-    rng = np.random.default_rng(seed)
-
-    async def main():
-        counts: dict = {}
-        for _ in range(n):
-            res = await sched.run(PROMPT, LENGTH, params, mode=mode, rng=rng)
-            key = tuple(res.token_ids)
-            counts[key] = counts.get(key, 0) + 1
-        return counts
-
-    return anyio.run(main)
+    return anyio.run(sequence_counts, sched, PROMPT, LENGTH, params, n, np.random.default_rng(seed), mode)
 
 
 def expected(params: SamplingParams) -> dict:

@@ -8,7 +8,8 @@ import pytest
 
 from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
 from specdec_rt.drafters import CombinedDrafter, NgramDrafter
-from specdec_rt.testing import ToyLM, check_greedy_lossless, chi_square_pvalue, sequence_distribution, toy_pair
+from specdec_rt.testing import (ToyLM, check_greedy_lossless, chi_square_pvalue, sequence_counts, sequence_distribution,
+                               toy_pair)
 
 CASES = [
     # tokens, k, expected proposal
@@ -54,15 +55,9 @@ def test_ngram_sampling_keeps_the_target_distribution(nodes):
     config = SpecConfig(measure_costs=False, k_min=2, k_init=2, k_max=2, adapt_k=False,
                         fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0, tree_nodes=nodes)
     sched = SpecDecScheduler(NgramDrafter(n_min=1), ModelVerifier(target), config)
-    params, rng, counts = SamplingParams(temperature=1.0), np.random.default_rng(5), {}
+    params = SamplingParams(temperature=1.0)
     prompt = [1, 2, 1]  # "1" repeats: the drafter always has a proposal
-
-    async def main():
-        for _ in range(5000):
-            key = tuple((await sched.run(prompt, 3, params, rng=rng)).token_ids)
-            counts[key] = counts.get(key, 0) + 1
-
-    anyio.run(main)
+    counts = anyio.run(sequence_counts, sched, prompt, 3, params, 5000, np.random.default_rng(5))
     assert chi_square_pvalue(counts, sequence_distribution(target, prompt, 3, params)) > 1e-3
     assert sched.totals.drafted > 0 and (sched.totals.tree_nodes > 0) == (nodes > 0)
 

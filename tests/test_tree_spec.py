@@ -15,7 +15,7 @@ from specdec_rt import ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, 
 from specdec_rt.errors import InferenceError
 from specdec_rt.sampling import sample
 from specdec_rt.scheduler import _checked
-from specdec_rt.testing import chi_square_pvalue, sequence_distribution, toy_pair
+from specdec_rt.testing import chi_square_pvalue, sequence_counts, sequence_distribution, toy_pair
 from specdec_rt.tree_sampling import DraftTree, tree_depth, tree_parents
 from specdec_rt.types import DraftToken, Verdict
 
@@ -76,15 +76,7 @@ def test_a_target_that_takes_chains_only_verifies_the_main_chain():
 def _collect(params, config, n=N, seed=0):
     target, draft = toy_pair(VOCAB, seed=3, distance=0.7)
     sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), config)
-    rng = np.random.default_rng(seed)
-
-    async def main():
-        counts: dict = {}
-        for _ in range(n):
-            key = tuple((await sched.run(PROMPT, LENGTH, params, rng=rng)).token_ids)
-            counts[key] = counts.get(key, 0) + 1
-        return counts
-    return anyio.run(main), target
+    return anyio.run(sequence_counts, sched, PROMPT, LENGTH, params, n, np.random.default_rng(seed)), target
 
 
 TREE = SpecConfig(k_min=2, k_init=2, k_max=2, tree_nodes=2, **ALWAYS)

@@ -179,21 +179,15 @@ def _tree_samples(folder, params, n, seed=0):
 
     from specdec_rt import SpecConfig, SpecDecScheduler
     from specdec_rt.ort import OrtDraftInferrer, OrtTargetVerifier
+    from specdec_rt.testing import sequence_counts
 
     target = OrtModel(folder, max_length=32, slots=1, threads=1)
     draft = OrtModel(next(folder.glob("draft-*")), max_length=32, slots=1, threads=1)
     config = SpecConfig(k_min=2, k_init=2, k_max=2, adapt_k=False, tree_nodes=2, measure_costs=False,
                         fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)
     sched = SpecDecScheduler(OrtDraftInferrer(draft), OrtTargetVerifier(target), config)
-    rng = np.random.default_rng(seed)
-
-    async def main():
-        counts: dict = {}
-        for _ in range(n):
-            key = tuple((await sched.run(PROMPT_IDS, 3, params, rng=rng)).token_ids)
-            counts[key] = counts.get(key, 0) + 1
-        return counts, sched.totals
-    return anyio.run(main), target
+    counts = anyio.run(sequence_counts, sched, PROMPT_IDS, 3, params, n, np.random.default_rng(seed))
+    return (counts, sched.totals), target
 
 
 PROMPT_IDS = [5, 17, 42, 9]

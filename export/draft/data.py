@@ -69,8 +69,18 @@ def _topk(logits, k: int):
     return ids.to(torch.int32).cpu().numpy(), vals.to(torch.float16).cpu().numpy()
 
 
-def _generate_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], topk: int) -> Shard:
-    """Greedy answers for one batch of prompt ids; features and top-k labels at every position."""
+def last_hidden(model, **inputs):
+    """The features the shipped head reads: (h [B, S, H], the normalised last hidden state;
+    logits [B, S, V])."""
+    h = model.model(**inputs).last_hidden_state
+    return h, model.lm_head(h)
+
+
+def _generate_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], topk: int,
+                    features=last_hidden) -> Shard:
+    """Greedy answers for one batch of prompt ids; features and top-k labels at every position.
+    ``features(model, **inputs)`` returns ``(features [B, S, F], logits [B, S, V])`` of a forward
+    (:func:`last_hidden`; an experiment may keep more, e.g. several layers)."""
     import torch
     from transformers import DynamicCache
 
@@ -87,9 +97,8 @@ def _generate_batch(model, prompts: list[list[int]], max_new: int, eos: set[int]
     cache = DynamicCache()
     feats, tk_ids, tk_p, gen = [], [], [], []
     with torch.inference_mode():
-        h = model.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                        use_cache=True).last_hidden_state  # [B, L, H], normalised
-        logits = model.lm_head(h)  # [B, L, V]
+        h, logits = features(model, input_ids=ids, attention_mask=mask, position_ids=pos,
+                             past_key_values=cache, use_cache=True)  # [B, L, F], [B, L, V]
         feats.append(h.half().cpu().numpy())
         a, b = _topk(logits, topk)
         tk_ids.append(a), tk_p.append(b)
@@ -103,9 +112,8 @@ def _generate_batch(model, prompts: list[list[int]], max_new: int, eos: set[int]
                 break
             mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long, device=dev)], dim=1)
             last = last + 1
-            h = model.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None],
-                            past_key_values=cache, use_cache=True).last_hidden_state  # [B, 1, H]
-            logits = model.lm_head(h)
+            h, logits = features(model, input_ids=nxt[:, None], attention_mask=mask,
+                                 position_ids=last[:, None], past_key_values=cache, use_cache=True)
             feats.append(h.half().cpu().numpy())
             a, b = _topk(logits, topk)
             tk_ids.append(a), tk_p.append(b)

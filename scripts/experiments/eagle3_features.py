@@ -42,65 +42,14 @@ from export.ui import Reporter
 LOW, MID = 3, 15  # hidden_states indices: the residual stream after the 3rd and 15th of 30 layers
 
 
-def _hidden_features(model, **kw):
+def hidden_features(model, **inputs):
     """The model's forward with every layer's output: (features [B, S, 3H], logits [B, S, V])."""
-    out = model.model(**kw, output_hidden_states=True)
+    out = model.model(**inputs, output_hidden_states=True)
     hs = out.hidden_states  # embeddings, then after every layer; the last one normalised
     h = out.last_hidden_state
     rms = lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)  # noqa: E731
     # (normalised here: the residual stream has outliers near 10^4, kept as float16)
     return torch.cat([rms(hs[LOW]), rms(hs[MID]), h], -1), model.lm_head(h)
-
-
-def generate_batch(model, prompts, max_new, eos, topk=D.TOPK) -> D.Shard:
-    """`export.draft.data._generate_batch` with three features per position."""
-    from transformers import DynamicCache
-
-    B, L = len(prompts), max(len(p) for p in prompts)
-    pad = next(iter(eos))
-    ids = torch.full((B, L), pad, dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, L - len(p):] = torch.tensor(p)
-        mask[b, L - len(p):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    feats, tk_ids, tk_p, gen = [], [], [], []
-    with torch.inference_mode():
-        f, logits = _hidden_features(model, input_ids=ids, attention_mask=mask, position_ids=pos,
-                                     past_key_values=cache, use_cache=True)
-        done = torch.zeros(B, dtype=torch.bool)
-        last = pos[:, -1]
-        for step in range(max_new + 1):
-            feats.append(f.half().numpy())
-            a, b = D._topk(logits, topk)
-            tk_ids.append(a), tk_p.append(b)
-            nxt = logits[:, -1].argmax(-1)  # [B]
-            if step == max_new:
-                break
-            gen.append(nxt.numpy().copy())
-            done |= torch.tensor([int(t) in eos for t in nxt.tolist()])
-            if bool(done.all()) or step == max_new - 1:
-                break
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
-            last = last + 1
-            f, logits = _hidden_features(model, input_ids=nxt[:, None], attention_mask=mask,
-                                         position_ids=last[:, None], past_key_values=cache, use_cache=True)
-    feats = np.concatenate(feats, axis=1)
-    tk_ids, tk_p = np.concatenate(tk_ids, axis=1), np.concatenate(tk_p, axis=1)
-    gen = np.stack(gen, axis=1)
-    toks, starts, plens, fs, ti, tp = [], [0], [], [], [], []
-    for b, p in enumerate(prompts):
-        ans = gen[b].tolist()
-        stop = next((i + 1 for i, t in enumerate(ans) if t in eos), len(ans))
-        seq = list(p) + ans[:stop]
-        rows = slice(L - len(p), L - len(p) + len(seq) - 1)
-        toks += seq
-        starts.append(len(toks))
-        plens.append(len(p))
-        fs.append(feats[b, rows]), ti.append(tk_ids[b, rows]), tp.append(tk_p[b, rows])
-    return D.Shard(np.array(toks, np.int32), np.array(starts, np.int64), np.array(plens, np.int32),
-                   np.concatenate(fs), np.concatenate(ti), np.concatenate(tp))
 
 
 def make_shards(model, prompts, folder: Path, eos, log, batch=64, max_new=128):
@@ -110,7 +59,7 @@ def make_shards(model, prompts, folder: Path, eos, log, batch=64, max_new=128):
         path = D.shard_path(folder, i // batch)
         if path.exists():
             continue
-        sh = generate_batch(model, prompts[i:i + batch], max_new, eos)
+        sh = D._generate_batch(model, prompts[i:i + batch], max_new, eos, D.TOPK, features=hidden_features)
         np.savez(path.with_suffix(".tmp.npz"), **{k: getattr(sh, k) for k in D.Shard.__dataclass_fields__})
         path.with_suffix(".tmp.npz").rename(path)
         log(f"{folder.name}: shard {i // batch + 1}/{-(-len(prompts) // batch)}, "
