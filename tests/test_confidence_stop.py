@@ -7,7 +7,7 @@ import anyio
 import numpy as np
 import pytest
 
-from specdec_rt import ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
+from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
 from specdec_rt.confidence import ChainStop, ConfidenceRates, confidence
 from specdec_rt.sampling import rejection_sample
 from specdec_rt.testing import chi_square_pvalue, sequence_counts, sequence_distribution, toy_pair
@@ -18,6 +18,12 @@ FORCED = dict(measure_costs=False, draft_cost=0.4, adapt_k=False, k_min=1, fallb
 
 def test_it_is_off_by_default():  # measured: no gain on the shipped pairs (docs/benchmarks.md)
     assert SpecConfig().confidence_stop is False
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_a_bad_confidence_stop_is_a_named_error(bad):
+    with pytest.raises(InvalidInputError, match=r"SpecConfig\.confidence_stop=" + repr(bad)):
+        SpecConfig(confidence_stop=bad)
 
 
 def test_confidence_is_the_largest_probability():
