@@ -26,7 +26,7 @@ from .ort import OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
 from .prefix_cache import DEFAULT_BUDGET_BYTES
 from .protocols import DraftInferrer
 from .request_checks import MAX_STOP_STRINGS  # noqa: F401 - re-exported (the stop-string limit)
-from .request_checks import check_prompt_size, check_stop, find_stop
+from .request_checks import check_prompt_size, check_stop, find_stop, stop_prefix_len
 from .sampling import SamplingParams, brief_repr
 from .scheduler import SpecDecScheduler
 from .text import TextCodec
@@ -200,7 +200,8 @@ class Engine:
         """Generate a completion. ``prompt``: a string, or chat messages
         ``[{"role": ..., "content": ...}]`` rendered with the model's chat template.
         ``mode``: ``"spec"`` (speculative) or ``"ar"`` (plain). ``stop``: strings that end the
-        generation (the text is cut before the stop string). ``truncate_prompt``: keep only the
+        generation (the text is cut before the stop string; ``token_ids`` end with the token that
+        completes it, in either mode; a stream holds back text that may start one). ``truncate_prompt``: keep only the
         last tokens that fit instead of raising ``ContextLengthError``."""
         parts, ids, stats = [], [], None
         async with self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
@@ -264,7 +265,7 @@ class Engine:
     async def _produce(self, ready: "_Ready", prompt, max_new_tokens, params, mode, stops: list[str],
                        truncate_prompt: bool, send) -> None:
         """One request, as a task: encode, run, detokenize, cut at stop strings, hand events over."""
-        decoder, text = self.codec.decoder(), ""
+        decoder, text, shown, kept = self.codec.decoder(), "", 0, 0  # text decoded, streamed; tokens kept
         async with send:
             try:
                 try:
@@ -282,17 +283,20 @@ class Engine:
                 self.running += 1
                 try:
                     async for ev in request:
-                        delta = decoder.push(ev.token_ids)
-                        finished = ev.finished
-                        if finished:
-                            delta += decoder.flush()
-                        text += delta
-                        cut = find_stop(text, stops, len(text) - len(delta))
+                        ids, finished = ev.token_ids, ev.finished
+                        if stops:  # token by token, as a plain step would see them (see _cut)
+                            ids, text, cut = self._cut(decoder, text, ids, stops, finished)
+                        else:
+                            text, cut = text + decoder.push(ids) + (decoder.flush() if finished else ""), None
+                        kept += len(ids)
                         if cut is not None:  # end at a stop string: emit the text before it
-                            delta = delta[: max(0, len(delta) - (len(text) - cut))]
-                            request.context.finish_reason = request.stats.finish_reason = finished = "stop"
-                        await send.send(StreamEvent(delta, ev.token_ids, finished,
+                            text, finished = text[:cut], "stop"
+                            request.context.finish_reason = request.stats.finish_reason = "stop"
+                            request.stats.new_tokens = kept  # the tokens up to the stop, in every mode
+                        upto = len(text) - (stop_prefix_len(text, stops, shown) if stops and not finished else 0)
+                        await send.send(StreamEvent(text[shown:upto], tuple(ids), finished,
                                                     request.stats if finished else None))
+                        shown = max(shown, upto)
                         if cut is not None:
                             break
                 finally:
@@ -304,6 +308,24 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - handed to the consumer
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                     await send.send(exc)
+
+    @staticmethod
+    def _cut(decoder, text: str, ids, stops: list[str], finished) -> tuple[list[int], str, int | None]:
+        """Feed one event's ids to ``decoder`` one at a time, stopping at the first token whose
+        text completes a stop string. Returns (the ids kept, the text so far, where the earliest
+        stop string starts or None). Token by token, a speculative round of several tokens cuts
+        where plain decoding (one token an event) would: same text, same token count."""
+        for j, token in enumerate(ids):
+            before = len(text)
+            text += decoder.push([token])
+            if (cut := find_stop(text, stops, before)) is not None:
+                return list(ids[: j + 1]), text, cut
+        if finished:  # a character the last token left incomplete
+            before = len(text)
+            text += decoder.flush()
+            if (cut := find_stop(text, stops, before)) is not None:
+                return list(ids), text, cut
+        return list(ids), text, None
 
     # ------------------------------------------------------------------ lifecycle
     async def aclose(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from .errors import InvalidInputError
 from .sampling import brief_repr
 
-__all__ = ["MAX_STOP_STRINGS", "check_stop", "check_prompt_size", "find_stop"]
+__all__ = ["MAX_STOP_STRINGS", "check_stop", "check_prompt_size", "find_stop", "stop_prefix_len"]
 
 MAX_STOP_STRINGS = 64  # each event searches for every stop string (OpenAI allows 4)
 
@@ -49,3 +49,11 @@ def find_stop(text: str, stops: list[str], new_from: int) -> int | None:
     """Index where the earliest stop string starts, if one ends in the new text."""
     hits = [i for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
     return min(hits) if hits else None
+
+
+def stop_prefix_len(text: str, stops: list[str], since: int = 0) -> int:
+    """Length of the longest tail of ``text[since:]`` that is the start of a stop string (not a
+    whole one): text a stream must hold back, since the next tokens may complete the stop."""
+    room = len(text) - since
+    return max((k for s in stops for k in range(min(len(s) - 1, room), 0, -1)
+                if text.endswith(s[:k])), default=0)

@@ -119,6 +119,55 @@ def test_stop_strings_cut_the_text(tiny_llama):
     anyio.run(main)
 
 
+def test_a_stop_string_across_tokens_cuts_alike_in_every_mode(tiny_llama):
+    """A stop string that starts in one token and ends in a later one: nothing of it is
+    streamed (the tail that may start a stop is held back), and a speculative round of several
+    tokens keeps the tokens plain decoding keeps (up to the one that completes the stop)."""
+    async def main():
+        async with await Engine.load(tiny_llama) as engine:
+            prompt = "def add(a, b):"
+            full = await engine.generate(prompt, max_new_tokens=40, mode="ar")
+            pieces = [engine.codec.decode(full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
+            checked = 0
+            for i in range(2, len(full.token_ids) - 1):  # stop = last char of token i + first of i+1
+                a, b = pieces[i], pieces[i + 1]
+                if len(b) <= len(a) or len(a) <= len(pieces[i - 1]) or not b.startswith(a):
+                    continue
+                stop = a[-1] + b[len(a)]
+                if full.text.index(stop) != len(a) - 1:
+                    continue  # it occurs earlier
+                want_ids = full.token_ids[: i + 1]
+                for mode in ("ar", "spec"):
+                    async with engine.stream(prompt, max_new_tokens=40, mode=mode, stop=stop) as events:
+                        deltas, ids, last = [], [], None
+                        async for ev in events:
+                            deltas.append(ev.text)
+                            ids.extend(ev.token_ids)
+                            last = ev
+                            assert stop not in "".join(deltas)
+                    assert "".join(deltas) == full.text[: len(a) - 1], (mode, stop)
+                    assert ids == want_ids and last.stats.new_tokens == len(want_ids), (mode, stop)
+                    assert last.finished == "stop"
+                checked += 1
+                if checked == 3:
+                    break
+            assert checked >= 1
+            assert engine.target.pool.free == engine.slots
+
+    anyio.run(main)
+
+
+def test_stop_prefix_len_holds_back_only_what_may_start_a_stop():
+    from specdec_rt.request_checks import stop_prefix_len
+
+    assert stop_prefix_len("hello wor", ["world"]) == 3
+    assert stop_prefix_len("hello world", ["world"]) == 0  # a whole stop is not a prefix to hold
+    assert stop_prefix_len("abab", ["abc", "b"]) == 2
+    assert stop_prefix_len("xyz", ["\n\n"]) == 0
+    assert stop_prefix_len("ab\n", ["\n\n", "q"]) == 1
+    assert stop_prefix_len("ab\n", ["\n\n"], since=3) == 0  # only text not yet shown
+
+
 def test_prompt_too_long_fails_before_any_work(tiny_llama):
     async def main():
         async with await Engine.load(tiny_llama, max_length=64) as engine:
