@@ -44,7 +44,7 @@ class RequestContext:
         if max_length is not None and prompt.size + max_new_tokens > max_length:
             raise ContextLengthError(
                 f"prompt of {prompt.size} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                f"model's maximum length of {max_length} tokens"
+                f"model's maximum length of {max_length} tokens", int(prompt.size), int(max_length)
             )
         self.params = params or SamplingParams()
         self.rng = rng if rng is not None else np.random.default_rng(self.params.seed)

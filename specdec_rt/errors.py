@@ -37,7 +37,12 @@ class InvalidInputError(SpecDecError, ValueError):
 
 
 class ContextLengthError(InvalidInputError):
-    """The prompt (plus the requested new tokens) does not fit the model's KV cache."""
+    """The prompt (plus the requested new tokens) does not fit the model's KV cache.
+    ``prompt_tokens`` and ``max_length``, when known: the room left is their difference."""
+
+    def __init__(self, message: str, prompt_tokens: int | None = None, max_length: int | None = None) -> None:
+        super().__init__(message)
+        self.prompt_tokens, self.max_length = prompt_tokens, max_length
 
 
 class ModelLoadError(SpecDecError):

@@ -56,7 +56,14 @@ def run(fn, folder, **load):
     ("chat", {"messages": CHAT, "stop": ["a", None]}, "stop"),
     ("chat", {"messages": CHAT, "mode": "turbo"}, "mode"),
     ("chat", {"messages": CHAT, "stream": "yes"}, "stream"),
-    ("chat", {"messages": CHAT, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ("chat", {"messages": CHAT, "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage"),
+    ("chat", {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),  # not streaming
+    ("chat", {"messages": CHAT, "temperature": 2.5}, "temperature"),  # OpenAI's range is [0, 2]
+    ("chat", {"messages": CHAT, "logprobs": True}, "logprobs"),  # refused, not silently dropped
+    ("chat", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ("completion", {"prompt": "x", "logprobs": 2}, "logprobs"),
+    ("completion", {"prompt": "x", "echo": True}, "echo"),
     ("completion", {"prompt": [1, 2, 3]}, "prompt"),
     ("completion", {"prompt": ""}, "prompt"),
     ("completion", {"max_tokens": 4}, "prompt"),
@@ -88,6 +95,11 @@ def test_engine_errors_map_to_fields():
     assert engine_error(InvalidInputError("max_new_tokens must be ..."), chat).param == "max_completion_tokens"
     assert engine_error(InvalidInputError("top_p must be in (0, 1]"), chat).param == "top_p"
     assert engine_error(InvalidInputError("chat template rejected the messages"), chat).param == "messages"
+    bad = engine_error(InvalidInputError("messages[1].content is not valid Unicode text: ..."), chat)
+    assert bad.param == "messages[1].content"
+    long = engine_error(ContextLengthError("prompt of 9 tokens + max_new_tokens=3 exceeds ..."), chat)
+    assert "max_completion_tokens=3" in long.message and "max_new_tokens" not in long.message
+    assert parse_request("chat", {"messages": CHAT, "logprobs": False, "top_logprobs": 0}).prompt == CHAT
 
 
 # ---------------------------------------------------------------- responses
@@ -195,6 +207,33 @@ def test_bad_requests_are_400_naming_the_field(tiny_llama):
         assert metric(values, "specdec_requests_rejected_total", reason="invalid") == len(cases) + 1
         assert metric(values, "specdec_generation_tokens_total") == 0
     run(check, tiny_llama)
+
+
+@pytest.mark.export
+def test_http_edges_deep_json_405_allow_model_route_and_default_token_cap(tiny_llama):
+    async def check(engine):
+        async with client(create_app(engine, default_max_tokens=1000)) as c:
+            r = await c.post("/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
+                             headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+            r = await c.get("/v1/chat/completions")
+            assert r.status_code == 405 and "POST" in r.headers["allow"] and r.json()["error"]["message"]
+            name = (await c.get("/v1/models")).json()["data"][0]["id"]
+            r = await c.get(f"/v1/models/{name}")
+            assert r.status_code == 200 and r.json()["id"] == name and r.json()["object"] == "model"
+            r = await c.get("/v1/models/nope")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            # no max_tokens: the default (1000) is capped to the room the prompt leaves (64)
+            r = await c.post("/v1/completions", json={"prompt": PROMPT, "temperature": 0})
+            body = r.json()
+            assert r.status_code == 200, body
+            room = 64 - body["usage"]["prompt_tokens"]
+            assert body["usage"]["completion_tokens"] <= room
+            assert body["choices"][0]["finish_reason"] in ("length", "stop")
+            r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000})  # asked: 400
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            assert "max_tokens=1000" in r.json()["error"]["message"]
+    run(check, tiny_llama, max_length=64)
 
 
 @pytest.mark.export

@@ -60,6 +60,14 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
     async def models(request: Request) -> JSONResponse:
         return JSONResponse(models_body(serving.model_name or "specdec-rt", created))
 
+    async def model(request: Request) -> JSONResponse:
+        name = serving.model_name or "specdec-rt"
+        if request.path_params["model"] != name:
+            return error_response(APIError(404, f"the model {request.path_params['model']!r} does not exist "
+                                                f"(this server has {name!r})", code="model_not_found",
+                                           param="model"))
+        return JSONResponse(models_body(name, created)["data"][0])
+
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok" if serving.state == "ready" else serving.state,
                              "model": serving.model_name, "admitted": serving.admitted},
@@ -85,7 +93,8 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
         await serving.shutdown()
 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None,
+                       headers=dict(exc.headers or {}))  # e.g. a 405's Allow
         return error_response(err)
 
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
@@ -96,6 +105,7 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completion, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],

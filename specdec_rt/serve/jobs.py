@@ -17,7 +17,7 @@ import anyio.lowlevel
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from ..errors import EngineClosedError, InvalidInputError, SpecDecError
+from ..errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..logs import get_logger
 from .protocol import APIError, GenParams, Kind, Reply, engine_error, parse_request, sse
 from .state import Serving
@@ -47,6 +47,8 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(body)
     except ValueError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # e.g. 100,000 nested brackets
+        raise APIError(400, "the request body is not valid JSON: nested too deeply", code="invalid_json") from None
 
 
 async def completions(request: Request, kind: Kind) -> Any:
@@ -64,9 +66,7 @@ async def completions(request: Request, kind: Kind) -> Any:
         return Response(status_code=499)  # nobody is there to read it
     stream = None
     try:  # from here on the request is admitted: Job.close releases it
-        stream = serving.engine.stream(params.prompt, **params.engine_kwargs(serving.default_max_tokens))
-        if hasattr(stream, "ready"):  # an EngineStream: the prompt encoded and checked, 400 before streaming
-            await stream.ready()
+        stream = await _open(serving, params)
     except (InvalidInputError, EngineClosedError) as exc:
         if stream is not None:
             await stream.aclose()
@@ -84,6 +84,30 @@ async def completions(request: Request, kind: Kind) -> Any:
     if params.stream:
         return EventStream(job)
     return await job.respond_whole(request.receive)
+
+
+async def _open(serving: Serving, params: GenParams):
+    """The engine stream of an admitted request, its prompt encoded and checked (a 400 comes
+    before streaming; a stream that fails is closed here). A request that names no token limit
+    gets the server's default, capped to the room its prompt leaves in the context (as OpenAI's
+    API does)."""
+    kwargs = params.engine_kwargs(serving.default_max_tokens)
+    for capped in (False, True):
+        stream = serving.engine.stream(params.prompt, **kwargs)
+        if not hasattr(stream, "ready"):  # not an EngineStream: it checks as it goes
+            return stream
+        try:
+            await stream.ready()
+            return stream
+        except ContextLengthError as exc:
+            await stream.aclose()
+            room = (exc.max_length or 0) - (exc.prompt_tokens or 0)
+            if capped or params.max_tokens is not None or room < 1:
+                raise
+            kwargs["max_new_tokens"] = room
+        except BaseException:
+            await stream.aclose()
+            raise
 
 
 class Job:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ __all__ = ["APIError", "GenParams", "Reply", "parse_request", "engine_error", "e
 
 Kind = Literal["chat", "completion"]
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; the Engine itself takes any finite value
 
 
 class APIError(Exception):
@@ -81,6 +83,8 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
             break
     if body.get("temperature") is not None:
         p.temperature = _number(body, "temperature", minimum=0.0)
+        if p.temperature > MAX_TEMPERATURE:
+            raise _bad("temperature", f"temperature must be <= {MAX_TEMPERATURE:g}, got {p.temperature!r}")
     if body.get("top_p") is not None:
         p.top_p = _number(body, "top_p", minimum=0.0)
         if not 0.0 < p.top_p <= 1.0:
@@ -104,8 +108,23 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
     if options is not None:
         if not isinstance(options, dict):
             raise _bad("stream_options", "stream_options must be an object", "invalid_type")
+        if not p.stream:
+            raise _bad("stream_options", "stream_options is only allowed when stream is true")
         p.include_usage = _bool(options, "include_usage", param="stream_options.include_usage")
+    _unsupported(body, kind)
     return p
+
+
+def _unsupported(body: dict, kind: Kind) -> None:
+    """Options this server cannot honour are refused rather than silently dropped (a client
+    that asks for log probabilities would otherwise read ``null``)."""
+    asked = [("logprobs", body.get("logprobs") not in (None, False)),
+             ("top_logprobs", body.get("top_logprobs") not in (None, 0)),
+             ("echo", kind == "completion" and body.get("echo") not in (None, False)),
+             ("best_of", kind == "completion" and body.get("best_of") not in (None, 1))]
+    for name, on in asked:
+        if on:
+            raise _bad(name, f"{name} is not supported by this server", "unsupported_parameter")
 
 
 def _messages(body: dict) -> list[dict]:
@@ -185,10 +204,13 @@ def _stop(stop: Any) -> list[str]:
 def engine_error(exc: InvalidInputError, p: GenParams) -> APIError:
     """A 400 for an error ``Engine.stream`` raised on these arguments, naming the field."""
     prompt_param = "messages" if p.kind == "chat" else "prompt"
+    text = str(exc).replace("max_new_tokens", p.max_tokens_param)  # the API's name for it
     if isinstance(exc, ContextLengthError):
-        return APIError(400, str(exc), code="context_length_exceeded", param=prompt_param)
-    text = str(exc)
-    for prefix, param in (("max_new_tokens", p.max_tokens_param), ("temperature", "temperature"),
+        return APIError(400, text, code="context_length_exceeded", param=prompt_param)
+    field = re.match(r"(messages\[\d+\](?:\.\w+)?) ", text)
+    if field:  # e.g. "messages[0].content is not valid Unicode text"
+        return _bad(field.group(1), text)
+    for prefix, param in ((p.max_tokens_param, p.max_tokens_param), ("temperature", "temperature"),
                           ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"), ("stop", "stop"),
                           ("mode", "mode"), ("this engine has no draft", "mode")):
         if text.startswith(prefix):
