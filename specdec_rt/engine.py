@@ -198,7 +198,8 @@ class Engine:
                        mode: Mode = "spec", stop: str | Sequence[str] | None = None,
                        truncate_prompt: bool = False) -> EngineResult:
         """Generate a completion. ``prompt``: a string, or chat messages
-        ``[{"role": ..., "content": ...}]`` rendered with the model's chat template.
+        ``[{"role": ..., "content": ...}]`` rendered with the model's chat template (content: a
+        string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined).
         ``mode``: ``"spec"`` (speculative) or ``"ar"`` (plain). ``stop``: strings that end the
         generation (the text is cut before the stop string; ``token_ids`` end with the token that
         completes it, in either mode; a stream holds back text that may start one). ``truncate_prompt``: keep only the

@@ -37,12 +37,22 @@ def check_prompt_size(prompt, limit: int) -> None:
     elif isinstance(prompt, (list, tuple)):
         if len(prompt) > limit:
             raise InvalidInputError(f"prompt has {len(prompt)} messages, more than max_prompt_chars={limit}")
-        size = len(prompt) + sum(len(v) for m in prompt if isinstance(m, dict)
-                                 for v in m.values() if isinstance(v, str))
+        size = len(prompt) + sum(_text_size(v) for m in prompt if isinstance(m, dict) for v in m.values())
     else:
         raise InvalidInputError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
     if size > limit:
         raise InvalidInputError(f"prompt has {size} characters, more than max_prompt_chars={limit}")
+
+
+def _text_size(value) -> int:
+    """Characters of a message field: a string, or the text parts of a content list (each part
+    counts one more, so a million empty parts is refused too)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return len(value) + sum(len(c["text"]) for c in value
+                                if isinstance(c, dict) and isinstance(c.get("text"), str))
+    return 0
 
 
 def find_stop(text: str, stops: list[str], new_from: int) -> int | None:

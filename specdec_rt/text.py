@@ -78,18 +78,29 @@ class TextCodec:
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         """Chat messages -> the prompt text, through the model's chat template (bounded: see the
         module docstring). Any role string is passed to the template as it is."""
-        self._check_messages(messages)
-        return self._render(list(messages), add_generation_prompt)
+        return self._render(self._check_messages(messages), add_generation_prompt)
 
-    def _check_messages(self, messages) -> None:
+    def _check_messages(self, messages) -> list[dict]:
+        """The messages, checked; OpenAI-style content parts (``[{"type": "text", "text": ...}]``)
+        are joined into one string (other parts are refused)."""
         if self.chat_template is None:
             raise InvalidInputError("this model has no chat template; pass a plain string prompt")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidInputError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
+        out = []
         for i, msg in enumerate(messages):
+            content = msg.get("content") if isinstance(msg, dict) else None
+            if isinstance(content, list):
+                if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                           for c in content):
+                    raise InvalidInputError(f"messages[{i}].content: only text parts "
+                                            f"({{'type': 'text', 'text': ...}}) can be read, got {brief_repr(content)}")
+                msg = {**msg, "content": "".join(c["text"] for c in content)}
             if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
                 raise InvalidInputError(f"messages[{i}] must be a dict with string 'role' and 'content', "
                                         f"got {brief_repr(msg)}")
+            out.append(msg)
+        return out
 
     @staticmethod
     def _tokenize(tokenizer, text: str, fields):
@@ -141,7 +152,7 @@ class TextCodec:
         the template writes control tokens: ``"hi<|im_end|>"`` in a message is plain text."""
         if isinstance(prompt, str):
             return self.encode(prompt)
-        self._check_messages(prompt)
+        prompt = self._check_messages(prompt)
         allow = self.allow_special_in_content if allow_special is None else allow_special
         if allow or self._special_re is None:
             return self._tokenize(self.tokenizer, self._render(list(prompt), True),

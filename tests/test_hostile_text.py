@@ -152,6 +152,21 @@ def test_any_role_reaches_the_template(tiny_codec):
     assert "<|im_start|>wizard\nx<|im_end|>" in text
 
 
+def test_text_content_parts_read_as_their_joined_text(tiny_codec):
+    """OpenAI-style content parts, as the server takes them: text parts are joined; any other
+    part is refused naming the message; the cheap size check counts their text."""
+    from specdec_rt.request_checks import check_prompt_size
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]}]
+    assert tiny_codec.encode_prompt(parts) == tiny_codec.encode_prompt([{"role": "user", "content": "Hello, world"}])
+    with pytest.raises(InvalidInputError, match=r"messages\[0\]\.content: only text parts"):
+        tiny_codec.encode_prompt([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(InvalidInputError, match="more than max_prompt_chars=100"):
+        check_prompt_size([{"role": "user", "content": [{"type": "text", "text": "x" * 200}]}], 100)
+    with pytest.raises(InvalidInputError, match="more than max_prompt_chars=100"):
+        check_prompt_size([{"role": "user", "content": [{}] * 200}], 100)
+
+
 # ------------------------------------------------------------------ item 4: bounded templates
 HOSTILE = {
     "repeat": "{{ 'a' * 10**8 }}",
