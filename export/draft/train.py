@@ -117,33 +117,39 @@ def _collate(seqs, lookup: np.ndarray) -> Batch:
                  torch.from_numpy(p), torch.from_numpy(mask), n)
 
 
-def _losses(head: EagleHead, b: Batch, depth: int):
+def _losses(head: EagleHead, b: Batch, depth: int, inputs: Callable | None = None,
+            target: Callable | None = None, feat_w: float = FEAT_W):
     """Per depth: (loss, top-1 agreement count, positions). Top-1: the draft's argmax equals
-    the target's argmax (label index 0, the largest soft label)."""
-    b = b.to(head.embed.device)
-    outs = head.unrolled(b.tokens, b.feats, depth)
-    feat_next = torch.cat([b.feats[:, 1:], torch.zeros_like(b.feats[:, :1])], 1)  # h_{j+1}
-    j = torch.arange(b.feats.shape[1], device=b.feats.device)
+    the target's argmax (label index 0, the largest soft label). ``inputs`` / ``target`` map
+    the batch's features to what the head reads at depth 1 and to the h its guesses are
+    regressed on (default: the features themselves; experiments with wider features, e.g.
+    EAGLE-3's several layers, pass their own); ``feat_w`` weighs that regression."""
+    b = b.to(next(head.parameters()).device)
+    h = b.feats if target is None else target(b.feats)  # [B, T-1, H]
+    outs = head.unrolled(b.tokens, b.feats if inputs is None else inputs(b.feats), depth)
+    feat_next = torch.cat([h[:, 1:], torch.zeros_like(h[:, :1])], 1)  # h_{j+1}
+    j = torch.arange(h.shape[1], device=h.device)
     res = []
     for s, g in enumerate(outs, start=1):
         m = b.loss_mask & (j >= s - 1)[None, :]
         gm = g[m]  # [N, H]
         logp = F.log_softmax(head.logits(gm), -1)  # [N, V']
         ce = -(b.label_p[m] * logp.gather(-1, b.label_idx[m])).sum(-1).mean()
-        reg = F.smooth_l1_loss(gm, feat_next[m])
+        reg = F.smooth_l1_loss(gm, feat_next[m]) if feat_w else 0.0
         top1 = (logp.argmax(-1) == b.label_idx[m][:, 0]).sum()
-        res.append((ce + FEAT_W * reg, int(top1), int(m.sum())))
+        res.append((ce + feat_w * reg, int(top1), int(m.sum())))
     return res
 
 
 @torch.no_grad()
-def evaluate(head: EagleHead, batches: list[Batch], depth: int) -> list[float]:
+def evaluate(head: EagleHead, batches: list[Batch], depth: int, losses: Callable = _losses) -> list[float]:
     """Top-1 agreement with the target per depth (conditional on the earlier depths being right
-    only in that the inputs are the teacher-forced tokens)."""
+    only in that the inputs are the teacher-forced tokens). ``losses``: :func:`_losses` or a
+    variant of it (same signature)."""
     head.eval()
     hit, tot = [0] * depth, [0] * depth
     for b in batches:
-        for s, (_, h, n) in enumerate(_losses(head, b, depth)):
+        for s, (_, h, n) in enumerate(losses(head, b, depth)):
             hit[s] += h
             tot[s] += n
     head.train()
@@ -174,11 +180,12 @@ def load_checkpoint(path: Path, device="cpu"):
 
 
 def train(head: EagleHead, train_b: list[Batch], val_b: list[Batch], cfg: TrainConfig, work: Path,
-          should_stop: Callable[[], bool] | None, log) -> dict:
+          should_stop: Callable[[], bool] | None, log, losses: Callable = _losses) -> dict:
     """Train (resuming from ``work/ckpt.pt``); keeps ``work/best.pt`` (best validation depth-1
     agreement) and ``work/curve.json`` ([{tokens, step, val: [per depth]}]). ``should_stop()`` is
     asked before every step (a time budget); stopping writes a checkpoint. Deterministic: a run
-    stopped and resumed ends with the same weights as one that never stopped."""
+    stopped and resumed ends with the same weights as one that never stopped. ``losses``: see
+    :func:`evaluate`."""
     torch.manual_seed(cfg.seed)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -189,7 +196,7 @@ def train(head: EagleHead, train_b: list[Batch], val_b: list[Batch], cfg: TrainC
     ck, best_p, curve_p = work / "ckpt.pt", work / "best.pt", work / "curve.json"
     state = {"step": 0, "tokens": 0, "best": -1.0, "curve": []}
     if ck.exists():
-        saved = load_checkpoint(ck, head.embed.device)
+        saved = load_checkpoint(ck, next(head.parameters()).device)
         head.load_state_dict(saved["head"], strict=False)
         opt.load_state_dict(saved["opt"])
         sched.load_state_dict(saved["sched"])
@@ -204,7 +211,7 @@ def train(head: EagleHead, train_b: list[Batch], val_b: list[Batch], cfg: TrainC
                    "state": state})
 
     def validate():
-        val = evaluate(head, val_b, cfg.depth)
+        val = evaluate(head, val_b, cfg.depth, losses)
         state["curve"].append({"step": state["step"], "tokens": state["tokens"], "val": val})
         curve_p.write_text(json.dumps(state["curve"], indent=1))
         if val[0] > state["best"]:
@@ -220,8 +227,7 @@ def train(head: EagleHead, train_b: list[Batch], val_b: list[Batch], cfg: TrainC
             break
         i = state["step"]
         b = train_b[orders[i // steps_per_epoch][i % steps_per_epoch]]
-        losses = _losses(head, b, cfg.depth)
-        loss = sum(DEPTH_W[s] * l for s, (l, _, _) in enumerate(losses))
+        loss = sum(DEPTH_W[s] * l for s, (l, _, _) in enumerate(losses(head, b, cfg.depth)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from export.draft import data as D
@@ -83,69 +83,32 @@ class LayersHead(nn.Module):
         return self.fuse(x)  # [..., 3H] -> [..., H]
 
 
-def losses(model, b: T.Batch, depth: int, variant: str):
-    """`export.draft.train._losses` for the three variants."""
-    H = b.feats.shape[-1] // 3
-    h = b.feats[..., 2 * H:]
-    head = model.head if variant == "layers" else model
-    f = model.features(b.feats) if variant == "layers" else h
-    outs = head.unrolled(b.tokens, f, depth)
-    h_next = torch.cat([h[:, 1:], torch.zeros_like(h[:, :1])], 1)
-    j = torch.arange(h.shape[1])
-    res = []
-    for s, g in enumerate(outs, start=1):
-        m = b.loss_mask & (j >= s - 1)[None, :]
-        gm = g[m]
-        logp = F.log_softmax(head.logits(gm), -1)
-        ce = -(b.label_p[m] * logp.gather(-1, b.label_idx[m])).sum(-1).mean()
-        reg = F.smooth_l1_loss(gm, h_next[m]) if variant == "last" else 0.0
-        top1 = (logp.argmax(-1) == b.label_idx[m][:, 0]).sum()
-        res.append((ce + T.FEAT_W * reg, int(top1), int(m.sum())))
-    return res
+def variant_losses(variant: str):
+    """``export.draft.train._losses`` for a variant, on features [.., 3H] = [low, mid, h]."""
+    def last(f):
+        return f[..., 2 * (f.shape[-1] // 3):]  # h, what the shipped head reads
 
-
-@torch.no_grad()
-def agreement(model, batches, depth, variant):
-    model.eval()
-    hit, tot = np.zeros(depth), np.zeros(depth)
-    for b in batches:
-        for s, (_, h, n) in enumerate(losses(model, b, depth, variant)):
-            hit[s] += h
-            tot[s] += n
-    model.train()
-    return (hit / np.maximum(tot, 1)).round(4).tolist()
+    if variant == "layers":  # the fused layers replace h at depth 1; no regression
+        return lambda model, b, depth: T._losses(model.head, b, depth, inputs=model.features, feat_w=0.0)
+    feat_w = T.FEAT_W if variant == "last" else 0.0
+    return lambda model, b, depth: T._losses(model, b, depth, inputs=last, target=last, feat_w=feat_w)
 
 
 def run_variant(variant, make_head, train_b, evals, cfg, log):
+    """One training run (``export.draft.train.train``, in a scratch folder), then agreement on
+    every evaluation set."""
     torch.manual_seed(cfg.seed)
     model = make_head()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    total = int(cfg.epochs * len(train_b))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / cfg.warmup) * 0.5 * (
-        1 + np.cos(np.pi * min(i, total) / total)) * 0.95 + 0.05)
-    rng = np.random.default_rng(cfg.seed)
-    order = np.concatenate([rng.permutation(len(train_b)) for _ in range(int(np.ceil(cfg.epochs)))])
-    t0, curve, tokens = time.monotonic(), [], 0
-    for step in range(total):
-        b = train_b[order[step]]
-        ls = losses(model, b, cfg.depth, variant)
-        loss = sum(T.DEPTH_W[s] * l for s, (l, _, _) in enumerate(ls))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        tokens += b.n_tokens
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == total:
-            val = agreement(model, evals["val"], cfg.depth, variant)
-            curve.append({"step": step + 1, "tokens": tokens, "val": val})
-            log(f"{variant}: step {step + 1}/{total}, loss {loss.item():.3f}, val {val}, "
-                f"{time.monotonic() - t0:.0f} s")
-    out = {"train_s": round(time.monotonic() - t0, 1), "curve": curve,
-           "params": sum(p.numel() for p in params)}
+    losses = variant_losses(variant)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as work:
+        summary = T.train(model, train_b, evals["val"], cfg, Path(work), None,
+                          lambda msg: log(f"{variant}: {msg}"), losses=losses)
+    out = {"train_s": round(time.monotonic() - t0, 1),
+           "curve": [{**c, "val": np.round(c["val"], 4).tolist()} for c in summary["curve"]],
+           "params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     for name, bs in evals.items():
-        out[name] = agreement(model, bs, cfg.depth, variant)
+        out[name] = np.round(T.evaluate(model, bs, cfg.depth, losses), 4).tolist()
     return out
 
 
