@@ -107,18 +107,26 @@ class _ModelUser:
         self.max_length = model.max_length
 
     def _session(self, ctx: RequestContext) -> SyncedSession:
-        # a seeded sampled request computes its prompt itself: cached KV equals a fresh prefill
-        # only to float rounding (another call shape), which can move a sampled token, and its
-        # output must depend on its seed alone (greedy output does not move: tested)
+        # a seeded sampled request's output must depend on its seed alone (greedy output does
+        # not move: tested), so its logits must not depend on the calls it shares: it computes
+        # its prompt itself (cached KV equals a fresh prefill only to float rounding, another
+        # call shape), and its lone queries take attention's several-query path, as they do in
+        # a batched call beside a row of several positions (a backend session's ``lone_twice``:
+        # ~1e-6 apart in float32, amplified to ~0.5 in the logits by int8 activations)
         seeded = ctx.params.seed is not None and not ctx.params.greedy
-        return ctx.state(self, lambda: self._start(ctx.tokens, cached=not seeded))
+        return ctx.state(self, lambda: self._start(ctx.tokens, cached=not seeded, same_path=seeded))
 
-    def _start(self, tokens: np.ndarray, cached: bool = True) -> SyncedSession:
+    def _start(self, tokens: np.ndarray, cached: bool = True, same_path: bool = False) -> SyncedSession:
         """A model with a prefix cache (``caches_prefixes``) starts from what it holds of
-        ``tokens`` (unless ``cached=False``); any other starts empty."""
+        ``tokens`` (unless ``cached=False``); any other starts empty. ``same_path``: a lone
+        query goes by the path of a batch's rows (backends with ``lone_twice``)."""
         if cached and getattr(self.model, "caches_prefixes", False):
-            return SyncedSession(self.model.start(tokens), self.model.max_length, tokens)
-        return SyncedSession(self.model.start(), self.model.max_length)
+            s = SyncedSession(self.model.start(tokens), self.model.max_length, tokens)
+        else:
+            s = SyncedSession(self.model.start(), self.model.max_length)
+        if same_path and hasattr(s.session, "lone_twice") and getattr(self.model, "ragged", False):
+            s.session.lone_twice = True
+        return s
 
     def release(self, ctx: RequestContext) -> None:
         s = ctx.pop_state(self)

@@ -50,6 +50,61 @@ def test_a_batched_step_gives_every_row_its_solo_logits(tiny_llama):
     asyncio.run(main())
 
 
+def test_a_lone_query_sent_twice_is_bit_for_bit_the_same_alone_and_batched(tiny_llama):
+    """A session whose lone query goes to attention twice (``lone_twice``: what a seeded
+    sampled request's sessions do) gets the same logits alone as in a batched call beside a row
+    of two new positions (a request catching up after a partial acceptance), whose width sends
+    every row by the several-query path. Int8 activations amplify the paths' difference (~0.5
+    in the real int8 draft's logits), and a seeded request would draw other tokens."""
+    model = OrtModel(tiny_llama / "draft-q4", max_length=64, slots=4)
+    assert not model.lone_twice  # a draft's own rule: a lone query once (cheaper in batches)
+    prompts = [np.array(p, dtype=np.int64) for p in ([5, 6, 7, 8, 9], [10, 11, 12], [3, 4, 5, 6, 7, 8, 9, 10])]
+
+    async def main():
+        sessions = [model.start() for _ in prompts]
+        for s, p in zip(sessions, prompts):
+            s.lone_twice = True
+            await s.extend(p, 1)
+        feeds = [np.array(f, dtype=np.int64) for f in ([20], [21, 30], [22])]
+        pasts = [s.length for s in sessions]
+        batched = model.run_rows_sync(sessions, feeds, [1, 1, 1])  # [[1, V]] x 3
+        for j, s in enumerate(sessions):
+            s.rollback(pasts[j])
+            alone = await s.extend(feeds[j], 1)  # [1, V]: rows 0 and 2 are plain single-token steps
+            np.testing.assert_array_equal(batched[j][0], alone[0])
+
+    asyncio.run(main())
+
+
+def test_a_seeded_sampled_request_sends_its_lone_queries_twice(tiny_llama):
+    from specdec_rt.adapters import ModelDrafter
+    from specdec_rt.context import RequestContext
+    from specdec_rt.sampling import SamplingParams
+
+    drafter = ModelDrafter(OrtModel(tiny_llama / "draft-q4", max_length=64, slots=3))
+    for params, twice in ((SamplingParams(0.8, seed=3), True), (SamplingParams(0.8), False),
+                          (SamplingParams(0.0, seed=3), False)):
+        ctx = RequestContext([1, 2, 3], 4, params=params)
+        assert drafter._session(ctx).session.lone_twice is twice
+        drafter.release(ctx)
+
+
+def test_seeded_sampled_requests_are_the_same_alone_and_in_a_batch(tiny_llama):
+    """docs/architecture.md: a seeded request's output depends only on its seed, never on the
+    requests beside it (its schedule ignores the load; its draft and target logits are the
+    same in a batch)."""
+    async def main():
+        async with await Engine.load(tiny_llama, draft="ngram+q4", slots=8) as engine:
+            kws = [dict(temperature=t, seed=s, top_k=k) for t, s, k in
+                   ((0.8, 7, None), (1.0, 1, 3), (0.7, 5, None), (1.2, 11, 5))]
+            solo = [(await engine.generate(p, 24, **kw)).token_ids for p, kw in zip(PROMPTS, kws)]
+            for _ in range(2):
+                together = await asyncio.gather(*(engine.generate(p, 24, **kw) for p, kw in zip(PROMPTS, kws)))
+                assert [r.token_ids for r in together] == solo
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("draft", ["q4", "ngram+q4"])
 def test_concurrent_requests_equal_their_solo_runs_and_really_batch(tiny_llama, draft):
     async def main():

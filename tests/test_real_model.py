@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
@@ -49,6 +50,20 @@ def test_chat_answer_is_sensible_and_sampling_reproducible(default_model):
             kw = dict(max_new_tokens=32, temperature=0.8, top_p=0.95, seed=1234)
             a, b = await engine.generate(PROMPTS[1], **kw), await engine.generate(PROMPTS[1], **kw)
             assert a.token_ids == b.token_ids and a.stats.drafted > 0
+
+    anyio.run(main)
+
+
+def test_seeded_sampling_is_the_same_beside_other_requests(default_model):
+    """A seeded sampled request gives the same tokens alone and batched with others (its draft's
+    logits must not depend on the batch: the int8 draft's lone query takes the batched path)."""
+    async def main():
+        async with await Engine.load(default_model) as engine:
+            kws = [dict(temperature=0.8, seed=7), dict(temperature=0.8, seed=1), dict(temperature=0.7, top_p=0.9, seed=5)]
+            prompts = ["Once upon a time", "def fib(n):", PROMPTS[1]]
+            solo = [(await engine.generate(p, 32, **kw)).token_ids for p, kw in zip(prompts, kws)]
+            together = await asyncio.gather(*(engine.generate(p, 32, **kw) for p, kw in zip(prompts, kws)))
+            assert [r.token_ids for r in together] == solo
 
     anyio.run(main)
 

@@ -232,7 +232,9 @@ class OrtModel(LanguageModel):
         order = np.argsort(at, kind="stable")  # feeds in slot order, as the packing lays them out
         feed = np.concatenate([np.asarray(feeds[i], dtype=np.int64) for i in order])[None]  # [1, N]
         positions = np.concatenate([past[r] + np.arange(news[r]) for r in range(rows)])[None]  # [1, N]
-        layout = _packed_layout(news, self.lone_twice)
+        twice = np.zeros(rows, dtype=bool)  # [rows] which rows' lone query goes twice
+        twice[at] = [getattr(s, "lone_twice", self.lone_twice) for s in sessions]
+        layout = _packed_layout(news, twice)
         seqlens = np.maximum(past + layout[0] - 1, 0)  # [rows] a row feeding nothing: untouched
         logits = self._run_rows(lo, feed, positions, seqlens, index, f"{len(sessions)} rows, {feed.shape[1]} positions",
                                 layout)[0]  # [R, V]

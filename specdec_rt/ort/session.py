@@ -37,6 +37,9 @@ class OrtSession(CachedStart, CacheSession):
         self._logits_at = 2 * m.num_layers  # outputs come back in binding order: KV first
         self._hidden_at: int | None = None  # hidden_states, bound on first request
         self._pos = np.arange(model.max_length, dtype=np.int64)  # [max_len] positions to slice from
+        # a lone query goes to attention twice, by the path of a batch's or a verify's rows: the
+        # model's rule (quantized targets), or one request's (a seeded sampled one: adapters)
+        self.lone_twice = model.lone_twice
         self._buffers: _StepBuffers | None = None  # a plain step's inputs and logits, bound once
         self._step_bound = False  # ... and bound now (a call of another shape re-binds)
 
@@ -98,7 +101,7 @@ class OrtSession(CachedStart, CacheSession):
         self._step_bound = False  # the inputs below replace the plain step's
         names, io = self._names, self._io
         io.bind_cpu_input(names["input_ids"], ids[None, :])  # [1, S]
-        layout = _packed_layout(np.array([s]), self.model.lone_twice) if self.model.ragged else None
+        layout = _packed_layout(np.array([s]), self.lone_twice) if self.model.ragged else None
         q = int(layout[0][0]) if layout is not None else s  # query rows attention computes (see OrtModel)
         positions, bias = tree_feeds(tree, n, q) if tree is not None else (self._pos[None, n : n + s], None)
         if names.get("position_ids"):
@@ -149,7 +152,7 @@ class OrtSession(CachedStart, CacheSession):
         aside) and creates no output objects."""
         b, io, names = self._buffers, self._io, self._names
         if b is None:
-            b = self._buffers = _StepBuffers(self.model)
+            b = self._buffers = _StepBuffers(self.model, self.lone_twice)
         b.ids[0, 0], b.positions[0, 0], b.seqlens[0], b.total[()] = token, n, n + b.q - 1, n + b.q
         if not self._step_bound:
             for name, value in b.inputs:
@@ -204,7 +207,7 @@ class _StepBuffers:
     total length, the logits index (0), a packed graph's layout of one row (constant), the
     attention bias (zeros; sliced to the call's width) and the logits ``[1, 1, V]``."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, lone_twice: bool) -> None:
         from onnxruntime import OrtValue
 
         self.ids = np.zeros((1, 1), dtype=np.int64)  # [1, 1]
@@ -212,7 +215,7 @@ class _StepBuffers:
         self.seqlens = np.zeros(1, dtype=np.int32)  # [1]
         self.total = np.zeros((), dtype=np.int32)  # scalar
         self.index = np.zeros(1, dtype=np.int64)  # [1]
-        self.layout = _packed_layout(np.array([1]), model.lone_twice) if model.ragged else None
+        self.layout = _packed_layout(np.array([1]), lone_twice) if model.ragged else None
         self.q = int(self.layout[0][0]) if self.layout is not None else 1  # query rows attention computes
         # zeros (causal order alone); a contiguous prefix of it is each call's [1, 1, q, n + q]
         self.bias = np.zeros(self.q * (model.max_length + self.q), dtype=np.float32) if model.biased else None

@@ -75,11 +75,11 @@ def compact_rows(buffers, slot: int, past: int, keep) -> None:
         array[slot, :, dst] = array[slot, :, src]  # fancy index: a copy, then the write
 
 
-def packed_layout(news: np.ndarray, lone_twice: bool = False) -> tuple[np.ndarray, ...]:
+def packed_layout(news: np.ndarray, lone_twice: bool | np.ndarray = False) -> tuple[np.ndarray, ...]:
     """The inputs that lay packed positions out as rows for attention, for ``news`` ``[B]`` new
     positions per row: ``(query_seqlens [B], pad_index [B*S], pack_index [N], padded_shape [3])``
-    with S the longest row; padding points at position 0 (attention ignores it). ``lone_twice``:
-    a row of one position goes to attention as two copies of it (``query_seqlens`` 2; see
+    with S the longest row; padding points at position 0 (attention ignores it). ``lone_twice``
+    (for every row, or ``[B]`` per row): a row of one position goes to attention as two copies of it (``query_seqlens`` 2; see
     :class:`~specdec_rt.ort.model.OrtModel`), so a caller's ``seqlens_k`` is ``past + query_seqlens - 1``."""
     queries = np.where((news == 1) & lone_twice, 2, news)  # [B] query rows attention computes
     rows, width = news.size, max(1, int(queries.max()))
