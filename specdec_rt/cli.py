@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     _model_args(gen)
     gen.add_argument("--prompt", required=True, help="the prompt text (a user message with --chat)")
     gen.add_argument("--chat", action="store_true", help="render the prompt with the chat template")
-    gen.add_argument("--mode", choices=["spec", "ar"], default="spec")
+    gen.add_argument("--mode", choices=["spec", "ar"], default=None,
+                     help="speculative or plain decoding (default: spec; ar with --draft none)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=None)
@@ -132,6 +133,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 async def _generate(args) -> int:
+    if args.mode is None:
+        args.mode = "ar" if args.draft == "none" else "spec"
+    elif args.mode == "spec" and args.draft == "none":
+        raise InvalidInputError("--mode spec needs a draft: drop --draft none, or use --mode ar")
     draft = "none" if args.mode == "ar" and args.draft is None else None
     engine = await load_engine(args, draft)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt

@@ -66,7 +66,12 @@ def make_drafter(m, spec: str, opts: dict) -> tuple[DraftInferrer | None, str | 
     combined = spec.startswith("ngram+")
     model_spec = spec[len("ngram+"):] if combined else spec
     path = Path(model_spec).expanduser()
-    draft_dir = path if (path / "manifest.json").is_file() else m.draft_dir(model_spec)
+    if (path / "manifest.json").is_file():
+        draft_dir = path
+    elif any(c in model_spec for c in "/\\") or model_spec.startswith(("~", ".")):  # meant as a folder
+        raise ModelLoadError(f"{path}: not a draft folder (no manifest.json in it); build one with python -m export")
+    else:
+        draft_dir = m.draft_dir(model_spec)
     dm = load_manifest(draft_dir)
     model = model_drafter(m, dm, **opts)
     if combined:

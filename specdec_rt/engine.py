@@ -20,7 +20,7 @@ import anyio
 
 from .acceptance import SpecConfig
 from .batching import BatchExecutor
-from .errors import EngineClosedError, InvalidInputError, SpecDecError
+from .errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from .drafting import engine_models, make_drafter, resolve_draft_spec
 from .ort import OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
 from .prefix_cache import DEFAULT_BUDGET_BYTES
@@ -172,6 +172,7 @@ class Engine:
     @classmethod
     def _load(cls, name_or_path, draft, max_length, threads, provider, slots, spec_config,
               prefix_cache=True, prefix_cache_bytes=DEFAULT_BUDGET_BYTES) -> "Engine":
+        _check_load_args(name_or_path, draft, max_length, threads, spec_config)
         if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
             raise InvalidInputError(f"slots must be an integer in 1..{MAX_SLOTS}, got {slots!r}")
         if not isinstance(prefix_cache, bool):
@@ -260,7 +261,10 @@ class Engine:
             raise InvalidInputError("prompt encodes to no tokens: give some text")
         limit = self.scheduler.max_length or len(ids) + max_new_tokens
         if truncate_prompt and len(ids) + max_new_tokens > limit:
-            ids = ids[-max(1, limit - max_new_tokens):]
+            if max_new_tokens >= limit:  # no prompt token would be left
+                raise ContextLengthError(f"max_new_tokens={max_new_tokens} leaves no room for the prompt in the "
+                                         f"model's maximum length of {limit} tokens", len(ids), limit)
+            ids = ids[-(limit - max_new_tokens):]
         return self.scheduler.stream(ids, max_new_tokens, params, mode=mode)  # validates the rest
 
     async def _produce(self, ready: "_Ready", prompt, max_new_tokens, params, mode, stops: list[str],
@@ -349,6 +353,19 @@ class Engine:
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+
+def _check_load_args(name_or_path, draft, max_length, threads, spec_config) -> None:
+    """Engine.load's arguments of the wrong type or range, named (before any file is read)."""
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
+        raise InvalidInputError(f"name_or_path must be a recipe name or a folder, got {brief_repr(name_or_path)}")
+    if draft is not None and not isinstance(draft, (str, os.PathLike)):
+        raise InvalidInputError(f"draft must be None, a draft spec or a folder, got {brief_repr(draft)}")
+    for name, value, least in (("max_length", max_length, 2), ("threads", threads, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise InvalidInputError(f"{name} must be None or an integer >= {least}, got {brief_repr(value)}")
+    if spec_config is not None and not isinstance(spec_config, SpecConfig):
+        raise InvalidInputError(f"spec_config must be a SpecConfig or None, got {brief_repr(spec_config)}")
 
 
 class EngineStream:

@@ -328,3 +328,7 @@ def test_cli_generate_json(tiny_llama):
     assert ar["token_ids"] == doc["token_ids"] and ar["stats"]["mode"] == "ar"
     bad = subprocess.run(cmd[:-1] + ["--temperature", "-2"], capture_output=True, text=True)
     assert bad.returncode == 1 and "temperature" in bad.stderr and bad.stdout == ""
+    plain = json.loads(subprocess.run(cmd + ["--draft", "none"], capture_output=True, text=True, check=True).stdout)
+    assert plain["token_ids"] == doc["token_ids"] and plain["stats"]["mode"] == "ar"  # no draft: plain decoding
+    bad = subprocess.run(cmd + ["--draft", "none", "--mode", "spec"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "--mode ar" in bad.stderr and bad.stdout == ""

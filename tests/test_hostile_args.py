@@ -258,9 +258,10 @@ def test_huge_numbers(tiny_llama):
 
     async def main():
         async with await _engine(tiny_llama) as engine:
-            for truncate in (False, True):
+            for truncate, msg in ((False, "^prompt of .* max_new_tokens=10{30}"),
+                                  (True, "^max_new_tokens=10{30} leaves no room for the prompt")):
                 async with engine.stream("hi", max_new_tokens=10**30, truncate_prompt=truncate) as s:
-                    with pytest.raises(ContextLengthError, match="^prompt of .* max_new_tokens=10{30}"):
+                    with pytest.raises(ContextLengthError, match=msg):
                         await s.ready()
             a = await engine.generate(PROMPT, max_new_tokens=6, temperature=0.9, top_k=10**30, seed=2**80)
             b = await engine.generate(PROMPT, max_new_tokens=6, temperature=0.9, seed=2**80)
@@ -268,3 +269,26 @@ def test_huge_numbers(tiny_llama):
             _assert_idle(engine)
 
     anyio.run(main)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(max_length="abc"), "max_length"), (dict(max_length=2.5), "max_length"), (dict(max_length=0), "max_length"),
+    (dict(threads="x"), "threads"), (dict(threads=0), "threads"), (dict(threads=-1), "threads"),
+    (dict(threads=True), "threads"), (dict(spec_config="x"), "spec_config"), (dict(draft=3), "draft"),
+])
+def test_engine_load_names_a_bad_argument(tiny_llama, kwargs, field):
+    with pytest.raises(InvalidInputError, match=f"^{field} must be"):
+        anyio.run(lambda: Engine.load(tiny_llama, warmup=False, **kwargs))
+
+
+@pytest.mark.parametrize("where", [None, 123])
+def test_engine_load_names_a_bad_model_argument(where):
+    with pytest.raises(InvalidInputError, match="^name_or_path must be"):
+        anyio.run(lambda: Engine.load(where))
+
+
+def test_a_draft_folder_without_a_manifest_says_so(tiny_llama, tmp_path):
+    from specdec_rt.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="not a draft folder \\(no manifest.json"):
+        anyio.run(lambda: Engine.load(tiny_llama, draft=str(tmp_path), warmup=False))

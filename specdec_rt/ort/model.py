@@ -58,8 +58,10 @@ class OrtModel(LanguageModel):
         self.name = m.name
         self.vocab_size = m.vocab_size
         self.max_length = min(max_length or DEFAULT_MAX_LENGTH, m.max_positions)
-        if self.max_length < 2 or slots < 1:
-            raise ModelLoadError(f"max_length={max_length!r} and slots={slots!r} must be >= 2 and >= 1")
+        if self.max_length < 2:
+            raise ModelLoadError(f"max_length must be >= 2, got {max_length!r}")
+        if slots < 1:
+            raise ModelLoadError(f"slots must be >= 1, got {slots!r}")
         so = ort.SessionOptions()
         self.threads = _configure_threads(so, threads or default_threads(), alone)
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
