@@ -233,6 +233,10 @@ def test_http_edges_deep_json_405_allow_model_route_and_default_token_cap(tiny_l
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000})  # asked: 400
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
             assert "max_tokens=1000" in r.json()["error"]["message"]
+            r = await c.get("/metrics")  # Prometheus text 0.0.4 unless the scraper asks for more
+            assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+            r = await c.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+            assert r.headers["content-type"].startswith("application/openmetrics-text") and r.text.endswith("# EOF\n")
     run(check, tiny_llama, max_length=64)
 
 

@@ -18,7 +18,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .jobs import completions, error_response
-from .metrics import CONTENT_TYPE_LATEST
 from .protocol import APIError, error_body, models_body
 from .state import Serving
 
@@ -74,7 +73,8 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
                             status_code=200 if serving.state == "ready" else 503)
 
     async def metrics(request: Request) -> Response:
-        return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        body, content_type = serving.metrics.render(request.headers.get("accept"))
+        return Response(body, headers={"content-type": content_type})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

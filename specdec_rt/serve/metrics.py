@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
 
-__all__ = ["Metrics", "CONTENT_TYPE_LATEST"]
+__all__ = ["Metrics"]
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -81,5 +81,8 @@ class Metrics:
         self.draft_tokens.inc(stats.drafted)
         self.accepted_tokens.inc(stats.accepted)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """(body, content type) in the format the scraper's ``Accept`` header asks for:
+        Prometheus text 0.0.4 by default (what every Prometheus reads), OpenMetrics on request."""
+        encode, content_type = choose_encoder(accept or "")
+        return encode(self.registry), content_type
