@@ -6,9 +6,10 @@ from __future__ import annotations
 from .errors import InvalidInputError
 from .sampling import brief_repr
 
-__all__ = ["MAX_STOP_STRINGS", "check_stop", "check_prompt_size", "find_stop", "stop_prefix_len"]
+__all__ = ["MAX_STOP_STRINGS", "MAX_STOP_CHARS", "check_stop", "check_prompt_size", "find_stop", "stop_prefix_len"]
 
 MAX_STOP_STRINGS = 64  # each event searches for every stop string (OpenAI allows 4)
+MAX_STOP_CHARS = 256  # per stop string: a stream holds back up to this much text (stop_prefix_len)
 
 
 def check_stop(stop) -> list[str]:
@@ -21,6 +22,8 @@ def check_stop(stop) -> list[str]:
     if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s for s in stops):
         raise InvalidInputError(f"stop must be a non-empty string or a list of them, got {brief_repr(stop)}")
     for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidInputError(f"stop[{i}] has {len(s)} characters, more than {MAX_STOP_CHARS}")
         try:
             s.encode("utf-8")
         except UnicodeEncodeError:
@@ -64,6 +67,15 @@ def find_stop(text: str, stops: list[str], new_from: int) -> int | None:
 def stop_prefix_len(text: str, stops: list[str], since: int = 0) -> int:
     """Length of the longest tail of ``text[since:]`` that is the start of a stop string (not a
     whole one): text a stream must hold back, since the next tokens may complete the stop."""
-    room = len(text) - since
-    return max((k for s in stops for k in range(min(len(s) - 1, room), 0, -1)
-                if text.endswith(s[:k])), default=0)
+    room, best = len(text) - since, 0
+    if room <= 0:
+        return 0
+    last = text[-1]
+    for s in stops:  # the candidates k are where s[k - 1] is the text's last character, longest first
+        k = min(len(s) - 1, room)
+        while k > best:
+            k = s.rfind(last, 0, k) + 1
+            if k > best and text.endswith(s[:k]):
+                best = k
+            k -= 1
+    return best

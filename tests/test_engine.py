@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -166,6 +167,14 @@ def test_stop_prefix_len_holds_back_only_what_may_start_a_stop():
     assert stop_prefix_len("xyz", ["\n\n"]) == 0
     assert stop_prefix_len("ab\n", ["\n\n", "q"]) == 1
     assert stop_prefix_len("ab\n", ["\n\n"], since=3) == 0  # only text not yet shown
+    rng = random.Random(0)
+    for _ in range(3000):  # the same as the definition, on random strings of a tiny alphabet
+        text = "".join(rng.choice("ab\n") for _ in range(rng.randint(0, 12)))
+        stops = ["".join(rng.choice("ab\n") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        since = rng.randint(0, len(text))
+        want = max((k for st in stops for k in range(1, min(len(st) - 1, len(text) - since) + 1)
+                    if text.endswith(st[:k])), default=0)
+        assert stop_prefix_len(text, stops, since) == want, (text, stops, since)
 
 
 def test_prompt_too_long_fails_before_any_work(tiny_llama):

@@ -15,6 +15,7 @@ import pytest
 from specdec_rt import InvalidInputError, SpecConfig
 from specdec_rt.drafting import engine_models as _models
 from specdec_rt.engine import MAX_STOP_STRINGS, Engine
+from specdec_rt.request_checks import MAX_STOP_CHARS
 from specdec_rt.sampling import MIN_TEMPERATURE, SamplingParams, sample, warp
 
 PROMPT = "def add(a, b):"
@@ -153,7 +154,7 @@ CHEAP = [
       (None, True, 5, ["spec"], {"a": 1}, "SPEC", "", float("nan"), np.array(["spec", "ar"]))],
     *[("stop", v, "stop") for v in
       (5, True, 1.5, {"a": 1}, {"a"}, b"x", [5], ["a", None], [""], "", [["a"]], float("nan"),
-       [SURROGATE], "ok" + SURROGATE, ["x"] * (MAX_STOP_STRINGS + 1))],
+       [SURROGATE], "ok" + SURROGATE, ["x"] * (MAX_STOP_STRINGS + 1), ["ok", "y" * (MAX_STOP_CHARS + 1)])],
     *[("truncate_prompt", v, "truncate_prompt") for v in (None, 1, 0, "yes", [True], {"a": 1}, float("nan"))],
     *[("prompt", v, "prompt") for v in (None, True, 5, 1.5, b"x", {"role": "user", "content": "hi"}, np.array(["hi"]))],
     # values that are costly or impossible to print: the message describes them briefly
