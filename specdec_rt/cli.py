@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             return anyio.run(run_demo, args)
         if args.command == "serve":
             return run_serve(args)
-        if args.llama_cpp and (args.prefix_cache or args.concurrency):
-            raise InvalidInputError("--llama-cpp goes with the side-by-side bench, not --concurrency / --prefix-cache")
+        from .bench.args import check_bench_args
+
+        check_bench_args(args)  # before any model is loaded: a bad flag costs nothing
         if args.prefix_cache:
             from .bench.prefix import run_prefix
 

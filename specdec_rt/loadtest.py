@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import json
 import math
 import os
 import shlex
@@ -27,12 +26,12 @@ import socket
 import subprocess
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .errors import SpecDecError
+from .errors import InvalidInputError, SpecDecError
 from .loading import DEFAULT_MODEL, ensure_built
+from .prompt_files import read_prompt_file
 from .reports import write_report
 from .loadtest_report import OK, REJECTED, RequestSample, format_markdown, format_table, plot, speedups, summarize_phase
 from .sse_client import SSEEvent, SSEParser, interpret, one_request  # noqa: F401 - the client, re-exported
@@ -79,28 +78,13 @@ def check_loopback(url: str) -> str:
 # ----------------------------------------------------------------------------------- SSE parsing
 def read_prompts(path: str | None = None) -> list[list[dict]]:
     """Chat messages per prompt, from the bench's JSONL format (``{"messages": [...]}`` or
-    ``{"prompt": "..."}``, sent as one user message); the built-in bench prompts by default."""
-    if path:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise LoadTestError(f"--prompts {path}: {exc.strerror or exc}") from None
-    else:
-        text = resources.files("specdec_rt").joinpath("data/prompts.jsonl").read_text()
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-            msgs = d["messages"] if "messages" in d else [{"role": "user", "content": str(d["prompt"])}]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise LoadTestError(f"{path or 'built-in prompts'}:{n}: need a JSON object with 'prompt' or "
-                                f"'messages' ({exc})") from None
-        out.append(msgs)
-    if not out:
-        raise LoadTestError(f"{path or 'built-in prompts'}: no prompts")
-    return out
+    ``{"prompt": "..."}``, sent as one user message; :func:`~specdec_rt.prompt_files.read_prompt_file`
+    checks it); the built-in bench prompts by default."""
+    try:
+        rows = read_prompt_file(path)
+    except InvalidInputError as exc:
+        raise LoadTestError(f"--prompts {exc}") from None
+    return [r["text"] if isinstance(r["text"], list) else [{"role": "user", "content": r["text"]}] for r in rows]
 
 
 # ----------------------------------------------------------------------------------- one request

@@ -116,3 +116,67 @@ def test_shipped_prompt_sets_load_through_the_bench_reader(name):
     prompts = load_prompts(Codec(), str(path))
     assert len(prompts) == len(lines) >= 8
     assert all("category" in d for d in lines) and all(len(p.ids) >= 5 for p in prompts)
+
+
+BAD_FLAGS = [  # (extra arguments, what the one-line error must say); none of them loads a model
+    (["--repeats", "0"], "--repeats must be >= 1"), (["--limit", "-1"], "--limit must be >= 1"),
+    (["--concurrency", "a,b"], "--concurrency needs positive integers"),
+    (["--concurrency", "0"], "--concurrency needs positive integers"),
+    (["--concurrency", "1", "--prefix-cache"], "two different benchmarks"), (["--cold"], "--cold goes with"),
+    (["--concurrency", "1", "--modes", "ar"], "--modes / --categories / --micro go with"),
+    (["--draft", "none"], "--draft goes with --concurrency"), (["--modes", ""], "--modes must be a comma-separated"),
+    (["--prefix-cache", "--turns", "0"], "--turns must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD_FLAGS)
+def test_bad_bench_flags_fail_at_once_in_one_line(tmp_path, extra, message):
+    proc = subprocess.run([sys.executable, "-m", "specdec_rt", "bench", "--model", str(tmp_path / "no-model"),
+                           "--out", str(tmp_path / "out"), *extra], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_an_out_path_that_is_a_file_fails_before_the_run(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "specdec_rt", "bench", "--model", str(tmp_path / "no-model"),
+                           "--out", str(afile)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "is a file, not a folder" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'["a"]\n', ":1: need a JSON object"), (b'{"prompt": null}\n', ":1: need a JSON object"),
+    (b'{"messages": []}\n', ":1: need a JSON object"), (b'{"messages": "hello"}\n', ":1: need a JSON object"),
+    (b'{"prompt": "ok"}\n{oops\n', ":2: not JSON"), (b"", "no prompts in it"), (b"\xff\xfe\x00bad", "cannot read"),
+])
+def test_a_bad_prompt_file_is_one_line_naming_the_line(tmp_path, content, message):
+    from specdec_rt.bench.concurrency import load_texts
+    from specdec_rt.errors import InvalidInputError
+    from specdec_rt.loadtest import LoadTestError, read_prompts
+    from specdec_rt.prompt_files import read_prompt_file
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content)
+    for read in (lambda: read_prompt_file(str(path)), lambda: load_texts(str(path), None),
+                 lambda: read_prompts(str(path))):  # the bench, --concurrency / --prefix-cache, loadtest
+        with pytest.raises((InvalidInputError, LoadTestError), match=message):
+            read()
+    with pytest.raises(InvalidInputError, match="cannot read"):
+        read_prompt_file(str(tmp_path / "missing.jsonl"))
+
+
+def test_ratios_pair_the_runs_of_one_repeat():
+    """With --repeats 2 every mode's ratio to ``ar`` pairs runs of the same pass: ``ar`` against
+    itself is exactly 1, and a mode twice as fast in each pass is exactly 2 (the first pass
+    slower than the second, as a drifting machine would have it)."""
+    from specdec_rt.bench.report import summarize
+    from specdec_rt.bench.runner import Sample
+
+    samples = []
+    for r, secs in ((0, 2.0), (1, 1.0)):
+        for p in (0, 1):
+            samples += [Sample("ar", p, "chat", [1] * 10, secs, repeat=r),
+                        Sample("spec", p, "chat", [1] * 10, secs / 2, repeat=r)]
+    modes = summarize(samples)["modes"]
+    assert modes["ar"]["speedup_vs_ar"] == 1.0 and modes["spec"]["speedup_vs_ar"] == 2.0
+    assert modes["spec"]["identical_to_ar"] == 1.0

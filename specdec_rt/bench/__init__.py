@@ -20,6 +20,7 @@ import anyio
 
 from ..errors import InvalidInputError
 from ..reports import write_report
+from .args import split_list
 from .micro import memory_bandwidth_gbs, request_memory, step_costs, weight_bytes
 from .report import format_markdown, format_table, plot, plot_acceptance, summarize
 from .runner import HF_MODES, build_our_modes, default_threads, load_prompts, log, machine_info, run_modes
@@ -49,14 +50,15 @@ async def _bench(args) -> int:
     t0 = time.perf_counter()
     ours, ctx = build_our_modes(folder, threads, max_length, getattr(args, "add_draft", None) or ())
     m = ctx["manifest"]
-    log(f"loaded {m.name} and {len(m.drafts)} draft(s) in {time.perf_counter() - t0:.1f} s; {threads} threads")
+    drafts = len(m.drafts) + len(getattr(args, "add_draft", None) or ())
+    log(f"loaded {m.name} and {drafts} draft(s) in {time.perf_counter() - t0:.1f} s; {threads} threads")
     codec = TextCodec.from_manifest(m)
-    cats = set(args.categories.split(",")) if getattr(args, "categories", None) else None
-    prompts = load_prompts(codec, args.prompts, cats, args.limit)
-    if not prompts:
-        raise SystemExit("no prompts to run")
+    cats = set(split_list(args.categories, "--categories") or ()) if isinstance(args.categories, str) else \
+        set(args.categories or ())
+    prompts = load_prompts(codec, args.prompts, cats or None, args.limit)
 
-    wanted = args.modes.split(",") if args.modes else list(ours) + list(HF_MODES)
+    modes_arg = split_list(args.modes, "--modes") if isinstance(args.modes, str) else args.modes
+    wanted = modes_arg or list(ours) + list(HF_MODES)
     unknown = [w for w in wanted if w not in ours and w not in HF_MODES]
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; available: {list(ours) + list(HF_MODES)}")
@@ -106,7 +108,7 @@ async def _bench(args) -> int:
             print(json.dumps(report["micro"], indent=2))
         for k, v in report["skipped"].items():
             print(f"skipped {k}: {v}")
-    log(f"wrote {out / 'bench.json'}" + (f" and {png}" if png else ""))
+    log(f"wrote {', '.join(str(p) for p in (out / 'bench.json', out / 'bench.md', png, acc_png) if p)}")
     return 0
 
 

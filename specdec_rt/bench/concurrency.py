@@ -17,29 +17,24 @@ and in a batch of the highest level), serves every level.
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
 from ..reports import pyplot, save_figure, write_report
+from .args import parse_levels
+from ..prompt_files import read_prompt_file
 from .runner import log
 
 __all__ = ["run_concurrency"]
 
 
 def load_texts(path: str | None, limit: int | None) -> list:
-    """Prompts as the Engine takes them (text or chat messages); default: general chat."""
-    raw = Path(path).read_text() if path else resources.files("specdec_rt").joinpath(
-        "data/chat_general.jsonl").read_text()
-    out = []
-    for line in raw.splitlines():
-        if line.strip():
-            d = json.loads(line)
-            out.append(d["messages"] if "messages" in d else d["prompt"])
+    """Prompts as the Engine takes them (text or chat messages); default: general chat. A bad
+    file is a one-line error (:func:`~specdec_rt.prompt_files.read_prompt_file`)."""
+    out = [d["text"] for d in read_prompt_file(path, "data/chat_general.jsonl")]
     return out[:limit] if limit else out
 
 
@@ -97,7 +92,7 @@ async def _concurrency(args) -> int:
     from ..engine import Engine
     from ..loading import ensure_built
 
-    levels = sorted({int(x) for x in args.concurrency.split(",")})
+    levels = parse_levels(args.concurrency)
     folder = ensure_built(args.model, say=log)
     prompts = load_texts(args.prompts, args.limit or max(levels))
     n = args.max_new_tokens

@@ -249,8 +249,8 @@ def summarize_llamacpp(samples, codec) -> list[dict]:
     """Medians per llama.cpp mode, and for our ``ar`` / ``spec`` too, per prompt: end-to-end and
     decode-only tokens/s, ours/theirs ratios, and whether the text equals our ``ar`` text (over
     the shorter of the two)."""
-    by = {(s.mode, s.prompt): s for s in samples}
-    ar_text = {p: codec.decode(s.token_ids) for (m, p), s in by.items() if m == "ar"}
+    by = {(s.mode, s.prompt, s.repeat): s for s in samples}  # ratios pair the runs of one pass
+    ar_text = {p: codec.decode(s.token_ids) for (m, p, _), s in by.items() if m == "ar"}
     rows = []
     for mode in dict.fromkeys(s.mode for s in samples):
         if not (mode in ("ar", "spec") or mode.startswith("llamacpp_")):
@@ -260,7 +260,8 @@ def summarize_llamacpp(samples, codec) -> list[dict]:
                "decode_tokens_per_s": statistics.median(_decode_tps(s) for s in xs), "n": len(xs)}
         if mode.startswith("llamacpp_"):
             for ours in ("ar", "spec"):
-                r = [by[ours, s.prompt].tokens_per_s / s.tokens_per_s for s in xs if (ours, s.prompt) in by]
+                r = [by[ours, s.prompt, s.repeat].tokens_per_s / s.tokens_per_s for s in xs
+                     if (ours, s.prompt, s.repeat) in by]
                 row[f"{ours}_vs_this"] = statistics.median(r) if r else None
             same = [_agree(s.extra["text"], ar_text[s.prompt]) for s in xs if s.prompt in ar_text]
             row["same_text_as_ar"] = f"{sum(same)}/{len(same)}" if same else None

@@ -23,12 +23,14 @@ def _q(xs: list[float], q: float) -> float:
 def _mode_summary(samples, by_prompt_ar, by_prompt_hf) -> dict:
     tps = [s.tokens_per_s for s in samples]
     out = {"tokens_per_s": statistics.median(tps), "p25": _q(tps, 0.25), "p75": _q(tps, 0.75), "n": len(samples)}
-    for ref_name, ref in (("ar", by_prompt_ar), ("hf_ar", by_prompt_hf)):
-        ratios = [s.tokens_per_s / ref[s.prompt].tokens_per_s for s in samples if s.prompt in ref]
+    for ref_name, ref in (("ar", by_prompt_ar), ("hf_ar", by_prompt_hf)):  # keyed (prompt, repeat)
+        ratios = [s.tokens_per_s / ref[s.prompt, s.repeat].tokens_per_s for s in samples
+                  if (s.prompt, s.repeat) in ref and ref[s.prompt, s.repeat].tokens_per_s > 0]
         if ratios:
             out[f"speedup_vs_{ref_name}"] = statistics.median(ratios)
     if by_prompt_ar:
-        same = [s.token_ids == by_prompt_ar[s.prompt].token_ids for s in samples if s.prompt in by_prompt_ar]
+        same = [s.token_ids == by_prompt_ar[s.prompt, s.repeat].token_ids for s in samples
+                if (s.prompt, s.repeat) in by_prompt_ar]
         out["identical_to_ar"] = sum(same) / len(same) if same else None
     stats = [s.stats for s in samples if s.stats is not None and s.stats.drafted]
     if stats:
@@ -53,8 +55,8 @@ def summarize(samples) -> dict:
     for s in samples:
         by_mode[s.mode].append(s)
 
-    def index(mode, subset):
-        return {s.prompt: s for s in subset if s.mode == mode}
+    def index(mode, subset):  # a mode's runs by (prompt, repeat): ratios pair runs of one pass
+        return {(s.prompt, s.repeat): s for s in subset if s.mode == mode}
 
     modes = {m: _mode_summary(xs, index("ar", samples), index("hf_ar", samples)) for m, xs in by_mode.items()}
     categories = {}

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
 from ..acceptance import SpecConfig
 from ..drafters import CombinedDrafter, NgramDrafter
 from ..drafting import model_drafter, resolve_draft_spec
+from ..errors import InvalidInputError
 from ..ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
+from ..prompt_files import read_prompt_file
 from ..scheduler import SpecDecScheduler
 from ..text import TextCodec
 from ..types import Stats
@@ -40,6 +40,7 @@ class Sample:
     seconds: float
     stats: Stats | None = None
     extra: dict | None = None  # a runner's own details; ``extra["tokens"]``: the count it made
+    repeat: int = 0  # which pass over the prompts (ratios pair the modes' runs of one pass)
 
     @property
     def tokens_per_s(self) -> float:
@@ -53,26 +54,19 @@ def log(msg: str) -> None:
 
 def load_prompts(codec: TextCodec, path: str | None, categories: set[str] | None = None,
                  limit: int | None = None) -> list[Prompt]:
-    """The built-in prompts, or a JSONL file of ``{"prompt": ...}`` / ``{"messages": [...]}``
-    lines (optional ``"category"``)."""
-    if path:
-        lines = Path(path).read_text().splitlines()
-    else:
-        lines = resources.files("specdec_rt").joinpath("data/prompts.jsonl").read_text().splitlines()
+    """The built-in prompts, or a JSONL file (:func:`read_prompt_file`), encoded; ``categories``
+    keeps those (an unknown one is an error listing the file's)."""
+    rows = read_prompt_file(path)
+    if categories and not categories & {r["category"] for r in rows}:
+        raise InvalidInputError(f"no prompts of categories {sorted(categories)}; the file has "
+                         f"{sorted({r['category'] for r in rows})}")
     out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
+    for r in rows:
+        if categories and r["category"] not in categories:
             continue
-        try:
-            d = json.loads(line)
-            text = d["messages"] if "messages" in d else d["prompt"]
-        except (ValueError, KeyError) as exc:
-            raise SystemExit(f"{path or 'built-in prompts'}:{n}: need a JSON object with 'prompt' or 'messages' ({exc})")
-        cat = d.get("category", "custom")
-        if categories and cat not in categories:
-            continue
+        text = r["text"]
         label = text if isinstance(text, str) else text[-1]["content"]
-        out.append(Prompt(cat, codec.encode_prompt(text), label.replace("\n", " ")[:48]))
+        out.append(Prompt(r["category"], codec.encode_prompt(text), label.replace("\n", " ")[:48]))
     return out[:limit] if limit else out
 
 
@@ -151,7 +145,7 @@ async def run_modes(modes: dict[str, Runner], prompts: list[Prompt], n: int, rep
             shift = (i + r) % len(names)
             for name in names[shift:] + names[:shift]:
                 ids, secs, stats, *extra = await modes[name](p.ids, n)
-                samples.append(Sample(name, i, p.category, ids, secs, stats, extra[0] if extra else None))
+                samples.append(Sample(name, i, p.category, ids, secs, stats, extra[0] if extra else None, r))
                 done += 1
                 log(f"{done}/{total} [{p.category}] {p.label!r:.40} {name}: "
                     f"{samples[-1].tokens_per_s:.1f} tok/s" + (f", acceptance {stats.acceptance_rate:.2f}"
