@@ -112,10 +112,10 @@ def main() -> None:
                 continue
             answers += out
             seq = np.concatenate([ids, out])
-            for k, d in drafts.items():  # the draft's guess at each answer position but the first
+            for k, d in drafts.items():  # the draft's guess at each answer position
                 ds = d.start()
-                logits = ds.run_sync(seq, len(out) - 1, 0)  # [len(out) - 1, V']
-                agree[k] += (np.argmax(logits, -1) == np.array(out[1:])).tolist()
+                logits = ds.run_sync(seq[:-1], len(out), 0)  # [len(out), V']
+                agree[k] += (np.argmax(logits, -1) == np.array(out)).tolist()
                 ds.close()
         answers = np.array(answers)
         for n in sizes:
