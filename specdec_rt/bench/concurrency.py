@@ -83,8 +83,8 @@ async def run_level(engine, prompts: list, n: int, mode: str, c: int) -> dict:
     tokens = sum(len(r["ids"]) for r in rs)
     return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "ids": [r["ids"] for r in rs],
             "ttft_p50": float(np.percentile([r["ttft"] for r in rs], 50)),
-            "itl_p50": float(np.percentile(gaps, 50)) if gaps else 0.0,
-            "itl_p99": float(np.percentile(gaps, 99)) if gaps else 0.0,
+            "itl_p50": float(np.percentile(gaps, 50)) if gaps else None,  # None: one event a request
+            "itl_p99": float(np.percentile(gaps, 99)) if gaps else None,
             "max_stall": max(stalls, default=0.0)}
 
 
@@ -149,7 +149,11 @@ async def _concurrency(args) -> int:
 
 def summarize(runs: dict[str, list[dict]], levels: list[int]) -> list[dict]:
     """Medians per (level, mode) and the ratios the bars name."""
-    med = {k: {f: statistics.median(r[f] for r in v) for f in
+    def median(xs):  # of the runs that measured it (a run of one event a request has no ITL)
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    med = {k: {f: median(r[f] for r in v) for f in
                ("tokens_per_s", "ttft_p50", "itl_p50", "itl_p99", "max_stall")} for k, v in runs.items()}
     solo = runs["0/ar"][0]["ids"]
     rows = []
@@ -158,7 +162,7 @@ def summarize(runs: dict[str, list[dict]], levels: list[int]) -> list[dict]:
             k, m = f"{c}/{mode}", med[f"{c}/{mode}"]
             same = min(sum(a == b for a, b in zip(r["ids"], solo)) for r in runs[k])
             prev = med.get(f"{levels[levels.index(c) - 1]}/{mode}") if c in levels[1:] else None
-            rows.append({"concurrency": c, "mode": mode, **{f: round(v, 4) for f, v in m.items()},
+            rows.append({"concurrency": c, "mode": mode, **{f: None if v is None else round(v, 4) for f, v in m.items()},
                          "vs_sequential_spec": round(m["tokens_per_s"] / med["0/spec"]["tokens_per_s"], 3),
                          "vs_sequential_same": round(m["tokens_per_s"] / med[f"0/{mode}"]["tokens_per_s"], 3),
                          "spec_vs_ar": round(med[f"{c}/spec"]["tokens_per_s"] / med[f"{c}/ar"]["tokens_per_s"], 3),
@@ -174,9 +178,13 @@ def format_markdown(rows: list[dict]) -> str:
     lines = [f"| {'one after another' if r['concurrency'] == 0 else r['concurrency']} | {r['mode']} | "
              f"{r['tokens_per_s']:.1f} | {r['vs_sequential_spec']:.2f}x | {r['vs_sequential_same']:.2f}x | "
              f"{r['spec_vs_ar']:.2f} | {prev[i]} | "
-             f"{r['ttft_p50'] * 1000:.0f} ms | {r['itl_p50'] * 1000:.0f} ms | {r['itl_p99'] * 1000:.0f} ms | "
+             f"{_ms(r['ttft_p50'])} | {_ms(r['itl_p50'])} | {_ms(r['itl_p99'])} | "
              f"{r['max_stall'] * 1000:.0f} ms | {r['identical']} |" for i, r in enumerate(rows)]
     return head + "\n".join(lines) + "\n"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
 def plot(rows: list[dict], path: Path) -> Path | None:
