@@ -11,6 +11,7 @@ vocabulary, applied to a model draft.) Step cost against agreement, side by side
    first N ids a draft index is the token id, so nothing else changes). Needs ``onnx`` (the
    export extra).
 2. One single-token draft step, every copy and the full draft interleaved (``--reps``, medians).
+   ``--int4-head``: also a copy whose LM head is requantized from 8 to 4 bits (whole vocabulary).
 3. The target answers each prompt greedily; the draft reads prompt and answer in one call
    (teacher-forced): the share of answer tokens inside the first N ids (coverage) and the
    draft's top-1 agreement with the target, full head against each reduced head.
@@ -59,6 +60,43 @@ def reduced_copy(src: Path, dst: Path, n: int) -> Path:
     return dst
 
 
+def int4_head_copy(src: Path, dst: Path) -> Path:
+    """``src`` with its 8-bit LM head requantized to 4 bits (block 32, asymmetric; the layers as
+    they are): a cheaper head over the whole vocabulary."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from export.quant import QuantizedWeight, QuantSpec, dequantize, quantize
+
+    m = onnx.load(str(src / "model.onnx"))
+    inits = {t.name: t for t in m.graph.initializer}
+    node = next(n for n in m.graph.node if n.name == "/lm_head/MatMulNBits")
+    attrs = {a.name: a.i for a in node.attribute}
+    packed, scales = (numpy_helper.to_array(inits[k]) for k in ("lm_head.weight_q", "lm_head.scales"))
+    zp = numpy_helper.to_array(inits[node.input[3]]) if len(node.input) > 3 and node.input[3] else None
+    w = dequantize(QuantizedWeight(packed, scales, zp, attrs["K"], attrs["N"]),
+                   QuantSpec(bits=8, symmetric=zp is None))  # [K, N]
+    q = quantize(w, QuantSpec(bits=4))
+    for name, arr in (("lm_head.weight_q", q.packed), ("lm_head.scales", q.scales)):
+        inits[name].CopyFrom(numpy_helper.from_array(arr, name))
+    m.graph.initializer.append(numpy_helper.from_array(q.zero_points, "lm_head.zero_points4"))
+    del node.input[3:]
+    node.input.append("lm_head.zero_points4")
+    for a in node.attribute:
+        if a.name == "bits":
+            a.CopyFrom(helper.make_attribute("bits", 4))
+    dst.mkdir(parents=True)
+    onnx.save(m, str(dst / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("model.onnx", "model.onnx.data", "manifest.json") and not f.name.startswith("."):
+            shutil.copy(f, dst / f.name)
+    man = json.loads((src / "manifest.json").read_text())
+    for k in ("model.onnx", "model.onnx.data"):
+        man.get("files", {}).pop(k, None)
+    (dst / "manifest.json").write_text(json.dumps(man, indent=1))
+    return dst
+
+
 def step_times(models: dict[str, OrtModel], reps: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
     runs = {}
@@ -82,17 +120,20 @@ def main() -> None:
     ap.add_argument("target")
     ap.add_argument("draft", help="a draft name of the target's manifest")
     ap.add_argument("--prompts", required=True, help="JSONL with messages")
-    ap.add_argument("--sizes", default="16384,32768")
+    ap.add_argument("--sizes", default="16384,32768", help="heads cut to the first N ids ('' for none)")
+    ap.add_argument("--int4-head", action="store_true", help="also a copy with its head requantized to 4 bits")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
     folder = ensure_built(a.target)
     tm = load_manifest(folder)
-    sizes = [int(x) for x in a.sizes.split(",")]
+    sizes = [int(x) for x in a.sizes.split(",") if x]
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"full": tm.draft_dir(a.draft)}
         for n in sizes:
             paths[f"first {n}"] = reduced_copy(paths["full"], Path(tmp) / str(n), n)
+        if a.int4_head:
+            paths["int4 head"] = int4_head_copy(paths["full"], Path(tmp) / "int4-head")
         drafts = {k: OrtModel(p, max_length=1024, threads=2) for k, p in paths.items()}
         t = step_times(drafts, a.reps)
         print("draft step: " + ", ".join(f"{k} {v * 1e3:.2f} ms ({v / t['full']:.2f}x)" for k, v in t.items()))
