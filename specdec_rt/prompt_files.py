@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .errors import InvalidInputError
 
-__all__ = ["read_prompt_file"]
+__all__ = ["read_prompt_file", "label"]
 
 
 def read_prompt_file(path: str | None, default: str = "data/prompts.jsonl") -> list[dict]:
@@ -32,12 +32,21 @@ def read_prompt_file(path: str | None, default: str = "data/prompts.jsonl") -> l
         except ValueError as exc:
             raise InvalidInputError(f"{where}:{n}: not JSON ({exc})") from None
         text = (d["messages"] if "messages" in d else d.get("prompt")) if isinstance(d, dict) else None
-        chat = isinstance(text, list) and text and all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) for m in text)
+        chat = isinstance(text, list) and text and all(  # content: a string or text parts (the Engine checks them)
+            isinstance(m, dict) and isinstance(m.get("content"), (str, list)) for m in text)
         if not (chat or (isinstance(text, str) and text and "messages" not in d)):
             raise InvalidInputError(f"{where}:{n}: need a JSON object with a non-empty 'prompt' string or a "
-                             "'messages' list of {role, content}")
+                                    "'messages' list of {role, content}")
         out.append({"text": text, "category": str(d.get("category", "custom"))})
     if not out:
         raise InvalidInputError(f"{where}: no prompts in it")
     return out
+
+
+def label(text) -> str:
+    """A prompt's text for progress lines: the string, or the last message's text."""
+    if isinstance(text, str):
+        return text
+    content = text[-1].get("content", "")
+    return content if isinstance(content, str) else " ".join(
+        c.get("text", "") for c in content if isinstance(c, dict) and isinstance(c.get("text"), str))

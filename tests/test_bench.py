@@ -165,6 +165,15 @@ def test_a_bad_prompt_file_is_one_line_naming_the_line(tmp_path, content, messag
         read_prompt_file(str(tmp_path / "missing.jsonl"))
 
 
+def test_a_prompt_file_may_hold_text_parts(tmp_path):
+    from specdec_rt.prompt_files import label, read_prompt_file
+
+    path = tmp_path / "parts.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}\n')
+    rows = read_prompt_file(str(path))
+    assert len(rows) == 1 and label(rows[0]["text"]) == "hi"
+
+
 def test_ratios_pair_the_runs_of_one_repeat():
     """With --repeats 2 every mode's ratio to ``ar`` pairs runs of the same pass: ``ar`` against
     itself is exactly 1, and a mode twice as fast in each pass is exactly 2 (the first pass

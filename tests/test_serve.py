@@ -230,6 +230,9 @@ def test_http_edges_deep_json_405_allow_model_route_and_default_token_cap(tiny_l
             room = 64 - body["usage"]["prompt_tokens"]
             assert body["usage"]["completion_tokens"] <= room
             assert body["choices"][0]["finish_reason"] in ("length", "stop")
+            r = await c.post("/v1/completions", json={"prompt": "word " * 80})  # no room even for one token
+            assert r.status_code == 400 and "leaves no room for an answer" in r.json()["error"]["message"]
+            assert "max_tokens" not in r.json()["error"]["message"]  # the client never sent one
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000})  # asked: 400
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
             assert "max_tokens=1000" in r.json()["error"]["message"]

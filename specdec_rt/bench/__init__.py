@@ -34,7 +34,7 @@ def run_bench(args) -> int:
 
 async def _bench(args) -> int:
     from ..loading import ensure_built
-    from ..ort.manifest import cache_root
+    from ..ort.manifest import cache_root, load_manifest
     from ..text import TextCodec
 
     llama_bin = getattr(args, "llama_cpp", None)
@@ -47,21 +47,21 @@ async def _bench(args) -> int:
     folder = ensure_built(args.model, say=log)
     threads = args.threads or default_threads()
     max_length = args.max_length or 4096
+    codec = TextCodec.from_manifest(load_manifest(folder))  # the prompts are checked before the models load
+    cats = set(split_list(args.categories, "--categories") or ()) if isinstance(args.categories, str) else \
+        set(args.categories or ())
+    prompts = load_prompts(codec, args.prompts, cats or None, args.limit)
     t0 = time.perf_counter()
     ours, ctx = build_our_modes(folder, threads, max_length, getattr(args, "add_draft", None) or ())
     m = ctx["manifest"]
     drafts = len(m.drafts) + len(getattr(args, "add_draft", None) or ())
     log(f"loaded {m.name} and {drafts} draft(s) in {time.perf_counter() - t0:.1f} s; {threads} threads")
-    codec = TextCodec.from_manifest(m)
-    cats = set(split_list(args.categories, "--categories") or ()) if isinstance(args.categories, str) else \
-        set(args.categories or ())
-    prompts = load_prompts(codec, args.prompts, cats or None, args.limit)
 
     modes_arg = split_list(args.modes, "--modes") if isinstance(args.modes, str) else args.modes
     wanted = modes_arg or list(ours) + list(HF_MODES)
     unknown = [w for w in wanted if w not in ours and w not in HF_MODES]
     if unknown:
-        raise SystemExit(f"unknown mode(s) {unknown}; available: {list(ours) + list(HF_MODES)}")
+        raise InvalidInputError(f"unknown mode(s) {unknown}; available: {list(ours) + list(HF_MODES)}")
     report: dict = {"model": ctx["info"], "machine": machine_info(threads),
                     "settings": {"max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
                                  "repeats": args.repeats, "prompt_file": args.prompts or "built-in",

@@ -28,6 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
+from ..prompt_files import label
 from ..reports import pyplot, save_figure, write_report
 from .concurrency import load_texts
 from .runner import log
@@ -165,7 +166,7 @@ async def _prefix(args) -> int:
         return await Engine.load(folder, draft=args.draft, threads=args.threads, max_length=args.max_length,
                                  provider=args.provider, slots=max(8, args.prefix_concurrency), **kw)
 
-    questions = [p[-1]["content"] if isinstance(p, list) else p for p in load_texts(args.prompts, None)]
+    questions = [label(p) for p in load_texts(args.prompts, None)]
     n = args.max_new_tokens
     engines = {"no cache": await load(prefix_cache=False), "cache": await load()}
     try:

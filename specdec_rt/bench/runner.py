@@ -14,7 +14,7 @@ from ..drafters import CombinedDrafter, NgramDrafter
 from ..drafting import model_drafter, resolve_draft_spec
 from ..errors import InvalidInputError
 from ..ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
-from ..prompt_files import read_prompt_file
+from ..prompt_files import label, read_prompt_file
 from ..scheduler import SpecDecScheduler
 from ..text import TextCodec
 from ..types import Stats
@@ -64,9 +64,7 @@ def load_prompts(codec: TextCodec, path: str | None, categories: set[str] | None
     for r in rows:
         if categories and r["category"] not in categories:
             continue
-        text = r["text"]
-        label = text if isinstance(text, str) else text[-1]["content"]
-        out.append(Prompt(r["category"], codec.encode_prompt(text), label.replace("\n", " ")[:48]))
+        out.append(Prompt(r["category"], codec.encode_prompt(r["text"]), label(r["text"]).replace("\n", " ")[:48]))
     return out[:limit] if limit else out
 
 

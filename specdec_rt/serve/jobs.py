@@ -102,8 +102,12 @@ async def _open(serving: Serving, params: GenParams):
         except ContextLengthError as exc:
             await stream.aclose()
             room = (exc.max_length or 0) - (exc.prompt_tokens or 0)
-            if capped or params.max_tokens is not None or room < 1:
+            if capped or params.max_tokens is not None or exc.max_length is None:
                 raise
+            if room < 1:  # the client named no limit: say what is too long, not the server's default
+                raise ContextLengthError(f"prompt of {exc.prompt_tokens} tokens leaves no room for an answer in "
+                                         f"the model's maximum length of {exc.max_length} tokens",
+                                         exc.prompt_tokens, exc.max_length) from None
             kwargs["max_new_tokens"] = room
         except BaseException:
             await stream.aclose()
