@@ -34,6 +34,25 @@ from specdec_rt.ort.model import OrtModel
 from specdec_rt.text import TextCodec
 
 
+def save_copy(m, src: Path, dst: Path, vocab_size: int | None = None) -> Path:
+    """Write graph ``m`` as a model folder ``dst``: ``src``'s other files, its manifest without
+    the graph's hashes (and with ``vocab_size`` when given)."""
+    import onnx
+
+    dst.mkdir(parents=True)
+    onnx.save(m, str(dst / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("model.onnx", "model.onnx.data", "manifest.json") and not f.name.startswith("."):
+            shutil.copy(f, dst / f.name)
+    man = json.loads((src / "manifest.json").read_text())
+    if vocab_size is not None:
+        man["architecture"]["vocab_size"] = vocab_size
+    for k in ("model.onnx", "model.onnx.data"):
+        man.get("files", {}).pop(k, None)
+    (dst / "manifest.json").write_text(json.dumps(man, indent=1))
+    return dst
+
+
 def reduced_copy(src: Path, dst: Path, n: int) -> Path:
     """``src`` with its (MatMulNBits) LM head cut to the first ``n`` rows; manifest says V = n."""
     import onnx
@@ -47,17 +66,7 @@ def reduced_copy(src: Path, dst: Path, n: int) -> Path:
         if node.name == "/lm_head/MatMulNBits":
             next(a for a in node.attribute if a.name == "N").i = n
     next(o for o in m.graph.output if o.name == "logits").type.tensor_type.shape.dim[-1].dim_value = n
-    dst.mkdir(parents=True)
-    onnx.save(m, str(dst / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
-    for f in src.iterdir():
-        if f.is_file() and f.name not in ("model.onnx", "model.onnx.data", "manifest.json") and not f.name.startswith("."):
-            shutil.copy(f, dst / f.name)
-    man = json.loads((src / "manifest.json").read_text())
-    man["architecture"]["vocab_size"] = n
-    for k in ("model.onnx", "model.onnx.data"):
-        man.get("files", {}).pop(k, None)
-    (dst / "manifest.json").write_text(json.dumps(man, indent=1))
-    return dst
+    return save_copy(m, src, dst, vocab_size=n)
 
 
 def int4_head_copy(src: Path, dst: Path) -> Path:
@@ -85,16 +94,7 @@ def int4_head_copy(src: Path, dst: Path) -> Path:
     for a in node.attribute:
         if a.name == "bits":
             a.CopyFrom(helper.make_attribute("bits", 4))
-    dst.mkdir(parents=True)
-    onnx.save(m, str(dst / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
-    for f in src.iterdir():
-        if f.is_file() and f.name not in ("model.onnx", "model.onnx.data", "manifest.json") and not f.name.startswith("."):
-            shutil.copy(f, dst / f.name)
-    man = json.loads((src / "manifest.json").read_text())
-    for k in ("model.onnx", "model.onnx.data"):
-        man.get("files", {}).pop(k, None)
-    (dst / "manifest.json").write_text(json.dumps(man, indent=1))
-    return dst
+    return save_copy(m, src, dst)
 
 
 def step_times(models: dict[str, OrtModel], reps: int) -> dict[str, float]:
