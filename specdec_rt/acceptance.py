@@ -175,6 +175,11 @@ class CostModel:
         self.verify_s[drafted] = self._ewma(self.verify_s.get(drafted), t_verify)
         self._line = None
 
+    def forget_times(self) -> None:
+        """Drop every measured time alone (an engine's first request, which paid for its start)."""
+        self.draft_token_s = self.draft_prefill_s = None
+        self.verify_s, self.prefill_samples = {}, []
+
     def observe_prefill(self, prompt_tokens: int, drafted: int, t_draft: float) -> None:
         """A first round: the draft prefilled ``prompt_tokens`` then took ``drafted - 1`` steps.
         The estimate is the median of the last ``PREFILL_SAMPLES`` such rounds, not an EWMA: a

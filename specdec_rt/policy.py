@@ -95,6 +95,7 @@ class RequestPolicy:
             if batch > 1 or not self._probes or self._plain_since_probe < self._probe_every:
                 return 0
             self._probing = True  # a probe drafts at least k_init tokens: one round, enough evidence
+            self._lag = at - self._drafted_at if at else 0  # what the draft reads first: not a draft cost
             return min(max(self.best_k()[0], self.config.k_init), remaining - 1)
         self._lag = lag = at - self._drafted_at if at else 0  # the first round's prefill: start() decided
         if batch > 1:  # leave plain batched steps only for a clear gain (resume_speedup, hysteresis)
@@ -123,13 +124,15 @@ class RequestPolicy:
     def observe(self, at: int, drafted: int, accepted: int, t_draft: float, t_verify: float,
                 timed: bool = True, alone: bool = True, batch: int = 1) -> FallbackEvent | None:
         """Feed one finished round; returns the mode switch it caused, if any. ``timed=False``
-        marks the first round, which included the prefills: its times are kept out of the
-        per-step costs (the draft's is used for its prefill cost instead). ``alone=False``: other
+        marks a round that included a prefill (a request's first round; the first that drafted):
+        its times are kept out of the per-step costs (the draft's is used for its prefill cost
+        instead). A draft that first read tokens it had missed (a probe after plain steps, a
+        catch-up) adds its verify call to the costs, not its draft time. ``alone=False``: other
         requests (``batch`` in all) shared the round's calls, so its times are not this request's
         costs (the step loop measures the batched calls), only this request's tokens per second
         in that kind of round (:class:`BatchArms`)."""
-        if alone and timed:
-            self.costs.observe(drafted, t_draft, t_verify, model_drafts=not self.cheap)
+        if alone and timed:  # a draft that first read what it missed (a probe, a catch-up): its verify only
+            self.costs.observe(drafted, t_draft, t_verify, model_drafts=not self.cheap and self._lag <= CATCHUP_FREE)
         elif alone and not self.cheap:  # free drafts read no prompt: no prefill to measure
             self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
         pure = self.costs.ledger.end(self._round) if self._round is not None else True

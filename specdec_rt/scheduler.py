@@ -115,7 +115,7 @@ class SpecDecScheduler:
 
     async def _loop(self, ctx: RequestContext, policy: RequestPolicy, tree: TreePolicy,
                     rates: TreeRates | None) -> AsyncIterator[TokenEvent]:
-        stats, timed = ctx.stats, False  # the first round includes prefill: keep it out of costs
+        stats, seen, drafted = ctx.stats, False, False  # rounds so far; any of them drafted
         stats.mode = policy.mode
         t_start = perf_counter()
         self.running += 1
@@ -141,7 +141,9 @@ class SpecDecScheduler:
                 # 4. commit: append what the target kept, cut at the budget and at a stop id
                 at = ctx.generated.size
                 new = ctx.commit(verdict.tokens)
-                # 5. observe: stats, acceptance EWMA, costs, next draft length, fallback
+                # 5. observe: stats, acceptance EWMA, costs, next draft length, fallback (costs
+                #    leave out the prefills: the target's in the first round, a drafter's in its first)
+                timed = seen and (drafted or not drafts)
                 switch = policy.observe(at, depth, verdict.accepted, t1 - t0, t2 - t1, timed,
                                         alone=batch == 1 == max(self.running, self.load() if self.load else 0),
                                         batch=batch)
@@ -154,7 +156,7 @@ class SpecDecScheduler:
                 tree.observe(len(drafts) - chain, took_tree)
                 if rates is not None and timed and drafts and batch == 1:  # realized speed, alone
                     rates.observe(len(drafts) > chain, new.size, t2 - t0)
-                timed = timed or bool(drafts)  # a drafter's prefill may come in its first drafting round
+                seen, drafted = True, drafted or bool(drafts)
                 if switch is not None:
                     stats.fallbacks.append(switch)
                     log.info("speculation.switch", to=switch.to, reason=switch.reason,

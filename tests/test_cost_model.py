@@ -69,3 +69,28 @@ def test_replacing_the_measurements_refits_the_line():
     assert costs.verify_cost(1) == pytest.approx(13.85 / 11.3)  # fitted (and kept)
     costs.verify_s = {0: 0.0113, 1: 0.0226}
     assert costs.verify_cost(1) == pytest.approx(2.0)
+
+
+
+
+def test_a_probe_that_first_catches_up_feeds_its_verify_not_its_draft_time():
+    """A probe after plain steps drafts only once the draft read the tokens it missed: that
+    reading is not a draft token's cost. Counted as one (the old rule), a probe after 16 plain
+    tokens made drafts look ~1.5x dearer, the request did not resume, and the next probe was
+    dearer still: a cold demo decoded at 0.94x plain while accepting every probe's drafts."""
+    config = SpecConfig()
+    costs = CostModel(config, draft_token_s=0.011, verify_s={0: 0.024, 4: 0.030})
+    policy = RequestPolicy(config, "spec", AcceptanceEWMA.start(0.1, 0.9, prior_weight=100.0), costs)
+    policy.speculating, policy._drafted_at = False, 0  # fell back at token 0
+    for at in range(config.probe_every):
+        assert policy.draft_length(100, 1, at + 1) == 0
+        policy.observe(at + 1, 0, 0, 0.0, 0.024)
+    at = config.probe_every + 1
+    k = policy.draft_length(100, 1, at)
+    assert k >= config.k_init
+    policy.observe(at, k, k, k * 0.011 + 0.060, 0.030)  # the draft read 17 tokens first: +60 ms
+    assert costs.draft_token_s == pytest.approx(0.011) and costs.verify_s[k] == pytest.approx(0.030)
+    assert policy.speculating  # resumed: the probe's drafts were all accepted and pay
+    k = policy.draft_length(100, 1, at + k + 1)
+    policy.observe(at + k + 1, k, k, k * 0.013, 0.030)  # caught up: a draft cost again
+    assert costs.draft_token_s > 0.011

@@ -133,12 +133,12 @@ def test_when_the_draft_prefill_does_not_pay_the_combined_drafter_speculates_wit
     target, draft = toy_pair(6, seed=2, distance=0.3)
     combined = CombinedDrafter(NgramDrafter(), ModelDrafter(draft))
     sched = SpecDecScheduler(combined, ModelVerifier(target), SpecConfig())
-    # measured costs that make the draft's prefill of a long prompt too dear for a short answer
-    sched.costs.draft_token_s, sched.costs.verify_s, sched.costs.draft_prefill_s = 0.012, {0: 0.025, 4: 0.030}, 0.05
     prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3, 4, 1, 2, 3] * 4  # long, and full of repeats
 
     async def main():
-        plain = await sched.run(prompt, 30, SamplingParams(), mode="ar")
+        plain = await sched.run(prompt, 30, SamplingParams(), mode="ar")  # measures the toy's plain step
+        # measured costs that make the draft's prefill of a long prompt too dear for a short answer
+        sched.costs.draft_token_s, sched.costs.verify_s, sched.costs.draft_prefill_s = 0.012, {0: 0.025, 4: 0.030}, 0.05
         spec = await sched.run(prompt, 30, SamplingParams())
         return plain, spec
 

@@ -374,3 +374,16 @@ def test_prefill_rule_is_never_a_standing_verdict():
     slow = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030}, draft_prefill_s=0.0035)
     low = RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.1), slow, prompt_tokens=250)
     assert low.start(64) is None and slow.prefill_skips == 0
+
+
+def test_plain_rounds_are_measured_after_the_first_round():
+    """A plain target step alone is the unit of every cost: ``ar`` requests measure it (every
+    round after the first, which holds the prefill), as do a speculative request's plain rounds
+    before it ever drafted. Before, a round counted only once some round had drafted, so a
+    warm-up's plain request (and every ``ar`` request) measured nothing."""
+    target = ToyLM(8, seed=4)
+    sched = SpecDecScheduler(ModelDrafter(ToyLM(8, seed=5)), ModelVerifier(target), SpecConfig())
+    run(sched.run([1, 2, 3], 1, mode="ar"))
+    assert not sched.costs.verify_s  # one round: the prefill, not a step
+    run(sched.run([1, 2, 3], 6, mode="ar"))
+    assert list(sched.costs.verify_s) == [0] and sched.costs.draft_token_s is None
