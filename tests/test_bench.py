@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from specdec_rt.bench.report import format_micro
+
 pytestmark = pytest.mark.export
 
 
@@ -32,6 +34,10 @@ def test_bench_json_and_chart(tiny_llama, tmp_path):
     assert (out / "bench.json").is_file()
     if doc["chart"]:
         assert (out / "bench.png").stat().st_size > 1000
+    # the same micro-benchmarks read as a table (the terminal's, without --json; and bench.md's)
+    table = format_micro(micro)
+    assert table.startswith("| micro-benchmark | value |") and "{" not in table
+    assert f"{micro['step_ms_ctx_short']:.1f} ms" in table and table in (out / "bench.md").read_text()
 
 
 def test_bench_rejects_unknown_modes(tiny_llama, tmp_path):

@@ -11,7 +11,6 @@ whose package is missing is skipped with a note. ``--llama-cpp BIN_DIR`` adds ll
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from ..errors import InvalidInputError
 from ..reports import write_report
 from .args import split_list
 from .micro import memory_bandwidth_gbs, request_memory, step_costs, weight_bytes
-from .report import format_markdown, format_table, plot, plot_acceptance, summarize
+from .report import format_markdown, format_micro, format_table, plot, plot_acceptance, summarize
 from .runner import HF_MODES, build_our_modes, default_threads, load_prompts, log, machine_info, run_modes
 
 __all__ = ["run_bench"]
@@ -105,7 +104,7 @@ async def _bench(args) -> int:
     write_report(out, "bench", report, markdown, table, args.json)
     if not args.json:
         if report.get("micro"):
-            print(json.dumps(report["micro"], indent=2))
+            print("\n" + format_micro(report["micro"]))
         for k, v in report["skipped"].items():
             print(f"skipped {k}: {v}")
     log(f"wrote {', '.join(str(p) for p in (out / 'bench.json', out / 'bench.md', png, acc_png) if p)}")

@@ -176,22 +176,26 @@ def format_markdown(report: dict) -> str:
                 cells.append(f"{f(d, 'speedup_vs_ar', '.2f')}x ({f(d, 'acceptance_rate', '.2f')}, "
                              f"{f(d, 'mean_accepted', '.2f')})" if d else "-")
             lines.append(f"| {cat} | " + " | ".join(cells) + " |")
-    micro = report.get("micro")
-    if micro:
-        lines += ["", "| micro-benchmark | value |", "|---|---|"]
-        lines.append(f"| 1-token step @ context {micro['context_short']} | {micro['step_ms_ctx_short']:.1f} ms |")
-        wide_ms = micro["call_ms_%d_positions" % micro["verify_width"]]
-        lines.append(f"| {micro['verify_width']}-position call @ context {micro['context_short']} | "
-                     f"{wide_ms:.1f} ms "
-                     f"(**{micro['verify_width_ratio']:.2f}x** a 1-token step) |")
-        lines.append(f"| 1-token step @ context {micro['context_long']} | {micro['step_ms_ctx_long']:.1f} ms "
-                     f"(**{micro['context_ratio']:.2f}x** context {micro['context_short']}) |")
-        lines.append(f"| copy bandwidth | {micro['bandwidth_gbs']:.1f} GB/s |")
-        lines.append(f"| weights read per step / bandwidth | {micro['bandwidth_floor_step_ms']:.1f} ms "
-                     f"({micro['weight_bytes'] / 1e6:.0f} MB); our step is {micro['ar_step_vs_floor']:.2f}x that |")
-        mem = micro.get("memory", {})
-        if mem:
-            lines.append(f"| resident memory of {' + '.join(mem.get('models', []))} + KV, one "
-                         f"{mem.get('tokens')}-token request (fresh process) | {mem.get('rss_mb', 0):.0f} MB "
-                         f"(peak {mem.get('peak_rss_mb', 0):.0f} MB) |")
+    if report.get("micro"):
+        lines += ["", format_micro(report["micro"])]
+    return "\n".join(lines)
+
+
+def format_micro(micro: dict) -> str:
+    """The micro-benchmarks (step costs, bandwidth, memory) as a markdown table."""
+    lines = ["| micro-benchmark | value |", "|---|---|"]
+    lines.append(f"| 1-token step @ context {micro['context_short']} | {micro['step_ms_ctx_short']:.1f} ms |")
+    wide_ms = micro["call_ms_%d_positions" % micro["verify_width"]]
+    lines.append(f"| {micro['verify_width']}-position call @ context {micro['context_short']} | "
+                 f"{wide_ms:.1f} ms (**{micro['verify_width_ratio']:.2f}x** a 1-token step) |")
+    lines.append(f"| 1-token step @ context {micro['context_long']} | {micro['step_ms_ctx_long']:.1f} ms "
+                 f"(**{micro['context_ratio']:.2f}x** context {micro['context_short']}) |")
+    lines.append(f"| copy bandwidth | {micro['bandwidth_gbs']:.1f} GB/s |")
+    lines.append(f"| weights read per step / bandwidth | {micro['bandwidth_floor_step_ms']:.1f} ms "
+                 f"({micro['weight_bytes'] / 1e6:.0f} MB); our step is {micro['ar_step_vs_floor']:.2f}x that |")
+    mem = micro.get("memory", {})
+    if mem:
+        lines.append(f"| resident memory of {' + '.join(mem.get('models', []))} + KV, one "
+                     f"{mem.get('tokens')}-token request (fresh process) | {mem.get('rss_mb', 0):.0f} MB "
+                     f"(peak {mem.get('peak_rss_mb', 0):.0f} MB) |")
     return "\n".join(lines)
