@@ -70,3 +70,46 @@ def test_greedy_speculative_equals_plain_for_the_quantized_target(tiny_int8, dra
     cfg = SpecConfig(measure_costs=False, adapt_k=False, k_init=3)
     plain, spec, together = plain_spec_together(tiny_int8, draft, cfg, prompts, 20, slots=3)
     assert spec == plain and together == plain
+
+
+@pytest.fixture(scope="module")
+def tiny_int4(tmp_path_factory):
+    from tiny_models import export_tiny
+
+    return export_tiny(tmp_path_factory.mktemp("tiny-int4"), "llama", draft="int4", quantize="int4")
+
+
+def test_a_lone_position_whose_matmuls_round_otherwise_goes_with_a_copy(tiny_int4):
+    """On CPUs without VNNI, 4-bit MatMulNBits rounds a one-row call otherwise than calls of
+    2+ rows, which int8 activations amplify. The model measures at load whether a lone step
+    differs from a verify (``pad_lone``); if so a lone position goes with a copy of it after it
+    (the copy's KV rolled back), alone or in a batched call, and its logits are a verify's."""
+    model = OrtModel(tiny_int4, max_length=64, slots=2, threads=2)
+    measured, model.pad_lone = model.pad_lone, False
+    assert measured == model._lone_step_differs()  # the probe says what the plain path does
+    model.pad_lone = True  # wherever it is needed: bit for bit a verify's logits
+    toks = np.random.default_rng(3).integers(3, model.vocab_size, size=30)
+    s = model.start()
+    s.run_sync(toks[:20], 1, 0)
+    lone = s.run_sync(toks[20:21], 1, 20)  # [1, V]
+    assert s.length == 21
+    s.rollback(20)
+    verify = s.run_sync(toks[20:25], 5, 20)  # [5, V]
+    np.testing.assert_array_equal(lone[0], verify[0])
+    s.rollback(20)
+    (rows,) = model.run_rows_sync([s], [toks[20:21]], [1])  # a batched call of one lone row
+    np.testing.assert_array_equal(rows[0], verify[0])
+    assert s.length == 21 and rows.shape == (1, verify.shape[1])
+    s.rollback(20)
+    logits, hidden = s.run_sync(toks[20:21], 1, 20, hidden=True)
+    assert logits.shape == (1, verify.shape[1]) and hidden.shape[0] == 1 and s.length == 21
+
+
+@pytest.mark.parametrize("draft", ["q4", "ngram"])
+def test_greedy_speculative_equals_plain_for_an_int4_target(tiny_int4, draft):
+    from tiny_models import plain_spec_together
+
+    prompts = ["one two three", "def f(x):\n    return", "a b a b a b"]
+    cfg = SpecConfig(measure_costs=False, adapt_k=False, k_init=3)
+    plain, spec, together = plain_spec_together(tiny_int4, draft, cfg, prompts, 20, slots=3)
+    assert spec == plain and together == plain

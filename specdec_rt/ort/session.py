@@ -96,6 +96,11 @@ class OrtSession(CachedStart, CacheSession):
         ids, past = self._settle(pool.cache, ids, past, self._ids)  # a hit on a running source: copy now
         self._ids[past : past + ids.size] = ids
         n, s = past, ids.size
+        if s == 1 and self.model.pad_lone and tree is None and features is None:
+            # two positions through the model, the lone one and a copy (see OrtModel.pad_lone)
+            out = self.run_sync(np.repeat(ids, 2), 2, n, hidden=hidden)
+            self._length = n + 1
+            return (out[0][:1], out[1][:1]) if hidden else out[:1]
         if s == 1 and rows == 1 and tree is None and features is None and not hidden and self._hidden_at is None:
             return self._step(session, int(ids[0]), n)
         self._step_bound = False  # the inputs below replace the plain step's
