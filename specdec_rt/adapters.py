@@ -119,13 +119,15 @@ class _ModelUser:
     def _start(self, tokens: np.ndarray, cached: bool = True, same_path: bool = False) -> SyncedSession:
         """A model with a prefix cache (``caches_prefixes``) starts from what it holds of
         ``tokens`` (unless ``cached=False``); any other starts empty. ``same_path``: a lone
-        query goes by the path of a batch's rows (backends with ``lone_twice``)."""
+        query goes by the path of a batch's rows (backends with ``lone_twice``; and with a copy
+        of it where the model's kernels round a lone position otherwise, ``lone_differs``)."""
         if cached and getattr(self.model, "caches_prefixes", False):
             s = SyncedSession(self.model.start(tokens), self.model.max_length, tokens)
         else:
             s = SyncedSession(self.model.start(), self.model.max_length)
         if same_path and hasattr(s.session, "lone_twice") and getattr(self.model, "ragged", False):
             s.session.lone_twice = True
+            s.session.pad_lone = getattr(self.model, "lone_differs", False)  # the MatMuls' path too
         return s
 
     def release(self, ctx: RequestContext) -> None:

@@ -108,16 +108,21 @@ class OrtModel(LanguageModel):
         # The MatMuls may take another path for a lone position too: on CPUs without VNNI,
         # 4-bit MatMulNBits rounds a one-row call differently (~7e-7) from calls of 2+ rows, and
         # int8 activations amplify that to ~0.5 in the logits (SmolLM2's int4 target: greedy
-        # speculative output left plain decoding on 8 of 8 prompts). A quantized target whose
-        # lone step is measured to differ from a verify (3 calls at load) feeds a lone position
-        # with a copy of it after it (``pad_lone``): two positions through the whole model, the
-        # second's KV past the length, rolled back. Costs ~1.2x a lone step; only where needed.
+        # speculative output left plain decoding on 8 of 8 prompts). Measured at load (3 calls):
+        # ``lone_differs``, a lone position's logits (its query twice in attention) differ from
+        # its logits inside a 2-position call. Then a quantized target (and a seeded request's
+        # session of any model, see adapters) feeds a lone position with a copy of it after it
+        # (``pad_lone``): two positions through the whole model, the second's KV past the
+        # length, rolled back. Costs ~1.2x a lone int4 step; only where needed.
         self.pad_lone = False
-        self.pad_lone = self.lone_twice and self.device == "cpu" and self._lone_step_differs()
+        self.lone_differs = self.ragged and self.device == "cpu" and self._lone_step_differs()
+        self.pad_lone = self.lone_twice and self.lone_differs
 
     def _lone_step_differs(self) -> bool:
-        """Whether a lone position's logits differ from its logits inside a 2-position call."""
+        """Whether a lone position's logits (its query twice in attention) differ from its
+        logits inside a 2-position call."""
         s = self.start()
+        s.lone_twice = True
         try:
             ids = np.arange(1, 9, dtype=np.int64) % self.manifest.vocab_size  # [8]
             s.run_sync(ids[:6], 1, 0)
@@ -126,7 +131,9 @@ class OrtModel(LanguageModel):
             pair = s.run_sync(ids[6:8], 2, 6)  # [2, V]
             return not np.array_equal(lone[0], pair[0])
         finally:
-            s.rollback(0)  # nothing for the prefix cache to keep
+            s.rollback(0)  # nothing for the prefix cache to keep, and the slot's KV as it was
+            for array in self.pool.host_arrays():
+                array[s.slot] = 0
             s.close()
 
     @property
@@ -245,7 +252,7 @@ class OrtModel(LanguageModel):
         padded rows, and the slots in between that take no part feed nothing (0 new positions)
         and keep their cache as it is.
         """
-        if self.pad_lone and sum(np.size(f) for f in feeds) == 1:  # a lone position: see pad_lone
+        if sum(np.size(f) for f in feeds) == 1 and sessions[0].pad_lone:  # a lone position: see pad_lone
             return [sessions[0].run_sync(np.asarray(feeds[0], dtype=np.int64), 1, sessions[0].length)]
         lo, rows, at = self._span(sessions)
         pasts = [s.length for s in sessions]

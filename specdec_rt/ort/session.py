@@ -40,6 +40,7 @@ class OrtSession(CachedStart, CacheSession):
         # a lone query goes to attention twice, by the path of a batch's or a verify's rows: the
         # model's rule (quantized targets), or one request's (a seeded sampled one: adapters)
         self.lone_twice = model.lone_twice
+        self.pad_lone = model.pad_lone  # a lone position goes with a copy of it (see OrtModel), likewise
         self._buffers: _StepBuffers | None = None  # a plain step's inputs and logits, bound once
         self._step_bound = False  # ... and bound now (a call of another shape re-binds)
 
@@ -96,7 +97,7 @@ class OrtSession(CachedStart, CacheSession):
         ids, past = self._settle(pool.cache, ids, past, self._ids)  # a hit on a running source: copy now
         self._ids[past : past + ids.size] = ids
         n, s = past, ids.size
-        if s == 1 and self.model.pad_lone and tree is None and features is None:
+        if s == 1 and self.pad_lone and tree is None and features is None:
             # two positions through the model, the lone one and a copy (see OrtModel.pad_lone)
             out = self.run_sync(np.repeat(ids, 2), 2, n, hidden=hidden)
             self._length = n + 1
