@@ -62,13 +62,14 @@ def test_a_lone_token_gets_the_logits_it_gets_inside_a_verify(tiny_int8):
     assert (a.length, b.length) == (14, 8)
 
 
+@pytest.mark.parametrize("target", ["tiny_int8", "tiny_int4"])
 @pytest.mark.parametrize("draft", ["q4", "ngram"])
-def test_greedy_speculative_equals_plain_for_the_quantized_target(tiny_int8, draft):
+def test_greedy_speculative_equals_plain_for_the_quantized_target(request, target, draft):
     from tiny_models import plain_spec_together
 
     prompts = ["one two three", "def f(x):\n    return", "a b a b a b"]
     cfg = SpecConfig(measure_costs=False, adapt_k=False, k_init=3)
-    plain, spec, together = plain_spec_together(tiny_int8, draft, cfg, prompts, 20, slots=3)
+    plain, spec, together = plain_spec_together(request.getfixturevalue(target), draft, cfg, prompts, 20, slots=3)
     assert spec == plain and together == plain
 
 
@@ -103,13 +104,3 @@ def test_a_lone_position_whose_matmuls_round_otherwise_goes_with_a_copy(tiny_int
     s.rollback(20)
     logits, hidden = s.run_sync(toks[20:21], 1, 20, hidden=True)
     assert logits.shape == (1, verify.shape[1]) and hidden.shape[0] == 1 and s.length == 21
-
-
-@pytest.mark.parametrize("draft", ["q4", "ngram"])
-def test_greedy_speculative_equals_plain_for_an_int4_target(tiny_int4, draft):
-    from tiny_models import plain_spec_together
-
-    prompts = ["one two three", "def f(x):\n    return", "a b a b a b"]
-    cfg = SpecConfig(measure_costs=False, adapt_k=False, k_init=3)
-    plain, spec, together = plain_spec_together(tiny_int4, draft, cfg, prompts, 20, slots=3)
-    assert spec == plain and together == plain
