@@ -104,3 +104,10 @@ def test_a_lone_position_whose_matmuls_round_otherwise_goes_with_a_copy(tiny_int
     s.rollback(20)
     logits, hidden = s.run_sync(toks[20:21], 1, 20, hidden=True)
     assert logits.shape == (1, verify.shape[1]) and hidden.shape[0] == 1 and s.length == 21
+    edge = OrtModel(tiny_int4, max_length=21, slots=1, threads=2)  # the lone position is the last one
+    edge.pad_lone = True
+    e = edge.start()
+    e.pad_lone = True
+    e.run_sync(toks[:20], 1, 0)
+    np.testing.assert_array_equal(e.run_sync(toks[20:21], 1, 20)[0], verify[0])  # its copy: no position 21
+    assert e.length == 21

@@ -36,7 +36,9 @@ class OrtSession(CachedStart, CacheSession):
         self._names = m.inputs
         self._logits_at = 2 * m.num_layers  # outputs come back in binding order: KV first
         self._hidden_at: int | None = None  # hidden_states, bound on first request
-        self._pos = np.arange(model.max_length, dtype=np.int64)  # [max_len] positions to slice from
+        # [max_len + 1] positions to slice from; the last, for a lone position's copy after the
+        # last one (pad_lone), repeats max_len - 1: a position the model has, and the copy is dropped
+        self._pos = np.minimum(np.arange(model.max_length + 1), model.max_length - 1).astype(np.int64)
         # a lone query goes to attention twice, by the path of a batch's or a verify's rows: the
         # model's rule (quantized targets), or one request's (a seeded sampled one: adapters)
         self.lone_twice = model.lone_twice
