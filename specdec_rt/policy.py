@@ -91,13 +91,13 @@ class RequestPolicy:
             return 0
         if not self.costs.measure:
             batch = 1  # a seeded request's schedule (so its output) never depends on the load
+        # what the draft must read before drafting (not a draft cost); the first round's prefill: start() decided
+        self._lag = lag = at - self._drafted_at if at else 0
         if not self.speculating:
             if batch > 1 or not self._probes or self._plain_since_probe < self._probe_every:
                 return 0
             self._probing = True  # a probe drafts at least k_init tokens: one round, enough evidence
-            self._lag = at - self._drafted_at if at else 0  # what the draft reads first: not a draft cost
             return min(max(self.best_k()[0], self.config.k_init), remaining - 1)
-        self._lag = lag = at - self._drafted_at if at else 0  # the first round's prefill: start() decided
         if batch > 1:  # leave plain batched steps only for a clear gain (resume_speedup, hysteresis)
             k, gain = self.best_k(batch)
             caught_up = lag <= CATCHUP_FREE

@@ -114,7 +114,7 @@ class OrtModel(LanguageModel):
         # session of any model, see adapters) feeds a lone position with a copy of it after it
         # (``pad_lone``): two positions through the whole model, the second's KV past the
         # length, rolled back. Costs ~1.2x a lone int4 step; only where needed.
-        self.pad_lone = False
+        self.pad_lone = False  # the probe's own session copies it
         self.lone_differs = self.ragged and self.device == "cpu" and self._lone_step_differs()
         self.pad_lone = self.lone_twice and self.lone_differs
 
@@ -252,7 +252,7 @@ class OrtModel(LanguageModel):
         padded rows, and the slots in between that take no part feed nothing (0 new positions)
         and keep their cache as it is.
         """
-        if sum(np.size(f) for f in feeds) == 1 and sessions[0].pad_lone:  # a lone position: see pad_lone
+        if len(sessions) == 1 and np.size(feeds[0]) == 1 and sessions[0].pad_lone:  # a lone position: see pad_lone
             return [sessions[0].run_sync(np.asarray(feeds[0], dtype=np.int64), 1, sessions[0].length)]
         lo, rows, at = self._span(sessions)
         pasts = [s.length for s in sessions]
