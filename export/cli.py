@@ -22,7 +22,7 @@ __all__ = ["main", "summary"]
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m export",
-        description="Export a Llama/Qwen2 checkpoint folder, .gguf file or recipe to ONNX + "
+        description="Export a Llama/Mistral/Qwen2 checkpoint folder, .gguf file or recipe to ONNX + "
                     "manifest.json for specdec_rt.")
     p.add_argument("src", nargs="?", help="checkpoint folder, .gguf file, or recipe name")
     p.add_argument("--out", type=Path, help="output folder (default: the cache's models/<name>)")

@@ -1,4 +1,4 @@
-"""Emit a compact, fused ONNX graph for a Llama/Qwen2 decoder straight from its weights.
+"""Emit a compact, fused ONNX graph for a Llama/Mistral/Qwen2 decoder straight from its weights.
 
 The graph is what onnxruntime-genai's model builder would write, ~12 nodes a layer:
 
@@ -48,8 +48,13 @@ __all__ = ["ModelSpec", "IO_NAMES", "SUPPORTED_FAMILIES", "build_onnx", "rotary_
            "unsupported_architecture", "decoder_io", "gqa_inputs", "save_graph", "PACKED_ROLES",
            "TREE_ROLES"]
 
-SUPPORTED_FAMILIES = ("llama", "qwen2")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")  # Mistral: Llama's graph, a sliding window
+GGUF_FAMILIES = ("llama", "qwen2")  # general.architecture of a GGUF (llama.cpp writes Mistral as llama)
 MAX_POSITIONS_CAP = 32768
+# ONNX Runtime's CPU GroupQueryAttention with rotary takes head sizes that are multiples of 16 only; a model
+# whose heads are smaller or odd-sized (tiny test models: hidden 16 over 4 heads) gets zero-padded
+# heads (see pad_heads), which change no result: the padded dimensions are 0 in q, k and v
+HEAD_MULTIPLE = 16
 OPSET = 21
 MS = "com.microsoft"
 
@@ -82,10 +87,11 @@ IO_NAMES = {
 }
 
 
-def unsupported_architecture(family) -> UnsupportedModelError:
-    """The one error for a model family the graph builder cannot emit."""
+def unsupported_architecture(family, supported: tuple[str, ...] = SUPPORTED_FAMILIES) -> UnsupportedModelError:
+    """The one error for a model family the graph builder cannot emit (from a checkpoint folder,
+    or from a GGUF file: ``supported=GGUF_FAMILIES``)."""
     return UnsupportedModelError(
-        f"unsupported architecture {family}; supported: {', '.join(SUPPORTED_FAMILIES)}")
+        f"unsupported architecture {family}; supported: {', '.join(supported)}")
 
 
 @dataclass(frozen=True)
@@ -97,11 +103,16 @@ class ModelSpec:
     hidden_size: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # the graph's head size (its KV cache's): the model's, padded to HEAD_MULTIPLE
     intermediate_size: int
     vocab_size: int
     max_positions: int
     rms_eps: float
+    model_head_dim: int = 0  # the model's own head size (0: head_dim, no padding)
+
+    @property
+    def own_head_dim(self) -> int:
+        return self.model_head_dim or self.head_dim
 
     @classmethod
     def from_config(cls, config, max_positions: int | None = None) -> "ModelSpec":
@@ -116,18 +127,29 @@ class ModelSpec:
         limit = min(config.max_position_embeddings, MAX_POSITIONS_CAP)
         if max_positions:
             limit = min(limit, max_positions)
-        if getattr(config, "use_sliding_window", False) and config.sliding_window < limit:
-            raise UnsupportedModelError(
-                f"unsupported sliding-window attention (window {config.sliding_window})"
-            )
+        # a sliding window (Mistral's when set, Qwen2's with use_sliding_window) lets a position
+        # see the last `window` positions only: capped at the window, every position sees all
+        # earlier ones, as in the full attention the graph computes
+        window = getattr(config, "sliding_window", None)
+        if family == "qwen2" and not getattr(config, "use_sliding_window", False):
+            window = None
+        if window is not None:
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                raise UnsupportedModelError(f"unsupported sliding_window {window!r}")
+            limit = min(limit, window)
         heads = config.num_attention_heads
+        own = getattr(config, "head_dim", None) or config.hidden_size // heads
+        if own % 2:
+            raise UnsupportedModelError(f"unsupported head size {own}: rotary embeddings need an even one")
+        padded = -(-own // HEAD_MULTIPLE) * HEAD_MULTIPLE
         return cls(
             family=family,
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            head_dim=padded,
+            model_head_dim=own if padded != own else 0,
             intermediate_size=config.intermediate_size,
             vocab_size=config.vocab_size,
             max_positions=limit,
@@ -154,10 +176,28 @@ def rotary_tables(model, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
         pos = torch.arange(spec.max_positions, dtype=torch.long)[None]  # [1, P]
         cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)  # [1, P, d] each
     cos, sin = cos[0].float().numpy(), sin[0].float().numpy()
-    half = spec.head_dim // 2
-    if cos.shape[-1] != spec.head_dim or not np.array_equal(cos[:, :half], cos[:, half:]):
+    half = spec.own_head_dim // 2
+    if cos.shape[-1] != spec.own_head_dim or not np.array_equal(cos[:, :half], cos[:, half:]):
         raise UnsupportedModelError("unsupported rotary layout (partial or interleaved)")
-    return np.ascontiguousarray(cos[:, :half]), np.ascontiguousarray(sin[:, :half])
+    pad = (spec.head_dim - spec.own_head_dim) // 2  # padded dimensions turn by angle 0
+    cos = np.pad(cos[:, :half], ((0, 0), (0, pad)), constant_values=1.0)
+    sin = np.pad(sin[:, :half], ((0, 0), (0, pad)), constant_values=0.0)
+    return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+
+
+def pad_heads(w: np.ndarray, heads: int, own: int, padded: int) -> np.ndarray:
+    """The columns ``[K, heads * own]`` of a q, k or v projection (or a bias, ``[heads * own]``)
+    as ``[K, heads * padded]``: each half of each head zero-padded at its end, so that
+    GroupQueryAttention's rotary (which pairs dimension i with i + padded / 2) still pairs the
+    model's i with i + own / 2, and every padded dimension holds 0 (it adds 0 to q . k, and its
+    0 in v meets a zero column of o_proj's weight padded the same way)."""
+    if padded == own:
+        return w
+    lead = w.shape[:-1]
+    h = w.reshape(*lead, heads, 2, own // 2)
+    out = np.zeros((*lead, heads, 2, padded // 2), dtype=w.dtype)
+    out[..., : own // 2] = h
+    return out.reshape(*lead, heads * padded)
 
 
 class _Graph:
@@ -270,7 +310,8 @@ def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = 
     called after each layer (progress bars).
     """
     sd = model.state_dict()
-    d, kv, nh = spec.head_dim, spec.num_kv_heads, spec.num_heads
+    d, kv, nh, own = spec.head_dim, spec.num_kv_heads, spec.num_heads, spec.own_head_dim
+    heads = {"q": nh, "k": kv, "v": kv}
     cos, sin = rotary_tables(model, spec)
     out_dir = Path(out_dir)
     with ExternalDataWriter(out_dir / "model.onnx.data") as data:
@@ -286,19 +327,22 @@ def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = 
             h, res = g.rms_norm(stream, res, _np(sd[p + "input_layernorm.weight"]),
                                 f"/layers.{i}/input_layernorm")
             att = p + "self_attn."
-            w_qkv = np.concatenate([_np(sd[att + f"{n}_proj.weight"]).T for n in "qkv"], axis=1)
+            w_qkv = np.concatenate([pad_heads(_np(sd[att + f"{n}_proj.weight"]).T, heads[n], own, d)
+                                    for n in "qkv"], axis=1)
             b_qkv = None
             if att + "q_proj.bias" in sd:
-                b_qkv = np.concatenate([_np(sd[att + f"{n}_proj.bias"]) for n in "qkv"])
+                b_qkv = np.concatenate([pad_heads(_np(sd[att + f"{n}_proj.bias"]), heads[n], own, d)
+                                        for n in "qkv"])
             qkv = g.linear(h, w_qkv, f"/layers.{i}/attn/qkv", b_qkv)  # [1, N, (nh + 2 kv) d]
             del w_qkv
             a = g.node("GroupQueryAttention", gqa_inputs(g.unpack(qkv, f"/layers.{i}/attn"), i),
                        [f"/layers.{i}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
                        f"/layers.{i}/attn/GroupQueryAttention", domain=MS,
-                       num_heads=nh, kv_num_heads=kv, scale=1.0 / math.sqrt(d),
+                       num_heads=nh, kv_num_heads=kv, scale=1.0 / math.sqrt(own),
                        do_rotary=1, rotary_interleaved=0, local_window_size=-1)[0]
             a = g.pack(a, f"/layers.{i}/attn")  # [1, N, nh d]
-            o = g.linear(a, _np(sd[att + "o_proj.weight"]).T, f"/layers.{i}/attn/o_proj")
+            w_o = pad_heads(_np(sd[att + "o_proj.weight"]), nh, own, d).T  # [nh d, H]: zero rows for padding
+            o = g.linear(a, w_o, f"/layers.{i}/attn/o_proj")
             h, res = g.rms_norm(o, res, _np(sd[p + "post_attention_layernorm.weight"]),
                                 f"/layers.{i}/post_attention_layernorm")
             mlp = p + "mlp."

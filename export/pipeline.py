@@ -308,6 +308,10 @@ class _Builder:
         with self.ui.stage(f"load {label} weights ({src.path.name})"):
             model = src.load_model()
             spec = ModelSpec.from_config(model.config, self.max_positions)
+            if len(tok) > spec.vocab_size:  # its last ids would index past the embedding
+                raise TokenizerMismatchError(
+                    f"{label}: the tokenizer has {len(tok)} tokens but the model's vocabulary only "
+                    f"{spec.vocab_size} (ids {spec.vocab_size}..{len(tok) - 1} have no embedding)")
         ref = None
         if self.req.validate:
             with self.ui.stage(f"PyTorch reference for {label}"):

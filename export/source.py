@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .errors import CorruptSourceError, SourceNotFoundError
 from .gguf_meta import check_model, read_gguf_info
-from .graph import SUPPORTED_FAMILIES, unsupported_architecture
+from .graph import GGUF_FAMILIES, SUPPORTED_FAMILIES, unsupported_architecture
 
 __all__ = ["Source", "open_source"]
 
@@ -84,13 +84,13 @@ def open_source(src: str | os.PathLike, record: dict | None = None) -> Source:
     elif path.suffix.lower() == ".gguf":
         info = read_gguf_info(path)  # raises on corrupt or truncated files
         family = info.architecture
-        if family in SUPPORTED_FAMILIES:  # metadata vs tensor index, memory: before loading
+        if family in GGUF_FAMILIES:  # metadata vs tensor index, memory: before loading
             check_model(info, path)
         kind, folder, gguf_file = "gguf", path.resolve().parent, path.name
         default_record = {"kind": "gguf", "path": str(path.resolve())}
     else:
         raise SourceNotFoundError(f"{path} is neither a checkpoint folder nor a .gguf file")
-    if family not in SUPPORTED_FAMILIES:
-        raise unsupported_architecture(family)
+    if family not in (GGUF_FAMILIES if gguf_file else SUPPORTED_FAMILIES):
+        raise unsupported_architecture(family, GGUF_FAMILIES if gguf_file else SUPPORTED_FAMILIES)
     label = path.stem if gguf_file else path.name
     return Source(kind, folder, gguf_file, family, label, record or default_record)

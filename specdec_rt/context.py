@@ -33,12 +33,17 @@ class RequestContext:
         stop_ids: Iterable[int] = (),
         max_length: int | None = None,
         rng: np.random.Generator | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         prompt = np.asarray(list(prompt_ids) if not isinstance(prompt_ids, np.ndarray) else prompt_ids)
         if prompt.ndim != 1 or prompt.size == 0:
             raise InvalidInputError(f"prompt must be a non-empty sequence of token ids, got shape {prompt.shape}")
         if not np.issubdtype(prompt.dtype, np.integer) or prompt.min() < 0:
             raise InvalidInputError(f"prompt token ids must be non-negative integers, got {prompt[:8]!r}")
+        if vocab_size is not None and prompt.max() >= vocab_size:
+            bad = int(prompt[np.argmax(prompt >= vocab_size)])
+            raise InvalidInputError(f"prompt token id {bad} is outside the model's vocabulary (ids 0..{vocab_size - 1}); "
+                                    "a tokenizer that does not match the model?")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if max_length is not None and prompt.size + max_new_tokens > max_length:

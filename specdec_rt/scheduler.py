@@ -91,7 +91,7 @@ class SpecDecScheduler:
         if mode == "spec" and self.drafter is None:
             raise InvalidInputError("mode 'spec' needs a drafter; this scheduler has none (use mode='ar')")
         ctx = RequestContext(prompt_ids, max_new_tokens, params, self.eos_ids | set(stop_ids),
-                             self.max_length, rng)
+                             self.max_length, rng, getattr(self.verifier, "vocab_size", None))
         seeded = ctx.params.seed is not None and not ctx.params.greedy
         ewma = (AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance) if seeded
                 else self.shared_ewma.copy())

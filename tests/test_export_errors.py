@@ -83,7 +83,7 @@ def test_unsupported_checkpoint_architecture(capsys, tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(
         tmp_path / "gpt2")
     _fails(capsys, [str(tmp_path / "gpt2"), "--out", str(tmp_path / "o")],
-           "unsupported architecture gpt2; supported: llama, qwen2")
+           "unsupported architecture gpt2; supported: llama, mistral, qwen2")
 
 
 def test_tokenizer_mismatch_fails_before_loading_weights(capsys, tmp_path, monkeypatch):
@@ -106,6 +106,13 @@ def test_draft_vocab_size_mismatch(capsys, tmp_path):
     draft = build_tiny_checkpoint(tmp_path / "d", "llama", vocab=400)
     _fails(capsys, [str(target), "--draft", str(draft), "--out", str(tmp_path / "o")],
            "vocabulary size 400")
+
+
+def test_tokenizer_larger_than_the_vocabulary(capsys, tmp_path):
+    """Ids past the embedding would fail at run time (ONNX Runtime's Gather): refused at export."""
+    ckpt = build_tiny_checkpoint(tmp_path / "c", "llama", vocab=300)
+    err = _fails(capsys, [str(ckpt), "--out", str(tmp_path / "o")], "but the model's vocabulary only 300")
+    assert "tokenizer has 3" in err and not (tmp_path / "o").exists()
 
 
 def test_refuses_to_replace_an_unrelated_folder(capsys, tmp_path):

@@ -163,6 +163,7 @@ def test_hysteresis_keeps_a_borderline_draft_from_flapping():
     (([1], 5), {"mode": "beam"}, InvalidInputError, "mode"),
     (([1] * 4090, 10), {}, ContextLengthError, "4090 tokens"),
     (([-1], 5), {}, InvalidInputError, "non-negative"),
+    (([1, 2, 8, 3], 5), {}, InvalidInputError, r"token id 8 is outside the model's vocabulary \(ids 0\.\.7\)"),
 ])
 def test_bad_input_fails_before_any_model_call(args, kwargs, exc, msg):
     sched, target, draft = toy_scheduler(config=STATIC)

@@ -16,7 +16,7 @@ from pathlib import Path
 __all__ = ["build_tiny_tokenizer", "build_tiny_checkpoint", "build_tiny_gguf", "export_tiny",
            "plain_spec_together", "FAMILIES", "CHATML_TEMPLATE"]
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "mistral")  # mistral: checkpoint folders only (a GGUF says llama)
 CHATML_TEMPLATE = (
     "{{ bos_token if add_bos_in_template else '' }}"
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
@@ -44,7 +44,7 @@ def build_tiny_tokenizer(family: str = "llama", vocab: int = 320, corpus_seed: i
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    if family == "llama":
+    if family in ("llama", "mistral"):
         specials = ["<s>", "</s>"] + specials
     corpus = list(_CORPUS)
     if corpus_seed:
@@ -56,7 +56,7 @@ def build_tiny_tokenizer(family: str = "llama", vocab: int = 320, corpus_seed: i
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tk.train_from_iterator(corpus, trainer)
-    if family == "llama":  # bos on plain text, as Llama tokenizers do
+    if family in ("llama", "mistral"):  # bos on plain text, as Llama tokenizers do
         tk.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tk.token_to_id("<s>"))])
         kw = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<|endoftext|>"}
@@ -73,11 +73,11 @@ def build_tiny_tokenizer(family: str = "llama", vocab: int = 320, corpus_seed: i
 def build_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, vocab: int = 384,
                           hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                           intermediate: int = 128, max_positions: int = 512,
-                          tokenizer_seed: int = 0) -> Path:
+                          tokenizer_seed: int = 0, window: int | None = None) -> Path:
     """Save a random-weight `family` model + tokenizer to `path` (`save_pretrained`)."""
     import torch
-    from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     path = Path(path)
     tok = build_tiny_tokenizer(family, corpus_seed=tokenizer_seed)
@@ -89,6 +89,9 @@ def build_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, voca
     torch.manual_seed(seed)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
+    elif family == "mistral":  # a window longer than the model's positions unless `window` says
+        model = MistralForCausalLM(MistralConfig(**common, tie_word_embeddings=False,
+                                                 sliding_window=window or 4 * max_positions))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False,
                                              rope_theta=1e6))

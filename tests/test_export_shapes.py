@@ -1,0 +1,105 @@
+"""Model shapes beyond the defaults: head sizes ONNX Runtime's GroupQueryAttention does not take
+(with rotary: multiples of 16 only), as tiny test models have them (hidden 16 over 4 heads), which
+the exporter zero-pads (`export.graph.pad_heads`) without changing any result; and Mistral, which
+is Llama's graph capped at its sliding window."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tiny_models import build_tiny_checkpoint  # noqa: E402
+
+from export.graph import HEAD_MULTIPLE, pad_heads  # noqa: E402
+from export.pipeline import Request, run  # noqa: E402
+from export.ui import Reporter  # noqa: E402
+
+pytestmark = pytest.mark.export
+
+
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Non-interleaved rotary as GroupQueryAttention applies it: dimension i pairs with
+    i + d/2. x [heads, d], cos/sin [d/2]."""
+    a, b = np.split(x, 2, axis=-1)
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+
+@pytest.mark.parametrize("own", [4, 8, 12, 20])
+def test_padded_heads_keep_every_attention_product(own):
+    rng = np.random.default_rng(own)
+    heads, hidden, d = 3, 10, -(-own // HEAD_MULTIPLE) * HEAD_MULTIPLE
+    wq, wk, wv = (rng.normal(size=(hidden, heads * own)) for _ in range(3))  # [K, heads * own]
+    wo = rng.normal(size=(hidden, heads * own))  # o_proj.weight [H, heads * own]
+    x = rng.normal(size=(2, hidden))  # two positions
+    angles = rng.uniform(0, 6, size=(2, own // 2))
+    cos, sin = np.cos(angles), np.sin(angles)
+    cos_p = np.pad(cos, ((0, 0), (0, (d - own) // 2)), constant_values=1.0)
+    sin_p = np.pad(sin, ((0, 0), (0, (d - own) // 2)), constant_values=0.0)
+
+    def attention(q_w, k_w, v_w, o_w, size, c, s):
+        q = (x @ q_w).reshape(2, heads, size)
+        k = (x @ k_w).reshape(2, heads, size)
+        v = (x @ v_w).reshape(2, heads, size)
+        q = np.stack([_rotate(q[j], c[j], s[j]) for j in range(2)])
+        k = np.stack([_rotate(k[j], c[j], s[j]) for j in range(2)])
+        scores = np.einsum("ihd,jhd->hij", q, k) / np.sqrt(own)  # the model's scale either way
+        out = np.einsum("hij,jhd->ihd", scores, v).reshape(2, heads * size)
+        return scores, out @ o_w.T  # [heads, 2, 2], [2, H]
+
+    s0, y0 = attention(wq, wk, wv, wo, own, cos, sin)
+    s1, y1 = attention(*(pad_heads(w, heads, own, d) for w in (wq, wk, wv, wo)), d, cos_p, sin_p)
+    np.testing.assert_allclose(s1, s0, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(y1, y0, rtol=1e-12, atol=1e-12)
+    bias = rng.normal(size=heads * own)
+    assert pad_heads(bias, heads, own, d).shape == (heads * d,)
+
+
+@pytest.mark.parametrize("family,shape,padded", [
+    ("llama", dict(hidden=16, heads=4, kv_heads=4, intermediate=40), 16),  # head 4: transformers' tiny-random style
+    ("qwen2", dict(hidden=40, heads=2, kv_heads=1, intermediate=72), 32),  # head 20, with q/k/v biases
+])
+def test_small_heads_export_exactly_and_decode_as_plain(tmp_path, family, shape, padded):
+    from specdec_rt import Engine
+
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt", family, **shape)
+    out = tmp_path / "onnx"
+    run(Request(src=str(ckpt), out=out, draft_quant="int8", threads=1), Reporter(quiet=True))
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["architecture"]["head_dim"] == padded  # the KV cache's head size
+    v = m["validation"]  # the ONNX graph against PyTorch, in the export
+    assert v["greedy_agreement"] == 1.0 and v["max_abs_logit_diff"] < 1e-4
+
+    async def main():
+        async with await Engine.load(out, draft="ngram+model", warmup=False) as engine:
+            for prompt in ("hello world", "the quick brown fox jumps", "def f(x): return x"):
+                plain = await engine.generate(prompt, max_new_tokens=24, mode="ar")
+                spec = await engine.generate(prompt, max_new_tokens=24, mode="spec")
+                assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 0
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("window,positions", [(None, 512), (64, 64)])
+def test_mistral_exports_as_llama_capped_at_its_window(tmp_path, window, positions):
+    """Mistral is Llama's graph; with a sliding window shorter than its positions, the export
+    stops at the window (within it, sliding attention is full attention)."""
+    from specdec_rt import Engine
+
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt", "mistral", window=window)
+    out = tmp_path / "onnx"
+    run(Request(src=str(ckpt), out=out, draft_quant="int4", threads=1), Reporter(quiet=True))
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["architecture"]["family"] == "mistral" and m["architecture"]["max_positions"] == positions
+    assert m["validation"]["greedy_agreement"] == 1.0 and m["validation"]["max_abs_logit_diff"] < 1e-4
+
+    async def main():
+        async with await Engine.load(out, draft="ngram+model", warmup=False) as engine:
+            plain = await engine.generate("the quick brown fox jumps", max_new_tokens=24, mode="ar")
+            spec = await engine.generate("the quick brown fox jumps", max_new_tokens=24, mode="spec")
+            assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 0
+    asyncio.run(main())
