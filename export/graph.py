@@ -5,12 +5,12 @@ The graph is what onnxruntime-genai's model builder would write, ~12 nodes a lay
     x = Gather(embed, input_ids)                                        # [1, N, H]: packed
     per layer i:
       h, res = SkipSimplifiedLayerNormalization(mlp_out, res, ln_in_i)  # RMSNorm + residual add
-      qkv    = MatMul(h, W_qkv) (+ bias for Qwen2)                      # [1, N, (nh + 2 kv) * d]
+      qkv    = MatMul(h, W_qkv) (+ bias: Qwen2, Llama attention_bias)    # [1, N, (nh + 2 kv) * d]
       rows   = Reshape(Gather(qkv, pad_index), padded_shape)            # [B, S, ...] right-padded
       a, present_k, present_v = GroupQueryAttention(rows, past_k, past_v, seqlens_k,
                                   total_sequence_length, cos, sin, query_seqlens)  # rotary inside
       a      = Gather(Reshape(a, [1, -1, 0]), pack_index)               # [1, N, nh * d]
-      h, res = SkipSimplifiedLayerNormalization(MatMul(a, W_o), res, ln_post_i)
+      h, res = SkipSimplifiedLayerNormalization(MatMul(a, W_o) (+ b_o), res, ln_post_i)
       mlp_out = MatMul(SiLU(MatMul(h, W_gate)) * MatMul(h, W_up), W_down)
     hidden_states = SkipSimplifiedLayerNormalization(mlp_out, res, final_norm)   # [1, N, H]
     logits = MatMul(Gather(hidden_states, logits_index, axis=1), W_head)         # [1, R, V]
@@ -302,6 +302,21 @@ def _np(t) -> np.ndarray:
     return t.detach().float().numpy()
 
 
+def check_weights(sd, spec: ModelSpec) -> None:
+    """Refuse a state dict with tensors the graph would not use (e.g. an MLP bias, a layer's
+    extra norm): the export would be silently wrong, and validation would find out only after
+    the whole graph was written."""
+    parts = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    parts += [f"self_attn.{n}_proj.{t}" for n in "qkvo" for t in ("weight", "bias")]
+    parts += [f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    known = {f"model.layers.{i}.{part}" for i in range(spec.num_layers) for part in parts}
+    known |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    extra = sorted(k for k in sd if k not in known and not k.endswith("rotary_emb.inv_freq"))
+    if extra:
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        raise UnsupportedModelError(f"unsupported weights {', '.join(extra[:3])}{more}: the graph has no place for them")
+
+
 def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = None,
                on_layer: Callable[[int], None] | None = None) -> dict:
     """Write `model.onnx` + `model.onnx.data` into `out_dir`; returns {"nodes": n, ...}.
@@ -310,6 +325,7 @@ def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = 
     called after each layer (progress bars).
     """
     sd = model.state_dict()
+    check_weights(sd, spec)
     d, kv, nh, own = spec.head_dim, spec.num_kv_heads, spec.num_heads, spec.own_head_dim
     heads = {"q": nh, "k": kv, "v": kv}
     cos, sin = rotary_tables(model, spec)
@@ -342,7 +358,8 @@ def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = 
                        do_rotary=1, rotary_interleaved=0, local_window_size=-1)[0]
             a = g.pack(a, f"/layers.{i}/attn")  # [1, N, nh d]
             w_o = pad_heads(_np(sd[att + "o_proj.weight"]), nh, own, d).T  # [nh d, H]: zero rows for padding
-            o = g.linear(a, w_o, f"/layers.{i}/attn/o_proj")
+            b_o = sd.get(att + "o_proj.bias")  # Llama with attention_bias=True
+            o = g.linear(a, w_o, f"/layers.{i}/attn/o_proj", None if b_o is None else _np(b_o))
             h, res = g.rms_norm(o, res, _np(sd[p + "post_attention_layernorm.weight"]),
                                 f"/layers.{i}/post_attention_layernorm")
             mlp = p + "mlp."

@@ -16,7 +16,8 @@ pytest.importorskip("transformers")
 
 from tiny_models import build_tiny_checkpoint  # noqa: E402
 
-from export.graph import HEAD_MULTIPLE, pad_heads  # noqa: E402
+from export.errors import UnsupportedModelError  # noqa: E402
+from export.graph import HEAD_MULTIPLE, ModelSpec, check_weights, pad_heads  # noqa: E402
 from export.pipeline import Request, run  # noqa: E402
 from export.ui import Reporter  # noqa: E402
 
@@ -63,8 +64,9 @@ def test_padded_heads_keep_every_attention_product(own):
 @pytest.mark.parametrize("family,shape,padded", [
     ("llama", dict(hidden=16, heads=4, kv_heads=4, intermediate=40), 16),  # head 4: transformers' tiny-random style
     ("qwen2", dict(hidden=40, heads=2, kv_heads=1, intermediate=72), 32),  # head 20, with q/k/v biases
+    ("llama", dict(attention_bias=True), 16),  # q/k/v and o_proj biases (o_proj's was dropped)
 ])
-def test_small_heads_export_exactly_and_decode_as_plain(tmp_path, family, shape, padded):
+def test_odd_shapes_export_exactly_and_decode_as_plain(tmp_path, family, shape, padded):
     from specdec_rt import Engine
 
     ckpt = build_tiny_checkpoint(tmp_path / "ckpt", family, **shape)
@@ -103,3 +105,12 @@ def test_mistral_exports_as_llama_capped_at_its_window(tmp_path, window, positio
             spec = await engine.generate("the quick brown fox jumps", max_new_tokens=24, mode="spec")
             assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 0
     asyncio.run(main())
+
+
+def test_weights_the_graph_has_no_place_for_are_refused():
+    spec = ModelSpec("llama", 1, 8, 2, 2, 16, 16, 10, 32, 1e-5)
+    names = ["model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
+             "model.layers.0.self_attn.o_proj.bias", "model.rotary_emb.inv_freq"]
+    check_weights(dict.fromkeys(names), spec)
+    with pytest.raises(UnsupportedModelError, match="unsupported weights model.layers.0.mlp.up_proj.bias"):
+        check_weights(dict.fromkeys(names + ["model.layers.0.mlp.up_proj.bias"]), spec)

@@ -73,8 +73,9 @@ def build_tiny_tokenizer(family: str = "llama", vocab: int = 320, corpus_seed: i
 def build_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, vocab: int = 384,
                           hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                           intermediate: int = 128, max_positions: int = 512,
-                          tokenizer_seed: int = 0, window: int | None = None) -> Path:
-    """Save a random-weight `family` model + tokenizer to `path` (`save_pretrained`)."""
+                          tokenizer_seed: int = 0, window: int | None = None, **config) -> Path:
+    """Save a random-weight `family` model + tokenizer to `path` (`save_pretrained`).
+    ``config``: more options for the transformers config (e.g. ``attention_bias=True``)."""
     import torch
     from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                               MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
@@ -85,7 +86,7 @@ def build_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, voca
                   num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                   initializer_range=0.08, rms_norm_eps=1e-5, pad_token_id=tok.pad_token_id,
-                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **config)
     torch.manual_seed(seed)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
