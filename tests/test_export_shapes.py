@@ -1,6 +1,6 @@
 """Model shapes beyond the defaults: head sizes ONNX Runtime's GroupQueryAttention does not take
 (with rotary: multiples of 16 only), as tiny test models have them (hidden 16 over 4 heads), which
-the exporter zero-pads (`export.graph.pad_heads`) without changing any result; and Mistral, which
+the exporter zero-pads (`export.layout.pad_heads`) without changing any result; and Mistral, which
 is Llama's graph capped at its sliding window."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ pytest.importorskip("transformers")
 from tiny_models import build_tiny_checkpoint  # noqa: E402
 
 from export.errors import UnsupportedModelError  # noqa: E402
-from export.graph import HEAD_MULTIPLE, ModelSpec, check_weights, pad_heads  # noqa: E402
+from export.graph import ModelSpec  # noqa: E402
+from export.layout import HEAD_MULTIPLE, check_weights, pad_heads  # noqa: E402
 from export.pipeline import Request, run  # noqa: E402
 from export.ui import Reporter  # noqa: E402
 
