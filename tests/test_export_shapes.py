@@ -78,12 +78,15 @@ def test_odd_shapes_export_exactly_and_decode_as_plain(tmp_path, family, shape, 
     v = m["validation"]  # the ONNX graph against PyTorch, in the export
     assert v["greedy_agreement"] == 1.0 and v["max_abs_logit_diff"] < 1e-4
 
+    prompts = ("hello world", "the quick brown fox jumps", "def f(x): return x")
+
     async def main():
         async with await Engine.load(out, draft="ngram+model", warmup=False) as engine:
-            for prompt in ("hello world", "the quick brown fox jumps", "def f(x): return x"):
-                plain = await engine.generate(prompt, max_new_tokens=24, mode="ar")
-                spec = await engine.generate(prompt, max_new_tokens=24, mode="spec")
-                assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 0
+            plain = [(await engine.generate(p, max_new_tokens=24, mode="ar")).token_ids for p in prompts]
+            for p, ids in zip(prompts, plain):
+                assert (await engine.generate(p, max_new_tokens=24, mode="spec")).token_ids == ids and ids
+            together = await asyncio.gather(*[engine.generate(p, max_new_tokens=24) for p in prompts])
+            assert [r.token_ids for r in together] == plain  # batched rows of padded heads too
     asyncio.run(main())
 
 
