@@ -66,6 +66,11 @@ def test_padded_heads_keep_every_attention_product(own):
     ("llama", dict(hidden=16, heads=4, kv_heads=4, intermediate=40), 16),  # head 4: transformers' tiny-random style
     ("qwen2", dict(hidden=40, heads=2, kv_heads=1, intermediate=72), 32),  # head 20, with q/k/v biases
     ("llama", dict(attention_bias=True), 16),  # q/k/v and o_proj biases (o_proj's was dropped)
+    ("llama", dict(layers=1, kv_heads=1, head_dim=32), 32),  # one layer, one KV head, head_dim set
+    ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 128}), 16),
+    ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": 128}), 16),
 ])
 def test_odd_shapes_export_exactly_and_decode_as_plain(tmp_path, family, shape, padded):
     from specdec_rt import Engine
