@@ -195,14 +195,20 @@ class _Builder:
         self.target_info = None  # TokenizerInfo of the target, shared by its drafts
 
     def open_all(self, jobs: list[Job]) -> dict[str, tuple[Source, object]]:
-        """Fetch/check every source and load its tokenizer; compare draft tokenizers and
-        vocabulary sizes with the target's before any weights are loaded."""
+        """Fetch/check every source and load its tokenizer; check each tokenizer against its
+        model's vocabulary size, and compare draft tokenizers and vocabulary sizes with the
+        target's, before any weights are loaded."""
         opened = {}
         with self.ui.stage("check sources and tokenizers"):
             for job in jobs:
                 if job.ref is not None:
                     src = job.ref.open(self.ui)
-                    opened[job.name] = (src, src.load_tokenizer())
+                    opened[job.name] = (src, tok := src.load_tokenizer())
+                    vocab = src.vocab_size()
+                    if vocab is not None and len(tok) > vocab:  # its last ids would index past the embedding
+                        raise TokenizerMismatchError(
+                            f"{job.name}: the tokenizer has {len(tok)} tokens but the model's vocabulary "
+                            f"only {vocab} (ids {vocab}..{len(tok) - 1} have no embedding)")
             target_src, target_tok = opened[jobs[0].name]
             for job in jobs[1:]:
                 if job.name in opened:
@@ -308,10 +314,6 @@ class _Builder:
         with self.ui.stage(f"load {label} weights ({src.path.name})"):
             model = src.load_model()
             spec = ModelSpec.from_config(model.config, self.max_positions)
-            if len(tok) > spec.vocab_size:  # its last ids would index past the embedding
-                raise TokenizerMismatchError(
-                    f"{label}: the tokenizer has {len(tok)} tokens but the model's vocabulary only "
-                    f"{spec.vocab_size} (ids {spec.vocab_size}..{len(tok) - 1} have no embedding)")
         ref = None
         if self.req.validate:
             with self.ui.stage(f"PyTorch reference for {label}"):

@@ -108,9 +108,17 @@ def test_draft_vocab_size_mismatch(capsys, tmp_path):
            "vocabulary size 400")
 
 
-def test_tokenizer_larger_than_the_vocabulary(capsys, tmp_path):
-    """Ids past the embedding would fail at run time (ONNX Runtime's Gather): refused at export."""
+def test_tokenizer_larger_than_the_vocabulary(capsys, tmp_path, monkeypatch):
+    """Ids past the embedding would fail at run time (ONNX Runtime's Gather): refused at export,
+    before the weights load."""
+    from export.source import Source
+
     ckpt = build_tiny_checkpoint(tmp_path / "c", "llama", vocab=300)
+
+    def no_weights(self):
+        raise AssertionError("weights were loaded before the vocabulary check")
+
+    monkeypatch.setattr(Source, "load_model", no_weights)
     err = _fails(capsys, [str(ckpt), "--out", str(tmp_path / "o")], "but the model's vocabulary only 300")
     assert "tokenizer has 3" in err and not (tmp_path / "o").exists()
 
