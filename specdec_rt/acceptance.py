@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 
 from .arms import BatchArms, RoundLedger
 from .errors import InvalidInputError
+from .verify_fit import fit_line, measured_steps, verify_cost
 
 __all__ = ["SpecConfig", "AcceptanceEWMA", "BatchArms", "CostModel", "expected_tokens"]
 
@@ -147,6 +148,7 @@ class CostModel:
     measure: bool = True
     draft_token_s: float | None = None
     verify_s: dict[int, float] = field(default_factory=dict)  # drafts k -> seconds per verify call
+    verify_n: dict[int, int] = field(default_factory=dict)  # drafts k -> verify calls measured (none: trusted)
     draft_prefill_s: float | None = None  # seconds per prompt token of the draft's prefill
     prefill_skips: int = 0  # requests in a row decoded plainly by the prefill rule
     prefill_samples: list[float] = field(default_factory=list)  # recent draft prefill seconds per token
@@ -159,26 +161,32 @@ class CostModel:
     batch_arms: dict[int, BatchArms] = field(default_factory=dict)  # batch -> measured kinds of round
     ledger: RoundLedger = field(default_factory=RoundLedger)  # kinds of round running now (their purity)
     _line: tuple | None = field(default=None, repr=False, compare=False)  # _verify_line, until verify_s changes
+    _steps: dict | None = field(default=None, repr=False, compare=False)  # measured_steps, likewise
 
     def __setattr__(self, name: str, value) -> None:
-        if name == "verify_s":  # a new dict of measurements: the fitted line goes with the old one
+        if name == "verify_s":  # a new dict of measurements: the fits go with the old one
             object.__setattr__(self, "_line", None)
+            object.__setattr__(self, "_steps", None)
         object.__setattr__(self, name, value)
 
-    def observe(self, drafted: int, t_draft: float, t_verify: float, model_drafts: bool = True) -> None:
-        """A round alone: its verify call over ``drafted`` drafts, and (``model_drafts``: the
-        drafts came from the drafter's own steps, not only free n-gram matches) their cost."""
+    def observe(self, drafted: int, t_draft: float, t_verify: float, model_drafts: bool = True,
+                verified: int | None = None) -> None:
+        """A round alone: ``drafted`` drafts deep, its verify call over ``verified`` drafts (a
+        tree's nodes; default ``drafted``), and (``model_drafts``: the drafts came from the
+        drafter's own steps, not only free n-gram matches) their cost per depth."""
         if not self.measure:
             return
         if drafted and model_drafts:
             self.draft_token_s = self._ewma(self.draft_token_s, t_draft / drafted)
-        self.verify_s[drafted] = self._ewma(self.verify_s.get(drafted), t_verify)
-        self._line = None
+        n = drafted if verified is None else verified
+        self.verify_s[n] = self._ewma(self.verify_s.get(n), t_verify)
+        self.verify_n[n] = self.verify_n.get(n, 0) + 1
+        self._line = self._steps = None
 
     def forget_times(self) -> None:
         """Drop every measured time alone (an engine's first request, which paid for its start)."""
         self.draft_token_s = self.draft_prefill_s = None
-        self.verify_s, self.prefill_samples = {}, []
+        self.verify_s, self.verify_n, self.prefill_samples = {}, {}, []
 
     def observe_prefill(self, prompt_tokens: int, drafted: int, t_draft: float) -> None:
         """A first round: the draft prefilled ``prompt_tokens`` then took ``drafted - 1`` steps.
@@ -196,37 +204,10 @@ class CostModel:
 
     def _verify_line(self) -> tuple[float | None, float, float]:
         """``(base, j, s)``: seconds of one plain target step (None if unmeasured) and the cost
-        of a verify over k >= 1 drafts, ``1 + j + s*k`` plain steps.
-
-        Measured verify costs are concave in k: the first draft costs most (one position goes
-        through matrix-vector kernels, two or more through matrix-matrix ones; SmolLM2 fp32:
-        11.3 ms plain, 13.9 / 14.9 / 16.0 / 16.9 / 17.7 ms over 1-5 drafts). So ``s`` is the
-        least-squares slope of the verifies measured over k >= 1 (when they span at least 2) and
-        ``j`` the jump from a plain step to that line. A line through the plain step and the
-        longest verify (the earlier model) overstates the slope, so every longer chain looked
-        dearer than it is and requests kept to short ones (measured only what they chose)."""
+        of a verify over k >= 1 drafts, ``1 + j + s*k`` plain steps (:func:`~specdec_rt.verify_fit.fit_line`)."""
         if self._line is None:
-            self._line = self._fit_verify_line()
+            self._line = fit_line(self.verify_s, self.config.verify_cost_per_token)
         return self._line
-
-    def _fit_verify_line(self) -> tuple[float | None, float, float]:
-        s_default = self.config.verify_cost_per_token
-        points = {k: v for k, v in self.verify_s.items() if k > 0}
-        plain = self.verify_s.get(0)
-        if not points:
-            return plain, 0.0, s_default
-        if len(points) >= 2 and max(points) - min(points) >= 2:  # least squares over k >= 1
-            n = len(points)
-            mk, mv = sum(points) / n, sum(points.values()) / n
-            slope_s = max(0.0, sum((k - mk) * (v - mv) for k, v in points.items())
-                          / sum((k - mk) ** 2 for k in points))
-            at_zero = max(1e-9, mv - slope_s * mk)  # the line's value at k = 0
-            base = plain if plain is not None else at_zero
-            return base, max(0.0, at_zero / base - 1.0), slope_s / base
-        # one verify length (or adjacent ones): the configured slope, the rest a jump
-        k0 = min(points)
-        base = plain if plain is not None else points[k0] / (1.0 + s_default * k0)
-        return base, max(0.0, points[k0] / base - 1.0 - s_default * k0), s_default
 
     def _base_and_slope(self) -> tuple[float | None, float]:
         """Seconds of one plain target step (None if unmeasured) and the relative verify slope."""
@@ -242,11 +223,15 @@ class CostModel:
         return d, s
 
     def verify_cost(self, k: int) -> float:
-        """A verify call over ``k`` drafts, in plain target steps: ``1 + j + s*k`` (1 for k = 0)."""
+        """A verify call over ``k`` drafts (``k + 1`` positions), in plain target steps; 1 for
+        k = 0. Where k was measured, the measurement (weighed by its calls against the line,
+        nondecreasing in k); elsewhere the line ``1 + j + s*k``, kept between the measured
+        lengths around k (:mod:`specdec_rt.verify_fit`)."""
         if k <= 0:
             return 1.0
-        _, j, s = self._verify_line()
-        return 1.0 + j + s * k
+        if self._steps is None:
+            self._steps = measured_steps(self.verify_s, self.verify_n, self._verify_line())
+        return verify_cost(k, self._verify_line(), self._steps)
 
     def prefill_pays(self, prompt_tokens: int, new_tokens: int, a: float, k: int) -> bool:
         """Whether speculating over ``new_tokens`` saves more time than the draft needs to

@@ -43,9 +43,9 @@ class RequestPolicy:
         c, a = self.config, (self.cheap_ewma if cheap else self.ewma).value
         ks = [c.k_init] if not c.adapt_k else range(c.k_min, c.k_max + 1)
         if cheap and batch == 1:  # alone: the verify call's extra positions are all they cost
-            return _peak(ks, lambda k: self.costs.speedup(a, k, free=True))
+            return _peak(ks, lambda k: self.costs.speedup(a, k, free=True), whole=True)
         rate = self.costs.cheap_speedup if cheap else self.costs.batch_speedup
-        return _peak(ks, lambda k: rate(a, k, batch))
+        return _peak(ks, lambda k: rate(a, k, batch), whole=batch == 1)
 
     def start(self, new_tokens: int) -> FallbackEvent | None:
         """Before the first round: if the draft's prefill of the prompt would cost more than
@@ -122,7 +122,8 @@ class RequestPolicy:
         return min(k, remaining - 1)
 
     def observe(self, at: int, drafted: int, accepted: int, t_draft: float, t_verify: float,
-                timed: bool = True, alone: bool = True, batch: int = 1) -> FallbackEvent | None:
+                timed: bool = True, alone: bool = True, batch: int = 1,
+                verified: int | None = None) -> FallbackEvent | None:
         """Feed one finished round; returns the mode switch it caused, if any. ``timed=False``
         marks a round that included a prefill (a request's first round; the first that drafted):
         its times are kept out of the per-step costs (the draft's is used for its prefill cost
@@ -130,9 +131,11 @@ class RequestPolicy:
         catch-up) adds its verify call to the costs, not its draft time. ``alone=False``: other
         requests (``batch`` in all) shared the round's calls, so its times are not this request's
         costs (the step loop measures the batched calls), only this request's tokens per second
-        in that kind of round (:class:`BatchArms`)."""
+        in that kind of round (:class:`BatchArms`). ``verified``: the drafts the verify call took
+        (a tree's nodes; default ``drafted``, its depth)."""
         if alone and timed:  # a draft that first read what it missed (a probe, a catch-up): its verify only
-            self.costs.observe(drafted, t_draft, t_verify, model_drafts=not self.cheap and self._lag <= CATCHUP_FREE)
+            self.costs.observe(drafted, t_draft, t_verify, model_drafts=not self.cheap and self._lag <= CATCHUP_FREE,
+                               verified=verified)
         elif alone and not self.cheap:  # free drafts read no prompt: no prefill to measure
             self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
         pure = self.costs.ledger.end(self._round) if self._round is not None else True
@@ -170,17 +173,19 @@ class RequestPolicy:
         return FallbackEvent(at, "ar", reason, a)
 
 
-def _peak(ks, speedup) -> tuple[int, float]:
+def _peak(ks, speedup, whole: bool = False) -> tuple[int, float]:
     """``(k, speedup(k))`` at the highest speedup over the increasing ``ks``, scanning up to the
-    first decrease: ``E(a, k)`` grows ever slower while a round's cost grows with k, so the
-    predicted speedup rises to one peak and falls (asked for every request every round: a
-    batch of 8 spent ~2% of its time here scanning every k)."""
+    first decrease (``whole``: every k): ``E(a, k)`` grows ever slower while a round's cost grows
+    with k, so the predicted speedup mostly rises to one peak and falls (asked for every request
+    every round: a batch of 8 spent ~2% of its time here scanning every k). A request alone scans
+    them all: measured verify costs rise in steps (kernels take rows in blocks), so past a step
+    a longer chain can beat the peak before it."""
     best = prev = None
     for k in ks:
         v = speedup(k)
         if best is None or v > best[1]:
             best = (k, v)
-        elif prev is not None and v < prev:
+        elif not whole and prev is not None and v < prev:
             break
         prev = v
     return best

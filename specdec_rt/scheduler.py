@@ -146,7 +146,7 @@ class SpecDecScheduler:
                 timed = seen and (drafted or not drafts)
                 switch = policy.observe(at, depth, verdict.accepted, t1 - t0, t2 - t1, timed,
                                         alone=batch == 1 == max(self.running, self.load() if self.load else 0),
-                                        batch=batch)
+                                        batch=batch, verified=len(drafts))
                 stats.observe_round(depth, verdict.accepted, new.size, t1 - t0, t2 - t1,
                                     policy.ewma.value if drafts or stats.rounds else None)
                 if ctx.chain_stop is not None:
@@ -208,7 +208,9 @@ class SpecDecScheduler:
         the room the models have left (the nodes take positions after the k drafts)."""
         if not k or not tree.max_nodes:  # trees off (the default): no cost estimates per round
             return 0
-        nodes = tree.nodes(alone, policy.costs.relative()[1], policy.costs.speedup(policy.ewma.value, k), rates)
+        c, n = policy.costs, tree.max_nodes  # what each of the nodes adds to the verify call, in steps
+        per_node = (c.verify_cost(k + n) - c.verify_cost(k)) / n
+        nodes = tree.nodes(alone, per_node, c.speedup(policy.ewma.value, k), rates)
         room = self.max_length - ctx.tokens.size - k if self.max_length else nodes
         return max(0, min(nodes, room))
 

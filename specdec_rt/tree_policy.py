@@ -5,7 +5,9 @@ most probable alternatives to the chain's tokens). In units of one plain target 
 ``R = 1 + s (k + 1) + k d`` and yields ``T`` tokens (``s``: the measured cost of one more verified
 position; ``d``: of one draft step). ``n`` extra nodes cost ``n s`` more and yield ``n h`` more
 tokens, ``h`` being how often an offered node ends up on the accepted path. They pay when
-``(T + n h) / (R + n s) > T / R``, i.e. when ``h > s T / R = s x (the round's speedup)``.
+``(T + n h) / (R + n s) > T / R``, i.e. when ``h > s T / R = s x (the round's speedup)``. ``s``
+here is what each node adds, ``(v(k + n) - v(k)) / n`` from the measured verify costs, not one
+slope: where the kernels take rows in blocks, nodes past a block's end cost a step of their own.
 
 ``h`` is an EWMA per request (prior ``TREE_PRIOR``). While trees do not pay the request drafts
 chains and offers a tree again every ``TREE_PROBE_EVERY`` rounds, so the estimate can recover.
@@ -37,14 +39,15 @@ class TreePolicy:
         self.hit_rate = TREE_PRIOR
         self._since_probe = 0
 
-    def nodes(self, alone: bool, slope: float, speedup: float, rates: "TreeRates | None" = None) -> int:
-        """Nodes to offer: ``alone`` (trees go in a call of their own), ``slope`` s and the
-        expected ``speedup`` T / R of a chain round (both from the cost model); ``rates``: the
-        realized speeds of both kinds of round, when they may decide."""
+    def nodes(self, alone: bool, per_node: float, speedup: float, rates: "TreeRates | None" = None) -> int:
+        """Nodes to offer: ``alone`` (trees go in a call of their own), ``per_node``, what each
+        node adds to the verify call in plain steps, and the expected ``speedup`` T / R of a
+        chain round (both from the cost model); ``rates``: the realized speeds of both kinds of
+        round, when they may decide."""
         if not self.max_nodes or not alone:
             return 0
         realized = rates.pays() if rates is not None else None
-        pays = self.hit_rate > slope * max(speedup, 1.0) if realized is None else realized
+        pays = self.hit_rate > per_node * max(speedup, 1.0) if realized is None else realized
         clock = rates if rates is not None else self  # shared: short requests still probe
         clock._since_probe += 1
         if clock._since_probe >= TREE_PROBE_EVERY:  # the other kind of round, now and then

@@ -131,7 +131,7 @@ def test_realized_rates_switch_trees_off_when_their_rounds_are_slower():
     rates = TreeRates(alpha=0.5)
     policy = TreePolicy(nodes=3, alpha=0.1)
     assert rates.pays() is None
-    assert policy.nodes(True, slope=0.05, speedup=1.4, rates=rates) == 3  # the hit-rate rule: prior 0.3
+    assert policy.nodes(True, per_node=0.05, speedup=1.4, rates=rates) == 3  # the hit-rate rule: prior 0.3
     assert policy.nodes(False, 0.05, 1.4, rates) == 0  # in a batch: chains
     rates.observe(True, 10, 1.0)
     rates.observe(False, 12, 1.0)
