@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 
 from .arms import BatchArms, RoundLedger
 from .errors import InvalidInputError
-from .verify_fit import fit_line, measured_steps, verify_cost
+from .verify_fit import fit_line
 
 __all__ = ["SpecConfig", "AcceptanceEWMA", "BatchArms", "CostModel", "expected_tokens"]
 
@@ -148,7 +148,6 @@ class CostModel:
     measure: bool = True
     draft_token_s: float | None = None
     verify_s: dict[int, float] = field(default_factory=dict)  # drafts k -> seconds per verify call
-    verify_n: dict[int, int] = field(default_factory=dict)  # drafts k -> verify calls measured (none: trusted)
     draft_prefill_s: float | None = None  # seconds per prompt token of the draft's prefill
     prefill_skips: int = 0  # requests in a row decoded plainly by the prefill rule
     prefill_samples: list[float] = field(default_factory=list)  # recent draft prefill seconds per token
@@ -161,12 +160,10 @@ class CostModel:
     batch_arms: dict[int, BatchArms] = field(default_factory=dict)  # batch -> measured kinds of round
     ledger: RoundLedger = field(default_factory=RoundLedger)  # kinds of round running now (their purity)
     _line: tuple | None = field(default=None, repr=False, compare=False)  # _verify_line, until verify_s changes
-    _steps: dict | None = field(default=None, repr=False, compare=False)  # measured_steps, likewise
 
     def __setattr__(self, name: str, value) -> None:
-        if name == "verify_s":  # a new dict of measurements: the fits go with the old one
+        if name == "verify_s":  # a new dict of measurements: the fitted line goes with the old one
             object.__setattr__(self, "_line", None)
-            object.__setattr__(self, "_steps", None)
         object.__setattr__(self, name, value)
 
     def observe(self, drafted: int, t_draft: float, t_verify: float, model_drafts: bool = True,
@@ -180,13 +177,12 @@ class CostModel:
             self.draft_token_s = self._ewma(self.draft_token_s, t_draft / drafted)
         n = drafted if verified is None else verified
         self.verify_s[n] = self._ewma(self.verify_s.get(n), t_verify)
-        self.verify_n[n] = self.verify_n.get(n, 0) + 1
-        self._line = self._steps = None
+        self._line = None
 
     def forget_times(self) -> None:
         """Drop every measured time alone (an engine's first request, which paid for its start)."""
         self.draft_token_s = self.draft_prefill_s = None
-        self.verify_s, self.verify_n, self.prefill_samples = {}, {}, []
+        self.verify_s, self.prefill_samples = {}, []
 
     def observe_prefill(self, prompt_tokens: int, drafted: int, t_draft: float) -> None:
         """A first round: the draft prefilled ``prompt_tokens`` then took ``drafted - 1`` steps.
@@ -223,15 +219,12 @@ class CostModel:
         return d, s
 
     def verify_cost(self, k: int) -> float:
-        """A verify call over ``k`` drafts (``k + 1`` positions), in plain target steps; 1 for
-        k = 0. Where k was measured, the measurement (weighed by its calls against the line,
-        nondecreasing in k); elsewhere the line ``1 + j + s*k``, kept between the measured
-        lengths around k (:mod:`specdec_rt.verify_fit`)."""
+        """A verify call over ``k`` drafts (``k + 1`` positions), in plain target steps:
+        ``1 + j + s*k`` (1 for k = 0)."""
         if k <= 0:
             return 1.0
-        if self._steps is None:
-            self._steps = measured_steps(self.verify_s, self.verify_n, self._verify_line())
-        return verify_cost(k, self._verify_line(), self._steps)
+        _, j, s = self._verify_line()
+        return 1.0 + j + s * k
 
     def prefill_pays(self, prompt_tokens: int, new_tokens: int, a: float, k: int) -> bool:
         """Whether speculating over ``new_tokens`` saves more time than the draft needs to

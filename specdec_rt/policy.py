@@ -43,9 +43,9 @@ class RequestPolicy:
         c, a = self.config, (self.cheap_ewma if cheap else self.ewma).value
         ks = [c.k_init] if not c.adapt_k else range(c.k_min, c.k_max + 1)
         if cheap and batch == 1:  # alone: the verify call's extra positions are all they cost
-            return _peak(ks, lambda k: self.costs.speedup(a, k, free=True), whole=True)
+            return _peak(ks, lambda k: self.costs.speedup(a, k, free=True))
         rate = self.costs.cheap_speedup if cheap else self.costs.batch_speedup
-        return _peak(ks, lambda k: rate(a, k, batch), whole=batch == 1)
+        return _peak(ks, lambda k: rate(a, k, batch))
 
     def start(self, new_tokens: int) -> FallbackEvent | None:
         """Before the first round: if the draft's prefill of the prompt would cost more than
@@ -173,19 +173,17 @@ class RequestPolicy:
         return FallbackEvent(at, "ar", reason, a)
 
 
-def _peak(ks, speedup, whole: bool = False) -> tuple[int, float]:
+def _peak(ks, speedup) -> tuple[int, float]:
     """``(k, speedup(k))`` at the highest speedup over the increasing ``ks``, scanning up to the
-    first decrease (``whole``: every k): ``E(a, k)`` grows ever slower while a round's cost grows
-    with k, so the predicted speedup mostly rises to one peak and falls (asked for every request
-    every round: a batch of 8 spent ~2% of its time here scanning every k). A request alone scans
-    them all: measured verify costs rise in steps (kernels take rows in blocks), so past a step
-    a longer chain can beat the peak before it."""
+    first decrease: ``E(a, k)`` grows ever slower while a round's cost grows with k, so the
+    predicted speedup rises to one peak and falls (asked for every request every round: a
+    batch of 8 spent ~2% of its time here scanning every k)."""
     best = prev = None
     for k in ks:
         v = speedup(k)
         if best is None or v > best[1]:
             best = (k, v)
-        elif not whole and prev is not None and v < prev:
+        elif prev is not None and v < prev:
             break
         prev = v
     return best

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Callable, Iterable, Sequence
 
 import numpy as np
 
-from .acceptance import AcceptanceEWMA, CostModel, SpecConfig
+from .acceptance import AcceptanceEWMA, CostModel, SpecConfig, expected_tokens
 from .confidence import ChainStop, ConfidenceRates
 from .policy import RequestPolicy
 from .context import RequestContext
@@ -128,7 +128,7 @@ class SpecDecScheduler:
                 batch = max(self.running, self.load() if self.load else 0)
                 k = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
                 ctx.cheap_drafts = policy.cheap  # only drafts that cost nothing (a batch, or no draft prefill)
-                ctx.tree_nodes = self._tree_nodes(ctx, tree, policy, k, batch == 1 or rates is None, rates)
+                k, ctx.tree_nodes = self._tree_shape(ctx, tree, policy, k, batch == 1 or rates is None, rates)
                 ctx.chain_stop = self._chain_stop(ctx, policy, k, batch)
                 # 2. draft: up to k proposals continuing the committed tokens (a tree: up to k deep)
                 t0 = perf_counter()
@@ -202,17 +202,25 @@ class SpecDecScheduler:
         a = policy.ewma.value
         return ChainStop(self.confidence_rates, a, (d + s) * policy.costs.speedup(a, k) / max(a, 1e-3))
 
-    def _tree_nodes(self, ctx: RequestContext, tree: TreePolicy, policy: RequestPolicy, k: int,
-                    alone: bool, rates: TreeRates | None) -> int:
-        """Nodes a round of ``k`` drafts may add as a tree: what the tree policy pays for, within
-        the room the models have left (the nodes take positions after the k drafts)."""
+    def _tree_shape(self, ctx: RequestContext, tree: TreePolicy, policy: RequestPolicy, k: int,
+                    alone: bool, rates: TreeRates | None) -> tuple[int, int]:
+        """``(depth, nodes)`` for a round the policy gave ``k`` drafts: the chain, or a tree of
+        ``nodes`` beyond a main chain of ``depth <= k``, the depth whose tree the cost model
+        rates best (drafts deep in a chain that are seldom right may be worth less than nodes
+        beside a shorter one), within the room the models have left."""
         if not k or not tree.max_nodes:  # trees off (the default): no cost estimates per round
-            return 0
-        c, n = policy.costs, tree.max_nodes  # what each of the nodes adds to the verify call, in steps
-        per_node = (c.verify_cost(k + n) - c.verify_cost(k)) / n
-        nodes = tree.nodes(alone, per_node, c.speedup(policy.ewma.value, k), rates)
-        room = self.max_length - ctx.tokens.size - k if self.max_length else nodes
-        return max(0, min(nodes, room))
+            return k, 0
+        c, a, n = policy.costs, policy.ewma.value, tree.max_nodes
+        d = c.relative()[0]
+
+        def rate(depth: int, nodes: int) -> float:  # predicted tokens per plain-step unit
+            return (expected_tokens(a, depth) + nodes * tree.hit_rate) / (depth * d + c.verify_cost(depth + nodes))
+
+        depth = max(range(1, k + 1), key=lambda j: rate(j, n))
+        nodes = tree.nodes(alone, rate(depth, n) > rate(k, 0), rates)
+        room = self.max_length - ctx.tokens.size - depth if self.max_length else nodes
+        nodes = max(0, min(nodes, room))
+        return (depth, nodes) if nodes else (k, 0)
 
 
 class RequestStream:

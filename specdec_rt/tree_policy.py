@@ -2,12 +2,13 @@
 
 A request alone may draft its main chain (k tokens) plus up to ``n`` other nodes (the draft's
 most probable alternatives to the chain's tokens). In units of one plain target step, a round costs
-``R = 1 + s (k + 1) + k d`` and yields ``T`` tokens (``s``: the measured cost of one more verified
-position; ``d``: of one draft step). ``n`` extra nodes cost ``n s`` more and yield ``n h`` more
-tokens, ``h`` being how often an offered node ends up on the accepted path. They pay when
-``(T + n h) / (R + n s) > T / R``, i.e. when ``h > s T / R = s x (the round's speedup)``. ``s``
-here is what each node adds, ``(v(k + n) - v(k)) / n`` from the measured verify costs, not one
-slope: where the kernels take rows in blocks, nodes past a block's end cost a step of their own.
+``R = k d + v(k)`` and yields ``T = E(a, k)`` tokens (``v``: the verify cost of the cost model;
+``d``: of one draft step). ``n`` extra nodes cost ``v(k + n) - v(k) = n s`` more and yield
+``n h`` more tokens, ``h`` being how often an offered node ends up on the accepted path. They pay
+when ``(T + n h) / (R + n s) > T / R``, i.e. when ``h > s T / R = s x (the round's speedup)``.
+The scheduler compares the chain with the tree over each depth j <= k of its main chain
+(``_tree_shape``): where drafts deep in the chain are seldom right and nodes often are, a
+shorter chain plus its nodes yields more per step than the whole chain under them.
 
 ``h`` is an EWMA per request (prior ``TREE_PRIOR``). While trees do not pay the request drafts
 chains and offers a tree again every ``TREE_PROBE_EVERY`` rounds, so the estimate can recover.
@@ -39,15 +40,15 @@ class TreePolicy:
         self.hit_rate = TREE_PRIOR
         self._since_probe = 0
 
-    def nodes(self, alone: bool, per_node: float, speedup: float, rates: "TreeRates | None" = None) -> int:
-        """Nodes to offer: ``alone`` (trees go in a call of their own), ``per_node``, what each
-        node adds to the verify call in plain steps, and the expected ``speedup`` T / R of a
-        chain round (both from the cost model); ``rates``: the realized speeds of both kinds of
-        round, when they may decide."""
+    def nodes(self, alone: bool, model_pays: bool, rates: "TreeRates | None" = None) -> int:
+        """Nodes to offer: ``alone`` (trees go in a call of their own), ``model_pays``: the cost
+        model rates a tree round above the chain (the rule above, over the tree's best depth);
+        ``rates``: the realized speeds of both kinds of round, which decide once both were
+        measured."""
         if not self.max_nodes or not alone:
             return 0
         realized = rates.pays() if rates is not None else None
-        pays = self.hit_rate > per_node * max(speedup, 1.0) if realized is None else realized
+        pays = model_pays if realized is None else realized
         clock = rates if rates is not None else self  # shared: short requests still probe
         clock._since_probe += 1
         if clock._since_probe >= TREE_PROBE_EVERY:  # the other kind of round, now and then

@@ -9,21 +9,16 @@ the plain step and the longest verify (an earlier model) overstated the slope, s
 chain looked dearer than it is and requests kept to short ones (measured only what they chose).
 
 A line misses steps: CPU matrix kernels take rows in blocks (MLAS's AVX2 kernel 6 at a time),
-so on Qwen2.5-Coder-1.5B fp32 (AVX2) 6 positions cost 1.22 plain steps and 7 cost 1.55, where
-the line said 1.34 and 1.41 and 1 round in 4 verified 7 positions. :func:`measured_steps`
-keeps each measured length's own cost, weighed by its calls (up to ``VERIFY_TRUST``) against
-the line (weight ``VERIFY_PRIOR``), then made nondecreasing in k by weighted
-pool-adjacent-violators: one stalled call at a rarely drafted length (the machine is shared)
-neither rules that length out nor, averaged with its neighbours, makes them look dear.
-:func:`verify_cost` reads a length off both.
+so on Qwen2.5-Coder-1.5B fp32 (AVX2) 6 positions cost ~1.2 plain steps and 7 ~1.55, where the
+line says ~1.35 and ~1.4. Using each measured length's own cost instead (weighed by its calls,
+made nondecreasing in k) was tried and not kept: 1.86x -> 1.85x with each model in an engine of
+its own (docs/benchmarks.md), because a length measured once, slow, is then seldom drafted and
+so seldom measured again.
 """
 
 from __future__ import annotations
 
-__all__ = ["fit_line", "measured_steps", "verify_cost", "VERIFY_TRUST", "VERIFY_PRIOR"]
-
-VERIFY_TRUST = 10  # verify calls of one length after which its measurement is trusted in full
-VERIFY_PRIOR = 2.0  # calls' worth of weight the fitted line keeps at a measured length
+__all__ = ["fit_line"]
 
 Line = tuple  # (base seconds of a plain step or None, j, s)
 
@@ -48,31 +43,3 @@ def fit_line(verify_s: dict[int, float], s_default: float) -> Line:
     base = plain if plain is not None else points[k0] / (1.0 + s_default * k0)
     return base, max(0.0, points[k0] / base - 1.0 - s_default * k0), s_default
 
-
-def measured_steps(verify_s: dict[int, float], verify_n: dict[int, int], line: Line) -> dict[int, float]:
-    """Measured lengths k >= 1 -> cost in plain steps, nondecreasing in k (empty without a
-    base). A length missing from ``verify_n`` counts as trusted (``VERIFY_TRUST`` calls)."""
-    base, j, s = line
-    blocks: list[list] = []  # [weighted sum, weight, ks]
-    for k in sorted(k for k in verify_s if k > 0) if base else ():
-        w = min(verify_n.get(k, VERIFY_TRUST), VERIFY_TRUST)
-        v = (w * verify_s[k] / base + VERIFY_PRIOR * (1.0 + j + s * k)) / (w + VERIFY_PRIOR)
-        blocks.append([v * w, w, [k]])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            top = blocks.pop()
-            blocks[-1] = [blocks[-1][0] + top[0], blocks[-1][1] + top[1], blocks[-1][2] + top[2]]
-    return {k: max(1.0, total / w) for total, w, ks in blocks for k in ks}
-
-
-def verify_cost(k: int, line: Line, steps: dict[int, float]) -> float:
-    """A verify over ``k`` drafts in plain steps: 1 for k = 0; a measured length's fitted cost;
-    elsewhere the line ``1 + j + s*k``, kept between the measured lengths around k."""
-    if k <= 0:
-        return 1.0
-    if k in steps:
-        return steps[k]
-    _, j, s = line
-    below = [v for m, v in steps.items() if m < k]
-    above = [v for m, v in steps.items() if m > k]
-    lo, hi = (max(below) if below else 1.0), (min(above) if above else float("inf"))
-    return min(max(1.0 + j + s * k, lo), hi) if lo <= hi else lo

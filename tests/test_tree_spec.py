@@ -131,16 +131,16 @@ def test_realized_rates_switch_trees_off_when_their_rounds_are_slower():
     rates = TreeRates(alpha=0.5)
     policy = TreePolicy(nodes=3, alpha=0.1)
     assert rates.pays() is None
-    assert policy.nodes(True, per_node=0.05, speedup=1.4, rates=rates) == 3  # the hit-rate rule: prior 0.3
-    assert policy.nodes(False, 0.05, 1.4, rates) == 0  # in a batch: chains
+    assert policy.nodes(True, model_pays=True, rates=rates) == 3  # the cost model's rule
+    assert policy.nodes(False, True, rates) == 0  # in a batch: chains
     rates.observe(True, 10, 1.0)
     rates.observe(False, 12, 1.0)
     assert rates.pays() is False
-    offered = [policy.nodes(True, 0.05, 1.4, rates) for _ in range(2 * TREE_PROBE_EVERY)]
+    offered = [policy.nodes(True, True, rates) for _ in range(2 * TREE_PROBE_EVERY)]
     assert offered.count(3) == 2  # only the probes
     rates.observe(True, 20, 1.0)
     assert rates.pays() is True
-    assert policy.nodes(True, 0.05, 1.4, rates) == 3
+    assert policy.nodes(True, True, rates) == 3
 
 
 def test_short_requests_still_probe_the_other_kind_of_round():
@@ -152,7 +152,7 @@ def test_short_requests_still_probe_the_other_kind_of_round():
     offered = []
     for _ in range(2 * TREE_PROBE_EVERY // 4):  # requests of 4 rounds, each its own policy
         policy = TreePolicy(nodes=3, alpha=0.1)
-        offered += [policy.nodes(True, 0.05, 1.4, rates) for _ in range(4)]
+        offered += [policy.nodes(True, True, rates) for _ in range(4)]
     assert offered.count(3) == 2  # the shared clock probes trees every 16 rounds
 
 
@@ -190,3 +190,25 @@ def test_a_model_drafts_siblings_go_where_the_draft_is_least_sure():
         assert [d.id for d in drafts[:3]] == [1, 2, 4]
         assert sorted((d.id, d.parent) for d in drafts[3:]) == sorted(want)
         drafter.release(ctx)
+
+
+
+def test_a_tree_round_takes_the_depth_the_cost_model_rates_best():
+    """The policy chose a chain of 5; a tree of 3 nodes is rated over each depth of its main
+    chain: when drafts deep in the chain are seldom right (0.6) and nodes often (0.5), the tree
+    goes on a chain of 3; when the chain is mostly right (0.9), on all 5; nodes never taken:
+    the chain alone."""
+    from types import SimpleNamespace
+
+    from specdec_rt.acceptance import AcceptanceEWMA, CostModel
+    from specdec_rt.tree_policy import TreePolicy
+
+    target, draft = toy_pair(16, seed=0, distance=0.8)
+    sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), SpecConfig(tree_nodes=3))
+    ctx = SimpleNamespace(tokens=np.zeros(10, dtype=np.int64))
+    costs = CostModel(SpecConfig(), draft_token_s=0.004, verify_s={k: (200.0 + 6.0 * k) / 1e3 for k in range(9)})
+    for a, hit_rate, want in ((0.6, 0.5, (3, 3)), (0.9, 0.5, (5, 3)), (0.9, 0.0, (5, 0))):
+        policy = SimpleNamespace(costs=costs, ewma=AcceptanceEWMA.start(0.1, a, prior_weight=100.0))
+        tree = TreePolicy(nodes=3, alpha=0.1)
+        tree.hit_rate = hit_rate
+        assert sched._tree_shape(ctx, tree, policy, 5, True, None) == want, (a, hit_rate)
