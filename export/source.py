@@ -90,7 +90,8 @@ def open_source(src: str | os.PathLike, record: dict | None = None) -> Source:
         default_record = {"kind": "gguf", "path": str(path.resolve())}
     else:
         raise SourceNotFoundError(f"{path} is neither a checkpoint folder nor a .gguf file")
-    if family not in (GGUF_FAMILIES if gguf_file else SUPPORTED_FAMILIES):
-        raise unsupported_architecture(family, GGUF_FAMILIES if gguf_file else SUPPORTED_FAMILIES)
+    supported = GGUF_FAMILIES if gguf_file else SUPPORTED_FAMILIES
+    if family not in supported:
+        raise unsupported_architecture(family, supported)
     label = path.stem if gguf_file else path.name
     return Source(kind, folder, gguf_file, family, label, record or default_record)

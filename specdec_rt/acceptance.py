@@ -310,11 +310,12 @@ class CostModel:
             return gain > 1.0 and lag <= CATCHUP_BLIND * new_tokens
         return new_tokens * c1 * (1.0 - 1.0 / gain) > batch * lag * self.draft_prefill_s
 
-    def speedup(self, a: float, k: int, free: bool = False) -> float:
+    def speedup(self, a: float, k: int, free: bool = False, nodes: int = 0, hit_rate: float = 0.0) -> float:
         """Predicted tokens/s of k-draft rounds relative to plain decoding (``free``: drafts
-        that cost nothing to make, n-gram matches)."""
+        that cost nothing to make, n-gram matches; ``nodes``: a tree's nodes beyond its k-long
+        main chain, verified in the same call, each on the accepted path at ``hit_rate``)."""
         d, _ = self.relative()
-        return expected_tokens(a, k) / ((0.0 if free else k * d) + self.verify_cost(k))
+        return (expected_tokens(a, k) + nodes * hit_rate) / ((0.0 if free else k * d) + self.verify_cost(k + nodes))
 
     def batch_speedup(self, a: float, k: int, batch: int) -> float:
         """Predicted tokens/s of the whole batch when this request drafts k, relative to all

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Callable, Iterable, Sequence
 
 import numpy as np
 
-from .acceptance import AcceptanceEWMA, CostModel, SpecConfig, expected_tokens
+from .acceptance import AcceptanceEWMA, CostModel, SpecConfig
 from .confidence import ChainStop, ConfidenceRates
 from .policy import RequestPolicy
 from .context import RequestContext
@@ -210,14 +210,9 @@ class SpecDecScheduler:
         beside a shorter one), within the room the models have left."""
         if not k or not tree.max_nodes:  # trees off (the default): no cost estimates per round
             return k, 0
-        c, a, n = policy.costs, policy.ewma.value, tree.max_nodes
-        d = c.relative()[0]
-
-        def rate(depth: int, nodes: int) -> float:  # predicted tokens per plain-step unit
-            return (expected_tokens(a, depth) + nodes * tree.hit_rate) / (depth * d + c.verify_cost(depth + nodes))
-
-        depth = max(range(1, k + 1), key=lambda j: rate(j, n))
-        nodes = tree.nodes(alone, rate(depth, n) > rate(k, 0), rates)
+        c, a, n, h = policy.costs, policy.ewma.value, tree.max_nodes, tree.hit_rate
+        depth = max(range(1, k + 1), key=lambda j: c.speedup(a, j, nodes=n, hit_rate=h))
+        nodes = tree.nodes(alone, c.speedup(a, depth, nodes=n, hit_rate=h) > c.speedup(a, k), rates)
         room = self.max_length - ctx.tokens.size - depth if self.max_length else nodes
         nodes = max(0, min(nodes, room))
         return (depth, nodes) if nodes else (k, 0)
