@@ -64,6 +64,15 @@ def run(fn, folder, **load):
     ("chat", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
     ("completion", {"prompt": "x", "logprobs": 2}, "logprobs"),
     ("completion", {"prompt": "x", "echo": True}, "echo"),
+    # options that would change what comes back are refused, not silently dropped
+    ("chat", {"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ("chat", {"messages": CHAT, "frequency_penalty": -1}, "frequency_penalty"),
+    ("chat", {"messages": CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
+    ("chat", {"messages": CHAT, "logit_bias": {"1": 2}}, "logit_bias"),
+    ("chat", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("chat", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("completion", {"prompt": "x", "suffix": "end"}, "suffix"),
     ("completion", {"prompt": [1, 2, 3]}, "prompt"),
     ("completion", {"prompt": ""}, "prompt"),
     ("completion", {"max_tokens": 4}, "prompt"),
@@ -79,7 +88,10 @@ def test_parse_defaults_and_ignores_unknown_fields():
     p = parse_request("chat", {"messages": [{"role": "system", "content": [{"type": "text", "text": "a"},
                                                                             {"type": "text", "text": "b"}]},
                                             {"role": "user", "content": "hi"}],
-                               "logit_bias": {"1": 2}, "user": "u", "presence_penalty": 0.5, "model": "x",
+                               "user": "u", "model": "x", "metadata": {"a": 1},
+                               # the "off" values of options this server cannot honour pass
+                               "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
+                               "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
                                "stop": "END", "top_k": -1, "top_p": 1, "max_completion_tokens": 7, "n": 1})
     assert p.prompt == [{"role": "system", "content": "ab"}, {"role": "user", "content": "hi"}]
     assert p.engine_kwargs(99) == dict(max_new_tokens=7, temperature=1.0, top_k=None, top_p=None, seed=None,

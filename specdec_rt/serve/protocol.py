@@ -1,8 +1,9 @@
 """The OpenAI wire format: request parsing and validation, response / chunk / error bodies.
 
 Pure functions and plain data (no I/O, no Starlette), so every rule here is testable alone.
-Unknown OpenAI parameters are ignored; a known one of the wrong type or range is an
-:class:`APIError` (400) whose ``param`` names it.
+Unknown OpenAI parameters are ignored; a known one of the wrong type or range, or one this
+server cannot honour set to anything but its "off" value (tools, JSON mode, penalties, log
+probabilities), is an :class:`APIError` (400) whose ``param`` names it.
 """
 
 from __future__ import annotations
@@ -117,14 +118,35 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
 
 def _unsupported(body: dict, kind: Kind) -> None:
     """Options this server cannot honour are refused rather than silently dropped (a client
-    that asks for log probabilities would otherwise read ``null``)."""
-    asked = [("logprobs", body.get("logprobs") not in (None, False)),
-             ("top_logprobs", body.get("top_logprobs") not in (None, 0)),
-             ("echo", kind == "completion" and body.get("echo") not in (None, False)),
-             ("best_of", kind == "completion" and body.get("best_of") not in (None, 1))]
+    that asks for log probabilities would otherwise read ``null``, one that asks for JSON or a
+    tool call would get free text, one with a penalty a different distribution). Their "off"
+    values (``0``, ``null``, ``{}``, ``"none"``, ...), which some clients always send, pass."""
+    def off(name: str, *values) -> bool:
+        return body.get(name) is None or any(_same(body[name], x) for x in values)
+    asked = [("logprobs", not off("logprobs", False)),
+             ("top_logprobs", not off("top_logprobs", 0)),
+             ("echo", kind == "completion" and not off("echo", False)),
+             ("best_of", kind == "completion" and not off("best_of", 1)),
+             ("suffix", kind == "completion" and not off("suffix", "")),
+             ("presence_penalty", not off("presence_penalty", 0.0)),
+             ("frequency_penalty", not off("frequency_penalty", 0.0)),
+             ("repetition_penalty", not off("repetition_penalty", 1.0)),
+             ("logit_bias", not off("logit_bias", {})),
+             ("tools", not off("tools", [])),
+             ("functions", not off("functions", [])),
+             ("tool_choice", not off("tool_choice", "none", "auto")),
+             ("function_call", not off("function_call", "none", "auto")),
+             ("response_format", not off("response_format", {"type": "text"}))]
     for name, on in asked:
         if on:
-            raise _bad(name, f"{name} is not supported by this server", "unsupported_parameter")
+            raise _bad(name, f"{name}={body[name]!r} is not supported by this server", "unsupported_parameter")
+
+
+def _same(value: Any, off: Any) -> bool:
+    """``value`` is ``off``: numbers by value (``0``, ``0.0`` and ``false`` alike), the rest by type and value."""
+    if isinstance(off, (bool, int, float)):
+        return isinstance(value, (bool, int, float)) and value == off
+    return type(value) is type(off) and value == off
 
 
 def _messages(body: dict) -> list[dict]:
