@@ -179,19 +179,40 @@ class CostModel:
         self.verify_s[n] = self._ewma(self.verify_s.get(n), t_verify)
         self._line = None
 
+    def observe_steps(self, steps: int, seconds: float, fresh: bool = False) -> None:
+        """``steps`` draft steps alone took ``seconds``, timed apart from a first call that read
+        a prompt or tokens the draft had missed (a request's first round, a probe, a catch-up:
+        rounds whose draft time as a whole is not a draft cost). ``fresh``: a probe, which
+        re-tests the costs that stopped speculation; its measurement replaces the estimate (an
+        EWMA would keep a slow moment's costs for dozens of probes, since no other round drafts
+        meanwhile)."""
+        if not self.measure or steps <= 0 or seconds <= 0:
+            return
+        per = seconds / steps
+        self.draft_token_s = per if fresh else self._ewma(self.draft_token_s, per)
+
     def forget_times(self) -> None:
         """Drop every measured time alone (an engine's first request, which paid for its start)."""
         self.draft_token_s = self.draft_prefill_s = None
         self.verify_s, self.prefill_samples = {}, []
 
-    def observe_prefill(self, prompt_tokens: int, drafted: int, t_draft: float) -> None:
-        """A first round: the draft prefilled ``prompt_tokens`` then took ``drafted - 1`` steps.
-        The estimate is the median of the last ``PREFILL_SAMPLES`` such rounds, not an EWMA: a
-        first prefill that also paid for allocations (a cold engine) would otherwise keep
-        requests from speculating, and so from measuring again, for dozens of requests."""
-        if not self.measure or not drafted or prompt_tokens <= 0 or self.draft_token_s is None:
+    def observe_prefill(self, prompt_tokens: int, drafted: int, t_draft: float,
+                        steps: tuple[int, float] = (0, 0.0)) -> None:
+        """A first round: the draft prefilled ``prompt_tokens`` then took ``drafted - 1`` steps
+        (``steps``: those steps and their seconds, when the drafter timed them; else they are
+        priced at the estimate). The estimate is the median of the last ``PREFILL_SAMPLES`` such
+        rounds, not an EWMA: a first prefill that also paid for allocations (a cold engine) would
+        otherwise keep requests from speculating, and so from measuring again, for dozens of
+        requests."""
+        if not self.measure or not drafted or prompt_tokens <= 0:
             return
-        per = max(0.0, t_draft - (drafted - 1) * self.draft_token_s) / prompt_tokens
+        timed = steps[0] == drafted - 1 > 0
+        if timed:
+            self.observe_steps(*steps)
+        if self.draft_token_s is None:
+            return
+        rest = steps[1] if timed else (drafted - 1) * self.draft_token_s
+        per = max(0.0, t_draft - rest) / prompt_tokens
         self.prefill_samples = (self.prefill_samples + [per])[-PREFILL_SAMPLES:]
         self.draft_prefill_s = statistics.median(self.prefill_samples)
 

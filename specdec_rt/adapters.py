@@ -13,6 +13,7 @@ The KV bookkeeping of speculative decoding lives here, once, for every backend:
 
 from __future__ import annotations
 
+from time import perf_counter
 from typing import Callable, Sequence
 
 import numpy as np
@@ -158,8 +159,12 @@ class ModelDrafter(_ModelUser, DraftInferrer):
         candidates: list[tuple[float, int, int]] = []  # (draft probability of the node, depth, token)
         reach = 1.0  # draft probability of the chain so far
         stop = ctx.chain_stop  # set: end the chain where the draft is unsure (confidence.py)
+        ctx.draft_steps = (0, 0.0)
         for i in range(k):
+            t = perf_counter()
             logits = (await s.extend(feed, 1))[0]  # [V]
+            if i:  # a step alone: the first call reads what the draft has not seen (1-2 tokens, or more)
+                ctx.draft_steps = (i, ctx.draft_steps[1] + perf_counter() - t)
             if ctx.params.greedy:
                 x = int(np.argmax(logits))
                 drafts.append(DraftToken(x))  # deterministic: q is one-hot at x

@@ -68,6 +68,10 @@ class RequestContext:
         #: this round, drafters that can should propose only what costs nothing to draft (n-gram
         #: matches): set by the scheduler when the request shares a batch (see RequestPolicy)
         self.cheap_drafts = False
+        #: this round, the draft model's single-token steps after its first call, and their
+        #: seconds (set by model drafters that time them; the first call may read a prompt or
+        #: what the draft missed, so only these measure a draft step alone)
+        self.draft_steps: tuple[int, float] = (0, 0.0)
 
     @property
     def tokens(self) -> np.ndarray:

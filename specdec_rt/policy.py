@@ -123,7 +123,7 @@ class RequestPolicy:
 
     def observe(self, at: int, drafted: int, accepted: int, t_draft: float, t_verify: float,
                 timed: bool = True, alone: bool = True, batch: int = 1,
-                verified: int | None = None) -> FallbackEvent | None:
+                verified: int | None = None, steps: tuple[int, float] = (0, 0.0)) -> FallbackEvent | None:
         """Feed one finished round; returns the mode switch it caused, if any. ``timed=False``
         marks a round that included a prefill (a request's first round; the first that drafted):
         its times are kept out of the per-step costs (the draft's is used for its prefill cost
@@ -132,12 +132,18 @@ class RequestPolicy:
         requests (``batch`` in all) shared the round's calls, so its times are not this request's
         costs (the step loop measures the batched calls), only this request's tokens per second
         in that kind of round (:class:`BatchArms`). ``verified``: the drafts the verify call took
-        (a tree's nodes; default ``drafted``, its depth)."""
-        if alone and timed:  # a draft that first read what it missed (a probe, a catch-up): its verify only
-            self.costs.observe(drafted, t_draft, t_verify, model_drafts=not self.cheap and self._lag <= CATCHUP_FREE,
+        (a tree's nodes; default ``drafted``, its depth). ``steps``: the draft model's steps
+        after its first call and their seconds (``RequestContext.draft_steps``), which measure a
+        draft step in a round whose draft time as a whole does not (a first round, a probe, a
+        catch-up)."""
+        if alone and timed:  # a draft that first read what it missed (a probe, a catch-up): its verify
+            caught_up = self._lag <= CATCHUP_FREE  # and its steps after that first call
+            self.costs.observe(drafted, t_draft, t_verify, model_drafts=not self.cheap and caught_up,
                                verified=verified)
+            if not caught_up and not self.cheap:
+                self.costs.observe_steps(*steps, fresh=self._probing)
         elif alone and not self.cheap:  # free drafts read no prompt: no prefill to measure
-            self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft)
+            self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft, steps)
         pure = self.costs.ledger.end(self._round) if self._round is not None else True
         self._round = None
         if not alone and pure and self.mode == "spec" and at > 0:  # no other kind of round ran meanwhile

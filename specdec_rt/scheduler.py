@@ -131,7 +131,7 @@ class SpecDecScheduler:
                 k, ctx.tree_nodes = self._tree_shape(ctx, tree, policy, k, batch == 1 or rates is None, rates)
                 ctx.chain_stop = self._chain_stop(ctx, policy, k, batch)
                 # 2. draft: up to k proposals continuing the committed tokens (a tree: up to k deep)
-                t0 = perf_counter()
+                t0, ctx.draft_steps = perf_counter(), (0, 0.0)
                 drafts = list(await self.drafter.generate_draft(ctx, k))[: k + ctx.tree_nodes] if k else []
                 depth, chain = tree_depth(drafts), chain_length(drafts)
                 # 3. verify: one target call over len(drafts) + 1 positions (a tree: in one call too)
@@ -146,7 +146,7 @@ class SpecDecScheduler:
                 timed = seen and (drafted or not drafts)
                 switch = policy.observe(at, depth, verdict.accepted, t1 - t0, t2 - t1, timed,
                                         alone=batch == 1 == max(self.running, self.load() if self.load else 0),
-                                        batch=batch, verified=len(drafts))
+                                        batch=batch, verified=len(drafts), steps=ctx.draft_steps)
                 stats.observe_round(depth, verdict.accepted, new.size, t1 - t0, t2 - t1,
                                     policy.ewma.value if drafts or stats.rounds else None)
                 if ctx.chain_stop is not None:

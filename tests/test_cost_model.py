@@ -97,6 +97,56 @@ def test_a_probe_that_first_catches_up_feeds_its_verify_not_its_draft_time():
     assert costs.draft_token_s > 0.011
 
 
+def _fell_back_for_cost(config: SpecConfig, draft_s: float) -> tuple[RequestPolicy, CostModel]:
+    """A request that stopped speculating at token 0 with drafts priced at ``draft_s`` a step
+    (plain step 24 ms), then decoded ``probe_every`` tokens plainly: its next round probes."""
+    costs = CostModel(config, draft_token_s=draft_s, verify_s={0: 0.024, 4: 0.030})
+    policy = RequestPolicy(config, "spec", AcceptanceEWMA.start(0.1, 0.9, prior_weight=100.0), costs)
+    policy.speculating, policy._drafted_at = False, 0
+    for at in range(config.probe_every):
+        assert policy.draft_length(100, 1, at + 1) == 0
+        policy.observe(at + 1, 0, 0, 0.0, 0.024)
+    return policy, costs
+
+
+def test_a_probe_remeasures_the_draft_steps_that_a_slow_moment_priced_too_high():
+    """A slow moment of a shared machine priced draft steps at ~2x (0.022 s against a 0.024 s
+    plain step): no draft length paid, and a probe, which times only its verify (its draft first
+    read the tokens it missed), resumed on those stale costs never. The SmolLM2 pair then
+    decoded plainly for good (13 requests in a row in a replay; one bench run decoded 20 prompts
+    plainly while the tree mode beside it kept drafting). The probe now times the draft's steps
+    after that first call, and that measurement replaces the estimate."""
+    config = SpecConfig()
+    policy, costs = _fell_back_for_cost(config, 0.022)
+    assert policy.best_k()[1] < config.resume_speedup  # the stale price: drafts do not pay
+    at = config.probe_every + 1
+    k = policy.draft_length(100, 1, at)
+    assert k >= 2
+    steps = (k - 1, (k - 1) * 0.010)  # the steps after the catch-up call: 10 ms each
+    policy.observe(at, k, k, 0.060 + steps[1], 0.030, steps=steps)
+    assert costs.draft_token_s == pytest.approx(0.010)
+    assert policy.speculating  # resumed
+    # without the steps' times (a drafter that does not time them) the probe cannot tell
+    policy, costs = _fell_back_for_cost(config, 0.022)
+    k = policy.draft_length(100, 1, at)
+    policy.observe(at, k, k, 0.060 + (k - 1) * 0.010, 0.030)
+    assert costs.draft_token_s == pytest.approx(0.022) and not policy.speculating
+
+
+def test_a_first_round_times_its_prefill_apart_from_its_steps():
+    """A request's first round: the draft's prompt, then steps. With the steps timed, the
+    prefill is what is left and the steps are a draft-cost sample (an EWMA: not a probe)."""
+    config = SpecConfig()
+    costs = CostModel(config, draft_token_s=0.020, verify_s={0: 0.024, 4: 0.030})
+    costs.observe_prefill(50, 4, 0.100 + 3 * 0.010, steps=(3, 0.030))
+    assert costs.draft_prefill_s == pytest.approx(0.100 / 50)
+    assert costs.draft_token_s == pytest.approx(0.020 + config.alpha * (0.010 - 0.020))
+    untimed = CostModel(config, draft_token_s=0.020, verify_s={0: 0.024})
+    untimed.observe_prefill(50, 4, 0.100 + 3 * 0.010)  # steps priced at the estimate
+    assert untimed.draft_prefill_s == pytest.approx((0.130 - 3 * 0.020) / 50)
+    assert untimed.draft_token_s == pytest.approx(0.020)
+
+
 def test_a_tree_round_is_measured_by_the_nodes_its_verify_took():
     config = SpecConfig()
     costs = CostModel(config, draft_token_s=0.02, verify_s={0: 0.2})

@@ -147,3 +147,20 @@ def test_when_the_draft_prefill_does_not_pay_the_combined_drafter_speculates_wit
     assert spec.token_ids == plain.token_ids
     assert [f.reason for f in spec.stats.fallbacks][:1] == ["prefill_free_drafts"]
     assert spec.stats.drafted > 0 and draft.calls == before  # drafts, and never a draft model call
+
+
+def test_a_model_drafter_times_its_steps_after_the_first_call():
+    """``ctx.draft_steps``: the steps a draft took after its first call (which may read a
+    prompt or what the draft missed) and their seconds: what the cost model can trust as a
+    draft step's cost in a first round or a probe."""
+    from specdec_rt.context import RequestContext
+
+    _, draft = toy_pair(8, seed=1)
+    drafter = ModelDrafter(draft)
+    ctx = RequestContext([1, 2, 3, 4, 5, 6], 16)
+    drafts = anyio.run(drafter.generate_draft, ctx, 4)
+    steps, seconds = ctx.draft_steps
+    assert len(drafts) == 4 and steps == 3 and seconds > 0
+    anyio.run(drafter.generate_draft, ctx, 1)
+    assert ctx.draft_steps == (0, 0.0)  # one call: nothing timed alone (not the last round's)
+    drafter.release(ctx)
