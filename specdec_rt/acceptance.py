@@ -167,16 +167,26 @@ class CostModel:
         object.__setattr__(self, name, value)
 
     def observe(self, drafted: int, t_draft: float, t_verify: float, model_drafts: bool = True,
-                verified: int | None = None) -> None:
+                verified: int | None = None, fresh: bool = False) -> None:
         """A round alone: ``drafted`` drafts deep, its verify call over ``verified`` drafts (a
         tree's nodes; default ``drafted``), and (``model_drafts``: the drafts came from the
-        drafter's own steps, not only free n-gram matches) their cost per depth."""
+        drafter's own steps, not only free n-gram matches) their cost per depth. ``fresh``: a
+        probe, which re-tests the costs that may have stopped speculation: the verify costs
+        measured at every length are rescaled so that this length's is what it measured (their
+        shape kept, their level refreshed: lengths no round drafts keep the price of the moment
+        they were measured in, a slow one perhaps, which an EWMA would keep for good)."""
         if not self.measure:
             return
         if drafted and model_drafts:
             self.draft_token_s = self._ewma(self.draft_token_s, t_draft / drafted)
         n = drafted if verified is None else verified
-        self.verify_s[n] = self._ewma(self.verify_s.get(n), t_verify)
+        base = self._verify_line()[0]
+        if fresh and n and base is not None and t_verify > 0:
+            r = t_verify / (base * self.verify_cost(n))
+            self.verify_s = {j: v * r if j else v for j, v in self.verify_s.items()}
+            self.verify_s[n] = t_verify
+        else:
+            self.verify_s[n] = self._ewma(self.verify_s.get(n), t_verify)
         self._line = None
 
     def observe_steps(self, steps: int, seconds: float, fresh: bool = False) -> None:

@@ -139,7 +139,7 @@ class RequestPolicy:
         if alone and timed:  # a draft that first read what it missed (a probe, a catch-up): its verify
             caught_up = self._lag <= CATCHUP_FREE  # and its steps after that first call
             self.costs.observe(drafted, t_draft, t_verify, model_drafts=not self.cheap and caught_up,
-                               verified=verified)
+                               verified=verified, fresh=self._probing)
             if not caught_up and not self.cheap:
                 self.costs.observe_steps(*steps, fresh=self._probing)
         elif alone and not self.cheap:  # free drafts read no prompt: no prefill to measure

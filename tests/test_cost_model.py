@@ -133,6 +133,30 @@ def test_a_probe_remeasures_the_draft_steps_that_a_slow_moment_priced_too_high()
     assert costs.draft_token_s == pytest.approx(0.022) and not policy.speculating
 
 
+def test_a_probe_refreshes_the_level_of_every_verify_cost_and_keeps_their_shape():
+    """Verifies priced at ~3x by a slow moment (the plain step, measured all along, is back to
+    24 ms): no draft length pays. The probe's verify, measured at its length, rescales every
+    length's (a verify at the lengths no round drafts would otherwise never be re-measured)."""
+    config = SpecConfig()
+    stale = {0: 0.024, 2: 3 * 0.027, 4: 3 * 0.030, 6: 3 * 0.033}
+    costs = CostModel(config, draft_token_s=0.010, verify_s=dict(stale))
+    policy = RequestPolicy(config, "spec", AcceptanceEWMA.start(0.1, 0.9, prior_weight=100.0), costs)
+    policy.speculating, policy._drafted_at = False, 0
+    assert policy.best_k()[1] < config.resume_speedup
+    for at in range(config.probe_every):
+        policy.draft_length(100, 1, at + 1)
+        policy.observe(at + 1, 0, 0, 0.0, 0.024)
+    at = config.probe_every + 1
+    k = policy.draft_length(100, 1, at)
+    true = 0.024 + 0.0015 * k  # what a verify of k drafts costs now
+    policy.observe(at, k, k, 0.060 + (k - 1) * 0.010, true, steps=(k - 1, (k - 1) * 0.010))
+    assert costs.verify_s[k] == pytest.approx(true) and costs.verify_s[0] == pytest.approx(0.024)
+    others = [j for j in stale if j and j != k]
+    ratios = {j: costs.verify_s[j] / stale[j] for j in others}
+    assert all(r == pytest.approx(ratios[others[0]]) and r < 0.5 for r in ratios.values())  # one scale
+    assert policy.speculating  # resumed
+
+
 def test_a_first_round_times_its_prefill_apart_from_its_steps():
     """A request's first round: the draft's prompt, then steps. With the steps timed, the
     prefill is what is left and the steps are a draft-cost sample (an EWMA: not a probe)."""
