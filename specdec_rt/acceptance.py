@@ -22,7 +22,8 @@ decodes plainly when the draft's prefill of its prompt is predicted to cost more
 speculating over ``max_new_tokens`` saves (measured prefill cost per prompt token). While falling back,
 a probe round speculates every ``probe_every`` plain tokens (backing off after failed probes); it
 resumes only if ``a >= resume_above`` and the speedup is predicted, a gap (hysteresis) that keeps a
-request from flapping between the modes.
+request from flapping between the modes. A probe's measurements replace the cost estimates it
+re-tests (a slow moment's price would otherwise outlive it: nothing else drafts meanwhile).
 """
 
 from __future__ import annotations
@@ -33,59 +34,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .arms import BatchArms, RoundLedger
-from .errors import InvalidInputError
+from .spec_config import SpecConfig
 from .verify_fit import fit_line
 
 __all__ = ["SpecConfig", "AcceptanceEWMA", "BatchArms", "CostModel", "expected_tokens"]
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """Every threshold of adaptive speculation. All configurable; the defaults are the issue's."""
-
-    alpha: float = 0.1  # EWMA weight of the newest round
-    initial_acceptance: float = 0.7  # EWMA before anything was observed
-    k_init: int = 4  # draft length when adapt_k is off
-    k_min: int = 1
-    k_max: int = 8
-    adapt_k: bool = True
-    fallback_below: float = 0.4
-    zero_rounds: int = 3
-    min_speedup: float = 1.0
-    resume_above: float = 0.6
-    resume_speedup: float = 1.1
-    probe_every: int = 16
-    probe_backoff: float = 2.0
-    probe_max_every: int = 256
-    draft_cost: float = 0.1  # default cost of a draft token, in target steps, until measured
-    verify_cost_per_token: float = 0.05  # default extra cost per verified position, likewise
-    measure_costs: bool = True  # False: always use the two defaults above (toy models, tests)
-    tree_nodes: int = 0  # drafts beyond the main chain a request alone may add (a draft tree)
-    confidence_stop: bool = False  # a request alone stops a model chain where the draft is unsure
-
-    def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> None:
-            raise InvalidInputError(f"SpecConfig.{name}={getattr(self, name)!r}: {why}")
-
-        if not 0 < self.alpha <= 1:
-            bad("alpha", "must be in (0, 1]")
-        for name in ("initial_acceptance", "fallback_below", "resume_above"):
-            if not 0 <= getattr(self, name) <= 1:
-                bad(name, "must be in [0, 1]")
-        if not 1 <= self.k_min <= self.k_init <= self.k_max:
-            bad("k_init", f"need 1 <= k_min ({self.k_min}) <= k_init <= k_max ({self.k_max})")
-        if self.resume_above < self.fallback_below:
-            bad("resume_above", f"must be >= fallback_below ({self.fallback_below}) for hysteresis")
-        if self.zero_rounds < 1 or self.probe_every < 1 or self.probe_max_every < self.probe_every:
-            bad("probe_every", "need zero_rounds >= 1, 1 <= probe_every <= probe_max_every")
-        if self.probe_backoff < 1:
-            bad("probe_backoff", "must be >= 1")
-        if isinstance(self.tree_nodes, bool) or not isinstance(self.tree_nodes, int) or not 0 <= self.tree_nodes <= 16:
-            bad("tree_nodes", "must be an integer in 0..16")
-        if not isinstance(self.confidence_stop, bool):
-            bad("confidence_stop", "must be True or False")
-        if self.draft_cost < 0 or self.verify_cost_per_token < 0:
-            bad("draft_cost", "costs must be >= 0")
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -171,10 +123,8 @@ class CostModel:
         """A round alone: ``drafted`` drafts deep, its verify call over ``verified`` drafts (a
         tree's nodes; default ``drafted``), and (``model_drafts``: the drafts came from the
         drafter's own steps, not only free n-gram matches) their cost per depth. ``fresh``: a
-        probe, which re-tests the costs that may have stopped speculation: the verify costs
-        measured at every length are rescaled so that this length's is what it measured (their
-        shape kept, their level refreshed: lengths no round drafts keep the price of the moment
-        they were measured in, a slow one perhaps, which an EWMA would keep for good)."""
+        probe, which re-tests the costs that may have stopped speculation: every length's verify
+        cost is rescaled to what this one measured (shape kept, level refreshed)."""
         if not self.measure:
             return
         if drafted and model_drafts:
@@ -190,12 +140,10 @@ class CostModel:
         self._line = None
 
     def observe_steps(self, steps: int, seconds: float, fresh: bool = False) -> None:
-        """``steps`` draft steps alone took ``seconds``, timed apart from a first call that read
-        a prompt or tokens the draft had missed (a request's first round, a probe, a catch-up:
-        rounds whose draft time as a whole is not a draft cost). ``fresh``: a probe, which
-        re-tests the costs that stopped speculation; its measurement replaces the estimate (an
-        EWMA would keep a slow moment's costs for dozens of probes, since no other round drafts
-        meanwhile)."""
+        """``steps`` draft steps took ``seconds``, timed apart from a first call that read a
+        prompt or tokens the draft had missed (a first round, a probe, a catch-up). ``fresh``: a
+        probe's, which replaces the estimate (an EWMA would keep a slow moment's price for
+        dozens of probes: nothing else drafts meanwhile)."""
         if not self.measure or steps <= 0 or seconds <= 0:
             return
         per = seconds / steps
@@ -209,11 +157,10 @@ class CostModel:
     def observe_prefill(self, prompt_tokens: int, drafted: int, t_draft: float,
                         steps: tuple[int, float] = (0, 0.0)) -> None:
         """A first round: the draft prefilled ``prompt_tokens`` then took ``drafted - 1`` steps
-        (``steps``: those steps and their seconds, when the drafter timed them; else they are
-        priced at the estimate). The estimate is the median of the last ``PREFILL_SAMPLES`` such
-        rounds, not an EWMA: a first prefill that also paid for allocations (a cold engine) would
-        otherwise keep requests from speculating, and so from measuring again, for dozens of
-        requests."""
+        (``steps``: their count and seconds if timed; else priced at the estimate). The estimate
+        is the median of the last ``PREFILL_SAMPLES`` such rounds, not an EWMA: a first prefill
+        that also paid for allocations (a cold engine) would otherwise keep requests from
+        speculating, and so from measuring again, for dozens of requests."""
         if not self.measure or not drafted or prompt_tokens <= 0:
             return
         timed = steps[0] == drafted - 1 > 0
