@@ -71,14 +71,21 @@ class TreeRates:
         self.alpha = alpha
         self.tree: float | None = None
         self.chain: float | None = None
+        self._count = {True: 0, False: 0}  # rounds measured of each kind
         self._since_probe = 0  # rounds of all requests since the other kind was tried
 
     def observe(self, tree: bool, tokens: int, seconds: float) -> None:
+        """One round's realized rate. Each kind's estimate is the mean of its rounds until there
+        are ``1 / alpha`` of them, an EWMA after: the kind in use is measured every round, the
+        other only by probes (every ``TREE_PROBE_EVERY`` rounds), and a plain EWMA kept that
+        one's first, often cold, round for ~10 probes (SmolLM2's chains read ~40 tok/s against
+        ~55 measured by a chain-only scheduler beside it, so trees stayed on while slower)."""
         if seconds <= 0:
             return
         rate = tokens / seconds
+        self._count[tree] += 1
         old = self.tree if tree else self.chain
-        new = rate if old is None else old + self.alpha * (rate - old)
+        new = rate if old is None else old + max(self.alpha, 1.0 / self._count[tree]) * (rate - old)
         if tree:
             self.tree = new
         else:

@@ -143,6 +143,23 @@ def test_realized_rates_switch_trees_off_when_their_rounds_are_slower():
     assert policy.nodes(True, True, rates) == 3
 
 
+def test_a_kind_of_round_seldom_measured_is_not_held_to_its_first_round():
+    """Chains measured by probes only: their first round (cold, 39 tok/s) must not outweigh the
+    next ones (55 tok/s) for ~10 probes, or slower trees (50 tok/s) stay on."""
+    from specdec_rt.tree_policy import TreeRates
+
+    rates = TreeRates(alpha=0.1)
+    rates.observe(False, 39, 1.0)
+    for _ in range(20):
+        rates.observe(True, 50, 1.0)
+    for _ in range(3):
+        rates.observe(False, 55, 1.0)
+    assert rates.chain == pytest.approx((39 + 3 * 55) / 4) and rates.pays() is False
+    for _ in range(20):  # past 1 / alpha rounds: an EWMA, so the machine's drift is followed
+        rates.observe(False, 45, 1.0)
+    assert 45 < rates.chain < 46.5 and rates.pays() is True
+
+
 def test_short_requests_still_probe_the_other_kind_of_round():
     from specdec_rt.tree_policy import TREE_PROBE_EVERY, TreePolicy, TreeRates
 
