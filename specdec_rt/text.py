@@ -5,6 +5,7 @@ Two kinds of untrusted input pass through here (docs/security.md):
 - The chat template comes from the model folder. It renders in a Jinja sandbox that is also
   bounded in size, steps and time (:mod:`specdec_rt.template_sandbox`). Going over any bound is
   an ``InvalidInputError`` naming the template.
+- The tokenizer file comes from the model folder too: its size is bounded before it is parsed.
 - Chat message content comes from users. By default the text of a special token in a message
   (``<|im_end|>``) is encoded as plain text, never as the control token; only the template
   itself writes control tokens. ``allow_special`` lets trusted callers opt out.
@@ -22,7 +23,9 @@ from .sampling import brief_repr
 from .template_sandbox import (TEMPLATE_MAX_STEPS, TEMPLATE_MIN_CHARS, TEMPLATE_TIMEOUT_S,
                                TemplateBudgetError, compile_template, new_environment, render_bounded)
 
-__all__ = ["TextCodec", "IncrementalDecoder"]
+__all__ = ["TextCodec", "IncrementalDecoder", "MAX_TOKENIZER_BYTES"]
+
+MAX_TOKENIZER_BYTES = 128 << 20  # a tokenizer.json larger than this is refused before it is parsed
 
 
 class TextCodec:
@@ -42,6 +45,13 @@ class TextCodec:
                  template_source: str | None = None) -> None:
         from tokenizers import Tokenizer
 
+        try:  # sized before it is parsed: a hostile folder's 20 GB "tokenizer" must not be read
+            size = Path(tokenizer_file).stat().st_size
+        except OSError as exc:
+            raise ModelLoadError(f"{tokenizer_file}: cannot load tokenizer: {exc.strerror or exc}") from exc
+        if size > MAX_TOKENIZER_BYTES:
+            raise ModelLoadError(f"{tokenizer_file}: {size} bytes, more than the {MAX_TOKENIZER_BYTES} a "
+                                 "tokenizer may have (the largest real ones are ~35 MB)")
         try:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exceptions

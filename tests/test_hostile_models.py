@@ -269,3 +269,16 @@ def test_export_writes_the_stamp(tiny_llama):
     man = json.loads((tiny_llama / "manifest.json").read_text())
     assert set(stamp) == set(man["files"])
     assert all(stamp[k][2] == man["files"][k]["sha256"] for k in stamp)
+
+
+def test_an_oversized_tokenizer_is_refused_before_it_is_parsed(model, monkeypatch):
+    """A hostile folder's tokenizer.json could be any size (its sha256 pinned by the same
+    hostile manifest): it is sized before the tokenizers library reads it."""
+    import specdec_rt.text as text
+    from specdec_rt.text import TextCodec
+
+    m = load_manifest(model["folder"])
+    TextCodec.from_manifest(m)  # the real one loads
+    monkeypatch.setattr(text, "MAX_TOKENIZER_BYTES", m.tokenizer_file.stat().st_size - 1)
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.json: \d+ bytes, more than"):
+        TextCodec.from_manifest(m)
