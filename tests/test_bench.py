@@ -210,3 +210,31 @@ def test_a_level_without_gaps_has_no_inter_token_latency():
     assert {r["mode"]: r["itl_p50"] for r in rows if r["concurrency"] == 1} == {"spec": None, "ar": 0.02}
     table = format_markdown(rows)
     assert "| - | - |" in table and "| 20 ms | 20 ms |" in table
+
+
+def test_the_warm_up_forgets_the_times_of_a_schedulers_first_request():
+    """Our schedulers' first request pays for first calls (allocations, thread start): as in
+    Engine.load's warm-up its times are forgotten and a second request measures warm costs;
+    runners without a scheduler (llama.cpp, Hugging Face) warm up once."""
+    import anyio
+
+    from specdec_rt.bench.runner import Prompt, run_modes
+
+    calls, forgotten = [], []
+
+    class Costs:
+        def forget_times(self):
+            forgotten.append(len(calls))
+
+    def make(name, scheduler):
+        async def run(ids, n):
+            calls.append((name, n))
+            return list(ids[:1]) * n, 0.01, None
+        if scheduler:
+            run.scheduler = type("S", (), {"costs": Costs()})()
+        return run
+
+    modes = {"spec": make("spec", True), "hf_ar": make("hf_ar", False)}
+    samples = anyio.run(run_modes, modes, [Prompt("chat", [5, 6], "p")], 16)
+    assert calls[:3] == [("spec", 8), ("spec", 8), ("hf_ar", 8)] and forgotten == [1]
+    assert len(samples) == 2 and all(s.token_ids == [5] * 16 for s in samples)
