@@ -88,6 +88,7 @@ CATCHUP_FREE = 4  # a draft this few tokens behind catches up in its next call a
 CATCHUP_BLIND = 4  # unmeasured: a draft catches up on at most this many tokens per token left
 PREFILL_EXPLORE_EVERY = 8  # after this many prefill skips in a row, one request speculates anyway
 PREFILL_SAMPLES = 8  # draft prefill measurements the estimate is the median of
+PLAIN_REFRESH_EVERY = 48  # rounds alone without a plain step, after which one round is plain
 
 
 @dataclass
@@ -112,6 +113,7 @@ class CostModel:
     batch_arms: dict[int, BatchArms] = field(default_factory=dict)  # batch -> measured kinds of round
     ledger: RoundLedger = field(default_factory=RoundLedger)  # kinds of round running now (their purity)
     _line: tuple | None = field(default=None, repr=False, compare=False)  # _verify_line, until verify_s changes
+    since_plain: int = 0  # rounds alone timed since the last plain step was (the unit of every cost)
 
     def __setattr__(self, name: str, value) -> None:
         if name == "verify_s":  # a new dict of measurements: the fitted line goes with the old one
@@ -135,9 +137,21 @@ class CostModel:
             r = t_verify / (base * self.verify_cost(n))
             self.verify_s = {j: v * r if j else v for j, v in self.verify_s.items()}
             self.verify_s[n] = t_verify
+        elif n == 0:  # the unit: a sample after a long gap counts as that many rounds' worth
+            old, w = self.verify_s.get(0), 1.0 - (1.0 - self.config.alpha) ** (self.since_plain + 1)
+            self.verify_s[0] = t_verify if old is None else old + w * (t_verify - old)
         else:
             self.verify_s[n] = self._ewma(self.verify_s.get(n), t_verify)
+        self.since_plain = 0 if n == 0 else self.since_plain + 1
         self._line = None
+
+    def plain_stale(self) -> bool:
+        """A round alone should be plain: none was for ``PLAIN_REFRESH_EVERY`` rounds, so the plain
+        step, the unit of every cost, may be the machine's speed of long ago (a request that always
+        drafts never measures it; seen: 19.1 ms kept while steps took ~26 ms, so drafts read 0.72
+        of a step instead of ~0.5 and the prefill rule sent a request to n-gram drafts). One plain
+        round in 48 costs ~0.2% of a speculating request's speed."""
+        return self.measure and self.since_plain >= PLAIN_REFRESH_EVERY
 
     def observe_steps(self, steps: int, seconds: float, fresh: bool = False) -> None:
         """``steps`` draft steps took ``seconds``, timed apart from a first call that read a

@@ -109,6 +109,8 @@ class RequestPolicy:
             if not (self.cheap_drafts and self.costs.batched_verify):
                 return 0
         elif not self.free_only:
+            if at and self.costs.plain_stale():  # re-measure the unit of every cost (CostModel.plain_stale)
+                return 0
             k = self.best_k()[0]
             if lag > CATCHUP_FREE and not self.costs.catchup_pays(lag, remaining, self.ewma.value, k):
                 return 0

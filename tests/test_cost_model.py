@@ -157,6 +157,38 @@ def test_a_probe_refreshes_the_level_of_every_verify_cost_and_keeps_their_shape(
     assert policy.speculating  # resumed
 
 
+def test_a_request_that_always_drafts_re_measures_the_plain_step_now_and_then():
+    """The plain step is the unit of every cost, and only a plain round measures it: a request
+    that always drafts kept the one of long ago while the machine's speed moved (19.1 ms kept
+    while steps took ~26 ms: drafts read 0.72 of a step instead of ~0.5). Every
+    ``PLAIN_REFRESH_EVERY`` rounds alone one round is plain, and a sample after such a gap
+    counts for the rounds it stood for."""
+    from specdec_rt.acceptance import PLAIN_REFRESH_EVERY
+
+    config = SpecConfig()
+    costs = CostModel(config, draft_token_s=0.013, verify_s={0: 0.0191, 4: 0.033})
+    policy = RequestPolicy(config, "spec", AcceptanceEWMA.start(0.1, 0.95, prior_weight=100.0), costs)
+    at, plain = 1, []
+    for _ in range(2 * PLAIN_REFRESH_EVERY + 2):
+        k = policy.draft_length(10_000, 1, at)
+        if k == 0:
+            plain.append(at)
+            policy.observe(at, 0, 0, 0.0, 0.026)  # the machine is slower now
+            at += 1
+        else:
+            policy.observe(at, k, k, k * 0.013, 0.033 + 0.002 * (k - 4))
+            at += k + 1
+    assert len(plain) == 2  # one plain round in PLAIN_REFRESH_EVERY + 1
+    assert costs.verify_s[0] == pytest.approx(0.026, rel=0.01)  # not 0.0191 + 10% of the gap
+    stale = 1.0 - (1.0 - config.alpha) ** (PLAIN_REFRESH_EVERY + 1)
+    assert stale > 0.99
+    costs.observe(0, 0.0, 0.030)  # back to back: an ordinary EWMA step
+    assert costs.verify_s[0] == pytest.approx(0.026 + config.alpha * 0.004, rel=0.01)
+    seeded = CostModel(config, measure=False)
+    seeded.since_plain = 10 * PLAIN_REFRESH_EVERY
+    assert not seeded.plain_stale()  # a seeded request's schedule never depends on timings
+
+
 def test_a_first_round_times_its_prefill_apart_from_its_steps():
     """A request's first round: the draft's prompt, then steps. With the steps timed, the
     prefill is what is left and the steps are a draft-cost sample (an EWMA: not a probe)."""
