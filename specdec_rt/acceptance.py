@@ -132,14 +132,14 @@ class CostModel:
         if drafted and model_drafts:
             self.draft_token_s = self._ewma(self.draft_token_s, t_draft / drafted)
         n = drafted if verified is None else verified
-        base = self._verify_line()[0]
-        if fresh and n and base is not None and t_verify > 0:
+        base = self._verify_line()[0] if fresh and n and t_verify > 0 else None  # the fit: a probe's only
+        if base is not None:
             r = t_verify / (base * self.verify_cost(n))
             self.verify_s = {j: v * r if j else v for j, v in self.verify_s.items()}
             self.verify_s[n] = t_verify
         elif n == 0:  # the unit: a sample after a long gap counts as that many rounds' worth
-            old, w = self.verify_s.get(0), 1.0 - (1.0 - self.config.alpha) ** (self.since_plain + 1)
-            self.verify_s[0] = t_verify if old is None else old + w * (t_verify - old)
+            gap = self.since_plain + 1
+            self.verify_s[0] = self._ewma(self.verify_s.get(0), t_verify, 1.0 - (1.0 - self.config.alpha) ** gap)
         else:
             self.verify_s[n] = self._ewma(self.verify_s.get(n), t_verify)
         self.since_plain = 0 if n == 0 else self.since_plain + 1
@@ -187,8 +187,9 @@ class CostModel:
         self.prefill_samples = (self.prefill_samples + [per])[-PREFILL_SAMPLES:]
         self.draft_prefill_s = statistics.median(self.prefill_samples)
 
-    def _ewma(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.config.alpha * (new - old)
+    def _ewma(self, old: float | None, new: float, weight: float | None = None) -> float:
+        w = self.config.alpha if weight is None else weight
+        return new if old is None else old + w * (new - old)
 
     def _verify_line(self) -> tuple[float | None, float, float]:
         """``(base, j, s)``: seconds of one plain target step (None if unmeasured) and the cost
