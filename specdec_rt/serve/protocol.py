@@ -116,29 +116,22 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
     return p
 
 
+# options this server cannot honour, and their "off" values (which some clients always send)
+UNHONOURED = {"logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0.0,),
+              "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "logit_bias": ({},),
+              "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+              "function_call": ("none", "auto"), "response_format": ({"type": "text"},)}
+UNHONOURED_COMPLETION = {"echo": (False,), "best_of": (1,), "suffix": ("",)}  # /v1/completions only
+
+
 def _unsupported(body: dict, kind: Kind) -> None:
     """Options this server cannot honour are refused rather than silently dropped (a client
     that asks for log probabilities would otherwise read ``null``, one that asks for JSON or a
     tool call would get free text, one with a penalty a different distribution). Their "off"
     values (``0``, ``null``, ``{}``, ``"none"``, ...), which some clients always send, pass."""
-    def off(name: str, *values) -> bool:
-        return body.get(name) is None or any(_same(body[name], x) for x in values)
-    asked = [("logprobs", not off("logprobs", False)),
-             ("top_logprobs", not off("top_logprobs", 0)),
-             ("echo", kind == "completion" and not off("echo", False)),
-             ("best_of", kind == "completion" and not off("best_of", 1)),
-             ("suffix", kind == "completion" and not off("suffix", "")),
-             ("presence_penalty", not off("presence_penalty", 0.0)),
-             ("frequency_penalty", not off("frequency_penalty", 0.0)),
-             ("repetition_penalty", not off("repetition_penalty", 1.0)),
-             ("logit_bias", not off("logit_bias", {})),
-             ("tools", not off("tools", [])),
-             ("functions", not off("functions", [])),
-             ("tool_choice", not off("tool_choice", "none", "auto")),
-             ("function_call", not off("function_call", "none", "auto")),
-             ("response_format", not off("response_format", {"type": "text"}))]
-    for name, on in asked:
-        if on:
+    options = {**UNHONOURED, **UNHONOURED_COMPLETION} if kind == "completion" else UNHONOURED
+    for name, off in options.items():
+        if body.get(name) is not None and not any(_same(body[name], x) for x in off):
             raise _bad(name, f"{name}={body[name]!r} is not supported by this server", "unsupported_parameter")
 
 
