@@ -159,12 +159,11 @@ class ModelDrafter(_ModelUser, DraftInferrer):
         candidates: list[tuple[float, int, int]] = []  # (draft probability of the node, depth, token)
         reach = 1.0  # draft probability of the chain so far
         stop = ctx.chain_stop  # set: end the chain where the draft is unsure (confidence.py)
-        ctx.draft_steps = (0, 0.0)
+        stepped = 0.0  # seconds of the steps after the first call, which reads what the draft missed
         for i in range(k):
             t = perf_counter()
             logits = (await s.extend(feed, 1))[0]  # [V]
-            if i:  # a step alone: the first call reads what the draft has not seen (1-2 tokens, or more)
-                ctx.draft_steps = (i, ctx.draft_steps[1] + perf_counter() - t)
+            stepped += perf_counter() - t if i else 0.0
             if ctx.params.greedy:
                 x = int(np.argmax(logits))
                 drafts.append(DraftToken(x))  # deterministic: q is one-hot at x
@@ -180,6 +179,7 @@ class ModelDrafter(_ModelUser, DraftInferrer):
                 candidates += [(reach * float(q[y]), i, int(y)) for y in best if y != x and q[y] > 0]
                 reach *= float(q[x])
             feed = np.array([x], dtype=np.int64)  # the last draft is never fed: it may be rejected
+        ctx.draft_steps = (max(len(drafts) - 1, 0), stepped)  # one draft per call
         chosen = sorted(candidates, reverse=True)[: ctx.tree_nodes]
         return drafts + [DraftToken(y, parent=i - 1) for _, i, y in sorted(chosen, key=lambda c: c[1])]
 
