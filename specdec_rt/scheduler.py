@@ -211,8 +211,9 @@ class SpecDecScheduler:
         if not k or not tree.max_nodes:  # trees off (the default): no cost estimates per round
             return k, 0
         c, a, n, h = policy.costs, policy.ewma.value, tree.max_nodes, tree.hit_rate
-        depth = max(range(1, k + 1), key=lambda j: c.speedup(a, j, nodes=n, hit_rate=h))
-        nodes = tree.nodes(alone, c.speedup(a, depth, nodes=n, hit_rate=h) > c.speedup(a, k), rates)
+        rated = {j: c.speedup(a, j, nodes=n, hit_rate=h) for j in range(1, k + 1)}  # a tree on depth j
+        depth = max(rated, key=rated.get)
+        nodes = tree.nodes(alone, rated[depth] > c.speedup(a, k), rates)
         room = self.max_length - ctx.tokens.size - depth if self.max_length else nodes
         nodes = max(0, min(nodes, room))
         return (depth, nodes) if nodes else (k, 0)
