@@ -52,6 +52,8 @@ def run(fn, folder, **load):
     ("chat", {"messages": CHAT, "top_p": 0}, "top_p"),
     ("chat", {"messages": CHAT, "top_k": 1.5}, "top_k"),
     ("chat", {"messages": CHAT, "seed": -1}, "seed"),
+    ("chat", {"messages": CHAT, "seed": 2**64}, "seed"),
+    ("chat", {"messages": CHAT, "top_k": -5}, "top_k"),
     ("chat", {"messages": CHAT, "stop": 7}, "stop"),
     ("chat", {"messages": CHAT, "stop": ["a", None]}, "stop"),
     ("chat", {"messages": CHAT, "mode": "turbo"}, "mode"),
@@ -168,6 +170,8 @@ def test_streaming_chunks(tiny_llama, kind):
         assert chunks[0]["id"].startswith("chatcmpl-" if kind == "chat" else "cmpl-")
         finishes = [e["choices"][0]["finish_reason"] for e in chunks]
         assert [f for f in finishes if f is not None] == ["length"]
+        assert all("usage" in e and e["usage"] is None for e in chunks)  # null until the usage chunk
+        assert all("usage" not in e for e in sse_data(plain.text)[:-1])  # not asked for: absent
         if kind == "chat":
             assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
             assert all("role" not in e["choices"][0]["delta"] for e in chunks[1:])
@@ -324,6 +328,39 @@ def test_drain_refuses_new_requests_and_finishes_running_ones(tiny_llama):
 
 
 @pytest.mark.export
+def test_past_the_drain_timeout_admitted_requests_end_with_a_503_not_a_cut_connection(tiny_llama):
+    async def check(engine):
+        slow = SlowEngine(engine, delay=0.05)  # 60 tokens: ~3 s each; one slot, so one waits
+        app = create_app(slow, slots=1, drain_timeout=0.3)
+        async with app.router.lifespan_context(app), client(app) as c:
+            body = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0}
+            whole = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            streamed = asyncio.ensure_future(c.post("/v1/completions", json={**body, "stream": True}))
+            await _admitted(app, 2)
+            began = time.perf_counter()
+            begin_drain(app)
+            whole, streamed = await whole, await streamed
+            took = time.perf_counter() - began
+            values = metric_values((await c.get("/metrics")).text)
+        assert took < 2.0, took  # ended at the deadline, not after 60 tokens each
+        assert whole.status_code == 503 and whole.json()["error"]["code"] == "draining"
+        assert "drain timeout" in whole.json()["error"]["message"]
+        events = sse_data(streamed.text)
+        assert streamed.status_code == 200 and events[-1]["error"]["code"] == "draining"
+        assert "[DONE]" not in events
+        assert metric(values, "specdec_requests_aborted_total", reason="shutdown") == 2
+        assert slow.closed == 2 and app.state.serving.admitted == 0 and not app.state.serving.jobs
+    run(check, tiny_llama)
+
+
+async def _admitted(app, n: int) -> None:
+    deadline = time.perf_counter() + 10
+    while app.state.serving.admitted < n:
+        assert time.perf_counter() < deadline
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.export
 def test_loader_lifespan_loading_then_ready_then_closed(tiny_llama):
     async def check():
         gate = anyio.Event()
@@ -346,6 +383,7 @@ def test_loader_lifespan_loading_then_ready_then_closed(tiny_llama):
             ok = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert health.status_code == 503 and health.json()["status"] == "loading"
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "loading"
+        assert refused.headers["retry-after"] == "1"
         assert models["data"][0]["id"] == "tiny" and ok.json()["model"] == "tiny"
         assert ok.status_code == 200
         with pytest.raises(EngineClosedError):  # the app loaded it, so the app closed it

@@ -136,9 +136,24 @@ async def _until(cond, timeout: float = 2.0) -> None:
 
 
 def test_cli_serve_drains_on_sigterm_and_exits_0(tiny_llama):
+    log = _serve_then_sigterm(tiny_llama, "60", _drain_scenario)
+    assert "draining" in log and log.count("event='request'") >= 3
+
+
+def test_cli_serve_past_its_drain_timeout_answers_what_is_left_with_503s(tiny_llama):
+    """Requests still admitted when --drain-timeout ends get an OpenAI error body (a stream: an
+    error event), not a connection cut by uvicorn; the process still exits 0, no traceback."""
+    log = _serve_then_sigterm(tiny_llama, "0.3", _drain_timeout_scenario)
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log
+    assert "drain_timeout" in log
+
+
+def _serve_then_sigterm(folder, drain_timeout: str, scenario) -> str:
+    """Run ``serve`` on ``folder`` with one slot, ``scenario(url, proc)`` (which sends SIGTERM),
+    check the exit status 0; returns the process's log."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "specdec_rt", "serve", "--model", str(tiny_llama), "--port", "0",
-                             "--slots", "1", "--threads", "1", "--drain-timeout", "60"],
+    proc = subprocess.Popen([sys.executable, "-m", "specdec_rt", "serve", "--model", str(folder), "--port", "0",
+                             "--slots", "1", "--threads", "1", "--drain-timeout", drain_timeout],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
@@ -149,26 +164,63 @@ def test_cli_serve_drains_on_sigterm_and_exits_0(tiny_llama):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.05)
         url = m.group(1)
-        anyio.run(_drain_scenario, url, proc)
+        anyio.run(scenario, url, proc)
         assert proc.wait(timeout=60) == 0, "".join(lines)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     reader.join(timeout=5)
-    log = "".join(lines)
-    assert "draining" in log and log.count("event='request'") >= 3
+    return "".join(lines)
+
+
+async def _until_healthy(c) -> None:
+    while True:
+        try:
+            if (await c.get("/health")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(0.05)
+
+
+async def _drain_timeout_scenario(url: str, proc: subprocess.Popen) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        await _until_healthy(c)
+        started = asyncio.Event()
+        body = {"prompt": PROMPT, "max_tokens": 480, "temperature": 0}
+
+        async def streamed() -> list:
+            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                text = ""
+                async for chunk in r.aiter_text():
+                    text += chunk
+                    started.set()
+            return sse_data(text)
+
+        first = asyncio.ensure_future(streamed())
+        await started.wait()
+        rest = [asyncio.ensure_future(streamed() if i % 2 else c.post("/v1/completions", json=body))
+                for i in range(4)]  # queued behind the first: one slot
+        await asyncio.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        results = [await first] + [await t for t in rest]
+    ended = 0
+    for r in results:
+        if isinstance(r, list):  # a stream: complete, or one error event and no [DONE]
+            assert r[-1] == "[DONE]" or (r[-1]["error"]["code"] == "draining" and "[DONE]" not in r), r[-3:]
+            ended += r[-1] != "[DONE]"
+        else:
+            assert r.status_code in (200, 503), r.text
+            assert r.status_code == 200 or r.json()["error"]["code"] == "draining"
+            ended += r.status_code == 503
+    assert ended >= 3  # at most two of five finish in 0.3 s
 
 
 async def _drain_scenario(url: str, proc: subprocess.Popen) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-        while True:
-            try:
-                if (await c.get("/health")).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.05)
+        await _until_healthy(c)
         started = asyncio.Event()
         body = {"prompt": PROMPT, "max_tokens": 480, "temperature": 0, "stream": True}
 

@@ -27,7 +27,7 @@ __all__ = ["create_app", "begin_drain"]
 def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: int = 16,
                model_name: str | None = None, request_timeout: float | None = 600.0,
                max_body_bytes: int = 1 << 20, default_max_tokens: int = 256, retry_after: int = 1,
-               wait_for_load: bool = False) -> Starlette:
+               wait_for_load: bool = False, drain_timeout: float | None = None) -> Starlette:
     """The ASGI app.
 
     ``engine_or_loader``: a loaded :class:`~specdec_rt.Engine` (the app is ready at once and
@@ -40,14 +40,17 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
     ``default_max_tokens``: for requests without ``max_tokens``. ``app.state.serving`` holds the
     state; :func:`begin_drain` starts a graceful shutdown. ``wait_for_load``: the lifespan
     startup returns only once the engine is loaded, and fails if it cannot be (for hosts that
-    route to an app only after its startup, such as a Ray Serve replica).
+    route to an app only after its startup, such as a Ray Serve replica). ``drain_timeout``:
+    seconds admitted requests get once draining began; those still running then end with a 503
+    ``draining`` error (a stream: one error event) instead of being cut off (``None``: no limit).
     """
     if slots is None:
         slots = getattr(engine_or_loader, "slots", None)
         slots = slots if isinstance(slots, int) else 4
     serving = Serving(engine_or_loader, slots=slots, max_queued=max_queued, model_name=model_name,
                       request_timeout=request_timeout, max_body_bytes=max_body_bytes,
-                      default_max_tokens=default_max_tokens, retry_after=retry_after)
+                      default_max_tokens=default_max_tokens, retry_after=retry_after,
+                      drain_timeout=drain_timeout)
     created = int(time.time())
 
     async def chat(request: Request) -> Any:
@@ -83,6 +86,7 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
             if serving.state != "ready":
                 raise RuntimeError(f"the model did not load (state {serving.state!r}); see the log")
         async with anyio.create_task_group() as tg:
+            tg.start_soon(serving.end_jobs_after_drain)
             if serving.state == "loading":
                 tg.start_soon(serving.load)  # the server listens meanwhile: /health says loading
             try:

@@ -16,6 +16,8 @@ from ..prefix_cache import DEFAULT_BUDGET_BYTES
 
 __all__ = ["add_serve_parser", "run_serve"]
 
+DRAIN_GRACE_S = 5.0  # after --drain-timeout, time to send the 503s before uvicorn cuts connections
+
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to ``sub`` (argparse subparsers); returns its parser, to
@@ -33,7 +35,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=_positive, default=1 << 20,
                    help="largest request body; larger ones get 413 (default 1 MiB)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let running requests finish (default 30)")
+                   help="on SIGTERM, seconds to let admitted requests finish; those left then get a 503 "
+                        "(a stream: an error event) (default 30)")
     p.add_argument("--default-max-tokens", type=_positive, default=256,
                    help="max_tokens when a request sets none (default 256)")
     p.add_argument("--served-model-name", default=None,
@@ -112,9 +115,11 @@ def run_serve(args) -> int:
     logging.getLogger("specdec_rt.serve").setLevel(logging.INFO)  # one event per request on stderr
     app = create_app(load, slots=args.slots, max_queued=args.max_queued, model_name=name,
                      request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes,
-                     default_max_tokens=args.default_max_tokens)
+                     default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout)
+    # past --drain-timeout the app ends what still runs with a 503 / an error event; uvicorn's own
+    # limit, which cuts connections off, only backs that up
     config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on", access_log=args.access_log,
-                            log_level="warning", timeout_graceful_shutdown=args.drain_timeout)
+                            log_level="warning", timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S)
     server = _draining_server(config, app)
     app.state.serving.on_load_error = server.stop_after_load_error
     # uvicorn re-raises the signal that stopped it once it is done; a handler that ignores it makes

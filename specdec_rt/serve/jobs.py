@@ -119,7 +119,7 @@ class Job:
 
     def __init__(self, serving: Serving, params: GenParams, stream, arrived: float) -> None:
         self.serving, self.params, self.stream, self.arrived = serving, params, stream, arrived
-        self.reply = Reply(params.kind, serving.model_name or "specdec-rt")
+        self.reply = Reply(params.kind, serving.model_name or "specdec-rt", include_usage=params.include_usage)
         timeout = serving.request_timeout
         self.deadline = arrived + timeout if timeout else None
         self.tokens, self.stats, self.finish = 0, None, None
@@ -128,16 +128,24 @@ class Job:
         self.outcome: str | None = None  # cancelled | timeout | error, when it did not finish
         self.done = False  # the response is complete: a disconnect now is not a cancel
         self.closed = False
+        self.expired = False  # the server's drain deadline passed (expire)
+        self._scope: anyio.CancelScope | None = None  # around the wait for the engine's next event
+        serving.jobs.add(self)
 
     async def next_event(self):
         """The engine's next event (``None`` after the last), under the request's deadline.
-        Raises :class:`APIError` for a timeout (504) or a model failure (500)."""
+        Raises :class:`APIError` for a timeout (504), a model failure (500), or the server's drain
+        deadline (503, :meth:`expire`)."""
+        if self.expired:
+            raise self._shut_down()
+        ev = None
         try:
-            if self.deadline is None:
-                ev = await self.stream.__anext__()
-            else:
-                with anyio.fail_after(max(0.0, self.deadline - perf_counter())):
+            with anyio.CancelScope() as self._scope:
+                if self.deadline is None:
                     ev = await self.stream.__anext__()
+                else:
+                    with anyio.fail_after(max(0.0, self.deadline - perf_counter())):
+                        ev = await self.stream.__anext__()
         except StopAsyncIteration:
             return None
         except TimeoutError:
@@ -150,8 +158,24 @@ class Job:
         except SpecDecError as exc:  # InferenceError: the model failed; the engine goes on
             self.outcome = "error"
             raise APIError(500, str(exc), type="server_error", code="inference_error") from None
+        finally:
+            self._scope = None
+        if ev is None:  # expire() cancelled the wait
+            raise self._shut_down()
         self._observe(ev, perf_counter())
         return ev
+
+    def expire(self) -> None:
+        """The server's drain deadline passed: the request ends with a 503 ``draining`` error (a
+        stream: one error event) at its next engine event, or at once if it is waiting for one."""
+        self.expired = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def _shut_down(self) -> APIError:
+        self.outcome = "shutdown"
+        return APIError(503, f"the server stopped before this request finished (its drain timeout of "
+                             f"{self.serving.drain_timeout:g} s passed)", type="service_unavailable", code="draining")
 
     def _observe(self, ev, now: float) -> None:
         m = self.serving.metrics
@@ -177,6 +201,7 @@ class Job:
         if self.closed:
             return
         self.closed = True
+        self.serving.jobs.discard(self)
         with anyio.CancelScope(shield=True):
             try:
                 await self.stream.aclose()

@@ -64,7 +64,7 @@ class Metrics:
             self.success.labels(reason)
         for reason in ("invalid", "too_large", "overloaded", "loading", "draining"):
             self.rejected.labels(reason)
-        for reason in ("cancelled", "timeout", "error"):
+        for reason in ("cancelled", "timeout", "error", "shutdown"):
             self.aborted.labels(reason)
 
     def observe_batch(self, rows: int) -> None:

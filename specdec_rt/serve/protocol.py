@@ -24,6 +24,7 @@ __all__ = ["APIError", "GenParams", "Reply", "parse_request", "engine_error", "e
 Kind = Literal["chat", "completion"]
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; the Engine itself takes any finite value
+MAX_SEED = 2**64 - 1  # a seed is a 64-bit integer, as in OpenAI's API
 
 
 class APIError(Exception):
@@ -92,10 +93,10 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
             raise _bad("top_p", f"top_p must be in (0, 1], got {p.top_p!r}")
         p.top_p = None if p.top_p == 1.0 else p.top_p
     if body.get("top_k") is not None:
-        top_k = _int(body, "top_k")
+        top_k = _int(body, "top_k", minimum=-1)
         p.top_k = top_k if top_k > 0 else None  # 0 and -1 mean "off", as in vLLM
     if body.get("seed") is not None:
-        p.seed = _int(body, "seed", minimum=0)
+        p.seed = _int(body, "seed", minimum=0, maximum=MAX_SEED)
     p.stop = _stop(body.get("stop"))
     n = body.get("n")
     if n is not None and (_int(body, "n") != 1):
@@ -178,7 +179,7 @@ def _prompt(body: dict) -> str:
     return prompt
 
 
-def _int(body: dict, name: str, minimum: int | None = None) -> int:
+def _int(body: dict, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
     value = body[name]
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -186,6 +187,8 @@ def _int(body: dict, name: str, minimum: int | None = None) -> int:
         raise _bad(name, f"{name} must be an integer, got {value!r}", "invalid_type")
     if minimum is not None and value < minimum:
         raise _bad(name, f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise _bad(name, f"{name} must be <= {maximum}, got {value}")
     return value
 
 
@@ -241,6 +244,7 @@ class Reply:
     model: str
     id: str = ""
     created: int = 0
+    include_usage: bool = False  # every chunk but the last carries "usage": null, as OpenAI's do
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -254,9 +258,11 @@ class Reply:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if first else {"content": text}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head("text_completion"), "choices": [choice]}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            out = {**self._head("text_completion"), "choices": [choice]}
+        return {**out, "usage": None} if self.include_usage else out
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         """The last chunk when ``stream_options.include_usage`` is set: no choices, the usage."""

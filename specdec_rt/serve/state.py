@@ -7,7 +7,10 @@ call. ``slots`` of them generate (the engine's own limit); the rest wait for a s
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Awaitable, Callable, Literal
+
+import anyio
 
 from ..logs import get_logger
 from .metrics import Metrics
@@ -26,13 +29,17 @@ class Serving:
 
     def __init__(self, engine_or_loader: Any, *, slots: int, max_queued: int, model_name: str | None,
                  request_timeout: float | None, max_body_bytes: int, default_max_tokens: int,
-                 retry_after: int = 1) -> None:
+                 retry_after: int = 1, drain_timeout: float | None = None) -> None:
         if slots < 1 or max_queued < 0:
             raise ValueError(f"slots must be >= 1 and max_queued >= 0, got {slots} and {max_queued}")
         self.slots, self.max_queued = slots, max_queued
         self.request_timeout, self.max_body_bytes = request_timeout, max_body_bytes
         self.default_max_tokens, self.retry_after = default_max_tokens, retry_after
+        self.drain_timeout = drain_timeout
         self.admitted = 0
+        self.jobs: set[Any] = set()  # the admitted requests' Jobs, ended with a 503 past the drain deadline
+        self._draining: anyio.Event | None = None  # made by end_jobs_after_drain, on the loop
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.engine: Any = None
         self.loader: Callable[[], Awaitable[Any]] | None = None
         self.state: State = "loading"
@@ -83,10 +90,33 @@ class Serving:
             await self.engine.aclose()
 
     def begin_drain(self) -> None:
-        """From now on new requests get 503 and ``/health`` 503; admitted ones run to the end."""
+        """From now on new requests get 503 and ``/health`` 503; admitted ones run to the end, or
+        for ``drain_timeout`` seconds (:meth:`end_jobs_after_drain`). Safe from a signal handler."""
         if self.state in ("loading", "ready"):
             self.state = "draining"
             log.info("server.draining", admitted=self.admitted)
+            if self._loop is not None and self._draining is not None:  # wakes the loop, from a signal handler too
+                self._loop.call_soon_threadsafe(self._draining.set)
+
+    async def end_jobs_after_drain(self) -> None:
+        """Run by the app's lifespan: once draining, wait ``drain_timeout`` seconds, then end every
+        request still admitted with a 503 ``draining`` error (a stream: one error event), so that
+        none is cut off without an answer when the server stops."""
+        self._draining = anyio.Event()
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on asyncio: nothing to wake
+            self._loop = None
+        if self.state == "draining":
+            self._draining.set()
+        await self._draining.wait()
+        if self.drain_timeout is None:
+            return
+        await anyio.sleep(self.drain_timeout)
+        if self.jobs:
+            log.info("server.drain_timeout", ending=len(self.jobs))
+        for job in list(self.jobs):
+            job.expire()
 
     # ------------------------------------------------------------------ admission
     def check_open(self) -> None:
@@ -95,7 +125,8 @@ class Serving:
         message = {"loading": "the model is loading; retry shortly",
                    "draining": "the server is shutting down",
                    "failed": "the model failed to load"}[self.state]
-        raise APIError(503, message, type="service_unavailable", code=self.state)
+        headers = {"Retry-After": str(self.retry_after)} if self.state == "loading" else None
+        raise APIError(503, message, type="service_unavailable", code=self.state, headers=headers)
 
     def admit(self) -> None:
         """Count one more request in, or raise 429 (with ``Retry-After``) when full."""
