@@ -192,7 +192,10 @@ def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
 
 def uniforms(rng: np.random.Generator, n: int) -> np.ndarray:
     """``n`` uniform draws in [0, 1): the only source of randomness in this module."""
-    return rng.random(n)
+    draw = getattr(rng, "random", None)
+    if not callable(draw):
+        raise InvalidInputError(f"rng must be a numpy.random.Generator, got {brief_repr(rng)}")
+    return draw(n)
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
@@ -232,7 +235,11 @@ def rejection_sample(
 
     Raises :class:`InvalidInputError` (a ``ValueError``) naming the problem for k = 0, shapes that
     do not fit, ids out of range, NaN/inf or negative entries, rows not summing to 1.
-    A draft token with ``q_i(x_i) = 0`` (impossible if it was drawn from ``q``) is rejected.
+    A draft token with ``q_i(x_i) = 0`` (impossible if it was drawn from ``q``) is rejected with
+    certainty, which says nothing about ``p``: the token then comes from ``p_n`` itself, not from
+    the residual (whose lemma assumes ``x_n ~ q_n``), so the output is still distributed as ``p``.
+    Rows are taken as given: exactness is to rows that sum to 1 (within ``ROW_SUM_TOLERANCE``
+    they are accepted, not renormalised).
     """
     draft_ids, q, p = _check(draft_ids, q, p)
     k = draft_ids.shape[0]
@@ -243,12 +250,11 @@ def rejection_sample(
     # accept x_i  <=>  u_i < p_i(x_i) / q_i(x_i), written without dividing; q_i(x_i) = 0 rejects
     accepted = (q_x > 0) & (u * q_x < p_x)  # [k] bool
     n = k if accepted.all() else int(np.argmin(accepted))  # index of the first rejection
-    if n == k:
-        last = sample(p[k], rng)  # bonus token: every draft accepted
+    if n == k or q_x[n] == 0:
+        last = sample(p[n], rng)  # bonus token (every draft accepted), or after a certain rejection
     else:
         residual = np.maximum(p[n] - q[n], 0.0)  # [V] unnormalized norm(max(0, p_n - q_n))
-        # residual is all zero only if p_n == q_n, where a rejection has probability 0 unless
-        # q_n(x_n) = 0 forced it; p_n is then the right distribution to fall back on.
+        # all zero only if p_n == q_n, where a rejection has probability 0 (float rounding aside)
         last = sample(residual if residual.sum() > 0 else p[n], rng)
     return np.append(draft_ids[:n], np.int64(last)).astype(np.int64)
 
@@ -260,8 +266,13 @@ def greedy_accept(
     """Exact-match acceptance: :func:`rejection_sample` with one-hot ``p`` and ``q``, without
     building ``[k, V]`` one-hot arrays. Accepts drafts while they equal the target's argmax, then
     emits the target's token at the first mismatch (or the bonus after k matches)."""
-    draft_ids = np.asarray(draft_ids, dtype=np.int64)
-    target_ids = np.asarray(target_ids, dtype=np.int64)
+    draft_ids, target_ids = np.asarray(draft_ids), np.asarray(target_ids)
+    for name, ids in (("draft_ids", draft_ids), ("target_ids", target_ids)):
+        if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):
+            raise InvalidInputError(f"{name} must be a 1-D integer array, got dtype {ids.dtype} shape {ids.shape}")
+        if ids.size and ids.min() < 0:
+            raise InvalidInputError(f"{name} holds the negative token id {int(ids.min())}")
+    draft_ids, target_ids = draft_ids.astype(np.int64), target_ids.astype(np.int64)
     if target_ids.shape != (draft_ids.shape[0] + 1,):
         raise InvalidInputError(
             f"target_ids must have shape [k+1] = [{draft_ids.shape[0] + 1}], got {target_ids.shape}"
@@ -269,6 +280,24 @@ def greedy_accept(
     mismatch = draft_ids != target_ids[:-1]  # [k]
     n = int(np.argmax(mismatch)) if mismatch.any() else draft_ids.shape[0]
     return np.append(draft_ids[:n], target_ids[n])
+
+
+def check_rows(name: str, a: np.ndarray) -> None:
+    """``a`` ``[rows, V]`` holds probability rows: float, finite, non-negative, each summing to 1
+    within ``ROW_SUM_TOLERANCE``; else :class:`InvalidInputError` naming ``name`` and the row."""
+    if not np.issubdtype(a.dtype, np.floating):
+        raise InvalidInputError(f"{name} must be a float array, got dtype {a.dtype}")
+    if not np.all(np.isfinite(a)):
+        r = int(np.argwhere(~np.isfinite(a))[0][0])
+        raise InvalidInputError(f"{name} row {r} contains NaN or inf")
+    if (a < 0).any():
+        r = int(np.argwhere(a < 0)[0][0])
+        raise InvalidInputError(f"{name} row {r} has negative probabilities")
+    sums = a.sum(axis=1)
+    bad = np.abs(sums - 1.0) > ROW_SUM_TOLERANCE
+    if bad.any():
+        r = int(np.argmax(bad))
+        raise InvalidInputError(f"{name} row {r} sums to {sums[r]:.6g}, not 1 (tolerance {ROW_SUM_TOLERANCE})")
 
 
 def _check(draft_ids, q, p) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -287,22 +316,8 @@ def _check(draft_ids, q, p) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     v = p.shape[1]
     if q.shape != (k, v):
         raise InvalidInputError(f"q must have shape [k, V] = [{k}, {v}], got {q.shape}")
-    for name, a in (("q", q), ("p", p)):
-        if not np.issubdtype(a.dtype, np.floating):
-            raise InvalidInputError(f"{name} must be a float array, got dtype {a.dtype}")
-        if not np.all(np.isfinite(a)):
-            r = int(np.argwhere(~np.isfinite(a))[0][0])
-            raise InvalidInputError(f"{name} row {r} contains NaN or inf")
-        if (a < 0).any():
-            r = int(np.argwhere(a < 0)[0][0])
-            raise InvalidInputError(f"{name} row {r} has negative probabilities")
-        sums = a.sum(axis=1)
-        bad = np.abs(sums - 1.0) > ROW_SUM_TOLERANCE
-        if bad.any():
-            r = int(np.argmax(bad))
-            raise InvalidInputError(
-                f"{name} row {r} sums to {sums[r]:.6g}, not 1 (tolerance {ROW_SUM_TOLERANCE})"
-            )
+    check_rows("q", q)
+    check_rows("p", p)
     if draft_ids.min() < 0 or draft_ids.max() >= v:
         bad_id = int(draft_ids[(draft_ids < 0) | (draft_ids >= v)][0])
         raise InvalidInputError(f"draft id {bad_id} is out of range for vocabulary size {v}")

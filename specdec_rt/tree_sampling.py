@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import InferenceError, InvalidInputError
-from .sampling import sample
+from .sampling import check_rows, sample
 
 __all__ = ["DraftTree", "node_outcomes", "tree_accept", "greedy_tree_accept", "chain", "depths_of",
            "tree_parents", "chain_length", "tree_depth"]
@@ -47,6 +47,10 @@ class DraftTree:
     parents come before children), ``q`` ``[n, V]`` float or None (deterministic: one-hot)."""
 
     def __init__(self, tokens, parents, q: np.ndarray | None = None) -> None:
+        for name, ids in (("tokens", tokens), ("parents", parents)):
+            a = np.asarray(ids)
+            if a.size and not np.issubdtype(a.dtype, np.integer):
+                raise InvalidInputError(f"a draft tree's {name} must be integers, got dtype {a.dtype}")
         self.tokens = np.asarray(tokens, dtype=np.int64)  # [n]
         self.parents = np.asarray(parents, dtype=np.int64)  # [n]
         n = self.tokens.size
@@ -116,19 +120,22 @@ def node_outcomes(r: np.ndarray, tokens: np.ndarray, qs: list[np.ndarray]) -> tu
     """Exact probabilities of what happens at one node with target distribution ``r`` ``[V]``
     whose children carry ``tokens`` ``[m]`` drawn from ``qs`` (``m`` rows ``[V]``): ``accept``
     ``[m]`` (child i is the one accepted) and ``emit`` ``[V]`` (all rejected, this token drawn
-    from the final residual). ``accept.sum() + emit.sum() == 1``."""
+    from the final residual). ``accept.sum() + emit.sum() == 1``. A child whose own ``q`` gives
+    its token no probability (it was not drawn from that ``q``) is rejected and leaves ``r`` as
+    it was: the residual's lemma assumes ``x ~ q``, a certain rejection tells nothing."""
     r = np.asarray(r, dtype=np.float64)
     accept = np.zeros(len(tokens))
     left = 1.0  # probability that every child so far was rejected
     for i, (x, q) in enumerate(zip(tokens, qs)):
         qx = float(q[x])
-        a = min(1.0, r[x] / qx) if qx > 0 else 0.0  # a token its q could not draw is rejected
+        if qx == 0:  # its q could not have drawn x: a certain rejection, which leaves r as it was
+            continue
+        a = min(1.0, r[x] / qx)
         accept[i] = left * a
         if a < 1.0:
             residual = np.maximum(r - q, 0.0)
             total = residual.sum()
-            # all zero only where r == q and x was forced to be rejected (q(x) = 0): keep r
-            r = residual / total if total > 0 else r
+            r = residual / total if total > 0 else r  # all zero only where r == q (rounding aside)
         left *= 1.0 - a
     return accept, left * r
 
@@ -138,9 +145,10 @@ def tree_accept(tree: DraftTree, p: np.ndarray, rng: np.random.Generator) -> tup
     tokens; row i + 1: after node i). Returns ``(path, tokens)``: the accepted nodes in order
     ``[a]`` and the emitted tokens ``[a + 1]`` (their tokens, then one drawn at the last node)."""
     p = np.asarray(p)
-    if p.ndim != 2 or p.shape[0] != len(tree) + 1:
+    if p.ndim != 2 or p.shape[0] != len(tree) + 1 or p.shape[1] == 0:
         raise InvalidInputError(f"p must have shape [n + 1, V] = [{len(tree) + 1}, V], got {p.shape}")
     vocab = p.shape[1]
+    _check_tree(tree, p)
     path: list[int] = []
     node = -1
     while True:
@@ -155,12 +163,35 @@ def tree_accept(tree: DraftTree, p: np.ndarray, rng: np.random.Generator) -> tup
         return np.array(path, dtype=np.int64), np.append(tree.tokens[path], np.int64(last)).astype(np.int64)
 
 
+def _check_tree(tree: DraftTree, p: np.ndarray) -> None:
+    """The tree's tokens are ids in ``[0, V)``, its ``q`` (if any) and ``p`` probability rows:
+    else :class:`InvalidInputError` naming the node, row or id (nothing is sampled from garbage)."""
+    vocab = p.shape[1]
+    check_rows("p", p)
+    if tree.q is not None:
+        if tree.q.shape != (len(tree), vocab):
+            raise InvalidInputError(f"the tree's q must have shape [n, V] = [{len(tree)}, {vocab}], got {tree.q.shape}")
+        check_rows("the tree's q", tree.q)
+    _check_ids("the tree's tokens", tree.tokens, vocab)
+
+
+def _check_ids(name: str, ids: np.ndarray, vocab: int | None = None) -> None:
+    bad = (ids < 0) if vocab is None else (ids < 0) | (ids >= vocab)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        limit = "" if vocab is None else f" for vocabulary size {vocab}"
+        raise InvalidInputError(f"{name}[{i}] = {int(ids[i])} is out of range{limit}")
+
+
 def greedy_tree_accept(tree: DraftTree, target_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Greedy walk: ``target_ids`` ``[n + 1]`` is the target's argmax at each row of ``p``;
     follow the child that carries it while there is one. Same return as :func:`tree_accept`."""
-    target_ids = np.asarray(target_ids, dtype=np.int64)
-    if target_ids.shape != (len(tree) + 1,):
-        raise InvalidInputError(f"target_ids must have shape [n + 1] = [{len(tree) + 1}], got {target_ids.shape}")
+    target_ids = np.asarray(target_ids)
+    if target_ids.shape != (len(tree) + 1,) or not np.issubdtype(target_ids.dtype, np.integer):
+        raise InvalidInputError(f"target_ids must be integers of shape [n + 1] = [{len(tree) + 1}], got "
+                                f"dtype {target_ids.dtype} shape {target_ids.shape}")
+    _check_ids("target_ids", target_ids)
+    _check_ids("the tree's tokens", tree.tokens)
     path: list[int] = []
     node = -1
     while True:

@@ -63,7 +63,17 @@ def test_draft_with_zero_q_is_rejected_cleanly():
     p = np.array([[0.0, 1.0], [0.5, 0.5]])
     with np.errstate(all="raise"):  # no division by zero anywhere
         out = rejection_sample(np.array([1]), q, p, np.random.default_rng(0))
-    assert out.tolist() == [1]  # rejected: one token from the residual max(0, p - q) = [0, 1]
+    assert out.tolist() == [1]  # rejected: one token from p_0 = [0, 1]
+
+
+def test_a_draft_its_own_q_could_not_draw_still_leaves_the_output_distributed_as_p():
+    """q_0(x_0) = 0: a certain rejection, which says nothing about p; the token must come from p_0,
+    not from the residual max(0, p_0 - q_0) = [0.5, 0] (which would always emit the rejected 0)."""
+    q = np.array([[0.0, 1.0]])
+    p = np.array([[0.5, 0.5], [0.5, 0.5]])
+    rng = np.random.default_rng(3)
+    firsts = [int(rejection_sample(np.array([0]), q, p, rng)[0]) for _ in range(4000)]
+    assert 0.46 < firsts.count(0) / 4000 < 0.54
 
 
 BAD = [
@@ -75,13 +85,14 @@ BAD = [
     ("row sum", np.array([0]), np.full((1, 3), 0.5), np.full((2, 3), 1 / 3), "sums to 1.5"),
     ("id range", np.array([3]), np.full((1, 3), 1 / 3), np.full((2, 3), 1 / 3), "draft id 3"),
     ("id dtype", np.array([0.0]), np.full((1, 3), 1 / 3), np.full((2, 3), 1 / 3), "integer"),
+    ("no generator", np.array([0]), np.full((1, 3), 1 / 3), np.full((2, 3), 1 / 3), "rng must be"),
 ]
 
 
 @pytest.mark.parametrize("name,ids,q,p,msg", BAD, ids=[b[0] for b in BAD])
 def test_invalid_input_names_the_problem(name, ids, q, p, msg):
     with pytest.raises(ValueError, match=msg) as info:
-        rejection_sample(ids, q, p, np.random.default_rng(0))
+        rejection_sample(ids, q, p, None if name == "no generator" else np.random.default_rng(0))
     assert isinstance(info.value, InvalidInputError)
 
 
@@ -157,7 +168,7 @@ def reference_warp(logits, t, top_k, top_p):
         z = np.where(z < kth, -np.inf, z)
     pr = np.exp(z - z.max())
     pr /= pr.sum()
-    if top_p is not None:
+    if top_p is not None and top_p < 1.0:  # 1.0 keeps every token (no cut, not a cut at 1 - 1e-7)
         order = np.argsort(-pr, kind="stable")
         cum = np.cumsum(pr[order])
         m = int(np.searchsorted(cum, top_p * (1 - 1e-7)))
@@ -193,3 +204,13 @@ def test_greedy_warp_is_one_hot_lowest_id_on_ties():
 def test_sampling_params_validation(kwargs, msg):
     with pytest.raises(InvalidInputError, match=msg):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("draft,target,msg", [
+    ([1.7], [1, 2], "draft_ids must be a 1-D integer array"),
+    ([1], [1.0, 2.0], "target_ids must be a 1-D integer array"),
+    ([-1], [1, 2], "negative token id -1"),
+])
+def test_greedy_accept_refuses_ids_that_are_not_token_ids(draft, target, msg):
+    with pytest.raises(InvalidInputError, match=msg):
+        greedy_accept(np.array(draft), np.array(target))

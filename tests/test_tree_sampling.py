@@ -184,3 +184,38 @@ def test_bad_trees_are_named(tokens, parents, msg):
 def test_target_rows_must_fit_the_tree():
     with pytest.raises(InvalidInputError, match=r"\[n \+ 1, V\] = \[3, V\]"):
         tree_accept(DraftTree([1, 2], [-1, 0]), np.ones((2, 4)) / 4, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("tree,p,msg", [
+    (DraftTree([0, 4], [-1, -1]), np.full((3, 4), 0.25), r"tokens\[1\] = 4 is out of range for vocabulary size 4"),
+    (DraftTree([0, -1], [-1, -1]), np.full((3, 4), 0.25), r"tokens\[1\] = -1"),
+    (DraftTree([0], [-1], np.full((1, 3), 1 / 3)), np.full((2, 4), 0.25), r"q must have shape \[n, V\] = \[1, 4\]"),
+    (DraftTree([0], [-1], np.array([[np.nan, 0.5, 0.25, 0.25]])), np.full((2, 4), 0.25), "q row 0 contains NaN"),
+    (DraftTree([0], [-1], np.array([[5.0, 0, 0, 0]])), np.full((2, 4), 0.25), "q row 0 sums to 5"),
+    (DraftTree([0], [-1]), np.array([[0.9, 0.6, -0.5, 0.0], [0.25] * 4]), "p row 0 has negative"),
+    (DraftTree([0], [-1]), np.full((2, 4), 0.75), "p row 0 sums to 3"),
+])
+def test_bad_tree_inputs_are_named_not_sampled_from(tree, p, msg):
+    with pytest.raises(InvalidInputError, match=msg):
+        tree_accept(tree, p, np.random.default_rng(0))
+
+
+def test_float_tokens_and_negative_greedy_ids_are_refused():
+    with pytest.raises(InvalidInputError, match="tokens must be integers"):
+        DraftTree([1.5], [-1])
+    with pytest.raises(InvalidInputError, match=r"target_ids\[1\] = -1"):
+        greedy_tree_accept(DraftTree([1], [-1]), np.array([1, -1]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), v=st.integers(2, 5), m=st.integers(1, 3))
+def test_a_child_its_own_q_could_not_draw_leaves_the_first_token_exactly_p(seed, v, m):
+    """A fixed child whose q gives its token no probability (a drafter's contract broken) is a
+    certain rejection; followed by children drawn from their q, the token is still exactly p."""
+    rng = np.random.default_rng(seed)
+    p = _dist(rng, v)
+    bad_q = _dist(rng, v, zeros=False)
+    bad_q[0], bad_q[1] = 0.0, bad_q[0] + bad_q[1]  # token 0 cannot come from it
+    qs = [_dist(rng, v) for _ in range(m)]
+    draws = (((0, *t), prob) for t, prob in _independent_draws(qs))
+    np.testing.assert_allclose(_first_token(node_outcomes, p, [bad_q, *qs], draws), p, atol=1e-12)
