@@ -117,13 +117,14 @@ class ModelSpec:
         family = getattr(config, "model_type", None)
         if family not in SUPPORTED_FAMILIES:
             raise unsupported_architecture(family)
-        if getattr(config, "hidden_act", "silu") != "silu":
+        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):  # one function, two names
             raise UnsupportedModelError(f"unsupported activation {config.hidden_act}; need silu")
         if getattr(config, "mlp_bias", False):
             raise UnsupportedModelError("unsupported option mlp_bias=True")
         limit = min(config.max_position_embeddings, MAX_POSITIONS_CAP)
         if max_positions:
             limit = min(limit, max_positions)
+        limit = min(limit, _longrope_limit(config) or limit)
         # a sliding window (Mistral's when set, Qwen2's with use_sliding_window) lets a position
         # see the last `window` positions only: capped at the window, every position sees all
         # earlier ones, as in the full attention the graph computes
@@ -158,6 +159,22 @@ class ModelSpec:
         keep = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
                 "head_dim", "vocab_size", "max_positions")
         return {k: v for k, v in asdict(self).items() if k in keep}
+
+
+def _longrope_limit(config) -> int | None:
+    """LongRoPE switches every position to its long factors once a sequence passes the original
+    length (transformers recomputes the whole table), which a cache of rotated keys cannot follow:
+    such a model is capped at its original length, where the short factors hold throughout."""
+    scaling = getattr(config, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind != "longrope":
+        return None
+    original = (scaling.get("original_max_position_embeddings")
+                or getattr(config, "original_max_position_embeddings", None))
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise UnsupportedModelError(f"unsupported longrope scaling without a valid "
+                                    f"original_max_position_embeddings (got {original!r})")
+    return original
 
 
 def rotary_tables(model, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:

@@ -32,7 +32,7 @@ from .recipes import NAME_RE, fetch_source, find_recipe, list_recipes, load_reci
 from .source import Source, open_source
 from .tokenizer import check_encoding, compare_tokenizers, save_tokenizer, sha256_file
 from .ui import Reporter
-from .validate import prompt_ids, reference_logits, validate_graph
+from .validate import new_tokens, prompt_ids, reference_logits, validate_graph
 
 __all__ = ["Request", "Result", "run"]
 
@@ -248,7 +248,7 @@ class _Builder:
             with self.ui.stage(f"validate {_label(job)} against PyTorch"):
                 layout = {"architecture": spec.manifest(), "onnx": onnx_section(None)}
                 report = validate_graph(folder, layout, *ref, threads=self.req.threads,
-                                        quantized=quant is not None)
+                                        quantized=quant is not None, label=_label(job))
         source = dict(src.record)
         if job.ref is None and job.role == "draft":
             source["derived"] = f"{job.quantize} MatMulNBits copy of the target"
@@ -317,8 +317,8 @@ class _Builder:
         ref = None
         if self.req.validate:
             with self.ui.stage(f"PyTorch reference for {label}"):
-                ids = prompt_ids(tok, spec.vocab_size)
-                seq, logits = reference_logits(model, ids)
+                ids = prompt_ids(tok, spec.vocab_size, spec.max_positions)
+                seq, logits = reference_logits(model, ids, new_tokens(spec.max_positions, len(ids)))
                 ref = (seq, logits, len(ids))
         return model, spec, ref
 

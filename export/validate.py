@@ -55,11 +55,21 @@ class ValidationReport:
                 "reference": self.reference}
 
 
-def prompt_ids(tokenizer, vocab_size: int) -> list[int]:
-    """A short code/chat prompt as ids (at most 48), padded with fixed ids if it is short."""
-    ids = [i for i in tokenizer.encode(_PROMPT, add_special_tokens=False) if i < vocab_size][:48]
+def prompt_ids(tokenizer, vocab_size: int, max_positions: int | None = None) -> list[int]:
+    """A short code/chat prompt as ids (at most 48), padded with fixed ids if it is short; with
+    ``max_positions``, short enough to leave room for the greedy continuation (:func:`new_tokens`)."""
+    limit = 48 if max_positions is None else max(1, min(48, max_positions - new_tokens(max_positions, 1)))
+    ids = [i for i in tokenizer.encode(_PROMPT, add_special_tokens=False) if i < vocab_size][:limit]
     rng = np.random.default_rng(0)
-    return ids + [int(x) for x in rng.integers(0, vocab_size, max(0, 16 - len(ids)))]
+    return ids + [int(x) for x in rng.integers(0, vocab_size, max(0, min(16, limit) - len(ids)))]
+
+
+def new_tokens(max_positions: int | None, prompt_len: int) -> int:
+    """How many tokens the reference continues a prompt of ``prompt_len`` by: ``NEW_TOKENS``, fewer
+    in a context of ``max_positions`` too short for them (a quarter of it at most)."""
+    if max_positions is None:
+        return NEW_TOKENS
+    return max(0, min(NEW_TOKENS, max(1, max_positions // 4), max_positions - prompt_len))
 
 
 def reference_logits(model, prompt: list[int], new_tokens: int = NEW_TOKENS):
@@ -100,8 +110,9 @@ def _replay(session: KVSession, ids: np.ndarray, prompt_len: int, vocab: int):
 
 def validate_graph(model_dir: Path, manifest: dict, ids: np.ndarray, ref: np.ndarray,
                    prompt_len: int, threads: int | None = None, quantized: bool = False,
-                   raise_on_fail: bool = True) -> ValidationReport:
-    """Replay `ids` through the exported graph and compare with `ref` [T, V]."""
+                   raise_on_fail: bool = True, label: str | None = None) -> ValidationReport:
+    """Replay `ids` through the exported graph and compare with `ref` [T, V]; a failure names
+    ``label`` (default: the folder's name)."""
     vocab = manifest["architecture"]["vocab_size"]
     max_len = min(manifest["architecture"]["max_positions"], len(ids) + 16)
     session = KVSession(model_dir, manifest, max_len=max_len, threads=threads)
@@ -127,7 +138,7 @@ def validate_graph(model_dir: Path, manifest: dict, ids: np.ndarray, ref: np.nda
                               reference, passed)
     if raise_on_fail and not passed:
         raise ValidationError(
-            f"validation failed for {model_dir.name}: max |logit diff| {diff:.3g} "
+            f"validation failed for {label or model_dir.name}: max |logit diff| {diff:.3g} "
             f"(scale {scale:.3g}), greedy agreement {agree.mean():.1%}, correlation "
             f"{corr:.3f} over {rows.sum()} rows")
     return report

@@ -116,6 +116,44 @@ def test_mistral_exports_as_llama_capped_at_its_window(tmp_path, window, positio
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("family,options,max_positions,positions", [
+    ("llama", {}, 24, 24),  # --max-positions below the validation's usual 60 tokens
+    ("mistral", dict(window=16), None, 16),  # a window that short
+    ("llama", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                 "long_factor": [1, 1.5, 2, 3, 4, 6, 8, 16]},
+                   original_max_position_embeddings=64), None, 64),  # LongRoPE: capped, short factors
+])
+def test_short_contexts_export_validated_and_exact(tmp_path, family, options, max_positions, positions):
+    """Validation fits its prompt and continuation in the context; a LongRoPE model stops at its
+    original length, where transformers itself uses the short factors for every position."""
+    from specdec_rt import Engine
+
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt", family, **options)
+    out = tmp_path / "onnx"
+    run(Request(src=str(ckpt), out=out, max_positions=max_positions, draft_quant="int8", threads=1),
+        Reporter(quiet=True))
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["architecture"]["max_positions"] == positions
+    assert m["validation"]["greedy_agreement"] == 1.0 and m["validation"]["max_abs_logit_diff"] < 1e-4
+    assert m["validation"]["rows"] > 4
+
+    async def main():
+        async with await Engine.load(out, draft="ngram+model", warmup=False) as engine:
+            plain = await engine.generate("the fox", max_new_tokens=4, mode="ar")  # within 16 tokens
+            spec = await engine.generate("the fox", max_new_tokens=4, mode="spec")
+            assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 0
+    asyncio.run(main())
+
+
+def test_swish_is_silu_and_other_activations_are_refused():
+    from transformers import LlamaConfig
+
+    base = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    assert ModelSpec.from_config(LlamaConfig(**base, hidden_act="swish")).family == "llama"
+    with pytest.raises(UnsupportedModelError, match="unsupported activation gelu"):
+        ModelSpec.from_config(LlamaConfig(**base, hidden_act="gelu"))
+
+
 def test_weights_the_graph_has_no_place_for_are_refused():
     spec = ModelSpec("llama", 1, 8, 2, 2, 16, 16, 10, 32, 1e-5)
     names = ["model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
