@@ -81,6 +81,14 @@ def test_a_lone_query_sent_twice_is_bit_for_bit_the_same_alone_and_batched(tiny_
     asyncio.run(main())
 
 
+def test_the_load_checks_that_calls_of_2_and_9_positions_round_a_position_alike(tiny_llama):
+    """Greedy speculation is exact only if a position's logits do not depend on how many
+    positions its call holds; the load measures 2 against 9 (``rows_differ``, a warning if so)."""
+    for folder in (tiny_llama, tiny_llama / "draft-q4"):
+        model = OrtModel(folder, max_length=64, slots=1)
+        assert model.rows_differ is False, folder
+
+
 def test_a_seeded_sampled_request_sends_its_lone_queries_twice(tiny_llama):
     from specdec_rt.adapters import ModelDrafter
     from specdec_rt.context import RequestContext

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..batching import BatchExecutor
 from ..errors import InferenceError, ModelLoadError
+from ..logs import get_logger
 from ..prefix_cache import DEFAULT_BLOCK
 from ..protocols import LanguageModel
 from .kvpool import KVPool
@@ -114,21 +115,35 @@ class OrtModel(LanguageModel):
         # session of any model, see adapters) feeds a lone position with a copy of it after it
         # (``pad_lone``): two positions through the whole model, the second's KV past the
         # length, rolled back. Costs ~1.2x a lone int4 step; only where needed.
+        # Longer calls (a verify of up to 9 positions) are checked against the 2-position call
+        # too: ``rows_differ`` has been False on every CPU measured; where it is not, exactness
+        # of greedy speculation cannot be promised and the load says so (a warning).
         self.pad_lone = False  # the probe's own session copies it
+        self.rows_differ = False
         self.lone_differs = self.ragged and self.device == "cpu" and self._lone_step_differs()
         self.pad_lone = self.lone_twice and self.lone_differs
 
     def _lone_step_differs(self) -> bool:
         """Whether a lone position's logits (its query twice in attention) differ from its
-        logits inside a 2-position call."""
+        logits inside a 2-position call; sets ``rows_differ`` if a 9-position call's first two
+        rows differ from the 2-position call's."""
         s = self.start()
         s.lone_twice = True
         try:
-            ids = np.arange(1, 9, dtype=np.int64) % self.manifest.vocab_size  # [8]
+            ids = np.arange(1, 16, dtype=np.int64) % self.manifest.vocab_size  # [15]
             s.run_sync(ids[:6], 1, 0)
             lone = s.run_sync(ids[6:7], 1, 6)  # [1, V]
             s.rollback(6)
             pair = s.run_sync(ids[6:8], 2, 6)  # [2, V]
+            if self.max_length >= 15:
+                s.rollback(6)
+                nine = s.run_sync(ids[6:15], 9, 6)  # [9, V]
+                self.rows_differ = not np.array_equal(nine[:2], pair)
+                if self.rows_differ:
+                    get_logger("specdec_rt").warning(
+                        "model.rows_differ", model=self.name,
+                        note="this CPU's kernels round a position differently in calls of 2 and 9 positions: "
+                             "greedy speculative output may leave plain decoding's on near-ties")
             return not np.array_equal(lone[0], pair[0])
         finally:
             s.rollback(0)  # nothing for the prefix cache to keep, and the slot's KV as it was
