@@ -218,7 +218,9 @@ class ModelVerifier(_ModelUser, TargetVerifier):
     async def verify_and_accept(self, ctx: RequestContext, drafts: Sequence[DraftToken]) -> Verdict:
         chain = chain_length(drafts)
         if chain < len(drafts):
-            if self.trees and ctx.tokens.size - self._session(ctx).session.length <= TREE_TAIL_MAX:
+            s = self._session(ctx)
+            if (self.trees and ctx.tokens.size - s.session.length <= TREE_TAIL_MAX
+                    and not getattr(s.session, "copy_pending", False)):
                 return await self._verify_tree(ctx, drafts, tree_parents(drafts))
             drafts = drafts[:chain]  # a tree, but chains only here (or a long tail): its main chain
         s = self._session(ctx)

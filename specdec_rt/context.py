@@ -54,6 +54,7 @@ class RequestContext:
         self.params = params or SamplingParams()
         self.rng = rng if rng is not None else np.random.default_rng(self.params.seed)
         self.prompt_len = int(prompt.size)
+        self.vocab_size = vocab_size  # None: unknown (a plug-in verifier without one)
         self.max_new_tokens = int(max_new_tokens)
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self._buf = np.zeros(self.prompt_len + self.max_new_tokens, dtype=np.int64)  # [capacity]

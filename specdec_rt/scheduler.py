@@ -21,7 +21,7 @@ from .context import RequestContext
 from .errors import InferenceError, InvalidInputError, SpecDecError
 from .logs import get_logger
 from .protocols import DraftInferrer, TargetVerifier
-from .sampling import SamplingParams
+from .sampling import SamplingParams, brief_repr
 from .tree_policy import TreePolicy, TreeRates
 from .tree_sampling import chain_length, tree_depth, tree_parents
 from .types import DraftToken, GenerationResult, Mode, Stats, TokenEvent, Verdict
@@ -132,11 +132,11 @@ class SpecDecScheduler:
                 ctx.chain_stop = self._chain_stop(ctx, policy, k, batch)
                 # 2. draft: up to k proposals continuing the committed tokens (a tree: up to k deep)
                 t0, ctx.draft_steps = perf_counter(), (0, 0.0)
-                drafts = list(await self.drafter.generate_draft(ctx, k))[: k + ctx.tree_nodes] if k else []
+                drafts = _drafts_checked(await self.drafter.generate_draft(ctx, k), k + ctx.tree_nodes, ctx) if k else []
                 depth, chain = tree_depth(drafts), chain_length(drafts)
                 # 3. verify: one target call over len(drafts) + 1 positions (a tree: in one call too)
                 t1 = perf_counter()
-                verdict = _checked(await self.verifier.verify_and_accept(ctx, drafts), drafts)
+                verdict = _checked(await self.verifier.verify_and_accept(ctx, drafts), drafts, ctx.vocab_size)
                 t2 = perf_counter()
                 # 4. commit: append what the target kept, cut at the budget and at a stop id
                 at = ctx.generated.size
@@ -244,9 +244,27 @@ class RequestStream:
         return self.context.generated.tolist()
 
 
-def _checked(verdict: Verdict, drafts: Sequence[DraftToken]) -> Verdict:
+def _drafts_checked(drafts, most: int, ctx: RequestContext) -> list[DraftToken]:
+    """A plug-in drafter's proposals, at most ``most``: each a :class:`DraftToken` whose id is a
+    token of the vocabulary (else an :class:`InferenceError` that names the drafter's mistake,
+    not a failure inside the target's call or a verdict blamed on the verifier)."""
+    drafts = list(drafts)[:most]
+    vocab = ctx.vocab_size
+    for i, d in enumerate(drafts):
+        tid = getattr(d, "id", None)
+        if not hasattr(d, "parent") or isinstance(tid, bool) or not isinstance(tid, (int, np.integer)):
+            raise InferenceError(f"drafter returned {brief_repr(d)} as draft {i}: need a DraftToken with an integer id")
+        if tid < 0 or (vocab is not None and tid >= vocab):
+            raise InferenceError(f"drafter proposed token id {tid} (draft {i}), outside the vocabulary "
+                                 f"(ids 0..{'?' if vocab is None else vocab - 1})")
+    return drafts
+
+
+def _checked(verdict: Verdict, drafts: Sequence[DraftToken], vocab: int | None = None) -> Verdict:
     """A plug-in verifier's verdict must keep a path of the drafts (a prefix of a chain) and add
-    exactly one token."""
+    exactly one token, a token of the vocabulary."""
+    if not isinstance(verdict, Verdict) or not np.issubdtype(np.asarray(verdict.tokens).dtype, np.integer):
+        raise InferenceError(f"verifier returned {brief_repr(verdict)}: need a Verdict with integer tokens")
     n = verdict.accepted
     path = tuple(range(n)) if verdict.path is None else tuple(int(i) for i in verdict.path)
     parents = tree_parents(drafts)
@@ -258,4 +276,8 @@ def _checked(verdict: Verdict, drafts: Sequence[DraftToken]) -> Verdict:
             f"verifier returned an inconsistent verdict: accepted={n}, tokens={list(verdict.tokens)}, "
             f"path={verdict.path}, drafts={[d.id for d in drafts]}"
         )
+    last = int(verdict.tokens[-1])
+    if last < 0 or (vocab is not None and last >= vocab):
+        raise InferenceError(f"verifier emitted token id {last}, outside the vocabulary "
+                             f"(ids 0..{'?' if vocab is None else vocab - 1})")
     return verdict

@@ -76,6 +76,24 @@ def test_concurrent_requests_sharing_a_long_prompt(tiny_llama):
     asyncio.run(main())
 
 
+def test_draft_trees_of_requests_that_copy_a_running_prompt_wait_for_the_copy(tiny_llama):
+    """Trees drafted in a batch (costs not measured) by requests whose prompt is being copied
+    from a request still running: their first verify goes as a chain (a tree's call cannot
+    start from a pending copy; it used to fail with an InferenceError). Outputs equal no cache."""
+    prompts = ["You are a helpful assistant. " * 4 + f"Write a Python function. {k}" for k in range(4)]
+    trees = SpecConfig(tree_nodes=3, measure_costs=False)
+
+    async def main():
+        async with await Engine.load(tiny_llama, draft="q4", spec_config=trees, prefix_cache=False) as plain:
+            want = [(await plain.generate(p, 16)).token_ids for p in prompts]
+        async with await Engine.load(tiny_llama, draft="q4", spec_config=trees, slots=8) as engine:
+            got = await asyncio.gather(*[engine.generate(p, 16) for p in prompts])
+        assert [g.token_ids for g in got] == want
+        assert sum(g.stats.cached_prompt_tokens for g in got) > 0
+
+    asyncio.run(main())
+
+
 def test_rotating_conversations_stay_within_the_budget(tiny_llama):
     """Room for about two conversations, six rotating: the cache never holds more than its
     budget, evicts, and every answer equals the one without a cache."""

@@ -18,6 +18,7 @@ from specdec_rt import (
     SamplingParams,
     SpecConfig,
     SpecDecScheduler,
+    Verdict,
 )
 from specdec_rt.testing import FaultyModel, ToyLM, check_greedy_lossless, toy_pair, toy_scheduler
 
@@ -388,3 +389,56 @@ def test_plain_rounds_are_measured_after_the_first_round():
     assert not sched.costs.verify_s  # one round: the prefill, not a step
     run(sched.run([1, 2, 3], 6, mode="ar"))
     assert list(sched.costs.verify_s) == [0] and sched.costs.draft_token_s is None
+
+
+class _Drafts:
+    """A plug-in drafter that proposes ``proposals`` every round."""
+
+    def __init__(self, proposals) -> None:
+        self.proposals = proposals
+
+    async def generate_draft(self, ctx, k):
+        return self.proposals
+
+    def release(self, ctx) -> None:
+        pass
+
+
+class _Emits:
+    """A plug-in verifier that rejects every draft and emits ``token`` (its vocabulary: 8)."""
+
+    vocab_size = 8
+
+    def __init__(self, token) -> None:
+        self.token = token
+
+    async def verify_and_accept(self, ctx, drafts):
+        return Verdict(np.array([self.token]), 0)
+
+    def release(self, ctx) -> None:
+        pass
+
+
+@pytest.mark.parametrize("proposals,msg", [
+    ([DraftToken(8)], "drafter proposed token id 8 .*outside the vocabulary .ids 0..7"),
+    ([DraftToken(-2)], "drafter proposed token id -2"),
+    ([3], "drafter returned 3 as draft 0: need a DraftToken"),
+    ([DraftToken("3")], "need a DraftToken with an integer id"),
+])
+def test_a_plug_in_drafters_bad_proposals_are_named_before_the_target_call(proposals, msg):
+    target = ToyLM(8, seed=1)
+    sched = SpecDecScheduler(_Drafts(proposals), ModelVerifier(target), SpecConfig(adapt_k=False, k_init=2,
+                                                                                  measure_costs=False))
+    with pytest.raises(InferenceError, match=msg):
+        anyio.run(lambda: sched.run([1, 2, 3], 4))
+    assert target.calls == 0  # refused before the target saw them
+
+
+@pytest.mark.parametrize("token,msg", [(19, "emitted token id 19, outside the vocabulary .ids 0..7"),
+                                       (-5, "emitted token id -5"),
+                                       (1.7, "need a Verdict with integer tokens")])
+def test_a_plug_in_verifiers_token_outside_the_vocabulary_is_an_error_not_output(token, msg):
+    sched = SpecDecScheduler(_Drafts([DraftToken(1)]), _Emits(token), SpecConfig(measure_costs=False))
+    for mode in ("spec", "ar"):
+        with pytest.raises(InferenceError, match=msg):
+            anyio.run(lambda: sched.run([1, 2, 3], 4, mode=mode))

@@ -80,6 +80,12 @@ class OrtSession(CachedStart, CacheSession):
             extra["tree"] = np.asarray(tree, dtype=np.int64)
         return await self.model.executor.extend(self, np.asarray(ids, dtype=np.int64), logits_rows, **extra)
 
+    @property
+    def copy_pending(self) -> bool:
+        """It starts from a prefix-cache hit on a request still running, whose KV is copied at
+        its first call: a call with a tree (or features) cannot be that first call."""
+        return self._deferred is not None
+
     def run_sync(self, ids: np.ndarray, rows: int, past: int, features=None, hidden: bool = False,
                  tree=None):
         """Feed ``ids`` [S] after ``past`` cached tokens and set ``length`` to ``past + S``
