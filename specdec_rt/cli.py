@@ -125,10 +125,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _threads(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 256:
+        raise argparse.ArgumentTypeError(f"must be from 1 to 256, got {value}")
+    return value
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"recipe name or export folder (default {DEFAULT_MODEL})")
     p.add_argument("--draft", default=None, help="draft name from the manifest, a folder, or 'none'")
-    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads per model")
+    p.add_argument("--threads", type=_threads, default=None, help="ONNX Runtime intra-op threads per model (1-256)")
     p.add_argument("--max-length", type=int, default=None, help="KV cache capacity per request")
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
 

@@ -66,9 +66,10 @@ def make_drafter(m, spec: str, opts: dict) -> tuple[DraftInferrer | None, str | 
     combined = spec.startswith("ngram+")
     model_spec = spec[len("ngram+"):] if combined else spec
     path = Path(model_spec).expanduser()
-    if (path / "manifest.json").is_file():
+    named = any(d.get("name") == model_spec for d in m.drafts)  # the manifest's name wins over ./<name>
+    if not named and (path / "manifest.json").is_file():
         draft_dir = path
-    elif any(c in model_spec for c in "/\\") or model_spec.startswith(("~", ".")):  # meant as a folder
+    elif not named and (any(c in model_spec for c in "/\\") or model_spec.startswith(("~", "."))):  # a folder
         raise ModelLoadError(f"{path}: not a draft folder (no manifest.json in it); build one with python -m export")
     else:
         draft_dir = m.draft_dir(model_spec)

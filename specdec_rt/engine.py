@@ -39,6 +39,7 @@ Prompt = str | Sequence[dict]
 
 DEFAULT_SLOTS = 8  # requests batched at once; a slot's KV memory is committed only as it is used
 MAX_SLOTS = 256
+MAX_THREADS = 256  # ONNX Runtime intra-op threads: more only spin
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # about 250k tokens: more than any context here holds
 STREAM_BUFFER = 4  # events a request may run ahead of its consumer before it waits
 
@@ -361,9 +362,11 @@ def _check_load_args(name_or_path, draft, max_length, threads, spec_config) -> N
         raise InvalidInputError(f"name_or_path must be a recipe name or a folder, got {brief_repr(name_or_path)}")
     if draft is not None and not isinstance(draft, (str, os.PathLike)):
         raise InvalidInputError(f"draft must be None, a draft spec or a folder, got {brief_repr(draft)}")
-    for name, value, least in (("max_length", max_length, 2), ("threads", threads, 1)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-            raise InvalidInputError(f"{name} must be None or an integer >= {least}, got {brief_repr(value)}")
+    for name, value, least, most in (("max_length", max_length, 2, None), ("threads", threads, 1, MAX_THREADS)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least
+                                  or (most is not None and value > most)):
+            bound = f">= {least}" if most is None else f"from {least} to {most}"
+            raise InvalidInputError(f"{name} must be None or an integer {bound}, got {brief_repr(value)}")
     if spec_config is not None and not isinstance(spec_config, SpecConfig):
         raise InvalidInputError(f"spec_config must be a SpecConfig or None, got {brief_repr(spec_config)}")
 

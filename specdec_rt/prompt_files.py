@@ -29,6 +29,8 @@ def read_prompt_file(path: str | None, default: str = "data/prompts.jsonl") -> l
             continue
         try:
             d = json.loads(line)
+        except RecursionError:
+            raise InvalidInputError(f"{where}:{n}: not JSON (nested too deeply)") from None
         except ValueError as exc:
             raise InvalidInputError(f"{where}:{n}: not JSON ({exc})") from None
         text = (d["messages"] if "messages" in d else d.get("prompt")) if isinstance(d, dict) else None

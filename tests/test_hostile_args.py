@@ -275,7 +275,8 @@ def test_huge_numbers(tiny_llama):
 @pytest.mark.parametrize("kwargs,field", [
     (dict(max_length="abc"), "max_length"), (dict(max_length=2.5), "max_length"), (dict(max_length=0), "max_length"),
     (dict(threads="x"), "threads"), (dict(threads=0), "threads"), (dict(threads=-1), "threads"),
-    (dict(threads=True), "threads"), (dict(spec_config="x"), "spec_config"), (dict(draft=3), "draft"),
+    (dict(threads=True), "threads"), (dict(threads=3000), "threads"), (dict(spec_config="x"), "spec_config"),
+    (dict(draft=3), "draft"),
 ])
 def test_engine_load_names_a_bad_argument(tiny_llama, kwargs, field):
     with pytest.raises(InvalidInputError, match=f"^{field} must be"):

@@ -258,9 +258,42 @@ def test_read_only_folder_still_loads(model, monkeypatch):
     def no_write(*a, **k):
         raise PermissionError("read-only")
 
-    monkeypatch.setattr(Path, "write_text", no_write)
+    monkeypatch.setattr(manifest_mod.tempfile, "mkstemp", no_write)
     load_manifest(model["folder"])  # verified, stamp not written
     assert not (model["folder"] / STAMP).exists()
+
+
+def test_the_stamp_is_never_written_through_a_link_nor_read_from_one(model):
+    """A stamp planted as a link to a file outside: not read (its hashes are not trusted), and
+    the new stamp replaces the link instead of writing through it."""
+    folder, secret = model["folder"], model["secret"]
+    (folder / STAMP).unlink(missing_ok=True)
+    (folder / STAMP).symlink_to(secret)
+    before = secret.read_bytes()
+    load_manifest(folder)
+    assert secret.read_bytes() == before
+    assert not (folder / STAMP).is_symlink() and json.loads((folder / STAMP).read_text())["files"]
+    assert not list(folder.glob(f"{STAMP}.*"))  # no temporary file left
+
+
+def test_a_fifo_or_a_device_as_manifest_or_stamp_neither_blocks_nor_is_read(model):
+    folder = model["folder"]
+    (folder / STAMP).unlink(missing_ok=True)
+    os.mkfifo(folder / STAMP)  # a stamp that would block a reader: ignored
+    load_manifest(folder)
+    (folder / "manifest.json").unlink()
+    os.mkfifo(folder / "manifest.json")
+    _fails(folder, "manifest.json", "not a regular file")
+    (folder / "manifest.json").unlink()
+    (folder / "manifest.json").symlink_to("/dev/zero")
+    _fails(folder, "manifest.json", "outside the model folder")
+
+
+def test_a_manifest_name_with_control_characters_and_a_string_add_bos_are_refused(model):
+    _fails(model["write"]({**model["man"], "name": "evil\x1b[2J"}), "name must be printable")
+    man = json.loads(json.dumps(model["man"]))
+    man["tokenizer"]["add_bos"] = "false"
+    _fails(model["write"](man), "tokenizer.add_bos must be true or false")
 
 
 def test_export_writes_the_stamp(tiny_llama):
@@ -282,3 +315,31 @@ def test_an_oversized_tokenizer_is_refused_before_it_is_parsed(model, monkeypatc
     monkeypatch.setattr(text, "MAX_TOKENIZER_BYTES", m.tokenizer_file.stat().st_size - 1)
     with pytest.raises(ModelLoadError, match=r"tokenizer\.json: \d+ bytes, more than"):
         TextCodec.from_manifest(m)
+
+
+def test_a_kv_buffer_the_machine_cannot_hold_is_a_load_error():
+    from specdec_rt.ort.kvpool import _HostBuffer
+
+    with pytest.raises(ModelLoadError, match="cannot reserve .* GiB for a KV buffer"):
+        _HostBuffer((1 << 20, 1 << 20, 1 << 20))
+
+
+def test_a_folder_in_the_working_directory_does_not_shadow_the_manifests_draft(tiny_llama, tmp_path, monkeypatch):
+    from specdec_rt.drafting import make_drafter
+
+    m = load_manifest(tiny_llama)
+    shutil.copytree(tiny_llama, tmp_path / "q4", ignore=shutil.ignore_patterns("draft-*"))  # ./q4: a target copy
+    monkeypatch.chdir(tmp_path)
+    drafter, name = make_drafter(m, "q4", {"slots": 1})
+    assert name == load_manifest(m.draft_dir("q4")).name and drafter.model.manifest.role != "target"
+
+
+def test_the_benchmarks_source_stays_in_the_download_cache(model, monkeypatch, tmp_path):
+    from specdec_rt.bench.hf import _slug, _source_of
+    from specdec_rt.ort.manifest import load_manifest as load
+
+    monkeypatch.setenv("SPECDEC_RT_CACHE", str(tmp_path / "cache"))
+    man = {**model["man"], "source": {"kind": "recipe", "file": "../../outside/secret.bin"}}
+    with pytest.raises(ModelLoadError, match="source.file .* points outside"):
+        _source_of(load(model["write"](man)))
+    assert _slug("x/../../evil") == "x_.._.._evil" and _slug("..") == "model"

@@ -8,27 +8,40 @@ folder, or the GGUF file (dequantized, the same float weights the ONNX export wa
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ..errors import ModelLoadError
+
 __all__ = ["HFBaselines", "load_source_model"]
 
 
 def _source_of(manifest) -> tuple[Path, str | None]:
-    """``(folder, gguf file name or None)`` the manifest says the weights came from."""
-    from ..ort.manifest import cache_root
+    """``(folder, gguf file name or None)`` the manifest says the weights came from: a recipe's
+    file inside the download cache (a name, no path), or the checkpoint folder or GGUF file it
+    was exported from (read as safetensors or GGUF only: never a pickle, whoever wrote the manifest)."""
+    from ..ort.manifest import _short, cache_root, inside
 
     src = manifest.raw.get("source") or {}
+    if not isinstance(src, dict):
+        raise ModelLoadError(f"{manifest.folder / 'manifest.json'}: source must be an object")
     path = src.get("path")
     if src.get("kind") == "recipe" and src.get("file"):  # fetched into the cache by python -m export
-        path = str(cache_root() / "downloads" / src["file"])
-    if path and str(path).endswith(".gguf"):
+        path = str(inside(cache_root() / "downloads", src["file"], "source.file", manifest.folder / "manifest.json"))
+    if isinstance(path, str) and path.endswith(".gguf") and Path(path).is_file():
         return Path(path).parent, Path(path).name
-    if path and Path(path).is_dir():
+    if isinstance(path, str) and Path(path).is_dir():
         return Path(path), None
-    raise RuntimeError(f"manifest source {src!r} names no checkpoint folder or GGUF file")
+    raise ModelLoadError(f"{manifest.folder / 'manifest.json'}: source {_short(src)} names no checkpoint "
+                         "folder or GGUF file on this machine (the Hugging Face modes need one)")
+
+
+def _slug(name: str) -> str:
+    """A manifest's name as one safe path component (it is written by whoever made the folder)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")[:100] or "model"
 
 
 def load_source_model(manifest, threads: int):
@@ -39,6 +52,7 @@ def load_source_model(manifest, threads: int):
     torch.set_num_threads(threads)
     folder, gguf = _source_of(manifest)
     kw = {"gguf_file": gguf} if gguf else {}
+    kw = kw or {"use_safetensors": True}  # a folder's *.bin would be unpickled
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
     return model.eval()
 
@@ -119,13 +133,13 @@ class HFBaselines:
             import onnxruntime as ort
             from optimum.onnxruntime import ORTModelForCausalLM
 
-            folder = self._cache_dir / f"optimum-{self.manifest.name}"
+            folder = self._cache_dir / f"optimum-{_slug(self.manifest.name)}"
             from ..ort.setup import _configure_threads
 
             so = ort.SessionOptions()
             _configure_threads(so, self.threads)  # the same thread-pool rules as our models
             if not (folder / "model.onnx").exists():
-                hf_dir = self._cache_dir / f"hf-{self.manifest.name}"
+                hf_dir = self._cache_dir / f"hf-{_slug(self.manifest.name)}"
                 if not (hf_dir / "config.json").exists():
                     self.log(f"saving the PyTorch checkpoint for optimum to {hf_dir}")
                     self.model.save_pretrained(hf_dir)

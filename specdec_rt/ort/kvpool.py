@@ -24,7 +24,7 @@ import mmap
 
 import numpy as np
 
-from ..errors import InferenceError
+from ..errors import InferenceError, ModelLoadError
 from ..prefix_cache import PrefixCache
 
 __all__ = ["KVPool"]
@@ -39,7 +39,11 @@ class _HostBuffer:
         nbytes = int(np.prod(shape)) * 4
         private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
         # private: MADV_DONTNEED then frees the pages (a shared map would keep them in memory)
-        self.map = mmap.mmap(-1, max(nbytes, 1), flags=private) if private else mmap.mmap(-1, max(nbytes, 1))
+        try:
+            self.map = mmap.mmap(-1, max(nbytes, 1), flags=private) if private else mmap.mmap(-1, max(nbytes, 1))
+        except (OSError, OverflowError, MemoryError) as exc:  # the manifest's shapes x max_length x slots
+            raise ModelLoadError(f"cannot reserve {nbytes / 2**30:.1f} GiB for a KV buffer of shape {list(shape)} "
+                                 f"({type(exc).__name__}: {exc}); lower max_length or slots") from None
         if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a slot's rows are ~1 MB runs: 2 MB pages would
             self.map.madvise(mmap.MADV_NOHUGEPAGE)  # commit (and zero) memory nobody writes
         self.array = np.frombuffer(self.map, dtype=np.float32, count=int(np.prod(shape))).reshape(shape)

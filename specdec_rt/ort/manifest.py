@@ -13,10 +13,13 @@ successful check, and a file whose size or mtime changed is hashed again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import stat
 import string
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,13 +181,13 @@ def load_manifest(folder: str | os.PathLike, verify_hashes: bool | str = "once")
     bos = special.get("bos")
     kv = _obj(onnx_, "kv", path)
     m = Manifest(
-        folder=folder, name=_str(raw.get("name", folder.name), "name", path),
+        folder=folder, name=_printable(_str(raw.get("name", folder.name), "name", path), "name", path),
         role=_str(raw.get("role", "target"), "role", path), **nums,
         bos_id=None if bos is None else _int(bos, "special_tokens.bos", path, 0, MAX_TOKEN_ID - 1),
         eos_ids=tuple(_int(e, "special_tokens.eos", path, 0, MAX_TOKEN_ID - 1) for e in eos),
         tokenizer_file=inside(folder, tok.get("file"), "tokenizer.file", path),
         tokenizer_sha256=_opt_str(tok.get("sha256"), "tokenizer.sha256", path, 128),
-        add_bos=bool(tok.get("add_bos", False)),
+        add_bos=_bool(tok.get("add_bos", False), "tokenizer.add_bos", path),
         chat_template=_opt_str(tok.get("chat_template"), "tokenizer.chat_template", path, MAX_TEMPLATE_CHARS),
         onnx_file=inside(folder, onnx_.get("file"), "onnx.file", path),
         inputs=_names(onnx_, "inputs", path), outputs=_names(onnx_, "outputs", path),
@@ -222,11 +225,31 @@ def load_manifest(folder: str | os.PathLike, verify_hashes: bool | str = "once")
     return m
 
 
+def read_regular(path: Path, limit: int, follow: bool = True) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes: a FIFO or a
+    device is refused without blocking on it or reading it (``st_size`` says 0 for them), and at
+    most ``limit + 1`` bytes are ever read. ``follow=False``: a symlink is refused too.
+    Raises ``OSError`` (``FileNotFoundError`` if absent) or ``ValueError`` (not regular, too big)."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
+    fd = os.open(path, flags)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"larger than {limit} bytes")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    return data
+
+
 def _read_json(path: Path) -> dict:
+    """The manifest: a regular file inside its folder, at most ``MAX_MANIFEST_BYTES``, a JSON object."""
+    if path.is_symlink():
+        inside(path.parent, path.name, "manifest.json", path)  # a link must stay inside the folder
     try:
-        if path.stat().st_size > MAX_MANIFEST_BYTES:
-            raise ModelLoadError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes; not a manifest")
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(read_regular(path, MAX_MANIFEST_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise ModelLoadError(f"{path}: missing") from None
     except (OSError, ValueError, RecursionError) as exc:
@@ -248,6 +271,19 @@ def _obj(parent: dict, key: str, path: Path, default=None) -> dict:
 def _int(value, what: str, path: Path, lo: int, hi: int) -> int:
     if type(value) is not int or not lo <= value <= hi:
         raise ModelLoadError(f"{path}: {what} must be an integer from {lo} to {hi}, got {_short(value)}")
+    return value
+
+
+def _printable(value: str, what: str, path: Path) -> str:
+    """A name shown in terminals and logs: no control characters (escape sequences, newlines)."""
+    if not value.isprintable():
+        raise ModelLoadError(f"{path}: {what} must be printable text, got {_short(value)}")
+    return value
+
+
+def _bool(value, what: str, path: Path) -> bool:
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"{path}: {what} must be true or false, got {_short(value)}")
     return value
 
 
@@ -308,7 +344,7 @@ def _check_file(p: Path, info, manifest: Path) -> tuple[int, str | None]:
         raise ModelLoadError(f"{p}: missing (listed in the manifest)")
     size = p.stat().st_size
     if "bytes" in info and size != info["bytes"]:
-        raise ModelLoadError(f"{p}: {size} bytes, the manifest says {info['bytes']} (truncated or replaced?)")
+        raise ModelLoadError(f"{p}: {size} bytes, the manifest says {_short(info['bytes'])} (truncated or replaced?)")
     return size, want
 
 
@@ -321,11 +357,9 @@ def _sha256(p: Path) -> str:
 
 
 def _read_stamp(folder: Path) -> dict:
+    """The folder's verification stamp, or ``{}``: a regular file, not a link, bounded."""
     try:
-        p = folder / STAMP
-        if p.stat().st_size > MAX_MANIFEST_BYTES:
-            return {}
-        stamp = json.loads(p.read_text(encoding="utf-8"))
+        stamp = json.loads(read_regular(folder / STAMP, MAX_MANIFEST_BYTES, follow=False).decode("utf-8"))
         files = stamp.get("files") if isinstance(stamp, dict) else None
         return files if isinstance(files, dict) else {}
     except (OSError, ValueError, RecursionError):
@@ -350,9 +384,18 @@ def _verify_hashes(folder: Path, checked: dict, manifest: Path, use_stamp: bool)
             changed = True
         record[fname] = key
     if changed or (use_stamp and record != stamp):
+        tmp = None
         try:  # best effort: a read-only folder is verified again at every load
-            tmp = folder / f"{STAMP}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps({"files": record}))
+            # a new file of our own (O_EXCL: never through a link planted under a guessable
+            # name), renamed over the stamp (a rename replaces a link, never writes through it)
+            fd, tmp = tempfile.mkstemp(prefix=f"{STAMP}.", suffix=".tmp", dir=folder)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps({"files": record}))
             os.replace(tmp, folder / STAMP)
+            tmp = None
         except OSError:
             pass
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
