@@ -48,7 +48,8 @@ def run(fn, folder, **load):
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
     ("chat", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-    ("chat", {"messages": CHAT, "n": 2}, "n"),
+    ("chat", {"messages": CHAT, "n": 0}, "n"),
+    ("chat", {"messages": CHAT, "n": 17}, "n"),
     ("chat", {"messages": CHAT, "top_p": 0}, "top_p"),
     ("chat", {"messages": CHAT, "top_k": 1.5}, "top_k"),
     ("chat", {"messages": CHAT, "seed": -1}, "seed"),
@@ -206,7 +207,7 @@ def test_bad_requests_are_400_naming_the_field(tiny_llama):
         cases = [("/v1/chat/completions", {"messages": CHAT, "temperature": "warm"}, "temperature"),
                  ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -3}, "max_tokens"),
                  ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages[0]"),
-                 ("/v1/chat/completions", {"messages": CHAT, "n": 3, "stream": True}, "n"),
+                 ("/v1/chat/completions", {"messages": CHAT, "n": 30, "stream": True}, "n"),
                  ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100_000}, "prompt"),  # the engine's check
                  ("/v1/completions", {"prompt": 5}, "prompt")]
         async with client(create_app(engine)) as c:
@@ -530,3 +531,40 @@ def test_a_failed_load_is_reported_and_health_says_failed():
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "failed"
         assert str(errors[0]) == "no such model"
     anyio.run(check)
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_are_n_engine_requests_with_seeds_seed_plus_i(tiny_llama, stream):
+    """n choices run batched, as n engine requests: with a seed, choice i is exactly what one
+    request with seed + i says; usage counts the prompt once and every choice's tokens; a
+    stream carries each choice's role first and exactly one finish per choice."""
+    async def check(engine):
+        app = create_app(engine, slots=4, max_queued=2)
+        body = {"messages": CHAT, "max_tokens": 8, "temperature": 0.9, "seed": 11, "n": 3, "stream": stream}
+        async with client(app) as c:
+            r = await c.post("/v1/chat/completions", json={**body, **({"stream_options": {"include_usage": True}}
+                                                                     if stream else {})})
+            too_many = await c.post("/v1/chat/completions", json={**body, "n": 7})  # > 4 + 2: never fits
+        want = [await engine.generate(CHAT, 8, temperature=0.9, seed=11 + i) for i in range(3)]
+        assert r.status_code == 200, r.text
+        if stream:
+            events = sse_data(r.text)
+            assert events[-1] == "[DONE]"
+            usage = events[-2]["usage"]
+            chunks = [e["choices"][0] for e in events[:-2]]
+            texts = {i: "".join(c["delta"].get("content", "") for c in chunks if c["index"] == i) for i in range(3)}
+            for i in range(3):
+                mine = [c for c in chunks if c["index"] == i]
+                assert mine[0]["delta"].get("role") == "assistant"
+                assert len([c["finish_reason"] for c in mine if c["finish_reason"]]) == 1
+        else:
+            usage = r.json()["usage"]
+            texts = {c["index"]: c["message"]["content"] for c in r.json()["choices"]}
+        assert [texts[i] for i in range(3)] == [w.text for w in want]
+        assert len({w.text for w in want}) > 1  # the seeds differ, so do the choices
+        assert usage["completion_tokens"] == sum(len(w.token_ids) for w in want)
+        assert usage["prompt_tokens"] == want[0].prompt_tokens
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+        assert app.state.serving.admitted == 0
+    run(check, tiny_llama)

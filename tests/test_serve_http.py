@@ -128,6 +128,30 @@ def test_client_disconnect_cancels_the_request_and_frees_its_slot(tiny_llama):
     anyio.run(main)
 
 
+def test_a_client_that_leaves_an_n_choice_stream_frees_every_choices_slot(tiny_llama):
+    async def main():
+        async with await Engine.load(tiny_llama, slots=4) as engine:
+            slow = SlowEngine(engine, delay=0.02)  # 200 tokens a choice: 4 s, unless cancelled
+            app = create_app(slow, slots=4, max_queued=0)
+            body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "n": 3, "stream": True}
+            async with running_server(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    seen = 0
+                    async for line in r.aiter_lines():
+                        seen += line.startswith("data: ")
+                        if seen == 6:
+                            break
+                await _until(lambda: slow.closed == 3 and app.state.serving.admitted == 0)
+                await _until(lambda: getattr(engine, "running", 0) == 0)
+                after = await c.post("/v1/completions", json={**body, "stream": False, "max_tokens": 4, "n": 4})
+                assert after.status_code == 200 and len(after.json()["choices"]) == 4
+                values = metric_values((await c.get("/metrics")).text)
+            assert metric(values, "specdec_requests_aborted_total", reason="cancelled") == 1
+            assert metric(values, "specdec_generation_tokens_total") >= 16
+
+    anyio.run(main)
+
+
 async def _until(cond, timeout: float = 2.0) -> None:
     deadline = time.perf_counter() + timeout
     while not cond():

@@ -58,40 +58,45 @@ async def completions(request: Request, kind: Kind) -> Any:
     try:
         serving.check_open()
         params = parse_request(kind, await read_json(request, serving.max_body_bytes))
-        serving.admit()
+        serving.admit(params.n)
     except APIError as err:
         serving.metrics.rejected.labels(REJECT_REASONS.get(err.status, err.code)).inc()
         return error_response(err)
     except ClientDisconnect:
         return Response(status_code=499)  # nobody is there to read it
-    stream = None
+    streams: list = []
     try:  # from here on the request is admitted: Job.close releases it
-        stream = await _open(serving, params)
+        for choice in range(params.n):
+            streams.append(await _open(serving, params, choice))
     except (InvalidInputError, EngineClosedError) as exc:
-        if stream is not None:
-            await stream.aclose()
-        serving.release()
+        await _close_all(streams)
+        serving.release(params.n)
         err = (engine_error(exc, params) if isinstance(exc, InvalidInputError) else
                APIError(503, str(exc), type="service_unavailable", code="draining"))
         serving.metrics.rejected.labels("invalid" if err.status == 400 else "draining").inc()
         return error_response(err)
     except BaseException:
-        if stream is not None:
-            await stream.aclose()
-        serving.release()
+        await _close_all(streams)
+        serving.release(params.n)
         raise
-    job = Job(serving, params, stream, arrived)
+    job = Job(serving, params, streams, arrived)
     if params.stream:
         return EventStream(job)
     return await job.respond_whole(request.receive)
 
 
-async def _open(serving: Serving, params: GenParams):
-    """The engine stream of an admitted request, its prompt encoded and checked (a 400 comes
-    before streaming; a stream that fails is closed here). A request that names no token limit
-    gets the server's default, capped to the room its prompt leaves in the context (as OpenAI's
-    API does)."""
-    kwargs = params.engine_kwargs(serving.default_max_tokens)
+async def _close_all(streams: list) -> None:
+    with anyio.CancelScope(shield=True):
+        for stream in streams:
+            await stream.aclose()
+
+
+async def _open(serving: Serving, params: GenParams, choice: int = 0):
+    """The engine stream of choice ``choice`` of an admitted request, its prompt encoded and
+    checked (a 400 comes before streaming; a stream that fails is closed here). A request that
+    names no token limit gets the server's default, capped to the room its prompt leaves in the
+    context (as OpenAI's API does)."""
+    kwargs = params.engine_kwargs(serving.default_max_tokens, choice)
     for capped in (False, True):
         stream = serving.engine.stream(params.prompt, **kwargs)
         if not hasattr(stream, "ready"):  # not an EngineStream: it checks as it goes
@@ -115,39 +120,73 @@ async def _open(serving: Serving, params: GenParams):
 
 
 class Job:
-    """An admitted request and its engine stream."""
+    """An admitted request and its engine streams, one per choice (``n``; usually one)."""
 
-    def __init__(self, serving: Serving, params: GenParams, stream, arrived: float) -> None:
-        self.serving, self.params, self.stream, self.arrived = serving, params, stream, arrived
+    def __init__(self, serving: Serving, params: GenParams, streams: list, arrived: float) -> None:
+        self.serving, self.params, self.streams, self.arrived = serving, params, streams, arrived
         self.reply = Reply(params.kind, serving.model_name or "specdec-rt", include_usage=params.include_usage)
         timeout = serving.request_timeout
         self.deadline = arrived + timeout if timeout else None
-        self.tokens, self.stats, self.finish = 0, None, None
+        n = len(streams)
+        self.tokens, self.stats, self.finish = [0] * n, [None] * n, [None] * n  # per choice
         self.first_at: float | None = None
-        self.last_at: float | None = None
-        self.outcome: str | None = None  # cancelled | timeout | error, when it did not finish
+        self.last_at: list[float | None] = [None] * n
+        self.outcome: str | None = None  # cancelled | timeout | error | shutdown, when it did not finish
         self.done = False  # the response is complete: a disconnect now is not a cancel
         self.closed = False
         self.expired = False  # the server's drain deadline passed (expire)
         self._scope: anyio.CancelScope | None = None  # around the wait for the engine's next event
+        self._events = None  # n > 1: the receiving end the choices' pumps send (i, event, error) to
         serving.jobs.add(self)
 
+    def start(self, tg) -> None:
+        """With several choices: one task per engine stream, in ``tg`` (the response's task
+        group, cancelled when the response ends), feeding :meth:`next_event`."""
+        if len(self.streams) > 1:
+            send, self._events = anyio.create_memory_object_stream(0)
+            with send:
+                for i in range(len(self.streams)):
+                    tg.start_soon(self._pump, i, send.clone())
+
+    async def _pump(self, i: int, send) -> None:
+        async with send:
+            try:
+                async for ev in self.streams[i]:
+                    await send.send((i, ev, None))
+            except SpecDecError as exc:
+                await send.send((i, None, exc))
+
+    async def _next(self):
+        """``(choice, event)`` from whichever stream has one, or ``None`` after the last."""
+        if self._events is None:
+            try:
+                return 0, await self.streams[0].__anext__()
+            except StopAsyncIteration:
+                return None
+        try:
+            i, ev, exc = await self._events.receive()
+        except anyio.EndOfStream:
+            return None
+        if exc is not None:
+            raise exc
+        return i, ev
+
     async def next_event(self):
-        """The engine's next event (``None`` after the last), under the request's deadline.
-        Raises :class:`APIError` for a timeout (504), a model failure (500), or the server's drain
-        deadline (503, :meth:`expire`)."""
+        """The engines' next ``(choice, event)`` (``None`` after the last), under the request's
+        deadline. Raises :class:`APIError` for a timeout (504), a model failure (500), or the
+        server's drain deadline (503, :meth:`expire`)."""
         if self.expired:
             raise self._shut_down()
-        ev = None
+        got = cancelled = None
         try:
             with anyio.CancelScope() as self._scope:
+                cancelled = True
                 if self.deadline is None:
-                    ev = await self.stream.__anext__()
+                    got = await self._next()
                 else:
                     with anyio.fail_after(max(0.0, self.deadline - perf_counter())):
-                        ev = await self.stream.__anext__()
-        except StopAsyncIteration:
-            return None
+                        got = await self._next()
+                cancelled = False
         except TimeoutError:
             self.outcome = "timeout"
             raise APIError(504, f"the request took longer than {self.serving.request_timeout:g} s",
@@ -160,10 +199,11 @@ class Job:
             raise APIError(500, str(exc), type="server_error", code="inference_error") from None
         finally:
             self._scope = None
-        if ev is None:  # expire() cancelled the wait
+        if cancelled:  # expire() cancelled the wait
             raise self._shut_down()
-        self._observe(ev, perf_counter())
-        return ev
+        if got is not None:
+            self._observe(*got, perf_counter())
+        return got
 
     def expire(self) -> None:
         """The server's drain deadline passed: the request ends with a 503 ``draining`` error (a
@@ -177,52 +217,56 @@ class Job:
         return APIError(503, f"the server stopped before this request finished (its drain timeout of "
                              f"{self.serving.drain_timeout:g} s passed)", type="service_unavailable", code="draining")
 
-    def _observe(self, ev, now: float) -> None:
+    def _observe(self, i: int, ev, now: float) -> None:
         m = self.serving.metrics
         if ev.token_ids:
-            self.tokens += len(ev.token_ids)
+            self.tokens[i] += len(ev.token_ids)
             m.generation_tokens.inc(len(ev.token_ids))
             if self.first_at is None:
                 self.first_at = now
                 m.ttft.observe(now - self.arrived)
-        if self.last_at is not None:
-            m.itl.observe(now - self.last_at)
-        self.last_at = now
+        if self.last_at[i] is not None:
+            m.itl.observe(now - self.last_at[i])
+        self.last_at[i] = now
         if ev.finished:
-            self.finish = ev.finished if ev.finished in ("stop", "length") else "stop"
-            self.stats = ev.stats
+            self.finish[i] = ev.finished if ev.finished in ("stop", "length") else "stop"
+            self.stats[i] = ev.stats
             if ev.stats is not None:
                 m.observe_stats(ev.stats, cached=self.serving.caching)
-            m.success.labels(self.finish).inc()
-            m.e2e.observe(now - self.arrived)
+            m.success.labels(self.finish[i]).inc()
+            if all(self.finish):
+                m.e2e.observe(now - self.arrived)
 
     async def close(self) -> None:
-        """Close the engine stream (releases its KV slots), un-admit, count and log. Idempotent."""
+        """Close the engine streams (releases their KV slots), un-admit, count and log. Idempotent."""
         if self.closed:
             return
         self.closed = True
         self.serving.jobs.discard(self)
         with anyio.CancelScope(shield=True):
             try:
-                await self.stream.aclose()
+                for stream in self.streams:
+                    await stream.aclose()
             finally:
-                self.serving.release()
-        if self.finish is None:
+                self.serving.release(len(self.streams))
+        if not all(self.finish):
             self.outcome = self.outcome or "cancelled"
             self.serving.metrics.aborted.labels(self.outcome).inc()
-        s = self.stats
+        s = self.stats[0]
         end = perf_counter()
         log.info("request", id=self.reply.id, kind=self.params.kind, mode=s.mode if s else self.params.mode,
-                 stream=self.params.stream, prompt_tokens=s.prompt_tokens if s else None,
+                 stream=self.params.stream, n=len(self.streams), prompt_tokens=s.prompt_tokens if s else None,
                  cached_tokens=s.cached_prompt_tokens if s else None,
-                 completion_tokens=self.tokens, acceptance=round(s.acceptance_rate, 3) if s else None,
-                 finish=self.finish or self.outcome,
+                 completion_tokens=sum(self.tokens), acceptance=round(s.acceptance_rate, 3) if s else None,
+                 finish=(self.finish[0] if len(self.finish) == 1 else self.finish) if all(self.finish) else self.outcome,
                  ttft=round(self.first_at - self.arrived, 4) if self.first_at else None,
                  e2e=round(end - self.arrived, 4))
 
     def usage(self) -> tuple[int, int, int]:
-        s = self.stats
-        return (s.prompt_tokens if s else 0), self.tokens, (s.cached_prompt_tokens if s else 0)
+        """(prompt tokens, completion tokens of all choices, cached prompt tokens): the prompt
+        counts once, as in OpenAI's usage, whatever ``n``."""
+        s = next((x for x in self.stats if x is not None), None)
+        return (s.prompt_tokens if s else 0), sum(self.tokens), (s.cached_prompt_tokens if s else 0)
 
     async def respond_whole(self, receive) -> Response:
         """The non-streamed response; a disconnect meanwhile cancels the generation."""
@@ -230,11 +274,13 @@ class Job:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch, receive, tg.cancel_scope)
-                parts = []
+                self.start(tg)
+                parts: list[list[str]] = [[] for _ in self.streams]
                 try:
-                    while (ev := await self.next_event()) is not None:
-                        parts.append(ev.text)
-                    body = self.reply.response("".join(parts), self.finish or "stop", *self.usage())
+                    while (got := await self.next_event()) is not None:
+                        parts[got[0]].append(got[1].text)
+                    body = self.reply.response(["".join(p) for p in parts], [f or "stop" for f in self.finish],
+                                               *self.usage())
                     response = JSONResponse(body)
                 except APIError as err:
                     response = error_response(err)
@@ -269,6 +315,7 @@ class EventStream:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(job._watch, receive, tg.cancel_scope)
+                job.start(tg)
 
                 async def send_or_cancel(message: dict) -> None:
                     try:
@@ -294,16 +341,18 @@ class EventStream:
         async def emit(payload: dict) -> None:
             await send({"type": "http.response.body", "body": sse(payload), "more_body": True})
 
-        first = reply.kind == "chat"
-        if first:  # the role comes at once, before the first token
-            await emit(reply.chunk("", first=True))
+        if reply.kind == "chat":  # each choice's role comes at once, before the first token
+            for i in range(len(job.streams)):
+                await emit(reply.chunk("", first=True, index=i))
         try:
-            while (ev := await job.next_event()) is not None:
+            while (got := await job.next_event()) is not None:
+                i, ev = got
                 if ev.text or ev.finished:
-                    await emit(reply.chunk(ev.text, job.finish if ev.finished else None))
+                    await emit(reply.chunk(ev.text, job.finish[i] if ev.finished else None, index=i))
         except APIError as err:
             return [sse(err.body())]
-        tail = [] if job.finish else [sse(reply.chunk("", "stop"))]  # never a stream without its finish
+        tail = [sse(reply.chunk("", "stop", index=i))  # never a choice without its finish
+                for i, f in enumerate(job.finish) if f is None]
         if job.params.include_usage:
             tail.append(sse(reply.usage_chunk(*job.usage())))
         return tail + [sse("[DONE]")]

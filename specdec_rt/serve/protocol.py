@@ -25,6 +25,7 @@ Kind = Literal["chat", "completion"]
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; the Engine itself takes any finite value
 MAX_SEED = 2**64 - 1  # a seed is a 64-bit integer, as in OpenAI's API
+MAX_N = 16  # choices per request (each one an engine request, batched with the others)
 
 
 class APIError(Exception):
@@ -65,11 +66,14 @@ class GenParams:
     mode: str = "spec"
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices
 
-    def engine_kwargs(self, default_max_tokens: int) -> dict:
-        """Keyword arguments for ``Engine.stream`` (after the prompt)."""
+    def engine_kwargs(self, default_max_tokens: int, choice: int = 0) -> dict:
+        """Keyword arguments for ``Engine.stream`` (after the prompt) of choice ``choice``: with
+        a ``seed``, choice i samples with ``seed + i`` (so choices differ, and each is reproducible)."""
+        seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
         return dict(max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
-                    top_k=self.top_k, top_p=self.top_p, seed=self.seed, mode=self.mode,
+                    top_k=self.top_k, top_p=self.top_p, seed=seed, mode=self.mode,
                     stop=self.stop or None)
 
 
@@ -98,9 +102,8 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
     if body.get("seed") is not None:
         p.seed = _int(body, "seed", minimum=0, maximum=MAX_SEED)
     p.stop = _stop(body.get("stop"))
-    n = body.get("n")
-    if n is not None and (_int(body, "n") != 1):
-        raise _bad("n", f"only n=1 is supported, got {n!r}")
+    if body.get("n") is not None:
+        p.n = _int(body, "n", minimum=1, maximum=MAX_N)
     mode = body.get("mode", "spec")
     if mode not in ("spec", "ar"):
         raise _bad("mode", f"mode must be 'spec' or 'ar', got {mode!r}")
@@ -253,14 +256,14 @@ class Reply:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
-        """A streamed chunk; the first chat chunk carries ``"role": "assistant"``."""
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False, index: int = 0) -> dict:
+        """A streamed chunk of choice ``index``; a choice's first chat chunk carries ``"role": "assistant"``."""
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
             out = {**self._head("text_completion"), "choices": [choice]}
         return {**out, "usage": None} if self.include_usage else out
 
@@ -269,17 +272,20 @@ class Reply:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
 
-    def response(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                 cached_tokens: int = 0) -> dict:
-        """The whole (non-streamed) response."""
+    def response(self, text: str | list[str], finish_reason: str | list[str], prompt_tokens: int,
+                 completion_tokens: int, cached_tokens: int = 0) -> dict:
+        """The whole (non-streamed) response: one choice per text (``n`` of them: lists)."""
+        texts = [text] if isinstance(text, str) else text
+        finishes = [finish_reason] * len(texts) if isinstance(finish_reason, str) else finish_reason
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                        "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finishes))]
             head = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
+                       for i, (t, f) in enumerate(zip(texts, finishes))]
             head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
+        return {**head, "choices": choices, "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:

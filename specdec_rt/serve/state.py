@@ -128,16 +128,21 @@ class Serving:
         headers = {"Retry-After": str(self.retry_after)} if self.state == "loading" else None
         raise APIError(503, message, type="service_unavailable", code=self.state, headers=headers)
 
-    def admit(self) -> None:
-        """Count one more request in, or raise 429 (with ``Retry-After``) when full."""
-        if self.admitted >= self.slots + self.max_queued:
+    def admit(self, n: int = 1) -> None:
+        """Count one more request in (``n`` engine requests: its choices), or raise 429 (with
+        ``Retry-After``) when they do not fit; 400 when they never could (``n`` past the capacity)."""
+        capacity = self.slots + self.max_queued
+        if n > capacity:
+            raise APIError(400, f"n={n} choices exceed this server's capacity of {capacity} requests "
+                                f"({self.slots} running + {self.max_queued} queued)", param="n", code="invalid_value")
+        if self.admitted + n > capacity:
             raise APIError(429, f"the server is at capacity ({self.slots} running + {self.max_queued} queued "
                                 "requests); retry later", type="rate_limit_error", code="overloaded",
                            headers={"Retry-After": str(self.retry_after)})
-        self.admitted += 1
+        self.admitted += n
 
-    def release(self) -> None:
-        self.admitted -= 1
+    def release(self, n: int = 1) -> None:
+        self.admitted -= n
 
     def _running(self) -> float:
         n = getattr(self.engine, "running", None)
