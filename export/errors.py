@@ -15,6 +15,7 @@ from typing import Callable, TypeVar
 
 __all__ = [
     "one_line_errors",
+    "one_line",
     "ExportError",
     "UsageError",
     "SourceNotFoundError",
@@ -86,6 +87,15 @@ class InterruptedExportError(ExportError):
 
 T = TypeVar("T")
 
+MAX_MESSAGE = 600  # characters of a library's message kept in one of ours
+
+
+def one_line(text: object, limit: int = MAX_MESSAGE) -> str:
+    """``text`` (often a library's exception) as one line: whitespace runs (newlines, tabs)
+    collapsed to one space, cut to ``limit`` characters."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
 
 def one_line_errors(work: Callable[[], T], verbose: bool,
                     interrupted: str = "interrupted") -> tuple[T | None, int]:
@@ -99,11 +109,11 @@ def one_line_errors(work: Callable[[], T], verbose: bool,
     except ExportError as exc:
         if verbose:
             traceback.print_exc()
-        print(f"export: error: {exc}", file=sys.stderr)
+        print(f"export: error: {one_line(exc, sys.maxsize)}", file=sys.stderr)
         return None, exc.exit_code
     except Exception as exc:  # noqa: BLE001 - the one-line contract holds for bugs too
         if verbose:
             traceback.print_exc()
-        print(f"export: error: internal error: {type(exc).__name__}: {exc} (rerun with -v)",
+        print(f"export: error: internal error: {type(exc).__name__}: {one_line(exc)} (rerun with -v)",
               file=sys.stderr)
         return None, 1

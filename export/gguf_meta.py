@@ -18,6 +18,7 @@ the memory the export needs against the machine's before any weights are loaded.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import struct
@@ -36,8 +37,10 @@ MAX_ALIGNMENT = 1 << 16
 # architecture metadata bounds (inclusive), checked before anything is sized from them
 LIMITS = {"block_count": (1, 1024), "embedding_length": (1, 1 << 16),
           "feed_forward_length": (1, 1 << 20), "attention.head_count": (1, 1024),
-          "attention.head_count_kv": (1, 1024), "context_length": (1, 1 << 24)}
+          "attention.head_count_kv": (1, 1024), "context_length": (2, 1 << 24)}
 MAX_VOCAB = 1 << 22
+# optional float metadata that must be finite and > 0 when present
+POSITIVE_FLOATS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor")
 
 # arrays kept in full (all others are skipped): the token list and the token types
 _KEEP_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"}
@@ -248,6 +251,18 @@ def _meta_int(info: GGUFInfo, key: str, path, required: bool = True) -> int | No
     return value
 
 
+def _meta_positive(info: GGUFInfo, key: str, path) -> None:
+    """An optional float (epsilon, rotary base) must be finite and > 0 when present: a NaN or
+    negative one only fails deep inside ONNX Runtime, or yields a misleading rotary error."""
+    arch = info.architecture
+    value = info.metadata.get(f"{arch}.{key}")
+    if value is None:
+        return
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+        raise CorruptSourceError(f"GGUF {path}: {arch}.{key} = {value!r} is not a finite "
+                                 f"number > 0")
+
+
 def check_model(info: GGUFInfo, path) -> None:
     """Compare a Llama/Qwen2 GGUF's metadata with its tensor index and its size with this
     machine's memory, before anything is loaded: a header claiming 200000 blocks, a vocabulary
@@ -263,6 +278,14 @@ def check_model(info: GGUFInfo, path) -> None:
     if kv_heads > heads:
         raise CorruptSourceError(f"GGUF {path}: {heads} heads / {kv_heads} KV heads do not fit "
                                  f"embedding length {embd}")
+    if heads % kv_heads:
+        raise CorruptSourceError(f"GGUF {path}: {arch}.attention.head_count = {heads} is not a "
+                                 f"multiple of {arch}.attention.head_count_kv = {kv_heads}")
+    if info.metadata.get(f"{arch}.attention.key_length") is None and embd % heads:
+        raise CorruptSourceError(f"GGUF {path}: {arch}.embedding_length = {embd} is not a "
+                                 f"multiple of {arch}.attention.head_count = {heads}")
+    for key in POSITIVE_FLOATS:
+        _meta_positive(info, key, path)
     found = set()
     for name in info.tensors:
         m = re.fullmatch(r"blk\.(\d{1,7})\..+", name)

@@ -52,6 +52,7 @@ __all__ = ["ModelSpec", "IO_NAMES", "SUPPORTED_FAMILIES", "build_onnx", "rotary_
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")  # Mistral: Llama's graph, a sliding window
 GGUF_FAMILIES = ("llama", "qwen2")  # general.architecture of a GGUF (llama.cpp writes Mistral as llama)
 MAX_POSITIONS_CAP = 32768
+MIN_POSITIONS = 2  # a prompt token and one generated token
 OPSET = 21
 MS = "com.microsoft"
 
@@ -135,7 +136,24 @@ class ModelSpec:
             if isinstance(window, bool) or not isinstance(window, int) or window < 1:
                 raise UnsupportedModelError(f"unsupported sliding_window {window!r}")
             limit = min(limit, window)
+        eps = _positive_number(config, "rms_norm_eps")
+        _check_rope(config)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < MIN_POSITIONS:
+            raise UnsupportedModelError(
+                f"unsupported context of {limit!r} positions (max_position_embeddings "
+                f"{config.max_position_embeddings!r}): need at least {MIN_POSITIONS}")
         heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        for key, value in (("hidden_size", config.hidden_size), ("num_attention_heads", heads),
+                           ("num_key_value_heads", kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UnsupportedModelError(f"unsupported {key} {value!r}: need a positive integer")
+        if heads % kv_heads:
+            raise UnsupportedModelError(f"unsupported num_attention_heads {heads} with "
+                                        f"num_key_value_heads {kv_heads}: need a multiple")
+        if not getattr(config, "head_dim", None) and config.hidden_size % heads:
+            raise UnsupportedModelError(f"unsupported hidden_size {config.hidden_size} with "
+                                        f"num_attention_heads {heads}: need a multiple")
         own = getattr(config, "head_dim", None) or config.hidden_size // heads
         if own % 2:
             raise UnsupportedModelError(f"unsupported head size {own}: rotary embeddings need an even one")
@@ -145,13 +163,13 @@ class ModelSpec:
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
             num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            num_kv_heads=kv_heads,
             head_dim=padded,
             model_head_dim=own if padded != own else 0,
             intermediate_size=config.intermediate_size,
             vocab_size=config.vocab_size,
             max_positions=limit,
-            rms_eps=float(config.rms_norm_eps),
+            rms_eps=eps,
         )
 
     def manifest(self) -> dict:
@@ -159,6 +177,34 @@ class ModelSpec:
         keep = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
                 "head_dim", "vocab_size", "max_positions")
         return {k: v for k, v in asdict(self).items() if k in keep}
+
+
+def _positive_number(config, key: str, value=None) -> float:
+    """``config.<key>`` as a float that is finite and > 0, else UnsupportedModelError naming it
+    (a NaN or negative epsilon, a zero rotary base, would only fail deep inside ONNX Runtime or
+    give garbage tables)."""
+    value = getattr(config, key, None) if value is None else value
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = float("nan")
+    if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
+        raise UnsupportedModelError(f"unsupported {key} {value!r}: need a finite number > 0")
+    return number
+
+
+def _check_rope(config) -> None:
+    """The rotary base (``rope_theta``, or ``rope_parameters['rope_theta']``) and, with rope
+    scaling, its ``factor``: finite and > 0."""
+    theta = getattr(config, "rope_theta", None)
+    params = getattr(config, "rope_parameters", None)
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    if theta is not None:
+        _positive_number(config, "rope_theta", theta)
+    scaling = getattr(config, "rope_scaling", None)
+    if isinstance(scaling, dict) and scaling.get("factor") is not None:
+        _positive_number(config, "rope_scaling.factor", scaling["factor"])
 
 
 def _longrope_limit(config) -> int | None:

@@ -7,17 +7,21 @@ source fingerprint, options) so a second identical export can be a no-op.
 from __future__ import annotations
 
 import json
+import math
+import os
+import stat
 from pathlib import Path
 
 from .graph import IO_NAMES, ModelSpec
 from .tokenizer import TokenizerInfo, sha256_file
 
 __all__ = ["SCHEMA_VERSION", "MANIFEST", "build_manifest", "write_manifest", "read_manifest",
-           "is_up_to_date", "onnx_section"]
+           "is_export_manifest", "is_up_to_date", "onnx_section"]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 STAMP = ".specdec-verified.json"  # the runtime's record of verified sha256 (docs/manifest.md)
+MAX_MANIFEST_BYTES = 1 << 20  # ours are a few kB; anything larger is not one of ours
 
 
 def onnx_section(quantization: dict | None) -> dict:
@@ -77,7 +81,8 @@ def write_manifest(folder: Path, manifest: dict) -> Path:
     """Write `manifest.json` (the last file of a folder), and the runtime's verification stamp
     for the files just hashed into it, so the first load does not hash them again."""
     path = Path(folder) / MANIFEST
-    path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    path.write_text(json.dumps(_finite(manifest), indent=2, ensure_ascii=False,
+                               allow_nan=False) + "\n")
     stamp = {}
     for fname, meta in (manifest.get("files") or {}).items():
         st = (Path(folder) / fname).stat()
@@ -88,12 +93,73 @@ def write_manifest(folder: Path, manifest: dict) -> Path:
     return path
 
 
-def read_manifest(folder: Path) -> dict | None:
-    """The folder's manifest, or None if it has none or it is unreadable."""
-    try:
-        return json.loads((Path(folder) / MANIFEST).read_text())
-    except (OSError, ValueError):
+def _finite(value):
+    """``value`` with every NaN / infinity replaced by None: strict JSON has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _read_small_file(path: Path, limit: int) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file (not a symlink, FIFO or device) of at most
+    ``limit`` bytes, else None. The file is untrusted: never follow a link, never block on a
+    FIFO, never read more than ``limit + 1`` bytes."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        raw = b"".join(chunks)
+        return raw if len(raw) <= limit else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The folder's manifest, or None if it has none or it is unreadable: not a regular file
+    (a symlink, FIFO, device), over ``MAX_MANIFEST_BYTES``, not JSON, nested too deeply to
+    parse, or not a JSON object."""
+    raw = _read_small_file(Path(folder) / MANIFEST, MAX_MANIFEST_BYTES)
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def is_export_manifest(manifest) -> bool:
+    """True when ``manifest`` has the fields every manifest this exporter writes has
+    (:func:`build_manifest`, ``export.draft.assemble``): only such a folder may ever be replaced
+    by an export. A web app's ``manifest.json`` (or any other JSON) is not one."""
+    if not isinstance(manifest, dict):
+        return False
+    build = manifest.get("build")
+    version = manifest.get("schema_version")
+    return (type(version) is int and 1 <= version <= SCHEMA_VERSION
+            and manifest.get("role") in ("target", "draft")
+            and isinstance(manifest.get("name"), str)
+            and isinstance(manifest.get("architecture"), dict)
+            and isinstance(manifest.get("files"), dict)
+            and isinstance(build, dict) and isinstance(build.get("exporter"), str))
 
 
 def is_up_to_date(folder: Path, build: dict) -> bool:

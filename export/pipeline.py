@@ -23,9 +23,9 @@ from pathlib import Path
 from . import __version__
 from .errors import (DiskFullError, ExportError, InterruptedExportError, SourceNotFoundError,
                      TokenizerMismatchError, UsageError)
-from .graph import ModelSpec, build_onnx
-from .manifest import (SCHEMA_VERSION, build_manifest, is_up_to_date, onnx_section,
-                       read_manifest, write_manifest)
+from .graph import MIN_POSITIONS, ModelSpec, build_onnx
+from .manifest import (MANIFEST, SCHEMA_VERSION, build_manifest, is_export_manifest,
+                       is_up_to_date, onnx_section, read_manifest, write_manifest)
 from .paths import inside, model_dir
 from .quant import QUANT_SPECS
 from .recipes import NAME_RE, fetch_source, find_recipe, list_recipes, load_recipe
@@ -131,6 +131,10 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
     for opt, value in (("--quantize", req.quantize), ("--draft-quant", req.draft_quant)):
         if value is not None and value not in QUANT_SPECS:
             raise UsageError(f"{opt} must be one of {', '.join(QUANT_SPECS)}")
+    mp = req.max_positions
+    if mp is not None and (isinstance(mp, bool) or not isinstance(mp, int) or mp < MIN_POSITIONS):
+        raise UsageError(f"--max-positions must be an integer of at least {MIN_POSITIONS} (a prompt "
+                         f"token and one generated), got {mp!r}")
     target, name = _resolve(req.src)
     options = (target.recipe.get("export") or {}) if target.recipe else {}
     quantize = req.quantize or options.get("quantize")
@@ -328,10 +332,21 @@ def _label(job: Job) -> str:
 
 
 def _check_out(out: Path) -> None:
-    """Refuse to replace a non-empty folder that is not an export output."""
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and
-                                              read_manifest(out) is None)):
+    """Refuse to replace anything but an empty folder or an earlier export: a folder whose
+    ``manifest.json`` is one this exporter wrote (``is_export_manifest``), not merely some JSON
+    (a web app's manifest.json, a build tool's) -- `_publish` deletes what it replaces."""
+    if not out.exists():
+        return
+    if not out.is_dir():
         raise UsageError(f"{out} exists and is not an export folder; choose another --out")
+    if not any(out.iterdir()):
+        return
+    if (out / MANIFEST).exists() or (out / MANIFEST).is_symlink():
+        if not is_export_manifest(read_manifest(out)):
+            raise UsageError(f"{out} exists and is not an export folder (its {MANIFEST} was not "
+                             f"written by this exporter); choose another --out")
+        return
+    raise UsageError(f"{out} exists and is not an export folder; choose another --out")
 
 
 def _publish(staging: Path, out: Path) -> None:

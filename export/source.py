@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CorruptSourceError, SourceNotFoundError
+from .errors import CorruptSourceError, SourceNotFoundError, one_line
 from .gguf_meta import check_model, read_gguf_info
 from .graph import GGUF_FAMILIES, SUPPORTED_FAMILIES, unsupported_architecture
 
@@ -56,7 +56,8 @@ class Source:
             model = AutoModelForCausalLM.from_pretrained(
                 str(self.folder), gguf_file=self.gguf_file, dtype=torch.float32)
         except Exception as exc:  # noqa: BLE001 - loader errors are source errors
-            raise CorruptSourceError(f"cannot load the model from {self.path}: {exc}") from exc
+            raise CorruptSourceError(f"cannot load the model from {self.path}: "
+                                     f"{one_line(exc)}") from exc
         return model.eval()
 
     def load_tokenizer(self):
@@ -78,7 +79,7 @@ def open_source(src: str | os.PathLike, record: dict | None = None) -> Source:
         try:
             family = json.loads(config.read_text()).get("model_type")
         except (OSError, ValueError) as exc:
-            raise CorruptSourceError(f"unreadable {config}: {exc}") from exc
+            raise CorruptSourceError(f"unreadable {config}: {one_line(exc)}") from exc
         kind, folder, gguf_file = "folder", path.resolve(), None
         default_record = {"kind": "folder", "path": str(folder)}
     elif path.suffix.lower() == ".gguf":

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CorruptSourceError, TokenizerMismatchError
+from .errors import CorruptSourceError, TokenizerMismatchError, one_line
 from .gguf_meta import read_gguf_info
 
 __all__ = ["TokenizerInfo", "load_tokenizer", "save_tokenizer", "compare_tokenizers",
@@ -52,7 +52,7 @@ def load_tokenizer(folder: Path, gguf_file: str | None = None):
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)
     except Exception as exc:  # noqa: BLE001 - any loader failure is a source problem
-        raise CorruptSourceError(f"cannot load the tokenizer from {folder}: {exc}") from exc
+        raise CorruptSourceError(f"cannot load the tokenizer from {folder}: {one_line(exc)}") from exc
     if not getattr(tok, "is_fast", False):
         raise CorruptSourceError(f"{folder} has no fast tokenizer (tokenizer.json)")
     if gguf_file:

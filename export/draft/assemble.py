@@ -9,12 +9,16 @@ draft stays a few MB and can never disagree with the target it was trained for.
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 
 from .. import __version__
+from ..errors import CorruptSourceError, ExportError, UnsupportedModelError, one_line
 from ..manifest import SCHEMA_VERSION, file_table, onnx_section, write_manifest
 from ..graph import PACKED_ROLES, TREE_ROLES
 from .graph import HEAD_KEYS, build_head_onnx, target_tensors
@@ -40,13 +44,116 @@ def save_head(path: Path, weights: dict[str, np.ndarray], vocab: np.ndarray, con
 
 
 def load_head(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
-    """(float32 weights, vocab [V'] int64, config) from :func:`save_head`'s file."""
-    with np.load(Path(path)) as z:
-        missing = [k for k in (*HEAD_KEYS, "vocab", "config") if k not in z.files]
-        if missing:
-            raise ValueError(f"{path}: not a trained head (missing {missing})")
-        weights = {k: z[k].astype(np.float32) for k in HEAD_KEYS}
-        return weights, z["vocab"].astype(np.int64), json.loads(bytes(z["config"]).decode())
+    """(float32 weights, vocab [V'] int64, config) from :func:`save_head`'s file.
+
+    The file is untrusted (a recipe ships it): it is read as a zip of ``.npy`` members, never
+    with pickle; the config comes first and fixes every weight's shape, and each member's
+    ``.npy`` header (shape, dtype) and its declared size in the zip are checked against those
+    bounds before its data is read. Every failure is a `CorruptSourceError` naming the file
+    and the array."""
+    path = Path(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            raw = _read_member(z, path, "config", lambda shape, dt: (
+                len(shape) == 1 and shape[0] <= MAX_CONFIG_BYTES and dt == np.uint8,
+                f"uint8 [<= {MAX_CONFIG_BYTES}]"))
+            cfg = _head_config(path, raw.tobytes())
+            vocab = _read_member(z, path, "vocab", lambda shape, dt: (
+                len(shape) == 1 and 1 <= shape[0] <= MAX_VOCAB and dt.kind in "iu"
+                and dt.itemsize <= 8, f"integer [1..{MAX_VOCAB}]"))
+            vocab = vocab.astype(np.int64)
+            if vocab.min() < 0:
+                raise CorruptSourceError(f"{path}: 'vocab' holds a negative token id {vocab.min()}")
+            if cfg.get("draft_vocab") is not None and cfg["draft_vocab"] != vocab.size:
+                raise CorruptSourceError(f"{path}: config draft_vocab {cfg['draft_vocab']!r} but "
+                                         f"'vocab' has {vocab.size} ids")
+            shapes = _head_shapes(cfg)
+            total = sum(math.prod(s) for s in shapes.values())
+            if total > MAX_HEAD_ELEMENTS:
+                raise CorruptSourceError(f"{path}: its config implies {total} weights, more than "
+                                         f"{MAX_HEAD_ELEMENTS}")
+            weights = {}
+            for key in HEAD_KEYS:
+                want = shapes[key]
+                weights[key] = _read_member(z, path, key, lambda shape, dt, want=want: (
+                    tuple(shape) == want and dt in (np.float16, np.float32),
+                    f"float16 {list(want)}")).astype(np.float32)
+    except ExportError:
+        raise
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, KeyError,
+            NotImplementedError, RuntimeError) as exc:
+        raise CorruptSourceError(f"{path}: not a readable trained head ({one_line(exc)})") from exc
+    return weights, vocab, cfg
+
+
+MAX_CONFIG_BYTES = 1 << 20
+MAX_VOCAB = 1 << 22
+MAX_HEAD_ELEMENTS = 1 << 30  # all weights together (a 7B model's head: ~2.5e8)
+_CONFIG_INTS = {"hidden_size": 1 << 16, "num_heads": 1024, "num_kv_heads": 1024, "head_dim": 1024,
+                "intermediate_size": 1 << 20}
+
+
+def _read_member(z: zipfile.ZipFile, path: Path, key: str, check) -> np.ndarray:
+    """Array ``key`` of the zip ``z``: its .npy header is read first and ``check(shape, dtype)``
+    -> (ok, what is expected) must pass, and the zip must declare exactly the bytes the header
+    implies, before the data is read."""
+    name = f"{key}.npy"
+    try:
+        info = z.getinfo(name)
+    except KeyError:
+        raise CorruptSourceError(f"{path}: not a trained head (no {key!r} array)") from None
+    with z.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise CorruptSourceError(f"{path}: {key!r} has unsupported .npy version {version}")
+        ok, expected = check(shape, dtype) if not dtype.hasobject else (False, "")
+        if not ok:
+            raise CorruptSourceError(f"{path}: {key!r} is {dtype.str} {list(shape)}, expected "
+                                     f"{expected or 'numbers, not objects'}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if info.file_size != f.tell() + nbytes:
+            raise CorruptSourceError(f"{path}: {key!r} declares {list(shape)} ({nbytes} bytes) "
+                                     f"but its zip member holds {info.file_size - f.tell()}")
+        data = f.read(nbytes)
+        if len(data) != nbytes or f.read(1):
+            raise CorruptSourceError(f"{path}: {key!r} is truncated")
+    arr = np.frombuffer(data, dtype=dtype)
+    return arr.reshape(shape[::-1]).T if fortran else arr.reshape(shape)
+
+
+def _head_config(path: Path, raw: bytes) -> dict:
+    """The head's JSON config, with the numbers the graph is sized from checked."""
+    try:
+        cfg = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise CorruptSourceError(f"{path}: 'config' is not JSON ({one_line(exc, 120)})") from None
+    if not isinstance(cfg, dict):
+        raise CorruptSourceError(f"{path}: 'config' is not a JSON object")
+    for key, hi in _CONFIG_INTS.items():
+        value = cfg.get(key)
+        if type(value) is not int or not 1 <= value <= hi:
+            raise CorruptSourceError(f"{path}: config {key} = {value!r} is not an integer from "
+                                     f"1 to {hi}")
+    eps = cfg.get("rms_eps")
+    if type(eps) not in (int, float) or not math.isfinite(eps) or eps <= 0:
+        raise CorruptSourceError(f"{path}: config rms_eps = {eps!r} is not a finite number > 0")
+    if cfg["num_heads"] % cfg["num_kv_heads"] or cfg["head_dim"] % 2:
+        raise CorruptSourceError(f"{path}: config num_heads {cfg['num_heads']} / num_kv_heads "
+                                 f"{cfg['num_kv_heads']} / head_dim {cfg['head_dim']} do not fit "
+                                 "(need a multiple and an even head size)")
+    return cfg
+
+
+def _head_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Each trained tensor's shape (nn.Linear layout [out, in]) from the config."""
+    H, I = cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_heads"] * cfg["head_dim"], cfg["num_kv_heads"] * cfg["head_dim"]
+    return {"fc": (H, 2 * H), "ln1": (H,), "q": (q, H), "k": (kv, H), "v": (kv, H), "o": (H, q),
+            "ln2": (H,), "gate": (I, H), "up": (I, H), "down": (H, I), "norm": (H,)}
 
 
 def assemble_draft(target_dir: Path, head_file: Path, out_dir: Path, *, name: str = "eagle",
@@ -56,10 +163,13 @@ def assemble_draft(target_dir: Path, head_file: Path, out_dir: Path, *, name: st
     weights, vocab, cfg = load_head(head_file)
     tm = json.loads((target_dir / "manifest.json").read_text())
     arch = tm["architecture"]
-    if cfg["hidden_size"] != arch["hidden_size"] or vocab.max() >= arch["vocab_size"]:
-        raise ValueError(f"{head_file}: trained for hidden size {cfg['hidden_size']} / vocab "
-                         f"{cfg.get('target_vocab_size')}, the target {target_dir} has "
-                         f"{arch['hidden_size']} / {arch['vocab_size']}")
+    if (cfg["hidden_size"] != arch["hidden_size"] or cfg["head_dim"] != arch["head_dim"]
+            or vocab.max() >= arch["vocab_size"]):
+        raise UnsupportedModelError(
+            f"{head_file}: trained for hidden size {cfg['hidden_size']} / head size "
+            f"{cfg['head_dim']} / vocab {cfg.get('target_vocab_size')!r} (largest id "
+            f"{vocab.max()}), the target {target_dir} has {arch['hidden_size']} / "
+            f"{arch['head_dim']} / {arch['vocab_size']}")
     t = target_tensors(target_dir, TARGET_TENSORS)
     out_dir.mkdir(parents=True)
     graph = build_head_onnx(weights, cfg, vocab, t["embed_tokens.weight"], t["lm_head.weight"],
