@@ -173,14 +173,21 @@ def _format_field_mixin(base):
     return Bounded
 
 
-def _precheck_call(obj: Any, args: tuple, kwargs: dict, budget: _Budget) -> None:
+# calls whose integer arguments size what they build (a width, a count of pieces): those are
+# checked against the budget; any other call may take any integer (a tool call's {"amount": 2500000})
+_SIZING_FILTERS = frozenset({"center", "indent", "wordwrap", "slice", "batch"})
+_SIZING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
+
+
+def _precheck_call(obj: Any, args: tuple, kwargs: dict, budget: _Budget, filter_name: str | None = None) -> None:
     """Refuse a call whose result could exceed the budget before it is made."""
-    ints = [a for a in (*args, *kwargs.values()) if isinstance(a, int) and not isinstance(a, bool)]
-    if any(abs(i) > budget.chars for i in ints):
-        budget.need(max(abs(i) for i in ints), f"a call with the argument {max(ints, key=abs)}")
     inner = getattr(obj, "__wrapped__", obj)  # the sandbox wraps str.format
     name = getattr(inner, "__name__", "")
     owner = getattr(inner, "__self__", None)
+    if filter_name in _SIZING_FILTERS or (isinstance(owner, (str, bytes, bytearray)) and name in _SIZING_METHODS):
+        ints = [a for a in (*args, *kwargs.values()) if isinstance(a, int) and not isinstance(a, bool)]
+        if any(abs(i) > budget.chars for i in ints):
+            budget.need(max(abs(i) for i in ints), f"a call with the argument {max(ints, key=abs)}")
     if isinstance(owner, (str, bytes, bytearray)):
         if name == "replace" and len(args) >= 2:
             budget.need((len(owner) + 1) * (_length(args[1]) + 1), "str.replace")
@@ -206,7 +213,7 @@ def _bounded_filter(name: str, func):
         b = _current()
         b.tick()
         values = [a for a in args if not isinstance(a, (Environment, EvalContext, Context))]
-        _precheck_call(None, tuple(values[1:]), kwargs, b)
+        _precheck_call(None, tuple(values[1:]), kwargs, b, filter_name=name)
         if values:
             value = values[0]
             if isinstance(value, _CONTAINERS) and name in _STRINGIFYING:
@@ -228,7 +235,7 @@ def _bounded_filter(name: str, func):
             elif name == "format" and isinstance(value, str):
                 _check_percent(value, kwargs or tuple(values[1:]), b, "the format filter")
             elif name == "int" and isinstance(value, str) and len(value) > 5000 \
-                    and value.strip().lstrip("+-").replace("_", "").isalnum():
+                    and value.strip().lstrip("+-").replace("_", "").isdigit():
                 # Python 3.11+ refuse over 4300 digits; 3.10 would parse them in quadratic time
                 b.bits(len(value), "the int filter's result")
             elif name == "wordwrap":
@@ -378,11 +385,34 @@ def _bounded_lipsum(lipsum):
     return bounded
 
 
+def _generation_tag():
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        """``{% generation %}...{% endgeneration %}``: its body, as if the tags were not there."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return GenerationTag
+
+
+def _tojson(x, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """``tojson`` as Hugging Face's chat templates call it (transformers' own arguments)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def new_environment(**options):
     """A bounded sandbox environment: every filter checked, the loop and ``~`` guards installed,
     ``tojson`` as Hugging Face templates expect it. ``options`` go to Jinja (``trim_blocks``...)."""
-    env = _sandbox_class()(finalize=_finalize, **options)
-    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    # as transformers renders chat templates: {% break %} / {% continue %}, and {% generation %}
+    # (its marker of the assistant's tokens for training masks, rendered as its body)
+    extensions = [*options.pop("extensions", ()), "jinja2.ext.loopcontrols", _generation_tag()]
+    env = _sandbox_class()(finalize=_finalize, extensions=extensions, **options)
+    env.filters["tojson"] = _tojson
     env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     env.globals["lipsum"] = _bounded_lipsum(env.globals["lipsum"])
     env.globals["__specdec_iter"] = _guard_iter

@@ -155,3 +155,28 @@ def test_the_review_repro_file_is_refused():
     if not repro.is_file():
         pytest.skip("the review's repro folder is not on this machine")
     _refused_fast(repro.read_text(), "bits")
+
+
+def test_real_templates_idioms_are_not_refused():
+    """Found on real chat templates (a tool call's {"amount": 2500000} passed to a macro, gemma;
+    tojson(ensure_ascii=False), GLM and MiniMax; {% break %}, Command-R; {% generation %}, LFM):
+    they render as transformers renders them."""
+    from specdec_rt.template_sandbox import compile_template, new_environment, render_bounded
+
+    env = new_environment(trim_blocks=True, lstrip_blocks=True)
+    cases = [
+        ("{% macro show(v) %}[{{ v }}]{% endmacro %}{{ show(2500000) }}{{ '{:,}'.format(12345678901234567890) }}",
+         "[2500000]12,345,678,901,234,567,890"),
+        ('{{ {"a": "é", "b": [1, 2]} | tojson(ensure_ascii=False, separators=(",", ":"), sort_keys=True) }}',
+         '{"a":"é","b":[1,2]}'),
+        ("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m }}{% endfor %}", "abc"[:2]),
+        ("{% generation %}answer{% endgeneration %}", "answer"),
+        ("{{ ('a' * 6000) | int }}", "0"),
+    ]
+    for text, want in cases:
+        got = render_bounded(compile_template(env, text), chars=1 << 20, steps=10_000, seconds=2.0,
+                             messages=["a", "b", "c"])
+        assert got == want, (text, got)
+    with pytest.raises(TemplateBudgetError):  # a width still counts
+        render_bounded(compile_template(env, "{{ 'x' | center(999999999) }}"), chars=1 << 20, steps=10_000,
+                       seconds=2.0)
