@@ -13,14 +13,14 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import one_line_errors
+from .errors import OneLineParser, one_line_errors
 from .ui import Reporter, format_bytes, format_table
 
 __all__ = ["main", "summary"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m export",
         description="Export a Llama/Mistral/Qwen2 checkpoint folder, .gguf file or recipe to ONNX + "
                     "manifest.json for specdec_rt.")

@@ -9,6 +9,8 @@ these at the boundary with `raise ... from exc`, so the cause stays in the trace
 
 from __future__ import annotations
 
+import argparse
+
 import sys
 import traceback
 from typing import Callable, TypeVar
@@ -117,3 +119,10 @@ def one_line_errors(work: Callable[[], T], verbose: bool,
         print(f"export: error: internal error: {type(exc).__name__}: {one_line(exc)} (rerun with -v)",
               file=sys.stderr)
         return None, 1
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr (exit 2), like every other error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

@@ -1,7 +1,8 @@
 """``python -m specdec_rt``: ``demo``, ``generate``, ``bench``, ``serve`` and ``loadtest``.
 
 ``--json`` prints exactly one JSON document on stdout; progress and logs go to stderr.
-Errors print one line ``specdec_rt: error: ...`` on stderr and exit with status 1.
+Errors print one line ``specdec_rt: error: ...`` on stderr and exit with status 1; usage errors
+(an unknown flag, a bad value) one line too, with status 2.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdec_rt", description=__doc__.splitlines()[0])
+    parser = _OneLineParser(prog="python -m specdec_rt", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-vv: per round)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -123,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specdec_rt: interrupted", file=sys.stderr)
         return 130
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr (exit 2); subcommands inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _threads(text: str) -> int:

@@ -153,3 +153,13 @@ def _recipes() -> list[str]:
     from export.recipes import list_recipes
 
     return list_recipes()
+
+
+@pytest.mark.parametrize("argv", [["--nope"], ["train-draft", "--nope"]])
+def test_export_usage_errors_are_one_line(argv, capsys):
+    from export.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and "error:" in err, err

@@ -294,3 +294,24 @@ def test_a_draft_folder_without_a_manifest_says_so(tiny_llama, tmp_path):
 
     with pytest.raises(ModelLoadError, match="not a draft folder \\(no manifest.json"):
         anyio.run(lambda: Engine.load(tiny_llama, draft=str(tmp_path), warmup=False))
+
+
+@pytest.mark.parametrize("argv", [["bogus"], ["generate", "--bogus-flag"], ["generate", "--prompt", "x", "--threads", "0"],
+                                  ["bench", "--nope"]])
+def test_usage_errors_are_one_line_with_status_2(argv, capsys):
+    from specdec_rt.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and "error:" in err, err
+
+
+@pytest.mark.parametrize("max_length", [4, 6])
+def test_a_short_max_length_loads_and_generates(tiny_llama, max_length):
+    """The load's probe of lone and paired positions fits in a short context (2-6 crashed)."""
+    async def main():
+        async with await Engine.load(tiny_llama, max_length=max_length, warmup=False) as engine:
+            r = await engine.generate("hi", max_new_tokens=1, mode="ar")
+            assert len(r.token_ids) == 1
+    anyio.run(main)

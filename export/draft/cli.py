@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import one_line_errors
 from ..ui import Reporter
+from ..errors import OneLineParser
 from .run import TrainDraftRequest, run_train_draft
 
 __all__ = ["main"]
@@ -16,7 +17,7 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     R = TrainDraftRequest  # the defaults live there (and the training ones in TrainConfig)
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m export train-draft",
         description="Train an EAGLE-style draft head for a built float32 target by "
                     "self-distillation, export it as an ONNX draft folder and measure its acceptance. "

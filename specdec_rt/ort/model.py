@@ -127,17 +127,20 @@ class OrtModel(LanguageModel):
         """Whether a lone position's logits (its query twice in attention) differ from its
         logits inside a 2-position call; sets ``rows_differ`` if a 9-position call's first two
         rows differ from the 2-position call's."""
+        past = min(6, self.max_length - 2)  # a short context (max_length 3..7) probes after fewer tokens
+        if past < 1:
+            return False  # max_length 2: one prompt token and one step, nothing to compare
         s = self.start()
         s.lone_twice = True
         try:
             ids = np.arange(1, 16, dtype=np.int64) % self.manifest.vocab_size  # [15]
-            s.run_sync(ids[:6], 1, 0)
-            lone = s.run_sync(ids[6:7], 1, 6)  # [1, V]
-            s.rollback(6)
-            pair = s.run_sync(ids[6:8], 2, 6)  # [2, V]
-            if self.max_length >= 15:
-                s.rollback(6)
-                nine = s.run_sync(ids[6:15], 9, 6)  # [9, V]
+            s.run_sync(ids[:past], 1, 0)
+            lone = s.run_sync(ids[past:past + 1], 1, past)  # [1, V]
+            s.rollback(past)
+            pair = s.run_sync(ids[past:past + 2], 2, past)  # [2, V]
+            if self.max_length >= past + 9:
+                s.rollback(past)
+                nine = s.run_sync(ids[past:past + 9], 9, past)  # [9, V]
                 self.rows_differ = not np.array_equal(nine[:2], pair)
                 if self.rows_differ:
                     get_logger("specdec_rt").warning(
