@@ -217,13 +217,12 @@ class ModelVerifier(_ModelUser, TargetVerifier):
 
     async def verify_and_accept(self, ctx: RequestContext, drafts: Sequence[DraftToken]) -> Verdict:
         chain = chain_length(drafts)
+        s = self._session(ctx)
         if chain < len(drafts):
-            s = self._session(ctx)
             if (self.trees and ctx.tokens.size - s.session.length <= TREE_TAIL_MAX
                     and not getattr(s.session, "copy_pending", False)):
                 return await self._verify_tree(ctx, drafts, tree_parents(drafts))
             drafts = drafts[:chain]  # a tree, but chains only here (or a long tail): its main chain
-        s = self._session(ctx)
         first = ctx.stats.rounds + ctx.stats.ar_steps == 0
         k = len(drafts)
         draft_ids = np.fromiter((d.id for d in drafts), dtype=np.int64, count=k)  # [k]

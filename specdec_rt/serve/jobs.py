@@ -243,12 +243,10 @@ class Job:
             return
         self.closed = True
         self.serving.jobs.discard(self)
-        with anyio.CancelScope(shield=True):
-            try:
-                for stream in self.streams:
-                    await stream.aclose()
-            finally:
-                self.serving.release(len(self.streams))
+        try:
+            await _close_all(self.streams)  # shielded: a cancelled response still frees its slots
+        finally:
+            self.serving.release(len(self.streams))
         if not all(self.finish):
             self.outcome = self.outcome or "cancelled"
             self.serving.metrics.aborted.labels(self.outcome).inc()
