@@ -21,6 +21,7 @@ import numpy as np
 from .confidence import confidence
 from .context import RequestContext
 from .errors import ContextLengthError
+from .logprobs import token_logprobs
 from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
 from .sampling import greedy_accept, rejection_sample, sample, warp
 from .tree_sampling import DraftTree, chain_length, greedy_tree_accept, tree_accept, tree_parents
@@ -199,6 +200,8 @@ class ModelVerifier(_ModelUser, TargetVerifier):
     request context (:class:`TargetHidden`), for drafters that set ``needs_target_hidden``.
     """
 
+    reports_logprobs = True  # verdicts carry the tokens' log-probabilities when a request asks
+
     def __init__(self, model: LanguageModel, sampler: Sampler = rejection_sample,
                  share_hidden: bool = False) -> None:
         super().__init__(model)
@@ -244,7 +247,8 @@ class ModelVerifier(_ModelUser, TargetVerifier):
                 out = np.array([sample(p[0], ctx.rng)], dtype=np.int64)
             else:
                 out = self.sampler(draft_ids, _q_rows(drafts, p), p, ctx.rng)
-        return Verdict(tokens=out, accepted=len(out) - 1)
+        lp = None if ctx.logprobs is None else token_logprobs(logits[: out.size], out, ctx.logprobs)
+        return Verdict(tokens=out, accepted=len(out) - 1, logprobs=lp)
 
     async def _verify_tree(self, ctx: RequestContext, drafts: Sequence[DraftToken], parents: list[int]) -> Verdict:
         """One call over the n tree nodes after the uncommitted tail (as a chain), then the tree
@@ -266,7 +270,8 @@ class ModelVerifier(_ModelUser, TargetVerifier):
             tree.q = _q_rows(drafts, p)
             path, out = tree_accept(tree, p, ctx.rng)
         s.accept_tree(start, np.concatenate([np.arange(m), m + path]))
-        return Verdict(tokens=out, accepted=int(path.size), path=tuple(int(i) for i in path))
+        lp = None if ctx.logprobs is None else token_logprobs(logits[np.concatenate([[0], 1 + path])], out, ctx.logprobs)
+        return Verdict(tokens=out, accepted=int(path.size), path=tuple(int(i) for i in path), logprobs=lp)
 
 
 def _note_cached_prompt(ctx: RequestContext, s: SyncedSession, first: bool) -> None:

@@ -8,6 +8,7 @@ import numpy as np
 
 from .confidence import ChainStop
 from .errors import ContextLengthError, InvalidInputError
+from .logprobs import check_top_logprobs
 from .sampling import SamplingParams
 from .types import FinishReason, Stats
 
@@ -34,6 +35,7 @@ class RequestContext:
         max_length: int | None = None,
         rng: np.random.Generator | None = None,
         vocab_size: int | None = None,
+        logprobs: int | None = None,
     ) -> None:
         prompt = np.asarray(list(prompt_ids) if not isinstance(prompt_ids, np.ndarray) else prompt_ids)
         if prompt.ndim != 1 or prompt.size == 0:
@@ -52,6 +54,8 @@ class RequestContext:
                 f"model's maximum length of {max_length} tokens", int(prompt.size), int(max_length)
             )
         self.params = params or SamplingParams()
+        #: None: no log-probabilities; n: each emitted token's, with the n most likely alternatives
+        self.logprobs = check_top_logprobs(logprobs)
         self.rng = rng if rng is not None else np.random.default_rng(self.params.seed)
         self.prompt_len = int(prompt.size)
         self.vocab_size = vocab_size  # None: unknown (a plug-in verifier without one)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -21,7 +20,9 @@ import anyio
 from .acceptance import SpecConfig
 from .batching import BatchExecutor
 from .errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
+from .logprobs import check_top_logprobs
 from .drafting import engine_models, make_drafter, resolve_draft_spec
+from .engine_stream import EngineStream, _Ready
 from .ort import OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
 from .prefix_cache import DEFAULT_BUDGET_BYTES
 from .protocols import DraftInferrer
@@ -30,7 +31,7 @@ from .request_checks import check_prompt_size, check_stop, find_stop, stop_prefi
 from .sampling import SamplingParams, brief_repr
 from .scheduler import SpecDecScheduler
 from .text import TextCodec
-from .types import FinishReason, Mode, Stats
+from .types import FinishReason, Mode, Stats, TokenLogprob
 from .warmup import WARMUP_REQUESTS, WARMUP_TOKENS, warm_up
 
 __all__ = ["Engine", "EngineResult", "EngineStream", "StreamEvent"]
@@ -53,6 +54,7 @@ class EngineResult:
     token_ids: list[int]
     stats: Stats
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked (``logprobs=``)
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -68,6 +70,7 @@ class StreamEvent:
     token_ids: tuple[int, ...]
     finished: FinishReason | None = None
     stats: Stats | None = field(default=None, repr=False)  # on the last event
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when asked (``logprobs=``)
 
 
 class Engine:
@@ -198,27 +201,32 @@ class Engine:
     async def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                        mode: Mode = "spec", stop: str | Sequence[str] | None = None,
-                       truncate_prompt: bool = False) -> EngineResult:
+                       truncate_prompt: bool = False, logprobs: int | None = None) -> EngineResult:
         """Generate a completion. ``prompt``: a string, or chat messages
         ``[{"role": ..., "content": ...}]`` rendered with the model's chat template (content: a
         string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined).
         ``mode``: ``"spec"`` (speculative) or ``"ar"`` (plain). ``stop``: strings that end the
         generation (the text is cut before the stop string; ``token_ids`` end with the token that
         completes it, in either mode; a stream holds back text that may start one). ``truncate_prompt``: keep only the
-        last tokens that fit instead of raising ``ContextLengthError``."""
-        parts, ids, stats = [], [], None
+        last tokens that fit instead of raising ``ContextLengthError``. ``logprobs=n`` (0..20):
+        each token's log-probability under the target model (before temperature, top-k, top-p;
+        the same in either mode) with the ``n`` most likely tokens there
+        (:class:`~specdec_rt.logprobs.TokenLogprob`)."""
+        parts, ids, lps, stats = [], [], [], None
         async with self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
-                               stop, truncate_prompt) as events:
+                               stop, truncate_prompt, logprobs) as events:
             async for ev in events:
                 parts.append(ev.text)
                 ids.extend(ev.token_ids)
+                lps.extend(ev.logprobs or ())
                 stats = ev.stats or stats
-        return EngineResult("".join(parts), ids, stats, stats.prompt_tokens if stats else 0)
+        return EngineResult("".join(parts), ids, stats, stats.prompt_tokens if stats else 0,
+                            lps if logprobs is not None else None)
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                mode: Mode = "spec", stop: str | Sequence[str] | None = None,
-               truncate_prompt: bool = False) -> "EngineStream":
+               truncate_prompt: bool = False, logprobs: int | None = None) -> "EngineStream":
         """Like :meth:`generate`, as an async iterator of :class:`StreamEvent` (also an async
         context manager that closes it).
 
@@ -236,6 +244,7 @@ class Engine:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidInputError(f"max_new_tokens must be a positive integer, got {brief_repr(max_new_tokens)}")
         params = SamplingParams(temperature, top_k, top_p, seed)
+        logprobs = check_top_logprobs(logprobs)
         stops = check_stop(stop)
         if not isinstance(truncate_prompt, bool):
             raise InvalidInputError(f"truncate_prompt must be True or False, got {brief_repr(truncate_prompt)}")
@@ -243,14 +252,14 @@ class Engine:
         send, receive = anyio.create_memory_object_stream(STREAM_BUFFER)
         stream = EngineStream(receive, self)
         task = asyncio.get_running_loop().create_task(self._produce(
-            stream._ready, prompt, max_new_tokens, params, mode, stops, truncate_prompt, send))
+            stream._ready, prompt, max_new_tokens, params, mode, stops, truncate_prompt, logprobs, send))
         stream._attach(task)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return stream
 
     def _start(self, prompt: Prompt, max_new_tokens: int, params: SamplingParams, mode: Mode,
-               truncate_prompt: bool):
+               truncate_prompt: bool, logprobs: int | None):
         """Encode the prompt and start the scheduler's request (in a worker thread)."""
         try:
             ids = self.codec.encode_prompt(prompt)
@@ -266,17 +275,17 @@ class Engine:
                 raise ContextLengthError(f"max_new_tokens={max_new_tokens} leaves no room for the prompt in the "
                                          f"model's maximum length of {limit} tokens", len(ids), limit)
             ids = ids[-(limit - max_new_tokens):]
-        return self.scheduler.stream(ids, max_new_tokens, params, mode=mode)  # validates the rest
+        return self.scheduler.stream(ids, max_new_tokens, params, mode=mode, logprobs=logprobs)  # checks the rest
 
     async def _produce(self, ready: "_Ready", prompt, max_new_tokens, params, mode, stops: list[str],
-                       truncate_prompt: bool, send) -> None:
+                       truncate_prompt: bool, logprobs: int | None, send) -> None:
         """One request, as a task: encode, run, detokenize, cut at stop strings, hand events over."""
         decoder, text, shown, kept = self.codec.decoder(), "", 0, 0  # text decoded, streamed; tokens kept
         async with send:
             try:
                 try:
                     request = await anyio.to_thread.run_sync(
-                        lambda: self._start(prompt, max_new_tokens, params, mode, truncate_prompt))
+                        lambda: self._start(prompt, max_new_tokens, params, mode, truncate_prompt, logprobs))
                 except BaseException as exc:
                     ready.set(exc if isinstance(exc, Exception) else None)
                     raise
@@ -300,8 +309,9 @@ class Engine:
                             request.context.finish_reason = request.stats.finish_reason = "stop"
                             request.stats.new_tokens = kept  # the tokens up to the stop, in every mode
                         upto = len(text) - (stop_prefix_len(text, stops, shown) if stops and not finished else 0)
+                        lps = ev.logprobs[: len(ids)] if ev.logprobs is not None else None
                         await send.send(StreamEvent(text[shown:upto], tuple(ids), finished,
-                                                    request.stats if finished else None))
+                                                    request.stats if finished else None, lps))
                         shown = max(shown, upto)
                         if cut is not None:
                             break
@@ -332,6 +342,10 @@ class Engine:
             if (cut := find_stop(text, stops, before)) is not None:
                 return list(ids), text, cut
         return list(ids), text, None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token id stands for (its text may be part of a UTF-8 character)."""
+        return self.codec.token_bytes(token_id)
 
     # ------------------------------------------------------------------ lifecycle
     async def aclose(self) -> None:
@@ -369,73 +383,3 @@ def _check_load_args(name_or_path, draft, max_length, threads, spec_config) -> N
             raise InvalidInputError(f"{name} must be None or an integer {bound}, got {brief_repr(value)}")
     if spec_config is not None and not isinstance(spec_config, SpecConfig):
         raise InvalidInputError(f"spec_config must be a SpecConfig or None, got {brief_repr(spec_config)}")
-
-
-class EngineStream:
-    """One request's :class:`StreamEvent` iterator. The request runs in its own task; closing
-    this (``aclose()``, ``async with``, or dropping the last reference, e.g. ``break`` out of
-    ``async for``) cancels it and frees its slots on the next event-loop pass."""
-
-    def __init__(self, receive, engine: Engine) -> None:
-        self._receive, self._engine = receive, engine
-        self._ready = _Ready()
-        self._task: asyncio.Task | None = None
-        self._finalizer = None
-
-    def _attach(self, task: asyncio.Task) -> None:
-        self._task = task
-        self._finalizer = weakref.finalize(self, _cancel_soon, task.get_loop(), task, self._receive)
-        self._finalizer.atexit = False
-
-    async def ready(self) -> None:
-        """Wait until the prompt is encoded and the request checked (before any model work);
-        raises what that found (``InvalidInputError``, ``ContextLengthError``). Optional: the
-        first iteration raises the same. A server awaits it to answer 400 before streaming."""
-        await self._ready.wait()
-
-    def __aiter__(self) -> "EngineStream":
-        return self
-
-    async def __anext__(self) -> StreamEvent:
-        try:
-            item = await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            if self._finalizer.alive and self._engine._closed and self._task.cancelled():
-                raise EngineClosedError("the engine was closed while this request ran") from None
-            raise StopAsyncIteration from None
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    async def aclose(self) -> None:
-        """End the request now (its slots are freed on the next event-loop pass)."""
-        self._finalizer()
-
-    async def __aenter__(self) -> "EngineStream":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
-
-
-class _Ready:
-    """Set once a request's prompt was checked: with None, or with the error it raised."""
-
-    def __init__(self) -> None:
-        self._event, self._error = asyncio.Event(), None
-
-    def set(self, error: Exception | None) -> None:
-        self._error = error
-        self._event.set()
-
-    async def wait(self) -> None:
-        await self._event.wait()
-        if self._error is not None:
-            raise self._error
-
-
-def _cancel_soon(loop, task: asyncio.Task, receive) -> None:
-    """Cancel a request's task from wherever its stream was dropped (thread-safe)."""
-    receive.close()
-    if not task.done() and not loop.is_closed():
-        loop.call_soon_threadsafe(task.cancel)

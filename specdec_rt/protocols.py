@@ -52,7 +52,9 @@ class DraftInferrer(Protocol):
 class TargetVerifier(Protocol):
     """Checks drafts with the target in one call (Go: ``VerifyAndAccept(ctx, drafts)``).
 
-    Optional attribute ``max_length`` (int): the longest sequence it can hold.
+    Optional attribute ``max_length`` (int): the longest sequence it can hold. Optional attribute
+    ``reports_logprobs = True``: when ``ctx.logprobs`` is not None, its verdicts carry one
+    :class:`~specdec_rt.logprobs.TokenLogprob` a token (requests asking for them need it).
     """
 
     async def verify_and_accept(self, ctx: "RequestContext", drafts: Sequence[DraftToken]) -> Verdict:

@@ -80,18 +80,23 @@ class SpecDecScheduler:
     def stream(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int,
                params: SamplingParams | None = None, *, mode: Mode = "spec",
                stop_ids: Iterable[int] = (), rng: np.random.Generator | None = None,
-               ) -> "RequestStream":
+               logprobs: int | None = None) -> "RequestStream":
         """Start a request; an async iterator of :class:`TokenEvent` as tokens become final.
 
         Arguments are checked here, before any model work: a bad value raises
         :class:`~specdec_rt.errors.InvalidInputError` (``ContextLengthError`` if the prompt plus
         ``max_new_tokens`` does not fit). Generation stops after exactly ``max_new_tokens`` tokens
-        or at the first EOS / stop id (which is emitted; nothing after it is).
+        or at the first EOS / stop id (which is emitted; nothing after it is). ``logprobs=n``:
+        every event also carries its tokens' log-probabilities under the target, each with the
+        ``n`` (0..20) most likely tokens there (:mod:`specdec_rt.logprobs`).
         """
         if mode == "spec" and self.drafter is None:
             raise InvalidInputError("mode 'spec' needs a drafter; this scheduler has none (use mode='ar')")
+        if logprobs is not None and not getattr(self.verifier, "reports_logprobs", False):
+            raise InvalidInputError(f"logprobs: this verifier ({type(self.verifier).__name__}) does not report "
+                                    "log-probabilities (its class sets no reports_logprobs)")
         ctx = RequestContext(prompt_ids, max_new_tokens, params, self.eos_ids | set(stop_ids),
-                             self.max_length, rng, getattr(self.verifier, "vocab_size", None))
+                             self.max_length, rng, getattr(self.verifier, "vocab_size", None), logprobs)
         seeded = ctx.params.seed is not None and not ctx.params.greedy
         ewma = (AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance) if seeded
                 else self.shared_ewma.copy())
@@ -136,7 +141,8 @@ class SpecDecScheduler:
                 depth, chain = tree_depth(drafts), chain_length(drafts)
                 # 3. verify: one target call over len(drafts) + 1 positions (a tree: in one call too)
                 t1 = perf_counter()
-                verdict = _checked(await self.verifier.verify_and_accept(ctx, drafts), drafts, ctx.vocab_size)
+                verdict = _checked(await self.verifier.verify_and_accept(ctx, drafts), drafts, ctx.vocab_size,
+                                   ctx.logprobs is not None)
                 t2 = perf_counter()
                 # 4. commit: append what the target kept, cut at the budget and at a stop id
                 at = ctx.generated.size
@@ -167,7 +173,8 @@ class SpecDecScheduler:
                 # 6. emit: these tokens are final
                 if stats.time_to_first_token is None:
                     stats.time_to_first_token = perf_counter() - t_start
-                yield TokenEvent(tuple(new.tolist()), at, depth, verdict.accepted, ctx.finish_reason)
+                yield TokenEvent(tuple(new.tolist()), at, depth, verdict.accepted, ctx.finish_reason,
+                                 verdict.logprobs[: new.size] if ctx.logprobs is not None else None)
         except SpecDecError:
             ctx.finish_reason = "error"
             raise
@@ -260,9 +267,10 @@ def _drafts_checked(drafts, most: int, ctx: RequestContext) -> list[DraftToken]:
     return drafts
 
 
-def _checked(verdict: Verdict, drafts: Sequence[DraftToken], vocab: int | None = None) -> Verdict:
+def _checked(verdict: Verdict, drafts: Sequence[DraftToken], vocab: int | None = None,
+             logprobs: bool = False) -> Verdict:
     """A plug-in verifier's verdict must keep a path of the drafts (a prefix of a chain) and add
-    exactly one token, a token of the vocabulary."""
+    exactly one token, a token of the vocabulary (and, when asked, one log-probability a token)."""
     if not isinstance(verdict, Verdict) or not np.issubdtype(np.asarray(verdict.tokens).dtype, np.integer):
         raise InferenceError(f"verifier returned {brief_repr(verdict)}: need a Verdict with integer tokens")
     n = verdict.accepted
@@ -280,4 +288,7 @@ def _checked(verdict: Verdict, drafts: Sequence[DraftToken], vocab: int | None =
     if last < 0 or (vocab is not None and last >= vocab):
         raise InferenceError(f"verifier emitted token id {last}, outside the vocabulary "
                              f"(ids 0..{'?' if vocab is None else vocab - 1})")
+    if logprobs and (verdict.logprobs is None or len(verdict.logprobs) != len(verdict.tokens)):
+        got = None if verdict.logprobs is None else len(verdict.logprobs)
+        raise InferenceError(f"verifier returned {got} log-probabilities for {len(verdict.tokens)} tokens")
     return verdict

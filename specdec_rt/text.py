@@ -63,6 +63,7 @@ class TextCodec:
         self.template_source = template_source or f"the chat template of {tokenizer_file}"
         self._template = None
         self._plain = None  # a copy of the tokenizer that encodes special tokens as plain text
+        self._kinds: frozenset[str] | None = None  # the decoder's step types (token_bytes)
         specials = {i: t for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special and t.content}
         self._special_ids = frozenset(specials)
         self._special_tokens = {i: t for i, t in specials.items()}
@@ -76,6 +77,34 @@ class TextCodec:
 
     def token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.tokenizer.id_to_token(int(token_id)) or "")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, alone (a byte-level token may hold part of a UTF-8
+        character; a special token: its text). For log-probabilities' ``token`` / ``bytes``."""
+        token_id = int(token_id)
+        if token_id in self._special_ids:
+            return self._special_tokens[token_id].content.encode()
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        kinds = self._decoder_kinds()
+        if "ByteLevel" in kinds and all(c in _UNICODE_BYTE for c in piece):
+            return bytes(_UNICODE_BYTE[c] for c in piece)
+        if "ByteFallback" in kinds and (m := _BYTE_PIECE.fullmatch(piece)):
+            return bytes([int(m.group(1), 16)])
+        if kinds & {"Metaspace", "Replace"}:
+            piece = piece.replace("\u2581", " ")
+        return piece.encode("utf-8", "replace")
+
+    def _decoder_kinds(self) -> frozenset[str]:
+        """The types of the tokenizer's decoder steps (e.g. ``{"ByteLevel"}``), read once."""
+        if self._kinds is None:
+            import json
+
+            def walk(d) -> list[str]:
+                if not isinstance(d, dict):
+                    return []
+                return [str(d.get("type"))] + [k for sub in d.get("decoders") or [] for k in walk(sub)]
+            self._kinds = frozenset(walk(json.loads(self.tokenizer.to_str()).get("decoder")))
+        return self._kinds
 
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids (with BOS in front when the model wants one). The text is the raw
@@ -248,6 +277,23 @@ class TextCodec:
             except (TemplateError, RecursionError) as exc:
                 raise ModelLoadError(f"{self.template_source} does not compile: {exc}") from exc
         return self._template
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character that stands for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_UNICODE_BYTE = _byte_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _bad_unicode(text: str) -> int:

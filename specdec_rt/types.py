@@ -7,10 +7,12 @@ from typing import Literal
 
 import numpy as np
 
+from .logprobs import TokenLogprob
 from .sampling import SamplingParams
 
 __all__ = [
     "SamplingParams",
+    "TokenLogprob",
     "DraftToken",
     "Verdict",
     "TokenEvent",
@@ -63,6 +65,9 @@ class Verdict:
     tokens: np.ndarray  # [accepted + 1] int64
     accepted: int
     path: tuple[int, ...] | None = None
+    #: when the request asked for them (``ctx.logprobs``): one per token, the target's
+    #: log-probability of it (:mod:`specdec_rt.logprobs`)
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class TokenEvent:
     drafted: int  # drafts proposed this round (0: a plain target step)
     accepted: int  # drafts accepted this round
     finished: FinishReason | None = None  # set on the last event of a request
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when the request asked for them
 
 
 @dataclass(frozen=True)

@@ -63,9 +63,13 @@ def run(fn, folder, **load):
      "stream_options.include_usage"),
     ("chat", {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),  # not streaming
     ("chat", {"messages": CHAT, "temperature": 2.5}, "temperature"),  # OpenAI's range is [0, 2]
-    ("chat", {"messages": CHAT, "logprobs": True}, "logprobs"),  # refused, not silently dropped
-    ("chat", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
-    ("completion", {"prompt": "x", "logprobs": 2}, "logprobs"),
+    ("chat", {"messages": CHAT, "logprobs": 1}, "logprobs"),
+    ("chat", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),  # needs logprobs: true
+    ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("completion", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("completion", {"prompt": "x", "logprobs": True}, "logprobs"),
+    ("completion", {"prompt": "x", "logprobs": "2"}, "logprobs"),
     ("completion", {"prompt": "x", "echo": True}, "echo"),
     # options that would change what comes back are refused, not silently dropped
     ("chat", {"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty"),
@@ -114,7 +118,12 @@ def test_engine_errors_map_to_fields():
     assert bad.param == "messages[1].content"
     long = engine_error(ContextLengthError("prompt of 9 tokens + max_new_tokens=3 exceeds ..."), chat)
     assert "max_completion_tokens=3" in long.message and "max_new_tokens" not in long.message
-    assert parse_request("chat", {"messages": CHAT, "logprobs": False, "top_logprobs": 0}).prompt == CHAT
+    assert parse_request("chat", {"messages": CHAT, "logprobs": False, "top_logprobs": 0}).logprobs is None
+    assert parse_request("chat", {"messages": CHAT, "logprobs": True}).logprobs == 0
+    assert parse_request("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": 5}).logprobs == 5
+    assert parse_request("completion", {"prompt": "x", "logprobs": 3}).logprobs == 3
+    assert parse_request("completion", {"prompt": "x", "logprobs": None}).logprobs is None
+    assert "logprobs" not in parse_request("chat", {"messages": CHAT}).engine_kwargs(16)
 
 
 # ---------------------------------------------------------------- responses

@@ -336,3 +336,47 @@ def test_cancel_storm_leaves_nothing_running_and_survivors_equal_their_solo_outp
 
     anyio.run(main)
 
+
+def test_log_probabilities_through_the_openai_client_equal_the_engines_in_every_shape(tiny_llama):
+    async def main():
+        async with await Engine.load(tiny_llama) as engine:
+            want = await engine.generate(CHAT, 12, logprobs=3)  # speculative
+            plain = await engine.generate(CHAT, 12, mode="ar", logprobs=3)
+            assert want.token_ids == plain.token_ids and len(want.logprobs) == 12
+            assert [e.logprob for e in want.logprobs] == pytest.approx([e.logprob for e in plain.logprobs], abs=1e-4)
+            assert [[j for j, _ in e.top] for e in want.logprobs] == [[j for j, _ in e.top] for e in plain.logprobs]
+            assert (await engine.generate(CHAT, 4)).logprobs is None
+            async with running_server(create_app(engine, model_name="tiny")) as url:
+                client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+                r = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0,
+                                                         logprobs=True, top_logprobs=3)
+                content = r.choices[0].logprobs.content
+                assert [c.logprob for c in content] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+                assert [c.bytes for c in content] == [list(engine.token_bytes(t)) for t in want.token_ids]
+                assert [[t.bytes for t in c.top_logprobs] for c in content] == [
+                    [list(engine.token_bytes(j)) for j, _ in e.top] for e in want.logprobs]
+                if not set(want.token_ids) & set(engine.manifest.eos_ids):
+                    assert b"".join(bytes(c.bytes) for c in content).decode("utf-8", "replace") == r.choices[0].message.content
+
+                stream = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0,
+                                                              logprobs=True, top_logprobs=3, stream=True)
+                streamed = [e for c in [c async for c in stream] if c.choices and c.choices[0].logprobs
+                            for e in c.choices[0].logprobs.content]
+                assert [(e.token, e.bytes) for e in streamed] == [(c.token, c.bytes) for c in content]
+
+                t = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+                text = await engine.generate(PROMPT, 8, logprobs=2)
+                lp = t.choices[0].logprobs
+                assert lp.token_logprobs == pytest.approx([e.logprob for e in text.logprobs], abs=1e-4)
+                assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(8)]
+                assert all(len(top) <= 3 and tok in top for tok, top in zip(lp.tokens, lp.top_logprobs))
+                parts = [c async for c in await client.completions.create(
+                    model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, stream=True)]
+                offsets = [o for c in parts if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+                assert offsets == lp.text_offset
+
+                with pytest.raises(openai.BadRequestError) as err:
+                    await client.chat.completions.create(model="tiny", messages=CHAT, top_logprobs=2)
+                assert err.value.param == "top_logprobs"
+
+    anyio.run(main)

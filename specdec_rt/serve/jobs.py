@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..logs import get_logger
-from .protocol import APIError, GenParams, Kind, Reply, engine_error, parse_request, sse
+from .protocol import APIError, GenParams, Kind, LogprobsFormat, Reply, engine_error, parse_request, sse
 from .state import Serving
 
 __all__ = ["completions", "error_response"]
@@ -125,6 +125,8 @@ class Job:
     def __init__(self, serving: Serving, params: GenParams, streams: list, arrived: float) -> None:
         self.serving, self.params, self.streams, self.arrived = serving, params, streams, arrived
         self.reply = Reply(params.kind, serving.model_name or "specdec-rt", include_usage=params.include_usage)
+        self.logprobs = (None if params.logprobs is None else  # the format, when the request asked for them
+                         LogprobsFormat(params.kind, serving.engine.token_bytes, len(streams)))
         timeout = serving.request_timeout
         self.deadline = arrived + timeout if timeout else None
         n = len(streams)
@@ -274,11 +276,18 @@ class Job:
                 tg.start_soon(self._watch, receive, tg.cancel_scope)
                 self.start(tg)
                 parts: list[list[str]] = [[] for _ in self.streams]
+                ids: list[list[int]] = [[] for _ in self.streams]
+                lps: list[list] = [[] for _ in self.streams]
                 try:
                     while (got := await self.next_event()) is not None:
-                        parts[got[0]].append(got[1].text)
+                        i, ev = got
+                        parts[i].append(ev.text)
+                        ids[i] += ev.token_ids
+                        lps[i] += ev.logprobs or ()
+                    lp = None if self.logprobs is None else [self.logprobs.body(t, e, i)
+                                                             for i, (t, e) in enumerate(zip(ids, lps))]
                     body = self.reply.response(["".join(p) for p in parts], [f or "stop" for f in self.finish],
-                                               *self.usage())
+                                               *self.usage(), logprobs=lp)
                     response = JSONResponse(body)
                 except APIError as err:
                     response = error_response(err)
@@ -345,8 +354,9 @@ class EventStream:
         try:
             while (got := await job.next_event()) is not None:
                 i, ev = got
-                if ev.text or ev.finished:
-                    await emit(reply.chunk(ev.text, job.finish[i] if ev.finished else None, index=i))
+                lp = None if job.logprobs is None else job.logprobs.body(ev.token_ids, ev.logprobs or (), i)
+                if ev.text or ev.finished or (lp is not None and ev.token_ids):
+                    await emit(reply.chunk(ev.text, job.finish[i] if ev.finished else None, index=i, logprobs=lp))
         except APIError as err:
             return [sse(err.body())]
         tail = [sse(reply.chunk("", "stop", index=i))  # never a choice without its finish

@@ -2,8 +2,8 @@
 
 Pure functions and plain data (no I/O, no Starlette), so every rule here is testable alone.
 Unknown OpenAI parameters are ignored; a known one of the wrong type or range, or one this
-server cannot honour set to anything but its "off" value (tools, JSON mode, penalties, log
-probabilities), is an :class:`APIError` (400) whose ``param`` names it.
+server cannot honour set to anything but its "off" value (tools, JSON mode, penalties), is an
+:class:`APIError` (400) whose ``param`` names it.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal, Sequence
 
 from ..errors import ContextLengthError, InvalidInputError
+from ..logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 
-__all__ = ["APIError", "GenParams", "Reply", "parse_request", "engine_error", "error_body",
+__all__ = ["APIError", "GenParams", "Reply", "LogprobsFormat", "parse_request", "engine_error", "error_body",
            "models_body", "usage_body", "sse"]
 
 Kind = Literal["chat", "completion"]
@@ -67,6 +68,7 @@ class GenParams:
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices
+    logprobs: int | None = None  # None: off; n: each token's log-probability and the n most likely
 
     def engine_kwargs(self, default_max_tokens: int, choice: int = 0) -> dict:
         """Keyword arguments for ``Engine.stream`` (after the prompt) of choice ``choice``: with
@@ -74,7 +76,7 @@ class GenParams:
         seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
         return dict(max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                     top_k=self.top_k, top_p=self.top_p, seed=seed, mode=self.mode,
-                    stop=self.stop or None)
+                    stop=self.stop or None, **({} if self.logprobs is None else {"logprobs": self.logprobs}))
 
 
 def parse_request(kind: Kind, body: Any) -> GenParams:
@@ -116,12 +118,27 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
         if not p.stream:
             raise _bad("stream_options", "stream_options is only allowed when stream is true")
         p.include_usage = _bool(options, "include_usage", param="stream_options.include_usage")
+    p.logprobs = _logprobs(body, kind)
     _unsupported(body, kind)
     return p
 
 
+def _logprobs(body: dict, kind: Kind) -> int | None:
+    """Chat: ``logprobs`` (bool) and ``top_logprobs`` (0..20, needs ``logprobs``); completions:
+    ``logprobs`` (an int 0..20, the alternatives; ``null`` / ``false``: off)."""
+    if kind == "completion":
+        if body.get("logprobs") is None or body["logprobs"] is False:
+            return None
+        return _int(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    wanted = _bool(body, "logprobs")
+    top = None if body.get("top_logprobs") is None else _int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if top and not wanted:
+        raise _bad("top_logprobs", "top_logprobs needs logprobs to be true")
+    return (top or 0) if wanted else None
+
+
 # options this server cannot honour, and their "off" values (which some clients always send)
-UNHONOURED = {"logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0.0,),
+UNHONOURED = {"presence_penalty": (0.0,),
               "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "logit_bias": ({},),
               "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
               "function_call": ("none", "auto"), "response_format": ({"type": "text"},)}
@@ -130,8 +147,8 @@ UNHONOURED_COMPLETION = {"echo": (False,), "best_of": (1,), "suffix": ("",)}  # 
 
 def _unsupported(body: dict, kind: Kind) -> None:
     """Options this server cannot honour are refused rather than silently dropped (a client
-    that asks for log probabilities would otherwise read ``null``, one that asks for JSON or a
-    tool call would get free text, one with a penalty a different distribution). Their "off"
+    that asks for JSON or a tool call would otherwise get free text, one with a penalty a
+    different distribution). Their "off"
     values (``0``, ``null``, ``{}``, ``"none"``, ...), which some clients always send, pass."""
     options = {**UNHONOURED, **UNHONOURED_COMPLETION} if kind == "completion" else UNHONOURED
     for name, off in options.items():
@@ -256,14 +273,16 @@ class Reply:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False, index: int = 0) -> dict:
-        """A streamed chunk of choice ``index``; a choice's first chat chunk carries ``"role": "assistant"``."""
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False, index: int = 0,
+              logprobs: dict | None = None) -> dict:
+        """A streamed chunk of choice ``index``; a choice's first chat chunk carries ``"role": "assistant"``;
+        ``logprobs``: the chunk's tokens' (a :class:`LogprobsFormat` body)."""
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             out = {**self._head("text_completion"), "choices": [choice]}
         return {**out, "usage": None} if self.include_usage else out
 
@@ -273,19 +292,67 @@ class Reply:
         return {**self._head(obj), "choices": [], "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
 
     def response(self, text: str | list[str], finish_reason: str | list[str], prompt_tokens: int,
-                 completion_tokens: int, cached_tokens: int = 0) -> dict:
-        """The whole (non-streamed) response: one choice per text (``n`` of them: lists)."""
+                 completion_tokens: int, cached_tokens: int = 0, logprobs: list[dict | None] | None = None) -> dict:
+        """The whole (non-streamed) response: one choice per text (``n`` of them: lists);
+        ``logprobs``: one :class:`LogprobsFormat` body per choice, when asked."""
         texts = [text] if isinstance(text, str) else text
         finishes = [finish_reason] * len(texts) if isinstance(finish_reason, str) else finish_reason
+        lps = logprobs or [None] * len(texts)
         if self.kind == "chat":
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                        "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finishes))]
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
+                        "finish_reason": f} for i, (t, f, lp) in enumerate(zip(texts, finishes, lps))]
             head = self._head("chat.completion")
         else:
-            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                       for i, (t, f) in enumerate(zip(texts, finishes))]
+            choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
+                       for i, (t, f, lp) in enumerate(zip(texts, finishes, lps))]
             head = self._head("text_completion")
         return {**head, "choices": choices, "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
+
+
+class LogprobsFormat:
+    """One request's ``logprobs`` objects in OpenAI's two shapes: chat, ``{"content": [{token,
+    logprob, bytes, top_logprobs}]}``; completions, parallel lists ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (``{token: logprob}``, the chosen token among them) and ``text_offset``
+    (characters before each token in its choice's text, counted across chunks). ``token_bytes``
+    gives a token id's bytes (a token may hold part of a UTF-8 character: its ``token`` string
+    then shows U+FFFD, its ``bytes`` are exact)."""
+
+    def __init__(self, kind: Kind, token_bytes: Callable[[int], bytes], choices: int = 1) -> None:
+        self.kind, self._bytes, self._offset = kind, token_bytes, [0] * choices
+
+    def _piece(self, token: int) -> tuple[str, bytes]:
+        b = self._bytes(token)
+        return b.decode("utf-8", "replace"), b
+
+    def body(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob], choice: int = 0) -> dict:
+        if self.kind == "chat":
+            content = []
+            for t, e in zip(token_ids, entries):
+                text, b = self._piece(t)
+                top = [{"token": s, "logprob": _finite(lp), "bytes": list(tb)}
+                       for s, tb, lp in ((*self._piece(j), lp) for j, lp in e.top)]
+                content.append({"token": text, "logprob": _finite(e.logprob), "bytes": list(b), "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        tokens, offsets, tops = [], [], []
+        for t, e in zip(token_ids, entries):
+            text = self._piece(t)[0]
+            tokens.append(text)
+            offsets.append(self._offset[choice])
+            self._offset[choice] += len(text)
+            top = {self._piece(j)[0]: _finite(lp) for j, lp in e.top}
+            top.setdefault(text, _finite(e.logprob))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def empty(self) -> dict:
+        return {"content": [], "refusal": None} if self.kind == "chat" else {
+            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -Infinity: a token the model rules out gets -9999.0 (as vLLM reports it)."""
+    return max(float(logprob), -9999.0)
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
