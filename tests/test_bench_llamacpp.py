@@ -150,6 +150,16 @@ def test_runner_replays_a_run(tmp_path):
     assert sample.tokens_per_s == pytest.approx(64 / 1.87966)  # llama.cpp's count, not len(ids)
 
 
+def test_a_crashed_tool_is_named_with_its_signal_and_the_amx_hint(tmp_path):
+    bin_dir = _fake_tools(tmp_path)
+    (bin_dir / "llama-completion").write_text('#!/bin/sh\necho "threadpool init" >&2\nkill -SEGV $$\n')
+    gguf = tmp_path / "SmolLM2-135M-Instruct.F32.gguf"
+    gguf.write_bytes(b"GGUF")
+    modes, _ = llamacpp_modes(bin_dir, str(gguf), None, _Codec(), threads=2, ctx_size=512)
+    with pytest.raises(SpecDecError, match=r"llama-completion was killed by SIGSEGV \(on a CPU with AMX.*threadpool init"):
+        anyio.run(modes["llamacpp_f32"], [ord(c) for c in "hi"], 4)
+
+
 def test_summary_ratios_and_table():
     ar_ids = [ord(c) for c in TEXT]
     st = Stats(mode="ar", new_tokens=64, time_total=1.0, time_to_first_token=0.1)

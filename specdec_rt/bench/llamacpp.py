@@ -19,6 +19,7 @@ made once with ``llama-quantize`` from the model's source GGUF (the file its man
 from __future__ import annotations
 
 import re
+import signal
 import statistics
 import subprocess
 from dataclasses import asdict, dataclass
@@ -174,6 +175,19 @@ def _default_ggufs(tools: dict[str, Path], manifest, say) -> dict[str, Path]:
     return {q.lower(): out[q.lower()] for q in DEFAULT_QUANTS if q.lower() in out}
 
 
+def _exit_words(code: int) -> str:
+    """How a tool ended: ``exited with 1``, or ``was killed by SIGSEGV`` (and where that is known)."""
+    if code >= 0:
+        return f"exited with {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = (" (on a CPU with AMX, llama.cpp's AMX kernels crash: rebuild with scripts/build-llama-cpp, "
+            "which leaves them out)") if name == "SIGSEGV" else ""
+    return f"was killed by {name}{hint}"
+
+
 def llamacpp_modes(bin_dir: str | Path, gguf_spec: str | None, draft: str | None, codec, threads: int,
                    ctx_size: int, manifest=None, say=print) -> tuple[dict, dict]:
     """Bench runners ``llamacpp_<label>`` (and ``llamacpp_<label>_spec`` with a draft file) and
@@ -192,7 +206,7 @@ def llamacpp_modes(bin_dir: str | Path, gguf_spec: str | None, draft: str | None
                                            check=False, stdin=subprocess.DEVNULL)
             out, err = proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
             if proc.returncode != 0:
-                raise SpecDecError(f"{Path(cmd[0]).name} exited with {proc.returncode}: {_tail(err)}")
+                raise SpecDecError(f"{Path(cmd[0]).name} {_exit_words(proc.returncode)}: {_tail(err)}")
             t = parse_speculative(out + err) if spec else parse_completion(err + out)
             text = _generated_text(out, prompt if spec else None)
             new = codec.tokenizer.encode(text, add_special_tokens=False).ids
