@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import anyio
+import numpy as np
 
 from .acceptance import SpecConfig
 from .batching import BatchExecutor
@@ -344,8 +345,20 @@ class Engine:
         return list(ids), text, None
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token id stands for (its text may be part of a UTF-8 character)."""
-        return self.codec.token_bytes(token_id)
+        """The bytes one token id stands for (its text may be part of a UTF-8 character; a
+        special token: its text; an id the model has but the tokenizer lacks: ``b""``)."""
+        return self.codec.token_bytes(self._vocab_id(token_id))
+
+    def is_special_token(self, token_id: int) -> bool:
+        """Whether a token id is a special token (end of turn, ...), which ``text`` leaves out."""
+        return self.codec.is_special(self._vocab_id(token_id))
+
+    def _vocab_id(self, token_id: int) -> int:
+        if isinstance(token_id, bool) or not isinstance(token_id, (int, np.integer)) or not (
+                0 <= token_id < self.target.vocab_size):
+            raise InvalidInputError(f"token_id must be an integer in 0..{self.target.vocab_size - 1}, "
+                                    f"got {brief_repr(token_id)}")
+        return int(token_id)
 
     # ------------------------------------------------------------------ lifecycle
     async def aclose(self) -> None:

@@ -46,9 +46,11 @@ def token_logprobs(logits: np.ndarray, ids: np.ndarray, top: int = 0) -> tuple[T
     for i, t in enumerate(np.asarray(ids).tolist()):
         best: tuple[tuple[int, float], ...] = ()
         if top:
-            cand = np.argpartition(-rows[i], top - 1)[:top] if top < rows.shape[-1] else np.arange(rows.shape[-1])
-            tied = np.flatnonzero(rows[i] >= rows[i, cand].min())  # [>= top]: the k-th's ties too
-            cand = sorted((tied if tied.size <= 4 * top + 64 else cand).tolist(), key=lambda j: (-rows[i, j], j))[:top]
-            best = tuple((j, float(rows[i, j]) - float(lse[i])) for j in cand)
+            row = rows[i]
+            kth = row[np.argpartition(-row, top - 1)[top - 1]] if top < row.size else row.min()  # the top-th value
+            above = np.flatnonzero(row > kth)  # [< top]: all of them make it
+            tied = np.flatnonzero(row == kth)[: top - above.size]  # ids ascending: the lowest ties
+            cand = sorted(np.concatenate([above, tied]).tolist(), key=lambda j: (-row[j], j))
+            best = tuple((j, float(row[j]) - float(lse[i])) for j in cand)
         out.append(TokenLogprob(float(rows[i, t]) - float(lse[i]), best))
     return tuple(out)

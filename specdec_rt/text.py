@@ -94,6 +94,10 @@ class TextCodec:
             piece = piece.replace("\u2581", " ")
         return piece.encode("utf-8", "replace")
 
+    def is_special(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a special token (``decode`` leaves it out)."""
+        return int(token_id) in self._special_ids
+
     def _decoder_kinds(self) -> frozenset[str]:
         """The types of the tokenizer's decoder steps (e.g. ``{"ByteLevel"}``), read once."""
         if self._kinds is None:

@@ -144,3 +144,30 @@ def test_batched_requests_report_what_each_would_alone():
         want = _expected(target, prompt, ids, 2)
         assert [x.logprob for x in lps] == pytest.approx([x.logprob for x in want], abs=1e-6)
         assert all(isinstance(x, TokenLogprob) and len(x.top) == 2 for x in lps)
+
+
+def test_large_ties_still_go_to_the_lowest_ids():
+    flat = np.zeros((1, 1000), dtype=np.float32)  # [1, V]: every token tied
+    assert [j for j, _ in token_logprobs(flat, np.array([3]), 5)[0].top] == [0, 1, 2, 3, 4]
+    flat[0, 500] = 1.0
+    assert [j for j, _ in token_logprobs(flat, np.array([3]), 3)[0].top] == [500, 0, 1]
+
+
+def test_the_servers_format_names_partial_characters_and_counts_offsets_in_characters():
+    from specdec_rt.serve.protocol import LogprobsFormat
+
+    pieces = {1: b"\xe2\x80", 2: b"\x99", 3: b"a", 4: b"\xe2", 5: b"<|im_end|>", 6: "é".encode()}
+    fmt = LogprobsFormat("completion", pieces.__getitem__, 1, special=lambda t: t == 5)
+    e = TokenLogprob  # the chosen token and its alternatives, some sharing no name
+    ids = [1, 2, 3, 6, 5]
+    entries = [e(-0.5, ((4, -0.1), (1, -0.5), (3, -2.0))), e(-0.2, ()), e(-float("inf"), ((3, -float("inf")),)),
+               e(float("nan"), ()), e(-1.0, ())]
+    body = fmt.body(ids[:2], entries[:2])  # two chunks: offsets go on across them
+    body2 = fmt.body(ids[2:], entries[2:])
+    assert body["tokens"] + body2["tokens"] == ["bytes:\\xe2\\x80", "bytes:\\x99", "a", "é", "<|im_end|>"]
+    assert body["text_offset"] + body2["text_offset"] == [0, 0, 1, 2, 3]  # the text is "’aé"
+    assert body["top_logprobs"][0] == {"bytes:\\xe2": -0.1, "bytes:\\xe2\\x80": -0.5, "a": -2.0}
+    assert body2["token_logprobs"] == [-9999.0, -9999.0, -1.0]  # JSON has no -Infinity or NaN
+    chat = LogprobsFormat("chat", pieces.__getitem__).body(ids[:1], entries[:1])["content"][0]
+    assert chat["token"] == "bytes:\\xe2\\x80" and chat["bytes"] == [0xE2, 0x80]
+    assert [t["bytes"] for t in chat["top_logprobs"]] == [[0xE2], [0xE2, 0x80], [0x61]]

@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 
 from serve_util import FailingEngine, SlowEngine, metric, metric_values, running_server, sse_data  # noqa: E402
 
-from specdec_rt import Engine  # noqa: E402
+from specdec_rt import Engine, InvalidInputError  # noqa: E402
 from specdec_rt.serve import create_app  # noqa: E402
 
 pytestmark = pytest.mark.export
@@ -346,6 +346,11 @@ def test_log_probabilities_through_the_openai_client_equal_the_engines_in_every_
             assert [e.logprob for e in want.logprobs] == pytest.approx([e.logprob for e in plain.logprobs], abs=1e-4)
             assert [[j for j, _ in e.top] for e in want.logprobs] == [[j for j, _ in e.top] for e in plain.logprobs]
             assert (await engine.generate(CHAT, 4)).logprobs is None
+            for bad in (-1, engine.target.vocab_size, 2**70, True, 1.5, "5"):
+                with pytest.raises(InvalidInputError, match="token_id must be an integer in 0.."):
+                    engine.token_bytes(bad)
+            eos = engine.manifest.eos_ids[0]
+            assert engine.is_special_token(eos) and not engine.is_special_token(want.token_ids[0])
             async with running_server(create_app(engine, model_name="tiny")) as url:
                 client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
                 r = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0,
@@ -368,7 +373,13 @@ def test_log_probabilities_through_the_openai_client_equal_the_engines_in_every_
                 text = await engine.generate(PROMPT, 8, logprobs=2)
                 lp = t.choices[0].logprobs
                 assert lp.token_logprobs == pytest.approx([e.logprob for e in text.logprobs], abs=1e-4)
-                assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(8)]
+                text_bytes = b"".join(engine.token_bytes(i) for i in text.token_ids if not engine.is_special_token(i))
+                assert text_bytes.decode("utf-8", "replace") == t.choices[0].text
+                ends = [len(b"".join(engine.token_bytes(i) for i in text.token_ids[:k]
+                                     if not engine.is_special_token(i)).decode("utf-8", "ignore")) for k in range(8)]
+                assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(t.choices[0].text)
+                if text_bytes.decode("utf-8", "replace") == text_bytes.decode("utf-8", "ignore"):  # no broken bytes
+                    assert lp.text_offset == ends  # characters before each token
                 assert all(len(top) <= 3 and tok in top for tok, top in zip(lp.tokens, lp.top_logprobs))
                 parts = [c async for c in await client.completions.create(
                     model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, stream=True)]

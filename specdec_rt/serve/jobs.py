@@ -126,7 +126,8 @@ class Job:
         self.serving, self.params, self.streams, self.arrived = serving, params, streams, arrived
         self.reply = Reply(params.kind, serving.model_name or "specdec-rt", include_usage=params.include_usage)
         self.logprobs = (None if params.logprobs is None else  # the format, when the request asked for them
-                         LogprobsFormat(params.kind, serving.engine.token_bytes, len(streams)))
+                         LogprobsFormat(params.kind, serving.engine.token_bytes, len(streams),
+                                        getattr(serving.engine, "is_special_token", None)))
         timeout = serving.request_timeout
         self.deadline = arrived + timeout if timeout else None
         n = len(streams)

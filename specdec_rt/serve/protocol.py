@@ -8,6 +8,7 @@ server cannot honour set to anything but its "off" value (tools, JSON mode, pena
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import re
@@ -312,17 +313,25 @@ class Reply:
 class LogprobsFormat:
     """One request's ``logprobs`` objects in OpenAI's two shapes: chat, ``{"content": [{token,
     logprob, bytes, top_logprobs}]}``; completions, parallel lists ``tokens``, ``token_logprobs``,
-    ``top_logprobs`` (``{token: logprob}``, the chosen token among them) and ``text_offset``
-    (characters before each token in its choice's text, counted across chunks). ``token_bytes``
-    gives a token id's bytes (a token may hold part of a UTF-8 character: its ``token`` string
-    then shows U+FFFD, its ``bytes`` are exact)."""
+    ``top_logprobs`` (``{token: logprob}``, the chosen token among them, with its own value) and
+    ``text_offset`` (characters of the choice's text before each token, counted across chunks;
+    special tokens add none, as the text leaves them out). ``token_bytes`` gives a token id's
+    bytes, ``special`` whether it is a special token. A token that is not whole UTF-8 (part of a
+    character) is named as OpenAI names it, ``"bytes:\\xe2\\x80"``, so distinct tokens never
+    share a ``top_logprobs`` key; ``bytes`` are exact either way."""
 
-    def __init__(self, kind: Kind, token_bytes: Callable[[int], bytes], choices: int = 1) -> None:
-        self.kind, self._bytes, self._offset = kind, token_bytes, [0] * choices
+    def __init__(self, kind: Kind, token_bytes: Callable[[int], bytes], choices: int = 1,
+                 special: Callable[[int], bool] | None = None) -> None:
+        self.kind, self._bytes, self._special = kind, token_bytes, special or (lambda t: False)
+        self._offset = [0] * choices  # characters of each choice's text so far
+        self._utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(choices)]
 
     def _piece(self, token: int) -> tuple[str, bytes]:
         b = self._bytes(token)
-        return b.decode("utf-8", "replace"), b
+        try:
+            return b.decode("utf-8"), b
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{x:02x}" for x in b), b
 
     def body(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob], choice: int = 0) -> dict:
         if self.kind == "chat":
@@ -335,24 +344,22 @@ class LogprobsFormat:
             return {"content": content, "refusal": None}
         tokens, offsets, tops = [], [], []
         for t, e in zip(token_ids, entries):
-            text = self._piece(t)[0]
+            text, b = self._piece(t)
             tokens.append(text)
             offsets.append(self._offset[choice])
-            self._offset[choice] += len(text)
+            if not self._special(t):  # the characters this token completes (a partial one: none yet)
+                self._offset[choice] += len(self._utf8[choice].decode(b))
             top = {self._piece(j)[0]: _finite(lp) for j, lp in e.top}
-            top.setdefault(text, _finite(e.logprob))
+            top[text] = _finite(e.logprob)  # the chosen token's own value, whatever shares its name
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
                 "top_logprobs": tops, "text_offset": offsets}
 
-    def empty(self) -> dict:
-        return {"content": [], "refusal": None} if self.kind == "chat" else {
-            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-
 
 def _finite(logprob: float) -> float:
-    """JSON has no -Infinity: a token the model rules out gets -9999.0 (as vLLM reports it)."""
-    return max(float(logprob), -9999.0)
+    """JSON has no -Infinity or NaN: a token the model rules out (or a broken model's NaN) gets
+    -9999.0, as vLLM reports it."""
+    return float(logprob) if logprob >= -9999.0 else -9999.0
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
