@@ -16,6 +16,7 @@ import anyio
 
 from .errors import InvalidInputError, SpecDecError
 from .loading import DEFAULT_MODEL, load_engine
+from .logprobs import check_top_logprobs, json_logprob
 from .loadtest import add_arguments as add_loadtest_arguments
 from .loadtest import run_loadtest
 from .logs import configure_cli_logging
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="with --json: each token's log-probability and its N (0-20) most likely alternatives")
 
     demo = sub.add_parser("demo", help="the main job: build the default model if needed, stream, compare")
     _model_args(demo)
@@ -153,6 +156,9 @@ async def _generate(args) -> int:
         args.mode = "ar" if args.draft == "none" else "spec"
     elif args.mode == "spec" and args.draft == "none":
         raise InvalidInputError("--mode spec needs a draft: drop --draft none, or use --mode ar")
+    if args.logprobs is not None and not args.json:
+        raise InvalidInputError("--logprobs goes with --json (the log-probabilities are part of the JSON document)")
+    check_top_logprobs(args.logprobs)  # before a model loads
     draft = "none" if args.mode == "ar" and args.draft is None else None
     engine = await load_engine(args, draft)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
@@ -160,8 +166,11 @@ async def _generate(args) -> int:
                   top_p=args.top_p, seed=args.seed, mode=args.mode, stop=args.stop)
     async with engine:
         if args.json:
-            r = await engine.generate(prompt, **kwargs)
-            print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": stats_json(r.stats)}))
+            r = await engine.generate(prompt, **kwargs, logprobs=args.logprobs)
+            doc = {"text": r.text, "token_ids": r.token_ids, "stats": stats_json(r.stats)}
+            if r.logprobs is not None:
+                doc["logprobs"] = [_logprob_json(engine, t, e) for t, e in zip(r.token_ids, r.logprobs)]
+            print(json.dumps(doc))
             return 0
         stats = None
         async for ev in engine.stream(prompt, **kwargs):
@@ -174,6 +183,15 @@ async def _generate(args) -> int:
               f"{s.acceptance_rate:.2f}, mean accepted {s.mean_accepted:.2f}, finish {s.finish_reason}",
               file=sys.stderr)
     return 0
+
+
+def _logprob_json(engine, token: int, entry) -> dict:
+    """One token's log-probability for the CLI's JSON: ids, texts (U+FFFD where a token holds
+    part of a character), values."""
+    def text(t: int) -> str:
+        return engine.token_bytes(t).decode("utf-8", "replace")
+    return {"token_id": token, "token": text(token), "logprob": json_logprob(entry.logprob),
+            "top": [{"token_id": j, "token": text(j), "logprob": json_logprob(lp)} for j, lp in entry.top]}
 
 
 def stats_json(stats) -> dict:

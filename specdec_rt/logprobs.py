@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import InvalidInputError
 
-__all__ = ["TokenLogprob", "token_logprobs", "check_top_logprobs", "MAX_TOP_LOGPROBS"]
+__all__ = ["TokenLogprob", "token_logprobs", "check_top_logprobs", "json_logprob", "MAX_TOP_LOGPROBS"]
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as in OpenAI's API
 
@@ -54,3 +54,9 @@ def token_logprobs(logits: np.ndarray, ids: np.ndarray, top: int = 0) -> tuple[T
             best = tuple((j, float(row[j]) - float(lse[i])) for j in cand)
         out.append(TokenLogprob(float(rows[i, t]) - float(lse[i]), best))
     return tuple(out)
+
+
+def json_logprob(logprob: float) -> float:
+    """A log-probability JSON can carry (it has no -Infinity or NaN): a token the model rules out,
+    or a broken model's NaN, becomes -9999.0, as vLLM reports it."""
+    return float(logprob) if logprob >= -9999.0 else -9999.0

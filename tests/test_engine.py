@@ -341,3 +341,12 @@ def test_cli_generate_json(tiny_llama):
     assert plain["token_ids"] == doc["token_ids"] and plain["stats"]["mode"] == "ar"  # no draft: plain decoding
     bad = subprocess.run(cmd + ["--draft", "none", "--mode", "spec"], capture_output=True, text=True)
     assert bad.returncode == 1 and "--mode ar" in bad.stderr and bad.stdout == ""
+    lp = json.loads(subprocess.run(cmd + ["--logprobs", "2"], capture_output=True, text=True, check=True).stdout)
+    assert lp["token_ids"] == doc["token_ids"] and [e["token_id"] for e in lp["logprobs"]] == doc["token_ids"]
+    assert all(len(e["top"]) == 2 and e["top"][0]["logprob"] >= e["top"][1]["logprob"] and e["logprob"] <= 0
+               for e in lp["logprobs"])
+    assert all(e["logprob"] <= e["top"][0]["logprob"] + 1e-6 for e in lp["logprobs"])  # the most likely is on top
+    for extra, needle in ((["--logprobs", "21"], "logprobs must be"), (["--logprobs", "1"], "--logprobs goes with --json")):
+        args = (cmd if "21" in extra else cmd[:-1]) + extra
+        bad = subprocess.run(args, capture_output=True, text=True)
+        assert bad.returncode == 1 and needle in bad.stderr and bad.stdout == ""

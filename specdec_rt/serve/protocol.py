@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
 from ..errors import ContextLengthError, InvalidInputError
-from ..logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from ..logprobs import MAX_TOP_LOGPROBS, TokenLogprob, json_logprob
 
 __all__ = ["APIError", "GenParams", "Reply", "LogprobsFormat", "parse_request", "engine_error", "error_body",
            "models_body", "usage_body", "sse"]
@@ -338,9 +338,9 @@ class LogprobsFormat:
             content = []
             for t, e in zip(token_ids, entries):
                 text, b = self._piece(t)
-                top = [{"token": s, "logprob": _finite(lp), "bytes": list(tb)}
+                top = [{"token": s, "logprob": json_logprob(lp), "bytes": list(tb)}
                        for s, tb, lp in ((*self._piece(j), lp) for j, lp in e.top)]
-                content.append({"token": text, "logprob": _finite(e.logprob), "bytes": list(b), "top_logprobs": top})
+                content.append({"token": text, "logprob": json_logprob(e.logprob), "bytes": list(b), "top_logprobs": top})
             return {"content": content, "refusal": None}
         tokens, offsets, tops = [], [], []
         for t, e in zip(token_ids, entries):
@@ -349,17 +349,11 @@ class LogprobsFormat:
             offsets.append(self._offset[choice])
             if not self._special(t):  # the characters this token completes (a partial one: none yet)
                 self._offset[choice] += len(self._utf8[choice].decode(b))
-            top = {self._piece(j)[0]: _finite(lp) for j, lp in e.top}
-            top[text] = _finite(e.logprob)  # the chosen token's own value, whatever shares its name
+            top = {self._piece(j)[0]: json_logprob(lp) for j, lp in e.top}
+            top[text] = json_logprob(e.logprob)  # the chosen token's own value, whatever shares its name
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
+        return {"tokens": tokens, "token_logprobs": [json_logprob(e.logprob) for e in entries],
                 "top_logprobs": tops, "text_offset": offsets}
-
-
-def _finite(logprob: float) -> float:
-    """JSON has no -Infinity or NaN: a token the model rules out (or a broken model's NaN) gets
-    -9999.0, as vLLM reports it."""
-    return float(logprob) if logprob >= -9999.0 else -9999.0
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
