@@ -23,7 +23,7 @@ from .context import RequestContext
 from .errors import ContextLengthError
 from .logprobs import token_logprobs
 from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
-from .sampling import greedy_accept, rejection_sample, sample, warp
+from .sampling import biased, greedy_accept, rejection_sample, sample, warp
 from .tree_sampling import DraftTree, chain_length, greedy_tree_accept, tree_accept, tree_parents
 from .types import DraftToken, Verdict
 
@@ -166,9 +166,10 @@ class ModelDrafter(_ModelUser, DraftInferrer):
             logits = (await s.extend(feed, 1))[0]  # [V]
             stepped += perf_counter() - t if i else 0.0
             if ctx.params.greedy:
-                x = int(np.argmax(logits))
+                scores = biased(logits, ctx.params)  # [V] the logits the target's argmax will read
+                x = int(np.argmax(scores))
                 drafts.append(DraftToken(x))  # deterministic: q is one-hot at x
-                q = _softmax(logits) if ctx.tree_nodes else None  # [V] only to rank siblings
+                q = _softmax(scores) if ctx.tree_nodes else None  # [V] only to rank siblings
             else:
                 q = warp(logits, ctx.params)  # [V]
                 x = sample(q, ctx.rng)
@@ -239,7 +240,7 @@ class ModelVerifier(_ModelUser, TargetVerifier):
             logits = await s.extend(feed, k + 1)  # [k+1, V]: p_0 .. p_k before warping
         _note_cached_prompt(ctx, s, first)
         if ctx.params.greedy:
-            target_ids = np.argmax(logits, axis=-1)  # [k+1]
+            target_ids = np.argmax(biased(logits, ctx.params), axis=-1)  # [k+1]
             out = greedy_accept(draft_ids, target_ids)
         else:
             p = warp(logits, ctx.params)  # [k+1, V]
@@ -264,7 +265,7 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         logits = await s.extend(feed, n + 1, tree=links)  # [n + 1, V]: after the tail, after each node
         _note_cached_prompt(ctx, s, first)
         if ctx.params.greedy:
-            path, out = greedy_tree_accept(tree, np.argmax(logits, axis=-1))
+            path, out = greedy_tree_accept(tree, np.argmax(biased(logits, ctx.params), axis=-1))
         else:
             p = warp(logits, ctx.params)  # [n + 1, V]
             tree.q = _q_rows(drafts, p)

@@ -54,6 +54,9 @@ class RequestContext:
                 f"model's maximum length of {max_length} tokens", int(prompt.size), int(max_length)
             )
         self.params = params or SamplingParams()
+        if vocab_size is not None and self.params.logit_bias and self.params.logit_bias[-1][0] >= vocab_size:
+            raise InvalidInputError(f"logit_bias token id {self.params.logit_bias[-1][0]} is outside the model's "
+                                    f"vocabulary (ids 0..{vocab_size - 1})")
         #: None: no log-probabilities; n: each emitted token's, with the n most likely alternatives
         self.logprobs = check_top_logprobs(logprobs)
         self.rng = rng if rng is not None else np.random.default_rng(self.params.seed)

@@ -202,7 +202,8 @@ class Engine:
     async def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                        mode: Mode = "spec", stop: str | Sequence[str] | None = None,
-                       truncate_prompt: bool = False, logprobs: int | None = None) -> EngineResult:
+                       truncate_prompt: bool = False, logprobs: int | None = None,
+                       logit_bias: dict[int, float] | None = None) -> EngineResult:
         """Generate a completion. ``prompt``: a string, or chat messages
         ``[{"role": ..., "content": ...}]`` rendered with the model's chat template (content: a
         string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined).
@@ -212,10 +213,12 @@ class Engine:
         last tokens that fit instead of raising ``ContextLengthError``. ``logprobs=n`` (0..20):
         each token's log-probability under the target model (before temperature, top-k, top-p;
         the same in either mode) with the ``n`` most likely tokens there
-        (:class:`~specdec_rt.logprobs.TokenLogprob`)."""
+        (:class:`~specdec_rt.logprobs.TokenLogprob`). ``logit_bias``: ``{token id: bias}`` (-100 to
+        100) added to the logits before temperature, top-k, top-p and greedy's argmax (-100 bans
+        a token), in either mode; the reported log-probabilities stay the model's own."""
         parts, ids, lps, stats = [], [], [], None
         async with self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
-                               stop, truncate_prompt, logprobs) as events:
+                               stop, truncate_prompt, logprobs, logit_bias) as events:
             async for ev in events:
                 parts.append(ev.text)
                 ids.extend(ev.token_ids)
@@ -227,7 +230,8 @@ class Engine:
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                mode: Mode = "spec", stop: str | Sequence[str] | None = None,
-               truncate_prompt: bool = False, logprobs: int | None = None) -> "EngineStream":
+               truncate_prompt: bool = False, logprobs: int | None = None,
+               logit_bias: dict[int, float] | None = None) -> "EngineStream":
         """Like :meth:`generate`, as an async iterator of :class:`StreamEvent` (also an async
         context manager that closes it).
 
@@ -244,7 +248,7 @@ class Engine:
             raise InvalidInputError("this engine has no draft model: load it with draft=... or use mode='ar'")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidInputError(f"max_new_tokens must be a positive integer, got {brief_repr(max_new_tokens)}")
-        params = SamplingParams(temperature, top_k, top_p, seed)
+        params = SamplingParams(temperature, top_k, top_p, seed, logit_bias)
         logprobs = check_top_logprobs(logprobs)
         stops = check_stop(stop)
         if not isinstance(truncate_prompt, bool):

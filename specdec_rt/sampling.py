@@ -36,6 +36,8 @@ __all__ = [
     "greedy_accept",
     "ROW_SUM_TOLERANCE",
     "MIN_TEMPERATURE",
+    "biased",
+    "MAX_LOGIT_BIAS",
 ]
 
 # A probability row may deviate from 1 by this much (float32 softmax over 150k entries stays
@@ -68,7 +70,11 @@ class SamplingParams:
     3.4e38, which is uniform over the tokens top-k/top-p keep.
     ``top_k`` keeps the k most likely tokens (ties with the k-th are kept), ``top_p`` the smallest
     set of most likely tokens holding at least that much mass (ties at the boundary are kept).
-    ``seed`` makes a request reproducible (see ``SpecDecScheduler``).
+    ``seed`` makes a request reproducible (see ``SpecDecScheduler``). ``logit_bias``: ``{token id:
+    bias}`` (a bias from -100 to 100, at most :data:`MAX_LOGIT_BIAS` entries; a dict is kept as
+    sorted pairs) added to the logits before everything else, greedy included (OpenAI's
+    ``logit_bias``: -100 bans a token, +100 all but forces it). Draft and target are biased alike;
+    exactness holds for the biased target distribution.
 
     Bad values (wrong types, bools, NaN, inf, negative, ``top_p`` outside (0, 1]) raise
     :class:`InvalidInputError` naming the field.
@@ -78,8 +84,10 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # ((id, bias), ...) by id; a dict is taken too
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "logit_bias", _check_bias(self.logit_bias))
         t = self.temperature
         if not _finite_number(t) or t < 0:
             raise InvalidInputError(f"temperature must be a finite number >= 0, got {brief_repr(t)}")
@@ -98,6 +106,45 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperature 0, or below :data:`MIN_TEMPERATURE`: the argmax, no sampling."""
         return self.temperature < MIN_TEMPERATURE
+
+
+MAX_LOGIT_BIAS = 1024  # token ids a request may bias
+MAX_BIAS = 100.0  # |bias|, as in OpenAI's API
+
+
+def _check_bias(bias) -> tuple[tuple[int, float], ...] | None:
+    """``None``/empty -> None; a dict (or pairs) of non-negative int ids -> finite biases in
+    [-100, 100] -> sorted ``((id, bias), ...)``; else :class:`InvalidInputError` naming the entry."""
+    if bias is None:
+        return None
+    pairs = list(bias.items()) if isinstance(bias, dict) else bias
+    if not isinstance(pairs, (list, tuple)) or len(pairs) > MAX_LOGIT_BIAS:
+        raise InvalidInputError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases, "
+                                f"got {brief_repr(bias)}")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise InvalidInputError(f"logit_bias entries must be (token id, bias) pairs, got {brief_repr(pair)}")
+        tid, b = pair
+        if isinstance(tid, bool) or not isinstance(tid, (int, np.integer)) or tid < 0:
+            raise InvalidInputError(f"logit_bias token ids must be non-negative integers, got {brief_repr(tid)}")
+        if not _finite_number(b) or abs(float(b)) > MAX_BIAS:
+            raise InvalidInputError(f"logit_bias of token {int(tid)} must be a number from -100 to 100, got {brief_repr(b)}")
+        out[int(tid)] = float(b)
+    return tuple(sorted(out.items())) or None
+
+
+def biased(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """``logits`` ``[..., V]`` plus the request's ``logit_bias`` (the same array when it has none)."""
+    if not params.logit_bias:
+        return logits
+    ids = np.fromiter((t for t, _ in params.logit_bias), dtype=np.int64)  # [n]
+    if ids[-1] >= logits.shape[-1]:
+        raise InvalidInputError(f"logit_bias token id {int(ids[-1])} is outside the vocabulary "
+                                f"(ids 0..{logits.shape[-1] - 1})")
+    out = np.array(logits, dtype=np.result_type(logits.dtype, np.float32))  # a copy: the caller's rows stay raw
+    out[..., ids] += np.fromiter((b for _, b in params.logit_bias), dtype=np.float64).astype(out.dtype)
+    return out
 
 
 def brief_repr(value, limit: int = 80) -> str:
@@ -125,7 +172,8 @@ def _finite_number(x) -> bool:
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Logits ``[..., V]`` -> probabilities ``[..., V]`` (same float dtype; float64 stays float64).
 
-    Temperature, then top-k, then softmax, then top-p, as Hugging Face ``generate`` orders them.
+    The logit bias, then temperature, then top-k, then softmax, then top-p, as Hugging Face
+    ``generate`` orders them.
     If dividing by the temperature overflows, each row is shifted by its maximum first, so the
     scaled logits are <= 0 (an overflow is -inf, a weight of 0) and every row keeps its maximum
     at weight 1: no temperature turns finite logits into NaN. A row with NaN, +inf or no finite
@@ -134,6 +182,7 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     z = np.asarray(logits)
     if not np.issubdtype(z.dtype, np.floating):
         z = z.astype(np.float64)
+    z = biased(z, params)
     if z.ndim == 0 or z.shape[-1] == 0:
         raise InvalidInputError(f"logits must have a non-empty last axis, got shape {z.shape}")
     top = np.max(z, axis=-1, keepdims=True)  # [..., 1]; NaN if the row holds one

@@ -75,7 +75,12 @@ def run(fn, folder, **load):
     ("chat", {"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty"),
     ("chat", {"messages": CHAT, "frequency_penalty": -1}, "frequency_penalty"),
     ("chat", {"messages": CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
-    ("chat", {"messages": CHAT, "logit_bias": {"1": 2}}, "logit_bias"),
+    ("chat", {"messages": CHAT, "logit_bias": {"1": 101}}, "logit_bias"),
+    ("chat", {"messages": CHAT, "logit_bias": {"x": 2}}, "logit_bias"),
+    ("chat", {"messages": CHAT, "logit_bias": {"-1": 2}}, "logit_bias"),
+    ("chat", {"messages": CHAT, "logit_bias": {"1": "2"}}, "logit_bias"),
+    ("chat", {"messages": CHAT, "logit_bias": {"1": True}}, "logit_bias"),
+    ("completion", {"prompt": "x", "logit_bias": [1, 2]}, "logit_bias"),
     ("chat", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
     ("chat", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
@@ -124,6 +129,10 @@ def test_engine_errors_map_to_fields():
     assert parse_request("completion", {"prompt": "x", "logprobs": 3}).logprobs == 3
     assert parse_request("completion", {"prompt": "x", "logprobs": None}).logprobs is None
     assert "logprobs" not in parse_request("chat", {"messages": CHAT}).engine_kwargs(16)
+    assert parse_request("chat", {"messages": CHAT, "logit_bias": {"5": -100, "7": 2.5}}).engine_kwargs(16)[
+        "logit_bias"] == {5: -100.0, 7: 2.5}
+    assert "logit_bias" not in parse_request("chat", {"messages": CHAT, "logit_bias": {}}).engine_kwargs(16)
+    assert engine_error(InvalidInputError("logit_bias token id 9 is outside ..."), chat).param == "logit_bias"
 
 
 # ---------------------------------------------------------------- responses

@@ -390,4 +390,15 @@ def test_log_probabilities_through_the_openai_client_equal_the_engines_in_every_
                     await client.chat.completions.create(model="tiny", messages=CHAT, top_logprobs=2)
                 assert err.value.param == "top_logprobs"
 
+                ban = {str(t): -100 for t in set(want.token_ids[:3])}  # logit_bias: the greedy answer's first tokens banned
+                banned = await engine.generate(CHAT, 12, mode="ar", logit_bias={int(k): v for k, v in ban.items()})
+                assert not set(banned.token_ids) & set(want.token_ids[:3])
+                r = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0,
+                                                         logit_bias=ban)
+                assert r.choices[0].message.content == banned.text  # speculative, through the server
+                with pytest.raises(openai.BadRequestError) as err:
+                    await client.chat.completions.create(model="tiny", messages=CHAT,
+                                                         logit_bias={str(engine.target.vocab_size): 1})
+                assert err.value.param == "logit_bias" and "outside the model's vocabulary" in err.value.message
+
     anyio.run(main)

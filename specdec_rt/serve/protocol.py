@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from ..errors import ContextLengthError, InvalidInputError
 from ..logprobs import MAX_TOP_LOGPROBS, TokenLogprob, json_logprob
+from ..sampling import MAX_LOGIT_BIAS
 
 __all__ = ["APIError", "GenParams", "Reply", "LogprobsFormat", "parse_request", "engine_error", "error_body",
            "models_body", "usage_body", "sse"]
@@ -70,6 +71,7 @@ class GenParams:
     include_usage: bool = False
     n: int = 1  # choices
     logprobs: int | None = None  # None: off; n: each token's log-probability and the n most likely
+    logit_bias: dict[int, float] | None = None  # token id -> bias (-100..100)
 
     def engine_kwargs(self, default_max_tokens: int, choice: int = 0) -> dict:
         """Keyword arguments for ``Engine.stream`` (after the prompt) of choice ``choice``: with
@@ -77,7 +79,8 @@ class GenParams:
         seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
         return dict(max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                     top_k=self.top_k, top_p=self.top_p, seed=seed, mode=self.mode,
-                    stop=self.stop or None, **({} if self.logprobs is None else {"logprobs": self.logprobs}))
+                    stop=self.stop or None, **({} if self.logprobs is None else {"logprobs": self.logprobs}),
+                    **({} if self.logit_bias is None else {"logit_bias": self.logit_bias}))
 
 
 def parse_request(kind: Kind, body: Any) -> GenParams:
@@ -120,6 +123,7 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
             raise _bad("stream_options", "stream_options is only allowed when stream is true")
         p.include_usage = _bool(options, "include_usage", param="stream_options.include_usage")
     p.logprobs = _logprobs(body, kind)
+    p.logit_bias = _logit_bias(body.get("logit_bias"))
     _unsupported(body, kind)
     return p
 
@@ -140,7 +144,7 @@ def _logprobs(body: dict, kind: Kind) -> int | None:
 
 # options this server cannot honour, and their "off" values (which some clients always send)
 UNHONOURED = {"presence_penalty": (0.0,),
-              "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "logit_bias": ({},),
+              "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
               "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
               "function_call": ("none", "auto"), "response_format": ({"type": "text"},)}
 UNHONOURED_COMPLETION = {"echo": (False,), "best_of": (1,), "suffix": ("",)}  # /v1/completions only
@@ -162,6 +166,25 @@ def _same(value: Any, off: Any) -> bool:
     if isinstance(off, (bool, int, float)):
         return isinstance(value, (bool, int, float)) and value == off
     return type(value) is type(off) and value == off
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: an object of token ids (as strings, JSON's keys) to biases from
+    -100 to 100 (the engine checks the ids against the vocabulary)."""
+    if bias is None or bias == {}:
+        return None
+    if not isinstance(bias, dict):
+        raise _bad("logit_bias", "logit_bias must be an object of token ids to biases", "invalid_type")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
+            raise _bad("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got {key!r}"[:200])
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise _bad("logit_bias", f"logit_bias of token {key} must be a number from -100 to 100, got {value!r}"[:200])
+        out[int(key)] = float(value)
+    return out
 
 
 def _messages(body: dict) -> list[dict]:
@@ -251,7 +274,7 @@ def engine_error(exc: InvalidInputError, p: GenParams) -> APIError:
         return _bad(field.group(1), text)
     for prefix, param in ((p.max_tokens_param, p.max_tokens_param), ("temperature", "temperature"),
                           ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"), ("stop", "stop"),
-                          ("mode", "mode"), ("this engine has no draft", "mode")):
+                          ("mode", "mode"), ("this engine has no draft", "mode"), ("logit_bias", "logit_bias")):
         if text.startswith(prefix):
             return _bad(param, text)
     return _bad(prompt_param, text)  # the prompt or the chat template
