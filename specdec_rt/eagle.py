@@ -116,11 +116,13 @@ class EagleDrafter(DraftInferrer):
 
     def _pick(self, logits: np.ndarray, ctx: RequestContext) -> DraftToken:
         """logits [V'] -> a draft token with a full-vocabulary id (and q when sampling)."""
-        if ctx.params.greedy:
+        if ctx.params.greedy and not ctx.params.logit_bias:
             return DraftToken(int(self.vocab[int(np.argmax(logits))]))
         full = np.full(self.target_vocab_size, -np.inf, dtype=np.float32)  # [V]
         full[self.vocab] = logits
-        q = warp(full, ctx.params)  # [V], zero outside V'
+        q = warp(full, ctx.params)  # [V], zero outside V' (biased as the target will be)
+        if ctx.params.greedy:  # a logit bias: the argmax the target's check will take
+            return DraftToken(int(np.argmax(q)))
         return DraftToken(sample(q, ctx.rng), q)
 
     def release(self, ctx: RequestContext) -> None:

@@ -126,8 +126,8 @@ def _check_bias(bias) -> tuple[tuple[int, float], ...] | None:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise InvalidInputError(f"logit_bias entries must be (token id, bias) pairs, got {brief_repr(pair)}")
         tid, b = pair
-        if isinstance(tid, bool) or not isinstance(tid, (int, np.integer)) or tid < 0:
-            raise InvalidInputError(f"logit_bias token ids must be non-negative integers, got {brief_repr(tid)}")
+        if isinstance(tid, bool) or not isinstance(tid, (int, np.integer)) or not 0 <= tid < 2**31:
+            raise InvalidInputError(f"logit_bias token ids must be non-negative integers below 2**31, got {brief_repr(tid)}")
         if not _finite_number(b) or abs(float(b)) > MAX_BIAS:
             raise InvalidInputError(f"logit_bias of token {int(tid)} must be a number from -100 to 100, got {brief_repr(b)}")
         out[int(tid)] = float(b)

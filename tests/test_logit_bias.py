@@ -20,6 +20,7 @@ ALWAYS = dict(measure_costs=False, adapt_k=False, fallback_below=0.0, zero_round
     ({-1: 1.0}, "non-negative integers"), ({True: 1.0}, "non-negative integers"), ({"3": 1.0}, "non-negative"),
     ({3: 101}, "from -100 to 100"), ({3: float("nan")}, "from -100 to 100"), ({3: "1"}, "from -100 to 100"),
     ({i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}, "at most"), ("x", "must be a dict"), ([(1, 2, 3)], "pairs"),
+    ({2**63: 1.0}, "below 2\\*\\*31"),
 ])
 def test_bad_biases_are_refused_by_name(bad, needle):
     with pytest.raises(InvalidInputError, match=needle):

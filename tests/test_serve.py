@@ -81,6 +81,7 @@ def run(fn, folder, **load):
     ("chat", {"messages": CHAT, "logit_bias": {"1": "2"}}, "logit_bias"),
     ("chat", {"messages": CHAT, "logit_bias": {"1": True}}, "logit_bias"),
     ("completion", {"prompt": "x", "logit_bias": [1, 2]}, "logit_bias"),
+    ("completion", {"prompt": "x", "logit_bias": {"5": 1, "05": -1}}, "logit_bias"),  # one token twice
     ("chat", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
     ("chat", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),

@@ -247,3 +247,21 @@ def test_eagle_drafts_as_well_from_a_cached_prefix(trained, tiny_llama):
     plain, cached = anyio.run(run, False), anyio.run(run, True)
     assert [(ids, acc) for ids, acc, _ in cached] == [(ids, acc) for ids, acc, _ in plain]
     assert all(hit > 0 for _, _, hit in cached) and all(hit == 0 for _, _, hit in plain)
+
+
+def test_eagle_greedy_drafts_follow_the_logit_bias(trained):
+    """A greedy request with a logit bias drafts the biased argmax (the target's check takes it),
+    from the head's vocabulary, not the raw argmax a ban would reject every round."""
+    from specdec_rt.context import RequestContext
+    from specdec_rt.eagle import EagleDrafter
+
+    drafter = EagleDrafter(trained / "draft", slots=1)
+    logits = np.random.default_rng(0).normal(size=drafter.vocab.size).astype(np.float32)  # [V']
+    raw = int(drafter.vocab[np.argmax(logits)])
+    plain = RequestContext([1, 2], 4, SamplingParams())
+    assert drafter._pick(logits, plain).id == raw
+    banned = RequestContext([1, 2], 4, SamplingParams(logit_bias={raw: -100.0}))
+    second = int(drafter.vocab[np.argsort(logits)[-2]])
+    assert drafter._pick(logits, banned).id == second
+    boosted = RequestContext([1, 2], 4, SamplingParams(logit_bias={int(drafter.vocab[0]): 100.0}))
+    assert drafter._pick(logits, boosted).id == int(drafter.vocab[0])

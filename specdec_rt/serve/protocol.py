@@ -183,6 +183,8 @@ def _logit_bias(bias: Any) -> dict[int, float] | None:
             raise _bad("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got {key!r}"[:200])
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise _bad("logit_bias", f"logit_bias of token {key} must be a number from -100 to 100, got {value!r}"[:200])
+        if int(key) in out:
+            raise _bad("logit_bias", f"logit_bias names token {int(key)} twice")
         out[int(key)] = float(value)
     return out
 
