@@ -203,7 +203,8 @@ class Engine:
                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                        mode: Mode = "spec", stop: str | Sequence[str] | None = None,
                        truncate_prompt: bool = False, logprobs: int | None = None,
-                       logit_bias: dict[int, float] | None = None) -> EngineResult:
+                       logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
+                       frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> EngineResult:
         """Generate a completion. ``prompt``: a string, or chat messages
         ``[{"role": ..., "content": ...}]`` rendered with the model's chat template (content: a
         string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined).
@@ -215,10 +216,14 @@ class Engine:
         the same in either mode) with the ``n`` most likely tokens there
         (:class:`~specdec_rt.logprobs.TokenLogprob`). ``logit_bias``: ``{token id: bias}`` (-100 to
         100) added to the logits before temperature, top-k, top-p and greedy's argmax (-100 bans
-        a token), in either mode; the reported log-probabilities stay the model's own."""
+        a token), in either mode; the reported log-probabilities stay the model's own.
+        ``presence_penalty`` / ``frequency_penalty`` (-2 to 2, OpenAI's) and
+        ``repetition_penalty`` (> 0; 1 is off) discourage tokens already generated
+        (:mod:`specdec_rt.penalties`); speculation stays exact for the penalized target."""
         parts, ids, lps, stats = [], [], [], None
         async with self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
-                               stop, truncate_prompt, logprobs, logit_bias) as events:
+                               stop, truncate_prompt, logprobs, logit_bias, presence_penalty,
+                               frequency_penalty, repetition_penalty) as events:
             async for ev in events:
                 parts.append(ev.text)
                 ids.extend(ev.token_ids)
@@ -231,7 +236,8 @@ class Engine:
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                mode: Mode = "spec", stop: str | Sequence[str] | None = None,
                truncate_prompt: bool = False, logprobs: int | None = None,
-               logit_bias: dict[int, float] | None = None) -> "EngineStream":
+               logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> "EngineStream":
         """Like :meth:`generate`, as an async iterator of :class:`StreamEvent` (also an async
         context manager that closes it).
 
@@ -248,7 +254,8 @@ class Engine:
             raise InvalidInputError("this engine has no draft model: load it with draft=... or use mode='ar'")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidInputError(f"max_new_tokens must be a positive integer, got {brief_repr(max_new_tokens)}")
-        params = SamplingParams(temperature, top_k, top_p, seed, logit_bias)
+        params = SamplingParams(temperature, top_k, top_p, seed, logit_bias, presence_penalty,
+                                frequency_penalty, repetition_penalty)
         logprobs = check_top_logprobs(logprobs)
         stops = check_stop(stop)
         if not isinstance(truncate_prompt, bool):

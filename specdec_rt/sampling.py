@@ -74,7 +74,11 @@ class SamplingParams:
     bias}`` (a bias from -100 to 100, at most :data:`MAX_LOGIT_BIAS` entries; a dict is kept as
     sorted pairs) added to the logits before everything else, greedy included (OpenAI's
     ``logit_bias``: -100 bans a token, +100 all but forces it). Draft and target are biased alike;
-    exactness holds for the biased target distribution.
+    exactness holds for the biased target distribution. ``presence_penalty``,
+    ``frequency_penalty`` and ``repetition_penalty`` (off: 0, 0, 1) depend on the tokens before
+    each position: :mod:`specdec_rt.penalties` applies them, before the bias.
+
+    :attr:`penalized` says whether any penalty is on.
 
     Bad values (wrong types, bools, NaN, inf, negative, ``top_p`` outside (0, 1]) raise
     :class:`InvalidInputError` naming the field.
@@ -85,9 +89,19 @@ class SamplingParams:
     top_p: float | None = None
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] | None = None  # ((id, bias), ...) by id; a dict is taken too
+    presence_penalty: float = 0.0  # -2..2; these three: see specdec_rt.penalties
+    frequency_penalty: float = 0.0  # -2..2
+    repetition_penalty: float = 1.0  # (0, 10]; 1: off
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", _check_bias(self.logit_bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _finite_number(v) or not -2.0 <= v <= 2.0:
+                raise InvalidInputError(f"{name} must be a number from -2 to 2, got {brief_repr(v)}")
+        r = self.repetition_penalty
+        if not _finite_number(r) or not 0.0 < r <= 10.0:
+            raise InvalidInputError(f"repetition_penalty must be a number in (0, 10], got {brief_repr(r)}")
         t = self.temperature
         if not _finite_number(t) or t < 0:
             raise InvalidInputError(f"temperature must be a finite number >= 0, got {brief_repr(t)}")
@@ -101,6 +115,10 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0
         ):
             raise InvalidInputError(f"seed must be a non-negative integer or None, got {brief_repr(self.seed)}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

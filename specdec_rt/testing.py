@@ -24,6 +24,7 @@ from .adapters import ModelDrafter, ModelVerifier
 from .batching import BatchExecutor
 from .prefix_cache import CachedStart, Hit, PrefixCache
 from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
+from .penalties import penalized
 from .sampling import SamplingParams, warp
 from .acceptance import SpecConfig
 from .scheduler import SpecDecScheduler
@@ -281,7 +282,9 @@ def sequence_distribution(model: ToyLM, prompt: Sequence[int], length: int,
     out: dict[tuple[int, ...], float] = {}
     for seq in itertools.product(range(model.vocab_size), repeat=length):
         ids = np.array(list(prompt) + list(seq))
-        probs = warp(model.logits_at(ids[:-1])[len(prompt) - 1 :], params)  # [length, V]
+        rows = model.logits_at(ids[:-1])[len(prompt) - 1 :]  # [length, V]
+        rows = penalized(rows, params, np.asarray(prompt), np.zeros(0, dtype=np.int64), [seq[:j] for j in range(length)])
+        probs = warp(rows, params)  # [length, V]
         out[seq] = float(np.prod(probs[np.arange(length), list(seq)]))
     return out
 

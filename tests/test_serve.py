@@ -72,9 +72,11 @@ def run(fn, folder, **load):
     ("completion", {"prompt": "x", "logprobs": "2"}, "logprobs"),
     ("completion", {"prompt": "x", "echo": True}, "echo"),
     # options that would change what comes back are refused, not silently dropped
-    ("chat", {"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty"),
-    ("chat", {"messages": CHAT, "frequency_penalty": -1}, "frequency_penalty"),
-    ("chat", {"messages": CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
+    ("chat", {"messages": CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+    ("chat", {"messages": CHAT, "frequency_penalty": -2.01}, "frequency_penalty"),
+    ("chat", {"messages": CHAT, "frequency_penalty": "1"}, "frequency_penalty"),
+    ("chat", {"messages": CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    ("completion", {"prompt": "x", "repetition_penalty": 11}, "repetition_penalty"),
     ("chat", {"messages": CHAT, "logit_bias": {"1": 101}}, "logit_bias"),
     ("chat", {"messages": CHAT, "logit_bias": {"x": 2}}, "logit_bias"),
     ("chat", {"messages": CHAT, "logit_bias": {"-1": 2}}, "logit_bias"),
@@ -133,6 +135,11 @@ def test_engine_errors_map_to_fields():
     assert parse_request("chat", {"messages": CHAT, "logit_bias": {"5": -100, "7": 2.5}}).engine_kwargs(16)[
         "logit_bias"] == {5: -100.0, 7: 2.5}
     assert "logit_bias" not in parse_request("chat", {"messages": CHAT, "logit_bias": {}}).engine_kwargs(16)
+    kw = parse_request("chat", {"messages": CHAT, "presence_penalty": 0.5, "frequency_penalty": -1,
+                                "repetition_penalty": 1.2}).engine_kwargs(16)
+    assert (kw["presence_penalty"], kw["frequency_penalty"], kw["repetition_penalty"]) == (0.5, -1.0, 1.2)
+    off = parse_request("chat", {"messages": CHAT, "presence_penalty": 0, "repetition_penalty": 1}).engine_kwargs(16)
+    assert "presence_penalty" not in off and "repetition_penalty" not in off
     assert engine_error(InvalidInputError("logit_bias token id 9 is outside ..."), chat).param == "logit_bias"
 
 

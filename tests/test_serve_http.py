@@ -401,4 +401,13 @@ def test_log_probabilities_through_the_openai_client_equal_the_engines_in_every_
                                                          logit_bias={str(engine.target.vocab_size): 1})
                 assert err.value.param == "logit_bias" and "outside the model's vocabulary" in err.value.message
 
+                pen = dict(frequency_penalty=1.5, presence_penalty=0.5)  # penalties: spec through the server = ar
+                penal = await engine.generate(CHAT, 16, mode="ar", **pen)
+                assert penal.token_ids != (await engine.generate(CHAT, 16, mode="ar")).token_ids
+                r = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=16, temperature=0, **pen)
+                assert r.choices[0].message.content == penal.text
+                t = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                                                    extra_body={"repetition_penalty": 1.3})
+                assert t.choices[0].text == (await engine.generate(PROMPT, 8, mode="ar", repetition_penalty=1.3)).text
+
     anyio.run(main)

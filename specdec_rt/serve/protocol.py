@@ -2,7 +2,7 @@
 
 Pure functions and plain data (no I/O, no Starlette), so every rule here is testable alone.
 Unknown OpenAI parameters are ignored; a known one of the wrong type or range, or one this
-server cannot honour set to anything but its "off" value (tools, JSON mode, penalties), is an
+server cannot honour set to anything but its "off" value (tools, JSON mode), is an
 :class:`APIError` (400) whose ``param`` names it.
 """
 
@@ -72,6 +72,7 @@ class GenParams:
     n: int = 1  # choices
     logprobs: int | None = None  # None: off; n: each token's log-probability and the n most likely
     logit_bias: dict[int, float] | None = None  # token id -> bias (-100..100)
+    penalties: dict[str, float] = field(default_factory=dict)  # the ones set: presence/frequency/repetition
 
     def engine_kwargs(self, default_max_tokens: int, choice: int = 0) -> dict:
         """Keyword arguments for ``Engine.stream`` (after the prompt) of choice ``choice``: with
@@ -80,7 +81,7 @@ class GenParams:
         return dict(max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                     top_k=self.top_k, top_p=self.top_p, seed=seed, mode=self.mode,
                     stop=self.stop or None, **({} if self.logprobs is None else {"logprobs": self.logprobs}),
-                    **({} if self.logit_bias is None else {"logit_bias": self.logit_bias}))
+                    **({} if self.logit_bias is None else {"logit_bias": self.logit_bias}), **self.penalties)
 
 
 def parse_request(kind: Kind, body: Any) -> GenParams:
@@ -124,6 +125,14 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
         p.include_usage = _bool(options, "include_usage", param="stream_options.include_usage")
     p.logprobs = _logprobs(body, kind)
     p.logit_bias = _logit_bias(body.get("logit_bias"))
+    for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                         ("repetition_penalty", 0.0, 10.0)):
+        if body.get(name) is not None:
+            value = _number(body, name, minimum=lo)
+            if value > hi or (name == "repetition_penalty" and value == 0.0):
+                raise _bad(name, f"{name} must be {'in (0, 10]' if lo == 0.0 else 'from -2 to 2'}, got {value!r}")
+            if value != (1.0 if name == "repetition_penalty" else 0.0):
+                p.penalties[name] = value
     _unsupported(body, kind)
     return p
 
@@ -143,18 +152,14 @@ def _logprobs(body: dict, kind: Kind) -> int | None:
 
 
 # options this server cannot honour, and their "off" values (which some clients always send)
-UNHONOURED = {"presence_penalty": (0.0,),
-              "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
-              "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+UNHONOURED = {"tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
               "function_call": ("none", "auto"), "response_format": ({"type": "text"},)}
 UNHONOURED_COMPLETION = {"echo": (False,), "best_of": (1,), "suffix": ("",)}  # /v1/completions only
 
 
 def _unsupported(body: dict, kind: Kind) -> None:
     """Options this server cannot honour are refused rather than silently dropped (a client
-    that asks for JSON or a tool call would otherwise get free text, one with a penalty a
-    different distribution). Their "off"
-    values (``0``, ``null``, ``{}``, ``"none"``, ...), which some clients always send, pass."""
+    that asks for JSON or a tool call would otherwise get free text). Their "off" values (``0``, ``null``, ``{}``, ``"none"``, ...), which some clients always send, pass."""
     options = {**UNHONOURED, **UNHONOURED_COMPLETION} if kind == "completion" else UNHONOURED
     for name, off in options.items():
         if body.get(name) is not None and not any(_same(body[name], x) for x in off):
@@ -276,7 +281,9 @@ def engine_error(exc: InvalidInputError, p: GenParams) -> APIError:
         return _bad(field.group(1), text)
     for prefix, param in ((p.max_tokens_param, p.max_tokens_param), ("temperature", "temperature"),
                           ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"), ("stop", "stop"),
-                          ("mode", "mode"), ("this engine has no draft", "mode"), ("logit_bias", "logit_bias")):
+                          ("mode", "mode"), ("this engine has no draft", "mode"), ("logit_bias", "logit_bias"),
+                          ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
+                          ("repetition_penalty", "repetition_penalty")):
         if text.startswith(prefix):
             return _bad(param, text)
     return _bad(prompt_param, text)  # the prompt or the chat template
