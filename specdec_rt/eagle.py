@@ -26,6 +26,7 @@ from .errors import ModelLoadError
 from .ort.manifest import LIMITS, Manifest
 from .ort.model import OrtModel
 from .protocols import DraftInferrer
+from .penalties import penalized
 from .sampling import sample, warp
 from .types import DraftToken
 
@@ -108,18 +109,22 @@ class EagleDrafter(DraftInferrer):
         st.true_len = n - 1
         drafts: list[DraftToken] = []
         while True:
-            drafts.append(self._pick(logits[0], ctx))
+            drafts.append(self._pick(logits[0], ctx, drafts))
             if len(drafts) == k:
                 return drafts
             x = np.array([drafts[-1].id], dtype=np.int64)
             logits, g = await s.extend(x, 1, features=g[-1:], hidden=True)  # its own guess of h
 
-    def _pick(self, logits: np.ndarray, ctx: RequestContext) -> DraftToken:
-        """logits [V'] -> a draft token with a full-vocabulary id (and q when sampling)."""
-        if ctx.params.greedy and not ctx.params.logit_bias:
+    def _pick(self, logits: np.ndarray, ctx: RequestContext, drafts: Sequence[DraftToken] = ()) -> DraftToken:
+        """logits [V'] -> a draft token with a full-vocabulary id (and q when sampling), after
+        ``drafts`` (this round's so far: the penalties count them, as the target's check will)."""
+        p = ctx.params
+        if p.greedy and not p.logit_bias and not p.penalized:
             return DraftToken(int(self.vocab[int(np.argmax(logits))]))
         full = np.full(self.target_vocab_size, -np.inf, dtype=np.float32)  # [V]
         full[self.vocab] = logits
+        if p.penalized:
+            full = penalized(full[None], p, ctx.tokens[: ctx.prompt_len], ctx.generated, [[d.id for d in drafts]])[0]
         q = warp(full, ctx.params)  # [V], zero outside V' (biased as the target will be)
         if ctx.params.greedy:  # a logit bias: the argmax the target's check will take
             return DraftToken(int(np.argmax(q)))

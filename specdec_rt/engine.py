@@ -217,8 +217,8 @@ class Engine:
         (:class:`~specdec_rt.logprobs.TokenLogprob`). ``logit_bias``: ``{token id: bias}`` (-100 to
         100) added to the logits before temperature, top-k, top-p and greedy's argmax (-100 bans
         a token), in either mode; the reported log-probabilities stay the model's own.
-        ``presence_penalty`` / ``frequency_penalty`` (-2 to 2, OpenAI's) and
-        ``repetition_penalty`` (> 0; 1 is off) discourage tokens already generated
+        ``presence_penalty`` / ``frequency_penalty`` (-2 to 2, OpenAI's; None: 0) and
+        ``repetition_penalty`` (0.01 to 10; 1 or None is off) discourage tokens already generated
         (:mod:`specdec_rt.penalties`); speculation stays exact for the penalized target."""
         parts, ids, lps, stats = [], [], [], None
         async with self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
@@ -254,8 +254,10 @@ class Engine:
             raise InvalidInputError("this engine has no draft model: load it with draft=... or use mode='ar'")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidInputError(f"max_new_tokens must be a positive integer, got {brief_repr(max_new_tokens)}")
-        params = SamplingParams(temperature, top_k, top_p, seed, logit_bias, presence_penalty,
-                                frequency_penalty, repetition_penalty)
+        params = SamplingParams(temperature, top_k, top_p, seed, logit_bias,
+                                0.0 if presence_penalty is None else presence_penalty,
+                                0.0 if frequency_penalty is None else frequency_penalty,
+                                1.0 if repetition_penalty is None else repetition_penalty)
         logprobs = check_top_logprobs(logprobs)
         stops = check_stop(stop)
         if not isinstance(truncate_prompt, bool):

@@ -38,6 +38,7 @@ __all__ = [
     "MIN_TEMPERATURE",
     "biased",
     "MAX_LOGIT_BIAS",
+    "MIN_REPETITION_PENALTY",
 ]
 
 # A probability row may deviate from 1 by this much (float32 softmax over 150k entries stays
@@ -91,7 +92,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] | None = None  # ((id, bias), ...) by id; a dict is taken too
     presence_penalty: float = 0.0  # -2..2; these three: see specdec_rt.penalties
     frequency_penalty: float = 0.0  # -2..2
-    repetition_penalty: float = 1.0  # (0, 10]; 1: off
+    repetition_penalty: float = 1.0  # 0.01..10; 1: off
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", _check_bias(self.logit_bias))
@@ -100,8 +101,9 @@ class SamplingParams:
             if not _finite_number(v) or not -2.0 <= v <= 2.0:
                 raise InvalidInputError(f"{name} must be a number from -2 to 2, got {brief_repr(v)}")
         r = self.repetition_penalty
-        if not _finite_number(r) or not 0.0 < r <= 10.0:
-            raise InvalidInputError(f"repetition_penalty must be a number in (0, 10], got {brief_repr(r)}")
+        if not _finite_number(r) or not MIN_REPETITION_PENALTY <= r <= 10.0:
+            raise InvalidInputError(f"repetition_penalty must be a number from {MIN_REPETITION_PENALTY} to 10, "
+                                    f"got {brief_repr(r)}")
         t = self.temperature
         if not _finite_number(t) or t < 0:
             raise InvalidInputError(f"temperature must be a finite number >= 0, got {brief_repr(t)}")
@@ -127,6 +129,9 @@ class SamplingParams:
 
 
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias
+# dividing a float32 logit by less would overflow to +inf for large logits (1e-39 did): a
+# repetition penalty amplifies at most 100x
+MIN_REPETITION_PENALTY = 0.01
 MAX_BIAS = 100.0  # |bias|, as in OpenAI's API
 
 

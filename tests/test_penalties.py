@@ -30,7 +30,8 @@ def test_the_formula_by_hand():
 
 @pytest.mark.parametrize("field, bad", [("presence_penalty", 2.5), ("frequency_penalty", -3), ("frequency_penalty", "1"),
                                         ("repetition_penalty", 0.0), ("repetition_penalty", 11), ("presence_penalty", True),
-                                        ("repetition_penalty", float("nan"))])
+                                        ("repetition_penalty", float("nan")), ("repetition_penalty", 1e-39),
+                                        ("repetition_penalty", 0.005)])
 def test_bad_values_are_refused_by_name(field, bad):
     with pytest.raises(InvalidInputError, match=field):
         SamplingParams(**{field: bad})
@@ -101,3 +102,9 @@ def test_sampling_keeps_the_penalized_distribution(tree_nodes):
     assert chi_square_pvalue(counts, sequence_distribution(target, prompt, length, params)) > 1e-3
     plain = sequence_distribution(target, prompt, length, SamplingParams(temperature=1.0))
     assert chi_square_pvalue(counts, plain) < 1e-6  # the penalties moved it, measurably
+
+
+def test_the_smallest_repetition_penalty_keeps_float32_logits_finite():
+    logits = np.array([[3.0e36, -3.0e36, 1.0]], dtype=np.float32)  # [1, V]: extreme but finite
+    out = penalized(logits, SamplingParams(repetition_penalty=0.01), np.array([0, 1]), np.zeros(0, np.int64), [[]])
+    assert np.isfinite(out).all() and out[0, 0] > 0 > out[0, 1]

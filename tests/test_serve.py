@@ -77,6 +77,9 @@ def run(fn, folder, **load):
     ("chat", {"messages": CHAT, "frequency_penalty": "1"}, "frequency_penalty"),
     ("chat", {"messages": CHAT, "repetition_penalty": 0}, "repetition_penalty"),
     ("completion", {"prompt": "x", "repetition_penalty": 11}, "repetition_penalty"),
+    ("chat", {"messages": CHAT, "repetition_penalty": 1e-39}, "repetition_penalty"),
+    ("chat", {"messages": CHAT, "presence_penalty": 10**400}, "presence_penalty"),  # not a float: a 500 before
+    ("chat", {"messages": CHAT, "temperature": -(10**400)}, "temperature"),
     ("chat", {"messages": CHAT, "logit_bias": {"1": 101}}, "logit_bias"),
     ("chat", {"messages": CHAT, "logit_bias": {"x": 2}}, "logit_bias"),
     ("chat", {"messages": CHAT, "logit_bias": {"-1": 2}}, "logit_bias"),

@@ -249,7 +249,7 @@ def test_eagle_drafts_as_well_from_a_cached_prefix(trained, tiny_llama):
     assert all(hit > 0 for _, _, hit in cached) and all(hit == 0 for _, _, hit in plain)
 
 
-def test_eagle_greedy_drafts_follow_the_logit_bias(trained):
+def test_eagle_greedy_drafts_follow_the_logit_bias_and_penalties(trained):
     """A greedy request with a logit bias drafts the biased argmax (the target's check takes it),
     from the head's vocabulary, not the raw argmax a ban would reject every round."""
     from specdec_rt.context import RequestContext
@@ -265,3 +265,10 @@ def test_eagle_greedy_drafts_follow_the_logit_bias(trained):
     assert drafter._pick(logits, banned).id == second
     boosted = RequestContext([1, 2], 4, SamplingParams(logit_bias={int(drafter.vocab[0]): 100.0}))
     assert drafter._pick(logits, boosted).id == int(drafter.vocab[0])
+    # a penalty counts this round's drafts so far, as the target's check will
+    from specdec_rt.types import DraftToken
+    gap = float(np.sort(logits)[-1] - np.sort(logits)[-2])
+    penal = RequestContext([1, 2], 4, SamplingParams(presence_penalty=min(2.0, gap + 0.5)))
+    if gap + 0.5 <= 2.0:
+        assert drafter._pick(logits, penal, [DraftToken(raw)]).id == second
+    assert drafter._pick(logits, penal).id == raw  # nothing generated yet: no penalty

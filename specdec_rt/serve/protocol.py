@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from ..errors import ContextLengthError, InvalidInputError
 from ..logprobs import MAX_TOP_LOGPROBS, TokenLogprob, json_logprob
-from ..sampling import MAX_LOGIT_BIAS
+from ..sampling import MAX_LOGIT_BIAS, MIN_REPETITION_PENALTY, brief_repr
 
 __all__ = ["APIError", "GenParams", "Reply", "LogprobsFormat", "parse_request", "engine_error", "error_body",
            "models_body", "usage_body", "sse"]
@@ -126,11 +126,11 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
     p.logprobs = _logprobs(body, kind)
     p.logit_bias = _logit_bias(body.get("logit_bias"))
     for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
-                         ("repetition_penalty", 0.0, 10.0)):
+                         ("repetition_penalty", MIN_REPETITION_PENALTY, 10.0)):
         if body.get(name) is not None:
             value = _number(body, name, minimum=lo)
-            if value > hi or (name == "repetition_penalty" and value == 0.0):
-                raise _bad(name, f"{name} must be {'in (0, 10]' if lo == 0.0 else 'from -2 to 2'}, got {value!r}")
+            if value > hi:
+                raise _bad(name, f"{name} must be from {lo:g} to {hi:g}, got {value!r}")
             if value != (1.0 if name == "repetition_penalty" else 0.0):
                 p.penalties[name] = value
     _unsupported(body, kind)
@@ -245,8 +245,12 @@ def _int(body: dict, name: str, minimum: int | None = None, maximum: int | None 
 
 def _number(body: dict, name: str, minimum: float) -> float:
     value = body[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(name, f"{name} must be a number, got {value!r}", "invalid_type")
+    try:  # a 400-digit JSON integer is not a float (OverflowError), nor is NaN
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(float(value))
+    except OverflowError:
+        finite = False
+    if not finite:
+        raise _bad(name, f"{name} must be a number, got {brief_repr(value)}", "invalid_type")
     if value < minimum:
         raise _bad(name, f"{name} must be >= {minimum}, got {value}")
     return float(value)
