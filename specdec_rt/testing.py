@@ -18,6 +18,7 @@ import itertools
 import math
 from typing import Iterable, Sequence
 
+import anyio
 import numpy as np
 
 from .adapters import ModelDrafter, ModelVerifier
@@ -298,6 +299,20 @@ async def sequence_counts(sched: SpecDecScheduler, prompt: Sequence[int], length
         key = tuple((await sched.run(prompt, length, params, mode=mode, rng=rng)).token_ids)
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+async def run_together(sched: SpecDecScheduler, prompts: Sequence[Sequence[int]], n: int,
+                       params: Sequence[SamplingParams], mode: str = "spec") -> list[list[int]]:
+    """The generated ids of ``prompts`` run at once (one task each: a batched scheduler batches
+    their calls), request i with ``params[i]``, to compare with each run alone."""
+    out: list[list[int]] = [[] for _ in prompts]
+
+    async def one(i: int) -> None:
+        out[i] = (await sched.run(prompts[i], n, params[i], mode=mode)).token_ids
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return out
 
 
 def chi_square_pvalue(counts: dict, expected: dict[tuple, float], min_expected: float = 5.0) -> float:

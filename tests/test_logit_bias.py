@@ -11,7 +11,8 @@ import pytest
 
 from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
 from specdec_rt.sampling import MAX_LOGIT_BIAS, biased, warp
-from specdec_rt.testing import chi_square_pvalue, sequence_counts, sequence_distribution, toy_pair, toy_scheduler
+from specdec_rt.testing import (chi_square_pvalue, run_together, sequence_counts, sequence_distribution, toy_pair,
+                                toy_scheduler)
 
 ALWAYS = dict(measure_costs=False, adapt_k=False, fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)
 
@@ -71,16 +72,7 @@ def test_batched_requests_with_different_biases_each_equal_their_own_plain_run()
     params = [SamplingParams(logit_bias={i: -100.0, i + 5: 4.0}) for i in range(len(prompts))]
     alone = [_run(sched, p, 20, q, "ar") for p, q in zip(prompts, params)]
 
-    async def together():
-        out = [None] * len(prompts)
-
-        async def one(i):
-            out[i] = (await sched.run(prompts[i], 20, params[i], mode="spec")).token_ids
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prompts)):
-                tg.start_soon(one, i)
-        return out
-    assert anyio.run(together) == alone
+    assert anyio.run(run_together, sched, prompts, 20, params) == alone
 
 
 def test_sampling_keeps_the_biased_target_distribution():

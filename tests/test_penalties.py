@@ -12,7 +12,8 @@ import pytest
 import specdec_rt.adapters as adapters
 from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
 from specdec_rt.penalties import penalized
-from specdec_rt.testing import chi_square_pvalue, sequence_counts, sequence_distribution, toy_pair, toy_scheduler
+from specdec_rt.testing import (chi_square_pvalue, run_together, sequence_counts, sequence_distribution, toy_pair,
+                                toy_scheduler)
 
 ALWAYS = dict(measure_costs=False, adapt_k=False, fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)
 
@@ -78,16 +79,7 @@ def test_batched_requests_with_different_penalties_each_equal_their_own_plain_ru
     prompts = [[1, 2], [3, 4, 5], [6], [7, 8, 9]]
     alone = [_run(sched, p, 25, q, "ar") for p, q in zip(prompts, PARAMS)]
 
-    async def together():
-        out = [None] * len(prompts)
-
-        async def one(i):
-            out[i] = (await sched.run(prompts[i], 25, PARAMS[i], mode="spec")).token_ids
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prompts)):
-                tg.start_soon(one, i)
-        return out
-    assert anyio.run(together) == alone
+    assert anyio.run(run_together, sched, prompts, 25, PARAMS) == alone
 
 
 @pytest.mark.parametrize("tree_nodes", [0, 2])
