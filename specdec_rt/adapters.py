@@ -22,7 +22,6 @@ from .confidence import confidence
 from .context import RequestContext
 from .errors import ContextLengthError
 from .logprobs import token_logprobs
-from .penalties import penalized
 from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
 from .sampling import biased, greedy_accept, rejection_sample, sample, warp
 from .tree_sampling import DraftTree, chain_length, greedy_tree_accept, tree_accept, tree_parents
@@ -167,7 +166,7 @@ class ModelDrafter(_ModelUser, DraftInferrer):
             logits = (await s.extend(feed, 1))[0]  # [V]
             stepped += perf_counter() - t if i else 0.0
             if ctx.params.penalized:  # as the target's check will score this position
-                logits = _penalized(logits[None], ctx, [[d.id for d in drafts]])[0]
+                logits = ctx.penalized(logits[None], [[d.id for d in drafts]])[0]
             if ctx.params.greedy:
                 scores = biased(logits, ctx.params)  # [V] the logits the target's argmax will read
                 x = int(np.argmax(scores))
@@ -242,7 +241,7 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         else:
             logits = await s.extend(feed, k + 1)  # [k+1, V]: p_0 .. p_k before warping
         _note_cached_prompt(ctx, s, first)
-        scores = _penalized(logits, ctx, [draft_ids[:i] for i in range(k + 1)])  # [k+1, V]: row i after i drafts
+        scores = ctx.penalized(logits, [draft_ids[:i] for i in range(k + 1)])  # [k+1, V]: row i after i drafts
         if ctx.params.greedy:
             target_ids = np.argmax(biased(scores, ctx.params), axis=-1)  # [k+1]
             out = greedy_accept(draft_ids, target_ids)
@@ -268,7 +267,7 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         links = np.concatenate([np.arange(m) - 1, np.where(tree.parents < 0, m - 1, m + tree.parents)])  # [m + n]
         logits = await s.extend(feed, n + 1, tree=links)  # [n + 1, V]: after the tail, after each node
         _note_cached_prompt(ctx, s, first)
-        scores = _penalized(logits, ctx, [[]] + [_path_tokens(tree, j) for j in range(n)])  # row 1+j: after node j
+        scores = ctx.penalized(logits, [[]] + [_path_tokens(tree, j) for j in range(n)])  # row 1+j: after node j
         if ctx.params.greedy:
             path, out = greedy_tree_accept(tree, np.argmax(biased(scores, ctx.params), axis=-1))
         else:
@@ -278,14 +277,6 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         s.accept_tree(start, np.concatenate([np.arange(m), m + path]))
         lp = None if ctx.logprobs is None else token_logprobs(logits[np.concatenate([[0], 1 + path])], out, ctx.logprobs)
         return Verdict(tokens=out, accepted=int(path.size), path=tuple(int(i) for i in path), logprobs=lp)
-
-
-def _penalized(logits: np.ndarray, ctx: RequestContext, before) -> np.ndarray:
-    """Rows ``[n, V]`` with the request's repetition penalties (:mod:`specdec_rt.penalties`);
-    ``before[i]``: the uncommitted tokens between the committed ones and row i's position."""
-    if not ctx.params.penalized:
-        return logits
-    return penalized(logits, ctx.params, ctx.tokens[: ctx.prompt_len], ctx.generated, before)
 
 
 def _path_tokens(tree: DraftTree, node: int) -> list[int]:

@@ -9,6 +9,7 @@ import numpy as np
 from .confidence import ChainStop
 from .errors import ContextLengthError, InvalidInputError
 from .logprobs import check_top_logprobs
+from .penalties import penalized
 from .sampling import SamplingParams
 from .types import FinishReason, Stats
 
@@ -118,6 +119,14 @@ class RequestContext:
         if self.finish_reason is None and self._n == self._buf.size:
             self.finish_reason = "length"
         return ids
+
+    def penalized(self, logits: np.ndarray, before) -> np.ndarray:
+        """Rows ``[n, V]`` with this request's repetition penalties (:mod:`specdec_rt.penalties`;
+        the same array when it has none); ``before[i]``: the uncommitted tokens (drafts) between
+        the committed ones and row i's position."""
+        if not self.params.penalized:
+            return logits
+        return penalized(logits, self.params, self.tokens[: self.prompt_len], self.generated, before)
 
     def state(self, owner: object, factory: Callable[[], S]) -> S:
         """Per-request state of ``owner`` (e.g. a KV cache session), created on first use."""

@@ -26,7 +26,6 @@ from .errors import ModelLoadError
 from .ort.manifest import LIMITS, Manifest
 from .ort.model import OrtModel
 from .protocols import DraftInferrer
-from .penalties import penalized
 from .sampling import sample, warp
 from .types import DraftToken
 
@@ -124,7 +123,7 @@ class EagleDrafter(DraftInferrer):
         full = np.full(self.target_vocab_size, -np.inf, dtype=np.float32)  # [V]
         full[self.vocab] = logits
         if p.penalized:
-            full = penalized(full[None], p, ctx.tokens[: ctx.prompt_len], ctx.generated, [[d.id for d in drafts]])[0]
+            full = ctx.penalized(full[None], [[d.id for d in drafts]])[0]
         q = warp(full, ctx.params)  # [V], zero outside V' (biased as the target will be)
         if ctx.params.greedy:  # a logit bias: the argmax the target's check will take
             return DraftToken(int(np.argmax(q)))

@@ -9,8 +9,8 @@ import anyio
 import numpy as np
 import pytest
 
-import specdec_rt.adapters as adapters
 from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
+from specdec_rt.context import RequestContext
 from specdec_rt.penalties import penalized
 from specdec_rt.testing import (chi_square_pvalue, run_together, sequence_counts, sequence_distribution, toy_pair,
                                 toy_scheduler)
@@ -69,8 +69,8 @@ def test_rows_scored_without_their_drafts_are_caught(monkeypatch):
     params = PARAMS[0]
     sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), SpecConfig(k_init=5, **ALWAYS))
     want = _run(sched, [3, 3, 1], 40, params, "ar")
-    real = adapters._penalized
-    monkeypatch.setattr(adapters, "_penalized", lambda logits, ctx, before: real(logits, ctx, [[] for _ in before]))
+    real = RequestContext.penalized
+    monkeypatch.setattr(RequestContext, "penalized", lambda ctx, logits, before: real(ctx, logits, [[] for _ in before]))
     assert _run(sched, [3, 3, 1], 40, params) != want
 
 
