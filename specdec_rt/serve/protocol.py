@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from ..errors import ContextLengthError, InvalidInputError
 from ..logprobs import MAX_TOP_LOGPROBS, TokenLogprob, json_logprob
-from ..sampling import MAX_LOGIT_BIAS, MIN_REPETITION_PENALTY, brief_repr
+from ..sampling import SamplingParams, brief_repr
 
 __all__ = ["APIError", "GenParams", "Reply", "LogprobsFormat", "parse_request", "engine_error", "error_body",
            "models_body", "usage_body", "sse"]
@@ -125,16 +125,20 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
         p.include_usage = _bool(options, "include_usage", param="stream_options.include_usage")
     p.logprobs = _logprobs(body, kind)
     p.logit_bias = _logit_bias(body.get("logit_bias"))
-    for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
-                         ("repetition_penalty", MIN_REPETITION_PENALTY, 10.0)):
+    for name in PENALTIES:
         if body.get(name) is not None:
-            value = _number(body, name, minimum=lo)
-            if value > hi:
-                raise _bad(name, f"{name} must be from {lo:g} to {hi:g}, got {value!r}")
-            if value != (1.0 if name == "repetition_penalty" else 0.0):
-                p.penalties[name] = value
+            p.penalties[name] = _number(body, name, minimum=-math.inf)
+    try:  # their ranges are the engine's own checks (SamplingParams), answered before admission
+        SamplingParams(logit_bias=p.logit_bias, **p.penalties)
+    except InvalidInputError as exc:
+        raise engine_error(exc, p) from None
+    off = SamplingParams()
+    p.penalties = {k: v for k, v in p.penalties.items() if v != getattr(off, k)}  # 0, 0, 1: not passed on
     _unsupported(body, kind)
     return p
+
+
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def _logprobs(body: dict, kind: Kind) -> int | None:
@@ -159,7 +163,8 @@ UNHONOURED_COMPLETION = {"echo": (False,), "best_of": (1,), "suffix": ("",)}  # 
 
 def _unsupported(body: dict, kind: Kind) -> None:
     """Options this server cannot honour are refused rather than silently dropped (a client
-    that asks for JSON or a tool call would otherwise get free text). Their "off" values (``0``, ``null``, ``{}``, ``"none"``, ...), which some clients always send, pass."""
+    that asks for JSON or a tool call would otherwise get free text). Their "off" values
+    (``0``, ``null``, ``{}``, ``"none"``, ...), which some clients always send, pass."""
     options = {**UNHONOURED, **UNHONOURED_COMPLETION} if kind == "completion" else UNHONOURED
     for name, off in options.items():
         if body.get(name) is not None and not any(_same(body[name], x) for x in off):
@@ -173,24 +178,21 @@ def _same(value: Any, off: Any) -> bool:
     return type(value) is type(off) and value == off
 
 
-def _logit_bias(bias: Any) -> dict[int, float] | None:
-    """OpenAI's ``logit_bias``: an object of token ids (as strings, JSON's keys) to biases from
-    -100 to 100 (the engine checks the ids against the vocabulary)."""
+def _logit_bias(bias: Any) -> dict[int, Any] | None:
+    """OpenAI's ``logit_bias``: an object of token ids (as strings, JSON's keys) to biases. The
+    keys are read here (one token named twice, ``"5"`` and ``"05"``, is refused); the biases and
+    the count are SamplingParams' to check, the ids against the vocabulary the engine's."""
     if bias is None or bias == {}:
         return None
     if not isinstance(bias, dict):
         raise _bad("logit_bias", "logit_bias must be an object of token ids to biases", "invalid_type")
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise _bad("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
     out = {}
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
             raise _bad("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got {key!r}"[:200])
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise _bad("logit_bias", f"logit_bias of token {key} must be a number from -100 to 100, got {value!r}"[:200])
         if int(key) in out:
             raise _bad("logit_bias", f"logit_bias names token {int(key)} twice")
-        out[int(key)] = float(value)
+        out[int(key)] = value
     return out
 
 
