@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+
 import anyio
 
 from .errors import EngineClosedError

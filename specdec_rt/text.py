@@ -13,6 +13,7 @@ Two kinds of untrusted input pass through here (docs/security.md):
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime
 from pathlib import Path
@@ -101,8 +102,6 @@ class TextCodec:
     def _decoder_kinds(self) -> frozenset[str]:
         """The types of the tokenizer's decoder steps (e.g. ``{"ByteLevel"}``), read once."""
         if self._kinds is None:
-            import json
-
             def walk(d) -> list[str]:
                 if not isinstance(d, dict):
                     return []
@@ -285,7 +284,7 @@ class TextCodec:
 
 def _byte_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: the printable character that stands for each byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)}
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
