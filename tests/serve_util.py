@@ -143,3 +143,24 @@ async def running_server(app, lifespan: str = "off"):
         server.should_exit = True
         await task
         sock.close()
+
+
+CHAT = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+PROMPT = "def add(a, b):"
+
+
+def client(app):
+    """An httpx client that calls the ASGI ``app`` in process."""
+    import httpx
+
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test", timeout=30)
+
+
+def run(fn, folder, **load):
+    """Run ``fn(engine)`` with a freshly loaded engine."""
+    from specdec_rt import Engine
+
+    async def main():
+        async with await Engine.load(folder, **load) as engine:
+            return await fn(engine)
+    return anyio.run(main)
