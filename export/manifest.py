@@ -12,7 +12,8 @@ import os
 import stat
 from pathlib import Path
 
-from .graph import IO_NAMES, ModelSpec
+from .graph import IO_NAMES
+from .model_spec import ModelSpec
 from .tokenizer import TokenizerInfo, sha256_file
 
 __all__ = ["SCHEMA_VERSION", "MANIFEST", "build_manifest", "write_manifest", "read_manifest",

@@ -23,7 +23,8 @@ from pathlib import Path
 from . import __version__
 from .errors import (DiskFullError, ExportError, InterruptedExportError, SourceNotFoundError,
                      TokenizerMismatchError, UsageError)
-from .graph import MIN_POSITIONS, ModelSpec, build_onnx
+from .graph import build_onnx
+from .model_spec import MIN_POSITIONS, ModelSpec
 from .manifest import (MANIFEST, SCHEMA_VERSION, build_manifest, is_export_manifest,
                        is_up_to_date, onnx_section, read_manifest, write_manifest)
 from .paths import inside, model_dir

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .errors import CorruptSourceError, SourceNotFoundError, one_line
 from .gguf_meta import check_model, read_gguf_info
-from .graph import GGUF_FAMILIES, SUPPORTED_FAMILIES, unsupported_architecture
+from .model_spec import GGUF_FAMILIES, SUPPORTED_FAMILIES, unsupported_architecture
 
 __all__ = ["Source", "open_source"]
 

@@ -175,7 +175,7 @@ def _config(**kw):
 ])
 def test_config_numbers_are_checked(kw, fragment):
     pytest.importorskip("transformers")
-    from export.graph import ModelSpec
+    from export.model_spec import ModelSpec
 
     ModelSpec.from_config(_config())  # the base is fine
     with pytest.raises(UnsupportedModelError) as exc:

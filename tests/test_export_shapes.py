@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 from tiny_models import build_tiny_checkpoint  # noqa: E402
 
 from export.errors import UnsupportedModelError  # noqa: E402
-from export.graph import ModelSpec  # noqa: E402
 from export.layout import HEAD_MULTIPLE, check_weights, pad_heads  # noqa: E402
+from export.model_spec import ModelSpec  # noqa: E402
 from export.pipeline import Request, run  # noqa: E402
 from export.ui import Reporter  # noqa: E402
 

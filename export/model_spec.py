@@ -1,0 +1,157 @@
+"""What the graph builder needs to know of a decoder (``ModelSpec``), read from a transformers
+config, and the rejection of every config the graph cannot express (one UnsupportedModelError
+naming the value)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .errors import UnsupportedModelError
+from .layout import HEAD_MULTIPLE
+
+__all__ = ["ModelSpec", "SUPPORTED_FAMILIES", "GGUF_FAMILIES", "MAX_POSITIONS_CAP", "MIN_POSITIONS",
+           "unsupported_architecture"]
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")  # Mistral: Llama's graph, a sliding window
+GGUF_FAMILIES = ("llama", "qwen2")  # general.architecture of a GGUF (llama.cpp writes Mistral as llama)
+MAX_POSITIONS_CAP = 32768
+MIN_POSITIONS = 2  # a prompt token and one generated token
+
+
+def unsupported_architecture(family, supported: tuple[str, ...] = SUPPORTED_FAMILIES) -> UnsupportedModelError:
+    """The one error for a model family the graph builder cannot emit (from a checkpoint folder,
+    or from a GGUF file: ``supported=GGUF_FAMILIES``)."""
+    return UnsupportedModelError(
+        f"unsupported architecture {family}; supported: {', '.join(supported)}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture numbers the graph and the manifest need."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # the graph's head size (its KV cache's): the model's, padded to HEAD_MULTIPLE
+    intermediate_size: int
+    vocab_size: int
+    max_positions: int
+    rms_eps: float
+    model_head_dim: int = 0  # the model's own head size (0: head_dim, no padding)
+
+    @property
+    def own_head_dim(self) -> int:
+        return self.model_head_dim or self.head_dim
+
+    @classmethod
+    def from_config(cls, config, max_positions: int | None = None) -> "ModelSpec":
+        """Read a transformers config; reject what the graph cannot express."""
+        family = getattr(config, "model_type", None)
+        if family not in SUPPORTED_FAMILIES:
+            raise unsupported_architecture(family)
+        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):  # one function, two names
+            raise UnsupportedModelError(f"unsupported activation {config.hidden_act}; need silu")
+        if getattr(config, "mlp_bias", False):
+            raise UnsupportedModelError("unsupported option mlp_bias=True")
+        limit = min(config.max_position_embeddings, MAX_POSITIONS_CAP)
+        if max_positions:
+            limit = min(limit, max_positions)
+        limit = min(limit, _longrope_limit(config) or limit)
+        # a sliding window (Mistral's when set, Qwen2's with use_sliding_window) lets a position
+        # see the last `window` positions only: capped at the window, every position sees all
+        # earlier ones, as in the full attention the graph computes
+        window = getattr(config, "sliding_window", None)
+        if family == "qwen2" and not getattr(config, "use_sliding_window", False):
+            window = None
+        if window is not None:
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                raise UnsupportedModelError(f"unsupported sliding_window {window!r}")
+            limit = min(limit, window)
+        eps = _positive_number(config, "rms_norm_eps")
+        _check_rope(config)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < MIN_POSITIONS:
+            raise UnsupportedModelError(
+                f"unsupported context of {limit!r} positions (max_position_embeddings "
+                f"{config.max_position_embeddings!r}): need at least {MIN_POSITIONS}")
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        for key, value in (("hidden_size", config.hidden_size), ("num_attention_heads", heads),
+                           ("num_key_value_heads", kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UnsupportedModelError(f"unsupported {key} {value!r}: need a positive integer")
+        if heads % kv_heads:
+            raise UnsupportedModelError(f"unsupported num_attention_heads {heads} with "
+                                        f"num_key_value_heads {kv_heads}: need a multiple")
+        if not getattr(config, "head_dim", None) and config.hidden_size % heads:
+            raise UnsupportedModelError(f"unsupported hidden_size {config.hidden_size} with "
+                                        f"num_attention_heads {heads}: need a multiple")
+        own = getattr(config, "head_dim", None) or config.hidden_size // heads
+        if own % 2:
+            raise UnsupportedModelError(f"unsupported head size {own}: rotary embeddings need an even one")
+        padded = -(-own // HEAD_MULTIPLE) * HEAD_MULTIPLE
+        return cls(
+            family=family,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=padded,
+            model_head_dim=own if padded != own else 0,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            max_positions=limit,
+            rms_eps=eps,
+        )
+
+    def manifest(self) -> dict:
+        """The manifest's `architecture` record."""
+        keep = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                "head_dim", "vocab_size", "max_positions")
+        return {k: v for k, v in asdict(self).items() if k in keep}
+
+
+def _positive_number(config, key: str, value=None) -> float:
+    """``config.<key>`` as a float that is finite and > 0, else UnsupportedModelError naming it
+    (a NaN or negative epsilon, a zero rotary base, would only fail deep inside ONNX Runtime or
+    give garbage tables)."""
+    value = getattr(config, key, None) if value is None else value
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = float("nan")
+    if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
+        raise UnsupportedModelError(f"unsupported {key} {value!r}: need a finite number > 0")
+    return number
+
+
+def _check_rope(config) -> None:
+    """The rotary base (``rope_theta``, or ``rope_parameters['rope_theta']``) and, with rope
+    scaling, its ``factor``: finite and > 0."""
+    theta = getattr(config, "rope_theta", None)
+    params = getattr(config, "rope_parameters", None)
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    if theta is not None:
+        _positive_number(config, "rope_theta", theta)
+    scaling = getattr(config, "rope_scaling", None)
+    if isinstance(scaling, dict) and scaling.get("factor") is not None:
+        _positive_number(config, "rope_scaling.factor", scaling["factor"])
+
+
+def _longrope_limit(config) -> int | None:
+    """LongRoPE switches every position to its long factors once a sequence passes the original
+    length (transformers recomputes the whole table), which a cache of rotated keys cannot follow:
+    such a model is capped at its original length, where the short factors hold throughout."""
+    scaling = getattr(config, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind != "longrope":
+        return None
+    original = (scaling.get("original_max_position_embeddings")
+                or getattr(config, "original_max_position_embeddings", None))
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise UnsupportedModelError(f"unsupported longrope scaling without a valid "
+                                    f"original_max_position_embeddings (got {original!r})")
+    return original
