@@ -23,7 +23,8 @@ import numpy as np
 
 from .adapters import ModelDrafter, ModelVerifier
 from .batching import BatchExecutor
-from .prefix_cache import CachedStart, Hit, PrefixCache
+from .cached_start import CachedStart
+from .prefix_cache import Hit, PrefixCache
 from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
 from .penalties import penalized
 from .sampling import SamplingParams, warp

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ContextLengthError, InferenceError
-from ..prefix_cache import CachedStart, Hit
+from ..cached_start import CachedStart
+from ..prefix_cache import Hit
 from ..protocols import CacheSession, LanguageModel
 from .manifest import PACKED_ROLES
 from .tree import compact_rows, tree_feeds
