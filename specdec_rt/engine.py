@@ -272,9 +272,10 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
         return stream
 
-    def _start(self, prompt: Prompt, max_new_tokens: int, params: SamplingParams, mode: Mode,
-               truncate_prompt: bool, logprobs: int | None):
-        """Encode the prompt and start the scheduler's request (in a worker thread)."""
+    def _encode(self, prompt: Prompt, max_new_tokens: int, truncate_prompt: bool) -> list[int]:
+        """The prompt's token ids, cut to fit with ``truncate_prompt`` (in a worker thread: a chat
+        template may take a while). Starting the scheduler's request is the event loop's: it
+        reads the prefix cache, whose bookkeeping only the loop's thread may touch."""
         try:
             ids = self.codec.encode_prompt(prompt)
         except SpecDecError:
@@ -289,7 +290,7 @@ class Engine:
                 raise ContextLengthError(f"max_new_tokens={max_new_tokens} leaves no room for the prompt in the "
                                          f"model's maximum length of {limit} tokens", len(ids), limit)
             ids = ids[-(limit - max_new_tokens):]
-        return self.scheduler.stream(ids, max_new_tokens, params, mode=mode, logprobs=logprobs)  # checks the rest
+        return ids
 
     async def _produce(self, ready: "_Ready", prompt, max_new_tokens, params, mode, stops: list[str],
                        truncate_prompt: bool, logprobs: int | None, send) -> None:
@@ -298,8 +299,8 @@ class Engine:
         async with send:
             try:
                 try:
-                    request = await anyio.to_thread.run_sync(
-                        lambda: self._start(prompt, max_new_tokens, params, mode, truncate_prompt, logprobs))
+                    ids = await anyio.to_thread.run_sync(lambda: self._encode(prompt, max_new_tokens, truncate_prompt))
+                    request = self.scheduler.stream(ids, max_new_tokens, params, mode=mode, logprobs=logprobs)  # checks the rest
                 except BaseException as exc:
                     ready.set(exc if isinstance(exc, Exception) else None)
                     raise

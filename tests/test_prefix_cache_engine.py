@@ -198,3 +198,30 @@ def test_the_chat_templates_shared_turn_is_not_prefilled_again(tiny_llama):
             assert got[0].stats.cached_prompt_tokens == 0 and got[1].stats.cached_prompt_tokens == shared
 
     asyncio.run(main())
+
+
+def test_the_cache_is_looked_up_on_the_event_loop_only(tiny_llama, monkeypatch):
+    """The cache's bookkeeping belongs to the event loop's thread: a lookup from the worker
+    thread that encodes prompts raced with releases ("Set changed size during iteration")."""
+    import threading
+
+    from specdec_rt.prefix_cache import PrefixCache
+
+    threads = []
+    lookup = PrefixCache._lookup
+
+    def recorded(self, tokens):
+        threads.append(threading.get_ident())
+        return lookup(self, tokens)
+
+    monkeypatch.setattr(PrefixCache, "_lookup", recorded)
+
+    async def main():
+        loop_thread = threading.get_ident()
+        async with await Engine.load(tiny_llama, draft=str(tiny_llama / "draft-q4"), spec_config=STATIC) as engine:
+            prompts = [f"{HISTORY} Question {k}?" for k in range(4)]
+            await asyncio.gather(*[engine.generate(p, 6) for p in prompts])
+            await asyncio.gather(*[engine.generate(p, 6) for p in prompts])  # hits now
+        assert threads and set(threads) == {loop_thread}
+
+    asyncio.run(main())
