@@ -289,9 +289,11 @@ def _path_tokens(tree: DraftTree, node: int) -> list[int]:
 
 
 def _note_cached_prompt(ctx: RequestContext, s: SyncedSession, first: bool) -> None:
-    """After a request's first target call: the prompt positions the prefix cache supplied."""
+    """After a request's first target call: the prompt positions the prefix cache supplied, and
+    whether the cache was asked at all."""
     if first:
         ctx.stats.cached_prompt_tokens = int(getattr(s.session, "cached_tokens", 0))
+        ctx.stats.cache_queries = int(getattr(s.session, "cache_queried", False))
 
 
 def _q_rows(drafts: Sequence[DraftToken], p: np.ndarray) -> np.ndarray:

@@ -25,6 +25,7 @@ class CachedStart:
     def _start_from(self, hit: Hit | None, tokens: np.ndarray | None) -> int:
         self._deferred = hit if hit is not None and hit.owner is not None else None
         self._start = tokens.size if tokens is not None else 0
+        self.cache_queried = tokens is not None  #: the cache was looked up (a model passes tokens only when it caches)
         self.cached_tokens = hit.length if hit is not None and self._deferred is None else 0  #: not computed
         return hit.length if hit is not None else 0
 

@@ -109,6 +109,7 @@ class Stats:
     mode: str = "spec"
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt positions the prefix cache supplied (not computed)
+    cache_queries: int = 0  # the target's prefix-cache lookups (one per request that looked; none when seeded, or off)
     new_tokens: int = 0
     rounds: int = 0  # speculative rounds: draft k >= 1, then one verify call
     ar_steps: int = 0  # plain target steps (mode "ar", fallback, or no draft available)
@@ -185,7 +186,7 @@ class Stats:
 
     def merge(self, other: "Stats") -> None:
         """Add another request's counters to these (for totals across requests)."""
-        for name in ("prompt_tokens", "cached_prompt_tokens", "new_tokens", "rounds", "ar_steps", "drafted", "accepted",
+        for name in ("prompt_tokens", "cached_prompt_tokens", "cache_queries", "new_tokens", "rounds", "ar_steps", "drafted", "accepted",
                      "tree_rounds", "tree_nodes", "tree_hits", "time_draft", "time_verify", "time_total"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.position_drafted, other.position_drafted),

@@ -235,7 +235,7 @@ class Job:
             self.finish[i] = ev.finished if ev.finished in ("stop", "length") else "stop"
             self.stats[i] = ev.stats
             if ev.stats is not None:
-                m.observe_stats(ev.stats, cached=self.serving.caching)
+                m.observe_stats(ev.stats)
             m.success.labels(self.finish[i]).inc()
             if all(self.finish):
                 m.e2e.observe(now - self.arrived)

@@ -71,11 +71,11 @@ class Metrics:
         """A ``batch_listeners`` callback (may be called from the engine's worker threads)."""
         self.batch_size.observe(rows)
 
-    def observe_stats(self, stats, cached: bool = False) -> None:
+    def observe_stats(self, stats) -> None:
         """A finished request's :class:`~specdec_rt.types.Stats` (its tokens were counted as they
-        came); ``cached``: the engine's prefix cache is on (the request looked its prompt up)."""
+        came; ``cache_queries``: it looked its prompt up in the prefix cache)."""
         self.prompt_tokens.inc(stats.prompt_tokens)
-        self.cache_queries.inc(int(cached))
+        self.cache_queries.inc(stats.cache_queries)
         self.cache_hit_tokens.inc(stats.cached_prompt_tokens)
         self.drafts.inc(stats.rounds)
         self.draft_tokens.inc(stats.drafted)

@@ -152,11 +152,6 @@ class Serving:
         info = getattr(self.engine, "prefix_cache", None)
         return float(info["bytes"]) if isinstance(info, dict) else 0.0
 
-    @property
-    def caching(self) -> bool:
-        info = getattr(self.engine, "prefix_cache", None)
-        return bool(info["enabled"]) if isinstance(info, dict) else False
-
     def _waiting(self) -> float:
         n = getattr(self.engine, "waiting", None)
         return n if isinstance(n, int) else max(0, self.admitted - self.slots)
