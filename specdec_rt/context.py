@@ -10,7 +10,7 @@ from .confidence import ChainStop
 from .errors import ContextLengthError, InvalidInputError
 from .logprobs import check_top_logprobs
 from .penalties import penalized
-from .sampling import SamplingParams
+from .sampling import SamplingParams, brief_repr
 from .types import FinishReason, Stats
 
 __all__ = ["RequestContext"]
@@ -48,10 +48,10 @@ class RequestContext:
             raise InvalidInputError(f"prompt token id {bad} is outside the model's vocabulary (ids 0..{vocab_size - 1}); "
                                     "a tokenizer that does not match the model?")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-            raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+            raise InvalidInputError(f"max_new_tokens must be a positive integer, got {brief_repr(max_new_tokens)}")
         if max_length is not None and prompt.size + max_new_tokens > max_length:
             raise ContextLengthError(
-                f"prompt of {prompt.size} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                f"prompt of {prompt.size} tokens + max_new_tokens={brief_repr(max_new_tokens)} exceeds the "
                 f"model's maximum length of {max_length} tokens", int(prompt.size), int(max_length)
             )
         self.params = params or SamplingParams()

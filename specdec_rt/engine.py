@@ -287,7 +287,7 @@ class Engine:
         limit = self.scheduler.max_length or len(ids) + max_new_tokens
         if truncate_prompt and len(ids) + max_new_tokens > limit:
             if max_new_tokens >= limit:  # no prompt token would be left
-                raise ContextLengthError(f"max_new_tokens={max_new_tokens} leaves no room for the prompt in the "
+                raise ContextLengthError(f"max_new_tokens={brief_repr(max_new_tokens)} leaves no room for the prompt in the "
                                          f"model's maximum length of {limit} tokens", len(ids), limit)
             ids = ids[-(limit - max_new_tokens):]
         return ids

@@ -315,3 +315,21 @@ def test_a_short_max_length_loads_and_generates(tiny_llama, max_length):
             r = await engine.generate("hi", max_new_tokens=1, mode="ar")
             assert len(r.token_ids) == 1
     anyio.run(main)
+
+
+@pytest.mark.export
+def test_a_max_new_tokens_past_the_context_is_a_short_context_error(tiny_llama):
+    """An int too long for str() (Python's 4,300-digit limit) made the context check's message
+    raise ValueError, outside the one error root; now every such message stays short."""
+    from specdec_rt.errors import ContextLengthError
+
+    async def main():
+        async with await _engine(tiny_llama) as engine:
+            for n in (10**5000, 10**300, engine.scheduler.max_length):
+                for truncate in (False, True):
+                    with pytest.raises(ContextLengthError) as err:
+                        await engine.generate(PROMPT, max_new_tokens=n, truncate_prompt=truncate)
+                    assert "max_new_tokens=" in str(err.value) and len(str(err.value)) < 200
+            _assert_idle(engine)
+
+    anyio.run(main)
