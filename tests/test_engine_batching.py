@@ -354,3 +354,40 @@ def test_a_failing_warm_up_never_fails_the_load(tiny_llama):
             assert len((await engine.generate(PROMPTS[0], 8)).token_ids) == 8
 
     anyio.run(main)
+
+
+def test_a_row_at_the_end_of_its_context_runs_apart_from_a_wider_batch(tiny_llama):
+    """A batched call pads every row to its widest; a row near its slot's end (a request asking
+    for its whole context) would then write past the slot, and ONNX Runtime failed the whole
+    call, every request in it (QA). Such a row now runs on its own, and every output is its
+    solo plain output; at the model level, each row's logits are its solo ones."""
+    always = SpecConfig(k_init=4, adapt_k=False, measure_costs=False, fallback_below=0.0,
+                        zero_rounds=10**6, min_speedup=0.0)
+    length = 48
+
+    async def main():
+        async with await Engine.load(tiny_llama, draft="q4", max_length=length, spec_config=always,
+                                     warmup=False) as engine, \
+                await Engine.load(tiny_llama, draft="none", max_length=length, warmup=False) as plain:
+            long = "the cat runs fast " * 3
+            room = length - len(engine.codec.encode_prompt(long))
+            jobs = [(long, room), ("hello", 40), ("a dog", 40)]
+            for _ in range(3):
+                got = await asyncio.gather(*[engine.generate(p, n) for p, n in jobs])
+                want = [await plain.generate(p, n, mode="ar") for p, n in jobs]
+                assert [g.token_ids for g in got] == [w.token_ids for w in want]
+                assert sum(g.stats.rounds for g in got) > 0
+
+    anyio.run(main)
+
+    model = OrtModel(tiny_llama, max_length=16, slots=2)
+    a, b = model.start(), model.start()
+    a.run_sync(np.arange(3, 18, dtype=np.int64), 1, 0)  # 15 of 16 positions: room for one more
+    b.run_sync(np.arange(3, 6, dtype=np.int64), 1, 0)
+    solo = [a.run_sync(np.array([30]), 1, a.length), b.run_sync(np.array([31, 32, 33, 34]), 4, b.length)]
+    a.rollback(15)
+    b.rollback(3)
+    together = model.run_rows_sync([a, b], [np.array([30]), np.array([31, 32, 33, 34])], [1, 4])
+    for x, y in zip(together, solo):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    assert (a.length, b.length) == (16, 7)

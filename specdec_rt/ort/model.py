@@ -261,6 +261,18 @@ class OrtModel(LanguageModel):
             s._length = int(p) + 1
         return logits[at, 0]  # [B, V]
 
+    def _overflowing(self, sessions: list["OrtSession"], feeds: list[np.ndarray]) -> set[int]:
+        """Rows of a call of several that attention's padded layout would write past the end of
+        their slot: each row is padded to the call's widest (``S`` query positions after its
+        ``length``), and a slot holds ``max_len + 1`` (a request near its context limit, batched
+        with a longer verify). Empty for a call of one row (its own width always fits)."""
+        if len(sessions) < 2:
+            return set()
+        queries = [2 if np.size(f) == 1 and getattr(s, "lone_twice", self.lone_twice) else np.size(f)
+                   for s, f in zip(sessions, feeds)]  # what packed_layout gives attention per row
+        width = max(queries)
+        return {i for i, s in enumerate(sessions) if s.length + width > self.pool.shape[2]}
+
     def run_rows_sync(self, sessions: list["OrtSession"], feeds: list[np.ndarray], wants: list[int]) -> list[np.ndarray]:
         """Several new positions for each of several sessions in one call (packed graphs only;
         in a worker thread): session i feeds ``feeds[i]`` ``[S_i]`` after its ``length`` cached
@@ -272,6 +284,15 @@ class OrtModel(LanguageModel):
         """
         if len(sessions) == 1 and np.size(feeds[0]) == 1 and sessions[0].pad_lone:  # a lone position: see pad_lone
             return [sessions[0].run_sync(np.asarray(feeds[0], dtype=np.int64), 1, sessions[0].length)]
+        apart = self._overflowing(sessions, feeds)
+        if apart:  # rows near the end of their slot go alone (a call's padding would not fit there)
+            out = [None] * len(sessions)
+            keep = [i for i in range(len(sessions)) if i not in apart]
+            for group in ([keep] if keep else []) + [[i] for i in apart]:
+                for i, r in zip(group, self.run_rows_sync([sessions[i] for i in group], [feeds[i] for i in group],
+                                                          [wants[i] for i in group])):
+                    out[i] = r
+            return out
         lo, rows, at = self._span(sessions)
         pasts = [s.length for s in sessions]
         news = np.zeros(rows, dtype=np.int64)  # [rows] new positions per slot
