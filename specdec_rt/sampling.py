@@ -280,6 +280,8 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     probs = np.asarray(probs)
     if probs.ndim != 1 or probs.size == 0:
         raise InvalidInputError(f"probs must be a non-empty row [V], got shape {probs.shape}")
+    if probs.dtype.kind in "iu":  # integer weights: summed as floats (an int64 sum wraps around)
+        probs = probs.astype(np.float64)
     cdf = np.cumsum(probs)  # [V]
     total = cdf[-1]  # NaN if any entry is NaN, inf if one is inf
     if not np.isfinite(total) or total <= 0 or probs.min() < 0:

@@ -89,6 +89,13 @@ def test_sample_never_picks_from_a_row_that_is_not_a_distribution(probs, what):
         sample(np.array(probs, dtype=np.float32), np.random.default_rng(0))
 
 
+def test_sample_sums_integer_weights_without_wrapping_around():
+    """An int64 cumulative sum of [2**62, 2**62] wrapped to a negative total ("sums to 0")."""
+    rng = np.random.default_rng(0)
+    assert {sample(np.array([2**62, 2**62]), rng) for _ in range(64)} == {0, 1}
+    assert {sample(np.array([0, 3, 0], dtype=np.uint8), rng) for _ in range(16)} == {1}
+
+
 @pytest.mark.parametrize("kwargs,field", [
     ({"temperature": 10**400}, "temperature"), ({"temperature": 10**30 * 10**300}, "temperature"),
     ({"temperature": np.float64("nan")}, "temperature"), ({"temperature": np.bool_(True)}, "temperature"),
