@@ -340,3 +340,23 @@ def test_a_max_new_tokens_past_the_context_is_a_short_context_error(tiny_llama):
             _assert_idle(engine)
 
     anyio.run(main)
+
+
+@pytest.mark.export
+def test_a_max_length_past_the_graph_is_capped_with_a_warning(tiny_llama, caplog):
+    """Capped to the manifest's max_positions as before, but no longer silently (QA); a huge
+    int is described, not printed (str() of it would raise)."""
+    import logging
+
+    from specdec_rt.ort import OrtModel
+
+    with caplog.at_level(logging.WARNING, logger="specdec_rt"):
+        for asked in (100_000, 10**5000):
+            model = OrtModel(tiny_llama, max_length=asked, slots=1)
+            assert model.max_length == model.manifest.max_positions < 100_000
+    lines = [r.getMessage() for r in caplog.records if "max_length_capped" in r.getMessage()]
+    assert len(lines) == 2 and "asked='100000'" in lines[0] and "bits" in lines[1]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specdec_rt"):
+        OrtModel(tiny_llama, max_length=64, slots=1)
+    assert not [r for r in caplog.records if "max_length_capped" in r.getMessage()]

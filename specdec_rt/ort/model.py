@@ -21,6 +21,7 @@ from ..errors import InferenceError, ModelLoadError
 from ..logs import get_logger
 from ..prefix_cache import DEFAULT_BLOCK
 from ..protocols import LanguageModel
+from ..sampling import brief_repr
 from .kvpool import KVPool
 from .manifest import PACKED_ROLES, Manifest, load_manifest
 from .session import OrtSession
@@ -59,6 +60,9 @@ class OrtModel(LanguageModel):
         self.name = m.name
         self.vocab_size = m.vocab_size
         self.max_length = min(max_length or DEFAULT_MAX_LENGTH, m.max_positions)
+        if max_length and max_length > m.max_positions:  # asked for more than the graph holds
+            get_logger("specdec_rt").warning("model.max_length_capped", model=m.name, asked=brief_repr(max_length),
+                                             max_length=m.max_positions)
         if self.max_length < 2:
             raise ModelLoadError(f"max_length must be >= 2, got {max_length!r}")
         if slots < 1:
