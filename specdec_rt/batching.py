@@ -34,7 +34,8 @@ can tell which positions of every slot are free to scribble on.
 
 Cancellation: a caller cancelled while its call waits is dropped from the queue; a call already
 running finishes and its result is discarded (the session's cache then holds positions its owner
-never saw, which the next call rolls back). :meth:`aclose` stops the loop after the call in
+never saw, which the next call rolls back), and a session closed meanwhile frees its IO binding
+and KV slot only when that call has returned (:meth:`BatchExecutor.after_call`). :meth:`aclose` stops the loop after the call in
 flight, so model buffers are never freed under a running call; waiting callers get
 ``EngineClosedError``.
 """
@@ -133,6 +134,8 @@ class BatchExecutor:
         self._seen: set[tuple[int, int, int]] = set()
         self._chores: dict[int, Callable[[], Any]] = {}  # idle-time work (see chore)
         self._chore: Any = None  # the piece of idle-time work under way
+        self._busy: set[int] = set()  # ids of the sessions whose call runs in the worker thread now
+        self._after: list[Callable[[], Any]] = []  # what waits for that call to return (after_call)
         self.calls = 0
         #: ids of the models whose calls go first (draft models): others wait while they have calls
         self.lead: set[int] = set()
@@ -161,6 +164,15 @@ class BatchExecutor:
                 call.future.cancel()
                 if call in self._pending:
                     self._pending.remove(call)
+
+    def after_call(self, session, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` now, or, while a call of ``session`` runs in the worker thread, as soon
+        as that call returns (on the event loop). A session that closes (its request cancelled
+        mid-call) frees its IO binding and slot this way, never under a running call."""
+        if id(session) in self._busy:
+            self._after.append(fn)
+        else:
+            fn()
 
     def chore(self, fn: Callable[[], Any]) -> None:
         """Idle-time work: while no call waits, ``fn()`` (on the event loop) returns a job with
@@ -290,7 +302,16 @@ class BatchExecutor:
         t0 = perf_counter()
         try:
             job = make_job(calls)
-            results = job() if inline else await anyio.to_thread.run_sync(job)
+            if inline:  # on this thread: nothing can close a session meanwhile
+                results = job()
+            else:
+                self._busy = {id(c.session) for c in calls}
+                try:
+                    results = await anyio.to_thread.run_sync(job)
+                finally:
+                    self._busy, after, self._after = set(), self._after, []
+                    for fn in after:  # sessions closed while their call ran
+                        fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the callers
             if isinstance(exc, asyncio.CancelledError):
                 raise

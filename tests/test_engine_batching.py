@@ -391,3 +391,50 @@ def test_a_row_at_the_end_of_its_context_runs_apart_from_a_wider_batch(tiny_llam
     for x, y in zip(together, solo):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
     assert (a.length, b.length) == (16, 7)
+
+
+def test_a_request_cancelled_mid_call_frees_its_session_only_when_the_call_returns(tiny_llama, monkeypatch):
+    """Cancelling a request while its own call runs in the worker thread closed its session
+    there and then: its IO binding was cleared under the running ONNX Runtime call ("Missing
+    Input: input_ids", then a segfault or an abort; QA). The session now frees its binding and
+    slot when the call returns."""
+    import threading
+
+    from specdec_rt.ort.session import OrtSession
+
+    entered, proceed = threading.Event(), threading.Event()
+    run_sync = OrtSession.run_sync
+
+    def held(self, ids, rows, past, **extra):
+        if ids.size > 100:  # the long prompt's call: hold it in flight
+            entered.set()
+            proceed.wait(10)
+        return run_sync(self, ids, rows, past, **extra)
+
+    monkeypatch.setattr(OrtSession, "run_sync", held)
+
+    async def main():
+        async with await Engine.load(tiny_llama, draft="none", max_length=512, slots=2, warmup=False,
+                                     prefix_cache=False) as engine:
+            pool = engine.target.pool
+            task = asyncio.ensure_future(engine.generate("the quick brown fox " * 20, 4, mode="ar"))
+            await asyncio.to_thread(entered.wait, 10)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(100):  # the request's own task ends (its session closed) meanwhile
+                if not engine._tasks and engine.running == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert not engine._tasks and engine.running == 0 and engine.scheduler.running == 0
+            assert pool.free == 1  # the running call still holds its slot (and its binding)
+            proceed.set()
+            for _ in range(100):
+                if pool.free == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert pool.free == 2  # freed as soon as the call returned, no garbage collection
+            want = (await engine.generate("def add(a, b):", 6, mode="ar")).token_ids
+            assert len(want) == 6
+
+    anyio.run(main)

@@ -205,15 +205,20 @@ class OrtSession(CachedStart, CacheSession):
         self._length = length  # positions >= length are overwritten by the next extend
 
     def close(self) -> None:
+        """No more calls; the IO binding and the slot are freed now, or (a cancelled request
+        whose call runs in the worker thread) when that call returns."""
         if not self._closed:
             self._closed = True
-            self._io.clear_binding_inputs()
-            self._io.clear_binding_outputs()
-            if self.model.pool is not None:  # None: the model was closed meanwhile
-                if self.model._owners.get(self.slot) is self:
-                    del self.model._owners[self.slot]
-                self.model.pool.release(self.slot, self._ids[: self.kept_length()])
-                self.model.executor.chore(self.model.pool.cache.next_stash)  # copied out while idle
+            self.model.executor.after_call(self, self._free)
+
+    def _free(self) -> None:
+        self._io.clear_binding_inputs()
+        self._io.clear_binding_outputs()
+        if self.model.pool is not None:  # None: the model was closed meanwhile
+            if self.model._owners.get(self.slot) is self:
+                del self.model._owners[self.slot]
+            self.model.pool.release(self.slot, self._ids[: self.kept_length()])
+            self.model.executor.chore(self.model.pool.cache.next_stash)  # copied out while idle
 
 
 class _StepBuffers:
