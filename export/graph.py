@@ -112,7 +112,7 @@ class _Graph:
         self.data = data
         self.quant = quant
         self.grids: dict[str, int] = {}  # weights kept on their source's grid, by form
-        self._block_sums: dict[str, str] = {}  # input -> its sums over blocks of 32 (offsets)
+        self._block_sums: dict[tuple[str, int], str] = {}  # (input, block size) -> its sums over blocks (offsets)
 
     def node(self, op, inputs, outputs, name, domain="", **attrs) -> list[str]:
         self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
@@ -163,11 +163,12 @@ class _Graph:
             if q.zero_points is not None:  # symmetric: none (the kernel's default, 2^(bits-1))
                 ins.append(self.init(f"{name}.zero_points", q.zero_points))
             offsets = grid is not None and grid.offsets is not None
+            bs = grid.block_size if grid else self.quant.block_size
             self.node("MatMulNBits", ins, [f"{name}/codes" if offsets else out],
                       f"{name}/MatMulNBits", domain=MS, K=q.k, N=q.n, bits=bits,
-                      block_size=self.quant.block_size, accuracy_level=self.quant.accuracy_level)
+                      block_size=bs, accuracy_level=self.quant.accuracy_level)
             if offsets:  # + sum over each block of x, times the block's offset
-                part = self.node("MatMul", [self.block_sums(x, q.k), self.init(
+                part = self.node("MatMul", [self.block_sums(x, q.k, bs), self.init(
                     f"{name}.offsets", grid.offsets)], [f"{name}/offset"], f"{name}/Offsets")[0]
                 self.node("Add", [f"{name}/codes", part], [out], f"{name}/AddOffsets")
         if bias is None:
@@ -175,16 +176,18 @@ class _Graph:
         return self.node("Add", [out, self.init(f"{name}.bias", bias)], [f"{name}/biased"],
                          f"{name}/Add")[0]
 
-    def block_sums(self, x: str, k: int) -> str:
-        """``x [1, N, K]`` summed over each block of K: ``[1, N, K / block]`` (once per input)."""
-        if x not in self._block_sums:
-            bs = self.quant.block_size
-            shape = self.init(f"{x}/block_shape", np.array([0, 0, k // bs, bs], dtype=np.int64))
-            rows = self.node("Reshape", [x, shape], [f"{x}/blocks"], f"{x}/Blocks")[0]
-            axes = self.init(f"{x}/block_axis", np.array([-1], dtype=np.int64))
-            self._block_sums[x] = self.node("ReduceSum", [rows, axes], [f"{x}/block_sums"],
-                                            f"{x}/BlockSums", keepdims=0)[0]
-        return self._block_sums[x]
+    def block_sums(self, x: str, k: int, bs: int) -> str:
+        """``x [1, N, K]`` summed over each block of ``bs`` along K: ``[1, N, K / bs]`` (once per
+        input and block size)."""
+        key = (x, bs)
+        if key not in self._block_sums:
+            tag = x if bs == self.quant.block_size else f"{x}/b{bs}"
+            shape = self.init(f"{tag}/block_shape", np.array([0, 0, k // bs, bs], dtype=np.int64))
+            rows = self.node("Reshape", [x, shape], [f"{tag}/blocks"], f"{tag}/Blocks")[0]
+            axes = self.init(f"{tag}/block_axis", np.array([-1], dtype=np.int64))
+            self._block_sums[key] = self.node("ReduceSum", [rows, axes], [f"{tag}/block_sums"],
+                                              f"{tag}/BlockSums", keepdims=0)[0]
+        return self._block_sums[key]
 
     def rms_norm(self, x: str, skip: str | None, w: np.ndarray, name: str,
                  out: str | None = None):

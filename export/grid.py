@@ -16,11 +16,25 @@ add ``sum_{k in block} x_k * o_block``, i.e. ``ReduceSum(x in blocks of 32) @ O`
 weights alone (per block: the min is the offset, (max - min) / 15 the step, every weight within
 1e-3 of a step of the grid), so any source whose weights lie on such a grid keeps it; a weight
 that does not is quantized as before.
+
+llama.cpp's other formats lie on such grids too, with steps that the min and max do not give
+(a block need not use its extreme codes):
+
+    Q4_K sub-block of 32:  W = (d sc) c - dmin m,  c in [0, 16)   -> "q4_k": 4 bits + offsets
+    Q5_0 block of 32:      W = d (c - 16),         c in [0, 32)   -> "sym8": 8-bit symmetric codes
+    Q6_K sub-block of 16:  W = d sc (c - 32),      c in [0, 64)   -> "sym8_16": 8 bits, block 16
+    any of these, mixed:   a fused weight (q, k, v)                -> "affine8_16": 8 bits + offsets
+
+There the step is found as the smallest gap between a block's distinct values divided by a
+small integer (1..32: the codes a block uses need not include neighbours), the largest such step
+that puts every weight on the grid within the same tolerance. Q4_K_M files (Qwen2.5's) are
+Q4_K and Q6_K; the Qwen2.5 0.5B file also has Q5_0 and Q8_0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -35,10 +49,11 @@ TOLERANCE = 1e-3  # of a grid step: dequantized sources are on the grid to float
 class GridWeight:
     """A weight found on a quantization grid: symmetric MatMulNBits codes + block offsets."""
 
-    form: str  # "q4_1" | "q8_0" (the source grid it matches)
+    form: str  # "q4_1" | "q8_0" | "q4_k" | "sym8" | "sym8_16" | "affine8_16" (the source grid it matches)
     bits: int
     q: QuantizedWeight  # zero_points None: the kernel's default 2^(bits-1)
-    offsets: np.ndarray | None  # float32 [n_blocks, N]; None: no offset (Q8_0)
+    offsets: np.ndarray | None  # float32 [n_blocks, N]; None: no offset (symmetric forms)
+    block_size: int = 32
 
 
 def _blocks(weight: np.ndarray, bs: int) -> np.ndarray | None:
@@ -55,7 +70,7 @@ def _q8_0(weight: np.ndarray, blocks: np.ndarray, bs: int) -> GridWeight | None:
     back = dequantize(q, spec).T.reshape(blocks.shape)  # [N, nb, bs]
     if (np.abs(back - blocks).max(axis=2) / q.scales).max() > TOLERANCE:
         return None
-    return GridWeight("q8_0", 8, q, None)
+    return GridWeight("q8_0", 8, q, None, bs)
 
 
 def _q4_1(blocks: np.ndarray, k: int) -> GridWeight | None:
@@ -72,17 +87,147 @@ def _q4_1(blocks: np.ndarray, k: int) -> GridWeight | None:
     offsets = np.where(flat, lo, lo + 8 * step).T.astype(np.float32)  # [nb, N]
     q = QuantizedWeight(_pack_nibbles(codes.astype(np.uint8)), step.astype(np.float32), None,
                         k, blocks.shape[0])
-    return GridWeight("q4_1", 4, q, np.ascontiguousarray(offsets))
+    return GridWeight("q4_1", 4, q, np.ascontiguousarray(offsets), blocks.shape[2])
+
+
+MAX_DIVISOR = 32  # a block's step is its smallest gap (or magnitude) divided by at most this
+
+
+def _steps(smallest: np.ndarray, fits) -> np.ndarray | None:
+    """Per block, the largest step ``smallest / m`` (m = 1..MAX_DIVISOR) for which
+    ``fits(step [b], where [b] block indices) -> bool [b]`` holds; None if some block has none.
+    Each try looks only at the blocks still without a step."""
+    flat = smallest.reshape(-1)
+    step = np.full(flat.shape, np.nan, dtype=np.float64)
+    todo = np.arange(flat.size)
+    for m in range(1, MAX_DIVISOR + 1):
+        if todo.size == 0:
+            break
+        cand = flat[todo] / m
+        ok = fits(cand, todo)
+        step[todo[ok]] = cand[ok]
+        todo = todo[~ok]
+    return None if todo.size else step.reshape(smallest.shape)
+
+
+def _on_steps(values: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Codes ``rint(values / step)`` and whether every value of a block is within TOLERANCE of
+    a step of them (``values`` [..., bs], ``step`` [...])."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        codes = np.rint(values / step[..., None])
+        off = np.abs(codes * step[..., None] - values).max(axis=-1) / step
+    return codes, np.nan_to_num(off, nan=np.inf) <= TOLERANCE
+
+
+def _affine(blocks: np.ndarray, k: int, bits: int) -> GridWeight | None:
+    """Affine blocks ``W = d c + m`` whose codes need not span [0, 2^bits) (Q4_K at 4 bits; at
+    8 bits any of these forms, e.g. a fused weight whose columns come from Q4_K and Q6_K
+    tensors): Q4_1's form, symmetric codes + a float offset per block, another step."""
+    top = (1 << bits) - 1
+    half = 1 << (bits - 1)
+    lo, hi = blocks.min(axis=2), blocks.max(axis=2)  # [N, nb]
+    gaps = np.diff(np.sort(blocks, axis=2), axis=2).astype(np.float64)  # [N, nb, bs - 1]
+    span = (hi - lo).astype(np.float64)
+    gaps[gaps <= span[..., None] * 1e-6] = np.inf  # equal values (to float rounding) are one value
+    smallest = gaps.min(axis=2)
+    flat = ~np.isfinite(smallest)  # a constant block: code `half` (zero weight part), the value in the offset
+    smallest[flat] = 1.0
+    shifted = (blocks - lo[..., None]).astype(np.float64).reshape(-1, blocks.shape[2])  # [blocks, bs]
+    flat_rows = flat.reshape(-1)
+
+    def fits(step, where):
+        codes, ok = _on_steps(shifted[where], step)
+        return ok & (codes.max(axis=-1) <= top) | flat_rows[where]
+
+    step = _steps(smallest, fits)
+    if step is None:
+        return None
+    step[flat] = 1.0
+    codes, _ = _on_steps(shifted.reshape(blocks.shape), step)
+    codes[flat] = float(half)
+    offsets = np.where(flat, lo, lo + half * step).T.astype(np.float32)  # [nb, N]
+    codes = codes.astype(np.uint8)
+    q = QuantizedWeight(_pack_nibbles(codes) if bits == 4 else codes, step.astype(np.float32), None, k,
+                        blocks.shape[0])
+    bs = blocks.shape[2]
+    form = "q4_k" if bits == 4 else "affine8" + ("" if bs == 32 else f"_{bs}")
+    return GridWeight(form, bits, q, np.ascontiguousarray(offsets), bs)
+
+
+def _sym8(blocks: np.ndarray, k: int, bs: int) -> GridWeight | None:
+    """Symmetric blocks ``W = d c`` with integer c in [-127, 127] and any d (Q5_0, Q6_K, Q8_0):
+    8-bit MatMulNBits codes ``c + 128``."""
+    mags = np.abs(blocks).astype(np.float64)  # [N, nb, bs]
+    nonzero = np.where(mags > mags.max(axis=2, keepdims=True) * 1e-6, mags, np.inf)
+    smallest = nonzero.min(axis=2)
+    zero = ~np.isfinite(smallest)  # an all-zero block
+    smallest[zero] = 1.0
+    values = blocks.astype(np.float64).reshape(-1, blocks.shape[2])  # [blocks, bs]
+    zero_rows = zero.reshape(-1)
+
+    def fits(step, where):
+        codes, ok = _on_steps(values[where], step)
+        return ok & (np.abs(codes).max(axis=-1) <= 127) | zero_rows[where]
+
+    step = _steps(smallest, fits)
+    if step is None:
+        return None
+    step[zero] = 1.0
+    codes, _ = _on_steps(values.reshape(blocks.shape), step)
+    codes[zero] = 0.0
+    q = QuantizedWeight((codes + 128).astype(np.uint8), step.astype(np.float32), None, k, blocks.shape[0])
+    return GridWeight("sym8" if bs == 32 else f"sym8_{bs}", 8, q, None, bs)
+
+
+PROBE_COLUMNS = 64  # a form is tried on this many output columns first (a miss is then cheap)
+CHUNK_COLUMNS = 4096  # ... then on the whole weight this many columns at a time (memory bounded)
+
+
+def _detectors(block_size: int) -> list[tuple[int, Callable]]:
+    """(block size, detect(weight [K, n], blocks [n, nb, bs]) -> GridWeight | None), in order."""
+    return [(block_size, lambda w, b: _q8_0(w, b, block_size)), (block_size, lambda w, b: _q4_1(b, w.shape[0])),
+            (block_size, lambda w, b: _affine(b, w.shape[0], 4)), (block_size, lambda w, b: _sym8(b, w.shape[0], block_size)),
+            (16, lambda w, b: _sym8(b, w.shape[0], 16)), (16, lambda w, b: _affine(b, w.shape[0], 8))]
 
 
 def find_grid(weight: np.ndarray, block_size: int = 32) -> GridWeight | None:
     """``weight`` float32 [K, N] (the right operand of ``x @ W``) as Q8_0 or Q4_1 blocks along
-    K, or None when it lies on neither grid (or K is not a multiple of the block)."""
-    blocks = _blocks(weight, block_size)
-    if blocks is None:
-        return None
-    k = weight.shape[0]
-    return _q8_0(weight, blocks, block_size) or _q4_1(blocks, k)
+    K, else as Q4_K's affine 4-bit or a symmetric 8-bit grid (Q5_0) in the same blocks, else as
+    symmetric 8-bit blocks of 16 (Q6_K); None when it lies on no grid (or K is not a multiple
+    of the block), else as affine 8-bit blocks of 16 (columns from several of these forms). One
+    form for the whole weight: the first that every block fits."""
+    n = weight.shape[1]
+    for bs, detect in _detectors(block_size):
+        if bs > block_size:
+            continue
+
+        def on(cols: slice) -> GridWeight | None:
+            part = np.ascontiguousarray(weight[:, cols])
+            blocks = _blocks(part, bs)
+            return None if blocks is None else detect(part, blocks)
+
+        if on(slice(0, PROBE_COLUMNS)) is None:
+            continue
+        parts = []
+        for start in range(0, n, CHUNK_COLUMNS):
+            part = on(slice(start, start + CHUNK_COLUMNS))
+            if part is None or (parts and part.form != parts[0].form):
+                break
+            parts.append(part)
+        else:
+            return _joined(parts)
+    return None
+
+
+def _joined(parts: list[GridWeight]) -> GridWeight:
+    """One weight from column chunks of the same form."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    q = QuantizedWeight(np.concatenate([p.q.packed for p in parts]), np.concatenate([p.q.scales for p in parts]),
+                        None, first.q.k, sum(p.q.n for p in parts))
+    offsets = None if first.offsets is None else np.ascontiguousarray(np.concatenate([p.offsets for p in parts], axis=1))
+    return GridWeight(first.form, first.bits, q, offsets, first.block_size)
 
 
 def grid_dequantize(g: GridWeight) -> np.ndarray:

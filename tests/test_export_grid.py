@@ -1,6 +1,6 @@
-"""Weights already on a GGUF grid (Q4_1 / Q8_0) keep it in the int4 export (export.grid): found
-from the float weights alone, carried over exactly, and computed exactly by MatMulNBits plus the
-block offsets; anything else is requantized as before."""
+"""Weights already on a GGUF grid (Q4_1 / Q8_0, and Q4_K / Q5_0 / Q6_K) keep it in the int4
+export (export.grid): found from the float weights alone, carried over exactly, and computed
+exactly by MatMulNBits plus the block offsets; anything else is requantized as before."""
 
 from __future__ import annotations
 
@@ -31,20 +31,64 @@ def _on_grid(kind, k=96, n=40, seed=0):
     return gguf.quants.dequantize(gguf.quants.quantize(w, kind), kind).astype(np.float32).T.copy()
 
 
-@pytest.mark.parametrize("kind,form", [(Q.Q4_1, "q4_1"), (Q.Q8_0, "q8_0")])
-def test_a_gguf_grid_is_found_and_carried_over_exactly(kind, form):
-    w = _on_grid(kind)
+def _k_quant(kind, k=256, n=24, seed=0):
+    """A float32 [K, N] weight dequantized from random K-quant blocks (gguf-py quantizes no
+    K-quants, but its dequantization is llama.cpp's): random codes and scales, sane d / dmin."""
+    rng = np.random.default_rng(seed)
+    per, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
+    d = rng.uniform(1e-3, 4e-3, size=raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    if kind == Q.Q4_K:  # d, dmin, 12 bytes of 6-bit scales and mins, 128 of 4-bit codes
+        raw[..., 0:2], raw[..., 2:4] = d, d
+    else:  # Q6_K: 128 + 64 bytes of 6-bit codes, 16 int8 scales, d
+        raw[..., 208:210] = d
+    return gguf.quants.dequantize(raw.reshape(n, -1), kind).astype(np.float32).T.copy()
+
+
+@pytest.mark.parametrize("kind,form,bits,block", [(Q.Q4_1, "q4_1", 4, 32), (Q.Q8_0, "q8_0", 8, 32),
+                                                  (Q.Q5_0, "sym8", 8, 32), (Q.Q4_K, "q4_k", 4, 32),
+                                                  (Q.Q6_K, "sym8_16", 8, 16)])
+def test_a_gguf_grid_is_found_and_carried_over_exactly(kind, form, bits, block):
+    w = _k_quant(kind) if kind in (Q.Q4_K, Q.Q6_K) else _on_grid(kind)
     g = find_grid(w)
-    assert g is not None and g.form == form
+    assert g is not None and (g.form, g.bits, g.block_size) == (form, bits, block)
+    np.testing.assert_allclose(grid_dequantize(g), w, rtol=0, atol=1e-6 * np.abs(w).max())
+
+
+def test_a_fused_weight_of_several_grids_keeps_them_on_8_bits():
+    """q, k and v fused in one MatMul from Q4_K and Q6_K tensors: one affine 8-bit grid of 16."""
+    w = np.concatenate([_k_quant(Q.Q4_K, n=40), _k_quant(Q.Q4_K, n=8, seed=1), _k_quant(Q.Q6_K, n=8, seed=2)], axis=1)
+    g = find_grid(w)
+    assert g is not None and (g.form, g.bits, g.block_size) == ("affine8_16", 8, 16)
+    np.testing.assert_allclose(grid_dequantize(g), w, rtol=0, atol=1e-6 * np.abs(w).max())
+
+
+def test_wide_weights_are_read_in_column_chunks_of_one_form(monkeypatch):
+    import export.grid as grid
+
+    monkeypatch.setattr(grid, "CHUNK_COLUMNS", 16)
+    w = _k_quant(Q.Q4_K, n=40)
+    g = find_grid(w)
+    assert g is not None and g.form == "q4_k" and g.q.n == 40 and g.offsets.shape == (256 // 32, 40)
+    np.testing.assert_allclose(grid_dequantize(g), w, rtol=0, atol=1e-6 * np.abs(w).max())
+    w[:, 35] = _k_quant(Q.Q6_K, n=40, seed=3)[:, 35]  # a later chunk off the 4-bit grid: 8 bits for all
+    g = find_grid(w)
+    assert g is not None and g.form == "affine8_16" and g.q.n == 40
     np.testing.assert_allclose(grid_dequantize(g), w, rtol=0, atol=1e-6 * np.abs(w).max())
 
 
 def test_off_grid_weights_are_not_taken_for_a_grid():
     rng = np.random.default_rng(1)
     assert find_grid(rng.standard_normal((64, 8)).astype(np.float32)) is None
-    assert find_grid(_on_grid(Q.Q4_1, k=64)[:48]) is None  # K not a multiple of the block
+    assert find_grid(_on_grid(Q.Q4_1, k=64)[:40]) is None  # K not a multiple of any block
+    w48 = _on_grid(Q.Q4_1, k=64)[:48]  # a multiple of 16: its halves of Q4_1 blocks, 8 bits
+    g = find_grid(w48)
+    assert g is not None and (g.form, g.block_size) == ("affine8_16", 16)
+    np.testing.assert_allclose(grid_dequantize(g), w48, rtol=0, atol=1e-6 * np.abs(w48).max())
     w = _on_grid(Q.Q4_1)
-    w[5, 3] += 0.3 * np.ptp(w[:32, 3]) / 15  # one weight a third of a step off its block's grid
+    # one weight off its block's grid by an irrational part of a step (a rational part m/n would
+    # put it on the finer grid of step/n, which 8 bits hold exactly: found, and rightly so)
+    w[5, 3] += (5 ** 0.5 - 1) / 4 * np.ptp(w[:32, 3]) / 15
     assert find_grid(w) is None
 
 
@@ -74,13 +118,18 @@ def _linear_session(tmp_path, w, accuracy_level):
     return ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]), g.grids
 
 
-@pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q8_0])
-def test_the_kernel_with_offsets_computes_the_source_weight(tmp_path, kind):
-    w = _on_grid(kind, k=128, n=48, seed=3)
-    x = np.random.default_rng(4).standard_normal((1, 5, 128)).astype(np.float32)
+@pytest.mark.parametrize("kind,form", [(Q.Q4_1, "q4_1"), (Q.Q8_0, "q8_0"), (Q.Q5_0, "sym8"), (Q.Q4_K, "q4_k"),
+                                       (Q.Q6_K, "sym8_16"), ("mixed", "affine8_16")])
+def test_the_kernel_with_offsets_computes_the_source_weight(tmp_path, kind, form):
+    if kind == "mixed":
+        w = np.concatenate([_k_quant(Q.Q4_K, n=24, seed=3), _k_quant(Q.Q6_K, n=24, seed=4)], axis=1)
+    else:
+        w = _k_quant(kind, seed=3) if kind in (Q.Q4_K, Q.Q6_K) else _on_grid(kind, k=256, n=48, seed=3)
+    x = np.random.default_rng(4).standard_normal((1, 5, w.shape[0])).astype(np.float32)
     sess, forms = _linear_session(tmp_path, w, accuracy_level=0)  # float activations: exact math
-    assert forms == {"q4_1" if kind == Q.Q4_1 else "q8_0": 1}
-    np.testing.assert_allclose(sess.run(None, {"x": x})[0], x @ w, rtol=1e-5, atol=1e-5)
+    assert forms == {form: 1}
+    want = x @ w
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_the_fast_path_is_close_and_off_grid_weights_are_requantized(tmp_path):
