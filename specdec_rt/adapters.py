@@ -20,10 +20,10 @@ import numpy as np
 
 from .confidence import confidence
 from .context import RequestContext
-from .errors import ContextLengthError
+from .errors import ContextLengthError, InferenceError
 from .logprobs import token_logprobs
 from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
-from .sampling import biased, greedy_accept, rejection_sample, sample, warp
+from .sampling import biased, greedy_accept, greedy_ids, rejection_sample, sample, warp
 from .tree_sampling import DraftTree, chain_length, greedy_tree_accept, tree_accept, tree_parents
 from .types import DraftToken, Verdict
 
@@ -39,8 +39,10 @@ Sampler = Callable[[np.ndarray, np.ndarray, np.ndarray, np.random.Generator], np
 class SyncedSession:
     """A :class:`CacheSession` plus the ids it holds, kept consistent with committed tokens."""
 
-    def __init__(self, session: CacheSession, capacity: int, tokens: np.ndarray | None = None) -> None:
+    def __init__(self, session: CacheSession, capacity: int, tokens: np.ndarray | None = None,
+                 vocab_size: int | None = None) -> None:
         self.session = session
+        self.vocab_size = vocab_size  # the logits' width every call must have (None: unchecked)
         self.ids = np.zeros(capacity, dtype=np.int64)  # [capacity] ids whose KV the cache holds
         self._matched = 0  # ids[:_matched] are known to equal committed tokens (which never change)
         if session.length:  # a prefix cache hit: the first `length` of `tokens` are cached
@@ -71,7 +73,12 @@ class SyncedSession:
             )
         self.ids[n : n + ids.size] = ids  # before the call: a cancelled call may still have written them
         self._matched = min(self._matched, n)
-        return await self.session.extend(ids, logits_rows, **extra)
+        out = await self.session.extend(ids, logits_rows, **extra)
+        logits = out[0] if isinstance(out, tuple) else out
+        if self.vocab_size is not None and (np.ndim(logits) != 2 or np.shape(logits) != (logits_rows, self.vocab_size)):
+            raise InferenceError(f"the model returned logits of shape {np.shape(logits)} for {logits_rows} rows "
+                                 f"of its vocabulary of {self.vocab_size}")
+        return out
 
     def accept_tree(self, start: int, keep: np.ndarray) -> None:
         """After a tree call that started at ``start``: keep positions ``start + keep`` (the
@@ -124,9 +131,9 @@ class _ModelUser:
         query goes by the path of a batch's rows (backends with ``lone_twice``; and with a copy
         of it where the model's kernels round a lone position otherwise, ``lone_differs``)."""
         if cached and getattr(self.model, "caches_prefixes", False):
-            s = SyncedSession(self.model.start(tokens), self.model.max_length, tokens)
+            s = SyncedSession(self.model.start(tokens), self.model.max_length, tokens, self.vocab_size)
         else:
-            s = SyncedSession(self.model.start(), self.model.max_length)
+            s = SyncedSession(self.model.start(), self.model.max_length, vocab_size=self.vocab_size)
         if same_path and hasattr(s.session, "lone_twice") and getattr(self.model, "ragged", False):
             s.session.lone_twice = True
             s.session.pad_lone = getattr(self.model, "lone_differs", False)  # the MatMuls' path too
@@ -169,7 +176,7 @@ class ModelDrafter(_ModelUser, DraftInferrer):
                 logits = ctx.penalized(logits[None], [[d.id for d in drafts]])[0]
             if ctx.params.greedy:
                 scores = biased(logits, ctx.params)  # [V] the logits the target's argmax will read
-                x = int(np.argmax(scores))
+                x = int(greedy_ids(scores))
                 drafts.append(DraftToken(x))  # deterministic: q is one-hot at x
                 q = _softmax(scores) if ctx.tree_nodes else None  # [V] only to rank siblings
             else:
@@ -243,7 +250,7 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         _note_cached_prompt(ctx, s, first)
         scores = ctx.penalized(logits, [draft_ids[:i] for i in range(k + 1)])  # [k+1, V]: row i after i drafts
         if ctx.params.greedy:
-            target_ids = np.argmax(biased(scores, ctx.params), axis=-1)  # [k+1]
+            target_ids = greedy_ids(scores, ctx.params)  # [k+1]
             out = greedy_accept(draft_ids, target_ids)
         else:
             p = warp(scores, ctx.params)  # [k+1, V]
@@ -269,7 +276,7 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         _note_cached_prompt(ctx, s, first)
         scores = ctx.penalized(logits, [[]] + [_path_tokens(tree, j) for j in range(n)])  # row 1+j: after node j
         if ctx.params.greedy:
-            path, out = greedy_tree_accept(tree, np.argmax(biased(scores, ctx.params), axis=-1))
+            path, out = greedy_tree_accept(tree, greedy_ids(scores, ctx.params))
         else:
             p = warp(scores, ctx.params)  # [n + 1, V]
             tree.q = _q_rows(drafts, p)

@@ -26,7 +26,7 @@ from .errors import ModelLoadError
 from .ort.manifest import LIMITS, Manifest
 from .ort.model import OrtModel
 from .protocols import DraftInferrer
-from .sampling import sample, warp
+from .sampling import greedy_ids, sample, warp
 from .types import DraftToken
 
 __all__ = ["EagleDrafter", "load_vocab_map"]
@@ -119,7 +119,7 @@ class EagleDrafter(DraftInferrer):
         ``drafts`` (this round's so far: the penalties count them, as the target's check will)."""
         p = ctx.params
         if p.greedy and not p.logit_bias and not p.penalized:
-            return DraftToken(int(self.vocab[int(np.argmax(logits))]))
+            return DraftToken(int(self.vocab[int(greedy_ids(logits))]))
         full = np.full(self.target_vocab_size, -np.inf, dtype=np.float32)  # [V]
         full[self.vocab] = logits
         if p.penalized:

@@ -30,6 +30,7 @@ from .errors import InvalidInputError
 __all__ = [
     "SamplingParams",
     "warp",
+    "greedy_ids",
     "sample",
     "uniforms",
     "rejection_sample",
@@ -168,6 +169,20 @@ def biased(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     out = np.array(logits, dtype=np.result_type(logits.dtype, np.float32))  # a copy: the caller's rows stay raw
     out[..., ids] += np.fromiter((b for _, b in params.logit_bias), dtype=np.float64).astype(out.dtype)
     return out
+
+
+def greedy_ids(logits: np.ndarray, params: SamplingParams | None = None) -> np.ndarray:
+    """The argmax of each row of ``logits`` ``[..., V]`` plus the logit bias of ``params`` (none:
+    the logits as they are; the lowest id wins ties): ``[...]`` ids. A row whose maximum is NaN or +inf, or that has no finite value, is
+    :class:`InvalidInputError`, as in :func:`warp` (``np.argmax`` would pick a NaN, or id 0 of
+    a row of -inf, and greedy decoding would go on with it). One look at each chosen value."""
+    z = np.asarray(logits) if params is None else biased(np.asarray(logits), params)
+    ids = np.argmax(z, axis=-1)  # [...]
+    top = np.take_along_axis(z, ids[..., None], axis=-1)[..., 0]  # [...] NaN if the row holds one
+    if not np.isfinite(top).all():
+        raise InvalidInputError(f"logits {_row_name(~np.isfinite(top))} holds NaN or +inf, or no finite value: "
+                                "no token to choose")
+    return ids
 
 
 def brief_repr(value, limit: int = 80) -> str:

@@ -360,3 +360,63 @@ def test_a_max_length_past_the_graph_is_capped_with_a_warning(tiny_llama, caplog
     with caplog.at_level(logging.WARNING, logger="specdec_rt"):
         OrtModel(tiny_llama, max_length=64, slots=1)
     assert not [r for r in caplog.records if "max_length_capped" in r.getMessage()]
+
+
+class _FixedSession:
+    """A CacheSession whose every call returns ``fn(rows)`` (a broken model's logits)."""
+
+    def __init__(self, fn) -> None:
+        self.n, self.fn = 0, fn
+
+    @property
+    def length(self) -> int:
+        return self.n
+
+    async def extend(self, ids, rows):
+        self.n += len(ids)
+        return self.fn(rows)
+
+    def rollback(self, length: int) -> None:
+        self.n = length
+
+    def close(self) -> None:
+        pass
+
+
+class _FixedModel:
+    vocab_size, max_length = 8, 100
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def start(self):
+        return _FixedSession(self.fn)
+
+
+BROKEN = {"NaN": lambda r: np.full((r, 8), np.nan, np.float32), "+inf": lambda r: np.full((r, 8), np.inf, np.float32),
+          "all -inf": lambda r: np.full((r, 8), -np.inf, np.float32)}
+MISSHAPEN = {"too narrow": lambda r: np.zeros((r, 5), np.float32), "too wide": lambda r: np.zeros((r, 11), np.float32),
+             "one row for several": lambda r: np.zeros((1, 8), np.float32), "1-D": lambda r: np.zeros(8, np.float32)}
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("role", ["target", "draft"])
+@pytest.mark.parametrize("what", list(BROKEN) + list(MISSHAPEN))
+def test_a_model_whose_logits_are_broken_fails_the_request_in_greedy_decoding_too(greedy, role, what):
+    """Greedy decoding took np.argmax of NaN logits (id 0, or the NaN's) and went on; a row of
+    the wrong width passed unchecked (QA). Every such call now fails with the error root."""
+    from specdec_rt import InferenceError, ModelDrafter, ModelVerifier, SpecDecScheduler
+    from specdec_rt.testing import ToyLM
+
+    if role == "draft" and what == "one row for several":
+        pytest.skip("a draft step asks for one row")
+    broken = _FixedModel({**BROKEN, **MISSHAPEN}[what])
+    target, draft = (broken, ToyLM(8, seed=1)) if role == "target" else (ToyLM(8, seed=3), broken)
+    params = SamplingParams() if greedy else SamplingParams(temperature=0.7, seed=1)
+    scheduler = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), SpecConfig(measure_costs=False))
+    error = InferenceError if what in MISSHAPEN else InvalidInputError
+    with pytest.raises(error, match="logits"):
+        anyio.run(lambda: scheduler.run([1, 2, 3], 6, params, mode="spec"))
+    if role == "target" and what != "one row for several":  # a plain step asks for one row
+        with pytest.raises(error, match="logits"):
+            anyio.run(lambda: scheduler.run([1, 2, 3], 6, params, mode="ar"))
