@@ -230,10 +230,11 @@ class BatchExecutor:
             if not call.future.done():
                 call.future.set_exception(EngineClosedError("the engine was closed"))
         self._pending.clear()
-        if self._task is not None:
-            self._wake.set()
+        task = self._task
+        if task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop():
+            self._wake.set()  # (a task of an event loop that has ended runs no call)
             with anyio.CancelScope(shield=True):
-                await asyncio.wait([self._task])
+                await asyncio.wait([task])
 
     # ------------------------------------------------------------------ the loop
     async def _loop(self) -> None:

@@ -382,13 +382,17 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        await self.executor.aclose()  # no model call runs after this
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks))
-        for model in engine_models(self.target, self.drafter):
-            model.close()
+        try:
+            await self.executor.aclose()  # no model call runs after this
+            loop = asyncio.get_running_loop()  # tasks of an event loop that has ended cannot run: left alone
+            tasks = [t for t in self._tasks if t.get_loop() is loop and not t.done()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks)
+        finally:  # the models are released whatever happened above
+            for model in engine_models(self.target, self.drafter):
+                model.close()
 
     async def __aenter__(self) -> "Engine":
         return self

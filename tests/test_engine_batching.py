@@ -438,3 +438,14 @@ def test_a_request_cancelled_mid_call_frees_its_session_only_when_the_call_retur
             assert len(want) == 6
 
     anyio.run(main)
+
+
+def test_aclose_from_another_event_loop_releases_the_models(tiny_llama):
+    """Loaded (and warmed up) under one asyncio.run, closed under another: aclose waited on the
+    first loop's task and raised 'Event loop is closed', leaving the models open (QA)."""
+    engine = asyncio.run(Engine.load(tiny_llama, draft="q4"))
+    asyncio.run(engine.generate("def add(a, b):", 4))  # a second loop's requests work too
+    asyncio.run(engine.aclose())
+    assert engine.target.session is None and engine.target.pool is None
+    with pytest.raises(EngineClosedError):
+        asyncio.run(engine.generate("def add(a, b):", 4))
