@@ -411,3 +411,38 @@ def test_log_probabilities_through_the_openai_client_equal_the_engines_in_every_
                 assert t.choices[0].text == (await engine.generate(PROMPT, 8, mode="ar", repetition_penalty=1.3)).text
 
     anyio.run(main)
+
+
+@pytest.mark.parametrize("args,named", [(["--port", "70000"], "--port"), (["--port", "-1"], "--port"),
+                                        (["--request-timeout", "-1"], "--request-timeout"),
+                                        (["--request-timeout", "nan"], "--request-timeout"),
+                                        (["--drain-timeout", "-1"], "--drain-timeout"),
+                                        (["--drain-timeout", "inf"], "--drain-timeout"),
+                                        (["--host", "999.1.1.1"], "--host")])
+def test_cli_serve_refuses_bad_flags_in_one_line_before_loading(tiny_llama, args, named):
+    """--port 70000 listened on 4464, a negative timeout answered every request 504 or crashed
+    the drain, an unresolvable host failed inside uvicorn (QA)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "specdec_rt", "serve", "--model", str(tiny_llama), *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert proc.returncode != 0 and named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "listening" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 2
+
+
+def test_cli_serve_stops_on_sigterm_when_its_stderr_reader_is_gone(tiny_llama):
+    """`serve ... | head -1`: printing "stopping" to a closed pipe raised in the signal handler,
+    and the server never stopped (QA)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "specdec_rt", "serve", "--model", str(tiny_llama), "--port", "0",
+                             "--threads", "1"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, cwd=ROOT)
+    try:
+        first = proc.stderr.readline()
+        assert b"listening" in first, first
+        proc.stderr.close()  # the reader goes away
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

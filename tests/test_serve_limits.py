@@ -353,3 +353,10 @@ def test_a_failed_load_is_reported_and_health_says_failed():
         assert str(errors[0]) == "no such model"
     anyio.run(check)
 
+
+
+@pytest.mark.parametrize("kwargs", [{"request_timeout": -1}, {"request_timeout": float("nan")},
+                                    {"drain_timeout": -0.5}, {"drain_timeout": float("inf")}])
+def test_create_app_refuses_timeouts_that_are_not_seconds(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        create_app(lambda: None, **kwargs)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
+import socket
 import sys
 
 from ..errors import SpecDecError
@@ -26,15 +28,15 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                        description="Serve /v1/chat/completions, /v1/completions, /v1/models, "
                                    "/health and /metrics (see docs/serving.md).")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--slots", type=_positive, default=8, help="requests generating (and batched) at once (default 8)")
     p.add_argument("--max-queued", type=_non_negative, default=16,
                    help="requests waiting for a slot before new ones get 429 (default 16)")
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--request-timeout", type=_seconds, default=600.0,
                    help="seconds a request may take, queueing included (default 600; 0: none)")
     p.add_argument("--max-body-bytes", type=_positive, default=1 << 20,
                    help="largest request body; larger ones get 413 (default 1 MiB)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", type=_seconds, default=30.0,
                    help="on SIGTERM, seconds to let admitted requests finish; those left then get a 503 "
                         "(a stream: an error event) (default 30)")
     p.add_argument("--default-max-tokens", type=_positive, default=256,
@@ -84,11 +86,39 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _say(message: str) -> None:
+    """A line on stderr; a reader that has gone away (``serve ... | head -1``) must not keep the
+    server from starting or stopping."""
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 0..65535, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
 def run_serve(args) -> int:
     """Load the model (in the background: ``/health`` answers 503 meanwhile), serve until SIGTERM
     or SIGINT, then drain: new requests get 503, running ones get ``--drain-timeout`` seconds to
     finish, the engine is closed, and the exit status is 0. A model that fails to load exits 1.
     ``--ray``: replicas on Ray Serve instead (:func:`run_ray_serve`)."""
+    try:  # an address that cannot be listened on is named before the model loads
+        socket.getaddrinfo(args.host or None, args.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        _say(f"specdec_rt: error: --host {args.host!r} is not an address to listen on: {exc}")
+        return 1
     if args.ray:
         return run_ray_serve(args)
     try:
@@ -96,8 +126,7 @@ def run_serve(args) -> int:
 
         from .app import create_app
     except ImportError as exc:
-        print(f"specdec_rt: error: serve needs the 'serve' extra (pip install 'specdec-rt[serve]'): {exc}",
-              file=sys.stderr)
+        _say(f"specdec_rt: error: serve needs the 'serve' extra (pip install 'specdec-rt[serve]'): {exc}")
         return 1
     from pathlib import Path
 
@@ -147,7 +176,7 @@ def _draining_server(config, app):
 
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit:
-                print("specdec_rt serve: stopping: draining running requests", file=sys.stderr, flush=True)
+                _say("specdec_rt serve: stopping: draining running requests")
             app.state.serving.begin_drain()
             super().handle_exit(sig, frame)
 
@@ -156,11 +185,11 @@ def _draining_server(config, app):
             for server in self.servers:
                 for sock in server.sockets:
                     host, port = sock.getsockname()[:2]
-                    print(f"specdec_rt serve: listening on http://{host}:{port} (GET /health is 200 "
-                          "once the model is loaded)", file=sys.stderr, flush=True)
+                    _say(f"specdec_rt serve: listening on http://{host}:{port} (GET /health is 200 "
+                         "once the model is loaded)")
 
         def stop_after_load_error(self, exc: BaseException) -> None:
-            print(f"specdec_rt: error: {exc}", file=sys.stderr, flush=True)
+            _say(f"specdec_rt: error: {exc}")
             self.load_failed = True
             self.should_exit = True
 
@@ -183,8 +212,7 @@ def run_ray_serve(args) -> int:
 
         from .ray import APP_NAME, RayOptions, deployment_app, replica_states
     except ImportError as exc:
-        print(f"specdec_rt: error: serve --ray needs the 'ray' extra (pip install 'specdec-rt[ray]'): {exc}",
-              file=sys.stderr)
+        _say(f"specdec_rt: error: serve --ray needs the 'ray' extra (pip install 'specdec-rt[ray]'): {exc}")
         return 1
     from pathlib import Path
 
@@ -220,14 +248,14 @@ def run_ray_serve(args) -> int:
         for sig in previous:  # after ray.init, which installs handlers of its own
             signal.signal(sig, lambda *_: stop.set())
         serve.start(http_options={"host": args.host, "port": port})
-        print(f"specdec_rt serve: deploying {args.replicas} replica(s) on Ray", file=sys.stderr, flush=True)
+        _say(f"specdec_rt serve: deploying {args.replicas} replica(s) on Ray")
         serve.run(deployment_app(opts), name=APP_NAME, route_prefix="/", blocking=False)
         states = ", ".join(f"{n} {k.lower()}" for k, n in replica_states().items())
-        print(f"specdec_rt serve: listening on http://{args.host}:{port} (Ray Serve replicas: {states}; "
-              "the models are loaded)", file=sys.stderr, flush=True)
+        _say(f"specdec_rt serve: listening on http://{args.host}:{port} (Ray Serve replicas: {states}; "
+             "the models are loaded)")
         while not stop.wait(0.5):
             pass
-        print("specdec_rt serve: stopping: deleting the deployment", file=sys.stderr, flush=True)
+        _say("specdec_rt serve: stopping: deleting the deployment")
     finally:
         try:
             if ray.is_initialized():

@@ -8,6 +8,7 @@ call. ``slots`` of them generate (the engine's own limit); the rest wait for a s
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any, Awaitable, Callable, Literal
 
 import anyio
@@ -32,6 +33,9 @@ class Serving:
                  retry_after: int = 1, drain_timeout: float | None = None) -> None:
         if slots < 1 or max_queued < 0:
             raise ValueError(f"slots must be >= 1 and max_queued >= 0, got {slots} and {max_queued}")
+        for name, seconds in (("request_timeout", request_timeout), ("drain_timeout", drain_timeout)):
+            if seconds is not None and not (isinstance(seconds, (int, float)) and 0 <= seconds < math.inf):
+                raise ValueError(f"{name} must be None or a finite number of seconds >= 0, got {seconds!r}")
         self.slots, self.max_queued = slots, max_queued
         self.request_timeout, self.max_body_bytes = request_timeout, max_body_bytes
         self.default_max_tokens, self.retry_after = default_max_tokens, retry_after
