@@ -5,8 +5,8 @@
     curl -sN localhost:8000/generate -d '{"prompt": "def fib(n):", "max_new_tokens": 48}'
 
 The app's lifespan loads the engine at startup and closes it at shutdown. ``POST /generate``
-streams plain text as it is generated; bad arguments are a 400 (the engine checks them before any
-model work); a client that disconnects cancels its request, and closing the stream frees its KV
+streams plain text as it is generated; bad arguments and prompts too long for the model are a
+400 (the engine checks them before any model work: ``stream.ready()``); a client that disconnects cancels its request, and closing the stream frees its KV
 slots at once. For the whole OpenAI API instead, mount ``specdec_rt.serve.create_app(engine)``.
 """
 
@@ -39,7 +39,12 @@ def build_app(model: str | None = None, **load) -> Starlette:
         engine: Engine = request.app.state.engine
         try:
             stream = engine.stream(body.get("prompt"), **{k: body[k] for k in ARGS if k in body})
+        except InvalidInputError as exc:  # the arguments, checked at once
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        try:
+            await stream.ready()  # the prompt, encoded and checked (too long for the model?)
         except InvalidInputError as exc:
+            await stream.aclose()
             return JSONResponse({"error": str(exc)}, status_code=400)
 
         async def text():

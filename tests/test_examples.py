@@ -51,8 +51,14 @@ def test_starlette_embed_example(tiny_llama):
             async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
                 ok = await c.post("/generate", json={"prompt": "def add(a, b):", "max_new_tokens": 10})
                 bad = await c.post("/generate", json={"prompt": "hi", "max_new_tokens": -1})
+                room = engine.scheduler.max_length
+                long = await c.post("/generate", json={"prompt": "hi " * room, "max_new_tokens": 4})
+                over = await c.post("/generate", json={"prompt": "hi", "max_new_tokens": room})
+            assert engine.running == 0 and engine.target.pool.free == engine.slots
         assert ok.status_code == 200 and ok.text == want.text
         assert bad.status_code == 400 and "max_new_tokens" in bad.json()["error"]
+        for r in (long, over):  # found while encoding: a 400 too, not an empty 200 (QA)
+            assert r.status_code == 400 and "maximum length" in r.json()["error"], r.text
         with pytest.raises(EngineClosedError):  # the lifespan closed the engine
             engine.stream("x", 2)
 
