@@ -20,6 +20,7 @@ from .policy import RequestPolicy
 from .context import RequestContext
 from .errors import InferenceError, InvalidInputError, SpecDecError
 from .logs import get_logger
+from .logprobs import TokenLogprob
 from .protocols import DraftInferrer, TargetVerifier
 from .sampling import SamplingParams, brief_repr
 from .tree_policy import TreePolicy, TreeRates
@@ -72,9 +73,16 @@ class SpecDecScheduler:
 
     @property
     def max_length(self) -> int | None:
-        """Longest sequence (prompt + generated) both models can hold, if they say."""
-        lengths = [m for m in (getattr(self.verifier, "max_length", None),
-                               getattr(self.drafter, "max_length", None)) if m]
+        """Longest sequence (prompt + generated) both models can hold, if they say (``None``:
+        no limit; anything but a positive integer is an :class:`InferenceError` naming it)."""
+        lengths = []
+        for role, model in (("verifier", self.verifier), ("drafter", self.drafter)):
+            m = getattr(model, "max_length", None)
+            if m is None:
+                continue
+            if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+                raise InferenceError(f"the {role}'s max_length must be None or a positive integer, got {brief_repr(m)}")
+            lengths.append(int(m))
         return min(lengths) if lengths else None
 
     def stream(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int,
@@ -291,4 +299,6 @@ def _checked(verdict: Verdict, drafts: Sequence[DraftToken], vocab: int | None =
     if logprobs and (verdict.logprobs is None or len(verdict.logprobs) != len(verdict.tokens)):
         got = None if verdict.logprobs is None else len(verdict.logprobs)
         raise InferenceError(f"verifier returned {got} log-probabilities for {len(verdict.tokens)} tokens")
+    if logprobs and not all(isinstance(x, TokenLogprob) for x in verdict.logprobs):
+        raise InferenceError(f"verifier returned log-probabilities {brief_repr(verdict.logprobs)}: need TokenLogprob")
     return verdict

@@ -420,3 +420,31 @@ def test_a_model_whose_logits_are_broken_fails_the_request_in_greedy_decoding_to
     if role == "target" and what != "one row for several":  # a plain step asks for one row
         with pytest.raises(error, match="logits"):
             anyio.run(lambda: scheduler.run([1, 2, 3], 6, params, mode="ar"))
+
+
+@pytest.mark.parametrize("bad", ["10", 0, -3, True, 2.5])
+def test_a_plug_in_model_with_a_bad_max_length_is_named(bad):
+    from specdec_rt import InferenceError, ModelVerifier, SpecDecScheduler
+    from specdec_rt.testing import ToyLM
+
+    verifier = ModelVerifier(ToyLM(8, seed=1))
+    verifier.max_length = bad
+    scheduler = SpecDecScheduler(None, verifier, SpecConfig(measure_costs=False))
+    with pytest.raises(InferenceError, match="verifier's max_length"):
+        anyio.run(lambda: scheduler.run([1, 2, 3], 4, mode="ar"))
+
+
+def test_a_verifiers_log_probabilities_must_be_token_logprobs():
+    from specdec_rt import InferenceError, ModelVerifier, SpecDecScheduler
+    from specdec_rt.testing import ToyLM
+
+    class Junk(ModelVerifier):
+        async def verify_and_accept(self, ctx, drafts):
+            import dataclasses
+
+            verdict = await super().verify_and_accept(ctx, drafts)
+            return dataclasses.replace(verdict, logprobs=("junk",) * len(verdict.tokens))
+
+    scheduler = SpecDecScheduler(None, Junk(ToyLM(8, seed=1)), SpecConfig(measure_costs=False))
+    with pytest.raises(InferenceError, match="TokenLogprob"):
+        anyio.run(lambda: scheduler.run([1, 2, 3], 4, mode="ar", logprobs=0))
