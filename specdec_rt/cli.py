@@ -145,7 +145,8 @@ def _threads(text: str) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"recipe name or export folder (default {DEFAULT_MODEL})")
-    p.add_argument("--draft", default=None, help="draft name from the manifest, a folder, or 'none'")
+    p.add_argument("--draft", default=None, help="draft: a name from the manifest (e.g. q8), a folder, 'ngram', "
+                                                  "'ngram+<draft>' or 'none' (default: the engine's)")
     p.add_argument("--threads", type=_threads, default=None, help="ONNX Runtime intra-op threads per model (1-256)")
     p.add_argument("--max-length", type=int, default=None, help="KV cache capacity per request")
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])

@@ -256,6 +256,12 @@ def _check(args) -> tuple[list[int], list[str]]:
             raise LoadTestError(f"--{name.replace('_', '-')} must be positive, got {v}")
     if args.warmup < 0:
         raise LoadTestError(f"--warmup must be >= 0, got {args.warmup}")
+    if not 0 <= args.temperature <= 2:  # the server's range (OpenAI's); NaN too
+        raise LoadTestError(f"--temperature must be in 0..2, got {args.temperature}")
+    for name in ("duration", "time_limit", "request_timeout", "startup_timeout"):
+        v = getattr(args, name)
+        if v is not None and not math.isfinite(v):
+            raise LoadTestError(f"--{name.replace('_', '-')} must be a finite number of seconds, got {v}")
     if args.url:
         args.url = check_loopback(args.url)
         if args.server_arg or args.slots or args.max_queued:
