@@ -155,7 +155,7 @@ class _Graph:
         if self.quant is None:
             self.node("MatMul", [x, self.init(f"{name}.weight", w)], [out], f"{name}/MatMul")
         else:
-            grid = find_grid(w, self.quant.block_size) if self.quant.source_grid else None
+            grid = find_grid(w, self.quant.block_size, self.quant.grids) if self.quant.source_grid else None
             form = grid.form if grid else "requantized"
             self.grids[form] = self.grids.get(form, 0) + 1
             q, bits = (grid.q, grid.bits) if grid else (quantize(w, self.quant), self.quant.bits)

@@ -183,22 +183,26 @@ PROBE_COLUMNS = 64  # a form is tried on this many output columns first (a miss 
 CHUNK_COLUMNS = 4096  # ... then on the whole weight this many columns at a time (memory bounded)
 
 
-def _detectors(block_size: int) -> list[tuple[int, Callable]]:
-    """(block size, detect(weight [K, n], blocks [n, nb, bs]) -> GridWeight | None), in order."""
-    return [(block_size, lambda w, b: _q8_0(w, b, block_size)), (block_size, lambda w, b: _q4_1(b, w.shape[0])),
-            (block_size, lambda w, b: _affine(b, w.shape[0], 4)), (block_size, lambda w, b: _sym8(b, w.shape[0], block_size)),
-            (16, lambda w, b: _sym8(b, w.shape[0], 16)), (16, lambda w, b: _affine(b, w.shape[0], 8))]
+def _detectors(block_size: int) -> list[tuple[str, int, Callable]]:
+    """(form, block size, detect(weight [K, n], blocks [n, nb, bs]) -> GridWeight | None), in order."""
+    sym = "sym8" if block_size == 32 else f"sym8_{block_size}"
+    return [("q8_0", block_size, lambda w, b: _q8_0(w, b, block_size)),
+            ("q4_1", block_size, lambda w, b: _q4_1(b, w.shape[0])),
+            ("q4_k", block_size, lambda w, b: _affine(b, w.shape[0], 4)),
+            (sym, block_size, lambda w, b: _sym8(b, w.shape[0], block_size)),
+            ("sym8_16", 16, lambda w, b: _sym8(b, w.shape[0], 16)),
+            ("affine8_16", 16, lambda w, b: _affine(b, w.shape[0], 8))]
 
 
-def find_grid(weight: np.ndarray, block_size: int = 32) -> GridWeight | None:
+def find_grid(weight: np.ndarray, block_size: int = 32, forms: tuple[str, ...] | None = None) -> GridWeight | None:
     """``weight`` float32 [K, N] (the right operand of ``x @ W``) as Q8_0 or Q4_1 blocks along
     K, else as Q4_K's affine 4-bit or a symmetric 8-bit grid (Q5_0) in the same blocks, else as
     symmetric 8-bit blocks of 16 (Q6_K); None when it lies on no grid (or K is not a multiple
     of the block), else as affine 8-bit blocks of 16 (columns from several of these forms). One
-    form for the whole weight: the first that every block fits."""
+    form for the whole weight: the first that every block fits (of ``forms``; None: any)."""
     n = weight.shape[1]
-    for bs, detect in _detectors(block_size):
-        if bs > block_size:
+    for form, bs, detect in _detectors(block_size):
+        if bs > block_size or (forms is not None and form not in forms):
             continue
 
         def on(cols: slice) -> GridWeight | None:

@@ -28,7 +28,7 @@ from .model_spec import MIN_POSITIONS, ModelSpec
 from .manifest import (MANIFEST, SCHEMA_VERSION, build_manifest, is_export_manifest,
                        is_up_to_date, onnx_section, read_manifest, write_manifest)
 from .paths import inside, model_dir
-from .quant import QUANT_SPECS
+from .quant import QUANT_SPECS, quant_spec
 from .recipes import NAME_RE, fetch_source, find_recipe, list_recipes, load_recipe
 from .source import Source, open_source
 from .tokenizer import check_encoding, compare_tokenizers, save_tokenizer, sha256_file
@@ -101,7 +101,7 @@ class Job:
         src = self.ref.fingerprint() if self.ref else "target"
         if self.head is not None:
             src = {"trained_head": self.head["sha256"]}
-        quant = QUANT_SPECS[self.quantize].manifest() if self.quantize else None  # the form, not just the bits
+        quant = quant_spec(self.quantize, self.role).manifest() if self.quantize else None  # the form, not just the bits
         return {"name": self.name, "role": self.role, "source": src, "quantize": quant}
 
 
@@ -171,16 +171,17 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
     return out, name, jobs, max_positions
 
 
-def _exact_to(source: Source, quantize: str | None) -> str:
+def _exact_to(source: Source, quantize: str | None, role: str = "target") -> str:
     what = (f"the float32 dequantization of {source.path.name} (sha256 "
             f"{source.record.get('sha256', 'unpinned')})" if source.gguf_file
             else f"the float32 checkpoint {source.path}")
     if quantize is None:
         return what
-    spec = QUANT_SPECS[quantize]
+    spec = quant_spec(quantize, role)
     if spec.source_grid and source.gguf_file:
+        grids = "" if spec.grids is None else f" in a form of {', '.join(spec.grids)}"
         return (f"this {quantize} MatMulNBits graph of {what}, with every weight found on the "
-                "file's own grid (Q4_1 / Q8_0 blocks, see onnx.weight_forms) carried over exactly "
+                f"file's own grid{grids} (llama.cpp's blocks, see onnx.weight_forms) carried over exactly "
                 f"and the rest requantized (block {spec.block_size}); activations int8 per block "
                 f"(accuracy level {spec.accuracy_level}): greedy output is exact to this graph, "
                 "not to the float32 one")
@@ -229,7 +230,7 @@ class _Builder:
                      tok_from: Path | None) -> dict:
         """Graph and tokenizer files for one folder (needs the PyTorch weights)."""
         folder.mkdir(parents=True)
-        quant = QUANT_SPECS.get(job.quantize) if job.quantize else None
+        quant = quant_spec(job.quantize, job.role) if job.quantize else None
         with self.ui.stage(f"write ONNX graph for {_label(job)}"):
             bar = self.ui.bar(spec.num_layers, "layers", "layer")
             graph = build_onnx(model, spec, folder, quant, on_layer=lambda i: bar.update(1))
@@ -260,7 +261,7 @@ class _Builder:
         manifest = build_manifest(
             name=job.name, role=job.role, spec=spec, tok=written["info"], folder=folder,
             quantization=quant.manifest() if quant else None,
-            exact_to=_exact_to(src, job.quantize), source=source,
+            exact_to=_exact_to(src, job.quantize, job.role), source=source,
             build=self.build if job.role == "target" else {"exporter": __version__},
             validation=report.manifest() if report else None, graph=written["graph"],
             draft_of=self.name if job.role == "draft" else None)

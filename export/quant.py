@@ -16,11 +16,11 @@ and validation can compare against it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-__all__ = ["QuantSpec", "QuantizedWeight", "quantize", "dequantize", "QUANT_SPECS"]
+__all__ = ["QuantSpec", "QuantizedWeight", "quantize", "dequantize", "QUANT_SPECS", "DRAFT_GRIDS", "quant_spec"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,8 @@ class QuantSpec:
     block_size: int = 32
     accuracy_level: int = 4  # 4 = int8 activations in the CPU kernel (the fast path)
     symmetric: bool = False  # True: scale = max|w| / (2^(bits-1) - 1), no zero points (ORT's default 2^(bits-1))
-    source_grid: bool = False  # True: a weight already on a Q4_1 / Q8_0 grid keeps it (export.grid)
+    source_grid: bool = False  # True: a weight already on a llama.cpp grid keeps it (export.grid)
+    grids: tuple[str, ...] | None = None  # with source_grid: the forms kept (None: every one export.grid finds)
 
     def manifest(self) -> dict:
         """The manifest's `onnx.quantization` record."""
@@ -44,6 +45,8 @@ class QuantSpec:
         }
         if self.source_grid:
             record["source_grid"] = True
+            if self.grids is not None:
+                record["grids"] = list(self.grids)
         return record
 
 
@@ -57,6 +60,20 @@ class QuantSpec:
 #   int4 now keeps a source's own grid where a weight lies on one (SmolLM2's GGUF is Q4_1, its LM
 #   head Q8_0): 0.972, the int8 figure; see export.grid. The block 32 asymmetric form is for the rest.
 QUANT_SPECS = {"int4": QuantSpec(bits=4, source_grid=True), "int8": QuantSpec(bits=8, symmetric=True)}
+# A draft model pays for every bit it reads on every draft step, and its exactness matters only
+# through its acceptance: an int4 draft keeps only the grids that cost no more than 4 bits (and
+# Q8_0, as before). Qwen2.5-Coder 0.5B (Q5_0 / Q6_K / Q4_K / Q8_0) with every grid kept, 8 bits
+# for most weights: a step 1.22x dearer (29.9 against 24.6 ms), acceptance 0.59 against 0.57 on
+# the float32 1.5B target, 1.95x against 2.16x its plain decoding (8 coding prompts, 2026-12-02).
+DRAFT_GRIDS = ("q8_0", "q4_1", "q4_k")
+
+
+def quant_spec(name: str, role: str = "target") -> QuantSpec:
+    """The QuantSpec of ``--quantize`` / ``--draft-quant`` ``name`` for a ``role`` model."""
+    spec = QUANT_SPECS[name]
+    if role == "draft" and spec.source_grid:
+        return replace(spec, grids=DRAFT_GRIDS)
+    return spec
 
 
 @dataclass(frozen=True)
