@@ -34,8 +34,8 @@ can tell which positions of every slot are free to scribble on.
 
 Cancellation: a caller cancelled while its call waits is dropped from the queue; a call already
 running finishes and its result is discarded (the session's cache then holds positions its owner
-never saw, which the next call rolls back), and a session closed meanwhile frees its IO binding
-and KV slot only when that call has returned (:meth:`BatchExecutor.after_call`). :meth:`aclose` stops the loop after the call in
+never saw, which the next call rolls back), and a session closed meanwhile clears its IO
+binding only when that call has returned (:meth:`BatchExecutor.after_call`). :meth:`aclose` stops the loop after the call in
 flight, so model buffers are never freed under a running call; waiting callers get
 ``EngineClosedError``.
 """
@@ -168,7 +168,7 @@ class BatchExecutor:
     def after_call(self, session, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` now, or, while a call of ``session`` runs in the worker thread, as soon
         as that call returns (on the event loop). A session that closes (its request cancelled
-        mid-call) frees its IO binding and slot this way, never under a running call."""
+        mid-call) clears its IO binding this way, never under a running call."""
         if id(session) in self._busy:
             self._after.append(fn)
         else:

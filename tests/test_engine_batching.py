@@ -393,25 +393,39 @@ def test_a_row_at_the_end_of_its_context_runs_apart_from_a_wider_batch(tiny_llam
     assert (a.length, b.length) == (16, 7)
 
 
-def test_a_request_cancelled_mid_call_frees_its_session_only_when_the_call_returns(tiny_llama, monkeypatch):
+def test_a_request_cancelled_mid_call_clears_its_binding_only_when_the_call_returns(tiny_llama, monkeypatch):
     """Cancelling a request while its own call runs in the worker thread closed its session
     there and then: its IO binding was cleared under the running ONNX Runtime call ("Missing
-    Input: input_ids", then a segfault or an abort; QA). The session now frees its binding and
-    slot when the call returns."""
+    Input: input_ids", then a segfault or an abort; QA). The binding is now cleared when the call
+    returns; the slot goes back to the pool at once (its next call runs after this one)."""
     import threading
 
     from specdec_rt.ort.session import OrtSession
 
     entered, proceed = threading.Event(), threading.Event()
-    run_sync = OrtSession.run_sync
+    events: list[str] = []
+    run_sync, unbind = OrtSession.run_sync, OrtSession._unbind
+
+    held_sessions = []
 
     def held(self, ids, rows, past, **extra):
         if ids.size > 100:  # the long prompt's call: hold it in flight
+            held_sessions.append(self)
             entered.set()
             proceed.wait(10)
+            try:
+                return run_sync(self, ids, rows, past, **extra)  # (closed by now: it raises)
+            finally:
+                events.append("call returned")
         return run_sync(self, ids, rows, past, **extra)
 
+    def recorded(self):
+        if self in held_sessions:
+            events.append("unbind")
+        unbind(self)
+
     monkeypatch.setattr(OrtSession, "run_sync", held)
+    monkeypatch.setattr(OrtSession, "_unbind", recorded)
 
     async def main():
         async with await Engine.load(tiny_llama, draft="none", max_length=512, slots=2, warmup=False,
@@ -427,13 +441,13 @@ def test_a_request_cancelled_mid_call_frees_its_session_only_when_the_call_retur
                     break
                 await asyncio.sleep(0.01)
             assert not engine._tasks and engine.running == 0 and engine.scheduler.running == 0
-            assert pool.free == 1  # the running call still holds its slot (and its binding)
+            assert pool.free == 2 and events == []  # the slot is back; the binding is not cleared yet
             proceed.set()
             for _ in range(100):
-                if pool.free == 2:
+                if "unbind" in events:
                     break
                 await asyncio.sleep(0.01)
-            assert pool.free == 2  # freed as soon as the call returned, no garbage collection
+            assert events == ["call returned", "unbind"]
             want = (await engine.generate("def add(a, b):", 6, mode="ar")).token_ids
             assert len(want) == 6
 

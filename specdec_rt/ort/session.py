@@ -205,20 +205,22 @@ class OrtSession(CachedStart, CacheSession):
         self._length = length  # positions >= length are overwritten by the next extend
 
     def close(self) -> None:
-        """No more calls; the IO binding and the slot are freed now, or (a cancelled request
-        whose call runs in the worker thread) when that call returns."""
+        """No more calls. The slot goes back to the pool now (the next call on it runs after any
+        call in flight, and that one writes only past what the slot keeps); the IO binding is
+        cleared now, or, while a call of this session runs in the worker thread (its request
+        cancelled mid-call), when that call returns: never under a running call."""
         if not self._closed:
             self._closed = True
-            self.model.executor.after_call(self, self._free)
+            if self.model.pool is not None:  # None: the model was closed meanwhile
+                if self.model._owners.get(self.slot) is self:
+                    del self.model._owners[self.slot]
+                self.model.pool.release(self.slot, self._ids[: self.kept_length()])
+                self.model.executor.chore(self.model.pool.cache.next_stash)  # copied out while idle
+            self.model.executor.after_call(self, self._unbind)
 
-    def _free(self) -> None:
+    def _unbind(self) -> None:
         self._io.clear_binding_inputs()
         self._io.clear_binding_outputs()
-        if self.model.pool is not None:  # None: the model was closed meanwhile
-            if self.model._owners.get(self.slot) is self:
-                del self.model._owners[self.slot]
-            self.model.pool.release(self.slot, self._ids[: self.kept_length()])
-            self.model.executor.chore(self.model.pool.cache.next_stash)  # copied out while idle
 
 
 class _StepBuffers:
