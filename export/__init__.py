@@ -9,6 +9,6 @@ transformers, onnx, onnxruntime, gguf); the runtime never imports it.
     python -m export model.gguf --out out/ --draft ./small-checkpoint
 """
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = ["__version__"]
