@@ -201,6 +201,8 @@ def find_grid(weight: np.ndarray, block_size: int = 32, forms: tuple[str, ...] |
     of the block), else as affine 8-bit blocks of 16 (columns from several of these forms). One
     form for the whole weight: the first that every block fits (of ``forms``; None: any)."""
     n = weight.shape[1]
+    if not np.isfinite(weight).all():  # NaN / inf compare false everywhere: on no grid, whatever a test says
+        return None
     for form, bs, detect in _detectors(block_size):
         if bs > block_size or (forms is not None and form not in forms):
             continue
@@ -208,7 +210,11 @@ def find_grid(weight: np.ndarray, block_size: int = 32, forms: tuple[str, ...] |
         def on(cols: slice) -> GridWeight | None:
             part = np.ascontiguousarray(weight[:, cols])
             blocks = _blocks(part, bs)
-            return None if blocks is None else detect(part, blocks)
+            found = None if blocks is None else detect(part, blocks)
+            if found is not None and not (np.isfinite(found.q.scales).all() and (
+                    found.offsets is None or np.isfinite(found.offsets).all())):
+                return None  # a float32 overflow (weights near its limit): not carried over
+            return found if found is None or _faithful(part, found) else None
 
         if on(slice(0, PROBE_COLUMNS)) is None:
             continue
@@ -221,6 +227,19 @@ def find_grid(weight: np.ndarray, block_size: int = 32, forms: tuple[str, ...] |
         else:
             return _joined(parts)
     return None
+
+
+def _faithful(weight: np.ndarray, g: GridWeight) -> bool:
+    """Weights that share a code in a block are equal. A source's blocks compute each weight
+    from its code and the block's scale(s) alone, so equal codes give bit-equal weights; the
+    tolerance (a fraction of a step) alone would let a block with one huge outlier put every
+    small weight on code 0 of a huge step: "found", and not carried over at all."""
+    back = _blocks(grid_dequantize(g), g.block_size)  # [n, nb, bs] what the kernel computes with
+    orig = _blocks(weight, g.block_size)
+    order = np.argsort(back, axis=2, kind="stable")
+    b, o = np.take_along_axis(back, order, axis=2), np.take_along_axis(orig, order, axis=2)
+    same = np.diff(b, axis=2) == 0  # [n, nb, bs - 1] neighbours on one code
+    return bool((np.diff(o, axis=2)[same] == 0).all())
 
 
 def _joined(parts: list[GridWeight]) -> GridWeight:

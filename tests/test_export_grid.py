@@ -182,3 +182,24 @@ def test_an_int4_draft_keeps_only_the_grids_that_cost_no_more_than_before():
     assert find_grid(_k_quant(Q.Q6_K), forms=DRAFT_GRIDS) is None
     assert find_grid(_k_quant(Q.Q4_K), forms=DRAFT_GRIDS).form == "q4_k"
     assert find_grid(_on_grid(Q.Q8_0), forms=DRAFT_GRIDS).form == "q8_0"
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 3e38])
+def test_a_weight_with_a_non_finite_value_or_an_overflowing_grid_is_on_no_grid(bad):
+    """NaN compares false with any tolerance, so a NaN weight passed the Q8_0 test with NaN
+    scales; a weight near float32's limit overflowed its offsets. Neither is carried over."""
+    w = _on_grid(Q.Q4_1, k=64, n=8)
+    w[3, 2] = bad
+    with np.errstate(all="ignore"):
+        assert find_grid(w) is None
+
+
+def test_a_block_with_one_huge_outlier_is_not_taken_for_a_coarse_grid():
+    """Within a tolerance of a fraction of a step, one outlier of 1e30 made a block's step so
+    coarse that every small weight sat on code 0: "found", and all of them lost. Weights that
+    share a code must be equal, as a source's blocks make them."""
+    w = _on_grid(Q.Q8_0, k=64, n=8)
+    for outlier in (1e30, 1e6, 100.0):
+        w2 = w.copy()
+        w2[3, 2] = outlier
+        assert find_grid(w2) is None
