@@ -43,6 +43,7 @@ from .quant import QuantizedWeight, QuantSpec, _pack_nibbles, dequantize, quanti
 __all__ = ["GridWeight", "find_grid", "grid_dequantize"]
 
 TOLERANCE = 1e-3  # of a grid step: dequantized sources are on the grid to float32 rounding
+ULPS = 8  # ... and what the kernel computes with is within this many ulps of a block's largest weight
 
 
 @dataclass(frozen=True)
@@ -144,8 +145,12 @@ def _affine(blocks: np.ndarray, k: int, bits: int) -> GridWeight | None:
         return None
     step[flat] = 1.0
     codes, _ = _on_steps(shifted.reshape(blocks.shape), step)
+    # code `centre` is the kernel's zero point: the offset is the block's middle value, not a
+    # point far outside it whose float32 rounding would cost several ulps of every weight
+    centre = np.full(step.shape, half, dtype=np.float64) if bits == 4 else np.floor((codes.max(axis=2) + 1) / 2)
+    codes = codes + (half - centre)[..., None]  # [N, nb, bs] in 0 .. top
     codes[flat] = float(half)
-    offsets = np.where(flat, lo, lo + half * step).T.astype(np.float32)  # [nb, N]
+    offsets = np.where(flat, lo, lo + centre * step).T.astype(np.float32)  # [nb, N]
     codes = codes.astype(np.uint8)
     q = QuantizedWeight(_pack_nibbles(codes) if bits == 4 else codes, step.astype(np.float32), None, k,
                         blocks.shape[0])
@@ -180,7 +185,7 @@ def _sym8(blocks: np.ndarray, k: int, bs: int) -> GridWeight | None:
 
 
 PROBE_COLUMNS = 64  # a form is tried on this many output columns first (a miss is then cheap)
-CHUNK_COLUMNS = 4096  # ... then on the whole weight this many columns at a time (memory bounded)
+CHUNK_ELEMENTS = 1 << 23  # ... then on the whole weight about this many weights at a time (memory bounded)
 
 
 def _detectors(block_size: int) -> list[tuple[str, int, Callable]]:
@@ -219,8 +224,9 @@ def find_grid(weight: np.ndarray, block_size: int = 32, forms: tuple[str, ...] |
         if on(slice(0, PROBE_COLUMNS)) is None:
             continue
         parts = []
-        for start in range(0, n, CHUNK_COLUMNS):
-            part = on(slice(start, start + CHUNK_COLUMNS))
+        cols = max(1, CHUNK_ELEMENTS // max(1, weight.shape[0]))
+        for start in range(0, n, cols):
+            part = on(slice(start, start + cols))
             if part is None or (parts and part.form != parts[0].form):
                 break
             parts.append(part)
@@ -236,6 +242,11 @@ def _faithful(weight: np.ndarray, g: GridWeight) -> bool:
     small weight on code 0 of a huge step: "found", and not carried over at all."""
     back = _blocks(grid_dequantize(g), g.block_size)  # [n, nb, bs] what the kernel computes with
     orig = _blocks(weight, g.block_size)
+    # and every weight within a few float32 ulps of its block's largest (the tolerance of a
+    # fraction of a step let a weight sitting alone on its code be 1e-3 of a step off)
+    bound = ULPS * np.finfo(np.float32).eps * np.abs(orig).max(axis=2)  # [n, nb]
+    if not (np.abs(back - orig).max(axis=2) <= bound).all():
+        return False
     order = np.argsort(back, axis=2, kind="stable")
     b, o = np.take_along_axis(back, order, axis=2), np.take_along_axis(orig, order, axis=2)
     same = np.diff(b, axis=2) == 0  # [n, nb, bs - 1] neighbours on one code

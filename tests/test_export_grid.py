@@ -66,7 +66,7 @@ def test_a_fused_weight_of_several_grids_keeps_them_on_8_bits():
 def test_wide_weights_are_read_in_column_chunks_of_one_form(monkeypatch):
     import export.grid as grid
 
-    monkeypatch.setattr(grid, "CHUNK_COLUMNS", 16)
+    monkeypatch.setattr(grid, "CHUNK_ELEMENTS", 16 * 256)  # 16 columns of K = 256
     w = _k_quant(Q.Q4_K, n=40)
     g = find_grid(w)
     assert g is not None and g.form == "q4_k" and g.q.n == 40 and g.offsets.shape == (256 // 32, 40)
@@ -203,3 +203,17 @@ def test_a_block_with_one_huge_outlier_is_not_taken_for_a_coarse_grid():
         w2 = w.copy()
         w2[3, 2] = outlier
         assert find_grid(w2) is None
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q5_0])
+def test_a_weight_a_little_off_its_grid_is_not_carried_over(kind):
+    """A weight alone on its code, moved by 9e-4 of a step (inside the detection's tolerance of
+    a fraction of a step), was "found" and the difference dropped: what the kernel computes with
+    must be within a few float32 ulps of every weight."""
+    w = _on_grid(kind, k=64, n=8)
+    block = w[:32, 1]
+    codes, counts = np.unique(block, return_counts=True)
+    alone = int(np.flatnonzero(block == codes[counts == 1][0])[0])
+    step = np.diff(codes).min()
+    w[alone, 1] += np.float32(9e-4) * step
+    assert find_grid(w) is None
