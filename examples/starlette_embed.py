@@ -6,8 +6,9 @@
 
 The app's lifespan loads the engine at startup and closes it at shutdown. ``POST /generate``
 streams plain text as it is generated; bad arguments and prompts too long for the model are a
-400 (the engine checks them before any model work: ``stream.ready()``); a client that disconnects cancels its request, and closing the stream frees its KV
-slots at once. For the whole OpenAI API instead, mount ``specdec_rt.serve.create_app(engine)``.
+400 (the engine checks them before any model work: ``stream.ready()``); a client that
+disconnects cancels its request, and closing the stream frees its KV slots at once. For the
+whole OpenAI API instead, mount ``specdec_rt.serve.create_app(engine)``.
 """
 
 from __future__ import annotations

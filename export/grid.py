@@ -260,7 +260,8 @@ def _joined(parts: list[GridWeight]) -> GridWeight:
     first = parts[0]
     q = QuantizedWeight(np.concatenate([p.q.packed for p in parts]), np.concatenate([p.q.scales for p in parts]),
                         None, first.q.k, sum(p.q.n for p in parts))
-    offsets = None if first.offsets is None else np.ascontiguousarray(np.concatenate([p.offsets for p in parts], axis=1))
+    offsets = (None if first.offsets is None
+               else np.ascontiguousarray(np.concatenate([p.offsets for p in parts], axis=1)))
     return GridWeight(first.form, first.bits, q, offsets, first.block_size)
 
 

@@ -101,7 +101,8 @@ class Job:
         src = self.ref.fingerprint() if self.ref else "target"
         if self.head is not None:
             src = {"trained_head": self.head["sha256"]}
-        quant = quant_spec(self.quantize, self.role).manifest() if self.quantize else None  # the form, not just the bits
+        # the form, not just the bits (a draft's int4 keeps fewer grids than a target's)
+        quant = quant_spec(self.quantize, self.role).manifest() if self.quantize else None
         return {"name": self.name, "role": self.role, "source": src, "quantize": quant}
 
 

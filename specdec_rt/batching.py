@@ -34,10 +34,10 @@ can tell which positions of every slot are free to scribble on.
 
 Cancellation: a caller cancelled while its call waits is dropped from the queue; a call already
 running finishes and its result is discarded (the session's cache then holds positions its owner
-never saw, which the next call rolls back), and a session closed meanwhile clears its IO
-binding only when that call has returned (:meth:`BatchExecutor.after_call`). :meth:`aclose` stops the loop after the call in
-flight, so model buffers are never freed under a running call; waiting callers get
-``EngineClosedError``.
+never saw, which the next call rolls back), and a session closed meanwhile clears its IO binding
+only when that call has returned (:meth:`BatchExecutor.after_call`). :meth:`aclose` stops the
+loop after the call in flight, so model buffers are never freed under a running call; waiting
+callers get ``EngineClosedError``.
 """
 
 from __future__ import annotations

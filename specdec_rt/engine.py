@@ -287,8 +287,8 @@ class Engine:
         limit = self.scheduler.max_length or len(ids) + max_new_tokens
         if truncate_prompt and len(ids) + max_new_tokens > limit:
             if max_new_tokens >= limit:  # no prompt token would be left
-                raise ContextLengthError(f"max_new_tokens={brief_repr(max_new_tokens)} leaves no room for the prompt in the "
-                                         f"model's maximum length of {limit} tokens", len(ids), limit)
+                raise ContextLengthError(f"max_new_tokens={brief_repr(max_new_tokens)} leaves no room for the prompt "
+                                         f"in the model's maximum length of {limit} tokens", len(ids), limit)
             ids = ids[-(limit - max_new_tokens):]
         return ids
 
@@ -300,7 +300,8 @@ class Engine:
             try:
                 try:
                     ids = await anyio.to_thread.run_sync(lambda: self._encode(prompt, max_new_tokens, truncate_prompt))
-                    request = self.scheduler.stream(ids, max_new_tokens, params, mode=mode, logprobs=logprobs)  # checks the rest
+                    # started here, on the loop (it reads the prefix cache); it checks the rest
+                    request = self.scheduler.stream(ids, max_new_tokens, params, mode=mode, logprobs=logprobs)
                 except BaseException as exc:
                     ready.set(exc if isinstance(exc, Exception) else None)
                     raise

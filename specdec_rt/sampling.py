@@ -173,9 +173,10 @@ def biased(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 def greedy_ids(logits: np.ndarray, params: SamplingParams | None = None) -> np.ndarray:
     """The argmax of each row of ``logits`` ``[..., V]`` plus the logit bias of ``params`` (none:
-    the logits as they are; the lowest id wins ties): ``[...]`` ids. A row whose maximum is NaN or +inf, or that has no finite value, is
-    :class:`InvalidInputError`, as in :func:`warp` (``np.argmax`` would pick a NaN, or id 0 of
-    a row of -inf, and greedy decoding would go on with it). One look at each chosen value."""
+    the logits as they are; the lowest id wins ties): ``[...]`` ids. A row whose maximum is NaN
+    or +inf, or that has no finite value, is :class:`InvalidInputError`, as in :func:`warp`
+    (``np.argmax`` would pick a NaN, or id 0 of a row of -inf, and greedy decoding would go on
+    with it). One look at each chosen value."""
     z = np.asarray(logits) if params is None else biased(np.asarray(logits), params)
     ids = np.argmax(z, axis=-1)  # [...]
     top = np.take_along_axis(z, ids[..., None], axis=-1)[..., 0]  # [...] NaN if the row holds one

@@ -186,8 +186,9 @@ class Stats:
 
     def merge(self, other: "Stats") -> None:
         """Add another request's counters to these (for totals across requests)."""
-        for name in ("prompt_tokens", "cached_prompt_tokens", "cache_queries", "new_tokens", "rounds", "ar_steps", "drafted", "accepted",
-                     "tree_rounds", "tree_nodes", "tree_hits", "time_draft", "time_verify", "time_total"):
+        for name in ("prompt_tokens", "cached_prompt_tokens", "cache_queries", "new_tokens", "rounds", "ar_steps",
+                     "drafted", "accepted", "tree_rounds", "tree_nodes", "tree_hits", "time_draft", "time_verify",
+                     "time_total"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.position_drafted, other.position_drafted),
                              (self.position_accepted, other.position_accepted)):
