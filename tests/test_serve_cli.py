@@ -76,24 +76,25 @@ async def _until_healthy(c) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _streamed(c, body: dict, started: asyncio.Event) -> list:
+    """A streamed completion's SSE events; ``started`` is set at its first bytes."""
+    async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        text = ""
+        async for chunk in r.aiter_text():
+            text += chunk
+            started.set()
+    return sse_data(text)
+
+
 async def _drain_timeout_scenario(url: str, proc: subprocess.Popen) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         await _until_healthy(c)
         started = asyncio.Event()
         body = {"prompt": PROMPT, "max_tokens": 480, "temperature": 0}
-
-        async def streamed() -> list:
-            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                assert r.status_code == 200
-                text = ""
-                async for chunk in r.aiter_text():
-                    text += chunk
-                    started.set()
-            return sse_data(text)
-
-        first = asyncio.ensure_future(streamed())
+        first = asyncio.ensure_future(_streamed(c, body, started))
         await started.wait()
-        rest = [asyncio.ensure_future(streamed() if i % 2 else c.post("/v1/completions", json=body))
+        rest = [asyncio.ensure_future(_streamed(c, body, started) if i % 2 else c.post("/v1/completions", json=body))
                 for i in range(4)]  # queued behind the first: one slot
         await asyncio.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
@@ -123,18 +124,12 @@ async def _drain_scenario(url: str, proc: subprocess.Popen) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         await _until_healthy(c)
         started = asyncio.Event()
-        body = {"prompt": PROMPT, "max_tokens": 480, "temperature": 0, "stream": True}
+        body = {"prompt": PROMPT, "max_tokens": 480, "temperature": 0}
 
-        async def stream(i: int) -> tuple[list, float]:
-            async with c.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                text = ""
-                async for chunk in r.aiter_text():
-                    text += chunk
-                    started.set()
-            return sse_data(text), time.perf_counter()
+        async def stream() -> tuple[list, float]:
+            return await _streamed(c, body, started), time.perf_counter()
 
-        tasks = [asyncio.ensure_future(stream(i)) for i in range(3)]  # one slot: they run one by one
+        tasks = [asyncio.ensure_future(stream()) for _ in range(3)]  # one slot: they run one by one
         await started.wait()
         await _until_admitted(c, 3)  # on a busy machine the last ones may not be in yet
         sigterm_at = time.perf_counter()
