@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from .quant import QuantizedWeight, QuantSpec, _pack_nibbles, dequantize, quantize
+from .quant import QuantizedWeight, QuantSpec, _pack_nibbles, dequantize
 
 __all__ = ["GridWeight", "find_grid", "grid_dequantize"]
 
@@ -64,44 +64,17 @@ def _blocks(weight: np.ndarray, bs: int) -> np.ndarray | None:
     return np.ascontiguousarray(weight.T, dtype=np.float32).reshape(n, k // bs, bs)  # [N, nb, bs]
 
 
-def _q8_0(weight: np.ndarray, blocks: np.ndarray, bs: int) -> GridWeight | None:
-    """Q8_0 is our int8 symmetric form (``max|w| / 127`` per block): quantize, keep if lossless."""
-    spec = QuantSpec(bits=8, block_size=bs, symmetric=True)
-    q = quantize(weight, spec)
-    back = dequantize(q, spec).T.reshape(blocks.shape)  # [N, nb, bs]
-    if (np.abs(back - blocks).max(axis=2) / q.scales).max() > TOLERANCE:
-        return None
-    return GridWeight("q8_0", 8, q, None, bs)
-
-
-def _q4_1(blocks: np.ndarray, k: int) -> GridWeight | None:
-    lo, hi = blocks.min(axis=2), blocks.max(axis=2)  # [N, nb]
-    step = (hi - lo) / 15
-    flat = step == 0  # a constant block: code 8 (zero weight part), the value in the offset
-    step[flat] = 1.0
-    codes = np.rint((blocks - lo[..., None]) / step[..., None])
-    codes[flat] = 8.0
-    back = (codes - 8) * step[..., None] + (lo + 8 * step)[..., None]
-    back[flat] = lo[flat][:, None]
-    if (np.abs(back - blocks).max(axis=2) / step).max() > TOLERANCE:
-        return None
-    offsets = np.where(flat, lo, lo + 8 * step).T.astype(np.float32)  # [nb, N]
-    q = QuantizedWeight(_pack_nibbles(codes.astype(np.uint8)), step.astype(np.float32), None,
-                        k, blocks.shape[0])
-    return GridWeight("q4_1", 4, q, np.ascontiguousarray(offsets), blocks.shape[2])
-
-
 MAX_DIVISOR = 32  # a block's step is its smallest gap (or magnitude) divided by at most this
 
 
-def _steps(smallest: np.ndarray, fits) -> np.ndarray | None:
-    """Per block, the largest step ``smallest / m`` (m = 1..MAX_DIVISOR) for which
+def _steps(smallest: np.ndarray, fits, divisors: int = MAX_DIVISOR) -> np.ndarray | None:
+    """Per block, the largest step ``smallest / m`` (m = 1..divisors) for which
     ``fits(step [b], where [b] block indices) -> bool [b]`` holds; None if some block has none.
     Each try looks only at the blocks still without a step."""
     flat = smallest.reshape(-1)
     step = np.full(flat.shape, np.nan, dtype=np.float64)
     todo = np.arange(flat.size)
-    for m in range(1, MAX_DIVISOR + 1):
+    for m in range(1, divisors + 1):
         if todo.size == 0:
             break
         cand = flat[todo] / m
@@ -120,18 +93,22 @@ def _on_steps(values: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndar
     return codes, np.nan_to_num(off, nan=np.inf) <= TOLERANCE
 
 
-def _affine(blocks: np.ndarray, k: int, bits: int) -> GridWeight | None:
-    """Affine blocks ``W = d c + m`` whose codes need not span [0, 2^bits) (Q4_K at 4 bits; at
-    8 bits any of these forms, e.g. a fused weight whose columns come from Q4_K and Q6_K
-    tensors): Q4_1's form, symmetric codes + a float offset per block, another step."""
+def _affine(blocks: np.ndarray, k: int, bits: int, spanning: bool = False) -> GridWeight | None:
+    """Affine blocks ``W = d c + m``: symmetric codes + a float offset per block. ``spanning``:
+    Q4_1's blocks, whose codes span [0, 16), so (max - min) / 15 is the step; else blocks whose
+    codes need not (Q4_K at 4 bits; at 8 bits any of these forms, e.g. a fused weight whose
+    columns come from Q4_K and Q6_K tensors), the step from the smallest gap."""
     top = (1 << bits) - 1
     half = 1 << (bits - 1)
     lo, hi = blocks.min(axis=2), blocks.max(axis=2)  # [N, nb]
-    gaps = np.diff(np.sort(blocks, axis=2), axis=2).astype(np.float64)  # [N, nb, bs - 1]
     span = (hi - lo).astype(np.float64)
-    gaps[gaps <= span[..., None] * 1e-6] = np.inf  # equal values (to float rounding) are one value
-    smallest = gaps.min(axis=2)
-    flat = ~np.isfinite(smallest)  # a constant block: code `half` (zero weight part), the value in the offset
+    if spanning:
+        smallest = span / top
+    else:
+        gaps = np.diff(np.sort(blocks, axis=2), axis=2).astype(np.float64)  # [N, nb, bs - 1]
+        gaps[gaps <= span[..., None] * 1e-6] = np.inf  # equal values (to float rounding) are one value
+        smallest = gaps.min(axis=2)
+    flat = ~np.isfinite(smallest) | (span == 0)  # a constant block: code `half` (zero weight part), the value in the offset
     smallest[flat] = 1.0
     shifted = (blocks - lo[..., None]).astype(np.float64).reshape(-1, blocks.shape[2])  # [blocks, bs]
     flat_rows = flat.reshape(-1)
@@ -140,7 +117,7 @@ def _affine(blocks: np.ndarray, k: int, bits: int) -> GridWeight | None:
         codes, ok = _on_steps(shifted[where], step)
         return ok & (codes.max(axis=-1) <= top) | flat_rows[where]
 
-    step = _steps(smallest, fits)
+    step = _steps(smallest, fits, 1 if spanning else MAX_DIVISOR)
     if step is None:
         return None
     step[flat] = 1.0
@@ -155,16 +132,21 @@ def _affine(blocks: np.ndarray, k: int, bits: int) -> GridWeight | None:
     q = QuantizedWeight(_pack_nibbles(codes) if bits == 4 else codes, step.astype(np.float32), None, k,
                         blocks.shape[0])
     bs = blocks.shape[2]
-    form = "q4_k" if bits == 4 else "affine8" + ("" if bs == 32 else f"_{bs}")
+    form = ("q4_1" if spanning else "q4_k") if bits == 4 else "affine8" + ("" if bs == 32 else f"_{bs}")
     return GridWeight(form, bits, q, np.ascontiguousarray(offsets), bs)
 
 
-def _sym8(blocks: np.ndarray, k: int, bs: int) -> GridWeight | None:
-    """Symmetric blocks ``W = d c`` with integer c in [-127, 127] and any d (Q5_0, Q6_K, Q8_0):
-    8-bit MatMulNBits codes ``c + 128``."""
+def _sym8(blocks: np.ndarray, k: int, bs: int, spanning: bool = False) -> GridWeight | None:
+    """Symmetric blocks ``W = d c`` with integer c in [-127, 127]: 8-bit MatMulNBits codes
+    ``c + 128``. ``spanning``: Q8_0's blocks, whose step is max|w| / 127 (our int8 form); else any
+    d (Q5_0, Q6_K), from the smallest magnitude."""
     mags = np.abs(blocks).astype(np.float64)  # [N, nb, bs]
-    nonzero = np.where(mags > mags.max(axis=2, keepdims=True) * 1e-6, mags, np.inf)
-    smallest = nonzero.min(axis=2)
+    if spanning:
+        smallest = mags.max(axis=2) / 127
+        smallest[smallest == 0] = np.inf
+    else:
+        nonzero = np.where(mags > mags.max(axis=2, keepdims=True) * 1e-6, mags, np.inf)
+        smallest = nonzero.min(axis=2)
     zero = ~np.isfinite(smallest)  # an all-zero block
     smallest[zero] = 1.0
     values = blocks.astype(np.float64).reshape(-1, blocks.shape[2])  # [blocks, bs]
@@ -174,14 +156,15 @@ def _sym8(blocks: np.ndarray, k: int, bs: int) -> GridWeight | None:
         codes, ok = _on_steps(values[where], step)
         return ok & (np.abs(codes).max(axis=-1) <= 127) | zero_rows[where]
 
-    step = _steps(smallest, fits)
+    step = _steps(smallest, fits, 1 if spanning else MAX_DIVISOR)
     if step is None:
         return None
     step[zero] = 1.0
     codes, _ = _on_steps(values.reshape(blocks.shape), step)
     codes[zero] = 0.0
     q = QuantizedWeight((codes + 128).astype(np.uint8), step.astype(np.float32), None, k, blocks.shape[0])
-    return GridWeight("sym8" if bs == 32 else f"sym8_{bs}", 8, q, None, bs)
+    form = "q8_0" if spanning else "sym8" if bs == 32 else f"sym8_{bs}"
+    return GridWeight(form, 8, q, None, bs)
 
 
 PROBE_COLUMNS = 64  # a form is tried on this many output columns first (a miss is then cheap)
@@ -191,8 +174,8 @@ CHUNK_ELEMENTS = 1 << 23  # ... then on the whole weight about this many weights
 def _detectors(block_size: int) -> list[tuple[str, int, Callable]]:
     """(form, block size, detect(weight [K, n], blocks [n, nb, bs]) -> GridWeight | None), in order."""
     sym = "sym8" if block_size == 32 else f"sym8_{block_size}"
-    return [("q8_0", block_size, lambda w, b: _q8_0(w, b, block_size)),
-            ("q4_1", block_size, lambda w, b: _q4_1(b, w.shape[0])),
+    return [("q8_0", block_size, lambda w, b: _sym8(b, w.shape[0], block_size, spanning=True)),
+            ("q4_1", block_size, lambda w, b: _affine(b, w.shape[0], 4, spanning=True)),
             ("q4_k", block_size, lambda w, b: _affine(b, w.shape[0], 4)),
             (sym, block_size, lambda w, b: _sym8(b, w.shape[0], block_size)),
             ("sym8_16", 16, lambda w, b: _sym8(b, w.shape[0], 16)),
@@ -202,8 +185,8 @@ def _detectors(block_size: int) -> list[tuple[str, int, Callable]]:
 def find_grid(weight: np.ndarray, block_size: int = 32, forms: tuple[str, ...] | None = None) -> GridWeight | None:
     """``weight`` float32 [K, N] (the right operand of ``x @ W``) as Q8_0 or Q4_1 blocks along
     K, else as Q4_K's affine 4-bit or a symmetric 8-bit grid (Q5_0) in the same blocks, else as
-    symmetric 8-bit blocks of 16 (Q6_K); None when it lies on no grid (or K is not a multiple
-    of the block), else as affine 8-bit blocks of 16 (columns from several of these forms). One
+    symmetric 8-bit blocks of 16 (Q6_K), else as affine 8-bit blocks of 16 (columns from several
+    of these forms); None when it lies on no grid (or K is not a multiple of the block). One
     form for the whole weight: the first that every block fits (of ``forms``; None: any)."""
     n = weight.shape[1]
     if not np.isfinite(weight).all():  # NaN / inf compare false everywhere: on no grid, whatever a test says
