@@ -33,6 +33,7 @@ from .errors import InvalidInputError, SpecDecError
 from .loading import DEFAULT_MODEL, ensure_built
 from .prompt_files import read_prompt_file
 from .reports import write_report
+from .serve.protocol import MAX_TEMPERATURE
 from .loadtest_report import OK, REJECTED, RequestSample, format_markdown, format_table, plot, speedups, summarize_phase
 from .sse_client import SSEEvent, SSEParser, interpret, one_request  # noqa: F401 - the client, re-exported
 
@@ -256,8 +257,8 @@ def _check(args) -> tuple[list[int], list[str]]:
             raise LoadTestError(f"--{name.replace('_', '-')} must be positive, got {v}")
     if args.warmup < 0:
         raise LoadTestError(f"--warmup must be >= 0, got {args.warmup}")
-    if not 0 <= args.temperature <= 2:  # the server's range (OpenAI's); NaN too
-        raise LoadTestError(f"--temperature must be in 0..2, got {args.temperature}")
+    if not 0 <= args.temperature <= MAX_TEMPERATURE:  # the server's range (OpenAI's); NaN too
+        raise LoadTestError(f"--temperature must be in 0..{MAX_TEMPERATURE:g}, got {args.temperature}")
     for name in ("duration", "time_limit", "request_timeout", "startup_timeout"):
         v = getattr(args, name)
         if v is not None and not math.isfinite(v):
