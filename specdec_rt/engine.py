@@ -26,9 +26,10 @@ from .drafting import engine_models, make_drafter, resolve_draft_spec
 from .engine_stream import EngineStream, _Ready
 from .ort import OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
 from .prefix_cache import DEFAULT_BUDGET_BYTES
+from .prompt_logprobs import prompt_logprobs as prompt_logprobs_of
 from .protocols import DraftInferrer
 from .request_checks import MAX_STOP_STRINGS  # noqa: F401 - re-exported (the stop-string limit)
-from .request_checks import check_prompt_size, check_stop, find_stop, stop_prefix_len
+from .request_checks import check_prompt_size, check_stop, cut_at_stop, stop_prefix_len
 from .sampling import SamplingParams, brief_repr
 from .scheduler import SpecDecScheduler
 from .text import TextCodec
@@ -56,6 +57,10 @@ class EngineResult:
     stats: Stats
     prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked (``logprobs=``)
+    #: with ``prompt_logprobs=``: the prompt's token ids and each one's log-probability after the
+    #: ones before it (the first: None)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -72,6 +77,10 @@ class StreamEvent:
     finished: FinishReason | None = None
     stats: Stats | None = field(default=None, repr=False)  # on the last event
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when asked (``logprobs=``)
+    #: ``prompt_logprobs=``: the first event (no text, no tokens) carries the prompt's token ids
+    #: and their log-probabilities (the first: None)
+    prompt_token_ids: tuple[int, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class Engine:
@@ -204,7 +213,8 @@ class Engine:
                        mode: Mode = "spec", stop: str | Sequence[str] | None = None,
                        truncate_prompt: bool = False, logprobs: int | None = None,
                        logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
-                       frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> EngineResult:
+                       frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                       prompt_logprobs: int | None = None) -> EngineResult:
         """Generate a completion. ``prompt``: a string, or chat messages
         ``[{"role": ..., "content": ...}]`` rendered with the model's chat template (content: a
         string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined).
@@ -219,25 +229,33 @@ class Engine:
         a token), in either mode; the reported log-probabilities stay the model's own.
         ``presence_penalty`` / ``frequency_penalty`` (-2 to 2, OpenAI's; None: 0) and
         ``repetition_penalty`` (0.01 to 10; 1 or None is off) discourage tokens already generated
-        (:mod:`specdec_rt.penalties`); speculation stays exact for the penalized target."""
-        parts, ids, lps, stats = [], [], [], None
+        (:mod:`specdec_rt.penalties`); speculation stays exact for the penalized target.
+        ``prompt_logprobs=n`` (0..20): also each prompt token's log-probability after the ones
+        before it, with the ``n`` most likely tokens there (``EngineResult.prompt_logprobs``; the
+        first token has none); one more pass of the target over the prompt, whose KV the prefix
+        cache then hands to the generation (:mod:`specdec_rt.prompt_logprobs`)."""
+        parts, ids, lps, stats, first = [], [], [], None, StreamEvent("", ())
         async with self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
                                stop, truncate_prompt, logprobs, logit_bias, presence_penalty,
-                               frequency_penalty, repetition_penalty) as events:
+                               frequency_penalty, repetition_penalty, prompt_logprobs) as events:
             async for ev in events:
+                first = ev if ev.prompt_logprobs is not None else first
                 parts.append(ev.text)
                 ids.extend(ev.token_ids)
                 lps.extend(ev.logprobs or ())
                 stats = ev.stats or stats
         return EngineResult("".join(parts), ids, stats, stats.prompt_tokens if stats else 0,
-                            lps if logprobs is not None else None)
+                            lps if logprobs is not None else None,
+                            None if first.prompt_token_ids is None else list(first.prompt_token_ids),
+                            None if first.prompt_logprobs is None else list(first.prompt_logprobs))
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                mode: Mode = "spec", stop: str | Sequence[str] | None = None,
                truncate_prompt: bool = False, logprobs: int | None = None,
                logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
-               frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> "EngineStream":
+               frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+               prompt_logprobs: int | None = None) -> "EngineStream":
         """Like :meth:`generate`, as an async iterator of :class:`StreamEvent` (also an async
         context manager that closes it).
 
@@ -259,6 +277,7 @@ class Engine:
                                 0.0 if frequency_penalty is None else frequency_penalty,
                                 1.0 if repetition_penalty is None else repetition_penalty)
         logprobs = check_top_logprobs(logprobs)
+        prompt_logprobs = check_top_logprobs(prompt_logprobs, "prompt_logprobs")
         stops = check_stop(stop)
         if not isinstance(truncate_prompt, bool):
             raise InvalidInputError(f"truncate_prompt must be True or False, got {brief_repr(truncate_prompt)}")
@@ -266,7 +285,8 @@ class Engine:
         send, receive = anyio.create_memory_object_stream(STREAM_BUFFER)
         stream = EngineStream(receive, self)
         task = asyncio.get_running_loop().create_task(self._produce(
-            stream._ready, prompt, max_new_tokens, params, mode, stops, truncate_prompt, logprobs, send))
+            stream._ready, prompt, max_new_tokens, params, mode, stops, truncate_prompt, logprobs, send,
+            prompt_logprobs))
         stream._attach(task)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -293,7 +313,7 @@ class Engine:
         return ids
 
     async def _produce(self, ready: "_Ready", prompt, max_new_tokens, params, mode, stops: list[str],
-                       truncate_prompt: bool, logprobs: int | None, send) -> None:
+                       truncate_prompt: bool, logprobs: int | None, send, prompt_top: int | None = None) -> None:
         """One request, as a task: encode, run, detokenize, cut at stop strings, hand events over."""
         decoder, text, shown, kept = self.codec.decoder(), "", 0, 0  # text decoded, streamed; tokens kept
         async with send:
@@ -313,10 +333,13 @@ class Engine:
                     self.waiting -= 1
                 self.running += 1
                 try:
+                    if prompt_top is not None:  # the prompt's own tokens first, in the request's slot
+                        scored = await prompt_logprobs_of(self.target, np.asarray(ids), prompt_top)
+                        await send.send(StreamEvent("", (), prompt_token_ids=tuple(ids), prompt_logprobs=tuple(scored)))
                     async for ev in request:
                         ids, finished = ev.token_ids, ev.finished
-                        if stops:  # token by token, as a plain step would see them (see _cut)
-                            ids, text, cut = self._cut(decoder, text, ids, stops, finished)
+                        if stops:  # token by token, as a plain step would see them (see cut_at_stop)
+                            ids, text, cut = cut_at_stop(decoder, text, ids, stops, finished)
                         else:
                             text, cut = text + decoder.push(ids) + (decoder.flush() if finished else ""), None
                         kept += len(ids)
@@ -340,24 +363,6 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - handed to the consumer
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                     await send.send(exc)
-
-    @staticmethod
-    def _cut(decoder, text: str, ids, stops: list[str], finished) -> tuple[list[int], str, int | None]:
-        """Feed one event's ids to ``decoder`` one at a time, stopping at the first token whose
-        text completes a stop string. Returns (the ids kept, the text so far, where the earliest
-        stop string starts or None). Token by token, a speculative round of several tokens cuts
-        where plain decoding (one token an event) would: same text, same token count."""
-        for j, token in enumerate(ids):
-            before = len(text)
-            text += decoder.push([token])
-            if (cut := find_stop(text, stops, before)) is not None:
-                return list(ids[: j + 1]), text, cut
-        if finished:  # a character the last token left incomplete
-            before = len(text)
-            text += decoder.flush()
-            if (cut := find_stop(text, stops, before)) is not None:
-                return list(ids), text, cut
-        return list(ids), text, None
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token id stands for (its text may be part of a UTF-8 character; a

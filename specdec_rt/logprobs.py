@@ -27,12 +27,13 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first (ties: lower id)
 
 
-def check_top_logprobs(top: object) -> int | None:
-    """``None`` (off) or an int in ``0..MAX_TOP_LOGPROBS``; anything else is an InvalidInputError."""
+def check_top_logprobs(top: object, name: str = "logprobs") -> int | None:
+    """``None`` (off) or an int in ``0..MAX_TOP_LOGPROBS``; anything else is an InvalidInputError
+    naming the argument ``name``."""
     if top is None:
         return None
     if isinstance(top, bool) or not isinstance(top, (int, np.integer)) or not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise InvalidInputError(f"logprobs must be None or an integer in 0..{MAX_TOP_LOGPROBS}, got {top!r}"[:200])
+        raise InvalidInputError(f"{name} must be None or an integer in 0..{MAX_TOP_LOGPROBS}, got {top!r}"[:200])
     return int(top)
 
 
