@@ -50,7 +50,7 @@ from specdec_rt.serve.protocol import APIError, engine_error, parse_request  # n
     ("completion", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("completion", {"prompt": "x", "logprobs": True}, "logprobs"),
     ("completion", {"prompt": "x", "logprobs": "2"}, "logprobs"),
-    ("completion", {"prompt": "x", "echo": True}, "echo"),
+    ("completion", {"prompt": "x", "echo": "yes"}, "echo"),
     # options that would change what comes back are refused, not silently dropped
     ("chat", {"messages": CHAT, "presence_penalty": 2.5}, "presence_penalty"),
     ("chat", {"messages": CHAT, "frequency_penalty": -2.01}, "frequency_penalty"),

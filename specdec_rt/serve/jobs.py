@@ -128,6 +128,7 @@ class Job:
         self.logprobs = (None if params.logprobs is None else  # the format, when the request asked for them
                          LogprobsFormat(params.kind, serving.engine.token_bytes, len(streams),
                                         getattr(serving.engine, "is_special_token", None)))
+        self.echo = params.prompt if params.echo else ""  # what each choice's text starts with
         timeout = serving.request_timeout
         self.deadline = arrived + timeout if timeout else None
         n = len(streams)
@@ -221,6 +222,8 @@ class Job:
                              f"{self.serving.drain_timeout:g} s passed)", type="service_unavailable", code="draining")
 
     def _observe(self, i: int, ev, now: float) -> None:
+        if getattr(ev, "prompt_logprobs", None) is not None:  # the echoed prompt's: nothing generated
+            return
         m = self.serving.metrics
         if ev.token_ids:
             self.tokens[i] += len(ev.token_ids)
@@ -276,13 +279,15 @@ class Job:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch, receive, tg.cancel_scope)
                 self.start(tg)
-                parts: list[list[str]] = [[] for _ in self.streams]
+                parts: list[list[str]] = [[self.echo] for _ in self.streams]
                 ids: list[list[int]] = [[] for _ in self.streams]
                 lps: list[list] = [[] for _ in self.streams]
                 try:
                     while (got := await self.next_event()) is not None:
                         i, ev = got
                         parts[i].append(ev.text)
+                        ids[i] += getattr(ev, "prompt_token_ids", None) or ()  # echo: the prompt's first
+                        lps[i] += getattr(ev, "prompt_logprobs", None) or ()
                         ids[i] += ev.token_ids
                         lps[i] += ev.logprobs or ()
                     lp = None if self.logprobs is None else [self.logprobs.body(t, e, i)
@@ -352,9 +357,16 @@ class EventStream:
         if reply.kind == "chat":  # each choice's role comes at once, before the first token
             for i in range(len(job.streams)):
                 await emit(reply.chunk("", first=True, index=i))
+        elif job.echo and job.logprobs is None:  # echo: the prompt first (with logprobs: as they come)
+            for i in range(len(job.streams)):
+                await emit(reply.chunk(job.echo, index=i))
         try:
             while (got := await job.next_event()) is not None:
                 i, ev = got
+                if getattr(ev, "prompt_logprobs", None) is not None:  # echo with logprobs
+                    await emit(reply.chunk(job.echo, index=i, logprobs=job.logprobs.body(
+                        ev.prompt_token_ids, ev.prompt_logprobs, i)))
+                    continue
                 lp = None if job.logprobs is None else job.logprobs.body(ev.token_ids, ev.logprobs or (), i)
                 if ev.text or ev.finished or (lp is not None and ev.token_ids):
                     await emit(reply.chunk(ev.text, job.finish[i] if ev.finished else None, index=i, logprobs=lp))

@@ -73,6 +73,7 @@ class GenParams:
     logprobs: int | None = None  # None: off; n: each token's log-probability and the n most likely
     logit_bias: dict[int, float] | None = None  # token id -> bias (-100..100)
     penalties: dict[str, float] = field(default_factory=dict)  # the ones set: presence/frequency/repetition
+    echo: bool = False  # completions: each choice's text starts with the prompt (and its logprobs, when asked)
 
     def engine_kwargs(self, default_max_tokens: int, choice: int = 0) -> dict:
         """Keyword arguments for ``Engine.stream`` (after the prompt) of choice ``choice``: with
@@ -81,7 +82,8 @@ class GenParams:
         return dict(max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                     top_k=self.top_k, top_p=self.top_p, seed=seed, mode=self.mode,
                     stop=self.stop or None, **({} if self.logprobs is None else {"logprobs": self.logprobs}),
-                    **({} if self.logit_bias is None else {"logit_bias": self.logit_bias}), **self.penalties)
+                    **({} if self.logit_bias is None else {"logit_bias": self.logit_bias}), **self.penalties,
+                    **({"prompt_logprobs": self.logprobs} if self.echo and self.logprobs is not None else {}))
 
 
 def parse_request(kind: Kind, body: Any) -> GenParams:
@@ -124,6 +126,8 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
             raise _bad("stream_options", "stream_options is only allowed when stream is true")
         p.include_usage = _bool(options, "include_usage", param="stream_options.include_usage")
     p.logprobs = _logprobs(body, kind)
+    if kind == "completion":
+        p.echo = _bool(body, "echo")
     p.logit_bias = _logit_bias(body.get("logit_bias"))
     for name in PENALTIES:
         if body.get(name) is not None:
@@ -158,7 +162,7 @@ def _logprobs(body: dict, kind: Kind) -> int | None:
 # options this server cannot honour, and their "off" values (which some clients always send)
 UNHONOURED = {"tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
               "function_call": ("none", "auto"), "response_format": ({"type": "text"},)}
-UNHONOURED_COMPLETION = {"echo": (False,), "best_of": (1,), "suffix": ("",)}  # /v1/completions only
+UNHONOURED_COMPLETION = {"best_of": (1,), "suffix": ("",)}  # /v1/completions only
 
 
 def _unsupported(body: dict, kind: Kind) -> None:
@@ -371,7 +375,9 @@ class LogprobsFormat:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{x:02x}" for x in b), b
 
-    def body(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob], choice: int = 0) -> dict:
+    def body(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], choice: int = 0) -> dict:
+        """The logprobs object of ``token_ids`` (an entry of None, an echoed prompt's first token
+        in completions: ``null`` value and alternatives, as OpenAI's)."""
         if self.kind == "chat":
             content = []
             for t, e in zip(token_ids, entries):
@@ -387,10 +393,13 @@ class LogprobsFormat:
             offsets.append(self._offset[choice])
             if not self._special(t):  # the characters this token completes (a partial one: none yet)
                 self._offset[choice] += len(self._utf8[choice].decode(b))
+            if e is None:  # nothing before it to condition on
+                tops.append(None)
+                continue
             top = {self._piece(j)[0]: json_logprob(lp) for j, lp in e.top}
             top[text] = json_logprob(e.logprob)  # the chosen token's own value, whatever shares its name
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [json_logprob(e.logprob) for e in entries],
+        return {"tokens": tokens, "token_logprobs": [None if e is None else json_logprob(e.logprob) for e in entries],
                 "top_logprobs": tops, "text_offset": offsets}
 
 
