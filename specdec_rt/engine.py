@@ -29,7 +29,7 @@ from .prefix_cache import DEFAULT_BUDGET_BYTES
 from .prompt_logprobs import prompt_logprobs as prompt_logprobs_of
 from .protocols import DraftInferrer
 from .request_checks import MAX_STOP_STRINGS  # noqa: F401 - re-exported (the stop-string limit)
-from .request_checks import check_prompt_size, check_stop, cut_at_stop, stop_prefix_len
+from .request_checks import check_prompt_size, check_stop, cut_at_stop, stop_prefix_len, token_id_prompt
 from .sampling import SamplingParams, brief_repr
 from .scheduler import SpecDecScheduler
 from .text import TextCodec
@@ -38,7 +38,7 @@ from .warmup import WARMUP_REQUESTS, WARMUP_TOKENS, warm_up
 
 __all__ = ["Engine", "EngineResult", "EngineStream", "StreamEvent"]
 
-Prompt = str | Sequence[dict]
+Prompt = str | Sequence[dict] | Sequence[int]
 
 DEFAULT_SLOTS = 8  # requests batched at once; a slot's KV memory is committed only as it is used
 MAX_SLOTS = 256
@@ -215,9 +215,10 @@ class Engine:
                        logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
                        frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                        prompt_logprobs: int | None = None) -> EngineResult:
-        """Generate a completion. ``prompt``: a string, or chat messages
+        """Generate a completion. ``prompt``: a string, chat messages
         ``[{"role": ..., "content": ...}]`` rendered with the model's chat template (content: a
-        string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined).
+        string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined), or token
+        ids (a list of ints, used as they are).
         ``mode``: ``"spec"`` (speculative) or ``"ar"`` (plain). ``stop``: strings that end the
         generation (the text is cut before the stop string; ``token_ids`` end with the token that
         completes it, in either mode; a stream holds back text that may start one). ``truncate_prompt``: keep only the
@@ -297,7 +298,7 @@ class Engine:
         template may take a while). Starting the scheduler's request is the event loop's: it
         reads the prefix cache, whose bookkeeping only the loop's thread may touch."""
         try:
-            ids = self.codec.encode_prompt(prompt)
+            ids = token_id_prompt(prompt, self.target.vocab_size) or self.codec.encode_prompt(prompt)
         except SpecDecError:
             raise
         except Exception as exc:  # noqa: BLE001 - the codec maps what it knows; anything else is still the prompt's

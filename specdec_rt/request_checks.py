@@ -3,11 +3,13 @@ finding stop strings in the text as it grows."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from .errors import InvalidInputError
 from .sampling import brief_repr
 
 __all__ = ["MAX_STOP_STRINGS", "MAX_STOP_CHARS", "check_stop", "check_prompt_size", "find_stop", "stop_prefix_len",
-           "cut_at_stop"]
+           "cut_at_stop", "token_id_prompt"]
 
 MAX_STOP_STRINGS = 64  # each event searches for every stop string (OpenAI allows 4)
 MAX_STOP_CHARS = 256  # per stop string: a stream holds back up to this much text (stop_prefix_len)
@@ -43,9 +45,23 @@ def check_prompt_size(prompt, limit: int) -> None:
             raise InvalidInputError(f"prompt has {len(prompt)} messages, more than max_prompt_chars={limit}")
         size = len(prompt) + sum(_text_size(v) for m in prompt if isinstance(m, dict) for v in m.values())
     else:
-        raise InvalidInputError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        raise InvalidInputError(f"prompt must be a string, a list of chat messages or a list of token ids, "
+                                f"got {type(prompt).__name__}")
     if size > limit:
         raise InvalidInputError(f"prompt has {size} characters, more than max_prompt_chars={limit}")
+
+
+def token_id_prompt(prompt, vocab_size: int) -> list[int] | None:
+    """A prompt given as token ids (a non-empty list or tuple of integers): the ids, each checked
+    to be in ``0..vocab_size - 1``; None for text and chat messages."""
+    if not (isinstance(prompt, (list, tuple)) and prompt and all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt)):
+        return None
+    for i, t in enumerate(prompt):
+        if not 0 <= t < vocab_size:
+            raise InvalidInputError(f"prompt[{i}] = {brief_repr(t)} is not a token id of this model "
+                                    f"(0..{vocab_size - 1})")
+    return [int(t) for t in prompt]
 
 
 def _text_size(value) -> int:

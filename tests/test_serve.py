@@ -71,7 +71,7 @@ from specdec_rt.serve.protocol import APIError, engine_error, parse_request  # n
     ("chat", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
     ("chat", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ("completion", {"prompt": "x", "suffix": "end"}, "suffix"),
-    ("completion", {"prompt": [1, 2, 3]}, "prompt"),
+    ("completion", {"prompt": [1, -2, 3]}, "prompt"),  # token ids: integers >= 0
     ("completion", {"prompt": ""}, "prompt"),
     ("completion", {"max_tokens": 4}, "prompt"),
 ])

@@ -58,26 +58,27 @@ async def completions(request: Request, kind: Kind) -> Any:
     try:
         serving.check_open()
         params = parse_request(kind, await read_json(request, serving.max_body_bytes))
-        serving.admit(params.n)
+        serving.admit(params.n, len(params.prompts) or 1)
     except APIError as err:
         serving.metrics.rejected.labels(REJECT_REASONS.get(err.status, err.code)).inc()
         return error_response(err)
     except ClientDisconnect:
         return Response(status_code=499)  # nobody is there to read it
     streams: list = []
+    admitted = len(params.streams)
     try:  # from here on the request is admitted: Job.close releases it
-        for choice in range(params.n):
-            streams.append(await _open(serving, params, choice))
+        for prompt, choice in params.streams:
+            streams.append(await _open(serving, params, prompt, choice))
     except (InvalidInputError, EngineClosedError) as exc:
         await _close_all(streams)
-        serving.release(params.n)
+        serving.release(admitted)
         err = (engine_error(exc, params) if isinstance(exc, InvalidInputError) else
                APIError(503, str(exc), type="service_unavailable", code="draining"))
         serving.metrics.rejected.labels("invalid" if err.status == 400 else "draining").inc()
         return error_response(err)
     except BaseException:
         await _close_all(streams)
-        serving.release(params.n)
+        serving.release(admitted)
         raise
     job = Job(serving, params, streams, arrived)
     if params.stream:
@@ -91,14 +92,14 @@ async def _close_all(streams: list) -> None:
             await stream.aclose()
 
 
-async def _open(serving: Serving, params: GenParams, choice: int = 0):
-    """The engine stream of choice ``choice`` of an admitted request, its prompt encoded and
+async def _open(serving: Serving, params: GenParams, prompt, choice: int = 0):
+    """The engine stream of choice ``choice`` of ``prompt`` of an admitted request, encoded and
     checked (a 400 comes before streaming; a stream that fails is closed here). A request that
     names no token limit gets the server's default, capped to the room its prompt leaves in the
     context (as OpenAI's API does)."""
     kwargs = params.engine_kwargs(serving.default_max_tokens, choice)
     for capped in (False, True):
-        stream = serving.engine.stream(params.prompt, **kwargs)
+        stream = serving.engine.stream(prompt, **kwargs)
         if not hasattr(stream, "ready"):  # not an EngineStream: it checks as it goes
             return stream
         try:
@@ -119,6 +120,15 @@ async def _open(serving: Serving, params: GenParams, choice: int = 0):
             raise
 
 
+def _text_of(engine, prompt) -> str:
+    """A prompt as echoed: a string as it is; token ids as the text they stand for (special
+    tokens left out, as generated text leaves them)."""
+    if isinstance(prompt, str):
+        return prompt
+    return b"".join(b"" if engine.is_special_token(t) else engine.token_bytes(t)
+                    for t in prompt).decode("utf-8", errors="replace")
+
+
 class Job:
     """An admitted request and its engine streams, one per choice (``n``; usually one)."""
 
@@ -128,7 +138,8 @@ class Job:
         self.logprobs = (None if params.logprobs is None else  # the format, when the request asked for them
                          LogprobsFormat(params.kind, serving.engine.token_bytes, len(streams),
                                         getattr(serving.engine, "is_special_token", None)))
-        self.echo = params.prompt if params.echo else ""  # what each choice's text starts with
+        #: what each choice's text starts with: its prompt with ``echo`` (token ids: their text)
+        self.echo = [(_text_of(serving.engine, prompt) if params.echo else "") for prompt, _ in params.streams]
         timeout = serving.request_timeout
         self.deadline = arrived + timeout if timeout else None
         n = len(streams)
@@ -267,10 +278,13 @@ class Job:
                  e2e=round(end - self.arrived, 4))
 
     def usage(self) -> tuple[int, int, int]:
-        """(prompt tokens, completion tokens of all choices, cached prompt tokens): the prompt
+        """(prompt tokens, completion tokens of all choices, cached prompt tokens): each prompt
         counts once, as in OpenAI's usage, whatever ``n``."""
-        s = next((x for x in self.stats if x is not None), None)
-        return (s.prompt_tokens if s else 0), sum(self.tokens), (s.cached_prompt_tokens if s else 0)
+        n, prompt, cached = self.params.n, 0, 0
+        for first in range(0, len(self.stats), n):  # a prompt's n choices are neighbours
+            s = next((x for x in self.stats[first : first + n] if x is not None), None)
+            prompt, cached = prompt + (s.prompt_tokens if s else 0), cached + (s.cached_prompt_tokens if s else 0)
+        return prompt, sum(self.tokens), cached
 
     async def respond_whole(self, receive) -> Response:
         """The non-streamed response; a disconnect meanwhile cancels the generation."""
@@ -279,7 +293,7 @@ class Job:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch, receive, tg.cancel_scope)
                 self.start(tg)
-                parts: list[list[str]] = [[self.echo] for _ in self.streams]
+                parts: list[list[str]] = [[echo] for echo in self.echo]
                 ids: list[list[int]] = [[] for _ in self.streams]
                 lps: list[list] = [[] for _ in self.streams]
                 try:
@@ -357,14 +371,14 @@ class EventStream:
         if reply.kind == "chat":  # each choice's role comes at once, before the first token
             for i in range(len(job.streams)):
                 await emit(reply.chunk("", first=True, index=i))
-        elif job.echo and job.logprobs is None:  # echo: the prompt first (with logprobs: as they come)
+        elif job.params.echo and job.logprobs is None:  # echo: the prompt first (with logprobs: as they come)
             for i in range(len(job.streams)):
-                await emit(reply.chunk(job.echo, index=i))
+                await emit(reply.chunk(job.echo[i], index=i))
         try:
             while (got := await job.next_event()) is not None:
                 i, ev = got
                 if getattr(ev, "prompt_logprobs", None) is not None:  # echo with logprobs
-                    await emit(reply.chunk(job.echo, index=i, logprobs=job.logprobs.body(
+                    await emit(reply.chunk(job.echo[i], index=i, logprobs=job.logprobs.body(
                         ev.prompt_token_ids, ev.prompt_logprobs, i)))
                     continue
                 lp = None if job.logprobs is None else job.logprobs.body(ev.token_ids, ev.logprobs or (), i)

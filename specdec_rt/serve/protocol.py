@@ -74,6 +74,13 @@ class GenParams:
     logit_bias: dict[int, float] | None = None  # token id -> bias (-100..100)
     penalties: dict[str, float] = field(default_factory=dict)  # the ones set: presence/frequency/repetition
     echo: bool = False  # completions: each choice's text starts with the prompt (and its logprobs, when asked)
+    prompts: list = field(default_factory=list)  # completions: every prompt of the request (``prompt`` the first)
+
+    @property
+    def streams(self) -> list[tuple[Any, int]]:
+        """``(prompt, choice)`` of each engine request: ``n`` choices of every prompt, in the
+        order of the response's choice indices (prompt i's choice j is index ``i * n + j``)."""
+        return [(prompt, j) for prompt in (self.prompts or [self.prompt]) for j in range(self.n)]
 
     def engine_kwargs(self, default_max_tokens: int, choice: int = 0) -> dict:
         """Keyword arguments for ``Engine.stream`` (after the prompt) of choice ``choice``: with
@@ -90,8 +97,8 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
     """Validate a ``/v1/chat/completions`` (``kind="chat"``) or ``/v1/completions`` body."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_type")
-    prompt = _messages(body) if kind == "chat" else _prompt(body)
-    p = GenParams(kind, prompt)
+    prompts = [_messages(body)] if kind == "chat" else _prompts(body)
+    p = GenParams(kind, prompts[0], prompts=prompts)
     for name in ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",):
         if body.get(name) is not None:
             p.max_tokens, p.max_tokens_param = _int(body, name, minimum=1), name
@@ -224,16 +231,35 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _prompt(body: dict) -> str:
+def _prompts(body: dict) -> list[str | list[int]]:
+    """Completions' ``prompt`` in OpenAI's four forms, as a list: a string, a list of strings, a
+    list of token ids, or a list of such lists (ids are checked against the vocabulary by the
+    engine). Every prompt non-empty."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
     if prompt is None:
         raise _bad("prompt", "'prompt' is required", "missing_required_parameter")
-    if not isinstance(prompt, str) or not prompt:
-        raise _bad("prompt", "'prompt' must be a non-empty string (token-id and batched prompts are not "
-                             "supported)", "invalid_type")
-    return prompt
+    if isinstance(prompt, list) and any(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = next((i for i, t in enumerate(prompt) if not _is_id(t)), None)  # token ids, all of them?
+        if bad is not None:
+            raise _bad("prompt", f"prompt[{bad}] = {json.dumps(prompt[bad])[:40]} is not a token id (an integer "
+                                 ">= 0), in a prompt of token ids")
+        prompts = [prompt]
+    elif isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise _bad("prompt", "'prompt' must be a non-empty string, a list of token ids, or a non-empty list of "
+                             "either", "invalid_type")
+    for i, one in enumerate(prompts):
+        if not ((isinstance(one, str) and one) or (isinstance(one, list) and one and all(_is_id(t) for t in one))):
+            raise _bad("prompt", f"prompt[{i}] must be a non-empty string or a non-empty list of token ids "
+                                 "(integers >= 0)", "invalid_type")
+    return prompts
+
+
+def _is_id(token: Any) -> bool:
+    return isinstance(token, int) and not isinstance(token, bool) and 0 <= token < 2**63
 
 
 def _int(body: dict, name: str, minimum: int | None = None, maximum: int | None = None) -> int:

@@ -132,13 +132,16 @@ class Serving:
         headers = {"Retry-After": str(self.retry_after)} if self.state == "loading" else None
         raise APIError(503, message, type="service_unavailable", code=self.state, headers=headers)
 
-    def admit(self, n: int = 1) -> None:
-        """Count one more request in (``n`` engine requests: its choices), or raise 429 (with
-        ``Retry-After``) when they do not fit; 400 when they never could (``n`` past the capacity)."""
+    def admit(self, n: int = 1, prompts: int = 1) -> None:
+        """Count one more request in (``n * prompts`` engine requests: ``n`` choices of each of
+        its prompts), or raise 429 (with ``Retry-After``) when they do not fit; 400 when they
+        never could (past the capacity)."""
         capacity = self.slots + self.max_queued
+        what, n = (f"n={n} choices" if prompts == 1 else f"n={n} choices of {prompts} prompts"), n * prompts
         if n > capacity:
-            raise APIError(400, f"n={n} choices exceed this server's capacity of {capacity} requests "
-                                f"({self.slots} running + {self.max_queued} queued)", param="n", code="invalid_value")
+            raise APIError(400, f"{what} exceed this server's capacity of {capacity} requests "
+                                f"({self.slots} running + {self.max_queued} queued)",
+                           param="n" if prompts == 1 else "prompt", code="invalid_value")
         if self.admitted + n > capacity:
             raise APIError(429, f"the server is at capacity ({self.slots} running + {self.max_queued} queued "
                                 "requests); retry later", type="rate_limit_error", code="overloaded",
