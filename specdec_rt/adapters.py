@@ -172,8 +172,8 @@ class ModelDrafter(_ModelUser, DraftInferrer):
             t = perf_counter()
             logits = (await s.extend(feed, 1))[0]  # [V]
             stepped += perf_counter() - t if i else 0.0
-            if ctx.params.penalized:  # as the target's check will score this position
-                logits = ctx.penalized(logits[None], [[d.id for d in drafts]])[0]
+            if ctx.adjusts:  # as the target's check will score this position
+                logits = ctx.scores(logits[None], [[d.id for d in drafts]])[0]
             if ctx.params.greedy:
                 scores = biased(logits, ctx.params)  # [V] the logits the target's argmax will read
                 x = int(greedy_ids(scores))
@@ -248,7 +248,7 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         else:
             logits = await s.extend(feed, k + 1)  # [k+1, V]: p_0 .. p_k before warping
         _note_cached_prompt(ctx, s, first)
-        scores = ctx.penalized(logits, [draft_ids[:i] for i in range(k + 1)])  # [k+1, V]: row i after i drafts
+        scores = ctx.scores(logits, [draft_ids[:i] for i in range(k + 1)])  # [k+1, V]: row i after i drafts
         if ctx.params.greedy:
             target_ids = greedy_ids(scores, ctx.params)  # [k+1]
             out = greedy_accept(draft_ids, target_ids)
@@ -274,7 +274,7 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         links = np.concatenate([np.arange(m) - 1, np.where(tree.parents < 0, m - 1, m + tree.parents)])  # [m + n]
         logits = await s.extend(feed, n + 1, tree=links)  # [n + 1, V]: after the tail, after each node
         _note_cached_prompt(ctx, s, first)
-        scores = ctx.penalized(logits, [[]] + [_path_tokens(tree, j) for j in range(n)])  # row 1+j: after node j
+        scores = ctx.scores(logits, [[]] + [_path_tokens(tree, j) for j in range(n)])  # row 1+j: after node j
         if ctx.params.greedy:
             path, out = greedy_tree_accept(tree, greedy_ids(scores, ctx.params))
         else:

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, TypeVar
 import numpy as np
 
 from .confidence import ChainStop
+from .constraints import Constraint, constrained
 from .errors import ContextLengthError, InvalidInputError
 from .logprobs import check_top_logprobs
 from .penalties import penalized
@@ -37,6 +38,7 @@ class RequestContext:
         rng: np.random.Generator | None = None,
         vocab_size: int | None = None,
         logprobs: int | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         prompt = np.asarray(list(prompt_ids) if not isinstance(prompt_ids, np.ndarray) else prompt_ids)
         if prompt.ndim != 1 or prompt.size == 0:
@@ -60,6 +62,8 @@ class RequestContext:
                                     f"vocabulary (ids 0..{vocab_size - 1})")
         #: None: no log-probabilities; n: each emitted token's, with the n most likely alternatives
         self.logprobs = check_top_logprobs(logprobs)
+        #: which tokens may come next (constraints.py: a response format), or None
+        self.constraint = constraint
         self.rng = rng if rng is not None else np.random.default_rng(self.params.seed)
         self.prompt_len = int(prompt.size)
         self.vocab_size = vocab_size  # None: unknown (a plug-in verifier without one)
@@ -114,6 +118,8 @@ class RequestContext:
             if hit is not None:
                 ids = ids[: hit + 1]
                 self.finish_reason = "stop"
+        if self.constraint is not None and ids.size:
+            self.constraint.commit(ids)
         self._buf[self._n : self._n + ids.size] = ids
         self._n += ids.size
         if self.finish_reason is None and self._n == self._buf.size:
@@ -127,6 +133,18 @@ class RequestContext:
         if not self.params.penalized:
             return logits
         return penalized(logits, self.params, self.tokens[: self.prompt_len], self.generated, before)
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether :meth:`scores` changes the model's rows (penalties or a constraint)."""
+        return self.params.penalized or self.constraint is not None
+
+    def scores(self, logits: np.ndarray, before) -> np.ndarray:
+        """Rows ``[n, V]`` as this request scores them: the repetition penalties
+        (:meth:`penalized`), then the constraint's disallowed tokens at -inf
+        (:func:`~specdec_rt.constraints.constrained`); the same array when neither applies."""
+        rows = self.penalized(logits, before)
+        return rows if self.constraint is None else constrained(rows, self.constraint, before)
 
     def state(self, owner: object, factory: Callable[[], S]) -> S:
         """Per-request state of ``owner`` (e.g. a KV cache session), created on first use."""

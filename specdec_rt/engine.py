@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import anyio
@@ -20,10 +19,11 @@ import numpy as np
 
 from .acceptance import SpecConfig
 from .batching import BatchExecutor
+from .constraints import GrammarFactory, check_response_format
 from .errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from .logprobs import check_top_logprobs
 from .drafting import engine_models, make_drafter, resolve_draft_spec
-from .engine_stream import EngineStream, _Ready
+from .engine_stream import EngineResult, EngineStream, StreamEvent, _Ready
 from .ort import OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
 from .prefix_cache import DEFAULT_BUDGET_BYTES
 from .prompt_logprobs import prompt_logprobs as prompt_logprobs_of
@@ -33,7 +33,7 @@ from .request_checks import check_prompt_size, check_stop, cut_at_stop, stop_pre
 from .sampling import SamplingParams, brief_repr
 from .scheduler import SpecDecScheduler
 from .text import TextCodec
-from .types import FinishReason, Mode, Stats, TokenLogprob
+from .types import Mode
 from .warmup import WARMUP_REQUESTS, WARMUP_TOKENS, warm_up
 
 __all__ = ["Engine", "EngineResult", "EngineStream", "StreamEvent"]
@@ -45,42 +45,6 @@ MAX_SLOTS = 256
 MAX_THREADS = 256  # ONNX Runtime intra-op threads: more only spin
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # about 250k tokens: more than any context here holds
 STREAM_BUFFER = 4  # events a request may run ahead of its consumer before it waits
-
-
-@dataclass
-class EngineResult:
-    """A finished generation: ``text`` (special tokens skipped), ``token_ids`` (prompt excluded),
-    ``stats`` (``tokens_per_s``, ``acceptance_rate``, ``mean_accepted``, ``mode``, ...)."""
-
-    text: str
-    token_ids: list[int]
-    stats: Stats
-    prompt_tokens: int = 0
-    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked (``logprobs=``)
-    #: with ``prompt_logprobs=``: the prompt's token ids and each one's log-probability after the
-    #: ones before it (the first: None)
-    prompt_token_ids: list[int] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        return self.stats.finish_reason
-
-
-@dataclass(frozen=True)
-class StreamEvent:
-    """New text (never a broken UTF-8 character; may be empty while one is incomplete) and the
-    token ids that became final with it. ``finished`` is set on the last event."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finished: FinishReason | None = None
-    stats: Stats | None = field(default=None, repr=False)  # on the last event
-    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when asked (``logprobs=``)
-    #: ``prompt_logprobs=``: the first event (no text, no tokens) carries the prompt's token ids
-    #: and their log-probabilities (the first: None)
-    prompt_token_ids: tuple[int, ...] | None = None
-    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class Engine:
@@ -128,6 +92,10 @@ class Engine:
         self.running = 0  #: requests holding a slot
         self.waiting = 0  #: requests waiting for a slot
         self.max_prompt_chars = DEFAULT_MAX_PROMPT_CHARS  #: longer prompts are refused before encoding
+        #: per-request constraints of ``response_format`` (its tokenizer table built on first use)
+        self.grammars = GrammarFactory(codec.token_bytes, codec.is_special,
+                                       lambda text: codec.tokenizer.encode(text, add_special_tokens=False).ids,
+                                       target.vocab_size, self.manifest.eos_ids)
         self._closed = False
 
     @property
@@ -214,7 +182,7 @@ class Engine:
                        truncate_prompt: bool = False, logprobs: int | None = None,
                        logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
                        frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                       prompt_logprobs: int | None = None) -> EngineResult:
+                       prompt_logprobs: int | None = None, response_format: dict | None = None) -> EngineResult:
         """Generate a completion. ``prompt``: a string, chat messages
         ``[{"role": ..., "content": ...}]`` rendered with the model's chat template (content: a
         string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined), or token
@@ -234,11 +202,15 @@ class Engine:
         ``prompt_logprobs=n`` (0..20): also each prompt token's log-probability after the ones
         before it, with the ``n`` most likely tokens there (``EngineResult.prompt_logprobs``; the
         first token has none); one more pass of the target over the prompt, whose KV the prefix
-        cache then hands to the generation (:mod:`specdec_rt.prompt_logprobs`)."""
+        cache then hands to the generation (:mod:`specdec_rt.prompt_logprobs`).
+        ``response_format``: OpenAI's, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+        "json_schema": {"schema": {...}}}``: only tokens that keep the output on its way to such
+        JSON are chosen, by draft and target alike, and the end-of-sequence token only once it is
+        complete (:mod:`specdec_rt.constraints`; needs the ``structured`` extra)."""
         parts, ids, lps, stats, first = [], [], [], None, StreamEvent("", ())
         async with self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
                                stop, truncate_prompt, logprobs, logit_bias, presence_penalty,
-                               frequency_penalty, repetition_penalty, prompt_logprobs) as events:
+                               frequency_penalty, repetition_penalty, prompt_logprobs, response_format) as events:
             async for ev in events:
                 first = ev if ev.prompt_logprobs is not None else first
                 parts.append(ev.text)
@@ -256,7 +228,7 @@ class Engine:
                truncate_prompt: bool = False, logprobs: int | None = None,
                logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-               prompt_logprobs: int | None = None) -> "EngineStream":
+               prompt_logprobs: int | None = None, response_format: dict | None = None) -> "EngineStream":
         """Like :meth:`generate`, as an async iterator of :class:`StreamEvent` (also an async
         context manager that closes it).
 
@@ -279,6 +251,7 @@ class Engine:
                                 1.0 if repetition_penalty is None else repetition_penalty)
         logprobs = check_top_logprobs(logprobs)
         prompt_logprobs = check_top_logprobs(prompt_logprobs, "prompt_logprobs")
+        schema = check_response_format(response_format)
         stops = check_stop(stop)
         if not isinstance(truncate_prompt, bool):
             raise InvalidInputError(f"truncate_prompt must be True or False, got {brief_repr(truncate_prompt)}")
@@ -287,7 +260,7 @@ class Engine:
         stream = EngineStream(receive, self)
         task = asyncio.get_running_loop().create_task(self._produce(
             stream._ready, prompt, max_new_tokens, params, mode, stops, truncate_prompt, logprobs, send,
-            prompt_logprobs))
+            prompt_logprobs, schema))
         stream._attach(task)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -314,15 +287,18 @@ class Engine:
         return ids
 
     async def _produce(self, ready: "_Ready", prompt, max_new_tokens, params, mode, stops: list[str],
-                       truncate_prompt: bool, logprobs: int | None, send, prompt_top: int | None = None) -> None:
+                       truncate_prompt: bool, logprobs: int | None, send, prompt_top: int | None = None,
+                       schema: dict | None = None) -> None:
         """One request, as a task: encode, run, detokenize, cut at stop strings, hand events over."""
         decoder, text, shown, kept = self.codec.decoder(), "", 0, 0  # text decoded, streamed; tokens kept
         async with send:
             try:
                 try:
                     ids = await anyio.to_thread.run_sync(lambda: self._encode(prompt, max_new_tokens, truncate_prompt))
+                    constraint = None if schema is None else await anyio.to_thread.run_sync(self.grammars.build, schema)
                     # started here, on the loop (it reads the prefix cache); it checks the rest
-                    request = self.scheduler.stream(ids, max_new_tokens, params, mode=mode, logprobs=logprobs)
+                    request = self.scheduler.stream(ids, max_new_tokens, params, mode=mode, logprobs=logprobs,
+                                                    constraint=constraint)
                 except BaseException as exc:
                     ready.set(exc if isinstance(exc, Exception) else None)
                     raise

@@ -1,17 +1,55 @@
-"""One request's stream of :class:`~specdec_rt.engine.StreamEvent`: what the caller iterates,
-and how dropping it cancels the request's task (its KV slots are freed on the next event-loop
-pass, without waiting for a garbage collection)."""
+"""One request's stream of :class:`StreamEvent`: what the caller iterates, and how dropping it
+cancels the request's task (its KV slots are freed on the next event-loop pass, without waiting
+for a garbage collection); and :class:`EngineResult`, a whole generation."""
 
 from __future__ import annotations
 
 import asyncio
 import weakref
+from dataclasses import dataclass, field
 
 import anyio
 
 from .errors import EngineClosedError
+from .types import FinishReason, Stats, TokenLogprob
 
-__all__ = ["EngineStream"]
+__all__ = ["EngineResult", "EngineStream", "StreamEvent"]
+
+
+@dataclass
+class EngineResult:
+    """A finished generation: ``text`` (special tokens skipped), ``token_ids`` (prompt excluded),
+    ``stats`` (``tokens_per_s``, ``acceptance_rate``, ``mean_accepted``, ``mode``, ...)."""
+
+    text: str
+    token_ids: list[int]
+    stats: Stats
+    prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked (``logprobs=``)
+    #: with ``prompt_logprobs=``: the prompt's token ids and each one's log-probability after the
+    #: ones before it (the first: None)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.stats.finish_reason
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """New text (never a broken UTF-8 character; may be empty while one is incomplete) and the
+    token ids that became final with it. ``finished`` is set on the last event."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finished: FinishReason | None = None
+    stats: Stats | None = field(default=None, repr=False)  # on the last event
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when asked (``logprobs=``)
+    #: ``prompt_logprobs=``: the first event (no text, no tokens) carries the prompt's token ids
+    #: and their log-probabilities (the first: None)
+    prompt_token_ids: tuple[int, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class EngineStream:

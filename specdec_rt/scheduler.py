@@ -16,6 +16,7 @@ import numpy as np
 
 from .acceptance import AcceptanceEWMA, CostModel, SpecConfig
 from .confidence import ChainStop, ConfidenceRates
+from .constraints import Constraint
 from .policy import RequestPolicy
 from .context import RequestContext
 from .errors import InferenceError, InvalidInputError, SpecDecError
@@ -88,7 +89,7 @@ class SpecDecScheduler:
     def stream(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int,
                params: SamplingParams | None = None, *, mode: Mode = "spec",
                stop_ids: Iterable[int] = (), rng: np.random.Generator | None = None,
-               logprobs: int | None = None) -> "RequestStream":
+               logprobs: int | None = None, constraint: Constraint | None = None) -> "RequestStream":
         """Start a request; an async iterator of :class:`TokenEvent` as tokens become final.
 
         Arguments are checked here, before any model work: a bad value raises
@@ -96,7 +97,8 @@ class SpecDecScheduler:
         ``max_new_tokens`` does not fit). Generation stops after exactly ``max_new_tokens`` tokens
         or at the first EOS / stop id (which is emitted; nothing after it is). ``logprobs=n``:
         every event also carries its tokens' log-probabilities under the target, each with the
-        ``n`` (0..20) most likely tokens there (:mod:`specdec_rt.logprobs`).
+        ``n`` (0..20) most likely tokens there (:mod:`specdec_rt.logprobs`). ``constraint``:
+        which tokens may come next (:mod:`specdec_rt.constraints`), for draft and target alike.
         """
         if mode == "spec" and self.drafter is None:
             raise InvalidInputError("mode 'spec' needs a drafter; this scheduler has none (use mode='ar')")
@@ -104,7 +106,8 @@ class SpecDecScheduler:
             raise InvalidInputError(f"logprobs: this verifier ({type(self.verifier).__name__}) does not report "
                                     "log-probabilities (its class sets no reports_logprobs)")
         ctx = RequestContext(prompt_ids, max_new_tokens, params, self.eos_ids | set(stop_ids),
-                             self.max_length, rng, getattr(self.verifier, "vocab_size", None), logprobs)
+                             self.max_length, rng, getattr(self.verifier, "vocab_size", None), logprobs,
+                             constraint)
         seeded = ctx.params.seed is not None and not ctx.params.greedy
         ewma = (AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance) if seeded
                 else self.shared_ewma.copy())

@@ -154,7 +154,7 @@ def test_large_ties_still_go_to_the_lowest_ids():
 
 
 def test_the_servers_format_names_partial_characters_and_counts_offsets_in_characters():
-    from specdec_rt.serve.protocol import LogprobsFormat
+    from specdec_rt.serve.replies import LogprobsFormat
 
     pieces = {1: b"\xe2\x80", 2: b"\x99", 3: b"a", 4: b"\xe2", 5: b"<|im_end|>", 6: "é".encode()}
     fmt = LogprobsFormat("completion", pieces.__getitem__, 1, special=lambda t: t == 5)

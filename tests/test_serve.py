@@ -69,7 +69,9 @@ from specdec_rt.serve.protocol import APIError, engine_error, parse_request  # n
     ("completion", {"prompt": "x", "logit_bias": {"5": 1, "05": -1}}, "logit_bias"),  # one token twice
     ("chat", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
-    ("chat", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ("chat", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+     "response_format"),
     ("completion", {"prompt": "x", "suffix": "end"}, "suffix"),
     ("completion", {"prompt": [1, -2, 3]}, "prompt"),  # token ids: integers >= 0
     ("completion", {"prompt": ""}, "prompt"),

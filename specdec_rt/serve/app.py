@@ -18,7 +18,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .jobs import completions, error_response
-from .protocol import APIError, error_body, models_body
+from .protocol import APIError, error_body
+from .replies import models_body
 from .state import Serving
 
 __all__ = ["create_app", "begin_drain"]

@@ -19,7 +19,8 @@ from starlette.responses import JSONResponse, Response
 
 from ..errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..logs import get_logger
-from .protocol import APIError, GenParams, Kind, LogprobsFormat, Reply, engine_error, parse_request, sse
+from .protocol import APIError, GenParams, Kind, engine_error, parse_request
+from .replies import LogprobsFormat, Reply, sse
 from .state import Serving
 
 __all__ = ["completions", "error_response"]

@@ -1,28 +1,26 @@
-"""The OpenAI wire format: request parsing and validation, response / chunk / error bodies.
+"""The OpenAI wire format: request parsing and validation, and error bodies (responses and
+chunks: :mod:`specdec_rt.serve.replies`).
 
 Pure functions and plain data (no I/O, no Starlette), so every rule here is testable alone.
 Unknown OpenAI parameters are ignored; a known one of the wrong type or range, or one this
-server cannot honour set to anything but its "off" value (tools, JSON mode), is an
+server cannot honour set to anything but its "off" value (tools), is an
 :class:`APIError` (400) whose ``param`` names it.
 """
 
 from __future__ import annotations
 
-import codecs
 import json
 import math
 import re
-import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
+from ..constraints import check_response_format
 from ..errors import ContextLengthError, InvalidInputError
-from ..logprobs import MAX_TOP_LOGPROBS, TokenLogprob, json_logprob
+from ..logprobs import MAX_TOP_LOGPROBS
 from ..sampling import SamplingParams, brief_repr
 
-__all__ = ["APIError", "GenParams", "Reply", "LogprobsFormat", "parse_request", "engine_error", "error_body",
-           "models_body", "usage_body", "sse"]
+__all__ = ["APIError", "GenParams", "parse_request", "engine_error", "error_body", "Kind"]
 
 Kind = Literal["chat", "completion"]
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -75,6 +73,7 @@ class GenParams:
     penalties: dict[str, float] = field(default_factory=dict)  # the ones set: presence/frequency/repetition
     echo: bool = False  # completions: each choice's text starts with the prompt (and its logprobs, when asked)
     prompts: list = field(default_factory=list)  # completions: every prompt of the request (``prompt`` the first)
+    response_format: dict | None = None  # json_object / json_schema (checked); None: text
 
     @property
     def streams(self) -> list[tuple[Any, int]]:
@@ -90,7 +89,8 @@ class GenParams:
                     top_k=self.top_k, top_p=self.top_p, seed=seed, mode=self.mode,
                     stop=self.stop or None, **({} if self.logprobs is None else {"logprobs": self.logprobs}),
                     **({} if self.logit_bias is None else {"logit_bias": self.logit_bias}), **self.penalties,
-                    **({"prompt_logprobs": self.logprobs} if self.echo and self.logprobs is not None else {}))
+                    **({"prompt_logprobs": self.logprobs} if self.echo and self.logprobs is not None else {}),
+                    **({"response_format": self.response_format} if self.response_format else {}))
 
 
 def parse_request(kind: Kind, body: Any) -> GenParams:
@@ -145,6 +145,11 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
         raise engine_error(exc, p) from None
     off = SamplingParams()
     p.penalties = {k: v for k, v in p.penalties.items() if v != getattr(off, k)}  # 0, 0, 1: not passed on
+    if body.get("response_format") is not None:
+        try:  # the engine's own check: the shape here, the schema when the request starts (a 400 still)
+            p.response_format = body["response_format"] if check_response_format(body["response_format"]) else None
+        except InvalidInputError as exc:
+            raise _bad("response_format", str(exc)) from None
     _unsupported(body, kind)
     return p
 
@@ -168,7 +173,7 @@ def _logprobs(body: dict, kind: Kind) -> int | None:
 
 # options this server cannot honour, and their "off" values (which some clients always send)
 UNHONOURED = {"tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
-              "function_call": ("none", "auto"), "response_format": ({"type": "text"},)}
+              "function_call": ("none", "auto")}
 UNHONOURED_COMPLETION = {"best_of": (1,), "suffix": ("",)}  # /v1/completions only
 
 
@@ -319,130 +324,7 @@ def engine_error(exc: InvalidInputError, p: GenParams) -> APIError:
                           ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"), ("stop", "stop"),
                           ("mode", "mode"), ("this engine has no draft", "mode"), ("logit_bias", "logit_bias"),
                           ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
-                          ("repetition_penalty", "repetition_penalty")):
+                          ("repetition_penalty", "repetition_penalty"), ("response_format", "response_format")):
         if text.startswith(prefix):
             return _bad(param, text)
     return _bad(prompt_param, text)  # the prompt or the chat template
-
-
-@dataclass
-class Reply:
-    """Formats one request's response: chunks while streaming, one object otherwise."""
-
-    kind: Kind
-    model: str
-    id: str = ""
-    created: int = 0
-    include_usage: bool = False  # every chunk but the last carries "usage": null, as OpenAI's do
-
-    def __post_init__(self) -> None:
-        self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        self.created = self.created or int(time.time())
-
-    def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False, index: int = 0,
-              logprobs: dict | None = None) -> dict:
-        """A streamed chunk of choice ``index``; a choice's first chat chunk carries ``"role": "assistant"``;
-        ``logprobs``: the chunk's tokens' (a :class:`LogprobsFormat` body)."""
-        if self.kind == "chat":
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
-        else:
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-            out = {**self._head("text_completion"), "choices": [choice]}
-        return {**out, "usage": None} if self.include_usage else out
-
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-        """The last chunk when ``stream_options.include_usage`` is set: no choices, the usage."""
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
-
-    def response(self, text: str | list[str], finish_reason: str | list[str], prompt_tokens: int,
-                 completion_tokens: int, cached_tokens: int = 0, logprobs: list[dict | None] | None = None) -> dict:
-        """The whole (non-streamed) response: one choice per text (``n`` of them: lists);
-        ``logprobs``: one :class:`LogprobsFormat` body per choice, when asked."""
-        texts = [text] if isinstance(text, str) else text
-        finishes = [finish_reason] * len(texts) if isinstance(finish_reason, str) else finish_reason
-        lps = logprobs or [None] * len(texts)
-        if self.kind == "chat":
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
-                        "finish_reason": f} for i, (t, f, lp) in enumerate(zip(texts, finishes, lps))]
-            head = self._head("chat.completion")
-        else:
-            choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
-                       for i, (t, f, lp) in enumerate(zip(texts, finishes, lps))]
-            head = self._head("text_completion")
-        return {**head, "choices": choices, "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
-
-
-class LogprobsFormat:
-    """One request's ``logprobs`` objects in OpenAI's two shapes: chat, ``{"content": [{token,
-    logprob, bytes, top_logprobs}]}``; completions, parallel lists ``tokens``, ``token_logprobs``,
-    ``top_logprobs`` (``{token: logprob}``, the chosen token among them, with its own value) and
-    ``text_offset`` (characters of the choice's text before each token, counted across chunks;
-    special tokens add none, as the text leaves them out). ``token_bytes`` gives a token id's
-    bytes, ``special`` whether it is a special token. A token that is not whole UTF-8 (part of a
-    character) is named as OpenAI names it, ``"bytes:\\xe2\\x80"``, so distinct tokens never
-    share a ``top_logprobs`` key; ``bytes`` are exact either way."""
-
-    def __init__(self, kind: Kind, token_bytes: Callable[[int], bytes], choices: int = 1,
-                 special: Callable[[int], bool] | None = None) -> None:
-        self.kind, self._bytes, self._special = kind, token_bytes, special or (lambda t: False)
-        self._offset = [0] * choices  # characters of each choice's text so far
-        self._utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(choices)]
-
-    def _piece(self, token: int) -> tuple[str, bytes]:
-        b = self._bytes(token)
-        try:
-            return b.decode("utf-8"), b
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{x:02x}" for x in b), b
-
-    def body(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], choice: int = 0) -> dict:
-        """The logprobs object of ``token_ids`` (an entry of None, an echoed prompt's first token
-        in completions: ``null`` value and alternatives, as OpenAI's)."""
-        if self.kind == "chat":
-            content = []
-            for t, e in zip(token_ids, entries):
-                text, b = self._piece(t)
-                top = [{"token": s, "logprob": json_logprob(lp), "bytes": list(tb)}
-                       for s, tb, lp in ((*self._piece(j), lp) for j, lp in e.top)]
-                content.append({"token": text, "logprob": json_logprob(e.logprob), "bytes": list(b), "top_logprobs": top})
-            return {"content": content, "refusal": None}
-        tokens, offsets, tops = [], [], []
-        for t, e in zip(token_ids, entries):
-            text, b = self._piece(t)
-            tokens.append(text)
-            offsets.append(self._offset[choice])
-            if not self._special(t):  # the characters this token completes (a partial one: none yet)
-                self._offset[choice] += len(self._utf8[choice].decode(b))
-            if e is None:  # nothing before it to condition on
-                tops.append(None)
-                continue
-            top = {self._piece(j)[0]: json_logprob(lp) for j, lp in e.top}
-            top[text] = json_logprob(e.logprob)  # the chosen token's own value, whatever shares its name
-            tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [None if e is None else json_logprob(e.logprob) for e in entries],
-                "top_logprobs": tops, "text_offset": offsets}
-
-
-def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage block; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix
-    cache supplied."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def models_body(model: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                        "owned_by": "specdec-rt"}]}
-
-
-def sse(data: dict | str) -> bytes:
-    """One server-sent event: ``data: <json>`` and a blank line."""
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {text}\n\n".encode()

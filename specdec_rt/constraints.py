@@ -1,0 +1,175 @@
+"""Constrained decoding: which tokens may come next (OpenAI's ``response_format``: any JSON
+object, or one a JSON schema describes).
+
+A :class:`Constraint` answers for the position after a request's committed tokens plus a path of
+uncommitted ones: a verify row's drafts before it, a tree node's path, the draft's own chain so
+far. Every row a request scores, target and draft alike, gets the disallowed tokens at -inf
+before greedy's argmax, temperature, top-k and top-p (:func:`constrained`). So the target that
+speculation must reproduce is the constrained one, and it does, exactly: greedy speculative
+output equals constrained plain decoding; sampled output keeps the constrained distribution
+(rejection sampling sees constrained ``p`` and ``q``). A row whose path the constraint already
+rules out is left as it is: no output passes through it, since the row before gave that path's
+token probability 0 (a draft there is rejected, and the walk stops).
+
+Log-probabilities stay the model's own (before the constraint, as before temperature).
+
+:class:`GrammarConstraint` is backed by llguidance (the optional extra ``structured``; the
+``serve`` extra has it), the grammar engine vLLM, SGLang and llama.cpp use.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from .errors import InferenceError, InvalidInputError
+
+__all__ = ["Constraint", "GrammarConstraint", "GrammarFactory", "constrained", "check_response_format",
+           "MAX_SCHEMA_CHARS"]
+
+MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema's text; grammar size and parse work have llguidance's own limits
+
+
+class Constraint(Protocol):
+    """What may come next. Called on the event loop, for one request at a time."""
+
+    def allowed(self, before: Sequence[int]) -> np.ndarray | None:
+        """``[V]`` bool: the tokens allowed after the committed ones and then ``before``; None
+        if ``before`` itself is ruled out (no output can pass through that row)."""
+        return None
+
+    def commit(self, ids: Sequence[int]) -> None:
+        """The request committed ``ids`` (each one allowed where it stands)."""
+
+
+def constrained(scores: np.ndarray, constraint: Constraint, before: Sequence[Sequence[int]]) -> np.ndarray:
+    """Rows ``[n, V]`` (a copy) with the tokens ``constraint`` disallows at -inf; ``before[i]``:
+    the uncommitted tokens between the committed ones and row ``i``'s position."""
+    out = np.array(scores, dtype=np.float32, copy=True)  # [n, V]
+    for i, path in enumerate(before):
+        mask = constraint.allowed([int(t) for t in path])  # [V'] or None
+        if mask is None:
+            continue  # an unreachable row: left as it is
+        width = min(mask.size, out.shape[1])
+        out[i, :width][~mask[:width]] = -np.inf
+        out[i, width:] = -np.inf  # ids past the constraint's vocabulary: never allowed
+    return out
+
+
+class GrammarConstraint:
+    """A llguidance ``LLMatcher`` that follows a request: committed tokens are consumed; a row's
+    path is consumed, the mask read, and the path rolled back."""
+
+    def __init__(self, matcher: Any, vocab_size: int, eos_ids: Sequence[int] = ()) -> None:
+        self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, frozenset(int(t) for t in eos_ids)
+
+    def allowed(self, before: Sequence[int]) -> np.ndarray | None:
+        m = self.matcher
+        went = m.try_consume_tokens(list(before)) if before else 0
+        try:
+            if went < len(before) or m.is_error():
+                return None
+            bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)  # one bit a token id, little-endian
+            return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)  # [V]
+        finally:
+            if went:
+                m.rollback(went)
+
+    def commit(self, ids: Sequence[int]) -> None:
+        m = self.matcher
+        for t in ids:
+            if int(t) in self.eos_ids and m.is_stopped():
+                continue  # the end, once the grammar is complete (a matcher stops by itself there)
+            if not m.consume_token(int(t)):
+                raise InferenceError(f"committed token {int(t)} breaks the response format: {m.get_error()[:300]}")
+
+
+def check_response_format(response_format: Any) -> dict | None:
+    """OpenAI's ``response_format`` checked: None or ``{"type": "text"}`` (no constraint),
+    ``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"schema": {...},
+    "name": ..., "strict": ...}}``. Returns the JSON schema to follow, or None."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object",
+                                                                                      "json_schema"):
+        raise InvalidInputError("response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}, "
+                                f"got {_brief(response_format)}")
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise InvalidInputError("response_format json_schema must be an object with a 'schema' object, got "
+                                f"{_brief(spec)}")
+    schema = spec.get("schema", {})
+    if len(json.dumps(schema)) > MAX_SCHEMA_CHARS:
+        raise InvalidInputError(f"response_format's schema is longer than {MAX_SCHEMA_CHARS} characters")
+    return schema
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+class GrammarFactory:
+    """Makes a :class:`GrammarConstraint` per request for one model's tokenizer. The llguidance
+    tokenizer (every token's bytes) is built once, at the first request that needs it (~0.1 s
+    for a 49k vocabulary). ``token_bytes(id)``, ``is_special(id)`` and ``encode(text)`` (the
+    plain tokenization of a piece of text: no BOS or other added tokens) come from the engine's
+    codec; ``eos_ids``: the tokens that end a generation (allowed once the grammar is complete)."""
+
+    def __init__(self, token_bytes, is_special, encode, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self._bytes, self._special, self._encode = token_bytes, is_special, encode
+        self.vocab_size, self.eos_ids = vocab_size, [int(t) for t in eos_ids]
+        self._tokenizer = None
+
+    def _llg(self):
+        try:
+            import llguidance
+        except ImportError:
+            raise InvalidInputError("response_format needs llguidance: pip install 'specdec-rt[structured]' "
+                                    "(the serve extra has it)") from None
+        return llguidance
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            llg = self._llg()
+            if not self.eos_ids:
+                raise InvalidInputError("response_format: this model names no end-of-sequence token to end the output")
+            table = _TokenTable(self._bytes, self._special, self._encode, self.vocab_size, self.eos_ids[0])
+            self._tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(table), n_vocab=self.vocab_size,
+                                              eos_token=self.eos_ids)
+        return self._tokenizer
+
+    def build(self, schema: dict) -> GrammarConstraint:
+        """A fresh constraint for a request that must follow ``schema`` (in a worker thread: a
+        big schema takes a while to compile). A schema llguidance cannot compile is an
+        :class:`InvalidInputError` naming what it found."""
+        llg = self._llg()
+        try:
+            grammar = llg.LLMatcher.grammar_from_json_schema(schema)
+        except (ValueError, TypeError) as exc:
+            raise InvalidInputError(f"response_format: not a JSON schema: {exc}"[:300]) from None
+        matcher = llg.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidInputError(f"response_format: {matcher.get_error()}"[:300])
+        return GrammarConstraint(matcher, self.vocab_size, self.eos_ids)
+
+
+class _TokenTable:
+    """What ``llguidance.TokenizerWrapper`` reads: every token id's bytes, the special ones, and
+    a way to encode text (from the engine's codec, so the two never disagree)."""
+
+    def __init__(self, token_bytes, is_special, encode, vocab_size: int, eos: int) -> None:
+        self.eos_token_id, self.bos_token_id = eos, None
+        self.tokens = [token_bytes(i) for i in range(vocab_size)]
+        self.special_token_ids = [i for i in range(vocab_size) if is_special(i)]
+        self._encode = encode
+
+    def __call__(self, text) -> list[int]:
+        return self._encode(text if isinstance(text, str) else text.decode("utf-8", "replace"))
