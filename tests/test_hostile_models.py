@@ -69,6 +69,19 @@ def test_files_entries_outside_reveal_nothing(model, rel):
     assert "12345" not in msg and "bytes" not in msg
 
 
+@pytest.mark.parametrize("where", ["files", "tokenizer"])
+def test_a_name_too_long_for_the_file_system_is_a_load_error(model, where):
+    """Was: ``OSError: [Errno 36] File name too long`` out of ``Path.is_file`` (found by the
+    manifest fuzz), outside the error root; now a ModelLoadError whose message stays short."""
+    name = "x" * 300
+    if where == "files":
+        model["man"]["files"][name] = {"bytes": 1}
+    else:
+        model["man"]["tokenizer"]["file"] = name
+    msg = _fails(model["write"](), "missing")
+    assert len(msg) < 400
+
+
 def test_symlink_out_of_the_folder_is_refused(model):
     folder = model["folder"]
     (folder / "tokenizer.json").unlink()

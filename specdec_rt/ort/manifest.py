@@ -68,6 +68,15 @@ def inside(folder: Path, rel, what: str, manifest: Path | None = None) -> Path:
     return Path(folder) / rel
 
 
+def _is_file(p: Path) -> bool:
+    """A regular file there; False too where the name cannot even be looked up (a component
+    longer than the file system allows: ``is_file`` raises ``ENAMETOOLONG`` for that)."""
+    try:
+        return p.is_file()
+    except OSError:
+        return False
+
+
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -218,8 +227,8 @@ def load_manifest(folder: str | os.PathLike, verify_hashes: bool | str = "once")
         p = inside(folder, fname, "files entry", path)
         checked[fname] = _check_file(p, info, path)
     for p in (m.onnx_file, m.tokenizer_file):
-        if not p.is_file():
-            raise ModelLoadError(f"{p}: missing (listed in {path})")
+        if not _is_file(p):
+            raise ModelLoadError(f"{path}: {_short(p.name)} is missing (listed in the manifest)")
     if mode != "never":
         _verify_hashes(folder, checked, path, use_stamp=mode == "once")
     return m
@@ -340,8 +349,8 @@ def _check_file(p: Path, info, manifest: Path) -> tuple[int, str | None]:
         raise ModelLoadError(f"{manifest}: files entry for {p.name!r} has a malformed sha256")
     if "bytes" in info and (type(info["bytes"]) is not int or info["bytes"] < 0):
         raise ModelLoadError(f"{manifest}: files entry for {p.name!r} has a malformed size")
-    if not p.is_file():
-        raise ModelLoadError(f"{p}: missing (listed in the manifest)")
+    if not _is_file(p):
+        raise ModelLoadError(f"{manifest}: files entry {_short(p.name)} is missing")
     size = p.stat().st_size
     if "bytes" in info and size != info["bytes"]:
         raise ModelLoadError(f"{p}: {size} bytes, the manifest says {_short(info['bytes'])} (truncated or replaced?)")
