@@ -16,6 +16,7 @@ import anyio
 
 from .errors import InvalidInputError, SpecDecError
 from .loading import DEFAULT_MODEL, load_engine
+from .constraints import MAX_SCHEMA_CHARS, check_response_format
 from .logprobs import check_top_logprobs, json_logprob
 from .loadtest import add_arguments as add_loadtest_arguments
 from .loadtest import run_loadtest
@@ -43,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-object", action="store_true",
+                       help="the answer is a JSON object (constrained decoding, exact under speculation)")
+    shape.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="the answer follows the JSON schema in FILE (constrained decoding)")
     gen.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="with --json: each token's log-probability and its N (0-20) most likely alternatives")
 
@@ -160,11 +166,12 @@ async def _generate(args) -> int:
     if args.logprobs is not None and not args.json:
         raise InvalidInputError("--logprobs goes with --json (the log-probabilities are part of the JSON document)")
     check_top_logprobs(args.logprobs)  # before a model loads
+    response_format = _response_format(args)
     draft = "none" if args.mode == "ar" and args.draft is None else None
     engine = await load_engine(args, draft)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, mode=args.mode, stop=args.stop)
+                  top_p=args.top_p, seed=args.seed, mode=args.mode, stop=args.stop, response_format=response_format)
     async with engine:
         if args.json:
             r = await engine.generate(prompt, **kwargs, logprobs=args.logprobs)
@@ -184,6 +191,27 @@ async def _generate(args) -> int:
               f"{s.acceptance_rate:.2f}, mean accepted {s.mean_accepted:.2f}, finish {s.finish_reason}",
               file=sys.stderr)
     return 0
+
+
+def _response_format(args) -> dict | None:
+    """``--json-object`` / ``--json-schema FILE`` as a response format, checked before a model loads."""
+    if args.json_object:
+        return {"type": "json_object"}
+    if args.json_schema is None:
+        return None
+    try:
+        with open(args.json_schema, "rb") as f:
+            raw = f.read(MAX_SCHEMA_CHARS + 1)
+        if len(raw) > MAX_SCHEMA_CHARS:
+            raise InvalidInputError(f"--json-schema {args.json_schema}: more than {MAX_SCHEMA_CHARS} bytes")
+        schema = json.loads(raw)
+    except OSError as exc:
+        raise InvalidInputError(f"--json-schema {args.json_schema}: {exc.strerror}") from None
+    except (ValueError, RecursionError) as exc:
+        raise InvalidInputError(f"--json-schema {args.json_schema}: not JSON ({exc})"[:300]) from None
+    rf = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+    check_response_format(rf)
+    return rf
 
 
 def _logprob_json(engine, token: int, entry) -> dict:

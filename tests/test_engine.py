@@ -350,3 +350,22 @@ def test_cli_generate_json(tiny_llama):
         args = (cmd if "21" in extra else cmd[:-1]) + extra
         bad = subprocess.run(args, capture_output=True, text=True)
         assert bad.returncode == 1 and needle in bad.stderr and bad.stdout == ""
+
+
+def test_cli_generate_json_schema(tiny_llama, tmp_path):
+    pytest.importorskip("llguidance")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "string", "enum": ["left", "right"]}))
+    cmd = [sys.executable, "-m", "specdec_rt", "generate", "--model", str(tiny_llama), "--prompt", "Go:",
+           "--max-new-tokens", "16", "--json", "--json-schema", str(schema)]
+    doc = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    assert json.loads(doc["text"]) in ("left", "right") and doc["stats"]["finish_reason"] == "stop"
+    ar = json.loads(subprocess.run(cmd + ["--mode", "ar"], capture_output=True, text=True, check=True).stdout)
+    assert ar["token_ids"] == doc["token_ids"]
+    (tmp_path / "bad.json").write_text('{"type":')
+    for extra, needle in ((["--json-schema", str(tmp_path / "bad.json")], "not JSON"),
+                          (["--json-schema", str(tmp_path / "none.json")], "No such file"),
+                          (["--json-object"], "not allowed with argument")):
+        bad = subprocess.run(cmd + extra if extra[0] == "--json-object" else cmd[:-2] + extra,
+                             capture_output=True, text=True)
+        assert bad.returncode in (1, 2) and needle in bad.stderr and bad.stdout == ""
