@@ -27,9 +27,12 @@ import numpy as np
 from .errors import InferenceError, InvalidInputError
 
 __all__ = ["Constraint", "GrammarConstraint", "GrammarFactory", "constrained", "check_response_format",
-           "MAX_SCHEMA_CHARS"]
+           "MAX_SCHEMA_CHARS", "JSON_WHITESPACE"]
 
 MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema's text; grammar size and parse work have llguidance's own limits
+# whitespace between JSON tokens: what pretty-printing needs, bounded, so that a model cannot
+# loop on newlines forever inside a structure (a random model does, at once; real ones too, at times)
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
 
 
 class Constraint(Protocol):
@@ -62,8 +65,10 @@ class GrammarConstraint:
     """A llguidance ``LLMatcher`` that follows a request: committed tokens are consumed; a row's
     path is consumed, the mask read, and the path rolled back."""
 
-    def __init__(self, matcher: Any, vocab_size: int, eos_ids: Sequence[int] = ()) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, eos_ids: Sequence[int] = (),
+                 usable: np.ndarray | None = None) -> None:
         self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, frozenset(int(t) for t in eos_ids)
+        self.usable = usable  # [V] bool: ids that stand for text (or end it); None: all
 
     def allowed(self, before: Sequence[int]) -> np.ndarray | None:
         m = self.matcher
@@ -72,7 +77,8 @@ class GrammarConstraint:
             if went < len(before) or m.is_error():
                 return None
             bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)  # one bit a token id, little-endian
-            return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)  # [V]
+            mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)  # [V]
+            return mask if self.usable is None else mask & self.usable
         finally:
             if went:
                 m.rollback(went)
@@ -127,6 +133,7 @@ class GrammarFactory:
         self._bytes, self._special, self._encode = token_bytes, is_special, encode
         self.vocab_size, self.eos_ids = vocab_size, [int(t) for t in eos_ids]
         self._tokenizer = None
+        self._usable: np.ndarray | None = None
 
     def _llg(self):
         try:
@@ -144,21 +151,26 @@ class GrammarFactory:
             table = _TokenTable(self._bytes, self._special, self._encode, self.vocab_size, self.eos_ids[0])
             self._tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(table), n_vocab=self.vocab_size,
                                               eos_token=self.eos_ids)
+            # ids with no bytes (past the tokenizer's vocabulary) would fit any grammar anywhere,
+            # adding nothing: a model could emit them forever; they are never allowed
+            self._usable = np.array([bool(b) for b in table.tokens], dtype=bool)  # [V]
+            self._usable[[t for t in self.eos_ids if t < self.vocab_size]] = True
         return self._tokenizer
 
-    def build(self, schema: dict) -> GrammarConstraint:
-        """A fresh constraint for a request that must follow ``schema`` (in a worker thread: a
-        big schema takes a while to compile). A schema llguidance cannot compile is an
-        :class:`InvalidInputError` naming what it found."""
+    def build(self, schema: dict | None = None, lark: str | None = None, what: str = "response_format") -> GrammarConstraint:
+        """A fresh constraint for a request that must follow a JSON ``schema`` or a ``lark``
+        grammar (llguidance's dialect; in a worker thread: a big one takes a while to compile).
+        One llguidance cannot compile is an :class:`InvalidInputError` naming ``what``."""
         llg = self._llg()
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(schema)
+            grammar = lark if schema is None else llg.LLMatcher.grammar_from_json_schema(
+                schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
         except (ValueError, TypeError) as exc:
-            raise InvalidInputError(f"response_format: not a JSON schema: {exc}"[:300]) from None
-        matcher = llg.LLMatcher(self.tokenizer(), grammar, log_level=0)
+            raise InvalidInputError(f"{what}: not a JSON schema: {exc}"[:300]) from None
+        matcher = llg.LLMatcher(self.tokenizer(), grammar, log_level=0)  # (sets _usable the first time)
         if matcher.is_error():
-            raise InvalidInputError(f"response_format: {matcher.get_error()}"[:300])
-        return GrammarConstraint(matcher, self.vocab_size, self.eos_ids)
+            raise InvalidInputError(f"{what}: {matcher.get_error()}"[:300])
+        return GrammarConstraint(matcher, self.vocab_size, self.eos_ids, self._usable)
 
 
 class _TokenTable:

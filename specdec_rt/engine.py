@@ -20,19 +20,21 @@ import numpy as np
 from .acceptance import SpecConfig
 from .batching import BatchExecutor
 from .constraints import GrammarFactory, check_response_format
-from .errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
-from .logprobs import check_top_logprobs
 from .drafting import engine_models, make_drafter, resolve_draft_spec
 from .engine_stream import EngineResult, EngineStream, StreamEvent, _Ready
+from .errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
+from .logprobs import check_top_logprobs
 from .ort import OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
 from .prefix_cache import DEFAULT_BUDGET_BYTES
 from .prompt_logprobs import prompt_logprobs as prompt_logprobs_of
 from .protocols import DraftInferrer
 from .request_checks import MAX_STOP_STRINGS  # noqa: F401 - re-exported (the stop-string limit)
-from .request_checks import check_prompt_size, check_stop, cut_at_stop, stop_prefix_len, token_id_prompt
+from .request_checks import (RequestShape, check_load_args, check_prompt_size, check_stop, cut_at_stop,
+                             stop_prefix_len, token_id_prompt, tool_shape)
 from .sampling import SamplingParams, brief_repr
 from .scheduler import SpecDecScheduler
 from .text import TextCodec
+from .tools import parse_tool_calls
 from .types import Mode
 from .warmup import WARMUP_REQUESTS, WARMUP_TOKENS, warm_up
 
@@ -42,7 +44,6 @@ Prompt = str | Sequence[dict] | Sequence[int]
 
 DEFAULT_SLOTS = 8  # requests batched at once; a slot's KV memory is committed only as it is used
 MAX_SLOTS = 256
-MAX_THREADS = 256  # ONNX Runtime intra-op threads: more only spin
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # about 250k tokens: more than any context here holds
 STREAM_BUFFER = 4  # events a request may run ahead of its consumer before it waits
 
@@ -154,7 +155,7 @@ class Engine:
     @classmethod
     def _load(cls, name_or_path, draft, max_length, threads, provider, slots, spec_config,
               prefix_cache=True, prefix_cache_bytes=DEFAULT_BUDGET_BYTES) -> "Engine":
-        _check_load_args(name_or_path, draft, max_length, threads, spec_config)
+        check_load_args(name_or_path, draft, max_length, threads, spec_config)
         if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
             raise InvalidInputError(f"slots must be an integer in 1..{MAX_SLOTS}, got {slots!r}")
         if not isinstance(prefix_cache, bool):
@@ -182,7 +183,8 @@ class Engine:
                        truncate_prompt: bool = False, logprobs: int | None = None,
                        logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
                        frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                       prompt_logprobs: int | None = None, response_format: dict | None = None) -> EngineResult:
+                       prompt_logprobs: int | None = None, response_format: dict | None = None,
+                       tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None) -> EngineResult:
         """Generate a completion. ``prompt``: a string, chat messages
         ``[{"role": ..., "content": ...}]`` rendered with the model's chat template (content: a
         string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined), or token
@@ -206,21 +208,27 @@ class Engine:
         ``response_format``: OpenAI's, ``{"type": "json_object"}`` or ``{"type": "json_schema",
         "json_schema": {"schema": {...}}}``: only tokens that keep the output on its way to such
         JSON are chosen, by draft and target alike, and the end-of-sequence token only once it is
-        complete (:mod:`specdec_rt.constraints`; needs the ``structured`` extra)."""
+        complete (:mod:`specdec_rt.constraints`; needs the ``structured`` extra). ``tools``
+        (OpenAI's function list; chat messages, a template that renders them) and ``tool_choice``
+        (``"auto"``, ``"none"``, ``"required"`` or a named function, held to by a grammar): the
+        calls in the answer are ``EngineResult.tool_calls`` (:mod:`specdec_rt.tools`)."""
         parts, ids, lps, stats, first = [], [], [], None, StreamEvent("", ())
         async with self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
                                stop, truncate_prompt, logprobs, logit_bias, presence_penalty,
-                               frequency_penalty, repetition_penalty, prompt_logprobs, response_format) as events:
+                               frequency_penalty, repetition_penalty, prompt_logprobs, response_format, tools,
+                               tool_choice) as events:
             async for ev in events:
                 first = ev if ev.prompt_logprobs is not None else first
                 parts.append(ev.text)
                 ids.extend(ev.token_ids)
                 lps.extend(ev.logprobs or ())
                 stats = ev.stats or stats
-        return EngineResult("".join(parts), ids, stats, stats.prompt_tokens if stats else 0,
+        text = "".join(parts)
+        return EngineResult(text, ids, stats, stats.prompt_tokens if stats else 0,
                             lps if logprobs is not None else None,
                             None if first.prompt_token_ids is None else list(first.prompt_token_ids),
-                            None if first.prompt_logprobs is None else list(first.prompt_logprobs))
+                            None if first.prompt_logprobs is None else list(first.prompt_logprobs),
+                            parse_tool_calls(text)[1] if tools and tool_choice != "none" else None)
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -228,7 +236,8 @@ class Engine:
                truncate_prompt: bool = False, logprobs: int | None = None,
                logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-               prompt_logprobs: int | None = None, response_format: dict | None = None) -> "EngineStream":
+               prompt_logprobs: int | None = None, response_format: dict | None = None,
+               tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None) -> "EngineStream":
         """Like :meth:`generate`, as an async iterator of :class:`StreamEvent` (also an async
         context manager that closes it).
 
@@ -251,7 +260,9 @@ class Engine:
                                 1.0 if repetition_penalty is None else repetition_penalty)
         logprobs = check_top_logprobs(logprobs)
         prompt_logprobs = check_top_logprobs(prompt_logprobs, "prompt_logprobs")
-        schema = check_response_format(response_format)
+        shape = RequestShape(prompt_logprobs, check_response_format(response_format), *tool_shape(prompt, tools, tool_choice))
+        if shape.schema is not None and shape.lark is not None:
+            raise InvalidInputError(f"response_format and tool_choice={tool_choice!r} cannot both hold the answer")
         stops = check_stop(stop)
         if not isinstance(truncate_prompt, bool):
             raise InvalidInputError(f"truncate_prompt must be True or False, got {brief_repr(truncate_prompt)}")
@@ -259,19 +270,18 @@ class Engine:
         send, receive = anyio.create_memory_object_stream(STREAM_BUFFER)
         stream = EngineStream(receive, self)
         task = asyncio.get_running_loop().create_task(self._produce(
-            stream._ready, prompt, max_new_tokens, params, mode, stops, truncate_prompt, logprobs, send,
-            prompt_logprobs, schema))
+            stream._ready, prompt, max_new_tokens, params, mode, stops, truncate_prompt, logprobs, send, shape))
         stream._attach(task)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return stream
 
-    def _encode(self, prompt: Prompt, max_new_tokens: int, truncate_prompt: bool) -> list[int]:
+    def _encode(self, prompt: Prompt, max_new_tokens: int, truncate_prompt: bool, tools=None) -> list[int]:
         """The prompt's token ids, cut to fit with ``truncate_prompt`` (in a worker thread: a chat
         template may take a while). Starting the scheduler's request is the event loop's: it
         reads the prefix cache, whose bookkeeping only the loop's thread may touch."""
         try:
-            ids = token_id_prompt(prompt, self.target.vocab_size) or self.codec.encode_prompt(prompt)
+            ids = token_id_prompt(prompt, self.target.vocab_size) or self.codec.encode_prompt(prompt, tools=tools)
         except SpecDecError:
             raise
         except Exception as exc:  # noqa: BLE001 - the codec maps what it knows; anything else is still the prompt's
@@ -287,15 +297,17 @@ class Engine:
         return ids
 
     async def _produce(self, ready: "_Ready", prompt, max_new_tokens, params, mode, stops: list[str],
-                       truncate_prompt: bool, logprobs: int | None, send, prompt_top: int | None = None,
-                       schema: dict | None = None) -> None:
+                       truncate_prompt: bool, logprobs: int | None, send, shape: "RequestShape") -> None:
         """One request, as a task: encode, run, detokenize, cut at stop strings, hand events over."""
         decoder, text, shown, kept = self.codec.decoder(), "", 0, 0  # text decoded, streamed; tokens kept
         async with send:
             try:
                 try:
-                    ids = await anyio.to_thread.run_sync(lambda: self._encode(prompt, max_new_tokens, truncate_prompt))
-                    constraint = None if schema is None else await anyio.to_thread.run_sync(self.grammars.build, schema)
+                    ids = await anyio.to_thread.run_sync(
+                        lambda: self._encode(prompt, max_new_tokens, truncate_prompt, shape.tools))
+                    constraint = None if shape.schema is None and shape.lark is None else await anyio.to_thread.run_sync(
+                        lambda: self.grammars.build(shape.schema, shape.lark, "response_format" if shape.lark is None
+                                                    else "tool_choice"))
                     # started here, on the loop (it reads the prefix cache); it checks the rest
                     request = self.scheduler.stream(ids, max_new_tokens, params, mode=mode, logprobs=logprobs,
                                                     constraint=constraint)
@@ -310,8 +322,8 @@ class Engine:
                     self.waiting -= 1
                 self.running += 1
                 try:
-                    if prompt_top is not None:  # the prompt's own tokens first, in the request's slot
-                        scored = await prompt_logprobs_of(self.target, np.asarray(ids), prompt_top)
+                    if shape.prompt_top is not None:  # the prompt's own tokens first, in the request's slot
+                        scored = await prompt_logprobs_of(self.target, np.asarray(ids), shape.prompt_top)
                         await send.send(StreamEvent("", (), prompt_token_ids=tuple(ids), prompt_logprobs=tuple(scored)))
                     async for ev in request:
                         ids, finished = ev.token_ids, ev.finished
@@ -326,6 +338,8 @@ class Engine:
                             request.stats.new_tokens = kept  # the tokens up to the stop, in every mode
                         upto = len(text) - (stop_prefix_len(text, stops, shown) if stops and not finished else 0)
                         lps = ev.logprobs[: len(ids)] if ev.logprobs is not None else None
+                        if finished and shape.prompt_top is not None:  # its own scoring pass computed the
+                            request.stats.cached_prompt_tokens = 0     # prompt: nothing came from earlier ones
                         await send.send(StreamEvent(text[shown:upto], tuple(ids), finished,
                                                     request.stats if finished else None, lps))
                         shown = max(shown, upto)
@@ -382,18 +396,3 @@ class Engine:
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
-
-
-def _check_load_args(name_or_path, draft, max_length, threads, spec_config) -> None:
-    """Engine.load's arguments of the wrong type or range, named (before any file is read)."""
-    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
-        raise InvalidInputError(f"name_or_path must be a recipe name or a folder, got {brief_repr(name_or_path)}")
-    if draft is not None and not isinstance(draft, (str, os.PathLike)):
-        raise InvalidInputError(f"draft must be None, a draft spec or a folder, got {brief_repr(draft)}")
-    for name, value, least, most in (("max_length", max_length, 2, None), ("threads", threads, 1, MAX_THREADS)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least
-                                  or (most is not None and value > most)):
-            bound = f">= {least}" if most is None else f"from {least} to {most}"
-            raise InvalidInputError(f"{name} must be None or an integer {bound}, got {brief_repr(value)}")
-    if spec_config is not None and not isinstance(spec_config, SpecConfig):
-        raise InvalidInputError(f"spec_config must be a SpecConfig or None, got {brief_repr(spec_config)}")

@@ -30,6 +30,9 @@ class EngineResult:
     #: ones before it (the first: None)
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: with ``tools``: the calls in ``text`` (OpenAI's shape: ``id``, ``type``, ``function.name``,
+    #: ``function.arguments`` as a JSON string), maybe none; ``text`` stays the whole answer
+    tool_calls: list[dict] | None = None
 
     @property
     def finish_reason(self) -> FinishReason | None:

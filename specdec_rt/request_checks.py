@@ -1,16 +1,22 @@
-"""The cheap checks of a request's text arguments (before any encoding or model work), and
-finding stop strings in the text as it grows."""
+"""The cheap checks of a request's arguments (before any encoding or model work) and of an
+engine's load arguments, and finding stop strings in the text as it grows."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import numpy as np
 
+from .acceptance import SpecConfig
 from .errors import InvalidInputError
 from .sampling import brief_repr
+from .tools import call_grammar, check_tool_choice, check_tools
 
 __all__ = ["MAX_STOP_STRINGS", "MAX_STOP_CHARS", "check_stop", "check_prompt_size", "find_stop", "stop_prefix_len",
-           "cut_at_stop", "token_id_prompt"]
+           "cut_at_stop", "token_id_prompt", "RequestShape", "tool_shape", "check_load_args"]
 
+MAX_THREADS = 256  # ONNX Runtime intra-op threads: more only spin
 MAX_STOP_STRINGS = 64  # each event searches for every stop string (OpenAI allows 4)
 MAX_STOP_CHARS = 256  # per stop string: a stream holds back up to this much text (stop_prefix_len)
 
@@ -114,3 +120,40 @@ def cut_at_stop(decoder, text: str, ids, stops: list[str], finished) -> tuple[li
         if (cut := find_stop(text, stops, before)) is not None:
             return list(ids), text, cut
     return list(ids), text, None
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """What a request asks beyond sampling: its prompt's log-probabilities (``prompt_top``),
+    a JSON ``schema`` or a ``lark`` grammar to hold the answer to, ``tools`` to render."""
+
+    prompt_top: int | None = None
+    schema: dict | None = None
+    tools: list | None = None
+    lark: str | None = None
+
+
+def tool_shape(prompt, tools, tool_choice) -> tuple[list | None, str | None]:
+    """(the tools to render, a call grammar) from ``tools`` / ``tool_choice``, checked."""
+    tools = check_tools(tools)
+    choice = check_tool_choice(tool_choice, tools)
+    if not tools or choice == "none":
+        return None, None
+    if isinstance(prompt, str) or token_id_prompt(prompt, 2**63) is not None:
+        raise InvalidInputError("tools go with chat messages, not a plain-text or token-id prompt")
+    return tools, (call_grammar(tools, choice) if choice != "auto" else None)
+
+
+def check_load_args(name_or_path, draft, max_length, threads, spec_config) -> None:
+    """Engine.load's arguments of the wrong type or range, named (before any file is read)."""
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
+        raise InvalidInputError(f"name_or_path must be a recipe name or a folder, got {brief_repr(name_or_path)}")
+    if draft is not None and not isinstance(draft, (str, os.PathLike)):
+        raise InvalidInputError(f"draft must be None, a draft spec or a folder, got {brief_repr(draft)}")
+    for name, value, least, most in (("max_length", max_length, 2, None), ("threads", threads, 1, MAX_THREADS)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least
+                                  or (most is not None and value > most)):
+            bound = f">= {least}" if most is None else f"from {least} to {most}"
+            raise InvalidInputError(f"{name} must be None or an integer {bound}, got {brief_repr(value)}")
+    if spec_config is not None and not isinstance(spec_config, SpecConfig):
+        raise InvalidInputError(f"spec_config must be a SpecConfig or None, got {brief_repr(spec_config)}")

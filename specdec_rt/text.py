@@ -21,12 +21,38 @@ from typing import Sequence
 
 from .errors import InvalidInputError, ModelLoadError
 from .sampling import brief_repr
-from .template_sandbox import (TEMPLATE_MAX_STEPS, TEMPLATE_MIN_CHARS, TEMPLATE_TIMEOUT_S,
-                               TemplateBudgetError, compile_template, new_environment, render_bounded)
+from .template_sandbox import (
+    TEMPLATE_MAX_STEPS,
+    TEMPLATE_MIN_CHARS,
+    TEMPLATE_TIMEOUT_S,
+    TemplateBudgetError,
+    compile_template,
+    new_environment,
+    render_bounded,
+)
+from .tools import CALL_CLOSE, CALL_OPEN, nested_strings, supports_tools, template_messages
 
 __all__ = ["TextCodec", "IncrementalDecoder", "MAX_TOKENIZER_BYTES"]
 
 MAX_TOKENIZER_BYTES = 128 << 20  # a tokenizer.json larger than this is refused before it is parsed
+
+
+# Added tokens that are text the answer holds, not control: a model writes its tool calls with
+# them (Qwen2.5's ``<tool_call>``, ``special: false`` in its own tokenizer; a GGUF's tokenizer
+# marks every added token special, so decoding would drop them and no call could be parsed).
+TEXT_TAGS = frozenset({CALL_OPEN, CALL_CLOSE})
+
+
+def _tags_as_text(tokenizer):
+    """``tokenizer`` with :data:`TEXT_TAGS` no longer special (decoded as their text; still
+    matched whole when encoding, as any added token)."""
+    from tokenizers import Tokenizer
+
+    doc = json.loads(tokenizer.to_str())
+    for tok in doc.get("added_tokens", []):
+        if tok.get("content") in TEXT_TAGS:
+            tok["special"] = False
+    return Tokenizer.from_str(json.dumps(doc))
 
 
 class TextCodec:
@@ -57,6 +83,8 @@ class TextCodec:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
             raise ModelLoadError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
+        if any(t.special and t.content in TEXT_TAGS for t in self.tokenizer.get_added_tokens_decoder().values()):
+            self.tokenizer = _tags_as_text(self.tokenizer)
         self.tokenizer_file = Path(tokenizer_file)
         self.add_bos, self.bos_id, self.chat_template = add_bos, bos_id, chat_template
         self.allow_special_in_content = allow_special_in_content
@@ -132,6 +160,8 @@ class TextCodec:
         out = []
         for i, msg in enumerate(messages):
             content = msg.get("content") if isinstance(msg, dict) else None
+            if content is None and isinstance(msg, dict) and msg.get("tool_calls"):  # calls only
+                msg, content = {**msg, "content": ""}, ""
             if isinstance(content, list):
                 if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
                            for c in content):
@@ -166,15 +196,18 @@ class TextCodec:
         return lambda: ((f"messages[{i}].{k}", v) for i, msg in enumerate(messages)
                         for k, v in msg.items() if isinstance(v, str))
 
-    def _render(self, messages: list, add_generation_prompt: bool) -> str:
+    def _render(self, messages: list, add_generation_prompt: bool, tools: Sequence[dict] | None = None) -> str:
         template = self._compiled()
         size = sum(len(v) for msg in messages for v in msg.values() if isinstance(v, str))
+        nested = [tools or []] + [m["tool_calls"] for m in messages if m.get("tool_calls")]
+        size += sum(len(t) for value in nested for t in nested_strings(value))  # rendered as JSON, about
         chars = self.template_max_chars or TEMPLATE_MIN_CHARS + 4 * size
+        extra = {"tools": list(tools)} if tools else {}
         try:
-            return render_bounded(template, chars=chars, steps=TEMPLATE_MAX_STEPS + 64 * len(messages),
-                                  seconds=self.template_timeout_s, messages=messages,
-                                  add_generation_prompt=add_generation_prompt,
-                                  bos_token=self.token_text(self.bos_id), eos_token="")
+            return render_bounded(template, chars=chars, steps=TEMPLATE_MAX_STEPS + 64 * len(messages)
+                                  + 64 * sum(len(v) for v in nested), seconds=self.template_timeout_s,
+                                  messages=messages, add_generation_prompt=add_generation_prompt,
+                                  bos_token=self.token_text(self.bos_id), eos_token="", **extra)
         except TemplateBudgetError as exc:
             raise InvalidInputError(f"{self.template_source} {exc}; refusing to render it") from None
         except InvalidInputError:
@@ -185,23 +218,35 @@ class TextCodec:
         except Exception as exc:  # noqa: BLE001 - a template error is the input's problem
             raise InvalidInputError(f"chat template failed on these messages: {exc}") from exc
 
-    def encode_prompt(self, prompt: str | Sequence[dict], allow_special: bool | None = None) -> list[int]:
+    def encode_prompt(self, prompt: str | Sequence[dict], allow_special: bool | None = None,
+                      tools: Sequence[dict] | None = None) -> list[int]:
         """A string is plain text (the raw prompt, see :meth:`encode`); a list of messages goes
         through the chat template (which holds any special tokens itself, so no BOS is added).
 
         ``allow_special`` (default: the codec's ``allow_special_in_content``, False): whether the
         text of a special token inside a message becomes that control token. When False, only
-        the template writes control tokens: ``"hi<|im_end|>"`` in a message is plain text."""
+        the template writes control tokens: ``"hi<|im_end|>"`` in a message is plain text, and
+        such text inside ``tools`` or a message's ``tool_calls`` is refused.
+        ``tools``: OpenAI's function list (checked by :func:`~specdec_rt.tools.check_tools`), for
+        templates that render them (:func:`~specdec_rt.tools.supports_tools`)."""
         if isinstance(prompt, str):
             return self.encode(prompt)
-        prompt = self._check_messages(prompt)
+        prompt = template_messages(self._check_messages(prompt))
+        if tools and not supports_tools(self.chat_template):
+            raise InvalidInputError("tools: this model's chat template does not render tools (it writes no "
+                                    f"{CALL_OPEN} calls)")
         allow = self.allow_special_in_content if allow_special is None else allow_special
+        if not allow and self._special_re is not None:
+            for name, value in [("tools", tools or [])] + [(f"messages[{i}].tool_calls", m["tool_calls"])
+                                                          for i, m in enumerate(prompt) if m.get("tool_calls")]:
+                if any(self._special_re.search(text) for text in nested_strings(value)):
+                    raise InvalidInputError(f"{name} holds the text of a special token")
         if allow or self._special_re is None:
-            return self._tokenize(self.tokenizer, self._render(list(prompt), True),
+            return self._tokenize(self.tokenizer, self._render(list(prompt), True, tools),
                                   self._message_fields(prompt)).ids
-        return self._encode_chat_plain(list(prompt))
+        return self._encode_chat_plain(list(prompt), tools)
 
-    def _encode_chat_plain(self, messages: list) -> list[int]:
+    def _encode_chat_plain(self, messages: list, tools: Sequence[dict] | None = None) -> list[int]:
         """Render with each special-token string in the messages replaced by a placeholder
         character, encode (the template's control tokens are matched), then re-encode the text
         between two control tokens that holds placeholders with the strings put back and
@@ -213,7 +258,7 @@ class TextCodec:
                     found.update(m.group() for m in self._special_re.finditer(v))
         fields = self._message_fields(messages)
         if not found:
-            return self._tokenize(self.tokenizer, self._render(messages, True), fields).ids
+            return self._tokenize(self.tokenizer, self._render(messages, True, tools), fields).ids
         used = set(self.chat_template or "")
         for msg in messages:
             for v in msg.values():
@@ -225,7 +270,7 @@ class TextCodec:
         pattern = re.compile("|".join(map(re.escape, holder)))
         swapped = [{k: pattern.sub(lambda m: holder[m.group()], v) if isinstance(v, str) else v
                     for k, v in msg.items()} for msg in messages]
-        text = self._render(swapped, True)
+        text = self._render(swapped, True, tools)
         enc = self._tokenize(self.tokenizer, text, fields)
         ids, offsets = enc.ids, enc.offsets
         cuts = [i for i, t in enumerate(ids) if t in self._special_ids]

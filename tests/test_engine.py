@@ -296,7 +296,7 @@ def test_load_errors_name_the_path_and_the_mismatch(tiny_llama, tmp_path, monkey
     broken = tmp_path / "broken"
     shutil.copytree(tiny_llama, broken)
     (broken / "model.onnx.data").unlink()
-    with pytest.raises(ModelLoadError, match="model.onnx.data: missing"):
+    with pytest.raises(ModelLoadError, match="'model.onnx.data' is missing"):
         anyio.run(Engine.load, broken)
 
     mismatch = tmp_path / "mismatch"

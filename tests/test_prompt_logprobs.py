@@ -63,8 +63,10 @@ def test_generation_is_unchanged_and_starts_from_the_scored_prompt(tiny_llama):
             assert [e.logprob for e in scored.logprobs] == pytest.approx([e.logprob for e in plain.logprobs], abs=1e-4)
             assert all(e.top == () for e in scored.prompt_logprobs[1:])
         fresh = TEXT.upper()  # nothing cached yet: the scoring pass leaves its KV to the prefix cache
+        hits = engine.prefix_cache["hit_tokens"]
         got = await engine.generate(fresh, 4, mode="ar", prompt_logprobs=0)
-        assert got.stats.cached_prompt_tokens == len(got.prompt_token_ids) - 1
+        assert engine.prefix_cache["hit_tokens"] - hits == len(got.prompt_token_ids) - 1
+        assert got.stats.cached_prompt_tokens == 0  # the request computed its prompt itself: no earlier one's
     run(check, tiny_llama)
 
 

@@ -67,7 +67,8 @@ from specdec_rt.serve.protocol import APIError, engine_error, parse_request  # n
     ("chat", {"messages": CHAT, "logit_bias": {"1": True}}, "logit_bias"),
     ("completion", {"prompt": "x", "logit_bias": [1, 2]}, "logit_bias"),
     ("completion", {"prompt": "x", "logit_bias": {"5": 1, "05": -1}}, "logit_bias"),  # one token twice
-    ("chat", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+    ("chat", {"messages": CHAT, "tools": [], "tool_choice": "required"}, "tool_choice"),
     ("chat", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
     ("chat", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
     ("chat", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": []}}},

@@ -19,8 +19,9 @@ from starlette.responses import JSONResponse, Response
 
 from ..errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..logs import get_logger
+from ..tools import parse_tool_calls
 from .protocol import APIError, GenParams, Kind, engine_error, parse_request
-from .replies import LogprobsFormat, Reply, sse
+from .replies import CallFilter, LogprobsFormat, Reply, sse
 from .state import Serving
 
 __all__ = ["completions", "error_response"]
@@ -297,18 +298,22 @@ class Job:
                 parts: list[list[str]] = [[echo] for echo in self.echo]
                 ids: list[list[int]] = [[] for _ in self.streams]
                 lps: list[list] = [[] for _ in self.streams]
+                echoed: list = [None] * len(self.streams)  # (prompt ids, their log-probabilities) with echo
                 try:
                     while (got := await self.next_event()) is not None:
                         i, ev = got
                         parts[i].append(ev.text)
-                        ids[i] += getattr(ev, "prompt_token_ids", None) or ()  # echo: the prompt's first
-                        lps[i] += getattr(ev, "prompt_logprobs", None) or ()
+                        if getattr(ev, "prompt_logprobs", None) is not None:  # echo: the prompt's first
+                            echoed[i] = (ev.prompt_token_ids, ev.prompt_logprobs)
                         ids[i] += ev.token_ids
                         lps[i] += ev.logprobs or ()
-                    lp = None if self.logprobs is None else [self.logprobs.body(t, e, i)
-                                                             for i, (t, e) in enumerate(zip(ids, lps))]
-                    body = self.reply.response(["".join(p) for p in parts], [f or "stop" for f in self.finish],
-                                               *self.usage(), logprobs=lp)
+                    lp = None if self.logprobs is None else [
+                        self.logprobs.body(t, e, i, before=echoed[i]) for i, (t, e) in enumerate(zip(ids, lps))]
+                    texts = ["".join(p) for p in parts]
+                    calls = [parse_tool_calls(t) if self.params.calls_tools else (t, []) for t in texts]
+                    body = self.reply.response([t if not c else content for t, (content, c) in zip(texts, calls)],
+                                               [f or "stop" for f in self.finish], *self.usage(), logprobs=lp,
+                                               tool_calls=[c for _, c in calls])
                     response = JSONResponse(body)
                 except APIError as err:
                     response = error_response(err)
@@ -375,16 +380,28 @@ class EventStream:
         elif job.params.echo and job.logprobs is None:  # echo: the prompt first (with logprobs: as they come)
             for i in range(len(job.streams)):
                 await emit(reply.chunk(job.echo[i], index=i))
+        filters = [CallFilter() for _ in job.streams] if job.params.calls_tools else None
         try:
             while (got := await job.next_event()) is not None:
                 i, ev = got
                 if getattr(ev, "prompt_logprobs", None) is not None:  # echo with logprobs
                     await emit(reply.chunk(job.echo[i], index=i, logprobs=job.logprobs.body(
-                        ev.prompt_token_ids, ev.prompt_logprobs, i)))
+                        ev.prompt_token_ids, ev.prompt_logprobs, i, part_ends=True)))
                     continue
                 lp = None if job.logprobs is None else job.logprobs.body(ev.token_ids, ev.logprobs or (), i)
-                if ev.text or ev.finished or (lp is not None and ev.token_ids):
-                    await emit(reply.chunk(ev.text, job.finish[i] if ev.finished else None, index=i, logprobs=lp))
+                text, calls, finish = ev.text, [], job.finish[i] if ev.finished else None
+                if filters is not None:  # tool calls: held back, and sent whole at the end
+                    text = filters[i].push(text)
+                    if ev.finished:
+                        rest, calls = filters[i].finish()
+                        text += rest
+                if calls:
+                    if text or (lp is not None and ev.token_ids):
+                        await emit(reply.chunk(text, index=i, logprobs=lp))
+                    await emit(reply.chunk("", index=i, tool_calls=calls))
+                    await emit(reply.chunk("", "tool_calls" if finish == "stop" else finish, index=i))
+                elif text or ev.finished or (lp is not None and ev.token_ids):
+                    await emit(reply.chunk(text, finish, index=i, logprobs=lp))
         except APIError as err:
             return [sse(err.body())]
         tail = [sse(reply.chunk("", "stop", index=i))  # never a choice without its finish

@@ -19,6 +19,7 @@ from ..constraints import check_response_format
 from ..errors import ContextLengthError, InvalidInputError
 from ..logprobs import MAX_TOP_LOGPROBS
 from ..sampling import SamplingParams, brief_repr
+from ..tools import check_tool_choice, check_tools
 
 __all__ = ["APIError", "GenParams", "parse_request", "engine_error", "error_body", "Kind"]
 
@@ -74,6 +75,13 @@ class GenParams:
     echo: bool = False  # completions: each choice's text starts with the prompt (and its logprobs, when asked)
     prompts: list = field(default_factory=list)  # completions: every prompt of the request (``prompt`` the first)
     response_format: dict | None = None  # json_object / json_schema (checked); None: text
+    tools: list = field(default_factory=list)  # chat: functions the model may call (checked)
+    tool_choice: str | dict = "none"  # "auto" with tools, unless the request says otherwise
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (to parse out of the text)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def streams(self) -> list[tuple[Any, int]]:
@@ -90,7 +98,8 @@ class GenParams:
                     stop=self.stop or None, **({} if self.logprobs is None else {"logprobs": self.logprobs}),
                     **({} if self.logit_bias is None else {"logit_bias": self.logit_bias}), **self.penalties,
                     **({"prompt_logprobs": self.logprobs} if self.echo and self.logprobs is not None else {}),
-                    **({"response_format": self.response_format} if self.response_format else {}))
+                    **({"response_format": self.response_format} if self.response_format else {}),
+                    **({"tools": self.tools, "tool_choice": self.tool_choice} if self.tools else {}))
 
 
 def parse_request(kind: Kind, body: Any) -> GenParams:
@@ -150,6 +159,12 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
             p.response_format = body["response_format"] if check_response_format(body["response_format"]) else None
         except InvalidInputError as exc:
             raise _bad("response_format", str(exc)) from None
+    if kind == "chat" and (body.get("tools") or body.get("tool_choice") is not None):
+        try:  # the engine's own checks; tools the template cannot render: a 400 when the request starts
+            p.tools = check_tools(body.get("tools"))
+            p.tool_choice = check_tool_choice(body.get("tool_choice"), p.tools)
+        except InvalidInputError as exc:
+            raise _bad("tool_choice" if str(exc).startswith("tool_choice") else "tools", str(exc)) from None
     _unsupported(body, kind)
     return p
 
@@ -172,8 +187,7 @@ def _logprobs(body: dict, kind: Kind) -> int | None:
 
 
 # options this server cannot honour, and their "off" values (which some clients always send)
-UNHONOURED = {"tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
-              "function_call": ("none", "auto")}
+UNHONOURED = {"functions": ([],), "function_call": ("none", "auto")}  # the legacy names of tools
 UNHONOURED_COMPLETION = {"best_of": (1,), "suffix": ("",)}  # /v1/completions only
 
 
@@ -232,7 +246,13 @@ def _messages(body: dict) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string", "invalid_type")
-        out.append({"role": m["role"], "content": content})
+        msg = {"role": m["role"], "content": content}
+        if m["role"] == "assistant" and m.get("tool_calls"):  # a call the model made (checked by the engine)
+            msg["tool_calls"] = m["tool_calls"]
+        for key in ("tool_call_id", "name"):  # a tool's answer to a call
+            if m["role"] == "tool" and isinstance(m.get(key), str):
+                msg[key] = m[key]
+        out.append(msg)
     return out
 
 
@@ -324,7 +344,8 @@ def engine_error(exc: InvalidInputError, p: GenParams) -> APIError:
                           ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"), ("stop", "stop"),
                           ("mode", "mode"), ("this engine has no draft", "mode"), ("logit_bias", "logit_bias"),
                           ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
-                          ("repetition_penalty", "repetition_penalty"), ("response_format", "response_format")):
+                          ("repetition_penalty", "repetition_penalty"), ("response_format", "response_format"),
+                          ("tool_choice", "tool_choice"), ("tools", "tools")):
         if text.startswith(prefix):
             return _bad(param, text)
     return _bad(prompt_param, text)  # the prompt or the chat template

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..logprobs import TokenLogprob, json_logprob
+from ..tools import CALL_OPEN, parse_tool_calls
 from .protocol import Kind
 
-__all__ = ["Reply", "LogprobsFormat", "models_body", "usage_body", "sse"]
+__all__ = ["Reply", "LogprobsFormat", "CallFilter", "models_body", "usage_body", "sse"]
 
 
 @dataclass
@@ -34,11 +35,14 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False, index: int = 0,
-              logprobs: dict | None = None) -> dict:
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
         """A streamed chunk of choice ``index``; a choice's first chat chunk carries ``"role": "assistant"``;
-        ``logprobs``: the chunk's tokens' (a :class:`LogprobsFormat` body)."""
+        ``logprobs``: the chunk's tokens' (a :class:`LogprobsFormat` body); ``tool_calls``: whole
+        calls, each with its ``index`` among the choice's calls."""
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if first else {"content": text}
+            if tool_calls:
+                delta = {"tool_calls": [{"index": j, **call} for j, call in enumerate(tool_calls)]}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
@@ -52,15 +56,24 @@ class Reply:
         return {**self._head(obj), "choices": [], "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
 
     def response(self, text: str | list[str], finish_reason: str | list[str], prompt_tokens: int,
-                 completion_tokens: int, cached_tokens: int = 0, logprobs: list[dict | None] | None = None) -> dict:
+                 completion_tokens: int, cached_tokens: int = 0, logprobs: list[dict | None] | None = None,
+                 tool_calls: list[list[dict]] | None = None) -> dict:
         """The whole (non-streamed) response: one choice per text (``n`` of them: lists);
-        ``logprobs``: one :class:`LogprobsFormat` body per choice, when asked."""
+        ``logprobs``: one :class:`LogprobsFormat` body per choice, when asked; ``tool_calls``:
+        each choice's calls (a choice with some: its text is the content around them, None
+        when there is none, and ``finish_reason`` ``"tool_calls"`` unless the limit cut it)."""
         texts = [text] if isinstance(text, str) else text
         finishes = [finish_reason] * len(texts) if isinstance(finish_reason, str) else finish_reason
         lps = logprobs or [None] * len(texts)
+        calls = tool_calls or [[] for _ in texts]
         if self.kind == "chat":
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
-                        "finish_reason": f} for i, (t, f, lp) in enumerate(zip(texts, finishes, lps))]
+            choices = []
+            for i, (t, f, lp, c) in enumerate(zip(texts, finishes, lps, calls)):
+                message = {"role": "assistant", "content": t or None if c else t}
+                if c:
+                    message["tool_calls"] = c
+                choices.append({"index": i, "message": message, "logprobs": lp,
+                                "finish_reason": "tool_calls" if c and f == "stop" else f})
             head = self._head("chat.completion")
         else:
             choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
@@ -92,9 +105,23 @@ class LogprobsFormat:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{x:02x}" for x in b), b
 
-    def body(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], choice: int = 0) -> dict:
+    def body(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], choice: int = 0,
+             part_ends: bool = False, before: tuple | None = None) -> dict:
         """The logprobs object of ``token_ids`` (an entry of None, an echoed prompt's first token
-        in completions: ``null`` value and alternatives, as OpenAI's)."""
+        in completions: ``null`` value and alternatives, as OpenAI's). ``part_ends``: the text of
+        these tokens was decoded apart from what follows (an echoed prompt: a character it leaves
+        incomplete is U+FFFD there), so the offsets after them count that way too. ``before``:
+        such a part's ``(ids, entries)`` first, in the same object."""
+        if before is not None:
+            head, tail = self.body(*before, choice, part_ends=True), self.body(token_ids, entries, choice)
+            return {k: head[k] + tail[k] for k in head}
+        out = self._body(token_ids, entries, choice)
+        if part_ends:  # the incomplete character left at the end, as the decoded text shows it
+            self._offset[choice] += len(self._utf8[choice].decode(b"", final=True))
+            self._utf8[choice].reset()
+        return out
+
+    def _body(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], choice: int) -> dict:
         if self.kind == "chat":
             content = []
             for t, e in zip(token_ids, entries):
@@ -137,3 +164,33 @@ def sse(data: dict | str) -> bytes:
     """One server-sent event: ``data: <json>`` and a blank line."""
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
     return f"data: {text}\n\n".encode()
+
+
+class CallFilter:
+    """One streamed choice's text with its tool calls held back: text before a ``<tool_call>``
+    goes out as it comes (less a tail that may start one), the rest waits for the end, where it
+    is parsed (:func:`~specdec_rt.tools.parse_tool_calls`) into calls and any content left."""
+
+    def __init__(self) -> None:
+        self.held, self.calling = "", False
+
+    def push(self, text: str) -> str:
+        """What of ``text`` can go out now."""
+        if self.calling:
+            self.held += text
+            return ""
+        buf, self.held = self.held + text, ""
+        at = buf.find(CALL_OPEN)
+        if at >= 0:
+            self.calling, self.held = True, buf[at:]
+            return buf[:at]
+        keep = next((k for k in range(min(len(buf), len(CALL_OPEN) - 1), 0, -1) if CALL_OPEN.startswith(buf[-k:])), 0)
+        self.held = buf[len(buf) - keep:]
+        return buf[: len(buf) - keep]
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(the content still held, the calls) at the end of the choice."""
+        if not self.calling:
+            return self.held, []
+        content, calls = parse_tool_calls(self.held)
+        return (content if calls else self.held), calls

@@ -1,0 +1,165 @@
+"""Tool calling in OpenAI's shape, for chat templates that write calls as Hermes-style
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen2.5 and the many models
+trained on that format).
+
+Pure functions, no I/O: the tools' and the messages' checks, the template's view of a message
+history with calls in it, the parse of an answer into text and calls, and the grammar that makes
+a call certain (``tool_choice`` ``"required"`` or a named function; llguidance's Lark with an
+embedded JSON schema per tool, see :mod:`specdec_rt.constraints`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Sequence
+
+from .errors import InvalidInputError
+
+__all__ = ["check_tools", "check_tool_choice", "template_messages", "parse_tool_calls", "call_grammar",
+           "nested_strings", "supports_tools", "CALL_OPEN", "CALL_CLOSE", "MAX_TOOLS"]
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+MAX_TOOLS = 128
+CALL_WHITESPACE = "[ ]?"  # a call is one line, as the format's own example writes it: {"name": "f", "arguments": {...}}
+MAX_TOOL_CALLS = 64  # per assistant message of a history
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.S)
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def check_tools(tools: Any) -> list[dict]:
+    """OpenAI's ``tools``: a list of ``{"type": "function", "function": {"name", "description"?,
+    "parameters"? (a JSON schema object), "strict"?}}``, names unique. None or [] -> []."""
+    if tools is None:
+        return []
+    if not isinstance(tools, (list, tuple)) or len(tools) > MAX_TOOLS:
+        raise InvalidInputError(f"tools must be a list of at most {MAX_TOOLS} functions, got {_brief(tools)}")
+    seen = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not NAME.fullmatch(fn["name"]):
+            raise InvalidInputError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a "
+                                    f"name of 1-64 letters, digits, '_', '.' or '-', got {_brief(tool)}")
+        if not isinstance(fn.get("parameters", {}), dict) or not isinstance(fn.get("description", ""), str):
+            raise InvalidInputError(f"tools[{i}].function: parameters must be an object (a JSON schema) and "
+                                    "description a string")
+        if fn["name"] in seen:
+            raise InvalidInputError(f"tools[{i}]: function {fn['name']!r} is named twice")
+        seen.add(fn["name"])
+    return list(tools)
+
+
+def check_tool_choice(choice: Any, tools: Sequence[dict]) -> str | dict:
+    """``"none"`` | ``"auto"`` | ``"required"`` | ``{"type": "function", "function": {"name": X}}``
+    with X among ``tools``; None -> ``"auto"`` with tools, ``"none"`` without."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice in ("none", "auto", "required"):
+        if choice == "required" and not tools:
+            raise InvalidInputError("tool_choice 'required' needs tools")
+        return choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if name is None:
+        raise InvalidInputError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                                f"{{'name': ...}}}}, got {_brief(choice)}")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise InvalidInputError(f"tool_choice names function {_brief(name)}, which tools does not list")
+    return choice
+
+
+def supports_tools(template: str | None) -> bool:
+    """Whether a chat template renders ``tools`` and writes calls as ``<tool_call>`` blocks."""
+    return bool(template) and "tools" in template and CALL_OPEN in template
+
+
+def template_messages(messages: Sequence[dict]) -> list[dict]:
+    """The history as chat templates expect it (Hugging Face's convention): an assistant
+    message's ``tool_calls`` checked, each call's ``arguments`` (a JSON string in OpenAI's API)
+    given as the object it holds; ``content`` None -> ``""``. Other messages as they are."""
+    out = []
+    for i, msg in enumerate(messages):
+        calls = msg.get("tool_calls") if isinstance(msg, dict) else None
+        if calls is None:
+            out.append(msg)
+            continue
+        if not isinstance(calls, (list, tuple)) or len(calls) > MAX_TOOL_CALLS:
+            raise InvalidInputError(f"messages[{i}].tool_calls must be a list of at most {MAX_TOOL_CALLS} calls")
+        shaped = []
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+                    fn.get("arguments", "{}"), (str, dict)):
+                raise InvalidInputError(f"messages[{i}].tool_calls[{j}] must be {{'id': ..., 'type': 'function', "
+                                        f"'function': {{'name': ..., 'arguments': '<JSON>'}}}}, got {_brief(call)}")
+            args = fn.get("arguments", "{}")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    pass  # a template gets the string as it was
+            shaped.append({**call, "function": {**fn, "arguments": args}})
+        out.append({**msg, "content": msg.get("content") or "", "tool_calls": shaped})
+    return out
+
+
+def nested_strings(value: Any, depth: int = 0):
+    """Every string inside ``value`` (dict keys and values, list items), depth-first; a structure
+    deeper than 64 levels is an :class:`InvalidInputError` (templates would recurse into it)."""
+    if depth > 64:
+        raise InvalidInputError("tools or tool_calls nested more than 64 levels deep")
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str):
+                yield k
+            yield from nested_strings(v, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from nested_strings(v, depth + 1)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """An answer -> ``(content, calls)``: every ``<tool_call>{"name": ..., "arguments": {...}}
+    </tool_call>`` block whose body is such JSON becomes an OpenAI tool call (``id``,
+    ``"type": "function"``, ``function.name``, ``function.arguments`` as a JSON string); the
+    text around them (stripped) is the content. A block that does not parse, or one left open
+    (the answer cut by its token limit), stays in the content as it was."""
+    calls, kept, at = [], [], 0
+    for m in _BLOCK.finditer(text):
+        try:
+            body = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not (isinstance(body, dict) and isinstance(body.get("name"), str)
+                and isinstance(body.get("arguments", {}), (dict, str))):
+            continue
+        args = body.get("arguments", {})
+        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                      "function": {"name": body["name"],
+                                   "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+        kept.append(text[at : m.start()])
+        at = m.end()
+    kept.append(text[at:])
+    return "".join(kept).strip(), calls
+
+
+def call_grammar(tools: Sequence[dict], choice: str | dict) -> str:
+    """A Lark grammar (llguidance's, with ``%json``) for an answer that is exactly one call:
+    ``<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>``, N the named function or
+    any of ``tools``, its arguments following the function's parameter schema."""
+    names = [choice["function"]["name"]] if isinstance(choice, dict) else [t["function"]["name"] for t in tools]
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    options = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
+                "required": ["name", "arguments"], "additionalProperties": False} for n in names]
+    schema = dict(options[0] if len(options) == 1 else {"anyOf": options}, **{
+        "x-guidance": {"whitespace_pattern": CALL_WHITESPACE}})
+    return (f"start: {json.dumps(CALL_OPEN + chr(10))} call {json.dumps(chr(10) + CALL_CLOSE)}\n"
+            f"call: %json {json.dumps(schema)}\n")
