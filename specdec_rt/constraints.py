@@ -24,7 +24,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from .errors import InferenceError, InvalidInputError
+from .errors import InvalidInputError
 
 __all__ = ["Constraint", "GrammarConstraint", "GrammarFactory", "constrained", "check_response_format",
            "MAX_SCHEMA_CHARS", "JSON_WHITESPACE"]
@@ -66,21 +66,25 @@ class GrammarConstraint:
     path is consumed, the mask read, and the path rolled back."""
 
     def __init__(self, matcher: Any, vocab_size: int, eos_ids: Sequence[int] = (),
-                 usable: np.ndarray | None = None) -> None:
+                 usable: np.ndarray | None = None, what: str = "response_format") -> None:
         self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, frozenset(int(t) for t in eos_ids)
         self.usable = usable  # [V] bool: ids that stand for text (or end it); None: all
+        self.what = what  # the request field the grammar came from, for errors
 
     def allowed(self, before: Sequence[int]) -> np.ndarray | None:
         m = self.matcher
         went = m.try_consume_tokens(list(before)) if before else 0
         try:
-            if went < len(before) or m.is_error():
+            if went < len(before):
                 return None
             bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)  # one bit a token id, little-endian
+            if m.is_error():  # the grammar engine gave up (a limit, a grammar with no way on): so does the
+                # request, whichever row asked (a matcher in error stays so); the input's fault: a 400
+                raise InvalidInputError(f"{self.what}: {_stopped(m)}")
             mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)  # [V]
             return mask if self.usable is None else mask & self.usable
         finally:
-            if went:
+            if went and not m.is_error():
                 m.rollback(went)
 
     def commit(self, ids: Sequence[int]) -> None:
@@ -88,8 +92,14 @@ class GrammarConstraint:
         for t in ids:
             if int(t) in self.eos_ids and m.is_stopped():
                 continue  # the end, once the grammar is complete (a matcher stops by itself there)
-            if not m.consume_token(int(t)):
-                raise InferenceError(f"committed token {int(t)} breaks the response format: {m.get_error()[:300]}")
+            if not m.consume_token(int(t)):  # every committed token was allowed: the engine gave up here
+                raise InvalidInputError(f"{self.what}: at token {int(t)}, {_stopped(m)}")
+
+
+def _stopped(matcher) -> str:
+    """The grammar engine's error, its first line (what follows is its internal state)."""
+    first = (matcher.get_error() or "stopped").strip().splitlines()[0]
+    return f"the grammar stopped: {first[:300]}"
 
 
 def check_response_format(response_format: Any) -> dict | None:
@@ -112,7 +122,11 @@ def check_response_format(response_format: Any) -> dict | None:
         raise InvalidInputError("response_format json_schema must be an object with a 'schema' object, got "
                                 f"{_brief(spec)}")
     schema = spec.get("schema", {})
-    if len(json.dumps(schema)) > MAX_SCHEMA_CHARS:
+    try:
+        size = len(json.dumps(schema))
+    except (ValueError, TypeError, RecursionError) as exc:  # a set, a cycle, 1,000 levels deep
+        raise InvalidInputError(f"response_format's schema is not JSON: {type(exc).__name__}: {exc}"[:300]) from None
+    if size > MAX_SCHEMA_CHARS:
         raise InvalidInputError(f"response_format's schema is longer than {MAX_SCHEMA_CHARS} characters")
     return schema
 
@@ -165,12 +179,14 @@ class GrammarFactory:
         try:
             grammar = lark if schema is None else llg.LLMatcher.grammar_from_json_schema(
                 schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
-        except (ValueError, TypeError) as exc:
-            raise InvalidInputError(f"{what}: not a JSON schema: {exc}"[:300]) from None
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise InvalidInputError(f"{what}: the grammar engine cannot read this schema: {exc}"[:300]) from None
         matcher = llg.LLMatcher(self.tokenizer(), grammar, log_level=0)  # (sets _usable the first time)
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # the first step: a grammar with no way on, or past a limit, shows here
         if matcher.is_error():
-            raise InvalidInputError(f"{what}: {matcher.get_error()}"[:300])
-        return GrammarConstraint(matcher, self.vocab_size, self.eos_ids, self._usable)
+            raise InvalidInputError(f"{what}: {_stopped(matcher)}")
+        return GrammarConstraint(matcher, self.vocab_size, self.eos_ids, self._usable, what)
 
 
 class _TokenTable:

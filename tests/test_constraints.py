@@ -224,3 +224,46 @@ def test_response_format_through_the_server(tiny_llama):
         assert json.loads(text.json()["choices"][0]["text"]) in ("red", "blue")
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
     run(check, tiny_llama)
+
+
+def test_schemas_that_are_not_json_are_named():
+    deep = {"type": "string"}
+    for _ in range(1000):
+        deep = {"type": "array", "items": deep}
+    circular = {"type": "object"}
+    circular["properties"] = {"a": circular}
+    for schema in (deep, circular, {"enum": {1, 2}}):
+        with pytest.raises(InvalidInputError, match="response_format's schema is not JSON"):
+            check_response_format({"type": "json_schema", "json_schema": {"schema": schema}})
+
+
+@pytest.mark.export
+def test_grammars_that_give_up_are_a_400_in_every_mode_and_an_empty_schema_holds(tiny_llama):
+    """Found by QA: a schema with no value ({"$ref": "#"}) left the constraint off after its
+    first step (ar ended at once with '', spec failed with a 500); one past llguidance's row limit
+    (499 optional properties) was a 500; the server dropped an empty schema {} (falsy)."""
+    from serve_util import client, run
+
+    from specdec_rt.serve import create_app
+
+    def rf(schema):
+        return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(499)}}
+
+    async def check(engine):
+        for mode in ("ar", "spec"):
+            with pytest.raises(InvalidInputError, match="response_format: the grammar stopped"):
+                await engine.generate("x", 8, mode=mode, response_format=rf({"$ref": "#"}))
+        want = await engine.generate("Answer:", 12, mode="ar", response_format=rf({}))
+        async with client(create_app(engine)) as c:
+            empty = await c.post("/v1/completions", json={"prompt": "Answer:", "max_tokens": 12, "temperature": 0,
+                                                          "response_format": rf({})})
+            r = await c.post("/v1/completions", json={"prompt": "Answer:", "max_tokens": 16, "temperature": 0,
+                                                      "response_format": rf(wide)})
+            ok = await c.post("/v1/completions", json={"prompt": "Answer:", "max_tokens": 4, "temperature": 0})
+        assert empty.json()["choices"][0]["text"] == want.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+        assert "<state>" not in r.json()["error"]["message"]  # the first line, not the engine's internals
+        assert ok.status_code == 200 and engine.running == 0 and not engine.target._owners
+    run(check, tiny_llama)

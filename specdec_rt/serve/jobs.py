@@ -211,6 +211,9 @@ class Job:
         except EngineClosedError as exc:
             self.outcome = "error"
             raise APIError(503, str(exc), type="service_unavailable", code="draining") from None
+        except InvalidInputError as exc:  # found while generating: a response format's grammar that gives up
+            self.outcome = "error"
+            raise engine_error(exc, self.params) from None
         except SpecDecError as exc:  # InferenceError: the model failed; the engine goes on
             self.outcome = "error"
             raise APIError(500, str(exc), type="server_error", code="inference_error") from None

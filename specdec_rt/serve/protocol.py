@@ -156,7 +156,8 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
     p.penalties = {k: v for k, v in p.penalties.items() if v != getattr(off, k)}  # 0, 0, 1: not passed on
     if body.get("response_format") is not None:
         try:  # the engine's own check: the shape here, the schema when the request starts (a 400 still)
-            p.response_format = body["response_format"] if check_response_format(body["response_format"]) else None
+            p.response_format = (body["response_format"] if check_response_format(body["response_format"]) is not None
+                                 else None)  # (an empty schema {} holds the answer to any JSON value)
         except InvalidInputError as exc:
             raise _bad("response_format", str(exc)) from None
     if kind == "chat" and (body.get("tools") or body.get("tool_choice") is not None):
