@@ -228,7 +228,8 @@ class Engine:
                             lps if logprobs is not None else None,
                             None if first.prompt_token_ids is None else list(first.prompt_token_ids),
                             None if first.prompt_logprobs is None else list(first.prompt_logprobs),
-                            parse_tool_calls(text)[1] if tools and tool_choice != "none" else None)
+                            parse_tool_calls(text, [t["function"]["name"] for t in tools])[1]
+                            if tools and tool_choice != "none" else None)
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -260,10 +261,11 @@ class Engine:
                                 1.0 if repetition_penalty is None else repetition_penalty)
         logprobs = check_top_logprobs(logprobs)
         prompt_logprobs = check_top_logprobs(prompt_logprobs, "prompt_logprobs")
-        shape = RequestShape(prompt_logprobs, check_response_format(response_format), *tool_shape(prompt, tools, tool_choice))
+        stops = check_stop(stop)
+        shape = RequestShape(prompt_logprobs, check_response_format(response_format),
+                             *tool_shape(prompt, tools, tool_choice, stops, self.codec.chat_template))
         if shape.schema is not None and shape.lark is not None:
             raise InvalidInputError(f"response_format and tool_choice={tool_choice!r} cannot both hold the answer")
-        stops = check_stop(stop)
         if not isinstance(truncate_prompt, bool):
             raise InvalidInputError(f"truncate_prompt must be True or False, got {brief_repr(truncate_prompt)}")
         check_prompt_size(prompt, self.max_prompt_chars)

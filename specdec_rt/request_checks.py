@@ -11,7 +11,7 @@ import numpy as np
 from .acceptance import SpecConfig
 from .errors import InvalidInputError
 from .sampling import brief_repr
-from .tools import call_grammar, check_tool_choice, check_tools
+from .tools import call_grammar, check_tool_choice, check_tools, supports_tools
 
 __all__ = ["MAX_STOP_STRINGS", "MAX_STOP_CHARS", "check_stop", "check_prompt_size", "find_stop", "stop_prefix_len",
            "cut_at_stop", "token_id_prompt", "RequestShape", "tool_shape", "check_load_args"]
@@ -133,14 +133,21 @@ class RequestShape:
     lark: str | None = None
 
 
-def tool_shape(prompt, tools, tool_choice) -> tuple[list | None, str | None]:
-    """(the tools to render, a call grammar) from ``tools`` / ``tool_choice``, checked."""
+def tool_shape(prompt, tools, tool_choice, stops: list[str], template: str | None) -> tuple[list | None, str | None]:
+    """(the tools to render, a call grammar) from ``tools`` / ``tool_choice``, checked. With
+    ``"none"`` the tools are still rendered where the ``template`` can (the model knows them, as
+    OpenAI's does, and calls none); ``"required"`` / a named function: the call grammar, which
+    no stop string may cut."""
     tools = check_tools(tools)
     choice = check_tool_choice(tool_choice, tools)
-    if not tools or choice == "none":
+    if not tools:
         return None, None
     if isinstance(prompt, str) or token_id_prompt(prompt, 2**63) is not None:
         raise InvalidInputError("tools go with chat messages, not a plain-text or token-id prompt")
+    if choice == "none":
+        return (tools if supports_tools(template) else None), None
+    if choice != "auto" and stops:
+        raise InvalidInputError(f"stop cannot go with tool_choice={choice!r}: a stop string could cut the call")
     return tools, (call_grammar(tools, choice) if choice != "auto" else None)
 
 

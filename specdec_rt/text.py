@@ -232,9 +232,14 @@ class TextCodec:
         if isinstance(prompt, str):
             return self.encode(prompt)
         prompt = template_messages(self._check_messages(prompt))
-        if tools and not supports_tools(self.chat_template):
-            raise InvalidInputError("tools: this model's chat template does not render tools (it writes no "
-                                    f"{CALL_OPEN} calls)")
+        if not supports_tools(self.chat_template):
+            if tools:
+                raise InvalidInputError("tools: this model's chat template does not render tools (it writes no "
+                                        f"{CALL_OPEN} calls)")
+            called = next((i for i, m in enumerate(prompt) if m.get("tool_calls")), None)
+            if called is not None:  # the template would drop them from the history without a word
+                raise InvalidInputError(f"messages[{called}].tool_calls: this model's chat template does not "
+                                        "render tool calls")
         allow = self.allow_special_in_content if allow_special is None else allow_special
         if not allow and self._special_re is not None:
             for name, value in [("tools", tools or [])] + [(f"messages[{i}].tool_calls", m["tool_calls"])

@@ -25,7 +25,6 @@ MAX_TOOLS = 128
 CALL_WHITESPACE = "[ ]?"  # a call is one line, as the format's own example writes it: {"name": "f", "arguments": {...}}
 MAX_TOOL_CALLS = 64  # per assistant message of a history
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.S)
 
 
 def _brief(value: Any) -> str:
@@ -46,9 +45,11 @@ def check_tools(tools: Any) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not NAME.fullmatch(fn["name"]):
             raise InvalidInputError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a "
                                     f"name of 1-64 letters, digits, '_', '.' or '-', got {_brief(tool)}")
-        if not isinstance(fn.get("parameters", {}), dict) or not isinstance(fn.get("description", ""), str):
-            raise InvalidInputError(f"tools[{i}].function: parameters must be an object (a JSON schema) and "
-                                    "description a string")
+        params = fn.get("parameters", {})
+        if not isinstance(params, dict) or params.get("type", "object") != "object" or not isinstance(
+                fn.get("description", ""), str):
+            raise InvalidInputError(f"tools[{i}].function: parameters must be a JSON schema of an object "
+                                    "(\"type\": \"object\") and description a string")
         if fn["name"] in seen:
             raise InvalidInputError(f"tools[{i}]: function {fn['name']!r} is named twice")
         seen.add(fn["name"])
@@ -126,40 +127,63 @@ def nested_strings(value: Any, depth: int = 0):
             yield from nested_strings(v, depth + 1)
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+def parse_tool_calls(text: str, names: Sequence[str] | None = None) -> tuple[str, list[dict]]:
     """An answer -> ``(content, calls)``: every ``<tool_call>{"name": ..., "arguments": {...}}
-    </tool_call>`` block whose body is such JSON becomes an OpenAI tool call (``id``,
-    ``"type": "function"``, ``function.name``, ``function.arguments`` as a JSON string); the
-    text around them (stripped) is the content. A block that does not parse, or one left open
+    </tool_call>`` block whose body is such a JSON object (``"parameters"`` is read as
+    ``"arguments"``, as some models write it; arguments may be an object or a JSON string of
+    one) becomes an OpenAI tool call (``id``, ``"type": "function"``, ``function.name``,
+    ``function.arguments`` as a JSON string); with ``names``, only calls to those functions. The
+    body is read as JSON up to its end, so a string in it may hold ``</tool_call>``. The text
+    around the calls, stripped, is the content. A block that does not parse, or one left open
     (the answer cut by its token limit), stays in the content as it was."""
-    calls, kept, at = [], [], 0
-    for m in _BLOCK.finditer(text):
-        try:
-            body = json.loads(m.group(1))
-        except ValueError:
-            continue
-        if not (isinstance(body, dict) and isinstance(body.get("name"), str)
-                and isinstance(body.get("arguments", {}), (dict, str))):
-            continue
-        args = body.get("arguments", {})
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": body["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
-        kept.append(text[at : m.start()])
-        at = m.end()
+    calls, kept, at, pos = [], [], 0, 0
+    while (start := text.find(CALL_OPEN, pos)) >= 0:
+        pos = start + len(CALL_OPEN)
+        call, end = _call_at(text, pos, names)
+        if call is None:
+            continue  # not a call: it stays text
+        calls.append(call)
+        kept.append(text[at:start])
+        at = pos = end
     kept.append(text[at:])
     return "".join(kept).strip(), calls
 
 
+def _call_at(text: str, pos: int, names) -> tuple[dict | None, int]:
+    """The call whose JSON body starts at or after ``pos`` (whitespace first), and where its
+    ``</tool_call>`` ends; ``(None, pos)`` if there is none."""
+    body_at = len(text) - len(text[pos:].lstrip())
+    try:
+        body, end = json.JSONDecoder().raw_decode(text, body_at)
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's recursion limit
+        return None, pos
+    close = len(text) - len(text[end:].lstrip())
+    if not text.startswith(CALL_CLOSE, close) or not isinstance(body, dict) or not isinstance(body.get("name"), str):
+        return None, pos
+    args = body.get("arguments", body.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if isinstance(json.loads(args), dict) else None
+        except (ValueError, RecursionError):
+            args = None
+    if not isinstance(args, dict) or (names is not None and body["name"] not in names):
+        return None, pos
+    return ({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+             "function": {"name": body["name"], "arguments": json.dumps(args, ensure_ascii=False)}},
+            close + len(CALL_CLOSE))
+
+
 def call_grammar(tools: Sequence[dict], choice: str | dict) -> str:
     """A Lark grammar (llguidance's, with ``%json``) for an answer that is exactly one call:
-    ``<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>``, N the named function or
-    any of ``tools``, its arguments following the function's parameter schema."""
+    ``<tool_call>\n{"name": "N", "arguments": {...}}\n</tool_call>``, N the named function or any
+    of ``tools``, its arguments following the function's ``parameters`` schema (embedded whole,
+    so its own ``$ref``s resolve inside it), on one line."""
     names = [choice["function"]["name"]] if isinstance(choice, dict) else [t["function"]["name"] for t in tools]
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
-    options = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
-                "required": ["name", "arguments"], "additionalProperties": False} for n in names]
-    schema = dict(options[0] if len(options) == 1 else {"anyOf": options}, **{
-        "x-guidance": {"whitespace_pattern": CALL_WHITESPACE}})
-    return (f"start: {json.dumps(CALL_OPEN + chr(10))} call {json.dumps(chr(10) + CALL_CLOSE)}\n"
-            f"call: %json {json.dumps(schema)}\n")
+    rules = [f"call: {' | '.join(f'call{i}' for i in range(len(names)))}"]
+    for i, name in enumerate(names):
+        head = json.dumps('{"name": ' + json.dumps(name) + ', "arguments": ')
+        schema = {**params[name], "x-guidance": {**params[name].get("x-guidance", {}),
+                                                 "whitespace_pattern": CALL_WHITESPACE}}
+        rules += [f"call{i}: {head} args{i} \"}}\"", f"args{i}: %json {json.dumps(schema)}"]
+    return f"start: {json.dumps(CALL_OPEN + chr(10))} call {json.dumps(chr(10) + CALL_CLOSE)}\n" + "\n".join(rules) + "\n"

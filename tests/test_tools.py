@@ -71,7 +71,7 @@ def test_call_filter_holds_back_calls_even_split_across_pieces():
 @pytest.mark.parametrize("tools, needle", [
     ("x", "tools must be a list"), ([{"type": "function"}], "tools[0]"),
     ([{"type": "function", "function": {"name": "a b"}}], "tools[0]"),
-    ([{"type": "function", "function": {"name": "f", "parameters": []}}], "parameters must be an object"),
+    ([{"type": "function", "function": {"name": "f", "parameters": []}}], "parameters must be a JSON schema"),
     ([ADD, ADD], "named twice"), ([ADD] * 129, "at most 128"),
 ])
 def test_bad_tools_are_named(tools, needle):
@@ -90,7 +90,8 @@ def test_tool_choice():
     with pytest.raises(InvalidInputError, match="needs tools"):
         check_tool_choice("required", [])
     assert supports_tools(HERMES) and not supports_tools("{{ messages }}") and not supports_tools(None)
-    assert '"const": "add"' in call_grammar([ADD, WEATHER], named) and "anyOf" in call_grammar([ADD, WEATHER], "required")
+    assert "call: call0\n" in call_grammar([ADD, WEATHER], named)  # the named one only
+    assert "call: call0 | call1\n" in call_grammar([ADD, WEATHER], "required")
 
 
 def test_a_tag_the_tokenizer_marks_special_is_decoded_as_text(tmp_path):
@@ -208,4 +209,85 @@ def test_tool_calls_through_the_server_and_the_openai_client(tool_model):
                                                   tools=[ADD], tool_choice=named)
             assert r.choices[0].message.tool_calls[0].function.name == "add"
             assert r.choices[0].finish_reason == "tool_calls"
+    run(check, tool_model)
+
+
+# ---------------------------------------------------------------- found by QA
+def test_parse_edge_cases_from_review():
+    deep = "<tool_call>" + "[" * 1000 + "]" * 1000 + "</tool_call>"
+    assert parse_tool_calls(deep) == (deep, [])  # was: RecursionError out of json.loads
+    content, (call,) = parse_tool_calls('<tool_call>\n{"name": "t", "arguments": {"s": "a</tool_call>b"}}\n</tool_call>')
+    assert json.loads(call["function"]["arguments"]) == {"s": "a</tool_call>b"}  # was: cut at the inner tag
+    _, (call,) = parse_tool_calls('<tool_call>{"name": "w", "parameters": {"city": "Oslo"}}</tool_call>')
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}  # was: arguments dropped
+    unknown = '<tool_call>{"name": "zzz", "arguments": {}}</tool_call>'
+    assert parse_tool_calls(unknown, names=["add"]) == (unknown, [])
+    for bad_args in ('"not json"', "[1, 2]", "7"):
+        text = '<tool_call>{"name": "add", "arguments": ' + bad_args + "}</tool_call>"
+        assert parse_tool_calls(text) == (text, [])
+    with pytest.raises(InvalidInputError, match="JSON schema of an object"):
+        check_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}])
+
+
+def test_streamed_and_whole_answers_split_the_same_way():
+    from specdec_rt.serve.protocol import GenParams
+
+    p = GenParams("chat", [], tools=[ADD], tool_choice="auto")
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    for pieces in (["Sure.", " <to", "ol_c", call[len("<tool_c"):], " after"], ["Hi ", call, "\n", call],
+                   ["  ", call, "  "], ["no call", " here"]):
+        whole = p.calls_in("".join(pieces))
+        f = p.call_filter()
+        sent = "".join(f.push(x) for x in pieces)
+        rest, calls = f.finish()
+        streamed = (sent + rest) or (None if calls else "")
+        assert (streamed, len(calls)) == (whole[0], len(whole[1]))
+    assert p.calls_in("  " + call)[0] is None  # blank beside a call: no content
+    p.parallel_tool_calls = False
+    assert len(p.calls_in(call + call)[1]) == 1
+
+
+@pytest.mark.export
+def test_refs_none_stop_and_histories(tool_model, tiny_llama):
+    pytest.importorskip("llguidance")
+    from serve_util import run
+
+    ref_tool = {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
+        "additionalProperties": False, "$defs": {"City": {"type": "string", "enum": ["Oslo", "Lima"]}}}}}
+    named = {"type": "function", "function": {"name": "weather"}}
+
+    async def check(engine):
+        r = await engine.generate(ASK, 120, tools=[ref_tool], tool_choice=named)  # was: '$defs' not found
+        assert json.loads(r.tool_calls[0]["function"]["arguments"])["city"] in ("Oslo", "Lima")
+        with pytest.raises(InvalidInputError, match="stop cannot go with"):
+            await engine.generate(ASK, 8, tools=[ref_tool], tool_choice=named, stop=["\n"])
+        none = await engine.generate(ASK, 4, mode="ar", tools=[ADD], tool_choice="none")
+        plain = await engine.generate(ASK, 4, mode="ar")
+        assert none.tool_calls is None and none.stats.prompt_tokens > plain.stats.prompt_tokens  # rendered, not parsed
+    run(check, tool_model)
+
+    async def unsupported(engine):
+        history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}]
+        with pytest.raises(InvalidInputError, match=r"messages\[1\].tool_calls"):
+            await engine.generate(history, 4)  # was: the calls silently dropped from the prompt
+    run(unsupported, tiny_llama)
+
+
+@pytest.mark.export
+def test_tool_fields_the_server_refuses(tool_model):
+    from serve_util import client, run
+
+    from specdec_rt.serve import create_app
+
+    async def check(engine):
+        async with client(create_app(engine)) as c:
+            rs = [await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "tools": [ADD]}),
+                  await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "tool_choice": "required"}),
+                  await c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "tools": {}}),
+                  await c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "tools": [ADD],
+                                                             "parallel_tool_calls": "yes"})]
+        assert [r.status_code for r in rs] == [400] * 4
+        assert [r.json()["error"]["param"] for r in rs] == ["tools", "tool_choice", "tools", "parallel_tool_calls"]
     run(check, tool_model)

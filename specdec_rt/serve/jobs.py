@@ -19,9 +19,8 @@ from starlette.responses import JSONResponse, Response
 
 from ..errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..logs import get_logger
-from ..tools import parse_tool_calls
 from .protocol import APIError, GenParams, Kind, engine_error, parse_request
-from .replies import CallFilter, LogprobsFormat, Reply, sse
+from .replies import LogprobsFormat, Reply, sse
 from .state import Serving
 
 __all__ = ["completions", "error_response"]
@@ -313,10 +312,9 @@ class Job:
                     lp = None if self.logprobs is None else [
                         self.logprobs.body(t, e, i, before=echoed[i]) for i, (t, e) in enumerate(zip(ids, lps))]
                     texts = ["".join(p) for p in parts]
-                    calls = [parse_tool_calls(t) if self.params.calls_tools else (t, []) for t in texts]
-                    body = self.reply.response([t if not c else content for t, (content, c) in zip(texts, calls)],
-                                               [f or "stop" for f in self.finish], *self.usage(), logprobs=lp,
-                                               tool_calls=[c for _, c in calls])
+                    calls = [self.params.calls_in(t) if self.params.calls_tools else (t, []) for t in texts]
+                    body = self.reply.response([content for content, _ in calls], [f or "stop" for f in self.finish],
+                                               *self.usage(), logprobs=lp, tool_calls=[c for _, c in calls])
                     response = JSONResponse(body)
                 except APIError as err:
                     response = error_response(err)
@@ -383,7 +381,7 @@ class EventStream:
         elif job.params.echo and job.logprobs is None:  # echo: the prompt first (with logprobs: as they come)
             for i in range(len(job.streams)):
                 await emit(reply.chunk(job.echo[i], index=i))
-        filters = [CallFilter() for _ in job.streams] if job.params.calls_tools else None
+        filters = [job.params.call_filter() for _ in job.streams] if job.params.calls_tools else None
         try:
             while (got := await job.next_event()) is not None:
                 i, ev = got
@@ -402,7 +400,7 @@ class EventStream:
                     if text or (lp is not None and ev.token_ids):
                         await emit(reply.chunk(text, index=i, logprobs=lp))
                     await emit(reply.chunk("", index=i, tool_calls=calls))
-                    await emit(reply.chunk("", "tool_calls" if finish == "stop" else finish, index=i))
+                    await emit(reply.chunk("", "tool_calls" if finish == "stop" else finish, index=i, empty=True))
                 elif text or ev.finished or (lp is not None and ev.token_ids):
                     await emit(reply.chunk(text, finish, index=i, logprobs=lp))
         except APIError as err:

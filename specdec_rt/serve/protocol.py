@@ -77,11 +77,26 @@ class GenParams:
     response_format: dict | None = None  # json_object / json_schema (checked); None: text
     tools: list = field(default_factory=list)  # chat: functions the model may call (checked)
     tool_choice: str | dict = "none"  # "auto" with tools, unless the request says otherwise
+    parallel_tool_calls: bool = True  # False: at most one call an answer (the first)
 
     @property
     def calls_tools(self) -> bool:
         """Whether the answer may hold tool calls (to parse out of the text)."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    def calls_in(self, text: str) -> tuple[str | None, list[dict]]:
+        """A whole answer's ``(content, calls)``, split as a stream splits it (a
+        :class:`~specdec_rt.serve.replies.CallFilter` of :meth:`call_filter`)."""
+        f = self.call_filter()
+        content = f.push(text)
+        rest, calls = f.finish()
+        return (content + rest) or (None if calls else ""), calls
+
+    def call_filter(self):
+        """A :class:`~specdec_rt.serve.replies.CallFilter` for one choice of this request."""
+        from .replies import CallFilter
+
+        return CallFilter([t["function"]["name"] for t in self.tools], self.parallel_tool_calls)
 
     @property
     def streams(self) -> list[tuple[Any, int]]:
@@ -160,12 +175,13 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
                                  else None)  # (an empty schema {} holds the answer to any JSON value)
         except InvalidInputError as exc:
             raise _bad("response_format", str(exc)) from None
-    if kind == "chat" and (body.get("tools") or body.get("tool_choice") is not None):
+    if kind == "chat" and (body.get("tools") is not None or body.get("tool_choice") is not None):
         try:  # the engine's own checks; tools the template cannot render: a 400 when the request starts
             p.tools = check_tools(body.get("tools"))
             p.tool_choice = check_tool_choice(body.get("tool_choice"), p.tools)
         except InvalidInputError as exc:
             raise _bad("tool_choice" if str(exc).startswith("tool_choice") else "tools", str(exc)) from None
+        p.parallel_tool_calls = body.get("parallel_tool_calls") is None or _bool(body, "parallel_tool_calls")
     _unsupported(body, kind)
     return p
 
@@ -189,7 +205,8 @@ def _logprobs(body: dict, kind: Kind) -> int | None:
 
 # options this server cannot honour, and their "off" values (which some clients always send)
 UNHONOURED = {"functions": ([],), "function_call": ("none", "auto")}  # the legacy names of tools
-UNHONOURED_COMPLETION = {"best_of": (1,), "suffix": ("",)}  # /v1/completions only
+UNHONOURED_COMPLETION = {"best_of": (1,), "suffix": ("",), "tools": ([],),  # /v1/completions only
+                         "tool_choice": ("none",)}  # (tools: chat only, where a template renders them)
 
 
 def _unsupported(body: dict, kind: Kind) -> None:

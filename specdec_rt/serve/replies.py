@@ -35,7 +35,7 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False, index: int = 0,
-              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None, empty: bool = False) -> dict:
         """A streamed chunk of choice ``index``; a choice's first chat chunk carries ``"role": "assistant"``;
         ``logprobs``: the chunk's tokens' (a :class:`LogprobsFormat` body); ``tool_calls``: whole
         calls, each with its ``index`` among the choice's calls."""
@@ -43,6 +43,8 @@ class Reply:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
             if tool_calls:
                 delta = {"tool_calls": [{"index": j, **call} for j, call in enumerate(tool_calls)]}
+            elif empty:  # a finish after calls: no content at all (a client would add "" to None)
+                delta = {}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
@@ -69,7 +71,7 @@ class Reply:
         if self.kind == "chat":
             choices = []
             for i, (t, f, lp, c) in enumerate(zip(texts, finishes, lps, calls)):
-                message = {"role": "assistant", "content": t or None if c else t}
+                message = {"role": "assistant", "content": t}
                 if c:
                     message["tool_calls"] = c
                 choices.append({"index": i, "message": message, "logprobs": lp,
@@ -167,12 +169,15 @@ def sse(data: dict | str) -> bytes:
 
 
 class CallFilter:
-    """One streamed choice's text with its tool calls held back: text before a ``<tool_call>``
-    goes out as it comes (less a tail that may start one), the rest waits for the end, where it
-    is parsed (:func:`~specdec_rt.tools.parse_tool_calls`) into calls and any content left."""
+    """One choice's text with its tool calls held back, streamed or not (the same split either
+    way): text goes out as it comes, less a tail that may start a ``<tool_call>``, and less
+    leading blank text (content beside calls is None when it is blank); from a call on, the rest
+    waits for the end, where it is parsed (:func:`~specdec_rt.tools.parse_tool_calls`, calls to
+    ``names`` only; the first only unless ``parallel``) into calls and any content left."""
 
-    def __init__(self) -> None:
-        self.held, self.calling = "", False
+    def __init__(self, names: Sequence[str] | None = None, parallel: bool = True) -> None:
+        self.names, self.parallel = names, parallel
+        self.held, self.calling, self.blank = "", False, ""  # blank: leading whitespace not yet sent
 
     def push(self, text: str) -> str:
         """What of ``text`` can go out now."""
@@ -183,14 +188,25 @@ class CallFilter:
         at = buf.find(CALL_OPEN)
         if at >= 0:
             self.calling, self.held = True, buf[at:]
-            return buf[:at]
+            return self._out(buf[:at])
         keep = next((k for k in range(min(len(buf), len(CALL_OPEN) - 1), 0, -1) if CALL_OPEN.startswith(buf[-k:])), 0)
         self.held = buf[len(buf) - keep:]
-        return buf[: len(buf) - keep]
+        return self._out(buf[: len(buf) - keep])
+
+    def _out(self, text: str) -> str:
+        if self.blank is not None and not text.strip():  # nothing but whitespace so far: hold it
+            self.blank += text
+            return ""
+        text, self.blank = (self.blank or "") + text, None
+        return text
 
     def finish(self) -> tuple[str, list[dict]]:
         """(the content still held, the calls) at the end of the choice."""
+        blank = self.blank or ""
         if not self.calling:
-            return self.held, []
-        content, calls = parse_tool_calls(self.held)
-        return (content if calls else self.held), calls
+            return blank + self.held, []
+        content, calls = parse_tool_calls(self.held, self.names)
+        calls = calls if self.parallel else calls[:1]
+        if not calls:
+            return blank + self.held, []
+        return ("" if self.blank is not None and not content else blank + content), calls
