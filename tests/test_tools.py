@@ -231,20 +231,21 @@ def test_parse_edge_cases_from_review():
 
 def test_streamed_and_whole_answers_split_the_same_way():
     from specdec_rt.serve.protocol import GenParams
+    from specdec_rt.serve.replies import call_filter, calls_in
 
     p = GenParams("chat", [], tools=[ADD], tool_choice="auto")
     call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
     for pieces in (["Sure.", " <to", "ol_c", call[len("<tool_c"):], " after"], ["Hi ", call, "\n", call],
                    ["  ", call, "  "], ["no call", " here"]):
-        whole = p.calls_in("".join(pieces))
-        f = p.call_filter()
+        whole = calls_in(p, "".join(pieces))
+        f = call_filter(p)
         sent = "".join(f.push(x) for x in pieces)
         rest, calls = f.finish()
         streamed = (sent + rest) or (None if calls else "")
         assert (streamed, len(calls)) == (whole[0], len(whole[1]))
-    assert p.calls_in("  " + call)[0] is None  # blank beside a call: no content
+    assert calls_in(p, "  " + call)[0] is None  # blank beside a call: no content
     p.parallel_tool_calls = False
-    assert len(p.calls_in(call + call)[1]) == 1
+    assert len(calls_in(p, call + call)[1]) == 1
 
 
 @pytest.mark.export

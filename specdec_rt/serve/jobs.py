@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from ..errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..logs import get_logger
 from .protocol import APIError, GenParams, Kind, engine_error, parse_request
-from .replies import LogprobsFormat, Reply, sse
+from .replies import LogprobsFormat, Reply, call_filter, calls_in, sse
 from .state import Serving
 
 __all__ = ["completions", "error_response"]
@@ -312,7 +312,7 @@ class Job:
                     lp = None if self.logprobs is None else [
                         self.logprobs.body(t, e, i, before=echoed[i]) for i, (t, e) in enumerate(zip(ids, lps))]
                     texts = ["".join(p) for p in parts]
-                    calls = [self.params.calls_in(t) if self.params.calls_tools else (t, []) for t in texts]
+                    calls = [calls_in(self.params, t) if self.params.calls_tools else (t, []) for t in texts]
                     body = self.reply.response([content for content, _ in calls], [f or "stop" for f in self.finish],
                                                *self.usage(), logprobs=lp, tool_calls=[c for _, c in calls])
                     response = JSONResponse(body)
@@ -381,7 +381,7 @@ class EventStream:
         elif job.params.echo and job.logprobs is None:  # echo: the prompt first (with logprobs: as they come)
             for i in range(len(job.streams)):
                 await emit(reply.chunk(job.echo[i], index=i))
-        filters = [job.params.call_filter() for _ in job.streams] if job.params.calls_tools else None
+        filters = [call_filter(job.params) for _ in job.streams] if job.params.calls_tools else None
         try:
             while (got := await job.next_event()) is not None:
                 i, ev = got

@@ -84,19 +84,6 @@ class GenParams:
         """Whether the answer may hold tool calls (to parse out of the text)."""
         return bool(self.tools) and self.tool_choice != "none"
 
-    def calls_in(self, text: str) -> tuple[str | None, list[dict]]:
-        """A whole answer's ``(content, calls)``, split as a stream splits it (a
-        :class:`~specdec_rt.serve.replies.CallFilter` of :meth:`call_filter`)."""
-        f = self.call_filter()
-        content = f.push(text)
-        rest, calls = f.finish()
-        return (content + rest) or (None if calls else ""), calls
-
-    def call_filter(self):
-        """A :class:`~specdec_rt.serve.replies.CallFilter` for one choice of this request."""
-        from .replies import CallFilter
-
-        return CallFilter([t["function"]["name"] for t in self.tools], self.parallel_tool_calls)
 
     @property
     def streams(self) -> list[tuple[Any, int]]:

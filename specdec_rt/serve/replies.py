@@ -14,7 +14,7 @@ from ..logprobs import TokenLogprob, json_logprob
 from ..tools import CALL_OPEN, parse_tool_calls
 from .protocol import Kind
 
-__all__ = ["Reply", "LogprobsFormat", "CallFilter", "models_body", "usage_body", "sse"]
+__all__ = ["Reply", "LogprobsFormat", "CallFilter", "call_filter", "calls_in", "models_body", "usage_body", "sse"]
 
 
 @dataclass
@@ -210,3 +210,16 @@ class CallFilter:
         if not calls:
             return blank + self.held, []
         return ("" if self.blank is not None and not content else blank + content), calls
+
+
+def call_filter(params) -> CallFilter:
+    """A :class:`CallFilter` for one choice of a request (a ``GenParams`` with tools)."""
+    return CallFilter([t["function"]["name"] for t in params.tools], params.parallel_tool_calls)
+
+
+def calls_in(params, text: str) -> tuple[str | None, list[dict]]:
+    """A whole answer's ``(content, calls)``, split as a stream splits it (:func:`call_filter`)."""
+    f = call_filter(params)
+    content = f.push(text)
+    rest, calls = f.finish()
+    return (content + rest) or (None if calls else ""), calls
