@@ -21,15 +21,8 @@ from typing import Sequence
 
 from .errors import InvalidInputError, ModelLoadError
 from .sampling import brief_repr
-from .template_sandbox import (
-    TEMPLATE_MAX_STEPS,
-    TEMPLATE_MIN_CHARS,
-    TEMPLATE_TIMEOUT_S,
-    TemplateBudgetError,
-    compile_template,
-    new_environment,
-    render_bounded,
-)
+from .template_sandbox import (TEMPLATE_MAX_STEPS, TEMPLATE_MIN_CHARS, TEMPLATE_TIMEOUT_S,
+                               TemplateBudgetError, compile_template, new_environment, render_bounded)
 from .tools import CALL_CLOSE, CALL_OPEN, nested_strings, supports_tools, template_messages
 
 __all__ = ["TextCodec", "IncrementalDecoder", "MAX_TOKENIZER_BYTES"]
