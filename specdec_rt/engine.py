@@ -298,6 +298,16 @@ class Engine:
             ids = ids[-(limit - max_new_tokens):]
         return ids
 
+    def _constraint(self, shape: "RequestShape"):
+        """The request's constraint (in a worker thread): its JSON schema's, or its call grammar's,
+        whose parameter schemas are compiled on their own first (one the grammar engine gives
+        up on is refused now, before anything runs)."""
+        if shape.lark is None:
+            return self.grammars.build(shape.schema)
+        for schema in shape.checks:
+            self.grammars.build(schema, what="tool_choice")
+        return self.grammars.build(lark=shape.lark, what="tool_choice")
+
     async def _produce(self, ready: "_Ready", prompt, max_new_tokens, params, mode, stops: list[str],
                        truncate_prompt: bool, logprobs: int | None, send, shape: "RequestShape") -> None:
         """One request, as a task: encode, run, detokenize, cut at stop strings, hand events over."""
@@ -308,8 +318,7 @@ class Engine:
                     ids = await anyio.to_thread.run_sync(
                         lambda: self._encode(prompt, max_new_tokens, truncate_prompt, shape.tools))
                     constraint = None if shape.schema is None and shape.lark is None else await anyio.to_thread.run_sync(
-                        lambda: self.grammars.build(shape.schema, shape.lark, "response_format" if shape.lark is None
-                                                    else "tool_choice"))
+                        self._constraint, shape)
                     # started here, on the loop (it reads the prefix cache); it checks the rest
                     request = self.scheduler.stream(ids, max_new_tokens, params, mode=mode, logprobs=logprobs,
                                                     constraint=constraint)

@@ -11,7 +11,7 @@ import numpy as np
 from .acceptance import SpecConfig
 from .errors import InvalidInputError
 from .sampling import brief_repr
-from .tools import call_grammar, check_tool_choice, check_tools, supports_tools
+from .tools import call_grammar, call_schemas, check_tool_choice, check_tools, supports_tools
 
 __all__ = ["MAX_STOP_STRINGS", "MAX_STOP_CHARS", "check_stop", "check_prompt_size", "find_stop", "stop_prefix_len",
            "cut_at_stop", "token_id_prompt", "RequestShape", "tool_shape", "check_load_args"]
@@ -131,24 +131,26 @@ class RequestShape:
     schema: dict | None = None
     tools: list | None = None
     lark: str | None = None
+    checks: tuple = ()  # JSON schemas the lark grammar embeds, each compiled on its own first
 
 
-def tool_shape(prompt, tools, tool_choice, stops: list[str], template: str | None) -> tuple[list | None, str | None]:
+def tool_shape(prompt, tools, tool_choice, stops: list[str], template: str | None) -> tuple:
     """(the tools to render, a call grammar) from ``tools`` / ``tool_choice``, checked. With
     ``"none"`` the tools are still rendered where the ``template`` can (the model knows them, as
     OpenAI's does, and calls none); ``"required"`` / a named function: the call grammar, which
-    no stop string may cut."""
+    no stop string may cut, and the ``parameters`` schemas it holds the call to (each checked on
+    its own before the request runs). Returns ``(tools, grammar, schemas)``."""
     tools = check_tools(tools)
     choice = check_tool_choice(tool_choice, tools)
     if not tools:
-        return None, None
+        return None, None, ()
     if isinstance(prompt, str) or token_id_prompt(prompt, 2**63) is not None:
         raise InvalidInputError("tools go with chat messages, not a plain-text or token-id prompt")
-    if choice == "none":
-        return (tools if supports_tools(template) else None), None
-    if choice != "auto" and stops:
+    if choice in ("none", "auto"):
+        return (tools if choice == "auto" or supports_tools(template) else None), None, ()
+    if stops:
         raise InvalidInputError(f"stop cannot go with tool_choice={choice!r}: a stop string could cut the call")
-    return tools, (call_grammar(tools, choice) if choice != "auto" else None)
+    return tools, call_grammar(tools, choice), tuple(call_schemas(tools, choice))
 
 
 def check_load_args(name_or_path, draft, max_length, threads, spec_config) -> None:

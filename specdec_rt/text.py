@@ -192,13 +192,14 @@ class TextCodec:
     def _render(self, messages: list, add_generation_prompt: bool, tools: Sequence[dict] | None = None) -> str:
         template = self._compiled()
         size = sum(len(v) for msg in messages for v in msg.values() if isinstance(v, str))
-        nested = [tools or []] + [m["tool_calls"] for m in messages if m.get("tool_calls")]
-        size += sum(len(t) for value in nested for t in nested_strings(value))  # rendered as JSON, about
+        nested = [("tools", tools or [])] + [(f"messages[{i}].tool_calls", m["tool_calls"])
+                                             for i, m in enumerate(messages) if m.get("tool_calls")]
+        size += sum(len(t) for name, value in nested for t in nested_strings(value, name))  # as JSON, about
         chars = self.template_max_chars or TEMPLATE_MIN_CHARS + 4 * size
         extra = {"tools": list(tools)} if tools else {}
         try:
             return render_bounded(template, chars=chars, steps=TEMPLATE_MAX_STEPS + 64 * len(messages)
-                                  + 64 * sum(len(v) for v in nested), seconds=self.template_timeout_s,
+                                  + 64 * sum(len(v) for _, v in nested), seconds=self.template_timeout_s,
                                   messages=messages, add_generation_prompt=add_generation_prompt,
                                   bos_token=self.token_text(self.bos_id), eos_token="", **extra)
         except TemplateBudgetError as exc:
@@ -237,7 +238,7 @@ class TextCodec:
         if not allow and self._special_re is not None:
             for name, value in [("tools", tools or [])] + [(f"messages[{i}].tool_calls", m["tool_calls"])
                                                           for i, m in enumerate(prompt) if m.get("tool_calls")]:
-                if any(self._special_re.search(text) for text in nested_strings(value)):
+                if any(self._special_re.search(text) for text in nested_strings(value, name)):
                     raise InvalidInputError(f"{name} holds the text of a special token")
         if allow or self._special_re is None:
             return self._tokenize(self.tokenizer, self._render(list(prompt), True, tools),

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from .errors import InvalidInputError
 
-__all__ = ["check_tools", "check_tool_choice", "template_messages", "parse_tool_calls", "call_grammar",
+__all__ = ["check_tools", "check_tool_choice", "template_messages", "parse_tool_calls", "call_grammar", "call_schemas",
            "nested_strings", "supports_tools", "CALL_OPEN", "CALL_CLOSE", "MAX_TOOLS"]
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -47,9 +47,14 @@ def check_tools(tools: Any) -> list[dict]:
                                     f"name of 1-64 letters, digits, '_', '.' or '-', got {_brief(tool)}")
         params = fn.get("parameters", {})
         if not isinstance(params, dict) or params.get("type", "object") != "object" or not isinstance(
-                fn.get("description", ""), str):
+                fn.get("description", ""), str) or not isinstance(params.get("x-guidance", {}), dict):
             raise InvalidInputError(f"tools[{i}].function: parameters must be a JSON schema of an object "
-                                    "(\"type\": \"object\") and description a string")
+                                    "(\"type\": \"object\"; x-guidance, if any, an object) and description a string")
+        try:
+            json.dumps(params, allow_nan=False)
+        except (ValueError, TypeError, RecursionError) as exc:  # a set, a cycle, 1,000 levels deep
+            raise InvalidInputError(f"tools[{i}].function.parameters is not JSON: {type(exc).__name__}: {exc}"[:300]) \
+                from None
         if fn["name"] in seen:
             raise InvalidInputError(f"tools[{i}]: function {fn['name']!r} is named twice")
         seen.add(fn["name"])
@@ -110,21 +115,22 @@ def template_messages(messages: Sequence[dict]) -> list[dict]:
     return out
 
 
-def nested_strings(value: Any, depth: int = 0):
+def nested_strings(value: Any, name: str = "tools", depth: int = 0):
     """Every string inside ``value`` (dict keys and values, list items), depth-first; a structure
-    deeper than 64 levels is an :class:`InvalidInputError` (templates would recurse into it)."""
+    deeper than 64 levels is an :class:`InvalidInputError` naming ``name`` (templates would
+    recurse into it)."""
     if depth > 64:
-        raise InvalidInputError("tools or tool_calls nested more than 64 levels deep")
+        raise InvalidInputError(f"{name} is nested more than 64 levels deep")
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
         for k, v in value.items():
             if isinstance(k, str):
                 yield k
-            yield from nested_strings(v, depth + 1)
+            yield from nested_strings(v, name, depth + 1)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from nested_strings(v, depth + 1)
+            yield from nested_strings(v, name, depth + 1)
 
 
 def parse_tool_calls(text: str, names: Sequence[str] | None = None) -> tuple[str, list[dict]]:
@@ -168,9 +174,23 @@ def _call_at(text: str, pos: int, names) -> tuple[dict | None, int]:
             args = None
     if not isinstance(args, dict) or (names is not None and body["name"] not in names):
         return None, pos
+    try:  # strict JSON (no NaN or Infinity), UTF-8 where it can be (a lone surrogate stays escaped)
+        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+        arguments.encode("utf-8")
+    except UnicodeEncodeError:
+        arguments = json.dumps(args, allow_nan=False)
+    except ValueError:  # NaN or Infinity: not JSON a client could read
+        return None, pos
     return ({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-             "function": {"name": body["name"], "arguments": json.dumps(args, ensure_ascii=False)}},
-            close + len(CALL_CLOSE))
+             "function": {"name": body["name"], "arguments": arguments}}, close + len(CALL_CLOSE))
+
+
+def call_schemas(tools: Sequence[dict], choice: str | dict) -> list[dict]:
+    """The ``parameters`` schemas a call forced by ``choice`` may follow (checked on their own
+    before a request runs, so a schema the grammar engine gives up on is refused up front)."""
+    names = [choice["function"]["name"]] if isinstance(choice, dict) else [t["function"]["name"] for t in tools]
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    return [params[n] for n in names]
 
 
 def call_grammar(tools: Sequence[dict], choice: str | dict) -> str:

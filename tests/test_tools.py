@@ -292,3 +292,45 @@ def test_tool_fields_the_server_refuses(tool_model):
         assert [r.status_code for r in rs] == [400] * 4
         assert [r.json()["error"]["param"] for r in rs] == ["tools", "tool_choice", "tools", "parallel_tool_calls"]
     run(check, tool_model)
+
+
+def test_second_review_edge_cases():
+    _, (call,) = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"s": "\\ud800"}}</tool_call>')
+    assert json.loads(call["function"]["arguments"]) == {"s": "\ud800"}  # was: a 500 (unencodable UTF-8)
+    call["function"]["arguments"].encode("utf-8")
+    nan = '<tool_call>{"name": "add", "arguments": {"x": NaN}}</tool_call>'
+    assert parse_tool_calls(nan) == (nan, [])  # was: "NaN" in arguments, not JSON a client can read
+    cyclic = {"type": "object"}
+    cyclic["properties"] = {"a": cyclic}
+    for params, needle in (({"type": "object", "x-guidance": "lenient"}, "x-guidance"),
+                           ({"type": "object", "properties": {"a": {"enum": {1, 2}}}}, "not JSON"),
+                           (cyclic, "not JSON")):
+        with pytest.raises(InvalidInputError, match=needle):
+            check_tools([{"type": "function", "function": {"name": "f", "parameters": params}}])
+
+
+@pytest.mark.export
+def test_second_review_engine_and_server(tool_model):
+    pytest.importorskip("llguidance")
+    from serve_util import client, run
+
+    from specdec_rt.serve import create_app
+
+    loop = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}
+
+    async def check(engine):
+        for mode in ("ar", "spec"):  # was: 200 and an error event when streaming, a 400 otherwise
+            with pytest.raises(InvalidInputError, match="tool_choice: the grammar stopped"):
+                await engine.generate(ASK, 8, mode=mode, tools=[loop], tool_choice="required")
+        deep = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "add", "arguments": "[" * 100 + "]" * 100}}]}]
+        with pytest.raises(InvalidInputError, match=r"messages\[1\].tool_calls is nested"):  # was: blamed on tools
+            await engine.generate(deep, 4, tools=[ADD])
+        async with client(create_app(engine)) as c:
+            rs = [await c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "parallel_tool_calls": "maybe"}),
+                  await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "parallel_tool_calls": "maybe"}),
+                  await c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 8, "stream": True,
+                                                             "tools": [loop], "tool_choice": "required"})]
+        assert [r.status_code for r in rs] == [400, 400, 400]
+        assert [r.json()["error"]["param"] for r in rs] == ["parallel_tool_calls", "parallel_tool_calls", "tool_choice"]
+    run(check, tool_model)

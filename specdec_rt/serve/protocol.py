@@ -168,6 +168,7 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
             p.tool_choice = check_tool_choice(body.get("tool_choice"), p.tools)
         except InvalidInputError as exc:
             raise _bad("tool_choice" if str(exc).startswith("tool_choice") else "tools", str(exc)) from None
+    if kind == "chat":
         p.parallel_tool_calls = body.get("parallel_tool_calls") is None or _bool(body, "parallel_tool_calls")
     _unsupported(body, kind)
     return p
@@ -193,7 +194,7 @@ def _logprobs(body: dict, kind: Kind) -> int | None:
 # options this server cannot honour, and their "off" values (which some clients always send)
 UNHONOURED = {"functions": ([],), "function_call": ("none", "auto")}  # the legacy names of tools
 UNHONOURED_COMPLETION = {"best_of": (1,), "suffix": ("",), "tools": ([],),  # /v1/completions only
-                         "tool_choice": ("none",)}  # (tools: chat only, where a template renders them)
+                         "tool_choice": ("none",), "parallel_tool_calls": (True, False)}  # (tools: chat only)
 
 
 def _unsupported(body: dict, kind: Kind) -> None:
