@@ -171,3 +171,22 @@ def test_the_openai_client_reads_echoed_log_probabilities(tiny_llama):
         assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in want.prompt_logprobs[1:]]
                                                       + [e.logprob for e in want.logprobs], abs=1e-4)
     run(check, tiny_llama)
+
+
+def test_offsets_after_a_character_left_incomplete():
+    """Found by QA: a whole token after bytes that begin a character it does not continue was
+    given the offset of the U+FFFD those bytes became, not its own."""
+    from specdec_rt.logprobs import TokenLogprob
+    from specdec_rt.serve.replies import LogprobsFormat
+
+    pieces = {0: b"\xf0\x9f", 1: b"z", 2: b"\x8e", 3: b"\xb6"}
+
+    def offsets(ids):
+        fmt = LogprobsFormat("completion", pieces.__getitem__)
+        return fmt.body(ids, [TokenLogprob(-1.0)] * len(ids))["text_offset"]
+
+    assert offsets([0, 1]) == [0, 1]  # text "\ufffdz": z at 1
+    assert offsets([0, 2, 1]) == [0, 0, 1]  # f0 9f 8e, then z
+    assert offsets([0, 2, 3, 1]) == [0, 0, 0, 1]  # f0 9f 8e b6 = one character, then z
+    assert offsets([0, 0, 1]) == [0, 1, 2]  # a second start: the first became U+FFFD
+    assert offsets([1, 1]) == [0, 1]

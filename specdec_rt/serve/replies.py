@@ -136,9 +136,18 @@ class LogprobsFormat:
         for t, e in zip(token_ids, entries):
             text, b = self._piece(t)
             tokens.append(text)
-            offsets.append(self._offset[choice])
-            if not self._special(t):  # the characters this token completes (a partial one: none yet)
-                self._offset[choice] += len(self._utf8[choice].decode(b))
+            if self._special(t):
+                offsets.append(self._offset[choice])
+                advance = 0
+            else:  # the characters this token completes (a partial one: none yet)
+                decoder = self._utf8[choice]
+                pending = decoder.getstate()[0]  # bytes of a character begun before this token
+                out = decoder.decode(b)
+                # a token that does not continue that character: it became U+FFFD, before this one
+                own = codecs.getincrementaldecoder("utf-8")("replace").decode(b) if pending else out
+                offsets.append(self._offset[choice] + (len(out) - len(own) if out.endswith(own) else 0))
+                advance = len(out)
+            self._offset[choice] += advance
             if e is None:  # nothing before it to condition on
                 tops.append(None)
                 continue
