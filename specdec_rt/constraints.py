@@ -3,8 +3,10 @@ object, or one a JSON schema describes).
 
 A :class:`Constraint` answers for the position after a request's committed tokens plus a path of
 uncommitted ones: a verify row's drafts before it, a tree node's path, the draft's own chain so
-far. Every row a request scores, target and draft alike, gets the disallowed tokens at -inf
-before greedy's argmax, temperature, top-k and top-p (:func:`constrained`). So the target that
+far. Every row a request scores, target and draft model alike, gets the disallowed tokens at
+-inf before greedy's argmax, temperature, top-k and top-p (:func:`constrained`). (An EAGLE
+head drafts over its reduced vocabulary unconstrained, where no allowed token may be left to
+it; n-gram drafts are unconstrained too: the target's rows reject what the constraint rules out.) So the target that
 speculation must reproduce is the constrained one, and it does, exactly: greedy speculative
 output equals constrained plain decoding; sampled output keeps the constrained distribution
 (rejection sampling sees constrained ``p`` and ``q``). A row whose path the constraint already
@@ -25,9 +27,10 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from .errors import InvalidInputError
+from .sampling import brief_repr
 
 __all__ = ["Constraint", "GrammarConstraint", "GrammarFactory", "constrained", "check_response_format",
-           "MAX_SCHEMA_CHARS", "JSON_WHITESPACE"]
+           "json_text", "MAX_SCHEMA_CHARS", "JSON_WHITESPACE"]
 
 MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema's text; grammar size and parse work have llguidance's own limits
 # whitespace between JSON tokens: what pretty-printing needs, bounded, so that a model cannot
@@ -96,6 +99,15 @@ class GrammarConstraint:
                 raise InvalidInputError(f"{self.what}: at token {int(t)}, {_stopped(m)}")
 
 
+def json_text(value: Any, what: str) -> str:
+    """``value`` as strict JSON text (no NaN or Infinity), or an :class:`InvalidInputError`
+    naming ``what`` (a set, a cycle, 1,000 levels deep: what a Python caller can pass)."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise InvalidInputError(f"{what} is not JSON: {type(exc).__name__}: {exc}"[:300]) from None
+
+
 def _stopped(matcher) -> str:
     """The grammar engine's error, its first line (what follows is its internal state)."""
     first = (matcher.get_error() or "stopped").strip().splitlines()[0]
@@ -111,7 +123,7 @@ def check_response_format(response_format: Any) -> dict | None:
     if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object",
                                                                                       "json_schema"):
         raise InvalidInputError("response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}, "
-                                f"got {_brief(response_format)}")
+                                f"got {brief_repr(response_format, 120)}")
     kind = response_format["type"]
     if kind == "text":
         return None
@@ -120,20 +132,11 @@ def check_response_format(response_format: Any) -> dict | None:
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
         raise InvalidInputError("response_format json_schema must be an object with a 'schema' object, got "
-                                f"{_brief(spec)}")
+                                f"{brief_repr(spec, 120)}")
     schema = spec.get("schema", {})
-    try:
-        size = len(json.dumps(schema))
-    except (ValueError, TypeError, RecursionError) as exc:  # a set, a cycle, 1,000 levels deep
-        raise InvalidInputError(f"response_format's schema is not JSON: {type(exc).__name__}: {exc}"[:300]) from None
-    if size > MAX_SCHEMA_CHARS:
+    if len(json_text(schema, "response_format's schema")) > MAX_SCHEMA_CHARS:
         raise InvalidInputError(f"response_format's schema is longer than {MAX_SCHEMA_CHARS} characters")
     return schema
-
-
-def _brief(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
 
 
 class GrammarFactory:

@@ -15,7 +15,9 @@ import re
 import uuid
 from typing import Any, Sequence
 
+from .constraints import json_text
 from .errors import InvalidInputError
+from .sampling import brief_repr
 
 __all__ = ["check_tools", "check_tool_choice", "template_messages", "parse_tool_calls", "call_grammar", "call_schemas",
            "nested_strings", "supports_tools", "CALL_OPEN", "CALL_CLOSE", "MAX_TOOLS"]
@@ -27,34 +29,25 @@ MAX_TOOL_CALLS = 64  # per assistant message of a history
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
-def _brief(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 100 else text[:97] + "..."
-
-
 def check_tools(tools: Any) -> list[dict]:
     """OpenAI's ``tools``: a list of ``{"type": "function", "function": {"name", "description"?,
     "parameters"? (a JSON schema object), "strict"?}}``, names unique. None or [] -> []."""
     if tools is None:
         return []
     if not isinstance(tools, (list, tuple)) or len(tools) > MAX_TOOLS:
-        raise InvalidInputError(f"tools must be a list of at most {MAX_TOOLS} functions, got {_brief(tools)}")
+        raise InvalidInputError(f"tools must be a list of at most {MAX_TOOLS} functions, got {brief_repr(tools, 100)}")
     seen = set()
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not NAME.fullmatch(fn["name"]):
             raise InvalidInputError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a "
-                                    f"name of 1-64 letters, digits, '_', '.' or '-', got {_brief(tool)}")
+                                    f"name of 1-64 letters, digits, '_', '.' or '-', got {brief_repr(tool, 100)}")
         params = fn.get("parameters", {})
         if not isinstance(params, dict) or params.get("type", "object") != "object" or not isinstance(
                 fn.get("description", ""), str) or not isinstance(params.get("x-guidance", {}), dict):
             raise InvalidInputError(f"tools[{i}].function: parameters must be a JSON schema of an object "
                                     "(\"type\": \"object\"; x-guidance, if any, an object) and description a string")
-        try:
-            json.dumps(params, allow_nan=False)
-        except (ValueError, TypeError, RecursionError) as exc:  # a set, a cycle, 1,000 levels deep
-            raise InvalidInputError(f"tools[{i}].function.parameters is not JSON: {type(exc).__name__}: {exc}"[:300]) \
-                from None
+        json_text(params, f"tools[{i}].function.parameters")
         if fn["name"] in seen:
             raise InvalidInputError(f"tools[{i}]: function {fn['name']!r} is named twice")
         seen.add(fn["name"])
@@ -74,9 +67,9 @@ def check_tool_choice(choice: Any, tools: Sequence[dict]) -> str | dict:
         and isinstance(choice.get("function"), dict) else None
     if name is None:
         raise InvalidInputError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
-                                f"{{'name': ...}}}}, got {_brief(choice)}")
+                                f"{{'name': ...}}}}, got {brief_repr(choice, 100)}")
     if name not in {t["function"]["name"] for t in tools}:
-        raise InvalidInputError(f"tool_choice names function {_brief(name)}, which tools does not list")
+        raise InvalidInputError(f"tool_choice names function {brief_repr(name, 100)}, which tools does not list")
     return choice
 
 
@@ -103,7 +96,7 @@ def template_messages(messages: Sequence[dict]) -> list[dict]:
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
                     fn.get("arguments", "{}"), (str, dict)):
                 raise InvalidInputError(f"messages[{i}].tool_calls[{j}] must be {{'id': ..., 'type': 'function', "
-                                        f"'function': {{'name': ..., 'arguments': '<JSON>'}}}}, got {_brief(call)}")
+                                        f"'function': {{'name': ..., 'arguments': '<JSON>'}}}}, got {brief_repr(call, 100)}")
             args = fn.get("arguments", "{}")
             if isinstance(args, str):
                 try:
@@ -167,9 +160,9 @@ def _call_at(text: str, pos: int, names) -> tuple[dict | None, int]:
     if not text.startswith(CALL_CLOSE, close) or not isinstance(body, dict) or not isinstance(body.get("name"), str):
         return None, pos
     args = body.get("arguments", body.get("parameters", {}))
-    if isinstance(args, str):
+    if isinstance(args, str):  # a JSON string of the object
         try:
-            args = json.loads(args) if isinstance(json.loads(args), dict) else None
+            args = json.loads(args)
         except (ValueError, RecursionError):
             args = None
     if not isinstance(args, dict) or (names is not None and body["name"] not in names):
@@ -185,12 +178,17 @@ def _call_at(text: str, pos: int, names) -> tuple[dict | None, int]:
              "function": {"name": body["name"], "arguments": arguments}}, close + len(CALL_CLOSE))
 
 
+def _forced(tools: Sequence[dict], choice: str | dict) -> list[tuple[str, dict]]:
+    """``(name, parameters schema)`` of each function a call forced by ``choice`` may name."""
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    names = [choice["function"]["name"]] if isinstance(choice, dict) else list(params)
+    return [(n, params[n]) for n in names]
+
+
 def call_schemas(tools: Sequence[dict], choice: str | dict) -> list[dict]:
     """The ``parameters`` schemas a call forced by ``choice`` may follow (checked on their own
     before a request runs, so a schema the grammar engine gives up on is refused up front)."""
-    names = [choice["function"]["name"]] if isinstance(choice, dict) else [t["function"]["name"] for t in tools]
-    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
-    return [params[n] for n in names]
+    return [schema for _, schema in _forced(tools, choice)]
 
 
 def call_grammar(tools: Sequence[dict], choice: str | dict) -> str:
@@ -198,12 +196,10 @@ def call_grammar(tools: Sequence[dict], choice: str | dict) -> str:
     ``<tool_call>\n{"name": "N", "arguments": {...}}\n</tool_call>``, N the named function or any
     of ``tools``, its arguments following the function's ``parameters`` schema (embedded whole,
     so its own ``$ref``s resolve inside it), on one line."""
-    names = [choice["function"]["name"]] if isinstance(choice, dict) else [t["function"]["name"] for t in tools]
-    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
-    rules = [f"call: {' | '.join(f'call{i}' for i in range(len(names)))}"]
-    for i, name in enumerate(names):
+    forced = _forced(tools, choice)
+    rules = [f"call: {' | '.join(f'call{i}' for i in range(len(forced)))}"]
+    for i, (name, params) in enumerate(forced):
         head = json.dumps('{"name": ' + json.dumps(name) + ', "arguments": ')
-        schema = {**params[name], "x-guidance": {**params[name].get("x-guidance", {}),
-                                                 "whitespace_pattern": CALL_WHITESPACE}}
+        schema = {**params, "x-guidance": {**params.get("x-guidance", {}), "whitespace_pattern": CALL_WHITESPACE}}
         rules += [f"call{i}: {head} args{i} \"}}\"", f"args{i}: %json {json.dumps(schema)}"]
     return f"start: {json.dumps(CALL_OPEN + chr(10))} call {json.dumps(chr(10) + CALL_CLOSE)}\n" + "\n".join(rules) + "\n"

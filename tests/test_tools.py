@@ -89,6 +89,8 @@ def test_tool_choice():
             check_tool_choice(bad, [ADD])
     with pytest.raises(InvalidInputError, match="needs tools"):
         check_tool_choice("required", [])
+    with pytest.raises(InvalidInputError, match="an int of"):  # described without its 5,000 digits
+        check_tool_choice(10**5000, [ADD])
     assert supports_tools(HERMES) and not supports_tools("{{ messages }}") and not supports_tools(None)
     assert "call: call0\n" in call_grammar([ADD, WEATHER], named)  # the named one only
     assert "call: call0 | call1\n" in call_grammar([ADD, WEATHER], "required")

@@ -218,7 +218,7 @@ class CallFilter:
         calls = calls if self.parallel else calls[:1]
         if not calls:
             return blank + self.held, []
-        return ("" if self.blank is not None and not content else blank + content), calls
+        return (blank + content if content else ""), calls
 
 
 def call_filter(params) -> CallFilter:
