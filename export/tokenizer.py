@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec_rt.text import TEXT_TAGS
+
 from .errors import CorruptSourceError, TokenizerMismatchError, one_line
 from .gguf_meta import read_gguf_info
 
@@ -70,9 +72,11 @@ def _apply_gguf_specials(tok, path: Path) -> None:
     meta = info.metadata
     known = set(tok.get_added_vocab())
     extra = [t for t in info.special_tokens() if t not in known]
-    if extra:
-        tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in extra],
-                       special_tokens=True)
+    # Tags a model writes as part of its answer (Qwen2.5's `<tool_call>`, `special: false` in its
+    # own tokenizer) stay text: decoding must keep them. The runtime fixes older exports at load.
+    for t in extra:  # one at a time, in the file's order (a token new to the vocabulary gets the next id)
+        special = t not in TEXT_TAGS
+        tok.add_tokens([AddedToken(t, special=special, normalized=False)], special_tokens=special)
 
     def field(key):
         return meta.get(key)

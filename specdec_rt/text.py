@@ -33,6 +33,7 @@ MAX_TOKENIZER_BYTES = 128 << 20  # a tokenizer.json larger than this is refused 
 # Added tokens that are text the answer holds, not control: a model writes its tool calls with
 # them (Qwen2.5's ``<tool_call>``, ``special: false`` in its own tokenizer; a GGUF's tokenizer
 # marks every added token special, so decoding would drop them and no call could be parsed).
+# The exporter writes them as text; a folder exported before that is fixed at load.
 TEXT_TAGS = frozenset({CALL_OPEN, CALL_CLOSE})
 
 

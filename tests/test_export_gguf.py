@@ -89,3 +89,41 @@ def test_recipe_from_split_gguf_wheels_into_the_cache(tmp_path, monkeypatch, cap
 
     assert main(["tiny-recipe"]) == 0  # up to date: nothing rebuilt
     assert "up to date" in capsys.readouterr().err
+
+
+def test_gguf_tool_call_tags_are_written_as_text(monkeypatch):
+    """A GGUF types every added token CONTROL/USER_DEFINED; Qwen2.5's `<tool_call>` tags are text
+    of the answer (`special: false` in Qwen's own tokenizer). The exporter writes them so, and the
+    control tokens special, in the file's order: decoding keeps the tags, skips the rest."""
+    from types import SimpleNamespace
+
+    from tiny_models import build_tiny_tokenizer
+
+    import export.tokenizer as et
+
+    tok = build_tiny_tokenizer("qwen2")
+    n = len(tok)
+    listed = ["<|fim_prefix|>", "<tool_call>", "</tool_call>", "<|fim_suffix|>"]
+    monkeypatch.setattr(et, "read_gguf_info", lambda path: SimpleNamespace(
+        metadata={}, special_tokens=lambda: listed))
+    et._apply_gguf_specials(tok, None)
+    added = {t.content: (i, t.special) for i, t in tok.added_tokens_decoder.items()}
+    assert [added[t] for t in listed] == [(n, True), (n + 1, False), (n + 2, False), (n + 3, True)]
+    ids = tok("<|fim_prefix|>a<tool_call>b</tool_call>", add_special_tokens=False)["input_ids"]
+    assert ids[0] == n and n + 1 in ids and n + 2 in ids  # each tag one id, matched whole
+    assert tok.decode(ids, skip_special_tokens=True) == "a<tool_call>b</tool_call>"
+
+
+def test_codec_keeps_tool_call_tags_of_an_older_export(tmp_path):
+    """An export written before the fix (tags marked special) still decodes them as text."""
+    from tiny_models import build_tiny_tokenizer
+    from tokenizers import AddedToken
+
+    from specdec_rt.text import TextCodec
+
+    tok = build_tiny_tokenizer("qwen2")
+    tok.add_tokens([AddedToken("<tool_call>", special=True, normalized=False)], special_tokens=True)
+    tok.save_pretrained(str(tmp_path))
+    codec = TextCodec(tmp_path / "tokenizer.json")
+    ids = codec.tokenizer.encode("x<tool_call>y", add_special_tokens=False).ids
+    assert codec.decode(ids) == "x<tool_call>y"
