@@ -29,8 +29,8 @@ import numpy as np
 from .errors import InvalidInputError
 from .sampling import brief_repr
 
-__all__ = ["Constraint", "GrammarConstraint", "GrammarFactory", "constrained", "check_response_format",
-           "json_text", "MAX_SCHEMA_CHARS", "JSON_WHITESPACE"]
+__all__ = ["Constraint", "GrammarConstraint", "GrammarFactory", "MinTokens", "constrained",
+           "check_response_format", "json_text", "MAX_SCHEMA_CHARS", "JSON_WHITESPACE"]
 
 MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema's text; grammar size and parse work have llguidance's own limits
 # whitespace between JSON tokens: what pretty-printing needs, bounded, so that a model cannot
@@ -97,6 +97,39 @@ class GrammarConstraint:
                 continue  # the end, once the grammar is complete (a matcher stops by itself there)
             if not m.consume_token(int(t)):  # every committed token was allowed: the engine gave up here
                 raise InvalidInputError(f"{self.what}: at token {int(t)}, {_stopped(m)}")
+
+
+class MinTokens:
+    """``min_tokens`` (vLLM's, and other OpenAI-compatible servers'): none of ``stop_ids`` at the
+    first ``count`` positions of the answer, on top of ``inner`` (another constraint, or None).
+    Where ``inner`` allows nothing else (a grammar that is complete), they stay allowed: an answer
+    is never forced past its own end. Once ``count`` tokens are committed it rules nothing
+    (``spent``), and the request keeps ``inner`` alone."""
+
+    def __init__(self, count: int, stop_ids: Sequence[int], vocab_size: int, inner: Constraint | None = None) -> None:
+        self.count, self.vocab_size, self.inner = int(count), int(vocab_size), inner
+        self.stop = np.array(sorted({int(t) for t in stop_ids if 0 <= int(t) < vocab_size}), dtype=np.int64)
+        self.committed = 0
+
+    @property
+    def spent(self) -> bool:
+        return self.committed >= self.count or not self.stop.size
+
+    def allowed(self, before: Sequence[int]) -> np.ndarray | None:
+        mask = None if self.inner is None else self.inner.allowed(before)  # [V] or None
+        if self.inner is not None and mask is None:
+            return None  # a path the inner constraint rules out
+        out = np.ones(self.vocab_size, dtype=bool) if mask is None else mask.copy()  # [V]
+        if self.committed + len(before) < self.count:
+            out[self.stop] = False
+            if not out.any():  # nothing but the end is left
+                out[self.stop] = True if mask is None else mask[self.stop]
+        return out
+
+    def commit(self, ids: Sequence[int]) -> None:
+        self.committed += len(ids)
+        if self.inner is not None:
+            self.inner.commit(ids)
 
 
 def json_text(value: Any, what: str) -> str:

@@ -120,6 +120,8 @@ class RequestContext:
                 self.finish_reason = "stop"
         if self.constraint is not None and ids.size:
             self.constraint.commit(ids)
+            if getattr(self.constraint, "spent", False):  # it rules nothing more: its inner one goes on
+                self.constraint = self.constraint.inner
         self._buf[self._n : self._n + ids.size] = ids
         self._n += ids.size
         if self.finish_reason is None and self._n == self._buf.size:

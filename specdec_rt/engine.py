@@ -19,7 +19,7 @@ import numpy as np
 
 from .acceptance import SpecConfig
 from .batching import BatchExecutor
-from .constraints import GrammarFactory, check_response_format
+from .constraints import GrammarFactory, MinTokens, check_response_format
 from .drafting import engine_models, make_drafter, resolve_draft_spec
 from .engine_stream import EngineResult, EngineStream, StreamEvent, _Ready
 from .errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
@@ -29,8 +29,8 @@ from .prefix_cache import DEFAULT_BUDGET_BYTES
 from .prompt_logprobs import prompt_logprobs as prompt_logprobs_of
 from .protocols import DraftInferrer
 from .request_checks import MAX_STOP_STRINGS  # noqa: F401 - re-exported (the stop-string limit)
-from .request_checks import (RequestShape, check_load_args, check_prompt_size, check_stop, cut_at_stop,
-                             stop_prefix_len, token_id_prompt, tool_shape)
+from .request_checks import (RequestShape, check_length_options, check_load_args, check_prompt_size, check_stop,
+                             cut_at_stop, stop_prefix_len, token_id_prompt, tool_shape)
 from .sampling import SamplingParams, brief_repr
 from .scheduler import SpecDecScheduler
 from .text import TextCodec
@@ -184,7 +184,8 @@ class Engine:
                        logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
                        frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                        prompt_logprobs: int | None = None, response_format: dict | None = None,
-                       tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None) -> EngineResult:
+                       tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None, *,
+                       min_tokens: int = 0, ignore_eos: bool = False) -> EngineResult:
         """Generate a completion. ``prompt``: a string, chat messages
         ``[{"role": ..., "content": ...}]`` rendered with the model's chat template (content: a
         string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined), or token
@@ -211,12 +212,15 @@ class Engine:
         complete (:mod:`specdec_rt.constraints`; needs the ``structured`` extra). ``tools``
         (OpenAI's function list; chat messages, a template that renders them) and ``tool_choice``
         (``"auto"``, ``"none"``, ``"required"`` or a named function, held to by a grammar): the
-        calls in the answer are ``EngineResult.tool_calls`` (:mod:`specdec_rt.tools`)."""
+        calls in the answer are ``EngineResult.tool_calls`` (:mod:`specdec_rt.tools`).
+        ``min_tokens``: no end-of-sequence token before that many tokens (draft and target alike;
+        stop strings still end it). ``ignore_eos``: go on past end-of-sequence tokens, up to
+        ``max_new_tokens`` or a stop string (vLLM's options, which load-testing tools send)."""
         parts, ids, lps, stats, first = [], [], [], None, StreamEvent("", ())
         async with self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
                                stop, truncate_prompt, logprobs, logit_bias, presence_penalty,
                                frequency_penalty, repetition_penalty, prompt_logprobs, response_format, tools,
-                               tool_choice) as events:
+                               tool_choice, min_tokens=min_tokens, ignore_eos=ignore_eos) as events:
             async for ev in events:
                 first = ev if ev.prompt_logprobs is not None else first
                 parts.append(ev.text)
@@ -238,7 +242,8 @@ class Engine:
                logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                prompt_logprobs: int | None = None, response_format: dict | None = None,
-               tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None) -> "EngineStream":
+               tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None, *,
+               min_tokens: int = 0, ignore_eos: bool = False) -> "EngineStream":
         """Like :meth:`generate`, as an async iterator of :class:`StreamEvent` (also an async
         context manager that closes it).
 
@@ -263,7 +268,8 @@ class Engine:
         prompt_logprobs = check_top_logprobs(prompt_logprobs, "prompt_logprobs")
         stops = check_stop(stop)
         shape = RequestShape(prompt_logprobs, check_response_format(response_format),
-                             *tool_shape(prompt, tools, tool_choice, stops, self.codec.chat_template))
+                             *tool_shape(prompt, tools, tool_choice, stops, self.codec.chat_template),
+                             *check_length_options(min_tokens, ignore_eos, max_new_tokens))
         if shape.schema is not None and shape.lark is not None:
             raise InvalidInputError(f"response_format and tool_choice={tool_choice!r} cannot both hold the answer")
         if not isinstance(truncate_prompt, bool):
@@ -319,9 +325,12 @@ class Engine:
                         lambda: self._encode(prompt, max_new_tokens, truncate_prompt, shape.tools))
                     constraint = None if shape.schema is None and shape.lark is None else await anyio.to_thread.run_sync(
                         self._constraint, shape)
+                    if shape.min_tokens and not shape.ignore_eos:
+                        constraint = MinTokens(shape.min_tokens, self.scheduler.eos_ids, self.target.vocab_size,
+                                               constraint)
                     # started here, on the loop (it reads the prefix cache); it checks the rest
                     request = self.scheduler.stream(ids, max_new_tokens, params, mode=mode, logprobs=logprobs,
-                                                    constraint=constraint)
+                                                    constraint=constraint, ignore_eos=shape.ignore_eos)
                 except BaseException as exc:
                     ready.set(exc if isinstance(exc, Exception) else None)
                     raise

@@ -89,7 +89,8 @@ class SpecDecScheduler:
     def stream(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int,
                params: SamplingParams | None = None, *, mode: Mode = "spec",
                stop_ids: Iterable[int] = (), rng: np.random.Generator | None = None,
-               logprobs: int | None = None, constraint: Constraint | None = None) -> "RequestStream":
+               logprobs: int | None = None, constraint: Constraint | None = None,
+               ignore_eos: bool = False) -> "RequestStream":
         """Start a request; an async iterator of :class:`TokenEvent` as tokens become final.
 
         Arguments are checked here, before any model work: a bad value raises
@@ -99,13 +100,17 @@ class SpecDecScheduler:
         every event also carries its tokens' log-probabilities under the target, each with the
         ``n`` (0..20) most likely tokens there (:mod:`specdec_rt.logprobs`). ``constraint``:
         which tokens may come next (:mod:`specdec_rt.constraints`), for draft and target alike.
+        ``ignore_eos``: an EOS id does not end the request (``stop_ids`` still do).
         """
         if mode == "spec" and self.drafter is None:
             raise InvalidInputError("mode 'spec' needs a drafter; this scheduler has none (use mode='ar')")
         if logprobs is not None and not getattr(self.verifier, "reports_logprobs", False):
             raise InvalidInputError(f"logprobs: this verifier ({type(self.verifier).__name__}) does not report "
                                     "log-probabilities (its class sets no reports_logprobs)")
-        ctx = RequestContext(prompt_ids, max_new_tokens, params, self.eos_ids | set(stop_ids),
+        if not isinstance(ignore_eos, bool):
+            raise InvalidInputError(f"ignore_eos must be True or False, got {brief_repr(ignore_eos)}")
+        ends = (set() if ignore_eos else self.eos_ids) | set(stop_ids)
+        ctx = RequestContext(prompt_ids, max_new_tokens, params, ends,
                              self.max_length, rng, getattr(self.verifier, "vocab_size", None), logprobs,
                              constraint)
         seeded = ctx.params.seed is not None and not ctx.params.greedy

@@ -78,6 +78,8 @@ class GenParams:
     tools: list = field(default_factory=list)  # chat: functions the model may call (checked)
     tool_choice: str | dict = "none"  # "auto" with tools, unless the request says otherwise
     parallel_tool_calls: bool = True  # False: at most one call an answer (the first)
+    min_tokens: int = 0  # vLLM's: no end-of-sequence token before this many
+    ignore_eos: bool = False  # vLLM's: go on past end-of-sequence tokens
 
     @property
     def calls_tools(self) -> bool:
@@ -101,7 +103,9 @@ class GenParams:
                     **({} if self.logit_bias is None else {"logit_bias": self.logit_bias}), **self.penalties,
                     **({"prompt_logprobs": self.logprobs} if self.echo and self.logprobs is not None else {}),
                     **({"response_format": self.response_format} if self.response_format else {}),
-                    **({"tools": self.tools, "tool_choice": self.tool_choice} if self.tools else {}))
+                    **({"tools": self.tools, "tool_choice": self.tool_choice} if self.tools else {}),
+                    **({"min_tokens": self.min_tokens} if self.min_tokens else {}),
+                    **({"ignore_eos": True} if self.ignore_eos else {}))
 
 
 def parse_request(kind: Kind, body: Any) -> GenParams:
@@ -136,6 +140,11 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
         raise _bad("mode", f"mode must be 'spec' or 'ar', got {mode!r}")
     p.mode = mode
     p.stream = _bool(body, "stream")
+    p.ignore_eos = _bool(body, "ignore_eos")
+    if body.get("min_tokens") is not None:
+        p.min_tokens = _int(body, "min_tokens", minimum=0)
+        if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+            raise _bad("min_tokens", f"min_tokens ({p.min_tokens}) must be <= {p.max_tokens_param} ({p.max_tokens})")
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
@@ -351,7 +360,8 @@ def engine_error(exc: InvalidInputError, p: GenParams) -> APIError:
                           ("mode", "mode"), ("this engine has no draft", "mode"), ("logit_bias", "logit_bias"),
                           ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
                           ("repetition_penalty", "repetition_penalty"), ("response_format", "response_format"),
-                          ("tool_choice", "tool_choice"), ("tools", "tools")):
+                          ("tool_choice", "tool_choice"), ("tools", "tools"), ("min_tokens", "min_tokens"),
+                          ("ignore_eos", "ignore_eos")):
         if text.startswith(prefix):
             return _bad(param, text)
     return _bad(prompt_param, text)  # the prompt or the chat template
