@@ -305,14 +305,19 @@ class Engine:
         return ids
 
     def _constraint(self, shape: "RequestShape"):
-        """The request's constraint (in a worker thread): its JSON schema's, or its call grammar's,
-        whose parameter schemas are compiled on their own first (one the grammar engine gives
-        up on is refused now, before anything runs)."""
-        if shape.lark is None:
-            return self.grammars.build(shape.schema)
-        for schema in shape.checks:
-            self.grammars.build(schema, what="tool_choice")
-        return self.grammars.build(lark=shape.lark, what="tool_choice")
+        """The request's constraint, or None (in a worker thread): its JSON schema's, or its call
+        grammar's, whose parameter schemas are compiled on their own first (one the grammar engine
+        gives up on is refused now, before anything runs); ``min_tokens`` on top."""
+        grammar = None
+        if shape.lark is not None:
+            for schema in shape.checks:
+                self.grammars.build(schema, what="tool_choice")
+            grammar = self.grammars.build(lark=shape.lark, what="tool_choice")
+        elif shape.schema is not None:
+            grammar = self.grammars.build(shape.schema)
+        if shape.min_tokens and not shape.ignore_eos:
+            return MinTokens(shape.min_tokens, self.scheduler.eos_ids, self.target.vocab_size, grammar)
+        return grammar
 
     async def _produce(self, ready: "_Ready", prompt, max_new_tokens, params, mode, stops: list[str],
                        truncate_prompt: bool, logprobs: int | None, send, shape: "RequestShape") -> None:
@@ -323,11 +328,9 @@ class Engine:
                 try:
                     ids = await anyio.to_thread.run_sync(
                         lambda: self._encode(prompt, max_new_tokens, truncate_prompt, shape.tools))
-                    constraint = None if shape.schema is None and shape.lark is None else await anyio.to_thread.run_sync(
-                        self._constraint, shape)
-                    if shape.min_tokens and not shape.ignore_eos:
-                        constraint = MinTokens(shape.min_tokens, self.scheduler.eos_ids, self.target.vocab_size,
-                                               constraint)
+                    compiles = shape.schema is not None or shape.lark is not None  # a grammar: in a thread
+                    constraint = (await anyio.to_thread.run_sync(self._constraint, shape) if compiles
+                                  else self._constraint(shape))
                     # started here, on the loop (it reads the prefix cache); it checks the rest
                     request = self.scheduler.stream(ids, max_new_tokens, params, mode=mode, logprobs=logprobs,
                                                     constraint=constraint, ignore_eos=shape.ignore_eos)
