@@ -78,7 +78,9 @@ class GrammarConstraint:
         m = self.matcher
         went = m.try_consume_tokens(list(before)) if before else 0
         try:
-            if went < len(before):
+            # end-of-sequence ids after the grammar's end are not consumed, as in commit (a request
+            # that goes on past its end, ignore_eos): that row's mask is a stopped matcher's
+            if went < len(before) and not (m.is_stopped() and all(int(t) in self.eos_ids for t in before[went:])):
                 return None
             bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)  # one bit a token id, little-endian
             if m.is_error():  # the grammar engine gave up (a limit, a grammar with no way on): so does the

@@ -202,3 +202,28 @@ def test_server_min_tokens_and_ignore_eos(tiny_llama):
         assert events[-1] == "[DONE]"
         return events[:-1]
     run(check, tiny_llama)
+
+
+def test_ignore_eos_past_a_complete_grammar_equals_plain_decoding(tiny_llama):
+    """A JSON answer is complete early; with ignore_eos the request goes on, where the grammar allows
+    only EOS. Drafts of EOS there are not a path the grammar rules out (it was a 400 in `spec`)."""
+    pytest.importorskip("llguidance")
+    from specdec_rt import Engine
+
+    async def main():
+        out = {}
+        async with await Engine.load(tiny_llama, slots=2, spec_config=SpecConfig(k_init=4, **ALWAYS)) as engine:
+            eos = next(iter(engine.scheduler.eos_ids))
+            for fmt in ({"type": "json_object"},
+                        {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {
+                            "a": {"type": "integer"}}, "required": ["a"]}}}):
+                for mode in ("ar", "spec"):
+                    r = await engine.generate("abc", 60, mode=mode, response_format=fmt, ignore_eos=True)
+                    out[(fmt["type"], mode)] = (r.token_ids, r.stats.finish_reason)
+        return eos, out
+    eos, out = anyio.run(main)
+    for kind in ("json_object", "json_schema"):
+        ids, reason = out[(kind, "ar")]
+        assert out[(kind, "spec")] == (ids, reason)
+        assert reason == "length" and len(ids) == 60 and eos in ids  # complete, then only EOS
+        assert set(ids[ids.index(eos):]) == {eos} and ids.index(eos) < 50
