@@ -213,8 +213,8 @@ class Engine:
         (OpenAI's function list; chat messages, a template that renders them) and ``tool_choice``
         (``"auto"``, ``"none"``, ``"required"`` or a named function, held to by a grammar): the
         calls in the answer are ``EngineResult.tool_calls`` (:mod:`specdec_rt.tools`).
-        ``min_tokens``: no end-of-sequence token before that many tokens (draft and target alike;
-        stop strings still end it). ``ignore_eos``: go on past end-of-sequence tokens, up to
+        ``min_tokens``: no end-of-sequence token before that many tokens (draft and target alike),
+        nor a stop string completed by one of them (vLLM's rules). ``ignore_eos``: go on past end-of-sequence tokens, up to
         ``max_new_tokens`` or a stop string (vLLM's options, which load-testing tools send)."""
         parts, ids, lps, stats, first = [], [], [], None, StreamEvent("", ())
         async with self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
@@ -351,7 +351,7 @@ class Engine:
                     async for ev in request:
                         ids, finished = ev.token_ids, ev.finished
                         if stops:  # token by token, as a plain step would see them (see cut_at_stop)
-                            ids, text, cut = cut_at_stop(decoder, text, ids, stops, finished)
+                            ids, text, cut = cut_at_stop(decoder, text, ids, stops, finished, kept, shape.min_tokens)
                         else:
                             text, cut = text + decoder.push(ids) + (decoder.flush() if finished else ""), None
                         kept += len(ids)

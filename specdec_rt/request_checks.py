@@ -104,20 +104,23 @@ def stop_prefix_len(text: str, stops: list[str], since: int = 0) -> int:
     return best
 
 
-def cut_at_stop(decoder, text: str, ids, stops: list[str], finished) -> tuple[list[int], str, int | None]:
+def cut_at_stop(decoder, text: str, ids, stops: list[str], finished, done: int = 0,
+                min_tokens: int = 0) -> tuple[list[int], str, int | None]:
     """Feed one event's ids to ``decoder`` one at a time, stopping at the first token whose
     text completes a stop string. Returns (the ids kept, the text so far, where the earliest
     stop string starts or None). Token by token, a speculative round of several tokens cuts
-    where plain decoding (one token an event) would: same text, same token count."""
+    where plain decoding (one token an event) would: same text, same token count. ``done``:
+    tokens before this event; a token that makes ``min_tokens`` or fewer completes no stop
+    string (vLLM's rule: only text from later tokens is searched)."""
     for j, token in enumerate(ids):
         before = len(text)
         text += decoder.push([token])
-        if (cut := find_stop(text, stops, before)) is not None:
+        if done + j + 1 > min_tokens and (cut := find_stop(text, stops, before)) is not None:
             return list(ids[: j + 1]), text, cut
     if finished:  # a character the last token left incomplete
         before = len(text)
         text += decoder.flush()
-        if (cut := find_stop(text, stops, before)) is not None:
+        if done + len(ids) > min_tokens and (cut := find_stop(text, stops, before)) is not None:
             return list(ids), text, cut
     return list(ids), text, None
 

@@ -227,3 +227,33 @@ def test_ignore_eos_past_a_complete_grammar_equals_plain_decoding(tiny_llama):
         assert out[(kind, "spec")] == (ids, reason)
         assert reason == "length" and len(ids) == 60 and eos in ids  # complete, then only EOS
         assert set(ids[ids.index(eos):]) == {eos} and ids.index(eos) < 50
+
+
+def test_min_tokens_holds_stop_strings_off_as_vllm_does(tiny_llama):
+    """A stop string completed by one of the first min_tokens tokens ends nothing (only text of
+    later tokens is searched), in either mode, streamed or not. A biased token repeats, so its
+    text completes the stop string at every token."""
+    from specdec_rt import Engine
+
+    async def main():
+        async with await Engine.load(tiny_llama, slots=1) as engine:
+            plain = {w: engine.codec.tokenizer.encode(w, add_special_tokens=False).ids for w in (" the", "a", "e")}
+            word = next(w for w, ids in plain.items() if len(ids) == 1)
+            x = plain[word][0]
+            out = {}
+            for mode in ("ar", "spec"):
+                kw = dict(mode=mode, stop=[word], logit_bias={x: 50.0})
+                cut = await engine.generate("hello", 24, **kw)
+                held = await engine.generate("hello", 24, min_tokens=4, **kw)
+                streamed = []
+                async with engine.stream("hello", 24, min_tokens=4, **kw) as events:
+                    async for ev in events:
+                        streamed.append(ev.text)
+                out[mode] = (cut.token_ids, cut.text, held.token_ids, held.text, "".join(streamed),
+                             held.stats.finish_reason)
+            return x, word, out
+    x, word, out = anyio.run(main)
+    assert out["spec"] == out["ar"]
+    cut_ids, cut_text, held_ids, held_text, streamed, reason = out["ar"]
+    assert cut_ids == [x] and cut_text == ""  # the first token completes the stop string
+    assert held_ids == [x] * 5 and held_text == word * 4 and streamed == held_text and reason == "stop"
