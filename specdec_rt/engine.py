@@ -214,8 +214,9 @@ class Engine:
         (``"auto"``, ``"none"``, ``"required"`` or a named function, held to by a grammar): the
         calls in the answer are ``EngineResult.tool_calls`` (:mod:`specdec_rt.tools`).
         ``min_tokens``: no end-of-sequence token before that many tokens (draft and target alike),
-        nor a stop string completed by one of them (vLLM's rules). ``ignore_eos``: go on past end-of-sequence tokens, up to
-        ``max_new_tokens`` or a stop string (vLLM's options, which load-testing tools send)."""
+        nor a stop string completed by one of them. ``ignore_eos``: go on past end-of-sequence
+        tokens, up to ``max_new_tokens`` or a stop string (vLLM's rules and options, which
+        load-testing tools send)."""
         parts, ids, lps, stats, first = [], [], [], None, StreamEvent("", ())
         async with self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
                                stop, truncate_prompt, logprobs, logit_bias, presence_penalty,
