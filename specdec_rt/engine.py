@@ -29,8 +29,8 @@ from .prefix_cache import DEFAULT_BUDGET_BYTES
 from .prompt_logprobs import prompt_logprobs as prompt_logprobs_of
 from .protocols import DraftInferrer
 from .request_checks import MAX_STOP_STRINGS  # noqa: F401 - re-exported (the stop-string limit)
-from .request_checks import (RequestShape, check_length_options, check_load_args, check_prompt_size, check_stop,
-                             cut_at_stop, stop_prefix_len, token_id_prompt, tool_shape)
+from .request_checks import (RequestShape, check_bool, check_length_options, check_load_args, check_prompt_size,
+                             check_stop, cut_at_stop, stop_prefix_len, token_id_prompt, tool_shape)
 from .sampling import SamplingParams, brief_repr
 from .scheduler import SpecDecScheduler
 from .text import TextCodec
@@ -134,8 +134,7 @@ class Engine:
         ``prefix_cache_bytes`` of KV memory over all models (least recently used entries go first).
         ``warmup``: run :meth:`warm_up` before returning (about a second on the default model).
         """
-        if not isinstance(warmup, bool):
-            raise InvalidInputError(f"warmup must be True or False, got {brief_repr(warmup)}")
+        check_bool(warmup, "warmup")
         engine = await anyio.to_thread.run_sync(
             lambda: cls._load(name_or_path, draft, max_length, threads, provider, slots, spec_config,
                               prefix_cache, prefix_cache_bytes))
@@ -273,8 +272,7 @@ class Engine:
                              *check_length_options(min_tokens, ignore_eos, max_new_tokens))
         if shape.schema is not None and shape.lark is not None:
             raise InvalidInputError(f"response_format and tool_choice={tool_choice!r} cannot both hold the answer")
-        if not isinstance(truncate_prompt, bool):
-            raise InvalidInputError(f"truncate_prompt must be True or False, got {brief_repr(truncate_prompt)}")
+        check_bool(truncate_prompt, "truncate_prompt")
         check_prompt_size(prompt, self.max_prompt_chars)
         send, receive = anyio.create_memory_object_stream(STREAM_BUFFER)
         stream = EngineStream(receive, self)

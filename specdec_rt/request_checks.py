@@ -14,7 +14,8 @@ from .sampling import brief_repr
 from .tools import call_grammar, call_schemas, check_tool_choice, check_tools, supports_tools
 
 __all__ = ["MAX_STOP_STRINGS", "MAX_STOP_CHARS", "check_stop", "check_prompt_size", "find_stop", "stop_prefix_len",
-           "cut_at_stop", "token_id_prompt", "RequestShape", "tool_shape", "check_load_args", "check_length_options"]
+           "cut_at_stop", "token_id_prompt", "RequestShape", "tool_shape", "check_load_args", "check_length_options",
+           "check_bool"]
 
 MAX_THREADS = 256  # ONNX Runtime intra-op threads: more only spin
 MAX_STOP_STRINGS = 64  # each event searches for every stop string (OpenAI allows 4)
@@ -139,14 +140,19 @@ class RequestShape:
     ignore_eos: bool = False  # end-of-sequence tokens do not end the answer
 
 
+def check_bool(value, name: str) -> bool:
+    """``value`` if it is True or False, else an :class:`InvalidInputError` naming ``name``."""
+    if not isinstance(value, bool):
+        raise InvalidInputError(f"{name} must be True or False, got {brief_repr(value)}")
+    return value
+
+
 def check_length_options(min_tokens, ignore_eos, max_new_tokens: int) -> tuple[int, bool]:
     """``(min_tokens, ignore_eos)`` checked: an integer from 0 to ``max_new_tokens``, a bool."""
     if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_new_tokens:
         raise InvalidInputError(f"min_tokens must be an integer from 0 to max_new_tokens ({max_new_tokens}), "
                                 f"got {brief_repr(min_tokens)}")
-    if not isinstance(ignore_eos, bool):
-        raise InvalidInputError(f"ignore_eos must be True or False, got {brief_repr(ignore_eos)}")
-    return min_tokens, ignore_eos
+    return min_tokens, check_bool(ignore_eos, "ignore_eos")
 
 
 def tool_shape(prompt, tools, tool_choice, stops: list[str], template: str | None) -> tuple:

@@ -23,6 +23,7 @@ from .errors import InferenceError, InvalidInputError, SpecDecError
 from .logs import get_logger
 from .logprobs import TokenLogprob
 from .protocols import DraftInferrer, TargetVerifier
+from .request_checks import check_bool
 from .sampling import SamplingParams, brief_repr
 from .tree_policy import TreePolicy, TreeRates
 from .tree_sampling import chain_length, tree_depth, tree_parents
@@ -107,9 +108,7 @@ class SpecDecScheduler:
         if logprobs is not None and not getattr(self.verifier, "reports_logprobs", False):
             raise InvalidInputError(f"logprobs: this verifier ({type(self.verifier).__name__}) does not report "
                                     "log-probabilities (its class sets no reports_logprobs)")
-        if not isinstance(ignore_eos, bool):
-            raise InvalidInputError(f"ignore_eos must be True or False, got {brief_repr(ignore_eos)}")
-        ends = (set() if ignore_eos else self.eos_ids) | set(stop_ids)
+        ends = (set() if check_bool(ignore_eos, "ignore_eos") else self.eos_ids) | set(stop_ids)
         ctx = RequestContext(prompt_ids, max_new_tokens, params, ends,
                              self.max_length, rng, getattr(self.verifier, "vocab_size", None), logprobs,
                              constraint)

@@ -17,7 +17,7 @@ import json
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from .errors import InvalidInputError, ModelLoadError
 from .sampling import brief_repr
@@ -47,6 +47,13 @@ def _tags_as_text(tokenizer):
         if tok.get("content") in TEXT_TAGS:
             tok["special"] = False
     return Tokenizer.from_str(json.dumps(doc))
+
+
+def _structured_fields(messages: Sequence[dict], tools: Sequence[dict] | None) -> list[tuple[str, Any]]:
+    """``(name, value)`` of what a template renders from structures rather than strings: the
+    ``tools`` and each message's ``tool_calls``."""
+    return [("tools", tools or [])] + [(f"messages[{i}].tool_calls", m["tool_calls"])
+                                       for i, m in enumerate(messages) if m.get("tool_calls")]
 
 
 class TextCodec:
@@ -193,8 +200,7 @@ class TextCodec:
     def _render(self, messages: list, add_generation_prompt: bool, tools: Sequence[dict] | None = None) -> str:
         template = self._compiled()
         size = sum(len(v) for msg in messages for v in msg.values() if isinstance(v, str))
-        nested = [("tools", tools or [])] + [(f"messages[{i}].tool_calls", m["tool_calls"])
-                                             for i, m in enumerate(messages) if m.get("tool_calls")]
+        nested = _structured_fields(messages, tools)
         size += sum(len(t) for name, value in nested for t in nested_strings(value, name))  # as JSON, about
         chars = self.template_max_chars or TEMPLATE_MIN_CHARS + 4 * size
         extra = {"tools": list(tools)} if tools else {}
@@ -237,8 +243,7 @@ class TextCodec:
                                         "render tool calls")
         allow = self.allow_special_in_content if allow_special is None else allow_special
         if not allow and self._special_re is not None:
-            for name, value in [("tools", tools or [])] + [(f"messages[{i}].tool_calls", m["tool_calls"])
-                                                          for i, m in enumerate(prompt) if m.get("tool_calls")]:
+            for name, value in _structured_fields(prompt, tools):
                 if any(self._special_re.search(text) for text in nested_strings(value, name)):
                     raise InvalidInputError(f"{name} holds the text of a special token")
         if allow or self._special_re is None:

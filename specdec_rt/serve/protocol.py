@@ -86,7 +86,6 @@ class GenParams:
         """Whether the answer may hold tool calls (to parse out of the text)."""
         return bool(self.tools) and self.tool_choice != "none"
 
-
     @property
     def streams(self) -> list[tuple[Any, int]]:
         """``(prompt, choice)`` of each engine request: ``n`` choices of every prompt, in the
