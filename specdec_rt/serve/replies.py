@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..logprobs import TokenLogprob, json_logprob
+from ..request_checks import stop_prefix_len
 from ..tools import CALL_OPEN, parse_tool_calls
 from .protocol import Kind
 
@@ -198,7 +199,7 @@ class CallFilter:
         if at >= 0:
             self.calling, self.held = True, buf[at:]
             return self._out(buf[:at])
-        keep = next((k for k in range(min(len(buf), len(CALL_OPEN) - 1), 0, -1) if CALL_OPEN.startswith(buf[-k:])), 0)
+        keep = stop_prefix_len(buf, [CALL_OPEN])  # a tail that may start a call
         self.held = buf[len(buf) - keep:]
         return self._out(buf[: len(buf) - keep])
 
