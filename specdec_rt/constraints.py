@@ -47,7 +47,9 @@ class Constraint(Protocol):
         return None
 
     def commit(self, ids: Sequence[int]) -> None:
-        """The request committed ``ids`` (each one allowed where it stands)."""
+        """The request committed ``ids`` (each one allowed where it stands). A constraint that
+        rules nothing more from then on may say so with ``spent`` (True), and the request then
+        keeps its ``inner`` constraint (or None) instead (:class:`MinTokens` does)."""
 
 
 def constrained(scores: np.ndarray, constraint: Constraint, before: Sequence[Sequence[int]]) -> np.ndarray:
