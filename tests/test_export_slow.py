@@ -29,7 +29,7 @@ def test_export_default_model(default_model):
                                      "8110db53")
     assert m["validation"]["greedy_agreement"] == 1.0
     assert m["validation"]["max_abs_logit_diff"] < 1e-3
-    assert [d["name"] for d in m["drafts"]] == ["q4", "q8"]
+    assert [d["name"] for d in m["drafts"]] == ["q8", "q4"]
     for d in m["drafts"]:
         dm = read_manifest(out / d["path"])
         assert dm["tokenizer"]["sha256"] == m["tokenizer"]["sha256"]
