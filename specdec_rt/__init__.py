@@ -4,9 +4,9 @@ A small draft model proposes tokens; the target checks them all in one forward p
 sampling keeps exactly the target's output distribution (greedy: exactly the target's tokens).
 """
 
-from .acceptance import SpecConfig
-from .adapters import ModelDrafter, ModelVerifier
-from .context import RequestContext
+from .policy.acceptance import SpecConfig
+from .spec.adapters import ModelDrafter, ModelVerifier
+from .spec.context import RequestContext
 from .errors import (
     ContextLengthError,
     EngineClosedError,
@@ -16,9 +16,9 @@ from .errors import (
     ModelNotBuiltError,
     SpecDecError,
 )
-from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
+from .spec.protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
 from .sampling import SamplingParams, rejection_sample
-from .scheduler import RequestStream, SpecDecScheduler
+from .spec.scheduler import RequestStream, SpecDecScheduler
 from .types import DraftToken, GenerationResult, Stats, TokenEvent, Verdict
 
 __version__ = "0.1.0"

@@ -15,11 +15,11 @@ import sys
 import anyio
 
 from .errors import InvalidInputError, SpecDecError
-from .loading import DEFAULT_MODEL, load_engine
-from .constraints import MAX_SCHEMA_CHARS, check_response_format
-from .logprobs import check_top_logprobs, json_logprob
-from .loadtest import add_arguments as add_loadtest_arguments
-from .loadtest import run_loadtest
+from .engine.loading import DEFAULT_MODEL, load_engine
+from .sampling.constraints import MAX_SCHEMA_CHARS, check_response_format
+from .sampling.logprobs import check_top_logprobs, json_logprob
+from .tooling.loadtest import add_arguments as add_loadtest_arguments
+from .tooling.loadtest import run_loadtest
 from .logs import configure_cli_logging
 from .serve.cli import add_serve_parser, run_serve
 
@@ -108,23 +108,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return anyio.run(_generate, args)
         if args.command == "demo":
-            from .demo import run_demo
+            from .tooling.demo import run_demo
 
             return anyio.run(run_demo, args)
         if args.command == "serve":
             return run_serve(args)
-        from .bench.args import check_bench_args
+        from .tooling.bench.args import check_bench_args
 
         check_bench_args(args)  # before any model is loaded: a bad flag costs nothing
         if args.prefix_cache:
-            from .bench.prefix import run_prefix
+            from .tooling.bench.prefix import run_prefix
 
             return run_prefix(args)
         if args.concurrency:
-            from .bench.concurrency import run_concurrency
+            from .tooling.bench.concurrency import run_concurrency
 
             return run_concurrency(args)
-        from .bench import run_bench
+        from .tooling.bench import run_bench
 
         return run_bench(args)
     except SpecDecError as exc:

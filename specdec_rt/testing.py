@@ -2,7 +2,7 @@
 
 * :class:`ToyLM` is a fixed random Markov model over a small vocabulary: the logits of the next
   token depend on the last ``order`` tokens. It implements
-  :class:`~specdec_rt.protocols.LanguageModel`, so ``ModelDrafter(ToyLM(...))`` and
+  :class:`~specdec_rt.spec.protocols.LanguageModel`, so ``ModelDrafter(ToyLM(...))`` and
   ``ModelVerifier(ToyLM(...))`` run the real scheduler with no ONNX.
 * :func:`toy_pair` builds a target and a draft whose distance is a knob (0: the same model).
 * :func:`sequence_distribution` computes the exact distribution of whole generated sequences of a
@@ -21,15 +21,15 @@ from typing import Iterable, Sequence
 import anyio
 import numpy as np
 
-from .adapters import ModelDrafter, ModelVerifier
+from .spec.adapters import ModelDrafter, ModelVerifier
 from .batching import BatchExecutor
-from .cached_start import CachedStart
-from .prefix_cache import Hit, PrefixCache
-from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
-from .penalties import penalized
+from .kvcache.cached_start import CachedStart
+from .kvcache.prefix import Hit, PrefixCache
+from .spec.protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
+from .sampling.penalties import penalized
 from .sampling import SamplingParams, warp
-from .acceptance import SpecConfig
-from .scheduler import SpecDecScheduler
+from .policy.acceptance import SpecConfig
+from .spec.scheduler import SpecDecScheduler
 
 __all__ = [
     "ToyLM",
@@ -56,7 +56,7 @@ class ToyLM(LanguageModel):
     ``tree``: it verifies a draft tree in one call (``extend(..., tree=parents)``, then
     ``accept_tree``), as ONNX Runtime targets of exporter 0.3+ do; ``tree_calls`` counts them.
 
-    ``prefix_cache_tokens > 0``: a :class:`~specdec_rt.prefix_cache.PrefixCache` over a pool of
+    ``prefix_cache_tokens > 0``: a :class:`~specdec_rt.kvcache.prefix.PrefixCache` over a pool of
     ``slots`` running and ``cache_entries`` entry slots holding ids (the toy's "KV"), as the ONNX
     backend has. Every call then checks that its slot holds exactly the ids its session was
     started with and fed, so a cache that copies the wrong positions fails loudly.
@@ -269,7 +269,7 @@ def toy_scheduler(distance: float = 0.5, vocab_size: int = 8, seed: int = 0,
                   config: SpecConfig | None = None, eos_ids: Iterable[int] = (), batched: bool = False,
                   **options) -> tuple[SpecDecScheduler, ToyLM, ToyLM]:
     """A scheduler over a :func:`toy_pair`: ``(scheduler, target, draft)``. ``batched=True``
-    runs every model call through one :class:`~specdec_rt.batching.BatchExecutor`, as an Engine
+    runs every model call through one :class:`~specdec_rt.batching.executor.BatchExecutor`, as an Engine
     does (concurrent requests' single-token steps become batched calls; long feeds are chunked).
     ``options``: :class:`ToyLM` options for both models (e.g. ``prefix_cache_tokens=...``)."""
     target, draft = toy_pair(vocab_size, seed=seed, distance=distance, **options)

@@ -7,7 +7,7 @@ from typing import Literal
 
 import numpy as np
 
-from .logprobs import TokenLogprob
+from .sampling.logprobs import TokenLogprob
 from .sampling import SamplingParams
 
 __all__ = [
@@ -66,7 +66,7 @@ class Verdict:
     accepted: int
     path: tuple[int, ...] | None = None
     #: when the request asked for them (``ctx.logprobs``): one per token, the target's
-    #: log-probability of it (:mod:`specdec_rt.logprobs`)
+    #: log-probability of it (:mod:`specdec_rt.sampling.logprobs`)
     logprobs: tuple[TokenLogprob, ...] | None = None
 
 

@@ -180,10 +180,10 @@ def _vocab_bytes(kind: str, n: int) -> bytes:
 
 def _exercise_model(folder: Path) -> None:
     """Everything the runtime reads from a folder before generating."""
-    from specdec_rt.eagle import load_vocab_map
+    from specdec_rt.ort.eagle import load_vocab_map
     from specdec_rt.ort.manifest import KV_ROLES, load_manifest
     from specdec_rt.ort.model import OrtModel
-    from specdec_rt.text import TextCodec
+    from specdec_rt.text.codec import TextCodec
 
     m = load_manifest(folder)
     for role in KV_ROLES:

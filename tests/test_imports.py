@@ -105,8 +105,8 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_graph_sees_function_level_imports():
     g = import_graph()
-    assert "specdec_rt.loading" in g["specdec_rt.demo"]
-    assert "specdec_rt.demo" in g["specdec_rt.cli"]  # imported inside main()
+    assert "specdec_rt.engine.loading" in g["specdec_rt.tooling.demo"]
+    assert "specdec_rt.tooling.demo" in g["specdec_rt.cli"]  # imported inside main()
     assert "export.errors" in g["export.draft.cli"]
 
 

@@ -25,11 +25,11 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list, *, k: i
     "exact": bool}``; ``exact`` compares the output with plain greedy decoding."""
     import anyio
 
-    from specdec_rt.acceptance import SpecConfig
-    from specdec_rt.drafting import model_drafter
+    from specdec_rt.policy.acceptance import SpecConfig
+    from specdec_rt.engine.factory import model_drafter
     from specdec_rt.ort import OrtModel, OrtTargetVerifier, load_manifest
-    from specdec_rt.scheduler import SpecDecScheduler
-    from specdec_rt.text import TextCodec
+    from specdec_rt.spec.scheduler import SpecDecScheduler
+    from specdec_rt.text.codec import TextCodec
     from specdec_rt.types import Stats
 
     m = load_manifest(target_dir)

@@ -4,7 +4,7 @@ Templates x topics give a few thousand chat-style requests (advice, explanations
 arithmetic, translation, summaries). Topics come from the lists below plus the names of Python's
 standard-library modules (they ship with every machine). The split into train / validation is by
 a hash of the prompt text, so it is stable as lists grow. The benchmark prompts
-(`specdec_rt/data/prompts.jsonl`) are never used for training: they are removed here.
+(`specdec_rt/tooling/data/prompts.jsonl`) are never used for training: they are removed here.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def _eval_prompts(n: int) -> list:
     """Held-out prompts (the benchmark set, never trained on), chat first."""
     import importlib.resources
 
-    lines = importlib.resources.files("specdec_rt.data").joinpath("prompts.jsonl").read_text().splitlines()
+    lines = importlib.resources.files("specdec_rt.tooling.data").joinpath("prompts.jsonl").read_text().splitlines()
     rows = [json.loads(x) for x in lines if x.strip()]
     rows.sort(key=lambda r: r["category"] != "chat")
     return [r["messages"] for r in rows[:n]]
@@ -145,7 +145,7 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if req.device == "auto" else req.device
     ui.log(f"PyTorch device: {device}")
     from specdec_rt.ort.manifest import load_manifest
-    from specdec_rt.text import TextCodec
+    from specdec_rt.text.codec import TextCodec
 
     tm = load_manifest(folder)
     codec = TextCodec.from_manifest(tm)

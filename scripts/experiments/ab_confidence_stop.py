@@ -1,8 +1,8 @@
 """A/B of ``SpecConfig.confidence_stop`` on one engine: plain decoding, the stop on, the stop
 off, interleaved per prompt (the order rotates), greedy; medians of per-prompt ratios to plain.
 
-    python scripts/experiments/ab_confidence_stop.py smollm2-135m specdec_rt/data/chat_general.jsonl 64
-    python scripts/experiments/ab_confidence_stop.py qwen2.5-coder-1.5b specdec_rt/data/prompts.jsonl 64 code
+    python scripts/experiments/ab_confidence_stop.py smollm2-135m specdec_rt/tooling/data/chat_general.jsonl 64
+    python scripts/experiments/ab_confidence_stop.py qwen2.5-coder-1.5b specdec_rt/tooling/data/prompts.jsonl 64 code
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import sys
 import time
 
 from specdec_rt import Engine
-from specdec_rt.acceptance import SpecConfig
-from specdec_rt.loading import ensure_built
+from specdec_rt.policy.acceptance import SpecConfig
+from specdec_rt.engine.loading import ensure_built
 from specdec_rt.ort.manifest import load_manifest
-from specdec_rt.text import TextCodec
+from specdec_rt.text.codec import TextCodec
 
 MODES = ("ar", "on", "off")
 

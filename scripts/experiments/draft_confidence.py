@@ -2,9 +2,9 @@
 the target, and what stopping a chain at low confidence would buy (offline, greedy).
 
     python scripts/experiments/draft_confidence.py qwen2.5-coder-1.5b 0.5b-q4 \
-        --prompts specdec_rt/data/code_general.jsonl --d 0.1 --s 0.05 --jump 0
+        --prompts specdec_rt/tooling/data/code_general.jsonl --d 0.1 --s 0.05 --jump 0
     python scripts/experiments/draft_confidence.py smollm2-135m q8 \
-        --prompts specdec_rt/data/chat_general.jsonl --d 0.55 --s 0.085 --jump 0.1
+        --prompts specdec_rt/tooling/data/chat_general.jsonl --d 0.55 --s 0.085 --jump 0.1
 
 1. The target answers each prompt greedily (``--max-new-tokens``); the draft then reads the
    prompt and the answer in one call (teacher-forced), which gives, at every answer position,
@@ -26,10 +26,10 @@ import json
 
 import numpy as np
 
-from specdec_rt.loading import ensure_built
+from specdec_rt.engine.loading import ensure_built
 from specdec_rt.ort.manifest import load_manifest
 from specdec_rt.ort.model import OrtModel
-from specdec_rt.text import TextCodec
+from specdec_rt.text.codec import TextCodec
 
 
 def teacher_forced(target: OrtModel, draft: OrtModel, codec, eos, messages, n_new: int):

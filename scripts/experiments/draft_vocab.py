@@ -2,9 +2,9 @@
 vocabulary, applied to a model draft.) Step cost against agreement, side by side.
 
     python scripts/experiments/draft_vocab.py qwen2.5-coder-1.5b 0.5b-q4 \
-        --prompts specdec_rt/data/code_general.jsonl --sizes 16384,32768
+        --prompts specdec_rt/tooling/data/code_general.jsonl --sizes 16384,32768
     python scripts/experiments/draft_vocab.py smollm2-135m q8 \
-        --prompts specdec_rt/data/chat_general.jsonl --sizes 8192,16384,32768
+        --prompts specdec_rt/tooling/data/chat_general.jsonl --sizes 8192,16384,32768
 
 1. Copies of the draft whose LM head keeps only the first N token ids (a byte-level BPE
    vocabulary is roughly in merge order, i.e. by frequency in the tokenizer's corpus; with the
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from specdec_rt.loading import ensure_built
+from specdec_rt.engine.loading import ensure_built
 from specdec_rt.ort.manifest import load_manifest
 from specdec_rt.ort.model import OrtModel
-from specdec_rt.text import TextCodec
+from specdec_rt.text.codec import TextCodec
 
 
 def save_copy(m, src: Path, dst: Path, vocab_size: int | None = None) -> Path:

@@ -133,7 +133,7 @@ def main() -> None:
         return plot(json.loads((out / "report.json").read_text()), a.plot)
     folder, source = _target_dirs(TrainDraftRequest(target=a.target), ui)
     from specdec_rt.ort.manifest import load_manifest
-    from specdec_rt.text import TextCodec
+    from specdec_rt.text.codec import TextCodec
     import importlib.resources
 
     tm = load_manifest(folder)
@@ -144,7 +144,7 @@ def main() -> None:
     val_p = [enc([{"role": "user", "content": p}]) for p in allp if split_of(p) == "val"][:96]
     held = []
     for name in ("chat_general.jsonl", "code_general.jsonl", "prompts.jsonl"):
-        text = importlib.resources.files("specdec_rt.data").joinpath(name).read_text()
+        text = importlib.resources.files("specdec_rt.tooling.data").joinpath(name).read_text()
         held += [enc(json.loads(x)["messages"]) for x in text.splitlines() if x.strip()]
     eos = set(tm.eos_ids) or {0}
     model = None

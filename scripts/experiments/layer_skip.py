@@ -22,7 +22,7 @@ folder = Path(sys.argv[1] if len(sys.argv) > 1 else Path.home() / ".cache/specde
 n_prompts = int(sys.argv[2]) if len(sys.argv) > 2 else 24
 model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 tok = Tokenizer.from_file(str(Path.home() / ".cache/specdec-rt/models/smollm2-135m/tokenizer.json"))
-lines = resources.files("specdec_rt").joinpath("data/prompts.jsonl").read_text().splitlines()
+lines = resources.files("specdec_rt.tooling").joinpath("data/prompts.jsonl").read_text().splitlines()
 texts = []
 for line in lines[:n_prompts]:
     d = json.loads(line)

@@ -20,10 +20,10 @@ import asyncio
 import time
 from pathlib import Path
 
-from specdec_rt.bench.runner import build_our_modes, load_prompts
+from specdec_rt.tooling.bench.runner import build_our_modes, load_prompts
 from specdec_rt.ort import load_manifest, resolve_model_dir
-from specdec_rt.scheduler import SpecDecScheduler
-from specdec_rt.text import TextCodec
+from specdec_rt.spec.scheduler import SpecDecScheduler
+from specdec_rt.text.codec import TextCodec
 
 
 async def run(a: argparse.Namespace) -> None:
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default="smollm2-135m", help="recipe name or export folder")
     ap.add_argument("--factor", type=float, default=2.0)
     ap.add_argument("--verify", action="store_true", help="price the verify calls, not the draft steps")
-    ap.add_argument("--prompts", default="specdec_rt/data/chat_general.jsonl")
+    ap.add_argument("--prompts", default="specdec_rt/tooling/data/chat_general.jsonl")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     asyncio.run(run(ap.parse_args()))

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from specdec_rt.loading import ensure_built
+from specdec_rt.engine.loading import ensure_built
 from specdec_rt.ort.model import OrtModel
 
 

@@ -4,7 +4,7 @@ Per layer one key and one value buffer ``[slots, kv_heads, max_len + 1, head_dim
 owns one slot, and each layer's past/present KV is bound to that slot's slice, so attention
 appends in place (no copy per step; rollback is a length change). Slots ``0 .. running-1`` hold
 running requests (a batched call binds ``[B, ...]`` consecutive slots as they are); the slots
-above hold prefix-cache entries (:mod:`specdec_rt.prefix_cache`), which moves data between slots
+above hold prefix-cache entries (:mod:`specdec_rt.kvcache.prefix`), which moves data between slots
 with :meth:`KVPool.copy` and frees it with :meth:`KVPool.discard`.
 
 On CPU the buffers are private anonymous memory maps of 4 KiB pages (no transparent huge pages:
@@ -25,7 +25,7 @@ import mmap
 import numpy as np
 
 from ..errors import InferenceError, ModelLoadError
-from ..prefix_cache import PrefixCache
+from ..kvcache.prefix import PrefixCache
 
 __all__ = ["KVPool"]
 

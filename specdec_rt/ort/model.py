@@ -19,8 +19,8 @@ import numpy as np
 from ..batching import BatchExecutor
 from ..errors import InferenceError, ModelLoadError
 from ..logs import get_logger
-from ..prefix_cache import DEFAULT_BLOCK
-from ..protocols import LanguageModel
+from ..kvcache.prefix import DEFAULT_BLOCK
+from ..spec.protocols import LanguageModel
 from ..sampling import brief_repr
 from .kvpool import KVPool
 from .manifest import PACKED_ROLES, Manifest, load_manifest
@@ -42,11 +42,11 @@ class OrtModel(LanguageModel):
     after :func:`use_global_thread_pool`); ``alone``: no other model runs beside it (no draft model), so
     its threads keep spinning between runs (see ``ort.setup._configure_threads``);
     ``provider``: ``"auto"`` | ``"cpu"`` | ``"cuda"``. Calls run in a worker thread, one at a time
-    on the model's :class:`~specdec_rt.batching.BatchExecutor` (``executor``; an Engine shares one
+    on the model's :class:`~specdec_rt.batching.executor.BatchExecutor` (``executor``; an Engine shares one
     between its models), which batches the single-token steps of concurrent requests.
 
     ``prefix_cache_bytes > 0`` keeps what finished requests computed in ``cache_entries`` extra
-    slots (default max(slots, 16); :mod:`specdec_rt.prefix_cache`, CPU only): ``start(prefix)`` begins with the
+    slots (default max(slots, 16); :mod:`specdec_rt.kvcache.prefix`, CPU only): ``start(prefix)`` begins with the
     longest cached prefix. ``block``: tokens per indexed block.
     """
 

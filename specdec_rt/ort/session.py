@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ContextLengthError, InferenceError
-from ..cached_start import CachedStart
-from ..prefix_cache import Hit
-from ..protocols import CacheSession, LanguageModel
+from ..kvcache.cached_start import CachedStart
+from ..kvcache.prefix import Hit
+from ..spec.protocols import CacheSession, LanguageModel
 from .manifest import PACKED_ROLES
 from .tree import compact_rows, tree_feeds
 from .tree import packed_layout as _packed_layout
@@ -62,7 +62,7 @@ class OrtSession(CachedStart, CacheSession):
 
         ``features`` [S, H]: the extra per-position input of an EAGLE draft head. ``hidden=True``
         also returns the graph's ``hidden_states`` of the S positions: ``(logits, hidden [S, H])``.
-        The call goes through the model's :class:`~specdec_rt.batching.BatchExecutor`, which
+        The call goes through the model's :class:`~specdec_rt.batching.executor.BatchExecutor`, which
         batches it with other requests' single-token steps and advances ``length``.
         ``tree`` [S]: each position's parent (see :mod:`specdec_rt.ort.tree`): one call over a
         draft tree; ``length`` stays put until :meth:`accept_tree`.

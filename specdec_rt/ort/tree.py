@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InferenceError
-from ..tree_sampling import depths_of
+from ..sampling.tree import depths_of
 
 __all__ = ["packed_layout", "depths", "tree_feeds", "compact_rows"]
 

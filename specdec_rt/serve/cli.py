@@ -14,7 +14,7 @@ import socket
 import sys
 
 from ..errors import SpecDecError
-from ..prefix_cache import DEFAULT_BUDGET_BYTES
+from ..kvcache.prefix import DEFAULT_BUDGET_BYTES
 
 __all__ = ["add_serve_parser", "run_serve"]
 
@@ -130,8 +130,8 @@ def run_serve(args) -> int:
         return 1
     from pathlib import Path
 
-    from ..engine import Engine
-    from ..loading import ensure_built
+    from ..engine.engine import Engine
+    from ..engine.loading import ensure_built
 
     folder = ensure_built(args.model, allow_build=not args.no_build)  # a missing model fails here, at once
     name = args.served_model_name or Path(str(args.model)).name
@@ -216,7 +216,7 @@ def run_ray_serve(args) -> int:
         return 1
     from pathlib import Path
 
-    from ..loading import ensure_built
+    from ..engine.loading import ensure_built
 
     folder = ensure_built(args.model, allow_build=not args.no_build)
     port = args.port

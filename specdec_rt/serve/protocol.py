@@ -15,11 +15,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..constraints import check_response_format
+from ..sampling.constraints import check_response_format
 from ..errors import ContextLengthError, InvalidInputError
-from ..logprobs import MAX_TOP_LOGPROBS
+from ..sampling.logprobs import MAX_TOP_LOGPROBS
 from ..sampling import SamplingParams, brief_repr
-from ..tools import check_tool_choice, check_tools
+from ..text.tools import check_tool_choice, check_tools
 
 __all__ = ["APIError", "GenParams", "parse_request", "engine_error", "error_body", "Kind"]
 

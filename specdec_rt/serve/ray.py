@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import InvalidInputError
-from ..prefix_cache import DEFAULT_BUDGET_BYTES
+from ..kvcache.prefix import DEFAULT_BUDGET_BYTES
 
 __all__ = ["RayOptions", "deployment_app", "build", "replica_threads", "replica_states"]
 
@@ -81,7 +81,7 @@ def replica_threads(default: float) -> int:
 
 def _replica_app(opts: RayOptions):
     """The ASGI app of one replica (runs on the replica)."""
-    from ..engine import Engine
+    from ..engine.engine import Engine
     from .app import create_app
 
     threads = opts.threads or replica_threads(opts.cpus_per_replica)

@@ -10,9 +10,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..logprobs import TokenLogprob, json_logprob
-from ..request_checks import stop_prefix_len
-from ..tools import CALL_OPEN, parse_tool_calls
+from ..sampling.logprobs import TokenLogprob, json_logprob
+from ..spec.request_checks import stop_prefix_len
+from ..text.tools import CALL_OPEN, parse_tool_calls
 from .protocol import Kind
 
 __all__ = ["Reply", "LogprobsFormat", "CallFilter", "call_filter", "calls_in", "models_body", "usage_body", "sse"]
@@ -182,7 +182,7 @@ class CallFilter:
     """One choice's text with its tool calls held back, streamed or not (the same split either
     way): text goes out as it comes, less a tail that may start a ``<tool_call>``, and less
     leading blank text (content beside calls is None when it is blank); from a call on, the rest
-    waits for the end, where it is parsed (:func:`~specdec_rt.tools.parse_tool_calls`, calls to
+    waits for the end, where it is parsed (:func:`~specdec_rt.text.tools.parse_tool_calls`, calls to
     ``names`` only; the first only unless ``parallel``) into calls and any content left."""
 
     def __init__(self, names: Sequence[str] | None = None, parallel: bool = True) -> None:

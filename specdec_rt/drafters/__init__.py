@@ -1,0 +1,1 @@
+"""Drafters that need no model backend: n-gram lookup, and combinations of drafters."""

@@ -1,0 +1,420 @@
+"""``Engine``: the five-line API over exported models.
+
+    engine = await Engine.load("smollm2-135m")            # a built recipe name or an export folder
+    result = await engine.generate("Hello", max_new_tokens=64)
+    print(result.text, result.stats.tokens_per_s, result.stats.acceptance_rate)
+    async for ev in engine.stream([{"role": "user", "content": "Hi"}]): print(ev.text, end="")
+    await engine.aclose()                                  # or: async with await Engine.load(...)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from typing import Callable, Sequence
+
+import anyio
+import numpy as np
+
+from ..policy.acceptance import SpecConfig
+from ..batching import BatchExecutor
+from ..sampling.constraints import GrammarFactory, MinTokens, check_response_format
+from .factory import engine_models, make_drafter, resolve_draft_spec
+from .stream import EngineResult, EngineStream, StreamEvent, _Ready
+from ..errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
+from ..sampling.logprobs import check_top_logprobs
+from ..ort import OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
+from ..kvcache.prefix import DEFAULT_BUDGET_BYTES
+from ..sampling.prompt_logprobs import prompt_logprobs as prompt_logprobs_of
+from ..spec.protocols import DraftInferrer
+from ..spec.request_checks import MAX_STOP_STRINGS  # noqa: F401 - re-exported (the stop-string limit)
+from ..spec.request_checks import (RequestShape, check_bool, check_length_options, check_load_args, check_prompt_size,
+                             check_stop, cut_at_stop, stop_prefix_len, token_id_prompt, tool_shape)
+from ..sampling import SamplingParams, brief_repr
+from ..spec.scheduler import SpecDecScheduler
+from ..text.codec import TextCodec
+from ..text.tools import parse_tool_calls
+from ..types import Mode
+from .warmup import WARMUP_REQUESTS, WARMUP_TOKENS, warm_up
+
+__all__ = ["Engine", "EngineResult", "EngineStream", "StreamEvent"]
+
+Prompt = str | Sequence[dict] | Sequence[int]
+
+DEFAULT_SLOTS = 8  # requests batched at once; a slot's KV memory is committed only as it is used
+MAX_SLOTS = 256
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # about 250k tokens: more than any context here holds
+STREAM_BUFFER = 4  # events a request may run ahead of its consumer before it waits
+
+
+class Engine:
+    """Speculative decoding over an exported target (and draft), for async services.
+
+    One engine serves many concurrent requests: up to ``slots`` run at once (more wait their turn,
+    see :attr:`waiting`), and their model calls are batched across requests by one step loop
+    (:class:`~specdec_rt.batching.executor.BatchExecutor`) whose calls run in a worker thread, so the event
+    loop stays responsive. Each request chooses its own draft length from its acceptance and from
+    the measured cost of the batch it runs in (speculation turns down as the batch grows).
+
+    A failed request raises a :class:`~specdec_rt.errors.SpecDecError`, releases its KV slots and
+    leaves the engine usable. Cancelling a request (task cancel, timeout, ``break`` out of
+    ``stream``, dropping or ``aclose()``-ing the stream) takes effect at once for the caller; its
+    model state is released on the next event-loop pass (a model call already running finishes
+    first and its result is dropped), without waiting for a garbage collection.
+    """
+
+    def __init__(self, target: OrtModel, drafter: DraftInferrer | None, codec: TextCodec,
+                 config: SpecConfig | None = None, *, slots: int = DEFAULT_SLOTS, draft_name: str | None = None) -> None:
+        self.target, self.drafter, self.codec = target, drafter, codec
+        self.manifest = target.manifest
+        self.draft_name = draft_name
+        self.slots = slots
+        self.executor = BatchExecutor()
+        models = engine_models(target, drafter)
+        for model in models:
+            model.executor = self.executor  # every model call of this engine goes through one loop
+        drafts = [m for m in models if m is not target]
+        self.executor.clients = lambda: self.running  # every running request's call in: cut the batch
+        self.executor.lead = {id(m) for m in drafts}  # draft steps first: a batch drafts, then verifies, together
+        #: callables ``f(rows)`` told about every target-model call (rows: requests in the batch)
+        self.batch_listeners: list[Callable[[int], None]] = []
+        self.executor.listeners.append(self._tell_batch)
+        verifier = OrtTargetVerifier(target, share_hidden=bool(getattr(drafter, "needs_target_hidden", False)))
+        self.scheduler = SpecDecScheduler(drafter, verifier, config, eos_ids=self.manifest.eos_ids,
+                                          batch_costs=lambda rows, positions=None: self.executor.step_seconds(
+                                              target, rows, positions), batched_verify=target.ragged,
+                                          draft_costs=(lambda rows: self.executor.step_seconds(drafts[0], rows))
+                                          if drafts else None,
+                                          load=lambda: min(len(self._tasks), self.slots),
+                                          batch_shapes=lambda rows: self.executor.measured_positions(target, rows))
+        self._slots = anyio.Semaphore(slots)
+        self._tasks: set[asyncio.Task] = set()
+        self.running = 0  #: requests holding a slot
+        self.waiting = 0  #: requests waiting for a slot
+        self.max_prompt_chars = DEFAULT_MAX_PROMPT_CHARS  #: longer prompts are refused before encoding
+        #: per-request constraints of ``response_format`` (its tokenizer table built on first use)
+        self.grammars = GrammarFactory(codec.token_bytes, codec.is_special,
+                                       lambda text: codec.tokenizer.encode(text, add_special_tokens=False).ids,
+                                       target.vocab_size, self.manifest.eos_ids)
+        self._closed = False
+
+    @property
+    def prefix_cache(self) -> dict:
+        """The prefix cache now: ``enabled``, ``queries`` and ``hit_tokens`` (target lookups and
+        prompt tokens they supplied), ``entries``, ``evictions`` and ``bytes`` (KV held, all models)."""
+        caches = [m.prefix_cache for m in engine_models(self.target, self.drafter) if m.pool is not None]
+        mine = self.target.prefix_cache
+        return {"enabled": mine.enabled, "queries": mine.queries, "hit_tokens": mine.hit_tokens,
+                "entries": sum(len(c.entries()) for c in caches), "evictions": sum(c.evictions for c in caches),
+                "bytes": sum(c.bytes for c in caches)}
+
+    def _tell_batch(self, model, rows: int, seconds: float) -> None:
+        if model is self.target:
+            for f in self.batch_listeners:
+                f(rows)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    async def load(cls, name_or_path: str | os.PathLike, draft: str | os.PathLike | None = None, *,
+                   max_length: int | None = None, threads: int | None = None, provider: str = "auto",
+                   slots: int = DEFAULT_SLOTS, spec_config: SpecConfig | None = None,
+                   prefix_cache: bool = True, prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
+                   warmup: bool = True) -> "Engine":
+        """Load a built recipe (``"smollm2-135m"``) or an export folder.
+
+        ``draft``: ``None`` for the default (``DEFAULT_DRAFT``: n-gram lookup, else the manifest's
+        first draft model), ``"none"``, ``"ngram"``, a draft model (a name from the manifest such as
+        ``"q4"``, ``"model"`` for the first, or a folder), or ``"ngram+<draft model>"``.
+        ``slots``: requests that run (and are batched) at once; KV memory is committed only for
+        the positions a request uses. A recipe that is not built raises
+        :class:`~specdec_rt.errors.ModelNotBuiltError` naming the command that builds it.
+        ``prefix_cache``: keep what finished requests computed (prompt and answer) and start new
+        requests from the longest cached prefix (:mod:`specdec_rt.kvcache.prefix`; CPU), in at most
+        ``prefix_cache_bytes`` of KV memory over all models (least recently used entries go first).
+        ``warmup``: run :meth:`warm_up` before returning (about a second on the default model).
+        """
+        check_bool(warmup, "warmup")
+        engine = await anyio.to_thread.run_sync(
+            lambda: cls._load(name_or_path, draft, max_length, threads, provider, slots, spec_config,
+                              prefix_cache, prefix_cache_bytes))
+        if warmup:
+            try:
+                await engine.warm_up()
+            except BaseException:
+                await engine.aclose()
+                raise
+        return engine
+
+    async def warm_up(self, requests: int = WARMUP_REQUESTS, max_new_tokens: int = WARMUP_TOKENS) -> None:
+        """Run ``requests`` short requests one after another before serving, then forget them
+        except what they measured (see :func:`specdec_rt.engine.warmup.warm_up`, which says why)."""
+        await warm_up(self, requests, max_new_tokens)
+
+    @classmethod
+    def _load(cls, name_or_path, draft, max_length, threads, provider, slots, spec_config,
+              prefix_cache=True, prefix_cache_bytes=DEFAULT_BUDGET_BYTES) -> "Engine":
+        check_load_args(name_or_path, draft, max_length, threads, spec_config)
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+            raise InvalidInputError(f"slots must be an integer in 1..{MAX_SLOTS}, got {slots!r}")
+        if not isinstance(prefix_cache, bool):
+            raise InvalidInputError(f"prefix_cache must be True or False, got {prefix_cache!r}")
+        if (isinstance(prefix_cache_bytes, bool) or not isinstance(prefix_cache_bytes, int)
+                or prefix_cache_bytes < 0):
+            raise InvalidInputError(f"prefix_cache_bytes must be an integer >= 0, got {prefix_cache_bytes!r}")
+        folder = resolve_model_dir(name_or_path)
+        m = load_manifest(folder)
+        budget = prefix_cache_bytes if prefix_cache else 0
+        opts = dict(max_length=max_length, threads=threads, provider=provider, slots=slots,
+                    prefix_cache_bytes=budget)
+        alone = resolve_draft_spec(m, draft) in ("ngram", "none")  # no draft model beside the target
+        target = OrtModel(m, **opts, alone=alone)
+        drafter, draft_name = make_drafter(m, draft, opts)
+        models = [mod for mod in engine_models(target, drafter) if mod.caches_prefixes]
+        for mod in models:  # one budget for the engine, shared so every model holds as many tokens
+            mod.prefix_cache.budget_bytes = budget * mod.pool.token_bytes // sum(x.pool.token_bytes for x in models)
+        return cls(target, drafter, TextCodec.from_manifest(m), spec_config, slots=slots, draft_name=draft_name)
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
+                       top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                       mode: Mode = "spec", stop: str | Sequence[str] | None = None,
+                       truncate_prompt: bool = False, logprobs: int | None = None,
+                       logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
+                       frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                       prompt_logprobs: int | None = None, response_format: dict | None = None,
+                       tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None, *,
+                       min_tokens: int = 0, ignore_eos: bool = False) -> EngineResult:
+        """Generate a completion. ``prompt``: a string, chat messages
+        ``[{"role": ..., "content": ...}]`` rendered with the model's chat template (content: a
+        string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined), or token
+        ids (a list of ints, used as they are).
+        ``mode``: ``"spec"`` (speculative) or ``"ar"`` (plain). ``stop``: strings that end the
+        generation (the text is cut before the stop string; ``token_ids`` end with the token that
+        completes it, in either mode; a stream holds back text that may start one). ``truncate_prompt``: keep only the
+        last tokens that fit instead of raising ``ContextLengthError``. ``logprobs=n`` (0..20):
+        each token's log-probability under the target model (before temperature, top-k, top-p;
+        the same in either mode) with the ``n`` most likely tokens there
+        (:class:`~specdec_rt.sampling.logprobs.TokenLogprob`). ``logit_bias``: ``{token id: bias}`` (-100 to
+        100) added to the logits before temperature, top-k, top-p and greedy's argmax (-100 bans
+        a token), in either mode; the reported log-probabilities stay the model's own.
+        ``presence_penalty`` / ``frequency_penalty`` (-2 to 2, OpenAI's; None: 0) and
+        ``repetition_penalty`` (0.01 to 10; 1 or None is off) discourage tokens already generated
+        (:mod:`specdec_rt.sampling.penalties`); speculation stays exact for the penalized target.
+        ``prompt_logprobs=n`` (0..20): also each prompt token's log-probability after the ones
+        before it, with the ``n`` most likely tokens there (``EngineResult.prompt_logprobs``; the
+        first token has none); one more pass of the target over the prompt, whose KV the prefix
+        cache then hands to the generation (:mod:`specdec_rt.sampling.prompt_logprobs`).
+        ``response_format``: OpenAI's, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+        "json_schema": {"schema": {...}}}``: only tokens that keep the output on its way to such
+        JSON are chosen, by draft and target alike, and the end-of-sequence token only once it is
+        complete (:mod:`specdec_rt.sampling.constraints`; needs the ``structured`` extra). ``tools``
+        (OpenAI's function list; chat messages, a template that renders them) and ``tool_choice``
+        (``"auto"``, ``"none"``, ``"required"`` or a named function, held to by a grammar): the
+        calls in the answer are ``EngineResult.tool_calls`` (:mod:`specdec_rt.text.tools`).
+        ``min_tokens``: no end-of-sequence token before that many tokens (draft and target alike),
+        nor a stop string completed by one of them. ``ignore_eos``: go on past end-of-sequence
+        tokens, up to ``max_new_tokens`` or a stop string (vLLM's rules and options, which
+        load-testing tools send)."""
+        parts, ids, lps, stats, first = [], [], [], None, StreamEvent("", ())
+        async with self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
+                               stop, truncate_prompt, logprobs, logit_bias, presence_penalty,
+                               frequency_penalty, repetition_penalty, prompt_logprobs, response_format, tools,
+                               tool_choice, min_tokens=min_tokens, ignore_eos=ignore_eos) as events:
+            async for ev in events:
+                first = ev if ev.prompt_logprobs is not None else first
+                parts.append(ev.text)
+                ids.extend(ev.token_ids)
+                lps.extend(ev.logprobs or ())
+                stats = ev.stats or stats
+        text = "".join(parts)
+        return EngineResult(text, ids, stats, stats.prompt_tokens if stats else 0,
+                            lps if logprobs is not None else None,
+                            None if first.prompt_token_ids is None else list(first.prompt_token_ids),
+                            None if first.prompt_logprobs is None else list(first.prompt_logprobs),
+                            parse_tool_calls(text, [t["function"]["name"] for t in tools])[1]
+                            if tools and tool_choice != "none" else None)
+
+    def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+               mode: Mode = "spec", stop: str | Sequence[str] | None = None,
+               truncate_prompt: bool = False, logprobs: int | None = None,
+               logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+               prompt_logprobs: int | None = None, response_format: dict | None = None,
+               tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None, *,
+               min_tokens: int = 0, ignore_eos: bool = False) -> "EngineStream":
+        """Like :meth:`generate`, as an async iterator of :class:`StreamEvent` (also an async
+        context manager that closes it).
+
+        Cheap checks run here and raise at once (sampling values, ``mode``, ``stop``,
+        ``max_new_tokens``, the prompt's type and size: at most ``max_prompt_chars`` characters).
+        Rendering the chat template and tokenizing run in a worker thread, so a huge prompt never
+        stalls the event loop; what they find (e.g. ``ContextLengthError``) is raised by
+        :meth:`EngineStream.ready` and by the first iteration, still before any model work."""
+        if self._closed:
+            raise EngineClosedError("this engine is closed")
+        if not isinstance(mode, str) or mode not in ("spec", "ar"):
+            raise InvalidInputError(f"mode must be 'spec' or 'ar', got {brief_repr(mode)}")
+        if mode == "spec" and self.drafter is None:
+            raise InvalidInputError("this engine has no draft model: load it with draft=... or use mode='ar'")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidInputError(f"max_new_tokens must be a positive integer, got {brief_repr(max_new_tokens)}")
+        params = SamplingParams(temperature, top_k, top_p, seed, logit_bias,
+                                0.0 if presence_penalty is None else presence_penalty,
+                                0.0 if frequency_penalty is None else frequency_penalty,
+                                1.0 if repetition_penalty is None else repetition_penalty)
+        logprobs = check_top_logprobs(logprobs)
+        prompt_logprobs = check_top_logprobs(prompt_logprobs, "prompt_logprobs")
+        stops = check_stop(stop)
+        shape = RequestShape(prompt_logprobs, check_response_format(response_format),
+                             *tool_shape(prompt, tools, tool_choice, stops, self.codec.chat_template),
+                             *check_length_options(min_tokens, ignore_eos, max_new_tokens))
+        if shape.schema is not None and shape.lark is not None:
+            raise InvalidInputError(f"response_format and tool_choice={tool_choice!r} cannot both hold the answer")
+        check_bool(truncate_prompt, "truncate_prompt")
+        check_prompt_size(prompt, self.max_prompt_chars)
+        send, receive = anyio.create_memory_object_stream(STREAM_BUFFER)
+        stream = EngineStream(receive, self)
+        task = asyncio.get_running_loop().create_task(self._produce(
+            stream._ready, prompt, max_new_tokens, params, mode, stops, truncate_prompt, logprobs, send, shape))
+        stream._attach(task)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return stream
+
+    def _encode(self, prompt: Prompt, max_new_tokens: int, truncate_prompt: bool, tools=None) -> list[int]:
+        """The prompt's token ids, cut to fit with ``truncate_prompt`` (in a worker thread: a chat
+        template may take a while). Starting the scheduler's request is the event loop's: it
+        reads the prefix cache, whose bookkeeping only the loop's thread may touch."""
+        try:
+            ids = token_id_prompt(prompt, self.target.vocab_size) or self.codec.encode_prompt(prompt, tools=tools)
+        except SpecDecError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the codec maps what it knows; anything else is still the prompt's
+            raise InvalidInputError(f"prompt cannot be encoded: {type(exc).__name__}: {exc}"[:300]) from exc
+        if not ids:
+            raise InvalidInputError("prompt encodes to no tokens: give some text")
+        limit = self.scheduler.max_length or len(ids) + max_new_tokens
+        if truncate_prompt and len(ids) + max_new_tokens > limit:
+            if max_new_tokens >= limit:  # no prompt token would be left
+                raise ContextLengthError(f"max_new_tokens={brief_repr(max_new_tokens)} leaves no room for the prompt "
+                                         f"in the model's maximum length of {limit} tokens", len(ids), limit)
+            ids = ids[-(limit - max_new_tokens):]
+        return ids
+
+    def _constraint(self, shape: "RequestShape"):
+        """The request's constraint, or None (in a worker thread): its JSON schema's, or its call
+        grammar's, whose parameter schemas are compiled on their own first (one the grammar engine
+        gives up on is refused now, before anything runs); ``min_tokens`` on top."""
+        grammar = None
+        if shape.lark is not None:
+            for schema in shape.checks:
+                self.grammars.build(schema, what="tool_choice")
+            grammar = self.grammars.build(lark=shape.lark, what="tool_choice")
+        elif shape.schema is not None:
+            grammar = self.grammars.build(shape.schema)
+        if shape.min_tokens and not shape.ignore_eos:
+            return MinTokens(shape.min_tokens, self.scheduler.eos_ids, self.target.vocab_size, grammar)
+        return grammar
+
+    async def _produce(self, ready: "_Ready", prompt, max_new_tokens, params, mode, stops: list[str],
+                       truncate_prompt: bool, logprobs: int | None, send, shape: "RequestShape") -> None:
+        """One request, as a task: encode, run, detokenize, cut at stop strings, hand events over."""
+        decoder, text, shown, kept = self.codec.decoder(), "", 0, 0  # text decoded, streamed; tokens kept
+        async with send:
+            try:
+                try:
+                    ids = await anyio.to_thread.run_sync(
+                        lambda: self._encode(prompt, max_new_tokens, truncate_prompt, shape.tools))
+                    compiles = shape.schema is not None or shape.lark is not None  # a grammar: in a thread
+                    constraint = (await anyio.to_thread.run_sync(self._constraint, shape) if compiles
+                                  else self._constraint(shape))
+                    # started here, on the loop (it reads the prefix cache); it checks the rest
+                    request = self.scheduler.stream(ids, max_new_tokens, params, mode=mode, logprobs=logprobs,
+                                                    constraint=constraint, ignore_eos=shape.ignore_eos)
+                except BaseException as exc:
+                    ready.set(exc if isinstance(exc, Exception) else None)
+                    raise
+                ready.set(None)
+                self.waiting += 1
+                try:
+                    await self._slots.acquire()
+                finally:
+                    self.waiting -= 1
+                self.running += 1
+                try:
+                    if shape.prompt_top is not None:  # the prompt's own tokens first, in the request's slot
+                        scored = await prompt_logprobs_of(self.target, np.asarray(ids), shape.prompt_top)
+                        await send.send(StreamEvent("", (), prompt_token_ids=tuple(ids), prompt_logprobs=tuple(scored)))
+                    async for ev in request:
+                        ids, finished = ev.token_ids, ev.finished
+                        if stops:  # token by token, as a plain step would see them (see cut_at_stop)
+                            ids, text, cut = cut_at_stop(decoder, text, ids, stops, finished, kept, shape.min_tokens)
+                        else:
+                            text, cut = text + decoder.push(ids) + (decoder.flush() if finished else ""), None
+                        kept += len(ids)
+                        if cut is not None:  # end at a stop string: emit the text before it
+                            text, finished = text[:cut], "stop"
+                            request.context.finish_reason = request.stats.finish_reason = "stop"
+                            request.stats.new_tokens = kept  # the tokens up to the stop, in every mode
+                        upto = len(text) - (stop_prefix_len(text, stops, shown) if stops and not finished else 0)
+                        lps = ev.logprobs[: len(ids)] if ev.logprobs is not None else None
+                        if finished and shape.prompt_top is not None:  # its own scoring pass computed the
+                            request.stats.cached_prompt_tokens = 0     # prompt: nothing came from earlier ones
+                        await send.send(StreamEvent(text[shown:upto], tuple(ids), finished,
+                                                    request.stats if finished else None, lps))
+                        shown = max(shown, upto)
+                        if cut is not None:
+                            break
+                finally:
+                    await request.aclose()  # releases the request's KV slots, however it ended
+                    self.running -= 1
+                    self._slots.release()
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the consumer went away: nothing to tell
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await send.send(exc)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token id stands for (its text may be part of a UTF-8 character; a
+        special token: its text; an id the model has but the tokenizer lacks: ``b""``)."""
+        return self.codec.token_bytes(self._vocab_id(token_id))
+
+    def is_special_token(self, token_id: int) -> bool:
+        """Whether a token id is a special token (end of turn, ...), which ``text`` leaves out."""
+        return self.codec.is_special(self._vocab_id(token_id))
+
+    def _vocab_id(self, token_id: int) -> int:
+        if isinstance(token_id, bool) or not isinstance(token_id, (int, np.integer)) or not (
+                0 <= token_id < self.target.vocab_size):
+            raise InvalidInputError(f"token_id must be an integer in 0..{self.target.vocab_size - 1}, "
+                                    f"got {brief_repr(token_id)}")
+        return int(token_id)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def aclose(self) -> None:
+        """Stop the step loop after the model call in flight, end running requests with
+        :class:`EngineClosedError`, then release the models (ONNX Runtime sessions and KV pools).
+        Later calls raise :class:`EngineClosedError`."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.executor.aclose()  # no model call runs after this
+            loop = asyncio.get_running_loop()  # tasks of an event loop that has ended cannot run: left alone
+            tasks = [t for t in self._tasks if t.get_loop() is loop and not t.done()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks)
+        finally:  # the models are released whatever happened above
+            for model in engine_models(self.target, self.drafter):
+                model.close()
+
+    async def __aenter__(self) -> "Engine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

@@ -1,0 +1,125 @@
+"""One request's stream of :class:`StreamEvent`: what the caller iterates, and how dropping it
+cancels the request's task (its KV slots are freed on the next event-loop pass, without waiting
+for a garbage collection); and :class:`EngineResult`, a whole generation."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from dataclasses import dataclass, field
+
+import anyio
+
+from ..errors import EngineClosedError
+from ..types import FinishReason, Stats, TokenLogprob
+
+__all__ = ["EngineResult", "EngineStream", "StreamEvent"]
+
+
+@dataclass
+class EngineResult:
+    """A finished generation: ``text`` (special tokens skipped), ``token_ids`` (prompt excluded),
+    ``stats`` (``tokens_per_s``, ``acceptance_rate``, ``mean_accepted``, ``mode``, ...)."""
+
+    text: str
+    token_ids: list[int]
+    stats: Stats
+    prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked (``logprobs=``)
+    #: with ``prompt_logprobs=``: the prompt's token ids and each one's log-probability after the
+    #: ones before it (the first: None)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: with ``tools``: the calls in ``text`` (OpenAI's shape: ``id``, ``type``, ``function.name``,
+    #: ``function.arguments`` as a JSON string), maybe none; ``text`` stays the whole answer
+    tool_calls: list[dict] | None = None
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.stats.finish_reason
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """New text (never a broken UTF-8 character; may be empty while one is incomplete) and the
+    token ids that became final with it. ``finished`` is set on the last event."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finished: FinishReason | None = None
+    stats: Stats | None = field(default=None, repr=False)  # on the last event
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when asked (``logprobs=``)
+    #: ``prompt_logprobs=``: the first event (no text, no tokens) carries the prompt's token ids
+    #: and their log-probabilities (the first: None)
+    prompt_token_ids: tuple[int, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+
+class EngineStream:
+    """One request's :class:`StreamEvent` iterator. The request runs in its own task; closing
+    this (``aclose()``, ``async with``, or dropping the last reference, e.g. ``break`` out of
+    ``async for``) cancels it and frees its slots on the next event-loop pass."""
+
+    def __init__(self, receive, engine) -> None:  # engine: the Engine it belongs to
+        self._receive, self._engine = receive, engine
+        self._ready = _Ready()
+        self._task: asyncio.Task | None = None
+        self._finalizer = None
+
+    def _attach(self, task: asyncio.Task) -> None:
+        self._task = task
+        self._finalizer = weakref.finalize(self, _cancel_soon, task.get_loop(), task, self._receive)
+        self._finalizer.atexit = False
+
+    async def ready(self) -> None:
+        """Wait until the prompt is encoded and the request checked (before any model work);
+        raises what that found (``InvalidInputError``, ``ContextLengthError``). Optional: the
+        first iteration raises the same. A server awaits it to answer 400 before streaming."""
+        await self._ready.wait()
+
+    def __aiter__(self) -> "EngineStream":
+        return self
+
+    async def __anext__(self):  # -> StreamEvent
+        try:
+            item = await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            if self._finalizer.alive and self._engine._closed and self._task.cancelled():
+                raise EngineClosedError("the engine was closed while this request ran") from None
+            raise StopAsyncIteration from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        """End the request now (its slots are freed on the next event-loop pass)."""
+        self._finalizer()
+
+    async def __aenter__(self) -> "EngineStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class _Ready:
+    """Set once a request's prompt was checked: with None, or with the error it raised."""
+
+    def __init__(self) -> None:
+        self._event, self._error = asyncio.Event(), None
+
+    def set(self, error: Exception | None) -> None:
+        self._error = error
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        if self._error is not None:
+            raise self._error
+
+
+def _cancel_soon(loop, task: asyncio.Task, receive) -> None:
+    """Cancel a request's task from wherever its stream was dropped (thread-safe)."""
+    receive.close()
+    if not task.done() and not loop.is_closed():
+        loop.call_soon_threadsafe(task.cancel)

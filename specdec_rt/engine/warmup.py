@@ -1,0 +1,78 @@
+"""Warming an Engine up before it serves: a few short requests alone, then forgotten except
+what they measured."""
+
+from __future__ import annotations
+
+import copy
+
+from .factory import engine_models
+from ..errors import SpecDecError
+from ..logs import get_logger
+
+__all__ = ["WARMUP_REQUESTS", "WARMUP_TOKENS", "warm_up"]
+
+log = get_logger("specdec_rt.engine.warmup")
+
+WARMUP_REQUESTS = 2  # the first measures the draft's steps, the second its prefill (it needs the steps)
+WARMUP_TOKENS = 16
+TOUCH_TOKENS = 8  # the requests before them: one whose times are forgotten, one plain (the base step)
+# general chat, in no prompt set of the benchmarks or the demo
+WARMUP_PROMPTS = ("Describe the water cycle for a ten-year-old.",
+                  "List a few ways to reuse glass jars at home.")
+
+
+async def warm_up(engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int = WARMUP_TOKENS) -> None:
+    """Run ``requests`` short requests on ``engine`` one after another (``mode="spec"`` when it
+    has a drafter), then forget them, except what they measured; before them two shorter ones:
+    a touch whose times are forgotten, and a plain request.
+
+    Why: ONNX Runtime's first calls pay for allocations and thread start, which a user's first
+    request would otherwise pay; and the cost model measures the draft's step, its prefill and
+    the verify call *alone*, which the batch policy predicts from. A server whose requests always
+    share a batch would otherwise never measure them, and its batches would never speculate
+    (cold engines, 2 requests at once on the default pair: 0.99x ``ar`` before, 1.10-1.22x
+    warmed up; docs/benchmarks.md). The touch's times are dropped: after a cold start (models
+    not in the page cache) its draft steps cost ~1.5x, the policy read a draft at 0.61 of a
+    target step instead of 0.46 and fell back to plain decoding, and a request decoding plainly
+    measures drafts again only at its probes (a cold ``demo``: 0.94x instead of ~1.6x, one run
+    in two). The plain request measures a target step alone, the unit of every cost (estimated
+    from the verify calls otherwise: one noisy verify made a draft look 0.69 of a step).
+
+    Kept: the measured costs and the shared acceptance EWMA (evidence about this draft and
+    target, a better prior than the configured default). Not kept: prefix-cache entries (the
+    cache is off meanwhile) and the scheduler's totals. The prompts are fixed general chat,
+    rendered with the model's chat template when it has one (as plain text if that fails), cut
+    to fit a short context.
+
+    A failure is logged (``engine.warmup_failed``) and ends the warm-up, never the load: it is a
+    request's failure (a chat template that refuses, a model that fails on some input), and a
+    user's requests must meet it as their own, with the engine still there for the next one."""
+    if requests <= 0:
+        return
+    caches = [m.prefix_cache for m in engine_models(engine.target, engine.drafter) if m.caches_prefixes]
+    totals = copy.deepcopy(engine.scheduler.totals)  # merged into in place
+    chat = engine.codec.chat_template is not None
+    limit = engine.scheduler.max_length
+    tokens = max(1, min(max_new_tokens, limit // 2) if limit else max_new_tokens)
+    mode = "spec" if engine.drafter is not None else "ar"
+    for c in caches:
+        c.enabled = False
+    try:
+        for i in range(-2, requests):  # -2: the touch, -1: a plain request
+            text = WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)]
+            for prompt in ([[{"role": "user", "content": text}]] if chat else []) + [text]:
+                try:
+                    await engine.generate(prompt, min(tokens, TOUCH_TOKENS) if i < 0 else tokens,
+                                          mode="ar" if i == -1 else mode, truncate_prompt=True)
+                    if i == -2:
+                        engine.scheduler.costs.forget_times()
+                    break
+                except SpecDecError as exc:
+                    error = exc
+            else:  # failed as chat and as plain text
+                log.warning("engine.warmup_failed", error=f"{type(error).__name__}: {error}"[:300])
+                return
+    finally:
+        for c in caches:
+            c.enabled = True
+        engine.scheduler.totals = totals

@@ -1,0 +1,1 @@
+"""When speculation pays: acceptance tracking, costs, draft length, fallback, trees."""

@@ -1,0 +1,243 @@
+"""Constrained decoding: which tokens may come next (OpenAI's ``response_format``: any JSON
+object, or one a JSON schema describes).
+
+A :class:`Constraint` answers for the position after a request's committed tokens plus a path of
+uncommitted ones: a verify row's drafts before it, a tree node's path, the draft's own chain so
+far. Every row a request scores, target and draft model alike, gets the disallowed tokens at
+-inf before greedy's argmax, temperature, top-k and top-p (:func:`constrained`). (An EAGLE
+head drafts over its reduced vocabulary unconstrained, where no allowed token may be left to
+it; n-gram drafts are unconstrained too: the target's rows reject what the constraint rules out.) So the target that
+speculation must reproduce is the constrained one, and it does, exactly: greedy speculative
+output equals constrained plain decoding; sampled output keeps the constrained distribution
+(rejection sampling sees constrained ``p`` and ``q``). A row whose path the constraint already
+rules out is left as it is: no output passes through it, since the row before gave that path's
+token probability 0 (a draft there is rejected, and the walk stops).
+
+Log-probabilities stay the model's own (before the constraint, as before temperature).
+
+:class:`GrammarConstraint` is backed by llguidance (the optional extra ``structured``; the
+``serve`` extra has it), the grammar engine vLLM, SGLang and llama.cpp use.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from ..errors import InvalidInputError
+from . import brief_repr
+
+__all__ = ["Constraint", "GrammarConstraint", "GrammarFactory", "MinTokens", "constrained",
+           "check_response_format", "json_text", "MAX_SCHEMA_CHARS", "JSON_WHITESPACE"]
+
+MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema's text; grammar size and parse work have llguidance's own limits
+# whitespace between JSON tokens: what pretty-printing needs, bounded, so that a model cannot
+# loop on newlines forever inside a structure (a random model does, at once; real ones too, at times)
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+
+
+class Constraint(Protocol):
+    """What may come next. Called on the event loop, for one request at a time."""
+
+    def allowed(self, before: Sequence[int]) -> np.ndarray | None:
+        """``[V]`` bool: the tokens allowed after the committed ones and then ``before``; None
+        if ``before`` itself is ruled out (no output can pass through that row)."""
+        return None
+
+    def commit(self, ids: Sequence[int]) -> None:
+        """The request committed ``ids`` (each one allowed where it stands). A constraint that
+        rules nothing more from then on may say so with ``spent`` (True), and the request then
+        keeps its ``inner`` constraint (or None) instead (:class:`MinTokens` does)."""
+
+
+def constrained(scores: np.ndarray, constraint: Constraint, before: Sequence[Sequence[int]]) -> np.ndarray:
+    """Rows ``[n, V]`` (a copy) with the tokens ``constraint`` disallows at -inf; ``before[i]``:
+    the uncommitted tokens between the committed ones and row ``i``'s position."""
+    out = np.array(scores, dtype=np.float32, copy=True)  # [n, V]
+    for i, path in enumerate(before):
+        mask = constraint.allowed([int(t) for t in path])  # [V'] or None
+        if mask is None:
+            continue  # an unreachable row: left as it is
+        width = min(mask.size, out.shape[1])
+        out[i, :width][~mask[:width]] = -np.inf
+        out[i, width:] = -np.inf  # ids past the constraint's vocabulary: never allowed
+    return out
+
+
+class GrammarConstraint:
+    """A llguidance ``LLMatcher`` that follows a request: committed tokens are consumed; a row's
+    path is consumed, the mask read, and the path rolled back."""
+
+    def __init__(self, matcher: Any, vocab_size: int, eos_ids: Sequence[int] = (),
+                 usable: np.ndarray | None = None, what: str = "response_format") -> None:
+        self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, frozenset(int(t) for t in eos_ids)
+        self.usable = usable  # [V] bool: ids that stand for text (or end it); None: all
+        self.what = what  # the request field the grammar came from, for errors
+
+    def allowed(self, before: Sequence[int]) -> np.ndarray | None:
+        m = self.matcher
+        went = m.try_consume_tokens(list(before)) if before else 0
+        try:
+            # end-of-sequence ids after the grammar's end are not consumed, as in commit (a request
+            # that goes on past its end, ignore_eos): that row's mask is a stopped matcher's
+            if went < len(before) and not (m.is_stopped() and all(int(t) in self.eos_ids for t in before[went:])):
+                return None
+            bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)  # one bit a token id, little-endian
+            if m.is_error():  # the grammar engine gave up (a limit, a grammar with no way on): so does the
+                # request, whichever row asked (a matcher in error stays so); the input's fault: a 400
+                raise InvalidInputError(f"{self.what}: {_stopped(m)}")
+            mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)  # [V]
+            return mask if self.usable is None else mask & self.usable
+        finally:
+            if went and not m.is_error():
+                m.rollback(went)
+
+    def commit(self, ids: Sequence[int]) -> None:
+        m = self.matcher
+        for t in ids:
+            if int(t) in self.eos_ids and m.is_stopped():
+                continue  # the end, once the grammar is complete (a matcher stops by itself there)
+            if not m.consume_token(int(t)):  # every committed token was allowed: the engine gave up here
+                raise InvalidInputError(f"{self.what}: at token {int(t)}, {_stopped(m)}")
+
+
+class MinTokens:
+    """``min_tokens`` (vLLM's, and other OpenAI-compatible servers'): none of ``stop_ids`` at the
+    first ``count`` positions of the answer, on top of ``inner`` (another constraint, or None).
+    Where ``inner`` allows nothing else (a grammar that is complete), they stay allowed: an answer
+    is never forced past its own end. Once ``count`` tokens are committed it rules nothing
+    (``spent``), and the request keeps ``inner`` alone."""
+
+    def __init__(self, count: int, stop_ids: Sequence[int], vocab_size: int, inner: Constraint | None = None) -> None:
+        self.count, self.vocab_size, self.inner = int(count), int(vocab_size), inner
+        self.stop = np.array(sorted({int(t) for t in stop_ids if 0 <= int(t) < vocab_size}), dtype=np.int64)
+        self.committed = 0
+
+    @property
+    def spent(self) -> bool:
+        return self.committed >= self.count or not self.stop.size
+
+    def allowed(self, before: Sequence[int]) -> np.ndarray | None:
+        mask = None if self.inner is None else self.inner.allowed(before)  # [V] or None
+        if self.inner is not None and mask is None:
+            return None  # a path the inner constraint rules out
+        out = np.ones(self.vocab_size, dtype=bool) if mask is None else mask.copy()  # [V]
+        if self.committed + len(before) < self.count:
+            out[self.stop] = False
+            if not out.any():  # nothing but the end is left
+                out[self.stop] = True if mask is None else mask[self.stop]
+        return out
+
+    def commit(self, ids: Sequence[int]) -> None:
+        self.committed += len(ids)
+        if self.inner is not None:
+            self.inner.commit(ids)
+
+
+def json_text(value: Any, what: str) -> str:
+    """``value`` as strict JSON text (no NaN or Infinity), or an :class:`InvalidInputError`
+    naming ``what`` (a set, a cycle, 1,000 levels deep: what a Python caller can pass)."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise InvalidInputError(f"{what} is not JSON: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+def _stopped(matcher) -> str:
+    """The grammar engine's error, its first line (what follows is its internal state)."""
+    first = (matcher.get_error() or "stopped").strip().splitlines()[0]
+    return f"the grammar stopped: {first[:300]}"
+
+
+def check_response_format(response_format: Any) -> dict | None:
+    """OpenAI's ``response_format`` checked: None or ``{"type": "text"}`` (no constraint),
+    ``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"schema": {...},
+    "name": ..., "strict": ...}}``. Returns the JSON schema to follow, or None."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object",
+                                                                                      "json_schema"):
+        raise InvalidInputError("response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}, "
+                                f"got {brief_repr(response_format, 120)}")
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise InvalidInputError("response_format json_schema must be an object with a 'schema' object, got "
+                                f"{brief_repr(spec, 120)}")
+    schema = spec.get("schema", {})
+    if len(json_text(schema, "response_format's schema")) > MAX_SCHEMA_CHARS:
+        raise InvalidInputError(f"response_format's schema is longer than {MAX_SCHEMA_CHARS} characters")
+    return schema
+
+
+class GrammarFactory:
+    """Makes a :class:`GrammarConstraint` per request for one model's tokenizer. The llguidance
+    tokenizer (every token's bytes) is built once, at the first request that needs it (~0.1 s
+    for a 49k vocabulary). ``token_bytes(id)``, ``is_special(id)`` and ``encode(text)`` (the
+    plain tokenization of a piece of text: no BOS or other added tokens) come from the engine's
+    codec; ``eos_ids``: the tokens that end a generation (allowed once the grammar is complete)."""
+
+    def __init__(self, token_bytes, is_special, encode, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self._bytes, self._special, self._encode = token_bytes, is_special, encode
+        self.vocab_size, self.eos_ids = vocab_size, [int(t) for t in eos_ids]
+        self._tokenizer = None
+        self._usable: np.ndarray | None = None
+
+    def _llg(self):
+        try:
+            import llguidance
+        except ImportError:
+            raise InvalidInputError("response_format needs llguidance: pip install 'specdec-rt[structured]' "
+                                    "(the serve extra has it)") from None
+        return llguidance
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            llg = self._llg()
+            if not self.eos_ids:
+                raise InvalidInputError("response_format: this model names no end-of-sequence token to end the output")
+            table = _TokenTable(self._bytes, self._special, self._encode, self.vocab_size, self.eos_ids[0])
+            self._tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(table), n_vocab=self.vocab_size,
+                                              eos_token=self.eos_ids)
+            # ids with no bytes (past the tokenizer's vocabulary) would fit any grammar anywhere,
+            # adding nothing: a model could emit them forever; they are never allowed
+            self._usable = np.array([bool(b) for b in table.tokens], dtype=bool)  # [V]
+            self._usable[[t for t in self.eos_ids if t < self.vocab_size]] = True
+        return self._tokenizer
+
+    def build(self, schema: dict | None = None, lark: str | None = None, what: str = "response_format") -> GrammarConstraint:
+        """A fresh constraint for a request that must follow a JSON ``schema`` or a ``lark``
+        grammar (llguidance's dialect; in a worker thread: a big one takes a while to compile).
+        One llguidance cannot compile is an :class:`InvalidInputError` naming ``what``."""
+        llg = self._llg()
+        try:
+            grammar = lark if schema is None else llg.LLMatcher.grammar_from_json_schema(
+                schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise InvalidInputError(f"{what}: the grammar engine cannot read this schema: {exc}"[:300]) from None
+        matcher = llg.LLMatcher(self.tokenizer(), grammar, log_level=0)  # (sets _usable the first time)
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # the first step: a grammar with no way on, or past a limit, shows here
+        if matcher.is_error():
+            raise InvalidInputError(f"{what}: {_stopped(matcher)}")
+        return GrammarConstraint(matcher, self.vocab_size, self.eos_ids, self._usable, what)
+
+
+class _TokenTable:
+    """What ``llguidance.TokenizerWrapper`` reads: every token id's bytes, the special ones, and
+    a way to encode text (from the engine's codec, so the two never disagree)."""
+
+    def __init__(self, token_bytes, is_special, encode, vocab_size: int, eos: int) -> None:
+        self.eos_token_id, self.bos_token_id = eos, None
+        self.tokens = [token_bytes(i) for i in range(vocab_size)]
+        self.special_token_ids = [i for i in range(vocab_size) if is_special(i)]
+        self._encode = encode
+
+    def __call__(self, text) -> list[int]:
+        return self._encode(text if isinstance(text, str) else text.decode("utf-8", "replace"))

@@ -1,0 +1,165 @@
+"""One request's committed state, shared by the scheduler, its drafter and its verifier."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, TypeVar
+
+import numpy as np
+
+from ..policy.confidence import ChainStop
+from ..sampling.constraints import Constraint, constrained
+from ..errors import ContextLengthError, InvalidInputError
+from ..sampling.logprobs import check_top_logprobs
+from ..sampling.penalties import penalized
+from ..sampling import SamplingParams, brief_repr
+from ..types import FinishReason, Stats
+
+__all__ = ["RequestContext"]
+
+S = TypeVar("S")
+
+
+class RequestContext:
+    """The Go design's ``ctx``: what a request has committed so far, and per-model state.
+
+    ``tokens`` is the whole sequence (prompt + generated tokens that are final); only
+    :meth:`commit` appends to it, after a verification completed, so a cancelled round leaves it
+    as it was. Models keep their per-request state (KV cache sessions) in :meth:`state`, keyed by
+    the model object, and must tolerate caches that ran ahead of ``tokens``.
+    """
+
+    def __init__(
+        self,
+        prompt_ids: Iterable[int],
+        max_new_tokens: int,
+        params: SamplingParams | None = None,
+        stop_ids: Iterable[int] = (),
+        max_length: int | None = None,
+        rng: np.random.Generator | None = None,
+        vocab_size: int | None = None,
+        logprobs: int | None = None,
+        constraint: Constraint | None = None,
+    ) -> None:
+        prompt = np.asarray(list(prompt_ids) if not isinstance(prompt_ids, np.ndarray) else prompt_ids)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise InvalidInputError(f"prompt must be a non-empty sequence of token ids, got shape {prompt.shape}")
+        if not np.issubdtype(prompt.dtype, np.integer) or prompt.min() < 0:
+            raise InvalidInputError(f"prompt token ids must be non-negative integers, got {prompt[:8]!r}")
+        if vocab_size is not None and prompt.max() >= vocab_size:
+            bad = int(prompt[np.argmax(prompt >= vocab_size)])
+            raise InvalidInputError(f"prompt token id {bad} is outside the model's vocabulary (ids 0..{vocab_size - 1}); "
+                                    "a tokenizer that does not match the model?")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise InvalidInputError(f"max_new_tokens must be a positive integer, got {brief_repr(max_new_tokens)}")
+        if max_length is not None and prompt.size + max_new_tokens > max_length:
+            raise ContextLengthError(
+                f"prompt of {prompt.size} tokens + max_new_tokens={brief_repr(max_new_tokens)} exceeds the "
+                f"model's maximum length of {max_length} tokens", int(prompt.size), int(max_length)
+            )
+        self.params = params or SamplingParams()
+        if vocab_size is not None and self.params.logit_bias and self.params.logit_bias[-1][0] >= vocab_size:
+            raise InvalidInputError(f"logit_bias token id {self.params.logit_bias[-1][0]} is outside the model's "
+                                    f"vocabulary (ids 0..{vocab_size - 1})")
+        #: None: no log-probabilities; n: each emitted token's, with the n most likely alternatives
+        self.logprobs = check_top_logprobs(logprobs)
+        #: which tokens may come next (constraints.py: a response format), or None
+        self.constraint = constraint
+        self.rng = rng if rng is not None else np.random.default_rng(self.params.seed)
+        self.prompt_len = int(prompt.size)
+        self.vocab_size = vocab_size  # None: unknown (a plug-in verifier without one)
+        self.max_new_tokens = int(max_new_tokens)
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        self._buf = np.zeros(self.prompt_len + self.max_new_tokens, dtype=np.int64)  # [capacity]
+        self._buf[: self.prompt_len] = prompt
+        self._n = self.prompt_len
+        self.finish_reason: FinishReason | None = None
+        self.stats = Stats(prompt_tokens=self.prompt_len)
+        self._state: dict[Any, Any] = {}
+        self.tree_nodes = 0  # set by the scheduler each round: nodes a drafter may add to its chain
+        #: this round, where a model drafter should stop its chain (confidence.py), or None
+        self.chain_stop: ChainStop | None = None
+        #: this round, drafters that can should propose only what costs nothing to draft (n-gram
+        #: matches): set by the scheduler when the request shares a batch (see RequestPolicy)
+        self.cheap_drafts = False
+        #: this round, the draft model's single-token steps after its first call, and their
+        #: seconds (set by model drafters that time them; the first call may read a prompt or
+        #: what the draft missed, so only these measure a draft step alone)
+        self.draft_steps: tuple[int, float] = (0, 0.0)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Committed tokens, prompt included, ``[n]`` int64 (a read-only view)."""
+        view = self._buf[: self._n]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def generated(self) -> np.ndarray:
+        """Committed tokens after the prompt ``[n - prompt_len]``."""
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def remaining(self) -> int:
+        """How many more tokens may be generated."""
+        return 0 if self.done else self.prompt_len + self.max_new_tokens - self._n
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def commit(self, ids: np.ndarray) -> np.ndarray:
+        """Append verified tokens, cut at the token budget and after the first stop id (the stop
+        id itself is kept, nothing after it). Returns what was appended."""
+        room = self.prompt_len + self.max_new_tokens - self._n
+        ids = np.asarray(ids, dtype=np.int64)[: max(room, 0)]
+        if self.stop_ids:
+            # a round commits a few ids: a set lookup each beats np.isin's setup (every step, every request)
+            hit = next((i for i, t in enumerate(ids.tolist()) if t in self.stop_ids), None)
+            if hit is not None:
+                ids = ids[: hit + 1]
+                self.finish_reason = "stop"
+        if self.constraint is not None and ids.size:
+            self.constraint.commit(ids)
+            if getattr(self.constraint, "spent", False):  # it rules nothing more: its inner one goes on
+                self.constraint = self.constraint.inner
+        self._buf[self._n : self._n + ids.size] = ids
+        self._n += ids.size
+        if self.finish_reason is None and self._n == self._buf.size:
+            self.finish_reason = "length"
+        return ids
+
+    def penalized(self, logits: np.ndarray, before) -> np.ndarray:
+        """Rows ``[n, V]`` with this request's repetition penalties (:mod:`specdec_rt.sampling.penalties`;
+        the same array when it has none); ``before[i]``: the uncommitted tokens (drafts) between
+        the committed ones and row i's position."""
+        if not self.params.penalized:
+            return logits
+        return penalized(logits, self.params, self.tokens[: self.prompt_len], self.generated, before)
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether :meth:`scores` changes the model's rows (penalties or a constraint)."""
+        return self.params.penalized or self.constraint is not None
+
+    def scores(self, logits: np.ndarray, before) -> np.ndarray:
+        """Rows ``[n, V]`` as this request scores them: the repetition penalties
+        (:meth:`penalized`), then the constraint's disallowed tokens at -inf
+        (:func:`~specdec_rt.sampling.constraints.constrained`); the same array when neither applies."""
+        rows = self.penalized(logits, before)
+        return rows if self.constraint is None else constrained(rows, self.constraint, before)
+
+    def state(self, owner: object, factory: Callable[[], S]) -> S:
+        """Per-request state of ``owner`` (e.g. a KV cache session), created on first use."""
+        try:
+            return self._state[owner]
+        except KeyError:
+            value = self._state[owner] = factory()
+            return value
+
+    def peek_state(self, owner: object) -> Any:
+        """``owner``'s state, or None if it has made none (nothing is created)."""
+        return self._state.get(owner)
+
+    def pop_state(self, owner: object) -> Any:
+        """Remove and return ``owner``'s state (None if it never made any)."""
+        return self._state.pop(owner, None)

@@ -1,0 +1,1 @@
+"""Text in and out: the tokenizer codec, the chat-template sandbox, tool calls."""

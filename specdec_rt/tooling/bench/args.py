@@ -1,0 +1,65 @@
+"""``bench``'s flags checked together, before any model is built or loaded: a value out of range,
+flags that do not go together, or an ``--out`` that cannot be written is a one-line error at
+once, not a traceback after the run (which would lose its results)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...errors import InvalidInputError
+
+__all__ = ["check_bench_args", "parse_levels", "split_list"]
+
+
+def split_list(value: str | None, flag: str) -> list[str] | None:
+    """``"a, b"`` -> ``["a", "b"]``; None stays None; an empty list is an error."""
+    if value is None:
+        return None
+    items = [x.strip() for x in value.split(",")]
+    if not all(items):
+        raise InvalidInputError(f"{flag} must be a comma-separated list of names, got {value!r}")
+    return items
+
+
+def parse_levels(value: str) -> list[int]:
+    """``--concurrency "1,2,4"`` -> sorted distinct positive integers."""
+    try:
+        levels = sorted({int(x) for x in value.split(",")})
+    except ValueError:
+        levels = []
+    if not levels or levels[0] < 1:
+        raise InvalidInputError(f"--concurrency needs positive integers separated by commas, got {value!r}")
+    return levels
+
+
+def check_bench_args(args) -> None:
+    """Raise :class:`InvalidInputError` naming the first bad flag (see the module docstring)."""
+    side_by_side = not args.prefix_cache and not args.concurrency
+    for flag, value in (("--repeats", args.repeats), ("--max-new-tokens", args.max_new_tokens),
+                        ("--limit", args.limit), ("--conversations", args.conversations),
+                        ("--turns", args.turns), ("--prefix-concurrency", args.prefix_concurrency)):
+        if value is not None and value < 1:
+            raise InvalidInputError(f"{flag} must be >= 1, got {value}")
+    if args.concurrency is not None:
+        args.levels = parse_levels(args.concurrency)
+    if args.llama_cpp and not side_by_side:
+        raise InvalidInputError("--llama-cpp goes with the side-by-side bench, not --concurrency / --prefix-cache")
+    if args.prefix_cache and args.concurrency:
+        raise InvalidInputError("--prefix-cache and --concurrency are two different benchmarks: pick one")
+    if args.cold and not args.concurrency:
+        raise InvalidInputError("--cold goes with --concurrency")
+    if not side_by_side and (args.modes is not None or args.categories is not None or args.micro):
+        raise InvalidInputError("--modes / --categories / --micro go with the side-by-side bench "
+                                "(--concurrency and --prefix-cache run spec and ar on their own prompts)")
+    if side_by_side and args.draft is not None:
+        raise InvalidInputError("--draft goes with --concurrency / --prefix-cache; the side-by-side bench runs "
+                                "every draft as its own mode (spec_<draft>, see --modes)")
+    args.modes = split_list(args.modes, "--modes")
+    args.categories = split_list(args.categories, "--categories")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InvalidInputError(f"--out {out} is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidInputError(f"--out {out}: cannot create the folder ({exc.strerror or exc})") from None

@@ -1,0 +1,121 @@
+"""Step-cost micro-benchmarks on the target: verify width, context length, memory, bandwidth.
+
+All ratios are measured side by side (interleaved repetitions, medians), so machine noise hits
+both sides alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+__all__ = ["step_costs", "memory_bandwidth_gbs", "rss_mb", "weight_bytes", "request_memory"]
+
+
+def rss_mb() -> dict[str, float]:
+    """Resident memory of this process now and at its peak (Linux ``/proc``), in MB."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    out["rss_mb" if line.startswith("VmRSS") else "peak_rss_mb"] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+def memory_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
+    """Copy bandwidth (bytes read + bytes written per second, GB/s), best of ``repeats``."""
+    src = np.ones(mb * (1 << 20) // 8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best / 1e9
+
+
+def weight_bytes(manifest) -> int:
+    """Bytes of weights a decoding step reads: the ONNX file and its external data, less the
+    float32 embedding table (a step reads one row of it)."""
+    files = manifest.raw.get("files", {})
+    total = sum(info.get("bytes", 0) for name, info in files.items() if name.startswith(manifest.onnx_file.name))
+    return total - manifest.vocab_size * manifest.hidden_size * 4
+
+
+_MEMORY_PROBE = """
+import json, sys, anyio
+from specdec_rt.ort import OrtModel, OrtTargetVerifier, OrtDraftInferrer, use_global_thread_pool
+from specdec_rt.spec.scheduler import SpecDecScheduler
+from specdec_rt.tooling.bench.micro import rss_mb
+use_global_thread_pool(int(sys.argv[3]))
+folder, draft, n = sys.argv[1], sys.argv[2], 2048
+target = OrtModel(folder, max_length=n, slots=1)
+n = target.max_length
+drafter = OrtDraftInferrer(OrtModel(draft, max_length=n, slots=1)) if draft else None
+sched = SpecDecScheduler(drafter, OrtTargetVerifier(target))
+prompt = [(7 * i) % target.vocab_size for i in range(n - 48)]
+anyio.run(lambda: sched.run(prompt, 48, mode="spec" if drafter else "ar"))
+print(json.dumps({"tokens": n, **rss_mb()}))
+"""
+
+
+def request_memory(folder, draft_folder, threads: int) -> dict:
+    """Resident memory of a fresh process holding the target, one draft and the KV caches of one
+    2,048-token request (prefill + 48 generated tokens), in MB."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(folder), str(draft_folder or ""), str(threads)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+async def _time(session, ids: np.ndarray, rows: int, back_to: int) -> float:
+    t = time.perf_counter()
+    await session.extend(ids, rows)
+    dt = time.perf_counter() - t
+    session.rollback(back_to)
+    return dt
+
+
+async def step_costs(model, reps: int = 20, short: int = 100, long: int = 2000, width: int = 5,
+                     progress=lambda msg: None) -> dict:
+    """Median seconds of (a) one call over ``width`` new positions vs one over 1 position at
+    context ``short``; (b) a 1-token step at context ``long`` vs ``short``. Interleaved."""
+    rng = np.random.default_rng(0)
+    vocab = model.vocab_size
+    long = min(long, model.max_length - width - 1)
+    s_short, s_long = model.start(), model.start()
+    try:
+        await s_short.extend(rng.integers(0, vocab, short), 1)
+        progress(f"prefilling {long} tokens")
+        await s_long.extend(rng.integers(0, vocab, long), 1)
+        one, wide, at_long = [], [], []
+        tok1 = rng.integers(0, vocab, 1)
+        tokw = rng.integers(0, vocab, width)
+        for _ in range(3):  # warm-up
+            await _time(s_short, tok1, 1, short)
+            await _time(s_short, tokw, width, short)
+            await _time(s_long, tok1, 1, long)
+        for _ in range(reps):
+            one.append(await _time(s_short, tok1, 1, short))
+            wide.append(await _time(s_short, tokw, width, short))
+            at_long.append(await _time(s_long, tok1, 1, long))
+    finally:
+        s_short.close()
+        s_long.close()
+    m1, mw, ml = (statistics.median(x) for x in (one, wide, at_long))
+    return {
+        "step_ms_ctx_short": 1e3 * m1, "context_short": short,
+        f"call_ms_{width}_positions": 1e3 * mw, "verify_width": width,
+        "verify_width_ratio": mw / m1,
+        "step_ms_ctx_long": 1e3 * ml, "context_long": long,
+        "context_ratio": ml / m1,
+        "reps": reps,
+    }

@@ -1,0 +1,165 @@
+"""The side-by-side benchmark: every mode on every prompt, interleaved, medians and ratios."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable, Sequence
+
+from ...policy.acceptance import SpecConfig
+from ...drafters.lookup import CombinedDrafter, NgramDrafter
+from ...engine.factory import model_drafter, resolve_draft_spec
+from ...errors import InvalidInputError
+from ...ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
+from ..prompt_files import label, read_prompt_file
+from ...spec.scheduler import SpecDecScheduler
+from ...text.codec import TextCodec
+from ...types import Stats
+
+__all__ = ["Prompt", "Sample", "load_prompts", "build_our_modes", "run_modes"]
+
+HF_MODES = ("hf_ar", "hf_assisted", "hf_prompt_lookup", "optimum_ar")
+
+
+@dataclass
+class Prompt:
+    category: str
+    ids: list[int]
+    label: str
+
+
+@dataclass
+class Sample:
+    mode: str
+    prompt: int
+    category: str
+    token_ids: list[int]
+    seconds: float
+    stats: Stats | None = None
+    extra: dict | None = None  # a runner's own details; ``extra["tokens"]``: the count it made
+    repeat: int = 0  # which pass over the prompts (ratios pair the modes' runs of one pass)
+
+    @property
+    def tokens_per_s(self) -> float:
+        n = self.extra["tokens"] if self.extra and "tokens" in self.extra else len(self.token_ids)
+        return n / self.seconds if self.seconds > 0 else 0.0
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def load_prompts(codec: TextCodec, path: str | None, categories: set[str] | None = None,
+                 limit: int | None = None) -> list[Prompt]:
+    """The built-in prompts, or a JSONL file (:func:`read_prompt_file`), encoded; ``categories``
+    keeps those (an unknown one is an error listing the file's)."""
+    rows = read_prompt_file(path)
+    if categories and not categories & {r["category"] for r in rows}:
+        raise InvalidInputError(f"no prompts of categories {sorted(categories)}; the file has "
+                         f"{sorted({r['category'] for r in rows})}")
+    out = []
+    for r in rows:
+        if categories and r["category"] not in categories:
+            continue
+        out.append(Prompt(r["category"], codec.encode_prompt(r["text"]), label(r["text"]).replace("\n", " ")[:48]))
+    return out[:limit] if limit else out
+
+
+# -> (ids, seconds, stats) or (ids, seconds, stats, extra): see Sample.extra (llama.cpp runs)
+Runner = Callable[[list[int], int], Awaitable[tuple]]
+
+
+BENCH_TREE_NODES = 3  # the tree modes: main chain + the draft's runner-up at the first 3 depths
+
+
+def build_our_modes(folder: Path, threads: int, max_length: int | None,
+                    extra_drafts: Sequence[str | Path] = ()) -> tuple[dict[str, Runner], dict]:
+    """Our modes over one shared target: ``ar``, ``spec`` (the engine's default drafter),
+    ``spec_ngram``, ``spec_<draft>`` per exported draft (and per folder in ``extra_drafts``, e.g.
+    a ``train-draft`` output), ``spec_ngram+<draft>`` for the first draft and for EAGLE drafts;
+    with a target that verifies trees, ``spec_tree`` and ``spec_<draft>_tree`` (draft trees)."""
+    m = load_manifest(folder)
+    alone = not m.drafts and not extra_drafts  # no draft model beside it, as in an Engine
+    target = OrtModel(m, max_length=max_length, threads=threads, slots=2, alone=alone)
+    verifier = OrtTargetVerifier(target)
+    sharing = OrtTargetVerifier(target, share_hidden=True)  # same model; for EAGLE drafts only
+    manifests = [load_manifest(folder / d["path"]) for d in m.drafts]
+    manifests += [load_manifest(Path(p)) for p in extra_drafts]
+    drafts = {dm.name: model_drafter(m, dm, max_length=max_length, threads=threads, slots=2)
+              for dm in manifests}
+    drafters: dict[str, object] = {"ngram": NgramDrafter()}
+    drafters.update(drafts)
+    for i, (name, d) in enumerate(drafts.items()):
+        if i == 0 or getattr(d, "needs_target_hidden", False):
+            drafters[f"ngram+{name}"] = CombinedDrafter(NgramDrafter(), d)
+    default = resolve_draft_spec(m, None)
+    modes: dict[str, Runner] = {}
+
+    def runner(sched: SpecDecScheduler, mode: str) -> Runner:
+        async def run(ids, n):
+            t = time.perf_counter()
+            res = await sched.run(ids, n, mode=mode)
+            return res.token_ids, time.perf_counter() - t, res.stats
+        run.scheduler = sched  # run_modes' warm-up forgets the times of its first request
+        return run
+
+    modes["ar"] = runner(SpecDecScheduler(None, verifier, eos_ids=m.eos_ids), "ar")
+    def verifier_for(d):
+        return sharing if getattr(d, "needs_target_hidden", False) else verifier
+
+    modes["spec"] = runner(SpecDecScheduler(drafters[default], verifier_for(drafters[default]),
+                                            eos_ids=m.eos_ids), "spec")
+    for name, drafter in drafters.items():
+        modes[f"spec_{name}"] = runner(SpecDecScheduler(drafter, verifier_for(drafter), eos_ids=m.eos_ids), "spec")
+    if target.tree:  # the same drafters with draft trees (each model draft's runner-up as siblings)
+        trees = SpecConfig(tree_nodes=BENCH_TREE_NODES)
+        for name in dict.fromkeys([default, *drafts, *(n for n in drafters if n.startswith("ngram+"))]):
+            if name == "ngram" or getattr(drafters[name], "needs_target_hidden", False):
+                continue  # EAGLE drafts: chains (their verifier shares hidden states)
+            mode = "spec_tree" if name == default else f"spec_{name}_tree"
+            modes[mode] = runner(SpecDecScheduler(drafters[name], verifier, trees, eos_ids=m.eos_ids), "spec")
+    info = {"target": m.name, "exact_to": m.exact_to, "default_drafter": default,
+            "drafts": {n: d.model.manifest.raw.get("onnx", {}).get("quantization") for n, d in drafts.items()},
+            "threads": threads, "provider": target.device}
+    return modes, {"manifest": m, "target": target, "info": info,
+                   "draft_models": [d.model for d in drafts.values()],
+                   "draft_manifest": next((d.model.manifest for d in drafts.values()
+                                           if not getattr(d, "needs_target_hidden", False)), None)}
+
+
+async def run_modes(modes: dict[str, Runner], prompts: list[Prompt], n: int, repeats: int = 1) -> list[Sample]:
+    """Each prompt through every mode, the mode order rotated per prompt so that no mode always
+    runs first (warm caches) or last; one warm-up run per mode first (two for our schedulers: the
+    first one's times, which paid for first calls, are forgotten)."""
+    names = list(modes)
+    for name in names:  # warm-up: allocations, thread pools, cost measurements
+        await modes[name](prompts[0].ids, min(8, n))
+        sched = getattr(modes[name], "scheduler", None)
+        if sched is not None:  # that first request paid for first calls: its times are not the
+            sched.costs.forget_times()  # costs (as in Engine.load's warm-up); measure warm ones
+            await modes[name](prompts[0].ids, min(8, n))
+    samples = []
+    total = len(prompts) * len(names) * repeats
+    done = 0
+    for r in range(repeats):
+        for i, p in enumerate(prompts):
+            shift = (i + r) % len(names)
+            for name in names[shift:] + names[:shift]:
+                ids, secs, stats, *extra = await modes[name](p.ids, n)
+                samples.append(Sample(name, i, p.category, ids, secs, stats, extra[0] if extra else None, r))
+                done += 1
+                log(f"{done}/{total} [{p.category}] {p.label!r:.40} {name}: "
+                    f"{samples[-1].tokens_per_s:.1f} tok/s" + (f", acceptance {stats.acceptance_rate:.2f}"
+                                                               if stats and stats.drafted else ""))
+    return samples
+
+
+def machine_info(threads: int) -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "threads": threads, "cpus": default_threads()}
+
+
+__all__ += ["HF_MODES", "machine_info", "resolve_model_dir", "log"]

@@ -1,0 +1,237 @@
+"""Replicas on Ray Serve: the replica app without a cluster, then one loopback cluster started
+by ``python -m specdec_rt serve --ray`` (2 replicas of a tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from serve_util import free_port, sse_data
+from specdec_rt.engine.engine import Engine
+from specdec_rt.errors import InvalidInputError
+
+pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.export
+
+CHAT = [{"role": "user", "content": "Write a Python function."}]
+
+
+def test_the_replica_app_is_the_server_app_without_a_cluster(tiny_llama):
+    """The builder Ray calls on each replica: the same app and greedy output as a plain Engine,
+    the engine loaded before startup returns, a replica header on every response."""
+    from specdec_rt.serve.ray import RayOptions, _replica_app
+
+    async def main():
+        async with await Engine.load(tiny_llama, slots=2) as engine:
+            want = await engine.generate(CHAT, 10)
+        app = _replica_app(RayOptions(model=str(tiny_llama), slots=2, threads=1))
+        async with app.router.lifespan_context(app):
+            assert app.state.serving.state == "ready"  # loaded before the replica takes traffic
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+                r = await c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 10, "temperature": 0})
+                bad = await c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": -1})
+        assert r.json()["choices"][0]["message"]["content"] == want.text
+        assert r.headers["x-specdec-replica"] and bad.status_code == 400
+
+    anyio.run(main)
+
+
+def test_options_from_serve_run_key_values(tiny_llama):
+    from specdec_rt.serve.ray import RayOptions, _parse, build
+
+    with pytest.raises(InvalidInputError, match="unknown option"):
+        build({"model": "m", "replica": "2"})
+    with pytest.raises(InvalidInputError, match="'model' option is required"):
+        build({"replicas": "2"})
+    with pytest.raises(InvalidInputError, match="replicas"):
+        RayOptions(model="m", replicas=0)
+    with pytest.raises(InvalidInputError, match="option slots='many'"):
+        build({"model": "m", "slots": "many"})
+    with pytest.raises(InvalidInputError, match="option autoscaling="):
+        build({"model": "m", "autoscaling": "{max: 4"})
+    cli = subprocess.run([sys.executable, "-m", "specdec_rt", "serve", "--ray", "--cpus-per-replica", "0",
+                          "--model", str(tiny_llama)], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 2 and "--cpus-per-replica: must be > 0, got 0" in cli.stderr
+    assert [_parse(k, v) for k, v in (("replicas", "auto"), ("replicas", "3"), ("prefix_cache", "false"),
+                                       ("cpus_per_replica", "0.5"), ("autoscaling", '{"max_replicas": 4}'))] == [
+        "auto", 3, False, 0.5, {"max_replicas": 4}]
+    assert build({"model": str(tiny_llama), "replicas": "2"}) is not None  # an application, not run
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def ray_server(tiny_llama):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec_rt", "serve", "--ray", "--replicas", "2",
+                             "--cpus-per-replica", "1", "--slots", "2", "--max-queued", "2", "--model", str(tiny_llama),
+                             "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    lines = []
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if "listening on" in line:
+            break
+    assert any("listening on" in x for x in lines), "".join(lines)[-3000:]
+    yield f"http://127.0.0.1:{port}", proc, lines
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_two_replicas_serve_like_the_engine(ray_server, tiny_llama):
+    url, proc, lines = ray_server
+    assert "2 running" in lines[-1]  # Ray reports two running replicas
+
+    async def main():
+        async with await Engine.load(tiny_llama, slots=2) as engine:
+            want_chat = (await engine.generate(CHAT, 12)).text
+            want_text = (await engine.generate("def add(a, b):", 30)).text
+        async def post(c, path, body):  # a polite client: waits out a 429's Retry-After
+            for _ in range(30):
+                r = await c.post(path, json=body)
+                if r.status_code != 429:
+                    return r
+                await asyncio.sleep(float(r.headers.get("retry-after", 1)))
+            return r
+
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            rs = await asyncio.gather(*[post(c, "/v1/chat/completions", {
+                "messages": CHAT, "max_tokens": 12, "temperature": 0}) for _ in range(8)])
+            assert all(r.status_code == 200 for r in rs)
+            assert {r.json()["choices"][0]["message"]["content"] for r in rs} == {want_chat}
+            assert len({r.headers["x-specdec-replica"] for r in rs}) == 2  # both replicas served
+            bad = await c.post("/v1/completions", json={"prompt": "x", "temperature": "hot"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+            # streaming: chunks arrive spread over time (one event per token in mode "ar"), [DONE] last
+            times, body = [], []
+            async with c.stream("POST", "/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 300,
+                                                                "temperature": 0, "stream": True, "mode": "ar"}) as r:
+                t0 = time.perf_counter()
+                async for chunk in r.aiter_text():
+                    times.append(time.perf_counter() - t0)
+                    body.append(chunk)
+            events = sse_data("".join(body))
+            assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]).startswith(want_text)
+            assert len(times) > 10 and times[0] < 0.5 * times[-1], times[:3] + times[-3:]  # not buffered
+            # a client that leaves mid-stream; every request after it succeeds
+            async with c.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 200,
+                                                                "stream": True}) as r:
+                async for _ in r.aiter_text():
+                    break
+            after = await asyncio.gather(*[post(c, "/v1/completions", {
+                "prompt": "def add(a, b):", "max_tokens": 30, "temperature": 0}) for _ in range(4)])
+            assert [r.json()["choices"][0]["text"] for r in after] == [want_text] * 4
+            # overload: 2 replicas x 2 slots + 2 queued in Ray's router; a burst of 16 long ones
+            burst = await asyncio.gather(*[c.post("/v1/completions", json={
+                "prompt": "Once upon a time", "max_tokens": 300, "mode": "ar"}) for _ in range(16)])
+            codes = [r.status_code for r in burst]
+            assert set(codes) <= {200, 429} and codes.count(429) >= 6 and codes.count(200) >= 2, codes
+            assert all(r.headers.get("retry-after") for r in burst if r.status_code == 429)
+
+    anyio.run(main)
+
+
+def test_sigterm_removes_the_deployment_and_every_process(ray_server):
+    url, proc, _ = ray_server
+    below = _descendants(proc.pid)
+    assert below  # Ray's processes
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    deadline = time.time() + 30
+    while time.time() < deadline and any(_alive(p) for p in below):
+        time.sleep(0.5)
+    assert not [p for p in below if _alive(p)]
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/health", timeout=2)
+
+
+def test_replicas_on_two_nodes_and_losing_one(tiny_llama, monkeypatch):
+    """Two raylets on this machine: one replica per node; after a node is removed, requests
+    succeed again (the client retries while Ray notices)."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from specdec_rt.serve.ray import APP_NAME, RayOptions, deployment_app
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    temp = tempfile.mkdtemp(prefix="sdray-")  # short: Ray's socket paths must fit in 107 bytes
+    os.makedirs(os.path.join(temp, "ray"))
+    monkeypatch.setenv("RAY_TMPDIR", temp)  # all of this cluster's state goes there
+    # (the nodes use this machine's address: a driver joining a cluster pinned to 127.0.0.1 is
+    # sent to the machine's address and never finds its control store)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    port = free_port()
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(deployment_app(RayOptions(model=str(tiny_llama), replicas=2, slots=2, max_replicas_per_node=1)),
+                  name=APP_NAME, route_prefix="/", blocking=False)
+        body = {"messages": CHAT, "max_tokens": 8, "temperature": 0}
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        async def burst(n):  # at once: a replica takes `slots` at a time, the rest go to the other
+            async with httpx.AsyncClient(timeout=60) as ac:
+                return await asyncio.gather(*[ac.post(url, json=body) for _ in range(n)])
+
+        with httpx.Client(timeout=30) as c:
+            rs = anyio.run(burst, 8)
+            assert all(r.status_code == 200 for r in rs)
+            want = rs[0].json()["choices"][0]["message"]["content"]
+            seen = {r.headers["x-specdec-replica"] for r in rs}
+            assert len({x.split("@")[1] for x in seen}) == 2, (seen, serve.status())  # two nodes
+            cluster.remove_node(nodes[0])
+            ok, deadline = 0, time.time() + 120
+            while ok < 6 and time.time() < deadline:  # a client that retries
+                try:
+                    r = c.post(url, json=body)
+                    ok = ok + 1 if r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want else 0
+                except httpx.HTTPError:
+                    ok = 0
+                if not ok:
+                    time.sleep(1)
+            assert ok == 6, "requests did not succeed again after a node was removed"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
