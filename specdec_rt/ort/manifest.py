@@ -25,38 +25,22 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelLoadError, ModelNotBuiltError
+from ..manifest_schema import (KV_LAYOUT, KV_ROLES, LIMITS, MANIFEST, MAX_DRAFTS, MAX_EOS_IDS, MAX_FILES,
+                               MAX_MANIFEST_BYTES, MAX_NAME_CHARS, MAX_PATH_CHARS, MAX_TEMPLATE_CHARS, MAX_TOKEN_ID,
+                               PACKED_ROLES, REQUIRED_INPUTS, SCHEMA_VERSION, STAMP)
 
 __all__ = ["Manifest", "load_manifest", "resolve_model_dir", "cache_root", "SCHEMA_VERSION",
-           "STAMP", "LIMITS", "inside"]
+           "STAMP", "LIMITS", "KV_ROLES", "PACKED_ROLES", "inside"]
 
-SCHEMA_VERSION = 1
 CACHE_ENV = "SPECDEC_RT_CACHE"
-PACKED_ROLES = ("query_seqlens", "pad_index", "pack_index", "padded_shape")  # inputs of packed graphs
-STAMP = ".specdec-verified.json"  # sha256 of the listed files, verified at (size, mtime)
-MAX_MANIFEST_BYTES = 16 << 20
-MAX_TEMPLATE_CHARS = 256 << 10  # chat template source
-MAX_NAME_CHARS = 256  # ONNX input/output names and KV name templates
-MAX_FILES = 4096
-# architecture numbers: inclusive bounds, checked before anything is sized from them
-LIMITS = {
-    "num_layers": (1, 1024),
-    "hidden_size": (1, 1 << 16),
-    "num_heads": (1, 1024),
-    "num_kv_heads": (1, 1024),
-    "head_dim": (1, 4096),
-    "vocab_size": (1, 1 << 22),
-    "max_positions": (2, 1 << 22),
-}
-MAX_TOKEN_ID = 1 << 22
-KV_ROLES = ("past_key", "past_value", "present_key", "present_value")
 
 
 def inside(folder: Path, rel, what: str, manifest: Path | None = None) -> Path:
     """``folder / rel`` for a relative path that resolves (symlinks followed) inside ``folder``;
     else ``ModelLoadError``. The message names the manifest and the field, never anything about
     the file outside (whether it exists, its size)."""
-    where = manifest or Path(folder) / "manifest.json"
-    if not isinstance(rel, str) or not rel or len(rel) > 1024 or "\0" in rel:
+    where = manifest or Path(folder) / MANIFEST
+    if not isinstance(rel, str) or not rel or len(rel) > MAX_PATH_CHARS or "\0" in rel:
         raise ModelLoadError(f"{where}: {what} must be a relative path inside the model folder, got {_short(rel)}")
     base = Path(folder).resolve()
     try:
@@ -95,7 +79,7 @@ def cache_root() -> Path:
 def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     """A folder holding ``manifest.json``: the path itself, or a built recipe by name."""
     path = Path(name_or_path).expanduser()
-    if (path / "manifest.json").is_file():
+    if (path / MANIFEST).is_file():
         return path
     text = str(name_or_path)
     if path.exists():
@@ -103,7 +87,7 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     if os.sep in text or text.startswith("."):
         raise ModelLoadError(f"{path}: no such model folder")
     built = cache_root() / "models" / text
-    if (built / "manifest.json").is_file():
+    if (built / MANIFEST).is_file():
         return built
     raise ModelNotBuiltError(
         f"model {text!r} is not built yet (looked in {built}); build it with: python -m export {text}"
@@ -171,7 +155,7 @@ def load_manifest(folder: str | os.PathLike, verify_hashes: bool | str = "once")
     if mode not in ("once", "always", "never"):
         raise ValueError(f"verify_hashes must be 'once', 'always' or 'never', got {verify_hashes!r}")
     folder = Path(folder)
-    path = folder / "manifest.json"
+    path = folder / MANIFEST
     raw = _read_json(path)
     if raw.get("schema_version") != SCHEMA_VERSION:
         raise ModelLoadError(f"{path}: schema_version {_short(raw.get('schema_version'))}, this runtime reads {SCHEMA_VERSION}")
@@ -185,8 +169,8 @@ def load_manifest(folder: str | os.PathLike, verify_hashes: bool | str = "once")
                              f"num_heads={nums['num_heads']}")
     eos = special.get("eos")
     eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
-    if len(eos) > 64:
-        raise ModelLoadError(f"{path}: special_tokens.eos lists {len(eos)} ids (at most 64)")
+    if len(eos) > MAX_EOS_IDS:
+        raise ModelLoadError(f"{path}: special_tokens.eos lists {len(eos)} ids (at most {MAX_EOS_IDS})")
     bos = special.get("bos")
     kv = _obj(onnx_, "kv", path)
     m = Manifest(
@@ -203,14 +187,14 @@ def load_manifest(folder: str | os.PathLike, verify_hashes: bool | str = "once")
         kv=dict(kv), quantization=onnx_.get("quantization") if isinstance(onnx_.get("quantization"), dict) else None,
         drafts=_drafts(folder, raw.get("drafts"), path), exact_to=raw.get("exact_to"), raw=raw,
     )
-    for role in ("input_ids", "seqlens_k", "total_sequence_length", "logits_index"):
+    for role in REQUIRED_INPUTS:
         if not m.inputs.get(role):
             raise ModelLoadError(f"{path}: onnx.inputs.{role} is missing")
     if not m.outputs.get("logits"):
         raise ModelLoadError(f"{path}: onnx.outputs.logits is missing")
-    if m.kv.get("layout") != "BNSH" or m.kv.get("shared_buffer") is not True:
+    if m.kv.get("layout") != KV_LAYOUT or m.kv.get("shared_buffer") is not True:
         raise ModelLoadError(f"{path}: KV layout {_short(m.kv.get('layout'))} shared={_short(m.kv.get('shared_buffer'))}; "
-                             "this runtime needs BNSH with a shared past/present buffer")
+                             f"this runtime needs {KV_LAYOUT} with a shared past/present buffer")
     for role in KV_ROLES:
         _check_kv_template(m.kv.get(role), f"onnx.kv.{role}", path)
     if len({m.kv[r] for r in KV_ROLES}) != len(KV_ROLES):
@@ -256,7 +240,7 @@ def read_regular(path: Path, limit: int, follow: bool = True) -> bytes:
 def _read_json(path: Path) -> dict:
     """The manifest: a regular file inside its folder, at most ``MAX_MANIFEST_BYTES``, a JSON object."""
     if path.is_symlink():
-        inside(path.parent, path.name, "manifest.json", path)  # a link must stay inside the folder
+        inside(path.parent, path.name, MANIFEST, path)  # a link must stay inside the folder
     try:
         raw = json.loads(read_regular(path, MAX_MANIFEST_BYTES).decode("utf-8"))
     except FileNotFoundError:
@@ -330,8 +314,8 @@ def _check_kv_template(value, what: str, path: Path) -> None:
 def _drafts(folder: Path, drafts, path: Path) -> tuple[dict, ...]:
     if drafts is None:
         return ()
-    if not isinstance(drafts, list) or len(drafts) > 64:
-        raise ModelLoadError(f"{path}: drafts must be a list of at most 64 entries")
+    if not isinstance(drafts, list) or len(drafts) > MAX_DRAFTS:
+        raise ModelLoadError(f"{path}: drafts must be a list of at most {MAX_DRAFTS} entries")
     for i, d in enumerate(drafts):
         if not isinstance(d, dict):
             raise ModelLoadError(f"{path}: drafts[{i}] must be an object, got {_short(d)}")

@@ -20,21 +20,15 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import InvalidInputError, ModelLoadError
+from ..manifest_schema import TEXT_TAGS
 from ..sampling import brief_repr
 from .template_sandbox import (TEMPLATE_MAX_STEPS, TEMPLATE_MIN_CHARS, TEMPLATE_TIMEOUT_S,
                                TemplateBudgetError, compile_template, new_environment, render_bounded)
-from .tools import CALL_CLOSE, CALL_OPEN, nested_strings, supports_tools, template_messages
+from .tools import CALL_OPEN, nested_strings, supports_tools, template_messages
 
 __all__ = ["TextCodec", "IncrementalDecoder", "MAX_TOKENIZER_BYTES"]
 
 MAX_TOKENIZER_BYTES = 128 << 20  # a tokenizer.json larger than this is refused before it is parsed
-
-
-# Added tokens that are text the answer holds, not control: a model writes its tool calls with
-# them (Qwen2.5's ``<tool_call>``, ``special: false`` in its own tokenizer; a GGUF's tokenizer
-# marks every added token special, so decoding would drop them and no call could be parsed).
-# The exporter writes them as text; a folder exported before that is fixed at load.
-TEXT_TAGS = frozenset({CALL_OPEN, CALL_CLOSE})
 
 
 def _tags_as_text(tokenizer):
