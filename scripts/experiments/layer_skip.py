@@ -1,7 +1,8 @@
 """Could the target's own layers, some skipped, be a cheaper draft (no training)? Block influence
 per layer (1 - cosine between a layer's input and output hidden states over the target's greedy
 answers), then the teacher-forced top-1 agreement with the full model when the least influential
-layers are skipped (docs/benchmarks.md: 2 layers skipped -> 0.73, 8 -> 0.20 on SmolLM2-135M).
+layers are skipped (docs/lab-notes/2026-12-01-draft-bounds.md: 2 layers skipped -> 0.73,
+8 -> 0.20 on SmolLM2-135M).
 
 Needs the export extra (torch, transformers) and a Hugging Face folder of the model, e.g. the one
 `python -m specdec_rt bench --modes hf_ar` leaves in ~/.cache/specdec-rt/bench/hf-smollm2-135m.

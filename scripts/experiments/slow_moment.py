@@ -9,8 +9,9 @@ draft's steps, or with ``--verify`` every verify call over drafts; the plain ste
 along, stays). Then 13 more prompts: per request, tokens/s, rounds that drafted, the draft cost
 ``d`` and verify slope ``s`` in plain steps, and the mode switches (``ar:cost@9``: plain decoding
 from token 9, the costs said drafts do not pay; ``spec:probe_ok@31``: a probe said they do).
-Before probes re-measured the costs (docs/benchmarks.md, "A slow moment that switched
-speculation off"), every request after the slow moment decoded plainly.
+Before probes re-measured the costs (the lab note "A slow moment that switched speculation off",
+docs/lab-notes/2026-12-01-slow-moment-speculation-off.md), every request after the slow
+moment decoded plainly.
 """
 
 from __future__ import annotations
