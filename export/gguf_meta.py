@@ -35,7 +35,7 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NAME = 256  # tensor names (llama.cpp: 64)
 MAX_ALIGNMENT = 1 << 16
 # architecture metadata bounds (inclusive), checked before anything is sized from them
-LIMITS = {"block_count": (1, 1024), "embedding_length": (1, 1 << 16),
+GGUF_LIMITS = {"block_count": (1, 1024), "embedding_length": (1, 1 << 16),
           "feed_forward_length": (1, 1 << 20), "attention.head_count": (1, 1024),
           "attention.head_count_kv": (1, 1024), "context_length": (2, 1 << 24)}
 MAX_VOCAB = 1 << 22
@@ -244,7 +244,7 @@ def _meta_int(info: GGUFInfo, key: str, path, required: bool = True) -> int | No
     value = info.metadata.get(f"{arch}.{key}")
     if value is None and not required:
         return None
-    lo, hi = LIMITS[key]
+    lo, hi = GGUF_LIMITS[key]
     if type(value) is not int or not lo <= value <= hi:
         raise CorruptSourceError(f"GGUF {path}: {arch}.{key} = {value!r} is not an integer "
                                  f"from {lo} to {hi}")

@@ -38,6 +38,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from specdec_rt.manifest_schema import IO_NAMES, PACKED_ROLES, TREE_ROLES  # the names the manifest gives
+
 from .errors import UnsupportedModelError
 from .grid import find_grid
 from .layout import check_weights, pad_heads
@@ -50,34 +52,6 @@ __all__ = ["IO_NAMES", "build_onnx", "rotary_tables", "decoder_io", "gqa_inputs"
 
 OPSET = 21
 MS = "com.microsoft"
-
-PACKED_ROLES = ("query_seqlens", "pad_index", "pack_index", "padded_shape")
-TREE_ROLES = ("position_ids", "attention_bias")  # packed graphs of exporter 0.3+
-
-# role -> ONNX name; `{layer}` is filled per layer (the manifest repeats these)
-IO_NAMES = {
-    "input_ids": "input_ids",
-    # packed graphs: the position of each packed one ([1, N]; rotary inside GroupQueryAttention
-    # reads them) and an additive attention bias ([1, 1, S, total]): a tree of drafts verified
-    # in one call (each node sees the committed tokens and its ancestors, at position past + depth)
-    "position_ids": "position_ids",
-    "attention_bias": "attention_bias",
-    "seqlens_k": "seqlens_k",
-    "total_sequence_length": "total_sequence_length",
-    "logits_index": "logits_index",
-    # packed graphs: all rows' new positions in one row for the MatMuls, laid out as right-padded
-    # rows for attention only (a batch of verifies pays for its real positions, not the padding)
-    "query_seqlens": "query_seqlens",  # [B] new positions per row
-    "pad_index": "pad_index",  # [B*S] packed position of each padded one
-    "pack_index": "pack_index",  # [N] padded position of each packed one
-    "padded_shape": "padded_shape",  # [3] = B, S, -1
-    "logits": "logits",
-    "hidden": "hidden_states",
-    "past_key": "past_key_values.{layer}.key",
-    "past_value": "past_key_values.{layer}.value",
-    "present_key": "present.{layer}.key",
-    "present_value": "present.{layer}.value",
-}
 
 
 def rotary_tables(model, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:

@@ -1,5 +1,8 @@
 """`manifest.json`: the contract with the runtime (see docs/manifest.md), written last.
 
+The schema (version, size limit, ONNX names) is `specdec_rt.manifest_schema`, which the
+runtime reads too.
+
 Besides the documented fields, `build` records what produced the folder (exporter version,
 source fingerprint, options) so a second identical export can be a no-op.
 """
@@ -12,18 +15,14 @@ import os
 import stat
 from pathlib import Path
 
-from .graph import IO_NAMES
+from specdec_rt.manifest_schema import (IO_NAMES, KV_LAYOUT, KV_ROLES, MANIFEST, MAX_MANIFEST_BYTES, PACKED_ROLES,
+                                        MODEL_ROLES, REQUIRED_INPUTS, SCHEMA_VERSION, STAMP, TREE_ROLES)
+
 from .model_spec import ModelSpec
 from .tokenizer import TokenizerInfo, sha256_file
 
 __all__ = ["SCHEMA_VERSION", "MANIFEST", "build_manifest", "write_manifest", "read_manifest",
            "is_export_manifest", "is_up_to_date", "onnx_section"]
-
-SCHEMA_VERSION = 1
-MANIFEST = "manifest.json"
-STAMP = ".specdec-verified.json"  # the runtime's record of verified sha256 (docs/manifest.md)
-MAX_MANIFEST_BYTES = 1 << 20  # ours are a few kB; anything larger is not one of ours
-
 
 def onnx_section(quantization: dict | None) -> dict:
     """The manifest's `onnx` record for graphs from `export.graph`."""
@@ -32,14 +31,10 @@ def onnx_section(quantization: dict | None) -> dict:
         "data_file": "model.onnx.data",
         "dtype": "float32",
         "quantization": quantization,
-        "inputs": {k: IO_NAMES[k] for k in
-                   ("input_ids", "position_ids", "seqlens_k", "total_sequence_length",
-                    "logits_index", "query_seqlens", "pad_index", "pack_index", "padded_shape",
-                    "attention_bias")},
+        "inputs": {k: IO_NAMES[k] for k in (*REQUIRED_INPUTS, *PACKED_ROLES, *TREE_ROLES)},
         "outputs": {"logits": IO_NAMES["logits"], "hidden": IO_NAMES["hidden"]},
-        "kv": {"layout": "BNSH", "shared_buffer": True, "dtype": "float32",
-               **{k: IO_NAMES[k] for k in ("past_key", "past_value", "present_key",
-                                           "present_value")}},
+        "kv": {"layout": KV_LAYOUT, "shared_buffer": True, "dtype": "float32",
+               **{k: IO_NAMES[k] for k in KV_ROLES}},
     }
 
 
@@ -156,7 +151,7 @@ def is_export_manifest(manifest) -> bool:
     build = manifest.get("build")
     version = manifest.get("schema_version")
     return (type(version) is int and 1 <= version <= SCHEMA_VERSION
-            and manifest.get("role") in ("target", "draft")
+            and manifest.get("role") in MODEL_ROLES
             and isinstance(manifest.get("name"), str)
             and isinstance(manifest.get("architecture"), dict)
             and isinstance(manifest.get("files"), dict)

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec_rt.text.codec import TEXT_TAGS
+from specdec_rt.manifest_schema import TEXT_TAGS
 
 from .errors import CorruptSourceError, TokenizerMismatchError, one_line
 from .gguf_meta import read_gguf_info

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 __all__ = [
     "SCHEMA_VERSION", "MANIFEST", "STAMP", "MAX_MANIFEST_BYTES", "MAX_TEMPLATE_CHARS", "MAX_NAME_CHARS",
-    "MAX_PATH_CHARS", "MAX_FILES", "MAX_EOS_IDS", "MAX_DRAFTS", "LIMITS", "MAX_TOKEN_ID", "ROLES",
+    "MAX_PATH_CHARS", "MAX_FILES", "MAX_EOS_IDS", "MAX_DRAFTS", "LIMITS", "MAX_TOKEN_ID", "MODEL_ROLES",
     "KV_LAYOUT", "KV_ROLES", "REQUIRED_INPUTS", "PACKED_ROLES", "TREE_ROLES", "IO_NAMES", "TEXT_TAGS",
 ]
 
@@ -56,7 +56,7 @@ LIMITS = {
 }
 MAX_TOKEN_ID = 1 << 22  # token ids are 0 .. MAX_TOKEN_ID - 1
 
-ROLES = ("target", "draft")  # "role"
+MODEL_ROLES = ("target", "draft")  # "role"
 KV_LAYOUT = "BNSH"  # onnx.kv.layout: [B, kv_heads, max_len, head_dim], past and present in one buffer
 KV_ROLES = ("past_key", "past_value", "present_key", "present_value")  # onnx.kv name templates
 REQUIRED_INPUTS = ("input_ids", "seqlens_k", "total_sequence_length", "logits_index")  # onnx.inputs of every graph

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from specdec_rt.manifest_schema import PACKED_ROLES, TREE_ROLES
+
 from .. import __version__
 from ..errors import CorruptSourceError, ExportError, UnsupportedModelError, one_line
 from ..manifest import SCHEMA_VERSION, file_table, onnx_section, write_manifest
-from ..graph import PACKED_ROLES, TREE_ROLES
 from .graph import HEAD_KEYS, build_head_onnx, target_tensors
 
 __all__ = ["save_head", "load_head", "assemble_draft", "TARGET_TENSORS"]
