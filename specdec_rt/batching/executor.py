@@ -65,10 +65,7 @@ COST_SAMPLES = 16  # batched step times kept per batch size
 ALONE_CHUNKS = 2  # with nobody waiting, a long call is fed ALONE_CHUNKS * chunk positions at a time
 RAGGED_MAX = 16  # most new positions of a call batched with other rows (more: run alone, in chunks)
 # A request alone runs its single-token steps that measured at most this many seconds on the
-# event loop's own thread: handing a call to a worker thread and back costs ~0.3 ms, ~5% of a
-# 6 ms step (SmolLM2 int8 with VNNI); the loop is busy that long instead. 15 ms: the int8 target
-# steps ~10.5 ms on AVX2 without VNNI, where 10 ms sent half its steps out (+4.2% plain tok/s
-# at 15-25 ms, 24 interleaved pairs); a float32 step (15-24 ms) still mostly goes out
+# event loop's own thread, saving the hand-over to the worker (docs/decisions/0004-inline-small-steps.md)
 INLINE_MAX_S = 0.015
 
 

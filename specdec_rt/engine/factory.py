@@ -15,7 +15,8 @@ from ..spec.protocols import DraftInferrer
 
 __all__ = ["DEFAULT_DRAFT", "resolve_draft_spec", "model_drafter", "make_drafter", "engine_models"]
 
-# The drafter when Engine.load gets draft=None (see docs/benchmarks.md for why).
+# The drafter when Engine.load gets draft=None: n-gram lookup plus the recipe's first draft
+# (docs/decisions/0008-default-draft-q8.md).
 DEFAULT_DRAFT = "ngram+model"
 
 

@@ -29,14 +29,9 @@ async def warm_up(engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int =
     Why: ONNX Runtime's first calls pay for allocations and thread start, which a user's first
     request would otherwise pay; and the cost model measures the draft's step, its prefill and
     the verify call *alone*, which the batch policy predicts from. A server whose requests always
-    share a batch would otherwise never measure them, and its batches would never speculate
-    (cold engines, 2 requests at once on the default pair: 0.99x ``ar`` before, 1.10-1.22x
-    warmed up; docs/benchmarks.md). The touch's times are dropped: after a cold start (models
-    not in the page cache) its draft steps cost ~1.5x, the policy read a draft at 0.61 of a
-    target step instead of 0.46 and fell back to plain decoding, and a request decoding plainly
-    measures drafts again only at its probes (a cold ``demo``: 0.94x instead of ~1.6x, one run
-    in two). The plain request measures a target step alone, the unit of every cost (estimated
-    from the verify calls otherwise: one noisy verify made a draft look 0.69 of a step).
+    share a batch would otherwise never measure them, and its batches would never speculate.
+    The touch's times are dropped (a cold start's draft steps cost ~1.5x); the plain request
+    measures a target step alone, the unit of every cost (docs/decisions/0005-warm-up-alone.md).
 
     Kept: the measured costs and the shared acceptance EWMA (evidence about this draft and
     target, a better prior than the configured default). Not kept: prefix-cache entries (the

@@ -83,14 +83,8 @@ class OrtModel(LanguageModel):
         # a packed graph (export 0.2+): several rows of several new positions with a past in one
         # call (a batched verify), costing their real positions; older exports: one row at a time
         self.ragged = all(m.inputs.get(r) for r in PACKED_ROLES)
-        # GroupQueryAttention computes a row of one query by another path than rows of several
-        # (~1e-5 apart in float32 logits, amplified to ~0.5 by the int8 activations of
-        # MatMulNBits at accuracy level 4). A quantized target therefore gives attention a lone
-        # query twice: the second copy sits one position later, its KV lands past the row's
-        # length (rolled back like a rejected draft) and its output is dropped; the MatMuls see
-        # one position. Plain steps then take the path verifies take, a position's logits are bit
-        # for bit the same in a call of 1 or of k + 1, and greedy speculative output equals
-        # plain. (Re-feeding the previous token instead cost ~45% of an int8 step.)
+        # A quantized target gives attention a lone query twice (the copy's KV rolled back), so
+        # plain steps take the path verifies take (docs/decisions/0001-lone-query-twice.md)
         quantized = (m.quantization or {}).get("accuracy_level", 0) not in (0, 1)
         self.lone_twice = quantized and m.role == "target" and self.ragged
         # exporter 0.3+: an attention bias on every call (zeros but for a tree, see ort.tree).
@@ -110,18 +104,9 @@ class OrtModel(LanguageModel):
         self._owners: dict[int, OrtSession] = {}  # slot -> the open session that holds it
         self._batch_io: dict[tuple[int, int], object] = {}  # (first slot, rows) -> IO binding
         self.calls = 0
-        # The MatMuls may take another path for a lone position too: on CPUs without VNNI,
-        # 4-bit MatMulNBits rounds a one-row call differently (~7e-7) from calls of 2+ rows, and
-        # int8 activations amplify that to ~0.5 in the logits (SmolLM2's int4 target: greedy
-        # speculative output left plain decoding on 8 of 8 prompts). Measured at load (3 calls):
-        # ``lone_differs``, a lone position's logits (its query twice in attention) differ from
-        # its logits inside a 2-position call. Then a quantized target (and a seeded request's
-        # session of any model, see adapters) feeds a lone position with a copy of it after it
-        # (``pad_lone``): two positions through the whole model, the second's KV past the
-        # length, rolled back. Costs ~1.2x a lone int4 step; only where needed.
-        # Longer calls (a verify of up to 9 positions) are checked against the 2-position call
-        # too: ``rows_differ`` has been False on every CPU measured; where it is not, exactness
-        # of greedy speculation cannot be promised and the load says so (a warning).
+        # Measured at load: where a lone position's logits differ from its logits in a 2-position
+        # call (``lone_differs``), a quantized target pads it with a copy (``pad_lone``); longer
+        # calls that differ (``rows_differ``) get a warning (docs/decisions/0002-pad-lone-positions.md)
         self.pad_lone = False  # the probe's own session copies it
         self.rows_differ = False
         self.lone_differs = self.ragged and self.device == "cpu" and self._lone_step_differs()

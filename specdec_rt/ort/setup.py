@@ -44,9 +44,8 @@ def use_global_thread_pool(threads: int | None = None) -> bool:
 
     Call it once, before any ONNX Runtime session exists (the CLI does). It is faster when draft
     and target alternate: with a pool per session, one pool's idle threads spin while the other
-    pool works. Measured on 2 cores (SmolLM2 + int8 draft, 4 draft steps + 1 verify): shared pool
-    67 ms, separate non-spinning pools 77 ms, separate spinning pools 150 ms. (The per-session
-    default now spins during runs only, which removes the fight; see ``_configure_threads``.)
+    pool works (docs/decisions/0003-thread-pools.md). (The per-session default now spins during
+    runs only, which removes the fight; see ``_configure_threads``.)
     Not the default because ONNX Runtime then requires every session in the process, including
     other libraries', to set ``use_per_session_threads = False``. Returns False if ONNX Runtime
     was already initialised (then nothing changes).
@@ -69,13 +68,8 @@ def _configure_threads(so, threads: int, alone: bool = False) -> int:
     whose threads spin while a run dispatches its nodes (waking a sleeping thread for each of a
     graph's ~500 small nodes costs more than the nodes) and, unless the model is ``alone`` in
     its engine (no draft model beside it), stop spinning when the run ends: two pools spinning
-    between runs fight for the cores (above), and so do they with the Python thread.
-
-    Measured on 2 cores, 8 chat prompts x 64 tokens end to end, separate processes: the default
-    engine (float32 target + int8 draft, ``spec``) 37-39 tok/s with no spinning, 28-31 spinning
-    throughout, **44-46** spinning during runs only; an int8 target alone (``ar``) 45-47 with no
-    spinning, 44-62 spinning during runs, **59-81** spinning throughout; float32 alone 24-25 with
-    no spinning, 29-30 spinning during runs."""
+    between runs fight for the cores (above), and so do they with the Python thread
+    (docs/decisions/0003-thread-pools.md)."""
     if _GLOBAL_POOL["threads"]:
         so.use_per_session_threads = False
         return _GLOBAL_POOL["threads"]

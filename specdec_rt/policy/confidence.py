@@ -7,7 +7,8 @@ verified draft: the drafts before the first rejection are successes, the rejecte
 the ones after it no evidence. A smaller model's confidence tracks its acceptance (the Qwen2.5
 0.5B draft: 0.58 at c < 0.3, 1.00 at c >= 0.97); a quantized copy of the target is accepted at
 almost any c (its low c is a close call it still gets right), so its rates stay high and its
-chains as long as before (docs/benchmarks.md, "Stopping a chain where the draft is unsure").
+chains as long as before. Off by default: it did not pay on the shipped pairs
+(docs/decisions/0007-confidence-stop-off.md).
 
 The rule (a marginal rate): after its i-th token a chain survives whole with probability
 ``S_i = r(c_1) ... r(c_i)`` (r: the measured rate of a confidence). One more draft costs

@@ -8,12 +8,8 @@ as the jump from a plain step to that line: ``v(k) = 1 + j + s*k`` plain steps. 
 the plain step and the longest verify (an earlier model) overstated the slope, so every longer
 chain looked dearer than it is and requests kept to short ones (measured only what they chose).
 
-A line misses steps: CPU matrix kernels take rows in blocks (MLAS's AVX2 kernel 6 at a time),
-so on Qwen2.5-Coder-1.5B fp32 (AVX2) 6 positions cost ~1.2 plain steps and 7 ~1.55, where the
-line says ~1.35 and ~1.4. Using each measured length's own cost instead (weighed by its calls,
-made nondecreasing in k) was tried and not kept: 1.86x -> 1.85x with each model in an engine of
-its own (docs/benchmarks.md), because a length measured once, slow, is then seldom drafted and
-so seldom measured again.
+A line misses the steps of CPU matrix kernels (rows in blocks); each measured length's own
+cost was tried instead and not kept (docs/decisions/0006-verify-cost-fit.md).
 """
 
 from __future__ import annotations

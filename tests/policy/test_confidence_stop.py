@@ -16,7 +16,7 @@ FORCED = dict(measure_costs=False, draft_cost=0.4, adapt_k=False, k_min=1, fallb
               zero_rounds=10**6, min_speedup=0.0)  # always speculate, k fixed: only the stop varies
 
 
-def test_it_is_off_by_default():  # measured: no gain on the shipped pairs (docs/benchmarks.md)
+def test_it_is_off_by_default():  # no gain on the shipped pairs (docs/decisions/0007-confidence-stop-off.md)
     assert SpecConfig().confidence_stop is False
 
 
