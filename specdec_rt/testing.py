@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import anyio
 import numpy as np
@@ -25,16 +25,23 @@ from .spec.adapters import ModelDrafter, ModelVerifier
 from .batching import BatchExecutor
 from .kvcache.cached_start import CachedStart
 from .kvcache.prefix import Hit, PrefixCache
-from .spec.protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
+from .spec.protocols import CacheSession, DraftInferrer, LanguageModel, ModelCaps, TargetVerifier
 from .sampling.penalties import penalized
 from .sampling import SamplingParams, warp
 from .policy.acceptance import SpecConfig
 from .spec.scheduler import SpecDecScheduler
 
+if TYPE_CHECKING:
+    from .engine.engine import Engine
+    from .text.codec import TextCodec
+
 __all__ = [
     "ToyLM",
     "ToySession",
+    "PlainLM",
     "FaultyModel",
+    "toy_codec",
+    "toy_engine",
     "toy_pair",
     "toy_scheduler",
     "sequence_distribution",
@@ -56,6 +63,9 @@ class ToyLM(LanguageModel):
     ``tree``: it verifies a draft tree in one call (``extend(..., tree=parents)``, then
     ``accept_tree``), as ONNX Runtime targets of exporter 0.3+ do; ``tree_calls`` counts them.
 
+    ``executor``: a :class:`~specdec_rt.batching.executor.BatchExecutor` its calls go through
+    (batched with other requests' calls, as in an Engine); ``None``: each call runs at once.
+
     ``prefix_cache_tokens > 0``: a :class:`~specdec_rt.kvcache.prefix.PrefixCache` over a pool of
     ``slots`` running and ``cache_entries`` entry slots holding ids (the toy's "KV"), as the ONNX
     backend has. Every call then checks that its slot holds exactly the ids its session was
@@ -65,7 +75,7 @@ class ToyLM(LanguageModel):
     def __init__(self, vocab_size: int = 8, order: int = 2, seed: int = 0, sharpness: float = 2.0,
                  max_length: int = 4096, table: np.ndarray | None = None, *, slots: int = 16,
                  prefix_cache_tokens: int = 0, cache_entries: int | None = None, block: int = 4,
-                 ragged: bool = True, tree: bool = True) -> None:
+                 ragged: bool = True, tree: bool = True, executor: BatchExecutor | None = None) -> None:
         self.vocab_size, self.order, self.max_length = vocab_size, order, max_length
         rng = np.random.default_rng(seed)
         self.table = table if table is not None else rng.normal(size=(vocab_size**order, vocab_size)) * sharpness
@@ -76,7 +86,7 @@ class ToyLM(LanguageModel):
         self.ragged_calls = 0
         self.tree = tree
         self.tree_calls = 0
-        self.executor = None  # a BatchExecutor: calls go through its step loop, batched
+        self.executor = executor  # a BatchExecutor: calls go through its step loop, batched
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_tokens:
             entries = slots if cache_entries is None else cache_entries
@@ -87,6 +97,15 @@ class ToyLM(LanguageModel):
     @property
     def caches_prefixes(self) -> bool:
         return self.prefix_cache is not None and self.prefix_cache.enabled
+
+    @property
+    def caps(self) -> ModelCaps:
+        """What it can do (read on every use: tests switch ``ragged`` / ``tree`` off)."""
+        return ModelCaps(batched_steps=True, ragged=self.ragged, batched_prefill=True,
+                         caches_prefixes=self.caches_prefixes, trees=self.tree)
+
+    def cached_prefix(self, tokens: np.ndarray) -> int:
+        return self.prefix_cache.peek(tokens) if self.prefix_cache is not None else 0
 
     def _copy(self, src: int, dst: int, start: int, stop: int) -> None:
         self.store[dst, start:stop] = self.store[src, start:stop]
@@ -123,7 +142,9 @@ class ToyLM(LanguageModel):
             ctx = ctx * self.vocab_size + padded[j : j + ids.size]
         return self.table[ctx]
 
-    def start(self, prefix: np.ndarray | None = None) -> "ToySession":
+    def start(self, prefix: np.ndarray | None = None, *, batch_invariant: bool = False) -> "ToySession":
+        """A session; ``prefix`` starts it from the prefix cache. Its logits are the same in any
+        call shape, so every session is batch-invariant."""
         if self.prefix_cache is None:
             return ToySession(self)
         tokens = None if prefix is None else np.asarray(prefix, dtype=np.int64)
@@ -230,12 +251,13 @@ class FaultyModel(LanguageModel):
         self.vocab_size, self.max_length = model.vocab_size, model.max_length
         self.open_sessions = 0
 
-    def start(self) -> CacheSession:
-        inner, outer = self.model.start(), self
+    def start(self, prefix: np.ndarray | None = None, *, batch_invariant: bool = False) -> CacheSession:
+        inner, outer = self.model.start(batch_invariant=batch_invariant), self
         outer.open_sessions += 1
 
         class _Session(CacheSession):
             length = property(lambda s: inner.length)
+            _closed = False
 
             async def extend(s, ids, logits_rows):
                 outer.calls += 1
@@ -247,12 +269,74 @@ class FaultyModel(LanguageModel):
                 inner.rollback(length)
 
             def close(s):
-                if not getattr(s, "_closed", False):
+                if not s._closed:
                     s._closed = True
                     outer.open_sessions -= 1
                 inner.close()
 
         return _Session()
+
+
+class PlainLM(LanguageModel):
+    """The smallest backend: the Protocols' required members and nothing else (its ``caps`` are
+    the defaults, so nothing is batched, cached or verified as a tree). Its logits are those of
+    ``model.logits_at`` (a :class:`ToyLM`), recomputed from the whole context on every call; a
+    test that runs it through :class:`~specdec_rt.engine.engine.Engine` shows what a third
+    backend must write."""
+
+    def __init__(self, model: ToyLM) -> None:
+        self.model = model
+        self.vocab_size, self.max_length = model.vocab_size, model.max_length
+        self.calls = 0
+
+    def start(self, prefix: np.ndarray | None = None, *, batch_invariant: bool = False) -> CacheSession:
+        return _PlainSession(self)
+
+
+class _PlainSession(CacheSession):
+    def __init__(self, lm: PlainLM) -> None:
+        self.lm, self.ids = lm, np.zeros(0, dtype=np.int64)  # [length] the tokens it holds
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.size)
+
+    async def extend(self, ids: np.ndarray, logits_rows: int) -> np.ndarray:
+        self.lm.calls += 1
+        self.ids = np.concatenate([self.ids, np.asarray(ids, dtype=np.int64)])
+        return self.lm.model.logits_at(self.ids)[-logits_rows:]  # [rows, V]
+
+    def rollback(self, length: int) -> None:
+        self.ids = self.ids[:length]
+
+    def close(self) -> None:
+        self.ids = self.ids[:0]
+
+
+def toy_codec(vocab_size: int, folder) -> "TextCodec":
+    """A word-level :class:`~specdec_rt.text.codec.TextCodec` over the words ``w0 .. w{V-1}``
+    (token i is ``w{i}``; text is words split on spaces), its tokenizer file written to ``folder``."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from .text.codec import TextCodec
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = Path(folder) / "tokenizer.json"
+    tok.save(str(path))
+    return TextCodec(path)
+
+
+def toy_engine(target: LanguageModel, drafter: DraftInferrer | None, folder, **options) -> "Engine":
+    """An :class:`~specdec_rt.engine.engine.Engine` over any backend's models (no export folder):
+    ``options`` are the Engine's (``slots``, ``executor``, ``models``, ``eos_ids``, ``config``...).
+    The codec is :func:`toy_codec` over the target's vocabulary."""
+    from .engine.engine import Engine
+
+    config = options.pop("config", None)
+    return Engine(target, drafter, toy_codec(target.vocab_size, folder), config, **options)
 
 
 def toy_pair(vocab_size: int = 8, order: int = 2, seed: int = 0, distance: float = 0.5,
@@ -272,9 +356,9 @@ def toy_scheduler(distance: float = 0.5, vocab_size: int = 8, seed: int = 0,
     runs every model call through one :class:`~specdec_rt.batching.executor.BatchExecutor`, as an Engine
     does (concurrent requests' single-token steps become batched calls; long feeds are chunked).
     ``options``: :class:`ToyLM` options for both models (e.g. ``prefix_cache_tokens=...``)."""
+    if batched:  # one step loop for both, as in an Engine
+        options["executor"] = BatchExecutor(chunk=4)
     target, draft = toy_pair(vocab_size, seed=seed, distance=distance, **options)
-    if batched:
-        target.executor = draft.executor = BatchExecutor(chunk=4)
     return SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), config, eos_ids=eos_ids), target, draft
 
 

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_models.py
+# tests/tiny_models.py and the other helpers; and each layer's folder, so a test module may
+# borrow another's helper by its name (test files are named uniquely across folders)
+_HERE = Path(__file__).parent
+sys.path[:0] = [str(_HERE)] + sorted(str(d) for d in _HERE.iterdir() if d.is_dir() and d.name[0] not in "._")
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ per engine. Each iteration of the executor's loop:
    concurrent requests meet in one iteration;
 2. **batch**: per model, every call of at most ``RAGGED_MAX`` new positions (plain decoding
    rows, draft steps, verifies over k+1 positions) becomes **one** call over the requests' KV
-   slots: ``run_rows_sync`` for a model whose graph is packed (``model.ragged``: several
+   slots: ``run_rows_sync`` for a model whose graph is packed (``caps.ragged``: several
    positions per row, each row costing its real positions), else ``run_batch_sync`` for the
    single-token steps. Longer calls (the rest of a long prompt) run one request at a time, cut
    into chunks of ``chunk`` positions while other rows wait, so a new prompt never stalls the
@@ -25,12 +25,11 @@ Requests join and leave between iterations. Exports from before packing cannot t
 positions per row with a past (ONNX Runtime's CPU GroupQueryAttention needs ``query_seqlens``
 for that), so their verifies run one request at a time.
 
-A model takes part by offering synchronous methods (run in the worker thread):
-``session.run_sync(ids [S], rows, past, **extra)`` and, for batching,
-``model.run_batch_sync(sessions, ids [B], pasts [B]) -> logits [B, V]`` and (with
-``model.ragged``) ``model.run_rows_sync(sessions, feeds [B][S_i], wants [B]) -> [B][wants_i, V]``. Both set each
-session's ``length`` as soon as its KV entries are written (also per chunk), so a batched call
-can tell which positions of every slot are free to scribble on.
+A model takes part through the Protocols below, :class:`BatchedSession` and
+:class:`BatchedModel`: synchronous methods run in the worker thread, and the flags of its
+:class:`~specdec_rt.spec.protocols.ModelCaps` say which batched forms it offers. Every batched
+method sets each session's ``length`` as soon as its KV entries are written (also per chunk), so
+a batched call can tell which positions of every slot are free to scribble on.
 
 Cancellation: a caller cancelled while its call waits is dropped from the queue; a call already
 running finishes and its result is discarded (the session's cache then holds positions its owner
@@ -47,15 +46,16 @@ import bisect
 import collections
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 import anyio
 import numpy as np
 
 from ..errors import EngineClosedError, InferenceError, SpecDecError
 from ..logs import get_logger
+from ..spec.protocols import ModelCaps
 
-__all__ = ["BatchExecutor"]
+__all__ = ["BatchExecutor", "BatchedModel", "BatchedSession"]
 
 log = get_logger("specdec_rt.batching.executor")
 
@@ -69,9 +69,56 @@ RAGGED_MAX = 16  # most new positions of a call batched with other rows (more: r
 INLINE_MAX_S = 0.015
 
 
+class BatchedModel(Protocol):
+    """What the step loop calls on a model, in its worker thread. ``caps`` says which of these
+    exist (a method whose flag is False is never called, and need not be written)."""
+
+    caps: ModelCaps
+
+    def run_batch_sync(self, sessions: Sequence["BatchedSession"], ids: np.ndarray,
+                       pasts: np.ndarray) -> np.ndarray:
+        """``caps.batched_steps``: one new token per session, ``ids`` [B] after ``pasts`` [B]
+        cached tokens; logits [B, V]."""
+        raise NotImplementedError
+
+    def run_rows_sync(self, sessions: Sequence["BatchedSession"], feeds: Sequence[np.ndarray],
+                      wants: Sequence[int]) -> list[np.ndarray]:
+        """``caps.ragged``: ``feeds[i]`` [S_i] new tokens for session i in one call; the logits of
+        the last ``wants[i]`` of each, ``[B][wants_i, V]``."""
+        raise NotImplementedError
+
+    def can_prefill_together(self, sessions: Sequence["BatchedSession"]) -> bool:
+        """``caps.batched_prefill``: whether these sessions' first prompts fit one call."""
+        return False
+
+    def run_prefill_batch_sync(self, sessions: Sequence["BatchedSession"],
+                               prompts: Sequence[np.ndarray]) -> np.ndarray:
+        """``caps.batched_prefill``: first prompts [B][S_i] in one call; last logits [B, V]."""
+        raise NotImplementedError
+
+
+class BatchedSession(Protocol):
+    """One request's slot as the step loop runs it. ``settled``: False while its cache is not yet
+    what ``length`` says (a prefix copy under way): its calls then run alone. ``waits_for``: the
+    session whose prompt it copies at its first call, while that one has not computed it."""
+
+    model: BatchedModel
+    settled: bool = True
+    waits_for: "BatchedSession | None" = None
+
+    @property
+    def length(self) -> int:
+        """Tokens whose KV entries the cache holds."""
+        ...
+
+    def run_sync(self, ids: np.ndarray, rows: int, past: int, **extra) -> Any:
+        """Feed ``ids`` [S] after ``past`` cached tokens; the logits of the last ``rows``."""
+        ...
+
+
 @dataclass(eq=False)
 class _Call:
-    session: Any
+    session: BatchedSession
     ids: np.ndarray  # [S] int64
     rows: int  # logits rows wanted (of the last positions)
     extra: dict
@@ -80,39 +127,36 @@ class _Call:
     hidden: list = field(default_factory=list)  # hidden states of fed chunks, when asked for
 
     @property
-    def model(self):
+    def model(self) -> BatchedModel:
         return self.session.model
 
     @property
     def fresh(self) -> bool:
         """A first prompt (nothing cached yet) that may be prefilled with other first prompts."""
         return (self.session.length == 0 and self.done == 0 and self.ids.size > 1 and self.rows == 1
-                and not self.extra and hasattr(self.model, "run_prefill_batch_sync"))
+                and not self.extra and self.model.caps.batched_prefill)
 
     @property
     def batchable(self) -> bool:
         return (self.ids.size == 1 and self.rows == 1 and not self.extra
-                and getattr(self.session, "settled", True) and hasattr(self.model, "run_batch_sync"))
+                and self.session.settled and self.model.caps.batched_steps)
 
     @property
     def raggable(self) -> bool:
         """A few new positions (a verify, a draft catching up) that a ragged model (one that
         takes new positions per row) runs in one call with other rows."""
         return (1 < self.ids.size <= RAGGED_MAX and self.done == 0 and not self.extra and not self.fresh
-                and getattr(self.session, "settled", True) and getattr(self.model, "ragged", False))
+                and self.session.settled and self.model.caps.ragged)
 
     @property
     def source(self):
         """The running session whose prompt this one copies at its first call, while that
         session has not computed it yet."""
-        return getattr(self.session, "waits_for", None)
+        return self.session.waits_for
 
 
 class BatchExecutor:
     """Runs the model calls of one engine (all its models), batching across requests.
-
-    Optional model methods for more batching: ``can_prefill_together(sessions) -> bool`` and
-    ``run_prefill_batch_sync(sessions, prompts [B][S_i]) -> logits [B, V]`` (first prompts).
 
     ``chunk``: longest piece of a multi-position call run while other rows wait.
     ``listeners``: callables ``f(model, rows, seconds)`` told about every model call.

@@ -12,30 +12,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import anyio
 import numpy as np
 
 from ..policy.acceptance import SpecConfig
 from ..batching import BatchExecutor
-from ..sampling.constraints import GrammarFactory, MinTokens, check_response_format
-from .factory import engine_models, make_drafter, resolve_draft_spec
+from ..sampling.constraints import GrammarFactory, MinTokens
+from .factory import build_parts
 from .stream import EngineResult, EngineStream, StreamEvent, _Ready
 from ..errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
-from ..sampling.logprobs import check_top_logprobs
-from ..ort import OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir
-from ..kvcache.prefix import DEFAULT_BUDGET_BYTES
+from ..kvcache.prefix import DEFAULT_BUDGET_BYTES, PrefixCache
 from ..sampling.prompt_logprobs import prompt_logprobs as prompt_logprobs_of
-from ..spec.protocols import DraftInferrer
+from ..spec.adapters import ModelVerifier
+from ..spec.protocols import BatchCosts, DraftInferrer, LanguageModel, TargetVerifier, check_implements
 from ..spec.request_checks import MAX_STOP_STRINGS  # noqa: F401 - re-exported (the stop-string limit)
-from ..spec.request_checks import (RequestShape, check_bool, check_length_options, check_load_args, check_prompt_size,
-                             check_stop, cut_at_stop, stop_prefix_len, token_id_prompt, tool_shape)
-from ..sampling import SamplingParams, brief_repr
+from ..spec.request_checks import (RequestShape, check_load_args, check_prompt_size, cut_at_stop, stop_prefix_len,
+                                   token_id_prompt, tool_shape)
+from ..checks import brief_repr, check_bool, check_int
+from ..spec.params import RequestParams
 from ..spec.scheduler import SpecDecScheduler
 from ..text.codec import TextCodec
 from ..text.tools import parse_tool_calls
-from ..types import Mode
 from .warmup import WARMUP_REQUESTS, WARMUP_TOKENS, warm_up
 
 __all__ = ["Engine", "EngineResult", "EngineStream", "StreamEvent"]
@@ -64,30 +63,41 @@ class Engine:
     first and its result is dropped), without waiting for a garbage collection.
     """
 
-    def __init__(self, target: OrtModel, drafter: DraftInferrer | None, codec: TextCodec,
-                 config: SpecConfig | None = None, *, slots: int = DEFAULT_SLOTS, draft_name: str | None = None) -> None:
+    def __init__(self, target: LanguageModel, drafter: DraftInferrer | None, codec: TextCodec,
+                 config: SpecConfig | None = None, *, slots: int = DEFAULT_SLOTS, draft_name: str | None = None,
+                 verifier: TargetVerifier | None = None, executor: BatchExecutor | None = None,
+                 models: Sequence[LanguageModel] = (), eos_ids: Iterable[int] = (), name: str | None = None,
+                 manifest: Any = None) -> None:
+        """An engine over models built already (:meth:`load` builds them from an export folder).
+
+        Any backend that implements :class:`~specdec_rt.spec.protocols.LanguageModel` runs here:
+        ``target`` and ``drafter`` (``None``: plain decoding only); ``verifier``: default a
+        :class:`~specdec_rt.spec.adapters.ModelVerifier` of ``target`` (sharing hidden states when
+        the drafter needs them); ``executor``: the step loop every model was built with, which
+        batches their calls (``None``: a loop of its own, and models that run their calls
+        themselves); ``models``: every model to close with the engine, the target first (default:
+        the target); ``eos_ids``: ids that end a request; ``name``: the model's name in replies;
+        ``manifest``: the export's manifest, kept for callers that show it."""
+        eos_ids = tuple(int(t) for t in eos_ids)
+        check_implements(target, LanguageModel, "target")
+        if drafter is not None:
+            check_implements(drafter, DraftInferrer, "drafter")
         self.target, self.drafter, self.codec = target, drafter, codec
-        self.manifest = target.manifest
+        self.manifest = manifest
+        self.name = name or (manifest.name if manifest is not None else "specdec-rt")
         self.draft_name = draft_name
         self.slots = slots
-        self.executor = BatchExecutor()
-        models = engine_models(target, drafter)
-        for model in models:
-            model.executor = self.executor  # every model call of this engine goes through one loop
-        drafts = [m for m in models if m is not target]
+        self.executor = executor or BatchExecutor()
+        self.models = list(models) or [target]
+        drafts = [m for m in self.models if m is not target]
         self.executor.clients = lambda: self.running  # every running request's call in: cut the batch
-        self.executor.lead = {id(m) for m in drafts}  # draft steps first: a batch drafts, then verifies, together
         #: callables ``f(rows)`` told about every target-model call (rows: requests in the batch)
         self.batch_listeners: list[Callable[[int], None]] = []
         self.executor.listeners.append(self._tell_batch)
-        verifier = OrtTargetVerifier(target, share_hidden=bool(getattr(drafter, "needs_target_hidden", False)))
-        self.scheduler = SpecDecScheduler(drafter, verifier, config, eos_ids=self.manifest.eos_ids,
-                                          batch_costs=lambda rows, positions=None: self.executor.step_seconds(
-                                              target, rows, positions), batched_verify=target.ragged,
-                                          draft_costs=(lambda rows: self.executor.step_seconds(drafts[0], rows))
-                                          if drafts else None,
-                                          load=lambda: min(len(self._tasks), self.slots),
-                                          batch_shapes=lambda rows: self.executor.measured_positions(target, rows))
+        if verifier is None:
+            verifier = ModelVerifier(target, share_hidden=drafter is not None and drafter.needs_target_hidden)
+        self.scheduler = SpecDecScheduler(drafter, verifier, config, eos_ids=eos_ids,
+                                          batch=_MeasuredBatch(self, drafts[0] if drafts else None))
         self._slots = anyio.Semaphore(slots)
         self._tasks: set[asyncio.Task] = set()
         self.running = 0  #: requests holding a slot
@@ -96,15 +106,15 @@ class Engine:
         #: per-request constraints of ``response_format`` (its tokenizer table built on first use)
         self.grammars = GrammarFactory(codec.token_bytes, codec.is_special,
                                        lambda text: codec.tokenizer.encode(text, add_special_tokens=False).ids,
-                                       target.vocab_size, self.manifest.eos_ids)
+                                       target.vocab_size, eos_ids)
         self._closed = False
 
     @property
     def prefix_cache(self) -> dict:
         """The prefix cache now: ``enabled``, ``queries`` and ``hit_tokens`` (target lookups and
         prompt tokens they supplied), ``entries``, ``evictions`` and ``bytes`` (KV held, all models)."""
-        caches = [m.prefix_cache for m in engine_models(self.target, self.drafter) if m.pool is not None]
-        mine = self.target.prefix_cache
+        caches = [m.prefix_cache for m in self.models if m.prefix_cache is not None]
+        mine = self.target.prefix_cache or PrefixCache(0, 0)  # none: an empty, disabled one
         return {"enabled": mine.enabled, "queries": mine.queries, "hit_tokens": mine.hit_tokens,
                 "entries": sum(len(c.entries()) for c in caches), "evictions": sum(c.evictions for c in caches),
                 "bytes": sum(c.bytes for c in caches)}
@@ -162,65 +172,29 @@ class Engine:
         if (isinstance(prefix_cache_bytes, bool) or not isinstance(prefix_cache_bytes, int)
                 or prefix_cache_bytes < 0):
             raise InvalidInputError(f"prefix_cache_bytes must be an integer >= 0, got {prefix_cache_bytes!r}")
-        folder = resolve_model_dir(name_or_path)
-        m = load_manifest(folder)
-        budget = prefix_cache_bytes if prefix_cache else 0
-        opts = dict(max_length=max_length, threads=threads, provider=provider, slots=slots,
-                    prefix_cache_bytes=budget)
-        alone = resolve_draft_spec(m, draft) in ("ngram", "none")  # no draft model beside the target
-        target = OrtModel(m, **opts, alone=alone)
-        drafter, draft_name = make_drafter(m, draft, opts)
-        models = [mod for mod in engine_models(target, drafter) if mod.caches_prefixes]
-        for mod in models:  # one budget for the engine, shared so every model holds as many tokens
-            mod.prefix_cache.budget_bytes = budget * mod.pool.token_bytes // sum(x.pool.token_bytes for x in models)
-        return cls(target, drafter, TextCodec.from_manifest(m), spec_config, slots=slots, draft_name=draft_name)
+        parts = build_parts(name_or_path, draft, max_length=max_length, threads=threads, provider=provider,
+                            slots=slots, prefix_cache_bytes=prefix_cache_bytes if prefix_cache else 0)
+        return cls(parts.target, parts.drafter, parts.codec, spec_config, slots=slots, draft_name=parts.draft_name,
+                   verifier=parts.verifier, executor=parts.executor, models=parts.models,
+                   eos_ids=parts.manifest.eos_ids, manifest=parts.manifest)
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
-                       top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                       mode: Mode = "spec", stop: str | Sequence[str] | None = None,
-                       truncate_prompt: bool = False, logprobs: int | None = None,
-                       logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
-                       frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                       prompt_logprobs: int | None = None, response_format: dict | None = None,
-                       tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None, *,
-                       min_tokens: int = 0, ignore_eos: bool = False) -> EngineResult:
+    async def generate(self, prompt: Prompt, params: RequestParams | int | None = None,
+                       **overrides: Any) -> EngineResult:
         """Generate a completion. ``prompt``: a string, chat messages
         ``[{"role": ..., "content": ...}]`` rendered with the model's chat template (content: a
         string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined), or token
         ids (a list of ints, used as they are).
-        ``mode``: ``"spec"`` (speculative) or ``"ar"`` (plain). ``stop``: strings that end the
-        generation (the text is cut before the stop string; ``token_ids`` end with the token that
-        completes it, in either mode; a stream holds back text that may start one). ``truncate_prompt``: keep only the
-        last tokens that fit instead of raising ``ContextLengthError``. ``logprobs=n`` (0..20):
-        each token's log-probability under the target model (before temperature, top-k, top-p;
-        the same in either mode) with the ``n`` most likely tokens there
-        (:class:`~specdec_rt.sampling.logprobs.TokenLogprob`). ``logit_bias``: ``{token id: bias}`` (-100 to
-        100) added to the logits before temperature, top-k, top-p and greedy's argmax (-100 bans
-        a token), in either mode; the reported log-probabilities stay the model's own.
-        ``presence_penalty`` / ``frequency_penalty`` (-2 to 2, OpenAI's; None: 0) and
-        ``repetition_penalty`` (0.01 to 10; 1 or None is off) discourage tokens already generated
-        (:mod:`specdec_rt.sampling.penalties`); speculation stays exact for the penalized target.
-        ``prompt_logprobs=n`` (0..20): also each prompt token's log-probability after the ones
-        before it, with the ``n`` most likely tokens there (``EngineResult.prompt_logprobs``; the
-        first token has none); one more pass of the target over the prompt, whose KV the prefix
-        cache then hands to the generation (:mod:`specdec_rt.sampling.prompt_logprobs`).
-        ``response_format``: OpenAI's, ``{"type": "json_object"}`` or ``{"type": "json_schema",
-        "json_schema": {"schema": {...}}}``: only tokens that keep the output on its way to such
-        JSON are chosen, by draft and target alike, and the end-of-sequence token only once it is
-        complete (:mod:`specdec_rt.sampling.constraints`; needs the ``structured`` extra). ``tools``
-        (OpenAI's function list; chat messages, a template that renders them) and ``tool_choice``
-        (``"auto"``, ``"none"``, ``"required"`` or a named function, held to by a grammar): the
-        calls in the answer are ``EngineResult.tool_calls`` (:mod:`specdec_rt.text.tools`).
-        ``min_tokens``: no end-of-sequence token before that many tokens (draft and target alike),
-        nor a stop string completed by one of them. ``ignore_eos``: go on past end-of-sequence
-        tokens, up to ``max_new_tokens`` or a stop string (vLLM's rules and options, which
-        load-testing tools send)."""
+
+        ``params``: a :class:`~specdec_rt.spec.params.RequestParams` (None: the defaults; an
+        integer: ``max_new_tokens``, the older form); ``overrides``: its fields as keywords
+        (``max_new_tokens=64, temperature=0.7, seed=1``), which win over ``params``. The fields
+        (sampling, ``mode``, ``stop``, log-probabilities, ``response_format``, ``tools``,
+        ``min_tokens``, ...) are documented on :class:`~specdec_rt.spec.params.RequestParams`;
+        an unknown keyword is an :class:`~specdec_rt.errors.InvalidInputError` naming it."""
         parts, ids, lps, stats, first = [], [], [], None, StreamEvent("", ())
-        async with self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, mode,
-                               stop, truncate_prompt, logprobs, logit_bias, presence_penalty,
-                               frequency_penalty, repetition_penalty, prompt_logprobs, response_format, tools,
-                               tool_choice, min_tokens=min_tokens, ignore_eos=ignore_eos) as events:
+        async with self.stream(prompt, params, **overrides) as events:
+            request = events.params
             async for ev in events:
                 first = ev if ev.prompt_logprobs is not None else first
                 parts.append(ev.text)
@@ -229,55 +203,41 @@ class Engine:
                 stats = ev.stats or stats
         text = "".join(parts)
         return EngineResult(text, ids, stats, stats.prompt_tokens if stats else 0,
-                            lps if logprobs is not None else None,
+                            lps if request.logprobs is not None else None,
                             None if first.prompt_token_ids is None else list(first.prompt_token_ids),
                             None if first.prompt_logprobs is None else list(first.prompt_logprobs),
-                            parse_tool_calls(text, [t["function"]["name"] for t in tools])[1]
-                            if tools and tool_choice != "none" else None)
+                            parse_tool_calls(text, [t["function"]["name"] for t in request.tools])[1]
+                            if request.calls_tools else None)
 
-    def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
-               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               mode: Mode = "spec", stop: str | Sequence[str] | None = None,
-               truncate_prompt: bool = False, logprobs: int | None = None,
-               logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
-               frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-               prompt_logprobs: int | None = None, response_format: dict | None = None,
-               tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None, *,
-               min_tokens: int = 0, ignore_eos: bool = False) -> "EngineStream":
+    def stream(self, prompt: Prompt, params: RequestParams | int | None = None,
+               **overrides: Any) -> "EngineStream":
         """Like :meth:`generate`, as an async iterator of :class:`StreamEvent` (also an async
         context manager that closes it).
 
-        Cheap checks run here and raise at once (sampling values, ``mode``, ``stop``,
-        ``max_new_tokens``, the prompt's type and size: at most ``max_prompt_chars`` characters).
+        Cheap checks run here and raise at once (the parameters, see
+        :class:`~specdec_rt.spec.params.RequestParams`; a draft model for ``mode="spec"``;
+        ``tools`` with chat messages; the prompt's type and size: at most ``max_prompt_chars``
+        characters).
         Rendering the chat template and tokenizing run in a worker thread, so a huge prompt never
         stalls the event loop; what they find (e.g. ``ContextLengthError``) is raised by
         :meth:`EngineStream.ready` and by the first iteration, still before any model work."""
         if self._closed:
             raise EngineClosedError("this engine is closed")
-        if not isinstance(mode, str) or mode not in ("spec", "ar"):
-            raise InvalidInputError(f"mode must be 'spec' or 'ar', got {brief_repr(mode)}")
-        if mode == "spec" and self.drafter is None:
+        request = _request_params(params, overrides)
+        if request.mode == "spec" and self.drafter is None:
             raise InvalidInputError("this engine has no draft model: load it with draft=... or use mode='ar'")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidInputError(f"max_new_tokens must be a positive integer, got {brief_repr(max_new_tokens)}")
-        params = SamplingParams(temperature, top_k, top_p, seed, logit_bias,
-                                0.0 if presence_penalty is None else presence_penalty,
-                                0.0 if frequency_penalty is None else frequency_penalty,
-                                1.0 if repetition_penalty is None else repetition_penalty)
-        logprobs = check_top_logprobs(logprobs)
-        prompt_logprobs = check_top_logprobs(prompt_logprobs, "prompt_logprobs")
-        stops = check_stop(stop)
-        shape = RequestShape(prompt_logprobs, check_response_format(response_format),
-                             *tool_shape(prompt, tools, tool_choice, stops, self.codec.chat_template),
-                             *check_length_options(min_tokens, ignore_eos, max_new_tokens))
+        stops = list(request.stop)
+        shape = RequestShape(request.prompt_logprobs, request.json_schema,
+                             *tool_shape(prompt, request.tools, request.effective_tool_choice, stops,
+                                         self.codec.chat_template),
+                             request.min_tokens, request.ignore_eos)
         if shape.schema is not None and shape.lark is not None:
-            raise InvalidInputError(f"response_format and tool_choice={tool_choice!r} cannot both hold the answer")
-        check_bool(truncate_prompt, "truncate_prompt")
+            raise InvalidInputError(f"response_format and tool_choice={request.tool_choice!r} cannot both hold "
+                                    "the answer")
         check_prompt_size(prompt, self.max_prompt_chars)
         send, receive = anyio.create_memory_object_stream(STREAM_BUFFER)
-        stream = EngineStream(receive, self)
-        task = asyncio.get_running_loop().create_task(self._produce(
-            stream._ready, prompt, max_new_tokens, params, mode, stops, truncate_prompt, logprobs, send, shape))
+        stream = EngineStream(receive, self, request)
+        task = asyncio.get_running_loop().create_task(self._produce(stream._ready, prompt, request, stops, send, shape))
         stream._attach(task)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -318,21 +278,22 @@ class Engine:
             return MinTokens(shape.min_tokens, self.scheduler.eos_ids, self.target.vocab_size, grammar)
         return grammar
 
-    async def _produce(self, ready: "_Ready", prompt, max_new_tokens, params, mode, stops: list[str],
-                       truncate_prompt: bool, logprobs: int | None, send, shape: "RequestShape") -> None:
+    async def _produce(self, ready: "_Ready", prompt, p: RequestParams, stops: list[str], send,
+                       shape: "RequestShape") -> None:
         """One request, as a task: encode, run, detokenize, cut at stop strings, hand events over."""
         decoder, text, shown, kept = self.codec.decoder(), "", 0, 0  # text decoded, streamed; tokens kept
         async with send:
             try:
                 try:
                     ids = await anyio.to_thread.run_sync(
-                        lambda: self._encode(prompt, max_new_tokens, truncate_prompt, shape.tools))
+                        lambda: self._encode(prompt, p.max_new_tokens, p.truncate_prompt, shape.tools))
                     compiles = shape.schema is not None or shape.lark is not None  # a grammar: in a thread
                     constraint = (await anyio.to_thread.run_sync(self._constraint, shape) if compiles
                                   else self._constraint(shape))
                     # started here, on the loop (it reads the prefix cache); it checks the rest
-                    request = self.scheduler.stream(ids, max_new_tokens, params, mode=mode, logprobs=logprobs,
-                                                    constraint=constraint, ignore_eos=shape.ignore_eos)
+                    request = self.scheduler.stream(ids, p.max_new_tokens, p.sampling_params(), mode=p.mode,
+                                                    logprobs=p.logprobs, constraint=constraint,
+                                                    ignore_eos=shape.ignore_eos)
                 except BaseException as exc:
                     ready.set(exc if isinstance(exc, Exception) else None)
                     raise
@@ -387,11 +348,7 @@ class Engine:
         return self.codec.is_special(self._vocab_id(token_id))
 
     def _vocab_id(self, token_id: int) -> int:
-        if isinstance(token_id, bool) or not isinstance(token_id, (int, np.integer)) or not (
-                0 <= token_id < self.target.vocab_size):
-            raise InvalidInputError(f"token_id must be an integer in 0..{self.target.vocab_size - 1}, "
-                                    f"got {brief_repr(token_id)}")
-        return int(token_id)
+        return int(check_int(token_id, "token_id", 0, self.target.vocab_size - 1))
 
     # ------------------------------------------------------------------ lifecycle
     async def aclose(self) -> None:
@@ -410,7 +367,7 @@ class Engine:
             if tasks:
                 await asyncio.wait(tasks)
         finally:  # the models are released whatever happened above
-            for model in engine_models(self.target, self.drafter):
+            for model in self.models:
                 model.close()
 
     async def __aenter__(self) -> "Engine":
@@ -418,3 +375,37 @@ class Engine:
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+
+class _MeasuredBatch(BatchCosts):
+    """The :class:`BatchCosts` of an engine: what its step loop measured of its target's and
+    draft's batched calls, and how many requests it has admitted."""
+
+    def __init__(self, engine: Engine, draft: LanguageModel | None) -> None:
+        self.engine, self.draft = engine, draft
+
+    def target_step(self, rows: int, positions: int | None = None) -> float | None:
+        return self.engine.executor.step_seconds(self.engine.target, rows, positions)
+
+    def draft_step(self, rows: int) -> float | None:
+        return self.engine.executor.step_seconds(self.draft, rows) if self.draft is not None else None
+
+    def target_shapes(self, rows: int) -> list[int]:
+        return self.engine.executor.measured_positions(self.engine.target, rows)
+
+    def admitted(self) -> int:
+        return min(len(self.engine._tasks), self.engine.slots)
+
+
+def _request_params(params, overrides: dict) -> RequestParams:
+    """``generate`` / ``stream``'s parameters as one checked :class:`RequestParams`: ``params``
+    (None, a RequestParams, or ``max_new_tokens`` as a number, the older positional form) with
+    the keyword ``overrides`` on top."""
+    if params is None or isinstance(params, RequestParams):
+        return RequestParams.of(params, **overrides)
+    if not isinstance(params, (int, float, np.number)):
+        raise InvalidInputError(f"params must be a RequestParams (or max_new_tokens, an integer), "
+                                f"got {brief_repr(params)}")
+    if "max_new_tokens" in overrides:
+        raise InvalidInputError("max_new_tokens is given twice: as the second argument and as a keyword")
+    return RequestParams.of(None, max_new_tokens=params, **overrides)

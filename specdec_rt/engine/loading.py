@@ -28,7 +28,7 @@ def ensure_built(model: str, allow_build: bool = True, say: Callable[[str], None
     export`` (its progress on stderr; ``say`` tells the user why it is happening). Raises
     :class:`ModelNotBuiltError` instead when ``allow_build`` is false, and
     :class:`SpecDecError` when the build fails."""
-    from ..ort import resolve_model_dir
+    from .factory import resolve_model_dir
 
     try:
         return resolve_model_dir(model)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-from .factory import engine_models
 from ..errors import SpecDecError
 from ..logs import get_logger
 
@@ -44,7 +43,7 @@ async def warm_up(engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int =
     user's requests must meet it as their own, with the engine still there for the next one."""
     if requests <= 0:
         return
-    caches = [m.prefix_cache for m in engine_models(engine.target, engine.drafter) if m.caches_prefixes]
+    caches = [m.prefix_cache for m in engine.models if m.caps.caches_prefixes]
     totals = copy.deepcopy(engine.scheduler.totals)  # merged into in place
     chat = engine.codec.chat_template is not None
     limit = engine.scheduler.max_length

@@ -29,7 +29,7 @@ from ..manifest_schema import (KV_LAYOUT, KV_ROLES, LIMITS, MANIFEST, MAX_DRAFTS
                                MAX_MANIFEST_BYTES, MAX_NAME_CHARS, MAX_PATH_CHARS, MAX_TEMPLATE_CHARS, MAX_TOKEN_ID,
                                PACKED_ROLES, REQUIRED_INPUTS, SCHEMA_VERSION, STAMP)
 
-__all__ = ["Manifest", "load_manifest", "resolve_model_dir", "cache_root", "SCHEMA_VERSION",
+__all__ = ["Manifest", "load_manifest", "check_manifest", "resolve_model_dir", "cache_root", "SCHEMA_VERSION",
            "STAMP", "LIMITS", "KV_ROLES", "PACKED_ROLES", "inside"]
 
 CACHE_ENV = "SPECDEC_RT_CACHE"
@@ -151,12 +151,21 @@ def load_manifest(folder: str | os.PathLike, verify_hashes: bool | str = "once")
     ``verify_hashes``: ``"once"`` (default) hashes each listed file unless the folder's stamp
     says it was verified at its current size and mtime, then updates the stamp; ``"always"``
     (or ``True``) ignores the stamp; ``"never"`` (or ``False``) checks sizes only."""
+    folder = Path(folder)
+    return check_manifest(folder, _read_json(folder / MANIFEST), verify_hashes)
+
+
+def check_manifest(folder: str | os.PathLike, raw: dict, verify_hashes: bool | str = "never") -> Manifest:
+    """The checks of :func:`load_manifest` on a manifest held in memory, ``raw``, for the files
+    in ``folder``: the exporter validates a graph through the runtime before it writes
+    ``manifest.json``. Errors name ``folder/manifest.json``."""
     mode = {True: "always", False: "never"}.get(verify_hashes, verify_hashes)
     if mode not in ("once", "always", "never"):
         raise ValueError(f"verify_hashes must be 'once', 'always' or 'never', got {verify_hashes!r}")
     folder = Path(folder)
     path = folder / MANIFEST
-    raw = _read_json(path)
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: must hold a JSON object, not {type(raw).__name__}")
     if raw.get("schema_version") != SCHEMA_VERSION:
         raise ModelLoadError(f"{path}: schema_version {_short(raw.get('schema_version'))}, this runtime reads {SCHEMA_VERSION}")
     arch = _obj(raw, "architecture", path)

@@ -20,7 +20,7 @@ from ..batching import BatchExecutor
 from ..errors import InferenceError, ModelLoadError
 from ..logs import get_logger
 from ..kvcache.prefix import DEFAULT_BLOCK
-from ..spec.protocols import LanguageModel
+from ..spec.protocols import LanguageModel, ModelCaps
 from ..sampling import brief_repr
 from .kvpool import KVPool
 from .manifest import PACKED_ROLES, Manifest, load_manifest
@@ -53,7 +53,7 @@ class OrtModel(LanguageModel):
     def __init__(self, folder: str | os.PathLike | Manifest, *, max_length: int | None = None,
                  slots: int = 4, threads: int | None = None, provider: str = "auto",
                  prefix_cache_bytes: int = 0, cache_entries: int | None = None,
-                 block: int = DEFAULT_BLOCK, alone: bool = False) -> None:
+                 block: int = DEFAULT_BLOCK, alone: bool = False, executor: BatchExecutor | None = None) -> None:
         import onnxruntime as ort
 
         self.manifest = m = folder if isinstance(folder, Manifest) else load_manifest(folder)
@@ -80,27 +80,28 @@ class OrtModel(LanguageModel):
         check_graph(m, self.session)
         self.has_hidden = bool(m.outputs.get("hidden")) and m.outputs["hidden"] in {
             o.name for o in self.session.get_outputs()}
-        # a packed graph (export 0.2+): several rows of several new positions with a past in one
-        # call (a batched verify), costing their real positions; older exports: one row at a time
+        # packed rows: several rows of several new positions with a past in one call (a batched
+        # verify), costing their real positions. Every language model's graph has them (a folder
+        # exported before them is refused at load, ort.manifest); an EAGLE head has none (its calls
+        # carry features and go alone)
         self.ragged = all(m.inputs.get(r) for r in PACKED_ROLES)
         # A quantized target gives attention a lone query twice (the copy's KV rolled back), so
         # plain steps take the path verifies take (docs/decisions/0001-lone-query-twice.md)
         quantized = (m.quantization or {}).get("accuracy_level", 0) not in (0, 1)
         self.lone_twice = quantized and m.role == "target" and self.ragged
-        # exporter 0.3+: an attention bias on every call (zeros but for a tree, see ort.tree).
+        # packed graphs take an attention bias on every call (zeros but for a tree, see ort.tree).
         # Trees need the KV on the host to compact it (CUDA verifies chains), and a tree node's
         # logits equal its path's as a chain only to float rounding (~1e-6: attention sums the
         # path's keys at other indices), which int8 activations would amplify: quantized targets
         # verify chains too
-        self.biased = self.ragged and bool(m.inputs.get("attention_bias"))
-        self.tree = (self.biased and bool(m.inputs.get("position_ids")) and self.device == "cpu"
-                     and not quantized)
+        self.biased = self.ragged  # with positions: both checked at load with the packed inputs
+        self.tree = self.ragged and self.device == "cpu" and not quantized
         entries = max(slots, MIN_CACHE_ENTRIES) if cache_entries is None else cache_entries
         self.pool = KVPool(m.num_layers, m.num_kv_heads, m.head_dim, slots, self.max_length, self.device, ort,
                            entries=entries if prefix_cache_bytes else 0, budget_bytes=prefix_cache_bytes,
                            block=block)
         self.prefix_cache = self.pool.cache  # slot bookkeeping; .enabled: it keeps prefixes
-        self.executor = BatchExecutor()  # an Engine puts all its models on one executor
+        self.executor = executor or BatchExecutor()  # an Engine's factory gives all its models one
         self._owners: dict[int, OrtSession] = {}  # slot -> the open session that holds it
         self._batch_io: dict[tuple[int, int], object] = {}  # (first slot, rows) -> IO binding
         self.calls = 0
@@ -111,6 +112,8 @@ class OrtModel(LanguageModel):
         self.rows_differ = False
         self.lone_differs = self.ragged and self.device == "cpu" and self._lone_step_differs()
         self.pad_lone = self.lone_twice and self.lone_differs
+        self.caps = ModelCaps(batched_steps=True, ragged=self.ragged, batched_prefill=True,
+                              caches_prefixes=self.pool.cache.enabled, trees=self.tree, hidden_states=self.has_hidden)
 
     def _lone_step_differs(self) -> bool:
         """Whether a lone position's logits (its query twice in attention) differ from its
@@ -147,14 +150,23 @@ class OrtModel(LanguageModel):
     def caches_prefixes(self) -> bool:
         return self.pool is not None and self.pool.cache.enabled
 
-    def start(self, prefix: np.ndarray | None = None) -> "OrtSession":
+    def cached_prefix(self, tokens: np.ndarray) -> int:
+        """Tokens of ``tokens`` [T] the prefix cache holds now (0 with the cache off)."""
+        return self.prefix_cache.peek(tokens)
+
+    def start(self, prefix: np.ndarray | None = None, *, batch_invariant: bool = False) -> "OrtSession":
         """A session for one request. ``prefix``: its committed tokens; with the prefix cache on,
-        the session starts with the longest cached prefix of them (``length`` > 0)."""
+        the session starts with the longest cached prefix of them (``length`` > 0).
+        ``batch_invariant``: a lone position goes by the path of a batch's rows (its query twice
+        in attention, ``lone_twice``; with a copy of it where this CPU's MatMuls round a lone
+        position otherwise, ``pad_lone``), so its logits do not depend on its call's shape."""
         if self.session is None:
             raise InferenceError(f"model {self.name} is closed")
         tokens = None if prefix is None else np.asarray(prefix, dtype=np.int64)
         slot, hit = self.pool.acquire(tokens)
         session = OrtSession(self, slot, hit, tokens)
+        if batch_invariant and self.ragged:
+            session.lone_twice, session.pad_lone = True, self.lone_differs
         self._owners[slot] = session
         self.pool.cache.register(slot, session, tokens)
         return session
@@ -257,7 +269,7 @@ class OrtModel(LanguageModel):
         with a longer verify). Empty for a call of one row (its own width always fits)."""
         if len(sessions) < 2:
             return set()
-        queries = [2 if np.size(f) == 1 and getattr(s, "lone_twice", self.lone_twice) else np.size(f)
+        queries = [2 if np.size(f) == 1 and s.lone_twice else np.size(f)
                    for s, f in zip(sessions, feeds)]  # what packed_layout gives attention per row
         width = max(queries)
         return {i for i, s in enumerate(sessions) if s.length + width > self.pool.shape[2]}
@@ -295,7 +307,7 @@ class OrtModel(LanguageModel):
         feed = np.concatenate([np.asarray(feeds[i], dtype=np.int64) for i in order])[None]  # [1, N]
         positions = np.concatenate([past[r] + np.arange(news[r]) for r in range(rows)])[None]  # [1, N]
         twice = np.zeros(rows, dtype=bool)  # [rows] which rows' lone query goes twice
-        twice[at] = [getattr(s, "lone_twice", self.lone_twice) for s in sessions]
+        twice[at] = [s.lone_twice for s in sessions]
         layout = _packed_layout(news, twice)
         seqlens = np.maximum(past + layout[0] - 1, 0)  # [rows] a row feeding nothing: untouched
         logits = self._run_rows(lo, feed, positions, seqlens, index, f"{len(sessions)} rows, {feed.shape[1]} positions",

@@ -39,7 +39,13 @@ JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
 
 
 class Constraint(Protocol):
-    """What may come next. Called on the event loop, for one request at a time."""
+    """What may come next. Called on the event loop, for one request at a time.
+
+    ``spent``: it rules nothing more (after a :meth:`commit`); the request then keeps ``inner``
+    (another constraint, or None) instead."""
+
+    spent: bool = False
+    inner: "Constraint | None" = None
 
     def allowed(self, before: Sequence[int]) -> np.ndarray | None:
         """``[V]`` bool: the tokens allowed after the committed ones and then ``before``; None
@@ -66,7 +72,7 @@ def constrained(scores: np.ndarray, constraint: Constraint, before: Sequence[Seq
     return out
 
 
-class GrammarConstraint:
+class GrammarConstraint(Constraint):
     """A llguidance ``LLMatcher`` that follows a request: committed tokens are consumed; a row's
     path is consumed, the mask read, and the path rolled back."""
 
@@ -103,7 +109,7 @@ class GrammarConstraint:
                 raise InvalidInputError(f"{self.what}: at token {int(t)}, {_stopped(m)}")
 
 
-class MinTokens:
+class MinTokens(Constraint):
     """``min_tokens`` (vLLM's, and other OpenAI-compatible servers'): none of ``stop_ids`` at the
     first ``count`` positions of the answer, on top of ``inner`` (another constraint, or None).
     Where ``inner`` allows nothing else (a grammar that is complete), they stay allowed: an answer

@@ -87,7 +87,7 @@ def _replica_app(opts: RayOptions):
     threads = opts.threads or replica_threads(opts.cpus_per_replica)
 
     async def load() -> Engine:
-        from ..ort import use_global_thread_pool
+        from ..engine.factory import use_global_thread_pool
 
         use_global_thread_pool(threads)  # the replica's process is ours: one pool for all its models
         return await Engine.load(opts.model, draft=opts.draft, threads=threads, max_length=opts.max_length,

@@ -20,10 +20,10 @@ import numpy as np
 
 from ..policy.confidence import confidence
 from .context import RequestContext
-from ..errors import ContextLengthError, InferenceError
+from ..errors import ContextLengthError, InferenceError, InvalidInputError
 from ..sampling.logprobs import token_logprobs
 from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
-from ..sampling import biased, greedy_accept, greedy_ids, rejection_sample, sample, warp
+from ..sampling import biased, brief_repr, greedy_accept, greedy_ids, rejection_sample, sample, warp
 from ..sampling.tree import DraftTree, chain_length, greedy_tree_accept, tree_accept, tree_parents
 from ..types import DraftToken, Verdict
 
@@ -100,8 +100,8 @@ class TargetHidden:
     """
 
     def __init__(self, capacity: int, hidden_size: int, session: CacheSession | None = None) -> None:
-        kept = getattr(session, "hidden_rows", None)  # the backend keeps them per slot (prefix cache)
-        self.rows = kept(hidden_size) if kept else np.zeros((capacity, hidden_size), dtype=np.float32)  # [capacity, H]
+        kept = session.hidden_rows(hidden_size) if session is not None else None  # per slot (prefix cache)
+        self.rows = kept if kept is not None else np.zeros((capacity, hidden_size), dtype=np.float32)  # [capacity, H]
 
     def write(self, start: int, hidden: np.ndarray) -> None:
         self.rows[start : start + hidden.shape[0]] = hidden
@@ -119,25 +119,19 @@ class _ModelUser:
         # a seeded sampled request's output must depend on its seed alone (greedy output does
         # not move: tested), so its logits must not depend on the calls it shares: it computes
         # its prompt itself (cached KV equals a fresh prefill only to float rounding, another
-        # call shape), and its lone queries take attention's several-query path, as they do in
-        # a batched call beside a row of several positions (a backend session's ``lone_twice``:
-        # ~1e-6 apart in float32, amplified to ~0.5 in the logits by int8 activations)
+        # call shape), and its session is batch-invariant (see LanguageModel.start)
         seeded = ctx.params.seed is not None and not ctx.params.greedy
         return ctx.state(self, lambda: self._start(ctx.tokens, cached=not seeded, same_path=seeded))
 
     def _start(self, tokens: np.ndarray, cached: bool = True, same_path: bool = False) -> SyncedSession:
-        """A model with a prefix cache (``caches_prefixes``) starts from what it holds of
-        ``tokens`` (unless ``cached=False``); any other starts empty. ``same_path``: a lone
-        query goes by the path of a batch's rows (backends with ``lone_twice``; and with a copy
-        of it where the model's kernels round a lone position otherwise, ``lone_differs``)."""
-        if cached and getattr(self.model, "caches_prefixes", False):
-            s = SyncedSession(self.model.start(tokens), self.model.max_length, tokens, self.vocab_size)
-        else:
-            s = SyncedSession(self.model.start(), self.model.max_length, vocab_size=self.vocab_size)
-        if same_path and hasattr(s.session, "lone_twice") and getattr(self.model, "ragged", False):
-            s.session.lone_twice = True
-            s.session.pad_lone = getattr(self.model, "lone_differs", False)  # the MatMuls' path too
-        return s
+        """A model with a prefix cache (``caps.caches_prefixes``) starts from what it holds of
+        ``tokens`` (unless ``cached=False``); any other starts empty. ``same_path``: the session
+        must be batch-invariant (:meth:`LanguageModel.start`)."""
+        if cached and self.model.caps.caches_prefixes:
+            return SyncedSession(self.model.start(tokens, batch_invariant=same_path), self.model.max_length,
+                                 tokens, self.vocab_size)
+        return SyncedSession(self.model.start(batch_invariant=same_path), self.model.max_length,
+                             vocab_size=self.vocab_size)
 
     def release(self, ctx: RequestContext) -> None:
         s = ctx.pop_state(self)
@@ -150,8 +144,7 @@ class ModelDrafter(_ModelUser, DraftInferrer):
 
     def cached_prefix(self, tokens: np.ndarray) -> int:
         """Tokens of ``tokens`` its model's prefix cache holds: its prefill costs only the rest."""
-        cache = getattr(self.model, "prefix_cache", None)
-        return cache.peek(tokens) if cache is not None else 0
+        return self.model.cached_prefix(tokens)
 
     async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
         """k autoregressive steps; with ``ctx.tree_nodes`` = n > 0, also n siblings of the chain's
@@ -215,6 +208,9 @@ class ModelVerifier(_ModelUser, TargetVerifier):
     def __init__(self, model: LanguageModel, sampler: Sampler = rejection_sample,
                  share_hidden: bool = False) -> None:
         super().__init__(model)
+        if share_hidden and not model.caps.hidden_states:
+            raise InvalidInputError(f"share_hidden: the target {brief_repr(model)} returns no hidden states "
+                                    "(its caps.hidden_states is False)")
         self.sampler = sampler
         self.share_hidden = share_hidden
 
@@ -223,17 +219,22 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         super().release(ctx)
 
     @property
+    def batched_verify(self) -> bool:
+        """Whether its verifies go into a batched call with other requests' (``caps.ragged``)."""
+        return self.model.caps.ragged
+
+    @property
     def trees(self) -> bool:
-        """Whether it verifies a draft tree in one call (a backend with ``tree``, e.g.
-        :class:`~specdec_rt.ort.model.OrtModel`; not while sharing hidden states)."""
-        return bool(getattr(self.model, "tree", False)) and not self.share_hidden
+        """Whether it verifies a draft tree in one call (a model with ``caps.trees``; not while
+        sharing hidden states)."""
+        return self.model.caps.trees and not self.share_hidden
 
     async def verify_and_accept(self, ctx: RequestContext, drafts: Sequence[DraftToken]) -> Verdict:
         chain = chain_length(drafts)
         s = self._session(ctx)
         if chain < len(drafts):
             if (self.trees and ctx.tokens.size - s.session.length <= TREE_TAIL_MAX
-                    and not getattr(s.session, "copy_pending", False)):
+                    and not s.session.copy_pending):
                 return await self._verify_tree(ctx, drafts, tree_parents(drafts))
             drafts = drafts[:chain]  # a tree, but chains only here (or a long tail): its main chain
         first = ctx.stats.rounds + ctx.stats.ar_steps == 0
@@ -299,8 +300,8 @@ def _note_cached_prompt(ctx: RequestContext, s: SyncedSession, first: bool) -> N
     """After a request's first target call: the prompt positions the prefix cache supplied, and
     whether the cache was asked at all."""
     if first:
-        ctx.stats.cached_prompt_tokens = int(getattr(s.session, "cached_tokens", 0))
-        ctx.stats.cache_queries = int(getattr(s.session, "cache_queried", False))
+        ctx.stats.cached_prompt_tokens = int(s.session.cached_tokens)
+        ctx.stats.cache_queries = int(s.session.cache_queried)
 
 
 def _q_rows(drafts: Sequence[DraftToken], p: np.ndarray) -> np.ndarray:

@@ -12,6 +12,7 @@ from ..errors import ContextLengthError, InvalidInputError
 from ..sampling.logprobs import check_top_logprobs
 from ..sampling.penalties import penalized
 from ..sampling import SamplingParams, brief_repr
+from ..checks import check_int
 from ..types import FinishReason, Stats
 
 __all__ = ["RequestContext"]
@@ -49,8 +50,7 @@ class RequestContext:
             bad = int(prompt[np.argmax(prompt >= vocab_size)])
             raise InvalidInputError(f"prompt token id {bad} is outside the model's vocabulary (ids 0..{vocab_size - 1}); "
                                     "a tokenizer that does not match the model?")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-            raise InvalidInputError(f"max_new_tokens must be a positive integer, got {brief_repr(max_new_tokens)}")
+        check_int(max_new_tokens, "max_new_tokens", 1)
         if max_length is not None and prompt.size + max_new_tokens > max_length:
             raise ContextLengthError(
                 f"prompt of {prompt.size} tokens + max_new_tokens={brief_repr(max_new_tokens)} exceeds the "
@@ -120,7 +120,7 @@ class RequestContext:
                 self.finish_reason = "stop"
         if self.constraint is not None and ids.size:
             self.constraint.commit(ids)
-            if getattr(self.constraint, "spent", False):  # it rules nothing more: its inner one goes on
+            if self.constraint.spent:  # it rules nothing more: its inner one goes on
                 self.constraint = self.constraint.inner
         self._buf[self._n : self._n + ids.size] = ids
         self._n += ids.size

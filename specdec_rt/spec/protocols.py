@@ -13,6 +13,13 @@ Two levels:
   :class:`~specdec_rt.spec.adapters.ModelDrafter` and :class:`~specdec_rt.spec.adapters.ModelVerifier` turn
   any ``LanguageModel`` into a drafter or a verifier; a backend never implements speculation.
 
+What each side may rely on is declared here, never probed: a backend states what its model can do
+in a frozen :class:`ModelCaps` (``model.caps``), and the optional members of every Protocol have
+do-nothing defaults, so a class that subclasses the Protocol and overrides nothing is a plain
+model (one request's calls one at a time, no prefix cache, no trees). A third backend plugs in by
+implementing these Protocols alone (:class:`specdec_rt.testing.ToyLM` is one, run through
+:class:`~specdec_rt.engine.engine.Engine` in tests/engine/test_toy_backend.py).
+
 All methods that run a model are ``async``: backends run model calls off the event loop.
 Cancellation: a cancelled ``generate_draft`` / ``verify_and_accept`` / ``extend`` leaves the
 committed tokens untouched; a session's cache may then hold extra positions, which the next call
@@ -21,24 +28,54 @@ rolls back (that is why sessions sync against the committed tokens on every call
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from ..errors import InvalidInputError
+from ..kvcache.prefix import PrefixCache
+from ..sampling import brief_repr
 from ..types import DraftToken, Verdict
 
 if TYPE_CHECKING:
     from .context import RequestContext
 
-__all__ = ["DraftInferrer", "TargetVerifier", "LanguageModel", "CacheSession"]
+__all__ = ["DraftInferrer", "TargetVerifier", "LanguageModel", "CacheSession", "ModelCaps", "BatchCosts",
+           "check_implements"]
+
+
+@dataclass(frozen=True)
+class ModelCaps:
+    """What a :class:`LanguageModel` can do, declared once by its backend (``model.caps``).
+
+    The adapters and the batched step loop (:mod:`specdec_rt.batching`) read these flags and
+    nothing else; the defaults describe a plain model. A flag set promises the matching methods
+    of :class:`specdec_rt.batching.executor.BatchedModel`.
+    """
+
+    batched_steps: bool = False  # run_batch_sync: one single-token step for many sessions, one call
+    ragged: bool = False  # run_rows_sync: several new positions per session in one call (packed rows)
+    batched_prefill: bool = False  # can_prefill_together / run_prefill_batch_sync: first prompts together
+    caches_prefixes: bool = False  # start(prefix) resumes from the longest cached prefix of it
+    trees: bool = False  # extend(..., tree=parents): a draft tree verified in one call (accept_tree after)
+    hidden_states: bool = False  # extend(..., hidden=True) also returns the last hidden states [S, H]
 
 
 @runtime_checkable
 class DraftInferrer(Protocol):
     """Proposes draft tokens (Go: ``GenerateDraft(ctx, k) []DraftToken``).
 
-    Optional attribute ``max_length`` (int): the longest sequence it can hold.
+    Declared attributes (their defaults hold for a drafter that sets nothing):
+    ``max_length`` the longest sequence it can hold (``None``: no limit); ``cheap_drafts``: it can
+    propose drafts that cost nothing (n-gram matches) when ``ctx.cheap_drafts`` asks for them
+    only; ``needs_target_hidden``: it reads the target's hidden states (EAGLE), so the verifier
+    must share them.
     """
+
+    max_length: int | None = None
+    cheap_drafts: bool = False
+    needs_target_hidden: bool = False
 
     async def generate_draft(self, ctx: "RequestContext", k: int) -> Sequence[DraftToken]:
         """Up to ``k`` tokens that continue ``ctx.tokens``; fewer (even none) is allowed."""
@@ -47,15 +84,28 @@ class DraftInferrer(Protocol):
     def release(self, ctx: "RequestContext") -> None:
         """Free this request's state (called once when the request ends, however it ends)."""
 
+    def cached_prefix(self, tokens: np.ndarray) -> int:
+        """How many of ``tokens`` [T] its caches already hold (its prefill costs only the rest)."""
+        return 0
+
 
 @runtime_checkable
 class TargetVerifier(Protocol):
     """Checks drafts with the target in one call (Go: ``VerifyAndAccept(ctx, drafts)``).
 
-    Optional attribute ``max_length`` (int): the longest sequence it can hold. Optional attribute
-    ``reports_logprobs = True``: when ``ctx.logprobs`` is not None, its verdicts carry one
-    :class:`~specdec_rt.sampling.logprobs.TokenLogprob` a token (requests asking for them need it).
+    Declared attributes: ``max_length`` (``None``: no limit); ``vocab_size`` (``None``: the
+    logits' width is not checked); ``reports_logprobs``: when ``ctx.logprobs`` is not None, its
+    verdicts carry one :class:`~specdec_rt.sampling.logprobs.TokenLogprob` a token (requests that
+    ask for them need it); ``trees``: it verifies a draft tree (drafts with parents) in one call;
+    ``batched_verify``: verifies of concurrent requests share one batched call (so a verify costs
+    a batch its real positions only).
     """
+
+    max_length: int | None = None
+    vocab_size: int | None = None
+    reports_logprobs: bool = False
+    trees: bool = False
+    batched_verify: bool = False
 
     async def verify_and_accept(self, ctx: "RequestContext", drafts: Sequence[DraftToken]) -> Verdict:
         """Score ``ctx.tokens + drafts`` and return the accepted prefix plus one target token.
@@ -70,16 +120,28 @@ class TargetVerifier(Protocol):
 
 @runtime_checkable
 class CacheSession(Protocol):
-    """One request's model state: the KV entries of the first ``length`` tokens fed to it."""
+    """One request's model state: the KV entries of the first ``length`` tokens fed to it.
+
+    Declared attributes: ``cached_tokens``, the prompt positions a prefix cache supplied at
+    start, and ``cache_queried``, whether a cache was asked at all (both reported in stats);
+    ``copy_pending``: its start copies a prompt another session has not computed yet (such a
+    session takes no tree call until it has).
+    """
+
+    cached_tokens: int = 0
+    cache_queried: bool = False
+    copy_pending: bool = False
 
     @property
     def length(self) -> int:
         """Number of tokens whose keys/values the cache holds."""
         ...
 
-    async def extend(self, ids: np.ndarray, logits_rows: int) -> np.ndarray:
+    async def extend(self, ids: np.ndarray, logits_rows: int, **extra) -> np.ndarray:
         """Append ``ids`` ``[S]`` (prefill is the first extend) and return the logits of the last
-        ``logits_rows`` of them, ``[logits_rows, V]``. Never copies the cached entries."""
+        ``logits_rows`` of them, ``[logits_rows, V]``. Never copies the cached entries.
+        ``extra`` holds only what the model's caps allow: ``hidden=True`` (``hidden_states``:
+        then ``(logits, hidden [S, H])``), ``tree=parents`` (``trees``)."""
         ...
 
     def rollback(self, length: int) -> None:
@@ -90,14 +152,78 @@ class CacheSession(Protocol):
         """Give the cache back. Idempotent."""
         ...
 
+    def accept_tree(self, start: int, keep: np.ndarray) -> None:
+        """After a tree call from ``start`` (models with ``caps.trees``): keep positions
+        ``start + keep`` [n], moved to ``start ..``."""
+        raise NotImplementedError(f"{type(self).__name__} verifies no trees (its model's caps.trees is False)")
+
+    def hidden_rows(self, size: int) -> np.ndarray | None:
+        """Where this request's target hidden states live, ``[max_length, size]``, if the
+        backend keeps them per slot (so a prefix-cache hit keeps them too); ``None``: anywhere."""
+        return None
+
 
 @runtime_checkable
 class LanguageModel(Protocol):
-    """A causal LM with a KV cache: ``vocab_size``, ``max_length`` and ``start()``."""
+    """A causal LM with a KV cache: ``vocab_size``, ``max_length``, ``caps`` and ``start()``.
+
+    ``prefix_cache``: the :class:`~specdec_rt.kvcache.prefix.PrefixCache` of a model with
+    ``caps.caches_prefixes`` (an Engine reports its counts and turns it off while warming up)."""
 
     vocab_size: int
     max_length: int
+    caps: ModelCaps = ModelCaps()
+    prefix_cache: PrefixCache | None = None  # with caps.caches_prefixes: its bookkeeping (stats, budget)
 
-    def start(self) -> CacheSession:
-        """A fresh, empty cache session for one request."""
+    def start(self, prefix: np.ndarray | None = None, *, batch_invariant: bool = False) -> CacheSession:
+        """A fresh cache session for one request. ``prefix`` [T]: its committed tokens, for a model
+        with ``caps.caches_prefixes`` (the session then starts with ``length`` of them cached; any
+        other model ignores it and starts empty). ``batch_invariant``: this session's logits must
+        not depend on which other sessions share its calls, nor on how many positions a call
+        feeds (a seeded sampled request); a backend whose kernels round differently by call shape
+        keeps such a session on one path."""
         ...
+
+    def cached_prefix(self, tokens: np.ndarray) -> int:
+        """How many of ``tokens`` [T] its prefix cache holds now (0 without one); changes nothing."""
+        return 0
+
+    def close(self) -> None:
+        """Release what it holds (sessions still open fail their next call). Idempotent."""
+
+
+class BatchCosts(Protocol):
+    """The measured costs of the batch a request runs in, as the scheduler's cost model reads
+    them (an Engine's step loop provides them; a scheduler without one measures nothing).
+
+    Seconds are the least of recent measurements, ``None`` where that shape was never measured.
+    """
+
+    def target_step(self, rows: int, positions: int | None = None) -> float | None:
+        """A batched target call of ``rows`` requests feeding ``positions`` positions in all
+        (default: one each)."""
+        ...
+
+    def draft_step(self, rows: int) -> float | None:
+        """A batched draft-model step of ``rows`` requests (``None``: no draft model)."""
+        return None
+
+    def target_shapes(self, rows: int) -> Sequence[int]:
+        """The ``positions`` measured for target calls of ``rows`` requests, sorted."""
+        return ()
+
+    def admitted(self) -> int:
+        """Requests admitted to run now: about to share the batch, even if not yet in it."""
+        return 0
+
+
+def check_implements(obj: object, protocol: type, role: str) -> None:
+    """``obj`` has every member ``protocol`` declares (its optional ones come with subclassing),
+    else an :class:`~specdec_rt.errors.InvalidInputError` naming ``role`` and the first missing."""
+    if isinstance(obj, protocol):
+        return
+    declared = {name for name in vars(protocol) if not name.startswith("_")} | set(protocol.__annotations__)
+    members = [m for m in declared if not hasattr(obj, m)]
+    raise InvalidInputError(f"the {role} {brief_repr(obj)} does not implement {protocol.__name__}: it lacks "
+                            f"{', '.join(sorted(members)) or 'a member'} (subclass {protocol.__name__}: its "
+                            "optional members have defaults)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from time import perf_counter
-from typing import AsyncIterator, Callable, Iterable, Sequence
+from typing import AsyncIterator, Iterable, Sequence
 
 import numpy as np
 
@@ -22,8 +22,8 @@ from .context import RequestContext
 from ..errors import InferenceError, InvalidInputError, SpecDecError
 from ..logs import get_logger
 from ..sampling.logprobs import TokenLogprob
-from .protocols import DraftInferrer, TargetVerifier
-from .request_checks import check_bool
+from .protocols import BatchCosts, DraftInferrer, TargetVerifier, check_implements
+from ..checks import check_bool, check_int, is_int
 from ..sampling import SamplingParams, brief_repr
 from ..policy.tree import TreePolicy, TreeRates
 from ..sampling.tree import chain_length, tree_depth, tree_parents
@@ -52,26 +52,32 @@ class SpecDecScheduler:
 
     def __init__(self, drafter: DraftInferrer | None, verifier: TargetVerifier,
                  config: SpecConfig | None = None, *, eos_ids: Iterable[int] = (),
-                 batch_costs: Callable[[int, int], float | None] | None = None,
-                 batched_verify: bool = False, draft_costs: Callable[[int], float | None] | None = None,
-                 load: Callable[[], int] | None = None,
-                 batch_shapes: Callable[[int], Sequence[int]] | None = None) -> None:
+                 batch: BatchCosts | None = None) -> None:
+        if drafter is not None:
+            check_implements(drafter, DraftInferrer, "drafter")
+        check_implements(verifier, TargetVerifier, "verifier")
         self.drafter = drafter
         self.verifier = verifier
         self.config = config or SpecConfig()
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.shared_ewma = AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance)
-        self.costs = CostModel(self.config, measure=self.config.measure_costs, batch_step_s=batch_costs,
-                               batched_verify=batched_verify, draft_step_s=draft_costs, batch_shapes=batch_shapes)
+        self.costs = CostModel(self.config, measure=self.config.measure_costs,
+                               batched_verify=verifier.batched_verify,
+                               batch_step_s=batch.target_step if batch else None,
+                               draft_step_s=batch.draft_step if batch else None,
+                               batch_shapes=batch.target_shapes if batch else None)
         self.totals = Stats(mode="total")
         self.running = 0  # requests in their loop now: the batch their model calls share
         # a request alone may draft a tree: its main chain plus up to `tree_nodes` other nodes,
         # when the verifier takes trees (ONNX Runtime targets of exporter 0.3+, float32, CPU)
-        self.trees = bool(getattr(verifier, "trees", False))
+        self.trees = verifier.trees
         self.tree_nodes = self.config.tree_nodes
         self.tree_rates = TreeRates(self.config.alpha)  # realized speed of tree vs chain rounds
         self.confidence_rates = ConfidenceRates()  # acceptance of model drafts by their confidence
-        self.load = load  # requests about to share it too (e.g. the Engine's admitted ones)
+        self.batch = batch  # the batch its requests share (an Engine's), or None
+
+    def _admitted(self) -> int:
+        return self.batch.admitted() if self.batch is not None else 0
 
     @property
     def max_length(self) -> int | None:
@@ -79,11 +85,10 @@ class SpecDecScheduler:
         no limit; anything but a positive integer is an :class:`InferenceError` naming it)."""
         lengths = []
         for role, model in (("verifier", self.verifier), ("drafter", self.drafter)):
-            m = getattr(model, "max_length", None)
+            m = None if model is None else model.max_length
             if m is None:
                 continue
-            if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
-                raise InferenceError(f"the {role}'s max_length must be None or a positive integer, got {brief_repr(m)}")
+            check_int(m, f"the {role}'s max_length", 1, what="None or a positive integer", error=InferenceError)
             lengths.append(int(m))
         return min(lengths) if lengths else None
 
@@ -105,21 +110,21 @@ class SpecDecScheduler:
         """
         if mode == "spec" and self.drafter is None:
             raise InvalidInputError("mode 'spec' needs a drafter; this scheduler has none (use mode='ar')")
-        if logprobs is not None and not getattr(self.verifier, "reports_logprobs", False):
+        if logprobs is not None and not self.verifier.reports_logprobs:
             raise InvalidInputError(f"logprobs: this verifier ({type(self.verifier).__name__}) does not report "
-                                    "log-probabilities (its class sets no reports_logprobs)")
+                                    "log-probabilities (its reports_logprobs is False)")
         ends = (set() if check_bool(ignore_eos, "ignore_eos") else self.eos_ids) | set(stop_ids)
         ctx = RequestContext(prompt_ids, max_new_tokens, params, ends,
-                             self.max_length, rng, getattr(self.verifier, "vocab_size", None), logprobs,
+                             self.max_length, rng, self.verifier.vocab_size, logprobs,
                              constraint)
         seeded = ctx.params.seed is not None and not ctx.params.greedy
         ewma = (AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance) if seeded
                 else self.shared_ewma.copy())
         costs = CostModel(self.config, measure=False) if seeded else self.costs
-        cached = getattr(self.drafter, "cached_prefix", None) if mode == "spec" and not seeded else None
+        cached = self.drafter.cached_prefix if self.drafter is not None and mode == "spec" and not seeded else None
         policy = RequestPolicy(self.config, mode, ewma, costs, shared=self.shared_ewma,  # the draft's prefill:
                                prompt_tokens=ctx.prompt_len - (cached(ctx.tokens) if cached else 0))  # what it lacks
-        policy.cheap_drafts = bool(getattr(self.drafter, "cheap_drafts", False))
+        policy.cheap_drafts = self.drafter is not None and self.drafter.cheap_drafts
         tree = TreePolicy(self.tree_nodes if self.trees and mode == "spec" else 0, self.config.alpha)
         rates = self.tree_rates if self.config.measure_costs and not seeded else None  # timings decide?
         return RequestStream(self._loop(ctx, policy, tree, rates), ctx)
@@ -145,7 +150,7 @@ class SpecDecScheduler:
             while not ctx.done:
                 # 1. choose: how many tokens to draft this round (0 = one plain target step), for
                 #    this request's acceptance and the batch its calls share with the others
-                batch = max(self.running, self.load() if self.load else 0)
+                batch = max(self.running, self._admitted())
                 k = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
                 ctx.cheap_drafts = policy.cheap  # only drafts that cost nothing (a batch, or no draft prefill)
                 k, ctx.tree_nodes = self._tree_shape(ctx, tree, policy, k, batch == 1 or rates is None, rates)
@@ -166,7 +171,7 @@ class SpecDecScheduler:
                 #    leave out the prefills: the target's in the first round, a drafter's in its first)
                 timed = seen and (drafted or not drafts)
                 switch = policy.observe(at, depth, verdict.accepted, t1 - t0, t2 - t1, timed,
-                                        alone=batch == 1 == max(self.running, self.load() if self.load else 0),
+                                        alone=batch == 1 == max(self.running, self._admitted()),
                                         batch=batch, verified=len(drafts), steps=ctx.draft_steps)
                 stats.observe_round(depth, verdict.accepted, new.size, t1 - t0, t2 - t1,
                                     policy.ewma.value if drafts or stats.rounds else None)
@@ -273,8 +278,8 @@ def _drafts_checked(drafts, most: int, ctx: RequestContext) -> list[DraftToken]:
     drafts = list(drafts)[:most]
     vocab = ctx.vocab_size
     for i, d in enumerate(drafts):
-        tid = getattr(d, "id", None)
-        if not hasattr(d, "parent") or isinstance(tid, bool) or not isinstance(tid, (int, np.integer)):
+        tid = d.id if isinstance(d, DraftToken) else None
+        if not is_int(tid):
             raise InferenceError(f"drafter returned {brief_repr(d)} as draft {i}: need a DraftToken with an integer id")
         if tid < 0 or (vocab is not None and tid >= vocab):
             raise InferenceError(f"drafter proposed token id {tid} (draft {i}), outside the vocabulary "

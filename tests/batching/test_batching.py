@@ -167,8 +167,7 @@ def test_new_prompts_arriving_while_others_verify_never_strand_a_call():
     from specdec_rt.batching.executor import BatchExecutor
     from specdec_rt.testing import ToyLM
 
-    model, ref = ToyLM(10, seed=4), ToyLM(10, seed=4)
-    model.executor = BatchExecutor(chunk=4)
+    model, ref = ToyLM(10, seed=4, executor=BatchExecutor(chunk=4)), ToyLM(10, seed=4)
 
     async def main():
         a = model.start()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
-from specdec_rt.drafters.lookup import CombinedDrafter, NgramDrafter
+from specdec_rt.drafters import CombinedDrafter, NgramDrafter
 from specdec_rt.testing import (ToyLM, check_greedy_lossless, chi_square_pvalue, sequence_counts, sequence_distribution,
                                toy_pair)
 

@@ -12,7 +12,7 @@ import anyio
 import numpy as np
 import pytest
 
-from specdec_rt import InvalidInputError, SpecConfig
+from specdec_rt import CacheSession, InvalidInputError, LanguageModel, SpecConfig
 from specdec_rt.engine.factory import engine_models as _models
 from specdec_rt.engine.engine import MAX_STOP_STRINGS, Engine
 from specdec_rt.spec.request_checks import MAX_STOP_CHARS
@@ -362,7 +362,7 @@ def test_a_max_length_past_the_graph_is_capped_with_a_warning(tiny_llama, caplog
     assert not [r for r in caplog.records if "max_length_capped" in r.getMessage()]
 
 
-class _FixedSession:
+class _FixedSession(CacheSession):
     """A CacheSession whose every call returns ``fn(rows)`` (a broken model's logits)."""
 
     def __init__(self, fn) -> None:
@@ -383,13 +383,13 @@ class _FixedSession:
         pass
 
 
-class _FixedModel:
+class _FixedModel(LanguageModel):
     vocab_size, max_length = 8, 100
 
     def __init__(self, fn) -> None:
         self.fn = fn
 
-    def start(self):
+    def start(self, prefix=None, *, batch_invariant=False):
         return _FixedSession(self.fn)
 
 

@@ -15,7 +15,8 @@ import pytest
 from specdec_rt.policy.acceptance import AcceptanceEWMA, CostModel, SpecConfig
 from specdec_rt.policy.request import RequestPolicy
 from specdec_rt.spec.context import RequestContext
-from specdec_rt.drafters.lookup import CombinedDrafter, NgramDrafter
+from specdec_rt.drafters import CombinedDrafter, NgramDrafter
+from specdec_rt.spec.protocols import DraftInferrer
 
 STEP_8 = 0.044  # seconds of a batched plain step of 8 rows (SmolLM2, measured)
 PER_POSITION = 0.0017  # seconds per extra position in a batched call (measured)
@@ -80,8 +81,7 @@ def test_marginal_cost_comes_from_the_measured_calls():
 
 
 def test_cheap_rounds_of_a_combined_drafter_never_call_its_model():
-    class Refuses:
-        max_length = None
+    class Refuses(DraftInferrer):
 
         async def generate_draft(self, ctx, k):
             raise AssertionError("the draft model was called in a cheap round")

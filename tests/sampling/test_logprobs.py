@@ -8,7 +8,7 @@ import anyio
 import numpy as np
 import pytest
 
-from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
+from specdec_rt import InvalidInputError, TargetVerifier, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
 from specdec_rt.errors import InferenceError
 from specdec_rt.sampling.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from specdec_rt.testing import toy_pair
@@ -102,7 +102,7 @@ def test_off_by_default_and_bad_values_are_refused_by_name():
 def test_a_verifier_that_cannot_report_them_is_named_and_one_that_drops_them_fails_the_request():
     target, draft = toy_pair(8)
 
-    class Plain:  # a plug-in verifier: the Protocol's methods, no reports_logprobs
+    class Plain(TargetVerifier):  # a plug-in verifier: reports_logprobs left at its default (False)
         vocab_size = 8
 
         def __init__(self):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
-from specdec_rt.sampling.constraints import MinTokens
+from specdec_rt.sampling.constraints import Constraint, MinTokens
 from specdec_rt.sampling import warp
 from specdec_rt.testing import chi_square_pvalue, toy_pair, toy_scheduler
 
@@ -113,7 +113,7 @@ def test_sampling_keeps_the_min_tokens_distribution():
 def test_min_tokens_mask_and_its_hand_over():
     inner_calls = []
 
-    class Inner:
+    class Inner(Constraint):
         def allowed(self, before):
             inner_calls.append(list(before))
             return None if 3 in before else np.array([True, True, False, True])

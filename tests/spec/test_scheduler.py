@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec_rt import (
+    DraftInferrer,
+    TargetVerifier,
     ContextLengthError,
     DraftToken,
     InferenceError,
@@ -391,7 +393,7 @@ def test_plain_rounds_are_measured_after_the_first_round():
     assert list(sched.costs.verify_s) == [0] and sched.costs.draft_token_s is None
 
 
-class _Drafts:
+class _Drafts(DraftInferrer):
     """A plug-in drafter that proposes ``proposals`` every round."""
 
     def __init__(self, proposals) -> None:
@@ -404,7 +406,7 @@ class _Drafts:
         pass
 
 
-class _Emits:
+class _Emits(TargetVerifier):
     """A plug-in verifier that rejects every draft and emits ``token`` (its vocabulary: 8)."""
 
     vocab_size = 8

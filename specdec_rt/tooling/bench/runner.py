@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
 from ...policy.acceptance import SpecConfig
-from ...drafters.lookup import CombinedDrafter, NgramDrafter
+from ...drafters import CombinedDrafter, NgramDrafter
 from ...engine.factory import model_drafter, resolve_draft_spec
 from ...errors import InvalidInputError
 from ...ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
