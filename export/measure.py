@@ -24,7 +24,7 @@ import onnx
 import onnxruntime as ort
 
 from .manifest import read_manifest
-from .ortrun import KVSession, session_options
+from .validate import KVSession
 
 PROMPTS = [
     "<|im_start|>user\nWrite a Python function that returns the n-th Fibonacci number.<|im_end|>\n"
@@ -41,7 +41,10 @@ def node_counts(folder: Path, manifest: dict) -> dict:
     model = Path(folder) / manifest["onnx"]["file"]
     before = len(onnx.load(str(model), load_external_data=False).graph.node)
     with tempfile.TemporaryDirectory() as tmp:
-        so = session_options(1)
+        so = ort.SessionOptions()  # one thread, full optimization, the optimized graph saved
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        so.intra_op_num_threads = 1
         so.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
         so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
                                     "opt.onnx.data")

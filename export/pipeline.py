@@ -253,7 +253,10 @@ class _Builder:
         report = None
         if self.req.validate:
             with self.ui.stage(f"validate {_label(job)} against PyTorch"):
-                layout = {"architecture": spec.manifest(), "onnx": onnx_section(None)}
+                # what the runtime needs to load the folder as it will (a quantized target's
+                # lone queries go twice): validation runs it through specdec_rt.ort
+                layout = {"name": job.name, "role": job.role, "architecture": spec.manifest(),
+                          "onnx": onnx_section(quant.manifest() if quant else None)}
                 report = validate_graph(folder, layout, *ref, threads=self.req.threads,
                                         quantized=quant is not None, label=_label(job))
         source = dict(src.record)

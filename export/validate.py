@@ -2,7 +2,8 @@
 
 Reference: PyTorch greedily continues a prompt, then one uncached forward over the whole
 sequence gives reference logits at every position. The ONNX graph replays the same tokens
-through shared KV buffers in the runtime's call pattern:
+through the runtime itself (``specdec_rt.ort``: its session set-up, graph check and shared KV
+buffers; :class:`KVSession`) in its call pattern:
 
     prefill P tokens (all rows) -> 3 single-token decodes -> a rejected 5-token "verify" of
     random tokens (garbage written into the cache) -> 4-token chunks from the rollback point
@@ -25,10 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ValidationError
-from .ortrun import KVSession
+from specdec_rt.manifest_schema import SCHEMA_VERSION
 
-__all__ = ["ValidationReport", "reference_logits", "validate_graph", "FP32_RTOL"]
+from .errors import ValidationError
+
+__all__ = ["KVSession", "ValidationReport", "reference_logits", "validate_graph", "FP32_RTOL"]
 
 FP32_RTOL = 1e-3  # max |diff| allowed, relative to max(1, max |reference logit|)
 QUANT_MIN_CORRELATION = 0.5  # quantized graphs: broken packing gives r ~ 0, int4 SmolLM2 ~0.9
@@ -36,6 +38,54 @@ NEW_TOKENS = 12
 MAX_LOGIT = 1e6  # |logit| of real models stays in the hundreds; 1e37 means misread weights
 _PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a number is prime, "
            "and explain it briefly.<|im_end|>\n<|im_start|>assistant\n")
+
+
+class KVSession:
+    """One sequence (batch 1) on an exported graph, run by the runtime itself: an
+    :class:`~specdec_rt.ort.OrtModel` of one slot (its session set-up, the check that the graph
+    has what the manifest names, its KV pool bound as shared past/present buffers) and that
+    slot's :class:`~specdec_rt.ort.OrtSession` calls.
+
+    ``manifest``: the manifest's fields as a dict (before ``manifest.json`` is written, at least
+    ``architecture`` and ``onnx``); the runtime checks them as it checks a folder it loads.
+    ``forward(ids, past_len, rows)`` feeds ``S = len(ids)`` new tokens at positions
+    ``past_len .. past_len + S - 1`` and returns logits ``[len(rows), V]`` for the chosen rows
+    (indices into the S new positions). Rolling back is passing a smaller ``past_len``.
+    With ``bind_hidden``, ``self.hidden_states`` [S, H] holds the last call's final-norm output.
+    """
+
+    def __init__(self, model_dir: Path, manifest: dict, max_len: int, threads: int | None = None,
+                 bind_hidden: bool = False):
+        from specdec_rt.ort import OrtModel
+        from specdec_rt.ort.manifest import check_manifest
+
+        arch = manifest["architecture"]
+        if max_len > arch["max_positions"]:
+            raise ValueError(f"max_len {max_len} > max_positions {arch['max_positions']}")
+        fields = {"schema_version": SCHEMA_VERSION, "tokenizer": {"file": "tokenizer.json"}, **manifest}
+        self.model = OrtModel(check_manifest(model_dir, fields), max_length=max_len, slots=1, threads=threads,
+                              provider="cpu")
+        self.session = self.model.start()
+        self.max_len = self.model.max_length
+        self.bind_hidden = bind_hidden
+        self.hidden_states: np.ndarray | None = None
+
+    def forward(self, ids, past_len: int, rows=None) -> np.ndarray:
+        """Logits float32 [R, V] for ``ids`` int [S] on top of ``past_len`` cached tokens."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [S]
+        s = ids.size
+        if past_len + s > self.max_len:
+            raise ValueError(f"sequence of {past_len + s} tokens exceeds the cache ({self.max_len})")
+        rows = np.arange(s) if rows is None else np.asarray(rows, dtype=np.int64)  # [R]
+        first = int(rows.min())  # the runtime returns the logits of the last s - first positions
+        out = self.session.run_sync(ids, s - first, past_len, hidden=self.bind_hidden)
+        if self.bind_hidden:
+            out, self.hidden_states = out  # [s - first, V], [S, H]
+        return out[rows - first]  # [R, V]
+
+    def close(self) -> None:
+        self.session.close()
+        self.model.close()
 
 
 @dataclass(frozen=True)
@@ -124,12 +174,21 @@ def validate_graph(model_dir: Path, manifest: dict, ids: np.ndarray, ref: np.nda
     ``label`` (default: the folder's name)."""
     vocab = manifest["architecture"]["vocab_size"]
     max_len = min(manifest["architecture"]["max_positions"], len(ids) + 16)
-    session = KVSession(model_dir, manifest, max_len=max_len, threads=threads)
+    from specdec_rt.errors import SpecDecError
+
+    name = label or model_dir.name
+    try:
+        session = KVSession(model_dir, manifest, max_len=max_len, threads=threads)
+    except SpecDecError as exc:  # the runtime refuses the graph or its manifest
+        raise ValidationError(f"validation failed for {name}: the runtime cannot load it: {exc}") from exc
     got = np.zeros_like(ref)
     rows = np.zeros(len(ref), dtype=bool)  # compared rows
-    for start, logits in _replay(session, ids, prompt_len, vocab):
-        got[start:start + len(logits)] = logits
-        rows[start:start + len(logits)] = True
+    try:
+        for start, logits in _replay(session, ids, prompt_len, vocab):
+            got[start:start + len(logits)] = logits
+            rows[start:start + len(logits)] = True
+    finally:
+        session.close()
     a, b = got[rows].astype(np.float64), ref[rows].astype(np.float64)
     finite = bool(len(a)) and bool(np.isfinite(a).all()) and bool(np.isfinite(b).all())
     sane = finite and float(np.abs(b).max()) <= MAX_LOGIT and float(np.abs(a).max()) <= MAX_LOGIT
@@ -151,7 +210,6 @@ def validate_graph(model_dir: Path, manifest: dict, ids: np.ndarray, ref: np.nda
         reference = "float32 PyTorch model"
     report = ValidationReport(int(rows.sum()), diff, scale, agreement, corr, reference, passed)
     if raise_on_fail and not passed:
-        name = label or model_dir.name
         if not finite:
             which = "ONNX" if len(a) and not np.isfinite(a).all() else "PyTorch reference"
             raise ValidationError(f"validation failed for {name}: the {which} logits are not "

@@ -18,7 +18,7 @@ from tiny_models import build_tiny_gguf  # noqa: E402
 
 from export.cli import main  # noqa: E402
 from export.manifest import read_manifest  # noqa: E402
-from export.ortrun import KVSession  # noqa: E402
+from export.validate import KVSession  # noqa: E402
 from export.paths import model_dir  # noqa: E402
 from export.pipeline import Request, run  # noqa: E402
 from export.ui import Reporter  # noqa: E402

@@ -285,6 +285,9 @@ class _FakeSession:
         out = self.table[pos:pos + len(ids)]
         return out if rows is None else out[rows]
 
+    def close(self):
+        self.closed = True
+
 
 def _validate(monkeypatch, tmp_path, got, ref, **kw):
     from export import validate

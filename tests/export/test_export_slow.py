@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from export.cli import main  # noqa: E402
 from export.manifest import read_manifest  # noqa: E402
 from export.measure import greedy  # noqa: E402
-from export.ortrun import KVSession  # noqa: E402
+from export.validate import KVSession  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.export]
 

@@ -18,7 +18,7 @@ from tiny_models import build_tiny_checkpoint, export_tiny  # noqa: E402
 
 from export.errors import DiskFullError  # noqa: E402
 from export.manifest import read_manifest  # noqa: E402
-from export.ortrun import KVSession  # noqa: E402
+from export.validate import KVSession  # noqa: E402
 from export.pipeline import Request, run  # noqa: E402
 from export.tokenizer import SAMPLE_TEXTS, sha256_file  # noqa: E402
 from export.ui import Reporter  # noqa: E402
@@ -97,8 +97,9 @@ def test_shared_buffer_rollback_is_exact(exported):
     dirty.forward(garbage, 20)  # a rejected verify writes positions 20..25
     dirty.forward(garbage[:2], 26)  # and more beyond
     np.testing.assert_array_equal(dirty.forward(new, 20), want)
-    # the preallocated numpy buffers really are the cache: positions >= 23 hold garbage
-    assert np.abs(dirty.buffers[0][0][0, :, 23:28]).sum() > 0
+    # the runtime's KV pool really is the cache: positions >= 23 of the slot hold garbage
+    key = dirty.model.pool.host_arrays()[0]  # layer 0's keys [slots, kv_heads, max_len + 1, d]
+    assert np.abs(key[dirty.session.slot, :, 23:28]).sum() > 0
 
 
 def test_chunk_matches_pytorch_and_selects_rows(exported):
