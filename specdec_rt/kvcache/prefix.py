@@ -36,7 +36,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import InferenceError, InvalidInputError
+from ..checks import check_int
+from ..errors import InferenceError
 
 __all__ = ["PrefixCache", "Hit", "common_prefix", "DEFAULT_BLOCK", "DEFAULT_BUDGET_BYTES"]
 
@@ -121,10 +122,8 @@ class PrefixCache:
                  copy: Callable[[int, int, int, int], None] | None = None,
                  copy_parts: Callable[[int, int, int, int], list] | None = None,
                  discard: Callable[[int, int, int], None] | None = None) -> None:
-        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-            raise InvalidInputError(f"prefix cache block size must be a positive integer, got {block!r}")
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
-            raise InvalidInputError(f"prefix_cache_bytes must be an integer >= 0, got {budget_bytes!r}")
+        check_int(block, "prefix cache block size", 1, numpy=False)
+        check_int(budget_bytes, "prefix_cache_bytes", 0, numpy=False)
         self.running, self.block = running, block
         self.enabled = entries > 0 and budget_bytes >= block * token_bytes and copy is not None
         self.budget_bytes, self.token_bytes = budget_bytes, token_bytes

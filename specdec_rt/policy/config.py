@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checks import is_int
 from ..errors import InvalidInputError
 
 __all__ = ["SpecConfig"]
@@ -51,7 +52,7 @@ class SpecConfig:
             bad("probe_every", "need zero_rounds >= 1, 1 <= probe_every <= probe_max_every")
         if self.probe_backoff < 1:
             bad("probe_backoff", "must be >= 1")
-        if isinstance(self.tree_nodes, bool) or not isinstance(self.tree_nodes, int) or not 0 <= self.tree_nodes <= 16:
+        if not is_int(self.tree_nodes, numpy=False) or not 0 <= self.tree_nodes <= 16:
             bad("tree_nodes", "must be an integer in 0..16")
         if not isinstance(self.confidence_stop, bool):
             bad("confidence_stop", "must be True or False")

@@ -19,12 +19,11 @@ as a ``numpy.random.Generator`` so callers decide seeding.
 
 from __future__ import annotations
 
-import math
-import reprlib
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import brief_repr, check_int, check_number, is_int, is_number
 from ..errors import InvalidInputError
 
 __all__ = [
@@ -98,26 +97,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", _check_bias(self.logit_bias))
         for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _finite_number(v) or not -2.0 <= v <= 2.0:
-                raise InvalidInputError(f"{name} must be a number from -2 to 2, got {brief_repr(v)}")
-        r = self.repetition_penalty
-        if not _finite_number(r) or not MIN_REPETITION_PENALTY <= r <= 10.0:
-            raise InvalidInputError(f"repetition_penalty must be a number from {MIN_REPETITION_PENALTY} to 10, "
-                                    f"got {brief_repr(r)}")
-        t = self.temperature
-        if not _finite_number(t) or t < 0:
-            raise InvalidInputError(f"temperature must be a finite number >= 0, got {brief_repr(t)}")
-        if self.top_k is not None and (
-            isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 1
-        ):
-            raise InvalidInputError(f"top_k must be a positive integer or None, got {brief_repr(self.top_k)}")
-        if self.top_p is not None and (not _finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0):
-            raise InvalidInputError(f"top_p must be in (0, 1] or None, got {brief_repr(self.top_p)}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0
-        ):
-            raise InvalidInputError(f"seed must be a non-negative integer or None, got {brief_repr(self.seed)}")
+            check_number(getattr(self, name), name, -2.0, 2.0)
+        check_number(self.repetition_penalty, "repetition_penalty", MIN_REPETITION_PENALTY, 10.0)
+        check_number(self.temperature, "temperature", 0.0)
+        check_int(self.top_k, "top_k", 1, optional=True, what="a positive integer or None")
+        check_number(self.top_p, "top_p", 0.0, 1.0, lo_open=True, optional=True)
+        check_int(self.seed, "seed", 0, optional=True, what="a non-negative integer or None")
 
     @property
     def penalized(self) -> bool:
@@ -150,9 +135,9 @@ def _check_bias(bias) -> tuple[tuple[int, float], ...] | None:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise InvalidInputError(f"logit_bias entries must be (token id, bias) pairs, got {brief_repr(pair)}")
         tid, b = pair
-        if isinstance(tid, bool) or not isinstance(tid, (int, np.integer)) or not 0 <= tid < 2**31:
+        if not is_int(tid) or not 0 <= tid < 2**31:
             raise InvalidInputError(f"logit_bias token ids must be non-negative integers below 2**31, got {brief_repr(tid)}")
-        if not _finite_number(b) or abs(float(b)) > MAX_BIAS:
+        if not is_number(b) or abs(float(b)) > MAX_BIAS:
             raise InvalidInputError(f"logit_bias of token {int(tid)} must be a number from -100 to 100, got {brief_repr(b)}")
         out[int(tid)] = float(b)
     return tuple(sorted(out.items())) or None
@@ -184,28 +169,6 @@ def greedy_ids(logits: np.ndarray, params: SamplingParams | None = None) -> np.n
         raise InvalidInputError(f"logits {_row_name(~np.isfinite(top))} holds NaN or +inf, or no finite value: "
                                 "no token to choose")
     return ids
-
-
-def brief_repr(value, limit: int = 80) -> str:
-    """A short repr of a caller's value for an error message, cheap whatever its size (a string
-    of 10**8 characters, a list of 10**7 items), never raising (an int of 10**5 digits has no
-    str(); a hostile ``__repr__``)."""
-    try:
-        text = reprlib.repr(value)
-    except Exception:  # noqa: BLE001 - any failure to describe it
-        bits = value.bit_length() if isinstance(value, int) else None
-        text = f"an int of {bits} bits" if bits is not None else f"a {type(value).__name__}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _finite_number(x) -> bool:
-    """A real number (not a bool) that is finite as a float (``10**400`` is not)."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
-        return False
-    try:
-        return math.isfinite(float(x))
-    except OverflowError:
-        return False
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InvalidInputError
+from ..checks import check_int
 
 __all__ = ["TokenLogprob", "token_logprobs", "check_top_logprobs", "json_logprob", "MAX_TOP_LOGPROBS"]
 
@@ -30,11 +30,8 @@ class TokenLogprob:
 def check_top_logprobs(top: object, name: str = "logprobs") -> int | None:
     """``None`` (off) or an int in ``0..MAX_TOP_LOGPROBS``; anything else is an InvalidInputError
     naming the argument ``name``."""
-    if top is None:
-        return None
-    if isinstance(top, bool) or not isinstance(top, (int, np.integer)) or not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise InvalidInputError(f"{name} must be None or an integer in 0..{MAX_TOP_LOGPROBS}, got {top!r}"[:200])
-    return int(top)
+    top = check_int(top, name, 0, MAX_TOP_LOGPROBS, optional=True)
+    return None if top is None else int(top)
 
 
 def token_logprobs(logits: np.ndarray, ids: np.ndarray, top: int = 0) -> tuple[TokenLogprob, ...]:

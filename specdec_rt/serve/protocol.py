@@ -18,7 +18,8 @@ from typing import Any, Literal
 from ..sampling.constraints import check_response_format
 from ..errors import ContextLengthError, InvalidInputError
 from ..sampling.logprobs import MAX_TOP_LOGPROBS
-from ..sampling import SamplingParams, brief_repr
+from ..checks import brief_repr, is_int, is_number
+from ..sampling import SamplingParams
 from ..text.tools import check_tool_choice, check_tools
 
 __all__ = ["APIError", "GenParams", "parse_request", "engine_error", "error_body", "Kind"]
@@ -298,14 +299,14 @@ def _prompts(body: dict) -> list[str | list[int]]:
 
 
 def _is_id(token: Any) -> bool:
-    return isinstance(token, int) and not isinstance(token, bool) and 0 <= token < 2**63
+    return is_int(token, numpy=False) and 0 <= token < 2**63
 
 
 def _int(body: dict, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
     value = body[name]
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value, numpy=False):
         raise _bad(name, f"{name} must be an integer, got {value!r}", "invalid_type")
     if minimum is not None and value < minimum:
         raise _bad(name, f"{name} must be >= {minimum}, got {value}")
@@ -316,11 +317,7 @@ def _int(body: dict, name: str, minimum: int | None = None, maximum: int | None 
 
 def _number(body: dict, name: str, minimum: float) -> float:
     value = body[name]
-    try:  # a 400-digit JSON integer is not a float (OverflowError), nor is NaN
-        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(float(value))
-    except OverflowError:
-        finite = False
-    if not finite:
+    if not is_number(value):  # a 400-digit JSON integer is not a float, nor is NaN
         raise _bad(name, f"{name} must be a number, got {brief_repr(value)}", "invalid_type")
     if value < minimum:
         raise _bad(name, f"{name} must be >= {minimum}, got {value}")

@@ -8,14 +8,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import brief_repr, check_bool, check_int
 from ..policy.acceptance import SpecConfig
 from ..errors import InvalidInputError
-from ..sampling import brief_repr
 from ..text.tools import call_grammar, call_schemas, check_tool_choice, check_tools, supports_tools
 
 __all__ = ["MAX_STOP_STRINGS", "MAX_STOP_CHARS", "check_stop", "check_prompt_size", "find_stop", "stop_prefix_len",
-           "cut_at_stop", "token_id_prompt", "RequestShape", "tool_shape", "check_load_args", "check_length_options",
-           "check_bool"]
+           "cut_at_stop", "token_id_prompt", "RequestShape", "tool_shape", "check_load_args", "check_length_options"]
 
 MAX_THREADS = 256  # ONNX Runtime intra-op threads: more only spin
 MAX_STOP_STRINGS = 64  # each event searches for every stop string (OpenAI allows 4)
@@ -140,18 +139,10 @@ class RequestShape:
     ignore_eos: bool = False  # end-of-sequence tokens do not end the answer
 
 
-def check_bool(value, name: str) -> bool:
-    """``value`` if it is True or False, else an :class:`InvalidInputError` naming ``name``."""
-    if not isinstance(value, bool):
-        raise InvalidInputError(f"{name} must be True or False, got {brief_repr(value)}")
-    return value
-
-
 def check_length_options(min_tokens, ignore_eos, max_new_tokens: int) -> tuple[int, bool]:
     """``(min_tokens, ignore_eos)`` checked: an integer from 0 to ``max_new_tokens``, a bool."""
-    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_new_tokens:
-        raise InvalidInputError(f"min_tokens must be an integer from 0 to max_new_tokens ({max_new_tokens}), "
-                                f"got {brief_repr(min_tokens)}")
+    check_int(min_tokens, "min_tokens", 0, max_new_tokens, numpy=False,
+              what=f"an integer from 0 to max_new_tokens ({brief_repr(max_new_tokens)})")
     return min_tokens, check_bool(ignore_eos, "ignore_eos")
 
 
@@ -180,10 +171,7 @@ def check_load_args(name_or_path, draft, max_length, threads, spec_config) -> No
         raise InvalidInputError(f"name_or_path must be a recipe name or a folder, got {brief_repr(name_or_path)}")
     if draft is not None and not isinstance(draft, (str, os.PathLike)):
         raise InvalidInputError(f"draft must be None, a draft spec or a folder, got {brief_repr(draft)}")
-    for name, value, least, most in (("max_length", max_length, 2, None), ("threads", threads, 1, MAX_THREADS)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least
-                                  or (most is not None and value > most)):
-            bound = f">= {least}" if most is None else f"from {least} to {most}"
-            raise InvalidInputError(f"{name} must be None or an integer {bound}, got {brief_repr(value)}")
+    check_int(max_length, "max_length", 2, optional=True, numpy=False)
+    check_int(threads, "threads", 1, MAX_THREADS, optional=True, numpy=False)
     if spec_config is not None and not isinstance(spec_config, SpecConfig):
         raise InvalidInputError(f"spec_config must be a SpecConfig or None, got {brief_repr(spec_config)}")
