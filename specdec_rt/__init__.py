@@ -18,6 +18,7 @@ from .errors import (
 )
 from .spec.protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
 from .sampling import SamplingParams, rejection_sample
+from .spec.params import RequestParams
 from .spec.scheduler import RequestStream, SpecDecScheduler
 from .types import DraftToken, GenerationResult, Stats, TokenEvent, Verdict
 
@@ -47,6 +48,7 @@ __all__ = [
     "SpecDecScheduler",
     "RequestStream",
     "SpecConfig",
+    "RequestParams",
     "SamplingParams",
     "rejection_sample",
     "DraftInferrer",

@@ -58,10 +58,11 @@ class StreamEvent:
 class EngineStream:
     """One request's :class:`StreamEvent` iterator. The request runs in its own task; closing
     this (``aclose()``, ``async with``, or dropping the last reference, e.g. ``break`` out of
-    ``async for``) cancels it and frees its slots on the next event-loop pass."""
+    ``async for``) cancels it and frees its slots on the next event-loop pass. ``params``: the
+    request's checked :class:`~specdec_rt.spec.params.RequestParams`."""
 
-    def __init__(self, receive, engine) -> None:  # engine: the Engine it belongs to
-        self._receive, self._engine = receive, engine
+    def __init__(self, receive, engine, params=None) -> None:  # engine: the Engine it belongs to
+        self._receive, self._engine, self.params = receive, engine, params
         self._ready = _Ready()
         self._task: asyncio.Task | None = None
         self._finalizer = None

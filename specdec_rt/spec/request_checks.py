@@ -11,7 +11,7 @@ import numpy as np
 from ..checks import brief_repr, check_bool, check_int
 from ..policy.acceptance import SpecConfig
 from ..errors import InvalidInputError
-from ..text.tools import call_grammar, call_schemas, check_tool_choice, check_tools, supports_tools
+from ..text.tools import call_grammar, call_schemas, supports_tools
 
 __all__ = ["MAX_STOP_STRINGS", "MAX_STOP_CHARS", "check_stop", "check_prompt_size", "find_stop", "stop_prefix_len",
            "cut_at_stop", "token_id_prompt", "RequestShape", "tool_shape", "check_load_args", "check_length_options"]
@@ -146,14 +146,14 @@ def check_length_options(min_tokens, ignore_eos, max_new_tokens: int) -> tuple[i
     return min_tokens, check_bool(ignore_eos, "ignore_eos")
 
 
-def tool_shape(prompt, tools, tool_choice, stops: list[str], template: str | None) -> tuple:
-    """(the tools to render, a call grammar) from ``tools`` / ``tool_choice``, checked. With
-    ``"none"`` the tools are still rendered where the ``template`` can (the model knows them, as
-    OpenAI's does, and calls none); ``"required"`` / a named function: the call grammar, which
-    no stop string may cut, and the ``parameters`` schemas it holds the call to (each checked on
-    its own before the request runs). Returns ``(tools, grammar, schemas)``."""
-    tools = check_tools(tools)
-    choice = check_tool_choice(tool_choice, tools)
+def tool_shape(prompt, tools, choice, stops: list[str], template: str | None) -> tuple:
+    """(the tools to render, a call grammar) from ``tools`` / ``choice`` (checked already, e.g.
+    by :class:`~specdec_rt.spec.params.RequestParams`; ``choice`` None resolved) for this
+    prompt. With ``"none"`` the tools are still rendered where the ``template`` can (the model
+    knows them, as OpenAI's does, and calls none); ``"required"`` / a named function: the call
+    grammar, which no stop string may cut, and the ``parameters`` schemas it holds the call to
+    (each checked on its own before the request runs). Returns ``(tools, grammar, schemas)``."""
+    tools = list(tools)
     if not tools:
         return None, None, ()
     if isinstance(prompt, str) or token_id_prompt(prompt, 2**63) is not None:
