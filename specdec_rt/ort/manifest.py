@@ -27,7 +27,7 @@ from typing import Any
 from ..errors import ModelLoadError, ModelNotBuiltError
 from ..manifest_schema import (KV_LAYOUT, KV_ROLES, LIMITS, MANIFEST, MAX_DRAFTS, MAX_EOS_IDS, MAX_FILES,
                                MAX_MANIFEST_BYTES, MAX_NAME_CHARS, MAX_PATH_CHARS, MAX_TEMPLATE_CHARS, MAX_TOKEN_ID,
-                               PACKED_ROLES, REQUIRED_INPUTS, SCHEMA_VERSION, STAMP)
+                               PACKED_ROLES, REQUIRED_INPUTS, SCHEMA_VERSION, STAMP, TREE_ROLES)
 
 __all__ = ["Manifest", "load_manifest", "check_manifest", "resolve_model_dir", "cache_root", "SCHEMA_VERSION",
            "STAMP", "LIMITS", "KV_ROLES", "PACKED_ROLES", "inside"]
@@ -199,6 +199,7 @@ def check_manifest(folder: str | os.PathLike, raw: dict, verify_hashes: bool | s
     for role in REQUIRED_INPUTS:
         if not m.inputs.get(role):
             raise ModelLoadError(f"{path}: onnx.inputs.{role} is missing")
+    _check_packed(m.inputs, path)
     if not m.outputs.get("logits"):
         raise ModelLoadError(f"{path}: onnx.outputs.logits is missing")
     if m.kv.get("layout") != KV_LAYOUT or m.kv.get("shared_buffer") is not True:
@@ -225,6 +226,19 @@ def check_manifest(folder: str | os.PathLike, raw: dict, verify_hashes: bool | s
     if mode != "never":
         _verify_hashes(folder, checked, path, use_stamp=mode == "once")
     return m
+
+
+def _check_packed(inputs: dict, path: Path) -> None:
+    """Every language-model graph takes packed rows with positions and an attention bias
+    (``PACKED_ROLES`` + ``TREE_ROLES``, exporter 0.3 and later); an EAGLE head (an input
+    ``features``) takes none of them. A folder exported before packed rows is refused here, the
+    one place the runtime knows such exports existed: the backend serves packed graphs alone."""
+    if inputs.get("features"):
+        return
+    missing = [role for role in PACKED_ROLES + TREE_ROLES if not inputs.get(role)]
+    if missing:
+        raise ModelLoadError(f"{path}: exported before packed rows (no onnx.inputs.{missing[0]}); "
+                             "rebuild the folder with: python -m export")
 
 
 def read_regular(path: Path, limit: int, follow: bool = True) -> bytes:

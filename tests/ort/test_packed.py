@@ -1,8 +1,9 @@
 """Packed graphs: the rows of a batched call, several new positions each, in one ONNX Runtime call.
 
 A batched verify must give every row the logits it gets alone, leave the slots between the rows
-as they were, and cost its real positions (the MatMuls run on packed positions). Exports from
-before packing keep loading and decode as before (one row at a time for several positions).
+as they were, and cost its real positions (the MatMuls run on packed positions). An export from
+before packed rows (or from exporter 0.2, packed rows without positions and an attention bias)
+is refused at load with one line that says to rebuild it with python -m export.
 """
 
 from __future__ import annotations
@@ -104,28 +105,26 @@ def _unpack(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_an_export_from_before_packing_still_decodes_the_same(tiny_llama, tmp_path):
-    old = _unpack(tiny_llama, tmp_path / "old")
-    model = OrtModel(old, max_length=64, slots=1, threads=1)
-    assert not model.ragged
-    toks = np.arange(3, 20)
-    s = model.start()
-    s.run_sync(toks[:10], 1, 0)
-    np.testing.assert_allclose(s.run_sync(toks[10:], 7, 10), _alone(tiny_llama, toks[:10], toks[10:]), atol=1e-4)
+def _without_tree_inputs(src: Path, dst: Path) -> Path:
+    """An exporter 0.2 manifest: packed rows, but no positions and no attention bias."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("draft-*", ".specdec-verified.json"))
+    manifest = json.loads((dst / "manifest.json").read_text())
+    for role in TREE_ROLES:
+        manifest["onnx"]["inputs"].pop(role)
+    manifest["drafts"] = []
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
 
-    async def both():
-        outs = []
-        for folder in (tiny_llama, old):
-            engine = await Engine.load(folder, draft="ngram", slots=4)
-            try:
-                outs.append(await asyncio.gather(*[engine.generate(f"row {i} says", 12, mode="spec")
-                                                   for i in range(4)]))
-            finally:
-                await engine.aclose()
-        return outs
 
-    new, before = asyncio.run(both())
-    assert [r.token_ids for r in new] == [r.token_ids for r in before]
+@pytest.mark.parametrize(("make", "missing"), [(_unpack, "query_seqlens"), (_without_tree_inputs, "position_ids")])
+def test_an_export_from_before_packed_rows_is_refused_in_one_line(tiny_llama, tmp_path, make, missing):
+    old = make(tiny_llama, tmp_path / "old")
+    with pytest.raises(ModelLoadError) as info:
+        OrtModel(old, max_length=64, slots=1, threads=1)
+    assert str(info.value) == (f"{old / 'manifest.json'}: exported before packed rows (no onnx.inputs.{missing}); "
+                               "rebuild the folder with: python -m export")
+    with pytest.raises(ModelLoadError, match="exported before packed rows"):
+        asyncio.run(Engine.load(old, draft="ngram", slots=1))
 
 
 def test_a_manifest_that_does_not_name_a_graph_input_says_rebuild(tiny_llama, tmp_path):
