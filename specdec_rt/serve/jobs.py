@@ -98,9 +98,9 @@ async def _open(serving: Serving, params: GenParams, prompt, choice: int = 0):
     checked (a 400 comes before streaming; a stream that fails is closed here). A request that
     names no token limit gets the server's default, capped to the room its prompt leaves in the
     context (as OpenAI's API does)."""
-    kwargs = params.engine_kwargs(serving.default_max_tokens, choice)
+    request = params.request_params(serving.default_max_tokens, choice)
     for capped in (False, True):
-        stream = serving.engine.stream(prompt, **kwargs)
+        stream = serving.engine.stream(prompt, request)
         if not hasattr(stream, "ready"):  # not an EngineStream: it checks as it goes
             return stream
         try:
@@ -115,7 +115,7 @@ async def _open(serving: Serving, params: GenParams, prompt, choice: int = 0):
                 raise ContextLengthError(f"prompt of {exc.prompt_tokens} tokens leaves no room for an answer in "
                                          f"the model's maximum length of {exc.max_length} tokens",
                                          exc.prompt_tokens, exc.max_length) from None
-            kwargs["max_new_tokens"] = room
+            request = request.replace(max_new_tokens=room)
         except BaseException:
             await stream.aclose()
             raise

@@ -20,6 +20,7 @@ from ..errors import ContextLengthError, InvalidInputError
 from ..sampling.logprobs import MAX_TOP_LOGPROBS
 from ..checks import brief_repr, is_int, is_number
 from ..sampling import SamplingParams
+from ..spec.params import RequestParams
 from ..text.tools import check_tool_choice, check_tools
 
 __all__ = ["APIError", "GenParams", "parse_request", "engine_error", "error_body", "Kind"]
@@ -93,19 +94,20 @@ class GenParams:
         order of the response's choice indices (prompt i's choice j is index ``i * n + j``)."""
         return [(prompt, j) for prompt in (self.prompts or [self.prompt]) for j in range(self.n)]
 
-    def engine_kwargs(self, default_max_tokens: int, choice: int = 0) -> dict:
-        """Keyword arguments for ``Engine.stream`` (after the prompt) of choice ``choice``: with
-        a ``seed``, choice i samples with ``seed + i`` (so choices differ, and each is reproducible)."""
+    def request_params(self, default_max_tokens: int, choice: int = 0) -> RequestParams:
+        """The engine's parameters for choice ``choice``: the one place OpenAI's fields become a
+        :class:`~specdec_rt.spec.params.RequestParams`. ``max_tokens`` (or
+        ``max_completion_tokens``) is ``max_new_tokens``, else ``default_max_tokens``; with a
+        ``seed``, choice i samples with ``seed + i`` (so choices differ, and each is
+        reproducible); ``echo`` with ``logprobs`` asks for the prompt's log-probabilities too.
+        A value the engine refuses raises its :class:`InvalidInputError` (see :func:`engine_error`)."""
         seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
-        return dict(max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
-                    top_k=self.top_k, top_p=self.top_p, seed=seed, mode=self.mode,
-                    stop=self.stop or None, **({} if self.logprobs is None else {"logprobs": self.logprobs}),
-                    **({} if self.logit_bias is None else {"logit_bias": self.logit_bias}), **self.penalties,
-                    **({"prompt_logprobs": self.logprobs} if self.echo and self.logprobs is not None else {}),
-                    **({"response_format": self.response_format} if self.response_format else {}),
-                    **({"tools": self.tools, "tool_choice": self.tool_choice} if self.tools else {}),
-                    **({"min_tokens": self.min_tokens} if self.min_tokens else {}),
-                    **({"ignore_eos": True} if self.ignore_eos else {}))
+        return RequestParams(
+            max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature, top_k=self.top_k,
+            top_p=self.top_p, seed=seed, mode=self.mode, stop=self.stop, logprobs=self.logprobs,
+            logit_bias=self.logit_bias, **self.penalties, prompt_logprobs=self.logprobs if self.echo else None,
+            response_format=self.response_format, tools=self.tools, tool_choice=self.tool_choice if self.tools else None,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
 
 
 def parse_request(kind: Kind, body: Any) -> GenParams:

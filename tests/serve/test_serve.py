@@ -15,6 +15,7 @@ from serve_util import CHAT, PROMPT, client, run, sse_data  # noqa: E402
 from specdec_rt.errors import ContextLengthError, InvalidInputError  # noqa: E402
 from specdec_rt.serve import create_app  # noqa: E402
 from specdec_rt.serve.protocol import APIError, engine_error, parse_request  # noqa: E402
+from specdec_rt.spec.params import RequestParams  # noqa: E402
 
 # ---------------------------------------------------------------- parsing (no model)
 @pytest.mark.parametrize("kind,body,param", [
@@ -95,10 +96,11 @@ def test_parse_defaults_and_ignores_unknown_fields():
                                "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
                                "stop": "END", "top_k": -1, "top_p": 1, "max_completion_tokens": 7, "n": 1})
     assert p.prompt == [{"role": "system", "content": "ab"}, {"role": "user", "content": "hi"}]
-    assert p.engine_kwargs(99) == dict(max_new_tokens=7, temperature=1.0, top_k=None, top_p=None, seed=None,
-                                       mode="spec", stop=["END"])
+    assert p.request_params(99) == RequestParams(max_new_tokens=7, temperature=1.0, stop="END")
     q = parse_request("completion", {"prompt": ["only one"], "temperature": 0})
-    assert q.prompt == "only one" and q.engine_kwargs(99)["max_new_tokens"] == 99 and q.temperature == 0.0
+    assert q.prompt == "only one" and q.request_params(99).max_new_tokens == 99 and q.temperature == 0.0
+    seeded = parse_request("completion", {"prompt": "x", "seed": 2**64 - 1, "n": 2})
+    assert [seeded.request_params(9, i).seed for i in range(2)] == [2**64 - 1, 0]  # seed + choice, 64 bits
 
 
 def test_engine_errors_map_to_fields():
@@ -117,15 +119,24 @@ def test_engine_errors_map_to_fields():
     assert parse_request("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": 5}).logprobs == 5
     assert parse_request("completion", {"prompt": "x", "logprobs": 3}).logprobs == 3
     assert parse_request("completion", {"prompt": "x", "logprobs": None}).logprobs is None
-    assert "logprobs" not in parse_request("chat", {"messages": CHAT}).engine_kwargs(16)
-    assert parse_request("chat", {"messages": CHAT, "logit_bias": {"5": -100, "7": 2.5}}).engine_kwargs(16)[
-        "logit_bias"] == {5: -100.0, 7: 2.5}
-    assert "logit_bias" not in parse_request("chat", {"messages": CHAT, "logit_bias": {}}).engine_kwargs(16)
-    kw = parse_request("chat", {"messages": CHAT, "presence_penalty": 0.5, "frequency_penalty": -1,
-                                "repetition_penalty": 1.2}).engine_kwargs(16)
-    assert (kw["presence_penalty"], kw["frequency_penalty"], kw["repetition_penalty"]) == (0.5, -1.0, 1.2)
-    off = parse_request("chat", {"messages": CHAT, "presence_penalty": 0, "repetition_penalty": 1}).engine_kwargs(16)
-    assert "presence_penalty" not in off and "repetition_penalty" not in off
+    assert parse_request("chat", {"messages": CHAT}).request_params(16).logprobs is None
+    assert parse_request("chat", {"messages": CHAT, "logit_bias": {"5": -100, "7": 2.5}}).request_params(
+        16).sampling_params().logit_bias == ((5, -100.0), (7, 2.5))
+    assert parse_request("chat", {"messages": CHAT, "logit_bias": {}}).request_params(16).logit_bias is None
+    rp = parse_request("chat", {"messages": CHAT, "presence_penalty": 0.5, "frequency_penalty": -1,
+                                "repetition_penalty": 1.2}).request_params(16)
+    assert (rp.presence_penalty, rp.frequency_penalty, rp.repetition_penalty) == (0.5, -1.0, 1.2)
+    off = parse_request("chat", {"messages": CHAT, "presence_penalty": 0, "repetition_penalty": 1}).request_params(16)
+    assert not off.sampling_params().penalized
+    echo = parse_request("completion", {"prompt": "x", "echo": True, "logprobs": 2}).request_params(16)
+    assert (echo.logprobs, echo.prompt_logprobs) == (2, 2)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    called = parse_request("chat", {"messages": CHAT, "tools": tools, "min_tokens": 2, "ignore_eos": True})
+    rp = called.request_params(16)
+    assert (rp.tools, rp.tool_choice, rp.calls_tools, rp.min_tokens, rp.ignore_eos) == (tuple(tools), "auto", True, 2,
+                                                                                        True)
+    with pytest.raises(InvalidInputError, match="^min_tokens"):  # above the server's default token limit
+        parse_request("chat", {"messages": CHAT, "min_tokens": 20}).request_params(16)
     assert engine_error(InvalidInputError("logit_bias token id 9 is outside ..."), chat).param == "logit_bias"
 
 
