@@ -105,3 +105,28 @@ def test_root_holds_few_modules():
     root = Path(__file__).resolve().parent.parent / "specdec_rt"
     modules = sorted(p.name for p in root.glob("*.py"))
     assert len(modules) <= 12, modules
+
+
+def exporter_violations(graph: dict[str, set[str]]) -> list[str]:
+    """The exporter shares one torch-free module with the runtime, the manifest schema; its
+    validation step (export.validate) also runs the export through the runtime's ONNX Runtime
+    backend. ``export.draft`` (train-draft) evaluates a draft by running the scheduler, so it may
+    use the runtime's public parts."""
+    found = []
+    for mod, imported in sorted(graph.items()):
+        if not mod.startswith("export.") or mod.startswith("export.draft"):
+            continue
+        allowed = {"specdec_rt.manifest_schema"}
+        if mod == "export.validate":
+            allowed |= {"specdec_rt.errors", "specdec_rt.ort"}
+        for dep in sorted(imported):
+            if dep.startswith("specdec_rt") and dep not in allowed and not (
+                    "specdec_rt.ort" in allowed and dep.startswith("specdec_rt.ort.")):
+                found.append(f"{mod} imports {dep} (the exporter shares only specdec_rt.manifest_schema)")
+    return found
+
+
+def test_the_exporter_shares_only_the_manifest_schema():
+    assert exporter_violations(import_graph()) == []
+    assert exporter_violations({"export.graph": {"specdec_rt.text.codec"}}) != []  # the checker bites
+    assert exporter_violations({"export.validate": {"specdec_rt.ort.model"}}) == []
