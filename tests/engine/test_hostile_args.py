@@ -400,16 +400,15 @@ MISSHAPEN = {"too narrow": lambda r: np.zeros((r, 5), np.float32), "too wide": l
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-@pytest.mark.parametrize("role", ["target", "draft"])
-@pytest.mark.parametrize("what", list(BROKEN) + list(MISSHAPEN))
+@pytest.mark.parametrize(("role", "what"), [(role, what) for role in ("target", "draft")
+                                             for what in list(BROKEN) + list(MISSHAPEN)
+                                             if (role, what) != ("draft", "one row for several")])  # a draft step asks one row
 def test_a_model_whose_logits_are_broken_fails_the_request_in_greedy_decoding_too(greedy, role, what):
     """Greedy decoding took np.argmax of NaN logits (id 0, or the NaN's) and went on; a row of
     the wrong width passed unchecked (QA). Every such call now fails with the error root."""
     from specdec_rt import InferenceError, ModelDrafter, ModelVerifier, SpecDecScheduler
     from specdec_rt.testing import ToyLM
 
-    if role == "draft" and what == "one row for several":
-        pytest.skip("a draft step asks for one row")
     broken = _FixedModel({**BROKEN, **MISSHAPEN}[what])
     target, draft = (broken, ToyLM(8, seed=1)) if role == "target" else (ToyLM(8, seed=3), broken)
     params = SamplingParams() if greedy else SamplingParams(temperature=0.7, seed=1)
