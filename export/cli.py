@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 def summary(result, ui: Reporter) -> str:
     """The end-of-run table: folders, sizes, node counts, validation; then stage timings."""
     rows = []
-    for name, folder, man in result.folders:
+    for _name, folder, man in result.folders:
         files = man["files"]
         val = man.get("validation") or {}
         q = man["onnx"]["quantization"]

@@ -195,7 +195,7 @@ def find_grid(weight: np.ndarray, block_size: int = 32, forms: tuple[str, ...] |
         if bs > block_size or (forms is not None and form not in forms):
             continue
 
-        def on(cols: slice) -> GridWeight | None:
+        def on(cols: slice, bs=bs, detect=detect) -> GridWeight | None:
             part = np.ascontiguousarray(weight[:, cols])
             blocks = _blocks(part, bs)
             found = None if blocks is None else detect(part, blocks)

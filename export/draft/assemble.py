@@ -151,10 +151,10 @@ def _head_config(path: Path, raw: bytes) -> dict:
 
 def _head_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Each trained tensor's shape (nn.Linear layout [out, in]) from the config."""
-    H, I = cfg["hidden_size"], cfg["intermediate_size"]
+    H, F = cfg["hidden_size"], cfg["intermediate_size"]
     q, kv = cfg["num_heads"] * cfg["head_dim"], cfg["num_kv_heads"] * cfg["head_dim"]
     return {"fc": (H, 2 * H), "ln1": (H,), "q": (q, H), "k": (kv, H), "v": (kv, H), "o": (H, q),
-            "ln2": (H,), "gate": (I, H), "up": (I, H), "down": (H, I), "norm": (H,)}
+            "ln2": (H,), "gate": (F, H), "up": (F, H), "down": (H, F), "norm": (H,)}
 
 
 def assemble_draft(target_dir: Path, head_file: Path, out_dir: Path, *, name: str = "eagle",

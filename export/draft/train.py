@@ -227,7 +227,7 @@ def train(head: EagleHead, train_b: list[Batch], val_b: list[Batch], cfg: TrainC
             break
         i = state["step"]
         b = train_b[orders[i // steps_per_epoch][i % steps_per_epoch]]
-        loss = sum(DEPTH_W[s] * l for s, (l, _, _) in enumerate(losses(head, b, cfg.depth)))
+        loss = sum(DEPTH_W[s] * part for s, (part, _, _) in enumerate(losses(head, b, cfg.depth)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -73,7 +73,7 @@ def format_table(summary: dict) -> str:
     rows = [f"{'mode':<22} {'tok/s':>7} {'p25-p75':>13} {'vs ar':>6} {'vs hf_ar':>8} {'accept':>6} "
             f"{'mean acc':>8} {'tok/call':>8} {'identical':>9}"]
     for m, d in summary["modes"].items():
-        def f(key, fmt):
+        def f(key, fmt, d=d):
             return format(d[key], fmt) if d.get(key) is not None else "-"
         rows.append(f"{m:<22} {d['tokens_per_s']:>7.1f} {d['p25']:>6.1f}-{d['p75']:<6.1f} "
                     f"{f('speedup_vs_ar', '.2f'):>6} {f('speedup_vs_hf_ar', '.2f'):>8} "
