@@ -22,6 +22,7 @@ from ..checks import brief_repr, is_int, is_number
 from ..sampling import SamplingParams
 from ..spec.params import RequestParams
 from ..text.tools import check_tool_choice, check_tools
+from ..types import Mode
 
 __all__ = ["APIError", "GenParams", "parse_request", "engine_error", "error_body", "Kind"]
 
@@ -67,7 +68,7 @@ class GenParams:
     top_k: int | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    mode: str = "spec"
+    mode: Mode = "spec"
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices
@@ -105,7 +106,10 @@ class GenParams:
         return RequestParams(
             max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature, top_k=self.top_k,
             top_p=self.top_p, seed=seed, mode=self.mode, stop=self.stop, logprobs=self.logprobs,
-            logit_bias=self.logit_bias, **self.penalties, prompt_logprobs=self.logprobs if self.echo else None,
+            logit_bias=self.logit_bias, presence_penalty=self.penalties.get("presence_penalty", 0.0),
+            frequency_penalty=self.penalties.get("frequency_penalty", 0.0),
+            repetition_penalty=self.penalties.get("repetition_penalty", 1.0),
+            prompt_logprobs=self.logprobs if self.echo else None,
             response_format=self.response_format, tools=self.tools, tool_choice=self.tool_choice if self.tools else None,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
 
