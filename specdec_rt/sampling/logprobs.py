@@ -30,8 +30,8 @@ class TokenLogprob:
 def check_top_logprobs(top: object, name: str = "logprobs") -> int | None:
     """``None`` (off) or an int in ``0..MAX_TOP_LOGPROBS``; anything else is an InvalidInputError
     naming the argument ``name``."""
-    top = check_int(top, name, 0, MAX_TOP_LOGPROBS, optional=True)
-    return None if top is None else int(top)
+    checked = check_int(top, name, 0, MAX_TOP_LOGPROBS, optional=True)
+    return None if checked is None else int(checked)
 
 
 def token_logprobs(logits: np.ndarray, ids: np.ndarray, top: int = 0) -> tuple[TokenLogprob, ...]:
