@@ -165,13 +165,9 @@ class Engine:
     def _load(cls, name_or_path, draft, max_length, threads, provider, slots, spec_config,
               prefix_cache=True, prefix_cache_bytes=DEFAULT_BUDGET_BYTES) -> "Engine":
         check_load_args(name_or_path, draft, max_length, threads, spec_config)
-        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
-            raise InvalidInputError(f"slots must be an integer in 1..{MAX_SLOTS}, got {slots!r}")
-        if not isinstance(prefix_cache, bool):
-            raise InvalidInputError(f"prefix_cache must be True or False, got {prefix_cache!r}")
-        if (isinstance(prefix_cache_bytes, bool) or not isinstance(prefix_cache_bytes, int)
-                or prefix_cache_bytes < 0):
-            raise InvalidInputError(f"prefix_cache_bytes must be an integer >= 0, got {prefix_cache_bytes!r}")
+        check_int(slots, "slots", 1, MAX_SLOTS, numpy=False)
+        check_bool(prefix_cache, "prefix_cache")
+        check_int(prefix_cache_bytes, "prefix_cache_bytes", 0, numpy=False)
         parts = build_parts(name_or_path, draft, max_length=max_length, threads=threads, provider=provider,
                             slots=slots, prefix_cache_bytes=prefix_cache_bytes if prefix_cache else 0)
         return cls(parts.target, parts.drafter, parts.codec, spec_config, slots=slots, draft_name=parts.draft_name,
