@@ -192,9 +192,9 @@ class BatchExecutor:
         if self._closed:
             raise EngineClosedError("the engine is closed")
         loop = asyncio.get_running_loop()
-        if self._task is None or self._task.done():
+        if self._task is None or self._task.done() or self._wake is None:  # (the event comes with the task)
             self._wake = asyncio.Event()
-            self._task = loop.create_task(self._loop(), name="specdec-batch-executor")
+            self._task = loop.create_task(self._loop(self._wake), name="specdec-batch-executor")
         call = _Call(session, np.asarray(ids, dtype=np.int64), rows, extra, loop.create_future())
         self._pending.append(call)
         self._wake.set()
@@ -271,20 +271,21 @@ class BatchExecutor:
             if not call.future.done():
                 call.future.set_exception(EngineClosedError("the engine was closed"))
         self._pending.clear()
-        task = self._task
-        if task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop():
-            self._wake.set()  # (a task of an event loop that has ended runs no call)
+        task, wake = self._task, self._wake
+        if task is not None and wake is not None and not task.done() and task.get_loop() is asyncio.get_running_loop():
+            wake.set()  # (a task of an event loop that has ended runs no call)
             with anyio.CancelScope(shield=True):
                 await asyncio.wait([task])
 
     # ------------------------------------------------------------------ the loop
-    async def _loop(self) -> None:
+    async def _loop(self, wake: asyncio.Event) -> None:
+        """Run the queued calls until closed; ``wake`` is set when a call is queued."""
         while not self._closed:
             if not self._pending:
                 if await self._idle_work():
                     continue
-                self._wake.clear()
-                await self._wake.wait()
+                wake.clear()
+                await wake.wait()
                 continue
             # 1. gather: every request that is ready submits its call before the batch is cut
             #    (a request needs a few event-loop passes from its last result to its next call)

@@ -69,7 +69,10 @@ class NgramDrafter(DraftInferrer):
         if k < 0 or nodes < 0:
             raise InvalidInputError(f"propose_tree needs k >= 0 and nodes >= 0, got k={k}, nodes={nodes}")
         hay = tokens[-self.window:]  # [W]
-        token, parent, depth, support = [], [], [], []  # the trie's nodes
+        token: list[int] = []  # the trie's nodes: each one's token, parent (-1: the root), depth, matches through it
+        parent: list[int] = []
+        depth: list[int] = []
+        support: list[int] = []
         children: dict[tuple[int, int], int] = {}  # (node (-1: the root), token) -> child node
         deepest = min(k, self.k_max)
         for starts in self._matches(hay, n_min):
@@ -79,7 +82,9 @@ class NgramDrafter(DraftInferrer):
                     nxt = children.get((node, t))
                     if nxt is None:
                         nxt = children[(node, t)] = len(token)
-                        token.append(t), parent.append(node), depth.append(depth[node] + 1 if node >= 0 else 1)
+                        token.append(t)
+                        parent.append(node)
+                        depth.append(depth[node] + 1 if node >= 0 else 1)
                         support.append(0)
                     support[nxt] += 1
                     node = nxt

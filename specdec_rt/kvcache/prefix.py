@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -61,6 +61,14 @@ def block_keys(ids: np.ndarray, block: int, n: int) -> list[int]:
     return keys
 
 
+class Source(Protocol):
+    """A session whose committed prompt may serve others (:class:`~specdec_rt.kvcache.cached_start.CachedStart`)."""
+
+    def stable_length(self) -> int:
+        """Positions whose KV is final: committed tokens its owner never rolls back."""
+        ...
+
+
 @dataclass(eq=False)
 class Hit:
     """A new session's first ``length`` tokens are cached in ``slot``: its own slot (a residue,
@@ -68,7 +76,7 @@ class Hit:
 
     slot: int
     length: int
-    owner: object | None = None
+    owner: Source | None = None
 
 
 @dataclass(eq=False)
@@ -77,12 +85,12 @@ class _Entry:
     keys: list = field(default_factory=list)
     used: int = 0  # LRU clock
     ready: bool = True  # an entry being stashed is not a source until its copy is done
-    owner: object = None  # a residue: the session that left it
+    owner: Source | None = None  # a residue: the session that left it
 
 
 @dataclass(eq=False)
 class _Live:
-    session: object  # has stable_length(): positions that are final
+    session: Source
     tokens: np.ndarray  # [n] committed tokens when it started
     keys: list = field(default_factory=list)
 
@@ -127,8 +135,10 @@ class PrefixCache:
         self.running, self.block = running, block
         self.enabled = entries > 0 and budget_bytes >= block * token_bytes and copy is not None
         self.budget_bytes, self.token_bytes = budget_bytes, token_bytes
-        self._copy, self._discard = copy, discard
-        self._copy_parts = copy_parts or (lambda *a: [lambda: copy(*a)])
+        # a disabled cache never copies (no hits, no entries): nothing calls _copy then
+        self._copy: Callable[[int, int, int, int], None] = copy if copy is not None else _copies_nothing
+        self._discard = discard
+        self._copy_parts = copy_parts or (lambda *a: [lambda: self._copy(*a)])
         self._free = list(range(running))  # running slots nobody holds
         self._spare = list(range(running, running + entries)) if self.enabled else []  # empty entry slots
         self._entries: dict[int, _Entry] = {}  # entry slot -> what it holds
@@ -214,7 +224,7 @@ class PrefixCache:
         hit = self._lookup(np.asarray(tokens, dtype=np.int64))
         return hit.length if hit is not None else 0
 
-    def register(self, slot: int, session: object, tokens: np.ndarray | None) -> None:
+    def register(self, slot: int, session: Source, tokens: np.ndarray | None) -> None:
         """``session`` now holds ``slot``; its first ``tokens`` (committed) may serve as a source."""
         if not self.enabled or tokens is None or tokens.size <= self.block:
             return
@@ -389,3 +399,7 @@ class PrefixCache:
                 held.discard(slot)
                 if not held:
                     del self._index[k]
+
+
+def _copies_nothing(src: int, dst: int, start: int, stop: int) -> None:
+    raise InferenceError("a prefix cache made without copy() copies nothing")

@@ -31,7 +31,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from .arms import BatchArms, RoundLedger
 from .config import SpecConfig
@@ -91,6 +91,13 @@ PREFILL_SAMPLES = 8  # draft prefill measurements the estimate is the median of
 PLAIN_REFRESH_EVERY = 48  # rounds alone without a plain step, after which one round is plain
 
 
+class TargetStepSeconds(Protocol):
+    """Seconds of one batched target call of ``rows`` rows feeding ``positions`` new positions in
+    all (default: one each), ``None`` where never measured (``BatchCosts.target_step``)."""
+
+    def __call__(self, rows: int, positions: int | None = None, /) -> float | None: ...
+
+
 @dataclass
 class CostModel:
     """Measured seconds per draft token and per verify call (EWMAs), as costs relative to one
@@ -106,7 +113,7 @@ class CostModel:
     prefill_samples: list[float] = field(default_factory=list)  # recent draft prefill seconds per token
     # seconds of one batched target call of B rows and N new positions in all, (B, N) -> seconds
     # (measured by the step loop; None: unknown)
-    batch_step_s: Callable[[int, int], float | None] | None = None
+    batch_step_s: TargetStepSeconds | None = None
     batch_shapes: Callable[[int], Sequence[int]] | None = None  # rows -> measured positions, sorted
     batched_verify: bool = False  # the target verifies the rows of a batch in one call
     draft_step_s: Callable[[int], float | None] | None = None  # batched draft model step of B rows
@@ -290,8 +297,8 @@ class CostModel:
             return alone_gain >= self.config.resume_speedup
         for b in range(batch - 1, max(1, batch - 3), -1):
             arms = self.batch_arms.get(b)
-            if arms is not None and arms.measured:  # a clear win there, not one within noise
-                return arms.drafts > arms.plain * self.config.resume_speedup
+            if arms is not None and arms.drafts is not None and arms.plain is not None:  # both measured
+                return arms.drafts > arms.plain * self.config.resume_speedup  # a clear win, not noise
         return False
 
     def catchup_pays_batch(self, lag: int, new_tokens: int, gain: float, batch: int) -> bool:
@@ -339,11 +346,11 @@ class CostModel:
         ``d(B)``: the draft model's measured batched step, else its step alone scaled as the
         target's step scales from 1 to B rows, with a margin. Unknown costs: no gain predicted (plain steps
         measure ``c(B, B)``; requests alone measure the draft)."""
-        c1 = self.batch_step_s(batch, batch)
+        c1 = self._plain_batch_s(batch)
         if c1 is None:
             return 0.0
         d = self.draft_step_s(batch) if self.draft_step_s is not None else None
-        alone = self.batch_step_s(1, 1) or self._base_and_slope()[0]  # a plain step alone, else a verify's base
+        alone = self._plain_batch_s(1) or self._base_and_slope()[0]  # a plain step alone, else a verify's base
         if d is None and self.draft_token_s is not None and alone:
             # a draft step grows with rows at least as the target's does (quantized drafts grow
             # faster: int8 SmolLM2 0.62 of the target alone, 0.79 at 8 rows): unmeasured, a margin
@@ -370,8 +377,11 @@ class CostModel:
         """Seconds of a batched target call of ``batch`` rows and ``positions`` positions: the
         measurement, else a line through ``c(B, B)`` and the nearest longer measured call, else
         the slope of a verify alone (measured, else the default)."""
-        c1 = self.batch_step_s(batch, batch)
-        t = self.batch_step_s(batch, positions)
+        step = self.batch_step_s
+        c1 = step(batch, batch) if step is not None else None
+        # the callers measured c(B, B) first (cheap_speedup, _batched_speedup)
+        assert step is not None and c1 is not None, f"batch_call_s({batch}, ...) before c(B, B) was measured"
+        t = step(batch, positions)
         if t is not None or positions <= batch:
             return max(t if t is not None else c1, c1)
         if self.batch_shapes is not None:  # asked for every k of every request every round: no scan
@@ -379,9 +389,10 @@ class CostModel:
             i = bisect.bisect_left(shapes, positions)
             longer = shapes[i] if i < len(shapes) and shapes[i] < positions + 4 * batch else None
         else:
-            longer = next((n for n in range(positions, positions + 4 * batch) if self.batch_step_s(batch, n) is not None), None)
-        if longer is not None:
-            return c1 + max(0.0, self.batch_step_s(batch, longer) - c1) * (positions - batch) / (longer - batch)
+            longer = next((n for n in range(positions, positions + 4 * batch) if step(batch, n) is not None), None)
+        t_longer = step(batch, longer) if longer is not None else None
+        if longer is not None and t_longer is not None:
+            return c1 + max(0.0, t_longer - c1) * (positions - batch) / (longer - batch)
         base, s = self._base_and_slope()
         per = (base if base is not None else c1 / batch) * s  # seconds per extra position
         return c1 + per * (positions - batch)

@@ -102,7 +102,7 @@ class BatchArms:
         want = predicted >= threshold and not behind
         if self.plain is None and self.drafts is None:
             return want
-        if self.measured:
+        if self.drafts is not None and self.plain is not None:  # both measured
             best, every = self.drafts > self.plain * ARM_MARGIN, self.period
         else:  # one kind measured: the prediction decides; the other kind is probed soon
             best, every = want, ARM_FIRST_PROBE

@@ -5,6 +5,8 @@ the fallback rules are stated in :mod:`specdec_rt.policy.acceptance`. Plain rule
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 from .acceptance import CATCHUP_FREE, CHEAP_PRIOR, AcceptanceEWMA, CostModel, SpecConfig
 from ..errors import InvalidInputError
 from ..types import FallbackEvent, Mode
@@ -181,12 +183,13 @@ class RequestPolicy:
         return FallbackEvent(at, "ar", reason, a)
 
 
-def _peak(ks, speedup) -> tuple[int, float]:
+def _peak(ks: Sequence[int], speedup: Callable[[int], float]) -> tuple[int, float]:
     """``(k, speedup(k))`` at the highest speedup over the increasing ``ks``, scanning up to the
     first decrease: ``E(a, k)`` grows ever slower while a round's cost grows with k, so the
     predicted speedup rises to one peak and falls (asked for every request every round: a
     batch of 8 spent ~2% of its time here scanning every k)."""
-    best = prev = None
+    best: tuple[int, float] | None = None
+    prev: float | None = None
     for k in ks:
         v = speedup(k)
         if best is None or v > best[1]:
@@ -194,4 +197,5 @@ def _peak(ks, speedup) -> tuple[int, float]:
         elif prev is not None and v < prev:
             break
         prev = v
+    assert best is not None, "no k to choose from"  # SpecConfig checks k_min <= k_max
     return best

@@ -52,8 +52,8 @@ class Constraint(Protocol):
         if ``before`` itself is ruled out (no output can pass through that row)."""
         return None
 
-    def commit(self, ids: Sequence[int]) -> None:
-        """The request committed ``ids`` (each one allowed where it stands). A constraint that
+    def commit(self, ids: np.ndarray) -> None:
+        """The request committed ``ids`` ``[n]`` int64 (each one allowed where it stands). A constraint that
         rules nothing more from then on may say so with ``spent`` (True), and the request then
         keeps its ``inner`` constraint (or None) instead (:class:`MinTokens` does)."""
 
@@ -100,7 +100,7 @@ class GrammarConstraint(Constraint):
             if went and not m.is_error():
                 m.rollback(went)
 
-    def commit(self, ids: Sequence[int]) -> None:
+    def commit(self, ids: np.ndarray) -> None:
         m = self.matcher
         for t in ids:
             if int(t) in self.eos_ids and m.is_stopped():
@@ -120,9 +120,9 @@ class MinTokens(Constraint):
         self.count, self.vocab_size, self.inner = int(count), int(vocab_size), inner
         self.stop = np.array(sorted({int(t) for t in stop_ids if 0 <= int(t) < vocab_size}), dtype=np.int64)
         self.committed = 0
+        self.spent = self._spent()
 
-    @property
-    def spent(self) -> bool:
+    def _spent(self) -> bool:
         return self.committed >= self.count or not self.stop.size
 
     def allowed(self, before: Sequence[int]) -> np.ndarray | None:
@@ -136,8 +136,9 @@ class MinTokens(Constraint):
                 out[self.stop] = True if mask is None else mask[self.stop]
         return out
 
-    def commit(self, ids: Sequence[int]) -> None:
+    def commit(self, ids: np.ndarray) -> None:
         self.committed += len(ids)
+        self.spent = self._spent()
         if self.inner is not None:
             self.inner.commit(ids)
 

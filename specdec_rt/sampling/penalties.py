@@ -42,9 +42,9 @@ def penalized(logits: np.ndarray, params: SamplingParams, prompt: np.ndarray, ge
     seen_prompt = np.zeros(v, dtype=bool)  # [V]
     p = np.asarray(prompt, dtype=np.int64)
     seen_prompt[p[p < v]] = True
-    for i, extra in enumerate(before):
+    for i, path in enumerate(before):
         counts = base.copy()
-        extra = np.asarray(extra, dtype=np.int64)
+        extra = np.asarray(path, dtype=np.int64)
         np.add.at(counts, extra[extra < v], 1)
         row = out[i]
         if params.repetition_penalty != 1.0:

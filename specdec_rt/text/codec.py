@@ -243,9 +243,10 @@ class TextCodec:
         if allow or self._special_re is None:
             return self._tokenize(self.tokenizer, self._render(list(prompt), True, tools),
                                   self._message_fields(prompt)).ids
-        return self._encode_chat_plain(list(prompt), tools)
+        return self._encode_chat_plain(list(prompt), self._special_re, tools)
 
-    def _encode_chat_plain(self, messages: list, tools: Sequence[dict] | None = None) -> list[int]:
+    def _encode_chat_plain(self, messages: list, special: re.Pattern[str],
+                           tools: Sequence[dict] | None = None) -> list[int]:
         """Render with each special-token string in the messages replaced by a placeholder
         character, encode (the template's control tokens are matched), then re-encode the text
         between two control tokens that holds placeholders with the strings put back and
@@ -254,7 +255,7 @@ class TextCodec:
         for msg in messages:
             for v in msg.values():
                 if isinstance(v, str):
-                    found.update(m.group() for m in self._special_re.finditer(v))
+                    found.update(m.group() for m in special.finditer(v))
         fields = self._message_fields(messages)
         if not found:
             return self._tokenize(self.tokenizer, self._render(messages, True, tools), fields).ids

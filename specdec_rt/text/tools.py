@@ -75,7 +75,7 @@ def check_tool_choice(choice: Any, tools: Sequence[dict]) -> str | dict:
 
 def supports_tools(template: str | None) -> bool:
     """Whether a chat template renders ``tools`` and writes calls as ``<tool_call>`` blocks."""
-    return bool(template) and "tools" in template and CALL_OPEN in template
+    return template is not None and "tools" in template and CALL_OPEN in template
 
 
 def template_messages(messages: Sequence[dict]) -> list[dict]:
