@@ -104,6 +104,10 @@ class ToyLM(LanguageModel):
         return ModelCaps(batched_steps=True, ragged=self.ragged, batched_prefill=True,
                          caches_prefixes=self.caches_prefixes, trees=self.tree)
 
+    @caps.setter
+    def caps(self, value: ModelCaps) -> None:  # LanguageModel declares a plain attribute
+        raise AttributeError("ToyLM.caps follows ragged, tree and the prefix cache: set those instead")
+
     def cached_prefix(self, tokens: np.ndarray) -> int:
         return self.prefix_cache.peek(tokens) if self.prefix_cache is not None else 0
 
@@ -162,17 +166,15 @@ class ToySession(CachedStart, CacheSession):
         self.model, self.slot = model, slot
         self.truth = np.zeros(model.max_length + 1, dtype=np.int64)  # [max_len + 1] ids it was given
         self._ids = model.store[slot] if slot >= 0 else self.truth
-        self._n = self._start_from(hit, tokens)
-        self.truth[: self._n] = tokens[: self._n] if self._n else ()
+        self._length = self._start_from(hit, tokens)  # tokens its cache holds
+        if self._length:  # a hit on the prompt's first tokens
+            assert tokens is not None
+            self.truth[: self._length] = tokens[: self._length]
         self.closed = False
 
     @property
-    def _length(self) -> int:  # CachedStart's name for it
-        return self._n
-
-    @property
     def length(self) -> int:
-        return self._n
+        return self._length
 
     async def extend(self, ids: np.ndarray, logits_rows: int, tree=None) -> np.ndarray:
         if self.closed:
@@ -181,7 +183,7 @@ class ToySession(CachedStart, CacheSession):
         extra = {} if tree is None else {"tree": np.asarray(tree, dtype=np.int64)}
         if self.model.executor is not None:
             return await self.model.executor.extend(self, ids, logits_rows, **extra)
-        return self.run_sync(ids, logits_rows, self._n, **extra)
+        return self.run_sync(ids, logits_rows, self._length, **extra)
 
     def run_sync(self, ids: np.ndarray, logits_rows: int, past: int, tree=None) -> np.ndarray:
         """Feed ``ids`` [S] after ``past`` cached tokens (the executor's entry point); ``tree``
@@ -194,8 +196,8 @@ class ToySession(CachedStart, CacheSession):
                 bad = int(np.flatnonzero(self._ids[:past] != self.truth[:past])[0])
                 raise AssertionError(f"prefix cache corrupted slot {self.slot} at position {bad}")
             self.truth[past : past + ids.size] = ids
-        self._n = past
-        self._ids[self._n : self._n + ids.size] = ids
+        self._length = past
+        self._ids[self._length : self._length + ids.size] = ids
         self.model.calls += 1
         self.model.positions += ids.size
         if tree is not None:  # each node sees the cached tokens and its own path
@@ -211,25 +213,25 @@ class ToySession(CachedStart, CacheSession):
                 ctx = np.concatenate([self._ids[max(0, past - self.model.order):past], path[::-1]])
                 rows.append(self.model.logits_at(ctx)[-1])
             return np.stack(rows)  # [rows, V]
-        self._n += ids.size
-        start = max(0, self._n - self.model.order + 1 - logits_rows)  # context the rows need
-        logits = self.model.logits_at(self._ids[start : self._n])
+        self._length += ids.size
+        start = max(0, self._length - self.model.order + 1 - logits_rows)  # context the rows need
+        logits = self.model.logits_at(self._ids[start : self._length])
         return logits[-logits_rows:]
 
     def accept_tree(self, start: int, keep) -> None:
         """Keep the tree positions ``start + keep`` as ``start ..`` (the accepted path)."""
-        if self._n != start:
-            raise ValueError(f"accept_tree at {start}: the cache holds {self._n}")
+        if self._length != start:
+            raise ValueError(f"accept_tree at {start}: the cache holds {self._length}")
         keep = np.asarray(keep, dtype=np.int64)
         self._ids[start : start + keep.size] = self._ids[start + keep]
         if self.model.prefix_cache is not None:
             self.truth[start : start + keep.size] = self.truth[start + keep]
-        self._n = start + keep.size
+        self._length = start + keep.size
 
     def rollback(self, length: int) -> None:
-        if not 0 <= length <= self._n:
-            raise ValueError(f"cannot roll back to {length}: cache holds {self._n}")
-        self._n = length
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self._length}")
+        self._length = length
 
     def close(self) -> None:
         cache = self.model.prefix_cache

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..batching import BatchExecutor
 from ..drafters import CombinedDrafter, NgramDrafter
@@ -44,7 +45,7 @@ def resolve_draft_spec(m, spec: str | None) -> str:
     return f"ngram+{model_spec}" if combined else model_spec
 
 
-def model_drafter(m, dm, **opts) -> DraftInferrer:
+def model_drafter(m, dm, **opts) -> OrtDraftInferrer | EagleDrafter:
     """The drafter for draft folder ``dm`` of target ``m`` (both manifests): an
     :class:`~specdec_rt.ort.eagle.EagleDrafter` for ``"kind": "eagle"``, else a draft model run by
     ONNX Runtime. Checks that it shares the target's tokenizer and vocabulary. ``opts``:
@@ -127,8 +128,8 @@ def build_parts(name_or_path: str | os.PathLike, draft, *, max_length: int | Non
     proportion to their KV bytes per token, so every model caches as many tokens."""
     m = load_manifest(resolve_model_dir(name_or_path))
     executor = BatchExecutor()
-    opts = dict(max_length=max_length, threads=threads, provider=provider, slots=slots,
-                prefix_cache_bytes=prefix_cache_bytes, executor=executor)
+    opts: dict[str, Any] = dict(max_length=max_length, threads=threads, provider=provider, slots=slots,
+                                prefix_cache_bytes=prefix_cache_bytes, executor=executor)
     alone = resolve_draft_spec(m, draft) in ("ngram", "none")  # no draft model beside the target
     target = OrtModel(m, **opts, alone=alone)
     drafter, draft_name = make_drafter(m, draft, opts)

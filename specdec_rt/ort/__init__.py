@@ -29,6 +29,8 @@ class OrtTargetVerifier(ModelVerifier):
     ``share_hidden``: keep the target's hidden states for an EAGLE drafter (see ``ModelVerifier``).
     """
 
+    model: OrtModel
+
     def __init__(self, model: OrtModel | str | os.PathLike | Manifest, *, share_hidden: bool = False,
                  **options) -> None:
         super().__init__(model if isinstance(model, OrtModel) else OrtModel(model, **options),
@@ -38,6 +40,8 @@ class OrtTargetVerifier(ModelVerifier):
 class OrtDraftInferrer(ModelDrafter):
     """A draft model run by ONNX Runtime: k single-token steps from its own KV cache, brought back
     in step after a partial acceptance by a rollback and a 1-2 token extend."""
+
+    model: OrtModel
 
     def __init__(self, model: OrtModel | str | os.PathLike | Manifest, **options) -> None:
         super().__init__(model if isinstance(model, OrtModel) else OrtModel(model, **options))

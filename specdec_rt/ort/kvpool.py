@@ -46,7 +46,8 @@ class _HostBuffer:
                                  f"({type(exc).__name__}: {exc}); lower max_length or slots") from None
         if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a slot's rows are ~1 MB runs: 2 MB pages would
             self.map.madvise(mmap.MADV_NOHUGEPAGE)  # commit (and zero) memory nobody writes
-        self.array = np.frombuffer(self.map, dtype=np.float32, count=int(np.prod(shape))).reshape(shape)
+        # typed: numpy's stubs give reshape(tuple[int, ...]) the shape type of a 0-d array
+        self.array: np.ndarray = np.frombuffer(self.map, dtype=np.float32, count=int(np.prod(shape))).reshape(shape)
 
     def release(self, start: int, stop: int) -> None:
         """Give the whole pages inside bytes ``start .. stop-1`` back (they read as zeros)."""

@@ -159,7 +159,8 @@ def check_manifest(folder: str | os.PathLike, raw: dict, verify_hashes: bool | s
     """The checks of :func:`load_manifest` on a manifest held in memory, ``raw``, for the files
     in ``folder``: the exporter validates a graph through the runtime before it writes
     ``manifest.json``. Errors name ``folder/manifest.json``."""
-    mode = {True: "always", False: "never"}.get(verify_hashes, verify_hashes)
+    named: dict[bool | str, str] = {True: "always", False: "never"}  # the bools' names
+    mode = named.get(verify_hashes, verify_hashes)
     if mode not in ("once", "always", "never"):
         raise ValueError(f"verify_hashes must be 'once', 'always' or 'never', got {verify_hashes!r}")
     folder = Path(folder)

@@ -13,13 +13,14 @@ they are (host memory on CPU, device memory with CUDA).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
 from ..batching import BatchExecutor
 from ..errors import InferenceError, ModelLoadError
 from ..logs import get_logger
-from ..kvcache.prefix import DEFAULT_BLOCK
+from ..kvcache.prefix import DEFAULT_BLOCK, PrefixCache
 from ..spec.protocols import LanguageModel, ModelCaps
 from ..sampling import brief_repr
 from .kvpool import KVPool
@@ -97,13 +98,13 @@ class OrtModel(LanguageModel):
         self.biased = self.ragged  # with positions: both checked at load with the packed inputs
         self.tree = self.ragged and self.device == "cpu" and not quantized
         entries = max(slots, MIN_CACHE_ENTRIES) if cache_entries is None else cache_entries
-        self.pool = KVPool(m.num_layers, m.num_kv_heads, m.head_dim, slots, self.max_length, self.device, ort,
+        self.pool: KVPool | None = KVPool(m.num_layers, m.num_kv_heads, m.head_dim, slots, self.max_length, self.device, ort,
                            entries=entries if prefix_cache_bytes else 0, budget_bytes=prefix_cache_bytes,
                            block=block)
-        self.prefix_cache = self.pool.cache  # slot bookkeeping; .enabled: it keeps prefixes
+        self.prefix_cache: PrefixCache = self.pool.cache  # slot bookkeeping; .enabled: it keeps prefixes
         self.executor = executor or BatchExecutor()  # an Engine's factory gives all its models one
         self._owners: dict[int, OrtSession] = {}  # slot -> the open session that holds it
-        self._batch_io: dict[tuple[int, int], object] = {}  # (first slot, rows) -> IO binding
+        self._batch_io: dict[tuple[int, int], Any] = {}  # (first slot, rows) -> ORT IO binding
         self.calls = 0
         # Measured at load: where a lone position's logits differ from its logits in a 2-position
         # call (``lone_differs``), a quantized target pads it with a copy (``pad_lone``); longer
@@ -113,7 +114,7 @@ class OrtModel(LanguageModel):
         self.lone_differs = self.ragged and self.device == "cpu" and self._lone_step_differs()
         self.pad_lone = self.lone_twice and self.lone_differs
         self.caps = ModelCaps(batched_steps=True, ragged=self.ragged, batched_prefill=True,
-                              caches_prefixes=self.pool.cache.enabled, trees=self.tree, hidden_states=self.has_hidden)
+                              caches_prefixes=self.prefix_cache.enabled, trees=self.tree, hidden_states=self.has_hidden)
 
     def _lone_step_differs(self) -> bool:
         """Whether a lone position's logits (its query twice in attention) differ from its
@@ -142,13 +143,19 @@ class OrtModel(LanguageModel):
             return not np.array_equal(lone[0], pair[0])
         finally:
             s.rollback(0)  # nothing for the prefix cache to keep, and the slot's KV as it was
-            for array in self.pool.host_arrays():
+            for array in self.open_pool().host_arrays():
                 array[s.slot] = 0
             s.close()
 
     @property
     def caches_prefixes(self) -> bool:
         return self.pool is not None and self.pool.cache.enabled
+
+    def open_pool(self) -> KVPool:
+        """The KV pool; an ``InferenceError`` once the model is closed."""
+        if self.pool is None:
+            raise InferenceError(f"model {self.name} is closed")
+        return self.pool
 
     def cached_prefix(self, tokens: np.ndarray) -> int:
         """Tokens of ``tokens`` [T] the prefix cache holds now (0 with the cache off)."""
@@ -162,13 +169,14 @@ class OrtModel(LanguageModel):
         position otherwise, ``pad_lone``), so its logits do not depend on its call's shape."""
         if self.session is None:
             raise InferenceError(f"model {self.name} is closed")
+        pool = self.open_pool()
         tokens = None if prefix is None else np.asarray(prefix, dtype=np.int64)
-        slot, hit = self.pool.acquire(tokens)
+        slot, hit = pool.acquire(tokens)
         session = OrtSession(self, slot, hit, tokens)
         if batch_invariant and self.ragged:
             session.lone_twice, session.pad_lone = True, self.lone_differs
         self._owners[slot] = session
-        self.pool.cache.register(slot, session, tokens)
+        pool.cache.register(slot, session, tokens)
         return session
 
     def close(self) -> None:
@@ -183,11 +191,11 @@ class OrtModel(LanguageModel):
     def _bind_kv(self, io, first_slot: int, rows: int) -> None:
         """Bind every layer's past and present KV to the same ``[rows, kv, max_len + 1, d]``
         slice of the pool, starting at ``first_slot``: appends happen in place."""
-        m = self.manifest
-        shape = [rows, *self.pool.shape[1:]]
+        m, pool = self.manifest, self.open_pool()
+        shape = [rows, *pool.shape[1:]]
         for layer in range(m.num_layers):
             for which, (past, present) in enumerate((("past_key", "present_key"), ("past_value", "present_value"))):
-                ptr = self.pool.pointer(layer, which, first_slot)
+                ptr = pool.pointer(layer, which, first_slot)
                 io.bind_input(m.kv_name(past, layer), self.device, 0, np.float32, shape, ptr)
                 io.bind_output(m.kv_name(present, layer), self.device, 0, np.float32, shape, ptr)
 
@@ -204,7 +212,7 @@ class OrtModel(LanguageModel):
         :func:`_packed_layout`), ``seqlens`` ``[rows]`` (total length - 1 per row), logits of
         positions ``logits_index`` ``[R]``. Returns logits ``[rows, R, V]`` (packed: ``[1, R, V]``)."""
         session, pool = self.session, self.pool  # held for the call: close() cannot free them under it
-        if session is None:
+        if session is None or pool is None:  # (close() drops both)
             raise InferenceError(f"model {self.name} is closed")
         pool.cache.apply()  # queued prefix-cache copies first: they may read what this call writes
         rows = seqlens.shape[0]
@@ -251,7 +259,7 @@ class OrtModel(LanguageModel):
         past = np.zeros(rows, dtype=np.int64)  # [rows] cached tokens per slot
         for slot in range(lo, lo + rows):  # a free slot may keep a finished request's KV: after it
             owner = self._owners.get(slot)
-            past[slot - lo] = owner.length if owner is not None else self.pool.cache.kept(slot)
+            past[slot - lo] = owner.length if owner is not None else self.prefix_cache.kept(slot)
         feed = np.zeros((rows, 1), dtype=np.int64)  # [rows, 1]
         feed[at, 0] = ids
         past[at] = pasts
@@ -272,7 +280,7 @@ class OrtModel(LanguageModel):
         queries = [2 if np.size(f) == 1 and s.lone_twice else np.size(f)
                    for s, f in zip(sessions, feeds)]  # what packed_layout gives attention per row
         width = max(queries)
-        return {i for i, s in enumerate(sessions) if s.length + width > self.pool.shape[2]}
+        return {i for i, s in enumerate(sessions) if s.length + width > self.open_pool().shape[2]}
 
     def run_rows_sync(self, sessions: list["OrtSession"], feeds: list[np.ndarray], wants: list[int]) -> list[np.ndarray]:
         """Several new positions for each of several sessions in one call (packed graphs only;
@@ -287,13 +295,13 @@ class OrtModel(LanguageModel):
             return [sessions[0].run_sync(np.asarray(feeds[0], dtype=np.int64), 1, sessions[0].length)]
         apart = self._overflowing(sessions, feeds)
         if apart:  # rows near the end of their slot go alone (a call's padding would not fit there)
-            out = [None] * len(sessions)
+            got: dict[int, np.ndarray] = {}  # row -> its logits
             keep = [i for i in range(len(sessions)) if i not in apart]
             for group in ([keep] if keep else []) + [[i] for i in apart]:
                 for i, r in zip(group, self.run_rows_sync([sessions[i] for i in group], [feeds[i] for i in group],
                                                           [wants[i] for i in group])):
-                    out[i] = r
-            return out
+                    got[i] = r
+            return [got[i] for i in range(len(sessions))]
         lo, rows, at = self._span(sessions)
         pasts = [s.length for s in sessions]
         news = np.zeros(rows, dtype=np.int64)  # [rows] new positions per slot
@@ -312,7 +320,8 @@ class OrtModel(LanguageModel):
         seqlens = np.maximum(past + layout[0] - 1, 0)  # [rows] a row feeding nothing: untouched
         logits = self._run_rows(lo, feed, positions, seqlens, index, f"{len(sessions)} rows, {feed.shape[1]} positions",
                                 layout)[0]  # [R, V]
-        out, at_row = [], 0
+        out: list[np.ndarray] = []
+        at_row = 0
         for s, f, w, n in zip(sessions, feeds, wants, pasts):
             s._ids[n : n + f.size] = f
             s._length = n + f.size
@@ -326,7 +335,7 @@ class OrtModel(LanguageModel):
         request's KV for the prefix cache."""
         lo, rows, _ = self._span(sessions)
         mine = {s.slot for s in sessions}
-        return all(slot in mine or (slot not in self._owners and not self.pool.cache.kept(slot))
+        return all(slot in mine or (slot not in self._owners and not self.prefix_cache.kept(slot))
                    for slot in range(lo, lo + rows))
 
     def run_prefill_batch_sync(self, sessions: list["OrtSession"], prompts: list[np.ndarray]) -> np.ndarray:

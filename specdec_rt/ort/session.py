@@ -4,15 +4,20 @@ several sessions are the model's (``run_rows_sync``); both advance ``length``.""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from ..errors import ContextLengthError, InferenceError
 from ..kvcache.cached_start import CachedStart
 from ..kvcache.prefix import Hit
-from ..spec.protocols import CacheSession, LanguageModel
+from ..spec.protocols import CacheSession
 from .manifest import PACKED_ROLES
 from .tree import compact_rows, tree_feeds
 from .tree import packed_layout as _packed_layout
+
+if TYPE_CHECKING:
+    from .model import OrtModel
 
 __all__ = ["OrtSession"]
 
@@ -25,12 +30,14 @@ class OrtSession(CachedStart, CacheSession):
     ``model``: the :class:`~specdec_rt.ort.model.OrtModel` that made it (``OrtModel.start``).
     """
 
-    def __init__(self, model: LanguageModel, slot: int, hit: Hit | None = None, tokens: np.ndarray | None = None) -> None:
+    def __init__(self, model: OrtModel, slot: int, hit: Hit | None = None, tokens: np.ndarray | None = None) -> None:
         self.model, self.slot = model, slot
         m = model.manifest
         self._ids = np.zeros(model.max_length + 1, dtype=np.int64)  # [max_len + 1] ids of the cached positions
         self._length = self._start_from(hit, tokens)
-        self._ids[: self._length] = tokens[: self._length] if hit is not None else ()
+        if hit is not None:  # (a hit comes only for tokens)
+            assert tokens is not None
+            self._ids[: self._length] = tokens[: self._length]
         self._closed = False
         self._io = model.session.io_binding()
         model._bind_kv(self._io, slot, 1)
@@ -54,7 +61,7 @@ class OrtSession(CachedStart, CacheSession):
     def hidden_rows(self, size: int) -> np.ndarray:
         """``[max_len + 1, size]`` host rows this slot's hidden states are kept in (they move with
         the prefix cache's copies, so cached positions keep theirs)."""
-        return self.model.pool.hidden_rows(self.slot, size)
+        return self.model.open_pool().hidden_rows(self.slot, size)
 
     async def extend(self, ids: np.ndarray, logits_rows: int, *, features: np.ndarray | None = None,
                      hidden: bool = False, tree=None):
@@ -74,7 +81,7 @@ class OrtSession(CachedStart, CacheSession):
             raise InferenceError(f"logits_rows={logits_rows} must be in 1..{s}")
         if n + s > self.model.max_length:
             raise ContextLengthError(f"{n + s} tokens exceed the KV cache of {self.model.max_length}")
-        extra = {"features": features} if features is not None else {}
+        extra: dict[str, Any] = {"features": features} if features is not None else {}
         if hidden:
             extra["hidden"] = True  # no extras: a single-token step the executor may batch
         if tree is not None:
@@ -95,7 +102,7 @@ class OrtSession(CachedStart, CacheSession):
         if self._closed:
             raise InferenceError("KV cache session is closed")
         session, pool = self.model.session, self.model.pool  # held: close() cannot free them under the call
-        if session is None:
+        if session is None or pool is None:  # (close() drops both)
             raise InferenceError(f"model {self.model.name} is closed")
         if tree is not None and not self.model.tree:
             raise InferenceError(f"model {self.model.name} cannot verify a tree (export 0.3+ on CPU)")
@@ -174,7 +181,7 @@ class OrtSession(CachedStart, CacheSession):
                 io.bind_ortvalue_input(name, value)
             io.bind_ortvalue_output(self.model.manifest.outputs["logits"], b.logits_value)
             self._step_bound = True
-        if self.model.biased:  # no tree: zeros, causal order alone
+        if b.bias is not None:  # the model is biased; no tree: zeros, causal order alone
             io.bind_cpu_input(names["attention_bias"], b.bias[: b.q * (n + b.q)].reshape(1, 1, b.q, n + b.q))
         try:
             session.run_with_iobinding(io)
@@ -190,7 +197,7 @@ class OrtSession(CachedStart, CacheSession):
         their KV moved to positions ``past ..`` in place; ``length`` becomes ``past + len(keep)``."""
         if self._length != past:
             raise InferenceError(f"accept_tree at {past}: the cache holds {self._length}")
-        pool = self.model.pool
+        pool = self.model.open_pool()
         keep = np.asarray(keep, dtype=np.int64)
         compact_rows(pool.host_arrays(), self.slot, past, keep)
         if pool.hidden is not None:
@@ -229,7 +236,7 @@ class _StepBuffers:
     total length, the logits index (0), a packed graph's layout of one row (constant), the
     attention bias (zeros; sliced to the call's width) and the logits ``[1, 1, V]``."""
 
-    def __init__(self, model, lone_twice: bool) -> None:
+    def __init__(self, model: OrtModel, lone_twice: bool) -> None:
         from onnxruntime import OrtValue
 
         self.ids = np.zeros((1, 1), dtype=np.int64)  # [1, 1]
@@ -252,7 +259,7 @@ class _StepBuffers:
         self.inputs = [(names[role], OrtValue.ortvalue_from_numpy(a)) for role, a in pairs if names.get(role)]
 
 
-def _logits_width(model) -> int:
+def _logits_width(model: OrtModel) -> int:
     """The graph's logits width (a draft head's reduced vocabulary has its own), else the vocabulary."""
     name = model.manifest.outputs["logits"]
     for out in model.session.get_outputs():

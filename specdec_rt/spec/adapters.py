@@ -46,6 +46,7 @@ class SyncedSession:
         self.ids = np.zeros(capacity, dtype=np.int64)  # [capacity] ids whose KV the cache holds
         self._matched = 0  # ids[:_matched] are known to equal committed tokens (which never change)
         if session.length:  # a prefix cache hit: the first `length` of `tokens` are cached
+            assert tokens is not None  # (a session starts from a hit only on tokens)
             self.ids[: session.length] = tokens[: session.length]
             self._matched = session.length
 
@@ -112,8 +113,8 @@ class _ModelUser:
 
     def __init__(self, model: LanguageModel) -> None:
         self.model = model
-        self.vocab_size = model.vocab_size
-        self.max_length = model.max_length
+        self.vocab_size: int | None = model.vocab_size  # (None in the Protocols: no limit)
+        self.max_length: int | None = model.max_length
 
     def _session(self, ctx: RequestContext) -> SyncedSession:
         # a seeded sampled request's output must depend on its seed alone (greedy output does
@@ -179,6 +180,7 @@ class ModelDrafter(_ModelUser, DraftInferrer):
             if stop is not None and not stop.more(confidence(logits) if q is None else float(q[x])) and i + 1 < k:
                 break  # one more draft would cost more than it is likely to bring
             if ctx.tree_nodes:
+                assert q is not None  # (computed for trees in both branches)
                 best = np.argpartition(q, -(SIBLING_RANKS + 1))[-(SIBLING_RANKS + 1):]  # [ranks + 1]
                 candidates += [(reach * float(q[y]), i, int(y)) for y in best if y != x and q[y] > 0]
                 reach *= float(q[x])
@@ -244,7 +246,7 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         if self.share_hidden:
             start = s.session.length
             logits, hidden = await s.extend(feed, k + 1, hidden=True)  # hidden [S, H]
-            ctx.state(TARGET_HIDDEN, lambda: TargetHidden(self.max_length, hidden.shape[-1], s.session)).write(
+            ctx.state(TARGET_HIDDEN, lambda: TargetHidden(self.model.max_length, hidden.shape[-1], s.session)).write(
                 start, hidden)
         else:
             logits = await s.extend(feed, k + 1)  # [k+1, V]: p_0 .. p_k before warping

@@ -29,7 +29,7 @@ rolls back (that is why sessions sync against the committed tokens on every call
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -104,8 +104,16 @@ class TargetVerifier(Protocol):
     max_length: int | None = None
     vocab_size: int | None = None
     reports_logprobs: bool = False
-    trees: bool = False
-    batched_verify: bool = False
+
+    @property
+    def trees(self) -> bool:
+        """It verifies a draft tree in one call (read-only: a class attribute or a property)."""
+        return False
+
+    @property
+    def batched_verify(self) -> bool:
+        """Its verifies share one batched call with other requests' (read-only, likewise)."""
+        return False
 
     async def verify_and_accept(self, ctx: "RequestContext", drafts: Sequence[DraftToken]) -> Verdict:
         """Score ``ctx.tokens + drafts`` and return the accepted prefix plus one target token.
@@ -130,18 +138,24 @@ class CacheSession(Protocol):
 
     cached_tokens: int = 0
     cache_queried: bool = False
-    copy_pending: bool = False
+
+    @property
+    def copy_pending(self) -> bool:
+        """Its start copies a prompt another session has not computed yet (read-only)."""
+        return False
 
     @property
     def length(self) -> int:
         """Number of tokens whose keys/values the cache holds."""
         ...
 
-    async def extend(self, ids: np.ndarray, logits_rows: int, **extra) -> np.ndarray:
+    async def extend(self, ids: np.ndarray, logits_rows: int, *args: Any, **extra: Any) -> np.ndarray:
         """Append ``ids`` ``[S]`` (prefill is the first extend) and return the logits of the last
         ``logits_rows`` of them, ``[logits_rows, V]``. Never copies the cached entries.
         ``extra`` holds only what the model's caps allow: ``hidden=True`` (``hidden_states``:
-        then ``(logits, hidden [S, H])``), ``tree=parents`` (``trees``)."""
+        then ``(logits, hidden [S, H])``), ``tree=parents`` (``trees``). (``*args: Any, **extra:
+        Any`` leave the rest of the signature to each backend, as its caps say: a plain model's
+        ``extend(ids, logits_rows)`` implements it.)"""
         ...
 
     def rollback(self, length: int) -> None:
@@ -155,7 +169,8 @@ class CacheSession(Protocol):
     def accept_tree(self, start: int, keep: np.ndarray) -> None:
         """After a tree call from ``start`` (models with ``caps.trees``): keep positions
         ``start + keep`` [n], moved to ``start ..``."""
-        raise NotImplementedError(f"{type(self).__name__} verifies no trees (its model's caps.trees is False)")
+        name = type(self).__name__  # (more than a bare raise: a default, not an abstract method, to type checkers)
+        raise NotImplementedError(f"{name} verifies no trees (its model's caps.trees is False)")
 
     def hidden_rows(self, size: int) -> np.ndarray | None:
         """Where this request's target hidden states live, ``[max_length, size]``, if the
@@ -190,6 +205,7 @@ class LanguageModel(Protocol):
 
     def close(self) -> None:
         """Release what it holds (sessions still open fail their next call). Idempotent."""
+        return None  # a default (a body of a docstring alone is abstract to type checkers)
 
 
 class BatchCosts(Protocol):

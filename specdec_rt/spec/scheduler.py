@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from time import perf_counter
-from typing import AsyncIterator, Iterable, Sequence
+from typing import AsyncGenerator, Iterable, Sequence
 
 import numpy as np
 
@@ -139,7 +139,7 @@ class SpecDecScheduler:
         return GenerationResult(it.token_ids, it.stats)
 
     async def _loop(self, ctx: RequestContext, policy: RequestPolicy, tree: TreePolicy,
-                    rates: TreeRates | None) -> AsyncIterator[TokenEvent]:
+                    rates: TreeRates | None) -> AsyncGenerator[TokenEvent, None]:
         stats, seen, drafted = ctx.stats, False, False  # rounds so far; any of them drafted
         stats.mode = policy.mode
         t_start = perf_counter()
@@ -157,7 +157,10 @@ class SpecDecScheduler:
                 ctx.chain_stop = self._chain_stop(ctx, policy, k, batch)
                 # 2. draft: up to k proposals continuing the committed tokens (a tree: up to k deep)
                 t0, ctx.draft_steps = perf_counter(), (0, 0.0)
-                drafts = _drafts_checked(await self.drafter.generate_draft(ctx, k), k + ctx.tree_nodes, ctx) if k else []
+                drafts: list[DraftToken] = []
+                if k:
+                    assert self.drafter is not None  # k > 0 in mode "spec" alone, which stream() checks has one
+                    drafts = _drafts_checked(await self.drafter.generate_draft(ctx, k), k + ctx.tree_nodes, ctx)
                 depth, chain = tree_depth(drafts), chain_length(drafts)
                 # 3. verify: one target call over len(drafts) + 1 positions (a tree: in one call too)
                 t1 = perf_counter()
@@ -194,7 +197,8 @@ class SpecDecScheduler:
                 if stats.time_to_first_token is None:
                     stats.time_to_first_token = perf_counter() - t_start
                 yield TokenEvent(tuple(new.tolist()), at, depth, verdict.accepted, ctx.finish_reason,
-                                 verdict.logprobs[: new.size] if ctx.logprobs is not None else None)
+                                 verdict.logprobs[: new.size]
+                                 if ctx.logprobs is not None and verdict.logprobs is not None else None)  # (_checked)
         except SpecDecError:
             ctx.finish_reason = "error"
             raise
@@ -239,7 +243,7 @@ class SpecDecScheduler:
             return k, 0
         c, a, n, h = policy.costs, policy.ewma.value, tree.max_nodes, tree.hit_rate
         rated = {j: c.speedup(a, j, nodes=n, hit_rate=h) for j in range(1, k + 1)}  # a tree on depth j
-        depth = max(rated, key=rated.get)
+        depth = max(rated, key=rated.__getitem__)
         nodes = tree.nodes(alone, rated[depth] > c.speedup(a, k), rates)
         room = self.max_length - ctx.tokens.size - depth if self.max_length else nodes
         nodes = max(0, min(nodes, room))
@@ -250,7 +254,7 @@ class RequestStream:
     """One request's async iterator of :class:`TokenEvent`; ``stats`` and ``token_ids`` hold
     what it has committed so far (complete once iteration ends). ``aclose()`` ends it early."""
 
-    def __init__(self, agen: AsyncIterator[TokenEvent], ctx: RequestContext) -> None:
+    def __init__(self, agen: AsyncGenerator[TokenEvent, None], ctx: RequestContext) -> None:
         self._agen, self.context = agen, ctx
 
     def __aiter__(self) -> "RequestStream":
@@ -278,9 +282,9 @@ def _drafts_checked(drafts, most: int, ctx: RequestContext) -> list[DraftToken]:
     drafts = list(drafts)[:most]
     vocab = ctx.vocab_size
     for i, d in enumerate(drafts):
-        tid = d.id if isinstance(d, DraftToken) else None
-        if not is_int(tid):
+        if not isinstance(d, DraftToken) or not is_int(d.id):
             raise InferenceError(f"drafter returned {brief_repr(d)} as draft {i}: need a DraftToken with an integer id")
+        tid = d.id
         if tid < 0 or (vocab is not None and tid >= vocab):
             raise InferenceError(f"drafter proposed token id {tid} (draft {i}), outside the vocabulary "
                                  f"(ids 0..{'?' if vocab is None else vocab - 1})")
@@ -311,6 +315,6 @@ def _checked(verdict: Verdict, drafts: Sequence[DraftToken], vocab: int | None =
     if logprobs and (verdict.logprobs is None or len(verdict.logprobs) != len(verdict.tokens)):
         got = None if verdict.logprobs is None else len(verdict.logprobs)
         raise InferenceError(f"verifier returned {got} log-probabilities for {len(verdict.tokens)} tokens")
-    if logprobs and not all(isinstance(x, TokenLogprob) for x in verdict.logprobs):
+    if logprobs and not all(isinstance(x, TokenLogprob) for x in verdict.logprobs or ()):  # (None: raised above)
         raise InferenceError(f"verifier returned log-probabilities {brief_repr(verdict.logprobs)}: need TokenLogprob")
     return verdict
