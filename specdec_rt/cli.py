@@ -187,6 +187,7 @@ async def _generate(args) -> int:
             stats = ev.stats or stats
         sys.stdout.write("\n")
         s = stats
+        assert s is not None  # the stream's last event carries them
         print(f"[{s.mode}] {s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance "
               f"{s.acceptance_rate:.2f}, mean accepted {s.mean_accepted:.2f}, finish {s.finish_reason}",
               file=sys.stderr)

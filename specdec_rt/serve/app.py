@@ -97,7 +97,8 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
                 tg.cancel_scope.cancel()  # a load still running is abandoned
         await serving.shutdown()
 
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)  # registered for HTTPException alone (starlette types it Exception)
         err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None,
                        headers=dict(exc.headers or {}))  # e.g. a 405's Allow
         return error_response(err)

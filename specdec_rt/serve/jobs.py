@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
@@ -73,10 +74,10 @@ async def completions(request: Request, kind: Kind) -> Any:
     except (InvalidInputError, EngineClosedError) as exc:
         await _close_all(streams)
         serving.release(admitted)
-        err = (engine_error(exc, params) if isinstance(exc, InvalidInputError) else
-               APIError(503, str(exc), type="service_unavailable", code="draining"))
-        serving.metrics.rejected.labels("invalid" if err.status == 400 else "draining").inc()
-        return error_response(err)
+        refusal = (engine_error(exc, params) if isinstance(exc, InvalidInputError) else
+                   APIError(503, str(exc), type="service_unavailable", code="draining"))
+        serving.metrics.rejected.labels("invalid" if refusal.status == 400 else "draining").inc()
+        return error_response(refusal)
     except BaseException:
         await _close_all(streams)
         serving.release(admitted)
@@ -144,7 +145,9 @@ class Job:
         timeout = serving.request_timeout
         self.deadline = arrived + timeout if timeout else None
         n = len(streams)
-        self.tokens, self.stats, self.finish = [0] * n, [None] * n, [None] * n  # per choice
+        self.tokens: list[int] = [0] * n  # per choice
+        self.stats: list[Any] = [None] * n  # ... its Stats, once finished
+        self.finish: list[str | None] = [None] * n  # ... its finish reason
         self.first_at: float | None = None
         self.last_at: list[float | None] = [None] * n
         self.outcome: str | None = None  # cancelled | timeout | error | shutdown, when it did not finish
@@ -152,13 +155,15 @@ class Job:
         self.closed = False
         self.expired = False  # the server's drain deadline passed (expire)
         self._scope: anyio.CancelScope | None = None  # around the wait for the engine's next event
-        self._events = None  # n > 1: the receiving end the choices' pumps send (i, event, error) to
+        # n > 1: the receiving end the choices' pumps send (i, event, error) to
+        self._events: MemoryObjectReceiveStream[tuple[int, Any, BaseException | None]] | None = None
         serving.jobs.add(self)
 
     def start(self, tg) -> None:
         """With several choices: one task per engine stream, in ``tg`` (the response's task
         group, cancelled when the response ends), feeding :meth:`next_event`."""
         if len(self.streams) > 1:
+            send: MemoryObjectSendStream[tuple[int, Any, BaseException | None]]
             send, self._events = anyio.create_memory_object_stream(0)
             with send:
                 for i in range(len(self.streams)):
@@ -246,8 +251,9 @@ class Job:
             if self.first_at is None:
                 self.first_at = now
                 m.ttft.observe(now - self.arrived)
-        if self.last_at[i] is not None:
-            m.itl.observe(now - self.last_at[i])
+        last = self.last_at[i]
+        if last is not None:
+            m.itl.observe(now - last)
         self.last_at[i] = now
         if ev.finished:
             self.finish[i] = ev.finished if ev.finished in ("stop", "length") else "stop"
@@ -309,7 +315,7 @@ class Job:
                             echoed[i] = (ev.prompt_token_ids, ev.prompt_logprobs)
                         ids[i] += ev.token_ids
                         lps[i] += ev.logprobs or ()
-                    lp = None if self.logprobs is None else [
+                    lp: list[dict | None] | None = None if self.logprobs is None else [
                         self.logprobs.body(t, e, i, before=echoed[i]) for i, (t, e) in enumerate(zip(ids, lps))]
                     texts = ["".join(p) for p in parts]
                     calls = [calls_in(self.params, t) if self.params.calls_tools else (t, []) for t in texts]
@@ -386,6 +392,7 @@ class EventStream:
             while (got := await job.next_event()) is not None:
                 i, ev = got
                 if getattr(ev, "prompt_logprobs", None) is not None:  # echo with logprobs
+                    assert job.logprobs is not None  # (prompt log-probabilities come only when asked)
                     await emit(reply.chunk(job.echo[i], index=i, logprobs=job.logprobs.body(
                         ev.prompt_token_ids, ev.prompt_logprobs, i, part_ends=True)))
                     continue

@@ -60,7 +60,7 @@ class GenParams:
     """A validated request: the engine's arguments plus the response options."""
 
     kind: Kind
-    prompt: str | list[dict]
+    prompt: str | list[dict] | list[int]  # chat: the messages; completions: a text or token ids
     max_tokens: int | None = None
     max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
     temperature: float = 1.0  # OpenAI's defaults: sampling at temperature 1
@@ -166,7 +166,8 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
         if body.get(name) is not None:
             p.penalties[name] = _number(body, name, minimum=-math.inf)
     try:  # their ranges are the engine's own checks (SamplingParams), answered before admission
-        SamplingParams(logit_bias=p.logit_bias, **p.penalties)
+        checked: dict[str, Any] = {"logit_bias": p.logit_bias, **p.penalties}  # the client's values
+        SamplingParams(**checked)
     except InvalidInputError as exc:
         raise engine_error(exc, p) from None
     off = SamplingParams()
@@ -207,7 +208,7 @@ def _logprobs(body: dict, kind: Kind) -> int | None:
 
 
 # options this server cannot honour, and their "off" values (which some clients always send)
-UNHONOURED = {"functions": ([],), "function_call": ("none", "auto")}  # the legacy names of tools
+UNHONOURED: dict[str, tuple] = {"functions": ([],), "function_call": ("none", "auto")}  # the legacy names of tools
 UNHONOURED_COMPLETION = {"best_of": (1,), "suffix": ("",), "tools": ([],),  # /v1/completions only
                          "tool_choice": ("none",), "parallel_tool_calls": (True, False)}  # (tools: chat only)
 
@@ -289,7 +290,7 @@ def _prompts(body: dict) -> list[str | list[int]]:
         if bad is not None:
             raise _bad("prompt", f"prompt[{bad}] = {json.dumps(prompt[bad])[:40]} is not a token id (an integer "
                                  ">= 0), in a prompt of token ids")
-        prompts = [prompt]
+        prompts: list[str | list[int]] = [prompt]
     elif isinstance(prompt, str):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt:

@@ -142,6 +142,8 @@ def deployment_app(opts: RayOptions):
     class SpecDecReplica:
         """One Engine per replica; unhealthy once its server is not ready (Ray replaces it)."""
 
+        app: Any  # the replica's ASGI app, set by serve.ingress
+
         async def check_health(self) -> None:
             state = self.app.state.serving.state
             if state not in ("ready", "draining"):
@@ -159,7 +161,7 @@ def deployment_app(opts: RayOptions):
         options["autoscaling_config"] = dict(opts.autoscaling)
     else:
         options["num_replicas"] = opts.replicas
-    return serve.deployment(SpecDecReplica, **options).bind()
+    return serve.deployment(**options)(SpecDecReplica).bind()  # (the decorator's form: what ray's types say)
 
 
 def build(args: dict) -> Any:

@@ -41,7 +41,7 @@ class Reply:
         ``logprobs``: the chunk's tokens' (a :class:`LogprobsFormat` body); ``tool_calls``: whole
         calls, each with its ``index`` among the choice's calls."""
         if self.kind == "chat":
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            delta: dict[str, object] = {"role": "assistant", "content": text} if first else {"content": text}
             if tool_calls:
                 delta = {"tool_calls": [{"index": j, **call} for j, call in enumerate(tool_calls)]}
             elif empty:  # a finish after calls: no content at all (a client would add "" to None)
@@ -58,7 +58,7 @@ class Reply:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
 
-    def response(self, text: str | list[str], finish_reason: str | list[str], prompt_tokens: int,
+    def response(self, text: str | Sequence[str | None], finish_reason: str | list[str], prompt_tokens: int,
                  completion_tokens: int, cached_tokens: int = 0, logprobs: list[dict | None] | None = None,
                  tool_calls: list[list[dict]] | None = None) -> dict:
         """The whole (non-streamed) response: one choice per text (``n`` of them: lists);
@@ -72,7 +72,7 @@ class Reply:
         if self.kind == "chat":
             choices = []
             for i, (t, f, lp, c) in enumerate(zip(texts, finishes, lps, calls)):
-                message = {"role": "assistant", "content": t}
+                message: dict[str, object] = {"role": "assistant", "content": t}
                 if c:
                     message["tool_calls"] = c
                 choices.append({"index": i, "message": message, "logprobs": lp,
@@ -109,14 +109,16 @@ class LogprobsFormat:
             return "bytes:" + "".join(f"\\x{x:02x}" for x in b), b
 
     def body(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], choice: int = 0,
-             part_ends: bool = False, before: tuple | None = None) -> dict:
+             part_ends: bool = False,
+             before: tuple[Sequence[int], Sequence[TokenLogprob | None]] | None = None) -> dict:
         """The logprobs object of ``token_ids`` (an entry of None, an echoed prompt's first token
         in completions: ``null`` value and alternatives, as OpenAI's). ``part_ends``: the text of
         these tokens was decoded apart from what follows (an echoed prompt: a character it leaves
         incomplete is U+FFFD there), so the offsets after them count that way too. ``before``:
         such a part's ``(ids, entries)`` first, in the same object."""
         if before is not None:
-            head, tail = self.body(*before, choice, part_ends=True), self.body(token_ids, entries, choice)
+            ids, lps = before
+            head, tail = self.body(ids, lps, choice, part_ends=True), self.body(token_ids, entries, choice)
             return {k: head[k] + tail[k] for k in head}
         out = self._body(token_ids, entries, choice)
         if part_ends:  # the incomplete character left at the end, as the decoded text shows it
@@ -128,12 +130,15 @@ class LogprobsFormat:
         if self.kind == "chat":
             content = []
             for t, e in zip(token_ids, entries):
+                assert e is not None  # None: an echoed prompt's first token, in completions alone
                 text, b = self._piece(t)
-                top = [{"token": s, "logprob": json_logprob(lp), "bytes": list(tb)}
-                       for s, tb, lp in ((*self._piece(j), lp) for j, lp in e.top)]
-                content.append({"token": text, "logprob": json_logprob(e.logprob), "bytes": list(b), "top_logprobs": top})
+                alts = [{"token": s, "logprob": json_logprob(lp), "bytes": list(tb)}
+                        for s, tb, lp in ((*self._piece(j), lp) for j, lp in e.top)]
+                content.append({"token": text, "logprob": json_logprob(e.logprob), "bytes": list(b), "top_logprobs": alts})
             return {"content": content, "refusal": None}
-        tokens, offsets, tops = [], [], []
+        tokens: list[str] = []
+        offsets: list[int] = []
+        tops: list[dict[str, float] | None] = []
         for t, e in zip(token_ids, entries):
             text, b = self._piece(t)
             tokens.append(text)
@@ -187,7 +192,8 @@ class CallFilter:
 
     def __init__(self, names: Sequence[str] | None = None, parallel: bool = True) -> None:
         self.names, self.parallel = names, parallel
-        self.held, self.calling, self.blank = "", False, ""  # blank: leading whitespace not yet sent
+        self.held, self.calling = "", False
+        self.blank: str | None = ""  # leading whitespace not yet sent (None: text went out)
 
     def push(self, text: str) -> str:
         """What of ``text`` can go out now."""

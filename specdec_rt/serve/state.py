@@ -70,6 +70,8 @@ class Serving:
 
     async def load(self) -> None:
         """Load the engine (lifespan startup); a failure is logged and handed to ``on_load_error``."""
+        if self.loader is None:  # made with a loaded engine: ready already
+            return
         try:
             engine = await self.loader()
         except Exception as exc:  # noqa: BLE001 - reported, and /health says failed

@@ -44,6 +44,7 @@ async def run_demo(args) -> int:
         async for ev in engine.stream(chat, max_new_tokens=n):
             print(ev.text, end="", flush=True)
             stats = ev.stats or stats
+        assert stats is not None  # the stream's last event carries them
         print(f"\n\n[spec] {stats.new_tokens} tokens at {stats.tokens_per_s:.1f} tok/s, "
               f"acceptance {stats.acceptance_rate:.2f}, mean accepted {stats.mean_accepted:.2f}\n")
 

@@ -163,11 +163,14 @@ class ServerProcess:
         import anyio
         import httpx
 
+        proc = self.proc
+        if proc is None:
+            raise LoadTestError("the server was not started (call start() first)")
         t0 = time.perf_counter()
         async with httpx.AsyncClient(trust_env=False, timeout=2.0) as client:
             while True:
-                if self.proc.poll() is not None:
-                    raise LoadTestError(f"the server exited with status {self.proc.returncode} before it was "
+                if proc.poll() is not None:
+                    raise LoadTestError(f"the server exited with status {proc.returncode} before it was "
                                         f"ready; its last output:\n{self.tail()}")
                 try:
                     if (await client.get(f"{self.url}/health")).status_code == 200:

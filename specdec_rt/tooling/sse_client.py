@@ -46,7 +46,7 @@ class SSEParser:
         return out
 
     def _lines(self) -> list[SSEEvent]:
-        out = []
+        out: list[SSEEvent] = []
         while True:
             i = min((j for j in (self._buf.find("\r"), self._buf.find("\n")) if j >= 0), default=-1)
             if i < 0:
@@ -132,6 +132,7 @@ async def one_request(client, url: str, body: dict, timeout_s: float) -> Request
         elif kind == "error":
             raise _StreamError(val)
         else:
+            assert isinstance(val, tuple)  # a chunk's (content, usage)
             content, usage = val
             if content:
                 s.chunks += 1

@@ -142,17 +142,25 @@ def _hf_modes(wanted, ctx, threads, cache_dir, skipped) -> dict:
         if w == "optimum_ar" and importlib.util.find_spec("optimum") is None:
             skipped[w] = "needs optimum-onnx (the bench extra)"
             continue
-        fn = getattr(hf, w)
-
-        async def run(ids, n, fn=fn):
-            new, secs = fn(ids, n)
-            return new, secs, None
-
+        run = _HFRunner(getattr(hf, w))
         if w == "hf_assisted":
             hf.assistant()
             run.kind = hf.assistant_kind
         modes[w] = run
     return modes
+
+
+class _HFRunner:
+    """A runner (``runner.Runner``) over one Hugging Face baseline ``fn(ids, n) -> (new ids,
+    seconds)``; ``kind``: the assistant model's, for ``hf_assisted`` (the report names it)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.kind: str | None = None
+
+    async def __call__(self, ids: list[int], n: int) -> tuple:
+        new, secs = self.fn(ids, n)
+        return new, secs, None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -122,7 +122,8 @@ async def _concurrency(args) -> int:
             # then biases neither end of the ratios the bars name (c=8 against one after another)
             for c in order if rep % 2 == 0 else order[::-1]:
                 fresh = await load(prefix_cache=False) if cold else None
-                draft = draft or fresh.draft_name
+                if fresh is not None:
+                    draft = draft or fresh.draft_name
                 try:
                     for mode in ("spec", "ar") if rep % 2 == 0 else ("ar", "spec"):
                         r = await run_level(fresh or engine, prompts, n, mode, max(1, c))

@@ -51,7 +51,7 @@ def load_source_model(manifest, threads: int):
 
     torch.set_num_threads(threads)
     folder, gguf = _source_of(manifest)
-    kw = {"gguf_file": gguf} if gguf else {}
+    kw: dict[str, object] = {"gguf_file": gguf} if gguf else {}
     kw = kw or {"use_safetensors": True}  # a folder's *.bin would be unpickled
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
     return model.eval()
@@ -73,7 +73,7 @@ class HFBaselines:
         self._optimum = None
         self._cache_dir = cache_dir
         self.threads = threads
-        self.assistant_kind = None
+        self.assistant_kind: str | None = None
 
     def _generate(self, model, ids, n, **kw):
         torch = self.torch

@@ -84,8 +84,9 @@ def _fit(engine, texts: list[str], tokens: int) -> list[str]:
 
 async def multi_turn(engines: dict, convs: int, turns: int, n: int) -> dict:
     """TTFT per turn, both engines, conversations fed their own answers."""
-    out = {name: [[] for _ in range(turns)] for name in engines}
-    cached, same = [[] for _ in range(turns)], True
+    out: dict[str, list[list[float]]] = {name: [[] for _ in range(turns)] for name in engines}  # TTFT per turn
+    cached: list[list[int]] = [[] for _ in range(turns)]  # cached prompt tokens per turn
+    same = True
     for k, doc in enumerate(_fit(engines["cache"], documents(convs), 1000)):
         history = {name: [{"role": "user", "content": doc}] for name in engines}
         for t in range(turns):
@@ -107,7 +108,7 @@ async def multi_turn(engines: dict, convs: int, turns: int, n: int) -> dict:
 async def shared_prompt(engines: dict, questions: list, c: int, n: int, waves: int) -> dict:
     """``c`` requests at once sharing one long system prompt: p50 TTFT per wave and engine."""
     system = {"role": "system", "content": _fit(engines["cache"], [system_prompt()], 500)[0]}
-    res = {name: [] for name in engines}
+    res: dict[str, list[float]] = {name: [] for name in engines}  # p50 TTFT per wave
     same = True
     for w in range(waves):
         batch = [[system, {"role": "user", "content": f"(ticket {w}-{i}) {questions[(w * c + i) % len(questions)]}"}]
@@ -120,9 +121,10 @@ async def shared_prompt(engines: dict, questions: list, c: int, n: int, waves: i
         log(f"shared system prompt, wave {w + 1}/{waves} ({'cold' if w == 0 else 'warm'}): p50 TTFT "
             f"{res['no cache'][-1] * 1000:.0f} ms without, {res['cache'][-1] * 1000:.0f} ms with")
     warm = {name: statistics.median(v[1:]) if len(v) > 1 else None for name, v in res.items()}
+    warm_off, warm_on = warm["no cache"], warm["cache"]  # None both: one wave, nothing warm
     return {"concurrency": c, "cold_p50": {k: v[0] for k, v in res.items()}, "warm_p50": warm, "identical": same,
             "cold_speedup": round(res["no cache"][0] / res["cache"][0], 2),
-            "warm_speedup": round(warm["no cache"] / warm["cache"], 2) if warm["cache"] else None}
+            "warm_speedup": round(warm_off / warm_on, 2) if warm_off is not None and warm_on else None}
 
 
 def pressure_budget(engine, n: int) -> tuple[list[str], int]:

@@ -40,7 +40,8 @@ def _mode_summary(samples, by_prompt_ar, by_prompt_hf) -> dict:
         out.update(acceptance_rate=accepted / drafted, mean_accepted=accepted / rounds,
                    tokens_per_target_call=sum(x.new_tokens for x in stats) / calls,
                    fallbacks=sum(len(x.fallbacks) for x in stats))
-        pos_d, pos_a = defaultdict(int), defaultdict(int)
+        pos_d: defaultdict[int, int] = defaultdict(int)  # position -> drafted there, in all
+        pos_a: defaultdict[int, int] = defaultdict(int)  # ... accepted
         for x in stats:
             for i, (d, a) in enumerate(zip(x.position_drafted, x.position_accepted)):
                 pos_d[i] += d
@@ -135,7 +136,8 @@ def plot_acceptance(samples, path: Path, mode: str = "spec") -> Path | None:
     ax1.set_ylabel("acceptance EWMA")
     ax1.set_ylim(0, 1.02)
     ax1.legend(fontsize=8)
-    drafted, accepted = defaultdict(int), defaultdict(int)
+    drafted: defaultdict[int, int] = defaultdict(int)  # position -> drafted there, in all
+    accepted: defaultdict[int, int] = defaultdict(int)  # ... accepted
     for s in runs:
         for i, (d, a) in enumerate(zip(s.stats.position_drafted, s.stats.position_accepted)):
             drafted[i] += d

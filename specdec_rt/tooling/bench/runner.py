@@ -15,6 +15,7 @@ from ...engine.factory import model_drafter, resolve_draft_spec
 from ...errors import InvalidInputError
 from ...ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
 from ..prompt_files import label, read_prompt_file
+from ...spec.protocols import DraftInferrer
 from ...spec.scheduler import SpecDecScheduler
 from ...text.codec import TextCodec
 from ...types import Stats
@@ -90,7 +91,7 @@ def build_our_modes(folder: Path, threads: int, max_length: int | None,
     manifests += [load_manifest(Path(p)) for p in extra_drafts]
     drafts = {dm.name: model_drafter(m, dm, max_length=max_length, threads=threads, slots=2)
               for dm in manifests}
-    drafters: dict[str, object] = {"ngram": NgramDrafter()}
+    drafters: dict[str, DraftInferrer] = {"ngram": NgramDrafter()}
     drafters.update(drafts)
     for i, (name, d) in enumerate(drafts.items()):
         if i == 0 or getattr(d, "needs_target_hidden", False):
@@ -98,29 +99,21 @@ def build_our_modes(folder: Path, threads: int, max_length: int | None,
     default = resolve_draft_spec(m, None)
     modes: dict[str, Runner] = {}
 
-    def runner(sched: SpecDecScheduler, mode: str) -> Runner:
-        async def run(ids, n):
-            t = time.perf_counter()
-            res = await sched.run(ids, n, mode=mode)
-            return res.token_ids, time.perf_counter() - t, res.stats
-        run.scheduler = sched  # run_modes' warm-up forgets the times of its first request
-        return run
-
-    modes["ar"] = runner(SpecDecScheduler(None, verifier, eos_ids=m.eos_ids), "ar")
+    modes["ar"] = _SchedulerRunner(SpecDecScheduler(None, verifier, eos_ids=m.eos_ids), "ar")
     def verifier_for(d):
         return sharing if getattr(d, "needs_target_hidden", False) else verifier
 
-    modes["spec"] = runner(SpecDecScheduler(drafters[default], verifier_for(drafters[default]),
+    modes["spec"] = _SchedulerRunner(SpecDecScheduler(drafters[default], verifier_for(drafters[default]),
                                             eos_ids=m.eos_ids), "spec")
     for name, drafter in drafters.items():
-        modes[f"spec_{name}"] = runner(SpecDecScheduler(drafter, verifier_for(drafter), eos_ids=m.eos_ids), "spec")
+        modes[f"spec_{name}"] = _SchedulerRunner(SpecDecScheduler(drafter, verifier_for(drafter), eos_ids=m.eos_ids), "spec")
     if target.tree:  # the same drafters with draft trees (each model draft's runner-up as siblings)
         trees = SpecConfig(tree_nodes=BENCH_TREE_NODES)
         for name in dict.fromkeys([default, *drafts, *(n for n in drafters if n.startswith("ngram+"))]):
             if name == "ngram" or getattr(drafters[name], "needs_target_hidden", False):
                 continue  # EAGLE drafts: chains (their verifier shares hidden states)
             mode = "spec_tree" if name == default else f"spec_{name}_tree"
-            modes[mode] = runner(SpecDecScheduler(drafters[name], verifier, trees, eos_ids=m.eos_ids), "spec")
+            modes[mode] = _SchedulerRunner(SpecDecScheduler(drafters[name], verifier, trees, eos_ids=m.eos_ids), "spec")
     info = {"target": m.name, "exact_to": m.exact_to, "default_drafter": default,
             "drafts": {n: d.model.manifest.raw.get("onnx", {}).get("quantization") for n, d in drafts.items()},
             "threads": threads, "provider": target.device}
@@ -128,6 +121,19 @@ def build_our_modes(folder: Path, threads: int, max_length: int | None,
                    "draft_models": [d.model for d in drafts.values()],
                    "draft_manifest": next((d.model.manifest for d in drafts.values()
                                            if not getattr(d, "needs_target_hidden", False)), None)}
+
+
+class _SchedulerRunner:
+    """A :data:`Runner` over one of our schedulers in ``mode``; ``scheduler``: run_modes' warm-up
+    forgets the times of its first request."""
+
+    def __init__(self, scheduler: SpecDecScheduler, mode: str) -> None:
+        self.scheduler, self.mode = scheduler, mode
+
+    async def __call__(self, ids: list[int], n: int) -> tuple:
+        t = time.perf_counter()
+        res = await self.scheduler.run(ids, n, mode=self.mode)
+        return res.token_ids, time.perf_counter() - t, res.stats
 
 
 async def run_modes(modes: dict[str, Runner], prompts: list[Prompt], n: int, repeats: int = 1) -> list[Sample]:
