@@ -2,7 +2,8 @@
 
 The graph is read from the source (AST): every ``import`` / ``from ... import``, including the
 ones inside functions, which still tie two modules together. A module's own package
-``__init__`` importing it is not an edge here (Python packages work that way).
+``__init__`` importing it is not an edge here (Python packages work that way), nor is an import
+under ``if TYPE_CHECKING:`` (annotations only: no run executes it).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def import_graph() -> dict[str, set[str]]:
     for name, (path, is_pkg) in mods.items():
         base = name if is_pkg else name.rpartition(".")[0]
         out = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _run_nodes(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 out.update(resolve(a.name) for a in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -54,6 +55,17 @@ def import_graph() -> dict[str, set[str]]:
         out.discard(name)
         graph[name] = out
     return graph
+
+
+def _run_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:``."""
+    typing_only = set()
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+                (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            typing_only.update(id(n) for child in node.body for n in ast.walk(child))
+    return [n for n in ast.walk(tree) if id(n) not in typing_only]
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -108,6 +120,14 @@ def test_graph_sees_function_level_imports():
     assert "specdec_rt.engine.loading" in g["specdec_rt.tooling.demo"]
     assert "specdec_rt.tooling.demo" in g["specdec_rt.cli"]  # imported inside main()
     assert "export.errors" in g["export.draft.cli"]
+
+
+def test_graph_leaves_out_imports_for_annotations_only():
+    g = import_graph()
+    assert "specdec_rt.ort.session" in g["specdec_rt.ort.model"]  # the model makes sessions
+    # ... and a session's model is an OrtModel, imported under TYPE_CHECKING for its annotations
+    assert "specdec_rt.ort.model" not in g["specdec_rt.ort.session"]
+    assert "TYPE_CHECKING" in (ROOT / "specdec_rt/ort/session.py").read_text()
 
 
 def test_no_import_cycles():
