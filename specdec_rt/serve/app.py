@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -17,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .guard import Access, access_middleware
 from .jobs import completions, error_response
 from .protocol import APIError, error_body
 from .replies import models_body
@@ -28,7 +30,8 @@ __all__ = ["create_app", "begin_drain"]
 def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: int = 16,
                model_name: str | None = None, request_timeout: float | None = 600.0,
                max_body_bytes: int = 1 << 20, default_max_tokens: int = 256, retry_after: int = 1,
-               wait_for_load: bool = False, drain_timeout: float | None = None) -> Starlette:
+               wait_for_load: bool = False, drain_timeout: float | None = None, api_keys: Sequence[str] = (),
+               allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] = ()) -> Starlette:
     """The ASGI app.
 
     ``engine_or_loader``: a loaded :class:`~specdec_rt.Engine` (the app is ready at once and
@@ -44,7 +47,15 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
     route to an app only after its startup, such as a Ray Serve replica). ``drain_timeout``:
     seconds admitted requests get once draining began; those still running then end with a 503
     ``draining`` error (a stream: one error event) instead of being cut off (``None``: no limit).
+
+    Access (:mod:`specdec_rt.serve.guard`): ``api_keys``: every route but ``/health`` needs
+    ``Authorization: Bearer <one of them>`` (401 otherwise; none: no key needed).
+    ``allowed_hosts``: the ``Host`` names the app answers to, others get 421 (``None``: any, for an
+    app behind a proxy that checks them; ``guard.host_names`` gives the CLI's list).
+    ``allowed_origins``: web origins whose pages may call the app, with CORS answers; a request
+    with any other ``Origin`` gets 403. The JSON routes take ``application/json`` only (415).
     """
+    access = Access.checked(api_keys, allowed_hosts, allowed_origins)
     if slots is None:
         slots = getattr(engine_or_loader, "slots", None)
         slots = slots if isinstance(slots, int) else 4
@@ -116,6 +127,7 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
             Route("/metrics", metrics, methods=["GET"]),
         ],
         lifespan=lifespan,
+        middleware=access_middleware(access, lambda reason: serving.metrics.rejected.labels(reason).inc()),
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
     app.state.serving = serving

@@ -49,6 +49,16 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help=f"KV memory the prefix cache may hold, all models (default {DEFAULT_BUDGET_BYTES})")
     p.add_argument("--no-build", action="store_true", help="fail instead of building a missing recipe")
     p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
+    access = p.add_argument_group("access (docs/serving.md, 'Access')")
+    access.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every route but /health (repeat for several "
+                             "keys; $SPECDEC_API_KEY, comma separated, keeps them out of ps)")
+    access.add_argument("--allowed-hosts", type=_names, default=[], metavar="NAMES",
+                        help="Host names the server answers to besides its own (comma separated; '*': any); "
+                             "needed with --host 0.0.0.0 or ::")
+    access.add_argument("--allowed-origins", type=_names, default=[], metavar="ORIGINS",
+                        help="web origins (scheme://host[:port], comma separated; '*': any) whose pages may "
+                             "call the server, with CORS answers (default: none)")
     ray = p.add_argument_group("replicas on Ray Serve (the 'ray' extra; docs/serving.md)")
     ray.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve instead of one process")
     ray.add_argument("--replicas", type=_replicas, default=1, help="replicas: a number or 'auto' (default 1)")
@@ -57,6 +67,36 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     ray.add_argument("--ray-address", default=None,
                      help="join this Ray cluster (default: start a local one on loopback)")
     return p
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def _access(args):
+    """The checked :class:`~specdec_rt.serve.guard.Access` of the flags and ``$SPECDEC_API_KEY``."""
+    from .guard import WILDCARD_BINDS, Access, check_api_keys, check_origins, host_names, keys_from_env
+
+    if args.host in WILDCARD_BINDS and not args.allowed_hosts:
+        raise SpecDecError(f"--host {args.host!r} listens on every address: name the hosts clients reach it as "
+                           "with --allowed-hosts (e.g. --allowed-hosts api.example,10.0.0.5), or '*' for any")
+    checks = (("--api-key / $SPECDEC_API_KEY", lambda: check_api_keys([*args.api_key, *keys_from_env()])),
+              ("--allowed-hosts", lambda: host_names(args.host, args.allowed_hosts)),
+              ("--allowed-origins", lambda: check_origins(args.allowed_origins)))
+    values = []
+    for flag, check in checks:
+        try:
+            values.append(check())
+        except SpecDecError as exc:
+            raise SpecDecError(f"{flag}: {exc}") from None
+    return Access(*values)
+
+
+def _say_access(access) -> None:
+    keys = f"{len(access.api_keys)} API key(s) required" if access.api_keys else "no API key required"
+    hosts = "any Host" if access.allowed_hosts is None else "Host " + ", ".join(access.allowed_hosts)
+    origins = ", ".join(access.allowed_origins) or "none"
+    _say(f"specdec_rt serve: {keys}; answering {hosts}; web origins allowed: {origins}")
 
 
 def _replicas(text: str) -> int | str:
@@ -119,8 +159,13 @@ def run_serve(args) -> int:
     except (OSError, UnicodeError) as exc:
         _say(f"specdec_rt: error: --host {args.host!r} is not an address to listen on: {exc}")
         return 1
+    try:
+        access = _access(args)
+    except SpecDecError as exc:
+        _say(f"specdec_rt: error: {exc}")
+        return 2
     if args.ray:
-        return run_ray_serve(args)
+        return run_ray_serve(args, access)
     try:
         import uvicorn
 
@@ -144,11 +189,16 @@ def run_serve(args) -> int:
     logging.getLogger("specdec_rt.serve").setLevel(logging.INFO)  # one event per request on stderr
     app = create_app(load, slots=args.slots, max_queued=args.max_queued, model_name=name,
                      request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes,
-                     default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout)
+                     default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
+                     api_keys=access.api_keys, allowed_hosts=access.allowed_hosts,
+                     allowed_origins=access.allowed_origins)
+    _say_access(access)
     # past --drain-timeout the app ends what still runs with a 503 / an error event; uvicorn's own
     # limit, which cuts connections off, only backs that up
     config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on", access_log=args.access_log,
                             log_level="warning", timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S)
+    if args.access_log:  # uvicorn set its access logger to log_level (warning), which hides every line
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = _draining_server(config, app)
     app.state.serving.on_load_error = server.stop_after_load_error
     # uvicorn re-raises the signal that stopped it once it is done; a handler that ignores it makes
@@ -196,7 +246,7 @@ def _draining_server(config, app):
     return DrainingServer(config)
 
 
-def run_ray_serve(args) -> int:
+def run_ray_serve(args, access) -> int:
     """``serve --ray``: start a local Ray instance on loopback (no dashboard, no usage stats, state
     in a temporary folder) or join ``--ray-address``, deploy the replicas, say where they listen,
     and on SIGTERM / SIGINT delete the deployment and stop what it started (exit 0)."""
@@ -230,7 +280,10 @@ def run_ray_serve(args) -> int:
                       provider=args.provider, prefix_cache=args.prefix_cache,
                       prefix_cache_bytes=args.prefix_cache_bytes, threads=args.threads,
                       model_name=args.served_model_name or Path(str(args.model)).name,
-                      replicas=args.replicas, cpus_per_replica=args.cpus_per_replica)
+                      replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
+                      api_keys=access.api_keys, allowed_hosts=access.allowed_hosts,
+                      allowed_origins=access.allowed_origins)
+    _say_access(access)
     stop = threading.Event()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     temp = None

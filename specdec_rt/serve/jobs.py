@@ -27,7 +27,7 @@ from .state import Serving
 __all__ = ["completions", "error_response"]
 
 log = get_logger("specdec_rt.serve")
-REJECT_REASONS = {400: "invalid", 413: "too_large", 429: "overloaded"}
+REJECT_REASONS = {400: "invalid", 413: "too_large", 415: "media_type", 429: "overloaded"}
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -35,7 +35,13 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; 413 past ``limit`` bytes, told by Content-Length or found while reading."""
+    """The body as JSON; 415 unless it is declared ``application/json`` (a parameter such as
+    ``charset`` aside: a cross-site page can POST ``text/plain`` without a preflight, never
+    JSON); 413 past ``limit`` bytes, told by Content-Length or found while reading."""
+    media_type = request.headers.get("content-type")
+    if media_type is None or media_type.partition(";")[0].strip().lower() != "application/json":
+        got = "no Content-Type" if media_type is None else f"Content-Type {media_type[:100]!r}"
+        raise APIError(415, f"the request body must be application/json, got {got}", code="unsupported_media_type")
     too_large = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:

@@ -41,7 +41,8 @@ class Metrics:
                                        "Drafted tokens the target accepted", registry=r)
         self.success = Counter("specdec_request_success", "Requests that finished",
                                ["finished_reason"], registry=r)
-        self.rejected = Counter("specdec_requests_rejected", "Requests refused before generation",
+        self.rejected = Counter("specdec_requests_rejected", "Requests refused before generation (auth, host, "
+                                "origin: on any route)",
                                 ["reason"], registry=r)
         self.aborted = Counter("specdec_requests_aborted", "Requests ended early after admission",
                                ["reason"], registry=r)
@@ -62,7 +63,8 @@ class Metrics:
                                     buckets=BATCH_BUCKETS, registry=r)
         for reason in ("stop", "length"):
             self.success.labels(reason)
-        for reason in ("invalid", "too_large", "overloaded", "loading", "draining"):
+        for reason in ("invalid", "too_large", "media_type", "overloaded", "loading", "draining", "auth", "host",
+                       "origin"):
             self.rejected.labels(reason)
         for reason in ("cancelled", "timeout", "error", "shutdown"):
             self.aborted.labels(reason)

@@ -24,7 +24,7 @@ Ray is imported only when a function here runs.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import InvalidInputError
@@ -40,7 +40,9 @@ class RayOptions:
     """What a replica serves, and how many replicas. ``replicas``: a number or ``"auto"`` (Ray's
     autoscaling; ``autoscaling`` overrides its config: ``min_replicas``, ``max_replicas``,
     ``target_ongoing_requests``, ...). ``threads``: ONNX Runtime threads (default: the CPUs Ray
-    reserved for the replica)."""
+    reserved for the replica). ``api_keys``, ``allowed_hosts``, ``allowed_origins``: as for
+    :func:`~specdec_rt.serve.app.create_app` (``api_keys`` empty: a replica takes the keys in its
+    own ``$SPECDEC_API_KEY``, e.g. from a Kubernetes Secret; ``allowed_hosts`` None: any Host)."""
 
     model: str
     draft: str | None = None
@@ -59,6 +61,9 @@ class RayOptions:
     cpus_per_replica: float = 1.0
     autoscaling: dict | None = None
     max_replicas_per_node: int | None = None
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # never in a log line
+    allowed_hosts: tuple[str, ...] | None = None
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.replicas != "auto" and (not isinstance(self.replicas, int) or self.replicas < 1):
@@ -66,6 +71,9 @@ class RayOptions:
         if not self.cpus_per_replica > 0 or self.slots < 1 or self.max_queued < 0:
             raise InvalidInputError(f"cpus_per_replica > 0, slots >= 1 and max_queued >= 0 needed, got "
                              f"{self.cpus_per_replica!r}, {self.slots!r}, {self.max_queued!r}")
+        from .guard import Access
+
+        Access.checked(self.api_keys, self.allowed_hosts, self.allowed_origins)  # a bad one fails here, not on a replica
 
 
 def replica_threads(default: float) -> int:
@@ -83,6 +91,7 @@ def _replica_app(opts: RayOptions):
     """The ASGI app of one replica (runs on the replica)."""
     from ..engine.engine import Engine
     from .app import create_app
+    from .guard import keys_from_env
 
     threads = opts.threads or replica_threads(opts.cpus_per_replica)
 
@@ -97,7 +106,9 @@ def _replica_app(opts: RayOptions):
     name = opts.model_name or os.path.basename(str(opts.model).rstrip("/"))
     app = create_app(load, slots=opts.slots, max_queued=opts.max_queued, model_name=name,
                      request_timeout=opts.request_timeout, max_body_bytes=opts.max_body_bytes,
-                     default_max_tokens=opts.default_max_tokens, wait_for_load=True)
+                     default_max_tokens=opts.default_max_tokens, wait_for_load=True,
+                     api_keys=opts.api_keys or keys_from_env(), allowed_hosts=opts.allowed_hosts,
+                     allowed_origins=opts.allowed_origins)
     app.add_middleware(_ReplicaHeader, replica=_replica_id())
     return app
 
@@ -195,6 +206,8 @@ def _parse(key: str, value: Any) -> Any:
         return value if value == "auto" else int(value)
     if key == "prefix_cache":
         return value.lower() in ("1", "true", "yes", "on")
+    if key in ("api_keys", "allowed_hosts", "allowed_origins"):  # comma separated
+        return tuple(v.strip() for v in value.split(",") if v.strip())
     if key == "autoscaling":
         import json
 

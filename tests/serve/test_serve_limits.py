@@ -92,7 +92,7 @@ def test_body_over_the_limit_is_413(tiny_llama):
 
         async with client(app) as c:
             r = await c.post("/v1/completions", json=big)
-            r2 = await c.post("/v1/completions", content=chunked())
+            r2 = await c.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
             ok = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert "content-length" not in r2.request.headers and r2.status_code == 413
