@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, cast
 
 import anyio
 import numpy as np
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..policy.acceptance import SpecConfig
 from ..batching import BatchExecutor
 from ..sampling.constraints import GrammarFactory, MinTokens
+from ..sampling.logprobs import TokenLogprob
 from .factory import build_parts
 from .stream import EngineResult, EngineStream, StreamEvent, _Ready
 from ..errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
@@ -35,6 +37,7 @@ from ..spec.params import RequestParams
 from ..spec.scheduler import SpecDecScheduler
 from ..text.codec import TextCodec
 from ..text.tools import parse_tool_calls
+from ..types import Stats
 from .warmup import WARMUP_REQUESTS, WARMUP_TOKENS, warm_up
 
 __all__ = ["Engine", "EngineResult", "EngineStream", "StreamEvent"]
@@ -100,7 +103,7 @@ class Engine:
                                           batch=_MeasuredBatch(self, drafts[0] if drafts else None))
         self._slots = anyio.Semaphore(slots)
         self._tasks: set[asyncio.Task] = set()
-        self.running = 0  #: requests holding a slot
+        self.running: int = 0  #: requests holding a slot
         self.waiting = 0  #: requests waiting for a slot
         self.max_prompt_chars = DEFAULT_MAX_PROMPT_CHARS  #: longer prompts are refused before encoding
         #: per-request constraints of ``response_format`` (its tokenizer table built on first use)
@@ -188,7 +191,11 @@ class Engine:
         (sampling, ``mode``, ``stop``, log-probabilities, ``response_format``, ``tools``,
         ``min_tokens``, ...) are documented on :class:`~specdec_rt.spec.params.RequestParams`;
         an unknown keyword is an :class:`~specdec_rt.errors.InvalidInputError` naming it."""
-        parts, ids, lps, stats, first = [], [], [], None, StreamEvent("", ())
+        parts: list[str] = []
+        ids: list[int] = []
+        lps: list[TokenLogprob] = []
+        stats: Stats | None = None
+        first = StreamEvent("", ())
         async with self.stream(prompt, params, **overrides) as events:
             request = events.params
             async for ev in events:
@@ -198,6 +205,7 @@ class Engine:
                 lps.extend(ev.logprobs or ())
                 stats = ev.stats or stats
         text = "".join(parts)
+        assert stats is not None  # the stream's last event carries them
         return EngineResult(text, ids, stats, stats.prompt_tokens if stats else 0,
                             lps if request.logprobs is not None else None,
                             None if first.prompt_token_ids is None else list(first.prompt_token_ids),
@@ -222,7 +230,7 @@ class Engine:
         request = _request_params(params, overrides)
         if request.mode == "spec" and self.drafter is None:
             raise InvalidInputError("this engine has no draft model: load it with draft=... or use mode='ar'")
-        stops = list(request.stop)
+        stops = list(request.stop or ())  # (a tuple of strings once checked)
         shape = RequestShape(request.prompt_logprobs, request.json_schema,
                              *tool_shape(prompt, request.tools, request.effective_tool_choice, stops,
                                          self.codec.chat_template),
@@ -231,6 +239,8 @@ class Engine:
             raise InvalidInputError(f"response_format and tool_choice={request.tool_choice!r} cannot both hold "
                                     "the answer")
         check_prompt_size(prompt, self.max_prompt_chars)
+        send: MemoryObjectSendStream[StreamEvent | Exception]
+        receive: MemoryObjectReceiveStream[StreamEvent | Exception]
         send, receive = anyio.create_memory_object_stream(STREAM_BUFFER)
         stream = EngineStream(receive, self, request)
         task = asyncio.get_running_loop().create_task(self._produce(stream._ready, prompt, request, stops, send, shape))
@@ -244,7 +254,8 @@ class Engine:
         template may take a while). Starting the scheduler's request is the event loop's: it
         reads the prefix cache, whose bookkeeping only the loop's thread may touch."""
         try:
-            ids = token_id_prompt(prompt, self.target.vocab_size) or self.codec.encode_prompt(prompt, tools=tools)
+            ids = token_id_prompt(prompt, self.target.vocab_size) or self.codec.encode_prompt(
+                cast("str | Sequence[dict]", prompt), tools=tools)  # (not token ids: those were taken)
         except SpecDecError:
             raise
         except Exception as exc:  # noqa: BLE001 - the codec maps what it knows; anything else is still the prompt's
@@ -281,7 +292,7 @@ class Engine:
         async with send:
             try:
                 try:
-                    ids = await anyio.to_thread.run_sync(
+                    ids: Sequence[int] = await anyio.to_thread.run_sync(
                         lambda: self._encode(prompt, p.max_new_tokens, p.truncate_prompt, shape.tools))
                     compiles = shape.schema is not None or shape.lark is not None  # a grammar: in a thread
                     constraint = (await anyio.to_thread.run_sync(self._constraint, shape) if compiles

@@ -65,12 +65,12 @@ class EngineStream:
         self._receive, self._engine, self.params = receive, engine, params
         self._ready = _Ready()
         self._task: asyncio.Task | None = None
-        self._finalizer = None
+        self._finalizer: weakref.finalize | None = None  # cancels the task (set by _attach, with it)
 
     def _attach(self, task: asyncio.Task) -> None:
         self._task = task
-        self._finalizer = weakref.finalize(self, _cancel_soon, task.get_loop(), task, self._receive)
-        self._finalizer.atexit = False
+        self._finalizer = finalizer = weakref.finalize(self, _cancel_soon, task.get_loop(), task, self._receive)
+        finalizer.atexit = False
 
     async def ready(self) -> None:
         """Wait until the prompt is encoded and the request checked (before any model work);
@@ -94,7 +94,8 @@ class EngineStream:
 
     async def aclose(self) -> None:
         """End the request now (its slots are freed on the next event-loop pass)."""
-        self._finalizer()
+        if self._finalizer is not None:  # (None: no task was attached, nothing runs)
+            self._finalizer()
 
     async def __aenter__(self) -> "EngineStream":
         return self
@@ -107,7 +108,8 @@ class _Ready:
     """Set once a request's prompt was checked: with None, or with the error it raised."""
 
     def __init__(self) -> None:
-        self._event, self._error = asyncio.Event(), None
+        self._event = asyncio.Event()
+        self._error: Exception | None = None
 
     def set(self, error: Exception | None) -> None:
         self._error = error

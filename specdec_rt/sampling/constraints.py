@@ -22,7 +22,7 @@ Log-probabilities stay the model's own (before the constraint, as before tempera
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -116,7 +116,7 @@ class MinTokens(Constraint):
     is never forced past its own end. Once ``count`` tokens are committed it rules nothing
     (``spent``), and the request keeps ``inner`` alone."""
 
-    def __init__(self, count: int, stop_ids: Sequence[int], vocab_size: int, inner: Constraint | None = None) -> None:
+    def __init__(self, count: int, stop_ids: Iterable[int], vocab_size: int, inner: Constraint | None = None) -> None:
         self.count, self.vocab_size, self.inner = int(count), int(vocab_size), inner
         self.stop = np.array(sorted({int(t) for t in stop_ids if 0 <= int(t) < vocab_size}), dtype=np.int64)
         self.committed = 0

@@ -146,7 +146,8 @@ def check_length_options(min_tokens, ignore_eos, max_new_tokens: int) -> tuple[i
     return min_tokens, check_bool(ignore_eos, "ignore_eos")
 
 
-def tool_shape(prompt, tools, choice, stops: list[str], template: str | None) -> tuple:
+def tool_shape(prompt, tools, choice, stops: list[str],
+               template: str | None) -> tuple[list | None, str | None, tuple[dict, ...]]:
     """(the tools to render, a call grammar) from ``tools`` / ``choice`` (checked already, e.g.
     by :class:`~specdec_rt.spec.params.RequestParams`; ``choice`` None resolved) for this
     prompt. With ``"none"`` the tools are still rendered where the ``template`` can (the model
