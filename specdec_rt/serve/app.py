@@ -131,6 +131,7 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
     app.state.serving = serving
+    app.state.access = access  # the checked rules (their repr leaves the keys out)
     return app
 
 

@@ -192,7 +192,6 @@ def run_serve(args) -> int:
                      default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
                      api_keys=access.api_keys, allowed_hosts=access.allowed_hosts,
                      allowed_origins=access.allowed_origins)
-    _say_access(access)
     # past --drain-timeout the app ends what still runs with a 503 / an error event; uvicorn's own
     # limit, which cuts connections off, only backs that up
     config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on", access_log=args.access_log,
@@ -237,6 +236,7 @@ def _draining_server(config, app):
                     host, port = sock.getsockname()[:2]
                     _say(f"specdec_rt serve: listening on http://{host}:{port} (GET /health is 200 "
                          "once the model is loaded)")
+            _say_access(app.state.access)  # after the line that says where (`serve | head -1` reads that)
 
         def stop_after_load_error(self, exc: BaseException) -> None:
             _say(f"specdec_rt: error: {exc}")
