@@ -125,13 +125,17 @@ def free_port() -> int:
 
 @contextlib.asynccontextmanager
 async def running_server(app, lifespan: str = "off"):
-    """Real uvicorn in this event loop; yields its base URL."""
+    """Real uvicorn in this event loop, with ``serve``'s connection limits (their defaults);
+    yields its base URL."""
     import uvicorn
+
+    from specdec_rt.serve.connections import ConnectionLimits, uvicorn_options
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, lifespan=lifespan, log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan=lifespan, log_level="warning", access_log=False,
+                                           **uvicorn_options(ConnectionLimits())))
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:

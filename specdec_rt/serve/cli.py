@@ -59,6 +59,22 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     access.add_argument("--allowed-origins", type=_names, default=[], metavar="ORIGINS",
                         help="web origins (scheme://host[:port], comma separated; '*': any) whose pages may "
                              "call the server, with CORS answers (default: none)")
+    conn = p.add_argument_group("connection limits (docs/serving.md, 'Connection limits'; not with --ray)")
+    conn.add_argument("--header-timeout", type=_positive_seconds, default=10.0,
+                      help="seconds a client has to send a request's line and headers, from its connection or the "
+                           "request's first byte; then a 408 and the connection is closed (default 10)")
+    conn.add_argument("--body-timeout", type=_positive_seconds, default=30.0,
+                      help="seconds a client has to send a request's body, from the end of its headers; then a "
+                           "408 and the connection is closed (default 30)")
+    conn.add_argument("--max-header-bytes", type=_positive, default=65536,
+                      help="largest request line and headers; larger ones get 431 (default 65536)")
+    conn.add_argument("--max-headers", type=_positive, default=100,
+                      help="most header lines in a request; more get 431 (default 100)")
+    conn.add_argument("--max-connections", type=_positive, default=256,
+                      help="open connections, idle ones included; one more gets a 503 and is closed (default 256)")
+    conn.add_argument("--keep-alive-timeout", type=_seconds, default=5.0,
+                      help="seconds a connection may sit idle between requests (default 5; 0: closed after "
+                           "each response)")
     ray = p.add_argument_group("replicas on Ray Serve (the 'ray' extra; docs/serving.md)")
     ray.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve instead of one process")
     ray.add_argument("--replicas", type=_replicas, default=1, help="replicas: a number or 'auto' (default 1)")
@@ -142,6 +158,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not (value >= 0 and math.isfinite(value)):
@@ -170,6 +193,7 @@ def run_serve(args) -> int:
         import uvicorn
 
         from .app import create_app
+        from .connections import ConnectionLimits, uvicorn_options
     except ImportError as exc:
         _say(f"specdec_rt: error: serve needs the 'serve' extra (pip install 'specdec-rt[serve]'): {exc}")
         return 1
@@ -192,10 +216,14 @@ def run_serve(args) -> int:
                      default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
                      api_keys=access.api_keys, allowed_hosts=access.allowed_hosts,
                      allowed_origins=access.allowed_origins)
+    limits = ConnectionLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                              max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
+                              max_connections=args.max_connections, keep_alive_timeout=args.keep_alive_timeout)
     # past --drain-timeout the app ends what still runs with a 503 / an error event; uvicorn's own
     # limit, which cuts connections off, only backs that up
     config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on", access_log=args.access_log,
-                            log_level="warning", timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S)
+                            log_level="warning", timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S,
+                            **uvicorn_options(limits))
     if args.access_log:  # uvicorn set its access logger to log_level (warning), which hides every line
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = _draining_server(config, app)

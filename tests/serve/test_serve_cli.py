@@ -153,7 +153,13 @@ async def _drain_scenario(url: str, proc: subprocess.Popen) -> None:
                                         (["--request-timeout", "nan"], "--request-timeout"),
                                         (["--drain-timeout", "-1"], "--drain-timeout"),
                                         (["--drain-timeout", "inf"], "--drain-timeout"),
-                                        (["--host", "999.1.1.1"], "--host")])
+                                        (["--host", "999.1.1.1"], "--host"),
+                                        (["--header-timeout", "0"], "--header-timeout"),
+                                        (["--body-timeout", "inf"], "--body-timeout"),
+                                        (["--max-header-bytes", "0"], "--max-header-bytes"),
+                                        (["--max-headers", "-5"], "--max-headers"),
+                                        (["--max-connections", "0"], "--max-connections"),
+                                        (["--keep-alive-timeout", "-1"], "--keep-alive-timeout")])
 def test_cli_serve_refuses_bad_flags_in_one_line_before_loading(tiny_llama, args, named):
     """--port 70000 listened on 4464, a negative timeout answered every request 504 or crashed
     the drain, an unresolvable host failed inside uvicorn (QA)."""
