@@ -445,3 +445,34 @@ def test_cli_refuses_bad_access_flags_in_one_line_before_loading(tiny_llama, arg
     assert proc.returncode == 2 and named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert "listening" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert KEY1 not in proc.stderr and "sk ok" not in proc.stderr and "bad key" not in proc.stderr
+
+
+def test_ray_replicas_get_the_rules_and_read_their_own_environment(monkeypatch, tmp_path):
+    """RayOptions carry the rules to each replica's app (no cluster needed to build one); a replica
+    given no keys takes those in its own $SPECDEC_API_KEY (a Kubernetes Secret); bad rules fail
+    when the options are made, not on a replica; the options' repr shows no key."""
+    from specdec_rt.serve.ray import RayOptions, _parse, _replica_app
+
+    monkeypatch.setenv("SPECDEC_API_KEY", KEY2)
+    opts = RayOptions(
+        model=str(tmp_path),
+        threads=1,
+        api_keys=_parse("api_keys", f"{KEY1}, "),
+        allowed_hosts=_parse("allowed_hosts", "127.0.0.1,api.example"),
+    )
+    from_env = RayOptions(model=str(tmp_path), threads=1)
+    assert KEY1 not in repr(opts) and opts.allowed_hosts == ("127.0.0.1", "api.example")
+    with pytest.raises(InvalidInputError, match="allowed origin 'http://a.example/'"):
+        RayOptions(model="m", allowed_origins=("http://a.example/",))
+
+    async def check():  # the engine is never loaded: the checks come before any route
+        async with _client(_replica_app(opts)) as c:
+            rs = [await c.get("/v1/models", headers=h) for h in ({}, _bearer(KEY2), _bearer(KEY1))]
+            foreign = await c.get("/v1/models", headers={**_bearer(KEY1), "host": "evil.example"})
+        async with _client(_replica_app(from_env)) as c:
+            env_rs = [await c.get("/v1/models", headers=h) for h in ({}, _bearer(KEY2))]
+        assert [r.status_code for r in rs] == [401, 401, 200] and foreign.status_code == 421
+        assert [r.status_code for r in env_rs] == [401, 200]
+        assert all(r.headers["x-specdec-replica"] for r in [*rs, *env_rs])
+
+    anyio.run(check)
