@@ -20,8 +20,7 @@ PROMPTS = ["Name three fruits.", "What is 2 + 2?", "Write a haiku about the sea.
 
 async def main(model: str) -> None:
     async with await Engine.load(model, slots=2) as engine:
-        alone = {p: (await engine.generate([{"role": "user", "content": p}], max_new_tokens=32)).text
-                 for p in PROMPTS}
+        alone = {p: (await engine.generate([{"role": "user", "content": p}], max_new_tokens=32)).text for p in PROMPTS}
         ticks, longest, last = 0, 0.0, time.perf_counter()
 
         async def heartbeat():
@@ -39,12 +38,15 @@ async def main(model: str) -> None:
             *(one(p) for p in PROMPTS),
             asyncio.wait_for(one("Tell me a very long story."), timeout=0.05),  # times out
             engine.generate("x", max_new_tokens=0),  # bad request
-            return_exceptions=True)
+            return_exceptions=True,
+        )
         beat.cancel()
         for p, r in zip(PROMPTS, results):
             print(f"{p!r}: {'same as alone' if r == alone[p] else 'DIFFERENT'}")
-        print(f"timed out: {type(results[-2]).__name__}; bad request: {type(results[-1]).__name__} "
-              f"(a SpecDecError: {isinstance(results[-1], SpecDecError)})")
+        print(
+            f"timed out: {type(results[-2]).__name__}; bad request: {type(results[-1]).__name__} "
+            f"(a SpecDecError: {isinstance(results[-1], SpecDecError)})"
+        )
         print(f"heartbeat: {ticks} ticks, longest gap {longest * 1e3:.0f} ms")
 
 

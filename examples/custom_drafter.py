@@ -41,8 +41,10 @@ async def main() -> None:
     print("greedy output identical to plain decoding: ok")
     sched = SpecDecScheduler(EchoDrafter(), ModelVerifier(target), SpecConfig(measure_costs=False))
     r = await sched.run([1, 2, 3], 64, SamplingParams(temperature=0.8, seed=7))
-    print(f"sampled: {r.token_ids[:16]}... acceptance {r.stats.acceptance_rate:.2f}, "
-          f"{r.stats.tokens_per_target_call:.2f} tokens per target call")
+    print(
+        f"sampled: {r.token_ids[:16]}... acceptance {r.stats.acceptance_rate:.2f}, "
+        f"{r.stats.tokens_per_target_call:.2f} tokens per target call"
+    )
 
 
 if __name__ == "__main__":

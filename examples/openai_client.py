@@ -28,8 +28,11 @@ import openai
 def local_server(model: str, timeout: float = 300.0):
     """Start ``python -m specdec_rt serve --port 0``; yields its ``/v1`` base URL once ``/health``
     says ready; SIGTERM (a graceful drain) when done."""
-    proc = subprocess.Popen([sys.executable, "-m", "specdec_rt", "serve", "--model", model, "--port", "0"],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdec_rt", "serve", "--model", model, "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     found: queue.Queue = queue.Queue()
     last = collections.deque(maxlen=20)
 
@@ -75,20 +78,28 @@ def demo(base_url: str, max_tokens: int = 48) -> None:
     print(r.choices[0].message.content + "\n")
 
     print("chat, streamed: ", end="", flush=True)
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     for chunk in stream:
         if chunk.choices:
             print(chunk.choices[0].delta.content or "", end="", flush=True)
         elif chunk.usage:  # the last chunk: no choices, the usage
             print(f"\n[usage: {chunk.usage.prompt_tokens} prompt + {chunk.usage.completion_tokens} completion]")
 
-    t = client.completions.create(model=model, prompt="def fib(n):", max_tokens=max_tokens, temperature=0,
-                                  extra_body={"mode": "ar"})  # plain decoding: the same greedy text
+    t = client.completions.create(
+        model=model, prompt="def fib(n):", max_tokens=max_tokens, temperature=0, extra_body={"mode": "ar"}
+    )  # plain decoding: the same greedy text
     print(f"completion (mode ar): {t.choices[0].text!r}")
     print("completion, streamed: ", end="")
-    for chunk in client.completions.create(model=model, prompt="def fib(n):", max_tokens=max_tokens,
-                                           temperature=0.7, seed=1, stream=True):
+    for chunk in client.completions.create(
+        model=model, prompt="def fib(n):", max_tokens=max_tokens, temperature=0.7, seed=1, stream=True
+    ):
         print(chunk.choices[0].text, end="", flush=True)
     print()
 

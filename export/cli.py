@@ -23,17 +23,26 @@ def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m export",
         description="Export a Llama/Mistral/Qwen2 checkpoint folder, .gguf file or recipe to ONNX + "
-                    "manifest.json for specdec_rt.")
+        "manifest.json for specdec_rt.",
+    )
     p.add_argument("src", nargs="?", help="checkpoint folder, .gguf file, or recipe name")
     p.add_argument("--out", type=Path, help="output folder (default: the cache's models/<name>)")
     p.add_argument("--draft", metavar="SRC", help="export SRC as the draft (same tokenizer)")
-    p.add_argument("--draft-quant", choices=["int4", "int8"],
-                   help="quantize the draft (without --draft: a quantized copy of the target)")
+    p.add_argument(
+        "--draft-quant",
+        choices=["int4", "int8"],
+        help="quantize the draft (without --draft: a quantized copy of the target)",
+    )
     p.add_argument("--quantize", choices=["int4", "int8"], help="quantize the target itself")
-    p.add_argument("--max-positions", type=int, metavar="N",
-                   help="cap the rotary table / KV length (default: the model's, at most 32768)")
-    p.add_argument("--no-validate", dest="validate", action="store_false",
-                   help="skip the ONNX Runtime vs PyTorch comparison")
+    p.add_argument(
+        "--max-positions",
+        type=int,
+        metavar="N",
+        help="cap the rotary table / KV length (default: the model's, at most 32768)",
+    )
+    p.add_argument(
+        "--no-validate", dest="validate", action="store_false", help="skip the ONNX Runtime vs PyTorch comparison"
+    )
     p.add_argument("--force", action="store_true", help="rebuild even if the output is up to date")
     p.add_argument("--threads", type=int, metavar="N", help="ONNX Runtime threads for validation")
     p.add_argument("--list", action="store_true", help="list the recipes and exit")
@@ -49,15 +58,21 @@ def summary(result, ui: Reporter) -> str:
         files = man["files"]
         val = man.get("validation") or {}
         q = man["onnx"]["quantization"]
-        rows.append([
-            folder.relative_to(result.out).as_posix() if folder != result.out else ".",
-            man["role"], f"int{q['bits']}" if q else "fp32", man["onnx"]["nodes"],
-            format_bytes(files["model.onnx.data"]["bytes"]),
-            format_bytes(sum(f["bytes"] for f in files.values())),
-            f"{val['max_abs_logit_diff']:.2e}" if val else "skipped",
-            f"{val['greedy_agreement']:.1%}" if val else "-"])
-    table = format_table(["folder", "role", "weights", "nodes", "model.onnx.data", "total",
-                          "max|dlogit|", "greedy agree"], rows)
+        rows.append(
+            [
+                folder.relative_to(result.out).as_posix() if folder != result.out else ".",
+                man["role"],
+                f"int{q['bits']}" if q else "fp32",
+                man["onnx"]["nodes"],
+                format_bytes(files["model.onnx.data"]["bytes"]),
+                format_bytes(sum(f["bytes"] for f in files.values())),
+                f"{val['max_abs_logit_diff']:.2e}" if val else "skipped",
+                f"{val['greedy_agreement']:.1%}" if val else "-",
+            ]
+        )
+    table = format_table(
+        ["folder", "role", "weights", "nodes", "model.onnx.data", "total", "max|dlogit|", "greedy agree"], rows
+    )
     stages = format_table(["stage", "seconds"], [[s, f"{t:.1f}"] for s, t in ui.timings])
     return f"\n{table}\n\n{stages}\n"
 
@@ -86,10 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     def work():
         from .pipeline import Request, run
 
-        return run(Request(src=args.src, out=args.out, draft=args.draft,
-                           draft_quant=args.draft_quant, quantize=args.quantize,
-                           max_positions=args.max_positions, validate=args.validate,
-                           force=args.force, threads=args.threads), ui)
+        return run(
+            Request(
+                src=args.src,
+                out=args.out,
+                draft=args.draft,
+                draft_quant=args.draft_quant,
+                quantize=args.quantize,
+                max_positions=args.max_positions,
+                validate=args.validate,
+                force=args.force,
+                threads=args.threads,
+            ),
+            ui,
+        )
 
     result, code = one_line_errors(work, args.verbose)
     if code:

@@ -10,7 +10,6 @@ these at the boundary with `raise ... from exc`, so the cause stays in the trace
 from __future__ import annotations
 
 import argparse
-
 import sys
 import traceback
 from typing import Callable, TypeVar
@@ -96,11 +95,10 @@ def one_line(text: object, limit: int = MAX_MESSAGE) -> str:
     """``text`` (often a library's exception) as one line: whitespace runs (newlines, tabs)
     collapsed to one space, cut to ``limit`` characters."""
     line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def one_line_errors(work: Callable[[], T], verbose: bool,
-                    interrupted: str = "interrupted") -> tuple[T | None, int]:
+def one_line_errors(work: Callable[[], T], verbose: bool, interrupted: str = "interrupted") -> tuple[T | None, int]:
     """Run ``work()``; any failure becomes one line on stderr and an exit code (the CLI's
     contract, also for bugs; ``verbose`` adds the traceback). Returns (result, 0) on success."""
     try:
@@ -116,8 +114,7 @@ def one_line_errors(work: Callable[[], T], verbose: bool,
     except Exception as exc:  # noqa: BLE001 - the one-line contract holds for bugs too
         if verbose:
             traceback.print_exc()
-        print(f"export: error: internal error: {type(exc).__name__}: {one_line(exc)} (rerun with -v)",
-              file=sys.stderr)
+        print(f"export: error: internal error: {type(exc).__name__}: {one_line(exc)} (rerun with -v)", file=sys.stderr)
         return None, 1
 
 

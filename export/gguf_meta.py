@@ -28,16 +28,20 @@ from pathlib import Path
 
 from .errors import CorruptSourceError, InsufficientMemoryError
 
-__all__ = ["GGUFInfo", "GGUFArray", "read_gguf_info", "check_model", "machine_memory",
-           "export_memory_estimate"]
+__all__ = ["GGUFInfo", "GGUFArray", "read_gguf_info", "check_model", "machine_memory", "export_memory_estimate"]
 
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NAME = 256  # tensor names (llama.cpp: 64)
 MAX_ALIGNMENT = 1 << 16
 # architecture metadata bounds (inclusive), checked before anything is sized from them
-GGUF_LIMITS = {"block_count": (1, 1024), "embedding_length": (1, 1 << 16),
-          "feed_forward_length": (1, 1 << 20), "attention.head_count": (1, 1024),
-          "attention.head_count_kv": (1, 1024), "context_length": (2, 1 << 24)}
+GGUF_LIMITS = {
+    "block_count": (1, 1024),
+    "embedding_length": (1, 1 << 16),
+    "feed_forward_length": (1, 1 << 20),
+    "attention.head_count": (1, 1024),
+    "attention.head_count_kv": (1, 1024),
+    "context_length": (2, 1 << 24),
+}
 MAX_VOCAB = 1 << 22
 # optional float metadata that must be finite and > 0 when present
 POSITIVE_FLOATS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor")
@@ -46,8 +50,7 @@ POSITIVE_FLOATS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.s
 _KEEP_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"}
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types of special / added tokens
 # value type -> struct format of one scalar (8 = string, 9 = array handled apart)
-_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-           12: "d"}
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
 @dataclass(frozen=True)
@@ -128,8 +131,15 @@ class _Reader:
             return self.string()
         if vtype == 9:  # arrays are skipped unless kept: only their extent matters
             itype, count = self.unpack("I"), self.unpack("Q")
-            item = struct.calcsize("<" + _SCALAR[itype]) if itype in _SCALAR else 8 if itype == 8 \
-                else 12 if itype == 9 else None
+            item = (
+                struct.calcsize("<" + _SCALAR[itype])
+                if itype in _SCALAR
+                else 8
+                if itype == 8
+                else 12
+                if itype == 9
+                else None
+            )
             if item is None:
                 raise ValueError(f"unknown GGUF array item type {itype}")
             self.claim(count * item, "an array")  # strings: at least their 8-byte length each
@@ -175,8 +185,7 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFInfo:
             name = r.string()
             n_dims = r.unpack("I")
             if n_dims > MAX_DIMS or len(name) > MAX_NAME:
-                raise ValueError(f"tensor {name[:64]!r}: {n_dims} dimensions or a name over "
-                                 f"{MAX_NAME} characters")
+                raise ValueError(f"tensor {name[:64]!r}: {n_dims} dimensions or a name over {MAX_NAME} characters")
             dims = tuple(r.unpack("Q") for _ in range(n_dims))
             gtype = r.unpack("I")
             block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(gtype)]
@@ -187,8 +196,7 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFInfo:
             tensors[name] = (dims, gtype)
         align = meta.get("general.alignment", 32)
         if type(align) is not int or not 1 <= align <= MAX_ALIGNMENT or align & (align - 1):
-            raise ValueError(f"general.alignment {align!r} is not a power of two up to "
-                             f"{MAX_ALIGNMENT}")
+            raise ValueError(f"general.alignment {align!r} is not a power of two up to {MAX_ALIGNMENT}")
         data_start = -(-f.tell() // align) * align
     return GGUFInfo(meta, n_tensors, data_start + max(extents, default=0), size, tensors)
 
@@ -205,8 +213,9 @@ def read_gguf_info(path: Path) -> GGUFInfo:
     except (EOFError, ValueError, KeyError, struct.error, UnicodeDecodeError) as exc:
         raise CorruptSourceError(f"corrupt or truncated GGUF file {path}: {exc}") from exc
     if info.n_tensors == 0 or info.data_end > info.file_size:
-        raise CorruptSourceError(f"truncated GGUF file {path}: tensors need {info.data_end} "
-                                 f"bytes, the file has {info.file_size}")
+        raise CorruptSourceError(
+            f"truncated GGUF file {path}: tensors need {info.data_end} bytes, the file has {info.file_size}"
+        )
     return info
 
 
@@ -246,8 +255,7 @@ def _meta_int(info: GGUFInfo, key: str, path, required: bool = True) -> int | No
         return None
     lo, hi = GGUF_LIMITS[key]
     if type(value) is not int or not lo <= value <= hi:
-        raise CorruptSourceError(f"GGUF {path}: {arch}.{key} = {value!r} is not an integer "
-                                 f"from {lo} to {hi}")
+        raise CorruptSourceError(f"GGUF {path}: {arch}.{key} = {value!r} is not an integer from {lo} to {hi}")
     return value
 
 
@@ -259,8 +267,7 @@ def _meta_positive(info: GGUFInfo, key: str, path) -> None:
     if value is None:
         return
     if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
-        raise CorruptSourceError(f"GGUF {path}: {arch}.{key} = {value!r} is not a finite "
-                                 f"number > 0")
+        raise CorruptSourceError(f"GGUF {path}: {arch}.{key} = {value!r} is not a finite number > 0")
 
 
 def check_model(info: GGUFInfo, path) -> None:
@@ -276,14 +283,16 @@ def check_model(info: GGUFInfo, path) -> None:
     ffn = _meta_int(info, "feed_forward_length", path)
     _meta_int(info, "context_length", path, required=False)
     if kv_heads > heads:
-        raise CorruptSourceError(f"GGUF {path}: {heads} heads / {kv_heads} KV heads do not fit "
-                                 f"embedding length {embd}")
+        raise CorruptSourceError(f"GGUF {path}: {heads} heads / {kv_heads} KV heads do not fit embedding length {embd}")
     if heads % kv_heads:
-        raise CorruptSourceError(f"GGUF {path}: {arch}.attention.head_count = {heads} is not a "
-                                 f"multiple of {arch}.attention.head_count_kv = {kv_heads}")
+        raise CorruptSourceError(
+            f"GGUF {path}: {arch}.attention.head_count = {heads} is not a "
+            f"multiple of {arch}.attention.head_count_kv = {kv_heads}"
+        )
     if info.metadata.get(f"{arch}.attention.key_length") is None and embd % heads:
-        raise CorruptSourceError(f"GGUF {path}: {arch}.embedding_length = {embd} is not a "
-                                 f"multiple of {arch}.attention.head_count = {heads}")
+        raise CorruptSourceError(
+            f"GGUF {path}: {arch}.embedding_length = {embd} is not a multiple of {arch}.attention.head_count = {heads}"
+        )
     for key in POSITIVE_FLOATS:
         _meta_positive(info, key, path)
     found = set()
@@ -295,28 +304,36 @@ def check_model(info: GGUFInfo, path) -> None:
         missing = sorted(set(range(blocks)) - found)
         raise CorruptSourceError(
             f"GGUF {path}: {arch}.block_count = {blocks} but the tensor index has "
-            f"{len(found)} blocks" + (f" (block {missing[0]} is missing)" if missing else
-                                      f" (up to blk.{max(found)})"))
+            f"{len(found)} blocks" + (f" (block {missing[0]} is missing)" if missing else f" (up to blk.{max(found)})")
+        )
     embed = info.tensors.get("token_embd.weight")
     if embed is None or len(embed[0]) != 2 or embed[0][0] != embd:
-        raise CorruptSourceError(f"GGUF {path}: token_embd.weight {embed[0] if embed else 'missing'} "
-                                 f"does not match embedding length {embd}")
+        raise CorruptSourceError(
+            f"GGUF {path}: token_embd.weight {embed[0] if embed else 'missing'} does not match embedding length {embd}"
+        )
     vocab = embed[0][1]
     tokens = info.metadata.get("tokenizer.ggml.tokens")
     claimed = info.metadata.get(f"{arch}.vocab_size")
-    if not 1 <= vocab <= MAX_VOCAB or (claimed is not None and claimed != vocab) or (
-            isinstance(tokens, list) and len(tokens) > vocab):
+    if (
+        not 1 <= vocab <= MAX_VOCAB
+        or (claimed is not None and claimed != vocab)
+        or (isinstance(tokens, list) and len(tokens) > vocab)
+    ):
         raise CorruptSourceError(
             f"GGUF {path}: vocabulary {claimed if claimed is not None else len(tokens or [])} "
-            f"does not match token_embd.weight's {vocab} rows")
-    for name, want in (("output.weight", (embd, vocab)), ("blk.0.ffn_up.weight", (embd, ffn)),
-                       ("blk.0.attn_norm.weight", (embd,))):
+            f"does not match token_embd.weight's {vocab} rows"
+        )
+    for name, want in (
+        ("output.weight", (embd, vocab)),
+        ("blk.0.ffn_up.weight", (embd, ffn)),
+        ("blk.0.attn_norm.weight", (embd,)),
+    ):
         got = info.tensors.get(name)
         if got is not None and got[0] != want:
-            raise CorruptSourceError(f"GGUF {path}: {name} is {list(got[0])}, the metadata "
-                                     f"implies {list(want)}")
+            raise CorruptSourceError(f"GGUF {path}: {name} is {list(got[0])}, the metadata implies {list(want)}")
     need, have = export_memory_estimate(info), machine_memory()
     if have and need > have:
         raise InsufficientMemoryError(
             f"exporting {Path(path).name} needs about {need / 2**30:.1f} GiB of memory "
-            f"(float32 weights and loading buffers), this machine has {have / 2**30:.1f} GiB")
+            f"(float32 weights and loading buffers), this machine has {have / 2**30:.1f} GiB"
+        )

@@ -108,7 +108,9 @@ def _affine(blocks: np.ndarray, k: int, bits: int, spanning: bool = False) -> Gr
         gaps = np.diff(np.sort(blocks, axis=2), axis=2).astype(np.float64)  # [N, nb, bs - 1]
         gaps[gaps <= span[..., None] * 1e-6] = np.inf  # equal values (to float rounding) are one value
         smallest = gaps.min(axis=2)
-    flat = ~np.isfinite(smallest) | (span == 0)  # a constant block: code `half` (zero weight part), the value in the offset
+    flat = ~np.isfinite(smallest) | (
+        span == 0
+    )  # a constant block: code `half` (zero weight part), the value in the offset
     smallest[flat] = 1.0
     shifted = (blocks - lo[..., None]).astype(np.float64).reshape(-1, blocks.shape[2])  # [blocks, bs]
     flat_rows = flat.reshape(-1)
@@ -129,8 +131,7 @@ def _affine(blocks: np.ndarray, k: int, bits: int, spanning: bool = False) -> Gr
     codes[flat] = float(half)
     offsets = np.where(flat, lo, lo + centre * step).T.astype(np.float32)  # [nb, N]
     codes = codes.astype(np.uint8)
-    q = QuantizedWeight(_pack_nibbles(codes) if bits == 4 else codes, step.astype(np.float32), None, k,
-                        blocks.shape[0])
+    q = QuantizedWeight(_pack_nibbles(codes) if bits == 4 else codes, step.astype(np.float32), None, k, blocks.shape[0])
     bs = blocks.shape[2]
     form = ("q4_1" if spanning else "q4_k") if bits == 4 else "affine8" + ("" if bs == 32 else f"_{bs}")
     return GridWeight(form, bits, q, np.ascontiguousarray(offsets), bs)
@@ -174,12 +175,14 @@ CHUNK_ELEMENTS = 1 << 23  # ... then on the whole weight about this many weights
 def _detectors(block_size: int) -> list[tuple[str, int, Callable]]:
     """(form, block size, detect(weight [K, n], blocks [n, nb, bs]) -> GridWeight | None), in order."""
     sym = "sym8" if block_size == 32 else f"sym8_{block_size}"
-    return [("q8_0", block_size, lambda w, b: _sym8(b, w.shape[0], block_size, spanning=True)),
-            ("q4_1", block_size, lambda w, b: _affine(b, w.shape[0], 4, spanning=True)),
-            ("q4_k", block_size, lambda w, b: _affine(b, w.shape[0], 4)),
-            (sym, block_size, lambda w, b: _sym8(b, w.shape[0], block_size)),
-            ("sym8_16", 16, lambda w, b: _sym8(b, w.shape[0], 16)),
-            ("affine8_16", 16, lambda w, b: _affine(b, w.shape[0], 8))]
+    return [
+        ("q8_0", block_size, lambda w, b: _sym8(b, w.shape[0], block_size, spanning=True)),
+        ("q4_1", block_size, lambda w, b: _affine(b, w.shape[0], 4, spanning=True)),
+        ("q4_k", block_size, lambda w, b: _affine(b, w.shape[0], 4)),
+        (sym, block_size, lambda w, b: _sym8(b, w.shape[0], block_size)),
+        ("sym8_16", 16, lambda w, b: _sym8(b, w.shape[0], 16)),
+        ("affine8_16", 16, lambda w, b: _affine(b, w.shape[0], 8)),
+    ]
 
 
 def find_grid(weight: np.ndarray, block_size: int = 32, forms: tuple[str, ...] | None = None) -> GridWeight | None:
@@ -199,8 +202,9 @@ def find_grid(weight: np.ndarray, block_size: int = 32, forms: tuple[str, ...] |
             part = np.ascontiguousarray(weight[:, cols])
             blocks = _blocks(part, bs)
             found = None if blocks is None else detect(part, blocks)
-            if found is not None and not (np.isfinite(found.q.scales).all() and (
-                    found.offsets is None or np.isfinite(found.offsets).all())):
+            if found is not None and not (
+                np.isfinite(found.q.scales).all() and (found.offsets is None or np.isfinite(found.offsets).all())
+            ):
                 return None  # a float32 overflow (weights near its limit): not carried over
             return found if found is None or _faithful(part, found) else None
 
@@ -241,10 +245,16 @@ def _joined(parts: list[GridWeight]) -> GridWeight:
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
-    q = QuantizedWeight(np.concatenate([p.q.packed for p in parts]), np.concatenate([p.q.scales for p in parts]),
-                        None, first.q.k, sum(p.q.n for p in parts))
-    offsets = (None if first.offsets is None
-               else np.ascontiguousarray(np.concatenate([p.offsets for p in parts], axis=1)))
+    q = QuantizedWeight(
+        np.concatenate([p.q.packed for p in parts]),
+        np.concatenate([p.q.scales for p in parts]),
+        None,
+        first.q.k,
+        sum(p.q.n for p in parts),
+    )
+    offsets = (
+        None if first.offsets is None else np.ascontiguousarray(np.concatenate([p.offsets for p in parts], axis=1))
+    )
     return GridWeight(first.form, first.bits, q, offsets, first.block_size)
 
 

@@ -29,10 +29,8 @@ from .validate import KVSession
 PROMPTS = [
     "<|im_start|>user\nWrite a Python function that returns the n-th Fibonacci number.<|im_end|>\n"
     "<|im_start|>assistant\n",
-    "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n"
-    "<|im_start|>assistant\n",
-    "<|im_start|>user\nExplain what a hash map is to a beginner.<|im_end|>\n"
-    "<|im_start|>assistant\n",
+    "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nExplain what a hash map is to a beginner.<|im_end|>\n<|im_start|>assistant\n",
 ]
 
 
@@ -46,8 +44,7 @@ def node_counts(folder: Path, manifest: dict) -> dict:
         so.log_severity_level = 3
         so.intra_op_num_threads = 1
         so.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
-        so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
-                                    "opt.onnx.data")
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "opt.onnx.data")
         ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
         opt = onnx.load(so.optimized_model_filepath, load_external_data=False)
         ops: dict[str, int] = {}
@@ -66,15 +63,14 @@ def _median_ms(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def step_times(folder: Path, manifest: dict, threads: int, repeat: int = 20,
-               long: int = 2000) -> dict:
+def step_times(folder: Path, manifest: dict, threads: int, repeat: int = 20, long: int = 2000) -> dict:
     """Median ms for 1 token at past 100 / `long` and 5 tokens at past 100."""
     vocab = manifest["architecture"]["vocab_size"]
     rng = np.random.default_rng(0)
     sess = KVSession(folder, manifest, max_len=long + 100, threads=threads)
     filler = rng.integers(0, vocab, long)
     for start in range(0, long, 500):  # fill the cache in chunks
-        sess.forward(filler[start:start + 500], start, rows=[0])
+        sess.forward(filler[start : start + 500], start, rows=[0])
     one, five = rng.integers(0, vocab, 1), rng.integers(0, vocab, 5)
     out = {
         "decode_ms_ctx100": _median_ms(lambda: sess.forward(one, 100), repeat),
@@ -126,7 +122,7 @@ def agreement(target_dir: Path, draft_dir: Path, threads: int, n: int = 40) -> f
         prompt = tok.encode(text, add_special_tokens=False).ids
         seq = greedy(target, prompt, n)
         guess = draft.forward(seq, 0, rows=np.arange(len(prompt) - 1, len(seq) - 1))
-        hits += int((guess.argmax(axis=1) == np.array(seq[len(prompt):])).sum())
+        hits += int((guess.argmax(axis=1) == np.array(seq[len(prompt) :])).sum())
         total += n
     return hits / total
 
@@ -140,13 +136,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     target = read_manifest(args.folder)
     folders = [(target["name"], args.folder, target)] + [
-        (d["name"], args.folder / d["path"], read_manifest(args.folder / d["path"]))
-        for d in target.get("drafts", [])]
+        (d["name"], args.folder / d["path"], read_manifest(args.folder / d["path"])) for d in target.get("drafts", [])
+    ]
     report = {}
     for name, folder, man in folders:
-        row = {**node_counts(folder, man),
-               **step_times(folder, man, args.threads, args.repeat, args.long),
-               "rollback_max_diff": rollback_check(folder, man, args.threads)}
+        row = {
+            **node_counts(folder, man),
+            **step_times(folder, man, args.threads, args.repeat, args.long),
+            "rollback_max_diff": rollback_check(folder, man, args.threads),
+        }
         if folder != args.folder:
             row["greedy_agreement_with_target"] = agreement(args.folder, folder, args.threads)
         report[name] = row

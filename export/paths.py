@@ -1,8 +1,8 @@
 """Where fetched wheels and built models live (the runtime applies the same rule).
 
-    root      = $SPECDEC_RT_CACHE, else $XDG_CACHE_HOME/specdec-rt, else ~/.cache/specdec-rt
-    downloads = <root>/downloads/            wheels and assembled GGUF files
-    models    = <root>/models/<recipe-name>/ a built target (drafts in draft-<name>/ inside)
+root      = $SPECDEC_RT_CACHE, else $XDG_CACHE_HOME/specdec-rt, else ~/.cache/specdec-rt
+downloads = <root>/downloads/            wheels and assembled GGUF files
+models    = <root>/models/<recipe-name>/ a built target (drafts in draft-<name>/ inside)
 """
 
 from __future__ import annotations

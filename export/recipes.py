@@ -16,8 +16,8 @@ own folder). Nothing outside the downloads folder is ever deleted.
 
 from __future__ import annotations
 
-import json
 import errno
+import json
 import os
 import re
 import shutil
@@ -32,8 +32,7 @@ from .errors import FetchError, HashMismatchError, SourceNotFoundError
 from .paths import downloads_dir
 from .tokenizer import sha256_file
 
-__all__ = ["RECIPES_ENV", "recipes_dir", "list_recipes", "find_recipe", "load_recipe",
-           "check_recipe", "fetch_source"]
+__all__ = ["RECIPES_ENV", "recipes_dir", "list_recipes", "find_recipe", "load_recipe", "check_recipe", "fetch_source"]
 
 RECIPES_ENV = "SPECDEC_RT_RECIPES"
 _CHUNK = 1 << 20
@@ -132,16 +131,16 @@ def _check_source(path, where: str, source) -> None:
         at = f"{where}.wheels[{i}]"
         _dict(path, at, w)
         _match(path, f"{at}.name", w.get("name"), PACKAGE_RE, "a plain package name")
-        version = _match(path, f"{at}.version", w.get("version"), VERSION_RE,
-                         "a plain version (no specifiers, URLs or spaces)")
+        version = _match(
+            path, f"{at}.version", w.get("version"), VERSION_RE, "a plain version (no specifiers, URLs or spaces)"
+        )
         if version.lower().endswith(ARCHIVE_SUFFIXES):  # pip reads `name==1.0.tar.gz` as a local archive
             raise _bad(path, f"{at}.version", version, "a version, not an archive name")
         _check_file_name(path, f"{at}.file", w.get("file"))
         if not w["file"].endswith(".whl"):
             raise _bad(path, f"{at}.file", w["file"], "a .whl file name")
         _match(path, f"{at}.sha256", w.get("sha256"), SHA256_RE, "64 lowercase hex digits")
-        member = _match(path, f"{at}.member", w.get("member"), MEMBER_RE,
-                        "a relative path inside the wheel")
+        member = _match(path, f"{at}.member", w.get("member"), MEMBER_RE, "a relative path inside the wheel")
         if any(part in (".", "..") for part in member.split("/")):
             raise _bad(path, f"{at}.member", member, "a path without '.' or '..' parts")
 
@@ -170,8 +169,7 @@ def check_recipe(recipe, path="<recipe>") -> None:
     for i, d in enumerate(drafts):
         at = f"drafts[{i}]"
         _dict(path, at, d)
-        name = _match(path, f"{at}.name", d.get("name"), NAME_RE,
-                      "a plain name (letters, digits, ._-)")
+        name = _match(path, f"{at}.name", d.get("name"), NAME_RE, "a plain name (letters, digits, ._-)")
         if name in names:
             raise _bad(path, f"{at}.name", name, "unique")
         names.add(name)
@@ -194,21 +192,34 @@ def _check_hash(path: Path, want: str, what: str, root: Path) -> None:
     got = sha256_file(path)
     if got != want:
         _unlink_inside(path, root)
-        raise HashMismatchError(
-            f"sha256 mismatch for {what}: expected {want}, got {got} (file deleted)")
+        raise HashMismatchError(f"sha256 mismatch for {what}: expected {want}, got {got} (file deleted)")
 
 
 def _pip_download(name: str, version: str, dest: Path) -> Path:
     """Download one wheel (no dependencies, binary only) into `dest`; return its path."""
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", f"{name}=={version}", "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            f"{name}=={version}",
+            "-d",
+            tmp,
+        ]
         # run in the empty temporary folder: nothing in the user's folder can be read as a requirement
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or len(wheels) != 1:
-            lines = [x for x in (proc.stderr or proc.stdout or "no output").strip().splitlines()
-                     if x.strip() and not x.lstrip().startswith("hint:")]
+            lines = [
+                x
+                for x in (proc.stderr or proc.stdout or "no output").strip().splitlines()
+                if x.strip() and not x.lstrip().startswith("hint:")
+            ]
             raise FetchError(f"pip download {name}=={version} failed: {lines[-1] if lines else 'no output'}")
         target = dest / wheels[0].name
         shutil.move(str(wheels[0]), target)
@@ -265,8 +276,7 @@ def fetch_source(source: dict, progress=None) -> Path:
     dest = downloads_dir()
     dest.mkdir(parents=True, exist_ok=True)
     final = _confined(dest, source["file"], "recipe file")
-    if final.is_file() and (_already_verified(final, source["sha256"])
-                            or sha256_file(final) == source["sha256"]):
+    if final.is_file() and (_already_verified(final, source["sha256"]) or sha256_file(final) == source["sha256"]):
         return final
     wheel_dir = dest / "wheels"
     wheel_dir.mkdir(parents=True, exist_ok=True)

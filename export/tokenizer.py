@@ -18,18 +18,19 @@ from specdec_rt.manifest_schema import TEXT_TAGS
 from .errors import CorruptSourceError, TokenizerMismatchError, one_line
 from .gguf_meta import read_gguf_info
 
-__all__ = ["TokenizerInfo", "load_tokenizer", "save_tokenizer", "compare_tokenizers",
-           "check_encoding", "SAMPLE_TEXTS"]
+__all__ = ["TokenizerInfo", "load_tokenizer", "save_tokenizer", "compare_tokenizers", "check_encoding", "SAMPLE_TEXTS"]
 
 SAMPLE_TEXTS = [
     "Hello world! Write a Python function that reverses a string.",
     "def add(a, b):\n    return a + b  # 123 4567\n\n\tprint(add(1, 2))",
     "  leading spaces, ÜNÏCÖDÉ, emoji 🙂 and 中文.",
 ]
-_CHAT = [{"role": "system", "content": "You are terse."},
-         {"role": "user", "content": "Say hi in French."},
-         {"role": "assistant", "content": "Salut !"},
-         {"role": "user", "content": "And in German?"}]
+_CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say hi in French."},
+    {"role": "assistant", "content": "Salut !"},
+    {"role": "user", "content": "And in German?"},
+]
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,7 @@ def _apply_gguf_specials(tok, path: Path) -> None:
     def field(key):
         return meta.get(key)
 
-    for attr, key in (("eos_token", "eos_token_id"), ("bos_token", "bos_token_id"),
-                      ("pad_token", "padding_token_id")):
+    for attr, key in (("eos_token", "eos_token_id"), ("bos_token", "bos_token_id"), ("pad_token", "padding_token_id")):
         token_id = field(f"tokenizer.ggml.{key}")
         if token_id is not None and token_id < len(tok):
             setattr(tok, attr, tok.convert_ids_to_tokens(int(token_id)))
@@ -107,9 +107,12 @@ def _set_add_bos(tok, flag: bool) -> None:
 
         bos = tok.bos_token
         tok.backend_tokenizer.post_processor = (
-            processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                          special_tokens=[(bos, tok.bos_token_id)])
-            if flag else processors.ByteLevel(trim_offsets=False))
+            processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_token_id)]
+            )
+            if flag
+            else processors.ByteLevel(trim_offsets=False)
+        )
     if _adds_bos(tok) != flag:
         raise CorruptSourceError(f"cannot set add_bos={flag} on {type(tok).__name__}")
 
@@ -118,11 +121,16 @@ def tokenizer_info(tok, generation_config=None) -> TokenizerInfo:
     """Special ids for the manifest: eos is the tokenizer's plus the generation config's."""
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     gen_eos = getattr(generation_config, "eos_token_id", None) if generation_config else None
-    for extra in (gen_eos if isinstance(gen_eos, list) else [gen_eos]):
+    for extra in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
         if extra is not None and extra not in eos:
             eos.append(int(extra))
-    return TokenizerInfo(bos=tok.bos_token_id, eos=eos, pad=tok.pad_token_id,
-                         add_bos=_adds_bos(tok), chat_template=tok.chat_template or None)
+    return TokenizerInfo(
+        bos=tok.bos_token_id,
+        eos=eos,
+        pad=tok.pad_token_id,
+        add_bos=_adds_bos(tok),
+        chat_template=tok.chat_template or None,
+    )
 
 
 def save_tokenizer(tok, out_dir: Path, generation_config) -> TokenizerInfo:
@@ -153,8 +161,7 @@ def _identity(tok) -> dict:
     return {
         "vocabulary": model.get("vocab"),
         "merges": model.get("merges"),
-        "added tokens": [(t["id"], t["content"], t["special"])
-                         for t in spec.get("added_tokens", [])],
+        "added tokens": [(t["id"], t["content"], t["special"]) for t in spec.get("added_tokens", [])],
         "special ids": (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, _adds_bos(tok)),
     }
 
@@ -165,8 +172,8 @@ def compare_tokenizers(target, draft) -> None:
     for part in a:
         if a[part] != b[part]:
             raise TokenizerMismatchError(
-                f"draft tokenizer differs from the target's ({part}); a draft must share the "
-                "target's tokenizer exactly")
+                f"draft tokenizer differs from the target's ({part}); a draft must share the target's tokenizer exactly"
+            )
 
 
 def check_encoding(out_dir: Path, info: TokenizerInfo) -> None:
@@ -183,8 +190,6 @@ def check_encoding(out_dir: Path, info: TokenizerInfo) -> None:
         ids = fast.encode(text, add_special_tokens=False).ids
         if info.add_bos and i < len(SAMPLE_TEXTS):  # plain text; templates carry their own bos
             ids = [info.bos] + ids
-        want = (hf(text)["input_ids"] if i < len(SAMPLE_TEXTS)
-                else hf(text, add_special_tokens=False)["input_ids"])
+        want = hf(text)["input_ids"] if i < len(SAMPLE_TEXTS) else hf(text, add_special_tokens=False)["input_ids"]
         if ids != want:
-            raise CorruptSourceError(
-                f"saved tokenizer.json does not reproduce the tokenizer on sample {i}")
+            raise CorruptSourceError(f"saved tokenizer.json does not reproduce the tokenizer on sample {i}")

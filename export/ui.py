@@ -23,12 +23,16 @@ def format_table(headers: list[str], rows: list[list]) -> str:
     """Left-aligned text columns, right-aligned numbers."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    numeric = [all(isinstance(r[i], (int, float)) or str(r[i])[:1].isdigit() for r in rows)
-               for i in range(len(headers))]
+    numeric = [
+        all(isinstance(r[i], (int, float)) or str(r[i])[:1].isdigit() for r in rows) for i in range(len(headers))
+    ]
     lines = []
     for n, row in enumerate(cells):
-        lines.append("  ".join(c.rjust(w) if numeric[i] and n else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        lines.append(
+            "  ".join(
+                c.rjust(w) if numeric[i] and n else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -61,5 +65,11 @@ class Reporter:
         """A tqdm bar on stderr (hidden when quiet or when stderr is not a terminal)."""
         from tqdm.auto import tqdm
 
-        return tqdm(total=total, desc=f"[export] {desc}", unit=unit, file=self.stream,
-                    disable=True if self.quiet else None, leave=False)
+        return tqdm(
+            total=total,
+            desc=f"[export] {desc}",
+            unit=unit,
+            file=self.stream,
+            disable=True if self.quiet else None,
+            leave=False,
+        )

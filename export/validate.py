@@ -36,8 +36,10 @@ FP32_RTOL = 1e-3  # max |diff| allowed, relative to max(1, max |reference logit|
 QUANT_MIN_CORRELATION = 0.5  # quantized graphs: broken packing gives r ~ 0, int4 SmolLM2 ~0.9
 NEW_TOKENS = 12
 MAX_LOGIT = 1e6  # |logit| of real models stays in the hundreds; 1e37 means misread weights
-_PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a number is prime, "
-           "and explain it briefly.<|im_end|>\n<|im_start|>assistant\n")
+_PROMPT = (
+    "<|im_start|>user\nWrite a Python function that checks whether a number is prime, "
+    "and explain it briefly.<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 class KVSession:
@@ -54,8 +56,9 @@ class KVSession:
     With ``bind_hidden``, ``self.hidden_states`` [S, H] holds the last call's final-norm output.
     """
 
-    def __init__(self, model_dir: Path, manifest: dict, max_len: int, threads: int | None = None,
-                 bind_hidden: bool = False):
+    def __init__(
+        self, model_dir: Path, manifest: dict, max_len: int, threads: int | None = None, bind_hidden: bool = False
+    ):
         from specdec_rt.ort import OrtModel
         from specdec_rt.ort.manifest import check_manifest
 
@@ -63,8 +66,9 @@ class KVSession:
         if max_len > arch["max_positions"]:
             raise ValueError(f"max_len {max_len} > max_positions {arch['max_positions']}")
         fields = {"schema_version": SCHEMA_VERSION, "tokenizer": {"file": "tokenizer.json"}, **manifest}
-        self.model = OrtModel(check_manifest(model_dir, fields), max_length=max_len, slots=1, threads=threads,
-                              provider="cpu")
+        self.model = OrtModel(
+            check_manifest(model_dir, fields), max_length=max_len, slots=1, threads=threads, provider="cpu"
+        )
         self.session = self.model.start()
         self.max_len = self.model.max_length
         self.bind_hidden = bind_hidden
@@ -102,14 +106,18 @@ class ValidationReport:
 
     def manifest(self) -> dict:
         """The manifest's `validation` record (strict JSON: a non-finite figure is null)."""
+
         def num(x: float, digits: int):
             return round(float(x), digits) if math.isfinite(x) else None
 
-        return {"rows": self.rows, "max_abs_logit_diff": num(self.max_abs_diff, 7),
-                "logit_scale": num(self.logit_scale, 3),
-                "greedy_agreement": num(self.greedy_agreement, 4),
-                "logit_correlation": num(self.correlation, 5),
-                "reference": self.reference}
+        return {
+            "rows": self.rows,
+            "max_abs_logit_diff": num(self.max_abs_diff, 7),
+            "logit_scale": num(self.logit_scale, 3),
+            "greedy_agreement": num(self.greedy_agreement, 4),
+            "logit_correlation": num(self.correlation, 5),
+            "reference": self.reference,
+        }
 
 
 def prompt_ids(tokenizer, vocab_size: int, max_positions: int | None = None) -> list[int]:
@@ -152,7 +160,7 @@ def _replay(session: KVSession, ids: np.ndarray, prompt_len: int, vocab: int):
     yield 0, session.forward(ids[:p], 0)  # prefill, all rows
     pos = p
     for _ in range(min(3, total - pos)):
-        yield pos, session.forward(ids[pos:pos + 1], pos)
+        yield pos, session.forward(ids[pos : pos + 1], pos)
         pos += 1
     garbage = np.random.default_rng(1).integers(0, vocab, 5)
     room = min(5, session.max_len - pos)
@@ -167,9 +175,17 @@ def _replay(session: KVSession, ids: np.ndarray, prompt_len: int, vocab: int):
         pos = end
 
 
-def validate_graph(model_dir: Path, manifest: dict, ids: np.ndarray, ref: np.ndarray,
-                   prompt_len: int, threads: int | None = None, quantized: bool = False,
-                   raise_on_fail: bool = True, label: str | None = None) -> ValidationReport:
+def validate_graph(
+    model_dir: Path,
+    manifest: dict,
+    ids: np.ndarray,
+    ref: np.ndarray,
+    prompt_len: int,
+    threads: int | None = None,
+    quantized: bool = False,
+    raise_on_fail: bool = True,
+    label: str | None = None,
+) -> ValidationReport:
     """Replay `ids` through the exported graph and compare with `ref` [T, V]; a failure names
     ``label`` (default: the folder's name)."""
     vocab = manifest["architecture"]["vocab_size"]
@@ -185,8 +201,8 @@ def validate_graph(model_dir: Path, manifest: dict, ids: np.ndarray, ref: np.nda
     rows = np.zeros(len(ref), dtype=bool)  # compared rows
     try:
         for start, logits in _replay(session, ids, prompt_len, vocab):
-            got[start:start + len(logits)] = logits
-            rows[start:start + len(logits)] = True
+            got[start : start + len(logits)] = logits
+            rows[start : start + len(logits)] = True
     finally:
         session.close()
     a, b = got[rows].astype(np.float64), ref[rows].astype(np.float64)
@@ -212,17 +228,21 @@ def validate_graph(model_dir: Path, manifest: dict, ids: np.ndarray, ref: np.nda
     if raise_on_fail and not passed:
         if not finite:
             which = "ONNX" if len(a) and not np.isfinite(a).all() else "PyTorch reference"
-            raise ValidationError(f"validation failed for {name}: the {which} logits are not "
-                                  f"finite (NaN or infinity) over {rows.sum()} rows")
+            raise ValidationError(
+                f"validation failed for {name}: the {which} logits are not "
+                f"finite (NaN or infinity) over {rows.sum()} rows"
+            )
         if not sane:
             raise ValidationError(
                 f"validation failed for {name}: logits of magnitude "
                 f"{max(np.abs(a).max(), np.abs(b).max()):.3g} (over {MAX_LOGIT:.0g}) are not "
-                "those of a working model (corrupt or misread weights)")
+                "those of a working model (corrupt or misread weights)"
+            )
         raise ValidationError(
             f"validation failed for {name}: max |logit diff| {diff:.3g} "
             f"(scale {scale:.3g}), greedy agreement {agreement:.1%}, correlation "
-            f"{corr:.3f} over {rows.sum()} rows")
+            f"{corr:.3f} over {rows.sum()} rows"
+        )
     return report
 
 

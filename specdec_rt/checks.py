@@ -63,8 +63,17 @@ def _int_words(lo: int | None, hi: int | None) -> str:
     return "an integer" if hi is None else f"an integer <= {hi}"
 
 
-def check_int(value: Any, name: str, lo: int | None = None, hi: int | None = None, *, optional: bool = False,
-              numpy: bool = True, what: str | None = None, error: type[Exception] = InvalidInputError) -> Any:
+def check_int(
+    value: Any,
+    name: str,
+    lo: int | None = None,
+    hi: int | None = None,
+    *,
+    optional: bool = False,
+    numpy: bool = True,
+    what: str | None = None,
+    error: type[Exception] = InvalidInputError,
+) -> Any:
     """``value`` if it is an integer (see :func:`is_int`) in ``lo..hi`` (either bound may be
     None), or None when ``optional``; else ``error`` naming ``name`` and the value."""
     if value is None and optional:
@@ -83,16 +92,27 @@ def _number_words(lo: float | None, hi: float | None, lo_open: bool) -> str:
     return "a finite number" if hi is None else f"a finite number <= {hi:g}"
 
 
-def check_number(value: Any, name: str, lo: float | None = None, hi: float | None = None, *,
-                 lo_open: bool = False, optional: bool = False, what: str | None = None,
-                 error: type[Exception] = InvalidInputError) -> Any:
+def check_number(
+    value: Any,
+    name: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    optional: bool = False,
+    what: str | None = None,
+    error: type[Exception] = InvalidInputError,
+) -> Any:
     """``value`` if it is a finite real number (see :func:`is_number`) from ``lo`` to ``hi``
     (inclusive; ``lo_open``: above ``lo``), or None when ``optional``; else ``error`` naming
     ``name`` and the value."""
     if value is None and optional:
         return None
-    if not is_number(value) or (lo is not None and (value <= lo if lo_open else value < lo)) or (
-            hi is not None and value > hi):
+    if (
+        not is_number(value)
+        or (lo is not None and (value <= lo if lo_open else value < lo))
+        or (hi is not None and value > hi)
+    ):
         words = what or _number_words(lo, hi, lo_open) + (" or None" if optional else "")
         raise error(f"{name} must be {words}, got {brief_repr(value)}")
     return value

@@ -14,14 +14,14 @@ import sys
 
 import anyio
 
-from .errors import InvalidInputError, SpecDecError
 from .engine.loading import DEFAULT_MODEL, load_engine
+from .errors import InvalidInputError, SpecDecError
+from .logs import configure_cli_logging
 from .sampling.constraints import MAX_SCHEMA_CHARS, check_response_format
 from .sampling.logprobs import check_top_logprobs, json_logprob
+from .serve.cli import add_serve_parser, run_serve
 from .tooling.loadtest import add_arguments as add_loadtest_arguments
 from .tooling.loadtest import run_loadtest
-from .logs import configure_cli_logging
-from .serve.cli import add_serve_parser, run_serve
 
 __all__ = ["main"]
 
@@ -35,8 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     _model_args(gen)
     gen.add_argument("--prompt", required=True, help="the prompt text (a user message with --chat)")
     gen.add_argument("--chat", action="store_true", help="render the prompt with the chat template")
-    gen.add_argument("--mode", choices=["spec", "ar"], default=None,
-                     help="speculative or plain decoding (default: spec; ar with --draft none)")
+    gen.add_argument(
+        "--mode",
+        choices=["spec", "ar"],
+        default=None,
+        help="speculative or plain decoding (default: spec; ar with --draft none)",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=None)
@@ -45,12 +49,24 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     shape = gen.add_mutually_exclusive_group()
-    shape.add_argument("--json-object", action="store_true",
-                       help="the answer is a JSON object (constrained decoding, exact under speculation)")
-    shape.add_argument("--json-schema", default=None, metavar="FILE",
-                       help="the answer follows the JSON schema in FILE (constrained decoding)")
-    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
-                     help="with --json: each token's log-probability and its N (0-20) most likely alternatives")
+    shape.add_argument(
+        "--json-object",
+        action="store_true",
+        help="the answer is a JSON object (constrained decoding, exact under speculation)",
+    )
+    shape.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="the answer follows the JSON schema in FILE (constrained decoding)",
+    )
+    gen.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --json: each token's log-probability and its N (0-20) most likely alternatives",
+    )
 
     demo = sub.add_parser("demo", help="the main job: build the default model if needed, stream, compare")
     _model_args(demo)
@@ -66,35 +82,64 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     bench.add_argument("--repeats", type=int, default=1, help="runs of each prompt per mode")
     bench.add_argument("--out", default="bench-out", help="folder for the JSON report and the PNG chart")
-    bench.add_argument("--add-draft", action="append", metavar="FOLDER",
-                       help="also benchmark this draft folder (e.g. a train-draft output; repeatable)")
+    bench.add_argument(
+        "--add-draft",
+        action="append",
+        metavar="FOLDER",
+        help="also benchmark this draft folder (e.g. a train-draft output; repeatable)",
+    )
     bench.add_argument("--micro", action="store_true", help="also run the step-cost micro-benchmarks")
-    bench.add_argument("--concurrency", default=None, metavar="LEVELS",
-                       help="instead: one Engine under concurrent clients, e.g. 1,2,4,8 (spec and ar)")
-    bench.add_argument("--cold", action="store_true",
-                       help="--concurrency: a fresh engine per level and repeat, prefix cache off (a server "
-                            "that just started)")
-    bench.add_argument("--prefix-cache", action="store_true",
-                       help="instead: time to first token with and without the prefix cache (multi-turn, "
-                            "shared system prompt, memory pressure)")
+    bench.add_argument(
+        "--concurrency",
+        default=None,
+        metavar="LEVELS",
+        help="instead: one Engine under concurrent clients, e.g. 1,2,4,8 (spec and ar)",
+    )
+    bench.add_argument(
+        "--cold",
+        action="store_true",
+        help="--concurrency: a fresh engine per level and repeat, prefix cache off (a server that just started)",
+    )
+    bench.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="instead: time to first token with and without the prefix cache (multi-turn, "
+        "shared system prompt, memory pressure)",
+    )
     bench.add_argument("--conversations", type=int, default=4, help="--prefix-cache: conversations")
     bench.add_argument("--turns", type=int, default=3, help="--prefix-cache: turns per conversation")
-    bench.add_argument("--prefix-concurrency", type=int, default=8,
-                       help="--prefix-cache: requests at once sharing a system prompt")
-    bench.add_argument("--llama-cpp", default=None, metavar="BIN_DIR",
-                       help="also run llama.cpp (its bin folder; scripts/build-llama-cpp builds it) on every "
-                            "prompt: llamacpp_<quant> modes and an ours/theirs table")
-    bench.add_argument("--llama-gguf", default=None, metavar="FILES_OR_FOLDER",
-                       help="--llama-cpp: comma-separated GGUF files or a folder of them (default: F32, Q8_0 "
-                            "and Q4_1 made with llama-quantize from the model's source GGUF)")
-    bench.add_argument("--llama-draft", default=None, metavar="GGUF",
-                       help="--llama-cpp: also llama.cpp's speculative decoding with this draft GGUF")
+    bench.add_argument(
+        "--prefix-concurrency", type=int, default=8, help="--prefix-cache: requests at once sharing a system prompt"
+    )
+    bench.add_argument(
+        "--llama-cpp",
+        default=None,
+        metavar="BIN_DIR",
+        help="also run llama.cpp (its bin folder; scripts/build-llama-cpp builds it) on every "
+        "prompt: llamacpp_<quant> modes and an ours/theirs table",
+    )
+    bench.add_argument(
+        "--llama-gguf",
+        default=None,
+        metavar="FILES_OR_FOLDER",
+        help="--llama-cpp: comma-separated GGUF files or a folder of them (default: F32, Q8_0 "
+        "and Q4_1 made with llama-quantize from the model's source GGUF)",
+    )
+    bench.add_argument(
+        "--llama-draft",
+        default=None,
+        metavar="GGUF",
+        help="--llama-cpp: also llama.cpp's speculative decoding with this draft GGUF",
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
     _model_args(add_serve_parser(sub))  # the OpenAI-compatible server: specdec_rt/serve, docs/serving.md
 
-    add_loadtest_arguments(sub.add_parser(
-        "loadtest", help="concurrent streaming clients against the server on loopback (docs/benchmarks.md)"))
+    add_loadtest_arguments(
+        sub.add_parser(
+            "loadtest", help="concurrent streaming clients against the server on loopback (docs/benchmarks.md)"
+        )
+    )
 
     args = parser.parse_args(argv)
     configure_cli_logging(logging.WARNING - 10 * min(args.verbose, 2))
@@ -151,8 +196,12 @@ def _threads(text: str) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"recipe name or export folder (default {DEFAULT_MODEL})")
-    p.add_argument("--draft", default=None, help="draft: a name from the manifest (e.g. q8), a folder, 'ngram', "
-                                                  "'ngram+<draft>' or 'none' (default: the engine's)")
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="draft: a name from the manifest (e.g. q8), a folder, 'ngram', "
+        "'ngram+<draft>' or 'none' (default: the engine's)",
+    )
     p.add_argument("--threads", type=_threads, default=None, help="ONNX Runtime intra-op threads per model (1-256)")
     p.add_argument("--max-length", type=int, default=None, help="KV cache capacity per request")
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
@@ -170,8 +219,16 @@ async def _generate(args) -> int:
     draft = "none" if args.mode == "ar" and args.draft is None else None
     engine = await load_engine(args, draft)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, mode=args.mode, stop=args.stop, response_format=response_format)
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        mode=args.mode,
+        stop=args.stop,
+        response_format=response_format,
+    )
     async with engine:
         if args.json:
             r = await engine.generate(prompt, **kwargs, logprobs=args.logprobs)
@@ -188,9 +245,11 @@ async def _generate(args) -> int:
         sys.stdout.write("\n")
         s = stats
         assert s is not None  # the stream's last event carries them
-        print(f"[{s.mode}] {s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance "
-              f"{s.acceptance_rate:.2f}, mean accepted {s.mean_accepted:.2f}, finish {s.finish_reason}",
-              file=sys.stderr)
+        print(
+            f"[{s.mode}] {s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, acceptance "
+            f"{s.acceptance_rate:.2f}, mean accepted {s.mean_accepted:.2f}, finish {s.finish_reason}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -218,10 +277,16 @@ def _response_format(args) -> dict | None:
 def _logprob_json(engine, token: int, entry) -> dict:
     """One token's log-probability for the CLI's JSON: ids, texts (U+FFFD where a token holds
     part of a character), values."""
+
     def text(t: int) -> str:
         return engine.token_bytes(t).decode("utf-8", "replace")
-    return {"token_id": token, "token": text(token), "logprob": json_logprob(entry.logprob),
-            "top": [{"token_id": j, "token": text(j), "logprob": json_logprob(lp)} for j, lp in entry.top]}
+
+    return {
+        "token_id": token,
+        "token": text(token),
+        "logprob": json_logprob(entry.logprob),
+        "top": [{"token_id": j, "token": text(j), "logprob": json_logprob(lp)} for j, lp in entry.top],
+    }
 
 
 def stats_json(stats) -> dict:

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import anyio
 import numpy as np
 
-from .spec.adapters import ModelDrafter, ModelVerifier
 from .batching import BatchExecutor
 from .kvcache.cached_start import CachedStart
 from .kvcache.prefix import Hit, PrefixCache
-from .spec.protocols import CacheSession, DraftInferrer, LanguageModel, ModelCaps, TargetVerifier
-from .sampling.penalties import penalized
-from .sampling import SamplingParams, warp
 from .policy.acceptance import SpecConfig
+from .sampling import SamplingParams, warp
+from .sampling.penalties import penalized
+from .spec.adapters import ModelDrafter, ModelVerifier
+from .spec.protocols import CacheSession, DraftInferrer, LanguageModel, ModelCaps, TargetVerifier
 from .spec.scheduler import SpecDecScheduler
 
 if TYPE_CHECKING:
@@ -72,10 +72,23 @@ class ToyLM(LanguageModel):
     started with and fed, so a cache that copies the wrong positions fails loudly.
     """
 
-    def __init__(self, vocab_size: int = 8, order: int = 2, seed: int = 0, sharpness: float = 2.0,
-                 max_length: int = 4096, table: np.ndarray | None = None, *, slots: int = 16,
-                 prefix_cache_tokens: int = 0, cache_entries: int | None = None, block: int = 4,
-                 ragged: bool = True, tree: bool = True, executor: BatchExecutor | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 8,
+        order: int = 2,
+        seed: int = 0,
+        sharpness: float = 2.0,
+        max_length: int = 4096,
+        table: np.ndarray | None = None,
+        *,
+        slots: int = 16,
+        prefix_cache_tokens: int = 0,
+        cache_entries: int | None = None,
+        block: int = 4,
+        ragged: bool = True,
+        tree: bool = True,
+        executor: BatchExecutor | None = None,
+    ) -> None:
         self.vocab_size, self.order, self.max_length = vocab_size, order, max_length
         rng = np.random.default_rng(seed)
         self.table = table if table is not None else rng.normal(size=(vocab_size**order, vocab_size)) * sharpness
@@ -91,8 +104,15 @@ class ToyLM(LanguageModel):
         if prefix_cache_tokens:
             entries = slots if cache_entries is None else cache_entries
             self.store = np.full((slots + entries, max_length + 1), -1, dtype=np.int64)  # the pool's "KV"
-            self.prefix_cache = PrefixCache(slots, entries, block=block, budget_bytes=prefix_cache_tokens,
-                                            token_bytes=1, copy=self._copy, discard=self._discard)
+            self.prefix_cache = PrefixCache(
+                slots,
+                entries,
+                block=block,
+                budget_bytes=prefix_cache_tokens,
+                token_bytes=1,
+                copy=self._copy,
+                discard=self._discard,
+            )
 
     @property
     def caches_prefixes(self) -> bool:
@@ -101,8 +121,13 @@ class ToyLM(LanguageModel):
     @property
     def caps(self) -> ModelCaps:
         """What it can do (read on every use: tests switch ``ragged`` / ``tree`` off)."""
-        return ModelCaps(batched_steps=True, ragged=self.ragged, batched_prefill=True,
-                         caches_prefixes=self.caches_prefixes, trees=self.tree)
+        return ModelCaps(
+            batched_steps=True,
+            ragged=self.ragged,
+            batched_prefill=True,
+            caches_prefixes=self.caches_prefixes,
+            trees=self.tree,
+        )
 
     @caps.setter
     def caps(self, value: ModelCaps) -> None:  # LanguageModel declares a plain attribute
@@ -130,7 +155,9 @@ class ToyLM(LanguageModel):
         self.batches.append(len(sessions))
         return np.concatenate([s.run_sync(ids[i : i + 1], 1, int(pasts[i])) for i, s in enumerate(sessions)])
 
-    def run_rows_sync(self, sessions: list["ToySession"], feeds: list[np.ndarray], wants: list[int]) -> list[np.ndarray]:
+    def run_rows_sync(
+        self, sessions: list["ToySession"], feeds: list[np.ndarray], wants: list[int]
+    ) -> list[np.ndarray]:
         """Several positions of several sessions in one call (``ragged=True``): session i feeds
         ``feeds[i]`` after its cached tokens; the logits of its last ``wants[i]`` ``[wants[i], V]``."""
         self.batches.append(len(sessions))
@@ -210,7 +237,7 @@ class ToySession(CachedStart, CacheSession):
                 while a >= 0:
                     path.append(int(ids[a]))
                     a = int(tree[a])
-                ctx = np.concatenate([self._ids[max(0, past - self.model.order):past], path[::-1]])
+                ctx = np.concatenate([self._ids[max(0, past - self.model.order) : past], path[::-1]])
                 rows.append(self.model.logits_at(ctx)[-1])
             return np.stack(rows)  # [rows, V]
         self._length += ids.size
@@ -341,8 +368,9 @@ def toy_engine(target: LanguageModel, drafter: DraftInferrer | None, folder, **o
     return Engine(target, drafter, toy_codec(target.vocab_size, folder), config, **options)
 
 
-def toy_pair(vocab_size: int = 8, order: int = 2, seed: int = 0, distance: float = 0.5,
-             sharpness: float = 2.0, **options) -> tuple[ToyLM, ToyLM]:
+def toy_pair(
+    vocab_size: int = 8, order: int = 2, seed: int = 0, distance: float = 0.5, sharpness: float = 2.0, **options
+) -> tuple[ToyLM, ToyLM]:
     """``(target, draft)``: the draft's logits are ``(1-distance)*target + distance*noise``.
     ``options``: more :class:`ToyLM` options for both (``max_length``, ``prefix_cache_tokens``, ...)."""
     target = ToyLM(vocab_size, order, seed, sharpness, **options)
@@ -351,9 +379,15 @@ def toy_pair(vocab_size: int = 8, order: int = 2, seed: int = 0, distance: float
     return target, draft
 
 
-def toy_scheduler(distance: float = 0.5, vocab_size: int = 8, seed: int = 0,
-                  config: SpecConfig | None = None, eos_ids: Iterable[int] = (), batched: bool = False,
-                  **options) -> tuple[SpecDecScheduler, ToyLM, ToyLM]:
+def toy_scheduler(
+    distance: float = 0.5,
+    vocab_size: int = 8,
+    seed: int = 0,
+    config: SpecConfig | None = None,
+    eos_ids: Iterable[int] = (),
+    batched: bool = False,
+    **options,
+) -> tuple[SpecDecScheduler, ToyLM, ToyLM]:
     """A scheduler over a :func:`toy_pair`: ``(scheduler, target, draft)``. ``batched=True``
     runs every model call through one :class:`~specdec_rt.batching.executor.BatchExecutor`, as an Engine
     does (concurrent requests' single-token steps become batched calls; long feeds are chunked).
@@ -364,21 +398,31 @@ def toy_scheduler(distance: float = 0.5, vocab_size: int = 8, seed: int = 0,
     return SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), config, eos_ids=eos_ids), target, draft
 
 
-def sequence_distribution(model: ToyLM, prompt: Sequence[int], length: int,
-                          params: SamplingParams) -> dict[tuple[int, ...], float]:
+def sequence_distribution(
+    model: ToyLM, prompt: Sequence[int], length: int, params: SamplingParams
+) -> dict[tuple[int, ...], float]:
     """Exact probability of every generated sequence of ``length`` tokens (no stop ids)."""
     out: dict[tuple[int, ...], float] = {}
     for seq in itertools.product(range(model.vocab_size), repeat=length):
         ids = np.array(list(prompt) + list(seq))
         rows = model.logits_at(ids[:-1])[len(prompt) - 1 :]  # [length, V]
-        rows = penalized(rows, params, np.asarray(prompt), np.zeros(0, dtype=np.int64), [seq[:j] for j in range(length)])
+        rows = penalized(
+            rows, params, np.asarray(prompt), np.zeros(0, dtype=np.int64), [seq[:j] for j in range(length)]
+        )
         probs = warp(rows, params)  # [length, V]
         out[seq] = float(np.prod(probs[np.arange(length), list(seq)]))
     return out
 
 
-async def sequence_counts(sched: SpecDecScheduler, prompt: Sequence[int], length: int, params: SamplingParams,
-                          n: int, rng: np.random.Generator, mode: str = "spec") -> dict[tuple[int, ...], int]:
+async def sequence_counts(
+    sched: SpecDecScheduler,
+    prompt: Sequence[int],
+    length: int,
+    params: SamplingParams,
+    n: int,
+    rng: np.random.Generator,
+    mode: str = "spec",
+) -> dict[tuple[int, ...], int]:
     """How often each generated sequence came up in ``n`` sampled runs of ``sched`` (to compare
     with :func:`sequence_distribution` by :func:`chi_square_pvalue`)."""
     counts: dict[tuple[int, ...], int] = {}
@@ -388,14 +432,20 @@ async def sequence_counts(sched: SpecDecScheduler, prompt: Sequence[int], length
     return counts
 
 
-async def run_together(sched: SpecDecScheduler, prompts: Sequence[Sequence[int]], n: int,
-                       params: Sequence[SamplingParams], mode: str = "spec") -> list[list[int]]:
+async def run_together(
+    sched: SpecDecScheduler,
+    prompts: Sequence[Sequence[int]],
+    n: int,
+    params: Sequence[SamplingParams],
+    mode: str = "spec",
+) -> list[list[int]]:
     """The generated ids of ``prompts`` run at once (one task each: a batched scheduler batches
     their calls), request i with ``params[i]``, to compare with each run alone."""
     out: list[list[int]] = [[] for _ in prompts]
 
     async def one(i: int) -> None:
         out[i] = (await sched.run(prompts[i], n, params[i], mode=mode)).token_ids
+
     async with anyio.create_task_group() as tg:
         for i in range(len(prompts)):
             tg.start_soon(one, i)
@@ -454,9 +504,13 @@ def _chi2_sf(x: float, dof: int) -> float:
     return min(1.0, math.exp(-z + a * math.log(z) - math.lgamma(a)) * h)
 
 
-async def check_greedy_lossless(drafter: DraftInferrer, verifier: TargetVerifier,
-                                prompts: Iterable[Sequence[int]], max_new_tokens: int = 32,
-                                eos_ids: Iterable[int] = ()) -> None:
+async def check_greedy_lossless(
+    drafter: DraftInferrer,
+    verifier: TargetVerifier,
+    prompts: Iterable[Sequence[int]],
+    max_new_tokens: int = 32,
+    eos_ids: Iterable[int] = (),
+) -> None:
     """Assert that greedy speculative decoding with ``drafter`` reproduces greedy plain decoding
     with ``verifier`` token for token on every prompt. Raises ``AssertionError`` naming the prompt."""
     sched = SpecDecScheduler(drafter, verifier, eos_ids=eos_ids)

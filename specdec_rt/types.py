@@ -7,8 +7,8 @@ from typing import Literal
 
 import numpy as np
 
-from .sampling.logprobs import TokenLogprob
 from .sampling import SamplingParams
+from .sampling.logprobs import TokenLogprob
 
 __all__ = [
     "SamplingParams",
@@ -129,8 +129,9 @@ class Stats:
     acceptance_ewma: float | None = None
     finish_reason: FinishReason | None = None
 
-    def observe_round(self, drafted: int, accepted: int, emitted: int, t_draft: float, t_verify: float,
-                      ewma: float | None) -> None:
+    def observe_round(
+        self, drafted: int, accepted: int, emitted: int, t_draft: float, t_verify: float, ewma: float | None
+    ) -> None:
         """Count one round that proposed ``drafted`` tokens and kept ``accepted`` of them."""
         if drafted:
             self.rounds += 1
@@ -186,12 +187,27 @@ class Stats:
 
     def merge(self, other: "Stats") -> None:
         """Add another request's counters to these (for totals across requests)."""
-        for name in ("prompt_tokens", "cached_prompt_tokens", "cache_queries", "new_tokens", "rounds", "ar_steps",
-                     "drafted", "accepted", "tree_rounds", "tree_nodes", "tree_hits", "time_draft", "time_verify",
-                     "time_total"):
+        for name in (
+            "prompt_tokens",
+            "cached_prompt_tokens",
+            "cache_queries",
+            "new_tokens",
+            "rounds",
+            "ar_steps",
+            "drafted",
+            "accepted",
+            "tree_rounds",
+            "tree_nodes",
+            "tree_hits",
+            "time_draft",
+            "time_verify",
+            "time_total",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for mine, theirs in ((self.position_drafted, other.position_drafted),
-                             (self.position_accepted, other.position_accepted)):
+        for mine, theirs in (
+            (self.position_drafted, other.position_drafted),
+            (self.position_accepted, other.position_accepted),
+        ):
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, v in enumerate(theirs):
                 mine[i] += v

@@ -12,9 +12,12 @@ def fake_pip(registry: Path, calls: list, sandbox: Path | None = None):
     """A ``subprocess.run`` replacement that records each command in ``calls`` and copies the
     wheel named by ``NAME==VERSION`` from ``registry`` to the ``-d`` folder (exit 1 when there is
     none). With ``sandbox``: asserts pip got ``NAME==VERSION`` only and a folder inside it."""
+
     def run(cmd, capture_output, text, cwd=None):
         calls.append(cmd)
-        assert cwd is not None and Path(cwd).resolve() == Path(cmd[cmd.index("-d") + 1]).resolve()  # pip runs in its empty folder
+        assert (
+            cwd is not None and Path(cwd).resolve() == Path(cmd[cmd.index("-d") + 1]).resolve()
+        )  # pip runs in its empty folder
         spec, dest = cmd[cmd.index("-d") - 1], Path(cmd[cmd.index("-d") + 1])
         if sandbox is not None:
             assert re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9.+!_-]+", spec), spec
@@ -24,4 +27,5 @@ def fake_pip(registry: Path, calls: list, sandbox: Path | None = None):
             return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution\n")
         shutil.copy(found[0], dest)
         return subprocess.CompletedProcess(cmd, 0, "", "")
+
     return run

@@ -14,8 +14,16 @@ __all__ = ["write_model_gguf", "patch_kv", "kv_offset"]
 _FMT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
-def write_model_gguf(path: Path, blocks: int = 2, embd: int = 8, vocab: int = 16, ffn: int = 16,
-                     heads: int = 2, kv_heads: int = 1, arch: str = "llama") -> Path:
+def write_model_gguf(
+    path: Path,
+    blocks: int = 2,
+    embd: int = 8,
+    vocab: int = 16,
+    ffn: int = 16,
+    heads: int = 2,
+    kv_heads: int = 1,
+    arch: str = "llama",
+) -> Path:
     """A GGUF whose metadata agrees with its tensor index: token list and types, the
     architecture numbers, token_embd/output and two small tensors per block."""
     import gguf

@@ -100,7 +100,7 @@ def sse_data(text: str) -> list:
         if not block:
             continue
         assert block.startswith("data: "), block
-        data = block[len("data: "):]
+        data = block[len("data: ") :]
         out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -109,8 +109,11 @@ def metric_values(text: str) -> dict:
     """Prometheus text -> {(sample name, frozenset(labels)): value}."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def metric(values: dict, name: str, **labels) -> float:
@@ -134,8 +137,11 @@ async def running_server(app, lifespan: str = "off"):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, lifespan=lifespan, log_level="warning", access_log=False,
-                                           **uvicorn_options(ConnectionLimits())))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, lifespan=lifespan, log_level="warning", access_log=False, **uvicorn_options(ConnectionLimits())
+        )
+    )
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:
@@ -167,4 +173,5 @@ def run(fn, folder, **load):
     async def main():
         async with await Engine.load(folder, **load) as engine:
             return await fn(engine)
+
     return anyio.run(main)

@@ -28,9 +28,14 @@ def test_openai_client_example(tiny_llama):
     pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     root = EXAMPLES.parent
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "openai_client.py"), "--model", str(tiny_llama),
-                           "--max-tokens", "8"], capture_output=True, text=True, timeout=180, cwd=root,
-                          env={**os.environ, "PYTHONPATH": str(root)})
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "openai_client.py"), "--model", str(tiny_llama), "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "chat (length, 8 tokens)" in out and "[usage:" in out and "completion (mode ar):" in out

@@ -44,13 +44,14 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
                     parts = base.split(".")
-                    parts = parts[:len(parts) - (node.level - 1)]
+                    parts = parts[: len(parts) - (node.level - 1)]
                     full = ".".join(parts + ([node.module] if node.module else []))
                 else:
                     full = node.module or ""
                 # `from pkg import submodule` imports the submodule; `from mod import name` the module
-                out.update(resolve(f"{full}.{a.name}") if f"{full}.{a.name}" in mods else resolve(full)
-                           for a in node.names)
+                out.update(
+                    resolve(f"{full}.{a.name}") if f"{full}.{a.name}" in mods else resolve(full) for a in node.names
+                )
         out.discard(None)
         out.discard(name)
         graph[name] = out
@@ -62,8 +63,9 @@ def _run_nodes(tree: ast.AST) -> list[ast.AST]:
     typing_only = set()
     for node in ast.walk(tree):
         test = node.test if isinstance(node, ast.If) else None
-        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-                (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+            isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+        ):
             typing_only.update(id(n) for child in node.body for n in ast.walk(child))
     return [n for n in ast.walk(tree) if id(n) not in typing_only]
 

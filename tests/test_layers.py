@@ -35,8 +35,10 @@ ORT_USERS = ("specdec_rt.engine.factory", "specdec_rt", "specdec_rt.tooling", "s
 
 
 def may_use_ort(module: str) -> bool:
-    return any(module == user or module.startswith(user + ".") for user in ORT_USERS if user != "specdec_rt") \
+    return (
+        any(module == user or module.startswith(user + ".") for user in ORT_USERS if user != "specdec_rt")
         or module == "specdec_rt"
+    )
 
 
 def unit_of(module: str) -> str | None:
@@ -81,22 +83,32 @@ def test_every_subpackage_is_in_a_layer():
     assert units <= set(RANK), sorted(units - set(RANK))
 
 
-@pytest.mark.parametrize(("graph", "why"), [
-    ({"specdec_rt.sampling.tree": {"specdec_rt.spec.context"}}, "imports"),  # up
-    ({"specdec_rt.drafters.ngram": {"specdec_rt.ort.model"}}, "imports"),  # a peer
-    ({"specdec_rt.serve.app": {"specdec_rt.ort.model"}}, "only the engine's factory"),  # ort from above
-    ({"specdec_rt.newthing.x": set()}, "no declared layer"),
-    ({"specdec_rt.ort.model": {"export.graph"}}, "the exporter"),
-])
+@pytest.mark.parametrize(
+    ("graph", "why"),
+    [
+        ({"specdec_rt.sampling.tree": {"specdec_rt.spec.context"}}, "imports"),  # up
+        ({"specdec_rt.drafters.ngram": {"specdec_rt.ort.model"}}, "imports"),  # a peer
+        ({"specdec_rt.serve.app": {"specdec_rt.ort.model"}}, "only the engine's factory"),  # ort from above
+        ({"specdec_rt.newthing.x": set()}, "no declared layer"),
+        ({"specdec_rt.ort.model": {"export.graph"}}, "the exporter"),
+    ],
+)
 def test_the_checker_catches(graph, why):
     found = violations(graph)
     assert len(found) == 1 and why in found[0], found
 
 
 def test_the_checker_allows_downward_imports():
-    assert violations({"specdec_rt.engine.factory": {"specdec_rt.ort.model", "specdec_rt.spec.protocols"},
-                       "specdec_rt.spec.scheduler": {"specdec_rt.policy.acceptance", "specdec_rt.errors"},
-                       "specdec_rt": {"specdec_rt.engine"}}) == []
+    assert (
+        violations(
+            {
+                "specdec_rt.engine.factory": {"specdec_rt.ort.model", "specdec_rt.spec.protocols"},
+                "specdec_rt.spec.scheduler": {"specdec_rt.policy.acceptance", "specdec_rt.errors"},
+                "specdec_rt": {"specdec_rt.engine"},
+            }
+        )
+        == []
+    )
 
 
 def test_root_holds_few_modules():
@@ -120,8 +132,11 @@ def exporter_violations(graph: dict[str, set[str]]) -> list[str]:
         if mod == "export.validate":
             allowed |= {"specdec_rt.errors", "specdec_rt.ort"}
         for dep in sorted(imported):
-            if dep.startswith("specdec_rt") and dep not in allowed and not (
-                    "specdec_rt.ort" in allowed and dep.startswith("specdec_rt.ort.")):
+            if (
+                dep.startswith("specdec_rt")
+                and dep not in allowed
+                and not ("specdec_rt.ort" in allowed and dep.startswith("specdec_rt.ort."))
+            ):
                 found.append(f"{mod} imports {dep} (the exporter shares only specdec_rt.manifest_schema)")
     return found
 

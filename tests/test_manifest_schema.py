@@ -29,8 +29,13 @@ def assigned_names(tree: ast.AST) -> list[tuple[str, int]]:
     """``(name, line)`` of every plain name bound by an assignment anywhere in ``tree``."""
     found = []
     for node in ast.walk(tree):
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+            else []
+        )
         for target in targets:
             for sub in ast.walk(target):
                 if isinstance(sub, ast.Name):
@@ -41,9 +46,13 @@ def assigned_names(tree: ast.AST) -> list[tuple[str, int]]:
 def redefinitions() -> list[str]:
     """Assignments to a schema constant's name outside the schema module."""
     names = set(schema.__all__)
-    return [f"{path.relative_to(ROOT)}:{line}: {name}"
-            for path in _sources() if path != SCHEMA_FILE
-            for name, line in assigned_names(ast.parse(path.read_text())) if name in names]
+    return [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for path in _sources()
+        if path != SCHEMA_FILE
+        for name, line in assigned_names(ast.parse(path.read_text()))
+        if name in names
+    ]
 
 
 def test_each_schema_constant_is_defined_once():
@@ -61,8 +70,10 @@ def test_the_schema_imports_nothing():
     """A leaf: the exporter reads it without the ONNX Runtime backend, torch or numpy."""
     imports = [n for n in ast.walk(ast.parse(SCHEMA_FILE.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert [getattr(n, "module", None) for n in imports] == ["__future__"]
-    code = ("import sys; import specdec_rt.manifest_schema; "
-            "print(sorted(m for m in ('onnxruntime', 'torch', 'specdec_rt.ort') if m in sys.modules))")
+    code = (
+        "import sys; import specdec_rt.manifest_schema; "
+        "print(sorted(m for m in ('onnxruntime', 'torch', 'specdec_rt.ort') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 
@@ -105,5 +116,7 @@ def test_the_exporter_writes_and_the_runtime_reads_the_current_version(tiny_llam
     shutil.copytree(tiny_llama, folder, ignore=shutil.ignore_patterns("draft-*"))
     for version in (schema.SCHEMA_VERSION + 1, schema.SCHEMA_VERSION - 1, "1", None):
         (folder / schema.MANIFEST).write_text(json.dumps({**written, "drafts": [], "schema_version": version}))
-        with pytest.raises(ModelLoadError, match=f"schema_version {version!r}, this runtime reads {schema.SCHEMA_VERSION}"):
+        with pytest.raises(
+            ModelLoadError, match=f"schema_version {version!r}, this runtime reads {schema.SCHEMA_VERSION}"
+        ):
             load_manifest(folder, verify_hashes="never")

@@ -27,8 +27,7 @@ from .graph import HEAD_KEYS, build_head_onnx, target_tensors
 __all__ = ["save_head", "load_head", "assemble_draft", "TARGET_TENSORS"]
 
 TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight", "cos_cache", "sin_cache", "norm.weight")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 def save_head(path: Path, weights: dict[str, np.ndarray], vocab: np.ndarray, config: dict) -> Path:
@@ -37,9 +36,12 @@ def save_head(path: Path, weights: dict[str, np.ndarray], vocab: np.ndarray, con
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays = {k: np.asarray(weights[k], np.float32).astype(np.float16) for k in HEAD_KEYS}
     tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, vocab=np.asarray(vocab, np.int32),
-                        config=np.frombuffer(json.dumps(config, sort_keys=True).encode(), np.uint8),
-                        **arrays)
+    np.savez_compressed(
+        tmp,
+        vocab=np.asarray(vocab, np.int32),
+        config=np.frombuffer(json.dumps(config, sort_keys=True).encode(), np.uint8),
+        **arrays,
+    )
     tmp.replace(path)
     return path
 
@@ -55,34 +57,60 @@ def load_head(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
     path = Path(path)
     try:
         with zipfile.ZipFile(path) as z:
-            raw = _read_member(z, path, "config", lambda shape, dt: (
-                len(shape) == 1 and shape[0] <= MAX_CONFIG_BYTES and dt == np.uint8,
-                f"uint8 [<= {MAX_CONFIG_BYTES}]"))
+            raw = _read_member(
+                z,
+                path,
+                "config",
+                lambda shape, dt: (
+                    len(shape) == 1 and shape[0] <= MAX_CONFIG_BYTES and dt == np.uint8,
+                    f"uint8 [<= {MAX_CONFIG_BYTES}]",
+                ),
+            )
             cfg = _head_config(path, raw.tobytes())
-            vocab = _read_member(z, path, "vocab", lambda shape, dt: (
-                len(shape) == 1 and 1 <= shape[0] <= MAX_VOCAB and dt.kind in "iu"
-                and dt.itemsize <= 8, f"integer [1..{MAX_VOCAB}]"))
+            vocab = _read_member(
+                z,
+                path,
+                "vocab",
+                lambda shape, dt: (
+                    len(shape) == 1 and 1 <= shape[0] <= MAX_VOCAB and dt.kind in "iu" and dt.itemsize <= 8,
+                    f"integer [1..{MAX_VOCAB}]",
+                ),
+            )
             vocab = vocab.astype(np.int64)
             if vocab.min() < 0:
                 raise CorruptSourceError(f"{path}: 'vocab' holds a negative token id {vocab.min()}")
             if cfg.get("draft_vocab") is not None and cfg["draft_vocab"] != vocab.size:
-                raise CorruptSourceError(f"{path}: config draft_vocab {cfg['draft_vocab']!r} but "
-                                         f"'vocab' has {vocab.size} ids")
+                raise CorruptSourceError(
+                    f"{path}: config draft_vocab {cfg['draft_vocab']!r} but 'vocab' has {vocab.size} ids"
+                )
             shapes = _head_shapes(cfg)
             total = sum(math.prod(s) for s in shapes.values())
             if total > MAX_HEAD_ELEMENTS:
-                raise CorruptSourceError(f"{path}: its config implies {total} weights, more than "
-                                         f"{MAX_HEAD_ELEMENTS}")
+                raise CorruptSourceError(f"{path}: its config implies {total} weights, more than {MAX_HEAD_ELEMENTS}")
             weights = {}
             for key in HEAD_KEYS:
                 want = shapes[key]
-                weights[key] = _read_member(z, path, key, lambda shape, dt, want=want: (
-                    tuple(shape) == want and dt in (np.float16, np.float32),
-                    f"float16 {list(want)}")).astype(np.float32)
+                weights[key] = _read_member(
+                    z,
+                    path,
+                    key,
+                    lambda shape, dt, want=want: (
+                        tuple(shape) == want and dt in (np.float16, np.float32),
+                        f"float16 {list(want)}",
+                    ),
+                ).astype(np.float32)
     except ExportError:
         raise
-    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, KeyError,
-            NotImplementedError, RuntimeError) as exc:
+    except (
+        zipfile.BadZipFile,
+        zlib.error,
+        OSError,
+        EOFError,
+        ValueError,
+        KeyError,
+        NotImplementedError,
+        RuntimeError,
+    ) as exc:
         raise CorruptSourceError(f"{path}: not a readable trained head ({one_line(exc)})") from exc
     return weights, vocab, cfg
 
@@ -90,8 +118,13 @@ def load_head(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
 MAX_CONFIG_BYTES = 1 << 20
 MAX_VOCAB = 1 << 22
 MAX_HEAD_ELEMENTS = 1 << 30  # all weights together (a 7B model's head: ~2.5e8)
-_CONFIG_INTS = {"hidden_size": 1 << 16, "num_heads": 1024, "num_kv_heads": 1024, "head_dim": 1024,
-                "intermediate_size": 1 << 20}
+_CONFIG_INTS = {
+    "hidden_size": 1 << 16,
+    "num_heads": 1024,
+    "num_kv_heads": 1024,
+    "head_dim": 1024,
+    "intermediate_size": 1 << 20,
+}
 
 
 def _read_member(z: zipfile.ZipFile, path: Path, key: str, check) -> np.ndarray:
@@ -113,12 +146,15 @@ def _read_member(z: zipfile.ZipFile, path: Path, key: str, check) -> np.ndarray:
             raise CorruptSourceError(f"{path}: {key!r} has unsupported .npy version {version}")
         ok, expected = check(shape, dtype) if not dtype.hasobject else (False, "")
         if not ok:
-            raise CorruptSourceError(f"{path}: {key!r} is {dtype.str} {list(shape)}, expected "
-                                     f"{expected or 'numbers, not objects'}")
+            raise CorruptSourceError(
+                f"{path}: {key!r} is {dtype.str} {list(shape)}, expected {expected or 'numbers, not objects'}"
+            )
         nbytes = math.prod(shape) * dtype.itemsize
         if info.file_size != f.tell() + nbytes:
-            raise CorruptSourceError(f"{path}: {key!r} declares {list(shape)} ({nbytes} bytes) "
-                                     f"but its zip member holds {info.file_size - f.tell()}")
+            raise CorruptSourceError(
+                f"{path}: {key!r} declares {list(shape)} ({nbytes} bytes) "
+                f"but its zip member holds {info.file_size - f.tell()}"
+            )
         data = f.read(nbytes)
         if len(data) != nbytes or f.read(1):
             raise CorruptSourceError(f"{path}: {key!r} is truncated")
@@ -137,15 +173,16 @@ def _head_config(path: Path, raw: bytes) -> dict:
     for key, hi in _CONFIG_INTS.items():
         value = cfg.get(key)
         if type(value) is not int or not 1 <= value <= hi:
-            raise CorruptSourceError(f"{path}: config {key} = {value!r} is not an integer from "
-                                     f"1 to {hi}")
+            raise CorruptSourceError(f"{path}: config {key} = {value!r} is not an integer from 1 to {hi}")
     eps = cfg.get("rms_eps")
     if type(eps) not in (int, float) or not math.isfinite(eps) or eps <= 0:
         raise CorruptSourceError(f"{path}: config rms_eps = {eps!r} is not a finite number > 0")
     if cfg["num_heads"] % cfg["num_kv_heads"] or cfg["head_dim"] % 2:
-        raise CorruptSourceError(f"{path}: config num_heads {cfg['num_heads']} / num_kv_heads "
-                                 f"{cfg['num_kv_heads']} / head_dim {cfg['head_dim']} do not fit "
-                                 "(need a multiple and an even head size)")
+        raise CorruptSourceError(
+            f"{path}: config num_heads {cfg['num_heads']} / num_kv_heads "
+            f"{cfg['num_kv_heads']} / head_dim {cfg['head_dim']} do not fit "
+            "(need a multiple and an even head size)"
+        )
     return cfg
 
 
@@ -153,28 +190,51 @@ def _head_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Each trained tensor's shape (nn.Linear layout [out, in]) from the config."""
     H, F = cfg["hidden_size"], cfg["intermediate_size"]
     q, kv = cfg["num_heads"] * cfg["head_dim"], cfg["num_kv_heads"] * cfg["head_dim"]
-    return {"fc": (H, 2 * H), "ln1": (H,), "q": (q, H), "k": (kv, H), "v": (kv, H), "o": (H, q),
-            "ln2": (H,), "gate": (F, H), "up": (F, H), "down": (H, F), "norm": (H,)}
+    return {
+        "fc": (H, 2 * H),
+        "ln1": (H,),
+        "q": (q, H),
+        "k": (kv, H),
+        "v": (kv, H),
+        "o": (H, q),
+        "ln2": (H,),
+        "gate": (F, H),
+        "up": (F, H),
+        "down": (H, F),
+        "norm": (H,),
+    }
 
 
-def assemble_draft(target_dir: Path, head_file: Path, out_dir: Path, *, name: str = "eagle",
-                   source: dict | None = None, validation: dict | None = None) -> dict:
+def assemble_draft(
+    target_dir: Path,
+    head_file: Path,
+    out_dir: Path,
+    *,
+    name: str = "eagle",
+    source: dict | None = None,
+    validation: dict | None = None,
+) -> dict:
     """Build ``out_dir`` (must not exist) as an EAGLE draft folder; returns its manifest."""
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     weights, vocab, cfg = load_head(head_file)
     tm = json.loads((target_dir / "manifest.json").read_text())
     arch = tm["architecture"]
-    if (cfg["hidden_size"] != arch["hidden_size"] or cfg["head_dim"] != arch["head_dim"]
-            or vocab.max() >= arch["vocab_size"]):
+    if (
+        cfg["hidden_size"] != arch["hidden_size"]
+        or cfg["head_dim"] != arch["head_dim"]
+        or vocab.max() >= arch["vocab_size"]
+    ):
         raise UnsupportedModelError(
             f"{head_file}: trained for hidden size {cfg['hidden_size']} / head size "
             f"{cfg['head_dim']} / vocab {cfg.get('target_vocab_size')!r} (largest id "
             f"{vocab.max()}), the target {target_dir} has {arch['hidden_size']} / "
-            f"{arch['head_dim']} / {arch['vocab_size']}")
+            f"{arch['head_dim']} / {arch['vocab_size']}"
+        )
     t = target_tensors(target_dir, TARGET_TENSORS)
     out_dir.mkdir(parents=True)
-    graph = build_head_onnx(weights, cfg, vocab, t["embed_tokens.weight"], t["lm_head.weight"],
-                            t["cos_cache"], t["sin_cache"], out_dir)
+    graph = build_head_onnx(
+        weights, cfg, vocab, t["embed_tokens.weight"], t["lm_head.weight"], t["cos_cache"], t["sin_cache"], out_dir
+    )
     np.save(out_dir / "vocab.npy", vocab)
     for fname in TOKENIZER_FILES:
         if (target_dir / fname).is_file():
@@ -184,17 +244,28 @@ def assemble_draft(target_dir: Path, head_file: Path, out_dir: Path, *, name: st
         "name": name,
         "role": "draft",
         "kind": "eagle",
-        "architecture": {"family": "eagle", "num_layers": 1, "hidden_size": cfg["hidden_size"],
-                         "num_heads": cfg["num_heads"], "num_kv_heads": cfg["num_kv_heads"],
-                         "head_dim": cfg["head_dim"], "vocab_size": int(vocab.size),
-                         "max_positions": arch["max_positions"]},
-        "draft_vocab": {"file": "vocab.npy", "size": int(vocab.size),
-                        "target_vocab_size": arch["vocab_size"]},
+        "architecture": {
+            "family": "eagle",
+            "num_layers": 1,
+            "hidden_size": cfg["hidden_size"],
+            "num_heads": cfg["num_heads"],
+            "num_kv_heads": cfg["num_kv_heads"],
+            "head_dim": cfg["head_dim"],
+            "vocab_size": int(vocab.size),
+            "max_positions": arch["max_positions"],
+        },
+        "draft_vocab": {"file": "vocab.npy", "size": int(vocab.size), "target_vocab_size": arch["vocab_size"]},
         "special_tokens": tm["special_tokens"],
         "tokenizer": tm["tokenizer"],
-        "onnx": {**tm["onnx"], "quantization": None, "nodes": graph["nodes"],
-                 "inputs": {**{k: v for k, v in onnx_section(None)["inputs"].items() if k not in PACKED_ROLES + TREE_ROLES},
-                            "features": "features"}},
+        "onnx": {
+            **tm["onnx"],
+            "quantization": None,
+            "nodes": graph["nodes"],
+            "inputs": {
+                **{k: v for k, v in onnx_section(None)["inputs"].items() if k not in PACKED_ROLES + TREE_ROLES},
+                "features": "features",
+            },
+        },
         "drafts": [],
         "exact_to": "a draft only: speculative output is exact to the target",
         "source": source or {"kind": "trained head", "file": Path(head_file).name},

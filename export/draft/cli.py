@@ -7,9 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from ..errors import one_line_errors
+from ..errors import OneLineParser, one_line_errors
 from ..ui import Reporter
-from ..errors import OneLineParser
 from .run import TrainDraftRequest, run_train_draft
 
 __all__ = ["main"]
@@ -20,16 +19,27 @@ def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m export train-draft",
         description="Train an EAGLE-style draft head for a built float32 target by "
-                    "self-distillation, export it as an ONNX draft folder and measure its acceptance. "
-                    "Resumable: rerun with --resume after --time-budget stops it.")
+        "self-distillation, export it as an ONNX draft folder and measure its acceptance. "
+        "Resumable: rerun with --resume after --time-budget stops it.",
+    )
     p.add_argument("--target", required=True, help="recipe name or export folder of the target")
     p.add_argument("--out", type=Path, help="output folder (default: beside the target, <name>-eagle)")
-    p.add_argument("--arch", default="eagle", choices=["eagle"],
-                   help="draft architecture: an EAGLE head over the target's hidden states")
-    p.add_argument("--tokens", type=int, default=R.tokens, metavar="N",
-                   help=f"target-generated answer tokens to train on (default {R.tokens})")
-    p.add_argument("--time-budget", type=float, metavar="MINUTES",
-                   help="stop cleanly (checkpointed) after this many minutes")
+    p.add_argument(
+        "--arch",
+        default="eagle",
+        choices=["eagle"],
+        help="draft architecture: an EAGLE head over the target's hidden states",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=R.tokens,
+        metavar="N",
+        help=f"target-generated answer tokens to train on (default {R.tokens})",
+    )
+    p.add_argument(
+        "--time-budget", type=float, metavar="MINUTES", help="stop cleanly (checkpointed) after this many minutes"
+    )
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--source", help="the target's PyTorch checkpoint or GGUF (default: its manifest's)")
     p.add_argument("--epochs", type=float, default=R.epochs)
@@ -55,14 +65,30 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     ui = Reporter(quiet=args.quiet)
     req = TrainDraftRequest(
-        target=args.target, out=args.out, arch=args.arch, tokens=args.tokens,
-        time_budget=args.time_budget, resume=args.resume, source=args.source, epochs=args.epochs,
-        depth=args.depth, vocab_size=args.vocab_size, batch=args.batch, max_new=args.max_new,
-        prompts=args.prompts, val_prompts=args.val_prompts, eval_prompts=args.eval_prompts,
-        lr=args.lr, threads=args.threads, batch_tokens=args.batch_tokens, eval_every=args.eval_every,
-        device=args.device)
-    report, code = one_line_errors(lambda: run_train_draft(req, ui), args.verbose,
-                                   "interrupted (checkpoints kept; rerun with --resume)")
+        target=args.target,
+        out=args.out,
+        arch=args.arch,
+        tokens=args.tokens,
+        time_budget=args.time_budget,
+        resume=args.resume,
+        source=args.source,
+        epochs=args.epochs,
+        depth=args.depth,
+        vocab_size=args.vocab_size,
+        batch=args.batch,
+        max_new=args.max_new,
+        prompts=args.prompts,
+        val_prompts=args.val_prompts,
+        eval_prompts=args.eval_prompts,
+        lr=args.lr,
+        threads=args.threads,
+        batch_tokens=args.batch_tokens,
+        eval_every=args.eval_every,
+        device=args.device,
+    )
+    report, code = one_line_errors(
+        lambda: run_train_draft(req, ui), args.verbose, "interrupted (checkpoints kept; rerun with --resume)"
+    )
     if code:
         return code
     if report["status"] != "done":
@@ -70,7 +96,9 @@ def main(argv: list[str]) -> int:
         print(report["out"])
         return 3
     acc = report["acceptance"]
-    ui.log(f"acceptance by depth {acc['per_depth']}, mean accepted {acc['mean_accepted']} per round "
-           f"(k={acc['k']}), exact: {acc['exact']}")
+    ui.log(
+        f"acceptance by depth {acc['per_depth']}, mean accepted {acc['mean_accepted']} per round "
+        f"(k={acc['k']}), exact: {acc['exact']}"
+    )
     print(str(Path(report["out"]) / "draft"))
     return 0

@@ -40,8 +40,13 @@ class Shard:
         """(tokens [T], prompt_len, feats [T-1, H], topk_ids [T-1, K], topk_p [T-1, K])."""
         for s in range(len(self.prompt_lens)):
             a, b = int(self.starts[s]), int(self.starts[s + 1])
-            yield (self.tokens[a:b], int(self.prompt_lens[s]), self.feats[a - s : b - s - 1],
-                   self.topk_ids[a - s : b - s - 1], self.topk_p[a - s : b - s - 1])
+            yield (
+                self.tokens[a:b],
+                int(self.prompt_lens[s]),
+                self.feats[a - s : b - s - 1],
+                self.topk_ids[a - s : b - s - 1],
+                self.topk_p[a - s : b - s - 1],
+            )
 
     @property
     def answer_tokens(self) -> int:
@@ -76,8 +81,9 @@ def last_hidden(model, **inputs):
     return h, model.lm_head(h)
 
 
-def _generate_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], topk: int,
-                    features=last_hidden) -> Shard:
+def _generate_batch(
+    model, prompts: list[list[int]], max_new: int, eos: set[int], topk: int, features=last_hidden
+) -> Shard:
     """Greedy answers for one batch of prompt ids; features and top-k labels at every position.
     ``features(model, **inputs)`` returns ``(features [B, S, F], logits [B, S, V])`` of a forward
     (:func:`last_hidden`; an experiment may keep more, e.g. several layers)."""
@@ -89,16 +95,17 @@ def _generate_batch(model, prompts: list[list[int]], max_new: int, eos: set[int]
     ids = torch.full((B, L), pad, dtype=torch.long)
     mask = torch.zeros((B, L), dtype=torch.long)
     for b, p in enumerate(prompts):
-        ids[b, L - len(p):] = torch.tensor(p)
-        mask[b, L - len(p):] = 1
+        ids[b, L - len(p) :] = torch.tensor(p)
+        mask[b, L - len(p) :] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     dev = next(model.parameters()).device
     ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
     cache = DynamicCache()
     feats, tk_ids, tk_p, gen = [], [], [], []
     with torch.inference_mode():
-        h, logits = features(model, input_ids=ids, attention_mask=mask, position_ids=pos,
-                             past_key_values=cache, use_cache=True)  # [B, L, F], [B, L, V]
+        h, logits = features(
+            model, input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+        )  # [B, L, F], [B, L, V]
         feats.append(h.half().cpu().numpy())
         a, b = _topk(logits, topk)
         tk_ids.append(a), tk_p.append(b)
@@ -112,8 +119,14 @@ def _generate_batch(model, prompts: list[list[int]], max_new: int, eos: set[int]
                 break
             mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long, device=dev)], dim=1)
             last = last + 1
-            h, logits = features(model, input_ids=nxt[:, None], attention_mask=mask,
-                                 position_ids=last[:, None], past_key_values=cache, use_cache=True)
+            h, logits = features(
+                model,
+                input_ids=nxt[:, None],
+                attention_mask=mask,
+                position_ids=last[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
             feats.append(h.half().cpu().numpy())
             a, b = _topk(logits, topk)
             tk_ids.append(a), tk_p.append(b)
@@ -131,12 +144,28 @@ def _generate_batch(model, prompts: list[list[int]], max_new: int, eos: set[int]
         starts.append(len(toks))
         plens.append(len(p))
         f.append(feats[b, rows]), ti.append(tk_ids[b, rows]), tp.append(tk_p[b, rows])
-    return Shard(np.array(toks, np.int32), np.array(starts, np.int64), np.array(plens, np.int32),
-                 np.concatenate(f), np.concatenate(ti), np.concatenate(tp))
+    return Shard(
+        np.array(toks, np.int32),
+        np.array(starts, np.int64),
+        np.array(plens, np.int32),
+        np.concatenate(f),
+        np.concatenate(ti),
+        np.concatenate(tp),
+    )
 
 
-def generate_shards(model, prompt_ids: list[list[int]], data_dir: Path, *, batch: int, max_new: int,
-                    eos: set[int], tokens_goal: int, deadline: float | None, log) -> int:
+def generate_shards(
+    model,
+    prompt_ids: list[list[int]],
+    data_dir: Path,
+    *,
+    batch: int,
+    max_new: int,
+    eos: set[int],
+    tokens_goal: int,
+    deadline: float | None,
+    log,
+) -> int:
     """Write shards until ``tokens_goal`` answer tokens exist, the prompts run out, or the
     ``deadline`` (time.monotonic) passes. Returns the answer tokens on disk. Resumable."""
     data_dir = Path(data_dir)
@@ -153,7 +182,7 @@ def generate_shards(model, prompt_ids: list[list[int]], data_dir: Path, *, batch
         if deadline is not None and time.monotonic() > deadline:
             log("data: time budget reached")
             break
-        shard = _generate_batch(model, prompt_ids[i * batch:(i + 1) * batch], max_new, eos, TOPK)
+        shard = _generate_batch(model, prompt_ids[i * batch : (i + 1) * batch], max_new, eos, TOPK)
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, **{k: getattr(shard, k) for k in Shard.__dataclass_fields__})
         tmp.rename(path)
@@ -161,6 +190,8 @@ def generate_shards(model, prompt_ids: list[list[int]], data_dir: Path, *, batch
         made += shard.answer_tokens
         rate = made / (time.monotonic() - t0)
         eta = (tokens_goal - have) / rate if rate else float("inf")
-        log(f"data: shard {i + 1}/{n_batches}, {have:,}/{tokens_goal:,} answer tokens, "
-            f"{rate:.0f} tok/s, ETA {eta / 60:.1f} min")
+        log(
+            f"data: shard {i + 1}/{n_batches}, {have:,}/{tokens_goal:,} answer tokens, "
+            f"{rate:.0f} tok/s, ETA {eta / 60:.1f} min"
+        )
     return have

@@ -21,8 +21,8 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 __all__ = ["HeadConfig", "EagleHead"]
 

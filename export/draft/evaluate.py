@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 __all__ = ["measure_acceptance", "depth_table"]
 
 
@@ -18,16 +17,23 @@ def depth_table(position_drafted: list[int], position_accepted: list[int]) -> li
     return out
 
 
-def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list, *, k: int = 4,
-                       max_new_tokens: int = 64, threads: int | None = None) -> dict:
+def measure_acceptance(
+    target_dir: Path,
+    draft_dir: Path,
+    prompts: list,
+    *,
+    k: int = 4,
+    max_new_tokens: int = 64,
+    threads: int | None = None,
+) -> dict:
     """Run every prompt with a fixed draft length ``k`` (no fallback) and return
     ``{"per_depth": [k], "mean_accepted": float, "tokens_per_call": float, "acceptance": float,
     "exact": bool}``; ``exact`` compares the output with plain greedy decoding."""
     import anyio
 
-    from specdec_rt.policy.acceptance import SpecConfig
     from specdec_rt.engine.factory import model_drafter
     from specdec_rt.ort import OrtModel, OrtTargetVerifier, load_manifest
+    from specdec_rt.policy.acceptance import SpecConfig
     from specdec_rt.spec.scheduler import SpecDecScheduler
     from specdec_rt.text.codec import TextCodec
     from specdec_rt.types import Stats
@@ -37,8 +43,15 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list, *, k: i
     target = OrtModel(m, threads=threads, slots=1, max_length=2048)
     drafter = model_drafter(m, load_manifest(draft_dir), threads=threads, slots=1, max_length=2048)
     verifier = OrtTargetVerifier(target, share_hidden=bool(getattr(drafter, "needs_target_hidden", False)))
-    cfg = SpecConfig(adapt_k=False, k_init=k, k_max=max(k, 1), fallback_below=0.0, zero_rounds=10**9,
-                     min_speedup=0.0, measure_costs=False)
+    cfg = SpecConfig(
+        adapt_k=False,
+        k_init=k,
+        k_max=max(k, 1),
+        fallback_below=0.0,
+        zero_rounds=10**9,
+        min_speedup=0.0,
+        measure_costs=False,
+    )
     spec = SpecDecScheduler(drafter, verifier, cfg, eos_ids=m.eos_ids)
     plain = SpecDecScheduler(None, OrtTargetVerifier(target), cfg, eos_ids=m.eos_ids)
 
@@ -55,8 +68,12 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list, *, k: i
     total, exact = anyio.run(main)
     per_depth = depth_table(total.position_drafted, total.position_accepted)
     calls = total.rounds + total.ar_steps
-    return {"per_depth": [round(x, 4) for x in per_depth[:k]],
-            "acceptance": round(total.accepted / max(total.drafted, 1), 4),
-            "mean_accepted": round(total.accepted / max(total.rounds, 1), 3),
-            "tokens_per_call": round(total.new_tokens / max(calls, 1), 3),
-            "prompts": len(prompts), "k": k, "exact": bool(exact)}
+    return {
+        "per_depth": [round(x, 4) for x in per_depth[:k]],
+        "acceptance": round(total.accepted / max(total.drafted, 1), 4),
+        "mean_accepted": round(total.accepted / max(total.rounds, 1), 3),
+        "tokens_per_call": round(total.new_tokens / max(calls, 1), 3),
+        "prompts": len(prompts),
+        "k": k,
+        "exact": bool(exact),
+    }

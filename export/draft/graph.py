@@ -41,9 +41,12 @@ def target_tensors(folder: Path, names: tuple[str, ...]) -> dict[str, np.ndarray
         dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
         if t.data_location == TensorProto.EXTERNAL:
             info = {e.key: e.value for e in t.external_data}
-            arr = np.fromfile(folder / info["location"], dtype=dtype,
-                              count=int(info["length"]) // np.dtype(dtype).itemsize,
-                              offset=int(info["offset"]))
+            arr = np.fromfile(
+                folder / info["location"],
+                dtype=dtype,
+                count=int(info["length"]) // np.dtype(dtype).itemsize,
+                offset=int(info["offset"]),
+            )
             out[t.name] = arr.reshape(tuple(t.dims))
         else:
             out[t.name] = onnx.numpy_helper.to_array(t)
@@ -53,8 +56,16 @@ def target_tensors(folder: Path, names: tuple[str, ...]) -> dict[str, np.ndarray
     return out
 
 
-def build_head_onnx(head: dict[str, np.ndarray], cfg: dict, vocab: np.ndarray, embed: np.ndarray,
-                    lm_head: np.ndarray, cos: np.ndarray, sin: np.ndarray, out_dir: Path) -> dict:
+def build_head_onnx(
+    head: dict[str, np.ndarray],
+    cfg: dict,
+    vocab: np.ndarray,
+    embed: np.ndarray,
+    lm_head: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    out_dir: Path,
+) -> dict:
     """Write ``model.onnx`` + ``model.onnx.data``. ``head``: HEAD_KEYS -> float arrays;
     ``vocab`` [V'] full ids; ``embed`` [V, H]; ``lm_head`` [H, V] (the target graph's layout)."""
     H, nh, kv, d = cfg["hidden_size"], cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
@@ -64,19 +75,30 @@ def build_head_onnx(head: dict[str, np.ndarray], cfg: dict, vocab: np.ndarray, e
         g = _Graph(data, None, cfg["rms_eps"])
         g.init("cos_cache", cos)
         g.init("sin_cache", sin)
-        e16 = g.node("Gather", [g.init("embed_tokens.weight_fp16", embed.astype(np.float16)),
-                                "input_ids"], ["/embed/gathered"], "/embed/Gather")[0]
+        e16 = g.node(
+            "Gather",
+            [g.init("embed_tokens.weight_fp16", embed.astype(np.float16)), "input_ids"],
+            ["/embed/gathered"],
+            "/embed/Gather",
+        )[0]
         e = g.node("Cast", [e16], ["/embed/output"], "/embed/Cast", to=TensorProto.FLOAT)[0]
         cat = g.node("Concat", [e, "features"], ["/fc/input"], "/fc/Concat", axis=-1)[0]
         z = g.linear(cat, f["fc"].T, "/fc")  # [B, S, H]
         h, _ = g.rms_norm(z, None, f["ln1"], "/layer/input_layernorm")
         qkv = g.linear(h, np.concatenate([f["q"].T, f["k"].T, f["v"].T], axis=1), "/layer/attn/qkv")
-        a = g.node("GroupQueryAttention",
-                   gqa_inputs(qkv, 0, packed=False),
-                   ["/layer/attn/output", "present.0.key", "present.0.value"],
-                   "/layer/attn/GroupQueryAttention", domain=MS, num_heads=nh, kv_num_heads=kv,
-                   scale=1.0 / math.sqrt(d), do_rotary=1, rotary_interleaved=0,
-                   local_window_size=-1)[0]
+        a = g.node(
+            "GroupQueryAttention",
+            gqa_inputs(qkv, 0, packed=False),
+            ["/layer/attn/output", "present.0.key", "present.0.value"],
+            "/layer/attn/GroupQueryAttention",
+            domain=MS,
+            num_heads=nh,
+            kv_num_heads=kv,
+            scale=1.0 / math.sqrt(d),
+            do_rotary=1,
+            rotary_interleaved=0,
+            local_window_size=-1,
+        )[0]
         o = g.linear(a, f["o"].T, "/layer/attn/o_proj")
         x, u = g.rms_norm(o, z, f["ln2"], "/layer/post_attention_layernorm")
         gate = g.linear(x, f["gate"].T, "/layer/mlp/gate_proj")
@@ -86,12 +108,9 @@ def build_head_onnx(head: dict[str, np.ndarray], cfg: dict, vocab: np.ndarray, e
         act = g.node("Mul", [silu, up], ["/layer/mlp/act"], "/layer/mlp/Mul")[0]
         down = g.linear(act, f["down"].T, "/layer/mlp/down_proj")
         g.rms_norm(down, u, f["norm"], "/norm", out="hidden_states")
-        picked = g.node("Gather", ["hidden_states", "logits_index"], ["/lm_head/rows"],
-                        "/lm_head/Gather", axis=1)[0]
+        picked = g.node("Gather", ["hidden_states", "logits_index"], ["/lm_head/rows"], "/lm_head/Gather", axis=1)[0]
         g.linear(picked, np.ascontiguousarray(lm_head[:, vocab]), "/lm_head", out="logits")
 
-    features = helper.make_tensor_value_info("features", TensorProto.FLOAT,
-                                             ["batch_size", "sequence_length", H])
+    features = helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch_size", "sequence_length", H])
     inputs, outputs = decoder_io(1, kv, d, int(vocab.size), H, (features,), packed=False)
-    return save_graph(g, "eagle_head", inputs, outputs, out_dir / "model.onnx",
-                      "specdec-rt export train-draft")
+    return save_graph(g, "eagle_head", inputs, outputs, out_dir / "model.onnx", "specdec-rt export train-draft")

@@ -47,24 +47,40 @@ read; growing tomatoes; reducing screen time; organizing a closet; writing clear
 salary; choosing a laptop; buying a used car; keeping plants alive""".replace("\n", " ")
 
 CHAT = [
-    "Explain {t} in simple terms.", "What is {t}?", "Tell me three interesting facts about {t}.",
-    "Why is {t} important?", "Write a short poem about {t}.", "Write a haiku about {t}.",
-    "Write a short story about {t}.", "What are the pros and cons of {t}?",
-    "How would you explain {t} to a child?", "Give me a fun fact about {t}.",
-    "Summarize the history of {t} in a few sentences.", "What are common misconceptions about {t}?",
-    "Write a limerick about {t}.", "Describe {t} in one paragraph.",
-    "What questions should I ask to learn more about {t}?", "How does {t} affect everyday life?",
-    "Can you write a tweet about {t}?", "Give me a quiz question about {t} with the answer.",
+    "Explain {t} in simple terms.",
+    "What is {t}?",
+    "Tell me three interesting facts about {t}.",
+    "Why is {t} important?",
+    "Write a short poem about {t}.",
+    "Write a haiku about {t}.",
+    "Write a short story about {t}.",
+    "What are the pros and cons of {t}?",
+    "How would you explain {t} to a child?",
+    "Give me a fun fact about {t}.",
+    "Summarize the history of {t} in a few sentences.",
+    "What are common misconceptions about {t}?",
+    "Write a limerick about {t}.",
+    "Describe {t} in one paragraph.",
+    "What questions should I ask to learn more about {t}?",
+    "How does {t} affect everyday life?",
+    "Can you write a tweet about {t}?",
+    "Give me a quiz question about {t} with the answer.",
 ]
 ADVICE = [
-    "Give me three tips for {a}.", "How can I get better at {a}?", "What is a good routine for {a}?",
-    "What mistakes should beginners avoid when {a}?", "Make a simple plan for {a}.",
-    "I want to start {a}. Where do I begin?", "List five ideas for {a}.",
+    "Give me three tips for {a}.",
+    "How can I get better at {a}?",
+    "What is a good routine for {a}?",
+    "What mistakes should beginners avoid when {a}?",
+    "Make a simple plan for {a}.",
+    "I want to start {a}. Where do I begin?",
+    "List five ideas for {a}.",
     "What should I know before {a}?",
 ]
 CODE = [
-    "Write a Python function that {c}.", "Write a JavaScript function that {c}.",
-    "Explain how to write a function that {c}.", "Write a short Python script that {c}.",
+    "Write a Python function that {c}.",
+    "Write a JavaScript function that {c}.",
+    "Explain how to write a function that {c}.",
+    "Write a short Python script that {c}.",
 ]
 CODE_TASKS = """reverses a string; counts the vowels in a word; returns the largest number in a list;
 checks whether a number is prime; sorts a list of names; removes spaces from a string; converts
@@ -77,9 +93,14 @@ number to binary; counts how often each letter appears; rotates a list by k plac
 email address roughly; computes compound interest; returns the squares of a list; finds the
 longest word in a sentence""".replace("\n", " ")
 MODULE_T = ["What is the Python module {m} used for?", "Show a small example that uses Python's {m} module."]
-MATH = ["What is {x} plus {y}?", "What is {x} times {y}?", "If I have {x} apples and eat {y}, how many are left?",
-        "A train travels {x} kilometers in {y} hours. What is its average speed?",
-        "What is {y} percent of {x}?", "Solve for n: n + {y} = {x}."]
+MATH = [
+    "What is {x} plus {y}?",
+    "What is {x} times {y}?",
+    "If I have {x} apples and eat {y}, how many are left?",
+    "A train travels {x} kilometers in {y} hours. What is its average speed?",
+    "What is {y} percent of {x}?",
+    "Solve for n: n + {y} = {x}.",
+]
 TRANSLATE = ["Translate into French: {s}", "Translate into Spanish: {s}", "Translate into German: {s}"]
 SENTENCES = """I would like a cup of tea, please.; Where is the train station?; The weather is
 lovely today.; My brother is learning to cook.; We are going to the beach tomorrow.; Thank you for

@@ -93,8 +93,7 @@ def _prompts(req: TrainDraftRequest, codec) -> tuple[list[list[int]], list[list[
     allp = training_prompts(req.seed)
     train = [p for p in allp if split_of(p) == "train"][: req.prompts]
     val = [p for p in allp if split_of(p) == "val"][: req.val_prompts]
-    enc = (lambda p: codec.encode_prompt([{"role": "user", "content": p}])) if codec.chat_template \
-        else codec.encode
+    enc = (lambda p: codec.encode_prompt([{"role": "user", "content": p}])) if codec.chat_template else codec.encode
     return [enc(p) for p in train], [enc(p) for p in val]
 
 
@@ -115,12 +114,13 @@ def _state(work: Path, req: TrainDraftRequest) -> dict:
     if path.exists():
         saved = json.loads(path.read_text())
         if not req.resume:
-            raise UsageError(f"{work.parent} holds a run already; pass --resume to continue it "
-                             "or choose another --out")
+            raise UsageError(f"{work.parent} holds a run already; pass --resume to continue it or choose another --out")
         diff = [k for k in DATA_KEYS if saved["settings"].get(k) != mine[k]]
         if diff:
-            raise UsageError(f"--resume with different {', '.join(diff)} than the saved run "
-                             "(" + ", ".join(f"{k}={saved['settings'][k]}" for k in diff) + ")")
+            raise UsageError(
+                f"--resume with different {', '.join(diff)} than the saved run "
+                "(" + ", ".join(f"{k}={saved['settings'][k]}" for k in diff) + ")"
+            )
         return saved
     work.mkdir(parents=True, exist_ok=True)
     saved = {"settings": mine, "request": {k: str(v) for k, v in asdict(req).items()}}
@@ -162,16 +162,20 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
         eos = set(tm.eos_ids) or {0}
         gen = dict(batch=req.batch, max_new=req.max_new, eos=eos, log=ui.log)
         with ui.stage(f"data: {len(val_ids)} validation answers"):
-            generate_shards(model, val_ids, work / "data" / "val", tokens_goal=10**12,
-                            deadline=deadline, **gen)
+            generate_shards(model, val_ids, work / "data" / "val", tokens_goal=10**12, deadline=deadline, **gen)
         with ui.stage(f"data: training answers, goal {req.tokens:,} tokens"):
-            have = generate_shards(model, train_ids, work / "data" / "train", tokens_goal=req.tokens,
-                                   deadline=deadline, **gen)
+            have = generate_shards(
+                model, train_ids, work / "data" / "train", tokens_goal=req.tokens, deadline=deadline, **gen
+            )
         del model
         n_val = len(list((work / "data" / "val").glob("shard-?????.npz")))
         if deadline is not None and time.monotonic() > deadline or n_val < -(-len(val_ids) // req.batch):
-            return _stopped(out, report, f"time budget reached during data generation ({have:,} "
-                            f"of {req.tokens:,} tokens); rerun with --resume", ui)
+            return _stopped(
+                out,
+                report,
+                f"time budget reached during data generation ({have:,} of {req.tokens:,} tokens); rerun with --resume",
+                ui,
+            )
         data_done.write_text(json.dumps({"answer_tokens": have}))
     train_sh, val_sh = load_shards(work / "data" / "train"), load_shards(work / "data" / "val")
     report["train_answer_tokens"] = sum(s.answer_tokens for s in train_sh)
@@ -185,15 +189,20 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
         np.save(vocab_path, reduced_vocab(train_sh, req.vocab_size, list(tm.eos_ids)))
     vocab = np.load(vocab_path)
     cover = _coverage(val_sh, vocab)
-    ui.log(f"train: reduced vocabulary {vocab.size} tokens covers {cover:.2%} of the target's "
-           "validation argmax tokens")
+    ui.log(f"train: reduced vocabulary {vocab.size} tokens covers {cover:.2%} of the target's validation argmax tokens")
     head, cfg = _new_head(folder, tm, vocab)
     head.to(device)
     with ui.stage("train: batches"):
         train_b = make_batches(train_sh, vocab, req.batch_tokens, tm.vocab_size)
         val_b = make_batches(val_sh, vocab, req.batch_tokens, tm.vocab_size)
-    tcfg = TrainConfig(depth=req.depth, lr=req.lr, epochs=req.epochs, batch_tokens=req.batch_tokens,
-                       seed=req.seed, eval_every=req.eval_every)
+    tcfg = TrainConfig(
+        depth=req.depth,
+        lr=req.lr,
+        epochs=req.epochs,
+        batch_tokens=req.batch_tokens,
+        seed=req.seed,
+        eval_every=req.eval_every,
+    )
     train_deadline = None if deadline is None else deadline - min(RESERVE_S, 0.2 * 60 * req.time_budget)
     with ui.stage(f"train: {len(train_b)} batches x {req.epochs} epochs, depth {req.depth}"):
         stop = None if train_deadline is None else (lambda: time.monotonic() > train_deadline)
@@ -202,37 +211,54 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
     report["curve"] = summary["curve"]
     report["vocab"] = {"size": int(vocab.size), "val_argmax_coverage": round(cover, 5)}
     if summary["stopped"] != "done":
-        return _stopped(out, report, f"time budget reached at training step {summary['step']}/"
-                        f"{summary['total_steps']}; rerun with --resume", ui)
+        return _stopped(
+            out,
+            report,
+            f"time budget reached at training step {summary['step']}/{summary['total_steps']}; rerun with --resume",
+            ui,
+        )
 
     # 3. export: the shippable head file, then the draft folder
     from .assemble import assemble_draft, save_head
 
     head.load_state_dict(load_checkpoint(work / "best.pt"), strict=False)
     head.to("cpu")
-    training = {"answer_tokens": report["train_answer_tokens"], "steps": summary["step"],
-                "depth": req.depth, "val_top1": summary["curve"][-1]["val"],
-                "best_val_top1_depth1": summary["best_val_top1"]}
-    head_file = save_head(out / "head.npz", _weights(head), vocab, {**cfg.to_dict(),
-                          "target_vocab_size": tm.vocab_size, "training": training})
+    training = {
+        "answer_tokens": report["train_answer_tokens"],
+        "steps": summary["step"],
+        "depth": req.depth,
+        "val_top1": summary["curve"][-1]["val"],
+        "best_val_top1_depth1": summary["best_val_top1"],
+    }
+    head_file = save_head(
+        out / "head.npz",
+        _weights(head),
+        vocab,
+        {**cfg.to_dict(), "target_vocab_size": tm.vocab_size, "training": training},
+    )
     _load_weights(head, head_file)  # the shipped float16 weights: what the ONNX draft computes
     draft = out / "draft"
     shutil.rmtree(draft, ignore_errors=True)
     head_sha = sha256_file(head_file)
     with ui.stage("export: assemble the ONNX draft"):
-        assemble_draft(folder, head_file, draft, source={"kind": "trained head", "file": "head.npz",
-                                                         "sha256": head_sha})
+        assemble_draft(
+            folder, head_file, draft, source={"kind": "trained head", "file": "head.npz", "sha256": head_sha}
+        )
     # 4. validate
     with ui.stage("validate: ONNX head vs PyTorch head"):
         report["onnx_max_abs_diff"] = _check_onnx(head, draft, val_sh)
     from .evaluate import measure_acceptance
 
     with ui.stage(f"validate: acceptance on {req.eval_prompts} held-out prompts (k={req.eval_k})"):
-        report["acceptance"] = measure_acceptance(folder, draft, _eval_prompts(req.eval_prompts),
-                                                  k=req.eval_k, max_new_tokens=req.eval_new_tokens,
-                                                  threads=req.threads)
-    report["head_file"] = {"path": str(head_file), "bytes": head_file.stat().st_size,
-                           "sha256": head_sha}
+        report["acceptance"] = measure_acceptance(
+            folder,
+            draft,
+            _eval_prompts(req.eval_prompts),
+            k=req.eval_k,
+            max_new_tokens=req.eval_new_tokens,
+            threads=req.threads,
+        )
+    report["head_file"] = {"path": str(head_file), "bytes": head_file.stat().st_size, "sha256": head_sha}
     report["status"] = "done"
     _write_report(out, report, ui)
     return report
@@ -256,15 +282,27 @@ def _new_head(folder: Path, tm, vocab: np.ndarray):
 
     t = target_tensors(folder, TARGET_TENSORS)
     intermediate, eps = _graph_facts(folder, tm)
-    cfg = HeadConfig(hidden_size=tm.hidden_size, num_heads=tm.num_heads, num_kv_heads=tm.num_kv_heads,
-                     head_dim=tm.head_dim, intermediate_size=intermediate, rms_eps=eps,
-                     draft_vocab=int(vocab.size))
+    cfg = HeadConfig(
+        hidden_size=tm.hidden_size,
+        num_heads=tm.num_heads,
+        num_kv_heads=tm.num_kv_heads,
+        head_dim=tm.head_dim,
+        intermediate_size=intermediate,
+        rms_eps=eps,
+        draft_vocab=int(vocab.size),
+    )
     torch.manual_seed(0)  # the head's initial weights do not depend on what ran before
     # float16-rounded, as the ONNX draft stores it: training sees what inference computes
     embed = torch.from_numpy(t["embed_tokens.weight"].astype(np.float16).astype(np.float32))
     lm = torch.from_numpy(np.ascontiguousarray(t["lm_head.weight"][:, vocab].T))  # [V', H]
-    head = EagleHead(cfg, embed, lm, torch.from_numpy(t["cos_cache"]), torch.from_numpy(t["sin_cache"]),
-                     norm_weight=torch.from_numpy(t["norm.weight"].copy()))
+    head = EagleHead(
+        cfg,
+        embed,
+        lm,
+        torch.from_numpy(t["cos_cache"]),
+        torch.from_numpy(t["sin_cache"]),
+        norm_weight=torch.from_numpy(t["norm.weight"].copy()),
+    )
     return head, cfg
 
 
@@ -274,10 +312,18 @@ def _graph_facts(folder: Path, tm) -> tuple[int, float]:
     import onnx
 
     proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    width = next((int(t.dims[1]) for t in proto.graph.initializer
-                  if t.name == "layers.0/mlp/gate_proj.weight"), 4 * tm.hidden_size)
-    eps = next((float(next(a.f for a in n.attribute if a.name == "epsilon")) for n in proto.graph.node
-                if n.op_type in ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")), 1e-6)
+    width = next(
+        (int(t.dims[1]) for t in proto.graph.initializer if t.name == "layers.0/mlp/gate_proj.weight"),
+        4 * tm.hidden_size,
+    )
+    eps = next(
+        (
+            float(next(a.f for a in n.attribute if a.name == "epsilon"))
+            for n in proto.graph.node
+            if n.op_type in ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+        ),
+        1e-6,
+    )
     return width, eps
 
 
@@ -317,13 +363,17 @@ def _check_onnx(head, draft: Path, val_sh) -> float:
 
     async def go():
         a, _ = await s.extend(tok[1:n].astype(np.int64), n - 1, features=feats[: n - 1].astype(np.float32), hidden=True)
-        b, _ = await s.extend(tok[n:n + 1].astype(np.int64), 1, features=feats[n - 1:n].astype(np.float32), hidden=True)
+        b, _ = await s.extend(
+            tok[n : n + 1].astype(np.int64), 1, features=feats[n - 1 : n].astype(np.float32), hidden=True
+        )
         return np.concatenate([a, b])
 
     got = anyio.run(go)
     s.close()
     m.close()
-    g, _ = head.step(torch.from_numpy(tok[1:n + 1].astype(np.int64)), torch.from_numpy(feats[:n].astype(np.float32)), None, 0)
+    g, _ = head.step(
+        torch.from_numpy(tok[1 : n + 1].astype(np.int64)), torch.from_numpy(feats[:n].astype(np.float32)), None, 0
+    )
     ref = head.logits(g).numpy()
     diff = float(np.abs(got - ref).max())
     if not diff < 1e-2 * max(1.0, float(np.abs(ref).max())):

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from .data import Shard
 from .eagle import EagleHead
 
-__all__ = ["TrainConfig", "Batch", "make_batches", "reduced_vocab", "train", "evaluate",
-           "load_checkpoint"]
+__all__ = ["TrainConfig", "Batch", "make_batches", "reduced_vocab", "train", "evaluate", "load_checkpoint"]
 
 FEAT_W = 0.2
 DEPTH_W = (1.0, 0.8, 0.6, 0.5)
@@ -54,8 +53,14 @@ class Batch:
     def to(self, device) -> "Batch":
         if self.tokens.device == torch.device(device):
             return self
-        return Batch(self.tokens.to(device), self.feats.to(device), self.label_idx.to(device),
-                     self.label_p.to(device), self.loss_mask.to(device), self.n_tokens)
+        return Batch(
+            self.tokens.to(device),
+            self.feats.to(device),
+            self.label_idx.to(device),
+            self.label_p.to(device),
+            self.loss_mask.to(device),
+            self.n_tokens,
+        )
 
 
 def reduced_vocab(shards: list[Shard], size: int, always: list[int]) -> np.ndarray:
@@ -113,12 +118,24 @@ def _collate(seqs, lookup: np.ndarray) -> Batch:
         m = (j + 2 >= plen) & (s[:, 0] > 0)
         mask[b, : t - 2] = m
         n += int(m.sum())
-    return Batch(torch.from_numpy(tokens), torch.from_numpy(feats), torch.from_numpy(idx),
-                 torch.from_numpy(p), torch.from_numpy(mask), n)
+    return Batch(
+        torch.from_numpy(tokens),
+        torch.from_numpy(feats),
+        torch.from_numpy(idx),
+        torch.from_numpy(p),
+        torch.from_numpy(mask),
+        n,
+    )
 
 
-def _losses(head: EagleHead, b: Batch, depth: int, inputs: Callable | None = None,
-            target: Callable | None = None, feat_w: float = FEAT_W):
+def _losses(
+    head: EagleHead,
+    b: Batch,
+    depth: int,
+    inputs: Callable | None = None,
+    target: Callable | None = None,
+    feat_w: float = FEAT_W,
+):
     """Per depth: (loss, top-1 agreement count, positions). Top-1: the draft's argmax equals
     the target's argmax (label index 0, the largest soft label). ``inputs`` / ``target`` map
     the batch's features to what the head reads at depth 1 and to the h its guesses are
@@ -175,12 +192,22 @@ def load_checkpoint(path: Path, device="cpu"):
         return torch.load(path, weights_only=True, map_location=device)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CorruptSourceError(f"{path}: not a plain tensor checkpoint, refusing to load it "
-                                 f"({first[:200]}); delete it to start that stage over") from exc
+        raise CorruptSourceError(
+            f"{path}: not a plain tensor checkpoint, refusing to load it "
+            f"({first[:200]}); delete it to start that stage over"
+        ) from exc
 
 
-def train(head: EagleHead, train_b: list[Batch], val_b: list[Batch], cfg: TrainConfig, work: Path,
-          should_stop: Callable[[], bool] | None, log, losses: Callable = _losses) -> dict:
+def train(
+    head: EagleHead,
+    train_b: list[Batch],
+    val_b: list[Batch],
+    cfg: TrainConfig,
+    work: Path,
+    should_stop: Callable[[], bool] | None,
+    log,
+    losses: Callable = _losses,
+) -> dict:
     """Train (resuming from ``work/ckpt.pt``); keeps ``work/best.pt`` (best validation depth-1
     agreement) and ``work/curve.json`` ([{tokens, step, val: [per depth]}]). ``should_stop()`` is
     asked before every step (a time budget); stopping writes a checkpoint. Deterministic: a run
@@ -191,8 +218,10 @@ def train(head: EagleHead, train_b: list[Batch], val_b: list[Batch], cfg: TrainC
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = len(train_b)
     total = max(1, int(cfg.epochs * steps_per_epoch))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / cfg.warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(i, total) / total)) * 0.95 + 0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda i: min(1.0, (i + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(i, total) / total)) * 0.95 + 0.05,
+    )
     ck, best_p, curve_p = work / "ckpt.pt", work / "best.pt", work / "curve.json"
     state = {"step": 0, "tokens": 0, "best": -1.0, "curve": []}
     if ck.exists():
@@ -207,8 +236,7 @@ def train(head: EagleHead, train_b: list[Batch], val_b: list[Batch], cfg: TrainC
     t0, step0 = time.monotonic(), state["step"]
 
     def checkpoint():
-        _save(ck, {"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                   "state": state})
+        _save(ck, {"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "state": state})
 
     def validate():
         val = evaluate(head, val_b, cfg.depth, losses)
@@ -239,12 +267,21 @@ def train(head: EagleHead, train_b: list[Batch], val_b: list[Batch], cfg: TrainC
             val = validate()
             done = state["step"] - step0
             eta = (total - state["step"]) * (time.monotonic() - t0) / max(done, 1)
-            log(f"train: step {state['step']}/{total} (epoch {state['step'] / steps_per_epoch:.2f}), "
+            log(
+                f"train: step {state['step']}/{total} (epoch {state['step'] / steps_per_epoch:.2f}), "
                 f"loss {loss.item():.3f}, val top-1 by depth "
-                + " ".join(f"{v:.3f}" for v in val) + f", ETA {eta / 60:.1f} min")
+                + " ".join(f"{v:.3f}" for v in val)
+                + f", ETA {eta / 60:.1f} min"
+            )
             checkpoint()
     if stopped == "done" and (not state["curve"] or state["curve"][-1]["step"] != state["step"]):
         validate()  # (a stop does not validate: the curve and best.pt stay those of one run)
     checkpoint()
-    return {"stopped": stopped, "step": state["step"], "total_steps": total,
-            "tokens": state["tokens"], "best_val_top1": state["best"], "curve": state["curve"]}
+    return {
+        "stopped": stopped,
+        "step": state["step"],
+        "total_steps": total,
+        "tokens": state["tokens"],
+        "best_val_top1": state["best"],
+        "curve": state["curve"],
+    }

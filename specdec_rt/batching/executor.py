@@ -75,14 +75,14 @@ class BatchedModel(Protocol):
 
     caps: ModelCaps
 
-    def run_batch_sync(self, sessions: Sequence["BatchedSession"], ids: np.ndarray,
-                       pasts: np.ndarray) -> np.ndarray:
+    def run_batch_sync(self, sessions: Sequence["BatchedSession"], ids: np.ndarray, pasts: np.ndarray) -> np.ndarray:
         """``caps.batched_steps``: one new token per session, ``ids`` [B] after ``pasts`` [B]
         cached tokens; logits [B, V]."""
         raise NotImplementedError
 
-    def run_rows_sync(self, sessions: Sequence["BatchedSession"], feeds: Sequence[np.ndarray],
-                      wants: Sequence[int]) -> list[np.ndarray]:
+    def run_rows_sync(
+        self, sessions: Sequence["BatchedSession"], feeds: Sequence[np.ndarray], wants: Sequence[int]
+    ) -> list[np.ndarray]:
         """``caps.ragged``: ``feeds[i]`` [S_i] new tokens for session i in one call; the logits of
         the last ``wants[i]`` of each, ``[B][wants_i, V]``."""
         raise NotImplementedError
@@ -91,8 +91,7 @@ class BatchedModel(Protocol):
         """``caps.batched_prefill``: whether these sessions' first prompts fit one call."""
         return False
 
-    def run_prefill_batch_sync(self, sessions: Sequence["BatchedSession"],
-                               prompts: Sequence[np.ndarray]) -> np.ndarray:
+    def run_prefill_batch_sync(self, sessions: Sequence["BatchedSession"], prompts: Sequence[np.ndarray]) -> np.ndarray:
         """``caps.batched_prefill``: first prompts [B][S_i] in one call; last logits [B, V]."""
         raise NotImplementedError
 
@@ -133,20 +132,37 @@ class _Call:
     @property
     def fresh(self) -> bool:
         """A first prompt (nothing cached yet) that may be prefilled with other first prompts."""
-        return (self.session.length == 0 and self.done == 0 and self.ids.size > 1 and self.rows == 1
-                and not self.extra and self.model.caps.batched_prefill)
+        return (
+            self.session.length == 0
+            and self.done == 0
+            and self.ids.size > 1
+            and self.rows == 1
+            and not self.extra
+            and self.model.caps.batched_prefill
+        )
 
     @property
     def batchable(self) -> bool:
-        return (self.ids.size == 1 and self.rows == 1 and not self.extra
-                and self.session.settled and self.model.caps.batched_steps)
+        return (
+            self.ids.size == 1
+            and self.rows == 1
+            and not self.extra
+            and self.session.settled
+            and self.model.caps.batched_steps
+        )
 
     @property
     def raggable(self) -> bool:
         """A few new positions (a verify, a draft catching up) that a ragged model (one that
         takes new positions per row) runs in one call with other rows."""
-        return (1 < self.ids.size <= RAGGED_MAX and self.done == 0 and not self.extra and not self.fresh
-                and self.session.settled and self.model.caps.ragged)
+        return (
+            1 < self.ids.size <= RAGGED_MAX
+            and self.done == 0
+            and not self.extra
+            and not self.fresh
+            and self.session.settled
+            and self.model.caps.ragged
+        )
 
     @property
     def source(self):
@@ -169,7 +185,9 @@ class BatchExecutor:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closed = False
-        self._step_s: dict[tuple[int, int, int], collections.deque] = {}  # (id(model), rows, positions) -> recent seconds
+        self._step_s: dict[
+            tuple[int, int, int], collections.deque
+        ] = {}  # (id(model), rows, positions) -> recent seconds
         self._least: dict[tuple[int, int, int], float] = {}  # ... -> the least of them (asked every round)
         self._shapes: dict[tuple[int, int], list[int]] = {}  # (id(model), rows) -> measured positions, sorted
         self._seen: set[tuple[int, int, int]] = set()
@@ -321,8 +339,11 @@ class BatchExecutor:
             for c in singles:
                 if c.fresh:
                     prompts.setdefault(id(c.model), []).append(c)
-            prompts = {k: g for k, g in prompts.items() if len(g) > 1 and g[0].model.can_prefill_together(
-                [c.session for c in g])}
+            prompts = {
+                k: g
+                for k, g in prompts.items()
+                if len(g) > 1 and g[0].model.can_prefill_together([c.session for c in g])
+            }
             together = {id(c) for g in prompts.values() for c in g}
             singles = [c for c in singles if id(c) not in together]
             # 3. run: one call at a time in a worker thread, results out as soon as they exist
@@ -340,8 +361,13 @@ class BatchExecutor:
         if self._closed or not calls:
             return
         model = calls[0].model
-        inline = (len(calls) == 1 and calls[0].ids.size == 1 and self.clients is not None
-                  and self.clients() <= 1 and (self.step_seconds(model, 1) or 1.0) <= INLINE_MAX_S)
+        inline = (
+            len(calls) == 1
+            and calls[0].ids.size == 1
+            and self.clients is not None
+            and self.clients() <= 1
+            and (self.step_seconds(model, 1) or 1.0) <= INLINE_MAX_S
+        )
         t0 = perf_counter()
         try:
             job = make_job(calls)
@@ -389,17 +415,20 @@ class BatchExecutor:
             ids = np.array([int(c.ids[0]) for c in group], dtype=np.int64)  # [B]
             logits = group[0].model.run_batch_sync(sessions, ids, pasts)  # [B, V]
             return [logits[i : i + 1] for i in range(len(group))]  # [1, V] each
+
         return job
 
     def _prefill_job(self, group: list[_Call]) -> Callable[[], list]:
         def job():  # in the worker thread
             size = ALONE_CHUNKS * self.chunk  # per row: what is left goes on as single calls
             ends = [c.ids.size if c.ids.size <= size + 1 else size for c in group]
-            logits = group[0].model.run_prefill_batch_sync([c.session for c in group],
-                                                          [c.ids[:e] for c, e in zip(group, ends)])  # [B, V]
+            logits = group[0].model.run_prefill_batch_sync(
+                [c.session for c in group], [c.ids[:e] for c, e in zip(group, ends)]
+            )  # [B, V]
             for c, e in zip(group, ends):
                 c.done = e
             return [logits[i : i + 1] if e == c.ids.size else None for i, (c, e) in enumerate(zip(group, ends))]
+
         return job
 
     def _single_job(self, c: _Call) -> Callable[[], list]:
@@ -422,4 +451,5 @@ class BatchExecutor:
                 if end < n and self._pending:
                     return [None]  # to be continued in the next iteration
             return [out]
+
         return job

@@ -27,8 +27,9 @@ class CombinedDrafter(DraftInferrer):
     model's cache catches up by itself the next time it is used.
     """
 
-    def __init__(self, ngram: NgramDrafter, model: DraftInferrer, min_match: int = 3,
-                 min_tokens: int = 2, alpha: float = 0.3) -> None:
+    def __init__(
+        self, ngram: NgramDrafter, model: DraftInferrer, min_match: int = 3, min_tokens: int = 2, alpha: float = 0.3
+    ) -> None:
         self.ngram, self.model, self.min_match, self.min_tokens = ngram, model, min_match, min_tokens
         self.alpha = alpha
         self.max_length = model.max_length
@@ -50,8 +51,7 @@ class CombinedDrafter(DraftInferrer):
             ngram = [DraftToken(int(t)) for t in self.ngram.propose(ctx.tokens, k, n_min=n_min)]
         chain = sum(d.parent is None for d in ngram)  # the proposal's chain comes first
         # sharing a batch (ctx.cheap_drafts): the long n-gram match only, maybe none, never the model
-        if ctx.cheap_drafts or (chain >= min(self.min_tokens, k)
-                                and st.acceptance["ngram"] >= st.acceptance["model"]):
+        if ctx.cheap_drafts or (chain >= min(self.min_tokens, k) and st.acceptance["ngram"] >= st.acceptance["model"]):
             source, drafts = "ngram", ngram
         else:
             source, drafts = "model", list(await self.model.generate_draft(ctx, k))

@@ -43,7 +43,7 @@ class NgramDrafter(DraftInferrer):
         """Up to ``k`` continuation tokens for ``tokens`` ``[L]`` (empty if no n-gram of at least
         ``n_min`` tokens, default ``self.n_min``, matches)."""
         k = min(k, self.k_max)
-        hay = tokens[-self.window:]  # [W]
+        hay = tokens[-self.window :]  # [W]
         for starts in self._matches(hay, n_min):
             if starts.size:
                 start = int(starts[-1])  # the latest match
@@ -68,7 +68,7 @@ class NgramDrafter(DraftInferrer):
         nodes, parents before children (see :class:`~specdec_rt.types.DraftToken`)."""
         if k < 0 or nodes < 0:
             raise InvalidInputError(f"propose_tree needs k >= 0 and nodes >= 0, got k={k}, nodes={nodes}")
-        hay = tokens[-self.window:]  # [W]
+        hay = tokens[-self.window :]  # [W]
         token: list[int] = []  # the trie's nodes: each one's token, parent (-1: the root), depth, matches through it
         parent: list[int] = []
         depth: list[int] = []

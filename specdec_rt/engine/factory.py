@@ -17,15 +17,31 @@ from typing import Any
 from ..batching import BatchExecutor
 from ..drafters import CombinedDrafter, NgramDrafter
 from ..errors import ModelLoadError
-from ..ort import (Manifest, OrtDraftInferrer, OrtModel, OrtTargetVerifier, load_manifest, resolve_model_dir,
-                   use_global_thread_pool)
+from ..ort import (
+    Manifest,
+    OrtDraftInferrer,
+    OrtModel,
+    OrtTargetVerifier,
+    load_manifest,
+    resolve_model_dir,
+    use_global_thread_pool,
+)
 from ..ort.eagle import EagleDrafter
 from ..spec.adapters import ModelDrafter
 from ..spec.protocols import DraftInferrer, TargetVerifier
 from ..text.codec import TextCodec
 
-__all__ = ["DEFAULT_DRAFT", "resolve_draft_spec", "model_drafter", "make_drafter", "engine_models", "EngineParts",
-           "build_parts", "resolve_model_dir", "use_global_thread_pool"]  # the last two: ort's, for the layers above
+__all__ = [
+    "DEFAULT_DRAFT",
+    "resolve_draft_spec",
+    "model_drafter",
+    "make_drafter",
+    "engine_models",
+    "EngineParts",
+    "build_parts",
+    "resolve_model_dir",
+    "use_global_thread_pool",
+]  # the last two: ort's, for the layers above
 
 # The drafter when Engine.load gets draft=None: n-gram lookup plus the recipe's first draft
 # (docs/decisions/0008-default-draft-q8.md).
@@ -37,7 +53,7 @@ def resolve_draft_spec(m, spec: str | None) -> str:
     the manifest's first draft (or, when it lists none, n-gram lookup alone)."""
     spec = DEFAULT_DRAFT if spec is None else str(spec)
     combined = spec.startswith("ngram+")
-    model_spec = spec[len("ngram+"):] if combined else spec
+    model_spec = spec[len("ngram+") :] if combined else spec
     if model_spec in ("", "model"):
         if not m.drafts:
             return "ngram"
@@ -51,15 +67,18 @@ def model_drafter(m, dm, **opts) -> OrtDraftInferrer | EagleDrafter:
     ONNX Runtime. Checks that it shares the target's tokenizer and vocabulary. ``opts``:
     :class:`OrtModel` options."""
     if m.tokenizer_sha256 and dm.tokenizer_sha256 and dm.tokenizer_sha256 != m.tokenizer_sha256:
-        raise ModelLoadError(f"{dm.folder}: its tokenizer differs from the target's ({m.folder}); "
-                             "a draft must share the target's vocabulary")
+        raise ModelLoadError(
+            f"{dm.folder}: its tokenizer differs from the target's ({m.folder}); "
+            "a draft must share the target's vocabulary"
+        )
     if dm.raw.get("kind") == "eagle":
         # the head is fed the target's hidden states and never starts from a cached prefix: the
         # target's cache keeps those states instead
         drafter = EagleDrafter(OrtModel(dm, **{**opts, "prefix_cache_bytes": 0}))  # checks its vocabulary map
         if drafter.target_vocab_size != m.vocab_size:
-            raise ModelLoadError(f"{dm.folder}: drafts for a vocabulary of {drafter.target_vocab_size}, "
-                                 f"the target has {m.vocab_size}")
+            raise ModelLoadError(
+                f"{dm.folder}: drafts for a vocabulary of {drafter.target_vocab_size}, the target has {m.vocab_size}"
+            )
         return drafter
     if dm.vocab_size != m.vocab_size:
         raise ModelLoadError(f"{dm.folder}: vocab_size {dm.vocab_size} != the target's {m.vocab_size}")
@@ -75,7 +94,7 @@ def make_drafter(m, spec: str, opts: dict) -> tuple[DraftInferrer | None, str | 
     if spec == "ngram":
         return NgramDrafter(), "ngram"
     combined = spec.startswith("ngram+")
-    model_spec = spec[len("ngram+"):] if combined else spec
+    model_spec = spec[len("ngram+") :] if combined else spec
     path = Path(model_spec).expanduser()
     named = any(d.get("name") == model_spec for d in m.drafts)  # the manifest's name wins over ./<name>
     if not named and (path / "manifest.json").is_file():
@@ -121,23 +140,38 @@ class EngineParts:
     codec: TextCodec
 
 
-def build_parts(name_or_path: str | os.PathLike, draft, *, max_length: int | None, threads: int | None,
-                provider: str, slots: int, prefix_cache_bytes: int) -> EngineParts:
+def build_parts(
+    name_or_path: str | os.PathLike,
+    draft,
+    *,
+    max_length: int | None,
+    threads: int | None,
+    provider: str,
+    slots: int,
+    prefix_cache_bytes: int,
+) -> EngineParts:
     """Load a built recipe or an export folder with its drafter (``draft``: a draft spec), all
     models built with one :class:`BatchExecutor`; ``prefix_cache_bytes`` is shared among them in
     proportion to their KV bytes per token, so every model caches as many tokens."""
     m = load_manifest(resolve_model_dir(name_or_path))
     executor = BatchExecutor()
-    opts: dict[str, Any] = dict(max_length=max_length, threads=threads, provider=provider, slots=slots,
-                                prefix_cache_bytes=prefix_cache_bytes, executor=executor)
+    opts: dict[str, Any] = dict(
+        max_length=max_length,
+        threads=threads,
+        provider=provider,
+        slots=slots,
+        prefix_cache_bytes=prefix_cache_bytes,
+        executor=executor,
+    )
     alone = resolve_draft_spec(m, draft) in ("ngram", "none")  # no draft model beside the target
     target = OrtModel(m, **opts, alone=alone)
     drafter, draft_name = make_drafter(m, draft, opts)
     models = engine_models(target, drafter)
     caching = [mod for mod in models if mod.caches_prefixes]
     for mod in caching:
-        mod.prefix_cache.budget_bytes = (prefix_cache_bytes * mod.pool.token_bytes
-                                         // sum(x.pool.token_bytes for x in caching))
+        mod.prefix_cache.budget_bytes = (
+            prefix_cache_bytes * mod.pool.token_bytes // sum(x.pool.token_bytes for x in caching)
+        )
     verifier = OrtTargetVerifier(target, share_hidden=drafter is not None and drafter.needs_target_hidden)
     executor.lead = {id(mod) for mod in models[1:]}  # draft steps first: a batch drafts, then verifies, together
     return EngineParts(m, target, verifier, drafter, draft_name, models, executor, TextCodec.from_manifest(m))

@@ -35,8 +35,7 @@ def ensure_built(model: str, allow_build: bool = True, say: Callable[[str], None
     except ModelNotBuiltError:
         if not allow_build:
             raise
-    say(f"model {model!r} is not built yet: building it now (python -m export {model}); "
-        "this happens once")
+    say(f"model {model!r} is not built yet: building it now (python -m export {model}); this happens once")
     # the exporter prints the folder on stdout: send it to stderr, where a --json caller's stdout
     # stays one JSON document
     proc = subprocess.run([sys.executable, "-m", "export", model], stdout=2)
@@ -51,5 +50,11 @@ async def load_engine(args, draft=None):
     ``args.draft``."""
     from .engine import Engine
 
-    return await Engine.load(args.model, draft=draft if draft is not None else args.draft,
-                             threads=args.threads, max_length=args.max_length, provider=args.provider, slots=1)
+    return await Engine.load(
+        args.model,
+        draft=draft if draft is not None else args.draft,
+        threads=args.threads,
+        max_length=args.max_length,
+        provider=args.provider,
+        slots=1,
+    )

@@ -16,8 +16,7 @@ WARMUP_REQUESTS = 2  # the first measures the draft's steps, the second its pref
 WARMUP_TOKENS = 16
 TOUCH_TOKENS = 8  # the requests before them: one whose times are forgotten, one plain (the base step)
 # general chat, in no prompt set of the benchmarks or the demo
-WARMUP_PROMPTS = ("Describe the water cycle for a ten-year-old.",
-                  "List a few ways to reuse glass jars at home.")
+WARMUP_PROMPTS = ("Describe the water cycle for a ten-year-old.", "List a few ways to reuse glass jars at home.")
 
 
 async def warm_up(engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int = WARMUP_TOKENS) -> None:
@@ -56,8 +55,12 @@ async def warm_up(engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int =
             text = WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)]
             for prompt in ([[{"role": "user", "content": text}]] if chat else []) + [text]:
                 try:
-                    await engine.generate(prompt, min(tokens, TOUCH_TOKENS) if i < 0 else tokens,
-                                          mode="ar" if i == -1 else mode, truncate_prompt=True)
+                    await engine.generate(
+                        prompt,
+                        min(tokens, TOUCH_TOKENS) if i < 0 else tokens,
+                        mode="ar" if i == -1 else mode,
+                        truncate_prompt=True,
+                    )
                     if i == -2:
                         engine.scheduler.costs.forget_times()
                     break

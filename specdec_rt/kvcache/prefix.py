@@ -125,11 +125,18 @@ class PrefixCache:
     is the memory one cached position takes; ``budget_bytes`` bounds what entries hold.
     """
 
-    def __init__(self, running: int, entries: int = 0, *, block: int = DEFAULT_BLOCK,
-                 budget_bytes: int = DEFAULT_BUDGET_BYTES, token_bytes: int = 1,
-                 copy: Callable[[int, int, int, int], None] | None = None,
-                 copy_parts: Callable[[int, int, int, int], list] | None = None,
-                 discard: Callable[[int, int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        running: int,
+        entries: int = 0,
+        *,
+        block: int = DEFAULT_BLOCK,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        token_bytes: int = 1,
+        copy: Callable[[int, int, int, int], None] | None = None,
+        copy_parts: Callable[[int, int, int, int], list] | None = None,
+        discard: Callable[[int, int, int], None] | None = None,
+    ) -> None:
         check_int(block, "prefix cache block size", 1, numpy=False)
         check_int(budget_bytes, "prefix_cache_bytes", 0, numpy=False)
         self.running, self.block = running, block
@@ -244,8 +251,9 @@ class PrefixCache:
         n = min(int(ids.size), self._budget_tokens)
         if self.enabled and n >= self.block:
             ids = np.array(ids[:n], dtype=np.int64)
-            self._residue[slot] = e = _Entry(ids, block_keys(ids, self.block, n), self._tick(),
-                                             owner=live.session if live is not None else None)
+            self._residue[slot] = e = _Entry(
+                ids, block_keys(ids, self.block, n), self._tick(), owner=live.session if live is not None else None
+            )
             self._add_keys(slot, e.keys)
 
     def next_stash(self) -> _Stash | None:
@@ -342,7 +350,12 @@ class PrefixCache:
         for key in reversed(keys):  # an entry that ids extends (an earlier turn): extend it in place
             for s in self._index.get(key, ()):
                 held = self._entries.get(s)
-                if held is not None and held.ready and held.ids.size <= n and common_prefix(held.ids, ids) == held.ids.size:
+                if (
+                    held is not None
+                    and held.ready
+                    and held.ids.size <= n
+                    and common_prefix(held.ids, ids) == held.ids.size
+                ):
                     dst, start = s, held.ids.size
                     break
             if dst is not None:

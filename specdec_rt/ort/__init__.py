@@ -31,10 +31,12 @@ class OrtTargetVerifier(ModelVerifier):
 
     model: OrtModel
 
-    def __init__(self, model: OrtModel | str | os.PathLike | Manifest, *, share_hidden: bool = False,
-                 **options) -> None:
-        super().__init__(model if isinstance(model, OrtModel) else OrtModel(model, **options),
-                         share_hidden=share_hidden)
+    def __init__(
+        self, model: OrtModel | str | os.PathLike | Manifest, *, share_hidden: bool = False, **options
+    ) -> None:
+        super().__init__(
+            model if isinstance(model, OrtModel) else OrtModel(model, **options), share_hidden=share_hidden
+        )
 
 
 class OrtDraftInferrer(ModelDrafter):

@@ -20,14 +20,14 @@ from typing import Sequence
 
 import numpy as np
 
+from ..errors import ModelLoadError
+from ..sampling import greedy_ids, sample, warp
 from ..spec.adapters import TARGET_HIDDEN
 from ..spec.context import RequestContext
-from ..errors import ModelLoadError
+from ..spec.protocols import DraftInferrer
+from ..types import DraftToken
 from .manifest import LIMITS, Manifest
 from .model import OrtModel
-from ..spec.protocols import DraftInferrer
-from ..sampling import greedy_ids, sample, warp
-from ..types import DraftToken
 
 __all__ = ["EagleDrafter", "load_vocab_map"]
 
@@ -44,8 +44,10 @@ def load_vocab_map(m: Manifest) -> tuple[np.ndarray, int]:
     path = m.path(info.get("file", "vocab.npy"), "draft_vocab.file")
     full = info.get("target_vocab_size", 0)
     if type(full) is not int or not 0 < full <= LIMITS["vocab_size"][1]:
-        raise ModelLoadError(f"{m.folder / 'manifest.json'}: draft_vocab.target_vocab_size must be "
-                             f"an integer from 1 to {LIMITS['vocab_size'][1]}, got {full!r}")
+        raise ModelLoadError(
+            f"{m.folder / 'manifest.json'}: draft_vocab.target_vocab_size must be "
+            f"an integer from 1 to {LIMITS['vocab_size'][1]}, got {full!r}"
+        )
     fmt = np.lib.format
     try:
         with open(path, "rb") as f:
@@ -55,16 +57,20 @@ def load_vocab_map(m: Manifest) -> tuple[np.ndarray, int]:
             read_header = {(1, 0): fmt.read_array_header_1_0}.get(version, fmt.read_array_header_2_0)
             shape, fortran, dtype = read_header(f)
             if dtype.kind not in "iu" or dtype.hasobject or len(shape) != 1 or shape[0] != m.vocab_size:
-                raise ValueError(f"holds {dtype} {list(shape)}, expected an integer array "
-                                 f"[{m.vocab_size}]")
+                raise ValueError(f"holds {dtype} {list(shape)}, expected an integer array [{m.vocab_size}]")
             f.seek(0)
             vocab = np.asarray(fmt.read_array(f, allow_pickle=False)).astype(np.int64)
     except (OSError, ValueError, EOFError) as exc:
         raise ModelLoadError(f"{path}: cannot read the draft vocabulary map ({exc})") from exc
-    if (vocab.ndim != 1 or vocab.size != m.vocab_size or vocab.size == 0
-            or np.any(np.diff(vocab) <= 0) or vocab[0] < 0 or vocab[-1] >= full):
-        raise ModelLoadError(f"{path}: must hold {m.vocab_size} sorted distinct ids below "
-                             f"target_vocab_size={full}")
+    if (
+        vocab.ndim != 1
+        or vocab.size != m.vocab_size
+        or vocab.size == 0
+        or np.any(np.diff(vocab) <= 0)
+        or vocab[0] < 0
+        or vocab[-1] >= full
+    ):
+        raise ModelLoadError(f"{path}: must hold {m.vocab_size} sorted distinct ids below target_vocab_size={full}")
     return vocab, full
 
 
@@ -87,8 +93,9 @@ class EagleDrafter(DraftInferrer):
         if not isinstance(model, OrtModel):
             model = OrtModel(model, **options)
         if model.manifest.raw.get("kind") != "eagle" or not model.manifest.inputs.get("features"):
-            raise ModelLoadError(f"{model.manifest.folder}: not an EAGLE draft head (kind 'eagle' "
-                                 "with a features input)")
+            raise ModelLoadError(
+                f"{model.manifest.folder}: not an EAGLE draft head (kind 'eagle' with a features input)"
+            )
         self.model = model
         self.vocab, self.target_vocab_size = load_vocab_map(model.manifest)
         self.max_length = model.max_length

@@ -42,8 +42,10 @@ class _HostBuffer:
         try:
             self.map = mmap.mmap(-1, max(nbytes, 1), flags=private) if private else mmap.mmap(-1, max(nbytes, 1))
         except (OSError, OverflowError, MemoryError) as exc:  # the manifest's shapes x max_length x slots
-            raise ModelLoadError(f"cannot reserve {nbytes / 2**30:.1f} GiB for a KV buffer of shape {list(shape)} "
-                                 f"({type(exc).__name__}: {exc}); lower max_length or slots") from None
+            raise ModelLoadError(
+                f"cannot reserve {nbytes / 2**30:.1f} GiB for a KV buffer of shape {list(shape)} "
+                f"({type(exc).__name__}: {exc}); lower max_length or slots"
+            ) from None
         if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a slot's rows are ~1 MB runs: 2 MB pages would
             self.map.madvise(mmap.MADV_NOHUGEPAGE)  # commit (and zero) memory nobody writes
         # typed: numpy's stubs give reshape(tuple[int, ...]) the shape type of a 0-d array
@@ -65,8 +67,20 @@ class KVPool:
     Running slots are handed out lowest first, so the rows of a batch sit close together.
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, running: int, max_len: int,
-                 device: str, ort=None, *, entries: int = 0, budget_bytes: int = 0, block: int = 64) -> None:
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        running: int,
+        max_len: int,
+        device: str,
+        ort=None,
+        *,
+        entries: int = 0,
+        budget_bytes: int = 0,
+        block: int = 64,
+    ) -> None:
         entries = entries if device == "cpu" else 0  # CUDA: no prefix cache (see above)
         slots = running + entries
         self.shape = (slots, kv_heads, max_len + 1, head_dim)
@@ -78,13 +92,21 @@ class KVPool:
             if device == "cpu":
                 pair = (_HostBuffer(self.shape), _HostBuffer(self.shape))
             else:
-                pair = tuple(ort.OrtValue.ortvalue_from_shape_and_type(self.shape, np.float32, "cuda", 0)
-                             for _ in range(2))
+                pair = tuple(
+                    ort.OrtValue.ortvalue_from_shape_and_type(self.shape, np.float32, "cuda", 0) for _ in range(2)
+                )
             self._buffers.append(pair)
         self.hidden: _HostBuffer | None = None  # [slots, max_len + 1, H] target hidden states, if kept
-        self.cache = PrefixCache(running, entries, block=block, budget_bytes=budget_bytes,
-                                 token_bytes=self.token_bytes, copy=self.copy, copy_parts=self.copy_parts,
-                                 discard=self.discard)
+        self.cache = PrefixCache(
+            running,
+            entries,
+            block=block,
+            budget_bytes=budget_bytes,
+            token_bytes=self.token_bytes,
+            copy=self.copy,
+            copy_parts=self.copy_parts,
+            discard=self.discard,
+        )
 
     def pointer(self, layer: int, which: int, slot: int) -> int:
         """Address of ``slot``'s ``[1, kv_heads, max_len + 1, d]`` slice (which: 0 key, 1 value);
@@ -113,15 +135,18 @@ class KVPool:
 
     def copy_parts(self, src: int, dst: int, start: int, stop: int) -> list:
         """The same copy as one callable per layer (and one for the hidden states)."""
+
         def layer(pair):
             def run():
                 for buf in pair:
                     buf.array[dst, :, start:stop] = buf.array[src, :, start:stop]
+
             return run
 
         def hidden():
             if self.hidden is not None:
                 self.hidden.array[dst, start:stop] = self.hidden.array[src, start:stop]
+
         return [layer(pair) for pair in self._buffers] + [hidden] if stop > start else []
 
     def discard(self, slot: int, start: int, stop: int) -> None:

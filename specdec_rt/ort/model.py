@@ -19,10 +19,10 @@ import numpy as np
 
 from ..batching import BatchExecutor
 from ..errors import InferenceError, ModelLoadError
-from ..logs import get_logger
 from ..kvcache.prefix import DEFAULT_BLOCK, PrefixCache
-from ..spec.protocols import LanguageModel, ModelCaps
+from ..logs import get_logger
 from ..sampling import brief_repr
+from ..spec.protocols import LanguageModel, ModelCaps
 from .kvpool import KVPool
 from .manifest import PACKED_ROLES, Manifest, load_manifest
 from .session import OrtSession
@@ -51,10 +51,20 @@ class OrtModel(LanguageModel):
     longest cached prefix. ``block``: tokens per indexed block.
     """
 
-    def __init__(self, folder: str | os.PathLike | Manifest, *, max_length: int | None = None,
-                 slots: int = 4, threads: int | None = None, provider: str = "auto",
-                 prefix_cache_bytes: int = 0, cache_entries: int | None = None,
-                 block: int = DEFAULT_BLOCK, alone: bool = False, executor: BatchExecutor | None = None) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike | Manifest,
+        *,
+        max_length: int | None = None,
+        slots: int = 4,
+        threads: int | None = None,
+        provider: str = "auto",
+        prefix_cache_bytes: int = 0,
+        cache_entries: int | None = None,
+        block: int = DEFAULT_BLOCK,
+        alone: bool = False,
+        executor: BatchExecutor | None = None,
+    ) -> None:
         import onnxruntime as ort
 
         self.manifest = m = folder if isinstance(folder, Manifest) else load_manifest(folder)
@@ -62,8 +72,9 @@ class OrtModel(LanguageModel):
         self.vocab_size = m.vocab_size
         self.max_length = min(max_length or DEFAULT_MAX_LENGTH, m.max_positions)
         if max_length and max_length > m.max_positions:  # asked for more than the graph holds
-            get_logger("specdec_rt").warning("model.max_length_capped", model=m.name, asked=brief_repr(max_length),
-                                             max_length=m.max_positions)
+            get_logger("specdec_rt").warning(
+                "model.max_length_capped", model=m.name, asked=brief_repr(max_length), max_length=m.max_positions
+            )
         if self.max_length < 2:
             raise ModelLoadError(f"max_length must be >= 2, got {max_length!r}")
         if slots < 1:
@@ -80,7 +91,8 @@ class OrtModel(LanguageModel):
         self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
         check_graph(m, self.session)
         self.has_hidden = bool(m.outputs.get("hidden")) and m.outputs["hidden"] in {
-            o.name for o in self.session.get_outputs()}
+            o.name for o in self.session.get_outputs()
+        }
         # packed rows: several rows of several new positions with a past in one call (a batched
         # verify), costing their real positions. Every language model's graph has them (a folder
         # exported before them is refused at load, ort.manifest); an EAGLE head has none (its calls
@@ -98,9 +110,18 @@ class OrtModel(LanguageModel):
         self.biased = self.ragged  # with positions: both checked at load with the packed inputs
         self.tree = self.ragged and self.device == "cpu" and not quantized
         entries = max(slots, MIN_CACHE_ENTRIES) if cache_entries is None else cache_entries
-        self.pool: KVPool | None = KVPool(m.num_layers, m.num_kv_heads, m.head_dim, slots, self.max_length, self.device, ort,
-                           entries=entries if prefix_cache_bytes else 0, budget_bytes=prefix_cache_bytes,
-                           block=block)
+        self.pool: KVPool | None = KVPool(
+            m.num_layers,
+            m.num_kv_heads,
+            m.head_dim,
+            slots,
+            self.max_length,
+            self.device,
+            ort,
+            entries=entries if prefix_cache_bytes else 0,
+            budget_bytes=prefix_cache_bytes,
+            block=block,
+        )
         self.prefix_cache: PrefixCache = self.pool.cache  # slot bookkeeping; .enabled: it keeps prefixes
         self.executor = executor or BatchExecutor()  # an Engine's factory gives all its models one
         self._owners: dict[int, OrtSession] = {}  # slot -> the open session that holds it
@@ -113,8 +134,14 @@ class OrtModel(LanguageModel):
         self.rows_differ = False
         self.lone_differs = self.ragged and self.device == "cpu" and self._lone_step_differs()
         self.pad_lone = self.lone_twice and self.lone_differs
-        self.caps = ModelCaps(batched_steps=True, ragged=self.ragged, batched_prefill=True,
-                              caches_prefixes=self.prefix_cache.enabled, trees=self.tree, hidden_states=self.has_hidden)
+        self.caps = ModelCaps(
+            batched_steps=True,
+            ragged=self.ragged,
+            batched_prefill=True,
+            caches_prefixes=self.prefix_cache.enabled,
+            trees=self.tree,
+            hidden_states=self.has_hidden,
+        )
 
     def _lone_step_differs(self) -> bool:
         """Whether a lone position's logits (its query twice in attention) differ from its
@@ -128,18 +155,20 @@ class OrtModel(LanguageModel):
         try:
             ids = np.arange(1, 16, dtype=np.int64) % self.manifest.vocab_size  # [15]
             s.run_sync(ids[:past], 1, 0)
-            lone = s.run_sync(ids[past:past + 1], 1, past)  # [1, V]
+            lone = s.run_sync(ids[past : past + 1], 1, past)  # [1, V]
             s.rollback(past)
-            pair = s.run_sync(ids[past:past + 2], 2, past)  # [2, V]
+            pair = s.run_sync(ids[past : past + 2], 2, past)  # [2, V]
             if self.max_length >= past + 9:
                 s.rollback(past)
-                nine = s.run_sync(ids[past:past + 9], 9, past)  # [9, V]
+                nine = s.run_sync(ids[past : past + 9], 9, past)  # [9, V]
                 self.rows_differ = not np.array_equal(nine[:2], pair)
                 if self.rows_differ:
                     get_logger("specdec_rt").warning(
-                        "model.rows_differ", model=self.name,
+                        "model.rows_differ",
+                        model=self.name,
                         note="this CPU's kernels round a position differently in calls of 2 and 9 positions: "
-                             "greedy speculative output may leave plain decoding's on near-ties")
+                        "greedy speculative output may leave plain decoding's on near-ties",
+                    )
             return not np.array_equal(lone[0], pair[0])
         finally:
             s.rollback(0)  # nothing for the prefix cache to keep, and the slot's KV as it was
@@ -205,8 +234,16 @@ class OrtModel(LanguageModel):
         lo = min(slots)
         return lo, max(slots) - lo + 1, np.array(slots, dtype=np.int64) - lo
 
-    def _run_rows(self, lo: int, feed: np.ndarray, positions: np.ndarray, seqlens: np.ndarray,
-                  logits_index: np.ndarray, what: str, layout: tuple | None = None) -> np.ndarray:
+    def _run_rows(
+        self,
+        lo: int,
+        feed: np.ndarray,
+        positions: np.ndarray,
+        seqlens: np.ndarray,
+        logits_index: np.ndarray,
+        what: str,
+        layout: tuple | None = None,
+    ) -> np.ndarray:
         """One call over the contiguous slots ``lo .. lo + rows - 1`` (in a worker thread):
         ``feed`` / ``positions`` ``[rows, S]`` (packed graphs: ``[1, N]``, with ``layout``, see
         :func:`_packed_layout`), ``seqlens`` ``[rows]`` (total length - 1 per row), logits of
@@ -239,8 +276,9 @@ class OrtModel(LanguageModel):
             self.calls += 1
             return io.get_outputs()[2 * self.manifest.num_layers].numpy()  # [rows, R, V]
         except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
-            raise InferenceError(f"ONNX Runtime failed in {self.name} ({what} over slots "
-                                 f"{lo}..{lo + rows - 1}): {exc}") from exc
+            raise InferenceError(
+                f"ONNX Runtime failed in {self.name} ({what} over slots {lo}..{lo + rows - 1}): {exc}"
+            ) from exc
         finally:
             del pool
 
@@ -263,8 +301,9 @@ class OrtModel(LanguageModel):
         feed = np.zeros((rows, 1), dtype=np.int64)  # [rows, 1]
         feed[at, 0] = ids
         past[at] = pasts
-        logits = self._run_rows(lo, feed, past[:, None], past, np.zeros(1, dtype=np.int64),
-                                f"a step of {len(sessions)} rows")  # [rows, 1, V]
+        logits = self._run_rows(
+            lo, feed, past[:, None], past, np.zeros(1, dtype=np.int64), f"a step of {len(sessions)} rows"
+        )  # [rows, 1, V]
         for s, p, x in zip(sessions, pasts, ids):
             s._ids[p] = x
             s._length = int(p) + 1
@@ -277,12 +316,15 @@ class OrtModel(LanguageModel):
         with a longer verify). Empty for a call of one row (its own width always fits)."""
         if len(sessions) < 2:
             return set()
-        queries = [2 if np.size(f) == 1 and s.lone_twice else np.size(f)
-                   for s, f in zip(sessions, feeds)]  # what packed_layout gives attention per row
+        queries = [
+            2 if np.size(f) == 1 and s.lone_twice else np.size(f) for s, f in zip(sessions, feeds)
+        ]  # what packed_layout gives attention per row
         width = max(queries)
         return {i for i, s in enumerate(sessions) if s.length + width > self.open_pool().shape[2]}
 
-    def run_rows_sync(self, sessions: list["OrtSession"], feeds: list[np.ndarray], wants: list[int]) -> list[np.ndarray]:
+    def run_rows_sync(
+        self, sessions: list["OrtSession"], feeds: list[np.ndarray], wants: list[int]
+    ) -> list[np.ndarray]:
         """Several new positions for each of several sessions in one call (packed graphs only;
         in a worker thread): session i feeds ``feeds[i]`` ``[S_i]`` after its ``length`` cached
         tokens and gets the logits of its last ``wants[i]`` positions ``[wants[i], V]``.
@@ -298,8 +340,12 @@ class OrtModel(LanguageModel):
             got: dict[int, np.ndarray] = {}  # row -> its logits
             keep = [i for i in range(len(sessions)) if i not in apart]
             for group in ([keep] if keep else []) + [[i] for i in apart]:
-                for i, r in zip(group, self.run_rows_sync([sessions[i] for i in group], [feeds[i] for i in group],
-                                                          [wants[i] for i in group])):
+                for i, r in zip(
+                    group,
+                    self.run_rows_sync(
+                        [sessions[i] for i in group], [feeds[i] for i in group], [wants[i] for i in group]
+                    ),
+                ):
                     got[i] = r
             return [got[i] for i in range(len(sessions))]
         lo, rows, at = self._span(sessions)
@@ -309,8 +355,9 @@ class OrtModel(LanguageModel):
         past = np.zeros(rows, dtype=np.int64)  # [rows] cached tokens per slot (0 for rows in between)
         past[at] = pasts
         starts = np.cumsum(news) - news  # [rows] first packed position of each row
-        index = np.concatenate([starts[r] + np.arange(f.size - w, f.size)
-                                for r, f, w in zip(at, feeds, wants)])  # [R] packed positions wanted
+        index = np.concatenate(
+            [starts[r] + np.arange(f.size - w, f.size) for r, f, w in zip(at, feeds, wants)]
+        )  # [R] packed positions wanted
         order = np.argsort(at, kind="stable")  # feeds in slot order, as the packing lays them out
         feed = np.concatenate([np.asarray(feeds[i], dtype=np.int64) for i in order])[None]  # [1, N]
         positions = np.concatenate([past[r] + np.arange(news[r]) for r in range(rows)])[None]  # [1, N]
@@ -318,8 +365,9 @@ class OrtModel(LanguageModel):
         twice[at] = [s.lone_twice for s in sessions]
         layout = _packed_layout(news, twice)
         seqlens = np.maximum(past + layout[0] - 1, 0)  # [rows] a row feeding nothing: untouched
-        logits = self._run_rows(lo, feed, positions, seqlens, index, f"{len(sessions)} rows, {feed.shape[1]} positions",
-                                layout)[0]  # [R, V]
+        logits = self._run_rows(
+            lo, feed, positions, seqlens, index, f"{len(sessions)} rows, {feed.shape[1]} positions", layout
+        )[0]  # [R, V]
         out: list[np.ndarray] = []
         at_row = 0
         for s, f, w, n in zip(sessions, feeds, wants, pasts):
@@ -335,8 +383,10 @@ class OrtModel(LanguageModel):
         request's KV for the prefix cache."""
         lo, rows, _ = self._span(sessions)
         mine = {s.slot for s in sessions}
-        return all(slot in mine or (slot not in self._owners and not self.prefix_cache.kept(slot))
-                   for slot in range(lo, lo + rows))
+        return all(
+            slot in mine or (slot not in self._owners and not self.prefix_cache.kept(slot))
+            for slot in range(lo, lo + rows)
+        )
 
     def run_prefill_batch_sync(self, sessions: list["OrtSession"], prompts: list[np.ndarray]) -> np.ndarray:
         """The first prompts of several sessions in one call (GroupQueryAttention takes several
@@ -352,8 +402,9 @@ class OrtModel(LanguageModel):
             feed[r, : p.size] = p
         last = sorted({int(n) - 1 for n in lengths[at]})  # [R] positions whose logits are needed
         positions = np.tile(np.arange(feed.shape[1]), (rows, 1))  # [rows, S]
-        logits = self._run_rows(lo, feed, positions, lengths - 1, np.array(last, dtype=np.int64),
-                                f"a prefill of {len(sessions)} prompts")  # [rows, R, V]
+        logits = self._run_rows(
+            lo, feed, positions, lengths - 1, np.array(last, dtype=np.int64), f"a prefill of {len(sessions)} prompts"
+        )  # [rows, R, V]
         for s, p in zip(sessions, prompts):
             s._ids[: p.size] = p
             s._length = p.size

@@ -63,8 +63,9 @@ class OrtSession(CachedStart, CacheSession):
         the prefix cache's copies, so cached positions keep theirs)."""
         return self.model.open_pool().hidden_rows(self.slot, size)
 
-    async def extend(self, ids: np.ndarray, logits_rows: int, *, features: np.ndarray | None = None,
-                     hidden: bool = False, tree=None):
+    async def extend(
+        self, ids: np.ndarray, logits_rows: int, *, features: np.ndarray | None = None, hidden: bool = False, tree=None
+    ):
         """Append ``ids`` [S]; the logits of the last ``logits_rows`` positions [R, V].
 
         ``features`` [S, H]: the extra per-position input of an EAGLE draft head. ``hidden=True``
@@ -94,8 +95,7 @@ class OrtSession(CachedStart, CacheSession):
         its first call: a call with a tree (or features) cannot be that first call."""
         return self._deferred is not None
 
-    def run_sync(self, ids: np.ndarray, rows: int, past: int, features=None, hidden: bool = False,
-                 tree=None):
+    def run_sync(self, ids: np.ndarray, rows: int, past: int, features=None, hidden: bool = False, tree=None):
         """Feed ``ids`` [S] after ``past`` cached tokens and set ``length`` to ``past + S``
         (in a worker thread: the executor calls it). ``tree``: the parent of each new position
         (see :mod:`specdec_rt.ort.tree`); the length stays ``past`` until :meth:`accept_tree`."""
@@ -129,8 +129,9 @@ class OrtSession(CachedStart, CacheSession):
         if names.get("position_ids"):
             io.bind_cpu_input(names["position_ids"], positions)  # [1, S]
         if self.model.biased:  # no tree: zeros, causal order alone
-            io.bind_cpu_input(names["attention_bias"], bias if bias is not None
-                              else np.zeros((1, 1, q, n + q), dtype=np.float32))  # [1, 1, q, n + q]
+            io.bind_cpu_input(
+                names["attention_bias"], bias if bias is not None else np.zeros((1, 1, q, n + q), dtype=np.float32)
+            )  # [1, 1, q, n + q]
         io.bind_cpu_input(names["seqlens_k"], np.array([n + q - 1], dtype=np.int32))  # [1]
         io.bind_cpu_input(names["total_sequence_length"], np.array(n + q, dtype=np.int32))  # scalar
         io.bind_cpu_input(names["logits_index"], self._pos[s - rows : s])  # [R]
@@ -162,8 +163,7 @@ class OrtSession(CachedStart, CacheSession):
                 pool.hidden.array[self.slot, n : n + s] = h
             return logits, h[s - wanted :]
         except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
-            raise InferenceError(f"ONNX Runtime failed in {self.model.name} "
-                                 f"(past {n}, new {s} tokens): {exc}") from exc
+            raise InferenceError(f"ONNX Runtime failed in {self.model.name} (past {n}, new {s} tokens): {exc}") from exc
         finally:
             del pool
 
@@ -250,8 +250,13 @@ class _StepBuffers:
         self.bias = np.zeros(self.q * (model.max_length + self.q), dtype=np.float32) if model.biased else None
         self.logits = np.zeros((1, 1, _logits_width(model)), dtype=np.float32)  # [1, 1, V]
         self.logits_value = OrtValue.ortvalue_from_numpy(self.logits)
-        pairs = [("input_ids", self.ids), ("position_ids", self.positions), ("seqlens_k", self.seqlens),
-                 ("total_sequence_length", self.total), ("logits_index", self.index)]
+        pairs = [
+            ("input_ids", self.ids),
+            ("position_ids", self.positions),
+            ("seqlens_k", self.seqlens),
+            ("total_sequence_length", self.total),
+            ("logits_index", self.index),
+        ]
         if self.layout is not None:
             pairs += list(zip(PACKED_ROLES, self.layout))
         names = model.manifest.inputs

@@ -27,13 +27,18 @@ def pick_providers(provider: str, ort) -> list[str]:
         return ["CPUExecutionProvider"]
     if provider == "cuda":
         if "CUDAExecutionProvider" not in available:
-            raise ModelLoadError(f"provider 'cuda' asked for, but ONNX Runtime offers only {available} "
-                                 "(install the gpu extra: onnxruntime-gpu)")
+            raise ModelLoadError(
+                f"provider 'cuda' asked for, but ONNX Runtime offers only {available} "
+                "(install the gpu extra: onnxruntime-gpu)"
+            )
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     if provider != "auto":
         raise ModelLoadError(f"unknown provider {provider!r}; use 'auto', 'cpu' or 'cuda'")
-    return (["CUDAExecutionProvider", "CPUExecutionProvider"] if "CUDAExecutionProvider" in available
-            else ["CPUExecutionProvider"])
+    return (
+        ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        if "CUDAExecutionProvider" in available
+        else ["CPUExecutionProvider"]
+    )
 
 
 _GLOBAL_POOL: dict[str, int] = {"threads": 0}
@@ -85,30 +90,43 @@ def check_graph(m: Manifest, session) -> None:
     ins = {i.name: i for i in session.get_inputs()}
     outs = {o.name: o for o in session.get_outputs()}
     path = Path(m.folder) / "manifest.json"
-    wanted = [(m.inputs[r], ins, "input") for r in ("input_ids", "seqlens_k", "total_sequence_length",
-                                                    "logits_index", *PACKED_ROLES) if m.inputs.get(r)]
+    wanted = [
+        (m.inputs[r], ins, "input")
+        for r in ("input_ids", "seqlens_k", "total_sequence_length", "logits_index", *PACKED_ROLES)
+        if m.inputs.get(r)
+    ]
     wanted += [(m.outputs["logits"], outs, "output")]
     for layer in range(m.num_layers):
-        wanted += [(m.kv_name("past_key", layer), ins, "input"), (m.kv_name("past_value", layer), ins, "input"),
-                   (m.kv_name("present_key", layer), outs, "output"),
-                   (m.kv_name("present_value", layer), outs, "output")]
+        wanted += [
+            (m.kv_name("past_key", layer), ins, "input"),
+            (m.kv_name("past_value", layer), ins, "input"),
+            (m.kv_name("present_key", layer), outs, "output"),
+            (m.kv_name("present_value", layer), outs, "output"),
+        ]
     for name, table, kind in wanted:
         if name not in table:
             raise ModelLoadError(f"{path}: names {kind} {name!r}, which {m.onnx_file.name} does not have")
-    named = {v for v in m.inputs.values() if v} | {m.kv_name(r, i) for r in ("past_key", "past_value")
-                                                   for i in range(m.num_layers)}
+    named = {v for v in m.inputs.values() if v} | {
+        m.kv_name(r, i) for r in ("past_key", "past_value") for i in range(m.num_layers)
+    }
     unnamed = sorted(n for n in ins if n not in named and not n.startswith("past_key_values."))
     if unnamed:
-        raise ModelLoadError(f"{path}: {m.onnx_file.name} takes input {unnamed[0]!r}, which the manifest does not "
-                             "name (a manifest from another export: rebuild the model with python -m export)")
-    extra = [n for n in ins if n.startswith("past_key_values.") and
-             not (n.split(".")[1].isdigit() and int(n.split(".")[1]) < m.num_layers)]
+        raise ModelLoadError(
+            f"{path}: {m.onnx_file.name} takes input {unnamed[0]!r}, which the manifest does not "
+            "name (a manifest from another export: rebuild the model with python -m export)"
+        )
+    extra = [
+        n
+        for n in ins
+        if n.startswith("past_key_values.") and not (n.split(".")[1].isdigit() and int(n.split(".")[1]) < m.num_layers)
+    ]
     if extra:
         raise ModelLoadError(f"{path}: num_layers={m.num_layers} but the graph has {extra[0]!r}")
     kv = ins[m.kv_name("past_key", 0)].shape  # [B, kv_heads, max_len, head_dim]
     if len(kv) != 4 or kv[1] != m.num_kv_heads or kv[3] != m.head_dim:
-        raise ModelLoadError(f"{path}: KV shape [B, {m.num_kv_heads}, max_len, {m.head_dim}] expected, "
-                             f"the graph has {kv}")
+        raise ModelLoadError(
+            f"{path}: KV shape [B, {m.num_kv_heads}, max_len, {m.head_dim}] expected, the graph has {kv}"
+        )
     vocab = outs[m.outputs["logits"]].shape[-1]
     if isinstance(vocab, int) and vocab != m.vocab_size:
         raise ModelLoadError(f"{path}: vocab_size={m.vocab_size} but the graph's logits have {vocab}")

@@ -127,8 +127,15 @@ class CostModel:
             object.__setattr__(self, "_line", None)
         object.__setattr__(self, name, value)
 
-    def observe(self, drafted: int, t_draft: float, t_verify: float, model_drafts: bool = True,
-                verified: int | None = None, fresh: bool = False) -> None:
+    def observe(
+        self,
+        drafted: int,
+        t_draft: float,
+        t_verify: float,
+        model_drafts: bool = True,
+        verified: int | None = None,
+        fresh: bool = False,
+    ) -> None:
         """A round alone: ``drafted`` drafts deep, its verify call over ``verified`` drafts (a
         tree's nodes; default ``drafted``), and (``model_drafts``: the drafts came from the
         drafter's own steps, not only free n-gram matches) their cost per depth. ``fresh``: a
@@ -175,8 +182,9 @@ class CostModel:
         self.draft_token_s = self.draft_prefill_s = None
         self.verify_s, self.prefill_samples = {}, []
 
-    def observe_prefill(self, prompt_tokens: int, drafted: int, t_draft: float,
-                        steps: tuple[int, float] = (0, 0.0)) -> None:
+    def observe_prefill(
+        self, prompt_tokens: int, drafted: int, t_draft: float, steps: tuple[int, float] = (0, 0.0)
+    ) -> None:
         """A first round: the draft prefilled ``prompt_tokens`` then took ``drafted - 1`` steps
         (``steps``: their count and seconds if timed; else priced at the estimate). The estimate
         is the median of the last ``PREFILL_SAMPLES`` such rounds, not an EWMA: a first prefill
@@ -275,8 +283,9 @@ class CostModel:
             arms = self.batch_arms.setdefault(batch, BatchArms())
             arms.observe(drafting, tokens / seconds)
 
-    def batch_drafts(self, batch: int, gain: float, caught_up: bool = True, behind: bool = False,
-                     alone_gain: float = 0.0) -> bool:
+    def batch_drafts(
+        self, batch: int, gain: float, caught_up: bool = True, behind: bool = False, alone_gain: float = 0.0
+    ) -> bool:
         """Whether a request in a batch of ``batch`` drafts with the model this round: the kind
         of round measured faster at this batch size, or the prediction (``gain`` >=
         ``resume_speedup``, not ``behind``) until both kinds were measured; see

@@ -87,8 +87,15 @@ class BatchArms:
         else:
             self.plain = _median_of(rates)
 
-    def choose(self, batch: int, predicted: float, threshold: float, caught_up: bool = True,
-               behind: bool = False, explore: bool = True) -> bool:
+    def choose(
+        self,
+        batch: int,
+        predicted: float,
+        threshold: float,
+        caught_up: bool = True,
+        behind: bool = False,
+        explore: bool = True,
+    ) -> bool:
         """Model drafts this round? ``predicted``: their predicted gain over plain rounds (drafts
         when >= ``threshold``, and not ``behind``, until both kinds were measured);
         ``caught_up``: this request's draft has read what the target committed (else a probe of

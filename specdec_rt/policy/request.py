@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .acceptance import CATCHUP_FREE, CHEAP_PRIOR, AcceptanceEWMA, CostModel, SpecConfig
 from ..errors import InvalidInputError
 from ..types import FallbackEvent, Mode
+from .acceptance import CATCHUP_FREE, CHEAP_PRIOR, AcceptanceEWMA, CostModel, SpecConfig
 
 __all__ = ["RequestPolicy"]
 
@@ -17,8 +17,15 @@ __all__ = ["RequestPolicy"]
 class RequestPolicy:
     """One request's speculation state machine: draft length, fallback, probing."""
 
-    def __init__(self, config: SpecConfig, mode: Mode, ewma: AcceptanceEWMA, costs: CostModel,
-                 shared: AcceptanceEWMA | None = None, prompt_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        config: SpecConfig,
+        mode: Mode,
+        ewma: AcceptanceEWMA,
+        costs: CostModel,
+        shared: AcceptanceEWMA | None = None,
+        prompt_tokens: int = 0,
+    ) -> None:
         if mode not in ("spec", "ar"):
             raise InvalidInputError(f"mode must be 'spec' or 'ar', got {mode!r}")
         self.config, self.mode, self.ewma, self.costs, self.shared = config, mode, ewma, costs, shared
@@ -125,9 +132,19 @@ class RequestPolicy:
         self.cheap = True
         return min(k, remaining - 1)
 
-    def observe(self, at: int, drafted: int, accepted: int, t_draft: float, t_verify: float,
-                timed: bool = True, alone: bool = True, batch: int = 1,
-                verified: int | None = None, steps: tuple[int, float] = (0, 0.0)) -> FallbackEvent | None:
+    def observe(
+        self,
+        at: int,
+        drafted: int,
+        accepted: int,
+        t_draft: float,
+        t_verify: float,
+        timed: bool = True,
+        alone: bool = True,
+        batch: int = 1,
+        verified: int | None = None,
+        steps: tuple[int, float] = (0, 0.0),
+    ) -> FallbackEvent | None:
         """Feed one finished round; returns the mode switch it caused, if any. ``timed=False``
         marks a round that included a prefill (a request's first round; the first that drafted):
         its times are kept out of the per-step costs (the draft's is used for its prefill cost
@@ -142,8 +159,14 @@ class RequestPolicy:
         catch-up)."""
         if alone and timed:  # a draft that first read what it missed (a probe, a catch-up): its verify
             caught_up = self._lag <= CATCHUP_FREE  # and its steps after that first call
-            self.costs.observe(drafted, t_draft, t_verify, model_drafts=not self.cheap and caught_up,
-                               verified=verified, fresh=self._probing)
+            self.costs.observe(
+                drafted,
+                t_draft,
+                t_verify,
+                model_drafts=not self.cheap and caught_up,
+                verified=verified,
+                fresh=self._probing,
+            )
             if not caught_up and not self.cheap:
                 self.costs.observe_steps(*steps, fresh=self._probing)
         elif alone and not self.cheap:  # free drafts read no prompt: no prefill to measure
@@ -173,9 +196,15 @@ class RequestPolicy:
                 return FallbackEvent(at, "spec", "probe_ok", a)
             self._probe_every = min(int(self._probe_every * c.probe_backoff), c.probe_max_every)
             return None
-        reason = ("ewma" if a < c.fallback_below else
-                  "zero_rounds" if self._zero >= c.zero_rounds else
-                  "cost" if self.best_k()[1] < c.min_speedup else None)
+        reason = (
+            "ewma"
+            if a < c.fallback_below
+            else "zero_rounds"
+            if self._zero >= c.zero_rounds
+            else "cost"
+            if self.best_k()[1] < c.min_speedup
+            else None
+        )
         if reason is None:
             return None
         self.speculating, self._plain_since_probe, self._probe_every = False, 0, c.probe_every

@@ -30,12 +30,10 @@ def fit_line(verify_s: dict[int, float], s_default: float) -> Line:
     if len(points) >= 2 and max(points) - min(points) >= 2:  # least squares over k >= 1
         n = len(points)
         mk, mv = sum(points) / n, sum(points.values()) / n
-        slope_s = max(0.0, sum((k - mk) * (v - mv) for k, v in points.items())
-                      / sum((k - mk) ** 2 for k in points))
+        slope_s = max(0.0, sum((k - mk) * (v - mv) for k, v in points.items()) / sum((k - mk) ** 2 for k in points))
         at_zero = max(1e-9, mv - slope_s * mk)  # the line's value at k = 0
         base = plain if plain is not None else at_zero
         return base, max(0.0, at_zero / base - 1.0), slope_s / base
     k0 = min(points)
     base = plain if plain is not None else points[k0] / (1.0 + s_default * k0)
     return base, max(0.0, points[k0] / base - 1.0 - s_default * k0), s_default
-

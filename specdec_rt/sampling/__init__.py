@@ -128,17 +128,22 @@ def _check_bias(bias) -> tuple[tuple[int, float], ...] | None:
         return None
     pairs = list(bias.items()) if isinstance(bias, dict) else bias
     if not isinstance(pairs, (list, tuple)) or len(pairs) > MAX_LOGIT_BIAS:
-        raise InvalidInputError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases, "
-                                f"got {brief_repr(bias)}")
+        raise InvalidInputError(
+            f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases, got {brief_repr(bias)}"
+        )
     out = {}
     for pair in pairs:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise InvalidInputError(f"logit_bias entries must be (token id, bias) pairs, got {brief_repr(pair)}")
         tid, b = pair
         if not is_int(tid) or not 0 <= tid < 2**31:
-            raise InvalidInputError(f"logit_bias token ids must be non-negative integers below 2**31, got {brief_repr(tid)}")
+            raise InvalidInputError(
+                f"logit_bias token ids must be non-negative integers below 2**31, got {brief_repr(tid)}"
+            )
         if not is_number(b) or abs(float(b)) > MAX_BIAS:
-            raise InvalidInputError(f"logit_bias of token {int(tid)} must be a number from -100 to 100, got {brief_repr(b)}")
+            raise InvalidInputError(
+                f"logit_bias of token {int(tid)} must be a number from -100 to 100, got {brief_repr(b)}"
+            )
         out[int(tid)] = float(b)
     return tuple(sorted(out.items())) or None
 
@@ -149,8 +154,9 @@ def biased(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         return logits
     ids = np.fromiter((t for t, _ in params.logit_bias), dtype=np.int64)  # [n]
     if ids[-1] >= logits.shape[-1]:
-        raise InvalidInputError(f"logit_bias token id {int(ids[-1])} is outside the vocabulary "
-                                f"(ids 0..{logits.shape[-1] - 1})")
+        raise InvalidInputError(
+            f"logit_bias token id {int(ids[-1])} is outside the vocabulary (ids 0..{logits.shape[-1] - 1})"
+        )
     out = np.array(logits, dtype=np.result_type(logits.dtype, np.float32))  # a copy: the caller's rows stay raw
     out[..., ids] += np.fromiter((b for _, b in params.logit_bias), dtype=np.float64).astype(out.dtype)
     return out
@@ -166,8 +172,9 @@ def greedy_ids(logits: np.ndarray, params: SamplingParams | None = None) -> np.n
     ids = np.argmax(z, axis=-1)  # [...]
     top = np.take_along_axis(z, ids[..., None], axis=-1)[..., 0]  # [...] NaN if the row holds one
     if not np.isfinite(top).all():
-        raise InvalidInputError(f"logits {_row_name(~np.isfinite(top))} holds NaN or +inf, or no finite value: "
-                                "no token to choose")
+        raise InvalidInputError(
+            f"logits {_row_name(~np.isfinite(top))} holds NaN or +inf, or no finite value: no token to choose"
+        )
     return ids
 
 
@@ -189,8 +196,10 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         raise InvalidInputError(f"logits must have a non-empty last axis, got shape {z.shape}")
     top = np.max(z, axis=-1, keepdims=True)  # [..., 1]; NaN if the row holds one
     if not np.isfinite(top).all():
-        raise InvalidInputError(f"logits {_row_name(~np.isfinite(top[..., 0]))} holds NaN or +inf, or no "
-                                "finite value: not a distribution to sample from")
+        raise InvalidInputError(
+            f"logits {_row_name(~np.isfinite(top[..., 0]))} holds NaN or +inf, or no "
+            "finite value: not a distribution to sample from"
+        )
     if params.greedy:
         out = np.zeros_like(z)  # [..., V]
         np.put_along_axis(out, np.argmax(z, axis=-1)[..., None], 1.0, axis=-1)
@@ -264,8 +273,9 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     cdf = np.cumsum(probs)  # [V]
     total = cdf[-1]  # NaN if any entry is NaN, inf if one is inf
     if not np.isfinite(total) or total <= 0 or probs.min() < 0:
-        what = ("holds NaN or inf" if not np.isfinite(total) else
-                "has negative entries" if probs.min() < 0 else "sums to 0")
+        what = (
+            "holds NaN or inf" if not np.isfinite(total) else "has negative entries" if probs.min() < 0 else "sums to 0"
+        )
         raise InvalidInputError(f"probs row {what}: not a distribution to sample from")
     u = uniforms(rng, 1)[0] * total
     return int(min(np.searchsorted(cdf, u, side="right"), len(cdf) - 1))

@@ -29,8 +29,17 @@ import numpy as np
 from ..errors import InvalidInputError
 from . import brief_repr
 
-__all__ = ["Constraint", "GrammarConstraint", "GrammarFactory", "MinTokens", "constrained",
-           "check_response_format", "json_text", "MAX_SCHEMA_CHARS", "JSON_WHITESPACE"]
+__all__ = [
+    "Constraint",
+    "GrammarConstraint",
+    "GrammarFactory",
+    "MinTokens",
+    "constrained",
+    "check_response_format",
+    "json_text",
+    "MAX_SCHEMA_CHARS",
+    "JSON_WHITESPACE",
+]
 
 MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema's text; grammar size and parse work have llguidance's own limits
 # whitespace between JSON tokens: what pretty-printing needs, bounded, so that a model cannot
@@ -76,8 +85,14 @@ class GrammarConstraint(Constraint):
     """A llguidance ``LLMatcher`` that follows a request: committed tokens are consumed; a row's
     path is consumed, the mask read, and the path rolled back."""
 
-    def __init__(self, matcher: Any, vocab_size: int, eos_ids: Sequence[int] = (),
-                 usable: np.ndarray | None = None, what: str = "response_format") -> None:
+    def __init__(
+        self,
+        matcher: Any,
+        vocab_size: int,
+        eos_ids: Sequence[int] = (),
+        usable: np.ndarray | None = None,
+        what: str = "response_format",
+    ) -> None:
         self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, frozenset(int(t) for t in eos_ids)
         self.usable = usable  # [V] bool: ids that stand for text (or end it); None: all
         self.what = what  # the request field the grammar came from, for errors
@@ -164,10 +179,15 @@ def check_response_format(response_format: Any) -> dict | None:
     "name": ..., "strict": ...}}``. Returns the JSON schema to follow, or None."""
     if response_format is None:
         return None
-    if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object",
-                                                                                      "json_schema"):
-        raise InvalidInputError("response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}, "
-                                f"got {brief_repr(response_format, 120)}")
+    if not isinstance(response_format, dict) or response_format.get("type") not in (
+        "text",
+        "json_object",
+        "json_schema",
+    ):
+        raise InvalidInputError(
+            "response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}, "
+            f"got {brief_repr(response_format, 120)}"
+        )
     kind = response_format["type"]
     if kind == "text":
         return None
@@ -175,8 +195,9 @@ def check_response_format(response_format: Any) -> dict | None:
         return {"type": "object"}
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-        raise InvalidInputError("response_format json_schema must be an object with a 'schema' object, got "
-                                f"{brief_repr(spec, 120)}")
+        raise InvalidInputError(
+            f"response_format json_schema must be an object with a 'schema' object, got {brief_repr(spec, 120)}"
+        )
     schema = spec.get("schema", {})
     if len(json_text(schema, "response_format's schema")) > MAX_SCHEMA_CHARS:
         raise InvalidInputError(f"response_format's schema is longer than {MAX_SCHEMA_CHARS} characters")
@@ -200,8 +221,9 @@ class GrammarFactory:
         try:
             import llguidance
         except ImportError:
-            raise InvalidInputError("response_format needs llguidance: pip install 'specdec-rt[structured]' "
-                                    "(the serve extra has it)") from None
+            raise InvalidInputError(
+                "response_format needs llguidance: pip install 'specdec-rt[structured]' (the serve extra has it)"
+            ) from None
         return llguidance
 
     def tokenizer(self):
@@ -210,22 +232,28 @@ class GrammarFactory:
             if not self.eos_ids:
                 raise InvalidInputError("response_format: this model names no end-of-sequence token to end the output")
             table = _TokenTable(self._bytes, self._special, self._encode, self.vocab_size, self.eos_ids[0])
-            self._tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(table), n_vocab=self.vocab_size,
-                                              eos_token=self.eos_ids)
+            self._tokenizer = llg.LLTokenizer(
+                llg.TokenizerWrapper(table), n_vocab=self.vocab_size, eos_token=self.eos_ids
+            )
             # ids with no bytes (past the tokenizer's vocabulary) would fit any grammar anywhere,
             # adding nothing: a model could emit them forever; they are never allowed
             self._usable = np.array([bool(b) for b in table.tokens], dtype=bool)  # [V]
             self._usable[[t for t in self.eos_ids if t < self.vocab_size]] = True
         return self._tokenizer
 
-    def build(self, schema: dict | None = None, lark: str | None = None, what: str = "response_format") -> GrammarConstraint:
+    def build(
+        self, schema: dict | None = None, lark: str | None = None, what: str = "response_format"
+    ) -> GrammarConstraint:
         """A fresh constraint for a request that must follow a JSON ``schema`` or a ``lark``
         grammar (llguidance's dialect; in a worker thread: a big one takes a while to compile).
         One llguidance cannot compile is an :class:`InvalidInputError` naming ``what``."""
         llg = self._llg()
         try:
-            grammar = lark if schema is None else llg.LLMatcher.grammar_from_json_schema(
-                schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
+            grammar = (
+                lark
+                if schema is None
+                else llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
+            )
         except (ValueError, TypeError, RecursionError) as exc:
             raise InvalidInputError(f"{what}: the grammar engine cannot read this schema: {exc}"[:300]) from None
         matcher = llg.LLMatcher(self.tokenizer(), grammar, log_level=0)  # (sets _usable the first time)

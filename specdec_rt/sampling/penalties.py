@@ -27,8 +27,13 @@ from . import SamplingParams
 __all__ = ["penalized"]
 
 
-def penalized(logits: np.ndarray, params: SamplingParams, prompt: np.ndarray, generated: np.ndarray,
-              before: Sequence[Sequence[int]]) -> np.ndarray:
+def penalized(
+    logits: np.ndarray,
+    params: SamplingParams,
+    prompt: np.ndarray,
+    generated: np.ndarray,
+    before: Sequence[Sequence[int]],
+) -> np.ndarray:
     """``logits`` ``[n, V]`` with the request's penalties applied (the same array when it has
     none). Row i's generated tokens are ``generated`` ``[G]`` then ``before[i]`` (the drafts
     between the committed tokens and row i's position); ``prompt`` ``[P]`` counts for

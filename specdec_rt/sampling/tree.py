@@ -38,8 +38,17 @@ import numpy as np
 from ..errors import InferenceError, InvalidInputError
 from . import check_rows, sample
 
-__all__ = ["DraftTree", "node_outcomes", "tree_accept", "greedy_tree_accept", "chain", "depths_of",
-           "tree_parents", "chain_length", "tree_depth"]
+__all__ = [
+    "DraftTree",
+    "node_outcomes",
+    "tree_accept",
+    "greedy_tree_accept",
+    "chain",
+    "depths_of",
+    "tree_parents",
+    "chain_length",
+    "tree_depth",
+]
 
 
 class DraftTree:
@@ -55,8 +64,9 @@ class DraftTree:
         self.parents = np.asarray(parents, dtype=np.int64)  # [n]
         n = self.tokens.size
         if self.tokens.ndim != 1 or self.parents.shape != (n,):
-            raise InvalidInputError(f"tokens [n] and parents [n] must match, got {self.tokens.shape} "
-                                    f"and {self.parents.shape}")
+            raise InvalidInputError(
+                f"tokens [n] and parents [n] must match, got {self.tokens.shape} and {self.parents.shape}"
+            )
         if n and ((self.parents < -1).any() or (self.parents >= np.arange(n)).any()):
             bad = int(np.flatnonzero((self.parents < -1) | (self.parents >= np.arange(n)))[0])
             raise InvalidInputError(f"node {bad}'s parent {int(self.parents[bad])} is not -1 or an earlier node")
@@ -188,8 +198,10 @@ def greedy_tree_accept(tree: DraftTree, target_ids: np.ndarray) -> tuple[np.ndar
     follow the child that carries it while there is one. Same return as :func:`tree_accept`."""
     target_ids = np.asarray(target_ids)
     if target_ids.shape != (len(tree) + 1,) or not np.issubdtype(target_ids.dtype, np.integer):
-        raise InvalidInputError(f"target_ids must be integers of shape [n + 1] = [{len(tree) + 1}], got "
-                                f"dtype {target_ids.dtype} shape {target_ids.shape}")
+        raise InvalidInputError(
+            f"target_ids must be integers of shape [n + 1] = [{len(tree) + 1}], got "
+            f"dtype {target_ids.dtype} shape {target_ids.shape}"
+        )
     _check_ids("target_ids", target_ids)
     _check_ids("the tree's tokens", tree.tokens)
     path: list[int] = []

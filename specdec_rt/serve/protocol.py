@@ -15,11 +15,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..sampling.constraints import check_response_format
-from ..errors import ContextLengthError, InvalidInputError
-from ..sampling.logprobs import MAX_TOP_LOGPROBS
 from ..checks import brief_repr, is_int, is_number
+from ..errors import ContextLengthError, InvalidInputError
 from ..sampling import SamplingParams
+from ..sampling.constraints import check_response_format
+from ..sampling.logprobs import MAX_TOP_LOGPROBS
 from ..spec.params import RequestParams
 from ..text.tools import check_tool_choice, check_tools
 from ..types import Mode
@@ -36,9 +36,15 @@ MAX_N = 16  # choices per request (each one an engine request, batched with the 
 class APIError(Exception):
     """An error answered with the OpenAI error body ``{"error": {message, type, code, param}}``."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
         self.headers = headers or {}
@@ -104,14 +110,25 @@ class GenParams:
         A value the engine refuses raises its :class:`InvalidInputError` (see :func:`engine_error`)."""
         seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
         return RequestParams(
-            max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature, top_k=self.top_k,
-            top_p=self.top_p, seed=seed, mode=self.mode, stop=self.stop, logprobs=self.logprobs,
-            logit_bias=self.logit_bias, presence_penalty=self.penalties.get("presence_penalty", 0.0),
+            max_new_tokens=self.max_tokens or default_max_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=seed,
+            mode=self.mode,
+            stop=self.stop,
+            logprobs=self.logprobs,
+            logit_bias=self.logit_bias,
+            presence_penalty=self.penalties.get("presence_penalty", 0.0),
             frequency_penalty=self.penalties.get("frequency_penalty", 0.0),
             repetition_penalty=self.penalties.get("repetition_penalty", 1.0),
             prompt_logprobs=self.logprobs if self.echo else None,
-            response_format=self.response_format, tools=self.tools, tool_choice=self.tool_choice if self.tools else None,
-            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
+            response_format=self.response_format,
+            tools=self.tools,
+            tool_choice=self.tool_choice if self.tools else None,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+        )
 
 
 def parse_request(kind: Kind, body: Any) -> GenParams:
@@ -174,8 +191,9 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
     p.penalties = {k: v for k, v in p.penalties.items() if v != getattr(off, k)}  # 0, 0, 1: not passed on
     if body.get("response_format") is not None:
         try:  # the engine's own check: the shape here, the schema when the request starts (a 400 still)
-            p.response_format = (body["response_format"] if check_response_format(body["response_format"]) is not None
-                                 else None)  # (an empty schema {} holds the answer to any JSON value)
+            p.response_format = (
+                body["response_format"] if check_response_format(body["response_format"]) is not None else None
+            )  # (an empty schema {} holds the answer to any JSON value)
         except InvalidInputError as exc:
             raise _bad("response_format", str(exc)) from None
     if kind == "chat" and (body.get("tools") is not None or body.get("tool_choice") is not None):
@@ -209,8 +227,13 @@ def _logprobs(body: dict, kind: Kind) -> int | None:
 
 # options this server cannot honour, and their "off" values (which some clients always send)
 UNHONOURED: dict[str, tuple] = {"functions": ([],), "function_call": ("none", "auto")}  # the legacy names of tools
-UNHONOURED_COMPLETION = {"best_of": (1,), "suffix": ("",), "tools": ([],),  # /v1/completions only
-                         "tool_choice": ("none",), "parallel_tool_calls": (True, False)}  # (tools: chat only)
+UNHONOURED_COMPLETION = {
+    "best_of": (1,),
+    "suffix": ("",),
+    "tools": ([],),  # /v1/completions only
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),
+}  # (tools: chat only)
 
 
 def _unsupported(body: dict, kind: Kind) -> None:
@@ -260,8 +283,9 @@ def _messages(body: dict) -> list[dict]:
             raise _bad(f"messages[{i}]", f"messages[{i}] must be an object with a role among {', '.join(ROLES)}")
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text parts can be read
-            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
-                       for c in content):
+            if not all(
+                isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content
+            ):
                 raise _bad(f"messages[{i}].content", "only text content parts are supported")
             content = "".join(c["text"] for c in content)
         elif content is None and m["role"] == "assistant":
@@ -288,20 +312,29 @@ def _prompts(body: dict) -> list[str | list[int]]:
     if isinstance(prompt, list) and any(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = next((i for i, t in enumerate(prompt) if not _is_id(t)), None)  # token ids, all of them?
         if bad is not None:
-            raise _bad("prompt", f"prompt[{bad}] = {json.dumps(prompt[bad])[:40]} is not a token id (an integer "
-                                 ">= 0), in a prompt of token ids")
+            raise _bad(
+                "prompt",
+                f"prompt[{bad}] = {json.dumps(prompt[bad])[:40]} is not a token id (an integer "
+                ">= 0), in a prompt of token ids",
+            )
         prompts: list[str | list[int]] = [prompt]
     elif isinstance(prompt, str):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt:
         prompts = prompt
     else:
-        raise _bad("prompt", "'prompt' must be a non-empty string, a list of token ids, or a non-empty list of "
-                             "either", "invalid_type")
+        raise _bad(
+            "prompt",
+            "'prompt' must be a non-empty string, a list of token ids, or a non-empty list of either",
+            "invalid_type",
+        )
     for i, one in enumerate(prompts):
         if not ((isinstance(one, str) and one) or (isinstance(one, list) and one and all(_is_id(t) for t in one))):
-            raise _bad("prompt", f"prompt[{i}] must be a non-empty string or a non-empty list of token ids "
-                                 "(integers >= 0)", "invalid_type")
+            raise _bad(
+                "prompt",
+                f"prompt[{i}] must be a non-empty string or a non-empty list of token ids (integers >= 0)",
+                "invalid_type",
+            )
     return prompts
 
 
@@ -358,13 +391,25 @@ def engine_error(exc: InvalidInputError, p: GenParams) -> APIError:
     field = re.match(r"(messages\[\d+\](?:\.\w+)?) ", text)
     if field:  # e.g. "messages[0].content is not valid Unicode text"
         return _bad(field.group(1), text)
-    for prefix, param in ((p.max_tokens_param, p.max_tokens_param), ("temperature", "temperature"),
-                          ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"), ("stop", "stop"),
-                          ("mode", "mode"), ("this engine has no draft", "mode"), ("logit_bias", "logit_bias"),
-                          ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
-                          ("repetition_penalty", "repetition_penalty"), ("response_format", "response_format"),
-                          ("tool_choice", "tool_choice"), ("tools", "tools"), ("min_tokens", "min_tokens"),
-                          ("ignore_eos", "ignore_eos")):
+    for prefix, param in (
+        (p.max_tokens_param, p.max_tokens_param),
+        ("temperature", "temperature"),
+        ("top_k", "top_k"),
+        ("top_p", "top_p"),
+        ("seed", "seed"),
+        ("stop", "stop"),
+        ("mode", "mode"),
+        ("this engine has no draft", "mode"),
+        ("logit_bias", "logit_bias"),
+        ("presence_penalty", "presence_penalty"),
+        ("frequency_penalty", "frequency_penalty"),
+        ("repetition_penalty", "repetition_penalty"),
+        ("response_format", "response_format"),
+        ("tool_choice", "tool_choice"),
+        ("tools", "tools"),
+        ("min_tokens", "min_tokens"),
+        ("ignore_eos", "ignore_eos"),
+    ):
         if text.startswith(prefix):
             return _bad(param, text)
     return _bad(prompt_param, text)  # the prompt or the chat template

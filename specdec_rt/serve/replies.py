@@ -35,8 +35,16 @@ class Reply:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False, index: int = 0,
-              logprobs: dict | None = None, tool_calls: list[dict] | None = None, empty: bool = False) -> dict:
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        first: bool = False,
+        index: int = 0,
+        logprobs: dict | None = None,
+        tool_calls: list[dict] | None = None,
+        empty: bool = False,
+    ) -> dict:
         """A streamed chunk of choice ``index``; a choice's first chat chunk carries ``"role": "assistant"``;
         ``logprobs``: the chunk's tokens' (a :class:`LogprobsFormat` body); ``tool_calls``: whole
         calls, each with its ``index`` among the choice's calls."""
@@ -58,9 +66,16 @@ class Reply:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
 
-    def response(self, text: str | Sequence[str | None], finish_reason: str | list[str], prompt_tokens: int,
-                 completion_tokens: int, cached_tokens: int = 0, logprobs: list[dict | None] | None = None,
-                 tool_calls: list[list[dict]] | None = None) -> dict:
+    def response(
+        self,
+        text: str | Sequence[str | None],
+        finish_reason: str | list[str],
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int = 0,
+        logprobs: list[dict | None] | None = None,
+        tool_calls: list[list[dict]] | None = None,
+    ) -> dict:
         """The whole (non-streamed) response: one choice per text (``n`` of them: lists);
         ``logprobs``: one :class:`LogprobsFormat` body per choice, when asked; ``tool_calls``:
         each choice's calls (a choice with some: its text is the content around them, None
@@ -75,12 +90,20 @@ class Reply:
                 message: dict[str, object] = {"role": "assistant", "content": t}
                 if c:
                     message["tool_calls"] = c
-                choices.append({"index": i, "message": message, "logprobs": lp,
-                                "finish_reason": "tool_calls" if c and f == "stop" else f})
+                choices.append(
+                    {
+                        "index": i,
+                        "message": message,
+                        "logprobs": lp,
+                        "finish_reason": "tool_calls" if c and f == "stop" else f,
+                    }
+                )
             head = self._head("chat.completion")
         else:
-            choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
-                       for i, (t, f, lp) in enumerate(zip(texts, finishes, lps))]
+            choices = [
+                {"index": i, "text": t, "logprobs": lp, "finish_reason": f}
+                for i, (t, f, lp) in enumerate(zip(texts, finishes, lps))
+            ]
             head = self._head("text_completion")
         return {**head, "choices": choices, "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
 
@@ -95,8 +118,13 @@ class LogprobsFormat:
     character) is named as OpenAI names it, ``"bytes:\\xe2\\x80"``, so distinct tokens never
     share a ``top_logprobs`` key; ``bytes`` are exact either way."""
 
-    def __init__(self, kind: Kind, token_bytes: Callable[[int], bytes], choices: int = 1,
-                 special: Callable[[int], bool] | None = None) -> None:
+    def __init__(
+        self,
+        kind: Kind,
+        token_bytes: Callable[[int], bytes],
+        choices: int = 1,
+        special: Callable[[int], bool] | None = None,
+    ) -> None:
         self.kind, self._bytes, self._special = kind, token_bytes, special or (lambda t: False)
         self._offset = [0] * choices  # characters of each choice's text so far
         self._utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(choices)]
@@ -108,9 +136,14 @@ class LogprobsFormat:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{x:02x}" for x in b), b
 
-    def body(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], choice: int = 0,
-             part_ends: bool = False,
-             before: tuple[Sequence[int], Sequence[TokenLogprob | None]] | None = None) -> dict:
+    def body(
+        self,
+        token_ids: Sequence[int],
+        entries: Sequence[TokenLogprob | None],
+        choice: int = 0,
+        part_ends: bool = False,
+        before: tuple[Sequence[int], Sequence[TokenLogprob | None]] | None = None,
+    ) -> dict:
         """The logprobs object of ``token_ids`` (an entry of None, an echoed prompt's first token
         in completions: ``null`` value and alternatives, as OpenAI's). ``part_ends``: the text of
         these tokens was decoded apart from what follows (an echoed prompt: a character it leaves
@@ -132,9 +165,13 @@ class LogprobsFormat:
             for t, e in zip(token_ids, entries):
                 assert e is not None  # None: an echoed prompt's first token, in completions alone
                 text, b = self._piece(t)
-                alts = [{"token": s, "logprob": json_logprob(lp), "bytes": list(tb)}
-                        for s, tb, lp in ((*self._piece(j), lp) for j, lp in e.top)]
-                content.append({"token": text, "logprob": json_logprob(e.logprob), "bytes": list(b), "top_logprobs": alts})
+                alts = [
+                    {"token": s, "logprob": json_logprob(lp), "bytes": list(tb)}
+                    for s, tb, lp in ((*self._piece(j), lp) for j, lp in e.top)
+                ]
+                content.append(
+                    {"token": text, "logprob": json_logprob(e.logprob), "bytes": list(b), "top_logprobs": alts}
+                )
             return {"content": content, "refusal": None}
         tokens: list[str] = []
         offsets: list[int] = []
@@ -160,21 +197,27 @@ class LogprobsFormat:
             top = {self._piece(j)[0]: json_logprob(lp) for j, lp in e.top}
             top[text] = json_logprob(e.logprob)  # the chosen token's own value, whatever shares its name
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [None if e is None else json_logprob(e.logprob) for e in entries],
-                "top_logprobs": tops, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if e is None else json_logprob(e.logprob) for e in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     """OpenAI's usage block; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix
     cache supplied."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def models_body(model: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                        "owned_by": "specdec-rt"}]}
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "specdec-rt"}]}
 
 
 def sse(data: dict | str) -> bytes:
@@ -206,7 +249,7 @@ class CallFilter:
             self.calling, self.held = True, buf[at:]
             return self._out(buf[:at])
         keep = stop_prefix_len(buf, [CALL_OPEN])  # a tail that may start a call
-        self.held = buf[len(buf) - keep:]
+        self.held = buf[len(buf) - keep :]
         return self._out(buf[: len(buf) - keep])
 
     def _out(self, text: str) -> str:

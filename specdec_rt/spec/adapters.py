@@ -18,14 +18,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..policy.confidence import confidence
-from .context import RequestContext
 from ..errors import ContextLengthError, InferenceError, InvalidInputError
-from ..sampling.logprobs import token_logprobs
-from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
+from ..policy.confidence import confidence
 from ..sampling import biased, brief_repr, greedy_accept, greedy_ids, rejection_sample, sample, warp
+from ..sampling.logprobs import token_logprobs
 from ..sampling.tree import DraftTree, chain_length, greedy_tree_accept, tree_accept, tree_parents
 from ..types import DraftToken, Verdict
+from .context import RequestContext
+from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
 
 __all__ = ["SyncedSession", "ModelDrafter", "ModelVerifier", "TargetHidden", "TARGET_HIDDEN"]
 
@@ -39,8 +39,9 @@ Sampler = Callable[[np.ndarray, np.ndarray, np.ndarray, np.random.Generator], np
 class SyncedSession:
     """A :class:`CacheSession` plus the ids it holds, kept consistent with committed tokens."""
 
-    def __init__(self, session: CacheSession, capacity: int, tokens: np.ndarray | None = None,
-                 vocab_size: int | None = None) -> None:
+    def __init__(
+        self, session: CacheSession, capacity: int, tokens: np.ndarray | None = None, vocab_size: int | None = None
+    ) -> None:
         self.session = session
         self.vocab_size = vocab_size  # the logits' width every call must have (None: unchecked)
         self.ids = np.zeros(capacity, dtype=np.int64)  # [capacity] ids whose KV the cache holds
@@ -77,8 +78,10 @@ class SyncedSession:
         out = await self.session.extend(ids, logits_rows, **extra)
         logits = out[0] if isinstance(out, tuple) else out
         if self.vocab_size is not None and (np.ndim(logits) != 2 or np.shape(logits) != (logits_rows, self.vocab_size)):
-            raise InferenceError(f"the model returned logits of shape {np.shape(logits)} for {logits_rows} rows "
-                                 f"of its vocabulary of {self.vocab_size}")
+            raise InferenceError(
+                f"the model returned logits of shape {np.shape(logits)} for {logits_rows} rows "
+                f"of its vocabulary of {self.vocab_size}"
+            )
         return out
 
     def accept_tree(self, start: int, keep: np.ndarray) -> None:
@@ -129,10 +132,12 @@ class _ModelUser:
         ``tokens`` (unless ``cached=False``); any other starts empty. ``same_path``: the session
         must be batch-invariant (:meth:`LanguageModel.start`)."""
         if cached and self.model.caps.caches_prefixes:
-            return SyncedSession(self.model.start(tokens, batch_invariant=same_path), self.model.max_length,
-                                 tokens, self.vocab_size)
-        return SyncedSession(self.model.start(batch_invariant=same_path), self.model.max_length,
-                             vocab_size=self.vocab_size)
+            return SyncedSession(
+                self.model.start(tokens, batch_invariant=same_path), self.model.max_length, tokens, self.vocab_size
+            )
+        return SyncedSession(
+            self.model.start(batch_invariant=same_path), self.model.max_length, vocab_size=self.vocab_size
+        )
 
     def release(self, ctx: RequestContext) -> None:
         s = ctx.pop_state(self)
@@ -181,7 +186,7 @@ class ModelDrafter(_ModelUser, DraftInferrer):
                 break  # one more draft would cost more than it is likely to bring
             if ctx.tree_nodes:
                 assert q is not None  # (computed for trees in both branches)
-                best = np.argpartition(q, -(SIBLING_RANKS + 1))[-(SIBLING_RANKS + 1):]  # [ranks + 1]
+                best = np.argpartition(q, -(SIBLING_RANKS + 1))[-(SIBLING_RANKS + 1) :]  # [ranks + 1]
                 candidates += [(reach * float(q[y]), i, int(y)) for y in best if y != x and q[y] > 0]
                 reach *= float(q[x])
             feed = np.array([x], dtype=np.int64)  # the last draft is never fed: it may be rejected
@@ -207,12 +212,13 @@ class ModelVerifier(_ModelUser, TargetVerifier):
 
     reports_logprobs = True  # verdicts carry the tokens' log-probabilities when a request asks
 
-    def __init__(self, model: LanguageModel, sampler: Sampler = rejection_sample,
-                 share_hidden: bool = False) -> None:
+    def __init__(self, model: LanguageModel, sampler: Sampler = rejection_sample, share_hidden: bool = False) -> None:
         super().__init__(model)
         if share_hidden and not model.caps.hidden_states:
-            raise InvalidInputError(f"share_hidden: the target {brief_repr(model)} returns no hidden states "
-                                    "(its caps.hidden_states is False)")
+            raise InvalidInputError(
+                f"share_hidden: the target {brief_repr(model)} returns no hidden states "
+                "(its caps.hidden_states is False)"
+            )
         self.sampler = sampler
         self.share_hidden = share_hidden
 
@@ -235,8 +241,7 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         chain = chain_length(drafts)
         s = self._session(ctx)
         if chain < len(drafts):
-            if (self.trees and ctx.tokens.size - s.session.length <= TREE_TAIL_MAX
-                    and not s.session.copy_pending):
+            if self.trees and ctx.tokens.size - s.session.length <= TREE_TAIL_MAX and not s.session.copy_pending:
                 return await self._verify_tree(ctx, drafts, tree_parents(drafts))
             drafts = drafts[:chain]  # a tree, but chains only here (or a long tail): its main chain
         first = ctx.stats.rounds + ctx.stats.ar_steps == 0
@@ -247,7 +252,8 @@ class ModelVerifier(_ModelUser, TargetVerifier):
             start = s.session.length
             logits, hidden = await s.extend(feed, k + 1, hidden=True)  # hidden [S, H]
             ctx.state(TARGET_HIDDEN, lambda: TargetHidden(self.model.max_length, hidden.shape[-1], s.session)).write(
-                start, hidden)
+                start, hidden
+            )
         else:
             logits = await s.extend(feed, k + 1)  # [k+1, V]: p_0 .. p_k before warping
         _note_cached_prompt(ctx, s, first)
@@ -285,7 +291,9 @@ class ModelVerifier(_ModelUser, TargetVerifier):
             tree.q = _q_rows(drafts, p)
             path, out = tree_accept(tree, p, ctx.rng)
         s.accept_tree(start, np.concatenate([np.arange(m), m + path]))
-        lp = None if ctx.logprobs is None else token_logprobs(logits[np.concatenate([[0], 1 + path])], out, ctx.logprobs)
+        lp = (
+            None if ctx.logprobs is None else token_logprobs(logits[np.concatenate([[0], 1 + path])], out, ctx.logprobs)
+        )
         return Verdict(tokens=out, accepted=int(path.size), path=tuple(int(i) for i in path), logprobs=lp)
 
 

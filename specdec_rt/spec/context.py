@@ -6,13 +6,13 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
 
-from ..policy.confidence import ChainStop
-from ..sampling.constraints import Constraint, constrained
+from ..checks import check_int
 from ..errors import ContextLengthError, InvalidInputError
+from ..policy.confidence import ChainStop
+from ..sampling import SamplingParams, brief_repr
+from ..sampling.constraints import Constraint, constrained
 from ..sampling.logprobs import check_top_logprobs
 from ..sampling.penalties import penalized
-from ..sampling import SamplingParams, brief_repr
-from ..checks import check_int
 from ..types import FinishReason, Stats
 
 __all__ = ["RequestContext"]
@@ -48,18 +48,24 @@ class RequestContext:
             raise InvalidInputError(f"prompt token ids must be non-negative integers, got {prompt[:8]!r}")
         if vocab_size is not None and prompt.max() >= vocab_size:
             bad = int(prompt[np.argmax(prompt >= vocab_size)])
-            raise InvalidInputError(f"prompt token id {bad} is outside the model's vocabulary (ids 0..{vocab_size - 1}); "
-                                    "a tokenizer that does not match the model?")
+            raise InvalidInputError(
+                f"prompt token id {bad} is outside the model's vocabulary (ids 0..{vocab_size - 1}); "
+                "a tokenizer that does not match the model?"
+            )
         check_int(max_new_tokens, "max_new_tokens", 1)
         if max_length is not None and prompt.size + max_new_tokens > max_length:
             raise ContextLengthError(
                 f"prompt of {prompt.size} tokens + max_new_tokens={brief_repr(max_new_tokens)} exceeds the "
-                f"model's maximum length of {max_length} tokens", int(prompt.size), int(max_length)
+                f"model's maximum length of {max_length} tokens",
+                int(prompt.size),
+                int(max_length),
             )
         self.params = params or SamplingParams()
         if vocab_size is not None and self.params.logit_bias and self.params.logit_bias[-1][0] >= vocab_size:
-            raise InvalidInputError(f"logit_bias token id {self.params.logit_bias[-1][0]} is outside the model's "
-                                    f"vocabulary (ids 0..{vocab_size - 1})")
+            raise InvalidInputError(
+                f"logit_bias token id {self.params.logit_bias[-1][0]} is outside the model's "
+                f"vocabulary (ids 0..{vocab_size - 1})"
+            )
         #: None: no log-probabilities; n: each emitted token's, with the n most likely alternatives
         self.logprobs = check_top_logprobs(logprobs)
         #: which tokens may come next (constraints.py: a response format), or None

@@ -105,8 +105,20 @@ class RequestParams:
         for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             put(self, name, off if getattr(self, name) is None else getattr(self, name))
         bias: Any = self.logit_bias  # a dict or pairs: SamplingParams keeps them as sorted pairs
-        put(self, "_sampling", SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, bias,
-                                              self.presence_penalty, self.frequency_penalty, self.repetition_penalty))
+        put(
+            self,
+            "_sampling",
+            SamplingParams(
+                self.temperature,
+                self.top_k,
+                self.top_p,
+                self.seed,
+                bias,
+                self.presence_penalty,
+                self.frequency_penalty,
+                self.repetition_penalty,
+            ),
+        )
         put(self, "logprobs", check_top_logprobs(self.logprobs))
         put(self, "prompt_logprobs", check_top_logprobs(self.prompt_logprobs, "prompt_logprobs"))
         put(self, "stop", tuple(check_stop(self.stop)))
@@ -125,8 +137,10 @@ class RequestParams:
             raise InvalidInputError(f"params must be a RequestParams or None, got {brief_repr(params)}")
         unknown = sorted(set(overrides) - set(FIELDS))
         if unknown:
-            raise InvalidInputError(f"unknown request parameter{'s' * (len(unknown) > 1)} "
-                                    f"{', '.join(map(repr, unknown))}; known: {', '.join(FIELDS)}")
+            raise InvalidInputError(
+                f"unknown request parameter{'s' * (len(unknown) > 1)} "
+                f"{', '.join(map(repr, unknown))}; known: {', '.join(FIELDS)}"
+            )
         if params is None:
             return cls(**overrides)
         return dataclasses.replace(params, **overrides) if overrides else params

@@ -41,8 +41,15 @@ from ..types import DraftToken, Verdict
 if TYPE_CHECKING:
     from .context import RequestContext
 
-__all__ = ["DraftInferrer", "TargetVerifier", "LanguageModel", "CacheSession", "ModelCaps", "BatchCosts",
-           "check_implements"]
+__all__ = [
+    "DraftInferrer",
+    "TargetVerifier",
+    "LanguageModel",
+    "CacheSession",
+    "ModelCaps",
+    "BatchCosts",
+    "check_implements",
+]
 
 
 @dataclass(frozen=True)
@@ -240,6 +247,8 @@ def check_implements(obj: object, protocol: type, role: str) -> None:
         return
     declared = {name for name in vars(protocol) if not name.startswith("_")} | set(protocol.__annotations__)
     members = [m for m in declared if not hasattr(obj, m)]
-    raise InvalidInputError(f"the {role} {brief_repr(obj)} does not implement {protocol.__name__}: it lacks "
-                            f"{', '.join(sorted(members)) or 'a member'} (subclass {protocol.__name__}: its "
-                            "optional members have defaults)")
+    raise InvalidInputError(
+        f"the {role} {brief_repr(obj)} does not implement {protocol.__name__}: it lacks "
+        f"{', '.join(sorted(members)) or 'a member'} (subclass {protocol.__name__}: its "
+        "optional members have defaults)"
+    )

@@ -9,12 +9,24 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checks import brief_repr, check_bool, check_int
-from ..policy.acceptance import SpecConfig
 from ..errors import InvalidInputError
+from ..policy.acceptance import SpecConfig
 from ..text.tools import call_grammar, call_schemas, supports_tools
 
-__all__ = ["MAX_STOP_STRINGS", "MAX_STOP_CHARS", "check_stop", "check_prompt_size", "find_stop", "stop_prefix_len",
-           "cut_at_stop", "token_id_prompt", "RequestShape", "tool_shape", "check_load_args", "check_length_options"]
+__all__ = [
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_CHARS",
+    "check_stop",
+    "check_prompt_size",
+    "find_stop",
+    "stop_prefix_len",
+    "cut_at_stop",
+    "token_id_prompt",
+    "RequestShape",
+    "tool_shape",
+    "check_load_args",
+    "check_length_options",
+]
 
 MAX_THREADS = 256  # ONNX Runtime intra-op threads: more only spin
 MAX_STOP_STRINGS = 64  # each event searches for every stop string (OpenAI allows 4)
@@ -36,8 +48,9 @@ def check_stop(stop) -> list[str]:
         try:
             s.encode("utf-8")
         except UnicodeEncodeError:
-            raise InvalidInputError(f"stop[{i}] is not valid Unicode text (a lone surrogate): "
-                                    f"{brief_repr(s)}") from None
+            raise InvalidInputError(
+                f"stop[{i}] is not valid Unicode text (a lone surrogate): {brief_repr(s)}"
+            ) from None
     return list(stops)
 
 
@@ -51,8 +64,9 @@ def check_prompt_size(prompt, limit: int) -> None:
             raise InvalidInputError(f"prompt has {len(prompt)} messages, more than max_prompt_chars={limit}")
         size = len(prompt) + sum(_text_size(v) for m in prompt if isinstance(m, dict) for v in m.values())
     else:
-        raise InvalidInputError(f"prompt must be a string, a list of chat messages or a list of token ids, "
-                                f"got {type(prompt).__name__}")
+        raise InvalidInputError(
+            f"prompt must be a string, a list of chat messages or a list of token ids, got {type(prompt).__name__}"
+        )
     if size > limit:
         raise InvalidInputError(f"prompt has {size} characters, more than max_prompt_chars={limit}")
 
@@ -60,13 +74,17 @@ def check_prompt_size(prompt, limit: int) -> None:
 def token_id_prompt(prompt, vocab_size: int) -> list[int] | None:
     """A prompt given as token ids (a non-empty list or tuple of integers): the ids, each checked
     to be in ``0..vocab_size - 1``; None for text and chat messages."""
-    if not (isinstance(prompt, (list, tuple)) and prompt and all(
-            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt)):
+    if not (
+        isinstance(prompt, (list, tuple))
+        and prompt
+        and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt)
+    ):
         return None
     for i, t in enumerate(prompt):
         if not 0 <= t < vocab_size:
-            raise InvalidInputError(f"prompt[{i}] = {brief_repr(t)} is not a token id of this model "
-                                    f"(0..{vocab_size - 1})")
+            raise InvalidInputError(
+                f"prompt[{i}] = {brief_repr(t)} is not a token id of this model (0..{vocab_size - 1})"
+            )
     return [int(t) for t in prompt]
 
 
@@ -76,8 +94,7 @@ def _text_size(value) -> int:
     if isinstance(value, str):
         return len(value)
     if isinstance(value, list):
-        return len(value) + sum(len(c["text"]) for c in value
-                                if isinstance(c, dict) and isinstance(c.get("text"), str))
+        return len(value) + sum(len(c["text"]) for c in value if isinstance(c, dict) and isinstance(c.get("text"), str))
     return 0
 
 
@@ -104,8 +121,9 @@ def stop_prefix_len(text: str, stops: list[str], since: int = 0) -> int:
     return best
 
 
-def cut_at_stop(decoder, text: str, ids, stops: list[str], finished, done: int = 0,
-                min_tokens: int = 0) -> tuple[list[int], str, int | None]:
+def cut_at_stop(
+    decoder, text: str, ids, stops: list[str], finished, done: int = 0, min_tokens: int = 0
+) -> tuple[list[int], str, int | None]:
     """Feed one event's ids to ``decoder`` one at a time, stopping at the first token whose
     text completes a stop string. Returns (the ids kept, the text so far, where the earliest
     stop string starts or None). Token by token, a speculative round of several tokens cuts
@@ -141,13 +159,20 @@ class RequestShape:
 
 def check_length_options(min_tokens, ignore_eos, max_new_tokens: int) -> tuple[int, bool]:
     """``(min_tokens, ignore_eos)`` checked: an integer from 0 to ``max_new_tokens``, a bool."""
-    check_int(min_tokens, "min_tokens", 0, max_new_tokens, numpy=False,
-              what=f"an integer from 0 to max_new_tokens ({brief_repr(max_new_tokens)})")
+    check_int(
+        min_tokens,
+        "min_tokens",
+        0,
+        max_new_tokens,
+        numpy=False,
+        what=f"an integer from 0 to max_new_tokens ({brief_repr(max_new_tokens)})",
+    )
     return min_tokens, check_bool(ignore_eos, "ignore_eos")
 
 
-def tool_shape(prompt, tools, choice, stops: list[str],
-               template: str | None) -> tuple[list | None, str | None, tuple[dict, ...]]:
+def tool_shape(
+    prompt, tools, choice, stops: list[str], template: str | None
+) -> tuple[list | None, str | None, tuple[dict, ...]]:
     """(the tools to render, a call grammar) from ``tools`` / ``choice`` (checked already, e.g.
     by :class:`~specdec_rt.spec.params.RequestParams`; ``choice`` None resolved) for this
     prompt. With ``"none"`` the tools are still rendered where the ``template`` can (the model

@@ -14,20 +14,20 @@ from typing import AsyncGenerator, Iterable, Sequence
 
 import numpy as np
 
-from ..policy.acceptance import AcceptanceEWMA, CostModel, SpecConfig
-from ..policy.confidence import ChainStop, ConfidenceRates
-from ..sampling.constraints import Constraint
-from ..policy.request import RequestPolicy
-from .context import RequestContext
+from ..checks import check_bool, check_int, is_int
 from ..errors import InferenceError, InvalidInputError, SpecDecError
 from ..logs import get_logger
-from ..sampling.logprobs import TokenLogprob
-from .protocols import BatchCosts, DraftInferrer, TargetVerifier, check_implements
-from ..checks import check_bool, check_int, is_int
-from ..sampling import SamplingParams, brief_repr
+from ..policy.acceptance import AcceptanceEWMA, CostModel, SpecConfig
+from ..policy.confidence import ChainStop, ConfidenceRates
+from ..policy.request import RequestPolicy
 from ..policy.tree import TreePolicy, TreeRates
+from ..sampling import SamplingParams, brief_repr
+from ..sampling.constraints import Constraint
+from ..sampling.logprobs import TokenLogprob
 from ..sampling.tree import chain_length, tree_depth, tree_parents
 from ..types import DraftToken, GenerationResult, Mode, Stats, TokenEvent, Verdict
+from .context import RequestContext
+from .protocols import BatchCosts, DraftInferrer, TargetVerifier, check_implements
 
 __all__ = ["SpecDecScheduler", "RequestStream"]
 
@@ -50,9 +50,15 @@ class SpecDecScheduler:
     models stay usable for other requests.
     """
 
-    def __init__(self, drafter: DraftInferrer | None, verifier: TargetVerifier,
-                 config: SpecConfig | None = None, *, eos_ids: Iterable[int] = (),
-                 batch: BatchCosts | None = None) -> None:
+    def __init__(
+        self,
+        drafter: DraftInferrer | None,
+        verifier: TargetVerifier,
+        config: SpecConfig | None = None,
+        *,
+        eos_ids: Iterable[int] = (),
+        batch: BatchCosts | None = None,
+    ) -> None:
         if drafter is not None:
             check_implements(drafter, DraftInferrer, "drafter")
         check_implements(verifier, TargetVerifier, "verifier")
@@ -61,11 +67,14 @@ class SpecDecScheduler:
         self.config = config or SpecConfig()
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.shared_ewma = AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance)
-        self.costs = CostModel(self.config, measure=self.config.measure_costs,
-                               batched_verify=verifier.batched_verify,
-                               batch_step_s=batch.target_step if batch else None,
-                               draft_step_s=batch.draft_step if batch else None,
-                               batch_shapes=batch.target_shapes if batch else None)
+        self.costs = CostModel(
+            self.config,
+            measure=self.config.measure_costs,
+            batched_verify=verifier.batched_verify,
+            batch_step_s=batch.target_step if batch else None,
+            draft_step_s=batch.draft_step if batch else None,
+            batch_shapes=batch.target_shapes if batch else None,
+        )
         self.totals = Stats(mode="total")
         self.running = 0  # requests in their loop now: the batch their model calls share
         # a request alone may draft a tree: its main chain plus up to `tree_nodes` other nodes,
@@ -92,11 +101,19 @@ class SpecDecScheduler:
             lengths.append(int(m))
         return min(lengths) if lengths else None
 
-    def stream(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int,
-               params: SamplingParams | None = None, *, mode: Mode = "spec",
-               stop_ids: Iterable[int] = (), rng: np.random.Generator | None = None,
-               logprobs: int | None = None, constraint: Constraint | None = None,
-               ignore_eos: bool = False) -> "RequestStream":
+    def stream(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        max_new_tokens: int,
+        params: SamplingParams | None = None,
+        *,
+        mode: Mode = "spec",
+        stop_ids: Iterable[int] = (),
+        rng: np.random.Generator | None = None,
+        logprobs: int | None = None,
+        constraint: Constraint | None = None,
+        ignore_eos: bool = False,
+    ) -> "RequestStream":
         """Start a request; an async iterator of :class:`TokenEvent` as tokens become final.
 
         Arguments are checked here, before any model work: a bad value raises
@@ -111,26 +128,50 @@ class SpecDecScheduler:
         if mode == "spec" and self.drafter is None:
             raise InvalidInputError("mode 'spec' needs a drafter; this scheduler has none (use mode='ar')")
         if logprobs is not None and not self.verifier.reports_logprobs:
-            raise InvalidInputError(f"logprobs: this verifier ({type(self.verifier).__name__}) does not report "
-                                    "log-probabilities (its reports_logprobs is False)")
+            raise InvalidInputError(
+                f"logprobs: this verifier ({type(self.verifier).__name__}) does not report "
+                "log-probabilities (its reports_logprobs is False)"
+            )
         ends = (set() if check_bool(ignore_eos, "ignore_eos") else self.eos_ids) | set(stop_ids)
-        ctx = RequestContext(prompt_ids, max_new_tokens, params, ends,
-                             self.max_length, rng, self.verifier.vocab_size, logprobs,
-                             constraint)
+        ctx = RequestContext(
+            prompt_ids,
+            max_new_tokens,
+            params,
+            ends,
+            self.max_length,
+            rng,
+            self.verifier.vocab_size,
+            logprobs,
+            constraint,
+        )
         seeded = ctx.params.seed is not None and not ctx.params.greedy
-        ewma = (AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance) if seeded
-                else self.shared_ewma.copy())
+        ewma = (
+            AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance)
+            if seeded
+            else self.shared_ewma.copy()
+        )
         costs = CostModel(self.config, measure=False) if seeded else self.costs
         cached = self.drafter.cached_prefix if self.drafter is not None and mode == "spec" and not seeded else None
-        policy = RequestPolicy(self.config, mode, ewma, costs, shared=self.shared_ewma,  # the draft's prefill:
-                               prompt_tokens=ctx.prompt_len - (cached(ctx.tokens) if cached else 0))  # what it lacks
+        policy = RequestPolicy(
+            self.config,
+            mode,
+            ewma,
+            costs,
+            shared=self.shared_ewma,  # the draft's prefill:
+            prompt_tokens=ctx.prompt_len - (cached(ctx.tokens) if cached else 0),
+        )  # what it lacks
         policy.cheap_drafts = self.drafter is not None and self.drafter.cheap_drafts
         tree = TreePolicy(self.tree_nodes if self.trees and mode == "spec" else 0, self.config.alpha)
         rates = self.tree_rates if self.config.measure_costs and not seeded else None  # timings decide?
         return RequestStream(self._loop(ctx, policy, tree, rates), ctx)
 
-    async def run(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int,
-                  params: SamplingParams | None = None, **kwargs) -> GenerationResult:
+    async def run(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        max_new_tokens: int,
+        params: SamplingParams | None = None,
+        **kwargs,
+    ) -> GenerationResult:
         """The whole request: generated ids and stats (same arguments as :meth:`stream`)."""
         it = self.stream(prompt_ids, max_new_tokens, params, **kwargs)
         async with contextlib.aclosing(it):
@@ -138,8 +179,9 @@ class SpecDecScheduler:
                 pass
         return GenerationResult(it.token_ids, it.stats)
 
-    async def _loop(self, ctx: RequestContext, policy: RequestPolicy, tree: TreePolicy,
-                    rates: TreeRates | None) -> AsyncGenerator[TokenEvent, None]:
+    async def _loop(
+        self, ctx: RequestContext, policy: RequestPolicy, tree: TreePolicy, rates: TreeRates | None
+    ) -> AsyncGenerator[TokenEvent, None]:
         stats, seen, drafted = ctx.stats, False, False  # rounds so far; any of them drafted
         stats.mode = policy.mode
         t_start = perf_counter()
@@ -164,8 +206,9 @@ class SpecDecScheduler:
                 depth, chain = tree_depth(drafts), chain_length(drafts)
                 # 3. verify: one target call over len(drafts) + 1 positions (a tree: in one call too)
                 t1 = perf_counter()
-                verdict = _checked(await self.verifier.verify_and_accept(ctx, drafts), drafts, ctx.vocab_size,
-                                   ctx.logprobs is not None)
+                verdict = _checked(
+                    await self.verifier.verify_and_accept(ctx, drafts), drafts, ctx.vocab_size, ctx.logprobs is not None
+                )
                 t2 = perf_counter()
                 # 4. commit: append what the target kept, cut at the budget and at a stop id
                 at = ctx.generated.size
@@ -173,11 +216,26 @@ class SpecDecScheduler:
                 # 5. observe: stats, acceptance EWMA, costs, next draft length, fallback (costs
                 #    leave out the prefills: the target's in the first round, a drafter's in its first)
                 timed = seen and (drafted or not drafts)
-                switch = policy.observe(at, depth, verdict.accepted, t1 - t0, t2 - t1, timed,
-                                        alone=batch == 1 == max(self.running, self._admitted()),
-                                        batch=batch, verified=len(drafts), steps=ctx.draft_steps)
-                stats.observe_round(depth, verdict.accepted, new.size, t1 - t0, t2 - t1,
-                                    policy.ewma.value if drafts or stats.rounds else None)
+                switch = policy.observe(
+                    at,
+                    depth,
+                    verdict.accepted,
+                    t1 - t0,
+                    t2 - t1,
+                    timed,
+                    alone=batch == 1 == max(self.running, self._admitted()),
+                    batch=batch,
+                    verified=len(drafts),
+                    steps=ctx.draft_steps,
+                )
+                stats.observe_round(
+                    depth,
+                    verdict.accepted,
+                    new.size,
+                    t1 - t0,
+                    t2 - t1,
+                    policy.ewma.value if drafts or stats.rounds else None,
+                )
                 if ctx.chain_stop is not None:
                     ctx.chain_stop.observe(verdict.accepted)  # model drafts by confidence: accepted?
                 took_tree = any(i >= chain for i in verdict.path or ())  # the path left the main chain
@@ -188,17 +246,35 @@ class SpecDecScheduler:
                 seen, drafted = True, drafted or bool(drafts)
                 if switch is not None:
                     stats.fallbacks.append(switch)
-                    log.info("speculation.switch", to=switch.to, reason=switch.reason,
-                             at=switch.at, ewma=round(switch.ewma, 3))
+                    log.info(
+                        "speculation.switch",
+                        to=switch.to,
+                        reason=switch.reason,
+                        at=switch.at,
+                        ewma=round(switch.ewma, 3),
+                    )
                 if log.isEnabledFor(logging.DEBUG):
-                    log.debug("round", k=depth, nodes=len(drafts), accepted=verdict.accepted, emitted=new.size,
-                              ewma=round(policy.ewma.value, 3), t_draft=t1 - t0, t_verify=t2 - t1)
+                    log.debug(
+                        "round",
+                        k=depth,
+                        nodes=len(drafts),
+                        accepted=verdict.accepted,
+                        emitted=new.size,
+                        ewma=round(policy.ewma.value, 3),
+                        t_draft=t1 - t0,
+                        t_verify=t2 - t1,
+                    )
                 # 6. emit: these tokens are final
                 if stats.time_to_first_token is None:
                     stats.time_to_first_token = perf_counter() - t_start
-                yield TokenEvent(tuple(new.tolist()), at, depth, verdict.accepted, ctx.finish_reason,
-                                 verdict.logprobs[: new.size]
-                                 if ctx.logprobs is not None and verdict.logprobs is not None else None)  # (_checked)
+                yield TokenEvent(
+                    tuple(new.tolist()),
+                    at,
+                    depth,
+                    verdict.accepted,
+                    ctx.finish_reason,
+                    verdict.logprobs[: new.size] if ctx.logprobs is not None and verdict.logprobs is not None else None,
+                )  # (_checked)
         except SpecDecError:
             ctx.finish_reason = "error"
             raise
@@ -217,24 +293,37 @@ class SpecDecScheduler:
             if self.drafter is not None:
                 self.drafter.release(ctx)
             self.verifier.release(ctx)
-            log.info("request.end", mode=stats.mode, new_tokens=stats.new_tokens,
-                     finish=stats.finish_reason, acceptance=round(stats.acceptance_rate, 3),
-                     tokens_per_s=round(stats.tokens_per_s, 2))
+            log.info(
+                "request.end",
+                mode=stats.mode,
+                new_tokens=stats.new_tokens,
+                finish=stats.finish_reason,
+                acceptance=round(stats.acceptance_rate, 3),
+                tokens_per_s=round(stats.tokens_per_s, 2),
+            )
 
     def _chain_stop(self, ctx: RequestContext, policy: RequestPolicy, k: int, batch: int) -> ChainStop | None:
         """A request alone that drafts a chain with the draft model stops it where one more draft
         would not pay at the rates measured for its confidences (confidence.py). Not in a batch
         (its costs are the batch's), not in trees, probes or cheap rounds, and not for a seeded
         sampled request (its schedule must not depend on other requests)."""
-        if (not self.config.confidence_stop or k < 2 or batch > 1 or ctx.tree_nodes or policy.cheap
-                or not policy.speculating or (ctx.params.seed is not None and not ctx.params.greedy)):
+        if (
+            not self.config.confidence_stop
+            or k < 2
+            or batch > 1
+            or ctx.tree_nodes
+            or policy.cheap
+            or not policy.speculating
+            or (ctx.params.seed is not None and not ctx.params.greedy)
+        ):
             return None
         d, s = policy.costs.relative()
         a = policy.ewma.value
         return ChainStop(self.confidence_rates, a, (d + s) * policy.costs.speedup(a, k) / max(a, 1e-3))
 
-    def _tree_shape(self, ctx: RequestContext, tree: TreePolicy, policy: RequestPolicy, k: int,
-                    alone: bool, rates: TreeRates | None) -> tuple[int, int]:
+    def _tree_shape(
+        self, ctx: RequestContext, tree: TreePolicy, policy: RequestPolicy, k: int, alone: bool, rates: TreeRates | None
+    ) -> tuple[int, int]:
         """``(depth, nodes)`` for a round the policy gave ``k`` drafts: the chain, or a tree of
         ``nodes`` beyond a main chain of ``depth <= k``, the depth whose tree the cost model
         rates best (drafts deep in a chain that are seldom right may be worth less than nodes
@@ -286,13 +375,16 @@ def _drafts_checked(drafts, most: int, ctx: RequestContext) -> list[DraftToken]:
             raise InferenceError(f"drafter returned {brief_repr(d)} as draft {i}: need a DraftToken with an integer id")
         tid = d.id
         if tid < 0 or (vocab is not None and tid >= vocab):
-            raise InferenceError(f"drafter proposed token id {tid} (draft {i}), outside the vocabulary "
-                                 f"(ids 0..{'?' if vocab is None else vocab - 1})")
+            raise InferenceError(
+                f"drafter proposed token id {tid} (draft {i}), outside the vocabulary "
+                f"(ids 0..{'?' if vocab is None else vocab - 1})"
+            )
     return drafts
 
 
-def _checked(verdict: Verdict, drafts: Sequence[DraftToken], vocab: int | None = None,
-             logprobs: bool = False) -> Verdict:
+def _checked(
+    verdict: Verdict, drafts: Sequence[DraftToken], vocab: int | None = None, logprobs: bool = False
+) -> Verdict:
     """A plug-in verifier's verdict must keep a path of the drafts (a prefix of a chain) and add
     exactly one token, a token of the vocabulary (and, when asked, one log-probability a token)."""
     if not isinstance(verdict, Verdict) or not np.issubdtype(np.asarray(verdict.tokens).dtype, np.integer):
@@ -300,9 +392,17 @@ def _checked(verdict: Verdict, drafts: Sequence[DraftToken], vocab: int | None =
     n = verdict.accepted
     path = tuple(range(n)) if verdict.path is None else tuple(int(i) for i in verdict.path)
     parents = tree_parents(drafts)
-    ok = 0 <= n <= len(drafts) and len(verdict.tokens) == n + 1 and len(path) == n and all(
-        0 <= path[i] < len(drafts) and parents[path[i]] == (path[i - 1] if i else -1)
-        and int(verdict.tokens[i]) == drafts[path[i]].id for i in range(n))
+    ok = (
+        0 <= n <= len(drafts)
+        and len(verdict.tokens) == n + 1
+        and len(path) == n
+        and all(
+            0 <= path[i] < len(drafts)
+            and parents[path[i]] == (path[i - 1] if i else -1)
+            and int(verdict.tokens[i]) == drafts[path[i]].id
+            for i in range(n)
+        )
+    )
     if not ok:
         raise InferenceError(
             f"verifier returned an inconsistent verdict: accepted={n}, tokens={list(verdict.tokens)}, "
@@ -310,8 +410,9 @@ def _checked(verdict: Verdict, drafts: Sequence[DraftToken], vocab: int | None =
         )
     last = int(verdict.tokens[-1])
     if last < 0 or (vocab is not None and last >= vocab):
-        raise InferenceError(f"verifier emitted token id {last}, outside the vocabulary "
-                             f"(ids 0..{'?' if vocab is None else vocab - 1})")
+        raise InferenceError(
+            f"verifier emitted token id {last}, outside the vocabulary (ids 0..{'?' if vocab is None else vocab - 1})"
+        )
     if logprobs and (verdict.logprobs is None or len(verdict.logprobs) != len(verdict.tokens)):
         got = None if verdict.logprobs is None else len(verdict.logprobs)
         raise InferenceError(f"verifier returned {got} log-probabilities for {len(verdict.tokens)} tokens")

@@ -22,8 +22,15 @@ from typing import Any, Sequence
 from ..errors import InvalidInputError, ModelLoadError
 from ..manifest_schema import TEXT_TAGS
 from ..sampling import brief_repr
-from .template_sandbox import (TEMPLATE_MAX_STEPS, TEMPLATE_MIN_CHARS, TEMPLATE_TIMEOUT_S,
-                               TemplateBudgetError, compile_template, new_environment, render_bounded)
+from .template_sandbox import (
+    TEMPLATE_MAX_STEPS,
+    TEMPLATE_MIN_CHARS,
+    TEMPLATE_TIMEOUT_S,
+    TemplateBudgetError,
+    compile_template,
+    new_environment,
+    render_bounded,
+)
 from .tools import CALL_OPEN, nested_strings, supports_tools, template_messages
 
 __all__ = ["TextCodec", "IncrementalDecoder", "MAX_TOKENIZER_BYTES"]
@@ -46,8 +53,9 @@ def _tags_as_text(tokenizer):
 def _structured_fields(messages: Sequence[dict], tools: Sequence[dict] | None) -> list[tuple[str, Any]]:
     """``(name, value)`` of what a template renders from structures rather than strings: the
     ``tools`` and each message's ``tool_calls``."""
-    return [("tools", tools or [])] + [(f"messages[{i}].tool_calls", m["tool_calls"])
-                                       for i, m in enumerate(messages) if m.get("tool_calls")]
+    return [("tools", tools or [])] + [
+        (f"messages[{i}].tool_calls", m["tool_calls"]) for i, m in enumerate(messages) if m.get("tool_calls")
+    ]
 
 
 class TextCodec:
@@ -61,10 +69,18 @@ class TextCodec:
     (default output budget: 1 MiB plus 4 x the characters of the messages).
     """
 
-    def __init__(self, tokenizer_file: str | Path, *, add_bos: bool = False, bos_id: int | None = None,
-                 chat_template: str | None = None, allow_special_in_content: bool = False,
-                 template_timeout_s: float = TEMPLATE_TIMEOUT_S, template_max_chars: int | None = None,
-                 template_source: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer_file: str | Path,
+        *,
+        add_bos: bool = False,
+        bos_id: int | None = None,
+        chat_template: str | None = None,
+        allow_special_in_content: bool = False,
+        template_timeout_s: float = TEMPLATE_TIMEOUT_S,
+        template_max_chars: int | None = None,
+        template_source: str | None = None,
+    ) -> None:
         from tokenizers import Tokenizer
 
         try:  # sized before it is parsed: a hostile folder's 20 GB "tokenizer" must not be read
@@ -72,8 +88,10 @@ class TextCodec:
         except OSError as exc:
             raise ModelLoadError(f"{tokenizer_file}: cannot load tokenizer: {exc.strerror or exc}") from exc
         if size > MAX_TOKENIZER_BYTES:
-            raise ModelLoadError(f"{tokenizer_file}: {size} bytes, more than the {MAX_TOKENIZER_BYTES} a "
-                                 "tokenizer may have (the largest real ones are ~35 MB)")
+            raise ModelLoadError(
+                f"{tokenizer_file}: {size} bytes, more than the {MAX_TOKENIZER_BYTES} a "
+                "tokenizer may have (the largest real ones are ~35 MB)"
+            )
         try:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
@@ -96,8 +114,14 @@ class TextCodec:
 
     @classmethod
     def from_manifest(cls, m, **options) -> "TextCodec":
-        return cls(m.tokenizer_file, add_bos=m.add_bos, bos_id=m.bos_id, chat_template=m.chat_template,
-                   template_source=f"the chat template in {Path(m.folder) / 'manifest.json'}", **options)
+        return cls(
+            m.tokenizer_file,
+            add_bos=m.add_bos,
+            bos_id=m.bos_id,
+            chat_template=m.chat_template,
+            template_source=f"the chat template in {Path(m.folder) / 'manifest.json'}",
+            **options,
+        )
 
     def token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.tokenizer.id_to_token(int(token_id)) or "")
@@ -125,10 +149,12 @@ class TextCodec:
     def _decoder_kinds(self) -> frozenset[str]:
         """The types of the tokenizer's decoder steps (e.g. ``{"ByteLevel"}``), read once."""
         if self._kinds is None:
+
             def walk(d) -> list[str]:
                 if not isinstance(d, dict):
                     return []
                 return [str(d.get("type"))] + [k for sub in d.get("decoders") or [] for k in walk(sub)]
+
             self._kinds = frozenset(walk(json.loads(self.tokenizer.to_str()).get("decoder")))
         return self._kinds
 
@@ -158,14 +184,22 @@ class TextCodec:
             if content is None and isinstance(msg, dict) and msg.get("tool_calls"):  # calls only
                 msg, content = {**msg, "content": ""}, ""
             if isinstance(content, list):
-                if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
-                           for c in content):
-                    raise InvalidInputError(f"messages[{i}].content: only text parts "
-                                            f"({{'type': 'text', 'text': ...}}) can be read, got {brief_repr(content)}")
+                if not all(
+                    isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content
+                ):
+                    raise InvalidInputError(
+                        f"messages[{i}].content: only text parts "
+                        f"({{'type': 'text', 'text': ...}}) can be read, got {brief_repr(content)}"
+                    )
                 msg = {**msg, "content": "".join(c["text"] for c in content)}
-            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
-                raise InvalidInputError(f"messages[{i}] must be a dict with string 'role' and 'content', "
-                                        f"got {brief_repr(msg)}")
+            if (
+                not isinstance(msg, dict)
+                or not isinstance(msg.get("role"), str)
+                or not isinstance(msg.get("content"), str)
+            ):
+                raise InvalidInputError(
+                    f"messages[{i}] must be a dict with string 'role' and 'content', got {brief_repr(msg)}"
+                )
             out.append(msg)
         return out
 
@@ -181,15 +215,17 @@ class TextCodec:
             for name, value in fields():
                 at = _bad_unicode(value)
                 if at:
-                    raise InvalidInputError(f"{name} is not valid Unicode text: a lone surrogate "
-                                            f"{value[at - 1]!r} at index {at - 1}") from exc
+                    raise InvalidInputError(
+                        f"{name} is not valid Unicode text: a lone surrogate {value[at - 1]!r} at index {at - 1}"
+                    ) from exc
             raise InvalidInputError(f"the prompt cannot be tokenized: {type(exc).__name__}: {exc}"[:300]) from exc
 
     @staticmethod
     def _message_fields(messages: Sequence[dict]):
         """``(messages[i].key, value)`` for the string fields of chat messages."""
-        return lambda: ((f"messages[{i}].{k}", v) for i, msg in enumerate(messages)
-                        for k, v in msg.items() if isinstance(v, str))
+        return lambda: (
+            (f"messages[{i}].{k}", v) for i, msg in enumerate(messages) for k, v in msg.items() if isinstance(v, str)
+        )
 
     def _render(self, messages: list, add_generation_prompt: bool, tools: Sequence[dict] | None = None) -> str:
         template = self._compiled()
@@ -199,22 +235,31 @@ class TextCodec:
         chars = self.template_max_chars or TEMPLATE_MIN_CHARS + 4 * size
         extra = {"tools": list(tools)} if tools else {}
         try:
-            return render_bounded(template, chars=chars, steps=TEMPLATE_MAX_STEPS + 64 * len(messages)
-                                  + 64 * sum(len(v) for _, v in nested), seconds=self.template_timeout_s,
-                                  messages=messages, add_generation_prompt=add_generation_prompt,
-                                  bos_token=self.token_text(self.bos_id), eos_token="", **extra)
+            return render_bounded(
+                template,
+                chars=chars,
+                steps=TEMPLATE_MAX_STEPS + 64 * len(messages) + 64 * sum(len(v) for _, v in nested),
+                seconds=self.template_timeout_s,
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.token_text(self.bos_id),
+                eos_token="",
+                **extra,
+            )
         except TemplateBudgetError as exc:
             raise InvalidInputError(f"{self.template_source} {exc}; refusing to render it") from None
         except InvalidInputError:
             raise
         except (MemoryError, RecursionError, OverflowError) as exc:
-            raise InvalidInputError(f"{self.template_source} failed ({type(exc).__name__}); "
-                                    "refusing to render it") from None
+            raise InvalidInputError(
+                f"{self.template_source} failed ({type(exc).__name__}); refusing to render it"
+            ) from None
         except Exception as exc:  # noqa: BLE001 - a template error is the input's problem
             raise InvalidInputError(f"chat template failed on these messages: {exc}") from exc
 
-    def encode_prompt(self, prompt: str | Sequence[dict], allow_special: bool | None = None,
-                      tools: Sequence[dict] | None = None) -> list[int]:
+    def encode_prompt(
+        self, prompt: str | Sequence[dict], allow_special: bool | None = None, tools: Sequence[dict] | None = None
+    ) -> list[int]:
         """A string is plain text (the raw prompt, see :meth:`encode`); a list of messages goes
         through the chat template (which holds any special tokens itself, so no BOS is added).
 
@@ -229,24 +274,28 @@ class TextCodec:
         prompt = template_messages(self._check_messages(prompt))
         if not supports_tools(self.chat_template):
             if tools:
-                raise InvalidInputError("tools: this model's chat template does not render tools (it writes no "
-                                        f"{CALL_OPEN} calls)")
+                raise InvalidInputError(
+                    f"tools: this model's chat template does not render tools (it writes no {CALL_OPEN} calls)"
+                )
             called = next((i for i, m in enumerate(prompt) if m.get("tool_calls")), None)
             if called is not None:  # the template would drop them from the history without a word
-                raise InvalidInputError(f"messages[{called}].tool_calls: this model's chat template does not "
-                                        "render tool calls")
+                raise InvalidInputError(
+                    f"messages[{called}].tool_calls: this model's chat template does not render tool calls"
+                )
         allow = self.allow_special_in_content if allow_special is None else allow_special
         if not allow and self._special_re is not None:
             for name, value in _structured_fields(prompt, tools):
                 if any(self._special_re.search(text) for text in nested_strings(value, name)):
                     raise InvalidInputError(f"{name} holds the text of a special token")
         if allow or self._special_re is None:
-            return self._tokenize(self.tokenizer, self._render(list(prompt), True, tools),
-                                  self._message_fields(prompt)).ids
+            return self._tokenize(
+                self.tokenizer, self._render(list(prompt), True, tools), self._message_fields(prompt)
+            ).ids
         return self._encode_chat_plain(list(prompt), self._special_re, tools)
 
-    def _encode_chat_plain(self, messages: list, special: re.Pattern[str],
-                           tools: Sequence[dict] | None = None) -> list[int]:
+    def _encode_chat_plain(
+        self, messages: list, special: re.Pattern[str], tools: Sequence[dict] | None = None
+    ) -> list[int]:
         """Render with each special-token string in the messages replaced by a placeholder
         character, encode (the template's control tokens are matched), then re-encode the text
         between two control tokens that holds placeholders with the strings put back and
@@ -268,8 +317,10 @@ class TextCodec:
         holder = {text: next(free) for text in sorted(found, key=len, reverse=True)}
         back = {ph: text for text, ph in holder.items()}
         pattern = re.compile("|".join(map(re.escape, holder)))
-        swapped = [{k: pattern.sub(lambda m: holder[m.group()], v) if isinstance(v, str) else v
-                    for k, v in msg.items()} for msg in messages]
+        swapped = [
+            {k: pattern.sub(lambda m: holder[m.group()], v) if isinstance(v, str) else v for k, v in msg.items()}
+            for msg in messages
+        ]
         text = self._render(swapped, True, tools)
         enc = self._tokenize(self.tokenizer, text, fields)
         ids, offsets = enc.ids, enc.offsets
@@ -291,8 +342,9 @@ class TextCodec:
                 segment = segment.lstrip()
             if hi < len(ids) and self._special_tokens[ids[hi]].lstrip:
                 segment = segment.rstrip()
-            out.extend(self._tokenize(self._plain_tokenizer(), unplace.sub(lambda m: back[m.group()], segment),
-                                      fields).ids)
+            out.extend(
+                self._tokenize(self._plain_tokenizer(), unplace.sub(lambda m: back[m.group()], segment), fields).ids
+            )
         return out
 
     def _plain_tokenizer(self):

@@ -24,8 +24,16 @@ from typing import Any
 
 from ..errors import InvalidInputError
 
-__all__ = ["TemplateBudgetError", "new_environment", "compile_template", "render_bounded",
-           "TEMPLATE_TIMEOUT_S", "TEMPLATE_MIN_CHARS", "TEMPLATE_MAX_STEPS", "TEMPLATE_MAX_INT_BITS"]
+__all__ = [
+    "TemplateBudgetError",
+    "new_environment",
+    "compile_template",
+    "render_bounded",
+    "TEMPLATE_TIMEOUT_S",
+    "TEMPLATE_MIN_CHARS",
+    "TEMPLATE_MAX_STEPS",
+    "TEMPLATE_MAX_INT_BITS",
+]
 
 TEMPLATE_TIMEOUT_S = 2.0  # default deadline of one chat template rendering
 TEMPLATE_MIN_CHARS = 1 << 20  # output budget: this, plus 4 x the characters of the messages
@@ -61,8 +69,9 @@ class _Budget:
         elif isinstance(value, _CONTAINERS):
             n = _text_length(value, self.chars)  # a list may hold one big string many times
             if n > self.chars:
-                raise TemplateBudgetError(f"built a value of at least {n} characters (as text), "
-                                          f"over its budget of {self.chars}")
+                raise TemplateBudgetError(
+                    f"built a value of at least {n} characters (as text), over its budget of {self.chars}"
+                )
         return value
 
     def bits(self, n: int, what: str) -> None:
@@ -98,10 +107,12 @@ def _text_length(x: Any, limit: int, depth: int = 0) -> int:
         if depth > 64:
             return len(x) + 2
         total = 2
-        for item in (x.items() if isinstance(x, dict) else x):
-            total += 2 + (_text_length(item[0], limit - total, depth + 1) + 2
-                          + _text_length(item[1], limit - total, depth + 1) if isinstance(x, dict)
-                          else _text_length(item, limit - total, depth + 1))
+        for item in x.items() if isinstance(x, dict) else x:
+            total += 2 + (
+                _text_length(item[0], limit - total, depth + 1) + 2 + _text_length(item[1], limit - total, depth + 1)
+                if isinstance(x, dict)
+                else _text_length(item, limit - total, depth + 1)
+            )
             if total > limit:
                 break
         return total
@@ -224,18 +235,25 @@ def _bounded_filter(name: str, func):
                     items = list(itertools.islice(value, b.chars + 1))
                     b.need(len(items), "the join filter")
                     at = next(i for i, a in enumerate(args) if a is value)
-                    args, value = (*args[:at], items, *args[at + 1:]), items
+                    args, value = (*args[:at], items, *args[at + 1 :]), items
                 b.need(_length(sep) * len(value) + _text_length(value, b.chars), "the join filter")
             elif name == "replace" and len(values) >= 3:
                 b.need((_length(value) + 1) * (_length(values[2]) + 1), "the replace filter")
             elif name == "indent":
                 width = values[1] if len(values) > 1 else kwargs.get("width", 4)
                 lines = str(value).count("\n") + 1
-                b.need(lines * _length(width if isinstance(width, str) else " " * min(int(width), b.chars + 1)), "the indent filter")
+                b.need(
+                    lines * _length(width if isinstance(width, str) else " " * min(int(width), b.chars + 1)),
+                    "the indent filter",
+                )
             elif name == "format" and isinstance(value, str):
                 _check_percent(value, kwargs or tuple(values[1:]), b, "the format filter")
-            elif name == "int" and isinstance(value, str) and len(value) > 5000 \
-                    and value.strip().lstrip("+-").replace("_", "").isdigit():
+            elif (
+                name == "int"
+                and isinstance(value, str)
+                and len(value) > 5000
+                and value.strip().lstrip("+-").replace("_", "").isdigit()
+            ):
                 # Python 3.11+ refuse over 4300 digits; 3.10 would parse them in quadratic time
                 b.bits(len(value), "the int filter's result")
             elif name == "wordwrap":
@@ -254,9 +272,32 @@ def _bounded_filter(name: str, func):
 
 
 # filters that turn their input into text: a list given to them is sized as text first
-_STRINGIFYING = frozenset({"string", "tojson", "pprint", "upper", "lower", "title", "capitalize", "trim",
-                           "striptags", "escape", "e", "forceescape", "urlize", "center", "indent",
-                           "replace", "truncate", "wordwrap", "wordcount", "format", "safe", "urlencode"})
+_STRINGIFYING = frozenset(
+    {
+        "string",
+        "tojson",
+        "pprint",
+        "upper",
+        "lower",
+        "title",
+        "capitalize",
+        "trim",
+        "striptags",
+        "escape",
+        "e",
+        "forceescape",
+        "urlize",
+        "center",
+        "indent",
+        "replace",
+        "truncate",
+        "wordwrap",
+        "wordcount",
+        "format",
+        "safe",
+        "urlencode",
+    }
+)
 
 
 def _sandbox_class():
@@ -301,8 +342,11 @@ def _sandbox_class():
             checks each field before formatting it (see :func:`_format_field_mixin`)."""
             import types
 
-            if not isinstance(value, (types.MethodType, types.BuiltinMethodType)) or \
-                    value.__name__ not in ("format", "format_map") or not isinstance(value.__self__, str):
+            if (
+                not isinstance(value, (types.MethodType, types.BuiltinMethodType))
+                or value.__name__ not in ("format", "format_map")
+                or not isinstance(value.__self__, str)
+            ):
                 return None
             f_self = value.__self__
             str_type, is_format_map = type(f_self), value.__name__ == "format_map"
@@ -354,14 +398,26 @@ def _instrument(ast):
     class Guard(NodeTransformer):
         def visit_For(self, node):
             self.generic_visit(node)
-            node.iter = nodes.Call(nodes.Name("__specdec_iter", "load", lineno=node.lineno), [node.iter],
-                                   [], None, None, lineno=node.lineno)
+            node.iter = nodes.Call(
+                nodes.Name("__specdec_iter", "load", lineno=node.lineno),
+                [node.iter],
+                [],
+                None,
+                None,
+                lineno=node.lineno,
+            )
             return node
 
         def visit_Concat(self, node):
             self.generic_visit(node)
-            return nodes.Call(nodes.Name("__specdec_concat", "load", lineno=node.lineno), list(node.nodes),
-                              [], None, None, lineno=node.lineno)
+            return nodes.Call(
+                nodes.Name("__specdec_concat", "load", lineno=node.lineno),
+                list(node.nodes),
+                [],
+                None,
+                None,
+                lineno=node.lineno,
+            )
 
     return Guard().visit(ast)
 
@@ -376,6 +432,7 @@ def _finalize(value):
 
 def _bounded_lipsum(lipsum):
     """``lipsum(n, html, min, max)`` writes up to n * max words in a Python loop: sized first."""
+
     def bounded(n=5, html=True, min=20, max=100):  # noqa: A002 - Jinja's names
         b = _current()
         if all(isinstance(v, int) for v in (n, min, max)):

@@ -15,12 +15,23 @@ import re
 import uuid
 from typing import Any, Sequence
 
-from ..sampling.constraints import json_text
 from ..errors import InvalidInputError
 from ..sampling import brief_repr
+from ..sampling.constraints import json_text
 
-__all__ = ["check_tools", "check_tool_choice", "template_messages", "parse_tool_calls", "call_grammar", "call_schemas",
-           "nested_strings", "supports_tools", "CALL_OPEN", "CALL_CLOSE", "MAX_TOOLS"]
+__all__ = [
+    "check_tools",
+    "check_tool_choice",
+    "template_messages",
+    "parse_tool_calls",
+    "call_grammar",
+    "call_schemas",
+    "nested_strings",
+    "supports_tools",
+    "CALL_OPEN",
+    "CALL_CLOSE",
+    "MAX_TOOLS",
+]
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
@@ -40,13 +51,21 @@ def check_tools(tools: Any) -> list[dict]:
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not NAME.fullmatch(fn["name"]):
-            raise InvalidInputError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a "
-                                    f"name of 1-64 letters, digits, '_', '.' or '-', got {brief_repr(tool, 100)}")
+            raise InvalidInputError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a "
+                f"name of 1-64 letters, digits, '_', '.' or '-', got {brief_repr(tool, 100)}"
+            )
         params = fn.get("parameters", {})
-        if not isinstance(params, dict) or params.get("type", "object") != "object" or not isinstance(
-                fn.get("description", ""), str) or not isinstance(params.get("x-guidance", {}), dict):
-            raise InvalidInputError(f"tools[{i}].function: parameters must be a JSON schema of an object "
-                                    "(\"type\": \"object\"; x-guidance, if any, an object) and description a string")
+        if (
+            not isinstance(params, dict)
+            or params.get("type", "object") != "object"
+            or not isinstance(fn.get("description", ""), str)
+            or not isinstance(params.get("x-guidance", {}), dict)
+        ):
+            raise InvalidInputError(
+                f"tools[{i}].function: parameters must be a JSON schema of an object "
+                '("type": "object"; x-guidance, if any, an object) and description a string'
+            )
         json_text(params, f"tools[{i}].function.parameters")
         if fn["name"] in seen:
             raise InvalidInputError(f"tools[{i}]: function {fn['name']!r} is named twice")
@@ -63,11 +82,16 @@ def check_tool_choice(choice: Any, tools: Sequence[dict]) -> str | dict:
         if choice == "required" and not tools:
             raise InvalidInputError("tool_choice 'required' needs tools")
         return choice
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
-        and isinstance(choice.get("function"), dict) else None
+    name = (
+        choice.get("function", {}).get("name")
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+        else None
+    )
     if name is None:
-        raise InvalidInputError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
-                                f"{{'name': ...}}}}, got {brief_repr(choice, 100)}")
+        raise InvalidInputError(
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+            f"{{'name': ...}}}}, got {brief_repr(choice, 100)}"
+        )
     if name not in {t["function"]["name"] for t in tools}:
         raise InvalidInputError(f"tool_choice names function {brief_repr(name, 100)}, which tools does not list")
     return choice
@@ -93,10 +117,15 @@ def template_messages(messages: Sequence[dict]) -> list[dict]:
         shaped = []
         for j, call in enumerate(calls):
             fn = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
-                    fn.get("arguments", "{}"), (str, dict)):
-                raise InvalidInputError(f"messages[{i}].tool_calls[{j}] must be {{'id': ..., 'type': 'function', "
-                                        f"'function': {{'name': ..., 'arguments': '<JSON>'}}}}, got {brief_repr(call, 100)}")
+            if (
+                not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments", "{}"), (str, dict))
+            ):
+                raise InvalidInputError(
+                    f"messages[{i}].tool_calls[{j}] must be {{'id': ..., 'type': 'function', "
+                    f"'function': {{'name': ..., 'arguments': '<JSON>'}}}}, got {brief_repr(call, 100)}"
+                )
             args = fn.get("arguments", "{}")
             if isinstance(args, str):
                 try:
@@ -174,8 +203,14 @@ def _call_at(text: str, pos: int, names) -> tuple[dict | None, int]:
         arguments = json.dumps(args, allow_nan=False)
     except ValueError:  # NaN or Infinity: not JSON a client could read
         return None, pos
-    return ({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-             "function": {"name": body["name"], "arguments": arguments}}, close + len(CALL_CLOSE))
+    return (
+        {
+            "id": "call_" + uuid.uuid4().hex[:24],
+            "type": "function",
+            "function": {"name": body["name"], "arguments": arguments},
+        },
+        close + len(CALL_CLOSE),
+    )
 
 
 def _forced(tools: Sequence[dict], choice: str | dict) -> list[tuple[str, dict]]:
@@ -201,5 +236,7 @@ def call_grammar(tools: Sequence[dict], choice: str | dict) -> str:
     for i, (name, params) in enumerate(forced):
         head = json.dumps('{"name": ' + json.dumps(name) + ', "arguments": ')
         schema = {**params, "x-guidance": {**params.get("x-guidance", {}), "whitespace_pattern": CALL_WHITESPACE}}
-        rules += [f"call{i}: {head} args{i} \"}}\"", f"args{i}: %json {json.dumps(schema)}"]
-    return f"start: {json.dumps(CALL_OPEN + chr(10))} call {json.dumps(chr(10) + CALL_CLOSE)}\n" + "\n".join(rules) + "\n"
+        rules += [f'call{i}: {head} args{i} "}}"', f"args{i}: %json {json.dumps(schema)}"]
+    return (
+        f"start: {json.dumps(CALL_OPEN + chr(10))} call {json.dumps(chr(10) + CALL_CLOSE)}\n" + "\n".join(rules) + "\n"
+    )

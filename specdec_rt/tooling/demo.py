@@ -32,8 +32,10 @@ async def run_demo(args) -> int:
     ensure_built(args.model, allow_build=not args.no_build, say=_say)
     t0 = time.perf_counter()
     engine = await load_engine(args)
-    _say(f"loaded {engine.manifest.name} with draft {engine.draft_name!r} in {time.perf_counter() - t0:.1f} s "
-         f"({engine.target.session.get_providers()[0]}, exact to: {engine.manifest.exact_to})")
+    _say(
+        f"loaded {engine.manifest.name} with draft {engine.draft_name!r} in {time.perf_counter() - t0:.1f} s "
+        f"({engine.target.session.get_providers()[0]}, exact to: {engine.manifest.exact_to})"
+    )
     n = args.max_new_tokens
     async with engine:
         await engine.generate("Hello", max_new_tokens=4, mode="ar")  # warm-up (first-call allocations)
@@ -45,12 +47,16 @@ async def run_demo(args) -> int:
             print(ev.text, end="", flush=True)
             stats = ev.stats or stats
         assert stats is not None  # the stream's last event carries them
-        print(f"\n\n[spec] {stats.new_tokens} tokens at {stats.tokens_per_s:.1f} tok/s, "
-              f"acceptance {stats.acceptance_rate:.2f}, mean accepted {stats.mean_accepted:.2f}\n")
+        print(
+            f"\n\n[spec] {stats.new_tokens} tokens at {stats.tokens_per_s:.1f} tok/s, "
+            f"acceptance {stats.acceptance_rate:.2f}, mean accepted {stats.mean_accepted:.2f}\n"
+        )
 
         rows = []
-        print(f"{'prompt':<34} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} "
-              f"{'accept':>7} {'mean acc':>8} {'identical':>9}")
+        print(
+            f"{'prompt':<34} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} "
+            f"{'accept':>7} {'mean acc':>8} {'identical':>9}"
+        )
         for prompt in DEMO_PROMPTS:
             chat = [{"role": "user", "content": prompt}]
             ar = await engine.generate(chat, max_new_tokens=n, mode="ar")
@@ -58,11 +64,15 @@ async def run_demo(args) -> int:
             same = ar.token_ids == sp.token_ids
             speedup = sp.stats.tokens_per_s / ar.stats.tokens_per_s
             rows.append((speedup, same, sp.stats))
-            print(f"{prompt[:33]:<34} {ar.stats.tokens_per_s:>11.1f} {sp.stats.tokens_per_s:>10.1f} "
-                  f"{speedup:>7.2f}x {sp.stats.acceptance_rate:>7.2f} {sp.stats.mean_accepted:>8.2f} "
-                  f"{'yes' if same else 'NO':>9}")
+            print(
+                f"{prompt[:33]:<34} {ar.stats.tokens_per_s:>11.1f} {sp.stats.tokens_per_s:>10.1f} "
+                f"{speedup:>7.2f}x {sp.stats.acceptance_rate:>7.2f} {sp.stats.mean_accepted:>8.2f} "
+                f"{'yes' if same else 'NO':>9}"
+            )
         med = statistics.median(r[0] for r in rows)
         all_same = all(r[1] for r in rows)
-        print(f"\nmedian speedup of speculative over plain decoding: {med:.2f}x "
-              f"(greedy outputs identical: {'yes' if all_same else 'NO'})")
+        print(
+            f"\nmedian speedup of speculative over plain decoding: {med:.2f}x "
+            f"(greedy outputs identical: {'yes' if all_same else 'NO'})"
+        )
     return 0 if all_same else 1

@@ -29,19 +29,18 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..errors import InvalidInputError, SpecDecError
 from ..engine.loading import DEFAULT_MODEL, ensure_built
-from .prompt_files import read_prompt_file
-from .reports import write_report
+from ..errors import InvalidInputError, SpecDecError
 from ..serve.protocol import MAX_TEMPERATURE
 from .loadtest_report import OK, REJECTED, RequestSample, format_markdown, format_table, plot, speedups, summarize_phase
+from .prompt_files import read_prompt_file
+from .reports import write_report
 from .sse_client import SSEEvent, SSEParser, interpret, one_request  # noqa: F401 - the client, re-exported
 
-__all__ = ["add_arguments", "run_loadtest", "check_loopback", "SSEParser", "read_prompts",
-           "LoadTestError"]
+__all__ = ["add_arguments", "run_loadtest", "check_loopback", "SSEParser", "read_prompts", "LoadTestError"]
 
 MAX_REQUESTS_PER_PHASE = 100_000  # the count bound of a --duration phase
-RETRY_AFTER_CAP_S = 5.0           # a 429's Retry-After is honoured up to this
+RETRY_AFTER_CAP_S = 5.0  # a 429's Retry-After is honoured up to this
 
 
 class LoadTestError(SpecDecError):
@@ -67,8 +66,10 @@ def check_loopback(url: str) -> str:
             ip = None
         mapped = getattr(ip, "ipv4_mapped", None)
         if ip is None or not (ip.is_loopback if mapped is None else mapped.is_loopback):
-            raise LoadTestError(f"--url {url!r}: the load test only sends traffic to this machine's loopback "
-                                f"addresses (127.0.0.0/8, localhost, ::1), not to {host!r}")
+            raise LoadTestError(
+                f"--url {url!r}: the load test only sends traffic to this machine's loopback "
+                f"addresses (127.0.0.0/8, localhost, ::1), not to {host!r}"
+            )
     try:
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError as exc:
@@ -103,9 +104,19 @@ class _Budget:
         return self.issued - 1
 
 
-async def run_phase(client, url: str, model: str, mode: str, concurrency: int, prompts: list,
-                    max_tokens: int, count: int, seconds: float, timeout_s: float,
-                    temperature: float = 0.0) -> tuple[list[RequestSample], float]:
+async def run_phase(
+    client,
+    url: str,
+    model: str,
+    mode: str,
+    concurrency: int,
+    prompts: list,
+    max_tokens: int,
+    count: int,
+    seconds: float,
+    timeout_s: float,
+    temperature: float = 0.0,
+) -> tuple[list[RequestSample], float]:
     """``concurrency`` closed-loop clients until ``count`` requests were sent or ``seconds``
     passed; returns the samples and the phase's wall time. Request i uses prompt i (cycling), so
     each mode at a level sends the same prompt sequence."""
@@ -116,14 +127,23 @@ async def run_phase(client, url: str, model: str, mode: str, concurrency: int, p
 
     async def worker() -> None:
         while (i := budget.take()) is not None:
-            body = {"model": model, "messages": prompts[i % len(prompts)], "max_tokens": max_tokens,
-                    "temperature": temperature, "stream": True, "stream_options": {"include_usage": True},
-                    "mode": mode}
+            body = {
+                "model": model,
+                "messages": prompts[i % len(prompts)],
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "mode": mode,
+            }
             s = await one_request(client, url, body, timeout_s)
             samples.append(s)
             if s.status == REJECTED:  # be a polite client: wait as told (capped, within the phase)
-                wait = min(s.retry_after if s.retry_after is not None else 1.0, RETRY_AFTER_CAP_S,
-                           max(0.0, budget.deadline - time.monotonic()))
+                wait = min(
+                    s.retry_after if s.retry_after is not None else 1.0,
+                    RETRY_AFTER_CAP_S,
+                    max(0.0, budget.deadline - time.monotonic()),
+                )
                 await anyio.sleep(wait)
 
     t0 = time.perf_counter()
@@ -147,16 +167,34 @@ class ServerProcess:
     def __init__(self, model: str, slots: int, max_queued: int, extra: list[str], log_path: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "specdec_rt", "serve", "--model", model, "--port", str(self.port),
-                    "--slots", str(slots), "--max-queued", str(max_queued), *extra]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "specdec_rt",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(self.port),
+            "--slots",
+            str(slots),
+            "--max-queued",
+            str(max_queued),
+            *extra,
+        ]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         _log(f"starting the server: {shlex.join(self.cmd[1:])} (output in {self.log_path})")
         self._log_file = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
     async def wait_ready(self, timeout_s: float) -> float:
         """Poll ``GET /health`` until 200; seconds it took. Fails when the process exits first."""
@@ -170,16 +208,19 @@ class ServerProcess:
         async with httpx.AsyncClient(trust_env=False, timeout=2.0) as client:
             while True:
                 if proc.poll() is not None:
-                    raise LoadTestError(f"the server exited with status {proc.returncode} before it was "
-                                        f"ready; its last output:\n{self.tail()}")
+                    raise LoadTestError(
+                        f"the server exited with status {proc.returncode} before it was "
+                        f"ready; its last output:\n{self.tail()}"
+                    )
                 try:
                     if (await client.get(f"{self.url}/health")).status_code == 200:
                         return time.perf_counter() - t0
                 except httpx.HTTPError:
                     pass
                 if time.perf_counter() - t0 > timeout_s:
-                    raise LoadTestError(f"the server was not ready after {timeout_s:g} s (GET /health); "
-                                        f"its last output:\n{self.tail()}")
+                    raise LoadTestError(
+                        f"the server was not ready after {timeout_s:g} s (GET /health); its last output:\n{self.tail()}"
+                    )
                 await anyio.sleep(0.25)
 
     def tail(self, n: int = 15) -> str:
@@ -209,34 +250,86 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``loadtest`` subcommand's options."""
     target = p.add_mutually_exclusive_group()
     target.add_argument("--url", help="a running server on this machine, e.g. http://127.0.0.1:8000")
-    target.add_argument("--model", help="start `python -m specdec_rt serve --model MODEL` on a free loopback "
-                                         "port for the test (built first if it is a recipe)")
+    target.add_argument(
+        "--model",
+        help="start `python -m specdec_rt serve --model MODEL` on a free loopback "
+        "port for the test (built first if it is a recipe)",
+    )
     bound = p.add_mutually_exclusive_group()
-    bound.add_argument("--requests", type=int, default=None, metavar="N",
-                       help="requests per concurrency level and mode (default 16; 429s count)")
-    bound.add_argument("--duration", type=float, default=None, metavar="S",
-                       help="seconds per concurrency level and mode, instead of a request count")
-    p.add_argument("--concurrency", default="1,2,4,8", metavar="C,C,...", help="comma-separated client counts (default 1,2,4,8)")
-    p.add_argument("--modes", default="spec,ar", metavar="MODE,...", help="comma-separated modes, run in this order per level")
+    bound.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests per concurrency level and mode (default 16; 429s count)",
+    )
+    bound.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds per concurrency level and mode, instead of a request count",
+    )
+    p.add_argument(
+        "--concurrency", default="1,2,4,8", metavar="C,C,...", help="comma-separated client counts (default 1,2,4,8)"
+    )
+    p.add_argument(
+        "--modes", default="spec,ar", metavar="MODE,...", help="comma-separated modes, run in this order per level"
+    )
     p.add_argument("--max-tokens", type=int, default=64, metavar="T", help="max_tokens per request (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    p.add_argument("--prompts", default=None, metavar="FILE", help="JSONL prompts, the bench's format (default: built-in)")
-    p.add_argument("--warmup", type=int, default=1, metavar="N", help="unmeasured requests per mode before the first level")
-    p.add_argument("--time-limit", type=float, default=300.0, metavar="S",
-                   help="with --requests: stop a level's mode after this many seconds anyway (default 300)")
-    p.add_argument("--request-timeout", type=float, default=120.0, metavar="S",
-                   help="seconds before one request counts as an error (default 120)")
-    p.add_argument("--served-model", default=None, metavar="NAME",
-                   help="the requests' 'model' field (default: the first of the server's /v1/models)")
-    p.add_argument("--slots", type=int, default=None,
-                   help="with --model: the server's --slots (default: the highest concurrency)")
-    p.add_argument("--max-queued", type=int, default=None,
-                   help="with --model: the server's --max-queued (default: the highest concurrency)")
-    p.add_argument("--server-arg", action="append", default=[], metavar="ARGS",
-                   help="with --model: more server options, e.g. --server-arg='--draft none' (repeatable)")
-    p.add_argument("--startup-timeout", type=float, default=300.0, metavar="S", help="seconds to wait for the server's /health")
+    p.add_argument(
+        "--prompts", default=None, metavar="FILE", help="JSONL prompts, the bench's format (default: built-in)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=1, metavar="N", help="unmeasured requests per mode before the first level"
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="with --requests: stop a level's mode after this many seconds anyway (default 300)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds before one request counts as an error (default 120)",
+    )
+    p.add_argument(
+        "--served-model",
+        default=None,
+        metavar="NAME",
+        help="the requests' 'model' field (default: the first of the server's /v1/models)",
+    )
+    p.add_argument(
+        "--slots", type=int, default=None, help="with --model: the server's --slots (default: the highest concurrency)"
+    )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=None,
+        help="with --model: the server's --max-queued (default: the highest concurrency)",
+    )
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="with --model: more server options, e.g. --server-arg='--draft none' (repeatable)",
+    )
+    p.add_argument(
+        "--startup-timeout", type=float, default=300.0, metavar="S", help="seconds to wait for the server's /health"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    p.add_argument("--out", default="loadtest-out", metavar="DIR", help="folder for loadtest.json, .md, .png (default ./loadtest-out)")
+    p.add_argument(
+        "--out",
+        default="loadtest-out",
+        metavar="DIR",
+        help="folder for loadtest.json, .md, .png (default ./loadtest-out)",
+    )
 
 
 def _levels(text: str) -> list[int]:
@@ -269,8 +362,9 @@ def _check(args) -> tuple[list[int], list[str]]:
     if args.url:
         args.url = check_loopback(args.url)
         if args.server_arg or args.slots or args.max_queued:
-            raise LoadTestError("--slots, --max-queued and --server-arg are for a server started here (--model), "
-                                "not for --url")
+            raise LoadTestError(
+                "--slots, --max-queued and --server-arg are for a server started here (--model), not for --url"
+            )
     return levels, modes
 
 
@@ -295,8 +389,13 @@ async def _main(args, levels: list[int], modes: list[str]) -> int:
     if not args.url:
         model = args.model or DEFAULT_MODEL
         ensure_built(model, say=_log)  # its progress here, not hidden in the server's log
-        server = ServerProcess(model, args.slots or max(levels), args.max_queued or max(levels),
-                               [a for extra in args.server_arg for a in shlex.split(extra)], out / "server.log")
+        server = ServerProcess(
+            model,
+            args.slots or max(levels),
+            args.max_queued or max(levels),
+            [a for extra in args.server_arg for a in shlex.split(extra)],
+            out / "server.log",
+        )
         server.start()
     try:
         if server:
@@ -310,8 +409,9 @@ async def _main(args, levels: list[int], modes: list[str]) -> int:
             _log(f"server stopped (exit status {server_status})")
     report["settings"]["url"] = url
     report["model"] = args.model
-    report["server"] = ({"cmd": server.cmd[1:], "log": str(server.log_path), "exit_status": server_status}
-                        if server else None)
+    report["server"] = (
+        {"cmd": server.cmd[1:], "log": str(server.log_path), "exit_status": server_status} if server else None
+    )
     png = plot(report, out / "loadtest.png")
     if png is None:
         _log("matplotlib is not installed: no chart (pip install matplotlib)")
@@ -332,8 +432,10 @@ async def _served_model(client, url: str) -> str:
     try:
         resp = await client.get(f"{url}/v1/models")
     except httpx.TransportError as exc:
-        raise LoadTestError(f"cannot reach the server at {url}: {type(exc).__name__}: {exc} "
-                            "(start it with: python -m specdec_rt serve, or use --model)") from None
+        raise LoadTestError(
+            f"cannot reach the server at {url}: {type(exc).__name__}: {exc} "
+            "(start it with: python -m specdec_rt serve, or use --model)"
+        ) from None
     try:
         return str(resp.json()["data"][0]["id"]) if resp.status_code == 200 else "default"
     except (ValueError, KeyError, IndexError, TypeError):
@@ -352,33 +454,72 @@ async def _run_levels(url: str, levels: list[int], modes: list[str], prompts: li
     async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout) as client:
         served = args.served_model or await _served_model(client, url)
         for mode in modes if args.warmup else ():
-            samples, _ = await run_phase(client, url, served, mode, 1, prompts, args.max_tokens, args.warmup,
-                                         min(seconds, args.request_timeout * args.warmup), args.request_timeout,
-                                         args.temperature)
+            samples, _ = await run_phase(
+                client,
+                url,
+                served,
+                mode,
+                1,
+                prompts,
+                args.max_tokens,
+                args.warmup,
+                min(seconds, args.request_timeout * args.warmup),
+                args.request_timeout,
+                args.temperature,
+            )
             bad = [s for s in samples if s.status != OK]
-            _log(f"warm-up {mode}: {len(samples) - len(bad)}/{len(samples)} ok"
-                 + (f" ({bad[0].error or 'HTTP 429'})" if bad else ""))
+            _log(
+                f"warm-up {mode}: {len(samples) - len(bad)}/{len(samples)} ok"
+                + (f" ({bad[0].error or 'HTTP 429'})" if bad else "")
+            )
         todo = [(c, m) for c in levels for m in modes]
         for n, (c, mode) in enumerate(todo):
-            samples, wall = await run_phase(client, url, served, mode, c, prompts, args.max_tokens, count,
-                                            seconds, args.request_timeout, args.temperature)
+            samples, wall = await run_phase(
+                client,
+                url,
+                served,
+                mode,
+                c,
+                prompts,
+                args.max_tokens,
+                count,
+                seconds,
+                args.request_timeout,
+                args.temperature,
+            )
             p = summarize_phase(samples, wall, c, mode)
             phases.append(p)
             requests += [{"concurrency": c, **s.to_dict()} for s in samples]
             if p["e2e_p50_ms"] is not None:
                 e2e_by_mode[mode] = p["e2e_p50_ms"] / 1e3
-            _log(f"[{n + 1}/{len(todo)}] concurrency {c} {mode}: {p['ok']} ok, {p['rejected_429']} 429, "
-                 f"{p['errors']} errors, {p['tokens_per_s']:.1f} tok/s, TTFT p50 {_fmt_ms(p['ttft_p50_ms'])}, "
-                 f"ITL p50 {_fmt_ms(p['itl_p50_ms'])} ({wall:.1f} s); "
-                 f"ETA {_eta(todo[n + 1:], args, count, e2e_by_mode)}"
-                 + (f"; e.g. {p['error_examples'][0]}" if p["error_examples"] else ""))
-    return {"settings": {"concurrency": levels, "modes": modes, "requests": None if args.duration else count,
-                         "duration": args.duration, "requests_per_phase_bound": count, "seconds_per_phase_bound": seconds,
-                         "max_tokens": args.max_tokens, "temperature": args.temperature,
-                         "prompts": args.prompts or "built-in", "n_prompts": len(prompts),
-                         "warmup": args.warmup, "request_timeout_s": args.request_timeout, "served_model": served},
-            "phases": phases, "speedup_spec_vs_ar": speedups(phases),
-            "total_s": round(time.perf_counter() - t_start, 3), "requests": requests}
+            _log(
+                f"[{n + 1}/{len(todo)}] concurrency {c} {mode}: {p['ok']} ok, {p['rejected_429']} 429, "
+                f"{p['errors']} errors, {p['tokens_per_s']:.1f} tok/s, TTFT p50 {_fmt_ms(p['ttft_p50_ms'])}, "
+                f"ITL p50 {_fmt_ms(p['itl_p50_ms'])} ({wall:.1f} s); "
+                f"ETA {_eta(todo[n + 1 :], args, count, e2e_by_mode)}"
+                + (f"; e.g. {p['error_examples'][0]}" if p["error_examples"] else "")
+            )
+    return {
+        "settings": {
+            "concurrency": levels,
+            "modes": modes,
+            "requests": None if args.duration else count,
+            "duration": args.duration,
+            "requests_per_phase_bound": count,
+            "seconds_per_phase_bound": seconds,
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "prompts": args.prompts or "built-in",
+            "n_prompts": len(prompts),
+            "warmup": args.warmup,
+            "request_timeout_s": args.request_timeout,
+            "served_model": served,
+        },
+        "phases": phases,
+        "speedup_spec_vs_ar": speedups(phases),
+        "total_s": round(time.perf_counter() - t_start, 3),
+        "requests": requests,
+    }
 
 
 def _fmt_ms(v: float | None) -> str:

@@ -19,8 +19,11 @@ def read_prompt_file(path: str | None, default: str = "data/prompts.jsonl") -> l
     one-line :class:`InvalidInputError` naming the file and line."""
     where = path or f"built-in {default}"
     try:
-        raw = Path(path).read_text(encoding="utf-8") if path else \
-            resources.files("specdec_rt.tooling").joinpath(default).read_text(encoding="utf-8")
+        raw = (
+            Path(path).read_text(encoding="utf-8")
+            if path
+            else resources.files("specdec_rt.tooling").joinpath(default).read_text(encoding="utf-8")
+        )
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidInputError(f"{where}: cannot read the prompts ({getattr(exc, 'strerror', None) or exc})") from None
     out = []
@@ -34,11 +37,18 @@ def read_prompt_file(path: str | None, default: str = "data/prompts.jsonl") -> l
         except ValueError as exc:
             raise InvalidInputError(f"{where}:{n}: not JSON ({exc})") from None
         text = (d["messages"] if "messages" in d else d.get("prompt")) if isinstance(d, dict) else None
-        chat = isinstance(text, list) and text and all(  # content: a string or text parts (the Engine checks them)
-            isinstance(m, dict) and isinstance(m.get("content"), (str, list)) for m in text)
+        chat = (
+            isinstance(text, list)
+            and text
+            and all(  # content: a string or text parts (the Engine checks them)
+                isinstance(m, dict) and isinstance(m.get("content"), (str, list)) for m in text
+            )
+        )
         if not (chat or (isinstance(text, str) and text and "messages" not in d)):
-            raise InvalidInputError(f"{where}:{n}: need a JSON object with a non-empty 'prompt' string or a "
-                                    "'messages' list of {role, content}")
+            raise InvalidInputError(
+                f"{where}:{n}: need a JSON object with a non-empty 'prompt' string or a "
+                "'messages' list of {role, content}"
+            )
         out.append({"text": text, "category": str(d.get("category", "custom"))})
     if not out:
         raise InvalidInputError(f"{where}: no prompts in it")
@@ -50,5 +60,8 @@ def label(text) -> str:
     if isinstance(text, str):
         return text
     content = text[-1].get("content", "")
-    return content if isinstance(content, str) else " ".join(
-        c.get("text", "") for c in content if isinstance(c, dict) and isinstance(c.get("text"), str))
+    return (
+        content
+        if isinstance(content, str)
+        else " ".join(c.get("text", "") for c in content if isinstance(c, dict) and isinstance(c.get("text"), str))
+    )

@@ -27,9 +27,13 @@ async def _gather(sched, prompts, n, params=None, mode="spec"):
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 50), distance=st.sampled_from([0.0, 0.3, 0.8]),
-       prompts=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=12), min_size=2, max_size=6),
-       n=st.integers(1, 24), mode=st.sampled_from(["spec", "ar"]))
+@given(
+    seed=st.integers(0, 50),
+    distance=st.sampled_from([0.0, 0.3, 0.8]),
+    prompts=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=12), min_size=2, max_size=6),
+    n=st.integers(1, 24),
+    mode=st.sampled_from(["spec", "ar"]),
+)
 def test_greedy_batched_rows_equal_each_request_alone(seed, distance, prompts, n, mode):
     solo_sched, _, _ = toy_scheduler(distance, vocab_size=10, seed=seed, config=STATIC)
     sched, target, _ = toy_scheduler(distance, vocab_size=10, seed=seed, config=STATIC, batched=True)
@@ -79,8 +83,16 @@ def test_seeded_sampling_in_a_batch_equals_the_same_seed_alone():
 def test_batched_sampling_preserves_the_target_distribution():
     """Many concurrent sampled requests (batched draft steps, per-row verify) against the exact
     distribution of 3-token continuations of the toy target."""
-    config = SpecConfig(measure_costs=False, k_min=2, k_init=2, k_max=2, adapt_k=False,
-                        fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)  # always speculate
+    config = SpecConfig(
+        measure_costs=False,
+        k_min=2,
+        k_init=2,
+        k_max=2,
+        adapt_k=False,
+        fallback_below=0.0,
+        zero_rounds=10**6,
+        min_speedup=0.0,
+    )  # always speculate
     sched, target, draft = toy_scheduler(0.7, vocab_size=4, seed=3, config=config, batched=True)
     params = SamplingParams(temperature=1.0)
     rng = np.random.default_rng(0)
@@ -88,8 +100,9 @@ def test_batched_sampling_preserves_the_target_distribution():
     async def main():
         counts: dict = {}
         for _ in range(75):  # 75 waves of 40 concurrent requests
-            res = await asyncio.gather(*[sched.run([1, 2], 3, params, rng=np.random.default_rng(rng.integers(2**63)))
-                                         for _ in range(40)])
+            res = await asyncio.gather(
+                *[sched.run([1, 2], 3, params, rng=np.random.default_rng(rng.integers(2**63))) for _ in range(40)]
+            )
             for r in res:
                 counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
         return counts
@@ -175,8 +188,11 @@ def test_new_prompts_arriving_while_others_verify_never_strand_a_call():
         b, c = model.start(), model.start()
         feeds = [(a, [4, 5, 6], 3), (b, [7, 8, 9, 1, 2], 1), (c, [3, 3], 1)]
         got = await asyncio.wait_for(asyncio.gather(*[s.extend(np.array(f), r) for s, f, r in feeds]), 10)
-        want = [ref.logits_at(np.array([1, 2, 3, 4, 5, 6]))[-3:], ref.logits_at(np.array([7, 8, 9, 1, 2]))[-1:],
-                ref.logits_at(np.array([3, 3]))[-1:]]
+        want = [
+            ref.logits_at(np.array([1, 2, 3, 4, 5, 6]))[-3:],
+            ref.logits_at(np.array([7, 8, 9, 1, 2]))[-1:],
+            ref.logits_at(np.array([3, 3]))[-1:],
+        ]
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
         assert 2 in model.batches  # the two first prompts went in one call

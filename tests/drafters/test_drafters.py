@@ -8,8 +8,14 @@ import pytest
 
 from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
 from specdec_rt.drafters import CombinedDrafter, NgramDrafter
-from specdec_rt.testing import (ToyLM, check_greedy_lossless, chi_square_pvalue, sequence_counts, sequence_distribution,
-                               toy_pair)
+from specdec_rt.testing import (
+    ToyLM,
+    check_greedy_lossless,
+    chi_square_pvalue,
+    sequence_counts,
+    sequence_distribution,
+    toy_pair,
+)
 
 CASES = [
     # tokens, k, expected proposal
@@ -52,8 +58,17 @@ def test_ngram_and_combined_are_lossless_greedy():
 @pytest.mark.parametrize("nodes", [0, 3])  # 3: n-gram trees, several fixed candidates a depth
 def test_ngram_sampling_keeps_the_target_distribution(nodes):
     target = ToyLM(4, seed=3)
-    config = SpecConfig(measure_costs=False, k_min=2, k_init=2, k_max=2, adapt_k=False,
-                        fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0, tree_nodes=nodes)
+    config = SpecConfig(
+        measure_costs=False,
+        k_min=2,
+        k_init=2,
+        k_max=2,
+        adapt_k=False,
+        fallback_below=0.0,
+        zero_rounds=10**6,
+        min_speedup=0.0,
+        tree_nodes=nodes,
+    )
     sched = SpecDecScheduler(NgramDrafter(n_min=1), ModelVerifier(target), config)
     params = SamplingParams(temperature=1.0)
     prompt = [1, 2, 1]  # "1" repeats: the drafter always has a proposal
@@ -68,6 +83,7 @@ TREE_CONTEXT = [1, 2, 3, 10, 11, 12, 5, 1, 2, 3, 20, 21, 22, 6, 1, 2, 3, 10, 11,
 
 def test_an_ngram_tree_is_the_chain_plus_where_earlier_matches_went_on():
     from specdec_rt.sampling.tree import DraftTree, chain_length, tree_depth, tree_parents
+
     d, tokens = NgramDrafter(n_max=3), np.array(TREE_CONTEXT)
     chain = d.propose(tokens, 4).tolist()
     assert [x.id for x in d.propose_tree(tokens, 4, 0)] == chain == [10, 11, 13, 7]
@@ -96,9 +112,9 @@ def test_an_ngram_tree_is_the_chain_plus_where_earlier_matches_went_on():
 
 def test_ngram_trees_are_lossless_and_pay_where_continuations_differ():
     from specdec_rt.testing import toy_pair as pair
+
     target, _ = pair(6, seed=2, distance=0.3)
-    always = dict(measure_costs=False, adapt_k=False, k_init=4, fallback_below=0.0, zero_rounds=10**6,
-                  min_speedup=0.0)
+    always = dict(measure_costs=False, adapt_k=False, k_init=4, fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)
     prompts = [[1, 2, 3, 1, 2], [0], [4, 4, 4, 4], [5, 0, 5, 1, 5, 2, 5]]
     per_call = {}
     for nodes in (0, 4):
@@ -121,8 +137,9 @@ def test_ngram_trees_are_lossless_and_pay_where_continuations_differ():
 
 
 def test_the_ngram_tree_distribution_test_catches_a_walk_without_the_residual(monkeypatch):
-    import specdec_rt.spec.adapters as adapters
     from test_tree_spec import _walk_without_residual
+
+    import specdec_rt.spec.adapters as adapters
 
     monkeypatch.setattr(adapters, "tree_accept", _walk_without_residual)
     with pytest.raises(AssertionError, match="chi_square_pvalue"):

@@ -44,8 +44,16 @@ def assert_greedy_under_pytorch(ckpt, prompt_ids, generated, tol=1e-4):
     assert torch.all(chosen >= logits.max(dim=-1).values - tol), (chosen, logits.max(dim=-1).values)
 
 
-@pytest.mark.parametrize("fixture,draft", [("tiny_llama", None), ("tiny_llama", "q4"), ("tiny_llama", "ngram"),
-                                           ("tiny_qwen", None), ("tiny_qwen", "ngram+model")])
+@pytest.mark.parametrize(
+    "fixture,draft",
+    [
+        ("tiny_llama", None),
+        ("tiny_llama", "q4"),
+        ("tiny_llama", "ngram"),
+        ("tiny_qwen", None),
+        ("tiny_qwen", "ngram+model"),
+    ],
+)
 def test_greedy_spec_equals_ar_equals_pytorch(fixture, draft, request):
     folder = request.getfixturevalue(fixture)
     ckpt = folder.parent / folder.name.replace("-onnx", "-ckpt")
@@ -124,6 +132,7 @@ def test_a_stop_string_across_tokens_cuts_alike_in_every_mode(tiny_llama):
     """A stop string that starts in one token and ends in a later one: nothing of it is
     streamed (the tail that may start a stop is held back), and a speculative round of several
     tokens keeps the tokens plain decoding keeps (up to the one that completes the stop)."""
+
     async def main():
         async with await Engine.load(tiny_llama) as engine:
             prompt = "def add(a, b):"
@@ -172,8 +181,10 @@ def test_stop_prefix_len_holds_back_only_what_may_start_a_stop():
         text = "".join(rng.choice("ab\n") for _ in range(rng.randint(0, 12)))
         stops = ["".join(rng.choice("ab\n") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
         since = rng.randint(0, len(text))
-        want = max((k for st in stops for k in range(1, min(len(st) - 1, len(text) - since) + 1)
-                    if text.endswith(st[:k])), default=0)
+        want = max(
+            (k for st in stops for k in range(1, min(len(st) - 1, len(text) - since) + 1) if text.endswith(st[:k])),
+            default=0,
+        )
         assert stop_prefix_len(text, stops, since) == want, (text, stops, since)
 
 
@@ -190,10 +201,16 @@ def test_prompt_too_long_fails_before_any_work(tiny_llama):
     anyio.run(main)
 
 
-@pytest.mark.parametrize("kwargs,msg", [
-    ({"temperature": -1.0}, "temperature"), ({"top_k": 0}, "top_k"), ({"max_new_tokens": 0}, "max_new_tokens"),
-    ({"mode": "fast"}, "mode"), ({"stop": [""]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"mode": "fast"}, "mode"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
 def test_bad_arguments_raise_invalid_input(tiny_llama, kwargs, msg):
     async def main():
         async with await Engine.load(tiny_llama) as engine:
@@ -326,8 +343,19 @@ def test_closed_engine_refuses(tiny_llama):
 
 
 def test_cli_generate_json(tiny_llama):
-    cmd = [sys.executable, "-m", "specdec_rt", "generate", "--model", str(tiny_llama), "--prompt",
-           "def add(a, b):", "--max-new-tokens", "12", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdec_rt",
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--prompt",
+        "def add(a, b):",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
     spec = subprocess.run(cmd, capture_output=True, text=True, check=True)
     doc = json.loads(spec.stdout)  # exactly one JSON document on stdout
     assert set(doc) == {"text", "token_ids", "stats"} and len(doc["token_ids"]) == 12
@@ -343,10 +371,15 @@ def test_cli_generate_json(tiny_llama):
     assert bad.returncode == 1 and "--mode ar" in bad.stderr and bad.stdout == ""
     lp = json.loads(subprocess.run(cmd + ["--logprobs", "2"], capture_output=True, text=True, check=True).stdout)
     assert lp["token_ids"] == doc["token_ids"] and [e["token_id"] for e in lp["logprobs"]] == doc["token_ids"]
-    assert all(len(e["top"]) == 2 and e["top"][0]["logprob"] >= e["top"][1]["logprob"] and e["logprob"] <= 0
-               for e in lp["logprobs"])
+    assert all(
+        len(e["top"]) == 2 and e["top"][0]["logprob"] >= e["top"][1]["logprob"] and e["logprob"] <= 0
+        for e in lp["logprobs"]
+    )
     assert all(e["logprob"] <= e["top"][0]["logprob"] + 1e-6 for e in lp["logprobs"])  # the most likely is on top
-    for extra, needle in ((["--logprobs", "21"], "logprobs must be"), (["--logprobs", "1"], "--logprobs goes with --json")):
+    for extra, needle in (
+        (["--logprobs", "21"], "logprobs must be"),
+        (["--logprobs", "1"], "--logprobs goes with --json"),
+    ):
         args = (cmd if "21" in extra else cmd[:-1]) + extra
         bad = subprocess.run(args, capture_output=True, text=True)
         assert bad.returncode == 1 and needle in bad.stderr and bad.stdout == ""
@@ -356,16 +389,32 @@ def test_cli_generate_json_schema(tiny_llama, tmp_path):
     pytest.importorskip("llguidance")
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "string", "enum": ["left", "right"]}))
-    cmd = [sys.executable, "-m", "specdec_rt", "generate", "--model", str(tiny_llama), "--prompt", "Go:",
-           "--max-new-tokens", "16", "--json", "--json-schema", str(schema)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdec_rt",
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--prompt",
+        "Go:",
+        "--max-new-tokens",
+        "16",
+        "--json",
+        "--json-schema",
+        str(schema),
+    ]
     doc = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     assert json.loads(doc["text"]) in ("left", "right") and doc["stats"]["finish_reason"] == "stop"
     ar = json.loads(subprocess.run(cmd + ["--mode", "ar"], capture_output=True, text=True, check=True).stdout)
     assert ar["token_ids"] == doc["token_ids"]
     (tmp_path / "bad.json").write_text('{"type":')
-    for extra, needle in ((["--json-schema", str(tmp_path / "bad.json")], "not JSON"),
-                          (["--json-schema", str(tmp_path / "none.json")], "No such file"),
-                          (["--json-object"], "not allowed with argument")):
-        bad = subprocess.run(cmd + extra if extra[0] == "--json-object" else cmd[:-2] + extra,
-                             capture_output=True, text=True)
+    for extra, needle in (
+        (["--json-schema", str(tmp_path / "bad.json")], "not JSON"),
+        (["--json-schema", str(tmp_path / "none.json")], "No such file"),
+        (["--json-object"], "not allowed with argument"),
+    ):
+        bad = subprocess.run(
+            cmd + extra if extra[0] == "--json-object" else cmd[:-2] + extra, capture_output=True, text=True
+        )
         assert bad.returncode in (1, 2) and needle in bad.stderr and bad.stdout == ""

@@ -17,8 +17,14 @@ from specdec_rt.ort import OrtModel
 
 pytestmark = pytest.mark.export
 
-PROMPTS = ["def add(a, b):", "Hello world! The quick", "1, 2, 3,", "import os",
-           [{"role": "user", "content": "Write a Python function."}], "Once upon a time"]
+PROMPTS = [
+    "def add(a, b):",
+    "Hello world! The quick",
+    "1, 2, 3,",
+    "import os",
+    [{"role": "user", "content": "Write a Python function."}],
+    "Once upon a time",
+]
 STATIC = SpecConfig(measure_costs=False)
 
 
@@ -36,8 +42,9 @@ def test_a_batched_step_gives_every_row_its_solo_logits(tiny_llama):
         gap = keys[sessions[2].slot, :, :3].copy()
         nxt = np.array([20, 21, 22, 23], dtype=np.int64)
         rows = [0, 1, 3]
-        batched = model.run_batch_sync([sessions[i] for i in rows], nxt[rows],
-                                       np.array([sessions[i].length for i in rows]))  # [3, V]
+        batched = model.run_batch_sync(
+            [sessions[i] for i in rows], nxt[rows], np.array([sessions[i].length for i in rows])
+        )  # [3, V]
         assert [sessions[i].length for i in rows] == [6, 3, 5]
         assert np.array_equal(keys[sessions[2].slot, :, :3], gap) and sessions[2].length == 3
         for j, i in enumerate(rows):  # the same step alone, from a fresh cache
@@ -90,13 +97,16 @@ def test_the_load_checks_that_calls_of_2_and_9_positions_round_a_position_alike(
 
 
 def test_a_seeded_sampled_request_sends_its_lone_queries_twice(tiny_llama):
+    from specdec_rt.sampling import SamplingParams
     from specdec_rt.spec.adapters import ModelDrafter
     from specdec_rt.spec.context import RequestContext
-    from specdec_rt.sampling import SamplingParams
 
     drafter = ModelDrafter(OrtModel(tiny_llama / "draft-q4", max_length=64, slots=3))
-    for params, twice in ((SamplingParams(0.8, seed=3), True), (SamplingParams(0.8), False),
-                          (SamplingParams(0.0, seed=3), False)):
+    for params, twice in (
+        (SamplingParams(0.8, seed=3), True),
+        (SamplingParams(0.8), False),
+        (SamplingParams(0.0, seed=3), False),
+    ):
         ctx = RequestContext([1, 2, 3], 4, params=params)
         assert drafter._session(ctx).session.lone_twice is twice
         drafter.release(ctx)
@@ -106,10 +116,13 @@ def test_seeded_sampled_requests_are_the_same_alone_and_in_a_batch(tiny_llama):
     """docs/architecture.md: a seeded request's output depends only on its seed, never on the
     requests beside it (its schedule ignores the load; its draft and target logits are the
     same in a batch)."""
+
     async def main():
         async with await Engine.load(tiny_llama, draft="ngram+q4", slots=8) as engine:
-            kws = [dict(temperature=t, seed=s, top_k=k) for t, s, k in
-                   ((0.8, 7, None), (1.0, 1, 3), (0.7, 5, None), (1.2, 11, 5))]
+            kws = [
+                dict(temperature=t, seed=s, top_k=k)
+                for t, s, k in ((0.8, 7, None), (1.0, 1, 3), (0.7, 5, None), (1.2, 11, 5))
+            ]
             solo = [(await engine.generate(p, 24, **kw)).token_ids for p, kw in zip(PROMPTS, kws)]
             for _ in range(2):
                 together = await asyncio.gather(*(engine.generate(p, 24, **kw) for p, kw in zip(PROMPTS, kws)))
@@ -127,8 +140,7 @@ def test_concurrent_requests_equal_their_solo_runs_and_really_batch(tiny_llama, 
             for mode in ("ar", "spec"):
                 solo = [(await engine.generate(p, 24, mode=mode)).token_ids for p in PROMPTS]
                 sizes.clear()
-                both = await asyncio.gather(*[engine.generate(p, 24, mode=m) for p in PROMPTS
-                                              for m in ("ar", "spec")])
+                both = await asyncio.gather(*[engine.generate(p, 24, mode=m) for p in PROMPTS for m in ("ar", "spec")])
                 assert [r.token_ids for r in both[::2]] == solo if mode == "ar" else True
                 assert [r.token_ids for r in both[1::2]] == [r.token_ids for r in both[::2]]
                 assert max(sizes) > 1  # several requests' rows in one target call
@@ -274,9 +286,12 @@ def test_load_warms_up_alone_and_keeps_only_what_it_measured(tiny_llama):
     verify call are measured (the batch policy predicts from them; a server whose requests always
     share a batch would never measure them), while the prefix cache, the totals and every later
     output are as on an engine loaded with ``warmup=False``."""
+
     async def main():
-        async with await Engine.load(tiny_llama, draft="q4") as warm, \
-                await Engine.load(tiny_llama, draft="q4", warmup=False) as cold:
+        async with (
+            await Engine.load(tiny_llama, draft="q4") as warm,
+            await Engine.load(tiny_llama, draft="q4", warmup=False) as cold,
+        ):
             c, c0 = warm.scheduler.costs, cold.scheduler.costs
             assert c.draft_token_s is not None and c.verify_s and c.draft_prefill_s is not None
             assert c0.draft_token_s is None and not c0.verify_s and c0.draft_prefill_s is None
@@ -361,14 +376,16 @@ def test_a_row_at_the_end_of_its_context_runs_apart_from_a_wider_batch(tiny_llam
     for its whole context) would then write past the slot, and ONNX Runtime failed the whole
     call, every request in it (QA). Such a row now runs on its own, and every output is its
     solo plain output; at the model level, each row's logits are its solo ones."""
-    always = SpecConfig(k_init=4, adapt_k=False, measure_costs=False, fallback_below=0.0,
-                        zero_rounds=10**6, min_speedup=0.0)
+    always = SpecConfig(
+        k_init=4, adapt_k=False, measure_costs=False, fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0
+    )
     length = 48
 
     async def main():
-        async with await Engine.load(tiny_llama, draft="q4", max_length=length, spec_config=always,
-                                     warmup=False) as engine, \
-                await Engine.load(tiny_llama, draft="none", max_length=length, warmup=False) as plain:
+        async with (
+            await Engine.load(tiny_llama, draft="q4", max_length=length, spec_config=always, warmup=False) as engine,
+            await Engine.load(tiny_llama, draft="none", max_length=length, warmup=False) as plain,
+        ):
             long = "the cat runs fast " * 3
             room = length - len(engine.codec.encode_prompt(long))
             jobs = [(long, room), ("hello", 40), ("a dog", 40)]
@@ -428,8 +445,9 @@ def test_a_request_cancelled_mid_call_clears_its_binding_only_when_the_call_retu
     monkeypatch.setattr(OrtSession, "_unbind", recorded)
 
     async def main():
-        async with await Engine.load(tiny_llama, draft="none", max_length=512, slots=2, warmup=False,
-                                     prefix_cache=False) as engine:
+        async with await Engine.load(
+            tiny_llama, draft="none", max_length=512, slots=2, warmup=False, prefix_cache=False
+        ) as engine:
             pool = engine.target.pool
             task = asyncio.ensure_future(engine.generate("the quick brown fox " * 20, 4, mode="ar"))
             await asyncio.to_thread(entered.wait, 10)

@@ -17,8 +17,17 @@ KWARGS = [  # each: the same request as keywords and as a RequestParams
     dict(max_new_tokens=10),
     dict(max_new_tokens=12, temperature=0.8, top_k=20, top_p=0.9, seed=7, logprobs=2),
     dict(max_new_tokens=12, mode="ar", stop=["("], logit_bias={5: -100, 9: 3}, repetition_penalty=1.3),
-    dict(max_new_tokens=8, temperature=0.6, seed=2, presence_penalty=0.5, frequency_penalty=0.4, prompt_logprobs=1,
-         min_tokens=4, ignore_eos=True, truncate_prompt=True),
+    dict(
+        max_new_tokens=8,
+        temperature=0.6,
+        seed=2,
+        presence_penalty=0.5,
+        frequency_penalty=0.4,
+        prompt_logprobs=1,
+        min_tokens=4,
+        ignore_eos=True,
+        truncate_prompt=True,
+    ),
 ]
 
 
@@ -28,7 +37,13 @@ def _engine(folder):
 
 def _same(a, b) -> bool:
     return (a.text, a.token_ids, a.logprobs, a.prompt_logprobs, a.finish_reason, a.stats.mode) == (
-        b.text, b.token_ids, b.logprobs, b.prompt_logprobs, b.finish_reason, b.stats.mode)
+        b.text,
+        b.token_ids,
+        b.logprobs,
+        b.prompt_logprobs,
+        b.finish_reason,
+        b.stats.mode,
+    )
 
 
 async def _streamed(stream) -> list:
@@ -71,17 +86,20 @@ def test_keywords_override_params(tiny_llama):
 TOOLS = [{"type": "function", "function": {"name": "f"}}]
 
 
-@pytest.mark.parametrize("args,kwargs,match", [
-    ((), dict(max_tokens=5), "^unknown request parameter 'max_tokens'"),
-    ((RequestParams(),), dict(n=2, best_of=1), "^unknown request parameters 'best_of', 'n'"),
-    ((5,), dict(max_new_tokens=6), "^max_new_tokens is given twice"),
-    (("5",), {}, "^params must be a RequestParams"),
-    (({"max_new_tokens": 5},), {}, "^params must be a RequestParams"),
-    ((0,), {}, "^max_new_tokens must be a positive integer, got 0"),
-    ((2.5,), {}, "^max_new_tokens must be a positive integer, got 2.5"),
-    ((RequestParams(max_new_tokens=8),), dict(min_tokens=9), "^min_tokens must be"),
-    ((RequestParams(tools=TOOLS),), {}, "^tools go with chat messages"),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        ((), dict(max_tokens=5), "^unknown request parameter 'max_tokens'"),
+        ((RequestParams(),), dict(n=2, best_of=1), "^unknown request parameters 'best_of', 'n'"),
+        ((5,), dict(max_new_tokens=6), "^max_new_tokens is given twice"),
+        (("5",), {}, "^params must be a RequestParams"),
+        (({"max_new_tokens": 5},), {}, "^params must be a RequestParams"),
+        ((0,), {}, "^max_new_tokens must be a positive integer, got 0"),
+        ((2.5,), {}, "^max_new_tokens must be a positive integer, got 2.5"),
+        ((RequestParams(max_new_tokens=8),), dict(min_tokens=9), "^min_tokens must be"),
+        ((RequestParams(tools=TOOLS),), {}, "^tools go with chat messages"),
+    ],
+)
 def test_bad_calls_raise_before_any_work(tiny_llama, args, kwargs, match):
     async def main():
         async with await _engine(tiny_llama) as engine:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from specdec_rt import CacheSession, InvalidInputError, LanguageModel, SpecConfig
-from specdec_rt.engine.factory import engine_models as _models
 from specdec_rt.engine.engine import MAX_STOP_STRINGS, Engine
-from specdec_rt.spec.request_checks import MAX_STOP_CHARS
+from specdec_rt.engine.factory import engine_models as _models
 from specdec_rt.sampling import MIN_TEMPERATURE, SamplingParams, sample, warp
+from specdec_rt.spec.request_checks import MAX_STOP_CHARS
 
 PROMPT = "def add(a, b):"
 
@@ -67,9 +67,14 @@ def test_huge_logits_and_masks_never_give_nan():
     np.testing.assert_allclose(p[1], [0, 0.5, 0, 0.5])  # beyond float32: uniform over the support
 
 
-@pytest.mark.parametrize("row,what", [
-    ([0.1, np.nan, 0.5], "row 1"), ([np.inf, 0.0, 1.0], "row 1"), ([-np.inf, -np.inf, -np.inf], "row 1"),
-])
+@pytest.mark.parametrize(
+    "row,what",
+    [
+        ([0.1, np.nan, 0.5], "row 1"),
+        ([np.inf, 0.0, 1.0], "row 1"),
+        ([-np.inf, -np.inf, -np.inf], "row 1"),
+    ],
+)
 def test_warp_refuses_rows_that_are_not_distributions(row, what):
     logits = np.array([[0.0, 1.0, 2.0], row], dtype=np.float32)
     for t in (0.0, 1e-300, 0.8):  # greedy too: argmax must not pick a NaN
@@ -79,10 +84,17 @@ def test_warp_refuses_rows_that_are_not_distributions(row, what):
         warp(np.array(row, dtype=np.float64), SamplingParams(temperature=0.8))
 
 
-@pytest.mark.parametrize("probs,what", [
-    ([0.2, np.nan, 0.8], "NaN or inf"), ([np.nan] * 3, "NaN or inf"), ([0.0, np.inf, 1.0], "NaN or inf"),
-    ([0.5, -0.25, 0.75], "negative"), ([0.0, 0.0, 0.0], "sums to 0"), ([], "non-empty"),
-])
+@pytest.mark.parametrize(
+    "probs,what",
+    [
+        ([0.2, np.nan, 0.8], "NaN or inf"),
+        ([np.nan] * 3, "NaN or inf"),
+        ([0.0, np.inf, 1.0], "NaN or inf"),
+        ([0.5, -0.25, 0.75], "negative"),
+        ([0.0, 0.0, 0.0], "sums to 0"),
+        ([], "non-empty"),
+    ],
+)
 def test_sample_never_picks_from_a_row_that_is_not_a_distribution(probs, what):
     """Before: a NaN row returned the last id, [0.5, -0.25, 0.75] returned an id anyway."""
     with pytest.raises(InvalidInputError, match=what):
@@ -96,11 +108,18 @@ def test_sample_sums_integer_weights_without_wrapping_around():
     assert {sample(np.array([0, 3, 0], dtype=np.uint8), rng) for _ in range(16)} == {1}
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"temperature": 10**400}, "temperature"), ({"temperature": 10**30 * 10**300}, "temperature"),
-    ({"temperature": np.float64("nan")}, "temperature"), ({"temperature": np.bool_(True)}, "temperature"),
-    ({"top_p": 10**400}, "top_p"), ({"top_p": float("nan")}, "top_p"), ({"top_p": "0.5"}, "top_p"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"temperature": 10**400}, "temperature"),
+        ({"temperature": 10**30 * 10**300}, "temperature"),
+        ({"temperature": np.float64("nan")}, "temperature"),
+        ({"temperature": np.bool_(True)}, "temperature"),
+        ({"top_p": 10**400}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"top_p": "0.5"}, "top_p"),
+    ],
+)
 def test_sampling_params_refuse_what_is_not_a_finite_number(kwargs, field):
     """``temperature=10**400`` raised numpy's TypeError."""
     with pytest.raises(InvalidInputError, match=f"^{field} must"):
@@ -112,6 +131,7 @@ def test_sampling_params_refuse_what_is_not_a_finite_number(kwargs, field):
 @pytest.mark.parametrize("mode", ["ar", "spec"])
 def test_tiny_temperatures_give_the_greedy_output(tiny_llama, mode):
     """``temperature=1e-300``: "ar" returned garbage and "spec" failed after model work."""
+
     async def main():
         async with await _engine(tiny_llama) as engine:
             want = (await engine.generate(PROMPT, max_new_tokens=12, mode=mode)).token_ids
@@ -143,6 +163,7 @@ def test_small_and_huge_temperatures_sample_valid_tokens(tiny_llama, mode):
 # ----------------------------------------------------------------------------- item 6: types
 SURROGATE = "\ud800"
 
+
 class BadRepr:
     def __repr__(self):
         raise RuntimeError("no repr")
@@ -150,24 +171,54 @@ class BadRepr:
 
 # (argument, value, the field the error must name); checked in Engine.stream itself
 CHEAP = [
-    *[("max_new_tokens", v, "max_new_tokens") for v in
-      (None, True, 1.5, "4", float("nan"), float("inf"), -1, 0, [4], {"a": 1}, np.float64(4))],
-    *[("temperature", v, "temperature") for v in
-      (None, True, "0.5", float("nan"), float("inf"), -1, -1e-300, 10**400, [0.5], {"a": 1})],
+    *[
+        ("max_new_tokens", v, "max_new_tokens")
+        for v in (None, True, 1.5, "4", float("nan"), float("inf"), -1, 0, [4], {"a": 1}, np.float64(4))
+    ],
+    *[
+        ("temperature", v, "temperature")
+        for v in (None, True, "0.5", float("nan"), float("inf"), -1, -1e-300, 10**400, [0.5], {"a": 1})
+    ],
     *[("top_k", v, "top_k") for v in (True, 1.5, "4", float("nan"), float("inf"), -1, 0, [4], {"a": 1})],
     *[("top_p", v, "top_p") for v in (True, "0.5", float("nan"), float("inf"), -1, 0, 1.5, 10**30, 10**400, [0.5])],
     *[("seed", v, "seed") for v in (True, 1.5, "4", float("nan"), float("inf"), -1, -(10**30), [4], {"a": 1})],
-    *[("mode", v, "mode") for v in
-      (None, True, 5, ["spec"], {"a": 1}, "SPEC", "", float("nan"), np.array(["spec", "ar"]))],
-    *[("stop", v, "stop") for v in
-      (5, True, 1.5, {"a": 1}, {"a"}, b"x", [5], ["a", None], [""], "", [["a"]], float("nan"),
-       [SURROGATE], "ok" + SURROGATE, ["x"] * (MAX_STOP_STRINGS + 1), ["ok", "y" * (MAX_STOP_CHARS + 1)])],
+    *[
+        ("mode", v, "mode")
+        for v in (None, True, 5, ["spec"], {"a": 1}, "SPEC", "", float("nan"), np.array(["spec", "ar"]))
+    ],
+    *[
+        ("stop", v, "stop")
+        for v in (
+            5,
+            True,
+            1.5,
+            {"a": 1},
+            {"a"},
+            b"x",
+            [5],
+            ["a", None],
+            [""],
+            "",
+            [["a"]],
+            float("nan"),
+            [SURROGATE],
+            "ok" + SURROGATE,
+            ["x"] * (MAX_STOP_STRINGS + 1),
+            ["ok", "y" * (MAX_STOP_CHARS + 1)],
+        )
+    ],
     *[("truncate_prompt", v, "truncate_prompt") for v in (None, 1, 0, "yes", [True], {"a": 1}, float("nan"))],
     *[("prompt", v, "prompt") for v in (None, True, 5, 1.5, b"x", {"role": "user", "content": "hi"}, np.array(["hi"]))],
     # values that are costly or impossible to print: the message describes them briefly
-    ("seed", -(10**5000), "seed"), ("max_new_tokens", -(10**5000), "max_new_tokens"), ("top_k", [0] * 10**6, "top_k"),
-    ("temperature", "x" * 10**7, "temperature"), ("mode", "x" * 10**7, "mode"), ("stop", ["x"] * 10**6, "stop holds"),
-    ("truncate_prompt", BadRepr(), "truncate_prompt"), ("stop", [BadRepr()], "stop"), ("prompt", BadRepr(), "prompt"),
+    ("seed", -(10**5000), "seed"),
+    ("max_new_tokens", -(10**5000), "max_new_tokens"),
+    ("top_k", [0] * 10**6, "top_k"),
+    ("temperature", "x" * 10**7, "temperature"),
+    ("mode", "x" * 10**7, "mode"),
+    ("stop", ["x"] * 10**6, "stop holds"),
+    ("truncate_prompt", BadRepr(), "truncate_prompt"),
+    ("stop", [BadRepr()], "stop"),
+    ("prompt", BadRepr(), "prompt"),
     ("prompt", "x" * 1001, "prompt has 1001 characters"),
     ("prompt", [{"role": "", "content": ""}] * 2000, "prompt has 2000 messages"),  # each message counts one
 ]
@@ -177,19 +228,25 @@ ENCODED = [
     (SURROGATE, "prompt is not valid Unicode"),
     ("abc\udfffdef", "prompt is not valid Unicode text: a lone surrogate '\\\\udfff' at index 3"),
     ([{"role": "user", "content": "hi " + SURROGATE}], "messages\\[0\\].content is not valid Unicode"),
-    ([{"role": "user", "content": "ok"}, {"role": "user", "content": "<|im_end|>" + SURROGATE}],
-     "messages\\[1\\].content is not valid Unicode"),  # the plain-text path for special-token text
+    (
+        [{"role": "user", "content": "ok"}, {"role": "user", "content": "<|im_end|>" + SURROGATE}],
+        "messages\\[1\\].content is not valid Unicode",
+    ),  # the plain-text path for special-token text
     ([{"role": SURROGATE, "content": "hi"}], "messages\\[0\\].role is not valid Unicode"),
     ([{"role": -(10**5000), "content": "x" * 500}], "messages\\[0\\] must be a dict .* got a dict$"),
-    ([], "chat messages must be a non-empty list"), ([None], "messages\\[0\\] must be a dict"),
-    ([{"role": "user"}], "messages\\[0\\] must be a dict"), ([{"role": "user", "content": 5}], "messages\\[0\\]"),
-    (["hi"], "messages\\[0\\] must be a dict"), ([{"role": None, "content": "hi"}], "messages\\[0\\]"),
+    ([], "chat messages must be a non-empty list"),
+    ([None], "messages\\[0\\] must be a dict"),
+    ([{"role": "user"}], "messages\\[0\\] must be a dict"),
+    ([{"role": "user", "content": 5}], "messages\\[0\\]"),
+    (["hi"], "messages\\[0\\] must be a dict"),
+    ([{"role": None, "content": "hi"}], "messages\\[0\\]"),
 ]
 
 
 def test_bad_arguments_name_their_field_before_the_task_starts(tiny_llama):
     """``stop={'a': 1}`` and ``truncate_prompt="yes"`` were accepted, ``temperature=10**400`` raised
     TypeError; the serve layer maps an error to its field by the message's first word."""
+
     async def main():
         async with await _engine(tiny_llama) as engine:
             engine.max_prompt_chars = 1000
@@ -216,6 +273,7 @@ def test_bad_arguments_name_their_field_before_the_task_starts(tiny_llama):
 @pytest.mark.parametrize("prompt,msg", ENCODED)
 def test_encoding_errors_name_the_field_from_ready_and_iteration(tiny_llama, prompt, msg):
     """A lone surrogate raised the tokenizer's ``TypeError: TextInputSequence must be str``."""
+
     async def main():
         async with await _engine(tiny_llama) as engine:
             calls = engine.target.calls
@@ -242,15 +300,22 @@ def test_codec_names_the_field(tiny_llama):
     assert isinstance(info.value.__cause__, TypeError)  # the tokenizer's, kept as the cause
     for allow in (False, True):
         with pytest.raises(InvalidInputError, match=r"^messages\[2\]\.content is not valid"):
-            codec.encode_prompt([{"role": "user", "content": "a"}, {"role": "user", "content": "<|im_end|>"},
-                                 {"role": "user", "content": "b" + SURROGATE}], allow_special=allow)
+            codec.encode_prompt(
+                [
+                    {"role": "user", "content": "a"},
+                    {"role": "user", "content": "<|im_end|>"},
+                    {"role": "user", "content": "b" + SURROGATE},
+                ],
+                allow_special=allow,
+            )
     # a field the template does not write is never encoded, so it cannot fail
     assert codec.encode_prompt([{"role": "user", "content": "b", "name": SURROGATE}])
-    assert codec.encode("caf\u00e9 \U0001F600") == codec.encode("caf\u00e9 \U0001F600")  # valid text is untouched
+    assert codec.encode("caf\u00e9 \U0001f600") == codec.encode("caf\u00e9 \U0001f600")  # valid text is untouched
 
 
 def test_a_prompt_that_encodes_to_nothing(tiny_qwen):
     """The qwen2 flavour adds no BOS: "" encodes to no ids (the error was about token ids)."""
+
     async def main():
         async with await Engine.load(tiny_qwen, draft="ngram") as engine:
             with pytest.raises(InvalidInputError, match="^prompt encodes to no tokens"):
@@ -266,8 +331,10 @@ def test_huge_numbers(tiny_llama):
 
     async def main():
         async with await _engine(tiny_llama) as engine:
-            for truncate, msg in ((False, "^prompt of .* max_new_tokens=10{30}"),
-                                  (True, "^max_new_tokens=10{30} leaves no room for the prompt")):
+            for truncate, msg in (
+                (False, "^prompt of .* max_new_tokens=10{30}"),
+                (True, "^max_new_tokens=10{30} leaves no room for the prompt"),
+            ):
                 async with engine.stream("hi", max_new_tokens=10**30, truncate_prompt=truncate) as s:
                     with pytest.raises(ContextLengthError, match=msg):
                         await s.ready()
@@ -279,12 +346,21 @@ def test_huge_numbers(tiny_llama):
     anyio.run(main)
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(max_length="abc"), "max_length"), (dict(max_length=2.5), "max_length"), (dict(max_length=0), "max_length"),
-    (dict(threads="x"), "threads"), (dict(threads=0), "threads"), (dict(threads=-1), "threads"),
-    (dict(threads=True), "threads"), (dict(threads=3000), "threads"), (dict(spec_config="x"), "spec_config"),
-    (dict(draft=3), "draft"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(max_length="abc"), "max_length"),
+        (dict(max_length=2.5), "max_length"),
+        (dict(max_length=0), "max_length"),
+        (dict(threads="x"), "threads"),
+        (dict(threads=0), "threads"),
+        (dict(threads=-1), "threads"),
+        (dict(threads=True), "threads"),
+        (dict(threads=3000), "threads"),
+        (dict(spec_config="x"), "spec_config"),
+        (dict(draft=3), "draft"),
+    ],
+)
 def test_engine_load_names_a_bad_argument(tiny_llama, kwargs, field):
     with pytest.raises(InvalidInputError, match=f"^{field} must be"):
         anyio.run(lambda: Engine.load(tiny_llama, warmup=False, **kwargs))
@@ -303,8 +379,10 @@ def test_a_draft_folder_without_a_manifest_says_so(tiny_llama, tmp_path):
         anyio.run(lambda: Engine.load(tiny_llama, draft=str(tmp_path), warmup=False))
 
 
-@pytest.mark.parametrize("argv", [["bogus"], ["generate", "--bogus-flag"], ["generate", "--prompt", "x", "--threads", "0"],
-                                  ["bench", "--nope"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["bogus"], ["generate", "--bogus-flag"], ["generate", "--prompt", "x", "--threads", "0"], ["bench", "--nope"]],
+)
 def test_usage_errors_are_one_line_with_status_2(argv, capsys):
     from specdec_rt.cli import main
 
@@ -317,10 +395,12 @@ def test_usage_errors_are_one_line_with_status_2(argv, capsys):
 @pytest.mark.parametrize("max_length", [4, 6])
 def test_a_short_max_length_loads_and_generates(tiny_llama, max_length):
     """The load's probe of lone and paired positions fits in a short context (2-6 crashed)."""
+
     async def main():
         async with await Engine.load(tiny_llama, max_length=max_length, warmup=False) as engine:
             r = await engine.generate("hi", max_new_tokens=1, mode="ar")
             assert len(r.token_ids) == 1
+
     anyio.run(main)
 
 
@@ -393,16 +473,29 @@ class _FixedModel(LanguageModel):
         return _FixedSession(self.fn)
 
 
-BROKEN = {"NaN": lambda r: np.full((r, 8), np.nan, np.float32), "+inf": lambda r: np.full((r, 8), np.inf, np.float32),
-          "all -inf": lambda r: np.full((r, 8), -np.inf, np.float32)}
-MISSHAPEN = {"too narrow": lambda r: np.zeros((r, 5), np.float32), "too wide": lambda r: np.zeros((r, 11), np.float32),
-             "one row for several": lambda r: np.zeros((1, 8), np.float32), "1-D": lambda r: np.zeros(8, np.float32)}
+BROKEN = {
+    "NaN": lambda r: np.full((r, 8), np.nan, np.float32),
+    "+inf": lambda r: np.full((r, 8), np.inf, np.float32),
+    "all -inf": lambda r: np.full((r, 8), -np.inf, np.float32),
+}
+MISSHAPEN = {
+    "too narrow": lambda r: np.zeros((r, 5), np.float32),
+    "too wide": lambda r: np.zeros((r, 11), np.float32),
+    "one row for several": lambda r: np.zeros((1, 8), np.float32),
+    "1-D": lambda r: np.zeros(8, np.float32),
+}
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-@pytest.mark.parametrize(("role", "what"), [(role, what) for role in ("target", "draft")
-                                             for what in list(BROKEN) + list(MISSHAPEN)
-                                             if (role, what) != ("draft", "one row for several")])  # a draft step asks one row
+@pytest.mark.parametrize(
+    ("role", "what"),
+    [
+        (role, what)
+        for role in ("target", "draft")
+        for what in list(BROKEN) + list(MISSHAPEN)
+        if (role, what) != ("draft", "one row for several")
+    ],
+)  # a draft step asks one row
 def test_a_model_whose_logits_are_broken_fails_the_request_in_greedy_decoding_too(greedy, role, what):
     """Greedy decoding took np.argmax of NaN logits (id 0, or the NaN's) and went on; a row of
     the wrong width passed unchecked (QA). Every such call now fails with the error root."""

@@ -10,8 +10,8 @@ import pytest
 from specdec_rt import SpecConfig
 from specdec_rt.engine.engine import Engine
 from specdec_rt.errors import InvalidInputError
-from specdec_rt.ort.kvpool import KVPool
 from specdec_rt.kvcache.prefix import common_prefix
+from specdec_rt.ort.kvpool import KVPool
 
 pytestmark = pytest.mark.export
 
@@ -37,8 +37,14 @@ def test_second_turn_starts_from_the_first_and_says_the_same(tiny_llama, draft):
         mode = "ar" if draft == "none" else "spec"
         async with await Engine.load(tiny_llama, draft=spec, spec_config=STATIC, prefix_cache=False) as plain:
             want1, want2 = await conversation(plain, mode)
-            assert plain.prefix_cache == {"enabled": False, "queries": 0, "hit_tokens": 0, "entries": 0,
-                                          "evictions": 0, "bytes": 0}
+            assert plain.prefix_cache == {
+                "enabled": False,
+                "queries": 0,
+                "hit_tokens": 0,
+                "entries": 0,
+                "evictions": 0,
+                "bytes": 0,
+            }
         async with await Engine.load(tiny_llama, draft=spec, spec_config=STATIC) as engine:
             got1, got2 = await conversation(engine, mode)
             assert (got1.token_ids, got2.token_ids) == (want1.token_ids, want2.token_ids)
@@ -118,9 +124,11 @@ def test_rotating_conversations_stay_within_the_budget(tiny_llama):
 
 def test_bad_prefix_cache_arguments(tiny_llama):
     async def main():
-        for kwargs, msg in (({"prefix_cache": "yes"}, "prefix_cache must"),
-                            ({"prefix_cache_bytes": -5}, "prefix_cache_bytes"),
-                            ({"prefix_cache_bytes": 1.5}, "prefix_cache_bytes")):
+        for kwargs, msg in (
+            ({"prefix_cache": "yes"}, "prefix_cache must"),
+            ({"prefix_cache_bytes": -5}, "prefix_cache_bytes"),
+            ({"prefix_cache_bytes": 1.5}, "prefix_cache_bytes"),
+        ):
             with pytest.raises(InvalidInputError, match=msg):
                 await Engine.load(tiny_llama, **kwargs)
 
@@ -134,8 +142,9 @@ def _rss() -> int:
 
 @pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_DONTNEED"), reason="needs madvise")
 def test_an_evicted_entry_gives_its_memory_back():
-    pool = KVPool(layers=4, kv_heads=4, head_dim=64, running=1, max_len=8192, device="cpu",
-                  entries=1, budget_bytes=1 << 30)
+    pool = KVPool(
+        layers=4, kv_heads=4, head_dim=64, running=1, max_len=8192, device="cpu", entries=1, budget_bytes=1 << 30
+    )
     n = 6000  # 4 layers x K,V x 4 heads x 64 x 4 bytes = 8 KiB per position: ~47 MiB
     for layer in pool._buffers:
         for buf in layer:

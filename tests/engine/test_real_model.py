@@ -17,8 +17,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.export]
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a Python function that reverses a list."}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "Name three primary colors."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three primary colors."},
+    ],
     [{"role": "user", "content": "Summarize: The cat sat on the mat. The cat was happy on the mat."}],
     "The three laws of thermodynamics are",
     "def fibonacci(n):",
@@ -54,8 +56,9 @@ def test_greedy_speculative_equals_plain_for_the_quantized_targets(default_model
 
     async def main_():
         config = SpecConfig(measure_costs=False)
-        async with await Engine.load(model_dir(recipe), draft=str(default_model / "draft-q4"), slots=1,
-                                     spec_config=config) as engine:
+        async with await Engine.load(
+            model_dir(recipe), draft=str(default_model / "draft-q4"), slots=1, spec_config=config
+        ) as engine:
             accepted = 0
             for prompt in PROMPTS[:4]:
                 ar = await engine.generate(prompt, max_new_tokens=48, mode="ar")
@@ -82,9 +85,14 @@ def test_chat_answer_is_sensible_and_sampling_reproducible(default_model):
 def test_seeded_sampling_is_the_same_beside_other_requests(default_model):
     """A seeded sampled request gives the same tokens alone and batched with others (its draft's
     logits must not depend on the batch: the int8 draft's lone query takes the batched path)."""
+
     async def main():
         async with await Engine.load(default_model) as engine:
-            kws = [dict(temperature=0.8, seed=7), dict(temperature=0.8, seed=1), dict(temperature=0.7, top_p=0.9, seed=5)]
+            kws = [
+                dict(temperature=0.8, seed=7),
+                dict(temperature=0.8, seed=1),
+                dict(temperature=0.7, top_p=0.9, seed=5),
+            ]
             prompts = ["Once upon a time", "def fib(n):", PROMPTS[1]]
             solo = [(await engine.generate(p, 32, **kw)).token_ids for p, kw in zip(prompts, kws)]
             together = await asyncio.gather(*(engine.generate(p, 32, **kw) for p, kw in zip(prompts, kws)))
@@ -97,8 +105,11 @@ def test_json_schema_answers_parse_and_speculation_stays_exact(default_model):
     pytest.importorskip("llguidance")
     import json
 
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-              "required": ["name", "age"]}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
     ask = [{"role": "user", "content": "Make up a person. Reply in JSON with a name and an age."}]
 
@@ -116,8 +127,12 @@ def test_json_schema_answers_parse_and_speculation_stays_exact(default_model):
 
 
 def test_demo_main_job(default_model):
-    proc = subprocess.run([sys.executable, "-m", "specdec_rt", "demo", "--max-new-tokens", "24", "--no-build"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec_rt", "demo", "--max-new-tokens", "24", "--no-build"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "median speedup of speculative over plain decoding" in proc.stdout
     assert "greedy outputs identical: yes" in proc.stdout

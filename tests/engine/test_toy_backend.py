@@ -33,7 +33,7 @@ def reference(model: ToyLM, prompt: list[int], n: int) -> tuple[list[int], list[
         x = int(np.argmax(row))
         lps.append(float(np.log(warp(row, SamplingParams(temperature=1.0))[x])))
         ids.append(x)
-    return ids[len(prompt):], lps
+    return ids[len(prompt) :], lps
 
 
 def check(engine, target: ToyLM, mode: str) -> None:
@@ -66,8 +66,9 @@ def test_a_backend_with_every_capability_runs_batched_through_the_engine(tmp_pat
     executor = BatchExecutor(chunk=4)
     target, draft = toy_pair(V, seed=5, distance=0.3, executor=executor, prefix_cache_tokens=256)
     assert target.caps.ragged and target.caps.trees and target.caps.caches_prefixes
-    engine = toy_engine(target, ModelDrafter(draft), tmp_path, config=STATIC, slots=4, executor=executor,
-                        models=[target, draft])
+    engine = toy_engine(
+        target, ModelDrafter(draft), tmp_path, config=STATIC, slots=4, executor=executor, models=[target, draft]
+    )
     check(engine, target, "spec")
 
     async def together():  # concurrent requests share batched calls, and each gets its own answer

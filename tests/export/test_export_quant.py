@@ -17,16 +17,27 @@ pytestmark = pytest.mark.export
 
 def _run_matmulnbits(x, q, spec: QuantSpec):
     zp = [] if q.zero_points is None else [numpy_helper.from_array(q.zero_points, "z")]  # symmetric: none
-    node = helper.make_node("MatMulNBits", ["x", "B", "s"] + ["z"] * len(zp), ["y"], domain="com.microsoft",
-                            K=q.k, N=q.n, bits=spec.bits, block_size=spec.block_size,
-                            accuracy_level=spec.accuracy_level)
+    node = helper.make_node(
+        "MatMulNBits",
+        ["x", "B", "s"] + ["z"] * len(zp),
+        ["y"],
+        domain="com.microsoft",
+        K=q.k,
+        N=q.n,
+        bits=spec.bits,
+        block_size=spec.block_size,
+        accuracy_level=spec.accuracy_level,
+    )
     graph = helper.make_graph(
-        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", q.k])],
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", q.k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", q.n])],
-        initializer=[numpy_helper.from_array(q.packed, "B"),
-                     numpy_helper.from_array(q.scales, "s"), *zp])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("com.microsoft", 1)])
+        initializer=[numpy_helper.from_array(q.packed, "B"), numpy_helper.from_array(q.scales, "s"), *zp],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
     model.ir_version = 10
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(None, {"x": x})[0]
@@ -53,7 +64,7 @@ def test_quantization_error_is_within_half_a_step(bits, max_err):
     spec = QuantSpec(bits=bits)
     back = dequantize(quantize(w, spec), spec)
     blocks = w.T.reshape(16, 4, 32)  # per column, per block of 32 along K
-    step = (np.maximum(blocks.max(2), 0) - np.minimum(blocks.min(2), 0))  # [16, 4]
+    step = np.maximum(blocks.max(2), 0) - np.minimum(blocks.min(2), 0)  # [16, 4]
     err = np.abs(back - w).T.reshape(16, 4, 32).max(2)
     assert np.all(err <= step * max_err * 0.5 + 1e-6)
 

@@ -62,16 +62,29 @@ def test_padded_heads_keep_every_attention_product(own):
     assert pad_heads(bias, heads, own, d).shape == (heads * d,)
 
 
-@pytest.mark.parametrize("family,shape,padded", [
-    ("llama", dict(hidden=16, heads=4, kv_heads=4, intermediate=40), 16),  # head 4: transformers' tiny-random style
-    ("qwen2", dict(hidden=40, heads=2, kv_heads=1, intermediate=72), 32),  # head 20, with q/k/v biases
-    ("llama", dict(attention_bias=True), 16),  # q/k/v and o_proj biases (o_proj's was dropped)
-    ("llama", dict(layers=1, kv_heads=1, head_dim=32), 32),  # one layer, one KV head, head_dim set
-    ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 128}), 16),
-    ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                 "original_max_position_embeddings": 128}), 16),
-])
+@pytest.mark.parametrize(
+    "family,shape,padded",
+    [
+        ("llama", dict(hidden=16, heads=4, kv_heads=4, intermediate=40), 16),  # head 4: transformers' tiny-random style
+        ("qwen2", dict(hidden=40, heads=2, kv_heads=1, intermediate=72), 32),  # head 20, with q/k/v biases
+        ("llama", dict(attention_bias=True), 16),  # q/k/v and o_proj biases (o_proj's was dropped)
+        ("llama", dict(layers=1, kv_heads=1, head_dim=32), 32),  # one layer, one KV head, head_dim set
+        (
+            "llama",
+            dict(
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 128,
+                }
+            ),
+            16,
+        ),
+        ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}), 16),
+    ],
+)
 def test_odd_shapes_export_exactly_and_decode_as_plain(tmp_path, family, shape, padded):
     from specdec_rt import Engine
 
@@ -92,6 +105,7 @@ def test_odd_shapes_export_exactly_and_decode_as_plain(tmp_path, family, shape, 
                 assert (await engine.generate(p, max_new_tokens=24, mode="spec")).token_ids == ids and ids
             together = await asyncio.gather(*[engine.generate(p, max_new_tokens=24) for p in prompts])
             assert [r.token_ids for r in together] == plain  # batched rows of padded heads too
+
     asyncio.run(main())
 
 
@@ -113,16 +127,30 @@ def test_mistral_exports_as_llama_capped_at_its_window(tmp_path, window, positio
             plain = await engine.generate("the quick brown fox jumps", max_new_tokens=24, mode="ar")
             spec = await engine.generate("the quick brown fox jumps", max_new_tokens=24, mode="spec")
             assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 0
+
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("family,options,max_positions,positions", [
-    ("llama", {}, 24, 24),  # --max-positions below the validation's usual 60 tokens
-    ("mistral", dict(window=16), None, 16),  # a window that short
-    ("llama", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
-                                 "long_factor": [1, 1.5, 2, 3, 4, 6, 8, 16]},
-                   original_max_position_embeddings=64), None, 64),  # LongRoPE: capped, short factors
-])
+@pytest.mark.parametrize(
+    "family,options,max_positions,positions",
+    [
+        ("llama", {}, 24, 24),  # --max-positions below the validation's usual 60 tokens
+        ("mistral", dict(window=16), None, 16),  # a window that short
+        (
+            "llama",
+            dict(
+                rope_scaling={
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [1, 1.5, 2, 3, 4, 6, 8, 16],
+                },
+                original_max_position_embeddings=64,
+            ),
+            None,
+            64,
+        ),  # LongRoPE: capped, short factors
+    ],
+)
 def test_short_contexts_export_validated_and_exact(tmp_path, family, options, max_positions, positions):
     """Validation fits its prompt and continuation in the context; a LongRoPE model stops at its
     original length, where transformers itself uses the short factors for every position."""
@@ -130,8 +158,10 @@ def test_short_contexts_export_validated_and_exact(tmp_path, family, options, ma
 
     ckpt = build_tiny_checkpoint(tmp_path / "ckpt", family, **options)
     out = tmp_path / "onnx"
-    run(Request(src=str(ckpt), out=out, max_positions=max_positions, draft_quant="int8", threads=1),
-        Reporter(quiet=True))
+    run(
+        Request(src=str(ckpt), out=out, max_positions=max_positions, draft_quant="int8", threads=1),
+        Reporter(quiet=True),
+    )
     m = json.loads((out / "manifest.json").read_text())
     assert m["architecture"]["max_positions"] == positions
     assert m["validation"]["greedy_agreement"] == 1.0 and m["validation"]["max_abs_logit_diff"] < 1e-4
@@ -142,6 +172,7 @@ def test_short_contexts_export_validated_and_exact(tmp_path, family, options, ma
             plain = await engine.generate("the fox", max_new_tokens=4, mode="ar")  # within 16 tokens
             spec = await engine.generate("the fox", max_new_tokens=4, mode="spec")
             assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 0
+
     asyncio.run(main())
 
 
@@ -156,8 +187,13 @@ def test_swish_is_silu_and_other_activations_are_refused():
 
 def test_weights_the_graph_has_no_place_for_are_refused():
     spec = ModelSpec("llama", 1, 8, 2, 2, 16, 16, 10, 32, 1e-5)
-    names = ["model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
-             "model.layers.0.self_attn.o_proj.bias", "model.rotary_emb.inv_freq"]
+    names = [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.self_attn.o_proj.bias",
+        "model.rotary_emb.inv_freq",
+    ]
     check_weights(dict.fromkeys(names), spec)
     with pytest.raises(UnsupportedModelError, match="unsupported weights model.layers.0.mlp.up_proj.bias"):
         check_weights(dict.fromkeys(names + ["model.layers.0.mlp.up_proj.bias"]), spec)

@@ -18,10 +18,10 @@ from tiny_models import build_tiny_checkpoint, export_tiny  # noqa: E402
 
 from export.errors import DiskFullError  # noqa: E402
 from export.manifest import read_manifest  # noqa: E402
-from export.validate import KVSession  # noqa: E402
 from export.pipeline import Request, run  # noqa: E402
 from export.tokenizer import SAMPLE_TEXTS, sha256_file  # noqa: E402
 from export.ui import Reporter  # noqa: E402
+from export.validate import KVSession  # noqa: E402
 
 pytestmark = pytest.mark.export
 
@@ -36,8 +36,16 @@ def test_manifest_describes_the_folder(exported):
     m = read_manifest(exported)
     arch = m["architecture"]
     assert m["schema_version"] == 1 and m["role"] == "target"
-    assert arch == {"family": arch["family"], "num_layers": 2, "hidden_size": 64, "num_heads": 4,
-                    "num_kv_heads": 2, "head_dim": 16, "vocab_size": 384, "max_positions": 512}
+    assert arch == {
+        "family": arch["family"],
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 384,
+        "max_positions": 512,
+    }
     assert m["onnx"]["inputs"]["position_ids"] == "position_ids"  # exporter 0.3: packed [1, N]
     assert m["onnx"]["inputs"]["attention_bias"] == "attention_bias"  # zeros, or a tree mask
     assert m["onnx"]["kv"]["shared_buffer"] is True and m["onnx"]["kv"]["layout"] == "BNSH"
@@ -45,8 +53,13 @@ def test_manifest_describes_the_folder(exported):
     for name, meta in m["files"].items():
         assert sha256_file(exported / name) == meta["sha256"]
         assert (exported / name).stat().st_size == meta["bytes"]
-    assert {"model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json"} <= set(m["files"])
+    assert {
+        "model.onnx",
+        "model.onnx.data",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= set(m["files"])
     assert m["tokenizer"]["sha256"] == m["files"]["tokenizer.json"]["sha256"]
     assert m["drafts"] == [{"name": "q4", "path": "draft-q4"}]
     v = m["validation"]
@@ -134,8 +147,9 @@ def test_runtime_tokenizer_recipe_matches_autotokenizer(exported):
     chat = [{"role": "user", "content": "hi there"}]
     rendered = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert m["tokenizer"]["chat_template"] == hf.chat_template
-    assert (fast.encode(rendered, add_special_tokens=False).ids
-            == hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=True))
+    assert fast.encode(rendered, add_special_tokens=False).ids == hf.apply_chat_template(
+        chat, tokenize=True, add_generation_prompt=True
+    )
     gen = json.loads((exported / "generation_config.json").read_text())
     eos = gen["eos_token_id"]
     assert (eos if isinstance(eos, list) else [eos]) == m["special_tokens"]["eos"]
@@ -148,8 +162,7 @@ def test_own_draft_and_idempotency(tmp_path):
     d = read_manifest(out / "draft-qwen2-draft")
     assert d["architecture"]["num_layers"] == 1 and d["validation"]["greedy_agreement"] == 1.0
     stamp = (out / "model.onnx.data").stat().st_mtime_ns
-    req = Request(src=str(tmp_path / "qwen2-ckpt"), out=out, draft=str(tmp_path / "qwen2-draft"),
-                  threads=1)
+    req = Request(src=str(tmp_path / "qwen2-ckpt"), out=out, draft=str(tmp_path / "qwen2-draft"), threads=1)
     assert run(req, Reporter(quiet=True)).noop  # second run: nothing to do
     assert (out / "model.onnx.data").stat().st_mtime_ns == stamp
     req.force = True
@@ -165,11 +178,13 @@ def test_quantized_target_and_no_validate(tmp_path):
     m = read_manifest(out)
     assert m["onnx"]["quantization"]["bits"] == 8 and m["validation"] is None
     assert "exact to the quantized model" in m["exact_to"]
-    assert run(Request(src=str(tmp_path / "llama-ckpt"), out=out, quantize="int8",
-                       validate=False), Reporter(quiet=True)).noop
+    assert run(
+        Request(src=str(tmp_path / "llama-ckpt"), out=out, quantize="int8", validate=False), Reporter(quiet=True)
+    ).noop
     # asking for validation now rebuilds (the folder was never validated)
-    assert not run(Request(src=str(tmp_path / "llama-ckpt"), out=out, quantize="int8",
-                           threads=1), Reporter(quiet=True)).noop
+    assert not run(
+        Request(src=str(tmp_path / "llama-ckpt"), out=out, quantize="int8", threads=1), Reporter(quiet=True)
+    ).noop
     assert read_manifest(out)["validation"]["logit_correlation"] > 0.5
 
 
@@ -238,12 +253,19 @@ def test_export_in_a_process_whose_onnx_runtime_has_a_global_thread_pool(tmp_pat
     import subprocess
     import sys
 
-    code = ("import sys; sys.path.insert(0, 'tests')\n"
-            "from specdec_rt.ort.setup import use_global_thread_pool\n"
-            "assert use_global_thread_pool(1)\n"
-            "from pathlib import Path\nfrom tiny_models import export_tiny\n"
-            f"print(export_tiny(Path({str(tmp_path)!r}), 'llama'))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[2])
+    code = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from specdec_rt.ort.setup import use_global_thread_pool\n"
+        "assert use_global_thread_pool(1)\n"
+        "from pathlib import Path\nfrom tiny_models import export_tiny\n"
+        f"print(export_tiny(Path({str(tmp_path)!r}), 'llama'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "llama-onnx" / "manifest.json").is_file()

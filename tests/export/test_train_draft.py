@@ -17,10 +17,35 @@ from specdec_rt.errors import ModelLoadError
 
 pytestmark = pytest.mark.export
 
-TINY = ["--tokens", "2500", "--prompts", "128", "--batch", "32", "--max-new", "24", "--val-prompts", "32",
-        "--epochs", "3", "--depth", "3", "--eval-prompts", "4", "--threads", "1", "--vocab-size", "200", "-q"]
-PROMPTS = ["def add(a, b):", "Hello world! The quick", [{"role": "user", "content": "Write a Python function."}],
-           [{"role": "user", "content": "What is 12 times 7?"}]]
+TINY = [
+    "--tokens",
+    "2500",
+    "--prompts",
+    "128",
+    "--batch",
+    "32",
+    "--max-new",
+    "24",
+    "--val-prompts",
+    "32",
+    "--epochs",
+    "3",
+    "--depth",
+    "3",
+    "--eval-prompts",
+    "4",
+    "--threads",
+    "1",
+    "--vocab-size",
+    "200",
+    "-q",
+]
+PROMPTS = [
+    "def add(a, b):",
+    "Hello world! The quick",
+    [{"role": "user", "content": "Write a Python function."}],
+    [{"role": "user", "content": "What is 12 times 7?"}],
+]
 
 
 def _train(target: Path, out: Path, *extra: str) -> int:
@@ -82,10 +107,10 @@ def test_eagle_draft_is_lossless_and_drafts(trained, tiny_llama):
 
 def test_reduced_vocabulary_maps_back_exactly(trained, tiny_llama):
     """Sampled drafts carry full-vocabulary ids from the map, and q is zero outside it."""
-    from specdec_rt.spec.adapters import ModelVerifier
-    from specdec_rt.ort.eagle import EagleDrafter
     from specdec_rt.ort import OrtModel
+    from specdec_rt.ort.eagle import EagleDrafter
     from specdec_rt.sampling import rejection_sample
+    from specdec_rt.spec.adapters import ModelVerifier
     from specdec_rt.spec.scheduler import SpecDecScheduler
 
     seen = []
@@ -142,8 +167,9 @@ def test_recipe_head_is_hash_checked_and_assembled(trained, tiny_llama, tmp_path
     assert m["kind"] == "eagle" and m["source"]["sha256"] == sha256_file(head)
 
     async def main():
-        async with await Engine.load(staging, draft=str(staging / "draft-eagle"),
-                                     spec_config=SpecConfig(measure_costs=False)) as eng:
+        async with await Engine.load(
+            staging, draft=str(staging / "draft-eagle"), spec_config=SpecConfig(measure_costs=False)
+        ) as eng:
             ar = await eng.generate(PROMPTS[0], max_new_tokens=30, mode="ar")
             spec = await eng.generate(PROMPTS[0], max_new_tokens=30)
             assert spec.token_ids == ar.token_ids and spec.stats.drafted > 0
@@ -180,8 +206,7 @@ def test_stopped_training_resumes_to_the_same_weights(trained, tiny_llama, tmp_p
         head, _ = _new_head(tiny_llama, tm, vocab)
         for stop_after in stops:
             calls = iter(range(10**6))
-            train(head, tb, vb, cfg, work, (lambda: next(calls) >= stop_after) if stop_after else None,
-                  lambda s: None)
+            train(head, tb, vb, cfg, work, (lambda: next(calls) >= stop_after) if stop_after else None, lambda s: None)
             head, _ = _new_head(tiny_llama, tm, vocab)  # a new process would start from scratch
         head.load_state_dict(torch.load(work / "ckpt.pt", weights_only=True)["head"])
         return head.state_dict()
@@ -216,13 +241,13 @@ def test_unrolled_training_matches_incremental_drafting(depth):
     outs = head.unrolled(tokens, feats, depth)
     for j in range(depth - 1, T - 1):
         true_len = j - depth + 2  # positions 0 .. j-s+1 hold true features
-        g, past = head.step(tokens[0, 1:true_len + 1], feats[0, :true_len], None, 0)
+        g, past = head.step(tokens[0, 1 : true_len + 1], feats[0, :true_len], None, 0)
         guess = g[-1:]
         for t in range(true_len, j + 1):
-            g, past = head.step(tokens[0, t + 1:t + 2], guess, past, t)
+            g, past = head.step(tokens[0, t + 1 : t + 2], guess, past, t)
             guess = g
         if depth == 1:
-            guess = head.step(tokens[0, 1:j + 2], feats[0, :j + 1], None, 0)[0][-1:]
+            guess = head.step(tokens[0, 1 : j + 2], feats[0, : j + 1], None, 0)[0][-1:]
         assert torch.allclose(guess[0], outs[depth - 1][0, j], atol=1e-5), (depth, j)
 
 
@@ -230,13 +255,17 @@ def test_eagle_drafts_as_well_from_a_cached_prefix(trained, tiny_llama):
     """The head reads the target's hidden states of every position; with a prefix-cache hit the
     target does not compute the cached ones, so they must come from the cache with the KV: the
     same drafts (same acceptance) as without the cache, and the same output."""
+
     async def run(cache: bool):
         cfg = SpecConfig(measure_costs=False)
-        async with await Engine.load(tiny_llama, draft=str(trained / "draft"), spec_config=cfg,
-                                     prefix_cache=cache, slots=1) as eng:
+        async with await Engine.load(
+            tiny_llama, draft=str(trained / "draft"), spec_config=cfg, prefix_cache=cache, slots=1
+        ) as eng:
             out = []
-            for prompt in ("The quick brown fox jumps over the lazy dog. " * 12,
-                           [{"role": "user", "content": "Write a Python function. " * 12}]):  # > one block
+            for prompt in (
+                "The quick brown fox jumps over the lazy dog. " * 12,
+                [{"role": "user", "content": "Write a Python function. " * 12}],
+            ):  # > one block
                 await eng.generate(prompt, max_new_tokens=8, mode="ar")  # leaves the prompt cached
                 await anyio.sleep(0.3)  # idle: copied into an entry
                 await eng.generate("Lorem ipsum dolor sit amet. " * 18, max_new_tokens=2, mode="ar")  # takes the slot
@@ -252,8 +281,8 @@ def test_eagle_drafts_as_well_from_a_cached_prefix(trained, tiny_llama):
 def test_eagle_greedy_drafts_follow_the_logit_bias_and_penalties(trained):
     """A greedy request with a logit bias drafts the biased argmax (the target's check takes it),
     from the head's vocabulary, not the raw argmax a ban would reject every round."""
-    from specdec_rt.spec.context import RequestContext
     from specdec_rt.ort.eagle import EagleDrafter
+    from specdec_rt.spec.context import RequestContext
 
     drafter = EagleDrafter(trained / "draft", slots=1)
     logits = np.random.default_rng(0).normal(size=drafter.vocab.size).astype(np.float32)  # [V']
@@ -267,6 +296,7 @@ def test_eagle_greedy_drafts_follow_the_logit_bias_and_penalties(trained):
     assert drafter._pick(logits, boosted).id == int(drafter.vocab[0])
     # a penalty counts this round's drafts so far, as the target's check will
     from specdec_rt.types import DraftToken
+
     gap = float(np.sort(logits)[-1] - np.sort(logits)[-2])
     penal = RequestContext([1, 2], 4, SamplingParams(presence_penalty=min(2.0, gap + 0.5)))
     if gap + 0.5 <= 2.0:

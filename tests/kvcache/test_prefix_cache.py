@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdec_rt.kvcache import prefix as pc
 from specdec_rt.errors import InvalidInputError
+from specdec_rt.kvcache import prefix as pc
 from specdec_rt.kvcache.prefix import PrefixCache
 from specdec_rt.sampling import SamplingParams
 from specdec_rt.testing import toy_scheduler
@@ -35,8 +35,9 @@ class Moves:
 
 def cache(running=2, entries=2, budget=100, block=4):
     moves = Moves(running + entries)
-    c = PrefixCache(running, entries, block=block, budget_bytes=budget, token_bytes=1,
-                    copy=moves.copy, discard=moves.discard)
+    c = PrefixCache(
+        running, entries, block=block, budget_bytes=budget, token_bytes=1, copy=moves.copy, discard=moves.discard
+    )
     return c, moves
 
 
@@ -177,9 +178,15 @@ def test_cached_runs_equal_uncached_runs(reqs, waves, entries):
     """Random interleavings of requests with shared and diverging prefixes, some cancelled, in
     several waves (later waves hit what earlier ones left): every request's output equals the
     same request on a scheduler without a cache, and no call ever found its slot corrupted."""
-    cached, target, draft = toy_scheduler(0.4, batched=True, max_length=64, slots=10, block=4,
-                                          prefix_cache_tokens=200 if entries else 60,
-                                          cache_entries=entries or 1)
+    cached, target, draft = toy_scheduler(
+        0.4,
+        batched=True,
+        max_length=64,
+        slots=10,
+        block=4,
+        prefix_cache_tokens=200 if entries else 60,
+        cache_entries=entries or 1,
+    )
     plain, _, _ = toy_scheduler(0.4, batched=True, max_length=64, slots=10)
 
     async def main():
@@ -202,8 +209,7 @@ def test_requests_arriving_together_prefill_their_shared_prompt_once():
     the first while it runs (their calls wait for its prefill), and outputs are unchanged."""
     shared = list(np.random.default_rng(5).integers(0, 8, 40))
     prompts = [shared + [k, (k + 3) % 8] for k in range(4)]
-    cached, target, _ = toy_scheduler(0.4, batched=True, max_length=80, slots=8, block=4,
-                                      prefix_cache_tokens=400)
+    cached, target, _ = toy_scheduler(0.4, batched=True, max_length=80, slots=8, block=4, prefix_cache_tokens=400)
     plain, plain_target, _ = toy_scheduler(0.4, batched=True, max_length=80, slots=8)
 
     async def main():
@@ -219,16 +225,17 @@ def test_requests_arriving_together_prefill_their_shared_prompt_once():
 
 def _halves(moves):
     """copy_parts: a copy in two halves (as the ONNX pool copies a layer at a time)."""
-    return lambda src, dst, a, b: [lambda: moves.copy(src, dst, a, (a + b) // 2),
-                                   lambda: moves.copy(src, dst, (a + b) // 2, b)]
+    return lambda src, dst, a, b: [
+        lambda: moves.copy(src, dst, a, (a + b) // 2),
+        lambda: moves.copy(src, dst, (a + b) // 2, b),
+    ]
 
 
 def _half_copied():
     """One running slot, a finished 16-token conversation in it, its copy into an entry half
     done: ``(cache, moves, slot, conversation, copy under way)``."""
     moves = Moves(3)
-    c = PrefixCache(1, 2, block=4, budget_bytes=100, copy=moves.copy, copy_parts=_halves(moves),
-                    discard=moves.discard)
+    c = PrefixCache(1, 2, block=4, budget_bytes=100, copy=moves.copy, copy_parts=_halves(moves), discard=moves.discard)
     conv = list(range(16))
     slot, _ = c.acquire(np.array(conv))
     moves.store[slot, :16] = conv

@@ -20,10 +20,10 @@ import pytest
 
 from export.graph import TREE_ROLES
 from specdec_rt import Engine
-from specdec_rt.policy.acceptance import SpecConfig
 from specdec_rt.errors import ModelLoadError
 from specdec_rt.ort.manifest import PACKED_ROLES
 from specdec_rt.ort.model import OrtModel, _packed_layout
+from specdec_rt.policy.acceptance import SpecConfig
 
 
 def _kv(model: OrtModel, slot: int) -> list[np.ndarray]:
@@ -121,8 +121,10 @@ def test_an_export_from_before_packed_rows_is_refused_in_one_line(tiny_llama, tm
     old = make(tiny_llama, tmp_path / "old")
     with pytest.raises(ModelLoadError) as info:
         OrtModel(old, max_length=64, slots=1, threads=1)
-    assert str(info.value) == (f"{old / 'manifest.json'}: exported before packed rows (no onnx.inputs.{missing}); "
-                               "rebuild the folder with: python -m export")
+    assert str(info.value) == (
+        f"{old / 'manifest.json'}: exported before packed rows (no onnx.inputs.{missing}); "
+        "rebuild the folder with: python -m export"
+    )
     with pytest.raises(ModelLoadError, match="exported before packed rows"):
         asyncio.run(Engine.load(old, draft="ngram", slots=1))
 
@@ -145,8 +147,9 @@ def test_concurrent_speculative_requests_verify_in_one_call_and_match_alone(tiny
     prompts = [f"prompt number {i} " * (i + 1) for i in range(4)]
 
     async def go():
-        engine = await Engine.load(tiny_llama, draft=draft, slots=4,
-                                   spec_config=SpecConfig(measure_costs=False, adapt_k=False, k_init=3))
+        engine = await Engine.load(
+            tiny_llama, draft=draft, slots=4, spec_config=SpecConfig(measure_costs=False, adapt_k=False, k_init=3)
+        )
         calls, multi = [], []
         engine.executor.listeners.append(lambda model, rows, s: calls.append((model is engine.target, rows)))
         rows_sync = engine.target.run_rows_sync

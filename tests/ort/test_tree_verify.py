@@ -119,9 +119,10 @@ def test_a_quantized_model_refuses_a_tree(tiny_llama):
 
 
 def test_greedy_tree_speculation_through_the_engine_equals_plain(tmp_path, monkeypatch):
+    from tiny_models import export_tiny, plain_spec_together
+
     import specdec_rt.spec.adapters as adapters
     from specdec_rt.policy.acceptance import SpecConfig
-    from tiny_models import export_tiny, plain_spec_together
 
     out = export_tiny(tmp_path, "llama", draft="int8")  # a close draft: long accepted paths
     trees = []
@@ -184,8 +185,17 @@ def _tree_samples(folder, params, n, seed=0):
 
     target = OrtModel(folder, max_length=32, slots=1, threads=1)
     draft = OrtModel(next(folder.glob("draft-*")), max_length=32, slots=1, threads=1)
-    config = SpecConfig(k_min=2, k_init=2, k_max=2, adapt_k=False, tree_nodes=2, measure_costs=False,
-                        fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)
+    config = SpecConfig(
+        k_min=2,
+        k_init=2,
+        k_max=2,
+        adapt_k=False,
+        tree_nodes=2,
+        measure_costs=False,
+        fallback_below=0.0,
+        zero_rounds=10**6,
+        min_speedup=0.0,
+    )
     sched = SpecDecScheduler(OrtDraftInferrer(draft), OrtTargetVerifier(target), config)
     counts = anyio.run(sequence_counts, sched, PROMPT_IDS, 3, params, n, np.random.default_rng(seed))
     return (counts, sched.totals), target
@@ -198,10 +208,11 @@ def test_tree_sampling_on_an_exported_pair_keeps_the_distribution(tiny_pair, mon
     """Temperature 1, top-k 3, sequences of 3 tokens: sampled with draft trees (chain of 2 + 2
     runner-up nodes) against their exact probabilities under plain sampling; then the same test
     with a tree walk that forgets the residual update must fail."""
+    from test_tree_spec import _walk_without_residual
+
     import specdec_rt.spec.adapters as adapters
     from specdec_rt.sampling import SamplingParams
     from specdec_rt.testing import chi_square_pvalue
-    from test_tree_spec import _walk_without_residual
 
     params = SamplingParams(temperature=1.0, top_k=3)
     (counts, totals), target = _tree_samples(tiny_pair, params, 1500)

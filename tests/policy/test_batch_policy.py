@@ -12,10 +12,10 @@ import anyio
 import numpy as np
 import pytest
 
+from specdec_rt.drafters import CombinedDrafter, NgramDrafter
 from specdec_rt.policy.acceptance import AcceptanceEWMA, CostModel, SpecConfig
 from specdec_rt.policy.request import RequestPolicy
 from specdec_rt.spec.context import RequestContext
-from specdec_rt.drafters import CombinedDrafter, NgramDrafter
 from specdec_rt.spec.protocols import DraftInferrer
 
 STEP_8 = 0.044  # seconds of a batched plain step of 8 rows (SmolLM2, measured)
@@ -29,8 +29,12 @@ def _costs(draft_step: float | None, measured: bool = True) -> CostModel:
         positions = positions or rows
         return STEP_8 * rows / 8 + PER_POSITION * (positions - rows)
 
-    return CostModel(SpecConfig(), batch_step_s=step, batched_verify=True,
-                     draft_step_s=(lambda rows: draft_step) if draft_step is not None else None)
+    return CostModel(
+        SpecConfig(),
+        batch_step_s=step,
+        batched_verify=True,
+        draft_step_s=(lambda rows: draft_step) if draft_step is not None else None,
+    )
 
 
 def _policy(costs: CostModel, acceptance: float, cheap_drafts: bool, cheap: float | None = None) -> RequestPolicy:
@@ -82,7 +86,6 @@ def test_marginal_cost_comes_from_the_measured_calls():
 
 def test_cheap_rounds_of_a_combined_drafter_never_call_its_model():
     class Refuses(DraftInferrer):
-
         async def generate_draft(self, ctx, k):
             raise AssertionError("the draft model was called in a cheap round")
 
@@ -113,6 +116,7 @@ def test_model_drafts_that_did_not_pay_in_a_batch_stop():
     """Predicted to pay, measured not to: after the first probe of plain rounds (one whole round
     of the batch), the batch decodes plainly."""
     from specdec_rt.policy.arms import ARM_FIRST_PROBE
+
     p = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
     at, kinds = 10, []
     p._drafted_at = at
@@ -160,8 +164,12 @@ def test_the_nearest_longer_call_is_found_by_bisection_as_by_scanning(seed):
         return table.get((rows, positions or rows))
 
     scan = CostModel(SpecConfig(), batch_step_s=step, batched_verify=True)
-    fast = CostModel(SpecConfig(), batch_step_s=step, batched_verify=True,
-                     batch_shapes=lambda rows: sorted(n for r, n in table if r == rows))
+    fast = CostModel(
+        SpecConfig(),
+        batch_step_s=step,
+        batched_verify=True,
+        batch_shapes=lambda rows: sorted(n for r, n in table if r == rows),
+    )
     for positions in range(8, 90):
         assert fast.batch_call_s(8, positions) == scan.batch_call_s(8, positions)
 
@@ -171,6 +179,7 @@ def _measured_arms(plain: float, drafts: float, batch: int = 4) -> RequestPolicy
     ``drafts`` tokens per second (per request)."""
     p = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
     from specdec_rt.policy.arms import ARM_MIN_SAMPLES
+
     for i in range(ARM_MIN_SAMPLES):
         p._drafted_at = 10 + 4 * i
         p.observe(10 + 4 * i, 0, 0, 0.0, 1.0 / plain, alone=False, batch=batch)
@@ -193,6 +202,7 @@ def test_a_batch_takes_the_kind_of_round_measured_faster():
 
 def test_the_slower_kind_is_probed_for_one_whole_round_of_the_batch():
     from specdec_rt.policy.arms import ARM_PROBE_EVERY
+
     batch = 4
     p = _measured_arms(plain=30.0, drafts=20.0, batch=batch)
     arms = p.costs.batch_arms[batch]
@@ -204,7 +214,7 @@ def test_the_slower_kind_is_probed_for_one_whole_round_of_the_batch():
     probes = [i for i, c in enumerate(choices) if c]
     assert len(probes) == 2 * batch  # one round of the batch (all its requests) per period
     for start in probes[::batch]:  # consecutive: the whole round drafts
-        assert choices[start:start + batch] == [True] * batch
+        assert choices[start : start + batch] == [True] * batch
     assert probes[batch] - probes[0] == period
     # a probe that found drafts faster now turns the batch to drafts
     for _ in range(8):
@@ -214,6 +224,7 @@ def test_the_slower_kind_is_probed_for_one_whole_round_of_the_batch():
 
 def test_probes_that_confirm_the_kind_in_use_come_less_often():
     from specdec_rt.policy.arms import ARM_MIN_SAMPLES, ARM_PROBE_EVERY, ARM_PROBE_MAX, BatchArms
+
     batch, arms = 2, BatchArms()
     for _ in range(ARM_MIN_SAMPLES):
         arms.observe(False, 30.0)
@@ -240,6 +251,7 @@ def test_a_probe_of_model_drafts_lets_the_drafts_catch_up_first():
     """After plain rounds every draft lags: the probe's first round is a catch-up (not
     measured), so the probe lasts two rounds of the batch."""
     from specdec_rt.policy.arms import ARM_MIN_SAMPLES, BatchArms
+
     batch, arms = 4, BatchArms()
     for _ in range(ARM_MIN_SAMPLES):
         arms.observe(False, 30.0)
@@ -253,6 +265,7 @@ def test_the_kind_never_measured_is_probed_soon_and_then_decides():
     """Predicted to pay, a batch drafts, so only the drafts arm gets measured: without an early
     probe nothing would ever measure plain rounds and the prediction would stand for good."""
     from specdec_rt.policy.arms import ARM_FIRST_PROBE, ARM_MIN_SAMPLES, BatchArms
+
     batch, arms = 4, BatchArms()
     assert arms.choose(batch, 2.0, 1.1) and not arms.choose(batch, 1.0, 1.1)  # nothing measured
     choices = []
@@ -283,6 +296,7 @@ def test_model_drafts_are_explored_only_where_they_are_within_reach():
     makes plain rows cheaper), nor from a win more than 2 requests smaller; 2 requests explore
     them when speculation pays alone."""
     from specdec_rt.policy.arms import ARM_MIN_SAMPLES, BatchArms
+
     costs = _costs(draft_step=0.002)
 
     def arms(plain, drafts):
@@ -311,6 +325,7 @@ def test_model_drafts_are_explored_only_where_they_are_within_reach():
 
 def test_a_periodic_probe_of_slower_drafts_is_skipped_when_catching_up_would_not_pay():
     from specdec_rt.policy.arms import ARM_MIN_SAMPLES, ARM_PROBE_EVERY, BatchArms
+
     batch, arms = 8, BatchArms()
     for _ in range(ARM_MIN_SAMPLES):
         arms.observe(False, 40.0)
@@ -326,6 +341,7 @@ def test_only_rounds_that_no_other_kind_of_round_overlapped_are_measured():
     """In a mixed round plain rows wait for the drafting rows' draft steps and drafting rows
     share their verify with cheap plain rows: both rates would be wrong."""
     from specdec_rt.policy.arms import BatchArms, RoundLedger
+
     ledger = RoundLedger()
     a, b = ledger.start("plain"), ledger.start("plain")
     assert ledger.end(a) and ledger.end(b)  # the same kind side by side: pure

@@ -72,8 +72,6 @@ def test_replacing_the_measurements_refits_the_line():
     assert costs.verify_cost(1) == pytest.approx(2.0)
 
 
-
-
 def test_a_probe_that_first_catches_up_feeds_its_verify_not_its_draft_time():
     """A probe after plain steps drafts only once the draft read the tokens it missed: that
     reading is not a draft token's cost. Counted as one (the old rule), a probe after 16 plain

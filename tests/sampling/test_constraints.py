@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
-from specdec_rt.sampling.constraints import Constraint, check_response_format, constrained
-from specdec_rt.spec.context import RequestContext
 from specdec_rt.errors import InferenceError
 from specdec_rt.sampling import warp
+from specdec_rt.sampling.constraints import Constraint, check_response_format, constrained
+from specdec_rt.spec.context import RequestContext
 from specdec_rt.testing import chi_square_pvalue, toy_pair, toy_scheduler
 
 ALWAYS = dict(measure_costs=False, adapt_k=False, fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)
@@ -62,8 +62,9 @@ def _run(sched, prompt, n, params=None, mode="spec", table=None, rng=None):
 def test_greedy_speculation_equals_constrained_plain_decoding(tree_nodes):
     target, draft = toy_pair(12, seed=6, distance=0.3)
     table = _table(12, 1)
-    sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target),
-                             SpecConfig(k_init=5, tree_nodes=tree_nodes, **ALWAYS))
+    sched = SpecDecScheduler(
+        ModelDrafter(draft), ModelVerifier(target), SpecConfig(k_init=5, tree_nodes=tree_nodes, **ALWAYS)
+    )
     prompt = [3, 3, 1]
     want = _run(sched, prompt, 40, mode="ar", table=table)
     assert want != _run(sched, prompt, 40, mode="ar")  # the constraint changes what greedy decoding says
@@ -73,7 +74,7 @@ def test_greedy_speculation_equals_constrained_plain_decoding(tree_nodes):
     for _ in range(40):
         row = target.logits_at(np.array(seq))[-1]
         seq.append(int(np.argmax(np.where(table[seq[-1]], row, -np.inf))))
-    assert seq[len(prompt):] == want
+    assert seq[len(prompt) :] == want
     assert _run(sched, prompt, 40, table=table) == want
     assert sched.totals.accepted > 5  # drafts were accepted under the constraint
     assert (target.tree_calls > 0) == (tree_nodes > 0)
@@ -108,10 +109,12 @@ def test_batched_requests_with_their_own_constraints_each_equal_their_own_plain_
         async def one(i):
             c = Transitions(tables[i], prompts[i][-1])
             out[i] = (await sched.run(prompts[i], 25, SamplingParams(), constraint=c)).token_ids
+
         async with anyio.create_task_group() as tg:
             for i in range(4):
                 tg.start_soon(one, i)
         return out
+
     assert anyio.run(together) == alone
 
 
@@ -132,8 +135,11 @@ def test_sampling_keeps_the_constrained_distribution(tree_nodes):
     target, draft = toy_pair(vocab, seed=3, distance=0.7)
     table = _table(vocab, 4)
     params = SamplingParams(temperature=1.0)
-    sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target),
-                             SpecConfig(k_min=2, k_init=2, k_max=2, tree_nodes=tree_nodes, **ALWAYS))
+    sched = SpecDecScheduler(
+        ModelDrafter(draft),
+        ModelVerifier(target),
+        SpecConfig(k_min=2, k_init=2, k_max=2, tree_nodes=tree_nodes, **ALWAYS),
+    )
     rng = np.random.default_rng(12)
     counts: dict = {}
     for _ in range(n):
@@ -156,8 +162,9 @@ def test_constrained_rows_are_a_copy_and_unreachable_rows_stay():
     assert out[1].tolist() == logits[1].tolist() and logits[0, 1] == 1  # untouched, and no write-through
 
 
-@pytest.mark.parametrize("bad", [{"type": "xml"}, "json", {"type": "json_schema"},
-                                 {"type": "json_schema", "json_schema": {"schema": [1]}}])
+@pytest.mark.parametrize(
+    "bad", [{"type": "xml"}, "json", {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": [1]}}]
+)
 def test_bad_response_formats_are_named(bad):
     with pytest.raises(InvalidInputError, match="response_format"):
         check_response_format(bad)
@@ -178,8 +185,10 @@ pytest.importorskip("llguidance")
 def test_json_schemas_on_a_tiny_model_exactly_and_to_the_letter(tiny_llama):
     from serve_util import run
 
-    enum = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "string",
-                                                                          "enum": ["yes", "no", "maybe"]}}}
+    enum = {
+        "type": "json_schema",
+        "json_schema": {"name": "a", "schema": {"type": "string", "enum": ["yes", "no", "maybe"]}},
+    }
 
     async def check(engine):
         for rf in (enum, {"type": "json_object"}):
@@ -196,9 +205,11 @@ def test_json_schemas_on_a_tiny_model_exactly_and_to_the_letter(tiny_llama):
         obj = await engine.generate("Answer:", 24, mode="ar", response_format={"type": "json_object"})
         assert obj.text.lstrip().startswith("{")
         with pytest.raises(InvalidInputError, match="response_format"):
-            await engine.generate("x", 4, response_format={"type": "json_schema",
-                                                           "json_schema": {"schema": {"type": "nonsense"}}})
+            await engine.generate(
+                "x", 4, response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}
+            )
         assert engine.running == 0 and not engine.target._owners
+
     run(check, tiny_llama)
 
 
@@ -212,17 +223,27 @@ def test_response_format_through_the_server(tiny_llama):
 
     async def check(engine):
         async with client(create_app(engine)) as c:
-            r = await c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 16, "temperature": 0,
-                                                           "response_format": rf})
-            bad = await c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, "response_format": {
-                "type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}})
-            text = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 16, "temperature": 0,
-                                                         "response_format": rf})
+            r = await c.post(
+                "/v1/chat/completions",
+                json={"messages": CHAT, "max_tokens": 16, "temperature": 0, "response_format": rf},
+            )
+            bad = await c.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": CHAT,
+                    "max_tokens": 4,
+                    "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+                },
+            )
+            text = await c.post(
+                "/v1/completions", json={"prompt": "x", "max_tokens": 16, "temperature": 0, "response_format": rf}
+            )
         assert r.status_code == 200, r.text
         assert json.loads(r.json()["choices"][0]["message"]["content"]) in ("red", "blue")
         assert r.json()["choices"][0]["finish_reason"] == "stop"
         assert json.loads(text.json()["choices"][0]["text"]) in ("red", "blue")
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+
     run(check, tiny_llama)
 
 
@@ -257,13 +278,18 @@ def test_grammars_that_give_up_are_a_400_in_every_mode_and_an_empty_schema_holds
                 await engine.generate("x", 8, mode=mode, response_format=rf({"$ref": "#"}))
         want = await engine.generate("Answer:", 12, mode="ar", response_format=rf({}))
         async with client(create_app(engine)) as c:
-            empty = await c.post("/v1/completions", json={"prompt": "Answer:", "max_tokens": 12, "temperature": 0,
-                                                          "response_format": rf({})})
-            r = await c.post("/v1/completions", json={"prompt": "Answer:", "max_tokens": 16, "temperature": 0,
-                                                      "response_format": rf(wide)})
+            empty = await c.post(
+                "/v1/completions",
+                json={"prompt": "Answer:", "max_tokens": 12, "temperature": 0, "response_format": rf({})},
+            )
+            r = await c.post(
+                "/v1/completions",
+                json={"prompt": "Answer:", "max_tokens": 16, "temperature": 0, "response_format": rf(wide)},
+            )
             ok = await c.post("/v1/completions", json={"prompt": "Answer:", "max_tokens": 4, "temperature": 0})
         assert empty.json()["choices"][0]["text"] == want.text
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
         assert "<state>" not in r.json()["error"]["message"]  # the first line, not the engine's internals
         assert ok.status_code == 200 and engine.running == 0 and not engine.target._owners
+
     run(check, tiny_llama)

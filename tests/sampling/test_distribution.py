@@ -17,8 +17,16 @@ from specdec_rt.sampling import rejection_sample, sample
 from specdec_rt.testing import chi_square_pvalue, sequence_counts, sequence_distribution, toy_pair
 
 VOCAB, LENGTH, PROMPT, N = 4, 3, [1, 2], 6000
-CONFIG = SpecConfig(measure_costs=False, k_min=2, k_init=2, k_max=2, adapt_k=False,
-                    fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)  # always speculate
+CONFIG = SpecConfig(
+    measure_costs=False,
+    k_min=2,
+    k_init=2,
+    k_max=2,
+    adapt_k=False,
+    fallback_below=0.0,
+    zero_rounds=10**6,
+    min_speedup=0.0,
+)  # always speculate
 
 
 def collect(sampler, params: SamplingParams, n: int = N, mode: str = "spec", seed: int = 0) -> dict:

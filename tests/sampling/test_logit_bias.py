@@ -11,18 +11,33 @@ import pytest
 
 from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
 from specdec_rt.sampling import MAX_LOGIT_BIAS, biased, warp
-from specdec_rt.testing import (chi_square_pvalue, run_together, sequence_counts, sequence_distribution, toy_pair,
-                                toy_scheduler)
+from specdec_rt.testing import (
+    chi_square_pvalue,
+    run_together,
+    sequence_counts,
+    sequence_distribution,
+    toy_pair,
+    toy_scheduler,
+)
 
 ALWAYS = dict(measure_costs=False, adapt_k=False, fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)
 
 
-@pytest.mark.parametrize("bad, needle", [
-    ({-1: 1.0}, "non-negative integers"), ({True: 1.0}, "non-negative integers"), ({"3": 1.0}, "non-negative"),
-    ({3: 101}, "from -100 to 100"), ({3: float("nan")}, "from -100 to 100"), ({3: "1"}, "from -100 to 100"),
-    ({i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}, "at most"), ("x", "must be a dict"), ([(1, 2, 3)], "pairs"),
-    ({2**63: 1.0}, "below 2\\*\\*31"),
-])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ({-1: 1.0}, "non-negative integers"),
+        ({True: 1.0}, "non-negative integers"),
+        ({"3": 1.0}, "non-negative"),
+        ({3: 101}, "from -100 to 100"),
+        ({3: float("nan")}, "from -100 to 100"),
+        ({3: "1"}, "from -100 to 100"),
+        ({i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}, "at most"),
+        ("x", "must be a dict"),
+        ([(1, 2, 3)], "pairs"),
+        ({2**63: 1.0}, "below 2\\*\\*31"),
+    ],
+)
 def test_bad_biases_are_refused_by_name(bad, needle):
     with pytest.raises(InvalidInputError, match=needle):
         SamplingParams(logit_bias=bad)
@@ -52,8 +67,9 @@ def _run(sched, prompt, n, params, mode="spec"):
 @pytest.mark.parametrize("tree_nodes", [0, 2])
 def test_greedy_speculation_equals_biased_plain_decoding(tree_nodes):
     target, draft = toy_pair(16, seed=4, distance=0.5)
-    sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), SpecConfig(k_init=4, tree_nodes=tree_nodes,
-                                                                                    **ALWAYS))
+    sched = SpecDecScheduler(
+        ModelDrafter(draft), ModelVerifier(target), SpecConfig(k_init=4, tree_nodes=tree_nodes, **ALWAYS)
+    )
     prompt = [2, 7, 1]
     plain = _run(sched, prompt, 30, SamplingParams(), "ar")
     ban = {plain[0]: -100.0, plain[3]: -100.0}  # the plain output's tokens, banned
@@ -103,6 +119,7 @@ def test_log_probabilities_stay_the_models_own():
         async for ev in sched.stream([1, 2], 6, params, logprobs=0, mode="ar"):
             out += [(t, e.logprob) for t, e in zip(ev.token_ids, ev.logprobs)]
         return out
+
     plain = anyio.run(lps, SamplingParams())
     nudged = anyio.run(lps, SamplingParams(logit_bias={plain[1][0]: 0.01}))  # same tokens, tiny bias
     assert [t for t, _ in nudged] == [t for t, _ in plain]

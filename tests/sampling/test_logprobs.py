@@ -8,7 +8,15 @@ import anyio
 import numpy as np
 import pytest
 
-from specdec_rt import InvalidInputError, TargetVerifier, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
+from specdec_rt import (
+    InvalidInputError,
+    ModelDrafter,
+    ModelVerifier,
+    SamplingParams,
+    SpecConfig,
+    SpecDecScheduler,
+    TargetVerifier,
+)
 from specdec_rt.errors import InferenceError
 from specdec_rt.sampling.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from specdec_rt.testing import toy_pair
@@ -93,6 +101,7 @@ def test_off_by_default_and_bad_values_are_refused_by_name():
 
     async def events():
         return [ev async for ev in sched.stream([1, 2], 5)]
+
     assert all(ev.logprobs is None for ev in anyio.run(events))
     for bad in (-1, MAX_TOP_LOGPROBS + 1, 2.0, True, "3"):
         with pytest.raises(InvalidInputError, match="logprobs must be None or an integer"):
@@ -136,10 +145,12 @@ def test_batched_requests_report_what_each_would_alone():
 
         async def one(i):
             out[i] = await _collect(sched, prompts[i], 20, 2, mode="spec" if i % 2 else "ar")
+
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
                 tg.start_soon(one, i)
         return out
+
     for prompt, (ids, lps) in zip(prompts, anyio.run(all_at_once)):
         want = _expected(target, prompt, ids, 2)
         assert [x.logprob for x in lps] == pytest.approx([x.logprob for x in want], abs=1e-6)
@@ -160,8 +171,13 @@ def test_the_servers_format_names_partial_characters_and_counts_offsets_in_chara
     fmt = LogprobsFormat("completion", pieces.__getitem__, 1, special=lambda t: t == 5)
     e = TokenLogprob  # the chosen token and its alternatives, some sharing no name
     ids = [1, 2, 3, 6, 5]
-    entries = [e(-0.5, ((4, -0.1), (1, -0.5), (3, -2.0))), e(-0.2, ()), e(-float("inf"), ((3, -float("inf")),)),
-               e(float("nan"), ()), e(-1.0, ())]
+    entries = [
+        e(-0.5, ((4, -0.1), (1, -0.5), (3, -2.0))),
+        e(-0.2, ()),
+        e(-float("inf"), ((3, -float("inf")),)),
+        e(float("nan"), ()),
+        e(-1.0, ()),
+    ]
     body = fmt.body(ids[:2], entries[:2])  # two chunks: offsets go on across them
     body2 = fmt.body(ids[2:], entries[2:])
     assert body["tokens"] + body2["tokens"] == ["bytes:\\xe2\\x80", "bytes:\\x99", "a", "é", "<|im_end|>"]

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
-from specdec_rt.sampling.constraints import Constraint, MinTokens
 from specdec_rt.sampling import warp
+from specdec_rt.sampling.constraints import Constraint, MinTokens
 from specdec_rt.testing import chi_square_pvalue, toy_pair, toy_scheduler
 
 ALWAYS = dict(measure_costs=False, adapt_k=False, fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)
@@ -29,15 +29,19 @@ def _eos_prone(vocab: int, seed: int):
 def _run(sched, n, min_tokens=0, ignore_eos=False, mode="spec", params=None, rng=None, prompt=(1, 2)):
     eos = next(iter(sched.eos_ids))
     c = MinTokens(min_tokens, [eos], 12 if params is None else sched.verifier.model.vocab_size) if min_tokens else None
-    return anyio.run(lambda: sched.run(list(prompt), n, params or SamplingParams(), mode=mode, constraint=c,
-                                       ignore_eos=ignore_eos, rng=rng))
+    return anyio.run(
+        lambda: sched.run(
+            list(prompt), n, params or SamplingParams(), mode=mode, constraint=c, ignore_eos=ignore_eos, rng=rng
+        )
+    )
 
 
 @pytest.mark.parametrize("tree_nodes", [0, 3])
 def test_greedy_min_tokens_and_ignore_eos_equal_plain_decoding(tree_nodes):
     target, draft, eos = _eos_prone(12, 6)
-    sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target),
-                             SpecConfig(k_init=5, tree_nodes=tree_nodes, **ALWAYS), eos_ids=[eos])
+    sched = SpecDecScheduler(
+        ModelDrafter(draft), ModelVerifier(target), SpecConfig(k_init=5, tree_nodes=tree_nodes, **ALWAYS), eos_ids=[eos]
+    )
     free = _run(sched, 30, mode="ar")
     assert free.token_ids[-1] == eos and len(free.token_ids) == 4 and free.stats.finish_reason == "stop"
     # min_tokens: plain decoding by hand, EOS masked while fewer than 10 tokens are out
@@ -75,10 +79,12 @@ def test_batched_min_tokens_rows_each_equal_their_own_plain_run():
             m, i = asks[j]
             c = MinTokens(m, [eos], 12) if m else None
             out[j] = (await sched.run([1, 2], 20, SamplingParams(), constraint=c, ignore_eos=i)).token_ids
+
         async with anyio.create_task_group() as tg:
             for j in range(len(asks)):
                 tg.start_soon(one, j)
         return out
+
     assert anyio.run(together) == alone
     assert alone[0][-1] == eos and len(alone[0]) == 4 and eos not in alone[1][:5] + alone[2][:12]
     assert alone[1] != alone[0] and alone[3][:4] == alone[0] and len(alone[3]) == 20
@@ -91,12 +97,13 @@ def test_sampling_keeps_the_min_tokens_distribution():
     first = warp(target.logits_at(np.array(prompt))[-1:].astype(np.float32), params)[0]  # [V]
     eos = int(np.argmax(first))  # the likeliest first token: masking it changes the law a lot
     assert first[eos] > 0.3
-    sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), SpecConfig(k_min=2, k_init=2, k_max=2, **ALWAYS),
-                             eos_ids=[eos])
+    sched = SpecDecScheduler(
+        ModelDrafter(draft), ModelVerifier(target), SpecConfig(k_min=2, k_init=2, k_max=2, **ALWAYS), eos_ids=[eos]
+    )
     # exact: EOS masked at the first 2 positions (so an EOS, if any, is the 3rd and last token)
     want: dict = {}
     for seq in itertools.product(range(vocab), repeat=length):
-        rows = target.logits_at(np.array(prompt + list(seq[:-1])))[len(prompt) - 1:].astype(np.float32)  # [3, V]
+        rows = target.logits_at(np.array(prompt + list(seq[:-1])))[len(prompt) - 1 :].astype(np.float32)  # [3, V]
         rows[:2, eos] = -np.inf
         probs = warp(rows, params)  # [3, V]
         want[seq] = float(np.prod(probs[np.arange(length), list(seq)]))
@@ -126,16 +133,30 @@ def test_min_tokens_mask_and_its_hand_over():
     assert c.allowed([0]).tolist() == [True, False, False, True]
     assert c.allowed([0, 0]).tolist() == [True, True, False, True]  # past min_tokens: the inner rule alone
     assert c.allowed([3]) is None  # a path the inner constraint rules out stays so
-    only_eos = MinTokens(5, [2], 3, type("Done", (), {"allowed": lambda self, b: np.array([False, False, True]),
-                                                      "commit": lambda self, ids: None})())
+    only_eos = MinTokens(
+        5,
+        [2],
+        3,
+        type(
+            "Done", (), {"allowed": lambda self, b: np.array([False, False, True]), "commit": lambda self, ids: None}
+        )(),
+    )
     assert only_eos.allowed([]).tolist() == [False, False, True]  # never forced past the answer's end
     c.commit([0, 0])
     assert c.spent and ("commit", [0, 0]) in inner_calls
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=True), "min_tokens"), (dict(min_tokens=1.5), "min_tokens"),
-    (dict(min_tokens=9), "min_tokens"), (dict(ignore_eos="yes"), "ignore_eos"), (dict(ignore_eos=1), "ignore_eos")])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=True), "min_tokens"),
+        (dict(min_tokens=1.5), "min_tokens"),
+        (dict(min_tokens=9), "min_tokens"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
+        (dict(ignore_eos=1), "ignore_eos"),
+    ],
+)
 def test_bad_length_options_are_named(tiny_llama, kwargs, name):
     from specdec_rt import Engine
 
@@ -144,6 +165,7 @@ def test_bad_length_options_are_named(tiny_llama, kwargs, name):
             with pytest.raises(InvalidInputError, match=name):
                 engine.stream("hello", max_new_tokens=8, **kwargs)
             return (await engine.generate("hello", max_new_tokens=8, mode="ar")).token_ids
+
     assert anyio.run(main)  # the engine serves the next request
 
 
@@ -161,6 +183,7 @@ def test_engine_min_tokens_and_ignore_eos_on_a_tiny_export(tiny_llama):
                 on = await engine.generate("hello", 12, mode=mode, logit_bias=bias, ignore_eos=True)
                 out[mode] = (free.token_ids, held.token_ids, on.token_ids, on.stats.finish_reason)
             return eos, out
+
     eos, out = anyio.run(main)
     assert out["spec"] == out["ar"]
     free, held, on, reason = out["ar"]
@@ -179,14 +202,35 @@ def test_server_min_tokens_and_ignore_eos(tiny_llama):
         base = {"prompt": "hello", "max_tokens": 10, "temperature": 0, "logit_bias": {str(eos): 30}}
         async with client(create_app(engine)) as c:
             free = (await c.post("/v1/completions", json=base)).json()
-            on = (await c.post("/v1/completions", json={**base, "ignore_eos": True, "stream": True,
-                                                         "stream_options": {"include_usage": True}})).text
-            held = (await c.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "temperature": 0,
-                "logit_bias": {str(eos): 30}, "min_tokens": 4, "logprobs": True})).json()
-            bad = [await c.post("/v1/completions", json={**base, **extra}) for extra in (
-                {"min_tokens": 11}, {"min_tokens": -1}, {"min_tokens": "2"}, {"ignore_eos": "true"},
-                {"min_tokens": 300, "max_tokens": None})]
+            on = (
+                await c.post(
+                    "/v1/completions",
+                    json={**base, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}},
+                )
+            ).text
+            held = (
+                await c.post(
+                    "/v1/chat/completions",
+                    json={
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 10,
+                        "temperature": 0,
+                        "logit_bias": {str(eos): 30},
+                        "min_tokens": 4,
+                        "logprobs": True,
+                    },
+                )
+            ).json()
+            bad = [
+                await c.post("/v1/completions", json={**base, **extra})
+                for extra in (
+                    {"min_tokens": 11},
+                    {"min_tokens": -1},
+                    {"min_tokens": "2"},
+                    {"ignore_eos": "true"},
+                    {"min_tokens": 300, "max_tokens": None},
+                )
+            ]
         assert free["usage"]["completion_tokens"] == 1 and free["choices"][0]["finish_reason"] == "stop"
         usage = [e for e in sse_data_all(on) if e.get("usage")][-1]["usage"]
         assert usage["completion_tokens"] == 10
@@ -198,9 +242,11 @@ def test_server_min_tokens_and_ignore_eos(tiny_llama):
 
     def sse_data_all(text):
         from serve_util import sse_data
+
         events = sse_data(text)
         assert events[-1] == "[DONE]"
         return events[:-1]
+
     run(check, tiny_llama)
 
 
@@ -214,19 +260,26 @@ def test_ignore_eos_past_a_complete_grammar_equals_plain_decoding(tiny_llama):
         out = {}
         async with await Engine.load(tiny_llama, slots=2, spec_config=SpecConfig(k_init=4, **ALWAYS)) as engine:
             eos = next(iter(engine.scheduler.eos_ids))
-            for fmt in ({"type": "json_object"},
-                        {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {
-                            "a": {"type": "integer"}}, "required": ["a"]}}}):
+            for fmt in (
+                {"type": "json_object"},
+                {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+                    },
+                },
+            ):
                 for mode in ("ar", "spec"):
                     r = await engine.generate("abc", 60, mode=mode, response_format=fmt, ignore_eos=True)
                     out[(fmt["type"], mode)] = (r.token_ids, r.stats.finish_reason)
         return eos, out
+
     eos, out = anyio.run(main)
     for kind in ("json_object", "json_schema"):
         ids, reason = out[(kind, "ar")]
         assert out[(kind, "spec")] == (ids, reason)
         assert reason == "length" and len(ids) == 60 and eos in ids  # complete, then only EOS
-        assert set(ids[ids.index(eos):]) == {eos} and ids.index(eos) < 50
+        assert set(ids[ids.index(eos) :]) == {eos} and ids.index(eos) < 50
 
 
 def test_min_tokens_holds_stop_strings_off_as_vllm_does(tiny_llama):
@@ -249,9 +302,16 @@ def test_min_tokens_holds_stop_strings_off_as_vllm_does(tiny_llama):
                 async with engine.stream("hello", 24, min_tokens=4, **kw) as events:
                     async for ev in events:
                         streamed.append(ev.text)
-                out[mode] = (cut.token_ids, cut.text, held.token_ids, held.text, "".join(streamed),
-                             held.stats.finish_reason)
+                out[mode] = (
+                    cut.token_ids,
+                    cut.text,
+                    held.token_ids,
+                    held.text,
+                    "".join(streamed),
+                    held.stats.finish_reason,
+                )
             return x, word, out
+
     x, word, out = anyio.run(main)
     assert out["spec"] == out["ar"]
     cut_ids, cut_text, held_ids, held_text, streamed, reason = out["ar"]

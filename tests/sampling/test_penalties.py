@@ -10,10 +10,16 @@ import numpy as np
 import pytest
 
 from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
-from specdec_rt.spec.context import RequestContext
 from specdec_rt.sampling.penalties import penalized
-from specdec_rt.testing import (chi_square_pvalue, run_together, sequence_counts, sequence_distribution, toy_pair,
-                                toy_scheduler)
+from specdec_rt.spec.context import RequestContext
+from specdec_rt.testing import (
+    chi_square_pvalue,
+    run_together,
+    sequence_counts,
+    sequence_distribution,
+    toy_pair,
+    toy_scheduler,
+)
 
 ALWAYS = dict(measure_costs=False, adapt_k=False, fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)
 
@@ -29,10 +35,20 @@ def test_the_formula_by_hand():
     assert penalized(logits, SamplingParams(), np.array([0]), np.array([1]), [[], []]) is logits  # off: untouched
 
 
-@pytest.mark.parametrize("field, bad", [("presence_penalty", 2.5), ("frequency_penalty", -3), ("frequency_penalty", "1"),
-                                        ("repetition_penalty", 0.0), ("repetition_penalty", 11), ("presence_penalty", True),
-                                        ("repetition_penalty", float("nan")), ("repetition_penalty", 1e-39),
-                                        ("repetition_penalty", 0.005)])
+@pytest.mark.parametrize(
+    "field, bad",
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("frequency_penalty", "1"),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 11),
+        ("presence_penalty", True),
+        ("repetition_penalty", float("nan")),
+        ("repetition_penalty", 1e-39),
+        ("repetition_penalty", 0.005),
+    ],
+)
 def test_bad_values_are_refused_by_name(field, bad):
     with pytest.raises(InvalidInputError, match=field):
         SamplingParams(**{field: bad})
@@ -42,17 +58,21 @@ def _run(sched, prompt, n, params, mode="spec"):
     return anyio.run(lambda: sched.run(prompt, n, params, mode=mode)).token_ids
 
 
-PARAMS = [SamplingParams(frequency_penalty=1.5), SamplingParams(presence_penalty=2.0),
-          SamplingParams(repetition_penalty=3.0), SamplingParams(presence_penalty=-1.0, frequency_penalty=0.7,
-                                                                  repetition_penalty=1.5)]
+PARAMS = [
+    SamplingParams(frequency_penalty=1.5),
+    SamplingParams(presence_penalty=2.0),
+    SamplingParams(repetition_penalty=3.0),
+    SamplingParams(presence_penalty=-1.0, frequency_penalty=0.7, repetition_penalty=1.5),
+]
 
 
 @pytest.mark.parametrize("params", PARAMS)
 @pytest.mark.parametrize("tree_nodes", [0, 3])
 def test_greedy_speculation_equals_penalized_plain_decoding(params, tree_nodes):
     target, draft = toy_pair(12, seed=6, distance=0.3)
-    sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target),
-                             SpecConfig(k_init=5, tree_nodes=tree_nodes, **ALWAYS))
+    sched = SpecDecScheduler(
+        ModelDrafter(draft), ModelVerifier(target), SpecConfig(k_init=5, tree_nodes=tree_nodes, **ALWAYS)
+    )
     prompt = [3, 3, 1]
     plain = _run(sched, prompt, 40, SamplingParams(), "ar")
     want = _run(sched, prompt, 40, params, "ar")
@@ -70,7 +90,9 @@ def test_rows_scored_without_their_drafts_are_caught(monkeypatch):
     sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), SpecConfig(k_init=5, **ALWAYS))
     want = _run(sched, [3, 3, 1], 40, params, "ar")
     real = RequestContext.penalized
-    monkeypatch.setattr(RequestContext, "penalized", lambda ctx, logits, before: real(ctx, logits, [[] for _ in before]))
+    monkeypatch.setattr(
+        RequestContext, "penalized", lambda ctx, logits, before: real(ctx, logits, [[] for _ in before])
+    )
     assert _run(sched, [3, 3, 1], 40, params) != want
 
 
@@ -87,8 +109,11 @@ def test_sampling_keeps_the_penalized_distribution(tree_nodes):
     vocab, length, prompt, n = 4, 3, [1, 2], 6000
     target, draft = toy_pair(vocab, seed=3, distance=0.7)
     params = SamplingParams(temperature=1.0, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.5)
-    sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target),
-                             SpecConfig(k_min=2, k_init=2, k_max=2, tree_nodes=tree_nodes, **ALWAYS))
+    sched = SpecDecScheduler(
+        ModelDrafter(draft),
+        ModelVerifier(target),
+        SpecConfig(k_min=2, k_init=2, k_max=2, tree_nodes=tree_nodes, **ALWAYS),
+    )
     counts = anyio.run(lambda: sequence_counts(sched, prompt, length, params, n, np.random.default_rng(12)))
     assert (target.tree_calls > 0) == (tree_nodes > 0)
     assert chi_square_pvalue(counts, sequence_distribution(target, prompt, length, params)) > 1e-3

@@ -51,6 +51,7 @@ def test_prompt_logprobs_equal_each_prefix_scored_alone(tiny_llama, monkeypatch,
         assert all(len(e.top) == 3 for e in got.prompt_logprobs[1:])
         assert got.logprobs is None  # only what was asked for
         assert engine.running == 0 and not engine.target._owners  # every slot back
+
     run(check, tiny_llama)
 
 
@@ -67,6 +68,7 @@ def test_generation_is_unchanged_and_starts_from_the_scored_prompt(tiny_llama):
         got = await engine.generate(fresh, 4, mode="ar", prompt_logprobs=0)
         assert engine.prefix_cache["hit_tokens"] - hits == len(got.prompt_token_ids) - 1
         assert got.stats.cached_prompt_tokens == 0  # the request computed its prompt itself: no earlier one's
+
     run(check, tiny_llama)
 
 
@@ -79,6 +81,7 @@ def test_stream_gives_the_prompt_first_and_one_token_prompts_have_nothing_to_sco
         one = engine.codec.decode([engine.codec.encode_prompt("x")[0]])
         got = await engine.generate(one, 2, prompt_logprobs=2)
         assert got.prompt_logprobs == [None] and len(got.prompt_token_ids) == 1
+
     run(check, tiny_llama)
 
 
@@ -87,6 +90,7 @@ def test_bad_prompt_logprobs_are_named(tiny_llama, bad):
     async def check(engine):
         with pytest.raises(InvalidInputError, match="prompt_logprobs"):
             engine.stream(TEXT, 2, prompt_logprobs=bad)
+
     run(check, tiny_llama)
 
 
@@ -107,6 +111,7 @@ def test_cancelled_while_scoring_frees_the_slot(tiny_llama, monkeypatch):
             assert not engine.target._owners and engine.running == 0
         after = await engine.generate(TEXT, 6, mode="ar")
         assert len(after.token_ids) == 6
+
     run(check, tiny_llama)
 
 
@@ -114,20 +119,45 @@ def test_echo_in_completions_with_and_without_logprobs(tiny_llama):
     async def check(engine):
         want = await engine.generate(TEXT, 6, logprobs=2, prompt_logprobs=2)
         async with client(create_app(engine)) as c:
-            plain = (await c.post("/v1/completions", json={"prompt": TEXT, "max_tokens": 6, "temperature": 0,
-                                                           "echo": True})).json()
-            scored = (await c.post("/v1/completions", json={"prompt": TEXT, "max_tokens": 6, "temperature": 0,
-                                                            "echo": True, "logprobs": 2})).json()
+            plain = (
+                await c.post("/v1/completions", json={"prompt": TEXT, "max_tokens": 6, "temperature": 0, "echo": True})
+            ).json()
+            scored = (
+                await c.post(
+                    "/v1/completions",
+                    json={"prompt": TEXT, "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 2},
+                )
+            ).json()
             # an evaluation harness's request: score the prompt, one token generated
-            harness = (await c.post("/v1/completions", json={"prompt": [TEXT], "max_tokens": 1, "temperature": 0,
-                                                             "echo": True, "logprobs": 1})).json()
-            streamed = (await c.post("/v1/completions", json={"prompt": TEXT, "max_tokens": 6, "temperature": 0,
-                                                              "echo": True, "logprobs": 2, "stream": True})).text
-            streamed_plain = (await c.post("/v1/completions", json={"prompt": TEXT, "max_tokens": 6,
-                                                                    "temperature": 0, "echo": True,
-                                                                    "stream": True})).text
-            chat = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                              "max_tokens": 2, "echo": True})
+            harness = (
+                await c.post(
+                    "/v1/completions",
+                    json={"prompt": [TEXT], "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1},
+                )
+            ).json()
+            streamed = (
+                await c.post(
+                    "/v1/completions",
+                    json={
+                        "prompt": TEXT,
+                        "max_tokens": 6,
+                        "temperature": 0,
+                        "echo": True,
+                        "logprobs": 2,
+                        "stream": True,
+                    },
+                )
+            ).text
+            streamed_plain = (
+                await c.post(
+                    "/v1/completions",
+                    json={"prompt": TEXT, "max_tokens": 6, "temperature": 0, "echo": True, "stream": True},
+                )
+            ).text
+            chat = await c.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "echo": True},
+            )
         assert plain["choices"][0]["text"] == TEXT + want.text and plain["choices"][0]["logprobs"] is None
         assert plain["usage"]["completion_tokens"] == 6  # the prompt is not counted as completion
         lp = scored["choices"][0]["logprobs"]
@@ -139,8 +169,11 @@ def test_echo_in_completions_with_and_without_logprobs(tiny_llama):
         assert lp["text_offset"][n] == len(TEXT)  # offsets run on across the prompt (a BOS adds no text)
         assert all(len(t) in (2, 3) for t in lp["top_logprobs"][1:])  # 2 alternatives, plus the token itself
         hl = harness["choices"][0]["logprobs"]
-        assert len(hl["token_logprobs"]) == n + 1 and hl["token_logprobs"][1:n] == pytest.approx(values[: n - 1], abs=1e-4)
+        assert len(hl["token_logprobs"]) == n + 1 and hl["token_logprobs"][1:n] == pytest.approx(
+            values[: n - 1], abs=1e-4
+        )
         from serve_util import sse_data
+
         chunks = [e for e in sse_data(streamed) if e != "[DONE]"]
         first = chunks[0]["choices"][0]
         assert first["text"] == TEXT and first["logprobs"]["token_logprobs"][0] is None
@@ -152,6 +185,7 @@ def test_echo_in_completions_with_and_without_logprobs(tiny_llama):
         assert plain_chunks[0]["choices"][0]["text"] == TEXT
         assert "".join(e["choices"][0]["text"] for e in plain_chunks) == TEXT + want.text
         assert chat.status_code == 200  # chat has no echo: the field is ignored, as unknown fields are
+
     run(check, tiny_llama)
 
 
@@ -163,13 +197,16 @@ def test_the_openai_client_reads_echoed_log_probabilities(tiny_llama):
         want = await engine.generate(TEXT, 3, logprobs=1, prompt_logprobs=1)
         async with running_server(create_app(engine, model_name="tiny")) as url:
             api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-            r = await api.completions.create(model="tiny", prompt=TEXT, max_tokens=3, temperature=0, echo=True,
-                                             logprobs=1)
+            r = await api.completions.create(
+                model="tiny", prompt=TEXT, max_tokens=3, temperature=0, echo=True, logprobs=1
+            )
         lp = r.choices[0].logprobs
         assert r.choices[0].text == TEXT + want.text
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in want.prompt_logprobs[1:]]
-                                                      + [e.logprob for e in want.logprobs], abs=1e-4)
+        assert lp.token_logprobs[1:] == pytest.approx(
+            [e.logprob for e in want.prompt_logprobs[1:]] + [e.logprob for e in want.logprobs], abs=1e-4
+        )
+
     run(check, tiny_llama)
 
 

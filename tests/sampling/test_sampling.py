@@ -197,20 +197,30 @@ def test_greedy_warp_is_one_hot_lowest_id_on_ties():
     assert out.tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]
 
 
-@pytest.mark.parametrize("kwargs,msg", [
-    ({"temperature": -1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-    ({"top_k": 0}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"seed": -3}, "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": -3}, "seed"),
+    ],
+)
 def test_sampling_params_validation(kwargs, msg):
     with pytest.raises(InvalidInputError, match=msg):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("draft,target,msg", [
-    ([1.7], [1, 2], "draft_ids must be a 1-D integer array"),
-    ([1], [1.0, 2.0], "target_ids must be a 1-D integer array"),
-    ([-1], [1, 2], "negative token id -1"),
-])
+@pytest.mark.parametrize(
+    "draft,target,msg",
+    [
+        ([1.7], [1, 2], "draft_ids must be a 1-D integer array"),
+        ([1], [1.0, 2.0], "target_ids must be a 1-D integer array"),
+        ([-1], [1, 2], "negative token id -1"),
+    ],
+)
 def test_greedy_accept_refuses_ids_that_are_not_token_ids(draft, target, msg):
     with pytest.raises(InvalidInputError, match=msg):
         greedy_accept(np.array(draft), np.array(target))

@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec_rt.sampling import tree as tree_sampling
 from specdec_rt.errors import InvalidInputError
 from specdec_rt.sampling import greedy_accept
-from specdec_rt.testing import chi_square_pvalue
+from specdec_rt.sampling import tree as tree_sampling
 from specdec_rt.sampling.tree import DraftTree, chain, greedy_tree_accept, node_outcomes, tree_accept
+from specdec_rt.testing import chi_square_pvalue
 
 
 def _dist(rng, v, zeros=True):
@@ -143,8 +143,9 @@ def test_sampled_sequences_follow_the_target(outcomes, exact):
     for _ in range(n):
         s = _generate(target, draft, start, rng, outcomes)
         counts[s] = counts.get(s, 0) + 1
-    expected = {seq: float(target[start, seq[0]] * target[seq[0], seq[1]])
-                for seq in itertools.product(range(V), repeat=LENGTH)}
+    expected = {
+        seq: float(target[start, seq[0]] * target[seq[0], seq[1]]) for seq in itertools.product(range(V), repeat=LENGTH)
+    }
     pvalue = chi_square_pvalue(counts, expected)
     assert (pvalue > 1e-3) if exact else (pvalue < 1e-6), pvalue
 
@@ -171,11 +172,14 @@ def test_depth_is_the_position_after_the_committed_tokens():
     assert DraftTree([1, 2, 3, 4], [-1, 0, -1, 1]).depth().tolist() == [1, 2, 1, 3]
 
 
-@pytest.mark.parametrize("tokens,parents,msg", [
-    ([1, 2], [-1, 1], "node 1's parent 1"),  # a node cannot be its own parent
-    ([1, 2], [-1, -2], "node 1's parent -2"),
-    ([1, 2], [-1], "must match"),
-])
+@pytest.mark.parametrize(
+    "tokens,parents,msg",
+    [
+        ([1, 2], [-1, 1], "node 1's parent 1"),  # a node cannot be its own parent
+        ([1, 2], [-1, -2], "node 1's parent -2"),
+        ([1, 2], [-1], "must match"),
+    ],
+)
 def test_bad_trees_are_named(tokens, parents, msg):
     with pytest.raises(InvalidInputError, match=msg):
         DraftTree(tokens, parents)
@@ -186,15 +190,18 @@ def test_target_rows_must_fit_the_tree():
         tree_accept(DraftTree([1, 2], [-1, 0]), np.ones((2, 4)) / 4, np.random.default_rng(0))
 
 
-@pytest.mark.parametrize("tree,p,msg", [
-    (DraftTree([0, 4], [-1, -1]), np.full((3, 4), 0.25), r"tokens\[1\] = 4 is out of range for vocabulary size 4"),
-    (DraftTree([0, -1], [-1, -1]), np.full((3, 4), 0.25), r"tokens\[1\] = -1"),
-    (DraftTree([0], [-1], np.full((1, 3), 1 / 3)), np.full((2, 4), 0.25), r"q must have shape \[n, V\] = \[1, 4\]"),
-    (DraftTree([0], [-1], np.array([[np.nan, 0.5, 0.25, 0.25]])), np.full((2, 4), 0.25), "q row 0 contains NaN"),
-    (DraftTree([0], [-1], np.array([[5.0, 0, 0, 0]])), np.full((2, 4), 0.25), "q row 0 sums to 5"),
-    (DraftTree([0], [-1]), np.array([[0.9, 0.6, -0.5, 0.0], [0.25] * 4]), "p row 0 has negative"),
-    (DraftTree([0], [-1]), np.full((2, 4), 0.75), "p row 0 sums to 3"),
-])
+@pytest.mark.parametrize(
+    "tree,p,msg",
+    [
+        (DraftTree([0, 4], [-1, -1]), np.full((3, 4), 0.25), r"tokens\[1\] = 4 is out of range for vocabulary size 4"),
+        (DraftTree([0, -1], [-1, -1]), np.full((3, 4), 0.25), r"tokens\[1\] = -1"),
+        (DraftTree([0], [-1], np.full((1, 3), 1 / 3)), np.full((2, 4), 0.25), r"q must have shape \[n, V\] = \[1, 4\]"),
+        (DraftTree([0], [-1], np.array([[np.nan, 0.5, 0.25, 0.25]])), np.full((2, 4), 0.25), "q row 0 contains NaN"),
+        (DraftTree([0], [-1], np.array([[5.0, 0, 0, 0]])), np.full((2, 4), 0.25), "q row 0 sums to 5"),
+        (DraftTree([0], [-1]), np.array([[0.9, 0.6, -0.5, 0.0], [0.25] * 4]), "p row 0 has negative"),
+        (DraftTree([0], [-1]), np.full((2, 4), 0.75), "p row 0 sums to 3"),
+    ],
+)
 def test_bad_tree_inputs_are_named_not_sampled_from(tree, p, msg):
     with pytest.raises(InvalidInputError, match=msg):
         tree_accept(tree, p, np.random.default_rng(0))

@@ -44,9 +44,29 @@ def _serve_then_sigterm(folder, drain_timeout: str, scenario) -> str:
     """Run ``serve`` on ``folder`` with one slot, ``scenario(url, proc)`` (which sends SIGTERM),
     check the exit status 0; returns the process's log."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "specdec_rt", "serve", "--model", str(folder), "--port", "0",
-                             "--slots", "1", "--threads", "1", "--drain-timeout", drain_timeout],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specdec_rt",
+            "serve",
+            "--model",
+            str(folder),
+            "--port",
+            "0",
+            "--slots",
+            "1",
+            "--threads",
+            "1",
+            "--drain-timeout",
+            drain_timeout,
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
@@ -94,8 +114,10 @@ async def _drain_timeout_scenario(url: str, proc: subprocess.Popen) -> None:
         body = {"prompt": PROMPT, "max_tokens": 480, "temperature": 0}
         first = asyncio.ensure_future(_streamed(c, body, started))
         await started.wait()
-        rest = [asyncio.ensure_future(_streamed(c, body, started) if i % 2 else c.post("/v1/completions", json=body))
-                for i in range(4)]  # queued behind the first: one slot
+        rest = [
+            asyncio.ensure_future(_streamed(c, body, started) if i % 2 else c.post("/v1/completions", json=body))
+            for i in range(4)
+        ]  # queued behind the first: one slot
         await asyncio.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
         results = [await first] + [await t for t in rest]
@@ -148,24 +170,36 @@ async def _drain_scenario(url: str, proc: subprocess.Popen) -> None:
         assert [f for f in finishes if f] == ["length"]
 
 
-@pytest.mark.parametrize("args,named", [(["--port", "70000"], "--port"), (["--port", "-1"], "--port"),
-                                        (["--request-timeout", "-1"], "--request-timeout"),
-                                        (["--request-timeout", "nan"], "--request-timeout"),
-                                        (["--drain-timeout", "-1"], "--drain-timeout"),
-                                        (["--drain-timeout", "inf"], "--drain-timeout"),
-                                        (["--host", "999.1.1.1"], "--host"),
-                                        (["--header-timeout", "0"], "--header-timeout"),
-                                        (["--body-timeout", "inf"], "--body-timeout"),
-                                        (["--max-header-bytes", "0"], "--max-header-bytes"),
-                                        (["--max-headers", "-5"], "--max-headers"),
-                                        (["--max-connections", "0"], "--max-connections"),
-                                        (["--keep-alive-timeout", "-1"], "--keep-alive-timeout")])
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["--port", "70000"], "--port"),
+        (["--port", "-1"], "--port"),
+        (["--request-timeout", "-1"], "--request-timeout"),
+        (["--request-timeout", "nan"], "--request-timeout"),
+        (["--drain-timeout", "-1"], "--drain-timeout"),
+        (["--drain-timeout", "inf"], "--drain-timeout"),
+        (["--host", "999.1.1.1"], "--host"),
+        (["--header-timeout", "0"], "--header-timeout"),
+        (["--body-timeout", "inf"], "--body-timeout"),
+        (["--max-header-bytes", "0"], "--max-header-bytes"),
+        (["--max-headers", "-5"], "--max-headers"),
+        (["--max-connections", "0"], "--max-connections"),
+        (["--keep-alive-timeout", "-1"], "--keep-alive-timeout"),
+    ],
+)
 def test_cli_serve_refuses_bad_flags_in_one_line_before_loading(tiny_llama, args, named):
     """--port 70000 listened on 4464, a negative timeout answered every request 504 or crashed
     the drain, an unresolvable host failed inside uvicorn (QA)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "specdec_rt", "serve", "--model", str(tiny_llama), *args],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec_rt", "serve", "--model", str(tiny_llama), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert proc.returncode != 0 and named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert "listening" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 2
 
@@ -174,8 +208,13 @@ def test_cli_serve_stops_on_sigterm_when_its_stderr_reader_is_gone(tiny_llama):
     """`serve ... | head -1`: printing "stopping" to a closed pipe raised in the signal handler,
     and the server never stopped (QA)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "specdec_rt", "serve", "--model", str(tiny_llama), "--port", "0",
-                             "--threads", "1"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdec_rt", "serve", "--model", str(tiny_llama), "--port", "0", "--threads", "1"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        env=env,
+        cwd=ROOT,
+    )
     try:
         first = proc.stderr.readline()
         assert b"listening" in first, first

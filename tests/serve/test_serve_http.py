@@ -40,23 +40,33 @@ def test_openai_client_parses_every_response_shape(tiny_llama):
                 assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (want_chat.prompt_tokens, 10)
 
                 stream = await client.chat.completions.create(
-                    model="tiny", messages=CHAT, max_completion_tokens=10, temperature=0, stream=True,
-                    stream_options={"include_usage": True})
+                    model="tiny",
+                    messages=CHAT,
+                    max_completion_tokens=10,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
                 chunks = [c async for c in stream]
                 assert chunks[0].choices[0].delta.role == "assistant"
                 assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat.text
                 assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
-                    "length"]
+                    "length"
+                ]
                 assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == want_chat.prompt_tokens + 10
                 assert len({c.id for c in chunks}) == 1
 
-                t = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
-                                                    extra_body={"mode": "ar"})
+                t = await client.completions.create(
+                    model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"mode": "ar"}
+                )
                 assert t.object == "text_completion" and t.choices[0].text == want_text.text
                 assert t.usage.completion_tokens == 8
-                parts = [c async for c in await client.completions.create(
-                    model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
-                    extra_body={"mode": "ar"})]
+                parts = [
+                    c
+                    async for c in await client.completions.create(
+                        model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True, extra_body={"mode": "ar"}
+                    )
+                ]
                 assert "".join(c.choices[0].text for c in parts) == want_text.text
                 assert [c.choices[0].finish_reason for c in parts if c.choices[0].finish_reason] == ["length"]
 
@@ -70,10 +80,12 @@ def test_openai_client_parses_every_response_shape(tiny_llama):
             async with running_server(create_app(FailingEngine(engine, after=1), model_name="tiny")) as url:
                 client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
                 with pytest.raises(openai.InternalServerError):
-                    await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20,
-                                                    extra_body={"mode": "ar"})
-                stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, stream=True,
-                                                         extra_body={"mode": "ar"})
+                    await client.completions.create(
+                        model="tiny", prompt=PROMPT, max_tokens=20, extra_body={"mode": "ar"}
+                    )
+                stream = await client.completions.create(
+                    model="tiny", prompt=PROMPT, max_tokens=20, stream=True, extra_body={"mode": "ar"}
+                )
                 with pytest.raises(openai.APIError, match="injected failure"):
                     async for _ in stream:
                         pass
@@ -106,8 +118,12 @@ def test_client_disconnect_cancels_the_request_and_frees_its_slot(tiny_llama):
                 assert time.perf_counter() - t0 < 3.0
                 await _until(lambda: getattr(engine, "running", 0) == 0)  # the engine slot too
 
-                after = await asyncio.gather(*[c.post("/v1/completions", json={
-                    "prompt": PROMPT, "max_tokens": 5, "temperature": 0}) for _ in range(3)])
+                after = await asyncio.gather(
+                    *[
+                        c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0})
+                        for _ in range(3)
+                    ]
+                )
                 assert [r.status_code for r in after] == [200, 200, 200]
                 values = metric_values((await c.get("/metrics")).text)
             assert metric(values, "specdec_requests_aborted_total", reason="cancelled") == 2
@@ -165,6 +181,7 @@ def test_cancel_storm_leaves_nothing_running_and_survivors_equal_their_solo_outp
             gc.disable()
             try:
                 async with running_server(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
+
                     async def one(i: int):
                         body = {"prompt": prompts[i], "max_tokens": 24, "temperature": 0}
                         quit_after = rng.randint(1, 10) if i % 2 else None
@@ -216,36 +233,64 @@ def test_log_probabilities_through_the_openai_client_equal_the_engines_in_every_
             assert engine.is_special_token(eos) and not engine.is_special_token(want.token_ids[0])
             async with running_server(create_app(engine, model_name="tiny")) as url:
                 client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-                r = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0,
-                                                         logprobs=True, top_logprobs=3)
+                r = await client.chat.completions.create(
+                    model="tiny", messages=CHAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+                )
                 content = r.choices[0].logprobs.content
                 assert [c.logprob for c in content] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
                 assert [c.bytes for c in content] == [list(engine.token_bytes(t)) for t in want.token_ids]
                 assert [[t.bytes for t in c.top_logprobs] for c in content] == [
-                    [list(engine.token_bytes(j)) for j, _ in e.top] for e in want.logprobs]
+                    [list(engine.token_bytes(j)) for j, _ in e.top] for e in want.logprobs
+                ]
                 if not set(want.token_ids) & set(engine.manifest.eos_ids):
-                    assert b"".join(bytes(c.bytes) for c in content).decode("utf-8", "replace") == r.choices[0].message.content
+                    assert (
+                        b"".join(bytes(c.bytes) for c in content).decode("utf-8", "replace")
+                        == r.choices[0].message.content
+                    )
 
-                stream = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0,
-                                                              logprobs=True, top_logprobs=3, stream=True)
-                streamed = [e for c in [c async for c in stream] if c.choices and c.choices[0].logprobs
-                            for e in c.choices[0].logprobs.content]
+                stream = await client.chat.completions.create(
+                    model="tiny",
+                    messages=CHAT,
+                    max_tokens=12,
+                    temperature=0,
+                    logprobs=True,
+                    top_logprobs=3,
+                    stream=True,
+                )
+                streamed = [
+                    e
+                    for c in [c async for c in stream]
+                    if c.choices and c.choices[0].logprobs
+                    for e in c.choices[0].logprobs.content
+                ]
                 assert [(e.token, e.bytes) for e in streamed] == [(c.token, c.bytes) for c in content]
 
-                t = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+                t = await client.completions.create(
+                    model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2
+                )
                 text = await engine.generate(PROMPT, 8, logprobs=2)
                 lp = t.choices[0].logprobs
                 assert lp.token_logprobs == pytest.approx([e.logprob for e in text.logprobs], abs=1e-4)
                 text_bytes = b"".join(engine.token_bytes(i) for i in text.token_ids if not engine.is_special_token(i))
                 assert text_bytes.decode("utf-8", "replace") == t.choices[0].text
-                ends = [len(b"".join(engine.token_bytes(i) for i in text.token_ids[:k]
-                                     if not engine.is_special_token(i)).decode("utf-8", "ignore")) for k in range(8)]
+                ends = [
+                    len(
+                        b"".join(
+                            engine.token_bytes(i) for i in text.token_ids[:k] if not engine.is_special_token(i)
+                        ).decode("utf-8", "ignore")
+                    )
+                    for k in range(8)
+                ]
                 assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(t.choices[0].text)
                 if text_bytes.decode("utf-8", "replace") == text_bytes.decode("utf-8", "ignore"):  # no broken bytes
                     assert lp.text_offset == ends  # characters before each token
                 assert all(len(top) <= 3 and tok in top for tok, top in zip(lp.tokens, lp.top_logprobs))
-                parts = [c async for c in await client.completions.create(
-                    model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, stream=True)]
+                parts = [
+                    c
+                    async for c in await client.completions.create(
+                        model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, stream=True
+                    )
+                ]
                 offsets = [o for c in parts if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
                 assert offsets == lp.text_offset
 
@@ -253,24 +298,31 @@ def test_log_probabilities_through_the_openai_client_equal_the_engines_in_every_
                     await client.chat.completions.create(model="tiny", messages=CHAT, top_logprobs=2)
                 assert err.value.param == "top_logprobs"
 
-                ban = {str(t): -100 for t in set(want.token_ids[:3])}  # logit_bias: the greedy answer's first tokens banned
+                ban = {
+                    str(t): -100 for t in set(want.token_ids[:3])
+                }  # logit_bias: the greedy answer's first tokens banned
                 banned = await engine.generate(CHAT, 12, mode="ar", logit_bias={int(k): v for k, v in ban.items()})
                 assert not set(banned.token_ids) & set(want.token_ids[:3])
-                r = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0,
-                                                         logit_bias=ban)
+                r = await client.chat.completions.create(
+                    model="tiny", messages=CHAT, max_tokens=12, temperature=0, logit_bias=ban
+                )
                 assert r.choices[0].message.content == banned.text  # speculative, through the server
                 with pytest.raises(openai.BadRequestError) as err:
-                    await client.chat.completions.create(model="tiny", messages=CHAT,
-                                                         logit_bias={str(engine.target.vocab_size): 1})
+                    await client.chat.completions.create(
+                        model="tiny", messages=CHAT, logit_bias={str(engine.target.vocab_size): 1}
+                    )
                 assert err.value.param == "logit_bias" and "outside the model's vocabulary" in err.value.message
 
                 pen = dict(frequency_penalty=1.5, presence_penalty=0.5)  # penalties: spec through the server = ar
                 penal = await engine.generate(CHAT, 16, mode="ar", **pen)
                 assert penal.token_ids != (await engine.generate(CHAT, 16, mode="ar")).token_ids
-                r = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=16, temperature=0, **pen)
+                r = await client.chat.completions.create(
+                    model="tiny", messages=CHAT, max_tokens=16, temperature=0, **pen
+                )
                 assert r.choices[0].message.content == penal.text
-                t = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
-                                                    extra_body={"repetition_penalty": 1.3})
+                t = await client.completions.create(
+                    model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"repetition_penalty": 1.3}
+                )
                 assert t.choices[0].text == (await engine.generate(PROMPT, 8, mode="ar", repetition_penalty=1.3)).text
 
     anyio.run(main)

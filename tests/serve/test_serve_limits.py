@@ -13,23 +13,36 @@ import pytest
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")
 
-from serve_util import (CHAT, PROMPT, FailingEngine, RecordingEngine, SlowEngine, client, metric,  # noqa: E402
-                        metric_values, run, sse_data)
+from serve_util import (  # noqa: E402
+    CHAT,
+    PROMPT,
+    FailingEngine,
+    RecordingEngine,
+    SlowEngine,
+    client,
+    metric,
+    metric_values,
+    run,
+    sse_data,
+)
 
 from specdec_rt import Engine  # noqa: E402
 from specdec_rt.errors import EngineClosedError  # noqa: E402
 from specdec_rt.serve import begin_drain, create_app  # noqa: E402
 
+
 # ---------------------------------------------------------------- errors and limits
 @pytest.mark.export
 def test_bad_requests_are_400_naming_the_field(tiny_llama):
     async def check(engine):
-        cases = [("/v1/chat/completions", {"messages": CHAT, "temperature": "warm"}, "temperature"),
-                 ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -3}, "max_tokens"),
-                 ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages[0]"),
-                 ("/v1/chat/completions", {"messages": CHAT, "n": 30, "stream": True}, "n"),
-                 ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100_000}, "prompt"),  # the engine's check
-                 ("/v1/completions", {"prompt": 5}, "prompt")]
+        cases = [
+            ("/v1/chat/completions", {"messages": CHAT, "temperature": "warm"}, "temperature"),
+            ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -3}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages[0]"),
+            ("/v1/chat/completions", {"messages": CHAT, "n": 30, "stream": True}, "n"),
+            ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100_000}, "prompt"),  # the engine's check
+            ("/v1/completions", {"prompt": 5}, "prompt"),
+        ]
         async with client(create_app(engine)) as c:
             for path, body, param in cases:
                 r = await c.post(path, json=body)
@@ -43,6 +56,7 @@ def test_bad_requests_are_400_naming_the_field(tiny_llama):
             values = metric_values((await c.get("/metrics")).text)
         assert metric(values, "specdec_requests_rejected_total", reason="invalid") == len(cases) + 1
         assert metric(values, "specdec_generation_tokens_total") == 0
+
     run(check, tiny_llama)
 
 
@@ -50,8 +64,9 @@ def test_bad_requests_are_400_naming_the_field(tiny_llama):
 def test_http_edges_deep_json_405_allow_model_route_and_default_token_cap(tiny_llama):
     async def check(engine):
         async with client(create_app(engine, default_max_tokens=1000)) as c:
-            r = await c.post("/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
-                             headers={"content-type": "application/json"})
+            r = await c.post(
+                "/v1/completions", content=b"[" * 100_000 + b"]" * 100_000, headers={"content-type": "application/json"}
+            )
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
             r = await c.get("/v1/chat/completions")
             assert r.status_code == 405 and "POST" in r.headers["allow"] and r.json()["error"]["message"]
@@ -77,6 +92,7 @@ def test_http_edges_deep_json_405_allow_model_route_and_default_token_cap(tiny_l
             assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
             r = await c.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
             assert r.headers["content-type"].startswith("application/openmetrics-text") and r.text.endswith("# EOF\n")
+
     run(check, tiny_llama, max_length=64)
 
 
@@ -97,6 +113,7 @@ def test_body_over_the_limit_is_413(tiny_llama):
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert "content-length" not in r2.request.headers and r2.status_code == 413
         assert ok.status_code == 200
+
     run(check, tiny_llama)
 
 
@@ -106,6 +123,7 @@ def test_overload_gets_429_at_once_and_no_model_call(tiny_llama):
         recorder = RecordingEngine(engine)
         app = create_app(recorder, slots=1, max_queued=1)
         async with client(app) as c:
+
             async def post():
                 t0 = time.perf_counter()
                 r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 48, "temperature": 0})
@@ -122,6 +140,7 @@ def test_overload_gets_429_at_once_and_no_model_call(tiny_llama):
         assert len(recorder.stats) == 2  # the rejected ones never reached the engine
         assert metric(values, "specdec_requests_rejected_total", reason="overloaded") == 4
         assert metric(values, "specdec_request_success_total", finished_reason="length") == 2
+
     run(check, tiny_llama, slots=1)
 
 
@@ -131,8 +150,9 @@ def test_drain_refuses_new_requests_and_finishes_running_ones(tiny_llama):
         slow = SlowEngine(engine, delay=0.01)
         app = create_app(slow, slots=2)
         async with client(app) as c:
-            running = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 30,
-                                                                            "temperature": 0}))  # greedy: no early EOS
+            running = asyncio.ensure_future(
+                c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 30, "temperature": 0})
+            )  # greedy: no early EOS
             while app.state.serving.admitted == 0:
                 await asyncio.sleep(0.005)
             assert (await c.get("/health")).status_code == 200
@@ -145,6 +165,7 @@ def test_drain_refuses_new_requests_and_finishes_running_ones(tiny_llama):
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 30
         assert slow.closed == 1 and app.state.serving.admitted == 0
+
     run(check, tiny_llama)
 
 
@@ -171,6 +192,7 @@ def test_past_the_drain_timeout_admitted_requests_end_with_a_503_not_a_cut_conne
         assert "[DONE]" not in events
         assert metric(values, "specdec_requests_aborted_total", reason="shutdown") == 2
         assert slow.closed == 2 and app.state.serving.admitted == 0 and not app.state.serving.jobs
+
     run(check, tiny_llama)
 
 
@@ -209,6 +231,7 @@ def test_loader_lifespan_loading_then_ready_then_closed(tiny_llama):
         assert ok.status_code == 200
         with pytest.raises(EngineClosedError):  # the app loaded it, so the app closed it
             loaded[0].stream(PROMPT, 2)
+
     anyio.run(check)
 
 
@@ -228,6 +251,7 @@ def test_timeout_is_504_or_a_stream_error_event(tiny_llama):
         assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
         assert metric(values, "specdec_requests_aborted_total", reason="timeout") == 2
         assert app.state.serving.admitted == 0 and metric(values, "specdec_requests_running") == 0
+
     run(check, tiny_llama)
 
 
@@ -245,6 +269,7 @@ def test_model_failure_is_500_or_a_stream_error_event_and_the_server_goes_on(tin
         assert events[-1]["error"]["code"] == "inference_error" and "[DONE]" not in events
         async with client(create_app(engine)) as c:  # the engine itself is fine
             assert (await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})).status_code == 200
+
     run(check, tiny_llama)
 
 
@@ -255,13 +280,14 @@ def test_metric_deltas_equal_the_sums_of_stats(tiny_llama):
         recorder = RecordingEngine(engine)
         app = create_app(recorder, slots=4)
         long = "Tell me about prefix caches. " * 12  # several blocks: the second request reuses them
-        requests = [("/v1/completions", {"prompt": long, "max_tokens": 20, "temperature": 0}),
-                    ("/v1/completions", {"prompt": long + " And LRU.", "max_tokens": 6, "temperature": 0}),
-                    ("/v1/completions", {"prompt": "Hello world", "max_tokens": 13, "stream": True, "seed": 1}),
-                    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 17, "temperature": 0.8, "seed": 2}),
-                    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 11, "mode": "ar", "stream": True,
-                                              "seed": 3}),
-                    ("/v1/completions", {"prompt": "import numpy", "max_tokens": 25, "top_k": 5, "seed": 4})]
+        requests = [
+            ("/v1/completions", {"prompt": long, "max_tokens": 20, "temperature": 0}),
+            ("/v1/completions", {"prompt": long + " And LRU.", "max_tokens": 6, "temperature": 0}),
+            ("/v1/completions", {"prompt": "Hello world", "max_tokens": 13, "stream": True, "seed": 1}),
+            ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 17, "temperature": 0.8, "seed": 2}),
+            ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 11, "mode": "ar", "stream": True, "seed": 3}),
+            ("/v1/completions", {"prompt": "import numpy", "max_tokens": 25, "top_k": 5, "seed": 4}),
+        ]
         async with client(app) as c:
             before, queries = metric_values((await c.get("/metrics")).text), engine.prefix_cache["queries"]
             await c.post(*requests[0][:1], json=requests[0][1])  # one alone, then the rest at once
@@ -280,8 +306,10 @@ def test_metric_deltas_equal_the_sums_of_stats(tiny_llama):
         assert delta("specdec_spec_decode_num_draft_tokens_total") == sum(s.drafted for s in stats)
         assert delta("specdec_spec_decode_num_accepted_tokens_total") == sum(s.accepted for s in stats)
         assert sum(s.drafted for s in stats) > 0  # speculation ran, so the draft counters were exercised
-        assert (delta("specdec_request_success_total", finished_reason="length")
-                + delta("specdec_request_success_total", finished_reason="stop")) == len(requests)
+        assert (
+            delta("specdec_request_success_total", finished_reason="length")
+            + delta("specdec_request_success_total", finished_reason="stop")
+        ) == len(requests)
         for hist in ("specdec_time_to_first_token_seconds", "specdec_e2e_request_latency_seconds"):
             assert delta(f"{hist}_count") == len(requests)
         assert delta("specdec_inter_token_latency_seconds_count") > 0
@@ -291,6 +319,7 @@ def test_metric_deltas_equal_the_sums_of_stats(tiny_llama):
         assert delta("specdec_prefix_cache_queries_total") == sum(s.cache_queries for s in stats) == queries == 2
         assert rs[0].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the long prompt again
         assert metric(after, "specdec_prefix_cache_bytes") == engine.prefix_cache["bytes"]
+
     run(check, tiny_llama)
 
 
@@ -301,12 +330,14 @@ def test_batch_sizes_come_from_the_engine_listeners(tiny_llama):
         if not isinstance(getattr(engine, "batch_listeners", None), list):
             pytest.skip("this Engine has no batch_listeners")
         async with client(app) as c:
-            rs = await asyncio.gather(*[c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
-                                        for _ in range(3)])
+            rs = await asyncio.gather(
+                *[c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8}) for _ in range(3)]
+            )
             values = metric_values((await c.get("/metrics")).text)
         assert all(r.status_code == 200 for r in rs)
         assert metric(values, "specdec_batch_size_count") > 0
         assert metric(values, "specdec_batch_size_sum") >= metric(values, "specdec_batch_size_count")
+
     run(check, tiny_llama, slots=4)
 
 
@@ -330,8 +361,8 @@ def test_batch_listener_is_registered_and_removed_at_shutdown():
         assert engine.batch_listeners == []
         assert metric(values, "specdec_batch_size_count") == 2 and metric(values, "specdec_batch_size_sum") == 4
         assert metric(values, "specdec_requests_running") == 3 and metric(values, "specdec_requests_waiting") == 5
-    anyio.run(check)
 
+    anyio.run(check)
 
 
 def test_a_failed_load_is_reported_and_health_says_failed():
@@ -351,12 +382,19 @@ def test_a_failed_load_is_reported_and_health_says_failed():
         assert health.status_code == 503 and health.json()["status"] == "failed"
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "failed"
         assert str(errors[0]) == "no such model"
+
     anyio.run(check)
 
 
-
-@pytest.mark.parametrize("kwargs", [{"request_timeout": -1}, {"request_timeout": float("nan")},
-                                    {"drain_timeout": -0.5}, {"drain_timeout": float("inf")}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"request_timeout": -1},
+        {"request_timeout": float("nan")},
+        {"drain_timeout": -0.5},
+        {"drain_timeout": float("inf")},
+    ],
+)
 def test_create_app_refuses_timeouts_that_are_not_seconds(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         create_app(lambda: None, **kwargs)

@@ -8,16 +8,16 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import anyio
 import httpx
 import pytest
-
 from serve_util import free_port, sse_data
+
 from specdec_rt.engine.engine import Engine
 from specdec_rt.errors import InvalidInputError
 
@@ -60,12 +60,23 @@ def test_options_from_serve_run_key_values(tiny_llama):
         build({"model": "m", "slots": "many"})
     with pytest.raises(InvalidInputError, match="option autoscaling="):
         build({"model": "m", "autoscaling": "{max: 4"})
-    cli = subprocess.run([sys.executable, "-m", "specdec_rt", "serve", "--ray", "--cpus-per-replica", "0",
-                          "--model", str(tiny_llama)], capture_output=True, text=True, timeout=60)
+    cli = subprocess.run(
+        [sys.executable, "-m", "specdec_rt", "serve", "--ray", "--cpus-per-replica", "0", "--model", str(tiny_llama)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert cli.returncode == 2 and "--cpus-per-replica: must be > 0, got 0" in cli.stderr
-    assert [_parse(k, v) for k, v in (("replicas", "auto"), ("replicas", "3"), ("prefix_cache", "false"),
-                                       ("cpus_per_replica", "0.5"), ("autoscaling", '{"max_replicas": 4}'))] == [
-        "auto", 3, False, 0.5, {"max_replicas": 4}]
+    assert [
+        _parse(k, v)
+        for k, v in (
+            ("replicas", "auto"),
+            ("replicas", "3"),
+            ("prefix_cache", "false"),
+            ("cpus_per_replica", "0.5"),
+            ("autoscaling", '{"max_replicas": 4}'),
+        )
+    ] == ["auto", 3, False, 0.5, {"max_replicas": 4}]
     assert build({"model": str(tiny_llama), "replicas": "2"}) is not None  # an application, not run
 
 
@@ -99,9 +110,29 @@ def _alive(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def ray_server(tiny_llama):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specdec_rt", "serve", "--ray", "--replicas", "2",
-                             "--cpus-per-replica", "1", "--slots", "2", "--max-queued", "2", "--model", str(tiny_llama),
-                             "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specdec_rt",
+            "serve",
+            "--ray",
+            "--replicas",
+            "2",
+            "--cpus-per-replica",
+            "1",
+            "--slots",
+            "2",
+            "--max-queued",
+            "2",
+            "--model",
+            str(tiny_llama),
+            "--port",
+            str(port),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines = []
     deadline = time.time() + 240
     while time.time() < deadline:
@@ -125,6 +156,7 @@ def test_two_replicas_serve_like_the_engine(ray_server, tiny_llama):
         async with await Engine.load(tiny_llama, slots=2) as engine:
             want_chat = (await engine.generate(CHAT, 12)).text
             want_text = (await engine.generate("def add(a, b):", 30)).text
+
         async def post(c, path, body):  # a polite client: waits out a 429's Retry-After
             for _ in range(30):
                 r = await c.post(path, json=body)
@@ -134,8 +166,12 @@ def test_two_replicas_serve_like_the_engine(ray_server, tiny_llama):
             return r
 
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-            rs = await asyncio.gather(*[post(c, "/v1/chat/completions", {
-                "messages": CHAT, "max_tokens": 12, "temperature": 0}) for _ in range(8)])
+            rs = await asyncio.gather(
+                *[
+                    post(c, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 12, "temperature": 0})
+                    for _ in range(8)
+                ]
+            )
             assert all(r.status_code == 200 for r in rs)
             assert {r.json()["choices"][0]["message"]["content"] for r in rs} == {want_chat}
             assert len({r.headers["x-specdec-replica"] for r in rs}) == 2  # both replicas served
@@ -143,26 +179,40 @@ def test_two_replicas_serve_like_the_engine(ray_server, tiny_llama):
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
             # streaming: chunks arrive spread over time (one event per token in mode "ar"), [DONE] last
             times, body = [], []
-            async with c.stream("POST", "/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 300,
-                                                                "temperature": 0, "stream": True, "mode": "ar"}) as r:
+            async with c.stream(
+                "POST",
+                "/v1/completions",
+                json={"prompt": "def add(a, b):", "max_tokens": 300, "temperature": 0, "stream": True, "mode": "ar"},
+            ) as r:
                 t0 = time.perf_counter()
                 async for chunk in r.aiter_text():
                     times.append(time.perf_counter() - t0)
                     body.append(chunk)
             events = sse_data("".join(body))
-            assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]).startswith(want_text)
+            assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]).startswith(
+                want_text
+            )
             assert len(times) > 10 and times[0] < 0.5 * times[-1], times[:3] + times[-3:]  # not buffered
             # a client that leaves mid-stream; every request after it succeeds
-            async with c.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 200,
-                                                                "stream": True}) as r:
+            async with c.stream(
+                "POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 200, "stream": True}
+            ) as r:
                 async for _ in r.aiter_text():
                     break
-            after = await asyncio.gather(*[post(c, "/v1/completions", {
-                "prompt": "def add(a, b):", "max_tokens": 30, "temperature": 0}) for _ in range(4)])
+            after = await asyncio.gather(
+                *[
+                    post(c, "/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 30, "temperature": 0})
+                    for _ in range(4)
+                ]
+            )
             assert [r.json()["choices"][0]["text"] for r in after] == [want_text] * 4
             # overload: 2 replicas x 2 slots + 2 queued in Ray's router; a burst of 16 long ones
-            burst = await asyncio.gather(*[c.post("/v1/completions", json={
-                "prompt": "Once upon a time", "max_tokens": 300, "mode": "ar"}) for _ in range(16)])
+            burst = await asyncio.gather(
+                *[
+                    c.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 300, "mode": "ar"})
+                    for _ in range(16)
+                ]
+            )
             codes = [r.status_code for r in burst]
             assert set(codes) <= {200, 429} and codes.count(429) >= 6 and codes.count(200) >= 2, codes
             assert all(r.headers.get("retry-after") for r in burst if r.status_code == 429)
@@ -205,10 +255,15 @@ def test_replicas_on_two_nodes_and_losing_one(tiny_llama, monkeypatch):
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(deployment_app(RayOptions(model=str(tiny_llama), replicas=2, slots=2, max_replicas_per_node=1)),
-                  name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(
+            deployment_app(RayOptions(model=str(tiny_llama), replicas=2, slots=2, max_replicas_per_node=1)),
+            name=APP_NAME,
+            route_prefix="/",
+            blocking=False,
+        )
         body = {"messages": CHAT, "max_tokens": 8, "temperature": 0}
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
+
         async def burst(n):  # at once: a replica takes `slots` at a time, the rest go to the other
             async with httpx.AsyncClient(timeout=60) as ac:
                 return await asyncio.gather(*[ac.post(url, json=body) for _ in range(n)])

@@ -21,8 +21,19 @@ BAD = {
     "top_p": [True, 0, -0.5, 1.5, "0.5", float("nan"), 10**400],
     "seed": [True, -1, 1.5, "4", -(10**30), [4]],
     "mode": [None, True, 5, "SPEC", "", ["spec"], np.array(["spec", "ar"])],
-    "stop": [5, True, [""], "", [5], ["a", None], {"a": 1}, b"x", ["\ud800"], ["x"] * (MAX_STOP_STRINGS + 1),
-             ["y" * (MAX_STOP_CHARS + 1)]],
+    "stop": [
+        5,
+        True,
+        [""],
+        "",
+        [5],
+        ["a", None],
+        {"a": 1},
+        b"x",
+        ["\ud800"],
+        ["x"] * (MAX_STOP_STRINGS + 1),
+        ["y" * (MAX_STOP_CHARS + 1)],
+    ],
     "truncate_prompt": [None, 1, 0, "yes", [True], np.bool_(True)],
     "logprobs": [True, -1, 21, 1.5, "2", [2]],
     "logit_bias": ["x", 5, {-1: 1.0}, {True: 1.0}, {1: 101}, {1: float("nan")}, {1: "1"}, [(1, 2, 3)]],
@@ -30,10 +41,14 @@ BAD = {
     "frequency_penalty": ["0", True, 2.5, -2.5, float("inf")],
     "repetition_penalty": ["1", True, 0, 0.001, 11, float("nan")],
     "prompt_logprobs": [True, -1, 21, 1.5, "0"],
-    "response_format": ["json", 5, {"type": "xml"}, {"type": "json_schema", "json_schema": 5},
-                        {"type": "json_schema", "json_schema": {"schema": []}}],
-    "tools": ["x", 5, [{"type": "function"}], [{"type": "function", "function": {"name": "a b"}}],
-              TOOLS * 2],
+    "response_format": [
+        "json",
+        5,
+        {"type": "xml"},
+        {"type": "json_schema", "json_schema": 5},
+        {"type": "json_schema", "json_schema": {"schema": []}},
+    ],
+    "tools": ["x", 5, [{"type": "function"}], [{"type": "function", "function": {"name": "a b"}}], TOOLS * 2],
     "tool_choice": ["sometimes", 5, {"type": "function", "function": {"name": "nope"}}, "required"],
     "min_tokens": [True, -1, 1.5, "2", 257, np.int64(2)],
     "ignore_eos": [None, 1, "yes", np.bool_(False)],
@@ -44,8 +59,11 @@ def test_the_table_covers_every_field():
     assert set(BAD) == set(FIELDS)
 
 
-@pytest.mark.parametrize("name,value", [(n, v) for n, values in BAD.items() for v in values],
-                         ids=lambda x: x if isinstance(x, str) and len(x) < 20 else "v")
+@pytest.mark.parametrize(
+    "name,value",
+    [(n, v) for n, values in BAD.items() for v in values],
+    ids=lambda x: x if isinstance(x, str) and len(x) < 20 else "v",
+)
 def test_a_bad_value_names_its_field(name, value):
     with pytest.raises(InvalidInputError) as info:
         RequestParams(**{name: value})
@@ -65,8 +83,15 @@ def test_defaults_and_canonical_forms():
     p = RequestParams()
     assert (p.max_new_tokens, p.temperature, p.mode, p.stop, p.tools, p.tool_choice) == (256, 0.0, "spec", (), (), None)
     assert not p.calls_tools and p.json_schema is None and p.sampling_params() == SamplingParams()
-    q = RequestParams(stop="END", presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
-                      logprobs=np.int64(3), prompt_logprobs=np.int8(0), tools=TOOLS)
+    q = RequestParams(
+        stop="END",
+        presence_penalty=None,
+        frequency_penalty=None,
+        repetition_penalty=None,
+        logprobs=np.int64(3),
+        prompt_logprobs=np.int8(0),
+        tools=TOOLS,
+    )
     assert q.stop == ("END",) and RequestParams(stop=["a", "b"]).stop == ("a", "b")
     assert (q.presence_penalty, q.frequency_penalty, q.repetition_penalty) == (0.0, 0.0, 1.0)
     assert (q.logprobs, q.prompt_logprobs) == (3, 0) and type(q.logprobs) is int
@@ -77,8 +102,16 @@ def test_defaults_and_canonical_forms():
 
 
 def test_sampling_params_is_the_one_mapping():
-    p = RequestParams(temperature=0.7, top_k=5, top_p=0.9, seed=3, logit_bias={7: -100, 2: 1.5},
-                      presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2)
+    p = RequestParams(
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        seed=3,
+        logit_bias={7: -100, 2: 1.5},
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        repetition_penalty=1.2,
+    )
     assert p.sampling_params() == SamplingParams(0.7, 5, 0.9, 3, {2: 1.5, 7: -100}, 0.5, -1, 1.2)
     assert p.sampling_params().logit_bias == ((2, 1.5), (7, -100.0)) and p.sampling_params().penalized
 

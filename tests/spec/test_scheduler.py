@@ -9,9 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec_rt import (
-    DraftInferrer,
-    TargetVerifier,
     ContextLengthError,
+    DraftInferrer,
     DraftToken,
     InferenceError,
     InvalidInputError,
@@ -20,6 +19,7 @@ from specdec_rt import (
     SamplingParams,
     SpecConfig,
     SpecDecScheduler,
+    TargetVerifier,
     Verdict,
 )
 from specdec_rt.testing import FaultyModel, ToyLM, check_greedy_lossless, toy_pair, toy_scheduler
@@ -160,14 +160,17 @@ def test_hysteresis_keeps_a_borderline_draft_from_flapping():
 
 
 # ----------------------------------------------------------------------------- errors and input
-@pytest.mark.parametrize("args,kwargs,exc,msg", [
-    (([], 5), {}, InvalidInputError, "prompt"),
-    (([1], 0), {}, InvalidInputError, "max_new_tokens"),
-    (([1], 5), {"mode": "beam"}, InvalidInputError, "mode"),
-    (([1] * 4090, 10), {}, ContextLengthError, "4090 tokens"),
-    (([-1], 5), {}, InvalidInputError, "non-negative"),
-    (([1, 2, 8, 3], 5), {}, InvalidInputError, r"token id 8 is outside the model's vocabulary \(ids 0\.\.7\)"),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,exc,msg",
+    [
+        (([], 5), {}, InvalidInputError, "prompt"),
+        (([1], 0), {}, InvalidInputError, "max_new_tokens"),
+        (([1], 5), {"mode": "beam"}, InvalidInputError, "mode"),
+        (([1] * 4090, 10), {}, ContextLengthError, "4090 tokens"),
+        (([-1], 5), {}, InvalidInputError, "non-negative"),
+        (([1, 2, 8, 3], 5), {}, InvalidInputError, r"token id 8 is outside the model's vocabulary \(ids 0\.\.7\)"),
+    ],
+)
 def test_bad_input_fails_before_any_model_call(args, kwargs, exc, msg):
     sched, target, draft = toy_scheduler(config=STATIC)
     with pytest.raises(exc, match=msg):
@@ -297,8 +300,7 @@ def test_long_prompt_short_answer_decodes_plainly_when_the_draft_prefill_costs_m
     # measured (SmolLM2-like): target step 25 ms, verify slope 1.25 ms/position, int8 draft step
     # 12 ms, draft prefill 3.5 ms per prompt token; acceptance 0.9 -> best speedup ~1.33x
     def policy(prompt):
-        costs = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030},
-                          draft_prefill_s=0.0035)
+        costs = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030}, draft_prefill_s=0.0035)
         return RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), costs, prompt_tokens=prompt)
 
     long = policy(250)  # 0.875 s of draft prefill > ~0.4 s saved over 64 tokens
@@ -308,8 +310,9 @@ def test_long_prompt_short_answer_decodes_plainly_when_the_draft_prefill_costs_m
     short = policy(30)  # 0.105 s of prefill: speculation pays
     assert short.start(64) is None and short.draft_length(64) > 0
     assert policy(250).start(1000) is None  # a long answer amortizes the prefill
-    unmeasured = RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), CostModel(SpecConfig()),
-                               prompt_tokens=5000)
+    unmeasured = RequestPolicy(
+        SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), CostModel(SpecConfig()), prompt_tokens=5000
+    )
     assert unmeasured.start(8) is None  # nothing measured yet: speculate and learn
 
 
@@ -332,10 +335,21 @@ def test_a_drafter_with_free_drafts_keeps_speculating_with_those_when_the_prefil
         p.observe(i + 1, k, 0, 0.0, 0.03)
     assert p.draft_length(50) == 0 and not p.cheap and p.speculating and p.cheap_ewma.value < 0.2
     # in a batch the model does not draft for it either (it never read the prompt)
-    q = RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9),
-                      CostModel(SpecConfig(), draft_token_s=0.001, verify_s={0: 0.025, 4: 0.026},
-                                draft_prefill_s=0.0035, batch_step_s=lambda rows, positions=None: 0.03 * rows,
-                                batched_verify=True, draft_step_s=lambda rows: 0.001), prompt_tokens=5000)
+    q = RequestPolicy(
+        SpecConfig(),
+        "spec",
+        AcceptanceEWMA.start(0.1, 0.9),
+        CostModel(
+            SpecConfig(),
+            draft_token_s=0.001,
+            verify_s={0: 0.025, 4: 0.026},
+            draft_prefill_s=0.0035,
+            batch_step_s=lambda rows, positions=None: 0.03 * rows,
+            batched_verify=True,
+            draft_step_s=lambda rows: 0.001,
+        ),
+        prompt_tokens=5000,
+    )
     q.cheap_drafts = True
     assert q.start(8) is not None and q.free_only
     for at in range(5):
@@ -362,16 +376,25 @@ def test_prefill_rule_is_never_a_standing_verdict():
     from specdec_rt.policy.acceptance import PREFILL_EXPLORE_EVERY, AcceptanceEWMA, CostModel
     from specdec_rt.policy.request import RequestPolicy
 
-    costs = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030}, draft_prefill_s=0.0035,
-                      prefill_samples=[0.0035] * 3)
-    verdicts = [RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), costs,
-                              prompt_tokens=250).start(64) for _ in range(3 * PREFILL_EXPLORE_EVERY)]
+    costs = CostModel(
+        SpecConfig(),
+        draft_token_s=0.012,
+        verify_s={0: 0.025, 4: 0.030},
+        draft_prefill_s=0.0035,
+        prefill_samples=[0.0035] * 3,
+    )
+    verdicts = [
+        RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), costs, prompt_tokens=250).start(64)
+        for _ in range(3 * PREFILL_EXPLORE_EVERY)
+    ]
     explored = [i for i, v in enumerate(verdicts) if v is None]
     assert explored == [PREFILL_EXPLORE_EVERY - 1, 2 * PREFILL_EXPLORE_EVERY - 1, 3 * PREFILL_EXPLORE_EVERY - 1]
     # on fewer than 3 measurements, every second request explores
     few = CostModel(SpecConfig(), draft_token_s=0.012, verify_s={0: 0.025, 4: 0.030}, draft_prefill_s=0.0035)
-    verdicts = [RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), few,
-                              prompt_tokens=250).start(64) for _ in range(6)]
+    verdicts = [
+        RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, 0.9), few, prompt_tokens=250).start(64)
+        for _ in range(6)
+    ]
     assert [i for i, v in enumerate(verdicts) if v is None] == [1, 3, 5]
     # when no draft length pays at all (here: acceptance 0.1), the prefill rule abstains and the
     # per-round cost rule (which probes) decides
@@ -421,24 +444,33 @@ class _Emits(TargetVerifier):
         pass
 
 
-@pytest.mark.parametrize("proposals,msg", [
-    ([DraftToken(8)], "drafter proposed token id 8 .*outside the vocabulary .ids 0..7"),
-    ([DraftToken(-2)], "drafter proposed token id -2"),
-    ([3], "drafter returned 3 as draft 0: need a DraftToken"),
-    ([DraftToken("3")], "need a DraftToken with an integer id"),
-])
+@pytest.mark.parametrize(
+    "proposals,msg",
+    [
+        ([DraftToken(8)], "drafter proposed token id 8 .*outside the vocabulary .ids 0..7"),
+        ([DraftToken(-2)], "drafter proposed token id -2"),
+        ([3], "drafter returned 3 as draft 0: need a DraftToken"),
+        ([DraftToken("3")], "need a DraftToken with an integer id"),
+    ],
+)
 def test_a_plug_in_drafters_bad_proposals_are_named_before_the_target_call(proposals, msg):
     target = ToyLM(8, seed=1)
-    sched = SpecDecScheduler(_Drafts(proposals), ModelVerifier(target), SpecConfig(adapt_k=False, k_init=2,
-                                                                                  measure_costs=False))
+    sched = SpecDecScheduler(
+        _Drafts(proposals), ModelVerifier(target), SpecConfig(adapt_k=False, k_init=2, measure_costs=False)
+    )
     with pytest.raises(InferenceError, match=msg):
         anyio.run(lambda: sched.run([1, 2, 3], 4))
     assert target.calls == 0  # refused before the target saw them
 
 
-@pytest.mark.parametrize("token,msg", [(19, "emitted token id 19, outside the vocabulary .ids 0..7"),
-                                       (-5, "emitted token id -5"),
-                                       (1.7, "need a Verdict with integer tokens")])
+@pytest.mark.parametrize(
+    "token,msg",
+    [
+        (19, "emitted token id 19, outside the vocabulary .ids 0..7"),
+        (-5, "emitted token id -5"),
+        (1.7, "need a Verdict with integer tokens"),
+    ],
+)
 def test_a_plug_in_verifiers_token_outside_the_vocabulary_is_an_error_not_output(token, msg):
     sched = SpecDecScheduler(_Drafts([DraftToken(1)]), _Emits(token), SpecConfig(measure_costs=False))
     for mode in ("spec", "ar"):

@@ -14,9 +14,9 @@ import specdec_rt.spec.adapters as adapters
 from specdec_rt import ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
 from specdec_rt.errors import InferenceError
 from specdec_rt.sampling import sample
+from specdec_rt.sampling.tree import DraftTree, tree_depth, tree_parents
 from specdec_rt.spec.scheduler import _checked
 from specdec_rt.testing import chi_square_pvalue, sequence_counts, sequence_distribution, toy_pair
-from specdec_rt.sampling.tree import DraftTree, tree_depth, tree_parents
 from specdec_rt.types import DraftToken, Verdict
 
 VOCAB, LENGTH, PROMPT, N = 4, 3, [1, 2], 6000
@@ -35,9 +35,11 @@ def test_tree_shapes_and_verdict_checks():
     assert tree_depth(chain) == 3 and tree_depth(tree) == 3 and tree_depth([]) == 0
     ok = Verdict(np.array([5, 9, 1]), 2, path=(0, 4))
     assert _checked(ok, tree) is ok
-    for bad in (Verdict(np.array([5, 8, 1]), 2, path=(0, 3)),  # 3 is not a child of 0
-                Verdict(np.array([5, 7, 1]), 2, path=(0, 4)),  # token is not node 4's
-                Verdict(np.array([9, 1]), 1)):  # no path: a prefix, and drafts[0] is 5
+    for bad in (
+        Verdict(np.array([5, 8, 1]), 2, path=(0, 3)),  # 3 is not a child of 0
+        Verdict(np.array([5, 7, 1]), 2, path=(0, 4)),  # token is not node 4's
+        Verdict(np.array([9, 1]), 1),
+    ):  # no path: a prefix, and drafts[0] is 5
         with pytest.raises(InferenceError, match="inconsistent verdict"):
             _checked(bad, tree)
     with pytest.raises(InferenceError, match="parents must come before"):
@@ -196,9 +198,16 @@ def test_a_model_drafts_siblings_go_where_the_draft_is_least_sure():
         p[list(probs)] = list(probs.values())
         return np.log(p / p.sum())
 
-    table = np.stack([row({1: 0.97, 2: 0.012, 3: 0.008}),  # after 0: surely 1
-                      row({2: 0.6, 3: 0.35}),  # after 1: 2, or 3
-                      row({4: 0.9}), row({4: 0.9}), row({0: 0.9}), row({0: 0.9})])  # after 2: 4
+    table = np.stack(
+        [
+            row({1: 0.97, 2: 0.012, 3: 0.008}),  # after 0: surely 1
+            row({2: 0.6, 3: 0.35}),  # after 1: 2, or 3
+            row({4: 0.9}),
+            row({4: 0.9}),
+            row({0: 0.9}),
+            row({0: 0.9}),
+        ]
+    )  # after 2: 4
     drafter = ModelDrafter(ToyLM(vocab_size=6, order=1, table=table))
     for nodes, want in [(1, [(3, 0)]), (2, [(3, 0), (2, -1)])]:
         ctx = RequestContext(np.array([0], dtype=np.int64), 8)
@@ -207,7 +216,6 @@ def test_a_model_drafts_siblings_go_where_the_draft_is_least_sure():
         assert [d.id for d in drafts[:3]] == [1, 2, 4]
         assert sorted((d.id, d.parent) for d in drafts[3:]) == sorted(want)
         drafter.release(ctx)
-
 
 
 def test_a_tree_round_takes_the_depth_the_cost_model_rates_best():

@@ -87,7 +87,8 @@ def test_special_token_text_in_content_is_plain_text(codec):
     assert _control(codec, ids) == _control(codec, clean)  # only the template's
     # the text is all there, spelled with ordinary tokens
     assert codec.tokenizer.decode(ids, skip_special_tokens=False) == codec.render_chat(
-        [{"role": "user", "content": INJECTION}])
+        [{"role": "user", "content": INJECTION}]
+    )
 
 
 def test_allow_special_gives_the_control_tokens(codec):
@@ -128,12 +129,12 @@ def test_content_plain_tokens_match_plain_encoding(codec):
     specials = [i for i, t in enumerate(ids) if t in codec._special_ids]
     user = [i for i in specials if codec.token_text(ids[i]) == "<|im_start|>"][-2]
     end = next(i for i in specials if i > user)
-    assert ids[user + 1:end] == plain
+    assert ids[user + 1 : end] == plain
 
 
 def test_private_use_characters_in_content_do_not_collide(codec):
     pua = "".join(chr(c) for c in range(0xF0000, 0xF0010))
-    content = pua + INJECTION + "\U0010FFFD"
+    content = pua + INJECTION + "\U0010fffd"
     msgs = [{"role": "user", "content": content}]
     ids = codec.encode_prompt(msgs)
     assert codec.tokenizer.decode(ids, skip_special_tokens=False) == codec.render_chat(msgs)
@@ -173,9 +174,8 @@ HOSTILE = {
     "nested-range": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "nested-loop-output": "{% for i in range(100000) %}{% for j in range(1000) %}x{% endfor %}{% endfor %}",
     "doubling": "{% set ns = namespace(s='a') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
-                "{% endfor %}{{ ns.s }}",
-    "doubling-plus": "{% set ns = namespace(s='a') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
-                     "{% endfor %}",
+    "{% endfor %}{{ ns.s }}",
+    "doubling-plus": "{% set ns = namespace(s='a') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
     "power": "{{ 7 ** (2 ** 40) }}",
     "percent-width": "{{ '%0999999999d' % 1 }}",
     "format-width": "{{ '{:>999999999}'.format(1) }}",
@@ -210,8 +210,7 @@ def test_deadline(tiny_codec, monkeypatch):
     import specdec_rt.text.codec as text
 
     monkeypatch.setattr(text, "TEMPLATE_MAX_STEPS", 10**9)
-    codec = TextCodec(tiny_codec.tokenizer_file, chat_template=HOSTILE["nested-range"],
-                      template_timeout_s=0.3)
+    codec = TextCodec(tiny_codec.tokenizer_file, chat_template=HOSTILE["nested-range"], template_timeout_s=0.3)
     t0 = time.perf_counter()
     with pytest.raises(InvalidInputError, match="longer than 0.3 s"):
         codec.render_chat([{"role": "user", "content": "hi"}])
@@ -244,16 +243,25 @@ def test_real_templates_render_as_in_a_plain_sandbox(tiny_codec):
 
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "add 2 and 3"},
-            {"role": "assistant", "content": "",
-             "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
-            {"role": "tool", "content": "5"}, {"role": "tool", "content": "ok"},
-            {"role": "assistant", "content": "It is 5."}, {"role": "user", "content": "thanks"}]
+    msgs = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "add 2 and 3"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+        },
+        {"role": "tool", "content": "5"},
+        {"role": "tool", "content": "ok"},
+        {"role": "assistant", "content": "It is 5."},
+        {"role": "user", "content": "thanks"},
+    ]
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     for template in (QWEN_TEMPLATE, tiny_codec.chat_template):
-        want = env.from_string(template).render(messages=msgs, add_generation_prompt=True,
-                                                bos_token="<s>", eos_token="")
+        want = env.from_string(template).render(
+            messages=msgs, add_generation_prompt=True, bos_token="<s>", eos_token=""
+        )
         codec = TextCodec(tiny_codec.tokenizer_file, bos_id=0, chat_template=template)
         codec.token_text = lambda i: "<s>"
         assert codec.render_chat(msgs) == want

@@ -11,8 +11,13 @@ import tracemalloc
 
 import pytest
 
-from specdec_rt.text.template_sandbox import (TEMPLATE_MAX_INT_BITS, TemplateBudgetError, compile_template,
-                                         new_environment, render_bounded)
+from specdec_rt.text.template_sandbox import (
+    TEMPLATE_MAX_INT_BITS,
+    TemplateBudgetError,
+    compile_template,
+    new_environment,
+    render_bounded,
+)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 CHARS = 1 << 20
@@ -23,8 +28,9 @@ BIGINT_REPRO = "{% set a = 7 ** 5000 %}" + "{% set a = a * a %}" * 22 + "{{ a > 
 
 def _render(text: str, **variables) -> str:
     env = new_environment(trim_blocks=True, lstrip_blocks=True)
-    return render_bounded(compile_template(env, text), chars=CHARS, steps=1_000_000, seconds=2.0,
-                          messages=MESSAGES, **variables)
+    return render_bounded(
+        compile_template(env, text), chars=CHARS, steps=1_000_000, seconds=2.0, messages=MESSAGES, **variables
+    )
 
 
 def _refused_fast(text: str, match: str) -> None:
@@ -73,18 +79,21 @@ def test_float_overflow_is_the_sandbox_error():
 
 def test_integers_up_to_the_limit_still_compute():
     assert TEMPLATE_MAX_INT_BITS == 4096
-    text = ("{{ 2 ** 4095 > 0 }} {{ 10 ** 1233 > 0 }} {{ (2 ** 2000) * (2 ** 2000) > 0 }} "
-            "{{ (2 ** 4000 + 1) % 7 }} {{ 7 ** -3 }} {{ 1 ** (2 ** 40) }} {{ ('9' * 1000)|int % 10 }} "
-            "{{ (3 - 5) * 4 }} {{ messages|length - 1 }}")
-    assert _render(text) == (f"True True True {(2 ** 4000 + 1) % 7} {7 ** -3} 1 9 -8 0")
+    text = (
+        "{{ 2 ** 4095 > 0 }} {{ 10 ** 1233 > 0 }} {{ (2 ** 2000) * (2 ** 2000) > 0 }} "
+        "{{ (2 ** 4000 + 1) % 7 }} {{ 7 ** -3 }} {{ 1 ** (2 ** 40) }} {{ ('9' * 1000)|int % 10 }} "
+        "{{ (3 - 5) * 4 }} {{ messages|length - 1 }}"
+    )
+    assert _render(text) == (f"True True True {(2**4000 + 1) % 7} {7**-3} 1 9 -8 0")
     with pytest.raises(TemplateBudgetError, match="bits"):
         _render("{{ 10 ** 1234 }}")  # 4100 bits
 
 
 # ------------------------------------------------------------------ widths, precisions, copies (memory)
 # a list literal holding one 500 kB string 100 times (50 MB as text), built without any operator
-COPIES = ("{% set b = 'a' * 500000 %}{% set l = [b, b, b, b, b, b, b, b, b, b] %}"
-          "{% set l = [l, l, l, l, l, l, l, l, l, l] %}")
+COPIES = (
+    "{% set b = 'a' * 500000 %}{% set l = [b, b, b, b, b, b, b, b, b, b] %}{% set l = [l, l, l, l, l, l, l, l, l, l] %}"
+)
 WIDE = {
     # `*` takes the width / precision from the argument tuple (was: 1 GB / 2 GB built first)
     "percent-star-width": "{{ '%*d' % (999999999, 1) }}",
@@ -127,16 +136,18 @@ def test_normal_templates_render_as_in_a_plain_sandbox():
 
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    text = ("{{ '%-6s|%*d|%.*f|%5.1f%%' % ('ab', 4, 7, 2, 3.14159, 99.5) }}\n"
-            "{{ '%(role)s: %(content)s' % messages[0] }}\n"
-            "{{ '%s=%s'|format('k', 'v') }} {{ '%*s'|format(3, 'x') }}\n"
-            "{{ '{:>{}}|{:.3f}|{}|{role}'.format('a', 4, 2.5, [1, 'b'], role='r') }}\n"
-            "{{ '{role}: {content}'.format_map(messages[0]) }}\n"
-            "{{ 'one two three four'|wordwrap(7) }} {{ 'a b'|center(9) }}|{{ 'x'.ljust(4) }}|\n"
-            "{{ [1, 'x', {'a': [2]}] }} {{ (1, 2) ~ [3] }} {{ messages|tojson }} {{ messages|string }}\n"
-            "{{ range(5)|map('string')|join(',') }} {{ ('ab' * 3).translate({97: 'A'}) }}\n"
-            "{{ 2 ** 64 }} {{ 12345678901234567890 * 98765432109876543210 }} {{ -7 // 2 }} {{ 10 - 3 - 2 }}\n"
-            "{{ ('x'.encode() * 3)|length }} {{ '2024-01-01 and 1000000000000 tokens' }}")
+    text = (
+        "{{ '%-6s|%*d|%.*f|%5.1f%%' % ('ab', 4, 7, 2, 3.14159, 99.5) }}\n"
+        "{{ '%(role)s: %(content)s' % messages[0] }}\n"
+        "{{ '%s=%s'|format('k', 'v') }} {{ '%*s'|format(3, 'x') }}\n"
+        "{{ '{:>{}}|{:.3f}|{}|{role}'.format('a', 4, 2.5, [1, 'b'], role='r') }}\n"
+        "{{ '{role}: {content}'.format_map(messages[0]) }}\n"
+        "{{ 'one two three four'|wordwrap(7) }} {{ 'a b'|center(9) }}|{{ 'x'.ljust(4) }}|\n"
+        "{{ [1, 'x', {'a': [2]}] }} {{ (1, 2) ~ [3] }} {{ messages|tojson }} {{ messages|string }}\n"
+        "{{ range(5)|map('string')|join(',') }} {{ ('ab' * 3).translate({97: 'A'}) }}\n"
+        "{{ 2 ** 64 }} {{ 12345678901234567890 * 98765432109876543210 }} {{ -7 // 2 }} {{ 10 - 3 - 2 }}\n"
+        "{{ ('x'.encode() * 3)|length }} {{ '2024-01-01 and 1000000000000 tokens' }}"
+    )
     plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     plain.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     want = plain.from_string(text).render(messages=MESSAGES)
@@ -157,18 +168,22 @@ def test_real_templates_idioms_are_not_refused():
 
     env = new_environment(trim_blocks=True, lstrip_blocks=True)
     cases = [
-        ("{% macro show(v) %}[{{ v }}]{% endmacro %}{{ show(2500000) }}{{ '{:,}'.format(12345678901234567890) }}",
-         "[2500000]12,345,678,901,234,567,890"),
-        ('{{ {"a": "é", "b": [1, 2]} | tojson(ensure_ascii=False, separators=(",", ":"), sort_keys=True) }}',
-         '{"a":"é","b":[1,2]}'),
+        (
+            "{% macro show(v) %}[{{ v }}]{% endmacro %}{{ show(2500000) }}{{ '{:,}'.format(12345678901234567890) }}",
+            "[2500000]12,345,678,901,234,567,890",
+        ),
+        (
+            '{{ {"a": "é", "b": [1, 2]} | tojson(ensure_ascii=False, separators=(",", ":"), sort_keys=True) }}',
+            '{"a":"é","b":[1,2]}',
+        ),
         ("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m }}{% endfor %}", "abc"[:2]),
         ("{% generation %}answer{% endgeneration %}", "answer"),
         ("{{ ('a' * 6000) | int }}", "0"),
     ]
     for text, want in cases:
-        got = render_bounded(compile_template(env, text), chars=1 << 20, steps=10_000, seconds=2.0,
-                             messages=["a", "b", "c"])
+        got = render_bounded(
+            compile_template(env, text), chars=1 << 20, steps=10_000, seconds=2.0, messages=["a", "b", "c"]
+        )
         assert got == want, (text, got)
     with pytest.raises(TemplateBudgetError):  # a width still counts
-        render_bounded(compile_template(env, "{{ 'x' | center(999999999) }}"), chars=1 << 20, steps=10_000,
-                       seconds=2.0)
+        render_bounded(compile_template(env, "{{ 'x' | center(999999999) }}"), chars=1 << 20, steps=10_000, seconds=2.0)

@@ -13,15 +13,34 @@ from specdec_rt import InvalidInputError
 from specdec_rt.serve.replies import CallFilter
 from specdec_rt.text.tools import call_grammar, check_tool_choice, check_tools, parse_tool_calls, supports_tools
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string", "maxLength": 8},
-                                                "unit": {"type": "string", "enum": ["c", "f"]}},
-                                                "required": ["city", "unit"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                     "b": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a", "b"],
-    "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                "b": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 # a small Hermes-style template (the format Qwen2.5's uses): tools in the system turn, calls as
@@ -43,15 +62,21 @@ Tools:
 
 # ---------------------------------------------------------------- pure parts
 def test_parse_tool_calls():
-    text = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n' \
-           '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>'
+    text = (
+        'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>'
+    )
     content, calls = parse_tool_calls(text)
     assert content == "Sure." and [c["function"]["name"] for c in calls] == ["add", "get_weather"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
     assert len({c["id"] for c in calls}) == 2
-    for kept in ("<tool_call>{not json}</tool_call>", '<tool_call>{"name": "add", "arguments": {"a"',  # cut short
-                 '<tool_call>["add"]</tool_call>', "no calls at all"):
+    for kept in (
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"name": "add", "arguments": {"a"',  # cut short
+        '<tool_call>["add"]</tool_call>',
+        "no calls at all",
+    ):
         assert parse_tool_calls(kept) == (kept.strip(), [])
 
 
@@ -68,12 +93,17 @@ def test_call_filter_holds_back_calls_even_split_across_pieces():
     assert h.push("<tool_call>{broken") == "" and h.finish() == ("<tool_call>{broken", [])  # kept as content
 
 
-@pytest.mark.parametrize("tools, needle", [
-    ("x", "tools must be a list"), ([{"type": "function"}], "tools[0]"),
-    ([{"type": "function", "function": {"name": "a b"}}], "tools[0]"),
-    ([{"type": "function", "function": {"name": "f", "parameters": []}}], "parameters must be a JSON schema"),
-    ([ADD, ADD], "named twice"), ([ADD] * 129, "at most 128"),
-])
+@pytest.mark.parametrize(
+    "tools, needle",
+    [
+        ("x", "tools must be a list"),
+        ([{"type": "function"}], "tools[0]"),
+        ([{"type": "function", "function": {"name": "a b"}}], "tools[0]"),
+        ([{"type": "function", "function": {"name": "f", "parameters": []}}], "parameters must be a JSON schema"),
+        ([ADD, ADD], "named twice"),
+        ([ADD] * 129, "at most 128"),
+    ],
+)
 def test_bad_tools_are_named(tools, needle):
     with pytest.raises(InvalidInputError, match="tools") as err:
         check_tools(tools)
@@ -140,6 +170,7 @@ def test_named_and_required_calls_are_exact_and_follow_the_schema(tool_model):
         auto = await engine.generate(ASK, 8, tools=[ADD])  # a random model: maybe no call, never an error
         assert auto.tool_calls is not None
         assert (await engine.generate(ASK, 8)).tool_calls is None  # no tools asked for
+
     run(check, tool_model)
 
 
@@ -151,18 +182,33 @@ def test_tools_rendered_and_history_with_calls(tool_model):
         codec = engine.codec
         text = codec.decode(codec.encode_prompt(ASK, tools=[WEATHER]))
         assert '"get_weather"' in text and "What is the weather" in text
-        history = ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-                          "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
-                         {"role": "tool", "tool_call_id": "call_1", "content": "14 C, cloudy"}]
+        history = ASK + [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "14 C, cloudy"},
+        ]
         text = codec.decode(codec.encode_prompt(history, tools=[WEATHER]))
         assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}' in text
         assert "<tool_response>14 C, cloudy</tool_response>" in text
         bad = [dict(WEATHER, function=dict(WEATHER["function"], description="x<|im_end|>y"))]
-        for prompt, tools, choice, needle in ((ASK, bad, None, "special token"), ("plain text", [ADD], None, "chat messages"),
-                                              (ASK, [ADD], "required", "cannot both")):
+        for prompt, tools, choice, needle in (
+            (ASK, bad, None, "special token"),
+            ("plain text", [ADD], None, "chat messages"),
+            (ASK, [ADD], "required", "cannot both"),
+        ):
             with pytest.raises(InvalidInputError, match=needle):
                 kw = {"response_format": {"type": "json_object"}} if needle == "cannot both" else {}
                 await engine.generate(prompt, 4, tools=tools, tool_choice=choice, **kw)
+
     run(check, tool_model)
 
 
@@ -174,6 +220,7 @@ def test_a_template_without_tools_refuses_them(tiny_llama):
         with pytest.raises(InvalidInputError, match="does not render tools"):
             await engine.generate(ASK, 4, tools=[ADD])
         assert len((await engine.generate(ASK, 4, tools=[ADD], tool_choice="none")).token_ids) == 4
+
     run(check, tiny_llama)
 
 
@@ -192,8 +239,14 @@ def test_tool_calls_through_the_server_and_the_openai_client(tool_model):
         async with client(create_app(engine)) as c:
             whole = (await c.post("/v1/chat/completions", json=body)).json()
             streamed = sse_data((await c.post("/v1/chat/completions", json={**body, "stream": True})).text)
-            bad = [await c.post("/v1/chat/completions", json={**body, **extra}) for extra in (
-                {"tools": [{"type": "function"}]}, {"tool_choice": "maybe"}, {"functions": [{"name": "f"}]})]
+            bad = [
+                await c.post("/v1/chat/completions", json={**body, **extra})
+                for extra in (
+                    {"tools": [{"type": "function"}]},
+                    {"tool_choice": "maybe"},
+                    {"functions": [{"name": "f"}]},
+                )
+            ]
         (choice,) = whole["choices"]
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
         (call,) = choice["message"]["tool_calls"]
@@ -207,10 +260,12 @@ def test_tool_calls_through_the_server_and_the_openai_client(tool_model):
         assert [r.json()["error"]["param"] for r in bad] == ["tools", "tool_choice", "functions"]
         async with running_server(create_app(engine, model_name="tiny")) as url:
             api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-            r = await api.chat.completions.create(model="tiny", messages=ASK, max_tokens=160, temperature=0,
-                                                  tools=[ADD], tool_choice=named)
+            r = await api.chat.completions.create(
+                model="tiny", messages=ASK, max_tokens=160, temperature=0, tools=[ADD], tool_choice=named
+            )
             assert r.choices[0].message.tool_calls[0].function.name == "add"
             assert r.choices[0].finish_reason == "tool_calls"
+
     run(check, tool_model)
 
 
@@ -218,7 +273,9 @@ def test_tool_calls_through_the_server_and_the_openai_client(tool_model):
 def test_parse_edge_cases_from_review():
     deep = "<tool_call>" + "[" * 1000 + "]" * 1000 + "</tool_call>"
     assert parse_tool_calls(deep) == (deep, [])  # was: RecursionError out of json.loads
-    content, (call,) = parse_tool_calls('<tool_call>\n{"name": "t", "arguments": {"s": "a</tool_call>b"}}\n</tool_call>')
+    content, (call,) = parse_tool_calls(
+        '<tool_call>\n{"name": "t", "arguments": {"s": "a</tool_call>b"}}\n</tool_call>'
+    )
     assert json.loads(call["function"]["arguments"]) == {"s": "a</tool_call>b"}  # was: cut at the inner tag
     _, (call,) = parse_tool_calls('<tool_call>{"name": "w", "parameters": {"city": "Oslo"}}</tool_call>')
     assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}  # was: arguments dropped
@@ -237,8 +294,12 @@ def test_streamed_and_whole_answers_split_the_same_way():
 
     p = GenParams("chat", [], tools=[ADD], tool_choice="auto")
     call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-    for pieces in (["Sure.", " <to", "ol_c", call[len("<tool_c"):], " after"], ["Hi ", call, "\n", call],
-                   ["  ", call, "  "], ["no call", " here"]):
+    for pieces in (
+        ["Sure.", " <to", "ol_c", call[len("<tool_c") :], " after"],
+        ["Hi ", call, "\n", call],
+        ["  ", call, "  "],
+        ["no call", " here"],
+    ):
         whole = calls_in(p, "".join(pieces))
         f = call_filter(p)
         sent = "".join(f.push(x) for x in pieces)
@@ -255,9 +316,19 @@ def test_refs_none_stop_and_histories(tool_model, tiny_llama):
     pytest.importorskip("llguidance")
     from serve_util import run
 
-    ref_tool = {"type": "function", "function": {"name": "weather", "parameters": {
-        "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
-        "additionalProperties": False, "$defs": {"City": {"type": "string", "enum": ["Oslo", "Lima"]}}}}}
+    ref_tool = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"$ref": "#/$defs/City"}},
+                "required": ["city"],
+                "additionalProperties": False,
+                "$defs": {"City": {"type": "string", "enum": ["Oslo", "Lima"]}},
+            },
+        },
+    }
     named = {"type": "function", "function": {"name": "weather"}}
 
     async def check(engine):
@@ -268,13 +339,20 @@ def test_refs_none_stop_and_histories(tool_model, tiny_llama):
         none = await engine.generate(ASK, 4, mode="ar", tools=[ADD], tool_choice="none")
         plain = await engine.generate(ASK, 4, mode="ar")
         assert none.tool_calls is None and none.stats.prompt_tokens > plain.stats.prompt_tokens  # rendered, not parsed
+
     run(check, tool_model)
 
     async def unsupported(engine):
-        history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}]
+        history = ASK + [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}],
+            }
+        ]
         with pytest.raises(InvalidInputError, match=r"messages\[1\].tool_calls"):
             await engine.generate(history, 4)  # was: the calls silently dropped from the prompt
+
     run(unsupported, tiny_llama)
 
 
@@ -286,13 +364,18 @@ def test_tool_fields_the_server_refuses(tool_model):
 
     async def check(engine):
         async with client(create_app(engine)) as c:
-            rs = [await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "tools": [ADD]}),
-                  await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "tool_choice": "required"}),
-                  await c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "tools": {}}),
-                  await c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "tools": [ADD],
-                                                             "parallel_tool_calls": "yes"})]
+            rs = [
+                await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "tools": [ADD]}),
+                await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "tool_choice": "required"}),
+                await c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "tools": {}}),
+                await c.post(
+                    "/v1/chat/completions",
+                    json={"messages": ASK, "max_tokens": 2, "tools": [ADD], "parallel_tool_calls": "yes"},
+                ),
+            ]
         assert [r.status_code for r in rs] == [400] * 4
         assert [r.json()["error"]["param"] for r in rs] == ["tools", "tool_choice", "tools", "parallel_tool_calls"]
+
     run(check, tool_model)
 
 
@@ -304,9 +387,11 @@ def test_second_review_edge_cases():
     assert parse_tool_calls(nan) == (nan, [])  # was: "NaN" in arguments, not JSON a client can read
     cyclic = {"type": "object"}
     cyclic["properties"] = {"a": cyclic}
-    for params, needle in (({"type": "object", "x-guidance": "lenient"}, "x-guidance"),
-                           ({"type": "object", "properties": {"a": {"enum": {1, 2}}}}, "not JSON"),
-                           (cyclic, "not JSON")):
+    for params, needle in (
+        ({"type": "object", "x-guidance": "lenient"}, "x-guidance"),
+        ({"type": "object", "properties": {"a": {"enum": {1, 2}}}}, "not JSON"),
+        (cyclic, "not JSON"),
+    ):
         with pytest.raises(InvalidInputError, match=needle):
             check_tools([{"type": "function", "function": {"name": "f", "parameters": params}}])
 
@@ -324,15 +409,29 @@ def test_second_review_engine_and_server(tool_model):
         for mode in ("ar", "spec"):  # was: 200 and an error event when streaming, a 400 otherwise
             with pytest.raises(InvalidInputError, match="tool_choice: the grammar stopped"):
                 await engine.generate(ASK, 8, mode=mode, tools=[loop], tool_choice="required")
-        deep = ASK + [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "add", "arguments": "[" * 100 + "]" * 100}}]}]
+        deep = ASK + [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "add", "arguments": "[" * 100 + "]" * 100}}
+                ],
+            }
+        ]
         with pytest.raises(InvalidInputError, match=r"messages\[1\].tool_calls is nested"):  # was: blamed on tools
             await engine.generate(deep, 4, tools=[ADD])
         async with client(create_app(engine)) as c:
-            rs = [await c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "parallel_tool_calls": "maybe"}),
-                  await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "parallel_tool_calls": "maybe"}),
-                  await c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 8, "stream": True,
-                                                             "tools": [loop], "tool_choice": "required"})]
+            rs = [
+                await c.post(
+                    "/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "parallel_tool_calls": "maybe"}
+                ),
+                await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "parallel_tool_calls": "maybe"}),
+                await c.post(
+                    "/v1/chat/completions",
+                    json={"messages": ASK, "max_tokens": 8, "stream": True, "tools": [loop], "tool_choice": "required"},
+                ),
+            ]
         assert [r.status_code for r in rs] == [400, 400, 400]
         assert [r.json()["error"]["param"] for r in rs] == ["parallel_tool_calls", "parallel_tool_calls", "tool_choice"]
+
     run(check, tool_model)

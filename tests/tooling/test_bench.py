@@ -15,9 +15,24 @@ pytestmark = pytest.mark.export
 
 def test_bench_json_and_chart(tiny_llama, tmp_path):
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "specdec_rt", "bench", "--model", str(tiny_llama), "--limit", "2",
-           "--max-new-tokens", "8", "--micro", "--json", "--out", str(out),
-           "--modes", "ar,spec,spec_ngram,spec_q4,hf_ar"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdec_rt",
+        "bench",
+        "--model",
+        str(tiny_llama),
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--micro",
+        "--json",
+        "--out",
+        str(out),
+        "--modes",
+        "ar,spec,spec_ngram,spec_q4,hf_ar",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)  # exactly one JSON document; progress went to stderr
@@ -41,15 +56,46 @@ def test_bench_json_and_chart(tiny_llama, tmp_path):
 
 
 def test_bench_rejects_unknown_modes(tiny_llama, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "specdec_rt", "bench", "--model", str(tiny_llama),
-                           "--modes", "ar,warp_speed", "--out", str(tmp_path)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdec_rt",
+            "bench",
+            "--model",
+            str(tiny_llama),
+            "--modes",
+            "ar,warp_speed",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0 and "warp_speed" in proc.stderr
 
 
 def test_bench_concurrency_json_table_and_chart(tiny_llama, tmp_path):
     out = tmp_path / "conc"
-    cmd = [sys.executable, "-m", "specdec_rt", "bench", "--concurrency", "1,2", "--model", str(tiny_llama),
-           "--draft", "q4", "--max-new-tokens", "6", "--repeats", "1", "--json", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdec_rt",
+        "bench",
+        "--concurrency",
+        "1,2",
+        "--model",
+        str(tiny_llama),
+        "--draft",
+        "q4",
+        "--max-new-tokens",
+        "6",
+        "--repeats",
+        "1",
+        "--json",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)  # one JSON document; progress on stderr
@@ -68,8 +114,8 @@ def test_bench_concurrency_cold_uses_a_fresh_engine_per_level(tiny_llama, tmp_pa
     """``--cold``: every level of every repeat on a new Engine with the prefix cache off."""
     import argparse
 
-    from specdec_rt.tooling.bench import concurrency
     from specdec_rt.engine.engine import Engine
+    from specdec_rt.tooling.bench import concurrency
 
     loads, real = [], Engine.load.__func__
 
@@ -78,9 +124,21 @@ def test_bench_concurrency_cold_uses_a_fresh_engine_per_level(tiny_llama, tmp_pa
         return await real(cls, *a, **kw)
 
     monkeypatch.setattr(Engine, "load", classmethod(load))
-    args = argparse.Namespace(concurrency="1,2", model=str(tiny_llama), draft="q4", threads=None, max_length=None,
-                              provider="cpu", prompts=None, limit=None, max_new_tokens=4, repeats=2,
-                              out=str(tmp_path / "cold"), json=False, cold=True)
+    args = argparse.Namespace(
+        concurrency="1,2",
+        model=str(tiny_llama),
+        draft="q4",
+        threads=None,
+        max_length=None,
+        provider="cpu",
+        prompts=None,
+        limit=None,
+        max_new_tokens=4,
+        repeats=2,
+        out=str(tmp_path / "cold"),
+        json=False,
+        cold=True,
+    )
     assert concurrency.run_concurrency(args) == 0
     assert loads == [False] * 6  # 3 levels (one after another, 1, 2) x 2 repeats
     doc = json.loads((tmp_path / "cold" / "concurrency.json").read_text())
@@ -90,9 +148,30 @@ def test_bench_concurrency_cold_uses_a_fresh_engine_per_level(tiny_llama, tmp_pa
 
 def test_bench_prefix_cache_json_table_and_chart(tiny_llama, tmp_path):
     out = tmp_path / "prefix"
-    cmd = [sys.executable, "-m", "specdec_rt", "bench", "--prefix-cache", "--model", str(tiny_llama),
-           "--draft", "q4", "--max-new-tokens", "6", "--conversations", "1", "--turns", "2",
-           "--prefix-concurrency", "3", "--repeats", "1", "--json", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdec_rt",
+        "bench",
+        "--prefix-cache",
+        "--model",
+        str(tiny_llama),
+        "--draft",
+        "q4",
+        "--max-new-tokens",
+        "6",
+        "--conversations",
+        "1",
+        "--turns",
+        "2",
+        "--prefix-concurrency",
+        "3",
+        "--repeats",
+        "1",
+        "--json",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
@@ -125,46 +204,77 @@ def test_shipped_prompt_sets_load_through_the_bench_reader(name):
 
 
 BAD_FLAGS = [  # (extra arguments, what the one-line error must say); none of them loads a model
-    (["--repeats", "0"], "--repeats must be >= 1"), (["--limit", "-1"], "--limit must be >= 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--limit", "-1"], "--limit must be >= 1"),
     (["--concurrency", "a,b"], "--concurrency needs positive integers"),
     (["--concurrency", "0"], "--concurrency needs positive integers"),
-    (["--concurrency", "1", "--prefix-cache"], "two different benchmarks"), (["--cold"], "--cold goes with"),
+    (["--concurrency", "1", "--prefix-cache"], "two different benchmarks"),
+    (["--cold"], "--cold goes with"),
     (["--concurrency", "1", "--modes", "ar"], "--modes / --categories / --micro go with"),
-    (["--draft", "none"], "--draft goes with --concurrency"), (["--modes", ""], "--modes must be a comma-separated"),
+    (["--draft", "none"], "--draft goes with --concurrency"),
+    (["--modes", ""], "--modes must be a comma-separated"),
     (["--prefix-cache", "--turns", "0"], "--turns must be >= 1"),
 ]
 
 
 @pytest.mark.parametrize("extra,message", BAD_FLAGS)
 def test_bad_bench_flags_fail_at_once_in_one_line(tmp_path, extra, message):
-    proc = subprocess.run([sys.executable, "-m", "specdec_rt", "bench", "--model", str(tmp_path / "no-model"),
-                           "--out", str(tmp_path / "out"), *extra], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdec_rt",
+            "bench",
+            "--model",
+            str(tmp_path / "no-model"),
+            "--out",
+            str(tmp_path / "out"),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_an_out_path_that_is_a_file_fails_before_the_run(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
-    proc = subprocess.run([sys.executable, "-m", "specdec_rt", "bench", "--model", str(tmp_path / "no-model"),
-                           "--out", str(afile)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec_rt", "bench", "--model", str(tmp_path / "no-model"), "--out", str(afile)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and "is a file, not a folder" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("content,message", [
-    (b'["a"]\n', ":1: need a JSON object"), (b'{"prompt": null}\n', ":1: need a JSON object"),
-    (b'{"messages": []}\n', ":1: need a JSON object"), (b'{"messages": "hello"}\n', ":1: need a JSON object"),
-    (b'{"prompt": "ok"}\n{oops\n', ":2: not JSON"), (b"", "no prompts in it"), (b"\xff\xfe\x00bad", "cannot read"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (b'["a"]\n', ":1: need a JSON object"),
+        (b'{"prompt": null}\n', ":1: need a JSON object"),
+        (b'{"messages": []}\n', ":1: need a JSON object"),
+        (b'{"messages": "hello"}\n', ":1: need a JSON object"),
+        (b'{"prompt": "ok"}\n{oops\n', ":2: not JSON"),
+        (b"", "no prompts in it"),
+        (b"\xff\xfe\x00bad", "cannot read"),
+    ],
+)
 def test_a_bad_prompt_file_is_one_line_naming_the_line(tmp_path, content, message):
-    from specdec_rt.tooling.bench.concurrency import load_texts
     from specdec_rt.errors import InvalidInputError
+    from specdec_rt.tooling.bench.concurrency import load_texts
     from specdec_rt.tooling.loadtest import LoadTestError, read_prompts
     from specdec_rt.tooling.prompt_files import read_prompt_file
 
     path = tmp_path / "p.jsonl"
     path.write_bytes(content)
-    for read in (lambda: read_prompt_file(str(path)), lambda: load_texts(str(path), None),
-                 lambda: read_prompts(str(path))):  # the bench, --concurrency / --prefix-cache, loadtest
+    for read in (
+        lambda: read_prompt_file(str(path)),
+        lambda: load_texts(str(path), None),
+        lambda: read_prompts(str(path)),
+    ):  # the bench, --concurrency / --prefix-cache, loadtest
         with pytest.raises((InvalidInputError, LoadTestError), match=message):
             read()
     with pytest.raises(InvalidInputError, match="cannot read"):
@@ -190,8 +300,10 @@ def test_ratios_pair_the_runs_of_one_repeat():
     samples = []
     for r, secs in ((0, 2.0), (1, 1.0)):
         for p in (0, 1):
-            samples += [Sample("ar", p, "chat", [1] * 10, secs, repeat=r),
-                        Sample("spec", p, "chat", [1] * 10, secs / 2, repeat=r)]
+            samples += [
+                Sample("ar", p, "chat", [1] * 10, secs, repeat=r),
+                Sample("spec", p, "chat", [1] * 10, secs / 2, repeat=r),
+            ]
     modes = summarize(samples)["modes"]
     assert modes["ar"]["speedup_vs_ar"] == 1.0 and modes["spec"]["speedup_vs_ar"] == 2.0
     assert modes["spec"]["identical_to_ar"] == 1.0
@@ -202,8 +314,14 @@ def test_a_level_without_gaps_has_no_inter_token_latency():
     from specdec_rt.tooling.bench.concurrency import format_markdown, summarize
 
     def run(itl):
-        return {"tokens_per_s": 10.0, "ttft_p50": 0.1, "itl_p50": itl, "itl_p99": itl, "max_stall": 0.0,
-                "ids": [[1, 2]]}
+        return {
+            "tokens_per_s": 10.0,
+            "ttft_p50": 0.1,
+            "itl_p50": itl,
+            "itl_p99": itl,
+            "max_stall": 0.0,
+            "ids": [[1, 2]],
+        }
 
     runs = {f"{c}/{m}": [run(None if m == "spec" else 0.02)] for c in (0, 1) for m in ("spec", "ar")}
     rows = summarize(runs, [1])
@@ -230,6 +348,7 @@ def test_the_warm_up_forgets_the_times_of_a_schedulers_first_request():
         async def run(ids, n):
             calls.append((name, n))
             return list(ids[:1]) * n, 0.01, None
+
         if scheduler:
             run.scheduler = type("S", (), {"costs": Costs()})()
         return run

@@ -15,10 +15,18 @@ from pathlib import Path
 import anyio
 import pytest
 
-from specdec_rt.tooling.bench.llamacpp import (find_tools, format_llamacpp, llamacpp_modes, parse_completion,
-                                       parse_speculative, quant_label, resolve_ggufs, summarize_llamacpp)
-from specdec_rt.tooling.bench.runner import Sample
 from specdec_rt.errors import SpecDecError
+from specdec_rt.tooling.bench.llamacpp import (
+    find_tools,
+    format_llamacpp,
+    llamacpp_modes,
+    parse_completion,
+    parse_speculative,
+    quant_label,
+    resolve_ggufs,
+    summarize_llamacpp,
+)
+from specdec_rt.tooling.bench.runner import Sample
 from specdec_rt.types import Stats
 
 COMPLETION_LOG = """\
@@ -92,13 +100,32 @@ def test_missing_folders_and_files_are_named(tmp_path):
 
 def test_cli_names_a_missing_llama_cpp_folder(tmp_path):
     env = {**os.environ, "SPECDEC_RT_CACHE": str(tmp_path / "cache")}  # nothing may get built
-    proc = subprocess.run([sys.executable, "-m", "specdec_rt", "bench", "--llama-cpp", "/nonexistent/llama-bin",
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdec_rt",
+            "bench",
+            "--llama-cpp",
+            "/nonexistent/llama-bin",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "specdec_rt: error:" in proc.stderr and "/nonexistent/llama-bin" in proc.stderr
     assert not (tmp_path / "cache").exists()
-    proc = subprocess.run([sys.executable, "-m", "specdec_rt", "bench", "--llama-gguf", "x.gguf",
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec_rt", "bench", "--llama-gguf", "x.gguf", "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 1 and "--llama-cpp" in proc.stderr
 
 
@@ -125,8 +152,9 @@ def _fake_tools(folder: Path) -> Path:
     bin_dir.mkdir(exist_ok=True)
     (folder / "stderr.txt").write_text(COMPLETION_LOG)
     tool = bin_dir / "llama-completion"
-    tool.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{folder}/args.txt"\n'
-                    f'cat "{folder}/stderr.txt" >&2\nprintf "%s" "{TEXT}"\n')
+    tool.write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$@" > "{folder}/args.txt"\ncat "{folder}/stderr.txt" >&2\nprintf "%s" "{TEXT}"\n'
+    )
     tool.chmod(0o755)
     return bin_dir
 
@@ -156,7 +184,9 @@ def test_a_crashed_tool_is_named_with_its_signal_and_the_amx_hint(tmp_path):
     gguf = tmp_path / "SmolLM2-135M-Instruct.F32.gguf"
     gguf.write_bytes(b"GGUF")
     modes, _ = llamacpp_modes(bin_dir, str(gguf), None, _Codec(), threads=2, ctx_size=512)
-    with pytest.raises(SpecDecError, match=r"llama-completion was killed by SIGSEGV \(on a CPU with AMX.*threadpool init"):
+    with pytest.raises(
+        SpecDecError, match=r"llama-completion was killed by SIGSEGV \(on a CPU with AMX.*threadpool init"
+    ):
         anyio.run(modes["llamacpp_f32"], [ord(c) for c in "hi"], 4)
 
 
@@ -165,9 +195,21 @@ def test_summary_ratios_and_table():
     st = Stats(mode="ar", new_tokens=64, time_total=1.0, time_to_first_token=0.1)
     st.observe_round(0, 0, 1, 0.0, 0.1, None)
     ar = Sample("ar", 0, "chat", ar_ids, 1.0, st)  # len(TEXT) tokens in 1 s
-    llama = Sample("llamacpp_q8_0", 0, "chat", ar_ids, 2.0, None,
-                   {"tokens": 64, "text": TEXT, "decode_tokens_per_s": 40.0,
-                    "llama": {"prompt_tokens": 46}, "prompt_tokens_ours": 46})
+    llama = Sample(
+        "llamacpp_q8_0",
+        0,
+        "chat",
+        ar_ids,
+        2.0,
+        None,
+        {
+            "tokens": 64,
+            "text": TEXT,
+            "decode_tokens_per_s": 40.0,
+            "llama": {"prompt_tokens": 46},
+            "prompt_tokens_ours": 46,
+        },
+    )
     rows = {r["mode"]: r for r in summarize_llamacpp([ar, llama], _Codec())}
     assert rows["llamacpp_q8_0"]["tokens_per_s"] == 32.0
     assert rows["llamacpp_q8_0"]["ar_vs_this"] == pytest.approx(len(TEXT) / 32)

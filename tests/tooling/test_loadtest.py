@@ -35,16 +35,27 @@ def test_percentile_matches_numpy_linear_interpolation():
 
 
 def _ok(ttft, itl, e2e, tokens, chunks, mode="spec"):
-    return RequestSample(mode, "ok", ttft=ttft, itl=list(itl), e2e=e2e, completion_tokens=tokens,
-                         chunks=chunks, usage_reported=True)
+    return RequestSample(
+        mode, "ok", ttft=ttft, itl=list(itl), e2e=e2e, completion_tokens=tokens, chunks=chunks, usage_reported=True
+    )
 
 
 def test_summarize_phase_on_synthetic_samples():
-    samples = [_ok(0.1, [0.01, 0.02], 0.3, 3, 3), _ok(0.2, [0.03], 0.5, 5, 2),
-               RequestSample("spec", "429", e2e=0.001, retry_after=1.0),
-               RequestSample("spec", "error", e2e=0.05, error="HTTP 500: boom")]
+    samples = [
+        _ok(0.1, [0.01, 0.02], 0.3, 3, 3),
+        _ok(0.2, [0.03], 0.5, 5, 2),
+        RequestSample("spec", "429", e2e=0.001, retry_after=1.0),
+        RequestSample("spec", "error", e2e=0.05, error="HTTP 500: boom"),
+    ]
     p = summarize_phase(samples, wall_s=2.0, concurrency=2, mode="spec")
-    assert (p["concurrency"], p["mode"], p["requests"], p["ok"], p["rejected_429"], p["errors"]) == (2, "spec", 4, 2, 1, 1)
+    assert (p["concurrency"], p["mode"], p["requests"], p["ok"], p["rejected_429"], p["errors"]) == (
+        2,
+        "spec",
+        4,
+        2,
+        1,
+        1,
+    )
     assert p["completion_tokens"] == 8
     assert p["tokens_per_s"] == pytest.approx(4.0)  # ok tokens / wall time; failures add nothing
     assert p["requests_per_s"] == pytest.approx(1.0)
@@ -65,13 +76,16 @@ def test_summarize_phase_with_nothing_ok():
 
 
 def test_speedups_pair_modes_per_level():
-    phases = [{"concurrency": 1, "mode": "spec", "tokens_per_s": 30.0},
-              {"concurrency": 1, "mode": "ar", "tokens_per_s": 20.0},
-              {"concurrency": 2, "mode": "spec", "tokens_per_s": 50.0}]
+    phases = [
+        {"concurrency": 1, "mode": "spec", "tokens_per_s": 30.0},
+        {"concurrency": 1, "mode": "ar", "tokens_per_s": 20.0},
+        {"concurrency": 2, "mode": "spec", "tokens_per_s": 50.0},
+    ]
     assert speedups(phases) == {1: 1.5}
 
 
 # ----------------------------------------------------------------------------------- SSE parsing
+
 
 def _chunk(content=None, role=None, usage=None):
     delta = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
@@ -81,14 +95,16 @@ def _chunk(content=None, role=None, usage=None):
     return json.dumps(obj, ensure_ascii=False)
 
 
-STREAM = (b": keep-alive\r\n\r\n"
-          + f"data: {_chunk('', role='assistant')}\r\n\r\n".encode()
-          + f"data: {_chunk('héllo 🙂')}\n\n".encode()       # multi-byte UTF-8 to split
-          + f"data: {_chunk(' world')}\r\r".encode()           # CR-only line ends
-          + b"event: message\nid: 7\nretry: 100\n"
-          + f"data: {_chunk('!')}\n\n".encode()
-          + f"data: {_chunk(usage={'prompt_tokens': 3, 'completion_tokens': 7, 'total_tokens': 10})}\n\n".encode()
-          + b"data: [DONE]\n\n")
+STREAM = (
+    b": keep-alive\r\n\r\n"
+    + f"data: {_chunk('', role='assistant')}\r\n\r\n".encode()
+    + f"data: {_chunk('héllo 🙂')}\n\n".encode()  # multi-byte UTF-8 to split
+    + f"data: {_chunk(' world')}\r\r".encode()  # CR-only line ends
+    + b"event: message\nid: 7\nretry: 100\n"
+    + f"data: {_chunk('!')}\n\n".encode()
+    + f"data: {_chunk(usage={'prompt_tokens': 3, 'completion_tokens': 7, 'total_tokens': 10})}\n\n".encode()
+    + b"data: [DONE]\n\n"
+)
 
 
 def _parse(pieces):
@@ -105,7 +121,7 @@ def test_sse_parser_is_independent_of_how_the_bytes_are_split():
     assert interpret(whole[4])[1] == ("", {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10})
     for i in range(len(STREAM) + 1):
         assert _parse([STREAM[:i], STREAM[i:]]) == whole, i
-    assert _parse([STREAM[i:i + 1] for i in range(len(STREAM))]) == whole
+    assert _parse([STREAM[i : i + 1] for i in range(len(STREAM))]) == whole
     rng = random.Random(1)
     for _ in range(50):
         cuts = sorted(rng.sample(range(1, len(STREAM)), 6))
@@ -125,6 +141,7 @@ def test_sse_error_events():
 
 
 # ----------------------------------------------------------------------------------- one request
+
 
 def _mock_client(handler):
     httpx = pytest.importorskip("httpx")
@@ -154,7 +171,7 @@ def _streaming(pieces, delay=0.0, status=200):
 
 
 def test_one_request_times_a_stream_split_at_odd_places():
-    pieces = [STREAM[a:a + 7] for a in range(0, len(STREAM), 7)]
+    pieces = [STREAM[a : a + 7] for a in range(0, len(STREAM), 7)]
     s = _request(_streaming(pieces, delay=0.002))
     assert s.status == "ok", s.error
     assert (s.completion_tokens, s.chunks, s.usage_reported) == (7, 3, True)  # 3 non-empty content chunks
@@ -165,7 +182,7 @@ def test_one_request_times_a_stream_split_at_odd_places():
 def test_one_request_failures_are_samples_not_exceptions():
     import httpx
 
-    no_done = STREAM[:STREAM.index(b"data: [DONE]")]
+    no_done = STREAM[: STREAM.index(b"data: [DONE]")]
     assert "[DONE]" in _request(_streaming([no_done])).error
     mid_error = f"data: {_chunk('a')}\n\n".encode() + b'data: {"error": {"message": "engine failed"}}\n\n'
     s = _request(_streaming([mid_error]))
@@ -184,18 +201,42 @@ def test_one_request_failures_are_samples_not_exceptions():
 
 # ----------------------------------------------------------------------------------- loopback only
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://127.1.2.3:80/", "http://localhost:8000",
-                                 "http://LOCALHOST", "http://[::1]:8000", "https://127.0.0.1",
-                                 "http://[::ffff:127.0.0.1]:80"])
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:8000",
+        "http://127.1.2.3:80/",
+        "http://localhost:8000",
+        "http://LOCALHOST",
+        "http://[::1]:8000",
+        "https://127.0.0.1",
+        "http://[::ffff:127.0.0.1]:80",
+    ],
+)
 def test_loopback_urls_are_accepted(url):
     assert check_loopback(url) == url.rstrip("/")
 
 
-@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://192.168.1.10", "http://172.16.0.1",
-                                 "http://8.8.8.8", "http://example.com", "http://localhost.example.com",
-                                 "http://127.0.0.1.nip.io", "http://0.0.0.0:8000", "http://[::]:80",
-                                 "http://[fe80::1]", "http://[::ffff:10.0.0.1]", "ftp://127.0.0.1",
-                                 "127.0.0.1:8000", "http://127.0.0.1:99999"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://10.0.0.1:8000",
+        "http://192.168.1.10",
+        "http://172.16.0.1",
+        "http://8.8.8.8",
+        "http://example.com",
+        "http://localhost.example.com",
+        "http://127.0.0.1.nip.io",
+        "http://0.0.0.0:8000",
+        "http://[::]:80",
+        "http://[fe80::1]",
+        "http://[::ffff:10.0.0.1]",
+        "ftp://127.0.0.1",
+        "127.0.0.1:8000",
+        "http://127.0.0.1:99999",
+    ],
+)
 def test_other_urls_are_refused(url):
     with pytest.raises(LoadTestError):
         check_loopback(url)
@@ -210,8 +251,12 @@ def test_cli_refuses_a_remote_url_with_one_line(capsys, tmp_path):
 
 def test_cli_checks_its_settings(capsys, tmp_path):
     out = ["--out", str(tmp_path / "o")]
-    for bad in (["--concurrency", "0,2"], ["--modes", "spec,beam"], ["--max-tokens", "0"],
-                ["--url", "http://127.0.0.1:1", "--slots", "2"]):
+    for bad in (
+        ["--concurrency", "0,2"],
+        ["--modes", "spec,beam"],
+        ["--max-tokens", "0"],
+        ["--url", "http://127.0.0.1:1", "--slots", "2"],
+    ):
         assert main(["loadtest", *bad, *out]) == 1, bad
         assert capsys.readouterr().err.startswith("specdec_rt: error: --")
     assert not (tmp_path / "o").exists()
@@ -241,6 +286,7 @@ def test_read_prompts(tmp_path):
 
 
 # ----------------------------------------------------------------------------------- end to end
+
 
 @contextmanager
 def _serve(app):
@@ -281,8 +327,11 @@ def _fake_openai_server():
         n = seen["n"]
         if n % 4 == 0:
             seen["429"] += 1
-            return JSONResponse({"error": {"message": "too many requests", "type": "overloaded"}},
-                                status_code=429, headers={"Retry-After": "0"})
+            return JSONResponse(
+                {"error": {"message": "too many requests", "type": "overloaded"}},
+                status_code=429,
+                headers={"Retry-After": "0"},
+            )
         fail = n % 5 == 0
         k = min(body["max_tokens"], 5)
         if fail:
@@ -306,14 +355,31 @@ def _fake_openai_server():
     async def models(request):
         return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
-    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
-                            Route("/v1/models", models)])
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/models", models)])
     return app, seen
 
 
-PHASE_KEYS = {"concurrency", "mode", "wall_s", "requests", "ok", "rejected_429", "errors", "completion_tokens",
-              "tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-              "e2e_p50_ms", "tpot_p50_ms", "tokens_per_chunk", "usage_missing", "error_examples"}
+PHASE_KEYS = {
+    "concurrency",
+    "mode",
+    "wall_s",
+    "requests",
+    "ok",
+    "rejected_429",
+    "errors",
+    "completion_tokens",
+    "tokens_per_s",
+    "requests_per_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "e2e_p50_ms",
+    "tpot_p50_ms",
+    "tokens_per_chunk",
+    "usage_missing",
+    "error_examples",
+}
 
 
 def test_end_to_end_against_a_fake_server(capsys, tmp_path):
@@ -321,12 +387,30 @@ def test_end_to_end_against_a_fake_server(capsys, tmp_path):
     app, seen = _fake_openai_server()
     out = tmp_path / "lt"
     with _serve(app) as url:
-        code = main(["loadtest", "--url", url, "--requests", "6", "--concurrency", "1,3", "--max-tokens", "4",
-                     "--warmup", "0", "--json", "--out", str(out)])
+        code = main(
+            [
+                "loadtest",
+                "--url",
+                url,
+                "--requests",
+                "6",
+                "--concurrency",
+                "1,3",
+                "--max-tokens",
+                "4",
+                "--warmup",
+                "0",
+                "--json",
+                "--out",
+                str(out),
+            ]
+        )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(captured.out)  # exactly one JSON document on stdout
-    assert {"settings", "phases", "speedup_spec_vs_ar", "requests", "chart", "model", "server", "total_s"} <= set(report)
+    assert {"settings", "phases", "speedup_spec_vs_ar", "requests", "chart", "model", "server", "total_s"} <= set(
+        report
+    )
     assert [(p["concurrency"], p["mode"]) for p in report["phases"]] == [(1, "spec"), (1, "ar"), (3, "spec"), (3, "ar")]
     for p in report["phases"]:
         assert set(p) == PHASE_KEYS
@@ -341,8 +425,13 @@ def test_end_to_end_against_a_fake_server(capsys, tmp_path):
     assert len(report["requests"]) == 24 and report["settings"]["served_model"] == "fake-model"
     bodies = seen["bodies"]
     assert [b["mode"] for b in bodies[:6]] == ["spec"] * 6 and [b["mode"] for b in bodies[6:12]] == ["ar"] * 6
-    assert all(b["stream"] is True and b["stream_options"] == {"include_usage": True} and b["max_tokens"] == 4
-               and b["model"] == "fake-model" for b in bodies)
+    assert all(
+        b["stream"] is True
+        and b["stream_options"] == {"include_usage": True}
+        and b["max_tokens"] == 4
+        and b["model"] == "fake-model"
+        for b in bodies
+    )
     assert bodies[0]["messages"] == bodies[6]["messages"]  # both modes send the same prompt sequence
     assert json.loads((out / "loadtest.json").read_text())["phases"] == phases
     assert "| concurrency | mode | tokens/s" in (out / "loadtest.md").read_text()
@@ -355,8 +444,25 @@ def test_duration_bound_stops_by_itself(capsys, tmp_path):
     app, seen = _fake_openai_server()
     with _serve(app) as url:
         t0 = time.monotonic()
-        code = main(["loadtest", "--url", url, "--duration", "0.3", "--concurrency", "2", "--modes", "ar",
-                     "--max-tokens", "2", "--warmup", "1", "--out", str(tmp_path / "lt")])
+        code = main(
+            [
+                "loadtest",
+                "--url",
+                url,
+                "--duration",
+                "0.3",
+                "--concurrency",
+                "2",
+                "--modes",
+                "ar",
+                "--max-tokens",
+                "2",
+                "--warmup",
+                "1",
+                "--out",
+                str(tmp_path / "lt"),
+            ]
+        )
         took = time.monotonic() - t0
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -368,6 +474,7 @@ def test_duration_bound_stops_by_itself(capsys, tmp_path):
 
 # ----------------------------------------------------------------------------------- the real server
 
+
 def _needs_the_server():
     for mod in ("httpx", "starlette", "uvicorn", "prometheus_client"):
         pytest.importorskip(mod)
@@ -378,8 +485,22 @@ def test_model_starts_the_real_server_and_stops_it(tiny_llama, capsys, tmp_path)
     """--model: `python -m specdec_rt serve` on a free loopback port, /health, both modes, SIGTERM."""
     _needs_the_server()
     out = tmp_path / "lt"
-    code = main(["loadtest", "--model", str(tiny_llama), "--concurrency", "1,2", "--requests", "3",
-                 "--max-tokens", "8", "--json", "--out", str(out)])
+    code = main(
+        [
+            "loadtest",
+            "--model",
+            str(tiny_llama),
+            "--concurrency",
+            "1,2",
+            "--requests",
+            "3",
+            "--max-tokens",
+            "8",
+            "--json",
+            "--out",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(captured.out)

@@ -47,8 +47,11 @@ async def _bench(args) -> int:
     threads = args.threads or default_threads()
     max_length = args.max_length or 4096
     codec = TextCodec.from_manifest(load_manifest(folder))  # the prompts are checked before the models load
-    cats = set(split_list(args.categories, "--categories") or ()) if isinstance(args.categories, str) else \
-        set(args.categories or ())
+    cats = (
+        set(split_list(args.categories, "--categories") or ())
+        if isinstance(args.categories, str)
+        else set(args.categories or ())
+    )
     prompts = load_prompts(codec, args.prompts, cats or None, args.limit)
     t0 = time.perf_counter()
     ours, ctx = build_our_modes(folder, threads, max_length, getattr(args, "add_draft", None) or ())
@@ -61,10 +64,18 @@ async def _bench(args) -> int:
     unknown = [w for w in wanted if w not in ours and w not in HF_MODES]
     if unknown:
         raise InvalidInputError(f"unknown mode(s) {unknown}; available: {list(ours) + list(HF_MODES)}")
-    report: dict = {"model": ctx["info"], "machine": machine_info(threads),
-                    "settings": {"max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
-                                 "repeats": args.repeats, "prompt_file": args.prompts or "built-in",
-                                 "decoding": "greedy"}, "skipped": {}}
+    report: dict = {
+        "model": ctx["info"],
+        "machine": machine_info(threads),
+        "settings": {
+            "max_new_tokens": args.max_new_tokens,
+            "prompts": len(prompts),
+            "repeats": args.repeats,
+            "prompt_file": args.prompts or "built-in",
+            "decoding": "greedy",
+        },
+        "skipped": {},
+    }
 
     if args.micro:  # before any PyTorch model is loaded, so memory is ours alone
         report["micro"] = await _micro(ctx, m, max_length)
@@ -77,8 +88,9 @@ async def _bench(args) -> int:
     if llama_bin:
         from .llamacpp import llamacpp_modes
 
-        llama, report["llama_cpp"] = llamacpp_modes(llama_bin, args.llama_gguf, args.llama_draft, codec,
-                                                    threads, max_length, m, log)
+        llama, report["llama_cpp"] = llamacpp_modes(
+            llama_bin, args.llama_gguf, args.llama_draft, codec, threads, max_length, m, log
+        )
         log(f"llama.cpp modes: {', '.join(llama)}")
         modes.update(llama)
     samples = await run_modes(modes, prompts, args.max_new_tokens, args.repeats)
@@ -88,8 +100,9 @@ async def _bench(args) -> int:
         from .llamacpp import format_llamacpp, summarize_llamacpp
 
         report["llama_cpp"]["rows"] = rows = summarize_llamacpp(samples, codec)
-        report["llama_cpp"]["runs"] = [{"mode": s.mode, "prompt": s.prompt, **s.extra["llama"]}
-                                       for s in samples if s.extra and "llama" in s.extra]
+        report["llama_cpp"]["runs"] = [
+            {"mode": s.mode, "prompt": s.prompt, **s.extra["llama"]} for s in samples if s.extra and "llama" in s.extra
+        ]
         markdown += "\n\n" + format_llamacpp(rows)
         table += "\n\n" + format_llamacpp(rows)
     if "hf_assisted" in modes:
@@ -124,8 +137,12 @@ async def _micro(ctx, m, max_length) -> dict:
     bw = memory_bandwidth_gbs()
     wbytes = weight_bytes(m)
     ceiling_ms = wbytes / (bw * 1e9) * 1e3
-    micro.update(bandwidth_gbs=bw, weight_bytes=wbytes, bandwidth_floor_step_ms=ceiling_ms,
-                 ar_step_vs_floor=costs["step_ms_ctx_short"] / ceiling_ms)
+    micro.update(
+        bandwidth_gbs=bw,
+        weight_bytes=wbytes,
+        bandwidth_floor_step_ms=ceiling_ms,
+        ar_step_vs_floor=costs["step_ms_ctx_short"] / ceiling_ms,
+    )
     return micro
 
 

@@ -35,9 +35,14 @@ def parse_levels(value: str) -> list[int]:
 def check_bench_args(args) -> None:
     """Raise :class:`InvalidInputError` naming the first bad flag (see the module docstring)."""
     side_by_side = not args.prefix_cache and not args.concurrency
-    for flag, value in (("--repeats", args.repeats), ("--max-new-tokens", args.max_new_tokens),
-                        ("--limit", args.limit), ("--conversations", args.conversations),
-                        ("--turns", args.turns), ("--prefix-concurrency", args.prefix_concurrency)):
+    for flag, value in (
+        ("--repeats", args.repeats),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--limit", args.limit),
+        ("--conversations", args.conversations),
+        ("--turns", args.turns),
+        ("--prefix-concurrency", args.prefix_concurrency),
+    ):
         if value is not None and value < 1:
             raise InvalidInputError(f"{flag} must be >= 1, got {value}")
     if args.concurrency is not None:
@@ -49,11 +54,15 @@ def check_bench_args(args) -> None:
     if args.cold and not args.concurrency:
         raise InvalidInputError("--cold goes with --concurrency")
     if not side_by_side and (args.modes is not None or args.categories is not None or args.micro):
-        raise InvalidInputError("--modes / --categories / --micro go with the side-by-side bench "
-                                "(--concurrency and --prefix-cache run spec and ar on their own prompts)")
+        raise InvalidInputError(
+            "--modes / --categories / --micro go with the side-by-side bench "
+            "(--concurrency and --prefix-cache run spec and ar on their own prompts)"
+        )
     if side_by_side and args.draft is not None:
-        raise InvalidInputError("--draft goes with --concurrency / --prefix-cache; the side-by-side bench runs "
-                                "every draft as its own mode (spec_<draft>, see --modes)")
+        raise InvalidInputError(
+            "--draft goes with --concurrency / --prefix-cache; the side-by-side bench runs "
+            "every draft as its own mode (spec_<draft>, see --modes)"
+        )
     args.modes = split_list(args.modes, "--modes")
     args.categories = split_list(args.categories, "--categories")
     out = Path(args.out)

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..prompt_files import read_prompt_file
 from ..reports import pyplot, save_figure, write_report
 from .args import parse_levels
-from ..prompt_files import read_prompt_file
 from .runner import log
 
 __all__ = ["run_concurrency"]
@@ -81,11 +81,16 @@ async def run_level(engine, prompts: list, n: int, mode: str, c: int) -> dict:
     rs = [results[i] for i in range(len(prompts))]
     gaps = [g for r in rs for g in r["gaps"]]
     tokens = sum(len(r["ids"]) for r in rs)
-    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "ids": [r["ids"] for r in rs],
-            "ttft_p50": float(np.percentile([r["ttft"] for r in rs], 50)),
-            "itl_p50": float(np.percentile(gaps, 50)) if gaps else None,  # None: one event a request
-            "itl_p99": float(np.percentile(gaps, 99)) if gaps else None,
-            "max_stall": max(stalls, default=0.0)}
+    return {
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "ids": [r["ids"] for r in rs],
+        "ttft_p50": float(np.percentile([r["ttft"] for r in rs], 50)),
+        "itl_p50": float(np.percentile(gaps, 50)) if gaps else None,  # None: one event a request
+        "itl_p99": float(np.percentile(gaps, 99)) if gaps else None,
+        "max_stall": max(stalls, default=0.0),
+    }
 
 
 async def _concurrency(args) -> int:
@@ -99,8 +104,15 @@ async def _concurrency(args) -> int:
     cold = bool(getattr(args, "cold", False))
 
     async def load(prefix_cache: bool = True):
-        return await Engine.load(folder, draft=args.draft, threads=args.threads, max_length=args.max_length,
-                                 provider=args.provider, slots=max(levels), prefix_cache=prefix_cache)
+        return await Engine.load(
+            folder,
+            draft=args.draft,
+            threads=args.threads,
+            max_length=args.max_length,
+            provider=args.provider,
+            slots=max(levels),
+            prefix_cache=prefix_cache,
+        )
 
     runs: dict[str, list[dict]] = {}
     order = [0] + levels  # 0: one after another
@@ -114,8 +126,10 @@ async def _concurrency(args) -> int:
             for mode in ("spec", "ar"):  # batched: every batch size's shapes, and its step costs
                 await asyncio.gather(*[engine.generate(p, n, mode=mode) for p in prompts[: max(levels)]])
         else:
-            log(f"{len(prompts)} prompts x {n} tokens, concurrency {levels}: a fresh engine per level and "
-                "repeat (only Engine.load's own warm-up), prefix cache off")
+            log(
+                f"{len(prompts)} prompts x {n} tokens, concurrency {levels}: a fresh engine per level and "
+                "repeat (only Engine.load's own warm-up), prefix cache off"
+            )
         t_start = time.perf_counter()
         for rep in range(args.repeats):
             # odd repeats run the levels and modes backwards: a machine that drifts (shared, noisy)
@@ -128,8 +142,10 @@ async def _concurrency(args) -> int:
                     for mode in ("spec", "ar") if rep % 2 == 0 else ("ar", "spec"):
                         r = await run_level(fresh or engine, prompts, n, mode, max(1, c))
                         runs.setdefault(f"{c}/{mode}", []).append(r)
-                        log(f"repeat {rep + 1}/{args.repeats} {'sequential' if c == 0 else f'c={c}'} {mode}: "
-                            f"{r['tokens_per_s']:.1f} tok/s ({time.perf_counter() - t_start:.0f} s)")
+                        log(
+                            f"repeat {rep + 1}/{args.repeats} {'sequential' if c == 0 else f'c={c}'} {mode}: "
+                            f"{r['tokens_per_s']:.1f} tok/s ({time.perf_counter() - t_start:.0f} s)"
+                        )
                 finally:
                     if fresh is not None:
                         await fresh.aclose()
@@ -139,9 +155,19 @@ async def _concurrency(args) -> int:
     summary = summarize(runs, levels)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"settings": {"model": str(args.model), "draft": draft, "prompts": len(prompts),
-                           "max_new_tokens": n, "repeats": args.repeats, "levels": levels, "cold": cold,
-                           "prompt_file": args.prompts or "built-in general chat"}, "levels": summary}
+    report = {
+        "settings": {
+            "model": str(args.model),
+            "draft": draft,
+            "prompts": len(prompts),
+            "max_new_tokens": n,
+            "repeats": args.repeats,
+            "levels": levels,
+            "cold": cold,
+            "prompt_file": args.prompts or "built-in general chat",
+        },
+        "levels": summary,
+    }
     chart = plot(summary, out / "concurrency.png")
     write_report(out, "concurrency", report, format_markdown(summary), format_markdown(summary), args.json)
     log(f"wrote {out / 'concurrency.json'}, {out / 'concurrency.md'}" + (f", {chart}" if chart else ""))
@@ -150,12 +176,15 @@ async def _concurrency(args) -> int:
 
 def summarize(runs: dict[str, list[dict]], levels: list[int]) -> list[dict]:
     """Medians per (level, mode) and the ratios the bars name."""
+
     def median(xs):  # of the runs that measured it (a run of one event a request has no ITL)
         xs = [x for x in xs if x is not None]
         return statistics.median(xs) if xs else None
 
-    med = {k: {f: median(r[f] for r in v) for f in
-               ("tokens_per_s", "ttft_p50", "itl_p50", "itl_p99", "max_stall")} for k, v in runs.items()}
+    med = {
+        k: {f: median(r[f] for r in v) for f in ("tokens_per_s", "ttft_p50", "itl_p50", "itl_p99", "max_stall")}
+        for k, v in runs.items()
+    }
     solo = runs["0/ar"][0]["ids"]
     rows = []
     for c in [0] + levels:
@@ -163,24 +192,35 @@ def summarize(runs: dict[str, list[dict]], levels: list[int]) -> list[dict]:
             k, m = f"{c}/{mode}", med[f"{c}/{mode}"]
             same = min(sum(a == b for a, b in zip(r["ids"], solo)) for r in runs[k])
             prev = med.get(f"{levels[levels.index(c) - 1]}/{mode}") if c in levels[1:] else None
-            rows.append({"concurrency": c, "mode": mode, **{f: None if v is None else round(v, 4) for f, v in m.items()},
-                         "vs_sequential_spec": round(m["tokens_per_s"] / med["0/spec"]["tokens_per_s"], 3),
-                         "vs_sequential_same": round(m["tokens_per_s"] / med[f"0/{mode}"]["tokens_per_s"], 3),
-                         "spec_vs_ar": round(med[f"{c}/spec"]["tokens_per_s"] / med[f"{c}/ar"]["tokens_per_s"], 3),
-                         "vs_previous_level": round(m["tokens_per_s"] / prev["tokens_per_s"], 3) if prev else None,
-                         "identical": f"{same}/{len(solo)}"})
+            rows.append(
+                {
+                    "concurrency": c,
+                    "mode": mode,
+                    **{f: None if v is None else round(v, 4) for f, v in m.items()},
+                    "vs_sequential_spec": round(m["tokens_per_s"] / med["0/spec"]["tokens_per_s"], 3),
+                    "vs_sequential_same": round(m["tokens_per_s"] / med[f"0/{mode}"]["tokens_per_s"], 3),
+                    "spec_vs_ar": round(med[f"{c}/spec"]["tokens_per_s"] / med[f"{c}/ar"]["tokens_per_s"], 3),
+                    "vs_previous_level": round(m["tokens_per_s"] / prev["tokens_per_s"], 3) if prev else None,
+                    "identical": f"{same}/{len(solo)}",
+                }
+            )
     return rows
 
 
 def format_markdown(rows: list[dict]) -> str:
-    head = ("| clients | mode | tok/s | x sequential spec | x sequential same mode | spec/ar | x previous level "
-            "| TTFT p50 | ITL p50 | ITL p99 | max loop stall | identical |\n|" + "---|" * 12 + "\n")
+    head = (
+        "| clients | mode | tok/s | x sequential spec | x sequential same mode | spec/ar | x previous level "
+        "| TTFT p50 | ITL p50 | ITL p99 | max loop stall | identical |\n|" + "---|" * 12 + "\n"
+    )
     prev = ["" if r["vs_previous_level"] is None else f"{r['vs_previous_level']:.2f}" for r in rows]
-    lines = [f"| {'one after another' if r['concurrency'] == 0 else r['concurrency']} | {r['mode']} | "
-             f"{r['tokens_per_s']:.1f} | {r['vs_sequential_spec']:.2f}x | {r['vs_sequential_same']:.2f}x | "
-             f"{r['spec_vs_ar']:.2f} | {prev[i]} | "
-             f"{_ms(r['ttft_p50'])} | {_ms(r['itl_p50'])} | {_ms(r['itl_p99'])} | "
-             f"{r['max_stall'] * 1000:.0f} ms | {r['identical']} |" for i, r in enumerate(rows)]
+    lines = [
+        f"| {'one after another' if r['concurrency'] == 0 else r['concurrency']} | {r['mode']} | "
+        f"{r['tokens_per_s']:.1f} | {r['vs_sequential_spec']:.2f}x | {r['vs_sequential_same']:.2f}x | "
+        f"{r['spec_vs_ar']:.2f} | {prev[i]} | "
+        f"{_ms(r['ttft_p50'])} | {_ms(r['itl_p50'])} | {_ms(r['itl_p99'])} | "
+        f"{r['max_stall'] * 1000:.0f} ms | {r['identical']} |"
+        for i, r in enumerate(rows)
+    ]
     return head + "\n".join(lines) + "\n"
 
 

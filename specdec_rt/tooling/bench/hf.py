@@ -35,8 +35,10 @@ def _source_of(manifest) -> tuple[Path, str | None]:
         return Path(path).parent, Path(path).name
     if isinstance(path, str) and Path(path).is_dir():
         return Path(path), None
-    raise ModelLoadError(f"{manifest.folder / 'manifest.json'}: source {_short(src)} names no checkpoint "
-                         "folder or GGUF file on this machine (the Hugging Face modes need one)")
+    raise ModelLoadError(
+        f"{manifest.folder / 'manifest.json'}: source {_short(src)} names no checkpoint "
+        "folder or GGUF file on this machine (the Hugging Face modes need one)"
+    )
 
 
 def _slug(name: str) -> str:
@@ -60,8 +62,9 @@ def load_source_model(manifest, threads: int):
 class HFBaselines:
     """Runs the Hugging Face modes on prompt ids; each call returns ``(new_ids, seconds)``."""
 
-    def __init__(self, manifest, draft_manifest=None, threads: int = 2, cache_dir: Path | None = None,
-                 log=print) -> None:
+    def __init__(
+        self, manifest, draft_manifest=None, threads: int = 2, cache_dir: Path | None = None, log=print
+    ) -> None:
         import torch
 
         self.torch = torch
@@ -80,11 +83,18 @@ class HFBaselines:
         x = torch.tensor([list(ids)])
         t = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                 eos_token_id=self.eos, pad_token_id=self.eos[0], **kw)
+            out = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=self.eos,
+                pad_token_id=self.eos[0],
+                **kw,
+            )
         dt = time.perf_counter() - t
         # prompt lookup can overshoot max_new_tokens within its last round: keep n, as we do
-        return out[0, x.shape[1]:][:n].tolist(), dt
+        return out[0, x.shape[1] :][:n].tolist(), dt
 
     def hf_ar(self, ids, n):
         return self._generate(self.model, ids, n)
@@ -111,7 +121,8 @@ class HFBaselines:
 
                 torch = self.torch
                 self._assistant = torch.ao.quantization.quantize_dynamic(
-                    copy.deepcopy(self.model), {torch.nn.Linear}, dtype=torch.qint8)
+                    copy.deepcopy(self.model), {torch.nn.Linear}, dtype=torch.qint8
+                )
                 self.assistant_kind = "dynamic int8 copy of the target (PyTorch)"
         return self._assistant
 
@@ -123,10 +134,16 @@ class HFBaselines:
         import torch
 
         t = time.perf_counter()
-        out = model.generate(torch.tensor(x), attention_mask=torch.ones(x.shape, dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, eos_token_id=self.eos, pad_token_id=self.eos[0])
+        out = model.generate(
+            torch.tensor(x),
+            attention_mask=torch.ones(x.shape, dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=self.eos,
+            pad_token_id=self.eos[0],
+        )
         dt = time.perf_counter() - t
-        return out[0, x.shape[1]:].tolist(), dt
+        return out[0, x.shape[1] :].tolist(), dt
 
     def _optimum_model(self):
         if self._optimum is None:
@@ -146,9 +163,12 @@ class HFBaselines:
                 self.log("exporting with optimum (once; cached)")
                 # in a child process: optimum's exporter opens ONNX Runtime sessions of its own,
                 # which a process with a global thread pool (ours) refuses
-                code = ("import sys; from optimum.onnxruntime import ORTModelForCausalLM as M; "
-                        "M.from_pretrained(sys.argv[1], export=True, use_cache=True).save_pretrained(sys.argv[2])")
+                code = (
+                    "import sys; from optimum.onnxruntime import ORTModelForCausalLM as M; "
+                    "M.from_pretrained(sys.argv[1], export=True, use_cache=True).save_pretrained(sys.argv[2])"
+                )
                 subprocess.run([sys.executable, "-c", code, str(hf_dir), str(folder)], check=True)
-            self._optimum = ORTModelForCausalLM.from_pretrained(folder, use_cache=True, use_io_binding=False,
-                                                                session_options=so)
+            self._optimum = ORTModelForCausalLM.from_pretrained(
+                folder, use_cache=True, use_io_binding=False, session_options=so
+            )
         return self._optimum

@@ -27,8 +27,17 @@ from pathlib import Path
 
 from ...errors import InvalidInputError, SpecDecError
 
-__all__ = ["LlamaTiming", "parse_completion", "parse_speculative", "find_tools", "quant_label",
-           "resolve_ggufs", "llamacpp_modes", "summarize_llamacpp", "format_llamacpp"]
+__all__ = [
+    "LlamaTiming",
+    "parse_completion",
+    "parse_speculative",
+    "find_tools",
+    "quant_label",
+    "resolve_ggufs",
+    "llamacpp_modes",
+    "summarize_llamacpp",
+    "format_llamacpp",
+]
 
 _NUM = r"([0-9]+(?:\.[0-9]+)?)"
 _PROMPT = re.compile(rf"prompt eval time\s*=\s*{_NUM} ms /\s*(\d+) tokens")
@@ -76,8 +85,9 @@ def parse_completion(log: str) -> LlamaTiming:
     if not p or not e:
         raise SpecDecError("llama.cpp printed no 'prompt eval time' / 'eval time' lines: " + _tail(log))
     runs = int(e.group(2))
-    return LlamaTiming(int(p.group(2)), float(p.group(1)), runs + 1, runs, float(e.group(1)),
-                       float(s.group(1)) if s else None)
+    return LlamaTiming(
+        int(p.group(2)), float(p.group(1)), runs + 1, runs, float(e.group(1)), float(s.group(1)) if s else None
+    )
 
 
 def parse_speculative(log: str) -> LlamaTiming:
@@ -87,9 +97,15 @@ def parse_speculative(log: str) -> LlamaTiming:
         raise SpecDecError("llama.cpp printed no 'encoded ... / decoded ...' lines: " + _tail(log))
     counts = dict(_COUNT.findall(log))
     n = int(dec.group(1))
-    return LlamaTiming(int(enc.group(1)), float(enc.group(2)) * 1e3, n, n, float(dec.group(2)) * 1e3,
-                       drafted=int(counts["n_drafted"]) if "n_drafted" in counts else None,
-                       accepted=int(counts["n_accept"]) if "n_accept" in counts else None)
+    return LlamaTiming(
+        int(enc.group(1)),
+        float(enc.group(2)) * 1e3,
+        n,
+        n,
+        float(dec.group(2)) * 1e3,
+        drafted=int(counts["n_drafted"]) if "n_drafted" in counts else None,
+        accepted=int(counts["n_accept"]) if "n_accept" in counts else None,
+    )
 
 
 def _tail(text: str, n: int = 600) -> str:
@@ -100,11 +116,16 @@ def find_tools(bin_dir: str | Path) -> dict[str, Path]:
     """``completion`` (required), ``speculative`` and ``quantize`` (when present) in ``bin_dir``."""
     d = Path(bin_dir).expanduser()
     if not d.is_dir():
-        raise SpecDecError(f"--llama-cpp {bin_dir}: no such folder (build llama.cpp with "
-                           "scripts/build-llama-cpp; it prints the bin folder)")
+        raise SpecDecError(
+            f"--llama-cpp {bin_dir}: no such folder (build llama.cpp with "
+            "scripts/build-llama-cpp; it prints the bin folder)"
+        )
     tools: dict[str, Path] = {}
-    for key, names in (("completion", COMPLETION_TOOLS), ("speculative", SPECULATIVE_TOOLS),
-                       ("quantize", ("llama-quantize",))):
+    for key, names in (
+        ("completion", COMPLETION_TOOLS),
+        ("speculative", SPECULATIVE_TOOLS),
+        ("quantize", ("llama-quantize",)),
+    ):
         found = next((d / n for n in names if (d / n).is_file()), None)
         if found is not None:
             tools[key] = found
@@ -120,8 +141,7 @@ def quant_label(path: Path) -> str:
     return re.sub(r"[^a-z0-9_]+", "_", part.lower()).strip("_") or "model"
 
 
-def resolve_ggufs(spec: str | None, tools: dict[str, Path], manifest=None,
-                  say=print) -> dict[str, Path]:
+def resolve_ggufs(spec: str | None, tools: dict[str, Path], manifest=None, say=print) -> dict[str, Path]:
     """``label -> file`` from ``--llama-gguf`` (comma-separated files, or a folder of ``*.gguf``);
     without it, F32 / Q8_0 / Q4_1 files made from the model's source GGUF (once, cached)."""
     if spec:
@@ -138,8 +158,9 @@ def resolve_ggufs(spec: str | None, tools: dict[str, Path], manifest=None,
             raise SpecDecError(f"--llama-gguf {spec}: no .gguf files")
         out = {quant_label(f): f for f in files}
         if len(out) != len(files):
-            raise InvalidInputError(f"--llama-gguf {spec}: two files share a quantization label: "
-                                    f"{[f.name for f in files]}")
+            raise InvalidInputError(
+                f"--llama-gguf {spec}: two files share a quantization label: {[f.name for f in files]}"
+            )
         return out
     return _default_ggufs(tools, manifest, say)
 
@@ -150,11 +171,15 @@ def _default_ggufs(tools: dict[str, Path], manifest, say) -> dict[str, Path]:
     name = ((manifest.raw.get("source") or {}).get("file") if manifest is not None else None) or ""
     source = cache_root() / "downloads" / name
     if not name.endswith(".gguf") or not source.is_file():
-        raise SpecDecError("--llama-cpp without --llama-gguf needs the model's source GGUF "
-                           f"(looked for {source}); pass --llama-gguf FILES_OR_FOLDER")
+        raise SpecDecError(
+            "--llama-cpp without --llama-gguf needs the model's source GGUF "
+            f"(looked for {source}); pass --llama-gguf FILES_OR_FOLDER"
+        )
     if "quantize" not in tools:
-        raise SpecDecError(f"no llama-quantize in {tools['completion'].parent} to make the GGUF files; "
-                           "pass --llama-gguf FILES_OR_FOLDER")
+        raise SpecDecError(
+            f"no llama-quantize in {tools['completion'].parent} to make the GGUF files; "
+            "pass --llama-gguf FILES_OR_FOLDER"
+        )
     folder = cache_root() / "llama.cpp" / "gguf"
     folder.mkdir(parents=True, exist_ok=True)
     base = source.name[:-5].rsplit(".", 1)[0]
@@ -166,8 +191,9 @@ def _default_ggufs(tools: dict[str, Path], manifest, say) -> dict[str, Path]:
         if not dst.is_file():
             say(f"llama-quantize {src.name} -> {dst.name}")
             tmp = dst.with_suffix(".part")
-            proc = subprocess.run([str(tools["quantize"]), "--allow-requantize", str(src), str(tmp), q],
-                                  capture_output=True, text=True)
+            proc = subprocess.run(
+                [str(tools["quantize"]), "--allow-requantize", str(src), str(tmp), q], capture_output=True, text=True
+            )
             if proc.returncode != 0:
                 raise SpecDecError(f"llama-quantize {q} failed: {_tail(proc.stderr)}")
             tmp.replace(dst)
@@ -183,13 +209,27 @@ def _exit_words(code: int) -> str:
         name = signal.Signals(-code).name
     except ValueError:
         name = f"signal {-code}"
-    hint = (" (on a CPU with AMX, llama.cpp's AMX kernels crash: rebuild with scripts/build-llama-cpp, "
-            "which leaves them out)") if name == "SIGSEGV" else ""
+    hint = (
+        (
+            " (on a CPU with AMX, llama.cpp's AMX kernels crash: rebuild with scripts/build-llama-cpp, "
+            "which leaves them out)"
+        )
+        if name == "SIGSEGV"
+        else ""
+    )
     return f"was killed by {name}{hint}"
 
 
-def llamacpp_modes(bin_dir: str | Path, gguf_spec: str | None, draft: str | None, codec, threads: int,
-                   ctx_size: int, manifest=None, say=print) -> tuple[dict, dict]:
+def llamacpp_modes(
+    bin_dir: str | Path,
+    gguf_spec: str | None,
+    draft: str | None,
+    codec,
+    threads: int,
+    ctx_size: int,
+    manifest=None,
+    say=print,
+) -> tuple[dict, dict]:
     """Bench runners ``llamacpp_<label>`` (and ``llamacpp_<label>_spec`` with a draft file) and
     an info dict for the report. A runner returns ``(ids, seconds, None, extra)``: ``ids`` are
     llama.cpp's text encoded by our tokenizer, ``extra["tokens"]`` the count llama.cpp made."""
@@ -202,36 +242,66 @@ def llamacpp_modes(bin_dir: str | Path, gguf_spec: str | None, draft: str | None
     def runner(cmd: list[str], spec: bool):
         async def run(ids, n):
             prompt = codec.tokenizer.decode(list(ids), skip_special_tokens=False)
-            proc = await anyio.run_process([*cmd, "-p", prompt, "-n", str(n), *common],
-                                           check=False, stdin=subprocess.DEVNULL)
+            proc = await anyio.run_process(
+                [*cmd, "-p", prompt, "-n", str(n), *common], check=False, stdin=subprocess.DEVNULL
+            )
             out, err = proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
             if proc.returncode != 0:
                 raise SpecDecError(f"{Path(cmd[0]).name} {_exit_words(proc.returncode)}: {_tail(err)}")
             t = parse_speculative(out + err) if spec else parse_completion(err + out)
             text = _generated_text(out, prompt if spec else None)
             new = codec.tokenizer.encode(text, add_special_tokens=False).ids
-            return new, t.seconds, None, {"tokens": t.generated, "text": text, "llama": asdict(t),
-                                          "decode_tokens_per_s": t.decode_tokens_per_s,
-                                          "prompt_tokens_ours": len(ids)}
+            return (
+                new,
+                t.seconds,
+                None,
+                {
+                    "tokens": t.generated,
+                    "text": text,
+                    "llama": asdict(t),
+                    "decode_tokens_per_s": t.decode_tokens_per_s,
+                    "prompt_tokens_ours": len(ids),
+                },
+            )
+
         return run
 
     modes = {}
     for label, path in ggufs.items():
         modes[f"llamacpp_{label}"] = runner(
-            [str(tools["completion"]), "-m", str(path), "-no-cnv", "--no-display-prompt", "--simple-io"], False)
+            [str(tools["completion"]), "-m", str(path), "-no-cnv", "--no-display-prompt", "--simple-io"], False
+        )
     if draft and not Path(draft).expanduser().is_file():
         raise SpecDecError(f"--llama-draft {draft}: no such file")
     if draft and "speculative" in tools:
         label = "f32" if "f32" in ggufs else next(iter(ggufs))  # our spec: the f32 target
         path = ggufs[label]
         modes[f"llamacpp_{label}_spec"] = runner(
-            [str(tools["speculative"]), "-m", str(path), "-md", str(Path(draft).expanduser()),
-             "-td", str(threads), "-tbd", str(threads), *_spec_type(tools["speculative"])], True)
+            [
+                str(tools["speculative"]),
+                "-m",
+                str(path),
+                "-md",
+                str(Path(draft).expanduser()),
+                "-td",
+                str(threads),
+                "-tbd",
+                str(threads),
+                *_spec_type(tools["speculative"]),
+            ],
+            True,
+        )
     elif draft:
         say(f"no {' or '.join(SPECULATIVE_TOOLS)} in {tools['completion'].parent}: no llama.cpp speculative mode")
-    info = {"bin_dir": str(Path(bin_dir).expanduser()), "tools": {k: v.name for k, v in tools.items()},
-            "gguf": {k: str(v) for k, v in ggufs.items()}, "draft": draft, "threads": threads,
-            "ctx_size": ctx_size, "version": _version(tools["completion"])}
+    info = {
+        "bin_dir": str(Path(bin_dir).expanduser()),
+        "tools": {k: v.name for k, v in tools.items()},
+        "gguf": {k: str(v) for k, v in ggufs.items()},
+        "draft": draft,
+        "threads": threads,
+        "ctx_size": ctx_size,
+        "version": _version(tools["completion"]),
+    }
     return modes, info
 
 
@@ -239,7 +309,7 @@ def _generated_text(out: str, prompt: str | None) -> str:
     """stdout less llama.cpp's end marker (and, for the speculative tools, the echoed prompt)."""
     text = out.strip("\n") if prompt is not None else out
     if prompt is not None and text.startswith(prompt):
-        text = text[len(prompt):]
+        text = text[len(prompt) :]
     text = text.rstrip()
     return text[: -len("[end of text]")].rstrip() if text.endswith("[end of text]") else text
 
@@ -270,17 +340,25 @@ def summarize_llamacpp(samples, codec) -> list[dict]:
         if not (mode in ("ar", "spec") or mode.startswith("llamacpp_")):
             continue
         xs = [s for s in samples if s.mode == mode]
-        row = {"mode": mode, "tokens_per_s": statistics.median(s.tokens_per_s for s in xs),
-               "decode_tokens_per_s": statistics.median(_decode_tps(s) for s in xs), "n": len(xs)}
+        row = {
+            "mode": mode,
+            "tokens_per_s": statistics.median(s.tokens_per_s for s in xs),
+            "decode_tokens_per_s": statistics.median(_decode_tps(s) for s in xs),
+            "n": len(xs),
+        }
         if mode.startswith("llamacpp_"):
             for ours in ("ar", "spec"):
-                r = [by[ours, s.prompt, s.repeat].tokens_per_s / s.tokens_per_s for s in xs
-                     if (ours, s.prompt, s.repeat) in by]
+                r = [
+                    by[ours, s.prompt, s.repeat].tokens_per_s / s.tokens_per_s
+                    for s in xs
+                    if (ours, s.prompt, s.repeat) in by
+                ]
                 row[f"{ours}_vs_this"] = statistics.median(r) if r else None
             same = [_agree(s.extra["text"], ar_text[s.prompt]) for s in xs if s.prompt in ar_text]
             row["same_text_as_ar"] = f"{sum(same)}/{len(same)}" if same else None
-            row["prompt_tokens_match"] = all(s.extra["llama"]["prompt_tokens"] == s.extra["prompt_tokens_ours"]
-                                             for s in xs)
+            row["prompt_tokens_match"] = all(
+                s.extra["llama"]["prompt_tokens"] == s.extra["prompt_tokens_ours"] for s in xs
+            )
         rows.append(row)
     return rows
 
@@ -304,13 +382,19 @@ def _decode_tps(s) -> float:
 
 def format_llamacpp(rows: list[dict]) -> str:
     """Markdown: one row per mode, ours/theirs ratios on the llama.cpp rows."""
+
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    lines = ["| mode | tok/s end to end (median) | tok/s decode only | our ar / this | our spec / this "
-             "| same text as our ar |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | tok/s end to end (median) | tok/s decode only | our ar / this | our spec / this "
+        "| same text as our ar |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| `{r['mode']}` | {r['tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.1f} | "
-                     f"{f(r.get('ar_vs_this'), '.2f')} | {f(r.get('spec_vs_this'), '.2f')} | "
-                     f"{r.get('same_text_as_ar') or '-'} |")
+        lines.append(
+            f"| `{r['mode']}` | {r['tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.1f} | "
+            f"{f(r.get('ar_vs_this'), '.2f')} | {f(r.get('spec_vs_this'), '.2f')} | "
+            f"{r.get('same_text_as_ar') or '-'} |"
+        )
     return "\n".join(lines)

@@ -71,8 +71,12 @@ def request_memory(folder, draft_folder, threads: int) -> dict:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(folder), str(draft_folder or ""), str(threads)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY_PROBE, str(folder), str(draft_folder or ""), str(threads)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -84,8 +88,9 @@ async def _time(session, ids: np.ndarray, rows: int, back_to: int) -> float:
     return dt
 
 
-async def step_costs(model, reps: int = 20, short: int = 100, long: int = 2000, width: int = 5,
-                     progress=lambda msg: None) -> dict:
+async def step_costs(
+    model, reps: int = 20, short: int = 100, long: int = 2000, width: int = 5, progress=lambda msg: None
+) -> dict:
     """Median seconds of (a) one call over ``width`` new positions vs one over 1 position at
     context ``short``; (b) a 1-token step at context ``long`` vs ``short``. Interleaved."""
     rng = np.random.default_rng(0)
@@ -112,10 +117,13 @@ async def step_costs(model, reps: int = 20, short: int = 100, long: int = 2000, 
         s_long.close()
     m1, mw, ml = (statistics.median(x) for x in (one, wide, at_long))
     return {
-        "step_ms_ctx_short": 1e3 * m1, "context_short": short,
-        f"call_ms_{width}_positions": 1e3 * mw, "verify_width": width,
+        "step_ms_ctx_short": 1e3 * m1,
+        "context_short": short,
+        f"call_ms_{width}_positions": 1e3 * mw,
+        "verify_width": width,
         "verify_width_ratio": mw / m1,
-        "step_ms_ctx_long": 1e3 * ml, "context_long": long,
+        "step_ms_ctx_long": 1e3 * ml,
+        "context_long": long,
         "context_ratio": ml / m1,
         "reps": reps,
     }

@@ -24,22 +24,31 @@ def _mode_summary(samples, by_prompt_ar, by_prompt_hf) -> dict:
     tps = [s.tokens_per_s for s in samples]
     out = {"tokens_per_s": statistics.median(tps), "p25": _q(tps, 0.25), "p75": _q(tps, 0.75), "n": len(samples)}
     for ref_name, ref in (("ar", by_prompt_ar), ("hf_ar", by_prompt_hf)):  # keyed (prompt, repeat)
-        ratios = [s.tokens_per_s / ref[s.prompt, s.repeat].tokens_per_s for s in samples
-                  if (s.prompt, s.repeat) in ref and ref[s.prompt, s.repeat].tokens_per_s > 0]
+        ratios = [
+            s.tokens_per_s / ref[s.prompt, s.repeat].tokens_per_s
+            for s in samples
+            if (s.prompt, s.repeat) in ref and ref[s.prompt, s.repeat].tokens_per_s > 0
+        ]
         if ratios:
             out[f"speedup_vs_{ref_name}"] = statistics.median(ratios)
     if by_prompt_ar:
-        same = [s.token_ids == by_prompt_ar[s.prompt, s.repeat].token_ids for s in samples
-                if (s.prompt, s.repeat) in by_prompt_ar]
+        same = [
+            s.token_ids == by_prompt_ar[s.prompt, s.repeat].token_ids
+            for s in samples
+            if (s.prompt, s.repeat) in by_prompt_ar
+        ]
         out["identical_to_ar"] = sum(same) / len(same) if same else None
     stats = [s.stats for s in samples if s.stats is not None and s.stats.drafted]
     if stats:
         drafted, accepted = sum(x.drafted for x in stats), sum(x.accepted for x in stats)
         rounds = sum(x.rounds for x in stats)
         calls = sum(x.rounds + x.ar_steps for x in stats)
-        out.update(acceptance_rate=accepted / drafted, mean_accepted=accepted / rounds,
-                   tokens_per_target_call=sum(x.new_tokens for x in stats) / calls,
-                   fallbacks=sum(len(x.fallbacks) for x in stats))
+        out.update(
+            acceptance_rate=accepted / drafted,
+            mean_accepted=accepted / rounds,
+            tokens_per_target_call=sum(x.new_tokens for x in stats) / calls,
+            fallbacks=sum(len(x.fallbacks) for x in stats),
+        )
         pos_d: defaultdict[int, int] = defaultdict(int)  # position -> drafted there, in all
         pos_a: defaultdict[int, int] = defaultdict(int)  # ... accepted
         for x in stats:
@@ -71,15 +80,21 @@ def summarize(samples) -> dict:
 
 
 def format_table(summary: dict) -> str:
-    rows = [f"{'mode':<22} {'tok/s':>7} {'p25-p75':>13} {'vs ar':>6} {'vs hf_ar':>8} {'accept':>6} "
-            f"{'mean acc':>8} {'tok/call':>8} {'identical':>9}"]
+    rows = [
+        f"{'mode':<22} {'tok/s':>7} {'p25-p75':>13} {'vs ar':>6} {'vs hf_ar':>8} {'accept':>6} "
+        f"{'mean acc':>8} {'tok/call':>8} {'identical':>9}"
+    ]
     for m, d in summary["modes"].items():
+
         def f(key, fmt, d=d):
             return format(d[key], fmt) if d.get(key) is not None else "-"
-        rows.append(f"{m:<22} {d['tokens_per_s']:>7.1f} {d['p25']:>6.1f}-{d['p75']:<6.1f} "
-                    f"{f('speedup_vs_ar', '.2f'):>6} {f('speedup_vs_hf_ar', '.2f'):>8} "
-                    f"{f('acceptance_rate', '.2f'):>6} {f('mean_accepted', '.2f'):>8} "
-                    f"{f('tokens_per_target_call', '.2f'):>8} {f('identical_to_ar', '.0%'):>9}")
+
+        rows.append(
+            f"{m:<22} {d['tokens_per_s']:>7.1f} {d['p25']:>6.1f}-{d['p75']:<6.1f} "
+            f"{f('speedup_vs_ar', '.2f'):>6} {f('speedup_vs_hf_ar', '.2f'):>8} "
+            f"{f('acceptance_rate', '.2f'):>6} {f('mean_accepted', '.2f'):>8} "
+            f"{f('tokens_per_target_call', '.2f'):>8} {f('identical_to_ar', '.0%'):>9}"
+        )
     return "\n".join(rows)
 
 
@@ -156,27 +171,38 @@ def plot_acceptance(samples, path: Path, mode: str = "spec") -> Path | None:
 
 def format_markdown(report: dict) -> str:
     """Markdown tables of a bench report: modes, categories, micro-benchmarks."""
-    lines = ["| mode | tokens/s (median) | p25-p75 | vs our ar | vs hf_ar | acceptance | mean accepted | tokens per target call | identical to ar |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | tokens/s (median) | p25-p75 | vs our ar | vs hf_ar | acceptance | mean accepted | tokens per target call | identical to ar |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def f(d, key, fmt):
         return format(d[key], fmt) if d.get(key) is not None else "-"
 
     for m, d in report["modes"].items():
-        lines.append(f"| `{m}` | {d['tokens_per_s']:.1f} | {d['p25']:.1f}-{d['p75']:.1f} | "
-                     f"{f(d, 'speedup_vs_ar', '.2f')} | {f(d, 'speedup_vs_hf_ar', '.2f')} | "
-                     f"{f(d, 'acceptance_rate', '.2f')} | {f(d, 'mean_accepted', '.2f')} | "
-                     f"{f(d, 'tokens_per_target_call', '.2f')} | {f(d, 'identical_to_ar', '.0%')} |")
+        lines.append(
+            f"| `{m}` | {d['tokens_per_s']:.1f} | {d['p25']:.1f}-{d['p75']:.1f} | "
+            f"{f(d, 'speedup_vs_ar', '.2f')} | {f(d, 'speedup_vs_hf_ar', '.2f')} | "
+            f"{f(d, 'acceptance_rate', '.2f')} | {f(d, 'mean_accepted', '.2f')} | "
+            f"{f(d, 'tokens_per_target_call', '.2f')} | {f(d, 'identical_to_ar', '.0%')} |"
+        )
     spec = [m for m in report["modes"] if m.startswith("spec")]
     if spec and len(report.get("categories", {})) > 1:
-        lines += ["", "| category | " + " | ".join(f"`{m}` vs ar (acceptance, mean accepted)" for m in spec) + " |",
-                  "|---|" + "---|" * len(spec)]
+        lines += [
+            "",
+            "| category | " + " | ".join(f"`{m}` vs ar (acceptance, mean accepted)" for m in spec) + " |",
+            "|---|" + "---|" * len(spec),
+        ]
         for cat, modes in report["categories"].items():
             cells = []
             for m in spec:
                 d = modes.get(m, {})
-                cells.append(f"{f(d, 'speedup_vs_ar', '.2f')}x ({f(d, 'acceptance_rate', '.2f')}, "
-                             f"{f(d, 'mean_accepted', '.2f')})" if d else "-")
+                cells.append(
+                    f"{f(d, 'speedup_vs_ar', '.2f')}x ({f(d, 'acceptance_rate', '.2f')}, "
+                    f"{f(d, 'mean_accepted', '.2f')})"
+                    if d
+                    else "-"
+                )
             lines.append(f"| {cat} | " + " | ".join(cells) + " |")
     if report.get("micro"):
         lines += ["", format_micro(report["micro"])]
@@ -188,16 +214,24 @@ def format_micro(micro: dict) -> str:
     lines = ["| micro-benchmark | value |", "|---|---|"]
     lines.append(f"| 1-token step @ context {micro['context_short']} | {micro['step_ms_ctx_short']:.1f} ms |")
     wide_ms = micro["call_ms_%d_positions" % micro["verify_width"]]
-    lines.append(f"| {micro['verify_width']}-position call @ context {micro['context_short']} | "
-                 f"{wide_ms:.1f} ms (**{micro['verify_width_ratio']:.2f}x** a 1-token step) |")
-    lines.append(f"| 1-token step @ context {micro['context_long']} | {micro['step_ms_ctx_long']:.1f} ms "
-                 f"(**{micro['context_ratio']:.2f}x** context {micro['context_short']}) |")
+    lines.append(
+        f"| {micro['verify_width']}-position call @ context {micro['context_short']} | "
+        f"{wide_ms:.1f} ms (**{micro['verify_width_ratio']:.2f}x** a 1-token step) |"
+    )
+    lines.append(
+        f"| 1-token step @ context {micro['context_long']} | {micro['step_ms_ctx_long']:.1f} ms "
+        f"(**{micro['context_ratio']:.2f}x** context {micro['context_short']}) |"
+    )
     lines.append(f"| copy bandwidth | {micro['bandwidth_gbs']:.1f} GB/s |")
-    lines.append(f"| weights read per step / bandwidth | {micro['bandwidth_floor_step_ms']:.1f} ms "
-                 f"({micro['weight_bytes'] / 1e6:.0f} MB); our step is {micro['ar_step_vs_floor']:.2f}x that |")
+    lines.append(
+        f"| weights read per step / bandwidth | {micro['bandwidth_floor_step_ms']:.1f} ms "
+        f"({micro['weight_bytes'] / 1e6:.0f} MB); our step is {micro['ar_step_vs_floor']:.2f}x that |"
+    )
     mem = micro.get("memory", {})
     if mem:
-        lines.append(f"| resident memory of {' + '.join(mem.get('models', []))} + KV, one "
-                     f"{mem.get('tokens')}-token request (fresh process) | {mem.get('rss_mb', 0):.0f} MB "
-                     f"(peak {mem.get('peak_rss_mb', 0):.0f} MB) |")
+        lines.append(
+            f"| resident memory of {' + '.join(mem.get('models', []))} + KV, one "
+            f"{mem.get('tokens')}-token request (fresh process) | {mem.get('rss_mb', 0):.0f} MB "
+            f"(peak {mem.get('peak_rss_mb', 0):.0f} MB) |"
+        )
     return "\n".join(lines)

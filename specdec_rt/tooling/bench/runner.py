@@ -9,16 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
-from ...policy.acceptance import SpecConfig
 from ...drafters import CombinedDrafter, NgramDrafter
 from ...engine.factory import model_drafter, resolve_draft_spec
 from ...errors import InvalidInputError
 from ...ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
-from ..prompt_files import label, read_prompt_file
+from ...policy.acceptance import SpecConfig
 from ...spec.protocols import DraftInferrer
 from ...spec.scheduler import SpecDecScheduler
 from ...text.codec import TextCodec
 from ...types import Stats
+from ..prompt_files import label, read_prompt_file
 
 __all__ = ["Prompt", "Sample", "load_prompts", "build_our_modes", "run_modes"]
 
@@ -53,14 +53,16 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def load_prompts(codec: TextCodec, path: str | None, categories: set[str] | None = None,
-                 limit: int | None = None) -> list[Prompt]:
+def load_prompts(
+    codec: TextCodec, path: str | None, categories: set[str] | None = None, limit: int | None = None
+) -> list[Prompt]:
     """The built-in prompts, or a JSONL file (:func:`read_prompt_file`), encoded; ``categories``
     keeps those (an unknown one is an error listing the file's)."""
     rows = read_prompt_file(path)
     if categories and not categories & {r["category"] for r in rows}:
-        raise InvalidInputError(f"no prompts of categories {sorted(categories)}; the file has "
-                         f"{sorted({r['category'] for r in rows})}")
+        raise InvalidInputError(
+            f"no prompts of categories {sorted(categories)}; the file has {sorted({r['category'] for r in rows})}"
+        )
     out = []
     for r in rows:
         if categories and r["category"] not in categories:
@@ -76,8 +78,9 @@ Runner = Callable[[list[int], int], Awaitable[tuple]]
 BENCH_TREE_NODES = 3  # the tree modes: main chain + the draft's runner-up at the first 3 depths
 
 
-def build_our_modes(folder: Path, threads: int, max_length: int | None,
-                    extra_drafts: Sequence[str | Path] = ()) -> tuple[dict[str, Runner], dict]:
+def build_our_modes(
+    folder: Path, threads: int, max_length: int | None, extra_drafts: Sequence[str | Path] = ()
+) -> tuple[dict[str, Runner], dict]:
     """Our modes over one shared target: ``ar``, ``spec`` (the engine's default drafter),
     ``spec_ngram``, ``spec_<draft>`` per exported draft (and per folder in ``extra_drafts``, e.g.
     a ``train-draft`` output), ``spec_ngram+<draft>`` for the first draft and for EAGLE drafts;
@@ -89,8 +92,7 @@ def build_our_modes(folder: Path, threads: int, max_length: int | None,
     sharing = OrtTargetVerifier(target, share_hidden=True)  # same model; for EAGLE drafts only
     manifests = [load_manifest(folder / d["path"]) for d in m.drafts]
     manifests += [load_manifest(Path(p)) for p in extra_drafts]
-    drafts = {dm.name: model_drafter(m, dm, max_length=max_length, threads=threads, slots=2)
-              for dm in manifests}
+    drafts = {dm.name: model_drafter(m, dm, max_length=max_length, threads=threads, slots=2) for dm in manifests}
     drafters: dict[str, DraftInferrer] = {"ngram": NgramDrafter()}
     drafters.update(drafts)
     for i, (name, d) in enumerate(drafts.items()):
@@ -100,13 +102,17 @@ def build_our_modes(folder: Path, threads: int, max_length: int | None,
     modes: dict[str, Runner] = {}
 
     modes["ar"] = _SchedulerRunner(SpecDecScheduler(None, verifier, eos_ids=m.eos_ids), "ar")
+
     def verifier_for(d):
         return sharing if getattr(d, "needs_target_hidden", False) else verifier
 
-    modes["spec"] = _SchedulerRunner(SpecDecScheduler(drafters[default], verifier_for(drafters[default]),
-                                            eos_ids=m.eos_ids), "spec")
+    modes["spec"] = _SchedulerRunner(
+        SpecDecScheduler(drafters[default], verifier_for(drafters[default]), eos_ids=m.eos_ids), "spec"
+    )
     for name, drafter in drafters.items():
-        modes[f"spec_{name}"] = _SchedulerRunner(SpecDecScheduler(drafter, verifier_for(drafter), eos_ids=m.eos_ids), "spec")
+        modes[f"spec_{name}"] = _SchedulerRunner(
+            SpecDecScheduler(drafter, verifier_for(drafter), eos_ids=m.eos_ids), "spec"
+        )
     if target.tree:  # the same drafters with draft trees (each model draft's runner-up as siblings)
         trees = SpecConfig(tree_nodes=BENCH_TREE_NODES)
         for name in dict.fromkeys([default, *drafts, *(n for n in drafters if n.startswith("ngram+"))]):
@@ -114,13 +120,23 @@ def build_our_modes(folder: Path, threads: int, max_length: int | None,
                 continue  # EAGLE drafts: chains (their verifier shares hidden states)
             mode = "spec_tree" if name == default else f"spec_{name}_tree"
             modes[mode] = _SchedulerRunner(SpecDecScheduler(drafters[name], verifier, trees, eos_ids=m.eos_ids), "spec")
-    info = {"target": m.name, "exact_to": m.exact_to, "default_drafter": default,
-            "drafts": {n: d.model.manifest.raw.get("onnx", {}).get("quantization") for n, d in drafts.items()},
-            "threads": threads, "provider": target.device}
-    return modes, {"manifest": m, "target": target, "info": info,
-                   "draft_models": [d.model for d in drafts.values()],
-                   "draft_manifest": next((d.model.manifest for d in drafts.values()
-                                           if not getattr(d, "needs_target_hidden", False)), None)}
+    info = {
+        "target": m.name,
+        "exact_to": m.exact_to,
+        "default_drafter": default,
+        "drafts": {n: d.model.manifest.raw.get("onnx", {}).get("quantization") for n, d in drafts.items()},
+        "threads": threads,
+        "provider": target.device,
+    }
+    return modes, {
+        "manifest": m,
+        "target": target,
+        "info": info,
+        "draft_models": [d.model for d in drafts.values()],
+        "draft_manifest": next(
+            (d.model.manifest for d in drafts.values() if not getattr(d, "needs_target_hidden", False)), None
+        ),
+    }
 
 
 class _SchedulerRunner:
@@ -157,15 +173,22 @@ async def run_modes(modes: dict[str, Runner], prompts: list[Prompt], n: int, rep
                 ids, secs, stats, *extra = await modes[name](p.ids, n)
                 samples.append(Sample(name, i, p.category, ids, secs, stats, extra[0] if extra else None, r))
                 done += 1
-                log(f"{done}/{total} [{p.category}] {p.label!r:.40} {name}: "
-                    f"{samples[-1].tokens_per_s:.1f} tok/s" + (f", acceptance {stats.acceptance_rate:.2f}"
-                                                               if stats and stats.drafted else ""))
+                log(
+                    f"{done}/{total} [{p.category}] {p.label!r:.40} {name}: "
+                    f"{samples[-1].tokens_per_s:.1f} tok/s"
+                    + (f", acceptance {stats.acceptance_rate:.2f}" if stats and stats.drafted else "")
+                )
     return samples
 
 
 def machine_info(threads: int) -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(), "threads": threads, "cpus": default_threads()}
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "threads": threads,
+        "cpus": default_threads(),
+    }
 
 
 __all__ += ["HF_MODES", "machine_info", "resolve_model_dir", "log"]
