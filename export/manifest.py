@@ -16,7 +16,8 @@ import stat
 from pathlib import Path
 
 from specdec_rt.manifest_schema import (IO_NAMES, KV_LAYOUT, KV_ROLES, MANIFEST, MAX_MANIFEST_BYTES, PACKED_ROLES,
-                                        MODEL_ROLES, REQUIRED_INPUTS, SCHEMA_VERSION, STAMP, TREE_ROLES)
+                                        MODEL_ROLES, REQUIRED_INPUTS, SCHEMA_VERSION, STAMP, STAMP_STAT,
+                                        TREE_ROLES)
 
 from .model_spec import ModelSpec
 from .tokenizer import TokenizerInfo, sha256_file
@@ -84,7 +85,7 @@ def write_manifest(folder: Path, manifest: dict) -> Path:
         st = (Path(folder) / fname).stat()
         if st.st_size != meta["bytes"]:
             return path  # changed since it was hashed: let the runtime verify it
-        stamp[fname] = [st.st_size, st.st_mtime_ns, meta["sha256"]]
+        stamp[fname] = [*(getattr(st, f) for f in STAMP_STAT), meta["sha256"]]
     (Path(folder) / STAMP).write_text(json.dumps({"files": stamp}))
     return path
 

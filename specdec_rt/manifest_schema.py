@@ -16,7 +16,7 @@ and the KV pool), and the text layer, which lies below ``ort`` in the layer orde
 from __future__ import annotations
 
 __all__ = [
-    "SCHEMA_VERSION", "MANIFEST", "STAMP", "MAX_MANIFEST_BYTES", "MAX_TEMPLATE_CHARS", "MAX_NAME_CHARS",
+    "SCHEMA_VERSION", "MANIFEST", "STAMP", "STAMP_STAT", "MAX_MANIFEST_BYTES", "MAX_TEMPLATE_CHARS", "MAX_NAME_CHARS",
     "MAX_PATH_CHARS", "MAX_FILES", "MAX_EOS_IDS", "MAX_DRAFTS", "LIMITS", "MAX_TOKEN_ID", "MODEL_ROLES",
     "KV_LAYOUT", "KV_ROLES", "REQUIRED_INPUTS", "PACKED_ROLES", "TREE_ROLES", "IO_NAMES", "TEXT_TAGS",
 ]
@@ -26,7 +26,12 @@ __all__ = [
 SCHEMA_VERSION = 1
 
 MANIFEST = "manifest.json"  # written last: a folder without it is incomplete
-STAMP = ".specdec-verified.json"  # the runtime's record of verified sha256: [size, mtime_ns, sha256] per file
+STAMP = ".specdec-verified.json"  # the runtime's record of verified sha256: [*STAMP_STAT, sha256] per file
+# The os.stat fields a STAMP entry records before the file's sha256; a file whose fields differ is
+# hashed again. The inode's change time is the kernel's clock at the file's last change, its
+# mtime's restoring (os.utime) included, and no user can set it back; the inode number changes
+# when the file is replaced. So a file changed, then given its old size and mtime, is rehashed.
+STAMP_STAT = ("st_size", "st_mtime_ns", "st_ctime_ns", "st_ino")
 
 # The largest legitimate manifest is its chat template plus a few kB: the rest (architecture,
 # ONNX names, a files table of about six entries, drafts, the build and validation records) is

@@ -7,8 +7,9 @@ A model folder is untrusted input (docs/security.md): every path the manifest na
 inside the folder (symlinks included), every number is bounded before it sizes anything, the KV
 name templates may use only ``{layer}``, and anything malformed is a ``ModelLoadError`` that
 reveals nothing about files outside the folder. The sha256 of every listed file is verified once
-per folder: a stamp file (``.specdec-verified.json``: size, mtime and sha256 per file) records a
-successful check, and a file whose size or mtime changed is hashed again.
+per folder: a stamp file (``.specdec-verified.json``: size, mtime, inode change time, inode
+number and sha256 per file) records a successful check, and a file any of whose recorded fields
+changed is hashed again (a change with the old mtime restored too: the change time moves).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 from ..errors import ModelLoadError, ModelNotBuiltError
 from ..manifest_schema import (KV_LAYOUT, KV_ROLES, LIMITS, MANIFEST, MAX_DRAFTS, MAX_EOS_IDS, MAX_FILES,
                                MAX_MANIFEST_BYTES, MAX_NAME_CHARS, MAX_PATH_CHARS, MAX_TEMPLATE_CHARS, MAX_TOKEN_ID,
-                               PACKED_ROLES, REQUIRED_INPUTS, SCHEMA_VERSION, STAMP, TREE_ROLES)
+                               PACKED_ROLES, REQUIRED_INPUTS, SCHEMA_VERSION, STAMP, STAMP_STAT, TREE_ROLES)
 
 __all__ = ["Manifest", "load_manifest", "check_manifest", "resolve_model_dir", "cache_root", "SCHEMA_VERSION",
            "STAMP", "LIMITS", "KV_ROLES", "PACKED_ROLES", "inside"]
@@ -149,7 +150,7 @@ def load_manifest(folder: str | os.PathLike, verify_hashes: bool | str = "once")
     named path inside the folder, files present with the recorded sizes and sha256.
 
     ``verify_hashes``: ``"once"`` (default) hashes each listed file unless the folder's stamp
-    says it was verified at its current size and mtime, then updates the stamp; ``"always"``
+    says it was verified as it is now (:data:`STAMP_STAT`), then updates the stamp; ``"always"``
     (or ``True``) ignores the stamp; ``"never"`` (or ``False``) checks sizes only."""
     folder = Path(folder)
     return check_manifest(folder, _read_json(folder / MANIFEST), verify_hashes)
@@ -385,14 +386,15 @@ def _read_stamp(folder: Path) -> dict:
 
 def _verify_hashes(folder: Path, checked: dict, manifest: Path, use_stamp: bool) -> None:
     """sha256 of every listed file that has one, skipping those the stamp records as verified
-    at their current (size, mtime_ns, sha256); a mismatch names the file. Writes the stamp."""
+    with their current ``[*STAMP_STAT, sha256]``; a mismatch names the file. Writes the stamp."""
     stamp = _read_stamp(folder) if use_stamp else {}
     record, changed = {}, False
-    for fname, (size, want) in checked.items():
+    for fname, (_, want) in checked.items():
         if want is None:
             continue
         p = folder / fname
-        key = [size, p.stat().st_mtime_ns, want]
+        st = p.stat()  # before hashing: a change while it is read moves the change time past this
+        key = [*(getattr(st, f) for f in STAMP_STAT), want]
         if stamp.get(fname) != key:
             got = _sha256(p)
             if got != want:

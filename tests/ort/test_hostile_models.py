@@ -18,6 +18,7 @@ import pytest
 from specdec_rt.ort.eagle import load_vocab_map
 from specdec_rt.errors import ModelLoadError
 from specdec_rt.ort import manifest as manifest_mod
+from specdec_rt.manifest_schema import STAMP_STAT
 from specdec_rt.ort.manifest import STAMP, load_manifest
 
 
@@ -257,6 +258,43 @@ def test_hashes_are_verified_once_per_folder(model, monkeypatch):
     assert len(hashed) == len(model["man"]["files"])
 
 
+def test_a_same_size_change_with_its_mtime_restored_is_found(model):
+    """Was: the stamp keyed a file by [size, mtime_ns, sha256], so bytes changed in place (the
+    same size, the same inode) with the old mtime put back by os.utime loaded unverified. The
+    inode's change time, which the kernel sets at every change and no user can set back, is
+    part of the key now."""
+    folder = model["folder"]
+    load_manifest(folder)  # verified: the stamp records every file as it is now
+    data = folder / "model.onnx.data"
+    before = data.stat()
+    time.sleep(0.05)  # (file times come from a coarse clock: a tick of a few ms)
+    with data.open("r+b") as f:  # in place: the same inode and size
+        f.seek(100)
+        byte = f.read(1)[0]
+        f.seek(100)
+        f.write(bytes([byte ^ 1]))
+    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = data.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+    assert after.st_ctime_ns != before.st_ctime_ns
+    _fails(folder, "model.onnx.data", "sha256", "does not match")
+
+
+def test_a_file_replaced_by_another_with_its_size_and_mtime_is_found(model):
+    """The same bytes changed in a copy renamed over the file, with the old mtime: a new inode."""
+    folder = model["folder"]
+    load_manifest(folder)
+    data = folder / "model.onnx.data"
+    before = data.stat()
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 1
+    (folder / "swap").write_bytes(bytes(raw))
+    os.utime(folder / "swap", ns=(before.st_atime_ns, before.st_mtime_ns))
+    os.replace(folder / "swap", data)
+    assert (data.stat().st_size, data.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    _fails(folder, "model.onnx.data", "sha256", "does not match")
+
+
 def test_a_forged_stamp_does_not_hide_a_size_change(model):
     folder = model["folder"]
     with (folder / "model.onnx.data").open("ab") as f:
@@ -313,7 +351,8 @@ def test_export_writes_the_stamp(tiny_llama):
     stamp = json.loads((tiny_llama / STAMP).read_text())["files"]
     man = json.loads((tiny_llama / "manifest.json").read_text())
     assert set(stamp) == set(man["files"])
-    assert all(stamp[k][2] == man["files"][k]["sha256"] for k in stamp)
+    assert all(stamp[k][-1] == man["files"][k]["sha256"] for k in stamp)
+    assert all(len(stamp[k]) == len(STAMP_STAT) + 1 for k in stamp)  # [*STAMP_STAT, sha256]
 
 
 def test_an_oversized_tokenizer_is_refused_before_it_is_parsed(model, monkeypatch):
