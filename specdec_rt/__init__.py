@@ -8,6 +8,7 @@ from .policy.acceptance import SpecConfig
 from .spec.adapters import ModelDrafter, ModelVerifier
 from .spec.context import RequestContext
 from .errors import (
+    ConsumerTimeoutError,
     ContextLengthError,
     EngineClosedError,
     InferenceError,
@@ -69,5 +70,6 @@ __all__ = [
     "ModelLoadError",
     "ModelNotBuiltError",
     "InferenceError",
+    "ConsumerTimeoutError",
     "EngineClosedError",
 ]

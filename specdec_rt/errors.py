@@ -12,6 +12,7 @@ Families::
     ├── ModelLoadError                        missing files, a manifest that does not match its model
     │   └── ModelNotBuiltError                a recipe name whose artifacts are not built yet
     ├── InferenceError                        a model call failed in the middle of a request
+    ├── ConsumerTimeoutError                  a request's consumer took no event for consumer_timeout s
     └── EngineClosedError                     a call on a closed engine
 """
 
@@ -24,6 +25,7 @@ __all__ = [
     "ModelLoadError",
     "ModelNotBuiltError",
     "InferenceError",
+    "ConsumerTimeoutError",
     "EngineClosedError",
 ]
 
@@ -55,6 +57,16 @@ class ModelNotBuiltError(ModelLoadError):
 
 class InferenceError(SpecDecError):
     """A backend call failed in the middle of a request. The request is over; the engine is not."""
+
+
+class ConsumerTimeoutError(SpecDecError):
+    """A request ended because its consumer took none of its waiting events for ``timeout``
+    seconds (the engine's ``consumer_timeout``): a stream kept but no longer read. Its KV slot
+    was freed when it ended; the engine is fine."""
+
+    def __init__(self, message: str, timeout: float | None = None) -> None:
+        super().__init__(message)
+        self.timeout = timeout
 
 
 class EngineClosedError(SpecDecError):

@@ -24,7 +24,7 @@ from ..sampling.constraints import GrammarFactory, MinTokens
 from ..sampling.logprobs import TokenLogprob
 from .factory import build_parts
 from .stream import EngineResult, EngineStream, StreamEvent, _Ready
-from ..errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
+from ..errors import ConsumerTimeoutError, ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..kvcache.prefix import DEFAULT_BUDGET_BYTES, PrefixCache
 from ..sampling.prompt_logprobs import prompt_logprobs as prompt_logprobs_of
 from ..spec.adapters import ModelVerifier
@@ -32,7 +32,7 @@ from ..spec.protocols import BatchCosts, DraftInferrer, LanguageModel, TargetVer
 from ..spec.request_checks import MAX_STOP_STRINGS  # noqa: F401 - re-exported (the stop-string limit)
 from ..spec.request_checks import (RequestShape, check_load_args, check_prompt_size, cut_at_stop, stop_prefix_len,
                                    token_id_prompt, tool_shape)
-from ..checks import brief_repr, check_bool, check_int
+from ..checks import brief_repr, check_bool, check_int, check_number
 from ..spec.params import RequestParams
 from ..spec.scheduler import SpecDecScheduler
 from ..text.codec import TextCodec
@@ -48,6 +48,8 @@ DEFAULT_SLOTS = 8  # requests batched at once; a slot's KV memory is committed o
 MAX_SLOTS = 256
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # about 250k tokens: more than any context here holds
 STREAM_BUFFER = 4  # events a request may run ahead of its consumer before it waits
+#: seconds a request waits for its consumer to take an event (its buffer full) before it ends
+DEFAULT_CONSUMER_TIMEOUT = 30.0
 
 
 class Engine:
@@ -64,13 +66,21 @@ class Engine:
     ``stream``, dropping or ``aclose()``-ing the stream) takes effect at once for the caller; its
     model state is released on the next event-loop pass (a model call already running finishes
     first and its result is dropped), without waiting for a garbage collection.
+
+    A stream that is kept but not read (``async for ... : break`` while a variable still holds
+    it, a consumer that stops reading) holds its slot for ``consumer_timeout`` seconds at most:
+    once the request has :data:`STREAM_BUFFER` events waiting and the consumer takes none of
+    them for that long, the request ends, its slot goes to the next request at once, and the
+    stream raises :class:`~specdec_rt.errors.ConsumerTimeoutError` after the events already
+    waiting. The clock runs only while events wait, so a request waiting for a slot or for a
+    slow model is never cut; a consumer is cut only if it takes no event for that long.
     """
 
     def __init__(self, target: LanguageModel, drafter: DraftInferrer | None, codec: TextCodec,
                  config: SpecConfig | None = None, *, slots: int = DEFAULT_SLOTS, draft_name: str | None = None,
                  verifier: TargetVerifier | None = None, executor: BatchExecutor | None = None,
                  models: Sequence[LanguageModel] = (), eos_ids: Iterable[int] = (), name: str | None = None,
-                 manifest: Any = None) -> None:
+                 manifest: Any = None, consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT) -> None:
         """An engine over models built already (:meth:`load` builds them from an export folder).
 
         Any backend that implements :class:`~specdec_rt.spec.protocols.LanguageModel` runs here:
@@ -80,7 +90,11 @@ class Engine:
         batches their calls (``None``: a loop of its own, and models that run their calls
         themselves); ``models``: every model to close with the engine, the target first (default:
         the target); ``eos_ids``: ids that end a request; ``name``: the model's name in replies;
-        ``manifest``: the export's manifest, kept for callers that show it."""
+        ``manifest``: the export's manifest, kept for callers that show it;
+        ``consumer_timeout``: seconds a request waits for its consumer to take an event before it
+        ends with :class:`~specdec_rt.errors.ConsumerTimeoutError` (see above; ``None`` or ``0``:
+        never, a stream nobody reads then holds its slot until it is closed or dropped)."""
+        consumer_timeout = check_number(consumer_timeout, "consumer_timeout", 0, optional=True) or None
         eos_ids = tuple(int(t) for t in eos_ids)
         check_implements(target, LanguageModel, "target")
         if drafter is not None:
@@ -106,6 +120,8 @@ class Engine:
         self.running: int = 0  #: requests holding a slot
         self.waiting = 0  #: requests waiting for a slot
         self.max_prompt_chars = DEFAULT_MAX_PROMPT_CHARS  #: longer prompts are refused before encoding
+        #: seconds a request waits for its consumer to take an event (None: no limit)
+        self.consumer_timeout: float | None = consumer_timeout
         #: per-request constraints of ``response_format`` (its tokenizer table built on first use)
         self.grammars = GrammarFactory(codec.token_bytes, codec.is_special,
                                        lambda text: codec.tokenizer.encode(text, add_special_tokens=False).ids,
@@ -133,7 +149,7 @@ class Engine:
                    max_length: int | None = None, threads: int | None = None, provider: str = "auto",
                    slots: int = DEFAULT_SLOTS, spec_config: SpecConfig | None = None,
                    prefix_cache: bool = True, prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
-                   warmup: bool = True) -> "Engine":
+                   warmup: bool = True, consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT) -> "Engine":
         """Load a built recipe (``"smollm2-135m"``) or an export folder.
 
         ``draft``: ``None`` for the default (``DEFAULT_DRAFT``: n-gram lookup, else the manifest's
@@ -146,11 +162,15 @@ class Engine:
         requests from the longest cached prefix (:mod:`specdec_rt.kvcache.prefix`; CPU), in at most
         ``prefix_cache_bytes`` of KV memory over all models (least recently used entries go first).
         ``warmup``: run :meth:`warm_up` before returning (about a second on the default model).
+        ``consumer_timeout``: seconds (default 30) a request whose consumer takes none of its
+        waiting events may wait before it ends with
+        :class:`~specdec_rt.errors.ConsumerTimeoutError` and frees its slot (``None`` or ``0``:
+        no limit; see :class:`Engine`).
         """
         check_bool(warmup, "warmup")
         engine = await anyio.to_thread.run_sync(
             lambda: cls._load(name_or_path, draft, max_length, threads, provider, slots, spec_config,
-                              prefix_cache, prefix_cache_bytes))
+                              prefix_cache, prefix_cache_bytes, consumer_timeout))
         if warmup:
             try:
                 await engine.warm_up()
@@ -166,16 +186,18 @@ class Engine:
 
     @classmethod
     def _load(cls, name_or_path, draft, max_length, threads, provider, slots, spec_config,
-              prefix_cache=True, prefix_cache_bytes=DEFAULT_BUDGET_BYTES) -> "Engine":
+              prefix_cache=True, prefix_cache_bytes=DEFAULT_BUDGET_BYTES,
+              consumer_timeout=DEFAULT_CONSUMER_TIMEOUT) -> "Engine":
         check_load_args(name_or_path, draft, max_length, threads, spec_config)
         check_int(slots, "slots", 1, MAX_SLOTS, numpy=False)
         check_bool(prefix_cache, "prefix_cache")
+        check_number(consumer_timeout, "consumer_timeout", 0, optional=True)  # before any model is built
         check_int(prefix_cache_bytes, "prefix_cache_bytes", 0, numpy=False)
         parts = build_parts(name_or_path, draft, max_length=max_length, threads=threads, provider=provider,
                             slots=slots, prefix_cache_bytes=prefix_cache_bytes if prefix_cache else 0)
         return cls(parts.target, parts.drafter, parts.codec, spec_config, slots=slots, draft_name=parts.draft_name,
                    verifier=parts.verifier, executor=parts.executor, models=parts.models,
-                   eos_ids=parts.manifest.eos_ids, manifest=parts.manifest)
+                   eos_ids=parts.manifest.eos_ids, manifest=parts.manifest, consumer_timeout=consumer_timeout)
 
     # ------------------------------------------------------------------ generation
     async def generate(self, prompt: Prompt, params: RequestParams | int | None = None,
@@ -314,7 +336,8 @@ class Engine:
                 try:
                     if shape.prompt_top is not None:  # the prompt's own tokens first, in the request's slot
                         scored = await prompt_logprobs_of(self.target, np.asarray(ids), shape.prompt_top)
-                        await send.send(StreamEvent("", (), prompt_token_ids=tuple(ids), prompt_logprobs=tuple(scored)))
+                        await self._hand_over(send, StreamEvent("", (), prompt_token_ids=tuple(ids),
+                                                                prompt_logprobs=tuple(scored)))
                     async for ev in request:
                         ids, finished = ev.token_ids, ev.finished
                         if stops:  # token by token, as a plain step would see them (see cut_at_stop)
@@ -330,8 +353,8 @@ class Engine:
                         lps = ev.logprobs[: len(ids)] if ev.logprobs is not None else None
                         if finished and shape.prompt_top is not None:  # its own scoring pass computed the
                             request.stats.cached_prompt_tokens = 0     # prompt: nothing came from earlier ones
-                        await send.send(StreamEvent(text[shown:upto], tuple(ids), finished,
-                                                    request.stats if finished else None, lps))
+                        await self._hand_over(send, StreamEvent(text[shown:upto], tuple(ids), finished,
+                                                                request.stats if finished else None, lps))
                         shown = max(shown, upto)
                         if cut is not None:
                             break
@@ -341,9 +364,25 @@ class Engine:
                     self._slots.release()
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass  # the consumer went away: nothing to tell
+            except ConsumerTimeoutError as exc:  # no room to queue it: raised after the waiting events
+                ready.ended = exc
             except Exception as exc:  # noqa: BLE001 - handed to the consumer
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                     await send.send(exc)
+
+    async def _hand_over(self, send, event: StreamEvent) -> None:
+        """Queue ``event`` for the consumer; when :data:`STREAM_BUFFER` events wait already,
+        wait at most ``consumer_timeout`` seconds for it to take one, then end the request."""
+        timeout = self.consumer_timeout
+        if timeout is None:
+            await send.send(event)
+            return
+        with anyio.move_on_after(timeout):
+            await send.send(event)
+            return
+        raise ConsumerTimeoutError(f"the request ended: its consumer took no event for {timeout:g} s "
+                                   f"(consumer_timeout={timeout:g}) and its KV slot was freed; read the stream "
+                                   "to its end, or close it (aclose(), async with) when done with it", timeout)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token id stands for (its text may be part of a UTF-8 character; a

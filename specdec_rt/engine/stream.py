@@ -58,8 +58,11 @@ class StreamEvent:
 class EngineStream:
     """One request's :class:`StreamEvent` iterator. The request runs in its own task; closing
     this (``aclose()``, ``async with``, or dropping the last reference, e.g. ``break`` out of
-    ``async for``) cancels it and frees its slots on the next event-loop pass. ``params``: the
-    request's checked :class:`~specdec_rt.spec.params.RequestParams`."""
+    ``async for``) cancels it and frees its slots on the next event-loop pass. A stream kept but
+    not read ends its request after the engine's ``consumer_timeout`` (see
+    :class:`~specdec_rt.engine.engine.Engine`): its waiting events can still be taken, then it
+    raises :class:`~specdec_rt.errors.ConsumerTimeoutError`. ``params``: the request's checked
+    :class:`~specdec_rt.spec.params.RequestParams`."""
 
     def __init__(self, receive, engine, params=None) -> None:  # engine: the Engine it belongs to
         self._receive, self._engine, self.params = receive, engine, params
@@ -87,6 +90,8 @@ class EngineStream:
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             if self._finalizer.alive and self._engine._closed and self._task.cancelled():
                 raise EngineClosedError("the engine was closed while this request ran") from None
+            if self._ready.ended is not None and self._finalizer is not None and self._finalizer.alive:
+                raise self._ready.ended from None  # its consumer took no event for consumer_timeout s
             raise StopAsyncIteration from None
         if isinstance(item, BaseException):
             raise item
@@ -105,11 +110,14 @@ class EngineStream:
 
 
 class _Ready:
-    """Set once a request's prompt was checked: with None, or with the error it raised."""
+    """Set once a request's prompt was checked: with None, or with the error it raised. Also
+    holds ``ended``: the error that ended the request when its consumer stopped taking events
+    (none could be queued then), raised once the events before it are taken."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
         self._error: Exception | None = None
+        self.ended: Exception | None = None
 
     def set(self, error: Exception | None) -> None:
         self._error = error
