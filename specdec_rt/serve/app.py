@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..engine.engine import DEFAULT_CONSUMER_TIMEOUT
 from .guard import Access, access_middleware
 from .jobs import completions, error_response
 from .protocol import APIError, error_body
@@ -31,7 +32,8 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
                model_name: str | None = None, request_timeout: float | None = 600.0,
                max_body_bytes: int = 1 << 20, default_max_tokens: int = 256, retry_after: int = 1,
                wait_for_load: bool = False, drain_timeout: float | None = None, api_keys: Sequence[str] = (),
-               allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] = ()) -> Starlette:
+               allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] = (),
+               consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT) -> Starlette:
     """The ASGI app.
 
     ``engine_or_loader``: a loaded :class:`~specdec_rt.Engine` (the app is ready at once and
@@ -47,6 +49,10 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
     route to an app only after its startup, such as a Ray Serve replica). ``drain_timeout``:
     seconds admitted requests get once draining began; those still running then end with a 503
     ``draining`` error (a stream: one error event) instead of being cut off (``None``: no limit).
+    ``consumer_timeout``: seconds a streamed response may wait for its client to take a chunk
+    (default 30): past that the request ends and frees its slot at once, and the client's
+    stream ends (with an error event if the connection still takes one); ``None`` or ``0``: no
+    limit. Give a loaded engine the same (its own ``consumer_timeout``; the CLI does).
 
     Access (:mod:`specdec_rt.serve.guard`): ``api_keys``: every route but ``/health`` needs
     ``Authorization: Bearer <one of them>`` (401 otherwise; none: no key needed).
@@ -62,7 +68,7 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
     serving = Serving(engine_or_loader, slots=slots, max_queued=max_queued, model_name=model_name,
                       request_timeout=request_timeout, max_body_bytes=max_body_bytes,
                       default_max_tokens=default_max_tokens, retry_after=retry_after,
-                      drain_timeout=drain_timeout)
+                      drain_timeout=drain_timeout, consumer_timeout=consumer_timeout)
     created = int(time.time())
 
     async def chat(request: Request) -> Any:

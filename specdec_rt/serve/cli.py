@@ -39,6 +39,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=_seconds, default=30.0,
                    help="on SIGTERM, seconds to let admitted requests finish; those left then get a 503 "
                         "(a stream: an error event) (default 30)")
+    p.add_argument("--consumer-timeout", type=_seconds, default=30.0,
+                   help="seconds a streamed response may wait for its client to take a chunk (and a request "
+                        "for its reader); past that it ends and frees its slot (default 30; 0: none)")
     p.add_argument("--default-max-tokens", type=_positive, default=256,
                    help="max_tokens when a request sets none (default 256)")
     p.add_argument("--served-model-name", default=None,
@@ -208,12 +211,14 @@ def run_serve(args) -> int:
     async def load() -> Engine:
         return await Engine.load(folder, draft=args.draft, threads=args.threads, max_length=args.max_length,
                                  provider=args.provider, slots=args.slots, prefix_cache=args.prefix_cache,
-                                 prefix_cache_bytes=args.prefix_cache_bytes)
+                                 prefix_cache_bytes=args.prefix_cache_bytes,
+                                 consumer_timeout=args.consumer_timeout or None)
 
     logging.getLogger("specdec_rt.serve").setLevel(logging.INFO)  # one event per request on stderr
     app = create_app(load, slots=args.slots, max_queued=args.max_queued, model_name=name,
                      request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes,
                      default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
+                     consumer_timeout=args.consumer_timeout or None,
                      api_keys=access.api_keys, allowed_hosts=access.allowed_hosts,
                      allowed_origins=access.allowed_origins)
     limits = ConnectionLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
@@ -309,6 +314,7 @@ def run_ray_serve(args, access) -> int:
                       prefix_cache_bytes=args.prefix_cache_bytes, threads=args.threads,
                       model_name=args.served_model_name or Path(str(args.model)).name,
                       replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
+                      consumer_timeout=args.consumer_timeout or None,
                       api_keys=access.api_keys, allowed_hosts=access.allowed_hosts,
                       allowed_origins=access.allowed_origins)
     _say_access(access)

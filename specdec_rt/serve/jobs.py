@@ -3,11 +3,14 @@ client disconnects, metrics and the per-request log event.
 
 The engine stream is always closed (``aclose``, shielded from cancellation) when the response
 ends, however it ends, so the request's KV slots are released at once; a client that disconnects
-cancels its generation (streaming or not) without waiting for the next token to be sent.
+cancels its generation (streaming or not) without waiting for the next token to be sent. A
+streamed response whose client takes no chunk for ``consumer_timeout`` seconds (it stopped
+reading, and the connection's buffers are full) ends the same way: its slots are freed at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from time import perf_counter
 from typing import Any
@@ -18,7 +21,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from ..errors import ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
+from ..errors import ConsumerTimeoutError, ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..logs import get_logger
 from .protocol import APIError, GenParams, Kind, engine_error, parse_request
 from .replies import LogprobsFormat, Reply, call_filter, calls_in, sse
@@ -27,6 +30,7 @@ from .state import Serving
 __all__ = ["completions", "error_response"]
 
 log = get_logger("specdec_rt.serve")
+CUT_GRACE_S = 1.0  # a stalled stream's error event: how long the connection may take to accept it
 REJECT_REASONS = {400: "invalid", 413: "too_large", 415: "media_type", 429: "overloaded"}
 
 
@@ -156,7 +160,8 @@ class Job:
         self.finish: list[str | None] = [None] * n  # ... its finish reason
         self.first_at: float | None = None
         self.last_at: list[float | None] = [None] * n
-        self.outcome: str | None = None  # cancelled | timeout | error | shutdown, when it did not finish
+        # cancelled | timeout | consumer_timeout | error | shutdown, when it did not finish
+        self.outcome: str | None = None
         self.done = False  # the response is complete: a disconnect now is not a cancel
         self.closed = False
         self.expired = False  # the server's drain deadline passed (expire)
@@ -218,6 +223,9 @@ class Job:
             self.outcome = "timeout"
             raise APIError(504, f"the request took longer than {self.serving.request_timeout:g} s",
                            type="timeout", code="request_timeout") from None
+        except ConsumerTimeoutError as exc:  # the engine's own limit: this server took no event for that long
+            self.outcome = "consumer_timeout"
+            raise APIError(408, str(exc), type="timeout", code="consumer_timeout") from None
         except EngineClosedError as exc:
             self.outcome = "error"
             raise APIError(503, str(exc), type="service_unavailable", code="draining") from None
@@ -348,7 +356,9 @@ class Job:
 class EventStream:
     """The streamed response (server-sent events), an ASGI app: one chunk per engine event with
     text, exactly one chunk with a ``finish_reason``, the usage chunk if asked, ``data: [DONE]``.
-    An error after the stream started is one ``data: {"error": ...}`` event, then the end."""
+    An error after the stream started is one ``data: {"error": ...}`` event, then the end. A
+    client that takes no chunk for the server's ``consumer_timeout`` seconds is cut off
+    (:meth:`_cut`)."""
 
     headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
@@ -365,7 +375,10 @@ class EventStream:
 
                 async def send_or_cancel(message: dict) -> None:
                     try:
-                        await send(message)
+                        with anyio.fail_after(job.serving.consumer_timeout):  # None: no limit
+                            await send(message)
+                    except TimeoutError:
+                        await self._cut(send, tg.cancel_scope, started=message["type"] != "http.response.start")
                     except OSError:  # a server that reports the vanished client by raising
                         job.outcome = job.outcome or "cancelled"
                         tg.cancel_scope.cancel()
@@ -379,6 +392,25 @@ class EventStream:
                 tg.cancel_scope.cancel()
         finally:
             await job.close()
+
+    async def _cut(self, send, scope: anyio.CancelScope, started: bool = True) -> None:
+        """The client took no chunk for ``consumer_timeout`` seconds (it stopped reading, and the
+        connection's buffers are full): end the request and free its slots at once, then send
+        an error event and the end of the stream if the connection takes them within
+        :data:`CUT_GRACE_S` (a client that stopped reading does not; the server then closes the
+        connection once the app returns, so the client sees its stream end without ``[DONE]``)."""
+        job = self.job
+        job.outcome = job.outcome or "consumer_timeout"
+        await job.close()  # frees the slots now; the finally's close is then a no-op
+        timeout = job.serving.consumer_timeout or 0
+        err = APIError(408, f"the client took no streamed chunk for {timeout:g} s (the server's consumer_timeout); "
+                            "the request ended", type="timeout", code="consumer_timeout")
+        if started:  # (else the headers were never taken: nothing can follow them)
+            with anyio.move_on_after(CUT_GRACE_S), contextlib.suppress(OSError):
+                await send({"type": "http.response.body", "body": sse(err.body()), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        scope.cancel()
+        await anyio.lowlevel.checkpoint()  # raises the cancellation
 
     async def _events(self, send) -> list[bytes]:
         """Send the chunks as the engine produces them; returns what closes the stream."""

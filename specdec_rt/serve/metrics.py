@@ -21,10 +21,11 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
 
 class Metrics:
-    """The server's metrics. ``running`` / ``waiting`` are read when scraped."""
+    """The server's metrics. ``running`` / ``waiting`` / ``slots_free`` are read when scraped."""
 
     def __init__(self, running: Callable[[], float], waiting: Callable[[], float],
-                 cache_bytes: Callable[[], float] = lambda: 0.0) -> None:
+                 cache_bytes: Callable[[], float] = lambda: 0.0,
+                 slots_free: Callable[[], float] = lambda: 0.0) -> None:
         self.registry = r = CollectorRegistry()
         self.running = Gauge("specdec_requests_running", "Requests generating (holding an engine slot)",
                              registry=r)
@@ -32,6 +33,9 @@ class Metrics:
         self.waiting = Gauge("specdec_requests_waiting", "Admitted requests waiting for an engine slot",
                              registry=r)
         self.waiting.set_function(waiting)
+        self.slots_free = Gauge("specdec_kv_slots_free",
+                                "The engine's KV slots free now (slots minus requests holding one)", registry=r)
+        self.slots_free.set_function(slots_free)
         self.generation_tokens = Counter("specdec_generation_tokens", "Generated tokens", registry=r)
         self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.drafts = Counter("specdec_spec_decode_num_drafts",
@@ -66,7 +70,7 @@ class Metrics:
         for reason in ("invalid", "too_large", "media_type", "overloaded", "loading", "draining", "auth", "host",
                        "origin"):
             self.rejected.labels(reason)
-        for reason in ("cancelled", "timeout", "error", "shutdown"):
+        for reason in ("cancelled", "timeout", "consumer_timeout", "error", "shutdown"):
             self.aborted.labels(reason)
 
     def observe_batch(self, rows: int) -> None:

@@ -64,6 +64,7 @@ class RayOptions:
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # never in a log line
     allowed_hosts: tuple[str, ...] | None = None
     allowed_origins: tuple[str, ...] = ()
+    consumer_timeout: float | None = 30.0  # as for create_app and Engine.load
 
     def __post_init__(self) -> None:
         if self.replicas != "auto" and (not isinstance(self.replicas, int) or self.replicas < 1):
@@ -101,14 +102,14 @@ def _replica_app(opts: RayOptions):
         use_global_thread_pool(threads)  # the replica's process is ours: one pool for all its models
         return await Engine.load(opts.model, draft=opts.draft, threads=threads, max_length=opts.max_length,
                                  provider=opts.provider, slots=opts.slots, prefix_cache=opts.prefix_cache,
-                                 prefix_cache_bytes=opts.prefix_cache_bytes)
+                                 prefix_cache_bytes=opts.prefix_cache_bytes, consumer_timeout=opts.consumer_timeout)
 
     name = opts.model_name or os.path.basename(str(opts.model).rstrip("/"))
     app = create_app(load, slots=opts.slots, max_queued=opts.max_queued, model_name=name,
                      request_timeout=opts.request_timeout, max_body_bytes=opts.max_body_bytes,
                      default_max_tokens=opts.default_max_tokens, wait_for_load=True,
                      api_keys=opts.api_keys or keys_from_env(), allowed_hosts=opts.allowed_hosts,
-                     allowed_origins=opts.allowed_origins)
+                     allowed_origins=opts.allowed_origins, consumer_timeout=opts.consumer_timeout)
     app.add_middleware(_ReplicaHeader, replica=_replica_id())
     return app
 

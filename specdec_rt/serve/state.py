@@ -30,16 +30,19 @@ class Serving:
 
     def __init__(self, engine_or_loader: Any, *, slots: int, max_queued: int, model_name: str | None,
                  request_timeout: float | None, max_body_bytes: int, default_max_tokens: int,
-                 retry_after: int = 1, drain_timeout: float | None = None) -> None:
+                 retry_after: int = 1, drain_timeout: float | None = None,
+                 consumer_timeout: float | None = None) -> None:
         if slots < 1 or max_queued < 0:
             raise ValueError(f"slots must be >= 1 and max_queued >= 0, got {slots} and {max_queued}")
-        for name, seconds in (("request_timeout", request_timeout), ("drain_timeout", drain_timeout)):
+        for name, seconds in (("request_timeout", request_timeout), ("drain_timeout", drain_timeout),
+                              ("consumer_timeout", consumer_timeout)):
             if seconds is not None and not (isinstance(seconds, (int, float)) and 0 <= seconds < math.inf):
                 raise ValueError(f"{name} must be None or a finite number of seconds >= 0, got {seconds!r}")
         self.slots, self.max_queued = slots, max_queued
         self.request_timeout, self.max_body_bytes = request_timeout, max_body_bytes
         self.default_max_tokens, self.retry_after = default_max_tokens, retry_after
         self.drain_timeout = drain_timeout
+        self.consumer_timeout = consumer_timeout or None  # a streamed chunk the client does not take
         self.admitted = 0
         self.jobs: set[Any] = set()  # the admitted requests' Jobs, ended with a 503 past the drain deadline
         self._draining: anyio.Event | None = None  # made by end_jobs_after_drain, on the loop
@@ -48,7 +51,7 @@ class Serving:
         self.loader: Callable[[], Awaitable[Any]] | None = None
         self.state: State = "loading"
         self.on_load_error: Callable[[BaseException], None] | None = None  # the CLI exits on it
-        self.metrics = Metrics(self._running, self._waiting, self._cache_bytes)
+        self.metrics = Metrics(self._running, self._waiting, self._cache_bytes, self._slots_free)
         self._listening: list | None = None
         if callable(getattr(engine_or_loader, "stream", None)):
             self._attach(engine_or_loader)
@@ -156,6 +159,13 @@ class Serving:
     def _running(self) -> float:
         n = getattr(self.engine, "running", None)
         return n if isinstance(n, int) else min(self.admitted, self.slots)
+
+    def _slots_free(self) -> float:
+        """The engine's slots minus the requests holding one (an engine without ``slots`` /
+        ``running``: the server's own count of them)."""
+        slots = getattr(self.engine, "slots", None)
+        slots = slots if isinstance(slots, int) else self.slots
+        return max(0, slots - self._running())
 
     def _cache_bytes(self) -> float:
         info = getattr(self.engine, "prefix_cache", None)
