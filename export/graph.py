@@ -1,4 +1,5 @@
-"""Emit a compact, fused ONNX graph for a Llama/Mistral/Qwen2 decoder straight from its weights.
+"""Emit a compact, fused ONNX graph for a Llama-style decoder (Llama, Mistral, Qwen2, Qwen3,
+Phi-3, SmolLM3; ``export.model_spec``) straight from its weights.
 
 The graph is what onnxruntime-genai's model builder would write, ~12 nodes a layer:
 
@@ -14,6 +15,13 @@ The graph is what onnxruntime-genai's model builder would write, ~12 nodes a lay
       mlp_out = MatMul(SiLU(MatMul(h, W_gate)) * MatMul(h, W_up), W_down)
     hidden_states = SkipSimplifiedLayerNormalization(mlp_out, res, final_norm)   # [1, N, H]
     logits = MatMul(Gather(hidden_states, logits_index, axis=1), W_head)         # [1, R, V]
+
+**Families** (read from transformers' modelling code): Qwen3 norms each query and key head
+(RMSNorm, before rotary: ``Split`` / per-head ``SimplifiedLayerNormalization`` / ``Concat`` after
+the qkv MatMul); Phi-3 fuses qkv and gate/up (``layout.split_fused`` reads them as the graph's
+q/k/v and gate/up) and may rotate only the first part of each head (``partial_rotary_factor``:
+GroupQueryAttention's rotary turns the first ``2 * cos_cache`` columns and passes the rest);
+SmolLM3 has layers without rotary (``do_rotary=0``, no tables).
 
 **Packed positions.** The new positions of all the rows of a call (B requests, N positions in
 all) come as one row: the MatMuls, which are nearly all the work, run on the N real positions;
@@ -42,7 +50,7 @@ from specdec_rt.manifest_schema import IO_NAMES, PACKED_ROLES, TREE_ROLES  # the
 
 from .errors import UnsupportedModelError
 from .grid import find_grid
-from .layout import check_weights, pad_heads
+from .layout import check_weights, pad_heads, rotary_width, split_fused
 from .model_spec import ModelSpec
 from .quant import QuantSpec, quantize
 from .weights import ExternalDataWriter
@@ -55,10 +63,13 @@ MS = "com.microsoft"
 
 
 def rotary_tables(model, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin float32 [max_positions, head_dim / 2] from the model's own rotary module.
+    """cos, sin float32 [max_positions, width / 2] from the model's own rotary module, ``width``
+    the graph's rotated dimensions of a head (all of it, or Phi-3's partial part: padded to
+    ``layout.rotary_width``).
 
     Calling the HF module covers every rope-scaling variant (llama3, yarn, dynamic at its
-    initial length) and its attention scaling. HF tables are `cat(f, f)` (non-interleaved).
+    initial length, LongRoPE's short factors) and its attention scaling. HF tables are
+    `cat(f, f)` (non-interleaved), over the rotated dimensions only.
     """
     import torch
 
@@ -67,10 +78,11 @@ def rotary_tables(model, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
         pos = torch.arange(spec.max_positions, dtype=torch.long)[None]  # [1, P]
         cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)  # [1, P, d] each
     cos, sin = cos[0].float().numpy(), sin[0].float().numpy()
-    half = spec.own_head_dim // 2
-    if cos.shape[-1] != spec.own_head_dim or not np.array_equal(cos[:, :half], cos[:, half:]):
-        raise UnsupportedModelError("unsupported rotary layout (partial or interleaved)")
-    pad = (spec.head_dim - spec.own_head_dim) // 2  # padded dimensions turn by angle 0
+    half = spec.rotary // 2
+    if cos.shape[-1] != spec.rotary or not np.array_equal(cos[:, :half], cos[:, half:]):
+        raise UnsupportedModelError(f"unsupported rotary layout (partial or interleaved): a table of "
+                                    f"{cos.shape[-1]} dimensions for {spec.rotary} rotated ones")
+    pad = rotary_width(spec.own_head_dim, spec.rotary) // 2 - half  # padded dimensions turn by angle 0
     cos = np.pad(cos[:, :half], ((0, 0), (0, pad)), constant_values=1.0)
     sin = np.pad(sin[:, :half], ((0, 0), (0, pad)), constant_values=0.0)
     return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
@@ -150,6 +162,21 @@ class _Graph:
         return self.node("Add", [out, self.init(f"{name}.bias", bias)], [f"{name}/biased"],
                          f"{name}/Add")[0]
 
+    def head_norm(self, x: str, heads: int, own: int, padded: int, rotary: int, w: np.ndarray,
+                  name: str) -> str:
+        """RMSNorm over each head of ``x`` ``[1, N, heads * own]`` (Qwen3's q_norm / k_norm),
+        as ``[1, N, heads * padded]`` in the layout of ``layout.pad_heads`` (the padding, a
+        MatMul by a 0/1 matrix: every output is one input times 1, exactly)."""
+        shape = self.init(f"{name}/head_shape", np.array([0, 0, heads, own], dtype=np.int64))
+        rows = self.node("Reshape", [x, shape], [f"{name}/heads"], f"{name}/Heads")[0]
+        out, _ = self.rms_norm(rows, None, w, name)
+        if padded != own:
+            scatter = pad_heads(np.eye(own, dtype=np.float32), 1, own, padded, rotary)  # [own, padded]
+            out = self.node("MatMul", [out, self.init(f"{name}/pad", scatter)], [f"{name}/padded"],
+                            f"{name}/Pad")[0]
+        flat = self.init(f"{name}/flat_shape", np.array([0, 0, heads * padded], dtype=np.int64))
+        return self.node("Reshape", [out, flat], [f"{name}/flat"], f"{name}/Flat")[0]
+
     def block_sums(self, x: str, k: int, bs: int) -> str:
         """``x [1, N, K]`` summed over each block of ``bs`` along K: ``[1, N, K / bs]`` (once per
         input and block size)."""
@@ -185,12 +212,12 @@ def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = 
                on_layer: Callable[[int], None] | None = None) -> dict:
     """Write `model.onnx` + `model.onnx.data` into `out_dir`; returns {"nodes": n, ...}.
 
-    `model` is a transformers `LlamaForCausalLM`/`Qwen2ForCausalLM` in float32. `on_layer(i)` is
-    called after each layer (progress bars).
+    `model` is a transformers causal LM of a supported family (``ModelSpec.family``) in
+    float32. `on_layer(i)` is called after each layer (progress bars).
     """
-    sd = model.state_dict()
+    sd = split_fused(model.state_dict(), spec)  # Phi-3's fused qkv / gate_up as the graph's
     check_weights(sd, spec)
-    d, kv, nh, own = spec.head_dim, spec.num_kv_heads, spec.num_heads, spec.own_head_dim
+    d, kv, nh, own, rot = spec.head_dim, spec.num_kv_heads, spec.num_heads, spec.own_head_dim, spec.rotary
     heads = {"q": nh, "k": kv, "v": kv}
     cos, sin = rotary_tables(model, spec)
     out_dir = Path(out_dir)
@@ -207,21 +234,27 @@ def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = 
             h, res = g.rms_norm(stream, res, _np(sd[p + "input_layernorm.weight"]),
                                 f"/layers.{i}/input_layernorm")
             att = p + "self_attn."
-            w_qkv = np.concatenate([pad_heads(_np(sd[att + f"{n}_proj.weight"]).T, heads[n], own, d)
+            # q and k unpadded where each head is normed first (Qwen3): the norm pads them
+            size = {n: own if spec.qk_norm and n != "v" else d for n in "qkv"}
+            w_qkv = np.concatenate([pad_heads(_np(sd[att + f"{n}_proj.weight"]).T, heads[n], own, size[n], rot)
                                     for n in "qkv"], axis=1)
             b_qkv = None
             if att + "q_proj.bias" in sd:
-                b_qkv = np.concatenate([pad_heads(_np(sd[att + f"{n}_proj.bias"]), heads[n], own, d)
+                b_qkv = np.concatenate([pad_heads(_np(sd[att + f"{n}_proj.bias"]), heads[n], own, size[n], rot)
                                         for n in "qkv"])
             qkv = g.linear(h, w_qkv, f"/layers.{i}/attn/qkv", b_qkv)  # [1, N, (nh + 2 kv) d]
             del w_qkv
-            a = g.node("GroupQueryAttention", gqa_inputs(g.unpack(qkv, f"/layers.{i}/attn"), i),
+            if spec.qk_norm:
+                qkv = _norm_heads(g, qkv, sd, att, spec, f"/layers.{i}/attn")
+            rotary = i not in spec.nope_layers  # SmolLM3: some layers have no rotary
+            a = g.node("GroupQueryAttention", gqa_inputs(g.unpack(qkv, f"/layers.{i}/attn"), i,
+                                                         rotary=rotary),
                        [f"/layers.{i}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
                        f"/layers.{i}/attn/GroupQueryAttention", domain=MS,
                        num_heads=nh, kv_num_heads=kv, scale=1.0 / math.sqrt(own),
-                       do_rotary=1, rotary_interleaved=0, local_window_size=-1)[0]
+                       do_rotary=int(rotary), rotary_interleaved=0, local_window_size=-1)[0]
             a = g.pack(a, f"/layers.{i}/attn")  # [1, N, nh d]
-            w_o = pad_heads(_np(sd[att + "o_proj.weight"]), nh, own, d).T  # [nh d, H]: zero rows for padding
+            w_o = pad_heads(_np(sd[att + "o_proj.weight"]), nh, own, d, rot).T  # [nh d, H]: zero rows for padding
             b_o = sd.get(att + "o_proj.bias")  # Llama with attention_bias=True
             o = g.linear(a, w_o, f"/layers.{i}/attn/o_proj", None if b_o is None else _np(b_o))
             h, res = g.rms_norm(o, res, _np(sd[p + "post_attention_layernorm.weight"]),
@@ -247,17 +280,30 @@ def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = 
     return save_graph(g, "decoder", inputs, outputs, out_dir / "model.onnx", "specdec-rt export")
 
 
-def gqa_inputs(qkv: str, layer: int, packed: bool = True) -> list[str]:
+def _norm_heads(g: _Graph, qkv: str, sd, att: str, spec: ModelSpec, name: str) -> str:
+    """Qwen3's RMSNorm of each query and key head (``q_norm``, ``k_norm``, before rotary) on the
+    fused projection ``[1, N, (nh + kv) own + kv d]``: split, normed and padded to the graph's
+    head size, joined again ``[1, N, (nh + 2 kv) d]``."""
+    own, d, nh, kv, rot = spec.own_head_dim, spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.rotary
+    sizes = g.init(f"{name}/qkv_split", np.array([nh * own, kv * own, kv * d], dtype=np.int64))
+    q, k, v = g.node("Split", [qkv, sizes], [f"{name}/q", f"{name}/k", f"{name}/v"], f"{name}/Split", axis=-1)
+    q = g.head_norm(q, nh, own, d, rot, _np(sd[att + "q_norm.weight"]), f"{name}/q_norm")
+    k = g.head_norm(k, kv, own, d, rot, _np(sd[att + "k_norm.weight"]), f"{name}/k_norm")
+    return g.node("Concat", [q, k, v], [f"{name}/qkv_normed"], f"{name}/Concat", axis=-1)[0]
+
+
+def gqa_inputs(qkv: str, layer: int, packed: bool = True, rotary: bool = True) -> list[str]:
     """GroupQueryAttention's inputs: QKV, the layer's KV, the sequence lengths, the rotary
-    tables, and for ``packed`` graphs: (10th, 11th) ``position_rows`` ``[B, S]`` and
+    tables (none for a layer without rotary, ``rotary=False``), and for ``packed`` graphs: (10th, 11th) ``position_rows`` ``[B, S]`` and
     ``attention_bias`` ``[1, 1, S, total]`` (a tree mask: each new position sees what the bias
     leaves at 0, besides causal order), and (17th) ``query_seqlens`` ``[B]``, the new positions
     of each row. With it ONNX Runtime's CPU kernel takes several rows of several new positions
     *with* a past in one call (rows right-padded; padding is neither attended to nor written to
     the cache; a row with 0 new positions is left untouched), which a batched verify needs;
     without it, only batch 1."""
+    tables = ["cos_cache", "sin_cache"] if rotary else ["", ""]
     return [qkv, "", "", f"past_key_values.{layer}.key", f"past_key_values.{layer}.value", "seqlens_k",
-            "total_sequence_length", "cos_cache", "sin_cache",
+            "total_sequence_length", *tables,
             *(["position_rows", "attention_bias"] + [""] * 5 + ["query_seqlens"] if packed else [])]
 
 

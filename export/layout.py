@@ -7,7 +7,7 @@ import numpy as np
 
 from .errors import UnsupportedModelError
 
-__all__ = ["HEAD_MULTIPLE", "pad_heads", "check_weights"]
+__all__ = ["HEAD_MULTIPLE", "pad_heads", "check_weights", "split_fused", "graph_head_dim", "rotary_width"]
 
 # ONNX Runtime's CPU GroupQueryAttention with rotary takes head sizes that are multiples of 16 only; a model
 # whose heads are smaller or odd-sized (tiny test models: hidden 16 over 4 heads) gets zero-padded
@@ -15,19 +15,62 @@ __all__ = ["HEAD_MULTIPLE", "pad_heads", "check_weights"]
 HEAD_MULTIPLE = 16
 
 
-def pad_heads(w: np.ndarray, heads: int, own: int, padded: int) -> np.ndarray:
+def rotary_width(own: int, rotary: int) -> int:
+    """The rotated dimensions of a graph head: the model's ``rotary`` (all ``own`` or a first part,
+    Phi-4-mini's 0.75) padded to a multiple of HEAD_MULTIPLE (GroupQueryAttention takes rotary
+    tables of a multiple of 8 columns only)."""
+    return -(-rotary // HEAD_MULTIPLE) * HEAD_MULTIPLE
+
+
+def graph_head_dim(own: int, rotary: int) -> int:
+    """The graph's head size for a model head of ``own`` dimensions whose first ``rotary`` turn:
+    the padded rotated part, the model's unrotated rest, padded to a multiple of HEAD_MULTIPLE."""
+    return -(-(rotary_width(own, rotary) + own - rotary) // HEAD_MULTIPLE) * HEAD_MULTIPLE
+
+
+def pad_heads(w: np.ndarray, heads: int, own: int, padded: int, rotary: int | None = None) -> np.ndarray:
     """The columns ``[K, heads * own]`` of a q, k or v projection (or a bias, ``[heads * own]``)
-    as ``[K, heads * padded]``: each half of each head zero-padded at its end, so that
-    GroupQueryAttention's rotary (which pairs dimension i with i + padded / 2) still pairs the
-    model's i with i + own / 2, and every padded dimension holds 0 (it adds 0 to q . k, and its
-    0 in v meets a zero column of o_proj's weight padded the same way)."""
+    as ``[K, heads * padded]``: each half of each head's rotated part (its first ``rotary``
+    dimensions; all of them by default) zero-padded at its end, so that GroupQueryAttention's
+    rotary (which pairs dimension i with i + width / 2) still pairs the model's i with
+    i + rotary / 2, then the unrotated rest, then zeros; every padded dimension holds 0 (it adds 0
+    to q . k, and its 0 in v meets a zero column of o_proj's weight padded the same way)."""
+    rotary = own if rotary is None else rotary
     if padded == own:
         return w
     lead = w.shape[:-1]
-    h = w.reshape(*lead, heads, 2, own // 2)
-    out = np.zeros((*lead, heads, 2, padded // 2), dtype=w.dtype)
-    out[..., : own // 2] = h
+    h = w.reshape(*lead, heads, own)
+    out = np.zeros((*lead, heads, padded), dtype=w.dtype)
+    half, width = rotary // 2, rotary_width(own, rotary) // 2
+    out[..., :half] = h[..., :half]
+    out[..., width:width + half] = h[..., half:rotary]
+    out[..., 2 * width:2 * width + own - rotary] = h[..., rotary:]
     return out.reshape(*lead, heads * padded)
+
+
+def split_fused(sd, spec) -> dict:
+    """The state dict with Phi-3's fused projections as the tensors the graph takes: each
+    layer's ``qkv_proj`` (rows: q, then k, then v) as ``q_proj`` / ``k_proj`` / ``v_proj`` and
+    ``gate_up_proj`` (rows: gate, then up, as transformers' ``chunk(2)`` reads them) as
+    ``gate_proj`` / ``up_proj``. Row slices: views of the same numbers, nothing is copied."""
+    if not any(k.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")) for k in sd):
+        return sd
+    out = dict(sd)
+    own = spec.own_head_dim
+    q, kv = spec.num_heads * own, spec.num_kv_heads * own
+    for key in [k for k in out if k.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias"))]:
+        fused, stem, kind = out.pop(key), key[: -len("qkv_proj.weight")], key.rsplit(".", 1)[1]
+        if fused.shape[0] != q + 2 * kv:
+            raise UnsupportedModelError(f"unsupported {key} of {fused.shape[0]} rows: need {q + 2 * kv} "
+                                        f"(q, k and v of {spec.num_heads} and 2 x {spec.num_kv_heads} heads)")
+        for name, lo, hi in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
+            out[f"{stem}{name}_proj.{kind}"] = fused[lo:hi]
+    for key in [k for k in out if k.endswith("mlp.gate_up_proj.weight")]:
+        fused, stem, size = out.pop(key), key[: -len("gate_up_proj.weight")], spec.intermediate_size
+        if fused.shape[0] != 2 * size:
+            raise UnsupportedModelError(f"unsupported {key} of {fused.shape[0]} rows: need 2 x {size}")
+        out[stem + "gate_proj.weight"], out[stem + "up_proj.weight"] = fused[:size], fused[size:]
+    return out
 
 
 def check_weights(sd, spec) -> None:
@@ -37,6 +80,8 @@ def check_weights(sd, spec) -> None:
     parts = ["input_layernorm.weight", "post_attention_layernorm.weight"]
     parts += [f"self_attn.{n}_proj.{t}" for n in "qkvo" for t in ("weight", "bias")]
     parts += [f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    if spec.qk_norm:
+        parts += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     known = {f"model.layers.{i}.{part}" for i in range(spec.num_layers) for part in parts}
     known |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     extra = sorted(k for k in sd if k not in known and not k.endswith("rotary_emb.inv_freq"))

@@ -8,12 +8,13 @@ import math
 from dataclasses import asdict, dataclass
 
 from .errors import UnsupportedModelError
-from .layout import HEAD_MULTIPLE
+from .layout import graph_head_dim
 
 __all__ = ["ModelSpec", "SUPPORTED_FAMILIES", "GGUF_FAMILIES", "MAX_POSITIONS_CAP", "MIN_POSITIONS",
            "unsupported_architecture"]
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")  # Mistral: Llama's graph, a sliding window
+# model_type of a checkpoint folder; Mistral is Llama's graph with a sliding window
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 GGUF_FAMILIES = ("llama", "qwen2")  # general.architecture of a GGUF (llama.cpp writes Mistral as llama)
 MAX_POSITIONS_CAP = 32768
 MIN_POSITIONS = 2  # a prompt token and one generated token
@@ -41,10 +42,18 @@ class ModelSpec:
     max_positions: int
     rms_eps: float
     model_head_dim: int = 0  # the model's own head size (0: head_dim, no padding)
+    rotary_dim: int = 0  # the model's rotated dimensions of a head (0: all; Phi-3 partial_rotary_factor)
+    qk_norm: bool = False  # RMSNorm of each query and key head before rotary (Qwen3)
+    nope_layers: tuple[int, ...] = ()  # layers without rotary (SmolLM3's no_rope_layers 0s)
 
     @property
     def own_head_dim(self) -> int:
         return self.model_head_dim or self.head_dim
+
+    @property
+    def rotary(self) -> int:
+        """The model's rotated dimensions of each head (its first ones)."""
+        return self.rotary_dim or self.own_head_dim
 
     @classmethod
     def from_config(cls, config, max_positions: int | None = None) -> "ModelSpec":
@@ -60,11 +69,15 @@ class ModelSpec:
         if max_positions:
             limit = min(limit, max_positions)
         limit = min(limit, _longrope_limit(config) or limit)
-        # a sliding window (Mistral's when set, Qwen2's with use_sliding_window) lets a position
-        # see the last `window` positions only: capped at the window, every position sees all
-        # earlier ones, as in the full attention the graph computes
+        # a sliding window (Mistral's and Phi-3's when set, Qwen2's, Qwen3's and SmolLM3's with
+        # use_sliding_window, on the layers their layer_types mark) lets a position see the last
+        # `window` positions only: capped at the window, every position sees all earlier ones,
+        # as in the full attention the graph computes
         window = getattr(config, "sliding_window", None)
-        if family == "qwen2" and not getattr(config, "use_sliding_window", False):
+        if family in ("qwen2", "qwen3", "smollm3") and not getattr(config, "use_sliding_window", False):
+            window = None
+        if family in ("qwen3", "smollm3") and "sliding_attention" not in (getattr(config, "layer_types", None)
+                                                                         or ()):
             window = None
         if window is not None:
             if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -89,9 +102,12 @@ class ModelSpec:
             raise UnsupportedModelError(f"unsupported hidden_size {config.hidden_size} with "
                                         f"num_attention_heads {heads}: need a multiple")
         own = getattr(config, "head_dim", None) or config.hidden_size // heads
+        if isinstance(own, bool) or not isinstance(own, int) or own < 1:
+            raise UnsupportedModelError(f"unsupported head_dim {own!r}: need a positive integer")
         if own % 2:
             raise UnsupportedModelError(f"unsupported head size {own}: rotary embeddings need an even one")
-        padded = -(-own // HEAD_MULTIPLE) * HEAD_MULTIPLE
+        rotary = _rotary_dim(config, family, own)
+        padded = graph_head_dim(own, rotary)
         return cls(
             family=family,
             num_layers=config.num_hidden_layers,
@@ -104,6 +120,9 @@ class ModelSpec:
             vocab_size=config.vocab_size,
             max_positions=limit,
             rms_eps=eps,
+            rotary_dim=rotary if rotary != own else 0,
+            qk_norm=family == "qwen3",
+            nope_layers=_nope_layers(config, family),
         )
 
     def manifest(self) -> dict:
@@ -139,6 +158,35 @@ def _check_rope(config) -> None:
     scaling = getattr(config, "rope_scaling", None)
     if isinstance(scaling, dict) and scaling.get("factor") is not None:
         _positive_number(config, "rope_scaling.factor", scaling["factor"])
+
+
+def _rotary_dim(config, family: str, own: int) -> int:
+    """The rotated dimensions of each head: Phi-3's ``partial_rotary_factor`` of it, as
+    transformers counts them (``int(head_dim * factor)``), else all of it."""
+    if family != "phi3":
+        return own
+    factor = getattr(config, "partial_rotary_factor", 1.0)
+    if factor is None:
+        return own
+    _positive_number(config, "partial_rotary_factor", factor)
+    rotary = int(own * float(factor))
+    if rotary < 2 or rotary > own or rotary % 2:
+        raise UnsupportedModelError(f"unsupported partial_rotary_factor {factor!r} of head size {own}: "
+                                    f"need an even number of rotated dimensions, 2..{own}")
+    return rotary
+
+
+def _nope_layers(config, family: str) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary: transformers rotates layer i when ``no_rope_layers[i]``
+    is 1 (a NoPE layer every ``no_rope_layer_interval`` when the config has no list)."""
+    if family != "smollm3":
+        return ()
+    flags = getattr(config, "no_rope_layers", None)
+    if not isinstance(flags, (list, tuple)) or len(flags) != config.num_hidden_layers or any(
+            f not in (0, 1) for f in flags):
+        raise UnsupportedModelError(f"unsupported no_rope_layers {flags!r}: need a 0 or 1 for each of "
+                                    f"the {config.num_hidden_layers} layers")
+    return tuple(i for i, use_rope in enumerate(flags) if not use_rope)
 
 
 def _longrope_limit(config) -> int | None:

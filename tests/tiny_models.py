@@ -1,12 +1,13 @@
-"""Tiny random Llama / Qwen2 checkpoints (2 layers, hidden 64) with a real byte-level BPE
-tokenizer, built offline in seconds, plus a one-call export. Shared by the export and runtime
-tests:
+"""Tiny random Llama / Qwen2 / Mistral / Qwen3 / Phi-3 / SmolLM3 checkpoints (2 layers, hidden
+64) with a real byte-level BPE tokenizer, built offline in seconds, plus a one-call export.
+Shared by the export and runtime tests:
 
     ckpt = build_tiny_checkpoint(tmp_path / "ckpt", family="qwen2", seed=0)
     out = export_tiny(tmp_path, "llama", draft="int4")   # validated; out/draft-q4 too
 
-The llama flavour adds bos to plain text (like Llama tokenizers); the qwen2 flavour does not
-(like Qwen/SmolLM2 ChatML tokenizers). Both carry a ChatML chat template.
+The llama flavour adds bos to plain text (like Llama tokenizers, Mistral's too); the qwen2 flavour
+does not (like Qwen/SmolLM2 ChatML tokenizers; Qwen3, Phi-3 and SmolLM3 take it). Both carry a
+ChatML chat template.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 __all__ = ["build_tiny_tokenizer", "build_tiny_checkpoint", "build_tiny_gguf", "export_tiny",
            "plain_spec_together", "FAMILIES", "CHATML_TEMPLATE"]
 
-FAMILIES = ("llama", "qwen2", "mistral")  # mistral: checkpoint folders only (a GGUF says llama)
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3")  # all but llama, qwen2: folders only
 CHATML_TEMPLATE = (
     "{{ bos_token if add_bos_in_template else '' }}"
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
@@ -77,8 +78,15 @@ def build_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, voca
     """Save a random-weight `family` model + tokenizer to `path` (`save_pretrained`).
     ``config``: more options for the transformers config (e.g. ``attention_bias=True``)."""
     import torch
-    from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     path = Path(path)
     tok = build_tiny_tokenizer(family, corpus_seed=tokenizer_seed)
@@ -96,6 +104,22 @@ def build_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, voca
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False,
                                              rope_theta=1e6))
+    elif family == "qwen3":  # head_dim apart from hidden / heads (Qwen3's default: 128)
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        common.setdefault("head_dim", 32)
+        model = Qwen3ForCausalLM(Qwen3Config(**common, tie_word_embeddings=True, rope_theta=1e6))
+    elif family == "phi3":  # fused qkv / gate_up; Phi-4-mini's partial rotary unless told
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        common.setdefault("partial_rotary_factor", 0.75)
+        common.setdefault("original_max_position_embeddings", max_positions)
+        model = Phi3ForCausalLM(Phi3Config(**common, tie_word_embeddings=False))
+    elif family == "smollm3":  # layers without rotary (released: every 4th; here every 2nd unless told)
+        from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+        common.setdefault("no_rope_layers", [1, 0, 1, 0][:layers] + [1] * (layers - 4))
+        model = SmolLM3ForCausalLM(SmolLM3Config(**common, tie_word_embeddings=True, rope_theta=2e6))
     else:
         raise ValueError(f"family must be one of {FAMILIES}")
     with torch.no_grad():  # norms and biases away from their 1/0 init, so they matter

@@ -1,0 +1,237 @@
+"""The families past Llama / Mistral / Qwen2, each exact to PyTorch: Qwen3 (per-head q/k norms,
+head_dim apart from hidden / heads), Phi-3 and Phi-4-mini (fused qkv and gate/up, partial rotary,
+LongRoPE), SmolLM3 (layers without rotary), and Llama 3's rope scaling beside them. Each is a tiny
+random checkpoint built here from a transformers config (seeded, no download), exported with
+its int8 quantized copy as the draft, then:
+
+- its logits over 48 positions (prefill, a decode, a rejected verify, chunks on the cache) equal
+  PyTorch's, and differ from those of the same weights *without* the family's difference (so the
+  tiny model is sensitive to what the graph must get right: a graph that ignored it would fail);
+- greedy decoding through the Engine, ``ar`` and ``spec`` (the q8 draft, n-gram lookup), equals
+  PyTorch's greedy tokens over a prompt and answer of 48 positions.
+
+Then what the graph cannot express of these families is refused, and each family's config is
+read as transformers reads it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tiny_models import build_tiny_checkpoint  # noqa: E402
+
+from export.errors import UnsupportedModelError  # noqa: E402
+from export.manifest import read_manifest  # noqa: E402
+from export.model_spec import ModelSpec  # noqa: E402
+from export.pipeline import Request, run  # noqa: E402
+from export.ui import Reporter  # noqa: E402
+from export.validate import KVSession  # noqa: E402
+
+pytestmark = pytest.mark.export
+
+VOCAB = 384
+POSITIONS = 48  # prompt + answer: past the 16 / 32 positions of small rotary periods
+ATOL = 1e-4  # float32 graph against float32 PyTorch (the tiny models' logits are ~1-4)
+_LONGROPE = {
+    "type": "longrope",
+    "short_factor": [1.0 + 0.05 * i for i in range(24)],
+    "long_factor": [2.0 + 0.5 * i for i in range(24)],
+}
+
+# name: (family, build options, what differs from Llama: a config change or a module swap that
+# undoes it in PyTorch, for the sensitivity check)
+CASES = {
+    "qwen3": ("qwen3", dict(head_dim=32), "qk_norm"),  # head 32 != hidden 64 / 4 heads
+    "qwen3-head24": ("qwen3", dict(head_dim=24, kv_heads=1), "qk_norm"),  # padded to 32 after the norm
+    "phi3": ("phi3", dict(), {"partial_rotary_factor": 1.0}),  # head 16, 12 rotated: padded
+    "phi4-mini": (
+        "phi3",
+        dict(
+            hidden=128, heads=2, kv_heads=1, rope_scaling=_LONGROPE, original_max_position_embeddings=128
+        ),  # head 64, 48 rotated
+        {"partial_rotary_factor": 1.0, "rope_scaling": None},
+    ),
+    "smollm3": (
+        "smollm3",
+        dict(layers=4, no_rope_layers=[1, 1, 1, 0]),  # as released: every 4th
+        {"no_rope_layers": [1, 1, 1, 1]},
+    ),
+    "llama3": (
+        "llama",
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        ),
+        {"rope_scaling": None},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def exported(request, tmp_path_factory) -> tuple[str, Path, Path]:
+    """(case, export folder with its q8 draft, checkpoint folder)."""
+    family, options, _ = CASES[request.param]
+    tmp = tmp_path_factory.mktemp(request.param)
+    ckpt = build_tiny_checkpoint(tmp / "ckpt", family, seed=7, vocab=VOCAB, **options)
+    out = tmp / "onnx"
+    run(Request(src=str(ckpt), out=out, draft_quant="int8", threads=1), Reporter(quiet=True))
+    return request.param, out, ckpt
+
+
+def _model(ckpt: Path, **config):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(ckpt)
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    return AutoModelForCausalLM.from_pretrained(ckpt, config=cfg, dtype=torch.float32).eval()
+
+
+def _logits(model, ids: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(ids[None])).logits[0].numpy()  # [T, V]
+
+
+def _graph_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
+    """The graph's logits at every position, in the runtime's call pattern: a prefill of 20,
+    a decode, a rejected verify of 5 random tokens (garbage in the cache), then chunks of 9
+    and 18 from the rollback point."""
+    sess = KVSession(folder, read_manifest(folder), max_len=POSITIONS)
+    try:
+        got = [sess.forward(ids[:20], 0, rows=range(20)), sess.forward(ids[20:21], 20)]
+        sess.forward(np.random.default_rng(1).integers(0, VOCAB, 5), 21, rows=range(5))
+        got += [sess.forward(ids[21:30], 21, rows=range(9)), sess.forward(ids[30:], 30, rows=range(18))]
+    finally:
+        sess.close()
+    return np.concatenate(got)
+
+
+def test_manifest_and_validation(exported):
+    case, folder, _ = exported
+    m = read_manifest(folder)
+    assert m["architecture"]["family"] == CASES[case][0]
+    assert m["validation"]["greedy_agreement"] == 1.0 and m["validation"]["max_abs_logit_diff"] < ATOL
+    assert m["drafts"] == [{"name": "q8", "path": "draft-q8"}]
+    if case == "phi4-mini":  # LongRoPE: capped at the original length, where the short factors hold
+        assert m["architecture"]["max_positions"] == 128 and m["architecture"]["head_dim"] == 64
+    if case in ("phi3", "qwen3-head24"):  # heads padded: 16 = 12 rotated + 4 -> 16 + 4 -> 32; 24 -> 32
+        assert m["architecture"]["head_dim"] == 32
+
+
+def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
+    import torch
+
+    case, folder, ckpt = exported
+    ids = np.random.default_rng(5).integers(0, VOCAB, POSITIONS)
+    got = _graph_logits(folder, ids)
+    ref = _logits(_model(ckpt), ids)
+    np.testing.assert_allclose(got, ref, atol=ATOL, rtol=0)
+    undo = CASES[case][2]  # the same weights without the family's difference
+    if undo == "qk_norm":
+        other = _model(ckpt)
+        for layer in other.model.layers:
+            layer.self_attn.q_norm = layer.self_attn.k_norm = torch.nn.Identity()
+    else:
+        other = _model(ckpt, **undo)
+    assert np.abs(got - _logits(other, ids)).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
+
+
+def test_engine_greedy_equals_pytorch_ar_and_spec(exported):
+    from specdec_rt import Engine
+
+    case, folder, ckpt = exported
+    model = _model(ckpt)
+    prompt = [int(t) for t in np.random.default_rng(11).integers(3, VOCAB, 16)]
+    seq = list(prompt)
+    while len(seq) < POSITIONS:  # PyTorch greedy, every step from scratch (no cache to share a bug)
+        seq.append(int(_logits(model, np.array(seq))[-1].argmax()))
+    want = seq[len(prompt) :]
+    n = len(want)
+
+    async def main():
+        got = {}
+        for draft in ("q8", "ngram"):
+            async with await Engine.load(folder, draft=draft, warmup=False) as engine:
+                for mode in ("ar", "spec"):
+                    result = await engine.generate(prompt, max_new_tokens=n, mode=mode, ignore_eos=True)
+                    got[draft, mode] = result.token_ids
+        return got
+
+    for (draft, mode), tokens in asyncio.run(main()).items():
+        assert tokens == want, f"{case}: {mode} with the {draft} draft left PyTorch's greedy output"
+
+
+@pytest.mark.parametrize(
+    "family,kw,fragment",
+    [
+        ("phi3", {"partial_rotary_factor": 0.0}, "partial_rotary_factor 0.0"),
+        ("phi3", {"partial_rotary_factor": float("nan")}, "partial_rotary_factor nan"),
+        ("phi3", {"partial_rotary_factor": 0.1}, "partial_rotary_factor 0.1 of head size 16"),  # 1 dimension
+        ("smollm3", {"no_rope_layers": [1]}, "unsupported no_rope_layers [1]"),  # 2 layers
+        ("smollm3", {"no_rope_layers": [1, 2]}, "unsupported no_rope_layers [1, 2]"),
+    ],
+)
+def test_family_options_the_graph_cannot_express_are_refused(family, kw, fragment):
+    from transformers import AutoConfig
+
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    ModelSpec.from_config(AutoConfig.for_model(family, **base))  # the base is fine
+    config = AutoConfig.for_model(family, **base)
+    for key, value in kw.items():
+        setattr(config, key, value)
+    with pytest.raises(UnsupportedModelError) as exc:
+        ModelSpec.from_config(config)
+    assert fragment in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "family,kw,layers,nope,rotary,positions",
+    [
+        ("smollm3", {}, 8, (3, 7), 16, 64),  # transformers' default: no rotary every 4th layer
+        ("smollm3", {"use_sliding_window": True, "sliding_window": 24}, 4, (3,), 16, 24),  # on the NoPE layer
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 4}, 4, (), 16, 64),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}, 4, (), 16, 24),
+        ("phi3", {"partial_rotary_factor": 0.5}, 2, (), 8, 64),
+        ("phi3", {"sliding_window": 24}, 2, (), 16, 24),
+    ],
+)
+def test_spec_reads_each_family_as_transformers_does(family, kw, layers, nope, rotary, positions):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        head_dim=16,
+        **kw,
+    )
+    spec = ModelSpec.from_config(config)
+    assert (spec.nope_layers, spec.rotary, spec.max_positions) == (nope, rotary, positions)
+    assert spec.qk_norm is (family == "qwen3")
