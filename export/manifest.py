@@ -15,15 +15,35 @@ import os
 import stat
 from pathlib import Path
 
-from specdec_rt.manifest_schema import (IO_NAMES, KV_LAYOUT, KV_ROLES, MANIFEST, MAX_MANIFEST_BYTES, PACKED_ROLES,
-                                        MODEL_ROLES, REQUIRED_INPUTS, SCHEMA_VERSION, STAMP, STAMP_STAT,
-                                        TREE_ROLES)
+from specdec_rt.manifest_schema import (
+    IO_NAMES,
+    KV_LAYOUT,
+    KV_ROLES,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MODEL_ROLES,
+    PACKED_ROLES,
+    REQUIRED_INPUTS,
+    SCHEMA_VERSION,
+    STAMP,
+    STAMP_STAT,
+    TREE_ROLES,
+)
 
 from .model_spec import ModelSpec
 from .tokenizer import TokenizerInfo, sha256_file
 
-__all__ = ["SCHEMA_VERSION", "MANIFEST", "build_manifest", "write_manifest", "read_manifest",
-           "is_export_manifest", "is_up_to_date", "onnx_section"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "MANIFEST",
+    "build_manifest",
+    "write_manifest",
+    "read_manifest",
+    "is_export_manifest",
+    "is_up_to_date",
+    "onnx_section",
+]
+
 
 def onnx_section(quantization: dict | None) -> dict:
     """The manifest's `onnx` record for graphs from `export.graph`."""
@@ -34,22 +54,35 @@ def onnx_section(quantization: dict | None) -> dict:
         "quantization": quantization,
         "inputs": {k: IO_NAMES[k] for k in (*REQUIRED_INPUTS, *PACKED_ROLES, *TREE_ROLES)},
         "outputs": {"logits": IO_NAMES["logits"], "hidden": IO_NAMES["hidden"]},
-        "kv": {"layout": KV_LAYOUT, "shared_buffer": True, "dtype": "float32",
-               **{k: IO_NAMES[k] for k in KV_ROLES}},
+        "kv": {"layout": KV_LAYOUT, "shared_buffer": True, "dtype": "float32", **{k: IO_NAMES[k] for k in KV_ROLES}},
     }
 
 
 def file_table(folder: Path) -> dict:
     """sha256 and size of every regular file directly in `folder` except the manifest."""
-    return {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-            for p in sorted(Path(folder).iterdir())
-            if p.is_file() and p.name not in (MANIFEST, STAMP)}
+    return {
+        p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+        for p in sorted(Path(folder).iterdir())
+        if p.is_file() and p.name not in (MANIFEST, STAMP)
+    }
 
 
-def build_manifest(*, name: str, role: str, spec: ModelSpec, tok: TokenizerInfo,
-                   folder: Path, quantization: dict | None, exact_to: str, source: dict,
-                   build: dict, validation: dict | None, graph: dict,
-                   drafts: list[dict] | None = None, draft_of: str | None = None) -> dict:
+def build_manifest(
+    *,
+    name: str,
+    role: str,
+    spec: ModelSpec,
+    tok: TokenizerInfo,
+    folder: Path,
+    quantization: dict | None,
+    exact_to: str,
+    source: dict,
+    build: dict,
+    validation: dict | None,
+    graph: dict,
+    drafts: list[dict] | None = None,
+    draft_of: str | None = None,
+) -> dict:
     """Assemble the manifest for a finished folder (hashes every file in it)."""
     manifest = {
         "schema_version": SCHEMA_VERSION,
@@ -57,11 +90,17 @@ def build_manifest(*, name: str, role: str, spec: ModelSpec, tok: TokenizerInfo,
         "role": role,
         "architecture": spec.manifest(),
         "special_tokens": {"bos": tok.bos, "eos": tok.eos, "pad": tok.pad},
-        "tokenizer": {"file": "tokenizer.json", "add_bos": tok.add_bos,
-                      "chat_template": tok.chat_template,
-                      "sha256": sha256_file(Path(folder) / "tokenizer.json")},
-        "onnx": {**onnx_section(quantization), "nodes": graph["nodes"],
-                 **({"weight_forms": graph["weight_forms"]} if "weight_forms" in graph else {})},
+        "tokenizer": {
+            "file": "tokenizer.json",
+            "add_bos": tok.add_bos,
+            "chat_template": tok.chat_template,
+            "sha256": sha256_file(Path(folder) / "tokenizer.json"),
+        },
+        "onnx": {
+            **onnx_section(quantization),
+            "nodes": graph["nodes"],
+            **({"weight_forms": graph["weight_forms"]} if "weight_forms" in graph else {}),
+        },
         "drafts": drafts or [],
         "exact_to": exact_to,
         "source": source,
@@ -78,8 +117,7 @@ def write_manifest(folder: Path, manifest: dict) -> Path:
     """Write `manifest.json` (the last file of a folder), and the runtime's verification stamp
     for the files just hashed into it, so the first load does not hash them again."""
     path = Path(folder) / MANIFEST
-    path.write_text(json.dumps(_finite(manifest), indent=2, ensure_ascii=False,
-                               allow_nan=False) + "\n")
+    path.write_text(json.dumps(_finite(manifest), indent=2, ensure_ascii=False, allow_nan=False) + "\n")
     stamp = {}
     for fname, meta in (manifest.get("files") or {}).items():
         st = (Path(folder) / fname).stat()
@@ -151,12 +189,16 @@ def is_export_manifest(manifest) -> bool:
         return False
     build = manifest.get("build")
     version = manifest.get("schema_version")
-    return (type(version) is int and 1 <= version <= SCHEMA_VERSION
-            and manifest.get("role") in MODEL_ROLES
-            and isinstance(manifest.get("name"), str)
-            and isinstance(manifest.get("architecture"), dict)
-            and isinstance(manifest.get("files"), dict)
-            and isinstance(build, dict) and isinstance(build.get("exporter"), str))
+    return (
+        type(version) is int
+        and 1 <= version <= SCHEMA_VERSION
+        and manifest.get("role") in MODEL_ROLES
+        and isinstance(manifest.get("name"), str)
+        and isinstance(manifest.get("architecture"), dict)
+        and isinstance(manifest.get("files"), dict)
+        and isinstance(build, dict)
+        and isinstance(build.get("exporter"), str)
+    )
 
 
 def is_up_to_date(folder: Path, build: dict) -> bool:
@@ -180,8 +222,7 @@ def is_up_to_date(folder: Path, build: dict) -> bool:
                 return False
             for fname, meta in files.items():
                 path = (where / fname).resolve()
-                if not path.is_relative_to(where) or not path.is_file() \
-                        or path.stat().st_size != meta["bytes"]:
+                if not path.is_relative_to(where) or not path.is_file() or path.stat().st_size != meta["bytes"]:
                     return False
     except (KeyError, TypeError, AttributeError, ValueError, OSError):
         return False

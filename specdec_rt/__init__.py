@@ -4,9 +4,6 @@ A small draft model proposes tokens; the target checks them all in one forward p
 sampling keeps exactly the target's output distribution (greedy: exactly the target's tokens).
 """
 
-from .policy.acceptance import SpecConfig
-from .spec.adapters import ModelDrafter, ModelVerifier
-from .spec.context import RequestContext
 from .errors import (
     ConsumerTimeoutError,
     ContextLengthError,
@@ -17,17 +14,24 @@ from .errors import (
     ModelNotBuiltError,
     SpecDecError,
 )
-from .spec.protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
+from .policy.acceptance import SpecConfig
 from .sampling import SamplingParams, rejection_sample
+from .spec.adapters import ModelDrafter, ModelVerifier
+from .spec.context import RequestContext
 from .spec.params import RequestParams
+from .spec.protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
 from .spec.scheduler import RequestStream, SpecDecScheduler
 from .types import DraftToken, GenerationResult, Stats, TokenEvent, Verdict
 
 __version__ = "0.1.0"
 
 _LAZY = {  # ONNX Runtime is imported only when these are used
-    "Engine": ".engine", "EngineResult": ".engine", "StreamEvent": ".engine",
-    "OrtTargetVerifier": ".ort", "OrtDraftInferrer": ".ort", "OrtModel": ".ort",
+    "Engine": ".engine",
+    "EngineResult": ".engine",
+    "StreamEvent": ".engine",
+    "OrtTargetVerifier": ".ort",
+    "OrtDraftInferrer": ".ort",
+    "OrtModel": ".ort",
 }
 
 

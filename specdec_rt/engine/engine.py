@@ -1,10 +1,10 @@
 """``Engine``: the five-line API over exported models.
 
-    engine = await Engine.load("smollm2-135m")            # a built recipe name or an export folder
-    result = await engine.generate("Hello", max_new_tokens=64)
-    print(result.text, result.stats.tokens_per_s, result.stats.acceptance_rate)
-    async for ev in engine.stream([{"role": "user", "content": "Hi"}]): print(ev.text, end="")
-    await engine.aclose()                                  # or: async with await Engine.load(...)
+engine = await Engine.load("smollm2-135m")            # a built recipe name or an export folder
+result = await engine.generate("Hello", max_new_tokens=64)
+print(result.text, result.stats.tokens_per_s, result.stats.acceptance_rate)
+async for ev in engine.stream([{"role": "user", "content": "Hi"}]): print(ev.text, end="")
+await engine.aclose()                                  # or: async with await Engine.load(...)
 """
 
 from __future__ import annotations
@@ -18,26 +18,33 @@ import anyio
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..policy.acceptance import SpecConfig
 from ..batching import BatchExecutor
-from ..sampling.constraints import GrammarFactory, MinTokens
-from ..sampling.logprobs import TokenLogprob
-from .factory import build_parts
-from .stream import EngineResult, EngineStream, StreamEvent, _Ready
+from ..checks import brief_repr, check_bool, check_int, check_number
 from ..errors import ConsumerTimeoutError, ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..kvcache.prefix import DEFAULT_BUDGET_BYTES, PrefixCache
+from ..policy.acceptance import SpecConfig
+from ..sampling.constraints import GrammarFactory, MinTokens
+from ..sampling.logprobs import TokenLogprob
 from ..sampling.prompt_logprobs import prompt_logprobs as prompt_logprobs_of
 from ..spec.adapters import ModelVerifier
-from ..spec.protocols import BatchCosts, DraftInferrer, LanguageModel, TargetVerifier, check_implements
-from ..spec.request_checks import MAX_STOP_STRINGS  # noqa: F401 - re-exported (the stop-string limit)
-from ..spec.request_checks import (RequestShape, check_load_args, check_prompt_size, cut_at_stop, stop_prefix_len,
-                                   token_id_prompt, tool_shape)
-from ..checks import brief_repr, check_bool, check_int, check_number
 from ..spec.params import RequestParams
+from ..spec.protocols import BatchCosts, DraftInferrer, LanguageModel, TargetVerifier, check_implements
+from ..spec.request_checks import (
+    MAX_STOP_STRINGS,  # noqa: F401 - re-exported (the stop-string limit)
+    RequestShape,
+    check_load_args,
+    check_prompt_size,
+    cut_at_stop,
+    stop_prefix_len,
+    token_id_prompt,
+    tool_shape,
+)
 from ..spec.scheduler import SpecDecScheduler
 from ..text.codec import TextCodec
 from ..text.tools import parse_tool_calls
 from ..types import Stats
+from .factory import build_parts
+from .stream import EngineResult, EngineStream, StreamEvent, _Ready
 from .warmup import WARMUP_REQUESTS, WARMUP_TOKENS, warm_up
 
 __all__ = ["Engine", "EngineResult", "EngineStream", "StreamEvent"]
@@ -76,11 +83,23 @@ class Engine:
     slow model is never cut; a consumer is cut only if it takes no event for that long.
     """
 
-    def __init__(self, target: LanguageModel, drafter: DraftInferrer | None, codec: TextCodec,
-                 config: SpecConfig | None = None, *, slots: int = DEFAULT_SLOTS, draft_name: str | None = None,
-                 verifier: TargetVerifier | None = None, executor: BatchExecutor | None = None,
-                 models: Sequence[LanguageModel] = (), eos_ids: Iterable[int] = (), name: str | None = None,
-                 manifest: Any = None, consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT) -> None:
+    def __init__(
+        self,
+        target: LanguageModel,
+        drafter: DraftInferrer | None,
+        codec: TextCodec,
+        config: SpecConfig | None = None,
+        *,
+        slots: int = DEFAULT_SLOTS,
+        draft_name: str | None = None,
+        verifier: TargetVerifier | None = None,
+        executor: BatchExecutor | None = None,
+        models: Sequence[LanguageModel] = (),
+        eos_ids: Iterable[int] = (),
+        name: str | None = None,
+        manifest: Any = None,
+        consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT,
+    ) -> None:
         """An engine over models built already (:meth:`load` builds them from an export folder).
 
         Any backend that implements :class:`~specdec_rt.spec.protocols.LanguageModel` runs here:
@@ -113,8 +132,9 @@ class Engine:
         self.executor.listeners.append(self._tell_batch)
         if verifier is None:
             verifier = ModelVerifier(target, share_hidden=drafter is not None and drafter.needs_target_hidden)
-        self.scheduler = SpecDecScheduler(drafter, verifier, config, eos_ids=eos_ids,
-                                          batch=_MeasuredBatch(self, drafts[0] if drafts else None))
+        self.scheduler = SpecDecScheduler(
+            drafter, verifier, config, eos_ids=eos_ids, batch=_MeasuredBatch(self, drafts[0] if drafts else None)
+        )
         self._slots = anyio.Semaphore(slots)
         self._tasks: set[asyncio.Task] = set()
         self.running: int = 0  #: requests holding a slot
@@ -123,9 +143,13 @@ class Engine:
         #: seconds a request waits for its consumer to take an event (None: no limit)
         self.consumer_timeout: float | None = consumer_timeout
         #: per-request constraints of ``response_format`` (its tokenizer table built on first use)
-        self.grammars = GrammarFactory(codec.token_bytes, codec.is_special,
-                                       lambda text: codec.tokenizer.encode(text, add_special_tokens=False).ids,
-                                       target.vocab_size, eos_ids)
+        self.grammars = GrammarFactory(
+            codec.token_bytes,
+            codec.is_special,
+            lambda text: codec.tokenizer.encode(text, add_special_tokens=False).ids,
+            target.vocab_size,
+            eos_ids,
+        )
         self._closed = False
 
     @property
@@ -134,9 +158,14 @@ class Engine:
         prompt tokens they supplied), ``entries``, ``evictions`` and ``bytes`` (KV held, all models)."""
         caches = [m.prefix_cache for m in self.models if m.prefix_cache is not None]
         mine = self.target.prefix_cache or PrefixCache(0, 0)  # none: an empty, disabled one
-        return {"enabled": mine.enabled, "queries": mine.queries, "hit_tokens": mine.hit_tokens,
-                "entries": sum(len(c.entries()) for c in caches), "evictions": sum(c.evictions for c in caches),
-                "bytes": sum(c.bytes for c in caches)}
+        return {
+            "enabled": mine.enabled,
+            "queries": mine.queries,
+            "hit_tokens": mine.hit_tokens,
+            "entries": sum(len(c.entries()) for c in caches),
+            "evictions": sum(c.evictions for c in caches),
+            "bytes": sum(c.bytes for c in caches),
+        }
 
     def _tell_batch(self, model, rows: int, seconds: float) -> None:
         if model is self.target:
@@ -145,11 +174,21 @@ class Engine:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    async def load(cls, name_or_path: str | os.PathLike, draft: str | os.PathLike | None = None, *,
-                   max_length: int | None = None, threads: int | None = None, provider: str = "auto",
-                   slots: int = DEFAULT_SLOTS, spec_config: SpecConfig | None = None,
-                   prefix_cache: bool = True, prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
-                   warmup: bool = True, consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT) -> "Engine":
+    async def load(
+        cls,
+        name_or_path: str | os.PathLike,
+        draft: str | os.PathLike | None = None,
+        *,
+        max_length: int | None = None,
+        threads: int | None = None,
+        provider: str = "auto",
+        slots: int = DEFAULT_SLOTS,
+        spec_config: SpecConfig | None = None,
+        prefix_cache: bool = True,
+        prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
+        warmup: bool = True,
+        consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT,
+    ) -> "Engine":
         """Load a built recipe (``"smollm2-135m"``) or an export folder.
 
         ``draft``: ``None`` for the default (``DEFAULT_DRAFT``: n-gram lookup, else the manifest's
@@ -169,8 +208,19 @@ class Engine:
         """
         check_bool(warmup, "warmup")
         engine = await anyio.to_thread.run_sync(
-            lambda: cls._load(name_or_path, draft, max_length, threads, provider, slots, spec_config,
-                              prefix_cache, prefix_cache_bytes, consumer_timeout))
+            lambda: cls._load(
+                name_or_path,
+                draft,
+                max_length,
+                threads,
+                provider,
+                slots,
+                spec_config,
+                prefix_cache,
+                prefix_cache_bytes,
+                consumer_timeout,
+            )
+        )
         if warmup:
             try:
                 await engine.warm_up()
@@ -185,23 +235,52 @@ class Engine:
         await warm_up(self, requests, max_new_tokens)
 
     @classmethod
-    def _load(cls, name_or_path, draft, max_length, threads, provider, slots, spec_config,
-              prefix_cache=True, prefix_cache_bytes=DEFAULT_BUDGET_BYTES,
-              consumer_timeout=DEFAULT_CONSUMER_TIMEOUT) -> "Engine":
+    def _load(
+        cls,
+        name_or_path,
+        draft,
+        max_length,
+        threads,
+        provider,
+        slots,
+        spec_config,
+        prefix_cache=True,
+        prefix_cache_bytes=DEFAULT_BUDGET_BYTES,
+        consumer_timeout=DEFAULT_CONSUMER_TIMEOUT,
+    ) -> "Engine":
         check_load_args(name_or_path, draft, max_length, threads, spec_config)
         check_int(slots, "slots", 1, MAX_SLOTS, numpy=False)
         check_bool(prefix_cache, "prefix_cache")
         check_number(consumer_timeout, "consumer_timeout", 0, optional=True)  # before any model is built
         check_int(prefix_cache_bytes, "prefix_cache_bytes", 0, numpy=False)
-        parts = build_parts(name_or_path, draft, max_length=max_length, threads=threads, provider=provider,
-                            slots=slots, prefix_cache_bytes=prefix_cache_bytes if prefix_cache else 0)
-        return cls(parts.target, parts.drafter, parts.codec, spec_config, slots=slots, draft_name=parts.draft_name,
-                   verifier=parts.verifier, executor=parts.executor, models=parts.models,
-                   eos_ids=parts.manifest.eos_ids, manifest=parts.manifest, consumer_timeout=consumer_timeout)
+        parts = build_parts(
+            name_or_path,
+            draft,
+            max_length=max_length,
+            threads=threads,
+            provider=provider,
+            slots=slots,
+            prefix_cache_bytes=prefix_cache_bytes if prefix_cache else 0,
+        )
+        return cls(
+            parts.target,
+            parts.drafter,
+            parts.codec,
+            spec_config,
+            slots=slots,
+            draft_name=parts.draft_name,
+            verifier=parts.verifier,
+            executor=parts.executor,
+            models=parts.models,
+            eos_ids=parts.manifest.eos_ids,
+            manifest=parts.manifest,
+            consumer_timeout=consumer_timeout,
+        )
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, prompt: Prompt, params: RequestParams | int | None = None,
-                       **overrides: Any) -> EngineResult:
+    async def generate(
+        self, prompt: Prompt, params: RequestParams | int | None = None, **overrides: Any
+    ) -> EngineResult:
         """Generate a completion. ``prompt``: a string, chat messages
         ``[{"role": ..., "content": ...}]`` rendered with the model's chat template (content: a
         string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined), or token
@@ -228,15 +307,18 @@ class Engine:
                 stats = ev.stats or stats
         text = "".join(parts)
         assert stats is not None  # the stream's last event carries them
-        return EngineResult(text, ids, stats, stats.prompt_tokens if stats else 0,
-                            lps if request.logprobs is not None else None,
-                            None if first.prompt_token_ids is None else list(first.prompt_token_ids),
-                            None if first.prompt_logprobs is None else list(first.prompt_logprobs),
-                            parse_tool_calls(text, [t["function"]["name"] for t in request.tools])[1]
-                            if request.calls_tools else None)
+        return EngineResult(
+            text,
+            ids,
+            stats,
+            stats.prompt_tokens if stats else 0,
+            lps if request.logprobs is not None else None,
+            None if first.prompt_token_ids is None else list(first.prompt_token_ids),
+            None if first.prompt_logprobs is None else list(first.prompt_logprobs),
+            parse_tool_calls(text, [t["function"]["name"] for t in request.tools])[1] if request.calls_tools else None,
+        )
 
-    def stream(self, prompt: Prompt, params: RequestParams | int | None = None,
-               **overrides: Any) -> "EngineStream":
+    def stream(self, prompt: Prompt, params: RequestParams | int | None = None, **overrides: Any) -> "EngineStream":
         """Like :meth:`generate`, as an async iterator of :class:`StreamEvent` (also an async
         context manager that closes it).
 
@@ -253,13 +335,17 @@ class Engine:
         if request.mode == "spec" and self.drafter is None:
             raise InvalidInputError("this engine has no draft model: load it with draft=... or use mode='ar'")
         stops = list(request.stop or ())  # (a tuple of strings once checked)
-        shape = RequestShape(request.prompt_logprobs, request.json_schema,
-                             *tool_shape(prompt, request.tools, request.effective_tool_choice, stops,
-                                         self.codec.chat_template),
-                             request.min_tokens, request.ignore_eos)
+        shape = RequestShape(
+            request.prompt_logprobs,
+            request.json_schema,
+            *tool_shape(prompt, request.tools, request.effective_tool_choice, stops, self.codec.chat_template),
+            request.min_tokens,
+            request.ignore_eos,
+        )
         if shape.schema is not None and shape.lark is not None:
-            raise InvalidInputError(f"response_format and tool_choice={request.tool_choice!r} cannot both hold "
-                                    "the answer")
+            raise InvalidInputError(
+                f"response_format and tool_choice={request.tool_choice!r} cannot both hold the answer"
+            )
         check_prompt_size(prompt, self.max_prompt_chars)
         send: MemoryObjectSendStream[StreamEvent | Exception]
         receive: MemoryObjectReceiveStream[StreamEvent | Exception]
@@ -277,7 +363,8 @@ class Engine:
         reads the prefix cache, whose bookkeeping only the loop's thread may touch."""
         try:
             ids = token_id_prompt(prompt, self.target.vocab_size) or self.codec.encode_prompt(
-                cast("str | Sequence[dict]", prompt), tools=tools)  # (not token ids: those were taken)
+                cast("str | Sequence[dict]", prompt), tools=tools
+            )  # (not token ids: those were taken)
         except SpecDecError:
             raise
         except Exception as exc:  # noqa: BLE001 - the codec maps what it knows; anything else is still the prompt's
@@ -287,9 +374,13 @@ class Engine:
         limit = self.scheduler.max_length or len(ids) + max_new_tokens
         if truncate_prompt and len(ids) + max_new_tokens > limit:
             if max_new_tokens >= limit:  # no prompt token would be left
-                raise ContextLengthError(f"max_new_tokens={brief_repr(max_new_tokens)} leaves no room for the prompt "
-                                         f"in the model's maximum length of {limit} tokens", len(ids), limit)
-            ids = ids[-(limit - max_new_tokens):]
+                raise ContextLengthError(
+                    f"max_new_tokens={brief_repr(max_new_tokens)} leaves no room for the prompt "
+                    f"in the model's maximum length of {limit} tokens",
+                    len(ids),
+                    limit,
+                )
+            ids = ids[-(limit - max_new_tokens) :]
         return ids
 
     def _constraint(self, shape: "RequestShape"):
@@ -307,22 +398,31 @@ class Engine:
             return MinTokens(shape.min_tokens, self.scheduler.eos_ids, self.target.vocab_size, grammar)
         return grammar
 
-    async def _produce(self, ready: "_Ready", prompt, p: RequestParams, stops: list[str], send,
-                       shape: "RequestShape") -> None:
+    async def _produce(
+        self, ready: "_Ready", prompt, p: RequestParams, stops: list[str], send, shape: "RequestShape"
+    ) -> None:
         """One request, as a task: encode, run, detokenize, cut at stop strings, hand events over."""
         decoder, text, shown, kept = self.codec.decoder(), "", 0, 0  # text decoded, streamed; tokens kept
         async with send:
             try:
                 try:
                     ids: Sequence[int] = await anyio.to_thread.run_sync(
-                        lambda: self._encode(prompt, p.max_new_tokens, p.truncate_prompt, shape.tools))
+                        lambda: self._encode(prompt, p.max_new_tokens, p.truncate_prompt, shape.tools)
+                    )
                     compiles = shape.schema is not None or shape.lark is not None  # a grammar: in a thread
-                    constraint = (await anyio.to_thread.run_sync(self._constraint, shape) if compiles
-                                  else self._constraint(shape))
+                    constraint = (
+                        await anyio.to_thread.run_sync(self._constraint, shape) if compiles else self._constraint(shape)
+                    )
                     # started here, on the loop (it reads the prefix cache); it checks the rest
-                    request = self.scheduler.stream(ids, p.max_new_tokens, p.sampling_params(), mode=p.mode,
-                                                    logprobs=p.logprobs, constraint=constraint,
-                                                    ignore_eos=shape.ignore_eos)
+                    request = self.scheduler.stream(
+                        ids,
+                        p.max_new_tokens,
+                        p.sampling_params(),
+                        mode=p.mode,
+                        logprobs=p.logprobs,
+                        constraint=constraint,
+                        ignore_eos=shape.ignore_eos,
+                    )
                 except BaseException as exc:
                     ready.set(exc if isinstance(exc, Exception) else None)
                     raise
@@ -336,8 +436,9 @@ class Engine:
                 try:
                     if shape.prompt_top is not None:  # the prompt's own tokens first, in the request's slot
                         scored = await prompt_logprobs_of(self.target, np.asarray(ids), shape.prompt_top)
-                        await self._hand_over(send, StreamEvent("", (), prompt_token_ids=tuple(ids),
-                                                                prompt_logprobs=tuple(scored)))
+                        await self._hand_over(
+                            send, StreamEvent("", (), prompt_token_ids=tuple(ids), prompt_logprobs=tuple(scored))
+                        )
                     async for ev in request:
                         ids, finished = ev.token_ids, ev.finished
                         if stops:  # token by token, as a plain step would see them (see cut_at_stop)
@@ -352,9 +453,13 @@ class Engine:
                         upto = len(text) - (stop_prefix_len(text, stops, shown) if stops and not finished else 0)
                         lps = ev.logprobs[: len(ids)] if ev.logprobs is not None else None
                         if finished and shape.prompt_top is not None:  # its own scoring pass computed the
-                            request.stats.cached_prompt_tokens = 0     # prompt: nothing came from earlier ones
-                        await self._hand_over(send, StreamEvent(text[shown:upto], tuple(ids), finished,
-                                                                request.stats if finished else None, lps))
+                            request.stats.cached_prompt_tokens = 0  # prompt: nothing came from earlier ones
+                        await self._hand_over(
+                            send,
+                            StreamEvent(
+                                text[shown:upto], tuple(ids), finished, request.stats if finished else None, lps
+                            ),
+                        )
                         shown = max(shown, upto)
                         if cut is not None:
                             break
@@ -380,9 +485,12 @@ class Engine:
         with anyio.move_on_after(timeout):
             await send.send(event)
             return
-        raise ConsumerTimeoutError(f"the request ended: its consumer took no event for {timeout:g} s "
-                                   f"(consumer_timeout={timeout:g}) and its KV slot was freed; read the stream "
-                                   "to its end, or close it (aclose(), async with) when done with it", timeout)
+        raise ConsumerTimeoutError(
+            f"the request ended: its consumer took no event for {timeout:g} s "
+            f"(consumer_timeout={timeout:g}) and its KV slot was freed; read the stream "
+            "to its end, or close it (aclose(), async with) when done with it",
+            timeout,
+        )
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token id stands for (its text may be part of a UTF-8 character; a
@@ -450,8 +558,9 @@ def _request_params(params, overrides: dict) -> RequestParams:
     if params is None or isinstance(params, RequestParams):
         return RequestParams.of(params, **overrides)
     if not isinstance(params, (int, float, np.number)):
-        raise InvalidInputError(f"params must be a RequestParams (or max_new_tokens, an integer), "
-                                f"got {brief_repr(params)}")
+        raise InvalidInputError(
+            f"params must be a RequestParams (or max_new_tokens, an integer), got {brief_repr(params)}"
+        )
     if "max_new_tokens" in overrides:
         raise InvalidInputError("max_new_tokens is given twice: as the second argument and as a keyword")
     return RequestParams.of(None, max_new_tokens=params, **overrides)

@@ -26,12 +26,40 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelLoadError, ModelNotBuiltError
-from ..manifest_schema import (KV_LAYOUT, KV_ROLES, LIMITS, MANIFEST, MAX_DRAFTS, MAX_EOS_IDS, MAX_FILES,
-                               MAX_MANIFEST_BYTES, MAX_NAME_CHARS, MAX_PATH_CHARS, MAX_TEMPLATE_CHARS, MAX_TOKEN_ID,
-                               PACKED_ROLES, REQUIRED_INPUTS, SCHEMA_VERSION, STAMP, STAMP_STAT, TREE_ROLES)
+from ..manifest_schema import (
+    KV_LAYOUT,
+    KV_ROLES,
+    LIMITS,
+    MANIFEST,
+    MAX_DRAFTS,
+    MAX_EOS_IDS,
+    MAX_FILES,
+    MAX_MANIFEST_BYTES,
+    MAX_NAME_CHARS,
+    MAX_PATH_CHARS,
+    MAX_TEMPLATE_CHARS,
+    MAX_TOKEN_ID,
+    PACKED_ROLES,
+    REQUIRED_INPUTS,
+    SCHEMA_VERSION,
+    STAMP,
+    STAMP_STAT,
+    TREE_ROLES,
+)
 
-__all__ = ["Manifest", "load_manifest", "check_manifest", "resolve_model_dir", "cache_root", "SCHEMA_VERSION",
-           "STAMP", "LIMITS", "KV_ROLES", "PACKED_ROLES", "inside"]
+__all__ = [
+    "Manifest",
+    "load_manifest",
+    "check_manifest",
+    "resolve_model_dir",
+    "cache_root",
+    "SCHEMA_VERSION",
+    "STAMP",
+    "LIMITS",
+    "KV_ROLES",
+    "PACKED_ROLES",
+    "inside",
+]
 
 CACHE_ENV = "SPECDEC_RT_CACHE"
 
@@ -84,7 +112,9 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
         return path
     text = str(name_or_path)
     if path.exists():
-        raise ModelLoadError(f"{path}: no manifest.json in this folder (build it with: python -m export SRC --out {path})")
+        raise ModelLoadError(
+            f"{path}: no manifest.json in this folder (build it with: python -m export SRC --out {path})"
+        )
     if os.sep in text or text.startswith("."):
         raise ModelLoadError(f"{path}: no such model folder")
     built = cache_root() / "models" / text
@@ -169,15 +199,16 @@ def check_manifest(folder: str | os.PathLike, raw: dict, verify_hashes: bool | s
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: must hold a JSON object, not {type(raw).__name__}")
     if raw.get("schema_version") != SCHEMA_VERSION:
-        raise ModelLoadError(f"{path}: schema_version {_short(raw.get('schema_version'))}, this runtime reads {SCHEMA_VERSION}")
+        raise ModelLoadError(
+            f"{path}: schema_version {_short(raw.get('schema_version'))}, this runtime reads {SCHEMA_VERSION}"
+        )
     arch = _obj(raw, "architecture", path)
     onnx_ = _obj(raw, "onnx", path)
     tok = _obj(raw, "tokenizer", path)
     special = _obj(raw, "special_tokens", path, default={})
     nums = {k: _int(arch.get(k), f"architecture.{k}", path, lo, hi) for k, (lo, hi) in LIMITS.items()}
     if nums["num_kv_heads"] > nums["num_heads"]:
-        raise ModelLoadError(f"{path}: num_kv_heads={nums['num_kv_heads']} exceeds "
-                             f"num_heads={nums['num_heads']}")
+        raise ModelLoadError(f"{path}: num_kv_heads={nums['num_kv_heads']} exceeds num_heads={nums['num_heads']}")
     eos = special.get("eos")
     eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
     if len(eos) > MAX_EOS_IDS:
@@ -185,8 +216,10 @@ def check_manifest(folder: str | os.PathLike, raw: dict, verify_hashes: bool | s
     bos = special.get("bos")
     kv = _obj(onnx_, "kv", path)
     m = Manifest(
-        folder=folder, name=_printable(_str(raw.get("name", folder.name), "name", path), "name", path),
-        role=_str(raw.get("role", "target"), "role", path), **nums,
+        folder=folder,
+        name=_printable(_str(raw.get("name", folder.name), "name", path), "name", path),
+        role=_str(raw.get("role", "target"), "role", path),
+        **nums,
         bos_id=None if bos is None else _int(bos, "special_tokens.bos", path, 0, MAX_TOKEN_ID - 1),
         eos_ids=tuple(_int(e, "special_tokens.eos", path, 0, MAX_TOKEN_ID - 1) for e in eos),
         tokenizer_file=inside(folder, tok.get("file"), "tokenizer.file", path),
@@ -194,9 +227,13 @@ def check_manifest(folder: str | os.PathLike, raw: dict, verify_hashes: bool | s
         add_bos=_bool(tok.get("add_bos", False), "tokenizer.add_bos", path),
         chat_template=_opt_str(tok.get("chat_template"), "tokenizer.chat_template", path, MAX_TEMPLATE_CHARS),
         onnx_file=inside(folder, onnx_.get("file"), "onnx.file", path),
-        inputs=_names(onnx_, "inputs", path), outputs=_names(onnx_, "outputs", path),
-        kv=dict(kv), quantization=onnx_.get("quantization") if isinstance(onnx_.get("quantization"), dict) else None,
-        drafts=_drafts(folder, raw.get("drafts"), path), exact_to=raw.get("exact_to"), raw=raw,
+        inputs=_names(onnx_, "inputs", path),
+        outputs=_names(onnx_, "outputs", path),
+        kv=dict(kv),
+        quantization=onnx_.get("quantization") if isinstance(onnx_.get("quantization"), dict) else None,
+        drafts=_drafts(folder, raw.get("drafts"), path),
+        exact_to=raw.get("exact_to"),
+        raw=raw,
     )
     for role in REQUIRED_INPUTS:
         if not m.inputs.get(role):
@@ -205,8 +242,10 @@ def check_manifest(folder: str | os.PathLike, raw: dict, verify_hashes: bool | s
     if not m.outputs.get("logits"):
         raise ModelLoadError(f"{path}: onnx.outputs.logits is missing")
     if m.kv.get("layout") != KV_LAYOUT or m.kv.get("shared_buffer") is not True:
-        raise ModelLoadError(f"{path}: KV layout {_short(m.kv.get('layout'))} shared={_short(m.kv.get('shared_buffer'))}; "
-                             f"this runtime needs {KV_LAYOUT} with a shared past/present buffer")
+        raise ModelLoadError(
+            f"{path}: KV layout {_short(m.kv.get('layout'))} shared={_short(m.kv.get('shared_buffer'))}; "
+            f"this runtime needs {KV_LAYOUT} with a shared past/present buffer"
+        )
     for role in KV_ROLES:
         _check_kv_template(m.kv.get(role), f"onnx.kv.{role}", path)
     if len({m.kv[r] for r in KV_ROLES}) != len(KV_ROLES):
@@ -239,8 +278,10 @@ def _check_packed(inputs: dict, path: Path) -> None:
         return
     missing = [role for role in PACKED_ROLES + TREE_ROLES if not inputs.get(role)]
     if missing:
-        raise ModelLoadError(f"{path}: exported before packed rows (no onnx.inputs.{missing[0]}); "
-                             "rebuild the folder with: python -m export")
+        raise ModelLoadError(
+            f"{path}: exported before packed rows (no onnx.inputs.{missing[0]}); "
+            "rebuild the folder with: python -m export"
+        )
 
 
 def read_regular(path: Path, limit: int, follow: bool = True) -> bytes:
@@ -332,8 +373,10 @@ def _check_kv_template(value, what: str, path: Path) -> None:
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {what} {_short(value)} is not a valid name template ({exc})") from None
     if not fields or any(f != "layer" or conv is not None or spec for f, conv, spec in fields):
-        raise ModelLoadError(f"{path}: {what} {_short(value)} must use the field {{layer}} and no other, "
-                             "without conversion or format spec")
+        raise ModelLoadError(
+            f"{path}: {what} {_short(value)} must use the field {{layer}} and no other, "
+            "without conversion or format spec"
+        )
 
 
 def _drafts(folder: Path, drafts, path: Path) -> tuple[dict, ...]:
@@ -398,8 +441,10 @@ def _verify_hashes(folder: Path, checked: dict, manifest: Path, use_stamp: bool)
         if stamp.get(fname) != key:
             got = _sha256(p)
             if got != want:
-                raise ModelLoadError(f"{p}: sha256 {got[:16]}... does not match the manifest's {want[:16]}... "
-                                     "(corrupt or replaced; rebuild the folder)")
+                raise ModelLoadError(
+                    f"{p}: sha256 {got[:16]}... does not match the manifest's {want[:16]}... "
+                    "(corrupt or replaced; rebuild the folder)"
+                )
             changed = True
         record[fname] = key
     if changed or (use_stamp and record != stamp):

@@ -15,10 +15,10 @@ import zipfile
 import numpy as np
 import pytest
 
-from specdec_rt.ort.eagle import load_vocab_map
 from specdec_rt.errors import ModelLoadError
-from specdec_rt.ort import manifest as manifest_mod
 from specdec_rt.manifest_schema import STAMP_STAT
+from specdec_rt.ort import manifest as manifest_mod
+from specdec_rt.ort.eagle import load_vocab_map
 from specdec_rt.ort.manifest import STAMP, load_manifest
 
 
@@ -118,21 +118,48 @@ def test_draft_vocab_file_outside(model):
 
 
 # ------------------------------------------------------------------ numbers and templates bounded
-@pytest.mark.parametrize("key,value", [
-    ("num_layers", 10**9), ("num_layers", 0), ("num_layers", -1), ("num_layers", 2.0),
-    ("num_layers", True), ("num_layers", "2"), ("hidden_size", 10**12), ("num_heads", 10**6),
-    ("head_dim", 10**9), ("vocab_size", 10**13), ("max_positions", 10**15), ("num_kv_heads", 5),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("num_layers", 10**9),
+        ("num_layers", 0),
+        ("num_layers", -1),
+        ("num_layers", 2.0),
+        ("num_layers", True),
+        ("num_layers", "2"),
+        ("hidden_size", 10**12),
+        ("num_heads", 10**6),
+        ("head_dim", 10**9),
+        ("vocab_size", 10**13),
+        ("max_positions", 10**15),
+        ("num_kv_heads", 5),
+    ],
+)
 def test_architecture_numbers_are_bounded(model, key, value):
     """Was: num_layers 10**9 loaded, then sized KV buffers and loops from it."""
     model["man"]["architecture"][key] = value
     _fails(model["write"](), "architecture" if key != "num_kv_heads" else "num_kv_heads")
 
 
-@pytest.mark.parametrize("template", [
-    "{layer:>300000000}", "past.{layer!r}", "{", "}{", "{0}", "{}", "{layer.__class__}",
-    "{layer[0]}", "{other}", "no-field", "x" * 1000, 5, None, "{layer}{layer:{layer}}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{layer:>300000000}",
+        "past.{layer!r}",
+        "{",
+        "}{",
+        "{0}",
+        "{}",
+        "{layer.__class__}",
+        "{layer[0]}",
+        "{other}",
+        "no-field",
+        "x" * 1000,
+        5,
+        None,
+        "{layer}{layer:{layer}}",
+    ],
+)
 def test_kv_name_templates_are_checked(model, template):
     """Was: `{layer:>300000000}` built a 300 MB name per layer; `{` raised ValueError later."""
     model["man"]["onnx"]["kv"]["past_key"] = template
@@ -141,25 +168,35 @@ def test_kv_name_templates_are_checked(model, template):
     assert time.perf_counter() - t0 < 1.0
 
 
-@pytest.mark.parametrize("text", ["[]", "null", "3", '"manifest"', "[" * 100000, "{bad json",
-                                  "\xff\xfe"])
+@pytest.mark.parametrize("text", ["[]", "null", "3", '"manifest"', "[" * 100000, "{bad json", "\xff\xfe"])
 def test_manifest_that_is_not_an_object(model, text):
     """Was: AttributeError ('list' object has no attribute 'get')."""
     (model["folder"] / "manifest.json").write_text(text, encoding="latin-1")
     _fails(model["folder"], "manifest.json")
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda m: m.update(architecture=[]), lambda m: m.update(onnx="x"),
-    lambda m: m.update(tokenizer=None), lambda m: m.update(special_tokens=[1]),
-    lambda m: m["special_tokens"].update(eos=["2"]), lambda m: m["special_tokens"].update(bos=-1),
-    lambda m: m["special_tokens"].update(eos=list(range(1000))),
-    lambda m: m["onnx"].update(inputs=["input_ids"]), lambda m: m["onnx"].update(kv=[]),
-    lambda m: m["onnx"]["inputs"].update(input_ids=7), lambda m: m.update(files=[1]),
-    lambda m: m["files"].update({"model.onnx": "x"}), lambda m: m.update(drafts="draft-q4"),
-    lambda m: m.update(drafts=["draft-q4"]), lambda m: m["tokenizer"].update(chat_template=5),
-    lambda m: m["files"]["model.onnx"].update(bytes="7997"), lambda m: m.update(name=["x"]),
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda m: m.update(architecture=[]),
+        lambda m: m.update(onnx="x"),
+        lambda m: m.update(tokenizer=None),
+        lambda m: m.update(special_tokens=[1]),
+        lambda m: m["special_tokens"].update(eos=["2"]),
+        lambda m: m["special_tokens"].update(bos=-1),
+        lambda m: m["special_tokens"].update(eos=list(range(1000))),
+        lambda m: m["onnx"].update(inputs=["input_ids"]),
+        lambda m: m["onnx"].update(kv=[]),
+        lambda m: m["onnx"]["inputs"].update(input_ids=7),
+        lambda m: m.update(files=[1]),
+        lambda m: m["files"].update({"model.onnx": "x"}),
+        lambda m: m.update(drafts="draft-q4"),
+        lambda m: m.update(drafts=["draft-q4"]),
+        lambda m: m["tokenizer"].update(chat_template=5),
+        lambda m: m["files"]["model.onnx"].update(bytes="7997"),
+        lambda m: m.update(name=["x"]),
+    ],
+)
 def test_malformed_fields_are_load_errors(model, mutate):
     """Was: AttributeError / TypeError from deep inside the loader."""
     mutate(model["man"])
@@ -386,8 +423,8 @@ def test_a_folder_in_the_working_directory_does_not_shadow_the_manifests_draft(t
 
 
 def test_the_benchmarks_source_stays_in_the_download_cache(model, monkeypatch, tmp_path):
-    from specdec_rt.tooling.bench.hf import _slug, _source_of
     from specdec_rt.ort.manifest import load_manifest as load
+    from specdec_rt.tooling.bench.hf import _slug, _source_of
 
     monkeypatch.setenv("SPECDEC_RT_CACHE", str(tmp_path / "cache"))
     man = {**model["man"], "source": {"kind": "recipe", "file": "../../outside/secret.bin"}}
