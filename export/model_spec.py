@@ -18,13 +18,34 @@ SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 GGUF_FAMILIES = ("llama", "qwen2")  # general.architecture of a GGUF (llama.cpp writes Mistral as llama)
 MAX_POSITIONS_CAP = 32768
 MIN_POSITIONS = 2  # a prompt token and one generated token
+# families refused on purpose, with why (named in the refusal); the rest by what config.json shows
+NOT_YET = {"gemma": "Gemma: not yet", "gemma2": "Gemma 2: not yet", "gemma3_text": "Gemma 3: not yet",
+           "gemma3": "Gemma 3: not yet; multimodal", "gemma3n": "Gemma 3n: not yet; multimodal"}
+_KINDS = (  # (what, model_type fragments, config.json keys)
+    ("mixture of experts", ("moe", "mixtral", "dbrx", "deepseek", "jetmoe", "granitemoe", "olmoe"),
+     ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")),
+    ("multimodal", ("vl", "vision", "llava", "mllama", "idefics", "multimodal", "smolvlm", "paligemma"),
+     ("vision_config", "audio_config", "text_config")),
+    ("state-space layers", ("mamba", "jamba", "rwkv", "falcon_h1", "zamba", "bamba", "lfm2", "nemotron_h"),
+     ("ssm_cfg", "mamba_d_state", "state_size", "layers_block_type")),
+)
 
 
-def unsupported_architecture(family, supported: tuple[str, ...] = SUPPORTED_FAMILIES) -> UnsupportedModelError:
+def unsupported_architecture(family, supported: tuple[str, ...] = SUPPORTED_FAMILIES,
+                             config: dict | None = None) -> UnsupportedModelError:
     """The one error for a model family the graph builder cannot emit (from a checkpoint folder,
-    or from a GGUF file: ``supported=GGUF_FAMILIES``)."""
+    or from a GGUF file: ``supported=GGUF_FAMILIES``), one line naming the family, why when it is
+    known (Gemma not yet; mixture of experts, multimodal towers, state-space layers: from the
+    model_type or ``config``, config.json's keys), and the supported ones."""
+    why = NOT_YET.get(family) if isinstance(family, str) else None
+    if why is None and supported is GGUF_FAMILIES and family in SUPPORTED_FAMILIES:
+        why = f"GGUF files of {family}: not yet; its checkpoint folders export"
+    name = family.lower() if isinstance(family, str) else ""
+    for what, fragments, keys in _KINDS:
+        if why is None and (any(f in name for f in fragments) or any(k in (config or {}) for k in keys)):
+            why = what
     return UnsupportedModelError(
-        f"unsupported architecture {family}; supported: {', '.join(supported)}")
+        f"unsupported architecture {family}{f' ({why})' if why else ''}; supported: {', '.join(supported)}")
 
 
 @dataclass(frozen=True)

@@ -77,8 +77,9 @@ def open_source(src: str | os.PathLike, record: dict | None = None) -> Source:
         if not config.is_file():
             raise SourceNotFoundError(f"{path} is not a Hugging Face checkpoint (no config.json)")
         try:
-            family = json.loads(config.read_text()).get("model_type")
-        except (OSError, ValueError) as exc:
+            settings = json.loads(config.read_text())
+            family = settings.get("model_type")
+        except (OSError, ValueError, AttributeError) as exc:  # AttributeError: JSON, not an object
             raise CorruptSourceError(f"unreadable {config}: {one_line(exc)}") from exc
         kind, folder, gguf_file = "folder", path.resolve(), None
         default_record = {"kind": "folder", "path": str(folder)}
@@ -87,12 +88,12 @@ def open_source(src: str | os.PathLike, record: dict | None = None) -> Source:
         family = info.architecture
         if family in GGUF_FAMILIES:  # metadata vs tensor index, memory: before loading
             check_model(info, path)
-        kind, folder, gguf_file = "gguf", path.resolve().parent, path.name
+        kind, folder, gguf_file, settings = "gguf", path.resolve().parent, path.name, None
         default_record = {"kind": "gguf", "path": str(path.resolve())}
     else:
         raise SourceNotFoundError(f"{path} is neither a checkpoint folder nor a .gguf file")
     supported = GGUF_FAMILIES if gguf_file else SUPPORTED_FAMILIES
     if family not in supported:
-        raise unsupported_architecture(family, supported)
+        raise unsupported_architecture(family, supported, settings)
     label = path.stem if gguf_file else path.name
     return Source(kind, folder, gguf_file, family, label, record or default_record)

@@ -10,12 +10,13 @@ its int8 quantized copy as the draft, then:
 - greedy decoding through the Engine, ``ar`` and ``spec`` (the q8 draft, n-gram lookup), equals
   PyTorch's greedy tokens over a prompt and answer of 48 positions.
 
-Then what the graph cannot express of these families is refused, and each family's config is
-read as transformers reads it."""
+Then the refusals: Gemma (not yet), mixture-of-experts, multimodal and state-space families fail
+before any work with one line naming the family and the supported ones."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from tiny_models import build_tiny_checkpoint  # noqa: E402
 
 from export.errors import UnsupportedModelError  # noqa: E402
 from export.manifest import read_manifest  # noqa: E402
-from export.model_spec import ModelSpec  # noqa: E402
+from export.model_spec import SUPPORTED_FAMILIES, ModelSpec  # noqa: E402
 from export.pipeline import Request, run  # noqa: E402
 from export.ui import Reporter  # noqa: E402
 from export.validate import KVSession  # noqa: E402
@@ -173,6 +174,69 @@ def test_engine_greedy_equals_pytorch_ar_and_spec(exported):
 
     for (draft, mode), tokens in asyncio.run(main()).items():
         assert tokens == want, f"{case}: {mode} with the {draft} draft left PyTorch's greedy output"
+
+
+def _refused(capsys, tmp_path, config: dict, *fragments: str) -> str:
+    """Export a folder holding only ``config.json``: it must fail on the config alone."""
+    from export.cli import main
+
+    src = tmp_path / str(config["model_type"])
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(config))
+    assert main([str(src), "--out", str(tmp_path / "o")]) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("export: error: "), captured.err
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert not (tmp_path / "o").exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "config,why",
+    [
+        ({"model_type": "gemma2"}, "Gemma 2: not yet"),
+        ({"model_type": "gemma3_text"}, "Gemma 3: not yet"),
+        ({"model_type": "qwen3_moe", "num_experts": 8}, "mixture of experts"),
+        ({"model_type": "mixtral", "num_local_experts": 8}, "mixture of experts"),
+        ({"model_type": "llava", "vision_config": {}, "text_config": {}}, "multimodal"),
+        ({"model_type": "mamba", "state_size": 16}, "state-space layers"),
+        ({"model_type": "some_new_thing", "moe_intermediate_size": 64}, "mixture of experts"),
+        ({"model_type": "gpt2"}, None),
+    ],
+)
+def test_unsupported_families_are_refused_before_any_work(capsys, tmp_path, config, why):
+    line = _refused(
+        capsys,
+        tmp_path,
+        config,
+        f"unsupported architecture {config['model_type']}",
+        "supported: llama, mistral, qwen2, qwen3, phi3, smollm3",
+    )
+    assert (f"({why})" in line) if why else ("(" not in line)
+    assert ", ".join(SUPPORTED_FAMILIES) in line
+
+
+def test_a_gguf_of_a_new_family_is_refused_naming_what_does_export(capsys, tmp_path):
+    import gguf
+
+    from export.cli import main
+
+    path = tmp_path / "tiny-qwen3.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.ones((16, 256), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main([str(path), "--out", str(tmp_path / "o")]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (
+        "export: error: unsupported architecture qwen3 (GGUF files of qwen3: not yet; its "
+        "checkpoint folders export); supported: llama, qwen2"
+    )
 
 
 @pytest.mark.parametrize(
