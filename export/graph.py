@@ -55,8 +55,16 @@ from .model_spec import ModelSpec
 from .quant import QuantSpec, quantize
 from .weights import ExternalDataWriter
 
-__all__ = ["IO_NAMES", "build_onnx", "rotary_tables", "decoder_io", "gqa_inputs", "save_graph", "PACKED_ROLES",
-           "TREE_ROLES"]
+__all__ = [
+    "IO_NAMES",
+    "build_onnx",
+    "rotary_tables",
+    "decoder_io",
+    "gqa_inputs",
+    "save_graph",
+    "PACKED_ROLES",
+    "TREE_ROLES",
+]
 
 OPSET = 21
 MS = "com.microsoft"
@@ -80,8 +88,10 @@ def rotary_tables(model, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
     cos, sin = cos[0].float().numpy(), sin[0].float().numpy()
     half = spec.rotary // 2
     if cos.shape[-1] != spec.rotary or not np.array_equal(cos[:, :half], cos[:, half:]):
-        raise UnsupportedModelError(f"unsupported rotary layout (partial or interleaved): a table of "
-                                    f"{cos.shape[-1]} dimensions for {spec.rotary} rotated ones")
+        raise UnsupportedModelError(
+            f"unsupported rotary layout (partial or interleaved): a table of "
+            f"{cos.shape[-1]} dimensions for {spec.rotary} rotated ones"
+        )
     pad = rotary_width(spec.own_head_dim, spec.rotary) // 2 - half  # padded dimensions turn by angle 0
     cos = np.pad(cos[:, :half], ((0, 0), (0, pad)), constant_values=1.0)
     sin = np.pad(sin[:, :half], ((0, 0), (0, pad)), constant_values=0.0)
@@ -121,10 +131,13 @@ class _Graph:
 
     def position_rows(self) -> str:
         """``position_ids`` ``[1, N]`` (packed) laid out as attention's rows ``[B, S]``."""
-        rows = self.node("Gather", ["position_ids", "pad_index"], ["/positions/padded"],
-                         "/positions/Unpack", axis=1)[0]  # [1, B*S]
-        lo, hi = self.init("/positions/lo", np.array([0], dtype=np.int64)), self.init(
-            "/positions/hi", np.array([2], dtype=np.int64))
+        rows = self.node("Gather", ["position_ids", "pad_index"], ["/positions/padded"], "/positions/Unpack", axis=1)[
+            0
+        ]  # [1, B*S]
+        lo, hi = (
+            self.init("/positions/lo", np.array([0], dtype=np.int64)),
+            self.init("/positions/hi", np.array([2], dtype=np.int64)),
+        )
         shape = self.node("Slice", ["padded_shape", lo, hi], ["/positions/shape"], "/positions/Shape")[0]
         return self.node("Reshape", [rows, shape], ["position_rows"], "/positions/Rows")[0]
 
@@ -134,8 +147,7 @@ class _Graph:
         self.inits.append(self.data.add(name, array))
         return name
 
-    def linear(self, x: str, w: np.ndarray, name: str, bias: np.ndarray | None = None,
-               out: str | None = None) -> str:
+    def linear(self, x: str, w: np.ndarray, name: str, bias: np.ndarray | None = None, out: str | None = None) -> str:
         """`x @ w (+ bias)` for `w` float32 [K, N]; MatMulNBits when quantizing."""
         out = out or f"{name}/output"
         if self.quant is None:
@@ -150,20 +162,31 @@ class _Graph:
                 ins.append(self.init(f"{name}.zero_points", q.zero_points))
             offsets = grid is not None and grid.offsets is not None
             bs = grid.block_size if grid else self.quant.block_size
-            self.node("MatMulNBits", ins, [f"{name}/codes" if offsets else out],
-                      f"{name}/MatMulNBits", domain=MS, K=q.k, N=q.n, bits=bits,
-                      block_size=bs, accuracy_level=self.quant.accuracy_level)
+            self.node(
+                "MatMulNBits",
+                ins,
+                [f"{name}/codes" if offsets else out],
+                f"{name}/MatMulNBits",
+                domain=MS,
+                K=q.k,
+                N=q.n,
+                bits=bits,
+                block_size=bs,
+                accuracy_level=self.quant.accuracy_level,
+            )
             if offsets:  # + sum over each block of x, times the block's offset
-                part = self.node("MatMul", [self.block_sums(x, q.k, bs), self.init(
-                    f"{name}.offsets", grid.offsets)], [f"{name}/offset"], f"{name}/Offsets")[0]
+                part = self.node(
+                    "MatMul",
+                    [self.block_sums(x, q.k, bs), self.init(f"{name}.offsets", grid.offsets)],
+                    [f"{name}/offset"],
+                    f"{name}/Offsets",
+                )[0]
                 self.node("Add", [f"{name}/codes", part], [out], f"{name}/AddOffsets")
         if bias is None:
             return out
-        return self.node("Add", [out, self.init(f"{name}.bias", bias)], [f"{name}/biased"],
-                         f"{name}/Add")[0]
+        return self.node("Add", [out, self.init(f"{name}.bias", bias)], [f"{name}/biased"], f"{name}/Add")[0]
 
-    def head_norm(self, x: str, heads: int, own: int, padded: int, rotary: int, w: np.ndarray,
-                  name: str) -> str:
+    def head_norm(self, x: str, heads: int, own: int, padded: int, rotary: int, w: np.ndarray, name: str) -> str:
         """RMSNorm over each head of ``x`` ``[1, N, heads * own]`` (Qwen3's q_norm / k_norm),
         as ``[1, N, heads * padded]`` in the layout of ``layout.pad_heads`` (the padding, a
         MatMul by a 0/1 matrix: every output is one input times 1, exactly)."""
@@ -172,8 +195,7 @@ class _Graph:
         out, _ = self.rms_norm(rows, None, w, name)
         if padded != own:
             scatter = pad_heads(np.eye(own, dtype=np.float32), 1, own, padded, rotary)  # [own, padded]
-            out = self.node("MatMul", [out, self.init(f"{name}/pad", scatter)], [f"{name}/padded"],
-                            f"{name}/Pad")[0]
+            out = self.node("MatMul", [out, self.init(f"{name}/pad", scatter)], [f"{name}/padded"], f"{name}/Pad")[0]
         flat = self.init(f"{name}/flat_shape", np.array([0, 0, heads * padded], dtype=np.int64))
         return self.node("Reshape", [out, flat], [f"{name}/flat"], f"{name}/Flat")[0]
 
@@ -186,21 +208,27 @@ class _Graph:
             shape = self.init(f"{tag}/block_shape", np.array([0, 0, k // bs, bs], dtype=np.int64))
             rows = self.node("Reshape", [x, shape], [f"{tag}/blocks"], f"{tag}/Blocks")[0]
             axes = self.init(f"{tag}/block_axis", np.array([-1], dtype=np.int64))
-            self._block_sums[key] = self.node("ReduceSum", [rows, axes], [f"{tag}/block_sums"],
-                                              f"{tag}/BlockSums", keepdims=0)[0]
+            self._block_sums[key] = self.node(
+                "ReduceSum", [rows, axes], [f"{tag}/block_sums"], f"{tag}/BlockSums", keepdims=0
+            )[0]
         return self._block_sums[key]
 
-    def rms_norm(self, x: str, skip: str | None, w: np.ndarray, name: str,
-                 out: str | None = None):
+    def rms_norm(self, x: str, skip: str | None, w: np.ndarray, name: str, out: str | None = None):
         """RMSNorm(x + skip) * w; returns (normed, x + skip)."""
         eps, out = self.eps, out or f"{name}/output"
         weight = self.init(f"{name}.weight", w)
         if skip is None:
-            return self.node("SimplifiedLayerNormalization", [x, weight], [out],
-                             name, axis=-1, epsilon=eps, stash_type=1)[0], x
+            return self.node(
+                "SimplifiedLayerNormalization", [x, weight], [out], name, axis=-1, epsilon=eps, stash_type=1
+            )[0], x
         out, _, _, summed = self.node(
-            "SkipSimplifiedLayerNormalization", [x, skip, weight],
-            [out, "", "", f"{name}/sum"], name, domain=MS, epsilon=eps)
+            "SkipSimplifiedLayerNormalization",
+            [x, skip, weight],
+            [out, "", "", f"{name}/sum"],
+            name,
+            domain=MS,
+            epsilon=eps,
+        )
         return out, summed
 
 
@@ -208,8 +236,9 @@ def _np(t) -> np.ndarray:
     return t.detach().float().numpy()
 
 
-def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = None,
-               on_layer: Callable[[int], None] | None = None) -> dict:
+def build_onnx(
+    model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = None, on_layer: Callable[[int], None] | None = None
+) -> dict:
     """Write `model.onnx` + `model.onnx.data` into `out_dir`; returns {"nodes": n, ...}.
 
     `model` is a transformers causal LM of a supported family (``ModelSpec.family``) in
@@ -225,40 +254,53 @@ def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = 
         g = _Graph(data, quant, spec.rms_eps)
         g.init("cos_cache", cos)  # [P, d/2]
         g.init("sin_cache", sin)
-        x = g.node("Gather", [g.init("embed_tokens.weight", _np(sd["model.embed_tokens.weight"])),
-                              "input_ids"], ["/embed/output"], "/embed/Gather")[0]  # [B, S, H]
+        x = g.node(
+            "Gather",
+            [g.init("embed_tokens.weight", _np(sd["model.embed_tokens.weight"])), "input_ids"],
+            ["/embed/output"],
+            "/embed/Gather",
+        )[0]  # [B, S, H]
         stream, res = x, None  # stream: the branch output to add; res: the running residual
         g.position_rows()  # [B, S] for attention, from the packed [1, N]
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
-            h, res = g.rms_norm(stream, res, _np(sd[p + "input_layernorm.weight"]),
-                                f"/layers.{i}/input_layernorm")
+            h, res = g.rms_norm(stream, res, _np(sd[p + "input_layernorm.weight"]), f"/layers.{i}/input_layernorm")
             att = p + "self_attn."
             # q and k unpadded where each head is normed first (Qwen3): the norm pads them
             size = {n: own if spec.qk_norm and n != "v" else d for n in "qkv"}
-            w_qkv = np.concatenate([pad_heads(_np(sd[att + f"{n}_proj.weight"]).T, heads[n], own, size[n], rot)
-                                    for n in "qkv"], axis=1)
+            w_qkv = np.concatenate(
+                [pad_heads(_np(sd[att + f"{n}_proj.weight"]).T, heads[n], own, size[n], rot) for n in "qkv"], axis=1
+            )
             b_qkv = None
             if att + "q_proj.bias" in sd:
-                b_qkv = np.concatenate([pad_heads(_np(sd[att + f"{n}_proj.bias"]), heads[n], own, size[n], rot)
-                                        for n in "qkv"])
+                b_qkv = np.concatenate(
+                    [pad_heads(_np(sd[att + f"{n}_proj.bias"]), heads[n], own, size[n], rot) for n in "qkv"]
+                )
             qkv = g.linear(h, w_qkv, f"/layers.{i}/attn/qkv", b_qkv)  # [1, N, (nh + 2 kv) d]
             del w_qkv
             if spec.qk_norm:
                 qkv = _norm_heads(g, qkv, sd, att, spec, f"/layers.{i}/attn")
             rotary = i not in spec.nope_layers  # SmolLM3: some layers have no rotary
-            a = g.node("GroupQueryAttention", gqa_inputs(g.unpack(qkv, f"/layers.{i}/attn"), i,
-                                                         rotary=rotary),
-                       [f"/layers.{i}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
-                       f"/layers.{i}/attn/GroupQueryAttention", domain=MS,
-                       num_heads=nh, kv_num_heads=kv, scale=1.0 / math.sqrt(own),
-                       do_rotary=int(rotary), rotary_interleaved=0, local_window_size=-1)[0]
+            a = g.node(
+                "GroupQueryAttention",
+                gqa_inputs(g.unpack(qkv, f"/layers.{i}/attn"), i, rotary=rotary),
+                [f"/layers.{i}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
+                f"/layers.{i}/attn/GroupQueryAttention",
+                domain=MS,
+                num_heads=nh,
+                kv_num_heads=kv,
+                scale=1.0 / math.sqrt(own),
+                do_rotary=int(rotary),
+                rotary_interleaved=0,
+                local_window_size=-1,
+            )[0]
             a = g.pack(a, f"/layers.{i}/attn")  # [1, N, nh d]
             w_o = pad_heads(_np(sd[att + "o_proj.weight"]), nh, own, d, rot).T  # [nh d, H]: zero rows for padding
             b_o = sd.get(att + "o_proj.bias")  # Llama with attention_bias=True
             o = g.linear(a, w_o, f"/layers.{i}/attn/o_proj", None if b_o is None else _np(b_o))
-            h, res = g.rms_norm(o, res, _np(sd[p + "post_attention_layernorm.weight"]),
-                                f"/layers.{i}/post_attention_layernorm")
+            h, res = g.rms_norm(
+                o, res, _np(sd[p + "post_attention_layernorm.weight"]), f"/layers.{i}/post_attention_layernorm"
+            )
             mlp = p + "mlp."
             gate = g.linear(h, _np(sd[mlp + "gate_proj.weight"]).T, f"/layers.{i}/mlp/gate_proj")
             up = g.linear(h, _np(sd[mlp + "up_proj.weight"]).T, f"/layers.{i}/mlp/up_proj")
@@ -266,13 +308,13 @@ def build_onnx(model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = 
             sig = g.node("Sigmoid", [gate], [f"{m}/sigmoid"], f"{m}/Sigmoid")
             silu = g.node("Mul", [gate, sig[0]], [f"{m}/silu"], f"{m}/SiLU")  # ORT: QuickGelu
             act = g.node("Mul", [silu[0], up], [f"{m}/act"], f"{m}/Mul")
-            stream = g.linear(act[0], _np(sd[mlp + "down_proj.weight"]).T,
-                              f"/layers.{i}/mlp/down_proj")
+            stream = g.linear(act[0], _np(sd[mlp + "down_proj.weight"]).T, f"/layers.{i}/mlp/down_proj")
             if on_layer:
                 on_layer(i)
         g.rms_norm(stream, res, _np(sd["model.norm.weight"]), "/norm", out="hidden_states")
-        picked = g.node("Gather", ["hidden_states", "logits_index"], ["/lm_head/rows"],
-                        "/lm_head/Gather", axis=1)[0]  # [B, R, H]
+        picked = g.node("Gather", ["hidden_states", "logits_index"], ["/lm_head/rows"], "/lm_head/Gather", axis=1)[
+            0
+        ]  # [B, R, H]
         head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
         g.linear(picked, _np(head).T, "/lm_head", out="logits")  # [B, R, V]
 
@@ -302,13 +344,28 @@ def gqa_inputs(qkv: str, layer: int, packed: bool = True, rotary: bool = True) -
     the cache; a row with 0 new positions is left untouched), which a batched verify needs;
     without it, only batch 1."""
     tables = ["cos_cache", "sin_cache"] if rotary else ["", ""]
-    return [qkv, "", "", f"past_key_values.{layer}.key", f"past_key_values.{layer}.value", "seqlens_k",
-            "total_sequence_length", *tables,
-            *(["position_rows", "attention_bias"] + [""] * 5 + ["query_seqlens"] if packed else [])]
+    return [
+        qkv,
+        "",
+        "",
+        f"past_key_values.{layer}.key",
+        f"past_key_values.{layer}.value",
+        "seqlens_k",
+        "total_sequence_length",
+        *tables,
+        *(["position_rows", "attention_bias"] + [""] * 5 + ["query_seqlens"] if packed else []),
+    ]
 
 
-def decoder_io(num_layers: int, kv_heads: int, head_dim: int, vocab: int, hidden: int,
-               extra_inputs: tuple = (), packed: bool = True) -> tuple[list, list]:
+def decoder_io(
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int,
+    hidden: int,
+    extra_inputs: tuple = (),
+    packed: bool = True,
+) -> tuple[list, list]:
     """The graph inputs / outputs every decoder graph of this exporter has (the manifest's
     names), plus ``extra_inputs`` (value infos). ``packed``: the positions of all rows come
     packed in one row (``input_ids`` ``[1, N]``, ``logits_index`` over the N), with the
@@ -316,16 +373,26 @@ def decoder_io(num_layers: int, kv_heads: int, head_dim: int, vocab: int, hidden
     f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
     vi = helper.make_tensor_value_info
     kv_shape = ["batch_size", kv_heads, "max_cache_length", head_dim]
-    inputs = [vi("input_ids", i64, ["batch_size", "sequence_length"]), *extra_inputs,
-              vi("seqlens_k", i32, ["batch_size"]), vi("total_sequence_length", i32, []),
-              vi("logits_index", i64, ["num_logits"])]
+    inputs = [
+        vi("input_ids", i64, ["batch_size", "sequence_length"]),
+        *extra_inputs,
+        vi("seqlens_k", i32, ["batch_size"]),
+        vi("total_sequence_length", i32, []),
+        vi("logits_index", i64, ["num_logits"]),
+    ]
     if packed:
-        inputs += [vi("query_seqlens", i32, ["rows"]), vi("pad_index", i64, ["padded_positions"]),
-                   vi("pack_index", i64, ["sequence_length"]), vi("padded_shape", i64, [3]),
-                   vi("position_ids", i64, [1, "sequence_length"]),
-                   vi("attention_bias", f32, [1, 1, "padded_width", "total_length"])]
-    outputs = [vi("logits", f32, ["batch_size", "num_logits", vocab]),
-               vi("hidden_states", f32, ["batch_size", "sequence_length", hidden])]
+        inputs += [
+            vi("query_seqlens", i32, ["rows"]),
+            vi("pad_index", i64, ["padded_positions"]),
+            vi("pack_index", i64, ["sequence_length"]),
+            vi("padded_shape", i64, [3]),
+            vi("position_ids", i64, [1, "sequence_length"]),
+            vi("attention_bias", f32, [1, 1, "padded_width", "total_length"]),
+        ]
+    outputs = [
+        vi("logits", f32, ["batch_size", "num_logits", vocab]),
+        vi("hidden_states", f32, ["batch_size", "sequence_length", hidden]),
+    ]
     for i in range(num_layers):
         for kind in ("key", "value"):
             inputs.append(vi(f"past_key_values.{i}.{kind}", f32, kv_shape))
@@ -336,9 +403,9 @@ def decoder_io(num_layers: int, kv_heads: int, head_dim: int, vocab: int, hidden
 def save_graph(g: "_Graph", name: str, inputs: list, outputs: list, path: Path, producer: str) -> dict:
     """Write the accumulated graph as ``path`` (opset 21 + com.microsoft); returns its stats."""
     graph = helper.make_graph(g.nodes, name, inputs, outputs, initializer=g.inits)
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                    helper.make_opsetid(MS, 1)],
-                              producer_name=producer)
+    proto = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)], producer_name=producer
+    )
     proto.ir_version = 10
     onnx.save_model(proto, str(path))
     stats = {"nodes": len(g.nodes), "weights_bytes": g.data.bytes_written}

@@ -43,8 +43,8 @@ def pad_heads(w: np.ndarray, heads: int, own: int, padded: int, rotary: int | No
     out = np.zeros((*lead, heads, padded), dtype=w.dtype)
     half, width = rotary // 2, rotary_width(own, rotary) // 2
     out[..., :half] = h[..., :half]
-    out[..., width:width + half] = h[..., half:rotary]
-    out[..., 2 * width:2 * width + own - rotary] = h[..., rotary:]
+    out[..., width : width + half] = h[..., half:rotary]
+    out[..., 2 * width : 2 * width + own - rotary] = h[..., rotary:]
     return out.reshape(*lead, heads * padded)
 
 
@@ -61,8 +61,10 @@ def split_fused(sd, spec) -> dict:
     for key in [k for k in out if k.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias"))]:
         fused, stem, kind = out.pop(key), key[: -len("qkv_proj.weight")], key.rsplit(".", 1)[1]
         if fused.shape[0] != q + 2 * kv:
-            raise UnsupportedModelError(f"unsupported {key} of {fused.shape[0]} rows: need {q + 2 * kv} "
-                                        f"(q, k and v of {spec.num_heads} and 2 x {spec.num_kv_heads} heads)")
+            raise UnsupportedModelError(
+                f"unsupported {key} of {fused.shape[0]} rows: need {q + 2 * kv} "
+                f"(q, k and v of {spec.num_heads} and 2 x {spec.num_kv_heads} heads)"
+            )
         for name, lo, hi in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
             out[f"{stem}{name}_proj.{kind}"] = fused[lo:hi]
     for key in [k for k in out if k.endswith("mlp.gate_up_proj.weight")]:
@@ -87,4 +89,6 @@ def check_weights(sd, spec) -> None:
     extra = sorted(k for k in sd if k not in known and not k.endswith("rotary_emb.inv_freq"))
     if extra:
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
-        raise UnsupportedModelError(f"unsupported weights {', '.join(extra[:3])}{more}: the graph has no place for them")
+        raise UnsupportedModelError(
+            f"unsupported weights {', '.join(extra[:3])}{more}: the graph has no place for them"
+        )

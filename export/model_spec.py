@@ -10,8 +10,14 @@ from dataclasses import asdict, dataclass
 from .errors import UnsupportedModelError
 from .layout import graph_head_dim
 
-__all__ = ["ModelSpec", "SUPPORTED_FAMILIES", "GGUF_FAMILIES", "MAX_POSITIONS_CAP", "MIN_POSITIONS",
-           "unsupported_architecture"]
+__all__ = [
+    "ModelSpec",
+    "SUPPORTED_FAMILIES",
+    "GGUF_FAMILIES",
+    "MAX_POSITIONS_CAP",
+    "MIN_POSITIONS",
+    "unsupported_architecture",
+]
 
 # model_type of a checkpoint folder; Mistral is Llama's graph with a sliding window
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
@@ -19,20 +25,35 @@ GGUF_FAMILIES = ("llama", "qwen2")  # general.architecture of a GGUF (llama.cpp 
 MAX_POSITIONS_CAP = 32768
 MIN_POSITIONS = 2  # a prompt token and one generated token
 # families refused on purpose, with why (named in the refusal); the rest by what config.json shows
-NOT_YET = {"gemma": "Gemma: not yet", "gemma2": "Gemma 2: not yet", "gemma3_text": "Gemma 3: not yet",
-           "gemma3": "Gemma 3: not yet; multimodal", "gemma3n": "Gemma 3n: not yet; multimodal"}
+NOT_YET = {
+    "gemma": "Gemma: not yet",
+    "gemma2": "Gemma 2: not yet",
+    "gemma3_text": "Gemma 3: not yet",
+    "gemma3": "Gemma 3: not yet; multimodal",
+    "gemma3n": "Gemma 3n: not yet; multimodal",
+}
 _KINDS = (  # (what, model_type fragments, config.json keys)
-    ("mixture of experts", ("moe", "mixtral", "dbrx", "deepseek", "jetmoe", "granitemoe", "olmoe"),
-     ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")),
-    ("multimodal", ("vl", "vision", "llava", "mllama", "idefics", "multimodal", "smolvlm", "paligemma"),
-     ("vision_config", "audio_config", "text_config")),
-    ("state-space layers", ("mamba", "jamba", "rwkv", "falcon_h1", "zamba", "bamba", "lfm2", "nemotron_h"),
-     ("ssm_cfg", "mamba_d_state", "state_size", "layers_block_type")),
+    (
+        "mixture of experts",
+        ("moe", "mixtral", "dbrx", "deepseek", "jetmoe", "granitemoe", "olmoe"),
+        ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size"),
+    ),
+    (
+        "multimodal",
+        ("vl", "vision", "llava", "mllama", "idefics", "multimodal", "smolvlm", "paligemma"),
+        ("vision_config", "audio_config", "text_config"),
+    ),
+    (
+        "state-space layers",
+        ("mamba", "jamba", "rwkv", "falcon_h1", "zamba", "bamba", "lfm2", "nemotron_h"),
+        ("ssm_cfg", "mamba_d_state", "state_size", "layers_block_type"),
+    ),
 )
 
 
-def unsupported_architecture(family, supported: tuple[str, ...] = SUPPORTED_FAMILIES,
-                             config: dict | None = None) -> UnsupportedModelError:
+def unsupported_architecture(
+    family, supported: tuple[str, ...] = SUPPORTED_FAMILIES, config: dict | None = None
+) -> UnsupportedModelError:
     """The one error for a model family the graph builder cannot emit (from a checkpoint folder,
     or from a GGUF file: ``supported=GGUF_FAMILIES``), one line naming the family, why when it is
     known (Gemma not yet; mixture of experts, multimodal towers, state-space layers: from the
@@ -45,7 +66,8 @@ def unsupported_architecture(family, supported: tuple[str, ...] = SUPPORTED_FAMI
         if why is None and (any(f in name for f in fragments) or any(k in (config or {}) for k in keys)):
             why = what
     return UnsupportedModelError(
-        f"unsupported architecture {family}{f' ({why})' if why else ''}; supported: {', '.join(supported)}")
+        f"unsupported architecture {family}{f' ({why})' if why else ''}; supported: {', '.join(supported)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -97,8 +119,7 @@ class ModelSpec:
         window = getattr(config, "sliding_window", None)
         if family in ("qwen2", "qwen3", "smollm3") and not getattr(config, "use_sliding_window", False):
             window = None
-        if family in ("qwen3", "smollm3") and "sliding_attention" not in (getattr(config, "layer_types", None)
-                                                                         or ()):
+        if family in ("qwen3", "smollm3") and "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
             window = None
         if window is not None:
             if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -109,19 +130,25 @@ class ModelSpec:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < MIN_POSITIONS:
             raise UnsupportedModelError(
                 f"unsupported context of {limit!r} positions (max_position_embeddings "
-                f"{config.max_position_embeddings!r}): need at least {MIN_POSITIONS}")
+                f"{config.max_position_embeddings!r}): need at least {MIN_POSITIONS}"
+            )
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        for key, value in (("hidden_size", config.hidden_size), ("num_attention_heads", heads),
-                           ("num_key_value_heads", kv_heads)):
+        for key, value in (
+            ("hidden_size", config.hidden_size),
+            ("num_attention_heads", heads),
+            ("num_key_value_heads", kv_heads),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UnsupportedModelError(f"unsupported {key} {value!r}: need a positive integer")
         if heads % kv_heads:
-            raise UnsupportedModelError(f"unsupported num_attention_heads {heads} with "
-                                        f"num_key_value_heads {kv_heads}: need a multiple")
+            raise UnsupportedModelError(
+                f"unsupported num_attention_heads {heads} with num_key_value_heads {kv_heads}: need a multiple"
+            )
         if not getattr(config, "head_dim", None) and config.hidden_size % heads:
-            raise UnsupportedModelError(f"unsupported hidden_size {config.hidden_size} with "
-                                        f"num_attention_heads {heads}: need a multiple")
+            raise UnsupportedModelError(
+                f"unsupported hidden_size {config.hidden_size} with num_attention_heads {heads}: need a multiple"
+            )
         own = getattr(config, "head_dim", None) or config.hidden_size // heads
         if isinstance(own, bool) or not isinstance(own, int) or own < 1:
             raise UnsupportedModelError(f"unsupported head_dim {own!r}: need a positive integer")
@@ -148,8 +175,16 @@ class ModelSpec:
 
     def manifest(self) -> dict:
         """The manifest's `architecture` record."""
-        keep = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                "head_dim", "vocab_size", "max_positions")
+        keep = (
+            "family",
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "max_positions",
+        )
         return {k: v for k, v in asdict(self).items() if k in keep}
 
 
@@ -192,8 +227,10 @@ def _rotary_dim(config, family: str, own: int) -> int:
     _positive_number(config, "partial_rotary_factor", factor)
     rotary = int(own * float(factor))
     if rotary < 2 or rotary > own or rotary % 2:
-        raise UnsupportedModelError(f"unsupported partial_rotary_factor {factor!r} of head size {own}: "
-                                    f"need an even number of rotated dimensions, 2..{own}")
+        raise UnsupportedModelError(
+            f"unsupported partial_rotary_factor {factor!r} of head size {own}: "
+            f"need an even number of rotated dimensions, 2..{own}"
+        )
     return rotary
 
 
@@ -203,10 +240,14 @@ def _nope_layers(config, family: str) -> tuple[int, ...]:
     if family != "smollm3":
         return ()
     flags = getattr(config, "no_rope_layers", None)
-    if not isinstance(flags, (list, tuple)) or len(flags) != config.num_hidden_layers or any(
-            f not in (0, 1) for f in flags):
-        raise UnsupportedModelError(f"unsupported no_rope_layers {flags!r}: need a 0 or 1 for each of "
-                                    f"the {config.num_hidden_layers} layers")
+    if (
+        not isinstance(flags, (list, tuple))
+        or len(flags) != config.num_hidden_layers
+        or any(f not in (0, 1) for f in flags)
+    ):
+        raise UnsupportedModelError(
+            f"unsupported no_rope_layers {flags!r}: need a 0 or 1 for each of the {config.num_hidden_layers} layers"
+        )
     return tuple(i for i, use_rope in enumerate(flags) if not use_rope)
 
 
@@ -218,9 +259,11 @@ def _longrope_limit(config) -> int | None:
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     if kind != "longrope":
         return None
-    original = (scaling.get("original_max_position_embeddings")
-                or getattr(config, "original_max_position_embeddings", None))
+    original = scaling.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    )
     if isinstance(original, bool) or not isinstance(original, int) or original < 1:
-        raise UnsupportedModelError(f"unsupported longrope scaling without a valid "
-                                    f"original_max_position_embeddings (got {original!r})")
+        raise UnsupportedModelError(
+            f"unsupported longrope scaling without a valid original_max_position_embeddings (got {original!r})"
+        )
     return original

@@ -37,8 +37,7 @@ class Source:
         """What decides whether an existing output is still up to date."""
         if "sha256" in self.record:
             return {"sha256": self.record["sha256"]}
-        files = [self.path] if self.gguf_file else sorted(
-            p for p in self.folder.iterdir() if p.is_file())
+        files = [self.path] if self.gguf_file else sorted(p for p in self.folder.iterdir() if p.is_file())
         return {"files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}}
 
     def vocab_size(self) -> int | None:
@@ -54,10 +53,10 @@ class Source:
 
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                str(self.folder), gguf_file=self.gguf_file, dtype=torch.float32)
+                str(self.folder), gguf_file=self.gguf_file, dtype=torch.float32
+            )
         except Exception as exc:  # noqa: BLE001 - loader errors are source errors
-            raise CorruptSourceError(f"cannot load the model from {self.path}: "
-                                     f"{one_line(exc)}") from exc
+            raise CorruptSourceError(f"cannot load the model from {self.path}: {one_line(exc)}") from exc
         return model.eval()
 
     def load_tokenizer(self):

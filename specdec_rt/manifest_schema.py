@@ -16,9 +16,27 @@ and the KV pool), and the text layer, which lies below ``ort`` in the layer orde
 from __future__ import annotations
 
 __all__ = [
-    "SCHEMA_VERSION", "MANIFEST", "STAMP", "STAMP_STAT", "MAX_MANIFEST_BYTES", "MAX_TEMPLATE_CHARS", "MAX_NAME_CHARS",
-    "MAX_PATH_CHARS", "MAX_FILES", "MAX_EOS_IDS", "MAX_DRAFTS", "LIMITS", "MAX_TOKEN_ID", "MODEL_ROLES",
-    "KV_LAYOUT", "KV_ROLES", "REQUIRED_INPUTS", "PACKED_ROLES", "TREE_ROLES", "IO_NAMES", "TEXT_TAGS",
+    "SCHEMA_VERSION",
+    "MANIFEST",
+    "STAMP",
+    "STAMP_STAT",
+    "MAX_MANIFEST_BYTES",
+    "MAX_TEMPLATE_CHARS",
+    "MAX_NAME_CHARS",
+    "MAX_PATH_CHARS",
+    "MAX_FILES",
+    "MAX_EOS_IDS",
+    "MAX_DRAFTS",
+    "LIMITS",
+    "MAX_TOKEN_ID",
+    "MODEL_ROLES",
+    "KV_LAYOUT",
+    "KV_ROLES",
+    "REQUIRED_INPUTS",
+    "PACKED_ROLES",
+    "TREE_ROLES",
+    "IO_NAMES",
+    "TEXT_TAGS",
 ]
 
 # The format this exporter writes and this runtime reads (docs/manifest.md). A change that an

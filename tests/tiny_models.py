@@ -14,15 +14,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["build_tiny_tokenizer", "build_tiny_checkpoint", "build_tiny_gguf", "export_tiny",
-           "plain_spec_together", "FAMILIES", "CHATML_TEMPLATE"]
+__all__ = [
+    "build_tiny_tokenizer",
+    "build_tiny_checkpoint",
+    "build_tiny_gguf",
+    "export_tiny",
+    "plain_spec_together",
+    "FAMILIES",
+    "CHATML_TEMPLATE",
+]
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3")  # all but llama, qwen2: folders only
 CHATML_TEMPLATE = (
     "{{ bos_token if add_bos_in_template else '' }}"
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
     "message['content'] + '<|im_end|>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 _CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -54,12 +62,17 @@ def build_tiny_tokenizer(family: str = "llama", vocab: int = 320, corpus_seed: i
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tk.train_from_iterator(corpus, trainer)
     if family in ("llama", "mistral"):  # bos on plain text, as Llama tokenizers do
         tk.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tk.token_to_id("<s>"))])
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tk.token_to_id("<s>"))]
+        )
         kw = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<|endoftext|>"}
         template = CHATML_TEMPLATE.replace("add_bos_in_template", "true")
     else:
@@ -71,10 +84,21 @@ def build_tiny_tokenizer(family: str = "llama", vocab: int = 320, corpus_seed: i
     return tok
 
 
-def build_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, vocab: int = 384,
-                          hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                          intermediate: int = 128, max_positions: int = 512,
-                          tokenizer_seed: int = 0, window: int | None = None, **config) -> Path:
+def build_tiny_checkpoint(
+    path: Path,
+    family: str = "llama",
+    seed: int = 0,
+    vocab: int = 384,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    max_positions: int = 512,
+    tokenizer_seed: int = 0,
+    window: int | None = None,
+    **config,
+) -> Path:
     """Save a random-weight `family` model + tokenizer to `path` (`save_pretrained`).
     ``config``: more options for the transformers config (e.g. ``attention_bias=True``)."""
     import torch
@@ -90,20 +114,30 @@ def build_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, voca
 
     path = Path(path)
     tok = build_tiny_tokenizer(family, corpus_seed=tokenizer_seed)
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                  num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                  initializer_range=0.08, rms_norm_eps=1e-5, pad_token_id=tok.pad_token_id,
-                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **config)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        initializer_range=0.08,
+        rms_norm_eps=1e-5,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        **config,
+    )
     torch.manual_seed(seed)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
     elif family == "mistral":  # a window longer than the model's positions unless `window` says
-        model = MistralForCausalLM(MistralConfig(**common, tie_word_embeddings=False,
-                                                 sliding_window=window or 4 * max_positions))
+        model = MistralForCausalLM(
+            MistralConfig(**common, tie_word_embeddings=False, sliding_window=window or 4 * max_positions)
+        )
     elif family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False,
-                                             rope_theta=1e6))
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1e6))
     elif family == "qwen3":  # head_dim apart from hidden / heads (Qwen3's default: 128)
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -126,16 +160,15 @@ def build_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, voca
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.3)
-    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id,
-                                               eos_token_id=tok.eos_token_id,
-                                               pad_token_id=tok.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
 
-def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized: bool = False,
-                    **kw) -> Path:
+def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized: bool = False, **kw) -> Path:
     """Write a tiny random checkpoint as an F32 GGUF file (what llama.cpp's converter would
     write: its tensor names, q/k rows permuted for llama, BPE tokens + merges + token types),
     so the GGUF path (transformers' loader, special-token fixes) runs offline in seconds.
@@ -174,8 +207,7 @@ def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized:
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in specials else 1 for t in tokens])  # 3 = CONTROL
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
-                             for m in spec["model"]["merges"]])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
     template = AutoTokenizer.from_pretrained(ckpt).chat_template
     writer.add_eos_token_id(vocab["<|im_end|>"])  # the GGUF's own choice, as in SmolLM2's
     if family == "llama":
@@ -185,17 +217,25 @@ def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized:
     writer.add_chat_template(template)
 
     def permute(w, heads):  # HF rotary halves -> llama.cpp's interleaved rows (llama only)
-        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
-            .reshape(w.shape)
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"],
-               "output_norm.weight": sd["model.norm.weight"],
-               "output.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    tensors = {
+        "token_embd.weight": sd["model.embed_tokens.weight"],
+        "output_norm.weight": sd["model.norm.weight"],
+        "output.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"]),
+    }
     for i in range(cfg.num_hidden_layers):
         for hf, gg in names.items():
             for kind in ("weight", "bias"):
@@ -204,14 +244,16 @@ def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized:
                     continue
                 w = sd[key]
                 if family == "llama" and gg in ("attn_q", "attn_k"):
-                    w = permute(w, cfg.num_attention_heads if gg == "attn_q"
-                                else cfg.num_key_value_heads)
+                    w = permute(w, cfg.num_attention_heads if gg == "attn_q" else cfg.num_key_value_heads)
                 tensors[f"blk.{i}.{gg}.{kind}"] = w
     for name, w in tensors.items():
         w = np.ascontiguousarray(w, dtype=np.float32)
         if quantized and w.ndim == 2:
-            kind = (gguf.GGMLQuantizationType.Q8_0 if name in ("token_embd.weight", "output.weight")
-                    else gguf.GGMLQuantizationType.Q4_1)
+            kind = (
+                gguf.GGMLQuantizationType.Q8_0
+                if name in ("token_embd.weight", "output.weight")
+                else gguf.GGMLQuantizationType.Q4_1
+            )
             writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, w)
@@ -222,8 +264,9 @@ def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized:
     return path
 
 
-def export_tiny(tmp_path: Path, family: str = "llama", draft: str | None = None,
-                validate: bool = True, seed: int = 0, **request) -> Path:
+def export_tiny(
+    tmp_path: Path, family: str = "llama", draft: str | None = None, validate: bool = True, seed: int = 0, **request
+) -> Path:
     """Build a tiny checkpoint under `tmp_path` and export it (validated) to
     `tmp_path/<family>-onnx`. `draft`: None, "int4"/"int8" (quantized copy of the target), or
     "tiny" (a second random model of the same family and tokenizer, seed + 1)."""
@@ -233,13 +276,11 @@ def export_tiny(tmp_path: Path, family: str = "llama", draft: str | None = None,
     tmp_path = Path(tmp_path)
     ckpt = build_tiny_checkpoint(tmp_path / f"{family}-ckpt", family, seed=seed)
     if draft == "tiny":
-        request["draft"] = str(build_tiny_checkpoint(tmp_path / f"{family}-draft", family,
-                                                     seed=seed + 1, layers=1))
+        request["draft"] = str(build_tiny_checkpoint(tmp_path / f"{family}-draft", family, seed=seed + 1, layers=1))
     elif draft is not None:
         request["draft_quant"] = draft
     out = Path(request.pop("out", tmp_path / f"{family}-onnx"))
-    run(Request(src=str(ckpt), out=out, validate=validate, threads=1, **request),
-        Reporter(quiet=True))
+    run(Request(src=str(ckpt), out=out, validate=validate, threads=1, **request), Reporter(quiet=True))
     return out
 
 
@@ -256,4 +297,5 @@ def plain_spec_together(folder: Path, draft: str, config, prompts: list[str], n:
             spec = [(await engine.generate(p, n, mode="spec")).token_ids for p in prompts]
             together = await asyncio.gather(*[engine.generate(p, n, mode="spec") for p in prompts])
             return plain, spec, [r.token_ids for r in together]
+
     return asyncio.run(go())

@@ -28,12 +28,23 @@ from .state import Serving
 __all__ = ["create_app", "begin_drain"]
 
 
-def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: int = 16,
-               model_name: str | None = None, request_timeout: float | None = 600.0,
-               max_body_bytes: int = 1 << 20, default_max_tokens: int = 256, retry_after: int = 1,
-               wait_for_load: bool = False, drain_timeout: float | None = None, api_keys: Sequence[str] = (),
-               allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] = (),
-               consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT) -> Starlette:
+def create_app(
+    engine_or_loader: Any,
+    *,
+    slots: int | None = None,
+    max_queued: int = 16,
+    model_name: str | None = None,
+    request_timeout: float | None = 600.0,
+    max_body_bytes: int = 1 << 20,
+    default_max_tokens: int = 256,
+    retry_after: int = 1,
+    wait_for_load: bool = False,
+    drain_timeout: float | None = None,
+    api_keys: Sequence[str] = (),
+    allowed_hosts: Sequence[str] | None = None,
+    allowed_origins: Sequence[str] = (),
+    consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT,
+) -> Starlette:
     """The ASGI app.
 
     ``engine_or_loader``: a loaded :class:`~specdec_rt.Engine` (the app is ready at once and
@@ -65,10 +76,18 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
     if slots is None:
         slots = getattr(engine_or_loader, "slots", None)
         slots = slots if isinstance(slots, int) else 4
-    serving = Serving(engine_or_loader, slots=slots, max_queued=max_queued, model_name=model_name,
-                      request_timeout=request_timeout, max_body_bytes=max_body_bytes,
-                      default_max_tokens=default_max_tokens, retry_after=retry_after,
-                      drain_timeout=drain_timeout, consumer_timeout=consumer_timeout)
+    serving = Serving(
+        engine_or_loader,
+        slots=slots,
+        max_queued=max_queued,
+        model_name=model_name,
+        request_timeout=request_timeout,
+        max_body_bytes=max_body_bytes,
+        default_max_tokens=default_max_tokens,
+        retry_after=retry_after,
+        drain_timeout=drain_timeout,
+        consumer_timeout=consumer_timeout,
+    )
     created = int(time.time())
 
     async def chat(request: Request) -> Any:
@@ -83,15 +102,25 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
     async def model(request: Request) -> JSONResponse:
         name = serving.model_name or "specdec-rt"
         if request.path_params["model"] != name:
-            return error_response(APIError(404, f"the model {request.path_params['model']!r} does not exist "
-                                                f"(this server has {name!r})", code="model_not_found",
-                                           param="model"))
+            return error_response(
+                APIError(
+                    404,
+                    f"the model {request.path_params['model']!r} does not exist (this server has {name!r})",
+                    code="model_not_found",
+                    param="model",
+                )
+            )
         return JSONResponse(models_body(name, created)["data"][0])
 
     async def health(request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok" if serving.state == "ready" else serving.state,
-                             "model": serving.model_name, "admitted": serving.admitted},
-                            status_code=200 if serving.state == "ready" else 503)
+        return JSONResponse(
+            {
+                "status": "ok" if serving.state == "ready" else serving.state,
+                "model": serving.model_name,
+                "admitted": serving.admitted,
+            },
+            status_code=200 if serving.state == "ready" else 503,
+        )
 
     async def metrics(request: Request) -> Response:
         body, content_type = serving.metrics.render(request.headers.get("accept"))
@@ -116,8 +145,12 @@ def create_app(engine_or_loader: Any, *, slots: int | None = None, max_queued: i
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)  # registered for HTTPException alone (starlette types it Exception)
-        err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None,
-                       headers=dict(exc.headers or {}))  # e.g. a 405's Allow
+        err = APIError(
+            exc.status_code,
+            str(exc.detail),
+            code="not_found" if exc.status_code == 404 else None,
+            headers=dict(exc.headers or {}),
+        )  # e.g. a 405's Allow
         return error_response(err)
 
     async def server_error(request: Request, exc: Exception) -> JSONResponse:

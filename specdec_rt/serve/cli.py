@@ -24,67 +24,142 @@ DRAIN_GRACE_S = 5.0  # after --drain-timeout, time to send the 503s before uvico
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to ``sub`` (argparse subparsers); returns its parser, to
     which the caller adds the shared model options (``--model``, ``--draft``, ``--threads``, ...)."""
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)",
-                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, "
-                                   "/health and /metrics (see docs/serving.md).")
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (needs the 'serve' extra)",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, "
+        "/health and /metrics (see docs/serving.md).",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--slots", type=_positive, default=8, help="requests generating (and batched) at once (default 8)")
-    p.add_argument("--max-queued", type=_non_negative, default=16,
-                   help="requests waiting for a slot before new ones get 429 (default 16)")
-    p.add_argument("--request-timeout", type=_seconds, default=600.0,
-                   help="seconds a request may take, queueing included (default 600; 0: none)")
-    p.add_argument("--max-body-bytes", type=_positive, default=1 << 20,
-                   help="largest request body; larger ones get 413 (default 1 MiB)")
-    p.add_argument("--drain-timeout", type=_seconds, default=30.0,
-                   help="on SIGTERM, seconds to let admitted requests finish; those left then get a 503 "
-                        "(a stream: an error event) (default 30)")
-    p.add_argument("--consumer-timeout", type=_seconds, default=30.0,
-                   help="seconds a streamed response may wait for its client to take a chunk (and a request "
-                        "for its reader); past that it ends and frees its slot (default 30; 0: none)")
-    p.add_argument("--default-max-tokens", type=_positive, default=256,
-                   help="max_tokens when a request sets none (default 256)")
-    p.add_argument("--served-model-name", default=None,
-                   help="model id in responses and /v1/models (default: the --model value's name)")
-    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep finished requests' KV and start new ones from the longest cached prefix (default on)")
-    p.add_argument("--prefix-cache-bytes", type=_non_negative, default=DEFAULT_BUDGET_BYTES,
-                   help=f"KV memory the prefix cache may hold, all models (default {DEFAULT_BUDGET_BYTES})")
+    p.add_argument(
+        "--max-queued",
+        type=_non_negative,
+        default=16,
+        help="requests waiting for a slot before new ones get 429 (default 16)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=_seconds,
+        default=600.0,
+        help="seconds a request may take, queueing included (default 600; 0: none)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=_positive,
+        default=1 << 20,
+        help="largest request body; larger ones get 413 (default 1 MiB)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=_seconds,
+        default=30.0,
+        help="on SIGTERM, seconds to let admitted requests finish; those left then get a 503 "
+        "(a stream: an error event) (default 30)",
+    )
+    p.add_argument(
+        "--consumer-timeout",
+        type=_seconds,
+        default=30.0,
+        help="seconds a streamed response may wait for its client to take a chunk (and a request "
+        "for its reader); past that it ends and frees its slot (default 30; 0: none)",
+    )
+    p.add_argument(
+        "--default-max-tokens", type=_positive, default=256, help="max_tokens when a request sets none (default 256)"
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id in responses and /v1/models (default: the --model value's name)",
+    )
+    p.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep finished requests' KV and start new ones from the longest cached prefix (default on)",
+    )
+    p.add_argument(
+        "--prefix-cache-bytes",
+        type=_non_negative,
+        default=DEFAULT_BUDGET_BYTES,
+        help=f"KV memory the prefix cache may hold, all models (default {DEFAULT_BUDGET_BYTES})",
+    )
     p.add_argument("--no-build", action="store_true", help="fail instead of building a missing recipe")
     p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
     access = p.add_argument_group("access (docs/serving.md, 'Access')")
-    access.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on every route but /health (repeat for several "
-                             "keys; $SPECDEC_API_KEY, comma separated, keeps them out of ps)")
-    access.add_argument("--allowed-hosts", type=_names, default=[], metavar="NAMES",
-                        help="Host names the server answers to besides its own (comma separated; '*': any); "
-                             "needed with --host 0.0.0.0 or ::")
-    access.add_argument("--allowed-origins", type=_names, default=[], metavar="ORIGINS",
-                        help="web origins (scheme://host[:port], comma separated; '*': any) whose pages may "
-                             "call the server, with CORS answers (default: none)")
+    access.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health (repeat for several "
+        "keys; $SPECDEC_API_KEY, comma separated, keeps them out of ps)",
+    )
+    access.add_argument(
+        "--allowed-hosts",
+        type=_names,
+        default=[],
+        metavar="NAMES",
+        help="Host names the server answers to besides its own (comma separated; '*': any); "
+        "needed with --host 0.0.0.0 or ::",
+    )
+    access.add_argument(
+        "--allowed-origins",
+        type=_names,
+        default=[],
+        metavar="ORIGINS",
+        help="web origins (scheme://host[:port], comma separated; '*': any) whose pages may "
+        "call the server, with CORS answers (default: none)",
+    )
     conn = p.add_argument_group("connection limits (docs/serving.md, 'Connection limits'; not with --ray)")
-    conn.add_argument("--header-timeout", type=_positive_seconds, default=10.0,
-                      help="seconds a client has to send a request's line and headers, from its connection or the "
-                           "request's first byte; then a 408 and the connection is closed (default 10)")
-    conn.add_argument("--body-timeout", type=_positive_seconds, default=30.0,
-                      help="seconds a client has to send a request's body, from the end of its headers; then a "
-                           "408 and the connection is closed (default 30)")
-    conn.add_argument("--max-header-bytes", type=_positive, default=65536,
-                      help="largest request line and headers; larger ones get 431 (default 65536)")
-    conn.add_argument("--max-headers", type=_positive, default=100,
-                      help="most header lines in a request; more get 431 (default 100)")
-    conn.add_argument("--max-connections", type=_positive, default=256,
-                      help="open connections, idle ones included; one more gets a 503 and is closed (default 256)")
-    conn.add_argument("--keep-alive-timeout", type=_seconds, default=5.0,
-                      help="seconds a connection may sit idle between requests (default 5; 0: closed after "
-                           "each response)")
+    conn.add_argument(
+        "--header-timeout",
+        type=_positive_seconds,
+        default=10.0,
+        help="seconds a client has to send a request's line and headers, from its connection or the "
+        "request's first byte; then a 408 and the connection is closed (default 10)",
+    )
+    conn.add_argument(
+        "--body-timeout",
+        type=_positive_seconds,
+        default=30.0,
+        help="seconds a client has to send a request's body, from the end of its headers; then a "
+        "408 and the connection is closed (default 30)",
+    )
+    conn.add_argument(
+        "--max-header-bytes",
+        type=_positive,
+        default=65536,
+        help="largest request line and headers; larger ones get 431 (default 65536)",
+    )
+    conn.add_argument(
+        "--max-headers", type=_positive, default=100, help="most header lines in a request; more get 431 (default 100)"
+    )
+    conn.add_argument(
+        "--max-connections",
+        type=_positive,
+        default=256,
+        help="open connections, idle ones included; one more gets a 503 and is closed (default 256)",
+    )
+    conn.add_argument(
+        "--keep-alive-timeout",
+        type=_seconds,
+        default=5.0,
+        help="seconds a connection may sit idle between requests (default 5; 0: closed after each response)",
+    )
     ray = p.add_argument_group("replicas on Ray Serve (the 'ray' extra; docs/serving.md)")
     ray.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve instead of one process")
     ray.add_argument("--replicas", type=_replicas, default=1, help="replicas: a number or 'auto' (default 1)")
-    ray.add_argument("--cpus-per-replica", type=_positive_float, default=1.0,
-                     help="CPUs Ray reserves per replica; its ONNX Runtime threads (default 1)")
-    ray.add_argument("--ray-address", default=None,
-                     help="join this Ray cluster (default: start a local one on loopback)")
+    ray.add_argument(
+        "--cpus-per-replica",
+        type=_positive_float,
+        default=1.0,
+        help="CPUs Ray reserves per replica; its ONNX Runtime threads (default 1)",
+    )
+    ray.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster (default: start a local one on loopback)"
+    )
     return p
 
 
@@ -97,11 +172,15 @@ def _access(args):
     from .guard import WILDCARD_BINDS, Access, check_api_keys, check_origins, host_names, keys_from_env
 
     if args.host in WILDCARD_BINDS and not args.allowed_hosts:
-        raise SpecDecError(f"--host {args.host!r} listens on every address: name the hosts clients reach it as "
-                           "with --allowed-hosts (e.g. --allowed-hosts api.example,10.0.0.5), or '*' for any")
-    checks = (("--api-key / $SPECDEC_API_KEY", lambda: check_api_keys([*args.api_key, *keys_from_env()])),
-              ("--allowed-hosts", lambda: host_names(args.host, args.allowed_hosts)),
-              ("--allowed-origins", lambda: check_origins(args.allowed_origins)))
+        raise SpecDecError(
+            f"--host {args.host!r} listens on every address: name the hosts clients reach it as "
+            "with --allowed-hosts (e.g. --allowed-hosts api.example,10.0.0.5), or '*' for any"
+        )
+    checks = (
+        ("--api-key / $SPECDEC_API_KEY", lambda: check_api_keys([*args.api_key, *keys_from_env()])),
+        ("--allowed-hosts", lambda: host_names(args.host, args.allowed_hosts)),
+        ("--allowed-origins", lambda: check_origins(args.allowed_origins)),
+    )
     values = []
     for flag, check in checks:
         try:
@@ -209,26 +288,53 @@ def run_serve(args) -> int:
     name = args.served_model_name or Path(str(args.model)).name
 
     async def load() -> Engine:
-        return await Engine.load(folder, draft=args.draft, threads=args.threads, max_length=args.max_length,
-                                 provider=args.provider, slots=args.slots, prefix_cache=args.prefix_cache,
-                                 prefix_cache_bytes=args.prefix_cache_bytes,
-                                 consumer_timeout=args.consumer_timeout or None)
+        return await Engine.load(
+            folder,
+            draft=args.draft,
+            threads=args.threads,
+            max_length=args.max_length,
+            provider=args.provider,
+            slots=args.slots,
+            prefix_cache=args.prefix_cache,
+            prefix_cache_bytes=args.prefix_cache_bytes,
+            consumer_timeout=args.consumer_timeout or None,
+        )
 
     logging.getLogger("specdec_rt.serve").setLevel(logging.INFO)  # one event per request on stderr
-    app = create_app(load, slots=args.slots, max_queued=args.max_queued, model_name=name,
-                     request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes,
-                     default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
-                     consumer_timeout=args.consumer_timeout or None,
-                     api_keys=access.api_keys, allowed_hosts=access.allowed_hosts,
-                     allowed_origins=access.allowed_origins)
-    limits = ConnectionLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                              max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
-                              max_connections=args.max_connections, keep_alive_timeout=args.keep_alive_timeout)
+    app = create_app(
+        load,
+        slots=args.slots,
+        max_queued=args.max_queued,
+        model_name=name,
+        request_timeout=args.request_timeout or None,
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens,
+        drain_timeout=args.drain_timeout,
+        consumer_timeout=args.consumer_timeout or None,
+        api_keys=access.api_keys,
+        allowed_hosts=access.allowed_hosts,
+        allowed_origins=access.allowed_origins,
+    )
+    limits = ConnectionLimits(
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_header_bytes=args.max_header_bytes,
+        max_headers=args.max_headers,
+        max_connections=args.max_connections,
+        keep_alive_timeout=args.keep_alive_timeout,
+    )
     # past --drain-timeout the app ends what still runs with a 503 / an error event; uvicorn's own
     # limit, which cuts connections off, only backs that up
-    config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on", access_log=args.access_log,
-                            log_level="warning", timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S,
-                            **uvicorn_options(limits))
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        lifespan="on",
+        access_log=args.access_log,
+        log_level="warning",
+        timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S,
+        **uvicorn_options(limits),
+    )
     if args.access_log:  # uvicorn set its access logger to log_level (warning), which hides every line
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = _draining_server(config, app)
@@ -267,8 +373,10 @@ def _draining_server(config, app):
             for server in self.servers:
                 for sock in server.sockets:
                     host, port = sock.getsockname()[:2]
-                    _say(f"specdec_rt serve: listening on http://{host}:{port} (GET /health is 200 "
-                         "once the model is loaded)")
+                    _say(
+                        f"specdec_rt serve: listening on http://{host}:{port} (GET /health is 200 "
+                        "once the model is loaded)"
+                    )
             _say_access(app.state.access)  # after the line that says where (`serve | head -1` reads that)
 
         def stop_after_load_error(self, exc: BaseException) -> None:
@@ -307,16 +415,27 @@ def run_ray_serve(args, access) -> int:
         with socket.socket() as s:
             s.bind((args.host, 0))
             port = s.getsockname()[1]
-    opts = RayOptions(model=str(folder), draft=args.draft, slots=args.slots, max_queued=args.max_queued,
-                      request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes,
-                      default_max_tokens=args.default_max_tokens, max_length=args.max_length,
-                      provider=args.provider, prefix_cache=args.prefix_cache,
-                      prefix_cache_bytes=args.prefix_cache_bytes, threads=args.threads,
-                      model_name=args.served_model_name or Path(str(args.model)).name,
-                      replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
-                      consumer_timeout=args.consumer_timeout or None,
-                      api_keys=access.api_keys, allowed_hosts=access.allowed_hosts,
-                      allowed_origins=access.allowed_origins)
+    opts = RayOptions(
+        model=str(folder),
+        draft=args.draft,
+        slots=args.slots,
+        max_queued=args.max_queued,
+        request_timeout=args.request_timeout or None,
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens,
+        max_length=args.max_length,
+        provider=args.provider,
+        prefix_cache=args.prefix_cache,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        threads=args.threads,
+        model_name=args.served_model_name or Path(str(args.model)).name,
+        replicas=args.replicas,
+        cpus_per_replica=args.cpus_per_replica,
+        consumer_timeout=args.consumer_timeout or None,
+        api_keys=access.api_keys,
+        allowed_hosts=access.allowed_hosts,
+        allowed_origins=access.allowed_origins,
+    )
     _say_access(access)
     stop = threading.Event()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -338,8 +457,10 @@ def run_ray_serve(args, access) -> int:
         _say(f"specdec_rt serve: deploying {args.replicas} replica(s) on Ray")
         serve.run(deployment_app(opts), name=APP_NAME, route_prefix="/", blocking=False)
         states = ", ".join(f"{n} {k.lower()}" for k, n in replica_states().items())
-        _say(f"specdec_rt serve: listening on http://{args.host}:{port} (Ray Serve replicas: {states}; "
-             "the models are loaded)")
+        _say(
+            f"specdec_rt serve: listening on http://{args.host}:{port} (Ray Serve replicas: {states}; "
+            "the models are loaded)"
+        )
         while not stop.wait(0.5):
             pass
         _say("specdec_rt serve: stopping: deleting the deployment")

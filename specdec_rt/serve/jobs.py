@@ -84,8 +84,11 @@ async def completions(request: Request, kind: Kind) -> Any:
     except (InvalidInputError, EngineClosedError) as exc:
         await _close_all(streams)
         serving.release(admitted)
-        refusal = (engine_error(exc, params) if isinstance(exc, InvalidInputError) else
-                   APIError(503, str(exc), type="service_unavailable", code="draining"))
+        refusal = (
+            engine_error(exc, params)
+            if isinstance(exc, InvalidInputError)
+            else APIError(503, str(exc), type="service_unavailable", code="draining")
+        )
         serving.metrics.rejected.labels("invalid" if refusal.status == 400 else "draining").inc()
         return error_response(refusal)
     except BaseException:
@@ -123,9 +126,12 @@ async def _open(serving: Serving, params: GenParams, prompt, choice: int = 0):
             if capped or params.max_tokens is not None or exc.max_length is None:
                 raise
             if room < 1:  # the client named no limit: say what is too long, not the server's default
-                raise ContextLengthError(f"prompt of {exc.prompt_tokens} tokens leaves no room for an answer in "
-                                         f"the model's maximum length of {exc.max_length} tokens",
-                                         exc.prompt_tokens, exc.max_length) from None
+                raise ContextLengthError(
+                    f"prompt of {exc.prompt_tokens} tokens leaves no room for an answer in "
+                    f"the model's maximum length of {exc.max_length} tokens",
+                    exc.prompt_tokens,
+                    exc.max_length,
+                ) from None
             request = request.replace(max_new_tokens=room)
         except BaseException:
             await stream.aclose()
@@ -137,8 +143,9 @@ def _text_of(engine, prompt) -> str:
     tokens left out, as generated text leaves them)."""
     if isinstance(prompt, str):
         return prompt
-    return b"".join(b"" if engine.is_special_token(t) else engine.token_bytes(t)
-                    for t in prompt).decode("utf-8", errors="replace")
+    return b"".join(b"" if engine.is_special_token(t) else engine.token_bytes(t) for t in prompt).decode(
+        "utf-8", errors="replace"
+    )
 
 
 class Job:
@@ -147,9 +154,14 @@ class Job:
     def __init__(self, serving: Serving, params: GenParams, streams: list, arrived: float) -> None:
         self.serving, self.params, self.streams, self.arrived = serving, params, streams, arrived
         self.reply = Reply(params.kind, serving.model_name or "specdec-rt", include_usage=params.include_usage)
-        self.logprobs = (None if params.logprobs is None else  # the format, when the request asked for them
-                         LogprobsFormat(params.kind, serving.engine.token_bytes, len(streams),
-                                        getattr(serving.engine, "is_special_token", None)))
+        self.logprobs = (
+            None
+            if params.logprobs is None
+            # the format, when the request asked for them
+            else LogprobsFormat(
+                params.kind, serving.engine.token_bytes, len(streams), getattr(serving.engine, "is_special_token", None)
+            )
+        )
         #: what each choice's text starts with: its prompt with ``echo`` (token ids: their text)
         self.echo = [(_text_of(serving.engine, prompt) if params.echo else "") for prompt, _ in params.streams]
         timeout = serving.request_timeout
@@ -221,8 +233,12 @@ class Job:
                 cancelled = False
         except TimeoutError:
             self.outcome = "timeout"
-            raise APIError(504, f"the request took longer than {self.serving.request_timeout:g} s",
-                           type="timeout", code="request_timeout") from None
+            raise APIError(
+                504,
+                f"the request took longer than {self.serving.request_timeout:g} s",
+                type="timeout",
+                code="request_timeout",
+            ) from None
         except ConsumerTimeoutError as exc:  # the engine's own limit: this server took no event for that long
             self.outcome = "consumer_timeout"
             raise APIError(408, str(exc), type="timeout", code="consumer_timeout") from None
@@ -252,8 +268,13 @@ class Job:
 
     def _shut_down(self) -> APIError:
         self.outcome = "shutdown"
-        return APIError(503, f"the server stopped before this request finished (its drain timeout of "
-                             f"{self.serving.drain_timeout:g} s passed)", type="service_unavailable", code="draining")
+        return APIError(
+            503,
+            f"the server stopped before this request finished (its drain timeout of "
+            f"{self.serving.drain_timeout:g} s passed)",
+            type="service_unavailable",
+            code="draining",
+        )
 
     def _observe(self, i: int, ev, now: float) -> None:
         if getattr(ev, "prompt_logprobs", None) is not None:  # the echoed prompt's: nothing generated
@@ -293,13 +314,21 @@ class Job:
             self.serving.metrics.aborted.labels(self.outcome).inc()
         s = self.stats[0]
         end = perf_counter()
-        log.info("request", id=self.reply.id, kind=self.params.kind, mode=s.mode if s else self.params.mode,
-                 stream=self.params.stream, n=len(self.streams), prompt_tokens=s.prompt_tokens if s else None,
-                 cached_tokens=s.cached_prompt_tokens if s else None,
-                 completion_tokens=sum(self.tokens), acceptance=round(s.acceptance_rate, 3) if s else None,
-                 finish=(self.finish[0] if len(self.finish) == 1 else self.finish) if all(self.finish) else self.outcome,
-                 ttft=round(self.first_at - self.arrived, 4) if self.first_at else None,
-                 e2e=round(end - self.arrived, 4))
+        log.info(
+            "request",
+            id=self.reply.id,
+            kind=self.params.kind,
+            mode=s.mode if s else self.params.mode,
+            stream=self.params.stream,
+            n=len(self.streams),
+            prompt_tokens=s.prompt_tokens if s else None,
+            cached_tokens=s.cached_prompt_tokens if s else None,
+            completion_tokens=sum(self.tokens),
+            acceptance=round(s.acceptance_rate, 3) if s else None,
+            finish=(self.finish[0] if len(self.finish) == 1 else self.finish) if all(self.finish) else self.outcome,
+            ttft=round(self.first_at - self.arrived, 4) if self.first_at else None,
+            e2e=round(end - self.arrived, 4),
+        )
 
     def usage(self) -> tuple[int, int, int]:
         """(prompt tokens, completion tokens of all choices, cached prompt tokens): each prompt
@@ -329,12 +358,20 @@ class Job:
                             echoed[i] = (ev.prompt_token_ids, ev.prompt_logprobs)
                         ids[i] += ev.token_ids
                         lps[i] += ev.logprobs or ()
-                    lp: list[dict | None] | None = None if self.logprobs is None else [
-                        self.logprobs.body(t, e, i, before=echoed[i]) for i, (t, e) in enumerate(zip(ids, lps))]
+                    lp: list[dict | None] | None = (
+                        None
+                        if self.logprobs is None
+                        else [self.logprobs.body(t, e, i, before=echoed[i]) for i, (t, e) in enumerate(zip(ids, lps))]
+                    )
                     texts = ["".join(p) for p in parts]
                     calls = [calls_in(self.params, t) if self.params.calls_tools else (t, []) for t in texts]
-                    body = self.reply.response([content for content, _ in calls], [f or "stop" for f in self.finish],
-                                               *self.usage(), logprobs=lp, tool_calls=[c for _, c in calls])
+                    body = self.reply.response(
+                        [content for content, _ in calls],
+                        [f or "stop" for f in self.finish],
+                        *self.usage(),
+                        logprobs=lp,
+                        tool_calls=[c for _, c in calls],
+                    )
                     response = JSONResponse(body)
                 except APIError as err:
                     response = error_response(err)
@@ -360,8 +397,11 @@ class EventStream:
     client that takes no chunk for the server's ``consumer_timeout`` seconds is cut off
     (:meth:`_cut`)."""
 
-    headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
+    headers = [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no"),
+    ]
 
     def __init__(self, job: Job) -> None:
         self.job = job
@@ -403,8 +443,12 @@ class EventStream:
         job.outcome = job.outcome or "consumer_timeout"
         await job.close()  # frees the slots now; the finally's close is then a no-op
         timeout = job.serving.consumer_timeout or 0
-        err = APIError(408, f"the client took no streamed chunk for {timeout:g} s (the server's consumer_timeout); "
-                            "the request ended", type="timeout", code="consumer_timeout")
+        err = APIError(
+            408,
+            f"the client took no streamed chunk for {timeout:g} s (the server's consumer_timeout); the request ended",
+            type="timeout",
+            code="consumer_timeout",
+        )
         if started:  # (else the headers were never taken: nothing can follow them)
             with anyio.move_on_after(CUT_GRACE_S), contextlib.suppress(OSError):
                 await send({"type": "http.response.body", "body": sse(err.body()), "more_body": True})
@@ -431,8 +475,13 @@ class EventStream:
                 i, ev = got
                 if getattr(ev, "prompt_logprobs", None) is not None:  # echo with logprobs
                     assert job.logprobs is not None  # (prompt log-probabilities come only when asked)
-                    await emit(reply.chunk(job.echo[i], index=i, logprobs=job.logprobs.body(
-                        ev.prompt_token_ids, ev.prompt_logprobs, i, part_ends=True)))
+                    await emit(
+                        reply.chunk(
+                            job.echo[i],
+                            index=i,
+                            logprobs=job.logprobs.body(ev.prompt_token_ids, ev.prompt_logprobs, i, part_ends=True),
+                        )
+                    )
                     continue
                 lp = None if job.logprobs is None else job.logprobs.body(ev.token_ids, ev.logprobs or (), i)
                 text, calls, finish = ev.text, [], job.finish[i] if ev.finished else None
@@ -450,8 +499,11 @@ class EventStream:
                     await emit(reply.chunk(text, finish, index=i, logprobs=lp))
         except APIError as err:
             return [sse(err.body())]
-        tail = [sse(reply.chunk("", "stop", index=i))  # never a choice without its finish
-                for i, f in enumerate(job.finish) if f is None]
+        tail = [
+            sse(reply.chunk("", "stop", index=i))  # never a choice without its finish
+            for i, f in enumerate(job.finish)
+            if f is None
+        ]
         if job.params.include_usage:
             tail.append(sse(reply.usage_chunk(*job.usage())))
         return tail + [sse("[DONE]")]

@@ -23,52 +23,82 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 class Metrics:
     """The server's metrics. ``running`` / ``waiting`` / ``slots_free`` are read when scraped."""
 
-    def __init__(self, running: Callable[[], float], waiting: Callable[[], float],
-                 cache_bytes: Callable[[], float] = lambda: 0.0,
-                 slots_free: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(
+        self,
+        running: Callable[[], float],
+        waiting: Callable[[], float],
+        cache_bytes: Callable[[], float] = lambda: 0.0,
+        slots_free: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         self.registry = r = CollectorRegistry()
-        self.running = Gauge("specdec_requests_running", "Requests generating (holding an engine slot)",
-                             registry=r)
+        self.running = Gauge("specdec_requests_running", "Requests generating (holding an engine slot)", registry=r)
         self.running.set_function(running)
-        self.waiting = Gauge("specdec_requests_waiting", "Admitted requests waiting for an engine slot",
-                             registry=r)
+        self.waiting = Gauge("specdec_requests_waiting", "Admitted requests waiting for an engine slot", registry=r)
         self.waiting.set_function(waiting)
-        self.slots_free = Gauge("specdec_kv_slots_free",
-                                "The engine's KV slots free now (slots minus requests holding one)", registry=r)
+        self.slots_free = Gauge(
+            "specdec_kv_slots_free", "The engine's KV slots free now (slots minus requests holding one)", registry=r
+        )
         self.slots_free.set_function(slots_free)
         self.generation_tokens = Counter("specdec_generation_tokens", "Generated tokens", registry=r)
         self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.drafts = Counter("specdec_spec_decode_num_drafts",
-                              "Speculative rounds (a draft of k >= 1 tokens, then one verify call)", registry=r)
+        self.drafts = Counter(
+            "specdec_spec_decode_num_drafts",
+            "Speculative rounds (a draft of k >= 1 tokens, then one verify call)",
+            registry=r,
+        )
         self.draft_tokens = Counter("specdec_spec_decode_num_draft_tokens", "Drafted tokens", registry=r)
-        self.accepted_tokens = Counter("specdec_spec_decode_num_accepted_tokens",
-                                       "Drafted tokens the target accepted", registry=r)
-        self.success = Counter("specdec_request_success", "Requests that finished",
-                               ["finished_reason"], registry=r)
-        self.rejected = Counter("specdec_requests_rejected", "Requests refused before generation (auth, host, "
-                                "origin: on any route)",
-                                ["reason"], registry=r)
-        self.aborted = Counter("specdec_requests_aborted", "Requests ended early after admission",
-                               ["reason"], registry=r)
-        self.ttft = Histogram("specdec_time_to_first_token_seconds", "Arrival to the first generated token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("specdec_inter_token_latency_seconds",
-                             "Time between consecutive streamed events of a request", buckets=ITL_BUCKETS,
-                             registry=r)
-        self.e2e = Histogram("specdec_e2e_request_latency_seconds", "Arrival to the last token",
-                             buckets=E2E_BUCKETS, registry=r)
-        self.cache_hit_tokens = Counter("specdec_prefix_cache_hit_tokens",
-                                        "Prompt tokens the prefix cache supplied (not computed)", registry=r)
-        self.cache_queries = Counter("specdec_prefix_cache_queries",
-                                     "Requests that looked their prompt up in the prefix cache", registry=r)
+        self.accepted_tokens = Counter(
+            "specdec_spec_decode_num_accepted_tokens", "Drafted tokens the target accepted", registry=r
+        )
+        self.success = Counter("specdec_request_success", "Requests that finished", ["finished_reason"], registry=r)
+        self.rejected = Counter(
+            "specdec_requests_rejected",
+            "Requests refused before generation (auth, host, origin: on any route)",
+            ["reason"],
+            registry=r,
+        )
+        self.aborted = Counter(
+            "specdec_requests_aborted", "Requests ended early after admission", ["reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "specdec_time_to_first_token_seconds",
+            "Arrival to the first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "specdec_inter_token_latency_seconds",
+            "Time between consecutive streamed events of a request",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "specdec_e2e_request_latency_seconds", "Arrival to the last token", buckets=E2E_BUCKETS, registry=r
+        )
+        self.cache_hit_tokens = Counter(
+            "specdec_prefix_cache_hit_tokens", "Prompt tokens the prefix cache supplied (not computed)", registry=r
+        )
+        self.cache_queries = Counter(
+            "specdec_prefix_cache_queries", "Requests that looked their prompt up in the prefix cache", registry=r
+        )
         self.cache_bytes = Gauge("specdec_prefix_cache_bytes", "KV memory the prefix cache holds", registry=r)
         self.cache_bytes.set_function(cache_bytes)
-        self.batch_size = Histogram("specdec_batch_size", "Rows in one batched target-model call",
-                                    buckets=BATCH_BUCKETS, registry=r)
+        self.batch_size = Histogram(
+            "specdec_batch_size", "Rows in one batched target-model call", buckets=BATCH_BUCKETS, registry=r
+        )
         for reason in ("stop", "length"):
             self.success.labels(reason)
-        for reason in ("invalid", "too_large", "media_type", "overloaded", "loading", "draining", "auth", "host",
-                       "origin"):
+        for reason in (
+            "invalid",
+            "too_large",
+            "media_type",
+            "overloaded",
+            "loading",
+            "draining",
+            "auth",
+            "host",
+            "origin",
+        ):
             self.rejected.labels(reason)
         for reason in ("cancelled", "timeout", "consumer_timeout", "error", "shutdown"):
             self.aborted.labels(reason)

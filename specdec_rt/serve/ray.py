@@ -70,11 +70,15 @@ class RayOptions:
         if self.replicas != "auto" and (not isinstance(self.replicas, int) or self.replicas < 1):
             raise InvalidInputError(f"replicas must be a positive integer or 'auto', got {self.replicas!r}")
         if not self.cpus_per_replica > 0 or self.slots < 1 or self.max_queued < 0:
-            raise InvalidInputError(f"cpus_per_replica > 0, slots >= 1 and max_queued >= 0 needed, got "
-                             f"{self.cpus_per_replica!r}, {self.slots!r}, {self.max_queued!r}")
+            raise InvalidInputError(
+                f"cpus_per_replica > 0, slots >= 1 and max_queued >= 0 needed, got "
+                f"{self.cpus_per_replica!r}, {self.slots!r}, {self.max_queued!r}"
+            )
         from .guard import Access
 
-        Access.checked(self.api_keys, self.allowed_hosts, self.allowed_origins)  # a bad one fails here, not on a replica
+        Access.checked(
+            self.api_keys, self.allowed_hosts, self.allowed_origins
+        )  # a bad one fails here, not on a replica
 
 
 def replica_threads(default: float) -> int:
@@ -100,16 +104,33 @@ def _replica_app(opts: RayOptions):
         from ..engine.factory import use_global_thread_pool
 
         use_global_thread_pool(threads)  # the replica's process is ours: one pool for all its models
-        return await Engine.load(opts.model, draft=opts.draft, threads=threads, max_length=opts.max_length,
-                                 provider=opts.provider, slots=opts.slots, prefix_cache=opts.prefix_cache,
-                                 prefix_cache_bytes=opts.prefix_cache_bytes, consumer_timeout=opts.consumer_timeout)
+        return await Engine.load(
+            opts.model,
+            draft=opts.draft,
+            threads=threads,
+            max_length=opts.max_length,
+            provider=opts.provider,
+            slots=opts.slots,
+            prefix_cache=opts.prefix_cache,
+            prefix_cache_bytes=opts.prefix_cache_bytes,
+            consumer_timeout=opts.consumer_timeout,
+        )
 
     name = opts.model_name or os.path.basename(str(opts.model).rstrip("/"))
-    app = create_app(load, slots=opts.slots, max_queued=opts.max_queued, model_name=name,
-                     request_timeout=opts.request_timeout, max_body_bytes=opts.max_body_bytes,
-                     default_max_tokens=opts.default_max_tokens, wait_for_load=True,
-                     api_keys=opts.api_keys or keys_from_env(), allowed_hosts=opts.allowed_hosts,
-                     allowed_origins=opts.allowed_origins, consumer_timeout=opts.consumer_timeout)
+    app = create_app(
+        load,
+        slots=opts.slots,
+        max_queued=opts.max_queued,
+        model_name=name,
+        request_timeout=opts.request_timeout,
+        max_body_bytes=opts.max_body_bytes,
+        default_max_tokens=opts.default_max_tokens,
+        wait_for_load=True,
+        api_keys=opts.api_keys or keys_from_env(),
+        allowed_hosts=opts.allowed_hosts,
+        allowed_origins=opts.allowed_origins,
+        consumer_timeout=opts.consumer_timeout,
+    )
     app.add_middleware(_ReplicaHeader, replica=_replica_id())
     return app
 
@@ -140,6 +161,7 @@ class _ReplicaHeader:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), self.header]}
             await send(message)
+
         await self.app(scope, receive, tagged)
 
 
@@ -162,9 +184,12 @@ def deployment_app(opts: RayOptions):
                 raise RuntimeError(f"replica not ready: {state}")
 
     options: dict[str, Any] = {
-        "name": "SpecDecReplica", "max_ongoing_requests": opts.slots, "max_queued_requests": opts.max_queued,
+        "name": "SpecDecReplica",
+        "max_ongoing_requests": opts.slots,
+        "max_queued_requests": opts.max_queued,
         "backpressure_config": {"status_code": 429, "retry_after_s": 1},  # the single server's overload answer
-        "ray_actor_options": {"num_cpus": opts.cpus_per_replica}, "health_check_period_s": 10,
+        "ray_actor_options": {"num_cpus": opts.cpus_per_replica},
+        "health_check_period_s": 10,
         "graceful_shutdown_timeout_s": 30,
     }
     if opts.max_replicas_per_node is not None:
@@ -198,8 +223,16 @@ def build(args: dict) -> Any:
 def _parse(key: str, value: Any) -> Any:
     if not isinstance(value, str):
         return value
-    if key in ("slots", "max_queued", "max_body_bytes", "default_max_tokens", "max_length", "threads",
-               "prefix_cache_bytes", "max_replicas_per_node"):
+    if key in (
+        "slots",
+        "max_queued",
+        "max_body_bytes",
+        "default_max_tokens",
+        "max_length",
+        "threads",
+        "prefix_cache_bytes",
+        "max_replicas_per_node",
+    ):
         return int(value)
     if key in ("request_timeout", "cpus_per_replica"):
         return float(value)

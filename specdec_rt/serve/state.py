@@ -28,14 +28,27 @@ class Serving:
     once; the caller keeps ownership), or an async callable returning one (loaded at startup by
     the app's lifespan, closed at shutdown)."""
 
-    def __init__(self, engine_or_loader: Any, *, slots: int, max_queued: int, model_name: str | None,
-                 request_timeout: float | None, max_body_bytes: int, default_max_tokens: int,
-                 retry_after: int = 1, drain_timeout: float | None = None,
-                 consumer_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        engine_or_loader: Any,
+        *,
+        slots: int,
+        max_queued: int,
+        model_name: str | None,
+        request_timeout: float | None,
+        max_body_bytes: int,
+        default_max_tokens: int,
+        retry_after: int = 1,
+        drain_timeout: float | None = None,
+        consumer_timeout: float | None = None,
+    ) -> None:
         if slots < 1 or max_queued < 0:
             raise ValueError(f"slots must be >= 1 and max_queued >= 0, got {slots} and {max_queued}")
-        for name, seconds in (("request_timeout", request_timeout), ("drain_timeout", drain_timeout),
-                              ("consumer_timeout", consumer_timeout)):
+        for name, seconds in (
+            ("request_timeout", request_timeout),
+            ("drain_timeout", drain_timeout),
+            ("consumer_timeout", consumer_timeout),
+        ):
             if seconds is not None and not (isinstance(seconds, (int, float)) and 0 <= seconds < math.inf):
                 raise ValueError(f"{name} must be None or a finite number of seconds >= 0, got {seconds!r}")
         self.slots, self.max_queued = slots, max_queued
@@ -59,8 +72,9 @@ class Serving:
         elif callable(engine_or_loader):
             self.loader = engine_or_loader
         else:
-            raise TypeError(f"create_app needs an Engine or an async callable returning one, "
-                            f"got {type(engine_or_loader).__name__}")
+            raise TypeError(
+                f"create_app needs an Engine or an async callable returning one, got {type(engine_or_loader).__name__}"
+            )
         self.model_name = model_name or _model_name(self.engine)
 
     # ------------------------------------------------------------------ engine
@@ -131,9 +145,11 @@ class Serving:
     def check_open(self) -> None:
         if self.state == "ready":
             return
-        message = {"loading": "the model is loading; retry shortly",
-                   "draining": "the server is shutting down",
-                   "failed": "the model failed to load"}[self.state]
+        message = {
+            "loading": "the model is loading; retry shortly",
+            "draining": "the server is shutting down",
+            "failed": "the model failed to load",
+        }[self.state]
         headers = {"Retry-After": str(self.retry_after)} if self.state == "loading" else None
         raise APIError(503, message, type="service_unavailable", code=self.state, headers=headers)
 
@@ -144,13 +160,21 @@ class Serving:
         capacity = self.slots + self.max_queued
         what, n = (f"n={n} choices" if prompts == 1 else f"n={n} choices of {prompts} prompts"), n * prompts
         if n > capacity:
-            raise APIError(400, f"{what} exceed this server's capacity of {capacity} requests "
-                                f"({self.slots} running + {self.max_queued} queued)",
-                           param="n" if prompts == 1 else "prompt", code="invalid_value")
+            raise APIError(
+                400,
+                f"{what} exceed this server's capacity of {capacity} requests "
+                f"({self.slots} running + {self.max_queued} queued)",
+                param="n" if prompts == 1 else "prompt",
+                code="invalid_value",
+            )
         if self.admitted + n > capacity:
-            raise APIError(429, f"the server is at capacity ({self.slots} running + {self.max_queued} queued "
-                                "requests); retry later", type="rate_limit_error", code="overloaded",
-                           headers={"Retry-After": str(self.retry_after)})
+            raise APIError(
+                429,
+                f"the server is at capacity ({self.slots} running + {self.max_queued} queued requests); retry later",
+                type="rate_limit_error",
+                code="overloaded",
+                headers={"Retry-After": str(self.retry_after)},
+            )
         self.admitted += n
 
     def release(self, n: int = 1) -> None:
