@@ -397,11 +397,15 @@ def run_ray_serve(args, access) -> int:
     import tempfile
     import threading
 
+    if not args.ray_address:  # before Ray is imported: it reads these once
+        from .ray import LOCAL_RAY_ENV
+
+        os.environ.update(LOCAL_RAY_ENV)
     try:
         import ray
         from ray import serve
 
-        from .ray import APP_NAME, RayOptions, deployment_app, replica_states
+        from .ray import APP_NAME, RayOptions, deployment_app, listening_sockets, replica_states, start_local_ray
     except ImportError as exc:
         _say(f"specdec_rt: error: serve --ray needs the 'ray' extra (pip install 'specdec-rt[ray]'): {exc}")
         return 1
@@ -447,7 +451,7 @@ def run_ray_serve(args, access) -> int:
             else:
                 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
                 temp = tempfile.mkdtemp(prefix="specdec-ray-")
-                ray.init(include_dashboard=False, _temp_dir=temp, _node_ip_address="127.0.0.1", log_to_driver=False)
+                start_local_ray(temp)  # every Ray process on 127.0.0.1 (docs/serving.md, "Ray on loopback")
         except Exception as exc:  # noqa: BLE001 - Ray raises many kinds
             where = f"join Ray at --ray-address {args.ray_address!r}" if args.ray_address else "start a local Ray"
             raise SpecDecError(f"cannot {where}: {type(exc).__name__}: {exc}") from None
@@ -457,6 +461,14 @@ def run_ray_serve(args, access) -> int:
         _say(f"specdec_rt serve: deploying {args.replicas} replica(s) on Ray")
         serve.run(deployment_app(opts), name=APP_NAME, route_prefix="/", blocking=False)
         states = ", ".join(f"{n} {k.lower()}" for k, n in replica_states().items())
+        if not args.ray_address:  # a port Ray has no setting for would show here (not --host's own)
+            for sock in listening_sockets():
+                if not sock.loopback and sock.port != port:
+                    _say(
+                        f"specdec_rt serve: warning: Ray's {sock.process} (pid {sock.pid}) listens on "
+                        f"{sock.address} port {sock.port}, beyond loopback; Ray has no setting for it "
+                        "(docs/serving.md, 'Ray on a cluster')"
+                    )
         _say(
             f"specdec_rt serve: listening on http://{args.host}:{port} (Ray Serve replicas: {states}; "
             "the models are loaded)"

@@ -18,21 +18,47 @@ Ray's plain-text message, not the OpenAI error object).
 Model folders must exist at the same path on every node (build them into the image or a shared
 volume); the CLI builds a missing recipe on the head node before deploying.
 
+A local Ray (:func:`start_local_ray`, what ``serve --ray`` starts without ``--ray-address``)
+listens on 127.0.0.1 only: every Ray process of it, checked by :func:`listening_sockets`
+(docs/serving.md, "Ray on loopback").
+
 Ray is imported only when a function here runs.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, SpecDecError
 from ..kvcache.prefix import DEFAULT_BUDGET_BYTES
 
-__all__ = ["RayOptions", "deployment_app", "build", "replica_threads", "replica_states"]
+__all__ = [
+    "RayOptions",
+    "deployment_app",
+    "build",
+    "replica_threads",
+    "replica_states",
+    "LOCAL_RAY_ENV",
+    "start_local_ray",
+    "Listener",
+    "listening_sockets",
+]
 
 APP_NAME = "specdec"
+
+# Set before ``import ray``: Ray reads them once, when its constants module is imported.
+# ``ray.init(_node_ip_address="127.0.0.1")`` alone is not enough on Linux: ray.init passes it
+# through ``services.resolve_ip_for_localhost``, which swaps a loopback address for the machine's
+# (``get_node_ip_address``), unless Ray runs as a single-machine instance: the mode Ray uses on
+# macOS and Windows, which ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` selects on Linux too. The node
+# address then stays 127.0.0.1, and every Ray process binds to it: the GCS, raylet and worker gRPC
+# servers (Ray's C++ GrpcServer listens on loopback when the node address is), the dashboard
+# agent's HTTP, gRPC and metrics ports, the runtime-env agent, the autoscaler monitor's and the
+# dashboard head's Prometheus ports (each ``get_localhost_ip() if is_localhost(node_ip)``).
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 @dataclass(frozen=True)
@@ -178,6 +204,9 @@ def deployment_app(opts: RayOptions):
 
         app: Any  # the replica's ASGI app, set by serve.ingress
 
+        def __init__(self) -> None:  # runs on the replica before Ray starts its own servers there
+            _replica_grpc_on_loopback()
+
         async def check_health(self) -> None:
             state = self.app.state.serving.state
             if state not in ("ready", "draining"):
@@ -257,3 +286,180 @@ def replica_states() -> dict[str, int]:
     if app is None:
         return {}
     return {str(k): int(v) for d in app.deployments.values() for k, v in d.replica_states.items()}
+
+
+def start_local_ray(temp_dir: str) -> None:
+    """Start a one-node Ray whose every process listens on 127.0.0.1 only (no dashboard, state in
+    ``temp_dir``), and connect this process to it. ``address="local"``: a new instance even when
+    ``$RAY_ADDRESS`` names a running cluster. Best called before ``ray`` is first imported
+    (:data:`LOCAL_RAY_ENV`); if Ray was imported earlier and picks the machine's address, it is
+    shut down again and this raises :class:`~specdec_rt.errors.SpecDecError`."""
+    os.environ.update(LOCAL_RAY_ENV)
+    import ray
+
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        dashboard_host="127.0.0.1",  # the minimal head that still runs (usage stats, metrics)
+        _temp_dir=temp_dir,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    node_ip = ray.util.get_node_ip_address()
+    if not _is_loopback(node_ip):
+        ray.shutdown()
+        raise SpecDecError(
+            f"the local Ray took the address {node_ip}, not 127.0.0.1: Ray was imported before "
+            f"{sorted(LOCAL_RAY_ENV)} could be set; start it in a fresh process"
+        )
+
+
+class Listener(NamedTuple):
+    """A listening TCP socket of a process: ``address`` as the kernel reports it (``0.0.0.0``,
+    ``::``, ``::ffff:127.0.0.1``, ...)."""
+
+    pid: int
+    process: str
+    address: str
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        return _is_loopback(self.address)
+
+
+def _is_loopback(address: str) -> bool:
+    """127.0.0.0/8, ``::1``, or 127.0.0.0/8 mapped into IPv6 (how a dual-stack socket bound to
+    127.0.0.1 shows); ``0.0.0.0`` and ``::`` (every interface) are not."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def listening_sockets(pid: int | None = None, *, use_psutil: bool | None = None) -> list[Listener]:
+    """The listening TCP sockets (IPv4 and IPv6) of process ``pid`` (default: this one) and of every
+    process below it, sorted. With psutil when it is installed (``use_psutil=None``), else from
+    Linux's ``/proc``: ``/proc/net/tcp{,6}`` joined with each process's ``/proc/<pid>/fd`` socket
+    inodes. Processes that end or cannot be read meanwhile are skipped."""
+    root = os.getpid() if pid is None else pid
+    if use_psutil is None:
+        import importlib.util
+
+        use_psutil = importlib.util.find_spec("psutil") is not None
+    return sorted(_listeners_psutil(root) if use_psutil else _listeners_proc(root))
+
+
+def _listeners_psutil(root: int) -> list[Listener]:
+    import psutil  # type: ignore[import-untyped]  # (no stubs installed)
+
+    try:
+        top = psutil.Process(root)
+        procs = [top, *top.children(recursive=True)]
+    except psutil.Error:
+        return []
+    out = []
+    for proc in procs:
+        try:
+            conns = proc.net_connections(kind="tcp")
+            name = _process_name(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+        out += [Listener(proc.pid, name, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    return out
+
+
+def _listeners_proc(root: int) -> list[Listener]:
+    listening: dict[int, tuple[str, int]] = {}  # socket inode -> (address, port)
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:  # no IPv6 in this kernel
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) < 10 or cols[3] != "0A":  # 0A: TCP_LISTEN
+                continue
+            hex_ip, hex_port = cols[1].split(":")
+            # each 32-bit word of the address is printed in host (little-endian) byte order
+            raw = b"".join(bytes.fromhex(hex_ip[i : i + 8])[::-1] for i in range(0, width, 8))
+            listening[int(cols[9])] = (str(ipaddress.ip_address(raw)), int(hex_port, 16))
+    out = []
+    for pid in [root, *_descendants(root)]:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            name = _process_name(pid)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and int(link[8:-1]) in listening:
+                out.append(Listener(pid, name, *listening[int(link[8:-1])]))
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.append(child)
+                todo.append(child)
+    return out
+
+
+def _process_name(pid: int) -> str:
+    """``gcs_server``, ``raylet``, ``monitor.py``, ``ray::ServeReplica:specdec:SpecDecReplica``..."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    if not args:
+        return "?"
+    if os.path.basename(args[0]).startswith("python"):
+        for prev, arg in zip(args, args[1:]):
+            if prev == "-m" or not arg.startswith("-") and prev != "-c":
+                return os.path.basename(arg)  # the script (monitor.py, dashboard.py) or the module
+        return os.path.basename(args[0])
+    return os.path.basename(args[0].split()[0])  # Ray's workers retitle themselves: "ray::IDLE"
+
+
+def _replica_grpc_on_loopback() -> bool:
+    """On a node whose address is loopback, bind the replica's inter-deployment gRPC server to
+    127.0.0.1. Ray Serve 2.60 starts it on ``"[::]:0"`` (every interface), a fixed address in
+    ``ray/serve/_private/replica.py`` (``_on_initialized``) with no setting: so this wraps the
+    ``add_port_to_grpc_server`` that module calls. Callers reach a replica at its node's address,
+    here 127.0.0.1, so nothing else changes. Elsewhere (a node with a routable address), and
+    if a later Ray no longer has that function, this does nothing and returns False; the CLI
+    then names the port at start-up (``serve --ray``'s check of its sockets)."""
+    try:
+        import ray
+        from ray.serve._private import replica as ray_replica
+    except ImportError:
+        return False
+    original = getattr(ray_replica, "add_port_to_grpc_server", None)
+    if original is None or not _is_loopback(ray.util.get_node_ip_address()):
+        return False
+    if getattr(original, "specdec_loopback", False):
+        return True
+
+    def on_loopback(server: Any, address: str) -> Any:
+        if address.startswith(("[::]:", "0.0.0.0:")):
+            address = "127.0.0.1:" + address.rsplit(":", 1)[1]
+        return original(server, address)
+
+    on_loopback.specdec_loopback = True  # type: ignore[attr-defined]
+    ray_replica.add_port_to_grpc_server = on_loopback
+    return True

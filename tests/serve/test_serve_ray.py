@@ -4,6 +4,8 @@ by ``python -m specdec_rt serve --ray`` (2 replicas of a tiny model)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import ipaddress
 import os
 import shutil
 import signal
@@ -218,6 +220,78 @@ def test_two_replicas_serve_like_the_engine(ray_server, tiny_llama):
             assert all(r.headers.get("retry-after") for r in burst if r.status_code == 429)
 
     anyio.run(main)
+
+
+def _on_loopback(address: str) -> bool:
+    """In 127.0.0.0/8 (also as an IPv4-mapped IPv6 address), or ``::1``."""
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv4Address):
+        return ip in ipaddress.ip_network("127.0.0.0/8")
+    return ip == ipaddress.ip_address("::1")
+
+
+def test_listening_sockets_of_a_process_tree_from_proc_and_psutil():
+    """A child listening on every interface (IPv4, IPv6) and on loopback: /proc and psutil see the
+    same four sockets, and only the loopback ones count as loopback."""
+    from specdec_rt.serve.ray import listening_sockets
+
+    code = (
+        "import socket, sys, time\n"
+        "ss = []\n"
+        "for fam, host in ((socket.AF_INET, '0.0.0.0'), (socket.AF_INET6, '::'),"
+        " (socket.AF_INET, '127.0.0.2'), (socket.AF_INET6, '::1')):\n"
+        "    s = socket.socket(fam); s.bind((host, 0)); s.listen(); ss.append(s)\n"
+        "print(' '.join(str(s.getsockname()[1]) for s in ss), flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        ports = [int(p) for p in child.stdout.readline().split()]
+        found = listening_sockets(use_psutil=False)  # this process and its children
+        mine = {(s.address, s.port, s.loopback) for s in found if s.pid == child.pid}
+        assert mine == {
+            ("0.0.0.0", ports[0], False),
+            ("::", ports[1], False),
+            ("127.0.0.2", ports[2], True),
+            ("::1", ports[3], True),
+        }
+        assert all(s.process == "python" for s in found if s.pid == child.pid)
+        if importlib.util.find_spec("psutil"):
+            assert {
+                (s.address, s.port, s.loopback) for s in listening_sockets(use_psutil=True) if s.pid == child.pid
+            } == mine
+        assert not [s for s in listening_sockets(child.pid) if s.pid != child.pid]  # only below the root
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_every_ray_process_listens_on_loopback_only(ray_server):
+    """The whole process tree of ``serve --ray`` (Ray's GCS, raylet, agents, autoscaler monitor,
+    dashboard head, workers, Serve's controller, proxy and replicas): every listening TCP socket
+    on 127.0.0.0/8 (was: the GCS, raylet, agents, monitor and workers on 0.0.0.0 / ::, the
+    agents also on the machine's address), and no start-up warning about one."""
+    from specdec_rt.serve.ray import listening_sockets
+
+    url, proc, lines = ray_server
+    port = int(url.rsplit(":", 1)[1])
+    found = listening_sockets(proc.pid, use_psutil=False)  # /proc/net/tcp{,6} and /proc/<pid>/fd
+    names = {s.process for s in found}
+    assert {"gcs_server", "raylet"} <= names, names  # (the monitor's fixed port 44217 may be taken)
+    replicas = [s.pid for s in found if s.process.startswith("ray::ServeReplica")]
+    # two replicas, each with its worker's gRPC port and Serve's inter-deployment gRPC server
+    assert len(set(replicas)) == 2 and all(replicas.count(p) >= 2 for p in replicas), found
+    assert ("127.0.0.1", port) in {(s.address, s.port) for s in found}  # Serve's HTTP proxy
+    assert len(found) >= 10, found
+    outside = [s for s in found if not _on_loopback(s.address)]
+    assert not outside, outside
+    if importlib.util.find_spec("psutil"):
+        again = listening_sockets(proc.pid, use_psutil=True)
+        assert not [s for s in again if not _on_loopback(s.address)], again
+        assert {(s.pid, s.port) for s in found} & {(s.pid, s.port) for s in again}
+    assert not [x for x in lines if "beyond loopback" in x]
 
 
 def test_sigterm_removes_the_deployment_and_every_process(ray_server):
