@@ -153,6 +153,8 @@ class Manifest:
     drafts: tuple[dict, ...]
     exact_to: str | None
     raw: dict = field(repr=False, compare=False, default_factory=dict)
+    # the longest window of the graph's sliding layers (0: none); such a model verifies chains
+    sliding_window: int = 0
 
     def kv_name(self, role: str, layer: int) -> str:
         """ONNX name of ``past_key`` / ``past_value`` / ``present_key`` / ``present_value``."""
@@ -234,6 +236,9 @@ def check_manifest(folder: str | os.PathLike, raw: dict, verify_hashes: bool | s
         drafts=_drafts(folder, raw.get("drafts"), path),
         exact_to=raw.get("exact_to"),
         raw=raw,
+        sliding_window=_int(
+            arch.get("sliding_window", 0), "architecture.sliding_window", path, 0, LIMITS["max_positions"][1]
+        ),
     )
     for role in REQUIRED_INPUTS:
         if not m.inputs.get(role):

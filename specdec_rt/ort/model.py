@@ -106,9 +106,10 @@ class OrtModel(LanguageModel):
         # Trees need the KV on the host to compact it (CUDA verifies chains), and a tree node's
         # logits equal its path's as a chain only to float rounding (~1e-6: attention sums the
         # path's keys at other indices), which int8 activations would amplify: quantized targets
-        # verify chains too
+        # verify chains too. So do models with sliding windows: GroupQueryAttention windows a query by
+        # its index in the cache, and a tree's nodes sit there past their real positions
         self.biased = self.ragged  # with positions: both checked at load with the packed inputs
-        self.tree = self.ragged and self.device == "cpu" and not quantized
+        self.tree = self.ragged and self.device == "cpu" and not quantized and not m.sliding_window
         entries = max(slots, MIN_CACHE_ENTRIES) if cache_entries is None else cache_entries
         self.pool: KVPool | None = KVPool(
             m.num_layers,
