@@ -1,5 +1,5 @@
 """Emit a compact, fused ONNX graph for a Llama-style decoder (Llama, Mistral, Qwen2, Qwen3,
-Phi-3, SmolLM3; ``export.model_spec``) straight from its weights.
+Phi-3, SmolLM3, Gemma 2, Gemma 3; ``export.model_spec``) straight from its weights.
 
 The graph is what onnxruntime-genai's model builder would write, ~12 nodes a layer:
 
@@ -21,7 +21,22 @@ The graph is what onnxruntime-genai's model builder would write, ~12 nodes a lay
 the qkv MatMul); Phi-3 fuses qkv and gate/up (``layout.split_fused`` reads them as the graph's
 q/k/v and gate/up) and may rotate only the first part of each head (``partial_rotary_factor``:
 GroupQueryAttention's rotary turns the first ``2 * cos_cache`` columns and passes the rest);
-SmolLM3 has layers without rotary (``do_rotary=0``, no tables).
+SmolLM3 has layers without rotary (``do_rotary=0``, no tables). Gemma 2 and 3 scale the
+embeddings by sqrt(hidden) (a ``Mul`` in float32, as transformers does), norm with ``1 + w``,
+norm attention's and the MLP's outputs too (``post_attention_layernorm``,
+``pre_feedforward_layernorm`` then ``post_feedforward_layernorm`` around the MLP), use the tanh
+GELU in a GeGLU, scale attention by ``query_pre_attn_scalar ** -0.5``; Gemma 2 soft-caps
+attention scores (GroupQueryAttention's ``softcap``) and the logits (``tanh(x / c) * c`` after
+the LM head); Gemma 3 norms each query and key head as Qwen3 does and turns its sliding layers by
+their own rotary base (``cos_cache_local`` / ``sin_cache_local``).
+
+**Sliding windows.** A layer with a window of w (Mistral, Phi-3, Qwen2 / Qwen3 / SmolLM3 with
+``use_sliding_window``, Gemma's sliding layers) has GroupQueryAttention's
+``local_window_size = w``: each query sees w keys, itself and the w - 1 positions before it, by its
+position in the cache, as transformers' sliding mask does (tested past the window); the cache keeps every position (a
+global layer beside it sees all of them), so rollback and the prefix cache are unchanged. A
+tree's nodes sit in the cache past their real positions, so a windowed model verifies chains
+(``architecture.sliding_window`` in the manifest tells the runtime).
 
 **Packed positions.** The new positions of all the rows of a call (B requests, N positions in
 all) come as one row: the MatMuls, which are nearly all the work, run on the N real positions;
@@ -70,18 +85,19 @@ OPSET = 21
 MS = "com.microsoft"
 
 
-def rotary_tables(model, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+def rotary_tables(model, spec: ModelSpec, module=None) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin float32 [max_positions, width / 2] from the model's own rotary module, ``width``
     the graph's rotated dimensions of a head (all of it, or Phi-3's partial part: padded to
     ``layout.rotary_width``).
 
     Calling the HF module covers every rope-scaling variant (llama3, yarn, dynamic at its
     initial length, LongRoPE's short factors) and its attention scaling. HF tables are
-    `cat(f, f)` (non-interleaved), over the rotated dimensions only.
+    `cat(f, f)` (non-interleaved), over the rotated dimensions only. ``module``: another rotary
+    module of the model (Gemma 3's ``rotary_emb_local``).
     """
     import torch
 
-    rot = model.model.rotary_emb
+    rot = model.model.rotary_emb if module is None else module
     with torch.no_grad():
         pos = torch.arange(spec.max_positions, dtype=torch.long)[None]  # [1, P]
         cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)  # [1, P, d] each
@@ -249,22 +265,36 @@ def build_onnx(
     d, kv, nh, own, rot = spec.head_dim, spec.num_kv_heads, spec.num_heads, spec.own_head_dim, spec.rotary
     heads = {"q": nh, "k": kv, "v": kv}
     cos, sin = rotary_tables(model, spec)
+    one = np.float32(1.0)
+
+    def norm(key: str) -> np.ndarray:  # a norm's weight as the graph multiplies by it: Gemma's 1 + w
+        w = _np(sd[key])
+        return w + one if spec.gemma else w
+
     out_dir = Path(out_dir)
     with ExternalDataWriter(out_dir / "model.onnx.data") as data:
         g = _Graph(data, quant, spec.rms_eps)
         g.init("cos_cache", cos)  # [P, d/2]
         g.init("sin_cache", sin)
+        if spec.local_rope:  # Gemma 3's sliding layers: rope_local_base_freq, no scaling
+            cos, sin = rotary_tables(model, spec, model.model.rotary_emb_local)
+            g.init("cos_cache_local", cos)
+            g.init("sin_cache_local", sin)
+        del cos, sin
         x = g.node(
             "Gather",
             [g.init("embed_tokens.weight", _np(sd["model.embed_tokens.weight"])), "input_ids"],
             ["/embed/output"],
             "/embed/Gather",
         )[0]  # [B, S, H]
+        if spec.gemma:  # x sqrt(hidden), rounded to float32 first as transformers does
+            scale = g.init("/embed/scale", np.array(math.sqrt(spec.hidden_size), dtype=np.float32))
+            x = g.node("Mul", [x, scale], ["/embed/scaled"], "/embed/Scale")[0]
         stream, res = x, None  # stream: the branch output to add; res: the running residual
         g.position_rows()  # [B, S] for attention, from the packed [1, N]
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
-            h, res = g.rms_norm(stream, res, _np(sd[p + "input_layernorm.weight"]), f"/layers.{i}/input_layernorm")
+            h, res = g.rms_norm(stream, res, norm(p + "input_layernorm.weight"), f"/layers.{i}/input_layernorm")
             att = p + "self_attn."
             # q and k unpadded where each head is normed first (Qwen3): the norm pads them
             size = {n: own if spec.qk_norm and n != "v" else d for n in "qkv"}
@@ -279,71 +309,95 @@ def build_onnx(
             qkv = g.linear(h, w_qkv, f"/layers.{i}/attn/qkv", b_qkv)  # [1, N, (nh + 2 kv) d]
             del w_qkv
             if spec.qk_norm:
-                qkv = _norm_heads(g, qkv, sd, att, spec, f"/layers.{i}/attn")
+                qkv = _norm_heads(g, qkv, sd, att, spec, f"/layers.{i}/attn", one if spec.gemma else None)
             rotary = i not in spec.nope_layers  # SmolLM3: some layers have no rotary
+            window = spec.windows[i] if spec.windows else 0  # 0: every earlier position
+            softcap = {"softcap": spec.attn_softcap} if spec.attn_softcap else {}
             a = g.node(
                 "GroupQueryAttention",
-                gqa_inputs(g.unpack(qkv, f"/layers.{i}/attn"), i, rotary=rotary),
+                gqa_inputs(g.unpack(qkv, f"/layers.{i}/attn"), i, rotary=rotary, local=spec.local_rope and window > 0),
                 [f"/layers.{i}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
                 f"/layers.{i}/attn/GroupQueryAttention",
                 domain=MS,
                 num_heads=nh,
                 kv_num_heads=kv,
-                scale=1.0 / math.sqrt(own),
+                scale=spec.attn_scale or 1.0 / math.sqrt(own),
                 do_rotary=int(rotary),
                 rotary_interleaved=0,
-                local_window_size=-1,
+                local_window_size=window if window else -1,  # itself and the window - 1 before it
+                **softcap,
             )[0]
             a = g.pack(a, f"/layers.{i}/attn")  # [1, N, nh d]
             w_o = pad_heads(_np(sd[att + "o_proj.weight"]), nh, own, d, rot).T  # [nh d, H]: zero rows for padding
             b_o = sd.get(att + "o_proj.bias")  # Llama with attention_bias=True
             o = g.linear(a, w_o, f"/layers.{i}/attn/o_proj", None if b_o is None else _np(b_o))
-            h, res = g.rms_norm(
-                o, res, _np(sd[p + "post_attention_layernorm.weight"]), f"/layers.{i}/post_attention_layernorm"
-            )
+            post = norm(p + "post_attention_layernorm.weight")
+            if spec.gemma:  # the output normed, then added, then normed again for the MLP
+                o, _ = g.rms_norm(o, None, post, f"/layers.{i}/post_attention_layernorm")
+                post, name = norm(p + "pre_feedforward_layernorm.weight"), f"/layers.{i}/pre_feedforward_layernorm"
+            else:
+                name = f"/layers.{i}/post_attention_layernorm"
+            h, res = g.rms_norm(o, res, post, name)
             mlp = p + "mlp."
             gate = g.linear(h, _np(sd[mlp + "gate_proj.weight"]).T, f"/layers.{i}/mlp/gate_proj")
             up = g.linear(h, _np(sd[mlp + "up_proj.weight"]).T, f"/layers.{i}/mlp/up_proj")
             m = f"/layers.{i}/mlp"
-            sig = g.node("Sigmoid", [gate], [f"{m}/sigmoid"], f"{m}/Sigmoid")
-            silu = g.node("Mul", [gate, sig[0]], [f"{m}/silu"], f"{m}/SiLU")  # ORT: QuickGelu
-            act = g.node("Mul", [silu[0], up], [f"{m}/act"], f"{m}/Mul")
+            if spec.gemma:  # GeGLU: the tanh GELU (transformers' gelu_pytorch_tanh)
+                gelu = g.node("Gelu", [gate], [f"{m}/gelu"], f"{m}/Gelu", approximate="tanh")
+                act = g.node("Mul", [gelu[0], up], [f"{m}/act"], f"{m}/Mul")
+            else:
+                sig = g.node("Sigmoid", [gate], [f"{m}/sigmoid"], f"{m}/Sigmoid")
+                silu = g.node("Mul", [gate, sig[0]], [f"{m}/silu"], f"{m}/SiLU")  # ORT: QuickGelu
+                act = g.node("Mul", [silu[0], up], [f"{m}/act"], f"{m}/Mul")
             stream = g.linear(act[0], _np(sd[mlp + "down_proj.weight"]).T, f"/layers.{i}/mlp/down_proj")
+            if spec.gemma:
+                stream, _ = g.rms_norm(stream, None, norm(p + "post_feedforward_layernorm.weight"), f"{m}/post_norm")
             if on_layer:
                 on_layer(i)
-        g.rms_norm(stream, res, _np(sd["model.norm.weight"]), "/norm", out="hidden_states")
+        g.rms_norm(stream, res, norm("model.norm.weight"), "/norm", out="hidden_states")
         picked = g.node("Gather", ["hidden_states", "logits_index"], ["/lm_head/rows"], "/lm_head/Gather", axis=1)[
             0
         ]  # [B, R, H]
         head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-        g.linear(picked, _np(head).T, "/lm_head", out="logits")  # [B, R, V]
+        cap = spec.final_softcap
+        logits = g.linear(picked, _np(head).T, "/lm_head", out=None if cap else "logits")  # [B, R, V]
+        if cap:  # Gemma 2: tanh(logits / cap) * cap
+            c = g.init("/lm_head/softcap", np.array(cap, dtype=np.float32))
+            t = g.node("Div", [logits, c], ["/lm_head/capped"], "/lm_head/SoftcapDiv")[0]
+            t = g.node("Tanh", [t], ["/lm_head/tanh"], "/lm_head/Tanh")[0]
+            g.node("Mul", [t, c], ["logits"], "/lm_head/SoftcapMul")
 
     inputs, outputs = decoder_io(spec.num_layers, kv, d, spec.vocab_size, spec.hidden_size)
     return save_graph(g, "decoder", inputs, outputs, out_dir / "model.onnx", "specdec-rt export")
 
 
-def _norm_heads(g: _Graph, qkv: str, sd, att: str, spec: ModelSpec, name: str) -> str:
-    """Qwen3's RMSNorm of each query and key head (``q_norm``, ``k_norm``, before rotary) on the
-    fused projection ``[1, N, (nh + kv) own + kv d]``: split, normed and padded to the graph's
-    head size, joined again ``[1, N, (nh + 2 kv) d]``."""
+def _norm_heads(g: _Graph, qkv: str, sd, att: str, spec: ModelSpec, name: str, plus=None) -> str:
+    """Qwen3's and Gemma 3's RMSNorm of each query and key head (``q_norm``, ``k_norm``, before
+    rotary) on the fused projection ``[1, N, (nh + kv) own + kv d]``: split, normed and padded to
+    the graph's head size, joined again ``[1, N, (nh + 2 kv) d]``. ``plus``: added to the norms'
+    weights (Gemma's ``1 + w``)."""
     own, d, nh, kv, rot = spec.own_head_dim, spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.rotary
     sizes = g.init(f"{name}/qkv_split", np.array([nh * own, kv * own, kv * d], dtype=np.int64))
     q, k, v = g.node("Split", [qkv, sizes], [f"{name}/q", f"{name}/k", f"{name}/v"], f"{name}/Split", axis=-1)
-    q = g.head_norm(q, nh, own, d, rot, _np(sd[att + "q_norm.weight"]), f"{name}/q_norm")
-    k = g.head_norm(k, kv, own, d, rot, _np(sd[att + "k_norm.weight"]), f"{name}/k_norm")
+    wq, wk = _np(sd[att + "q_norm.weight"]), _np(sd[att + "k_norm.weight"])
+    if plus is not None:
+        wq, wk = wq + plus, wk + plus
+    q = g.head_norm(q, nh, own, d, rot, wq, f"{name}/q_norm")
+    k = g.head_norm(k, kv, own, d, rot, wk, f"{name}/k_norm")
     return g.node("Concat", [q, k, v], [f"{name}/qkv_normed"], f"{name}/Concat", axis=-1)[0]
 
 
-def gqa_inputs(qkv: str, layer: int, packed: bool = True, rotary: bool = True) -> list[str]:
+def gqa_inputs(qkv: str, layer: int, packed: bool = True, rotary: bool = True, local: bool = False) -> list[str]:
     """GroupQueryAttention's inputs: QKV, the layer's KV, the sequence lengths, the rotary
-    tables (none for a layer without rotary, ``rotary=False``), and for ``packed`` graphs: (10th, 11th) ``position_rows`` ``[B, S]`` and
+    tables (none for a layer without rotary, ``rotary=False``; a sliding layer's own, ``local``:
+    Gemma 3), and for ``packed`` graphs: (10th, 11th) ``position_rows`` ``[B, S]`` and
     ``attention_bias`` ``[1, 1, S, total]`` (a tree mask: each new position sees what the bias
     leaves at 0, besides causal order), and (17th) ``query_seqlens`` ``[B]``, the new positions
     of each row. With it ONNX Runtime's CPU kernel takes several rows of several new positions
     *with* a past in one call (rows right-padded; padding is neither attended to nor written to
     the cache; a row with 0 new positions is left untouched), which a batched verify needs;
     without it, only batch 1."""
-    tables = ["cos_cache", "sin_cache"] if rotary else ["", ""]
+    tables = ["", ""] if not rotary else ["cos_cache_local", "sin_cache_local"] if local else ["cos_cache", "sin_cache"]
     return [
         qkv,
         "",

@@ -84,6 +84,8 @@ def check_weights(sd, spec) -> None:
     parts += [f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
     if spec.qk_norm:
         parts += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if spec.gemma:  # norms after attention's output and around the MLP
+        parts += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     known = {f"model.layers.{i}.{part}" for i in range(spec.num_layers) for part in parts}
     known |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     extra = sorted(k for k in sd if k not in known and not k.endswith("rotary_emb.inv_freq"))

@@ -20,16 +20,15 @@ __all__ = [
 ]
 
 # model_type of a checkpoint folder; Mistral is Llama's graph with a sliding window
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")  # (1 + w) norms, norms after attention and MLP too, GeGLU, scaled embeddings
 GGUF_FAMILIES = ("llama", "qwen2")  # general.architecture of a GGUF (llama.cpp writes Mistral as llama)
 MAX_POSITIONS_CAP = 32768
 MIN_POSITIONS = 2  # a prompt token and one generated token
 # families refused on purpose, with why (named in the refusal); the rest by what config.json shows
 NOT_YET = {
-    "gemma": "Gemma: not yet",
-    "gemma2": "Gemma 2: not yet",
-    "gemma3_text": "Gemma 3: not yet",
-    "gemma3": "Gemma 3: not yet; multimodal",
+    "gemma": "Gemma 1: not yet",
+    "gemma3": "Gemma 3 with its vision tower: multimodal; its text model (gemma3_text) exports",
     "gemma3n": "Gemma 3n: not yet; multimodal",
 }
 _KINDS = (  # (what, model_type fragments, config.json keys)
@@ -56,7 +55,7 @@ def unsupported_architecture(
 ) -> UnsupportedModelError:
     """The one error for a model family the graph builder cannot emit (from a checkpoint folder,
     or from a GGUF file: ``supported=GGUF_FAMILIES``), one line naming the family, why when it is
-    known (Gemma not yet; mixture of experts, multimodal towers, state-space layers: from the
+    known (Gemma 1 not yet; mixture of experts, multimodal towers, state-space layers: from the
     model_type or ``config``, config.json's keys), and the supported ones."""
     why = NOT_YET.get(family) if isinstance(family, str) else None
     if why is None and supported is GGUF_FAMILIES and family in SUPPORTED_FAMILIES:
@@ -88,10 +87,23 @@ class ModelSpec:
     rotary_dim: int = 0  # the model's rotated dimensions of a head (0: all; Phi-3 partial_rotary_factor)
     qk_norm: bool = False  # RMSNorm of each query and key head before rotary (Qwen3)
     nope_layers: tuple[int, ...] = ()  # layers without rotary (SmolLM3's no_rope_layers 0s)
+    # each layer's sliding window: it sees its last `window` positions, itself included (0: all of
+    # them); () when no layer has a window shorter than max_positions
+    windows: tuple[int, ...] = ()
+    gemma: bool = False  # Gemma 2 / 3: (1 + w) norms, norms after attention and MLP, GeGLU, embeddings x sqrt(H)
+    attn_scale: float = 0.0  # attention's scale (0: 1 / sqrt(own head size)); Gemma: query_pre_attn_scalar^-0.5
+    attn_softcap: float = 0.0  # tanh soft-capping of attention scores (0: none; Gemma 2)
+    final_softcap: float = 0.0  # tanh soft-capping of the logits (0: none; Gemma 2)
+    local_rope: bool = False  # sliding layers turn by their own rotary base (Gemma 3's rope_local_base_freq)
 
     @property
     def own_head_dim(self) -> int:
         return self.model_head_dim or self.head_dim
+
+    @property
+    def sliding_window(self) -> int:
+        """The longest window of a sliding layer (0: every layer sees all earlier positions)."""
+        return max(self.windows, default=0)
 
     @property
     def rotary(self) -> int:
@@ -104,7 +116,16 @@ class ModelSpec:
         family = getattr(config, "model_type", None)
         if family not in SUPPORTED_FAMILIES:
             raise unsupported_architecture(family)
-        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):  # one function, two names
+        gemma = family in GEMMA
+        if gemma:  # GeGLU: the tanh GELU (transformers' hidden_activation; hidden_act is older configs')
+            act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+            if act != "gelu_pytorch_tanh":
+                raise UnsupportedModelError(f"unsupported activation {act}; need gelu_pytorch_tanh")
+            if getattr(config, "use_bidirectional_attention", False):
+                raise UnsupportedModelError(
+                    "unsupported option use_bidirectional_attention=True: need causal attention"
+                )
+        elif getattr(config, "hidden_act", "silu") not in ("silu", "swish"):  # one function, two names
             raise UnsupportedModelError(f"unsupported activation {config.hidden_act}; need silu")
         if getattr(config, "mlp_bias", False):
             raise UnsupportedModelError("unsupported option mlp_bias=True")
@@ -112,19 +133,7 @@ class ModelSpec:
         if max_positions:
             limit = min(limit, max_positions)
         limit = min(limit, _longrope_limit(config) or limit)
-        # a sliding window (Mistral's and Phi-3's when set, Qwen2's, Qwen3's and SmolLM3's with
-        # use_sliding_window, on the layers their layer_types mark) lets a position see the last
-        # `window` positions only: capped at the window, every position sees all earlier ones,
-        # as in the full attention the graph computes
-        window = getattr(config, "sliding_window", None)
-        if family in ("qwen2", "qwen3", "smollm3") and not getattr(config, "use_sliding_window", False):
-            window = None
-        if family in ("qwen3", "smollm3") and "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
-            window = None
-        if window is not None:
-            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-                raise UnsupportedModelError(f"unsupported sliding_window {window!r}")
-            limit = min(limit, window)
+        windows = _windows(config, family, limit) if isinstance(limit, int) and not isinstance(limit, bool) else ()
         eps = _positive_number(config, "rms_norm_eps")
         _check_rope(config)
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < MIN_POSITIONS:
@@ -156,6 +165,7 @@ class ModelSpec:
             raise UnsupportedModelError(f"unsupported head size {own}: rotary embeddings need an even one")
         rotary = _rotary_dim(config, family, own)
         padded = graph_head_dim(own, rotary)
+        scale = _positive_number(config, "query_pre_attn_scalar") ** -0.5 if gemma else 0.0
         return cls(
             family=family,
             num_layers=config.num_hidden_layers,
@@ -169,8 +179,14 @@ class ModelSpec:
             max_positions=limit,
             rms_eps=eps,
             rotary_dim=rotary if rotary != own else 0,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3_text"),
             nope_layers=_nope_layers(config, family),
+            windows=windows,
+            gemma=gemma,
+            attn_scale=scale,
+            attn_softcap=_softcap(config, "attn_logit_softcapping") if gemma else 0.0,
+            final_softcap=_softcap(config, "final_logit_softcapping") if gemma else 0.0,
+            local_rope=family == "gemma3_text" and any(windows),
         )
 
     def manifest(self) -> dict:
@@ -185,7 +201,10 @@ class ModelSpec:
             "vocab_size",
             "max_positions",
         )
-        return {k: v for k, v in asdict(self).items() if k in keep}
+        record = {k: v for k, v in asdict(self).items() if k in keep}
+        if self.windows:  # sliding layers: the runtime verifies chains (see specdec_rt.ort.model)
+            record["sliding_window"] = self.sliding_window
+        return record
 
 
 def _positive_number(config, key: str, value=None) -> float:
@@ -211,6 +230,8 @@ def _check_rope(config) -> None:
         theta = params.get("rope_theta")
     if theta is not None:
         _positive_number(config, "rope_theta", theta)
+    if getattr(config, "rope_local_base_freq", None) is not None:  # Gemma 3's sliding layers
+        _positive_number(config, "rope_local_base_freq")
     scaling = getattr(config, "rope_scaling", None)
     if isinstance(scaling, dict) and scaling.get("factor") is not None:
         _positive_number(config, "rope_scaling.factor", scaling["factor"])
@@ -232,6 +253,45 @@ def _rotary_dim(config, family: str, own: int) -> int:
             f"need an even number of rotated dimensions, 2..{own}"
         )
     return rotary
+
+
+def _softcap(config, key: str) -> float:
+    """Gemma's ``attn_logit_softcapping`` / ``final_logit_softcapping``: 0 when unset (None),
+    else a finite number > 0."""
+    value = getattr(config, key, None)
+    return 0.0 if value is None else _positive_number(config, key, value)
+
+
+def _windows(config, family: str, limit: int) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers reads it (0: full attention), or () when no
+    layer's window is shorter than ``limit`` positions. Mistral and Phi-3 slide every layer when
+    ``sliding_window`` is set; Qwen2, Qwen3 and SmolLM3 with ``use_sliding_window`` the layers
+    their ``layer_types`` mark ``sliding_attention``; Gemma 2 and 3 the layers their
+    ``layer_types`` mark (Gemma 2: every other, Gemma 3: 5 of 6 in released models). A window of
+    w lets a position see the last w positions, itself included (transformers'
+    ``sliding_window_overlay``: key > query - w)."""
+    window = getattr(config, "sliding_window", None)
+    if family in ("qwen2", "qwen3", "smollm3") and not getattr(config, "use_sliding_window", False):
+        return ()
+    if window is None or family == "llama":
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UnsupportedModelError(f"unsupported sliding_window {window!r}")
+    layers = config.num_hidden_layers
+    if family in ("mistral", "phi3"):
+        sliding = [True] * layers
+    else:
+        types = getattr(config, "layer_types", None)
+        kinds = ("sliding_attention", "full_attention")
+        if not isinstance(types, (list, tuple)) or len(types) != layers or any(t not in kinds for t in types):
+            raise UnsupportedModelError(
+                f"unsupported layer_types {types!r}: need sliding_attention or full_attention for each of the "
+                f"{layers} layers"
+            )
+        sliding = [t == "sliding_attention" for t in types]
+    if window >= limit or not any(sliding):  # no position can see past the window: full attention
+        return ()
+    return tuple(window if s else 0 for s in sliding)
 
 
 def _nope_layers(config, family: str) -> tuple[int, ...]:

@@ -57,6 +57,8 @@ class Source:
             )
         except Exception as exc:  # noqa: BLE001 - loader errors are source errors
             raise CorruptSourceError(f"cannot load the model from {self.path}: {one_line(exc)}") from exc
+        if getattr(model.config, "attn_logit_softcapping", None):  # Gemma 2: SDPA would skip the soft-capping
+            model.set_attn_implementation("eager")
         return model.eval()
 
     def load_tokenizer(self):

@@ -1,12 +1,13 @@
-"""Tiny random Llama / Qwen2 / Mistral / Qwen3 / Phi-3 / SmolLM3 checkpoints (2 layers, hidden
-64) with a real byte-level BPE tokenizer, built offline in seconds, plus a one-call export.
+"""Tiny random Llama / Qwen2 / Mistral / Qwen3 / Phi-3 / SmolLM3 / Gemma 2 / Gemma 3 checkpoints
+(2 layers, hidden 64) with a real byte-level BPE tokenizer, built offline in seconds, plus a
+one-call export.
 Shared by the export and runtime tests:
 
     ckpt = build_tiny_checkpoint(tmp_path / "ckpt", family="qwen2", seed=0)
     out = export_tiny(tmp_path, "llama", draft="int4")   # validated; out/draft-q4 too
 
-The llama flavour adds bos to plain text (like Llama tokenizers, Mistral's too); the qwen2 flavour
-does not (like Qwen/SmolLM2 ChatML tokenizers; Qwen3, Phi-3 and SmolLM3 take it). Both carry a
+The llama flavour adds bos to plain text (like Llama tokenizers, Mistral's and Gemma's too); the
+qwen2 flavour does not (like Qwen/SmolLM2 ChatML tokenizers; Qwen3, Phi-3 and SmolLM3 take it). Both carry a
 ChatML chat template.
 """
 
@@ -24,7 +25,8 @@ __all__ = [
     "CHATML_TEMPLATE",
 ]
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3")  # all but llama, qwen2: folders only
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text")  # build_tiny_checkpoint's
+BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text")  # tokenizers that add bos to plain text
 CHATML_TEMPLATE = (
     "{{ bos_token if add_bos_in_template else '' }}"
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
@@ -53,7 +55,7 @@ def build_tiny_tokenizer(family: str = "llama", vocab: int = 320, corpus_seed: i
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    if family in ("llama", "mistral"):
+    if family in BOS_FAMILIES:
         specials = ["<s>", "</s>"] + specials
     corpus = list(_CORPUS)
     if corpus_seed:
@@ -69,7 +71,7 @@ def build_tiny_tokenizer(family: str = "llama", vocab: int = 320, corpus_seed: i
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tk.train_from_iterator(corpus, trainer)
-    if family in ("llama", "mistral"):  # bos on plain text, as Llama tokenizers do
+    if family in BOS_FAMILIES:  # bos on plain text, as Llama tokenizers do
         tk.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tk.token_to_id("<s>"))]
         )
@@ -154,6 +156,23 @@ def build_tiny_checkpoint(
 
         common.setdefault("no_rope_layers", [1, 0, 1, 0][:layers] + [1] * (layers - 4))
         model = SmolLM3ForCausalLM(SmolLM3Config(**common, tie_word_embeddings=True, rope_theta=2e6))
+    elif family == "gemma2":  # sliding window on every other layer (`window`: 4096 unless told)
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        common.setdefault("head_dim", hidden // heads)
+        common.setdefault("query_pre_attn_scalar", 24)  # not head_dim: the scale must come from it
+        if window:
+            common["sliding_window"] = window
+        model = Gemma2ForCausalLM(Gemma2Config(**common, tie_word_embeddings=True, attn_implementation="eager"))
+    elif family == "gemma3_text":  # layer_types: local (own rotary base, window) and global layers
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        common.setdefault("head_dim", hidden // heads)
+        common.setdefault("query_pre_attn_scalar", 24)
+        common.setdefault("layer_types", (["sliding_attention"] * (layers - 1) + ["full_attention"])[:layers])
+        if window:
+            common["sliding_window"] = window
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, tie_word_embeddings=True))
     else:
         raise ValueError(f"family must be one of {FAMILIES}")
     with torch.no_grad():  # norms and biases away from their 1/0 init, so they matter

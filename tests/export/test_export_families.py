@@ -1,16 +1,23 @@
 """The families past Llama / Mistral / Qwen2, each exact to PyTorch: Qwen3 (per-head q/k norms,
 head_dim apart from hidden / heads), Phi-3 and Phi-4-mini (fused qkv and gate/up, partial rotary,
-LongRoPE), SmolLM3 (layers without rotary), and Llama 3's rope scaling beside them. Each is a tiny
+LongRoPE), SmolLM3 (layers without rotary), Gemma 2 (soft-capping, sandwich norms, GeGLU, a
+sliding window on every other layer) and Gemma 3 (q/k norms, a local rotary base for its sliding
+layers, a scaled global one), with windows of 8 positions, far shorter than prompt + answer, and
+Llama 3's rope scaling beside them. Each is a tiny
 random checkpoint built here from a transformers config (seeded, no download), exported with
 its int8 quantized copy as the draft, then:
 
 - its logits over 48 positions (prefill, a decode, a rejected verify, chunks on the cache) equal
-  PyTorch's, and differ from those of the same weights *without* the family's difference (so the
-  tiny model is sensitive to what the graph must get right: a graph that ignored it would fail);
+  PyTorch's, and differ from those of the same weights *without* each of the family's
+  differences (so the tiny model is sensitive to what the graph must get right: a graph that
+  ignored it would fail);
 - greedy decoding through the Engine, ``ar`` and ``spec`` (the q8 draft, n-gram lookup), equals
   PyTorch's greedy tokens over a prompt and answer of 48 positions.
 
-Then the refusals: Gemma (not yet), mixture-of-experts, multimodal and state-space families fail
+A windowed family also runs packed batches of concurrent requests, prefix-cache hits past the
+window, and verifies chains only (no trees: see ``specdec_rt.ort.model``).
+
+Then the refusals: Gemma 1 (not yet), mixture-of-experts, multimodal and state-space families fail
 before any work with one line naming the family and the supported ones."""
 
 from __future__ import annotations
@@ -45,8 +52,9 @@ _LONGROPE = {
     "long_factor": [2.0 + 0.5 * i for i in range(24)],
 }
 
+WINDOW = 8  # the Gemma cases' sliding window: prompt + answer run 6 windows past it
 # name: (family, build options, what differs from Llama: a config change or a module swap that
-# undoes it in PyTorch, for the sensitivity check)
+# undoes it in PyTorch, for the sensitivity check; a tuple of them: each must matter)
 CASES = {
     "qwen3": ("qwen3", dict(head_dim=32), "qk_norm"),  # head 32 != hidden 64 / 4 heads
     "qwen3-head24": ("qwen3", dict(head_dim=24, kv_heads=1), "qk_norm"),  # padded to 32 after the norm
@@ -76,18 +84,45 @@ CASES = {
         ),
         {"rope_scaling": None},
     ),
+    "gemma2": (
+        "gemma2",
+        dict(window=WINDOW, attn_logit_softcapping=1.0, final_logit_softcapping=3.0),  # caps that matter here
+        (
+            {"sliding_window": 4096},
+            {"attn_logit_softcapping": None},
+            {"final_logit_softcapping": None},
+            {"query_pre_attn_scalar": 16},  # 1 / sqrt(head_dim)
+        ),
+    ),
+    "gemma3": (
+        "gemma3_text",
+        dict(
+            window=WINDOW,
+            layers=3,  # local, local, global
+            rope_scaling={"rope_type": "linear", "factor": 8.0},  # the global layers' (as in 4B+)
+        ),
+        ({"sliding_window": 4096}, {"rope_local_base_freq": 1e6}, {"rope_scaling": None}, "qk_norm"),
+    ),
 }
+_EXPORTS: dict[str, tuple[Path, Path]] = {}
+
+
+def _export(case: str, tmp_path_factory) -> tuple[Path, Path]:
+    """(export folder with its q8 draft, checkpoint folder) of ``case``, built once a module."""
+    if case not in _EXPORTS:
+        family, options, _ = CASES[case]
+        tmp = tmp_path_factory.mktemp(case)
+        ckpt = build_tiny_checkpoint(tmp / "ckpt", family, seed=7, vocab=VOCAB, **options)
+        out = tmp / "onnx"
+        run(Request(src=str(ckpt), out=out, draft_quant="int8", threads=1), Reporter(quiet=True))
+        _EXPORTS[case] = out, ckpt
+    return _EXPORTS[case]
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def exported(request, tmp_path_factory) -> tuple[str, Path, Path]:
     """(case, export folder with its q8 draft, checkpoint folder)."""
-    family, options, _ = CASES[request.param]
-    tmp = tmp_path_factory.mktemp(request.param)
-    ckpt = build_tiny_checkpoint(tmp / "ckpt", family, seed=7, vocab=VOCAB, **options)
-    out = tmp / "onnx"
-    run(Request(src=str(ckpt), out=out, draft_quant="int8", threads=1), Reporter(quiet=True))
-    return request.param, out, ckpt
+    return (request.param, *_export(request.param, tmp_path_factory))
 
 
 def _model(ckpt: Path, **config):
@@ -97,7 +132,10 @@ def _model(ckpt: Path, **config):
     cfg = AutoConfig.from_pretrained(ckpt)
     for key, value in config.items():
         setattr(cfg, key, value)
-    return AutoModelForCausalLM.from_pretrained(ckpt, config=cfg, dtype=torch.float32).eval()
+    # eager: transformers' SDPA path leaves out Gemma 2's attention soft-capping
+    return AutoModelForCausalLM.from_pretrained(
+        ckpt, config=cfg, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def _logits(model, ids: np.ndarray) -> np.ndarray:
@@ -131,6 +169,10 @@ def test_manifest_and_validation(exported):
         assert m["architecture"]["max_positions"] == 128 and m["architecture"]["head_dim"] == 64
     if case in ("phi3", "qwen3-head24"):  # heads padded: 16 = 12 rotated + 4 -> 16 + 4 -> 32; 24 -> 32
         assert m["architecture"]["head_dim"] == 32
+    if case.startswith("gemma"):  # the real context, not the window
+        assert m["architecture"]["max_positions"] == 512 and m["architecture"]["sliding_window"] == WINDOW
+    else:
+        assert "sliding_window" not in m["architecture"]
 
 
 def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
@@ -141,14 +183,15 @@ def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
     got = _graph_logits(folder, ids)
     ref = _logits(_model(ckpt), ids)
     np.testing.assert_allclose(got, ref, atol=ATOL, rtol=0)
-    undo = CASES[case][2]  # the same weights without the family's difference
-    if undo == "qk_norm":
-        other = _model(ckpt)
-        for layer in other.model.layers:
-            layer.self_attn.q_norm = layer.self_attn.k_norm = torch.nn.Identity()
-    else:
-        other = _model(ckpt, **undo)
-    assert np.abs(got - _logits(other, ids)).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
+    undos = CASES[case][2]  # the same weights without (each of) the family's difference(s)
+    for undo in undos if isinstance(undos, tuple) else (undos,):
+        if undo == "qk_norm":
+            other = _model(ckpt)
+            for layer in other.model.layers:
+                layer.self_attn.q_norm = layer.self_attn.k_norm = torch.nn.Identity()
+        else:
+            other = _model(ckpt, **undo)
+        assert np.abs(got - _logits(other, ids)).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
 
 
 def test_engine_greedy_equals_pytorch_ar_and_spec(exported):
@@ -176,6 +219,80 @@ def test_engine_greedy_equals_pytorch_ar_and_spec(exported):
         assert tokens == want, f"{case}: {mode} with the {draft} draft left PyTorch's greedy output"
 
 
+def _greedy(model, prompt: list[int], total: int) -> list[int]:
+    """PyTorch's greedy continuation of ``prompt`` to ``total`` positions, every step from scratch."""
+    seq = list(prompt)
+    while len(seq) < total:
+        seq.append(int(_logits(model, np.array(seq))[-1].argmax()))
+    return seq[len(prompt) :]
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory, case):
+    """Sliding windows in every path the runtime has: several requests at once (packed rows of
+    different lengths past the window, prefill and decode and verifies batched together), prefix-
+    cache hits longer than the window, and verification by chains: a tree's nodes would sit in the
+    cache past their real positions, where GroupQueryAttention's window would cut them wrong, so a
+    windowed model has no tree capability and refuses a tree call."""
+    from specdec_rt import Engine
+    from specdec_rt.errors import InferenceError
+    from specdec_rt.ort import OrtModel
+
+    folder, ckpt = _export(case, tmp_path_factory)
+    model = _model(ckpt)
+    rng = np.random.default_rng(23)
+    prompts = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in (5, 13, 21)]  # within, past, far past 8
+    want = [_greedy(model, p, POSITIONS) for p in prompts]
+    follow = prompts[2] + want[2][:12]  # its first 33 positions: a prefix-cache hit past the window
+    want_follow = _greedy(model, follow, POSITIONS + 4)
+
+    async def main():
+        got = {}
+        async with await Engine.load(folder, draft="q8", slots=4, warmup=False) as engine:
+            for mode in ("ar", "spec"):
+                results = await asyncio.gather(
+                    *[
+                        engine.generate(p, max_new_tokens=len(w), mode=mode, ignore_eos=True)
+                        for p, w in zip(prompts, want)
+                    ]
+                )
+                got[mode] = [r.token_ids for r in results]
+            hit = await engine.generate(follow, max_new_tokens=len(want_follow), mode="spec", ignore_eos=True)
+            got["follow"] = hit.token_ids, hit.stats.cached_prompt_tokens
+        return got
+
+    got = asyncio.run(main())
+    assert got["ar"] == want and got["spec"] == want, case
+    tokens, cached = got["follow"]
+    assert tokens == want_follow and cached > WINDOW, (case, cached)
+
+    m = OrtModel(folder, slots=1)
+    try:
+        assert m.manifest.sliding_window == WINDOW and not m.caps.trees and m.ragged
+        s = m.start()
+        s.run_sync(np.array(prompts[1], dtype=np.int64), 1, 0)
+        with pytest.raises(InferenceError, match="cannot verify a tree"):
+            s.run_sync(np.array([5, 6, 7], dtype=np.int64), 3, len(prompts[1]), tree=np.array([-1, 0, -1]))
+        s.close()
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("value", ["8", -1, True, 1 << 40])
+def test_a_manifest_sliding_window_is_checked(tmp_path_factory, value):
+    """``architecture.sliding_window`` (which turns trees off) is an integer in range, or the
+    folder is refused naming it."""
+    from specdec_rt.errors import ModelLoadError
+    from specdec_rt.ort.manifest import check_manifest
+
+    folder, _ = _export("gemma2", tmp_path_factory)
+    raw = json.loads((folder / "manifest.json").read_text())
+    assert check_manifest(folder, raw).sliding_window == WINDOW
+    raw["architecture"]["sliding_window"] = value
+    with pytest.raises(ModelLoadError, match="architecture.sliding_window"):
+        check_manifest(folder, raw)
+
+
 def _refused(capsys, tmp_path, config: dict, *fragments: str) -> str:
     """Export a folder holding only ``config.json``: it must fail on the config alone."""
     from export.cli import main
@@ -196,8 +313,11 @@ def _refused(capsys, tmp_path, config: dict, *fragments: str) -> str:
 @pytest.mark.parametrize(
     "config,why",
     [
-        ({"model_type": "gemma2"}, "Gemma 2: not yet"),
-        ({"model_type": "gemma3_text"}, "Gemma 3: not yet"),
+        ({"model_type": "gemma"}, "Gemma 1: not yet"),
+        (
+            {"model_type": "gemma3", "vision_config": {}, "text_config": {}},
+            "Gemma 3 with its vision tower: multimodal; its text model (gemma3_text) exports",
+        ),
         ({"model_type": "qwen3_moe", "num_experts": 8}, "mixture of experts"),
         ({"model_type": "mixtral", "num_local_experts": 8}, "mixture of experts"),
         ({"model_type": "llava", "vision_config": {}, "text_config": {}}, "multimodal"),
@@ -212,7 +332,7 @@ def test_unsupported_families_are_refused_before_any_work(capsys, tmp_path, conf
         tmp_path,
         config,
         f"unsupported architecture {config['model_type']}",
-        "supported: llama, mistral, qwen2, qwen3, phi3, smollm3",
+        "supported: llama, mistral, qwen2, qwen3, phi3, smollm3, gemma2, gemma3_text",
     )
     assert (f"({why})" in line) if why else ("(" not in line)
     assert ", ".join(SUPPORTED_FAMILIES) in line
@@ -247,6 +367,13 @@ def test_a_gguf_of_a_new_family_is_refused_naming_what_does_export(capsys, tmp_p
         ("phi3", {"partial_rotary_factor": 0.1}, "partial_rotary_factor 0.1 of head size 16"),  # 1 dimension
         ("smollm3", {"no_rope_layers": [1]}, "unsupported no_rope_layers [1]"),  # 2 layers
         ("smollm3", {"no_rope_layers": [1, 2]}, "unsupported no_rope_layers [1, 2]"),
+        ("gemma2", {"hidden_activation": "silu"}, "unsupported activation silu; need gelu_pytorch_tanh"),
+        ("gemma2", {"final_logit_softcapping": float("nan")}, "unsupported final_logit_softcapping nan"),
+        ("gemma2", {"attn_logit_softcapping": -1.0}, "unsupported attn_logit_softcapping -1.0"),
+        ("gemma2", {"query_pre_attn_scalar": 0}, "unsupported query_pre_attn_scalar 0"),
+        ("gemma2", {"layer_types": ["sliding_attention"]}, "unsupported layer_types ['sliding_attention']"),
+        ("gemma3_text", {"use_bidirectional_attention": True}, "unsupported option use_bidirectional_attention"),
+        ("gemma3_text", {"rope_local_base_freq": 0.0}, "unsupported rope_local_base_freq 0.0"),
     ],
 )
 def test_family_options_the_graph_cannot_express_are_refused(family, kw, fragment):
@@ -271,17 +398,28 @@ def test_family_options_the_graph_cannot_express_are_refused(family, kw, fragmen
 
 
 @pytest.mark.parametrize(
-    "family,kw,layers,nope,rotary,positions",
+    "family,kw,layers,nope,rotary,windows",
     [
-        ("smollm3", {}, 8, (3, 7), 16, 64),  # transformers' default: no rotary every 4th layer
-        ("smollm3", {"use_sliding_window": True, "sliding_window": 24}, 4, (3,), 16, 24),  # on the NoPE layer
-        ("qwen3", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 4}, 4, (), 16, 64),
-        ("qwen3", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}, 4, (), 16, 24),
-        ("phi3", {"partial_rotary_factor": 0.5}, 2, (), 8, 64),
-        ("phi3", {"sliding_window": 24}, 2, (), 16, 24),
+        ("smollm3", {}, 8, (3, 7), 16, ()),  # transformers' default: no rotary every 4th layer
+        ("smollm3", {"use_sliding_window": True, "sliding_window": 24}, 4, (3,), 16, (0, 0, 0, 24)),  # NoPE layer
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 4}, 4, (), 16, ()),
+        (
+            "qwen3",
+            {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1},
+            4,
+            (),
+            16,
+            (0,) + (24,) * 3,
+        ),
+        ("qwen3", {"use_sliding_window": False, "sliding_window": 24, "max_window_layers": 1}, 4, (), 16, ()),
+        ("phi3", {"partial_rotary_factor": 0.5}, 2, (), 8, ()),
+        ("phi3", {"sliding_window": 24}, 2, (), 16, (24, 24)),
+        ("phi3", {"sliding_window": 64}, 2, (), 16, ()),  # no shorter than the context: none
+        ("gemma2", {"sliding_window": 24}, 4, (), 16, (24, 0, 24, 0)),  # every other layer
+        ("gemma3_text", {"sliding_window": 24}, 7, (), 16, (24,) * 5 + (0, 24)),  # 5 local : 1 global
     ],
 )
-def test_spec_reads_each_family_as_transformers_does(family, kw, layers, nope, rotary, positions):
+def test_spec_reads_each_family_as_transformers_does(family, kw, layers, nope, rotary, windows):
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(
@@ -296,6 +434,8 @@ def test_spec_reads_each_family_as_transformers_does(family, kw, layers, nope, r
         head_dim=16,
         **kw,
     )
-    spec = ModelSpec.from_config(config)
-    assert (spec.nope_layers, spec.rotary, spec.max_positions) == (nope, rotary, positions)
-    assert spec.qk_norm is (family == "qwen3")
+    spec = ModelSpec.from_config(config)  # the whole context: windows are the layers' own
+    assert (spec.nope_layers, spec.rotary, spec.max_positions, spec.windows) == (nope, rotary, 64, windows)
+    assert spec.qk_norm is (family in ("qwen3", "gemma3_text"))
+    assert spec.gemma is family.startswith("gemma") and spec.local_rope is (family == "gemma3_text")
+    assert ("sliding_window" in spec.manifest()) is bool(windows)
