@@ -14,7 +14,7 @@ from .errors import (
     ModelNotBuiltError,
     SpecDecError,
 )
-from .policy.acceptance import SpecConfig
+from .policy.config import SpecConfig
 from .sampling import SamplingParams, rejection_sample
 from .spec.adapters import ModelDrafter, ModelVerifier
 from .spec.context import RequestContext

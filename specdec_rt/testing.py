@@ -24,7 +24,7 @@ import numpy as np
 from .batching import BatchExecutor
 from .kvcache.cached_start import CachedStart
 from .kvcache.prefix import Hit, PrefixCache
-from .policy.acceptance import SpecConfig
+from .policy.config import SpecConfig
 from .sampling import SamplingParams, warp
 from .sampling.penalties import penalized
 from .spec.adapters import ModelDrafter, ModelVerifier

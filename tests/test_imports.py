@@ -52,10 +52,25 @@ def import_graph() -> dict[str, set[str]]:
                 out.update(
                     resolve(f"{full}.{a.name}") if f"{full}.{a.name}" in mods else resolve(full) for a in node.names
                 )
+            elif (dynamic := _dynamic_import(node)) is not None:  # import_module("x.y") / __import__("x.y")
+                out.add(resolve(dynamic))
         out.discard(None)
         out.discard(name)
         graph[name] = out
     return graph
+
+
+def _dynamic_import(node: ast.AST) -> str | None:
+    """The absolute module a call ``importlib.import_module("a.b")`` or ``__import__("a.b")``
+    names with a string literal (a relative name or a computed one is not resolved here)."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    arg = node.args[0]
+    if name in ("import_module", "__import__") and isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return None if arg.value.startswith(".") else arg.value
+    return None
 
 
 def _run_nodes(tree: ast.AST) -> list[ast.AST]:

@@ -145,3 +145,18 @@ def test_the_exporter_shares_only_the_manifest_schema():
     assert exporter_violations(import_graph()) == []
     assert exporter_violations({"export.graph": {"specdec_rt.text.codec"}}) != []  # the checker bites
     assert exporter_violations({"export.validate": {"specdec_rt.ort.model"}}) == []
+
+
+def test_the_graph_sees_imports_by_string(tmp_path):
+    """``importlib.import_module("specdec_rt.engine")`` ties two modules as an import does."""
+    import ast
+
+    from test_imports import _dynamic_import
+
+    calls = [
+        'importlib.import_module("specdec_rt.engine.factory")',
+        '__import__("specdec_rt.engine")',
+        'import_module(".engine", __name__)',
+    ]
+    found = [_dynamic_import(ast.parse(c).body[0].value) for c in calls]  # type: ignore[attr-defined]
+    assert found == ["specdec_rt.engine.factory", "specdec_rt.engine", None]

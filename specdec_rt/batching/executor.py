@@ -46,14 +46,14 @@ import bisect
 import collections
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import anyio
 import numpy as np
 
 from ..errors import EngineClosedError, InferenceError, SpecDecError
 from ..logs import get_logger
-from ..spec.protocols import ModelCaps
+from ..spec.protocols import ModelCaps, check_implements
 
 __all__ = ["BatchExecutor", "BatchedModel", "BatchedSession"]
 
@@ -96,6 +96,7 @@ class BatchedModel(Protocol):
         raise NotImplementedError
 
 
+@runtime_checkable
 class BatchedSession(Protocol):
     """One request's slot as the step loop runs it. ``settled``: False while its cache is not yet
     what ``length`` says (a prefix copy under way): its calls then run alone. ``waits_for``: the
@@ -209,6 +210,7 @@ class BatchExecutor:
         positions (``(logits, hidden)`` with ``hidden=True``), batched with other requests."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
+        check_implements(session, BatchedSession, "session")  # a plug-in's, named here, not deep in the loop
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._wake is None:  # (the event comes with the task)
             self._wake = asyncio.Event()

@@ -37,7 +37,7 @@ from .arms import BatchArms, RoundLedger
 from .config import SpecConfig
 from .verify_fit import fit_line
 
-__all__ = ["SpecConfig", "AcceptanceEWMA", "BatchArms", "CostModel", "expected_tokens"]
+__all__ = ["AcceptanceEWMA", "BatchArms", "CostModel", "expected_tokens"]
 
 
 def expected_tokens(a: float, k: int) -> float:

@@ -119,6 +119,9 @@ class RequestParams:
                 self.repetition_penalty,
             ),
         )
+        # keep no reference to the caller's dict: what the sampler uses is what this object shows
+        sampled_bias = self._sampling.logit_bias
+        put(self, "logit_bias", None if sampled_bias is None else dict(sampled_bias))
         put(self, "logprobs", check_top_logprobs(self.logprobs))
         put(self, "prompt_logprobs", check_top_logprobs(self.prompt_logprobs, "prompt_logprobs"))
         put(self, "stop", tuple(check_stop(self.stop)))

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..checks import brief_repr, check_bool, check_int
 from ..errors import InvalidInputError
-from ..policy.acceptance import SpecConfig
+from ..policy.config import SpecConfig
 from ..text.tools import call_grammar, call_schemas, supports_tools
 
 __all__ = [

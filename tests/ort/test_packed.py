@@ -23,7 +23,7 @@ from specdec_rt import Engine
 from specdec_rt.errors import ModelLoadError
 from specdec_rt.ort.manifest import PACKED_ROLES
 from specdec_rt.ort.model import OrtModel, _packed_layout
-from specdec_rt.policy.acceptance import SpecConfig
+from specdec_rt.policy.config import SpecConfig
 
 
 def _kv(model: OrtModel, slot: int) -> list[np.ndarray]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from specdec_rt.ort.model import OrtModel
-from specdec_rt.policy.acceptance import SpecConfig
+from specdec_rt.policy.config import SpecConfig
 
 pytestmark = pytest.mark.export
 

@@ -122,7 +122,7 @@ def test_greedy_tree_speculation_through_the_engine_equals_plain(tmp_path, monke
     from tiny_models import export_tiny, plain_spec_together
 
     import specdec_rt.spec.adapters as adapters
-    from specdec_rt.policy.acceptance import SpecConfig
+    from specdec_rt.policy.config import SpecConfig
 
     out = export_tiny(tmp_path, "llama", draft="int8")  # a close draft: long accepted paths
     trees = []

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdec_rt.policy.acceptance import AcceptanceEWMA, CostModel, SpecConfig
+from specdec_rt.policy.acceptance import AcceptanceEWMA, CostModel
+from specdec_rt.policy.config import SpecConfig
 from specdec_rt.policy.request import RequestPolicy
 
 # SmolLM2-135M fp32 alone on a 2-core EPYC (engine, ms): plain step, then verifies over 1-5 drafts

@@ -143,3 +143,14 @@ def test_unknown_keywords_are_named():
         RequestParams.of(RequestParams(), n=2, _sampling=None)
     with pytest.raises(InvalidInputError, match="^params must be a RequestParams or None, got"):
         RequestParams.of({"max_new_tokens": 5})
+
+
+def test_logit_bias_is_copied_and_survives_replace():
+    """The object keeps its own checked copy: a caller's later change to its dict changes nothing,
+    and replace() (the server caps max_new_tokens that way) re-checks the copy."""
+    bias = {1: 5.0}
+    p = RequestParams(logit_bias=bias)
+    bias[1], bias[2] = 999.0, "x"
+    assert p.logit_bias == {1: 5.0} and p.sampling_params().logit_bias == ((1, 5.0),)
+    q = p.replace(max_new_tokens=5)
+    assert q.logit_bias == {1: 5.0} and q.max_new_tokens == 5

@@ -13,7 +13,7 @@ from ...drafters import CombinedDrafter, NgramDrafter
 from ...engine.factory import model_drafter, resolve_draft_spec
 from ...errors import InvalidInputError
 from ...ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
-from ...policy.acceptance import SpecConfig
+from ...policy.config import SpecConfig
 from ...spec.protocols import DraftInferrer
 from ...spec.scheduler import SpecDecScheduler
 from ...text.codec import TextCodec
