@@ -70,6 +70,8 @@ class GGUFInfo:
     data_end: int  # byte offset just past the last tensor
     file_size: int
     tensors: dict = field(default_factory=dict)  # name -> (dims (ggml order: fastest first), type)
+    offsets: dict = field(default_factory=dict)  # name -> offset of its data from `data_start`
+    data_start: int = 0  # byte offset of the tensor data
 
     @property
     def architecture(self) -> str:
@@ -180,7 +182,7 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFInfo:
         for _ in range(n_kv):
             key = r.string()
             meta[key] = r.value(r.unpack("I"), keep_array=key in _KEEP_ARRAYS)
-        extents, tensors = [], {}
+        extents, tensors, offsets = [], {}, {}
         for _ in range(n_tensors):
             name = r.string()
             n_dims = r.unpack("I")
@@ -192,13 +194,14 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFInfo:
             n = 1
             for d in dims:
                 n *= d
-            extents.append(r.unpack("Q") + n // block * type_size)
-            tensors[name] = (dims, gtype)
+            offset = r.unpack("Q")
+            extents.append(offset + n // block * type_size)
+            tensors[name], offsets[name] = (dims, gtype), offset
         align = meta.get("general.alignment", 32)
         if type(align) is not int or not 1 <= align <= MAX_ALIGNMENT or align & (align - 1):
             raise ValueError(f"general.alignment {align!r} is not a power of two up to {MAX_ALIGNMENT}")
         data_start = -(-f.tell() // align) * align
-    return GGUFInfo(meta, n_tensors, data_start + max(extents, default=0), size, tensors)
+    return GGUFInfo(meta, n_tensors, data_start + max(extents, default=0), size, tensors, offsets, data_start)
 
 
 def read_gguf_info(path: Path) -> GGUFInfo:
@@ -325,7 +328,7 @@ def check_model(info: GGUFInfo, path) -> None:
         )
     for name, want in (
         ("output.weight", (embd, vocab)),
-        ("blk.0.ffn_up.weight", (embd, ffn)),
+        ("blk.0.ffn_up.weight", (embd, 2 * ffn if arch == "phi3" else ffn)),  # Phi-3: gate and up fused
         ("blk.0.attn_norm.weight", (embd,)),
     ):
         got = info.tensors.get(name)

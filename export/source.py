@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CorruptSourceError, SourceNotFoundError, one_line
+from .errors import CorruptSourceError, ExportError, SourceNotFoundError, one_line
+from .gguf_families import gguf_config_overrides, not_yet, register_gguf_families
 from .gguf_meta import check_model, read_gguf_info
 from .model_spec import GGUF_FAMILIES, SUPPORTED_FAMILIES, unsupported_architecture
 
@@ -49,14 +50,28 @@ class Source:
     def load_model(self):
         """The float32 PyTorch model (GGUF tensors are dequantized by transformers)."""
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
+        kwargs: dict = {}
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(self.folder), gguf_file=self.gguf_file, dtype=torch.float32
+            if self.gguf_file:  # the config values transformers' GGUF table misses (export.gguf_families)
+                register_gguf_families()
+                overrides = gguf_config_overrides(read_gguf_info(self.path), self.path)
+                if overrides:
+                    config = AutoConfig.from_pretrained(str(self.folder), gguf_file=self.gguf_file)
+                    for key, value in overrides.items():
+                        setattr(config, key, value)
+                    kwargs["config"] = config
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                str(self.folder), gguf_file=self.gguf_file, dtype=torch.float32, output_loading_info=True, **kwargs
             )
+        except ExportError:
+            raise
         except Exception as exc:  # noqa: BLE001 - loader errors are source errors
             raise CorruptSourceError(f"cannot load the model from {self.path}: {one_line(exc)}") from exc
+        missing = [k for k in loading.get("missing_keys", ()) if k != "lm_head.weight" or not _tied(model)]
+        if self.gguf_file and missing:  # transformers would leave them at their random initialization
+            raise CorruptSourceError(f"{self.path} has no tensor for {len(missing)} parameters, e.g. {missing[0]}")
         if getattr(model.config, "attn_logit_softcapping", None):  # Gemma 2: SDPA would skip the soft-capping
             model.set_attn_implementation("eager")
         return model.eval()
@@ -66,6 +81,10 @@ class Source:
         from .tokenizer import load_tokenizer
 
         return load_tokenizer(self.folder, self.gguf_file)
+
+
+def _tied(model) -> bool:
+    return bool(getattr(model.config, "tie_word_embeddings", False))
 
 
 def open_source(src: str | os.PathLike, record: dict | None = None) -> Source:
@@ -89,6 +108,9 @@ def open_source(src: str | os.PathLike, record: dict | None = None) -> Source:
         family = info.architecture
         if family in GGUF_FAMILIES:  # metadata vs tensor index, memory: before loading
             check_model(info, path)
+            gguf_config_overrides(info, path)  # the family's own keys, bounded and checked
+        elif (refusal := not_yet(family, GGUF_FAMILIES)) is not None:
+            raise refusal
         kind, folder, gguf_file, settings = "gguf", path.resolve().parent, path.name, None
         default_record = {"kind": "gguf", "path": str(path.resolve())}
     else:

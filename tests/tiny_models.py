@@ -189,12 +189,13 @@ def build_tiny_checkpoint(
 
 def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized: bool = False, **kw) -> Path:
     """Write a tiny random checkpoint as an F32 GGUF file (what llama.cpp's converter would
-    write: its tensor names, q/k rows permuted for llama, BPE tokens + merges + token types),
+    write: its tensor names and keys, q/k rows permuted for llama and smollm3, BPE tokens + merges + token types),
     so the GGUF path (transformers' loader, special-token fixes) runs offline in seconds.
     ``quantized``: the layers' matrices as Q4_1 and the embedding / LM head as Q8_0 (the mix
     SmolLM2's packaged file has). Returns the .gguf path; the checkpoint it came from is saved
     beside it (`<stem>-hf`)."""
     import json
+    import math
 
     import gguf
     import numpy as np
@@ -216,6 +217,23 @@ def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized:
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if family == "qwen3":  # what llama.cpp's converter writes for each family (see export.gguf_families)
+        writer.add_key_length(head)
+        writer.add_value_length(head)
+    if family == "smollm3":  # llama.cpp keeps no list of NoPE layers: every 4th has no rotary
+        writer.add_rope_dimension_count(head)
+        if list(cfg.no_rope_layers) != [int((i + 1) % 4 != 0) for i in range(cfg.num_hidden_layers)]:
+            raise ValueError(f"a smollm3 GGUF cannot hold no_rope_layers {cfg.no_rope_layers}")
+    if family == "phi3":
+        writer.add_rope_dimension_count(int(cfg.partial_rotary_factor * cfg.hidden_size) // cfg.num_attention_heads)
+        writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        scaling = cfg.rope_scaling or {}
+        if "longrope" in (scaling.get("rope_type"), scaling.get("type")):
+            scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+            attn = math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings))
+            writer.add_rope_scaling_attn_factors(attn if scale > 1 else 1.0)
     vocab = spec["model"]["vocab"]
     tokens = [None] * cfg.vocab_size
     for text, i in vocab.items():
@@ -231,6 +249,8 @@ def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized:
     writer.add_eos_token_id(vocab["<|im_end|>"])  # the GGUF's own choice, as in SmolLM2's
     if family == "llama":
         writer.add_bos_token_id(vocab["<s>"])
+    if family == "phi3":  # Phi-4-mini's file names a bos (<|endoftext|>) and does not add it
+        writer.add_bos_token_id(vocab["<|endoftext|>"])
     writer.add_pad_token_id(vocab["<|endoftext|>"])
     writer.add_add_bos_token(family == "llama")
     writer.add_chat_template(template)
@@ -249,12 +269,20 @@ def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized:
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
+        "self_attn.q_norm": "attn_q_norm",  # Qwen3
+        "self_attn.k_norm": "attn_k_norm",
+        "self_attn.qkv_proj": "attn_qkv",  # Phi-3: fused, as llama.cpp keeps them
+        "mlp.gate_up_proj": "ffn_up",
     }
     tensors = {
         "token_embd.weight": sd["model.embed_tokens.weight"],
         "output_norm.weight": sd["model.norm.weight"],
         "output.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"]),
     }
+    scaling = getattr(cfg, "rope_scaling", None) or {}
+    if family == "phi3" and "longrope" in (scaling.get("rope_type"), scaling.get("type")):
+        tensors["rope_factors_long.weight"] = np.array(scaling["long_factor"], dtype=np.float32)
+        tensors["rope_factors_short.weight"] = np.array(scaling["short_factor"], dtype=np.float32)
     for i in range(cfg.num_hidden_layers):
         for hf, gg in names.items():
             for kind in ("weight", "bias"):
@@ -262,7 +290,7 @@ def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized:
                 if key not in sd:
                     continue
                 w = sd[key]
-                if family == "llama" and gg in ("attn_q", "attn_k"):
+                if family in ("llama", "smollm3") and gg in ("attn_q", "attn_k"):
                     w = permute(w, cfg.num_attention_heads if gg == "attn_q" else cfg.num_key_value_heads)
                 tensors[f"blk.{i}.{gg}.{kind}"] = w
     for name, w in tensors.items():

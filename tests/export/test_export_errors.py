@@ -73,7 +73,11 @@ def test_truncated_gguf(capsys, tmp_path, keep):
 
 def test_unsupported_gguf_architecture(capsys, tmp_path):
     src = write_gguf(tmp_path / "gpt.gguf", arch="gpt2")
-    _fails(capsys, [str(src), "--out", str(tmp_path / "o")], "unsupported architecture gpt2; supported: llama, qwen2")
+    _fails(
+        capsys,
+        [str(src), "--out", str(tmp_path / "o")],
+        "unsupported architecture gpt2; supported: llama, qwen2, qwen3, phi3, smollm3",
+    )
 
 
 def test_unsupported_checkpoint_architecture(capsys, tmp_path):

@@ -343,8 +343,8 @@ def test_a_gguf_of_a_new_family_is_refused_naming_what_does_export(capsys, tmp_p
 
     from export.cli import main
 
-    path = tmp_path / "tiny-qwen3.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen3")
+    path = tmp_path / "tiny-gemma3.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
     writer.add_block_count(2)
     writer.add_tensor("token_embd.weight", np.ones((16, 256), dtype=np.float32))
     writer.write_header_to_file()
@@ -354,8 +354,8 @@ def test_a_gguf_of_a_new_family_is_refused_naming_what_does_export(capsys, tmp_p
     assert main([str(path), "--out", str(tmp_path / "o")]) == 1
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line == (
-        "export: error: unsupported architecture qwen3 (GGUF files of qwen3: not yet; its "
-        "checkpoint folders export); supported: llama, qwen2"
+        "export: error: unsupported architecture gemma3 (GGUF files of Gemma 3: not yet); "
+        "supported: llama, qwen2, qwen3, phi3, smollm3"
     )
 
 

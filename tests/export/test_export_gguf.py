@@ -50,6 +50,115 @@ def test_gguf_export_matches_the_original_checkpoint(tmp_path, family):
     np.testing.assert_allclose(got, want, atol=1e-4)
 
 
+# what each new family's file exercises: Qwen3's head size apart from hidden / heads and q/k norms,
+# Phi-4-mini's fused q/k/v + gate/up, partial rotary and LongRoPE factors (as tensors), SmolLM3's
+# NoPE layers (every 4th, llama.cpp's rule) and permuted q/k rows
+NEW_FAMILIES = {
+    "qwen3": {},
+    "phi3": {
+        "original_max_position_embeddings": 128,
+        "rope_scaling": {
+            "type": "longrope",
+            "long_factor": [1.0 + 0.5 * i for i in range(6)],
+            "short_factor": [1.0 + 0.1 * i for i in range(6)],
+        },
+    },
+    "smollm3": {"layers": 4, "no_rope_layers": [1, 1, 1, 0]},
+}
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+def test_gguf_of_a_new_family_exports_greedy_equal_to_pytorch(tmp_path, family):
+    """A GGUF of each family, written as llama.cpp's converter writes it, loads with the config
+    transformers' table misses (export.gguf_families), exports, and decodes greedily (ar and
+    spec) exactly as the PyTorch model it was written from."""
+    import asyncio
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from export.source import open_source
+    from specdec_rt import Engine
+
+    gguf_path = build_tiny_gguf(tmp_path / f"{family}.gguf", family, **NEW_FAMILIES[family])
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-hf").eval()
+    loaded = open_source(gguf_path).load_model()
+    head = original.config.hidden_size // original.config.num_attention_heads
+    assert (getattr(loaded.config, "head_dim", None) or head) == (getattr(original.config, "head_dim", None) or head)
+    for key in ("partial_rotary_factor", "no_rope_layers", "rope_scaling"):
+        want = getattr(original.config, key, None)
+        if key == "rope_scaling" and want:
+            want = {k: v if isinstance(v, str) else pytest.approx(v) for k, v in want.items()}
+        assert getattr(loaded.config, key, None) == want, key
+    out = tmp_path / "out"
+    run(Request(src=str(gguf_path), out=out, threads=1), Reporter(quiet=True))
+    m = read_manifest(out)
+    assert m["source"]["kind"] == "gguf" and m["validation"]["greedy_agreement"] == 1.0
+    ids = np.random.default_rng(1).integers(3, 384, 20)
+    with torch.no_grad():
+        want_logits = original(torch.tensor(ids[None])).logits[0].numpy()
+    np.testing.assert_allclose(KVSession(out, m, max_len=64).forward(ids, 0), want_logits, atol=1e-4)
+    prompt, seq = [int(t) for t in ids[:12]], [int(t) for t in ids[:12]]
+    with torch.no_grad():
+        while len(seq) < 40:  # greedy, each step from scratch
+            seq.append(int(original(torch.tensor([seq])).logits[0, -1].argmax()))
+    want = seq[len(prompt) :]
+
+    async def main():
+        async with await Engine.load(out, draft="ngram", warmup=False) as engine:
+            return [
+                (await engine.generate(prompt, max_new_tokens=len(want), mode=mode, ignore_eos=True)).token_ids
+                for mode in ("ar", "spec")
+            ]
+
+    assert asyncio.run(main()) == [want, want]
+
+
+def test_gguf_family_metadata_is_bounded_before_loading(tmp_path):
+    """Hostile values of the new families' own keys fail in the header check, naming the key."""
+    from gguf_bytes import patch_kv
+
+    from export.errors import CorruptSourceError, UnsupportedModelError
+    from export.source import open_source
+
+    data = build_tiny_gguf(tmp_path / "phi3.gguf", "phi3", **NEW_FAMILIES["phi3"]).read_bytes()
+    for key, value, error, fragment in (
+        ("phi3.rope.dimension_count", 1 << 30, CorruptSourceError, "rope.dimension_count"),
+        ("phi3.rope.dimension_count", 13, CorruptSourceError, "an even number"),
+        ("phi3.attention.sliding_window", 0xFFFFFFFF, CorruptSourceError, "attention.sliding_window"),
+        ("phi3.rope.scaling.attn_factor", 7.5, UnsupportedModelError, "attn_factor"),
+        ("phi3.rope.scaling.original_context_length", 64, UnsupportedModelError, "attn_factor"),
+    ):
+        bad = tmp_path / "bad.gguf"
+        bad.write_bytes(patch_kv(data, key, value))
+        with pytest.raises(error, match=fragment):
+            open_source(bad)
+    qwen = build_tiny_gguf(tmp_path / "qwen3.gguf", "qwen3").read_bytes()
+    bad.write_bytes(patch_kv(qwen, "qwen3.attention.key_length", 48))
+    with pytest.raises(UnsupportedModelError, match="key length 48 and value length 32 differ"):
+        open_source(bad)
+    both = patch_kv(patch_kv(qwen, "qwen3.attention.key_length", 48), "qwen3.attention.value_length", 48)
+    bad.write_bytes(both)  # q/k/v rows are 32 a head
+    with pytest.raises(CorruptSourceError, match="attn_q.weight"):
+        open_source(bad)
+    bad.write_bytes(patch_kv(qwen, "qwen3.attention.key_length", 5000))
+    with pytest.raises(CorruptSourceError, match="key_length"):
+        open_source(bad)
+
+
+def test_gemma_gguf_is_refused_as_not_yet(tmp_path):
+    from gguf_bytes import write_model_gguf
+
+    from export.errors import UnsupportedModelError
+    from export.source import open_source
+
+    for arch, name in (("gemma3", "Gemma 3"), ("gemma2", "Gemma 2")):
+        path = write_model_gguf(tmp_path / f"{arch}.gguf", arch=arch)
+        with pytest.raises(UnsupportedModelError) as err:
+            open_source(path)
+        assert str(err.value).startswith(f"unsupported architecture {arch} (GGUF files of {name}: not yet)")
+
+
 def _wheel(path, member, data):
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr(member, data)

@@ -1,0 +1,219 @@
+"""GGUF files of the families transformers 4.57's GGUF loader misreads or lacks.
+
+transformers reads a GGUF's config through a fixed key table and its tensors through gguf-py's
+name map. For the newer families that table is wrong or missing, and loading would not fail: it
+would build a different model. What llama.cpp's converter writes, and what is done with it:
+
+| GGUF arch | llama.cpp writes | transformers 4.57 | here |
+|---|---|---|---|
+| `qwen3` | `attention.key_length` (head size apart from hidden / heads) | ignores it (Qwen3Config's default 128) | `head_dim` from it |
+| `phi3` | `rope.dimension_count` (rotated dims of a head), `attention.sliding_window` (0: none), `rope_factors_long/short` + `rope.scaling.attn_factor` (LongRoPE), fused `attn_qkv` / `ffn_up` | ignores all but the tensors | `partial_rotary_factor`, `sliding_window`, `rope_scaling` (longrope) from them |
+| `smollm3` | a Llama file (q/k rows permuted); no list of NoPE layers: llama.cpp skips rotary on every 4th layer | no such architecture | registered as Llama's mapping, `no_rope_layers` by llama.cpp's rule |
+
+Every value is read from the header (`export.gguf_meta`) and bounded before anything is sized
+from it; a rope scaling the mapping cannot express is refused. The loaded model must have every
+parameter from the file (transformers would leave a missing one at its random initialization).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from .errors import CorruptSourceError, UnsupportedModelError
+from .gguf_meta import GGUFInfo
+
+__all__ = ["NEW_GGUF_FAMILIES", "GGUF_NOT_YET", "gguf_config_overrides", "register_gguf_families", "not_yet"]
+
+NEW_GGUF_FAMILIES = ("qwen3", "phi3", "smollm3")
+# GGUF architectures known and refused for now (llama.cpp names Gemma 3's text model `gemma3`)
+GGUF_NOT_YET = {"gemma2": "Gemma 2", "gemma3": "Gemma 3"}
+SMOLLM3_NOPE_STEP = 4  # llama.cpp: hparams.n_no_rope_layer_step = 4 (layer i rotates iff (i + 1) % 4)
+MAX_HEAD = 1024
+MAX_WINDOW = 1 << 24
+_F32 = 0
+
+
+def not_yet(family: str, supported: tuple[str, ...]) -> UnsupportedModelError | None:
+    """The refusal of a GGUF architecture known but not supported yet (Gemma), else None."""
+    name = GGUF_NOT_YET.get(family)
+    if name is None:
+        return None
+    return UnsupportedModelError(
+        f"unsupported architecture {family} (GGUF files of {name}: not yet); supported: {', '.join(supported)}"
+    )
+
+
+def _int(info: GGUFInfo, key: str, lo: int, hi: int, path, default: int | None = None) -> int | None:
+    arch = info.architecture
+    value = info.metadata.get(f"{arch}.{key}")
+    if value is None:
+        return default
+    if type(value) is not int or not lo <= value <= hi:
+        raise CorruptSourceError(f"GGUF {path}: {arch}.{key} = {value!r} is not an integer from {lo} to {hi}")
+    return value
+
+
+def _head(info: GGUFInfo) -> tuple[int, int, int]:
+    """(embedding width, heads, KV heads): `check_model` has bounded them already."""
+    arch = info.architecture
+    meta = info.metadata
+    heads = meta[f"{arch}.attention.head_count"]
+    return meta[f"{arch}.embedding_length"], heads, meta.get(f"{arch}.attention.head_count_kv") or heads
+
+
+def _refuse_scaling(info: GGUFInfo, path) -> None:
+    arch = info.architecture
+    kind = info.metadata.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        raise UnsupportedModelError(
+            f"GGUF {path}: {arch}.rope.scaling.type = {str(kind)[:40]!r} is not supported for {arch} GGUF files"
+        )
+
+
+def _expect(info: GGUFInfo, path, name: str, dims: tuple[int, ...]) -> None:
+    got = info.tensors.get(name)
+    if got is not None and tuple(got[0]) != dims:
+        raise CorruptSourceError(f"GGUF {path}: {name} is {list(got[0])}, the metadata implies {list(dims)}")
+
+
+def _factors(info: GGUFInfo, path, name: str, count: int) -> list[float]:
+    """A small F32 tensor's values (LongRoPE factors), read at its offset after its extent and
+    type are checked."""
+    got = info.tensors.get(name)
+    if got is None or tuple(got[0]) != (count,) or got[1] != _F32:
+        raise CorruptSourceError(
+            f"GGUF {path}: {name} is {list(got[0]) if got else 'missing'} (type {got[1] if got else '-'}), "
+            f"LongRoPE needs {count} float32 values"
+        )
+    values = np.fromfile(path, dtype="<f4", count=count, offset=info.data_start + info.offsets[name])
+    if len(values) != count or not np.all(np.isfinite(values)) or not np.all(values > 0):
+        raise CorruptSourceError(f"GGUF {path}: {name} holds values that are not finite numbers > 0")
+    return [float(v) for v in values]
+
+
+def gguf_config_overrides(info: GGUFInfo, path) -> dict:
+    """The config values transformers' GGUF table misses for ``info``'s family, checked against
+    the header (bounded integers, tensor shapes); {} for the families it reads right."""
+    arch = info.architecture
+    if arch not in NEW_GGUF_FAMILIES:
+        return {}
+    path = Path(path)
+    embd, heads, kv = _head(info)
+    ffn = info.metadata[f"{arch}.feed_forward_length"]
+    key = _int(info, "attention.key_length", 1, MAX_HEAD, path)
+    value = _int(info, "attention.value_length", 1, MAX_HEAD, path, default=key)
+    if key is not None and value != key:
+        raise UnsupportedModelError(f"GGUF {path}: key length {key} and value length {value} differ")
+    rope_dims = _int(info, "rope.dimension_count", 1, MAX_HEAD, path)
+    if arch == "qwen3":
+        _refuse_scaling(info, path)
+        head = key or embd // heads
+        for name, n in (("attn_q", heads), ("attn_k", kv), ("attn_v", kv)):
+            _expect(info, path, f"blk.0.{name}.weight", (embd, n * head))
+        for name in ("attn_q_norm", "attn_k_norm"):
+            _expect(info, path, f"blk.0.{name}.weight", (head,))
+        return {"head_dim": head}
+    if key is not None and key * heads != embd:
+        raise UnsupportedModelError(
+            f"GGUF {path}: {arch}.attention.key_length = {key} is not embedding length {embd} / {heads} heads"
+        )
+    head = embd // heads
+    if arch == "smollm3":
+        _refuse_scaling(info, path)
+        if rope_dims is not None and rope_dims != head:
+            raise UnsupportedModelError(
+                f"GGUF {path}: smollm3.rope.dimension_count = {rope_dims}: partial rotary is not SmolLM3's (head {head})"
+            )
+        layers = info.metadata[f"{arch}.block_count"]
+        nope = [int((i + 1) % SMOLLM3_NOPE_STEP != 0) for i in range(layers)]
+        return {"head_dim": head, "no_rope_layers": nope, "use_sliding_window": False}
+    # phi3: fused q/k/v and gate/up, partial rotary, a window, LongRoPE
+    rope_dims = rope_dims or head
+    if rope_dims > head or rope_dims % 2:
+        raise CorruptSourceError(
+            f"GGUF {path}: phi3.rope.dimension_count = {rope_dims} is not an even number up to the head size {head}"
+        )
+    _expect(info, path, "blk.0.attn_qkv.weight", (embd, (heads + 2 * kv) * head))
+    _expect(info, path, "blk.0.ffn_up.weight", (embd, 2 * ffn))
+    context = info.metadata[f"{arch}.context_length"] if f"{arch}.context_length" in info.metadata else None
+    original = _int(info, "rope.scaling.original_context_length", 2, 1 << 24, path, default=context)
+    window = _int(info, "attention.sliding_window", 0, MAX_WINDOW, path, default=0)
+    out: dict = {
+        "partial_rotary_factor": rope_dims / head,
+        "sliding_window": window or None,
+    }
+    if original is not None:
+        out["original_max_position_embeddings"] = original
+    has_long, has_short = "rope_factors_long.weight" in info.tensors, "rope_factors_short.weight" in info.tensors
+    if has_long or has_short:
+        if original is None:
+            raise CorruptSourceError(f"GGUF {path}: LongRoPE factors without phi3.rope.scaling.original_context_length")
+        out["rope_scaling"] = {  # Phi3Config takes these three fields only
+            "type": "longrope",
+            "long_factor": _factors(info, path, "rope_factors_long.weight", rope_dims // 2),
+            "short_factor": _factors(info, path, "rope_factors_short.weight", rope_dims // 2),
+        }
+        # transformers derives the attention factor from the lengths, as llama.cpp's converter
+        # did when it wrote it: a file whose factor differs cannot be expressed
+        scale = (context or original) / original
+        want = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        attn = info.metadata.get(f"{arch}.rope.scaling.attn_factor", want)
+        if type(attn) not in (int, float) or not math.isfinite(attn) or abs(attn - want) > 1e-5 * want:
+            raise UnsupportedModelError(
+                f"GGUF {path}: phi3.rope.scaling.attn_factor = {attn!r} is not LongRoPE's {want:.6f} "
+                f"for context {context} over {original}"
+            )
+    else:
+        _refuse_scaling(info, path)
+    return out
+
+
+def _phi3_tokenizer(tokenizer_dict):
+    """Phi-3 / 3.5 files carry a SentencePiece vocabulary (`llama`), Phi-4-mini's a byte-level
+    BPE one (`gpt2`): transformers' table gives both the SentencePiece converter."""
+    from transformers.integrations.ggml import GGUFGPTConverter, GGUFPhi3Converter
+
+    if tokenizer_dict.get("tokenizer_type") != "gpt2":
+        return GGUFPhi3Converter(tokenizer_dict)
+    converter = GGUFGPTConverter(tokenizer_dict)
+    # the file's own special tokens, none where it has none: Phi-3's tokenizer class
+    # (LlamaTokenizerFast) would otherwise add `<unk>`, `<s>`, `</s>` past the vocabulary
+    tokens = tokenizer_dict.get("tokens") or []
+    for attr in ("unk", "bos", "eos", "pad"):
+        key = "unknown_token_id" if attr == "unk" else "padding_token_id" if attr == "pad" else f"{attr}_token_id"
+        i = tokenizer_dict.get(key, tokenizer_dict.get(f"{attr}_token_id"))
+        converter.additional_kwargs[f"{attr}_token"] = (
+            tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+        )
+    return converter
+
+
+def _smollm3_tokenizer(tokenizer_dict):
+    """SmolLM3's byte-level BPE vocabulary (`gpt2`) as GPT-2's converter builds it (byte-level
+    pre-tokenizer and decoder; the special tokens are registered from the token types after,
+    `export.tokenizer`); a SentencePiece one as Llama's."""
+    from transformers.integrations.ggml import GGUFGPTConverter, GGUFLlamaConverter
+
+    if tokenizer_dict.get("tokenizer_type") == "gpt2":
+        return GGUFGPTConverter(tokenizer_dict)
+    return GGUFLlamaConverter({"bos_token_id": None, "eos_token_id": None, **tokenizer_dict})
+
+
+def register_gguf_families() -> None:
+    """Teach transformers' GGUF tables SmolLM3 (Llama's key mapping and q/k un-permuting, a
+    byte-level tokenizer) and Phi-4-mini's byte-level vocabulary. Idempotent."""
+    from transformers import modeling_gguf_pytorch_utils as loader
+    from transformers.integrations import ggml
+
+    if "smollm3" not in ggml.GGUF_CONFIG_MAPPING:
+        ggml.GGUF_CONFIG_MAPPING["smollm3"] = dict(cast(dict, ggml.GGUF_CONFIG_MAPPING["llama"]))
+    if "smollm3" not in loader.GGUF_SUPPORTED_ARCHITECTURES:
+        loader.GGUF_SUPPORTED_ARCHITECTURES.append("smollm3")
+    loader.TENSOR_PROCESSORS.setdefault("smollm3", loader.LlamaTensorProcessor)
+    # the table holds converter classes; a function that returns a converter is called the same way
+    ggml.GGUF_TO_FAST_CONVERTERS["smollm3"] = cast(Any, _smollm3_tokenizer)
+    ggml.GGUF_TO_FAST_CONVERTERS["phi3"] = cast(Any, _phi3_tokenizer)
