@@ -17,6 +17,7 @@ from typing import Any
 from ..batching import BatchExecutor
 from ..drafters import CombinedDrafter, NgramDrafter
 from ..errors import ModelLoadError
+from ..manifest_schema import MANIFEST
 from ..ort import (
     Manifest,
     OrtDraftInferrer,
@@ -97,7 +98,7 @@ def make_drafter(m, spec: str, opts: dict) -> tuple[DraftInferrer | None, str | 
     model_spec = spec[len("ngram+") :] if combined else spec
     path = Path(model_spec).expanduser()
     named = any(d.get("name") == model_spec for d in m.drafts)  # the manifest's name wins over ./<name>
-    if not named and (path / "manifest.json").is_file():
+    if not named and (path / MANIFEST).is_file():
         draft_dir = path
     elif not named and (any(c in model_spec for c in "/\\") or model_spec.startswith(("~", "."))):  # a folder
         raise ModelLoadError(f"{path}: not a draft folder (no manifest.json in it); build one with python -m export")

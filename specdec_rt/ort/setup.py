@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from ..errors import ModelLoadError
+from ..manifest_schema import MANIFEST
 from .manifest import PACKED_ROLES, Manifest
 
 __all__ = ["default_threads", "pick_providers", "use_global_thread_pool", "check_graph"]
@@ -89,7 +90,7 @@ def check_graph(m: Manifest, session) -> None:
     """The ONNX graph has every input/output the manifest names, with compatible shapes."""
     ins = {i.name: i for i in session.get_inputs()}
     outs = {o.name: o for o in session.get_outputs()}
-    path = Path(m.folder) / "manifest.json"
+    path = Path(m.folder) / MANIFEST
     wanted = [
         (m.inputs[r], ins, "input")
         for r in ("input_ids", "seqlens_k", "total_sequence_length", "logits_index", *PACKED_ROLES)

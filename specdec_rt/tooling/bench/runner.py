@@ -96,7 +96,7 @@ def build_our_modes(
     drafters: dict[str, DraftInferrer] = {"ngram": NgramDrafter()}
     drafters.update(drafts)
     for i, (name, d) in enumerate(drafts.items()):
-        if i == 0 or getattr(d, "needs_target_hidden", False):
+        if i == 0 or d.needs_target_hidden:
             drafters[f"ngram+{name}"] = CombinedDrafter(NgramDrafter(), d)
     default = resolve_draft_spec(m, None)
     modes: dict[str, Runner] = {}
@@ -104,7 +104,7 @@ def build_our_modes(
     modes["ar"] = _SchedulerRunner(SpecDecScheduler(None, verifier, eos_ids=m.eos_ids), "ar")
 
     def verifier_for(d):
-        return sharing if getattr(d, "needs_target_hidden", False) else verifier
+        return sharing if d.needs_target_hidden else verifier
 
     modes["spec"] = _SchedulerRunner(
         SpecDecScheduler(drafters[default], verifier_for(drafters[default]), eos_ids=m.eos_ids), "spec"
@@ -116,7 +116,7 @@ def build_our_modes(
     if target.tree:  # the same drafters with draft trees (each model draft's runner-up as siblings)
         trees = SpecConfig(tree_nodes=BENCH_TREE_NODES)
         for name in dict.fromkeys([default, *drafts, *(n for n in drafters if n.startswith("ngram+"))]):
-            if name == "ngram" or getattr(drafters[name], "needs_target_hidden", False):
+            if name == "ngram" or drafters[name].needs_target_hidden:
                 continue  # EAGLE drafts: chains (their verifier shares hidden states)
             mode = "spec_tree" if name == default else f"spec_{name}_tree"
             modes[mode] = _SchedulerRunner(SpecDecScheduler(drafters[name], verifier, trees, eos_ids=m.eos_ids), "spec")
@@ -133,9 +133,7 @@ def build_our_modes(
         "target": target,
         "info": info,
         "draft_models": [d.model for d in drafts.values()],
-        "draft_manifest": next(
-            (d.model.manifest for d in drafts.values() if not getattr(d, "needs_target_hidden", False)), None
-        ),
+        "draft_manifest": next((d.model.manifest for d in drafts.values() if not d.needs_target_hidden), None),
     }
 
 
