@@ -8,29 +8,19 @@ k + 1). Both measured, the faster kind is used (drafts by ``ARM_MARGIN``); befor
 prediction decides, and the kind it rules out is probed soon (``ARM_FIRST_PROBE``), so that a
 prediction is never a standing verdict.
 
-A measurement means something only when every request of the batch took the same kind of round
-at the time. In a mixed round the plain rows wait for the drafting rows' draft steps (plain
-looks slow) while the drafting rows' verify shares the call with cheap plain rows (drafts look
-fast): measured that way, drafts won at 4 requests (62 against 49 tokens/s a request) where the
-batch as a whole was 0.86-0.91x plain decoding. :class:`RoundLedger` tells whether a round
-overlapped a round of another kind (or a prompt's or a catch-up round, which slow every row);
-only rounds that did not are measured.
+Rules (the measurements behind each: docs/decisions/0010-batch-arms-measured.md):
 
-A probe is one whole round of the batch taking the other kind. A probe of model drafts after
-plain rounds first lets every draft read what it missed (a round that is not measured), then
-takes the measured round (every request of the batch takes a probe: a probe some sat out would
-be a mixed round, measured by nobody); a periodic probe of drafts measured slower is skipped
-when the catching up would not pay (at 8 requests each such probe cost ~0.19 s, and the batch
-ran at 0.90x plain decoding). The probe period doubles while probes confirm the kind in use (up
-to ``ARM_PROBE_MAX``): in a steady load they cost little. Exploring a batch size never measured
-with model drafts costs every row's catch-up, so it happens only where drafts are within reach:
-cold, at 8 requests, every row read its prompt again (~0.2 s a round) and the batch ran at
-0.79-0.84x plain decoding. Within reach means: the nearest smaller batch size, at most 2
-smaller, measured both kinds and model drafts won clearly there (by ``resume_speedup``; a batch
-only makes plain rows cheaper; from a win at 2 or 4, exploring at 8 ran at 0.86-0.93x), or, for
-2 requests, speculation pays alone. The prediction is no guide for this: on the default pair it
-said 1.01 / 0.97 / 0.93 at 2 / 4 / 8 requests where drafts measured 1.1-1.2x at 2 and lost at 4
-and 8.
+* Only rounds in which every request of the batch took the same kind are measured
+  (:class:`RoundLedger` tells whether a round overlapped a round of another kind, a prompt's or a
+  catch-up round); a mixed round flatters drafts and slanders plain rows.
+* A probe is one whole round of the batch taking the other kind. A probe of model drafts after
+  plain rounds first lets every draft read what it missed (a round that is not measured), then
+  takes the measured round. A periodic probe of drafts measured slower is skipped when the
+  catching up would not pay. The probe period doubles while probes confirm the kind in use (up
+  to ``ARM_PROBE_MAX``).
+* A batch size never measured with model drafts is explored only where drafts are within reach:
+  the nearest smaller batch size, at most 2 smaller, measured both kinds and model drafts won
+  clearly there (by ``resume_speedup``), or, for 2 requests, speculation pays alone.
 """
 
 from __future__ import annotations
