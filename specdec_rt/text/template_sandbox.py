@@ -33,12 +33,15 @@ __all__ = [
     "TEMPLATE_MIN_CHARS",
     "TEMPLATE_MAX_STEPS",
     "TEMPLATE_MAX_INT_BITS",
+    "TEMPLATE_MAX_SORT_ITEMS",
 ]
 
 TEMPLATE_TIMEOUT_S = 2.0  # default deadline of one chat template rendering
 TEMPLATE_MIN_CHARS = 1 << 20  # output budget: this, plus 4 x the characters of the messages
 TEMPLATE_MAX_STEPS = 1_000_000  # loop iterations + calls, plus 64 per message
 TEMPLATE_MAX_INT_BITS = 4096  # integers a template computes or parses (about 1233 decimal digits)
+TEMPLATE_MAX_SORT_ITEMS = 1 << 16  # items sort, dictsort, unique and groupby may take (~10 MB of keys)
+_CHECK_EVERY = 64  # steps between two looks at the clock (one step: a loop item, a call, a filter)
 _SEQUENCES = (str, bytes, bytearray, list, tuple)
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 _budget = threading.local()  # the budget of the rendering running in this thread
@@ -55,10 +58,12 @@ class _Budget:
         self.used = 0
 
     def tick(self, n: int = 1) -> None:
-        self.used += n
+        """``n`` more steps; the clock is read whenever they cross a multiple of
+        :data:`_CHECK_EVERY` (so always before a filter charged for many items does its work)."""
+        before, self.used = self.used, self.used + n
         if self.used > self.steps:
             raise TemplateBudgetError(f"ran more than {self.steps} loop iterations and calls")
-        if not self.used & 255 and time.monotonic() > self.deadline:
+        if before // _CHECK_EVERY != self.used // _CHECK_EVERY and time.monotonic() > self.deadline:
             raise TemplateBudgetError(f"ran longer than {self.seconds:g} s")
 
     def size(self, value: Any) -> Any:
@@ -225,6 +230,11 @@ def _bounded_filter(name: str, func):
         b.tick()
         values = [a for a in args if not isinstance(a, (Environment, EvalContext, Context))]
         _precheck_call(None, tuple(values[1:]), kwargs, b, filter_name=name)
+        if values and name in _CONSUMING:
+            counted = _charge_items(values[0], b, name)
+            if counted is not values[0]:  # an iterator: counted as it is consumed
+                at = next(i for i, a in enumerate(args) if a is values[0])
+                args, values = (*args[:at], counted, *args[at + 1 :]), [counted, *values[1:]]
         if values:
             value = values[0]
             if isinstance(value, _CONTAINERS) and name in _STRINGIFYING:
@@ -269,6 +279,36 @@ def _bounded_filter(name: str, func):
         return b.size(func(*args, **kwargs))
 
     return update_wrapper(wrapper, func)
+
+
+# filters that go through all of their input in one call (in C or in a Python loop the budget does
+# not see): each item is charged as a step first, so the clock is read before the work; those that
+# sort or collect their input take at most TEMPLATE_MAX_SORT_ITEMS items
+_COLLECTING = frozenset({"sort", "dictsort", "unique", "groupby"})
+_CONSUMING = _COLLECTING | {"list", "sum", "min", "max"}
+
+
+def _charge_items(value: Any, budget: _Budget, name: str) -> Any:
+    """``value`` for the filter ``name`` (in :data:`_CONSUMING`), its items charged as steps: all
+    at once when it has a length (refused over :data:`TEMPLATE_MAX_SORT_ITEMS` for a sorting or
+    collecting filter, before anything is built), else one by one as they are taken."""
+    cap = TEMPLATE_MAX_SORT_ITEMS if name in _COLLECTING else None
+    try:
+        n = len(value)
+    except TypeError:  # an iterator (map, select...)
+        return _counted(iter(value), budget, cap, name) if hasattr(value, "__iter__") else value
+    if cap is not None and n > cap:
+        raise TemplateBudgetError(f"the {name} filter was given {n} items, over its limit of {cap}")
+    budget.tick(max(n, 1))
+    return value
+
+
+def _counted(items, budget: _Budget, cap: int | None, name: str):
+    for n, item in enumerate(items, 1):
+        if cap is not None and n > cap:
+            raise TemplateBudgetError(f"the {name} filter was given more than {cap} items, over its limit")
+        budget.tick()
+        yield item
 
 
 # filters that turn their input into text: a list given to them is sized as text first

@@ -187,3 +187,67 @@ def test_real_templates_idioms_are_not_refused():
         assert got == want, (text, got)
     with pytest.raises(TemplateBudgetError):  # a width still counts
         render_bounded(compile_template(env, "{{ 'x' | center(999999999) }}"), chars=1 << 20, steps=10_000, seconds=2.0)
+
+
+# ------------------------------------------------------------------ sorting and collecting (memory, deadline)
+# filters that go through their whole input in one call: sized before they start, charged a step
+# per item (so the clock is read before the work); the sorting / collecting ones take at most
+# TEMPLATE_MAX_SORT_ITEMS items
+SORTS = {
+    # the review's repro: 156 MB of sort keys built before the result was refused by its size
+    "sort-a-long-string": "{{ ('ba' * 400000)|sort|length }}",
+    "sort-attribute": "{{ ('ba' * 400000)|sort(attribute='x')|length }}",
+    "unique-a-long-range": "{{ range(100000)|unique|list|length }}",
+    "groupby-a-long-range": "{{ range(100000)|groupby('real')|length }}",
+}
+
+
+@pytest.mark.parametrize("name", list(SORTS))
+def test_sorting_more_than_the_item_limit_is_refused_before_it_starts(name):
+    _refused_fast(SORTS[name], "over its limit of 65536")
+
+
+# each loop step sorts or uniques tens of thousands of items: was 5-7 s (and minutes under load)
+# against the 2 s deadline, the clock being read only every 256 steps whatever they cost
+SLOW_LOOPS = {
+    "sort-loop": "{% set l = range(60000)|list %}{% for i in range(100000) %}{% set s = l|sort(reverse=true) %}"
+    "{% endfor %}",
+    "unique-loop": "{% set l = range(60000)|list %}{% for i in range(100000) %}{{ l|unique|list|length }}{% endfor %}",
+    "sort-generator-loop": "{% set l = range(60000)|list %}{% for i in range(100000) %}"
+    "{% set s = l|map('string')|sort %}{% endfor %}",
+    "min-max-sum-loop": "{% set l = range(60000)|list %}{% for i in range(100000) %}{{ l|min + l|max + l|sum }}"
+    "{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", list(SLOW_LOOPS))
+def test_the_deadline_holds_within_one_and_a_half_times_on_sorting_loops(name):
+    env = new_environment(trim_blocks=True, lstrip_blocks=True)
+    template = compile_template(env, SLOW_LOOPS[name])
+    t0 = time.perf_counter()
+    with pytest.raises(TemplateBudgetError, match="ran longer than 2 s"):  # steps unbounded: the clock stops it
+        render_bounded(template, chars=CHARS, steps=10**12, seconds=2.0, messages=MESSAGES)
+    elapsed = time.perf_counter() - t0
+    assert 2.0 <= elapsed < 3.0, f"took {elapsed:.2f} s"
+
+
+def test_the_steps_budget_counts_sorted_items():
+    env = new_environment()
+    text = "{% for i in range(100) %}{% set s = range(60000)|sort %}{% endfor %}"  # 6M items sorted, 200 steps
+    with pytest.raises(TemplateBudgetError, match="ran more than 1000000 loop iterations"):
+        render_bounded(compile_template(env, text), chars=CHARS, steps=1_000_000, seconds=60.0)
+
+
+def test_sorting_and_collecting_within_the_limits_render_as_in_a_plain_sandbox():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    text = (
+        "{{ (range(65536)|list)|sort(reverse=true)|first }} {{ ('ba' * 1000)|unique|join }} "
+        "{{ [3, 1, 2]|sort }} {{ {'b': 1, 'a': 2}|dictsort }} {{ messages|map(attribute='role')|unique|list }} "
+        "{{ range(10)|map('string')|sort|join(',') }} {{ range(5)|select('odd')|list }} {{ range(4)|sum }} "
+        "{{ [{'k': 2}, {'k': 1}]|sort(attribute='k')|map(attribute='k')|list }} {{ 'cab'|min }}{{ 'cab'|max }} "
+        "{{ messages|groupby('role')|map(attribute='grouper')|list }}"
+    )
+    want = ImmutableSandboxedEnvironment().from_string(text).render(messages=MESSAGES)
+    assert _render(text) == want
+    assert want.startswith("65535 ba [1, 2, 3] [('a', 2), ('b', 1)] ['user']")  # the test means what it says
