@@ -41,6 +41,7 @@ from ..spec.request_checks import (
 )
 from ..spec.scheduler import SpecDecScheduler
 from ..text.codec import TextCodec
+from ..text.encode_process import PromptEncoder
 from ..text.tools import parse_tool_calls
 from ..types import Stats
 from .factory import build_parts
@@ -119,6 +120,8 @@ class Engine:
         if drafter is not None:
             check_implements(drafter, DraftInferrer, "drafter")
         self.target, self.drafter, self.codec = target, drafter, codec
+        #: encodes prompts; big ones in a child process, off this process's GIL (decision 0011)
+        self.prompt_encoder = PromptEncoder(codec)
         self.manifest = manifest
         self.name = name or (manifest.name if manifest is not None else "specdec-rt")
         self.draft_name = draft_name
@@ -326,8 +329,9 @@ class Engine:
         :class:`~specdec_rt.spec.params.RequestParams`; a draft model for ``mode="spec"``;
         ``tools`` with chat messages; the prompt's type and size: at most ``max_prompt_chars``
         characters).
-        Rendering the chat template and tokenizing run in a worker thread, so a huge prompt never
-        stalls the event loop; what they find (e.g. ``ContextLengthError``) is raised by
+        Rendering the chat template and tokenizing run in a worker thread (a prompt of 16k
+        characters or more: in a child process, see :attr:`prompt_encoder`), so a huge prompt
+        never stalls the event loop; what they find (e.g. ``ContextLengthError``) is raised by
         :meth:`EngineStream.ready` and by the first iteration, still before any model work."""
         if self._closed:
             raise EngineClosedError("this engine is closed")
@@ -357,19 +361,22 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
         return stream
 
-    def _encode(self, prompt: Prompt, max_new_tokens: int, truncate_prompt: bool, tools=None) -> list[int]:
+    def _encode(self, prompt: Prompt, max_new_tokens: int, truncate_prompt: bool, tools=None) -> list[int] | np.ndarray:
         """The prompt's token ids, cut to fit with ``truncate_prompt`` (in a worker thread: a chat
         template may take a while). Starting the scheduler's request is the event loop's: it
-        reads the prefix cache, whose bookkeeping only the loop's thread may touch."""
+        reads the prefix cache, whose bookkeeping only the loop's thread may touch. A big
+        prompt's ids come from :attr:`prompt_encoder` as an array, made a list only once they
+        fit (one that does not fit stays an array, for the scheduler to refuse by its size)."""
+        ids: list[int] | np.ndarray
         try:
-            ids = token_id_prompt(prompt, self.target.vocab_size) or self.codec.encode_prompt(
+            ids = token_id_prompt(prompt, self.target.vocab_size) or self.prompt_encoder.encode(
                 cast("str | Sequence[dict]", prompt), tools=tools
             )  # (not token ids: those were taken)
         except SpecDecError:
             raise
         except Exception as exc:  # noqa: BLE001 - the codec maps what it knows; anything else is still the prompt's
             raise InvalidInputError(f"prompt cannot be encoded: {type(exc).__name__}: {exc}"[:300]) from exc
-        if not ids:
+        if len(ids) == 0:
             raise InvalidInputError("prompt encodes to no tokens: give some text")
         limit = self.scheduler.max_length or len(ids) + max_new_tokens
         if truncate_prompt and len(ids) + max_new_tokens > limit:
@@ -381,6 +388,8 @@ class Engine:
                     limit,
                 )
             ids = ids[-(limit - max_new_tokens) :]
+        if isinstance(ids, np.ndarray) and len(ids) + max_new_tokens <= limit:
+            ids = ids.tolist()
         return ids
 
     def _constraint(self, shape: "RequestShape"):
@@ -406,7 +415,7 @@ class Engine:
         async with send:
             try:
                 try:
-                    ids: Sequence[int] = await anyio.to_thread.run_sync(
+                    ids: Sequence[int] | np.ndarray = await anyio.to_thread.run_sync(
                         lambda: self._encode(prompt, p.max_new_tokens, p.truncate_prompt, shape.tools)
                     )
                     compiles = shape.schema is not None or shape.lark is not None  # a grammar: in a thread
@@ -521,6 +530,7 @@ class Engine:
             if tasks:
                 await asyncio.wait(tasks)
         finally:  # the models are released whatever happened above
+            self.prompt_encoder.close()
             for model in self.models:
                 model.close()
 

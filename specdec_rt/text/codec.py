@@ -13,6 +13,7 @@ Two kinds of untrusted input pass through here (docs/security.md):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from datetime import datetime
@@ -92,10 +93,16 @@ class TextCodec:
                 f"{tokenizer_file}: {size} bytes, more than the {MAX_TOKENIZER_BYTES} a "
                 "tokenizer may have (the largest real ones are ~35 MB)"
             )
-        try:
-            self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        try:  # read once: parsed here, and digested so that a copy in another process can check it
+            with open(tokenizer_file, "rb") as f:
+                data = f.read(MAX_TOKENIZER_BYTES + 1)
+            if len(data) > MAX_TOKENIZER_BYTES:
+                raise ValueError(f"it grew past {MAX_TOKENIZER_BYTES} bytes while it was read")
+            self.tokenizer = Tokenizer.from_str(data.decode("utf-8"))
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
             raise ModelLoadError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
+        #: the sha256 of the tokenizer file as it was read (see :mod:`specdec_rt.text.encode_process`)
+        self.tokenizer_sha256 = hashlib.sha256(data).hexdigest()
         if any(t.special and t.content in TEXT_TAGS for t in self.tokenizer.get_added_tokens_decoder().values()):
             self.tokenizer = _tags_as_text(self.tokenizer)
         self.tokenizer_file = Path(tokenizer_file)
@@ -209,8 +216,8 @@ class TextCodec:
         the field. ``fields()`` (called only on failure) yields ``(name, value)`` for the strings
         the text came from. The tokenizer raises ``TypeError`` for a lone surrogate
         (``"\\ud800"``): that is not Unicode text, and the error names the first such field."""
-        try:
-            return tokenizer.encode(text, add_special_tokens=False)
+        try:  # a batch of one: the same encoding, but the GIL is released while it runs (decision 0011)
+            return tokenizer.encode_batch([text], add_special_tokens=False)[0]
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises TypeError / Exception
             for name, value in fields():
                 at = _bad_unicode(value)
@@ -323,8 +330,10 @@ class TextCodec:
         ]
         text = self._render(swapped, True, tools)
         enc = self._tokenize(self.tokenizer, text, fields)
-        ids, offsets = enc.ids, enc.offsets
+        ids = enc.ids
         cuts = [i for i, t in enumerate(ids) if t in self._special_ids]
+        # the offsets of the cuts only: all of them, as Python tuples, hold the GIL ~0.3 us a token
+        offsets = {i: enc.token_to_chars(i) for i in cuts}
         out: list[int] = []
         unplace = re.compile("|".join(map(re.escape, back)))
         bounds = [-1] + cuts + [len(ids)]
