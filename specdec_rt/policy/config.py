@@ -34,6 +34,9 @@ class SpecConfig:
     measure_costs: bool = True  # False: always use the two defaults above (toy models, tests)
     tree_nodes: int = 0  # drafts beyond the main chain a request alone may add (a draft tree)
     confidence_stop: bool = False  # a request alone stops a model chain where the draft is unsure
+    # the first round verifies free drafts only (n-gram matches, or none): a request's first token
+    # never waits for the draft model's prefill, which its next round does (RequestPolicy)
+    defer_draft_prefill: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -56,5 +59,7 @@ class SpecConfig:
             bad("tree_nodes", "must be an integer in 0..16")
         if not isinstance(self.confidence_stop, bool):
             bad("confidence_stop", "must be True or False")
+        if not isinstance(self.defer_draft_prefill, bool):
+            bad("defer_draft_prefill", "must be True or False")
         if self.draft_cost < 0 or self.verify_cost_per_token < 0:
             bad("draft_cost", "costs must be >= 0")

@@ -43,6 +43,7 @@ class RequestPolicy:
         self.cheap_ewma = AcceptanceEWMA.start(config.alpha, CHEAP_PRIOR)  # their acceptance, apart
         self._lag = 0  # this round: tokens the draft model had to read before drafting
         self.free_only = False  # the draft model never drafts for this request (its prefill would not pay)
+        self._deferred = False  # the first round left the draft's prefill to the next (defer_draft_prefill)
         self._round: tuple | None = None  # this round's entry in the batch's RoundLedger
 
     def best_k(self, batch: int = 1, cheap: bool = False) -> tuple[int, float]:
@@ -96,12 +97,25 @@ class RequestPolicy:
         that is the load's doing, not the draft's). ``at``: tokens generated so far; after plain
         steps in a batch the draft must first read what it missed, which must pay too."""
         self.cheap = False
+        # the draft model's first round, whose prefill start() decided pays: the first round, or
+        # the one after it when that left the prefill to it (defer_draft_prefill)
+        first, self._deferred = at == 0 or self._deferred, False
         if self.mode == "ar" or remaining <= 1:
             return 0
         if not self.costs.measure:
             batch = 1  # a seeded request's schedule (so its output) never depends on the load
         # what the draft must read before drafting (not a draft cost); the first round's prefill: start() decided
         self._lag = lag = at - self._drafted_at if at else 0
+        if at == 0 and self.speculating and not self.free_only and self.config.defer_draft_prefill:
+            # the first token must not wait for the draft model's prefill: this round verifies free
+            # drafts (when the drafter has them) with the target's prefill; the draft reads the
+            # prompt in the next round, while the first token is on its way
+            self._deferred = True
+            if not self.cheap_drafts:
+                return 0
+            k, _ = self.best_k(batch, cheap=True)  # (no gain rule: beside a prefill, positions are ~free)
+            self.cheap = True
+            return min(k, remaining - 1)
         if not self.speculating:
             if batch > 1 or not self._probes or self._plain_since_probe < self._probe_every:
                 return 0
@@ -109,7 +123,7 @@ class RequestPolicy:
             return min(max(self.best_k()[0], self.config.k_init), remaining - 1)
         if batch > 1:  # leave plain batched steps only for a clear gain (resume_speedup, hysteresis)
             k, gain = self.best_k(batch)
-            caught_up = lag <= CATCHUP_FREE
+            caught_up = first or lag <= CATCHUP_FREE
             behind = not caught_up and not self.costs.catchup_pays_batch(lag, remaining, gain, batch)
             # model drafts: the faster kind of round once both were measured, else the prediction
             alone = self.best_k()[1] if batch == 2 else 0.0  # 2 requests explore drafts if they pay alone
@@ -118,10 +132,10 @@ class RequestPolicy:
             if not (self.cheap_drafts and self.costs.batched_verify):
                 return 0
         elif not self.free_only:
-            if at and self.costs.plain_stale():  # re-measure the unit of every cost (CostModel.plain_stale)
+            if not first and self.costs.plain_stale():  # re-measure the unit of every cost (CostModel.plain_stale)
                 return 0
             k = self.best_k()[0]
-            if lag > CATCHUP_FREE and not self.costs.catchup_pays(lag, remaining, self.ewma.value, k):
+            if not first and lag > CATCHUP_FREE and not self.costs.catchup_pays(lag, remaining, self.ewma.value, k):
                 return 0
             return min(k, remaining - 1)
         # no model drafts (in a batch, or alone when the draft's prefill would not pay): free
@@ -170,7 +184,8 @@ class RequestPolicy:
             if not caught_up and not self.cheap:
                 self.costs.observe_steps(*steps, fresh=self._probing)
         elif alone and not self.cheap:  # free drafts read no prompt: no prefill to measure
-            self.costs.observe_prefill(self.prompt_tokens, drafted, t_draft, steps)
+            # what the draft read first: the prompt, and what was committed since (a deferred prefill)
+            self.costs.observe_prefill(max(self.prompt_tokens, self._lag), drafted, t_draft, steps)
         pure = self.costs.ledger.end(self._round) if self._round is not None else True
         self._round = None
         if not alone and pure and self.mode == "spec" and at > 0:  # no other kind of round ran meanwhile

@@ -182,7 +182,7 @@ class SpecDecScheduler:
     async def _loop(
         self, ctx: RequestContext, policy: RequestPolicy, tree: TreePolicy, rates: TreeRates | None
     ) -> AsyncGenerator[TokenEvent, None]:
-        stats, seen, drafted = ctx.stats, False, False  # rounds so far; any of them drafted
+        stats, seen, drafted = ctx.stats, False, False  # rounds so far; any of them drafted with the model
         stats.mode = policy.mode
         t_start = perf_counter()
         self.running += 1
@@ -243,7 +243,8 @@ class SpecDecScheduler:
                 tree.observe(len(drafts) - chain, took_tree)
                 if rates is not None and timed and drafts and batch == 1:  # realized speed, alone
                     rates.observe(len(drafts) > chain, new.size, t2 - t0)
-                seen, drafted = True, drafted or bool(drafts)
+                # (free drafts read no prompt: the model's first round still prefills, untimed)
+                seen, drafted = True, drafted or (bool(drafts) and not policy.cheap)
                 if switch is not None:
                     stats.fallbacks.append(switch)
                     log.info(

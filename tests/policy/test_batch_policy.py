@@ -38,7 +38,9 @@ def _costs(draft_step: float | None, measured: bool = True) -> CostModel:
 
 
 def _policy(costs: CostModel, acceptance: float, cheap_drafts: bool, cheap: float | None = None) -> RequestPolicy:
-    p = RequestPolicy(SpecConfig(), "spec", AcceptanceEWMA.start(0.1, acceptance, prior_weight=100.0), costs)
+    # every round here may draft with the model (the first round's deferred draft prefill: tests/spec)
+    config = SpecConfig(defer_draft_prefill=False)
+    p = RequestPolicy(config, "spec", AcceptanceEWMA.start(0.1, acceptance, prior_weight=100.0), costs)
     p.cheap_drafts = cheap_drafts
     if cheap is not None:  # the free drafts' own acceptance (observed so far)
         p.cheap_ewma = AcceptanceEWMA.start(0.1, cheap, prior_weight=100.0)

@@ -13,8 +13,15 @@ from specdec_rt.sampling import rejection_sample
 from specdec_rt.testing import chi_square_pvalue, sequence_counts, sequence_distribution, toy_pair
 
 FORCED = dict(
-    measure_costs=False, draft_cost=0.4, adapt_k=False, k_min=1, fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0
-)  # always speculate, k fixed: only the stop varies
+    measure_costs=False,
+    draft_cost=0.4,
+    adapt_k=False,
+    k_min=1,
+    fallback_below=0.0,
+    zero_rounds=10**6,
+    min_speedup=0.0,
+    defer_draft_prefill=False,
+)  # always speculate (the first round too), k fixed: only the stop varies
 
 
 def test_it_is_off_by_default():  # no gain on the shipped pairs (docs/decisions/0007-confidence-stop-off.md)

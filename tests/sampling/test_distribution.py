@@ -112,5 +112,6 @@ def test_missing_bonus_is_caught_by_tokens_per_call():
         sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target, sampler=sampler), CONFIG)
         res = anyio.run(lambda: sched.run(PROMPT, 60, SamplingParams(temperature=1.0, seed=1)))
         per_call[sampler] = res.stats.tokens_per_target_call
-    assert per_call[rejection_sample] > 2.9  # k = 2 drafts + the bonus, every round
+    # k = 2 drafts + the bonus, every round after the first (the target's prefill alone): 60 / 21
+    assert per_call[rejection_sample] > 2.85
     assert per_call[no_bonus] <= 2.0

@@ -20,7 +20,14 @@ from specdec_rt.testing import chi_square_pvalue, sequence_counts, sequence_dist
 from specdec_rt.types import DraftToken, Verdict
 
 VOCAB, LENGTH, PROMPT, N = 4, 3, [1, 2], 6000
-ALWAYS = dict(measure_costs=False, adapt_k=False, fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)
+ALWAYS = dict(
+    measure_costs=False,
+    adapt_k=False,
+    fallback_below=0.0,
+    zero_rounds=10**6,
+    min_speedup=0.0,
+    defer_draft_prefill=False,
+)  # every round drafts, the first one too
 
 
 def _run(target, draft, config, prompt, n, params=None, mode="spec", rng=None):
