@@ -22,7 +22,7 @@ from ..batching import BatchExecutor
 from ..checks import brief_repr, check_bool, check_int, check_number
 from ..errors import ConsumerTimeoutError, ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..kvcache.prefix import DEFAULT_BUDGET_BYTES, PrefixCache
-from ..policy.acceptance import SpecConfig
+from ..policy.config import SpecConfig
 from ..sampling.constraints import GrammarFactory, MinTokens
 from ..sampling.logprobs import TokenLogprob
 from ..sampling.prompt_logprobs import prompt_logprobs as prompt_logprobs_of

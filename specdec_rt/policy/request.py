@@ -9,7 +9,8 @@ from typing import Callable, Sequence
 
 from ..errors import InvalidInputError
 from ..types import FallbackEvent, Mode
-from .acceptance import CATCHUP_FREE, CHEAP_PRIOR, AcceptanceEWMA, CostModel, SpecConfig
+from .acceptance import CATCHUP_FREE, CHEAP_PRIOR, AcceptanceEWMA, CostModel
+from .config import SpecConfig
 
 __all__ = ["RequestPolicy"]
 

@@ -17,8 +17,9 @@ import numpy as np
 from ..checks import check_bool, check_int, is_int
 from ..errors import InferenceError, InvalidInputError, SpecDecError
 from ..logs import get_logger
-from ..policy.acceptance import AcceptanceEWMA, CostModel, SpecConfig
+from ..policy.acceptance import AcceptanceEWMA, CostModel
 from ..policy.confidence import ChainStop, ConfidenceRates
+from ..policy.config import SpecConfig
 from ..policy.request import RequestPolicy
 from ..policy.tree import TreePolicy, TreeRates
 from ..sampling import SamplingParams, brief_repr
