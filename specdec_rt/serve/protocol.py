@@ -9,18 +9,22 @@ server cannot honour set to anything but its "off" value (tools), is an
 
 from __future__ import annotations
 
-import json
 import math
+import operator
 import re
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, chain, compress, repeat
 from typing import Any, Literal
 
 from ..checks import brief_repr, is_int, is_number
 from ..errors import ContextLengthError, InvalidInputError
-from ..sampling import SamplingParams
+from ..sampling import MAX_LOGIT_BIAS, SamplingParams
 from ..sampling.constraints import check_response_format
 from ..sampling.logprobs import MAX_TOP_LOGPROBS
 from ..spec.params import RequestParams
+from ..spec.request_checks import check_stop
 from ..text.tools import check_tool_choice, check_tools
 from ..types import Mode
 
@@ -160,7 +164,7 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
         p.n = _int(body, "n", minimum=1, maximum=MAX_N)
     mode = body.get("mode", "spec")
     if mode not in ("spec", "ar"):
-        raise _bad("mode", f"mode must be 'spec' or 'ar', got {mode!r}")
+        raise _bad("mode", f"mode must be 'spec' or 'ar', got {brief_repr(mode)}")
     p.mode = mode
     p.stream = _bool(body, "stream")
     p.ignore_eos = _bool(body, "ignore_eos")
@@ -243,7 +247,9 @@ def _unsupported(body: dict, kind: Kind) -> None:
     options = {**UNHONOURED, **UNHONOURED_COMPLETION} if kind == "completion" else UNHONOURED
     for name, off in options.items():
         if body.get(name) is not None and not any(_same(body[name], x) for x in off):
-            raise _bad(name, f"{name}={body[name]!r} is not supported by this server", "unsupported_parameter")
+            raise _bad(
+                name, f"{name}={brief_repr(body[name])} is not supported by this server", "unsupported_parameter"
+            )
 
 
 def _same(value: Any, off: Any) -> bool:
@@ -261,6 +267,8 @@ def _logit_bias(bias: Any) -> dict[int, Any] | None:
         return None
     if not isinstance(bias, dict):
         raise _bad("logit_bias", "logit_bias must be an object of token ids to biases", "invalid_type")
+    if len(bias) > MAX_LOGIT_BIAS:  # before any key is read (1 MiB of JSON holds ~100,000)
+        raise _bad("logit_bias", f"logit_bias has {len(bias)} entries, more than {MAX_LOGIT_BIAS}")
     out = {}
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
@@ -286,18 +294,20 @@ def _messages(body: dict) -> list[dict]:
             if not all(
                 isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content
             ):
-                raise _bad(f"messages[{i}].content", "only text content parts are supported")
+                raise _bad(f"messages[{i}].content", f"messages[{i}].content: only text content parts are supported")
             content = "".join(c["text"] for c in content)
         elif content is None and m["role"] == "assistant":
             content = ""
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string", "invalid_type")
-        msg = {"role": m["role"], "content": content}
-        if m["role"] == "assistant" and m.get("tool_calls"):  # a call the model made (checked by the engine)
+        role = m["role"]
+        msg = {"role": role, "content": content}
+        if role == "assistant" and m.get("tool_calls"):  # a call the model made (checked by the engine)
             msg["tool_calls"] = m["tool_calls"]
-        for key in ("tool_call_id", "name"):  # a tool's answer to a call
-            if m["role"] == "tool" and isinstance(m.get(key), str):
-                msg[key] = m[key]
+        elif role == "tool":
+            for key in ("tool_call_id", "name"):  # a tool's answer to a call
+                if isinstance(m.get(key), str):
+                    msg[key] = m[key]
         out.append(msg)
     return out
 
@@ -305,41 +315,96 @@ def _messages(body: dict) -> list[dict]:
 def _prompts(body: dict) -> list[str | list[int]]:
     """Completions' ``prompt`` in OpenAI's four forms, as a list: a string, a list of strings, a
     list of token ids, or a list of such lists (ids are checked against the vocabulary by the
-    engine). Every prompt non-empty."""
+    engine). Every prompt non-empty. The lists are checked in C loops: 1 MiB of JSON holds
+    500,000 ids or 260,000 one-id prompts, 0.5-0.7 s on the event loop one by one."""
     prompt = body.get("prompt")
     if prompt is None:
         raise _bad("prompt", "'prompt' is required", "missing_required_parameter")
-    if isinstance(prompt, list) and any(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = next((i for i, t in enumerate(prompt) if not _is_id(t)), None)  # token ids, all of them?
+    types = list(map(type, prompt)) if isinstance(prompt, list) else []
+    kinds = _kinds(types)
+    if any(issubclass(k, int) and k is not bool for k in kinds):  # an integer in it: token ids, all of them?
+        bad = _bad_id(prompt, types, kinds)
         if bad is not None:
             raise _bad(
                 "prompt",
-                f"prompt[{bad}] = {json.dumps(prompt[bad])[:40]} is not a token id (an integer "
+                f"prompt[{bad}] = {brief_repr(prompt[bad], 40)} is not a token id (an integer "
                 ">= 0), in a prompt of token ids",
             )
+        return [prompt]
+    if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
-    elif isinstance(prompt, str):
-        prompts = [prompt]
+        bad = None if prompt else 0
     elif isinstance(prompt, list) and prompt:
         prompts = prompt
+        bad = _bad_prompt(prompt, types, kinds)
     else:
         raise _bad(
             "prompt",
             "'prompt' must be a non-empty string, a list of token ids, or a non-empty list of either",
             "invalid_type",
         )
-    for i, one in enumerate(prompts):
-        if not ((isinstance(one, str) and one) or (isinstance(one, list) and one and all(_is_id(t) for t in one))):
-            raise _bad(
-                "prompt",
-                f"prompt[{i}] must be a non-empty string or a non-empty list of token ids (integers >= 0)",
-                "invalid_type",
-            )
+    if bad is not None:
+        raise _bad(
+            "prompt",
+            f"prompt[{bad}] must be a non-empty string or a non-empty list of token ids (integers >= 0)",
+            "invalid_type",
+        )
     return prompts
+
+
+def _kinds(types: list) -> set:
+    """``set(types)``, the distinct types of a list's items, without a hash per item when they
+    are all the same (``count`` matches by identity first: 30 times faster)."""
+    return {types[0]} if types and types.count(types[0]) == len(types) else set(types)
 
 
 def _is_id(token: Any) -> bool:
     return is_int(token, numpy=False) and 0 <= token < 2**63
+
+
+def _bad_id(items: list, types: list | None = None, kinds: set | None = None) -> int | None:
+    """The index of an item of ``items`` that is not a token id (an integer >= 0 and < 2**63),
+    or None; ``types`` / ``kinds``: the items' types and :func:`_kinds`, when known already."""
+    types = list(map(type, items)) if types is None else types
+    kinds = _kinds(types) if kinds is None else kinds
+    if kinds <= {int}:  # what JSON gives: plain ints, checked by their range
+        low, high = min(items, default=0), max(items, default=0)
+        return items.index(low) if low < 0 else items.index(high) if high >= 2**63 else None
+    others = kinds - {int}
+    if all(k is bool or not issubclass(k, int) for k in others):  # not integers: the first of them
+        return min(types.index(k) for k in others)
+    return next((i for i, t in enumerate(items) if not _is_id(t)), None)  # int subclasses: one by one
+
+
+def _bad_prompt(prompts: list, types: list, kinds: set) -> int | None:
+    """The index of a prompt that is not a non-empty string or a non-empty list of token ids,
+    or None (``types`` / ``kinds`` as for :func:`_bad_id`)."""
+    if not kinds <= {str, list}:
+        strange = [k for k in kinds if not issubclass(k, (str, list))]
+        if strange:
+            return min(types.index(k) for k in strange)
+        return next((i for i, one in enumerate(prompts) if not _is_prompt(one)), None)  # subclasses
+    sizes = list(map(len, prompts))
+    if 0 in sizes:
+        return sizes.index(0)
+    if list not in kinds:
+        return None
+    where: Sequence[int] = range(len(prompts))  # the index of each list
+    if str in kinds:  # strings and lists: the lists' ids
+        is_list = list(map(operator.is_, types, repeat(list)))
+        bad = _bad_id(list(chain.from_iterable(compress(prompts, is_list))))
+        if bad is None:
+            return None
+        where, sizes = list(compress(range(len(prompts)), is_list)), list(compress(sizes, is_list))
+    else:
+        bad = _bad_id(list(chain.from_iterable(prompts)))
+        if bad is None:
+            return None
+    return where[bisect_right(list(accumulate(sizes)), bad)]  # the prompt that holds it
+
+
+def _is_prompt(one: Any) -> bool:
+    return (isinstance(one, str) and bool(one)) or (isinstance(one, list) and bool(one) and _bad_id(one) is None)
 
 
 def _int(body: dict, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -347,11 +412,11 @@ def _int(body: dict, name: str, minimum: int | None = None, maximum: int | None 
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not is_int(value, numpy=False):
-        raise _bad(name, f"{name} must be an integer, got {value!r}", "invalid_type")
+        raise _bad(name, f"{name} must be an integer, got {brief_repr(value)}", "invalid_type")
     if minimum is not None and value < minimum:
-        raise _bad(name, f"{name} must be >= {minimum}, got {value}")
+        raise _bad(name, f"{name} must be >= {minimum}, got {brief_repr(value)}")
     if maximum is not None and value > maximum:
-        raise _bad(name, f"{name} must be <= {maximum}, got {value}")
+        raise _bad(name, f"{name} must be <= {maximum}, got {brief_repr(value)}")
     return value
 
 
@@ -369,7 +434,7 @@ def _bool(body: dict, name: str, param: str | None = None) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise _bad(param or name, f"{param or name} must be true or false, got {value!r}", "invalid_type")
+        raise _bad(param or name, f"{param or name} must be true or false, got {brief_repr(value)}", "invalid_type")
     return value
 
 
@@ -379,7 +444,10 @@ def _stop(stop: Any) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise _bad("stop", "stop must be a string or a list of strings", "invalid_type")
-    return [s for s in stops if s]  # an empty stop string stops nothing
+    try:  # the engine's own limits (count, length, valid Unicode), answered before admission
+        return check_stop([s for s in stops if s])  # an empty stop string stops nothing
+    except InvalidInputError as exc:
+        raise _bad("stop", str(exc)) from None
 
 
 def engine_error(exc: InvalidInputError, p: GenParams) -> APIError:

@@ -87,7 +87,7 @@ def check_tool_choice(choice: Any, tools: Sequence[dict]) -> str | dict:
         if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
         else None
     )
-    if name is None:
+    if not isinstance(name, str):  # (a list or an object would not even hash)
         raise InvalidInputError(
             "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
             f"{{'name': ...}}}}, got {brief_repr(choice, 100)}"
