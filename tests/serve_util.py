@@ -36,6 +36,31 @@ class WrappedEngine:
             await inner.aclose()
 
 
+class EchoEngine:
+    """A model-free engine for tests of what the server does before and around the model: each
+    request's stream is one event (``text``, no token ids, finish ``"length"``); ``requests``
+    keeps every ``(prompt, RequestParams)`` the server passed to ``stream``."""
+
+    def __init__(self, text: str = "ok", slots: int = 4) -> None:
+        self.text, self.slots = text, slots
+        self.requests: list = []
+
+    def stream(self, prompt, params=None, /, **overrides):
+        self.requests.append((prompt, params))
+        return self._events()
+
+    async def _events(self):
+        from specdec_rt.engine.stream import StreamEvent
+
+        yield StreamEvent(self.text, (), finished="length")
+
+    def token_bytes(self, token: int) -> bytes:  # echo of token-id prompts, logprobs
+        return b"t"
+
+    def is_special_token(self, token: int) -> bool:
+        return False
+
+
 class SlowEngine(WrappedEngine):
     """Each event comes ``delay`` seconds late (a slow model, deterministically)."""
 
