@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from specdec_rt.drafters import CombinedDrafter, NgramDrafter
-from specdec_rt.policy.acceptance import AcceptanceEWMA, CostModel, SpecConfig
+from specdec_rt.policy.acceptance import AcceptanceEWMA, CostModel
+from specdec_rt.policy.config import SpecConfig
 from specdec_rt.policy.request import RequestPolicy
 from specdec_rt.spec.context import RequestContext
 from specdec_rt.spec.protocols import DraftInferrer
