@@ -9,6 +9,8 @@ would build a different model. What llama.cpp's converter writes, and what is do
 | `qwen3` | `attention.key_length` (head size apart from hidden / heads) | ignores it (Qwen3Config's default 128) | `head_dim` from it |
 | `phi3` | `rope.dimension_count` (rotated dims of a head), `attention.sliding_window` (0: none), `rope_factors_long/short` + `rope.scaling.attn_factor` (LongRoPE), fused `attn_qkv` / `ffn_up` | ignores all but the tensors | `partial_rotary_factor`, `sliding_window`, `rope_scaling` (longrope) from them |
 | `smollm3` | a Llama file (q/k rows permuted); no list of NoPE layers: llama.cpp skips rotary on every 4th layer | no such architecture | registered as Llama's mapping, `no_rope_layers` by llama.cpp's rule |
+| `gemma2` | norms as 1 + w (the converter adds 1), `attention.key_length`, `attention.sliding_window`, `attn_logit_softcapping`, `final_logit_softcapping`; no attention scale: llama.cpp takes 1/sqrt(head) (27B, 46 layers: 1/sqrt(hidden / heads)); sliding layers 0, 2, 4, ... | subtracts the 1, reads head size and window; soft-caps and scale left at Gemma2Config's defaults (50, 30, 256) | soft-caps from the file (llama.cpp's defaults 50 / 30 without them), `query_pre_attn_scalar` and `layer_types` by llama.cpp's rules |
+| `gemma3` | as Gemma 2 plus q/k norms, no soft-caps, `rope.scaling.type` linear (global layers only); no layer pattern, local rotary base or scale: llama.cpp slides 5 layers of 6 (none without a window) at base 10000, scale as Gemma 2's (27B: 62 layers) | reads head size and window; no rope scaling; pattern, base, scale and final soft-cap left at Gemma3TextConfig's defaults | `layer_types`, `rope_local_base_freq`, `query_pre_attn_scalar`, `rope_scaling` (linear), `final_logit_softcapping` by llama.cpp's rules |
 
 Every value is read from the header (`export.gguf_meta`) and bounded before anything is sized
 from it; a rope scaling the mapping cannot express is refused. The loaded model must have every
@@ -26,25 +28,21 @@ import numpy as np
 from .errors import CorruptSourceError, UnsupportedModelError
 from .gguf_meta import GGUFInfo
 
-__all__ = ["NEW_GGUF_FAMILIES", "GGUF_NOT_YET", "gguf_config_overrides", "register_gguf_families", "not_yet"]
+__all__ = ["NEW_GGUF_FAMILIES", "gguf_config_overrides", "register_gguf_families"]
 
-NEW_GGUF_FAMILIES = ("qwen3", "phi3", "smollm3")
-# GGUF architectures known and refused for now (llama.cpp names Gemma 3's text model `gemma3`)
-GGUF_NOT_YET = {"gemma2": "Gemma 2", "gemma3": "Gemma 3"}
+NEW_GGUF_FAMILIES = ("qwen3", "phi3", "smollm3", "gemma2", "gemma3")  # llama.cpp names Gemma 3's text model gemma3
 SMOLLM3_NOPE_STEP = 4  # llama.cpp: hparams.n_no_rope_layer_step = 4 (layer i rotates iff (i + 1) % 4)
+# llama.cpp's Gemma rules (src/llama-model.cpp): every `pattern`-th layer is global (set_swa_pattern),
+# Gemma 2's window 4096 and soft-caps 50 / 30 without their keys, Gemma 3's local base 10000, and the
+# attention scale 1/sqrt(hidden / heads) for the 27B models (by their layer count), else 1/sqrt(head)
+GEMMA_RULES = {
+    "gemma2": {"pattern": 2, "window": 4096, "attn_softcap": 50.0, "final_softcap": 30.0, "big": 46},
+    "gemma3": {"pattern": 6, "window": 0, "attn_softcap": None, "final_softcap": None, "big": 62},
+}
+GEMMA3_LOCAL_BASE = 10000.0
 MAX_HEAD = 1024
 MAX_WINDOW = 1 << 24
 _F32 = 0
-
-
-def not_yet(family: str, supported: tuple[str, ...]) -> UnsupportedModelError | None:
-    """The refusal of a GGUF architecture known but not supported yet (Gemma), else None."""
-    name = GGUF_NOT_YET.get(family)
-    if name is None:
-        return None
-    return UnsupportedModelError(
-        f"unsupported architecture {family} (GGUF files of {name}: not yet); supported: {', '.join(supported)}"
-    )
 
 
 def _int(info: GGUFInfo, key: str, lo: int, hi: int, path, default: int | None = None) -> int | None:
@@ -95,6 +93,70 @@ def _factors(info: GGUFInfo, path, name: str, count: int) -> list[float]:
     return [float(v) for v in values]
 
 
+def _float(info: GGUFInfo, key: str, path, default: float | None) -> float | None:
+    """An optional float key: finite and > 0 when present."""
+    arch = info.architecture
+    value = info.metadata.get(f"{arch}.{key}")
+    if value is None:
+        return default
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+        raise CorruptSourceError(f"GGUF {path}: {arch}.{key} = {value!r} is not a finite number > 0")
+    return float(value)
+
+
+def _gemma(info: GGUFInfo, path: Path, key: int | None) -> dict:
+    """Gemma 2 / Gemma 3 (text): what llama.cpp reads from the file or decides by its own rules."""
+    arch = info.architecture
+    rules = GEMMA_RULES[arch]
+    embd, heads, kv = _head(info)
+    layers = info.metadata[f"{arch}.block_count"]
+    head = key or embd // heads
+    if f"{arch}.attention.sliding_window_pattern" in info.metadata:
+        raise UnsupportedModelError(
+            f"GGUF {path}: {arch}.attention.sliding_window_pattern is not read for {arch} GGUF files "
+            f"(llama.cpp's rule: every {rules['pattern']}th layer global)"
+        )
+    for name, n in (("attn_q", heads), ("attn_k", kv), ("attn_v", kv)):
+        _expect(info, path, f"blk.0.{name}.weight", (embd, n * head))
+    _expect(info, path, "blk.0.attn_output.weight", (heads * head, embd))
+    norms = ["attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"]
+    for name in norms:
+        if f"blk.0.{name}.weight" not in info.tensors:
+            raise CorruptSourceError(f"GGUF {path}: blk.0.{name}.weight is missing: every Gemma layer has it")
+        _expect(info, path, f"blk.0.{name}.weight", (embd,))
+    if arch == "gemma3":
+        for name in ("attn_q_norm", "attn_k_norm"):
+            _expect(info, path, f"blk.0.{name}.weight", (head,))
+    window = _int(info, "attention.sliding_window", 0, MAX_WINDOW, path, default=rules["window"])
+    pattern = rules["pattern"]
+    out: dict = {
+        "head_dim": head,
+        "query_pre_attn_scalar": embd // heads if layers == rules["big"] else head,
+        "sliding_window": window or None,
+        "layer_types": [
+            "sliding_attention" if window and i % pattern < pattern - 1 else "full_attention" for i in range(layers)
+        ],
+        "attn_logit_softcapping": _float(info, "attn_logit_softcapping", path, rules["attn_softcap"]),
+        "final_logit_softcapping": _float(info, "final_logit_softcapping", path, rules["final_softcap"]),
+    }
+    if arch == "gemma2":
+        _refuse_scaling(info, path)
+        return out
+    if out["attn_logit_softcapping"] is not None:  # llama.cpp's Gemma 3 graph has no attention soft-cap
+        raise UnsupportedModelError(f"GGUF {path}: gemma3.attn_logit_softcapping is not Gemma 3's (none)")
+    out["rope_local_base_freq"] = GEMMA3_LOCAL_BASE
+    kind = info.metadata.get(f"{arch}.rope.scaling.type")
+    if kind == "linear":  # the global layers' only (llama.cpp: rope_freq_scale_train_swa = 1)
+        factor = _float(info, "rope.scaling.factor", path, None)
+        if factor is None:
+            raise CorruptSourceError(f"GGUF {path}: gemma3.rope.scaling.type linear without rope.scaling.factor")
+        out["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    else:
+        _refuse_scaling(info, path)
+        out["rope_scaling"] = None
+    return out
+
+
 def gguf_config_overrides(info: GGUFInfo, path) -> dict:
     """The config values transformers' GGUF table misses for ``info``'s family, checked against
     the header (bounded integers, tensor shapes); {} for the families it reads right."""
@@ -108,6 +170,8 @@ def gguf_config_overrides(info: GGUFInfo, path) -> dict:
     value = _int(info, "attention.value_length", 1, MAX_HEAD, path, default=key)
     if key is not None and value != key:
         raise UnsupportedModelError(f"GGUF {path}: key length {key} and value length {value} differ")
+    if arch in GEMMA_RULES:
+        return _gemma(info, path, key)
     rope_dims = _int(info, "rope.dimension_count", 1, MAX_HEAD, path)
     if arch == "qwen3":
         _refuse_scaling(info, path)
@@ -203,9 +267,79 @@ def _smollm3_tokenizer(tokenizer_dict):
     return GGUFLlamaConverter({"bos_token_id": None, "eos_token_id": None, **tokenizer_dict})
 
 
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types
+
+
+class GemmaSentencePiece:
+    """Gemma's SentencePiece BPE vocabulary as a `tokenizers` BPE, segmenting as SentencePiece and
+    llama.cpp do: pieces merge by score (the merged piece's, highest first), characters outside
+    the vocabulary fall back to byte tokens, spaces become `▁` (no dummy prefix unless the file's
+    `add_space_prefix` says so), CONTROL tokens are special and USER_DEFINED ones (runs of
+    newlines and spaces, HTML tags) are matched whole in the text and decode as text.
+
+    transformers 4.57's GGUF converter makes a Unigram of the same scores, which splits
+    "The capital" as `The ▁c ap it al`: BPE scores are merge ranks, not log probabilities.
+    Called as the converters of transformers' table are: ``converted()``, ``additional_kwargs``."""
+
+    def __init__(self, tokenizer_dict):
+        tokens, scores = tokenizer_dict.get("tokens"), tokenizer_dict.get("scores")
+        types = tokenizer_dict.get("token_type")
+        if not tokens or scores is None or types is None or not len(tokens) == len(scores) == len(types):
+            raise CorruptSourceError("a SentencePiece vocabulary needs tokens, scores and token types of one length")
+        self.tokens, self.scores, self.types = list(tokens), [float(x) for x in scores], list(types)
+        self.add_prefix_space = bool(tokenizer_dict.get("add_prefix_space", False))
+        self.additional_kwargs: dict = {}
+
+    def merges(self) -> list[tuple[str, str]]:
+        """Every split of a NORMAL piece into two pieces of the vocabulary, by the piece's score."""
+        ids = {t: i for i, t in enumerate(self.tokens)}
+        found = []
+        for i, piece in enumerate(self.tokens):
+            if self.types[i] != _NORMAL or len(piece) < 2:
+                continue
+            for cut in range(1, len(piece)):
+                left, right = ids.get(piece[:cut]), ids.get(piece[cut:])
+                if left is not None and right is not None:
+                    found.append((-self.scores[i], i, left, right))
+        found.sort()
+        return [(self.tokens[left], self.tokens[right]) for _, _, left, right in found]
+
+    def converted(self):
+        from tokenizers import AddedToken, Tokenizer, decoders, normalizers
+        from tokenizers.models import BPE
+
+        vocab = {t: i for i, t in enumerate(self.tokens)}
+        unk = next((i for i, t in enumerate(self.types) if t == _UNKNOWN), None)
+        model = BPE(
+            vocab,
+            self.merges(),
+            unk_token=self.tokens[unk] if unk is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+            dropout=None,
+        )
+        tokenizer = Tokenizer(model)
+        steps = [normalizers.Replace(" ", "▁")]
+        if self.add_prefix_space:
+            steps.insert(0, normalizers.Prepend("▁"))
+        tokenizer.normalizer = normalizers.Sequence(steps)
+        decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if self.add_prefix_space:
+            decode.append(decoders.Strip(content=" ", left=1))
+        tokenizer.decoder = decoders.Sequence(decode)
+        special = [t for t, k in zip(self.tokens, self.types) if k in (_CONTROL, _UNKNOWN)]
+        text = [t for t, k in zip(self.tokens, self.types) if k == _USER_DEFINED]
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in text])
+        if tokenizer.get_vocab_size(with_added_tokens=True) != len(self.tokens):
+            raise CorruptSourceError("the SentencePiece vocabulary's special tokens are not all in it")
+        return tokenizer
+
+
 def register_gguf_families() -> None:
     """Teach transformers' GGUF tables SmolLM3 (Llama's key mapping and q/k un-permuting, a
-    byte-level tokenizer) and Phi-4-mini's byte-level vocabulary. Idempotent."""
+    byte-level tokenizer), Phi-4-mini's byte-level vocabulary and Gemma's SentencePiece BPE one.
+    Idempotent."""
     from transformers import modeling_gguf_pytorch_utils as loader
     from transformers.integrations import ggml
 
@@ -217,3 +351,5 @@ def register_gguf_families() -> None:
     # the table holds converter classes; a function that returns a converter is called the same way
     ggml.GGUF_TO_FAST_CONVERTERS["smollm3"] = cast(Any, _smollm3_tokenizer)
     ggml.GGUF_TO_FAST_CONVERTERS["phi3"] = cast(Any, _phi3_tokenizer)
+    for family in ("gemma2", "gemma3_text"):  # SentencePiece BPE, not transformers' Unigram
+        ggml.GGUF_TO_FAST_CONVERTERS[family] = cast(Any, GemmaSentencePiece)

@@ -22,7 +22,8 @@ __all__ = [
 # model_type of a checkpoint folder; Mistral is Llama's graph with a sliding window
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text")
 GEMMA = ("gemma2", "gemma3_text")  # (1 + w) norms, norms after attention and MLP too, GeGLU, scaled embeddings
-GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "smollm3")  # general.architecture of a GGUF (Mistral: llama)
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3")  # general.architecture
+# of a GGUF (Mistral: llama; gemma3: Gemma 3's text model)
 MAX_POSITIONS_CAP = 32768
 MIN_POSITIONS = 2  # a prompt token and one generated token
 # families refused on purpose, with why (named in the refusal); the rest by what config.json shows

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CorruptSourceError, ExportError, SourceNotFoundError, one_line
-from .gguf_families import gguf_config_overrides, not_yet, register_gguf_families
+from .gguf_families import gguf_config_overrides, register_gguf_families
 from .gguf_meta import check_model, read_gguf_info
 from .model_spec import GGUF_FAMILIES, SUPPORTED_FAMILIES, unsupported_architecture
 
@@ -109,8 +109,6 @@ def open_source(src: str | os.PathLike, record: dict | None = None) -> Source:
         if family in GGUF_FAMILIES:  # metadata vs tensor index, memory: before loading
             check_model(info, path)
             gguf_config_overrides(info, path)  # the family's own keys, bounded and checked
-        elif (refusal := not_yet(family, GGUF_FAMILIES)) is not None:
-            raise refusal
         kind, folder, gguf_file, settings = "gguf", path.resolve().parent, path.name, None
         default_record = {"kind": "gguf", "path": str(path.resolve())}
     else:

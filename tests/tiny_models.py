@@ -19,6 +19,7 @@ __all__ = [
     "build_tiny_tokenizer",
     "build_tiny_checkpoint",
     "build_tiny_gguf",
+    "sentencepiece_vocab",
     "export_tiny",
     "plain_spec_together",
     "FAMILIES",
@@ -84,6 +85,37 @@ def build_tiny_tokenizer(family: str = "llama", vocab: int = 320, corpus_seed: i
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, **kw)
     tok.chat_template = template
     return tok
+
+
+SP_SPECIALS = [("<pad>", 3), ("<eos>", 3), ("<bos>", 3), ("<unk>", 2), ("<start_of_turn>", 3), ("<end_of_turn>", 3)]
+SP_TEXT_TOKENS = ["\n", "\n\n", "  ", "<table>"]  # USER_DEFINED, as Gemma's runs of spaces and HTML tags
+
+
+def sentencepiece_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
+    """A Gemma-style SentencePiece BPE vocabulary of ``size`` pieces as llama.cpp writes one
+    (tokens, scores, llama.cpp token types): <pad> <eos> <bos> <unk> and two turn markers
+    (CONTROL; UNKNOWN for <unk>), four USER_DEFINED text tokens, the 256 byte tokens, then the
+    corpus's characters and word prefixes (spaces as `▁`) scored by rank, so every piece can be
+    merged from two others."""
+    tokens = [t for t, _ in SP_SPECIALS] + SP_TEXT_TOKENS + [f"<0x{b:02X}>" for b in range(256)]
+    types = [k for _, k in SP_SPECIALS] + [4] * len(SP_TEXT_TOKENS) + [6] * 256
+    scores = [0.0] * len(tokens)
+    text = " ".join(_CORPUS).replace("\n", " ").replace(" ", "▁")
+    pieces: list[str] = []
+    for ch in sorted(set(text)):
+        pieces.append(ch)
+    words: dict[str, int] = {}
+    for word in ("▁" + w for w in text.split("▁") if w):
+        words[word] = words.get(word, 0) + 1
+    for word, _ in sorted(words.items(), key=lambda kv: (-kv[1], kv[0])):
+        for end in range(2, len(word) + 1):
+            if word[:end] not in pieces:
+                pieces.append(word[:end])
+    pieces = pieces[: size - len(tokens)]
+    if len(tokens) + len(pieces) < size:
+        raise ValueError(f"the corpus gives {len(tokens) + len(pieces)} pieces, not {size}")
+    scores += [-float(i) for i in range(len(pieces))]
+    return tokens + pieces, scores, types + [1] * len(pieces)
 
 
 def build_tiny_checkpoint(
@@ -192,8 +224,10 @@ def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized:
     write: its tensor names and keys, q/k rows permuted for llama and smollm3, BPE tokens + merges + token types),
     so the GGUF path (transformers' loader, special-token fixes) runs offline in seconds.
     ``quantized``: the layers' matrices as Q4_1 and the embedding / LM head as Q8_0 (the mix
-    SmolLM2's packaged file has). Returns the .gguf path; the checkpoint it came from is saved
-    beside it (`<stem>-hf`)."""
+    SmolLM2's packaged file has). Gemma 2 / 3 (``gemma2``, ``gemma3_text``): llama.cpp's names
+    and keys, norms written as 1 + w, no LM head (tied), a SentencePiece-style vocabulary
+    (`sentencepiece_vocab`) and no chat template, as the real Gemma 3 270M file. Returns the
+    .gguf path; the checkpoint it came from is saved beside it (`<stem>-hf`)."""
     import json
     import math
 
@@ -206,7 +240,8 @@ def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized:
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     cfg = model.config
     spec = json.loads((ckpt / "tokenizer.json").read_text())
-    writer = gguf.GGUFWriter(str(path), family)
+    gemma = family in ("gemma2", "gemma3_text")
+    writer = gguf.GGUFWriter(str(path), "gemma3" if family == "gemma3_text" else family)
     writer.add_name(f"tiny-{family}")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -234,26 +269,57 @@ def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized:
             scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
             attn = math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings))
             writer.add_rope_scaling_attn_factors(attn if scale > 1 else 1.0)
+    if gemma:  # what llama.cpp's Gemma converters write, and its rules for what they do not
+        writer.add_key_length(head)
+        writer.add_value_length(head)
+        writer.add_sliding_window(cfg.sliding_window)
+        if cfg.query_pre_attn_scalar != head:
+            raise ValueError(f"a {family} GGUF implies query_pre_attn_scalar = head_dim {head}")
+        pattern = 2 if family == "gemma2" else 6
+        want = [
+            "sliding_attention" if i % pattern < pattern - 1 else "full_attention" for i in range(len(cfg.layer_types))
+        ]
+        if list(cfg.layer_types) != want:
+            raise ValueError(f"a {family} GGUF implies layer_types {want}")
+        if family == "gemma2":
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        elif cfg.rope_scaling:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(cfg.rope_scaling["factor"])
+        sp_tokens, sp_scores, sp_types = sentencepiece_vocab(cfg.vocab_size)
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(sp_tokens)
+        writer.add_token_scores(sp_scores)
+        writer.add_token_types(sp_types)
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(3)
+        writer.add_pad_token_id(0)
+        writer.add_add_bos_token(True)
+        writer.add_add_space_prefix(False)
     vocab = spec["model"]["vocab"]
     tokens = [None] * cfg.vocab_size
     for text, i in vocab.items():
         tokens[i] = text
     specials = {t["content"] for t in spec["added_tokens"]}
     tokens = [t if t is not None else f"<unused{i}>" for i, t in enumerate(tokens)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in specials else 1 for t in tokens])  # 3 = CONTROL
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
-    template = AutoTokenizer.from_pretrained(ckpt).chat_template
-    writer.add_eos_token_id(vocab["<|im_end|>"])  # the GGUF's own choice, as in SmolLM2's
-    if family == "llama":
-        writer.add_bos_token_id(vocab["<s>"])
-    if family == "phi3":  # Phi-4-mini's file names a bos (<|endoftext|>) and does not add it
-        writer.add_bos_token_id(vocab["<|endoftext|>"])
-    writer.add_pad_token_id(vocab["<|endoftext|>"])
-    writer.add_add_bos_token(family == "llama")
-    writer.add_chat_template(template)
+    if not gemma:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if t in specials else 1 for t in tokens])  # 3 = CONTROL
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+        template = AutoTokenizer.from_pretrained(ckpt).chat_template
+        writer.add_eos_token_id(vocab["<|im_end|>"])  # the GGUF's own choice, as in SmolLM2's
+        if family == "llama":
+            writer.add_bos_token_id(vocab["<s>"])
+        if family == "phi3":  # Phi-4-mini's file names a bos (<|endoftext|>) and does not add it
+            writer.add_bos_token_id(vocab["<|endoftext|>"])
+        writer.add_pad_token_id(vocab["<|endoftext|>"])
+        writer.add_add_bos_token(family == "llama")
+        writer.add_chat_template(template)
 
     def permute(w, heads):  # HF rotary halves -> llama.cpp's interleaved rows (llama only)
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -274,11 +340,19 @@ def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized:
         "self_attn.qkv_proj": "attn_qkv",  # Phi-3: fused, as llama.cpp keeps them
         "mlp.gate_up_proj": "ffn_up",
     }
+    if gemma:  # norms before and after attention and the MLP
+        names.update(
+            post_attention_layernorm="post_attention_norm",
+            pre_feedforward_layernorm="ffn_norm",
+            post_feedforward_layernorm="post_ffw_norm",
+        )
     tensors = {
         "token_embd.weight": sd["model.embed_tokens.weight"],
         "output_norm.weight": sd["model.norm.weight"],
         "output.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"]),
     }
+    if gemma:
+        del tensors["output.weight"]  # tied: llama.cpp writes no LM head
     scaling = getattr(cfg, "rope_scaling", None) or {}
     if family == "phi3" and "longrope" in (scaling.get("rope_type"), scaling.get("type")):
         tensors["rope_factors_long.weight"] = np.array(scaling["long_factor"], dtype=np.float32)
@@ -293,6 +367,8 @@ def build_tiny_gguf(path: Path, family: str = "qwen2", seed: int = 0, quantized:
                 if family in ("llama", "smollm3") and gg in ("attn_q", "attn_k"):
                     w = permute(w, cfg.num_attention_heads if gg == "attn_q" else cfg.num_key_value_heads)
                 tensors[f"blk.{i}.{gg}.{kind}"] = w
+    if gemma:  # llama.cpp's converter folds Gemma's (1 + w) into every norm weight
+        tensors = {k: v + 1 if k.endswith("norm.weight") else v for k, v in tensors.items()}
     for name, w in tensors.items():
         w = np.ascontiguousarray(w, dtype=np.float32)
         if quantized and w.ndim == 2:

