@@ -22,8 +22,8 @@ __all__ = ["main", "summary"]
 def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m export",
-        description="Export a Llama/Mistral/Qwen2 checkpoint folder, .gguf file or recipe to ONNX + "
-        "manifest.json for specdec_rt.",
+        description="Export a checkpoint folder, .gguf file or recipe (Llama, Mistral, Qwen2/3, Phi-3, "
+        "SmolLM3, Gemma 2/3: docs/export.md) to ONNX + manifest.json for specdec_rt.",
     )
     p.add_argument("src", nargs="?", help="checkpoint folder, .gguf file, or recipe name")
     p.add_argument("--out", type=Path, help="output folder (default: the cache's models/<name>)")
