@@ -1,12 +1,21 @@
 """Helpers for the server tests: engine wrappers (public Engine API only), SSE and Prometheus
-parsing, and an in-process uvicorn on a free port."""
+parsing, an in-process uvicorn on a free port, and ``python -m specdec_rt serve`` as a process."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import anyio
 
@@ -200,3 +209,72 @@ def run(fn, folder, **load):
             return await fn(engine)
 
     return anyio.run(main)
+
+
+# ---------------------------------------------------------------- `python -m specdec_rt serve` as a process
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass
+class ServeProcess:
+    """A ``python -m specdec_rt serve`` process on 127.0.0.1 and what it has printed so far."""
+
+    proc: subprocess.Popen
+    url: str  # http://127.0.0.1:PORT, from its "listening on" line
+    lines: list[str]
+    readers: list[threading.Thread]
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self) -> str:
+        """SIGTERM, which must drain and exit 0; then (whatever happened) no process is left.
+        Returns the log."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+            assert self.proc.wait(timeout=60) == 0, self.log
+        finally:
+            self.kill()
+        return self.log
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for t in self.readers:
+            t.join(timeout=5)
+
+
+def start_serve(folder, *flags: str, env: dict | None = None, timeout: float = 60.0) -> ServeProcess:
+    """``serve --model folder`` on a free loopback port with one slot and one thread (``flags``
+    add to or override those), its stdout and stderr read into ``lines``; returns once it says
+    where it listens (the model may still be loading: ask /health). ``env``: variables to set
+    (a value of None removes one)."""
+    environ = {**os.environ, "PYTHONPATH": str(REPO)}
+    for key, value in (env or {}).items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+    cmd = [sys.executable, "-m", "specdec_rt", "serve", "--model", str(folder), "--port", "0", "--slots", "1",
+           "--threads", "1", *flags]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environ, cwd=REPO)
+    lines: list[str] = []
+    readers = [threading.Thread(target=lambda s=s: lines.extend(s), daemon=True) for s in (proc.stderr, proc.stdout)]
+    for t in readers:
+        t.start()
+    run = ServeProcess(proc, "", lines, readers)
+    deadline = time.monotonic() + timeout
+    while not (m := re.search(r"listening on (http://[\d.]+:\d+)", run.log)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            run.kill()
+            raise AssertionError(run.log)
+        time.sleep(0.05)
+    run.url = m.group(1)
+    return run

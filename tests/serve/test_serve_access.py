@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
-import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import anyio
@@ -21,7 +17,7 @@ import pytest
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from serve_util import PROMPT, metric, metric_values  # noqa: E402
+from serve_util import PROMPT, ServeProcess, metric, metric_values, start_serve  # noqa: E402
 
 from specdec_rt.errors import InvalidInputError  # noqa: E402
 from specdec_rt.serve import create_app  # noqa: E402
@@ -282,57 +278,13 @@ def test_allowed_origins_get_cors_answers_and_others_do_not():
 
 # ---------------------------------------------------------------- a real listening server
 def _serve(folder, *args: str, env_keys: str | None = None):
-    """``serve`` on 127.0.0.1, a free port, one slot; returns (process, base url, stderr lines)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("SPECDEC_API_KEY", None)
-    if env_keys is not None:
-        env["SPECDEC_API_KEY"] = env_keys
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "specdec_rt",
-            "serve",
-            "--model",
-            str(folder),
-            "--port",
-            "0",
-            "--slots",
-            "1",
-            "--threads",
-            "1",
-            "--access-log",
-            *args,
-        ],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    lines: list[str] = []
-    readers = [threading.Thread(target=lambda s=s: lines.extend(s), daemon=True) for s in (proc.stderr, proc.stdout)]
-    for t in readers:
-        t.start()
-    deadline = time.monotonic() + 60
-    while not (m := re.search(r"listening on (http://[\d.]+:\d+)", "".join(lines))):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("".join(lines))
-        time.sleep(0.05)
-    return proc, m.group(1), lines, readers
+    """``serve`` on 127.0.0.1 with its access log; returns (process, base url, output lines, readers)."""
+    run = start_serve(folder, "--access-log", *args, env={"SPECDEC_API_KEY": env_keys})
+    return run.proc, run.url, run.lines, run.readers
 
 
 def _stop(proc, readers) -> None:
-    try:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for t in readers:
-            t.join(timeout=5)
+    ServeProcess(proc, "", [], readers).stop()
 
 
 @pytest.mark.export

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import pytest
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from serve_util import PROMPT, metric, metric_values, sse_data  # noqa: E402
+from serve_util import PROMPT, metric, metric_values, sse_data, start_serve  # noqa: E402
 
 pytestmark = pytest.mark.export
 
@@ -43,47 +41,12 @@ def test_cli_serve_past_its_drain_timeout_answers_what_is_left_with_503s(tiny_ll
 def _serve_then_sigterm(folder, drain_timeout: str, scenario) -> str:
     """Run ``serve`` on ``folder`` with one slot, ``scenario(url, proc)`` (which sends SIGTERM),
     check the exit status 0; returns the process's log."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "specdec_rt",
-            "serve",
-            "--model",
-            str(folder),
-            "--port",
-            "0",
-            "--slots",
-            "1",
-            "--threads",
-            "1",
-            "--drain-timeout",
-            drain_timeout,
-        ],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
-    reader.start()
+    run = start_serve(folder, "--drain-timeout", drain_timeout)
     try:
-        deadline = time.monotonic() + 60
-        while not (m := re.search(r"listening on (http://[\d.]+:\d+)", "".join(lines))):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.05)
-        url = m.group(1)
-        anyio.run(scenario, url, proc)
-        assert proc.wait(timeout=60) == 0, "".join(lines)
+        anyio.run(scenario, run.url, run.proc)
+        return run.stop()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    reader.join(timeout=5)
-    return "".join(lines)
+        run.kill()
 
 
 async def _until_healthy(c) -> None:

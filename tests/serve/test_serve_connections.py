@@ -11,13 +11,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
-import re
 import select
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,9 +22,10 @@ import pytest
 pytest.importorskip("uvicorn")
 pytest.importorskip("h11")
 
+from serve_util import start_serve  # noqa: E402
+
 pytestmark = pytest.mark.export
 
-ROOT = Path(__file__).resolve().parents[2]
 HEADER_TIMEOUT, BODY_TIMEOUT, KEEP_ALIVE, MAX_CONNECTIONS = 1.0, 2.0, 1.0, 8
 SLACK = 4.0  # seconds a loaded 2-core machine may add to a deadline
 HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
@@ -38,56 +34,18 @@ HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     """(port, pid) of ``serve`` with short deadlines, stopped with SIGTERM at the end."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "specdec_rt",
-            "serve",
-            "--model",
-            str(tiny_llama),
-            "--port",
-            "0",
-            "--threads",
-            "1",
-            "--slots",
-            "1",
-            "--header-timeout",
-            str(HEADER_TIMEOUT),
-            "--body-timeout",
-            str(BODY_TIMEOUT),
-            "--keep-alive-timeout",
-            str(KEEP_ALIVE),
-            "--max-connections",
-            str(MAX_CONNECTIONS),
-        ],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
-    reader.start()
+    run = start_serve(tiny_llama, "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
+                      "--keep-alive-timeout", str(KEEP_ALIVE), "--max-connections", str(MAX_CONNECTIONS))  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not (m := re.search(r"listening on http://[\d.]+:(\d+)", "".join(lines))):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.05)
-        port = int(m.group(1))
-        while not _answer(port, HEALTH).startswith(b"HTTP/1.1 200"):  # until the model is loaded
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        while not _answer(run.port, HEALTH).startswith(b"HTTP/1.1 200"):  # until the model is loaded
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.log
             time.sleep(0.1)
-        yield port, proc.pid
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, "".join(lines)
-        assert "Traceback" not in "".join(lines), "".join(lines)
+        yield run.port, run.proc.pid
+        log = run.stop()
+        assert "Traceback" not in log, log
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        run.kill()
 
 
 def _connect(port: int) -> socket.socket:
