@@ -394,7 +394,7 @@ def test_multi_line_library_errors_become_one_line(monkeypatch, tmp_path, capsys
         raise RuntimeError("Error(s) in loading state_dict for Linear:\n\tsize mismatch for weight")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
-    src = Source("gguf", tmp_path, "x.gguf", "llama", "x")
+    src = Source("folder", tmp_path, None, "llama", "x")  # a GGUF would be read before the loader runs
     with pytest.raises(CorruptSourceError) as exc:
         src.load_model()
     assert "\n" not in str(exc.value) and "Linear: size mismatch" in str(exc.value)

@@ -68,7 +68,7 @@ def _expected(target, prompt, ids, top):
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=3, seed=5)])
 @pytest.mark.parametrize("tree_nodes", [0, 2])
 def test_every_emitted_token_carries_the_targets_logprob(params, tree_nodes):
-    target, draft = toy_pair(16, seed=3, distance=0.6)
+    target, draft = toy_pair(16, seed=3, distance=0.3)  # close enough that drafts are accepted (and scored)
     prompt = [1, 5, 2]
     for mode in ("ar", "spec"):
         cfg = SpecConfig(k_init=4, tree_nodes=tree_nodes, **ALWAYS)
