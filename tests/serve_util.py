@@ -161,14 +161,17 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def running_server(app, lifespan: str = "off"):
+async def running_server(app, lifespan: str = "off", sndbuf: int | None = None):
     """Real uvicorn in this event loop, with ``serve``'s connection limits (their defaults);
-    yields its base URL."""
+    yields its base URL. ``sndbuf``: the listening socket's send buffer, fixed (accepted sockets
+    inherit it), so a client that stops reading blocks the server soon."""
     import uvicorn
 
     from specdec_rt.serve.connections import ConnectionLimits, uvicorn_options
 
     sock = socket.socket()
+    if sndbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(

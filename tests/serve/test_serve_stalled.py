@@ -5,8 +5,6 @@ follows the requests that hold a slot."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import socket
 import time
@@ -17,7 +15,7 @@ import pytest
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from serve_util import metric, metric_values  # noqa: E402
+from serve_util import metric, metric_values, running_server  # noqa: E402
 
 from specdec_rt import Engine  # noqa: E402
 from specdec_rt.serve import create_app  # noqa: E402
@@ -38,29 +36,10 @@ BIG = {
 }
 
 
-@contextlib.asynccontextmanager
-async def small_buffer_server(app, sndbuf: int = 16384):
-    """Real uvicorn in this event loop, as serve_util.running_server, on a listening socket whose
-    send buffer is fixed small (accepted sockets inherit it): the kernel would otherwise grow it
-    to megabytes on loopback, more than the tiny model's whole answer. Yields the base URL."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="critical", access_log=False))
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+def small_buffer_server(app, sndbuf: int = 16384):
+    """serve_util.running_server with a small fixed send buffer: the kernel would otherwise grow
+    it to megabytes on loopback, more than the tiny model's whole answer. Yields the base URL."""
+    return running_server(app, sndbuf=sndbuf)
 
 
 def _raw_request(url: str, body: dict, rcvbuf: int = 4096) -> socket.socket:
