@@ -323,6 +323,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, metavar="S", help="seconds to wait for the server's /health"
     )
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="send `Authorization: Bearer KEY` (default: the first key in $SPECDEC_API_KEY, which a "
+        "server started with --model also reads)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.add_argument(
         "--out",
@@ -366,6 +372,15 @@ def _check(args) -> tuple[list[int], list[str]]:
                 "--slots, --max-queued and --server-arg are for a server started here (--model), not for --url"
             )
     return levels, modes
+
+
+def api_key(args) -> str | None:
+    """The key the clients send: ``--api-key``, else the first of ``$SPECDEC_API_KEY`` (the
+    server's own variable, comma separated), else none."""
+    if getattr(args, "api_key", None):
+        return str(args.api_key)
+    keys = [k.strip() for k in os.environ.get("SPECDEC_API_KEY", "").split(",") if k.strip()]
+    return keys[0] if keys else None
 
 
 def run_loadtest(args) -> int:
@@ -451,7 +466,8 @@ async def _run_levels(url: str, levels: list[int], modes: list[str], prompts: li
     e2e_by_mode: dict[str, float] = {}
     t_start = time.perf_counter()
     # trust_env=False: no proxy from the environment; redirects are not followed (loopback only)
-    async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout) as client:
+    headers = {"Authorization": f"Bearer {key}"} if (key := api_key(args)) else None
+    async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout, headers=headers) as client:
         served = args.served_model or await _served_model(client, url)
         for mode in modes if args.warmup else ():
             samples, _ = await run_phase(

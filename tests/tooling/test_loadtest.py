@@ -318,10 +318,11 @@ def _fake_openai_server():
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    seen = {"n": 0, "429": 0, "errors": 0, "tokens": 0, "bodies": []}
+    seen = {"n": 0, "429": 0, "errors": 0, "tokens": 0, "bodies": [], "auth": []}
 
     async def chat(request):
         body = await request.json()
+        seen["auth"].append(request.headers.get("authorization"))
         seen["n"] += 1
         seen["bodies"].append(body)
         n = seen["n"]
@@ -437,6 +438,24 @@ def test_end_to_end_against_a_fake_server(capsys, tmp_path):
     assert "| concurrency | mode | tokens/s" in (out / "loadtest.md").read_text()
     assert report["chart"] is None or (out / "loadtest.png").stat().st_size > 0
     assert "[loadtest] [4/4] concurrency 3 ar:" in captured.err and "ETA" in captured.err
+
+
+@pytest.mark.parametrize("how", ["flag", "env", "none"])
+def test_the_clients_send_the_api_key(how, capsys, tmp_path, monkeypatch):
+    pytest.importorskip("httpx")
+    monkeypatch.setenv("SPECDEC_API_KEY", " , env-key-1, env-key-2") if how == "env" else monkeypatch.delenv(
+        "SPECDEC_API_KEY", raising=False
+    )
+    app, seen = _fake_openai_server()
+    flag = ["--api-key", "flag-key"] if how == "flag" else []
+    with _serve(app) as url:
+        code = main(
+            ["loadtest", "--url", url, "--requests", "2", "--concurrency", "1", "--max-tokens", "2"]
+            + ["--warmup", "0", "--modes", "ar", "--json", "--out", str(tmp_path / "lt"), *flag]
+        )
+    assert code == 0, capsys.readouterr().err
+    want = {"flag": "Bearer flag-key", "env": "Bearer env-key-1", "none": None}[how]
+    assert seen["auth"] and set(seen["auth"]) == {want}
 
 
 def test_duration_bound_stops_by_itself(capsys, tmp_path):
