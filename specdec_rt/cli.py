@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--categories", default=None, help="comma-separated prompt categories to keep")
     bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    bench.add_argument("--repeats", type=int, default=1, help="runs of each prompt per mode")
+    bench.add_argument(
+        "--repeats", type=int, default=None, help="runs of each prompt per mode (default 1; --prefill: rounds, 5)"
+    )
     bench.add_argument("--out", default="bench-out", help="folder for the JSON report and the PNG chart")
     bench.add_argument(
         "--add-draft",
@@ -105,6 +107,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="instead: time to first token with and without the prefix cache (multi-turn, "
         "shared system prompt, memory pressure)",
+    )
+    bench.add_argument(
+        "--prefill",
+        action="store_true",
+        help="instead: prompt-processing tokens/s per prompt length and batched decode steps, "
+        "for the model and its quantized targets (with --llama-cpp: beside llama-bench)",
+    )
+    bench.add_argument(
+        "--lengths", default=None, metavar="N,N,..", help="--prefill: prompt lengths in tokens (default 64,256,1024)"
+    )
+    bench.add_argument(
+        "--rows", default=None, metavar="B,B,..", help="--prefill: requests in flight per decode step (default 1,4,8)"
     )
     bench.add_argument("--conversations", type=int, default=4, help="--prefix-cache: conversations")
     bench.add_argument("--turns", type=int, default=3, help="--prefix-cache: turns per conversation")
@@ -161,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tooling.bench.args import check_bench_args
 
         check_bench_args(args)  # before any model is loaded: a bad flag costs nothing
+        if args.prefill:
+            from .tooling.bench.prefill import run_prefill
+
+            return run_prefill(args)
         if args.prefix_cache:
             from .tooling.bench.prefix import run_prefix
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...errors import InvalidInputError
 
-__all__ = ["check_bench_args", "parse_levels", "split_list"]
+__all__ = ["check_bench_args", "parse_levels", "parse_sizes", "split_list"]
 
 
 def split_list(value: str | None, flag: str) -> list[str] | None:
@@ -32,9 +32,43 @@ def parse_levels(value: str) -> list[int]:
     return levels
 
 
+def parse_sizes(value: str, flag: str) -> list[int]:
+    """``"64,256,1024"`` -> ``[64, 256, 1024]`` (distinct positive integers, in the given order)."""
+    try:
+        sizes = [int(x) for x in value.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise InvalidInputError(f"{flag} needs distinct positive integers separated by commas, got {value!r}")
+    return sizes
+
+
+def _check_prefill(args) -> None:
+    """``--prefill`` runs targets alone on its own prompts: no other benchmark's flags."""
+    if args.prefix_cache or args.concurrency:
+        raise InvalidInputError("--prefill is a benchmark of its own: not with --concurrency / --prefix-cache")
+    for flag, value in (
+        ("--modes", args.modes),
+        ("--categories", args.categories),
+        ("--prompts", args.prompts),
+        ("--limit", args.limit),
+        ("--add-draft", args.add_draft),
+        ("--llama-draft", args.llama_draft),
+    ):
+        if value:
+            raise InvalidInputError(f"{flag} does not go with --prefill (it runs each target alone on random prompts)")
+    if args.micro:
+        raise InvalidInputError("--micro does not go with --prefill (it runs each target alone on random prompts)")
+    if args.llama_gguf and not args.llama_cpp:
+        raise InvalidInputError("--llama-gguf needs --llama-cpp BIN_DIR")
+    parse_sizes(args.lengths or "1", "--lengths")
+    parse_sizes(args.rows or "1", "--rows")
+
+
 def check_bench_args(args) -> None:
     """Raise :class:`InvalidInputError` naming the first bad flag (see the module docstring)."""
-    side_by_side = not args.prefix_cache and not args.concurrency
+    prefill = getattr(args, "prefill", False)
+    side_by_side = not args.prefix_cache and not args.concurrency and not prefill
     for flag, value in (
         ("--repeats", args.repeats),
         ("--max-new-tokens", args.max_new_tokens),
@@ -47,18 +81,24 @@ def check_bench_args(args) -> None:
             raise InvalidInputError(f"{flag} must be >= 1, got {value}")
     if args.concurrency is not None:
         args.levels = parse_levels(args.concurrency)
-    if args.llama_cpp and not side_by_side:
+    if prefill:
+        _check_prefill(args)
+    elif getattr(args, "lengths", None) is not None or getattr(args, "rows", None) is not None:
+        raise InvalidInputError("--lengths / --rows go with --prefill")
+    if args.repeats is None:
+        args.repeats = 5 if prefill else 1
+    if args.llama_cpp and not side_by_side and not prefill:
         raise InvalidInputError("--llama-cpp goes with the side-by-side bench, not --concurrency / --prefix-cache")
     if args.prefix_cache and args.concurrency:
         raise InvalidInputError("--prefix-cache and --concurrency are two different benchmarks: pick one")
     if args.cold and not args.concurrency:
         raise InvalidInputError("--cold goes with --concurrency")
-    if not side_by_side and (args.modes is not None or args.categories is not None or args.micro):
+    if not side_by_side and not prefill and (args.modes is not None or args.categories is not None or args.micro):
         raise InvalidInputError(
             "--modes / --categories / --micro go with the side-by-side bench "
             "(--concurrency and --prefix-cache run spec and ar on their own prompts)"
         )
-    if side_by_side and args.draft is not None:
+    if (side_by_side or prefill) and args.draft is not None:
         raise InvalidInputError(
             "--draft goes with --concurrency / --prefix-cache; the side-by-side bench runs "
             "every draft as its own mode (spec_<draft>, see --modes)"
