@@ -145,6 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="GGUF",
         help="--llama-cpp: also llama.cpp's speculative decoding with this draft GGUF",
     )
+    bench.add_argument(
+        "--serve",
+        action="store_true",
+        help="instead: our server against llama-server (needs --llama-cpp), both started here and "
+        "driven by the openai client at each --concurrency level (default 1,4,8)",
+    )
+    bench.add_argument(
+        "--requests", type=int, default=None, metavar="N", help="--serve: requests per level and server (default 16)"
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
     _model_args(add_serve_parser(sub))  # the OpenAI-compatible server: specdec_rt/serve, docs/serving.md
@@ -175,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tooling.bench.args import check_bench_args
 
         check_bench_args(args)  # before any model is loaded: a bad flag costs nothing
+        if args.serve:
+            from .tooling.bench.serving import run_serving_bench
+
+            return run_serving_bench(args)
         if args.prefill:
             from .tooling.bench.prefill import run_prefill
 

@@ -10,6 +10,8 @@ from ...errors import InvalidInputError
 
 __all__ = ["check_bench_args", "parse_levels", "parse_sizes", "split_list"]
 
+SERVE_LEVELS = "1,4,8"  # --serve's default --concurrency
+
 
 def split_list(value: str | None, flag: str) -> list[str] | None:
     """``"a, b"`` -> ``["a", "b"]``; None stays None; an empty list is an error."""
@@ -65,10 +67,34 @@ def _check_prefill(args) -> None:
     parse_sizes(args.rows or "1", "--rows")
 
 
+def _check_serve(args) -> None:
+    """``--serve`` starts our server and llama-server and drives them over HTTP: it needs
+    ``--llama-cpp`` and takes none of the in-process benchmarks' flags."""
+    if not args.llama_cpp:
+        raise InvalidInputError("--serve needs --llama-cpp BIN_DIR (the folder with llama-server)")
+    if args.prefix_cache or getattr(args, "prefill", False):
+        raise InvalidInputError("--serve is a benchmark of its own: not with --prefix-cache / --prefill")
+    for flag, value in (
+        ("--modes", args.modes),
+        ("--categories", args.categories),
+        ("--micro", args.micro),
+        ("--cold", args.cold),
+        ("--add-draft", args.add_draft),
+        ("--llama-draft", args.llama_draft),
+        ("--repeats", args.repeats not in (None, 1)),
+    ):
+        if value:
+            raise InvalidInputError(f"{flag} does not go with --serve (each server runs as it would serve)")
+    if args.requests is not None and args.requests < 1:
+        raise InvalidInputError(f"--requests must be >= 1, got {args.requests}")
+    args.levels = parse_levels(args.concurrency or SERVE_LEVELS)
+
+
 def check_bench_args(args) -> None:
     """Raise :class:`InvalidInputError` naming the first bad flag (see the module docstring)."""
     prefill = getattr(args, "prefill", False)
-    side_by_side = not args.prefix_cache and not args.concurrency and not prefill
+    serve = getattr(args, "serve", False)
+    side_by_side = not args.prefix_cache and not args.concurrency and not prefill and not serve
     for flag, value in (
         ("--repeats", args.repeats),
         ("--max-new-tokens", args.max_new_tokens),
@@ -81,13 +107,17 @@ def check_bench_args(args) -> None:
             raise InvalidInputError(f"{flag} must be >= 1, got {value}")
     if args.concurrency is not None:
         args.levels = parse_levels(args.concurrency)
+    if serve:
+        _check_serve(args)
+    elif getattr(args, "requests", None) is not None:
+        raise InvalidInputError("--requests goes with --serve")
     if prefill:
         _check_prefill(args)
     elif getattr(args, "lengths", None) is not None or getattr(args, "rows", None) is not None:
         raise InvalidInputError("--lengths / --rows go with --prefill")
     if args.repeats is None:
         args.repeats = 5 if prefill else 1
-    if args.llama_cpp and not side_by_side and not prefill:
+    if args.llama_cpp and not side_by_side and not prefill and not serve:
         raise InvalidInputError("--llama-cpp goes with the side-by-side bench, not --concurrency / --prefix-cache")
     if args.prefix_cache and args.concurrency:
         raise InvalidInputError("--prefix-cache and --concurrency are two different benchmarks: pick one")
