@@ -45,6 +45,7 @@ from ..text.encode_process import PromptEncoder
 from ..text.tools import parse_tool_calls
 from ..types import Stats
 from .factory import build_parts
+from .precision import PrecisionChoice, check_precision
 from .stream import EngineResult, EngineStream, StreamEvent, _Ready
 from .warmup import WARMUP_REQUESTS, WARMUP_TOKENS, warm_up
 
@@ -83,6 +84,9 @@ class Engine:
     waiting. The clock runs only while events wait, so a request waiting for a slot or for a
     slow model is never cut; a consumer is cut only if it takes no event for that long.
     """
+
+    #: which of the folder's targets and drafts :meth:`load` chose, and how (None: built by hand)
+    choice: PrecisionChoice | None = None
 
     def __init__(
         self,
@@ -191,6 +195,7 @@ class Engine:
         prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
         warmup: bool = True,
         consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT,
+        precision: str = "exported",
     ) -> "Engine":
         """Load a built recipe (``"smollm2-135m"``) or an export folder.
 
@@ -208,8 +213,25 @@ class Engine:
         waiting events may wait before it ends with
         :class:`~specdec_rt.errors.ConsumerTimeoutError` and frees its slot (``None`` or ``0``:
         no limit; see :class:`Engine`).
+        ``precision``: which of the folder's targets runs (:mod:`specdec_rt.engine.precision`):
+        ``"exported"`` (default: the folder's own), ``"float32"`` / ``"int8"`` / ``"int4"`` (a
+        quantized copy among its drafts, loaded as the target; an error names what the folder
+        offers), or ``"auto"``: the fastest exact configuration on this machine, target and
+        draft, measured on first use (about a minute on the default model, progress on stderr)
+        and cached in ``~/.cache/specdec-rt/tune/`` (:mod:`specdec_rt.engine.tune`); an explicit
+        ``draft`` wins over the tuned one. :attr:`choice` says what was chosen and how.
         """
         check_bool(warmup, "warmup")
+        check_precision(precision)
+        chosen_by = None
+        if precision == "auto":
+            from .tune import choose  # (it loads engines of its own)
+
+            check_load_args(name_or_path, draft, max_length, threads, spec_config)  # before a minute of tuning
+            check_int(slots, "slots", 1, MAX_SLOTS, numpy=False)
+            tuned = await choose(name_or_path, threads=threads, slots=slots, provider=provider, max_length=max_length)
+            precision, chosen_by = tuned.precision, tuned.chosen_by
+            draft = tuned.draft if draft is None else draft
         engine = await anyio.to_thread.run_sync(
             lambda: cls._load(
                 name_or_path,
@@ -222,6 +244,8 @@ class Engine:
                 prefix_cache,
                 prefix_cache_bytes,
                 consumer_timeout,
+                precision,
+                chosen_by,
             )
         )
         if warmup:
@@ -250,6 +274,8 @@ class Engine:
         prefix_cache=True,
         prefix_cache_bytes=DEFAULT_BUDGET_BYTES,
         consumer_timeout=DEFAULT_CONSUMER_TIMEOUT,
+        precision="exported",
+        chosen_by=None,
     ) -> "Engine":
         check_load_args(name_or_path, draft, max_length, threads, spec_config)
         check_int(slots, "slots", 1, MAX_SLOTS, numpy=False)
@@ -264,8 +290,9 @@ class Engine:
             provider=provider,
             slots=slots,
             prefix_cache_bytes=prefix_cache_bytes if prefix_cache else 0,
+            precision=precision,
         )
-        return cls(
+        engine = cls(
             parts.target,
             parts.drafter,
             parts.codec,
@@ -279,6 +306,13 @@ class Engine:
             manifest=parts.manifest,
             consumer_timeout=consumer_timeout,
         )
+        engine.choice = PrecisionChoice(
+            parts.candidate.precision,
+            parts.draft_name or "none",
+            chosen_by or ("exported" if precision == "exported" else "pinned"),
+            parts.candidate.exact_to,
+        )
+        return engine
 
     # ------------------------------------------------------------------ generation
     async def generate(

@@ -10,30 +10,41 @@ evaluation, so a draft spec means the same everywhere.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..batching import BatchExecutor
 from ..drafters import CombinedDrafter, NgramDrafter
-from ..errors import ModelLoadError
+from ..errors import InvalidInputError, ModelLoadError
 from ..manifest_schema import MANIFEST
 from ..ort import (
     Manifest,
     OrtDraftInferrer,
     OrtModel,
     OrtTargetVerifier,
+    default_threads,
     load_manifest,
     resolve_model_dir,
     use_global_thread_pool,
 )
 from ..ort.eagle import EagleDrafter
+from ..ort.manifest import cache_root
 from ..spec.adapters import ModelDrafter
 from ..spec.protocols import DraftInferrer, TargetVerifier
 from ..text.codec import TextCodec
 
 __all__ = [
     "DEFAULT_DRAFT",
+    "PINNED_PRECISIONS",
+    "TargetCandidate",
+    "target_candidates",
+    "pick_target",
+    "cheaper_drafts",
+    "draft_costs",
+    "home_manifest",
+    "runtime_facts",
+    "cache_root",
     "resolve_draft_spec",
     "model_drafter",
     "make_drafter",
@@ -42,11 +53,148 @@ __all__ = [
     "build_parts",
     "resolve_model_dir",
     "use_global_thread_pool",
-]  # the last two: ort's, for the layers above
+]  # the last two and cache_root: ort's, for the layers above
 
 # The drafter when Engine.load gets draft=None: n-gram lookup plus the recipe's first draft
 # (docs/decisions/0008-default-draft-q8.md).
 DEFAULT_DRAFT = "ngram+model"
+
+
+# precisions a caller may pin (Engine.load(precision=...)); "exported" and "auto" are resolved above
+PINNED_PRECISIONS = ("float32", "int8", "int4")
+# MatMulNBits accuracy levels: the type activations are quantized to in the CPU kernel
+_ACTIVATIONS = {0: "float32", 1: "float32", 2: "float16", 3: "bfloat16", 4: "int8"}
+DRAFT_COST_RATIO = 0.5  # a promoted target's default draft reads at most half its weight bytes
+_SAME_MODEL = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
+
+
+@dataclass(frozen=True)
+class TargetCandidate:
+    """A model of an export folder that can serve as its target: the folder's own target, or a
+    quantized copy of it listed among its drafts, promoted (loaded as a target: a quantized
+    target's exactness measures, ``OrtModel.lone_twice`` / ``pad_lone``, key on ``role``)."""
+
+    precision: str  # "float32", "int8", "int4" (weights)
+    activations: str  # what the MatMuls quantize activations to: "float32" unless int8 (accuracy level 4)
+    manifest: Manifest  # as loaded for the target: role "target", the folder's name
+    draft_name: str | None  # the draft entry it comes from; None: the folder's own target
+    weight_bytes: int  # its graph and weight files: what a step reads, the cost order of drafts
+
+    @property
+    def exact_to(self) -> str:
+        """What greedy output is exact to, in words."""
+        if self.precision == "float32" and self.activations == "float32":
+            return "greedy output is exact to the float32 target"
+        return (
+            f"greedy output is exact to the {self.precision} target "
+            f"({self.precision} weights, {self.activations} activations)"
+        )
+
+
+def _precision(m: Manifest) -> tuple[str, str]:
+    """(weights, activations) of a model from its ``onnx.quantization``."""
+    q = m.quantization or {}
+    bits = q.get("bits")
+    if not q or type(bits) is not int:
+        dtype = m.raw.get("onnx", {}).get("dtype")
+        kind = dtype if isinstance(dtype, str) and dtype.isidentifier() and len(dtype) < 16 else "float32"
+        return kind, kind
+    level = q.get("accuracy_level", 0)
+    return f"int{bits}", _ACTIVATIONS.get(level if type(level) is int else 0, "float32")
+
+
+def _weight_bytes(m: Manifest) -> int:
+    """Bytes of the graph and its weights: the files the manifest lists as model.onnx*, else the
+    graph file's own size."""
+    listed = m.raw.get("files") or {}
+    sizes = [
+        info.get("bytes", 0)
+        for name, info in listed.items()
+        if isinstance(name, str) and ".onnx" in name and isinstance(info, dict) and type(info.get("bytes")) is int
+    ]
+    return sum(sizes) if sizes else m.onnx_file.stat().st_size
+
+
+def target_candidates(home: Manifest) -> list[TargetCandidate]:
+    """The folder's own target first, then each draft that is a quantized copy of the same model
+    (same architecture and tokenizer; not an EAGLE head) and of a precision not offered yet."""
+    weights, acts = _precision(home)
+    found = [TargetCandidate(weights, acts, home, None, _weight_bytes(home))]
+    for d in home.drafts:
+        try:
+            dm = load_manifest(home.path(d["path"], "drafts.path"))
+        except ModelLoadError:
+            continue  # a broken draft folder is reported when it is loaded as a draft
+        same = all(getattr(dm, k) == getattr(home, k) for k in _SAME_MODEL)
+        if dm.raw.get("kind") == "eagle" or not same or not dm.quantization:
+            continue
+        if home.tokenizer_sha256 and dm.tokenizer_sha256 != home.tokenizer_sha256:
+            continue
+        weights, acts = _precision(dm)
+        if weights in {c.precision for c in found}:
+            continue
+        promoted = replace(dm, role="target", name=home.name, drafts=())
+        found.append(TargetCandidate(weights, acts, promoted, d["name"], _weight_bytes(dm)))
+    return found
+
+
+def pick_target(home: Manifest, precision: str) -> TargetCandidate:
+    """The candidate target of ``precision`` (``"exported"``: the folder's own target); else an
+    :class:`InvalidInputError` naming the value and what the folder offers."""
+    found = target_candidates(home)
+    if precision == "exported":
+        return found[0]
+    for c in found:  # (a folder's own target may be of a precision no one pins, float16: tune names it)
+        if c.precision == precision:
+            return c
+    if precision not in PINNED_PRECISIONS:
+        raise InvalidInputError(
+            f"precision must be 'auto', 'exported' or one of {', '.join(PINNED_PRECISIONS)}, got {precision!r}"
+        )
+    offered = ", ".join(c.precision + (" (exported)" if c.draft_name is None else "") for c in found)
+    raise InvalidInputError(f"{home.folder}: no {precision} target in this folder; it offers {offered}")
+
+
+def draft_costs(home: Manifest) -> dict[str, int]:
+    """Weight bytes of each of the folder's draft models that loads, by name (manifest order)."""
+    costs = {}
+    for d in home.drafts:
+        try:
+            costs[d["name"]] = _weight_bytes(load_manifest(home.path(d["path"], "drafts.path")))
+        except ModelLoadError:
+            continue  # reported when it is loaded as a draft
+    return costs
+
+
+def cheaper_drafts(home: Manifest, target: TargetCandidate, every: bool = True) -> list[str]:
+    """Names of the folder's draft models (EAGLE heads included) that read at most
+    :data:`DRAFT_COST_RATIO` of ``target``'s weight bytes per step, in the manifest's order
+    (a draft that costs more rarely pays: its steps eat what acceptance saves). ``every``: for
+    the folder's own target, every draft (the recipe's choice, as before)."""
+    if target.draft_name is None and every:
+        return [d["name"] for d in home.drafts]
+    return [
+        n
+        for n, b in draft_costs(home).items()
+        if n != target.draft_name and b <= DRAFT_COST_RATIO * target.weight_bytes
+    ]
+
+
+def home_manifest(name_or_path: str | os.PathLike) -> Manifest:
+    """The checked manifest of a built recipe or an export folder."""
+    return load_manifest(resolve_model_dir(name_or_path))
+
+
+def runtime_facts(threads: int | None) -> dict[str, Any]:
+    """What a speed measurement depends on besides the CPU and the model: ONNX Runtime's version
+    and providers, and the intra-op threads a model gets (the CLI's shared pool has as many)."""
+    import onnxruntime as ort
+
+    return {
+        "onnxruntime": ort.__version__,
+        "providers": list(ort.get_available_providers()),
+        "threads": threads or default_threads(),
+    }
 
 
 def resolve_draft_spec(m, spec: str | None) -> str:
@@ -131,7 +279,7 @@ def _drafter_parts(drafter) -> list:
 class EngineParts:
     """What :meth:`Engine.load` builds from an export folder, every model on one step loop."""
 
-    manifest: Manifest
+    manifest: Manifest  # the target's (a promoted draft's: under the folder's name)
     target: OrtModel
     verifier: TargetVerifier
     drafter: DraftInferrer | None
@@ -139,6 +287,7 @@ class EngineParts:
     models: list  # [OrtModel]: the target first, then the draft's (closed with the engine)
     executor: BatchExecutor
     codec: TextCodec
+    candidate: TargetCandidate  # which of the folder's targets was loaded
 
 
 def build_parts(
@@ -150,11 +299,21 @@ def build_parts(
     provider: str,
     slots: int,
     prefix_cache_bytes: int,
+    precision: str = "exported",
 ) -> EngineParts:
     """Load a built recipe or an export folder with its drafter (``draft``: a draft spec), all
     models built with one :class:`BatchExecutor`; ``prefix_cache_bytes`` is shared among them in
-    proportion to their KV bytes per token, so every model caches as many tokens."""
-    m = load_manifest(resolve_model_dir(name_or_path))
+    proportion to their KV bytes per token, so every model caches as many tokens.
+
+    ``precision``: ``"exported"`` (the folder's own target) or a pinned one (``"int8"``, ...): a
+    quantized copy among the folder's drafts, loaded as the target (:func:`pick_target`). Its
+    default draft is the folder's first draft that is cheaper than it (else n-gram lookup);
+    draft names still resolve among all the folder's drafts."""
+    home = load_manifest(resolve_model_dir(name_or_path))
+    candidate = pick_target(home, precision)
+    if candidate.draft_name is not None:  # "model" means the first cheaper draft
+        draft = resolve_draft_spec(replace(home, drafts=_named(home, cheaper_drafts(home, candidate))), draft)
+    m = candidate.manifest
     executor = BatchExecutor()
     opts: dict[str, Any] = dict(
         max_length=max_length,
@@ -164,9 +323,9 @@ def build_parts(
         prefix_cache_bytes=prefix_cache_bytes,
         executor=executor,
     )
-    alone = resolve_draft_spec(m, draft) in ("ngram", "none")  # no draft model beside the target
+    alone = resolve_draft_spec(home, draft) in ("ngram", "none")  # no draft model beside the target
     target = OrtModel(m, **opts, alone=alone)
-    drafter, draft_name = make_drafter(m, draft, opts)
+    drafter, draft_name = make_drafter(home, draft, opts)  # (a promoted target shares home's vocabulary)
     models = engine_models(target, drafter)
     caching = [mod for mod in models if mod.caches_prefixes]
     for mod in caching:
@@ -175,4 +334,10 @@ def build_parts(
         )
     verifier = OrtTargetVerifier(target, share_hidden=drafter is not None and drafter.needs_target_hidden)
     executor.lead = {id(mod) for mod in models[1:]}  # draft steps first: a batch drafts, then verifies, together
-    return EngineParts(m, target, verifier, drafter, draft_name, models, executor, TextCodec.from_manifest(m))
+    return EngineParts(
+        m, target, verifier, drafter, draft_name, models, executor, TextCodec.from_manifest(home), candidate
+    )
+
+
+def _named(home: Manifest, names: list[str]) -> tuple[dict, ...]:
+    return tuple(d for d in home.drafts if d["name"] in names)

@@ -1,0 +1,302 @@
+"""What ``precision="auto"`` measured, and the file that keeps it per machine and model.
+
+One small JSON file per key in ``<cache>/tune/`` (``$SPECDEC_RT_CACHE``, else
+``$XDG_CACHE_HOME/specdec-rt``, else ``~/.cache/specdec-rt``). The key is everything the winner
+depends on: the CPU (model name and the instruction sets the kernels pick from: AVX2, AVX-512,
+VNNI, AMX, ...), ONNX Runtime's version and providers, the model folder (a hash of its and its
+drafts' ``manifest.json`` and their files' sizes and modification times), threads, slots, the
+provider asked for and the measurement's own version. Any change is another key: measured again.
+
+The file is untrusted input: read only if it is a regular file of at most
+:data:`MAX_CACHE_BYTES`, every field checked (types, bounds, the key equal to this machine's);
+anything else is ignored, with a warning, and measured again, never a crash. Writes are atomic
+(a temporary file renamed over the old one) and best effort (a read-only cache only costs a
+measurement per start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import stat
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..logs import get_logger
+from ..manifest_schema import MANIFEST
+from .factory import cache_root, runtime_facts
+
+__all__ = [
+    "TUNE_VERSION",
+    "MAX_CACHE_BYTES",
+    "TuneRow",
+    "TuneResult",
+    "tune_key",
+    "cache_path",
+    "read_cached",
+    "write_cached",
+]
+
+log = get_logger("specdec_rt.engine.tune")
+
+TUNE_VERSION = 1  # the measurement's procedure: a change re-measures every cached choice
+MAX_CACHE_BYTES = 64 * 1024
+MAX_ROWS = 64
+MAX_CACHE_FILES = 64  # results kept in the folder (the oldest go first)
+# the CPU features ONNX Runtime's MLAS kernels choose between (x86 and Arm)
+ISA_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+    "asimd",
+    "asimddp",
+    "i8mm",
+    "sve",
+    "bf16",
+)
+_TEXT = re.compile(r"^[\x20-\x7e]*$")  # printable ASCII: what the file may say in a string field
+
+
+@dataclass(frozen=True)
+class TuneRow:
+    """One configuration measured: target ``precision``, ``draft`` spec (``"none"``: plain
+    decoding), medians of end-to-end tokens/s with one stream (``tok_s_1``) and summed over
+    ``concurrency`` streams at once (``tok_s_c``), mean ``acceptance`` of its drafts, whether its
+    greedy speculative output equalled plain decoding's on every prompt (``exact``), and a
+    ``note`` (why it was left out)."""
+
+    precision: str
+    draft: str
+    tok_s_1: float
+    tok_s_c: float
+    concurrency: int
+    acceptance: float
+    exact: bool
+    note: str = ""
+
+    @property
+    def score(self) -> float:
+        """The choice's rule: the geometric mean of the two rates (one user, and a server's
+        batches, weigh alike)."""
+        return math.sqrt(self.tok_s_1 * self.tok_s_c)
+
+
+@dataclass
+class TuneResult:
+    """Every configuration measured, and which won (``chosen``: an index into ``rows``, None when
+    none was exact); ``rounds`` of ``prompts`` ran, in ``seconds``."""
+
+    rows: list[TuneRow]
+    chosen: int | None
+    rounds: int = 0
+    seconds: float = 0.0
+    rule: str = "highest geometric mean of tok/s with one stream and with several at once, among exact configurations"
+    key: dict = field(default_factory=dict)
+
+    @property
+    def best(self) -> TuneRow | None:
+        return None if self.chosen is None else self.rows[self.chosen]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "version": TUNE_VERSION,
+            "key": self.key,
+            "rows": [asdict(r) for r in self.rows],
+            "chosen": self.chosen,
+            "rounds": self.rounds,
+            "seconds": round(self.seconds, 3),
+            "rule": self.rule,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "TuneResult":
+        """A result from its JSON form, every field checked; ``ValueError`` names what is wrong."""
+        if not isinstance(raw, dict) or raw.get("version") != TUNE_VERSION:
+            raise ValueError(f"not a version {TUNE_VERSION} tune result")
+        rows_raw = raw.get("rows")
+        if not isinstance(rows_raw, list) or not 0 < len(rows_raw) <= MAX_ROWS:
+            raise ValueError(f"rows must be a list of 1 to {MAX_ROWS}")
+        rows = [_row(r) for r in rows_raw]
+        chosen = raw.get("chosen")
+        if chosen is not None and (type(chosen) is not int or not 0 <= chosen < len(rows) or not rows[chosen].exact):
+            raise ValueError("chosen must index an exact row")
+        rounds, seconds = raw.get("rounds", 0), raw.get("seconds", 0.0)
+        if type(rounds) is not int or not 0 <= rounds <= 1000:
+            raise ValueError("rounds out of range")
+        if not _number(seconds, 1e6):
+            raise ValueError("seconds out of range")
+        key = raw.get("key")
+        if not isinstance(key, dict):
+            raise ValueError("key must be an object")
+        return cls(rows, chosen, rounds, float(seconds), _text(raw.get("rule", ""), 300), key)
+
+
+def _number(value, hi: float) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and 0 <= value <= hi
+
+
+def _text(value, limit: int) -> str:
+    if not isinstance(value, str) or len(value) > limit or not _TEXT.match(value):
+        raise ValueError(f"a string of at most {limit} printable characters expected, got {str(value)[:40]!r}")
+    return value
+
+
+def _row(raw) -> TuneRow:
+    if not isinstance(raw, dict):
+        raise ValueError("a row must be an object")
+    nums = {k: raw.get(k) for k in ("tok_s_1", "tok_s_c", "acceptance")}
+    for k, v in nums.items():
+        if not _number(v, 1.0 if k == "acceptance" else 1e7):
+            raise ValueError(f"row {k} out of range")
+    concurrency, exact = raw.get("concurrency"), raw.get("exact")
+    if type(concurrency) is not int or not 1 <= concurrency <= 256 or not isinstance(exact, bool):
+        raise ValueError("row concurrency or exact malformed")
+    return TuneRow(
+        _text(raw.get("precision"), 16),
+        _text(raw.get("draft"), 200),
+        float(nums["tok_s_1"]),  # type: ignore[arg-type]  # checked above
+        float(nums["tok_s_c"]),  # type: ignore[arg-type]
+        concurrency,
+        float(nums["acceptance"]),  # type: ignore[arg-type]
+        exact,
+        _text(raw.get("note", ""), 300),
+    )
+
+
+# ---------------------------------------------------------------------- the key
+def cpu_facts() -> dict[str, Any]:
+    """The CPU's model name and the instruction-set flags of :data:`ISA_FLAGS` it has (Linux:
+    from /proc/cpuinfo; elsewhere what :mod:`platform` says, and no flags)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            text = f.read(1 << 20)  # the first CPUs' entries say it all
+        for line in text.splitlines():
+            label, _, value = line.partition(":")
+            label = label.strip().lower()
+            if label in ("model name", "hardware", "cpu model") and name in (platform.processor(), platform.machine()):
+                name = value.strip()
+            elif label in ("flags", "features"):
+                flags |= set(value.split())
+    return {"cpu": name[:200], "machine": platform.machine(), "isa": sorted(flags & set(ISA_FLAGS))}
+
+
+def model_stamp(home) -> str:
+    """A hash of the folder's and its drafts' ``manifest.json`` and of each listed file's size
+    and modification time: a rebuilt or edited model is another key."""
+    h = hashlib.sha256()
+    folders = [Path(home.folder)] + [Path(home.folder) / d["path"] for d in home.drafts]
+    for folder in folders:
+        try:
+            manifest = folder / MANIFEST
+            h.update(str(folder.name).encode() + b"\0" + manifest.read_bytes()[: 1 << 22])
+            raw = json.loads(manifest.read_text(encoding="utf-8"))
+            files = raw.get("files") if isinstance(raw, dict) else None
+            for name in sorted(files) if isinstance(files, dict) else ():
+                st = (folder / name).stat()
+                h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        except (OSError, ValueError):
+            h.update(b"unreadable\0")  # loading it would fail anyway; the key still differs
+    return h.hexdigest()
+
+
+def tune_key(home, *, threads: int | None, slots: int, provider: str) -> dict[str, Any]:
+    """Everything a measurement's winner depends on (see the module's docstring)."""
+    return {
+        "tune_version": TUNE_VERSION,
+        **cpu_facts(),
+        **runtime_facts(threads),
+        "provider": provider,
+        "slots": slots,
+        "model": home.name,
+        "model_stamp": model_stamp(home),
+    }
+
+
+def cache_path(key: dict) -> Path:
+    """``<cache>/tune/<model>-<hash of the key>.json``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", str(key.get("model", "model")))[:60].strip(".-") or "model"
+    return cache_root() / "tune" / f"{slug}-{digest}.json"
+
+
+def read_cached(key: dict) -> TuneResult | None:
+    """The cached result for ``key``, or None: absent, unreadable, malformed, or for another key
+    (a warning says which and the caller measures again)."""
+    path = cache_path(key)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("tune.cache_unreadable", path=str(path), error=f"{type(exc).__name__}: {exc}"[:200])
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_CACHE_BYTES:
+                raise ValueError(f"not a regular file of at most {MAX_CACHE_BYTES} bytes")
+            data = f.read(MAX_CACHE_BYTES + 1)
+        if len(data) > MAX_CACHE_BYTES:
+            raise ValueError(f"larger than {MAX_CACHE_BYTES} bytes")
+        result = TuneResult.from_dict(json.loads(data.decode("utf-8")))
+        if result.key != json.loads(json.dumps(key)):  # (the key as JSON has it)
+            raise ValueError("measured for another machine, model or setting")
+        return result
+    except (OSError, ValueError, RecursionError) as exc:
+        log.warning("tune.cache_ignored", path=str(path), error=f"{type(exc).__name__}: {exc}"[:200])
+        return None
+
+
+def _prune(folder: Path, keep: Path) -> None:
+    """Keep the :data:`MAX_CACHE_FILES` newest results: keys of folders rebuilt or deleted
+    (a test's temporary models) would otherwise pile up."""
+    with contextlib.suppress(OSError):
+        files = sorted(
+            (p for p in folder.glob("*.json") if p.is_file() and not p.is_symlink() and p != keep),
+            key=lambda p: p.stat().st_mtime,
+        )
+        for old in files[: max(0, len(files) + 1 - MAX_CACHE_FILES)]:
+            with contextlib.suppress(OSError):
+                old.unlink()
+
+
+def write_cached(key: dict, result: TuneResult) -> Path | None:
+    """Store ``result`` under ``key`` (atomically); the path, or None when it cannot be written."""
+    path = cache_path(key)
+    result.key = key
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tune-", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(result.as_dict(), f, indent=1)
+        os.replace(tmp, path)
+        tmp = None
+        _prune(path.parent, keep=path)
+        return path
+    except OSError as exc:
+        log.warning("tune.cache_unwritable", path=str(path), error=f"{type(exc).__name__}: {exc}"[:200])
+        return None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
