@@ -154,6 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--requests", type=int, default=None, metavar="N", help="--serve: requests per level and server (default 16)"
     )
+    bench.add_argument(
+        "--agreement",
+        action="store_true",
+        help="instead: top-1 agreement and KL of the quantized targets against float32, teacher-forced "
+        "over held-out text (with --llama-cpp: llama-perplexity's for its quantizations, same windows)",
+    )
+    bench.add_argument("--text", default=None, metavar="FILE", help="--agreement: plain text to score")
+    bench.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--agreement: tokens per window (llama-perplexity -c; 512)",
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
     _model_args(add_serve_parser(sub))  # the OpenAI-compatible server: specdec_rt/serve, docs/serving.md
@@ -181,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
             return anyio.run(run_demo, args)
         if args.command == "serve":
             return run_serve(args)
+        from .tooling.bench.agreement import check_agreement_args
+
+        if check_agreement_args(args):  # a benchmark of its own, with its own flags' checks
+            from .tooling.bench.agreement import run_agreement
+
+            return run_agreement(args)
         from .tooling.bench.args import check_bench_args
 
         check_bench_args(args)  # before any model is loaded: a bad flag costs nothing
