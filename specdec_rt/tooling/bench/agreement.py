@@ -351,8 +351,8 @@ def _llama_side(args, text: Path, window: int, threads: int, manifest, out: Path
     tool = tools["completion"].parent / "llama-perplexity"
     if not tool.is_file():
         raise SpecDecError(
-            f"--llama-cpp {args.llama_cpp}: no llama-perplexity (build it: cmake --build "
-            f"{tools['completion'].parent.parent} --target llama-perplexity)"
+            f"--llama-cpp {args.llama_cpp}: no llama-perplexity (scripts/build-llama-cpp builds it, or "
+            f"cmake --build {tools['completion'].parent.parent} --target llama-perplexity)"
         )
     ggufs = resolve_ggufs(getattr(args, "llama_gguf", None), tools, manifest, _log)
     if "f32" not in ggufs:
