@@ -1,4 +1,4 @@
-"""``python -m specdec_rt``: ``demo``, ``generate``, ``bench``, ``serve`` and ``loadtest``.
+"""``python -m specdec_rt``: ``demo``, ``generate``, ``bench``, ``serve``, ``tune`` and ``loadtest``.
 
 ``--json`` prints exactly one JSON document on stdout; progress and logs go to stderr.
 Errors print one line ``specdec_rt: error: ...`` on stderr and exit with status 1; usage errors
@@ -22,6 +22,7 @@ from .sampling.logprobs import check_top_logprobs, json_logprob
 from .serve.cli import add_serve_parser, run_serve
 from .tooling.loadtest import add_arguments as add_loadtest_arguments
 from .tooling.loadtest import run_loadtest
+from .tooling.tune import add_tune_arguments
 
 __all__ = ["main"]
 
@@ -172,6 +173,14 @@ def main(argv: list[str] | None = None) -> int:
 
     _model_args(add_serve_parser(sub))  # the OpenAI-compatible server: specdec_rt/serve, docs/serving.md
 
+    add_tune_arguments(
+        sub.add_parser(
+            "tune",
+            help="measure which precision and draft of a model run fastest here (serve's --precision auto)",
+        ),
+        _threads,
+    )
+
     add_loadtest_arguments(
         sub.add_parser(
             "loadtest", help="concurrent streaming clients against the server on loopback (docs/benchmarks.md)"
@@ -195,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             return anyio.run(run_demo, args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "tune":
+            from .tooling.tune import run_tune
+
+            return run_tune(args)
         from .tooling.bench.agreement import check_agreement_args
 
         if check_agreement_args(args):  # a benchmark of its own, with its own flags' checks

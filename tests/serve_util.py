@@ -255,8 +255,9 @@ class ServeProcess:
 
 
 def start_serve(folder, *flags: str, env: dict | None = None, timeout: float = 60.0) -> ServeProcess:
-    """``serve --model folder`` on a free loopback port with one slot and one thread (``flags``
-    add to or override those), its stdout and stderr read into ``lines``; returns once it says
+    """``serve --model folder`` on a free loopback port with one slot, one thread and the
+    folder's own target (``--precision exported``: no tuning at start; ``flags`` add to or
+    override those), its stdout and stderr read into ``lines``; returns once it says
     where it listens (the model may still be loading: ask /health). ``env``: variables to set
     (a value of None removes one)."""
     environ = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -266,7 +267,7 @@ def start_serve(folder, *flags: str, env: dict | None = None, timeout: float = 6
         else:
             environ[key] = value
     cmd = [sys.executable, "-m", "specdec_rt", "serve", "--model", str(folder), "--port", "0", "--slots", "1",
-           "--threads", "1", *flags]  # fmt: skip
+           "--threads", "1", "--precision", "exported", *flags]  # fmt: skip
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environ, cwd=REPO)
     lines: list[str] = []
     readers = [threading.Thread(target=lambda s=s: lines.extend(s), daemon=True) for s in (proc.stderr, proc.stdout)]

@@ -97,7 +97,7 @@ def create_app(
         return await completions(request, "completion")
 
     async def models(request: Request) -> JSONResponse:
-        return JSONResponse(models_body(serving.model_name or "specdec-rt", created))
+        return JSONResponse(models_body(serving.model_name or "specdec-rt", created, serving.engine))
 
     async def model(request: Request) -> JSONResponse:
         name = serving.model_name or "specdec-rt"
@@ -110,7 +110,7 @@ def create_app(
                     param="model",
                 )
             )
-        return JSONResponse(models_body(name, created)["data"][0])
+        return JSONResponse(models_body(name, created, serving.engine)["data"][0])
 
     async def health(request: Request) -> JSONResponse:
         return JSONResponse(

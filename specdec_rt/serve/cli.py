@@ -85,6 +85,14 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         default=DEFAULT_BUDGET_BYTES,
         help=f"KV memory the prefix cache may hold, all models (default {DEFAULT_BUDGET_BYTES})",
     )
+    p.add_argument(
+        "--precision",
+        choices=["auto", "exported", "float32", "int8", "int4"],
+        default="auto",
+        help="which of the model folder's targets runs: 'auto' (default) the fastest exact one "
+        "with its draft, measured on this machine on first start (about a minute) and cached "
+        "(python -m specdec_rt tune shows the table); 'exported' the folder's own; or pinned",
+    )
     p.add_argument("--no-build", action="store_true", help="fail instead of building a missing recipe")
     p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
     access = p.add_argument_group("access (docs/serving.md, 'Access')")
@@ -197,6 +205,13 @@ def _say_access(access) -> None:
     _say(f"specdec_rt serve: {keys}; answering {hosts}; web origins allowed: {origins}")
 
 
+def _say_loaded(name: str, engine) -> None:
+    """The load line: what runs and what its greedy output is exact to."""
+    choice = getattr(engine, "choice", None)
+    what = choice.describe() if choice is not None else f"draft {engine.draft_name or 'none'}"
+    _say(f"specdec_rt serve: loaded {name}: {what}")
+
+
 def _replicas(text: str) -> int | str:
     if text == "auto":
         return text
@@ -288,7 +303,7 @@ def run_serve(args) -> int:
     name = args.served_model_name or Path(str(args.model)).name
 
     async def load() -> Engine:
-        return await Engine.load(
+        engine = await Engine.load(
             folder,
             draft=args.draft,
             threads=args.threads,
@@ -298,9 +313,13 @@ def run_serve(args) -> int:
             prefix_cache=args.prefix_cache,
             prefix_cache_bytes=args.prefix_cache_bytes,
             consumer_timeout=args.consumer_timeout or None,
+            precision=args.precision,
         )
+        _say_loaded(name, engine)
+        return engine
 
     logging.getLogger("specdec_rt.serve").setLevel(logging.INFO)  # one event per request on stderr
+    logging.getLogger("specdec_rt.engine.tune").setLevel(logging.INFO)  # --precision auto's progress
     app = create_app(
         load,
         slots=args.slots,
@@ -432,6 +451,7 @@ def run_ray_serve(args, access) -> int:
         prefix_cache=args.prefix_cache,
         prefix_cache_bytes=args.prefix_cache_bytes,
         threads=args.threads,
+        precision=args.precision,
         model_name=args.served_model_name or Path(str(args.model)).name,
         replicas=args.replicas,
         cpus_per_replica=args.cpus_per_replica,

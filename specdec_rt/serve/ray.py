@@ -79,6 +79,7 @@ class RayOptions:
     default_max_tokens: int = 256
     max_length: int | None = None
     provider: str = "auto"
+    precision: str = "exported"  # Engine.load's; "auto": each replica reads the tune cache or measures
     prefix_cache: bool = True
     prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES
     model_name: str | None = None
@@ -140,6 +141,7 @@ def _replica_app(opts: RayOptions):
             prefix_cache=opts.prefix_cache,
             prefix_cache_bytes=opts.prefix_cache_bytes,
             consumer_timeout=opts.consumer_timeout,
+            precision=opts.precision,
         )
 
     name = opts.model_name or os.path.basename(str(opts.model).rstrip("/"))

@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..sampling.logprobs import TokenLogprob, json_logprob
 from ..spec.request_checks import stop_prefix_len
@@ -216,8 +216,14 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
     }
 
 
-def models_body(model: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "specdec-rt"}]}
+def models_body(model: str, created: int, engine: Any = None) -> dict:
+    """``/v1/models``: the one model, with what the engine runs once it is loaded (``precision``,
+    ``draft``, ``exact_to``, ``chosen_by``: :class:`~specdec_rt.engine.precision.PrecisionChoice`)."""
+    entry = {"id": model, "object": "model", "created": created, "owned_by": "specdec-rt"}
+    choice = getattr(engine, "choice", None)
+    if choice is not None:
+        entry.update(choice.as_dict())
+    return {"object": "list", "data": [entry]}
 
 
 def sse(data: dict | str) -> bytes:
