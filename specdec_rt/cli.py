@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         "--llama-gguf",
         default=None,
         metavar="FILES_OR_FOLDER",
-        help="--llama-cpp: comma-separated GGUF files or a folder of them (default: F32, Q8_0 "
-        "and Q4_1 made with llama-quantize from the model's source GGUF)",
+        help="--llama-cpp: comma-separated GGUF files or a folder of them (default: the model's "
+        "source GGUF and F32 / Q8_0 made from it with llama-quantize)",
     )
     bench.add_argument(
         "--llama-draft",

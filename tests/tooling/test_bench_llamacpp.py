@@ -218,3 +218,66 @@ def test_summary_ratios_and_table():
     assert rows["ar"]["decode_tokens_per_s"] == pytest.approx(64 / 0.9)  # after the first token
     table = format_llamacpp(list(rows.values()))
     assert f"| `llamacpp_q8_0` | 32.0 | 40.0 | {len(TEXT) / 32:.2f} | - | 1/1 |" in table
+
+
+class _BosCodec(_Codec):
+    """A tokenizer that adds a BOS (id 2, ``<bos>``) to plain text, as Gemma's does."""
+
+    add_bos, bos_id = True, 2
+
+    class _BosTok(_Tok):
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join("<bos>" if i == 2 else chr(i) for i in ids)
+
+    tokenizer = _BosTok()
+
+
+def test_the_prompt_leaves_our_bos_to_llama_cpp(tmp_path):
+    bin_dir = _fake_tools(tmp_path)
+    gguf = tmp_path / "gemma-3-270m-q4_k_m.gguf"
+    gguf.write_bytes(b"GGUF")
+    modes, _ = llamacpp_modes(bin_dir, str(gguf), None, _BosCodec(), threads=2, ctx_size=512)
+    prompt = "The city of Kyoto is famous for"
+    _, _, _, extra = anyio.run(modes["llamacpp_q4_k_m"], [2, *map(ord, prompt)], 8)
+    args = (tmp_path / "args.txt").read_text().split("\n")
+    assert args[args.index("-p") + 1] == prompt  # llama.cpp adds <bos>: twice would be 2 BOS tokens
+    assert extra["prompt_tokens_ours"] == len(prompt) + 1  # counted with the BOS, as llama.cpp counts
+    _, _, _, extra = anyio.run(modes["llamacpp_q4_k_m"], [ord("x"), 2], 8)  # a BOS later on stays
+    args = (tmp_path / "args.txt").read_text().split("\n")
+    assert args[args.index("-p") + 1] == "x<bos>"
+
+
+def test_the_speculative_echo_with_its_bos_is_not_generated_text(tmp_path):
+    """llama-speculative-simple prints the prompt as it tokenized it, the BOS it added first."""
+    bin_dir = _fake_tools(tmp_path)
+    (tmp_path / "spec.txt").write_text(SPECULATIVE_LOG)
+    tool = bin_dir / "llama-speculative-simple"
+    tool.write_text(f'#!/bin/sh\ncat "{tmp_path}/spec.txt" >&2\nprintf "\\n<bos>Kyoto is{TEXT}\\n\\n"\n')
+    tool.chmod(0o755)
+    gguf = tmp_path / "gemma-3-270m.F32.gguf"
+    gguf.write_bytes(b"GGUF")
+    modes, _ = llamacpp_modes(bin_dir, str(gguf), str(gguf), _BosCodec(), threads=2, ctx_size=512)
+    ids, _, _, extra = anyio.run(modes["llamacpp_f32_spec"], [2, *map(ord, "Kyoto is")], 8)
+    assert extra["text"] == TEXT and ids == [ord(c) for c in TEXT]
+
+
+def test_default_files_are_the_source_and_its_f32_q8_0(tmp_path, monkeypatch):
+    """A Q4_K_M source (Gemma 3 270M's) is a mode itself, next to the F32 / Q8_0 made from it."""
+    monkeypatch.setenv("SPECDEC_RT_CACHE", str(tmp_path / "cache"))
+    bin_dir = _fake_tools(tmp_path)
+    quantize = bin_dir / "llama-quantize"  # copies its input and records the conversion
+    quantize.write_text(f'#!/bin/sh\ncp "$2" "$3"\necho "$2 $3 $4" >> "{tmp_path}/quantize.txt"\n')
+    quantize.chmod(0o755)
+    downloads = tmp_path / "cache" / "downloads"
+    downloads.mkdir(parents=True)
+    (downloads / "gemma-3-270m-q4_k_m.gguf").write_bytes(b"GGUF")
+    manifest = type("M", (), {"raw": {"source": {"file": "gemma-3-270m-q4_k_m.gguf"}}})()
+    said: list[str] = []
+    files = resolve_ggufs(None, find_tools(bin_dir), manifest, said.append)
+    assert list(files) == ["f32", "q8_0", "q4_k_m"]
+    assert files["q4_k_m"] == downloads / "gemma-3-270m-q4_k_m.gguf"
+    made = [line.split() for line in (tmp_path / "quantize.txt").read_text().splitlines()]
+    assert [(src, q) for src, _, q in made] == [(str(files["q4_k_m"]), "F32"), (str(files["f32"]), "Q8_0")]
+    assert all(f.is_file() for f in files.values()) and len(said) == 2
+    resolve_ggufs(None, find_tools(bin_dir), manifest, said.append)
+    assert len(said) == 2  # made once

@@ -12,8 +12,13 @@ so is its sampling time (~0.2 ms a token, in the report), which ours includes.
 
 With ``--llama-draft FILE`` and ``llama-speculative-simple`` (or ``llama-speculative``) in the bin
 folder, ``llamacpp_<quant>_spec`` adds llama.cpp's speculative decoding (its default draft
-settings) of the first target with that draft. Without ``--llama-gguf``, F32 / Q8_0 / Q4_1 files are
-made once with ``llama-quantize`` from the model's source GGUF (the file its manifest names).
+settings) of the first target with that draft. Without ``--llama-gguf``, the modes are the model's
+source GGUF (the file its manifest names: SmolLM2's Q4_1, Gemma 3 270M's Q4_K_M) and F32 / Q8_0 files
+made from it once with ``llama-quantize``.
+
+A model whose tokenizer adds a BOS to plain text (Gemma's ``<bos>``) has it first in our prompt ids;
+llama.cpp adds its own (the GGUF's ``add_bos_token``, which our manifest copies), so the prompt text
+leaves ours out and both count the same tokens (``prompt_tokens_match`` in the report).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ _DECODED = re.compile(rf"decoded\s+(\d+) tokens in\s+{_NUM} seconds")
 _COUNT = re.compile(r"\b(n_drafted|n_accept)\s*=\s*(\d+)")
 COMPLETION_TOOLS = ("llama-completion", "llama-cli")  # older trees: llama-cli is the plain one
 SPECULATIVE_TOOLS = ("llama-speculative-simple", "llama-speculative")
-DEFAULT_QUANTS = ("F32", "Q8_0", "Q4_1")
+DEFAULT_QUANTS = ("F32", "Q8_0")  # made from the source GGUF, which is a mode too
 
 
 @dataclass
@@ -143,7 +148,7 @@ def quant_label(path: Path) -> str:
 
 def resolve_ggufs(spec: str | None, tools: dict[str, Path], manifest=None, say=print) -> dict[str, Path]:
     """``label -> file`` from ``--llama-gguf`` (comma-separated files, or a folder of ``*.gguf``);
-    without it, F32 / Q8_0 / Q4_1 files made from the model's source GGUF (once, cached)."""
+    without it, F32 / Q8_0 files made from the model's source GGUF (once, cached) and the source."""
     if spec:
         files: list[Path] = []
         for part in (s.strip() for s in spec.split(",") if s.strip()):
@@ -183,7 +188,8 @@ def _default_ggufs(tools: dict[str, Path], manifest, say) -> dict[str, Path]:
     folder = cache_root() / "llama.cpp" / "gguf"
     folder.mkdir(parents=True, exist_ok=True)
     base = source.name[:-5].rsplit(".", 1)[0]
-    out: dict[str, Path] = {quant_label(source): source}  # the source itself (SmolLM2's: Q4_1)
+    own = quant_label(source)
+    out: dict[str, Path] = {own: source}  # the source itself (SmolLM2's Q4_1, Gemma 3 270M's Q4_K_M)
     for q in DEFAULT_QUANTS:  # F32 = the dequantized weights our runtime uses; Q8_0 from F32
         dst, src = folder / f"{base}.{q}.gguf", out.get("f32", source)
         if q.lower() in out:
@@ -198,7 +204,7 @@ def _default_ggufs(tools: dict[str, Path], manifest, say) -> dict[str, Path]:
                 raise SpecDecError(f"llama-quantize {q} failed: {_tail(proc.stderr)}")
             tmp.replace(dst)
         out[q.lower()] = dst
-    return {q.lower(): out[q.lower()] for q in DEFAULT_QUANTS if q.lower() in out}
+    return {**{q.lower(): out[q.lower()] for q in DEFAULT_QUANTS}, own: source}
 
 
 def _exit_words(code: int) -> str:
@@ -241,7 +247,10 @@ def llamacpp_modes(
 
     def runner(cmd: list[str], spec: bool):
         async def run(ids, n):
-            prompt = codec.tokenizer.decode(list(ids), skip_special_tokens=False)
+            text_ids = list(ids)
+            if getattr(codec, "add_bos", False) and text_ids and text_ids[0] == codec.bos_id:
+                text_ids = text_ids[1:]  # llama.cpp adds the BOS itself, as the GGUF says
+            prompt = codec.tokenizer.decode(text_ids, skip_special_tokens=False)
             proc = await anyio.run_process(
                 [*cmd, "-p", prompt, "-n", str(n), *common], check=False, stdin=subprocess.DEVNULL
             )
@@ -249,7 +258,9 @@ def llamacpp_modes(
             if proc.returncode != 0:
                 raise SpecDecError(f"{Path(cmd[0]).name} {_exit_words(proc.returncode)}: {_tail(err)}")
             t = parse_speculative(out + err) if spec else parse_completion(err + out)
-            text = _generated_text(out, prompt if spec else None)
+            # the speculative tools echo the prompt as they tokenized it: with the BOS they added
+            echo = codec.tokenizer.decode(list(ids), skip_special_tokens=False)
+            text = _generated_text(out, echo if spec else None)
             new = codec.tokenizer.encode(text, add_special_tokens=False).ids
             return (
                 new,
