@@ -351,7 +351,8 @@ async def one_chat(
     except openai.APIStatusError as exc:
         s.status, s.error = ERROR, f"HTTP {exc.status_code}: {exc.message}"
     except Exception as exc:  # noqa: BLE001 - a stream cut off mid-way raises its HTTP library's errors
-        s.status, s.error = ERROR, f"{type(exc).__name__}: {exc}"
+        cause = f" ({type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ is not None else ""
+        s.status, s.error = ERROR, f"{type(exc).__name__}: {exc}{cause}"
     s.e2e = time.perf_counter() - t0
     return s, None
 
@@ -450,12 +451,19 @@ async def _main(args, llama_command: LlamaCommand | None) -> int:
         for srv in servers.values():
             await srv.ready(STARTUP_TIMEOUT_S)
         said = ours.lines()[:STARTUP_LOG_LINES]  # what it printed until it was ready: what it loaded
-        # the openai package's own HTTP client (its HTTP library), without proxies from the environment
+        # the openai package's own HTTP client (its HTTP library), without proxies from the environment;
+        # "Connection: close": a new loopback connection per request, never one the server has just
+        # closed for idling (llama-server does after a few seconds: an instant connection error)
         http = openai.DefaultAsyncHttpxClient(trust_env=False, timeout=REQUEST_TIMEOUT_S)
         async with http:
             clients = {
                 name: openai.AsyncOpenAI(
-                    base_url=f"{srv.url}/v1", api_key=key, max_retries=0, timeout=REQUEST_TIMEOUT_S, http_client=http
+                    base_url=f"{srv.url}/v1",
+                    api_key=key,
+                    max_retries=0,
+                    timeout=REQUEST_TIMEOUT_S,
+                    http_client=http,
+                    default_headers={"Connection": "close"},
                 )
                 for name, srv in servers.items()
             }
