@@ -229,7 +229,9 @@ class Engine:
 
             check_load_args(name_or_path, draft, max_length, threads, spec_config)  # before a minute of tuning
             check_int(slots, "slots", 1, MAX_SLOTS, numpy=False)
-            tuned = await choose(name_or_path, threads=threads, slots=slots, provider=provider, max_length=max_length)
+            tuned = await choose(
+                name_or_path, cls.load, threads=threads, slots=slots, provider=provider, max_length=max_length
+            )
             precision, chosen_by = tuned.precision, tuned.chosen_by
             draft = tuned.draft if draft is None else draft
         engine = await anyio.to_thread.run_sync(

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,7 @@ MAX_MODEL_DRAFTS = 1  # draft models measured per target: the manifest's first c
 AT_ONCE = 4  # requests at once in the "several" measurement (or slots, if fewer)
 
 Say = Callable[[str], None]
+Load = Callable[..., Awaitable[Any]]  # Engine.load
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ def _stderr_or_log(say: Say | None) -> Say:
 
 async def measure(
     folder,
+    load: Load,
     *,
     threads: int | None = None,
     slots: int = 8,
@@ -139,9 +141,9 @@ async def measure(
     say: Say | None = None,
 ) -> TuneResult:
     """Measure every configuration of ``folder`` (see the module's docstring) and pick the
-    winner. ``say``: progress lines (default: the ``specdec_rt.engine.tune`` logger, info)."""
-    from .engine import Engine  # (the engine module imports this one lazily)
-
+    winner. ``load``: :meth:`Engine.load <specdec_rt.engine.engine.Engine.load>` (passed in:
+    the engine imports this module). ``say``: progress lines (default: the
+    ``specdec_rt.engine.tune`` logger, info)."""
     say = _stderr_or_log(say)
     t0 = time.perf_counter()
     home = await anyio.to_thread.run_sync(home_manifest, folder)  # (reads files: off the event loop)
@@ -157,7 +159,7 @@ async def measure(
     try:
         for key in dict.fromkeys(c.engine for c in configs):  # one engine per (target, draft loaded)
             try:
-                engines[key] = await Engine.load(
+                engines[key] = await load(
                     home.folder,
                     draft=key[1],
                     precision=key[0],
@@ -248,6 +250,7 @@ def pick(rows: list[TuneRow]) -> int | None:
 
 async def choose(
     name_or_path,
+    load: Load,
     *,
     threads: int | None = None,
     slots: int = 8,
@@ -258,7 +261,8 @@ async def choose(
 ) -> Tuned:
     """The fastest exact configuration of a folder on this machine: read from the tune cache
     when it holds one for this key (:func:`~specdec_rt.engine.tune_cache.tune_key`), else
-    measured now (:func:`measure`) and stored; ``force``: measure even so. Raises
+    measured now (:func:`measure`, with ``load``, ``Engine.load``) and stored; ``force``:
+    measure even so. Raises
     :class:`SpecDecError` when no configuration could be measured."""
 
     def look():  # (reads and hashes files: off the event loop)
@@ -270,7 +274,9 @@ async def choose(
     home, key, offered, cached = await anyio.to_thread.run_sync(look)
     if cached is not None and cached.best is not None and cached.best.precision in offered:
         return Tuned(cached.best.precision, cached.best.draft, "cached", cached)
-    result = await measure(home.folder, threads=threads, slots=slots, provider=provider, max_length=max_length, say=say)
+    result = await measure(
+        home.folder, load, threads=threads, slots=slots, provider=provider, max_length=max_length, say=say
+    )
     best = result.best
     if best is None:
         raise SpecDecError(f"{home.folder}: no configuration could be measured (see the tune table's notes)")

@@ -65,6 +65,7 @@ def format_table(result) -> str:
 
 def run_tune(args) -> int:
     """Measure (or show the cached result), print the table (``--json``: one document)."""
+    from ..engine.engine import Engine
     from ..engine.factory import home_manifest, pick_target
     from ..engine.loading import ensure_built
     from ..engine.tune import choose
@@ -74,7 +75,13 @@ def run_tune(args) -> int:
 
     async def go():
         return await choose(
-            folder, threads=args.threads, slots=args.slots, provider=args.provider, force=args.force, say=_say
+            folder,
+            Engine.load,
+            threads=args.threads,
+            slots=args.slots,
+            provider=args.provider,
+            force=args.force,
+            say=_say,
         )
 
     tuned = anyio.run(go)

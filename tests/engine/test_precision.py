@@ -130,7 +130,7 @@ class FakeMeasure:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def __call__(self, folder, **kw) -> TuneResult:
+    async def __call__(self, folder, load, **kw) -> TuneResult:
         self.calls += 1
         rows = fake_rows()
         return TuneResult(rows, tune.pick(rows), rounds=1, seconds=0.1)
@@ -168,7 +168,7 @@ def test_a_changed_key_measures_again(tiny_llama, cache, monkeypatch):
     fake = FakeMeasure()
     monkeypatch.setattr(tune, "measure", fake)
     load(tiny_llama, precision="auto")
-    anyio.run(lambda: tune.choose(tiny_llama, threads=1, slots=3))  # another slot count: another key
+    anyio.run(lambda: tune.choose(tiny_llama, Engine.load, threads=1, slots=3))  # another slot count: another key
     assert fake.calls == 2 and len(list(cache.glob("*.json"))) == 2
     home = home_manifest(tiny_llama)
     key = tune_key(home, threads=1, slots=2, provider="auto")
@@ -265,7 +265,9 @@ def test_the_real_measurement_on_a_tiny_model(tiny_llama):
     ]
     said: list[str] = []
     result = anyio.run(
-        lambda: tune.measure(tiny_llama, threads=1, slots=2, tokens=8, prompts=tune.TUNE_PROMPTS[:2], say=said.append)
+        lambda: tune.measure(
+            tiny_llama, Engine.load, threads=1, slots=2, tokens=8, prompts=tune.TUNE_PROMPTS[:2], say=said.append
+        )
     )
     assert [(r.precision, r.draft) for r in result.rows] == [(c.precision, c.draft) for c in configs]
     assert all(r.exact and r.tok_s_1 > 0 and r.tok_s_c > 0 and r.concurrency == 2 for r in result.rows), result.rows
