@@ -149,6 +149,8 @@ async def measure(
     home = await anyio.to_thread.run_sync(home_manifest, folder)  # (reads files: off the event loop)
     configs = await anyio.to_thread.run_sync(configs_for, home)
     at_once = max(1, min(AT_ONCE, slots, len(prompts)))
+    length = min(max_length or TUNE_MAX_LENGTH, TUNE_MAX_LENGTH)
+    tokens = max(1, min(tokens, length // 2))  # a short context keeps room for the prompt
     samples = {c: _Samples() for c in configs}
     engines: dict[tuple[str, str], Any] = {}
     chat = [[{"role": "user", "content": p}] for p in prompts]
@@ -166,7 +168,7 @@ async def measure(
                     threads=threads,
                     provider=provider,
                     slots=slots,
-                    max_length=min(max_length or TUNE_MAX_LENGTH, TUNE_MAX_LENGTH),
+                    max_length=length,
                     prefix_cache=False,  # rounds repeat prompts: each must be computed
                     warmup=False,
                 )
@@ -181,29 +183,38 @@ async def measure(
         rounds = 0
         for r in range(len(prompts)):
             start = time.perf_counter()
+            live = [c for c in live if not samples[c].failed]
             order = live[r % len(live) :] + live[: r % len(live)] if live else []
             plain: dict[tuple[str, bool], list] = {}  # (precision, several) -> plain decoding's ids
             for several in (False, True):
                 for c in sorted(order, key=lambda c: c.mode != "ar"):  # plain first: the reference
                     group = [chat[(r + i) % len(chat)] for i in range(at_once)] if several else [chat[r]]
-                    took = time.perf_counter()
-                    results = await asyncio.gather(
-                        *[
-                            engines[c.engine].generate(
-                                g, max_new_tokens=tokens, mode=c.mode, ignore_eos=True, truncate_prompt=True
-                            )
-                            for g in group
-                        ]
-                    )
-                    took = time.perf_counter() - took
                     s = samples[c]
+                    if s.failed:
+                        continue
+                    took = time.perf_counter()
+                    try:
+                        results = await asyncio.gather(
+                            *[
+                                engines[c.engine].generate(
+                                    g, max_new_tokens=tokens, mode=c.mode, ignore_eos=True, truncate_prompt=True
+                                )
+                                for g in group
+                            ]
+                        )
+                    except SpecDecError as exc:  # left out, reported; the others go on
+                        s.failed = f"failed: {type(exc).__name__}: {exc}"[:280]
+                        continue
+                    took = time.perf_counter() - took
                     (s.many if several else s.one).append(sum(x.stats.new_tokens for x in results) / took)
                     s.drafted += sum(x.stats.drafted for x in results)
                     s.accepted += sum(x.stats.accepted for x in results)
                     ids = [list(x.token_ids) for x in results]
                     if c.mode == "ar":
                         plain[(c.precision, several)] = ids
-                    elif ids != plain.get((c.precision, several)) and not s.mismatch:
+                    elif (c.precision, several) not in plain:
+                        s.failed = "plain decoding of its target failed: nothing to check it against"
+                    elif ids != plain[(c.precision, several)] and not s.mismatch:
                         s.mismatch = f"differs from plain decoding on prompt {r + 1}" + (
                             " (batched)" if several else ""
                         )

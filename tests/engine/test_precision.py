@@ -274,3 +274,41 @@ def test_the_real_measurement_on_a_tiny_model(tiny_llama):
     assert result.rows[0].acceptance > 0 and result.rows[2].acceptance == 0
     assert result.chosen == tune.pick(result.rows) and result.rounds >= 1
     assert any("round 1/2" in line for line in said)
+
+
+def test_a_config_that_leaves_plain_decoding_or_fails_is_left_out(tiny_llama):
+    """A drafter whose output differs from plain decoding's (here: forged) is disqualified and
+    named; one that fails is left out too; the rest are measured and one of them chosen."""
+    import dataclasses
+
+    from specdec_rt.errors import InferenceError
+
+    async def load(folder, **kw):
+        engine = await Engine.load(folder, **kw)
+        generate = engine.generate
+
+        async def forged(prompt, *args, **req):
+            r = await generate(prompt, *args, **req)
+            if req.get("mode") == "spec" and kw["precision"] == "int4":
+                return dataclasses.replace(r, token_ids=[*r.token_ids[:-1], r.token_ids[-1] + 1])
+            if req.get("mode") == "spec" and kw["draft"] == "ngram":
+                raise InferenceError("the model broke")
+            return r
+
+        engine.generate = forged
+        return engine
+
+    said: list[str] = []
+    result = anyio.run(
+        lambda: tune.measure(
+            tiny_llama, load, threads=1, slots=2, tokens=6, prompts=tune.TUNE_PROMPTS[:2], say=said.append
+        )
+    )
+    rows = {(r.precision, r.draft): r for r in result.rows}
+    assert (
+        not rows[("int4", "ngram")].exact and "differs from plain decoding on prompt 1" in rows[("int4", "ngram")].note
+    )
+    assert not rows[("float32", "ngram")].exact and "the model broke" in rows[("float32", "ngram")].note
+    assert rows[("float32", "ngram+q4")].exact and rows[("float32", "none")].exact and rows[("int4", "none")].exact
+    assert result.best is not None and result.best.exact
+    assert any(line.startswith("left out: int4 ngram: differs") for line in said)
