@@ -217,7 +217,8 @@ class Engine:
         ``"exported"`` (default: the folder's own), ``"float32"`` / ``"int8"`` / ``"int4"`` (a
         quantized copy among its drafts, loaded as the target; an error names what the folder
         offers), or ``"auto"``: the fastest exact configuration on this machine, target and
-        draft, measured on first use (about a minute on the default model, progress on stderr)
+        draft, measured on first use (about a minute on the default model; progress goes to the
+        ``specdec_rt.engine.tune`` logger at info level, which ``serve`` shows on stderr)
         and cached in ``~/.cache/specdec-rt/tune/`` (:mod:`specdec_rt.engine.tune`); an explicit
         ``draft`` wins over the tuned one. :attr:`choice` says what was chosen and how.
         """

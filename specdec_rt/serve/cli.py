@@ -88,10 +88,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--precision",
         choices=["auto", "exported", "float32", "int8", "int4"],
-        default="auto",
+        default=None,
         help="which of the model folder's targets runs: 'auto' (default) the fastest exact one "
         "with its draft, measured on this machine on first start (about a minute) and cached "
-        "(python -m specdec_rt tune shows the table); 'exported' the folder's own; or pinned",
+        "(python -m specdec_rt tune shows the table); 'exported' the folder's own (the default "
+        "with --ray); or pinned",
     )
     p.add_argument("--no-build", action="store_true", help="fail instead of building a missing recipe")
     p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
@@ -313,7 +314,7 @@ def run_serve(args) -> int:
             prefix_cache=args.prefix_cache,
             prefix_cache_bytes=args.prefix_cache_bytes,
             consumer_timeout=args.consumer_timeout or None,
-            precision=args.precision,
+            precision=args.precision or "auto",
         )
         _say_loaded(name, engine)
         return engine
@@ -451,7 +452,8 @@ def run_ray_serve(args, access) -> int:
         prefix_cache=args.prefix_cache,
         prefix_cache_bytes=args.prefix_cache_bytes,
         threads=args.threads,
-        precision=args.precision,
+        # not auto unless asked: replicas starting together on one node would each measure, at once
+        precision=args.precision or "exported",
         model_name=args.served_model_name or Path(str(args.model)).name,
         replicas=args.replicas,
         cpus_per_replica=args.cpus_per_replica,

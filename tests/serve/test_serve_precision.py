@@ -68,7 +68,7 @@ def test_auto_is_the_default_tunes_once_and_tune_reads_it(tiny_llama, tmp_path):
     """``serve`` without --precision measures (its progress on stderr) and stores the choice;
     ``tune`` with the same settings then shows it from the cache."""
     cache = tmp_path / "cache"
-    run = start_serve(tiny_llama, "--precision", "auto", env={"SPECDEC_RT_CACHE": str(cache)})  # (the default)
+    run = start_serve(tiny_llama, "--precision", "auto", env={"SPECDEC_RT_CACHE": str(cache)})  # serve's default
     try:
         entry = anyio.run(_models_when_ready, run.url)
         log = run.stop()
