@@ -79,6 +79,7 @@ class GenParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     mode: Mode = "spec"
+    mode_given: bool = False  # the body named a mode (else an engine without a draft decodes plainly)
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices
@@ -165,7 +166,7 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
     mode = body.get("mode", "spec")
     if mode not in ("spec", "ar"):
         raise _bad("mode", f"mode must be 'spec' or 'ar', got {brief_repr(mode)}")
-    p.mode = mode
+    p.mode, p.mode_given = mode, "mode" in body
     p.stream = _bool(body, "stream")
     p.ignore_eos = _bool(body, "ignore_eos")
     if body.get("min_tokens") is not None:

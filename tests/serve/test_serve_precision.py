@@ -106,3 +106,22 @@ def test_serve_refuses_an_unknown_precision_before_loading(tiny_llama):
     )
     assert proc.returncode == 2 and "--precision" in proc.stderr and "'fp8'" in proc.stderr, proc.stderr
     assert "listening" not in proc.stderr
+
+
+def test_a_server_without_a_draft_decodes_plainly_unless_asked_to_speculate(tiny_llama):
+    """``--precision auto`` may choose plain decoding (draft none): requests that name no mode
+    are answered plainly; one that asks for ``spec`` is still refused, naming ``mode``."""
+    chat = [{"role": "user", "content": "Hi there"}]
+
+    async def go():
+        async with await Engine.load(tiny_llama, draft="none", threads=1, slots=1, warmup=False) as engine:
+            want = (await engine.generate(chat, 8, mode="ar")).text
+            async with client(create_app(engine)) as c:
+                body = {"messages": chat, "max_tokens": 8, "temperature": 0}
+                plain = await c.post("/v1/chat/completions", json=body)
+                spec = await c.post("/v1/chat/completions", json={**body, "mode": "spec"})
+        return want, plain, spec
+
+    want, plain, spec = anyio.run(go)
+    assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["content"] == want
+    assert spec.status_code == 400 and spec.json()["error"]["param"] == "mode"
