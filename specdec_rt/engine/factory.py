@@ -118,8 +118,7 @@ def _weight_bytes(m: Manifest) -> int:
 def target_candidates(home: Manifest) -> list[TargetCandidate]:
     """The folder's own target first, then each draft that is a quantized copy of the same model
     (same architecture and tokenizer; not an EAGLE head) and of a precision not offered yet."""
-    weights, acts = _precision(home)
-    found = [TargetCandidate(weights, acts, home, None, _weight_bytes(home))]
+    found = [_own(home)]
     for d in home.drafts:
         try:
             dm = load_manifest(home.path(d["path"], "drafts.path"))
@@ -138,12 +137,17 @@ def target_candidates(home: Manifest) -> list[TargetCandidate]:
     return found
 
 
+def _own(home: Manifest) -> TargetCandidate:
+    weights, acts = _precision(home)
+    return TargetCandidate(weights, acts, home, None, _weight_bytes(home))
+
+
 def pick_target(home: Manifest, precision: str) -> TargetCandidate:
     """The candidate target of ``precision`` (``"exported"``: the folder's own target); else an
     :class:`InvalidInputError` naming the value and what the folder offers."""
-    found = target_candidates(home)
     if precision == "exported":
-        return found[0]
+        return _own(home)  # (its drafts' folders are not read for it)
+    found = target_candidates(home)
     for c in found:  # (a folder's own target may be of a precision no one pins, float16: tune names it)
         if c.precision == precision:
             return c
