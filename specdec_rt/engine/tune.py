@@ -22,7 +22,8 @@ Rounds go on while the time budget (:data:`TUNE_BUDGET_S`) allows, at least one.
 configuration's rates are the medians over rounds; its greedy output must equal plain decoding's
 of the same target, token for token, on every prompt, one stream and several alike, or it is
 disqualified (and reported). The winner: the highest geometric mean of the two rates
-(:attr:`~specdec_rt.engine.tune_cache.TuneRow.score`) among exact configurations.
+(:attr:`~specdec_rt.engine.tune_cache.TuneRow.score`) among exact configurations, except that
+a less precise target must beat a more precise one by more than :data:`PICK_MARGIN` (:func:`pick`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ TUNE_BUDGET_S = 40.0  # measuring, after the loads: rounds stop once the next wo
 TUNE_MAX_LENGTH = 512  # KV per request in the tuning engines: a prompt and its tokens fit
 MAX_MODEL_DRAFTS = 1  # draft models measured per target: the manifest's first cheap enough one
 AT_ONCE = 4  # requests at once in the "several" measurement (or slots, if fewer)
+PICK_MARGIN = 0.05  # a less precise target must score more than 5% above a more precise one
 
 Say = Callable[[str], None]
 Load = Callable[..., Awaitable[Any]]  # Engine.load
@@ -250,13 +252,22 @@ def _row(c: Config, s: _Samples, at_once: int) -> TuneRow:
 
 
 def pick(rows: list[TuneRow]) -> int | None:
-    """The index of the exact row with the highest score (the first on a tie: the folder's own
-    target comes first), or None when no row is exact."""
-    best = None
-    for i, row in enumerate(rows):
-        if row.exact and (best is None or row.score > rows[best].score):
-            best = i
-    return best
+    """The index of the winning row, or None when no row is exact: among exact rows, the first
+    precision (in the rows' order: the folder's own target first, then its copies as listed)
+    whose best score is within :data:`PICK_MARGIN` of the best of all, and its best row (the
+    first on a tie). A copy that is barely faster does not displace a more precise target: a
+    round or two on a busy machine cannot tell them apart, and the more precise one is closer
+    to the float32 weights."""
+    exact = [i for i, row in enumerate(rows) if row.exact]
+    if not exact:
+        return None
+    top = max(rows[i].score for i in exact)
+    for precision in dict.fromkeys(rows[i].precision for i in exact):
+        mine = [i for i in exact if rows[i].precision == precision]
+        best = max(mine, key=lambda i: (rows[i].score, -i))
+        if rows[best].score >= (1 - PICK_MARGIN) * top:
+            return best
+    return None  # (unreachable: the top row's precision qualifies)
 
 
 async def choose(

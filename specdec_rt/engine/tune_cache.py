@@ -46,7 +46,7 @@ __all__ = [
 
 log = get_logger("specdec_rt.engine.tune")
 
-TUNE_VERSION = 1  # the measurement's procedure: a change re-measures every cached choice
+TUNE_VERSION = 2  # the measurement's procedure and rule: a change re-measures every cached choice
 MAX_CACHE_BYTES = 64 * 1024
 MAX_ROWS = 64
 MAX_CACHE_FILES = 64  # results kept in the folder (the oldest go first)
@@ -108,7 +108,10 @@ class TuneResult:
     chosen: int | None
     rounds: int = 0
     seconds: float = 0.0
-    rule: str = "highest geometric mean of tok/s with one stream and with several at once, among exact configurations"
+    rule: str = (
+        "highest geometric mean of tok/s with one stream and with several at once, among exact "
+        "configurations; a less precise target must beat a more precise one by more than 5%"
+    )
     key: dict = field(default_factory=dict)
 
     @property

@@ -19,6 +19,7 @@ from specdec_rt.engine import tune
 from specdec_rt.engine.factory import home_manifest, target_candidates
 from specdec_rt.engine.tune_cache import (
     MAX_CACHE_BYTES,
+    TUNE_VERSION,
     TuneResult,
     TuneRow,
     cache_path,
@@ -143,6 +144,15 @@ def test_pick_takes_the_best_exact_row():
     assert tune.pick([TuneRow("int8", "none", 1, 1, 1, 0, False)]) is None
     tie = [TuneRow("float32", "none", 4, 4, 1, 0, True), TuneRow("int8", "none", 4, 4, 1, 0, True)]
     assert tune.pick(tie) == 0  # the folder's own target first
+    near = [
+        TuneRow("float32", "ngram", 9, 9, 1, 0, True),
+        TuneRow("float32", "none", 9.6, 9.6, 1, 0, True),
+        TuneRow("int8", "none", 10, 10, 1, 0, True),
+        TuneRow("int4", "none", 10.4, 10.4, 1, 0, False),  # the fastest, not exact
+    ]
+    assert tune.pick(near) == 1  # int8 is < 5% faster than float32's best: float32, its faster row
+    near[2] = TuneRow("int8", "none", 10.2, 10.2, 1, 0, True)
+    assert tune.pick(near) == 2  # > 5%: int8
 
 
 def test_auto_measures_once_then_reads_the_cache(tiny_llama, cache, monkeypatch):
@@ -214,7 +224,7 @@ def valid(key) -> dict:
 @pytest.mark.parametrize(
     "change",
     [
-        lambda d: d.update(version=2),
+        lambda d: d.update(version=TUNE_VERSION + 1),
         lambda d: d.update(chosen=2),  # a row that is not exact
         lambda d: d.update(chosen=9),
         lambda d: d.update(chosen=True),
