@@ -10,7 +10,8 @@ lookup (``"ngram"``) and n-gram lookup with the first :data:`MAX_MODEL_DRAFTS` d
 read at most half the target's weight bytes (``"ngram+q8"``;
 :func:`~specdec_rt.engine.factory.cheaper_drafts`): every engine loaded as ``Engine.load``
 would load it (with a shorter warm-up), then :data:`TUNE_PROMPTS` (fixed chat
-prompts, :data:`TUNE_TOKENS` greedy tokens each, end of sequence ignored) in rounds, the
+prompts; plain text to a model without a chat template, as Gemma 3 270M's base model;
+:data:`TUNE_TOKENS` greedy tokens each, end of sequence ignored) in rounds, the
 configurations interleaved within each round (in an order that rotates) so that a machine that
 slows down or speeds up meanwhile weighs on all alike:
 
@@ -155,7 +156,7 @@ async def measure(
     tokens = max(1, min(tokens, length // 2))  # a short context keeps room for the prompt
     samples = {c: _Samples() for c in configs}
     engines: dict[tuple[str, str], Any] = {}
-    chat = [[{"role": "user", "content": p}] for p in prompts]
+    chat: list[Any] = [[{"role": "user", "content": p}] for p in prompts]
     say(
         f"tuning {home.name} on this machine (once per machine, model and settings): "
         f"{len(configs)} configurations, {len({c.engine for c in configs})} engines"
@@ -180,6 +181,8 @@ async def measure(
                     if c.engine == key:
                         samples[c].failed = f"did not load: {exc}"[:280]
         live = [c for c in configs if c.engine in engines]
+        if any(getattr(getattr(e, "codec", None), "chat_template", "") is None for e in engines.values()):
+            chat = list(prompts)  # no chat template (a base model: Gemma 3 270M): the prompts as plain text
         loaded = time.perf_counter()
         say(f"loaded in {loaded - t0:.1f} s; measuring {len(live)} configurations for at most {budget_s:.0f} s")
         rounds = 0
