@@ -45,6 +45,7 @@ __all__ = [
     "home_manifest",
     "runtime_facts",
     "cache_root",
+    "as_target",
     "resolve_draft_spec",
     "model_drafter",
     "make_drafter",
@@ -137,9 +138,16 @@ def target_candidates(home: Manifest) -> list[TargetCandidate]:
     return found
 
 
+def as_target(m: Manifest) -> Manifest:
+    """``m`` as loaded to serve as a target: a draft folder loaded as the model (``--model
+    .../draft-q8``) gets a target's exactness measures too (``OrtModel.lone_twice`` /
+    ``pad_lone`` key on ``role``)."""
+    return m if m.role == "target" else replace(m, role="target")
+
+
 def _own(home: Manifest) -> TargetCandidate:
     weights, acts = _precision(home)
-    return TargetCandidate(weights, acts, home, None, _weight_bytes(home))
+    return TargetCandidate(weights, acts, as_target(home), None, _weight_bytes(home))
 
 
 def pick_target(home: Manifest, precision: str) -> TargetCandidate:

@@ -16,7 +16,7 @@ import pytest
 
 from specdec_rt import Engine
 from specdec_rt.engine import tune
-from specdec_rt.engine.factory import home_manifest, target_candidates
+from specdec_rt.engine.factory import as_target, home_manifest, target_candidates
 from specdec_rt.engine.tune_cache import (
     MAX_CACHE_BYTES,
     TUNE_VERSION,
@@ -94,6 +94,17 @@ def test_a_pinned_precision_loads_that_model_as_the_target(tiny_llama):
     s.close()
     np.testing.assert_array_equal(got, own)
     assert not np.array_equal(got, float32)
+
+
+def test_a_draft_folder_loaded_as_the_model_is_a_target(tiny_llama):
+    """``--model .../draft-q4``: the folder says ``role: draft``, but it is the engine's target,
+    so it gets a quantized target's exactness measures (without them greedy speculation left
+    plain decoding on Gemma 3's int8 copy)."""
+    engine = load(tiny_llama / "draft-q4", draft="ngram")
+    assert engine.target.manifest.role == "target" and engine.target.lone_twice
+    assert engine.choice.exact_to == "greedy output is exact to the int4 target (int4 weights, int8 activations)"
+    m = home_manifest(tiny_llama)
+    assert as_target(m) is m
 
 
 def test_an_explicit_draft_wins(tiny_llama):

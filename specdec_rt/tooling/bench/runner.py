@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
 from ...drafters import CombinedDrafter, NgramDrafter
-from ...engine.factory import model_drafter, resolve_draft_spec
+from ...engine.factory import as_target, model_drafter, resolve_draft_spec
 from ...errors import InvalidInputError
 from ...ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
 from ...policy.config import SpecConfig
@@ -85,7 +85,7 @@ def build_our_modes(
     ``spec_ngram``, ``spec_<draft>`` per exported draft (and per folder in ``extra_drafts``, e.g.
     a ``train-draft`` output), ``spec_ngram+<draft>`` for the first draft and for EAGLE drafts;
     with a target that verifies trees, ``spec_tree`` and ``spec_<draft>_tree`` (draft trees)."""
-    m = load_manifest(folder)
+    m = as_target(load_manifest(folder))  # a draft folder as the model is a target here
     alone = not m.drafts and not extra_drafts  # no draft model beside it, as in an Engine
     target = OrtModel(m, max_length=max_length, threads=threads, slots=2, alone=alone)
     verifier = OrtTargetVerifier(target)
