@@ -113,6 +113,7 @@ class TextCodec:
         self._template = None
         self._plain = None  # a copy of the tokenizer that encodes special tokens as plain text
         self._kinds: frozenset[str] | None = None  # the decoder's step types (token_bytes)
+        self._byte_ids: frozenset[int] | None = None  # byte-fallback pieces (is_byte_piece)
         specials = {i: t for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special and t.content}
         self._special_ids = frozenset(specials)
         self._special_tokens = {i: t for i, t in specials.items()}
@@ -148,6 +149,16 @@ class TextCodec:
         if kinds & {"Metaspace", "Replace"}:
             piece = piece.replace("\u2581", " ")
         return piece.encode("utf-8", "replace")
+
+    def is_byte_piece(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a byte-fallback piece (``<0xC3>``) of a tokenizer whose decoder
+        reads a run of them as one byte string: such a run decodes as a whole (an invalid run
+        becomes one U+FFFD per piece), so a decoder must not cut text inside it."""
+        if self._byte_ids is None:
+            ids = (self.tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256))
+            fallback = "ByteFallback" in self._decoder_kinds()
+            self._byte_ids = frozenset(i for i in ids if i is not None) if fallback else frozenset()
+        return int(token_id) in self._byte_ids
 
     def is_special(self, token_id: int) -> bool:
         """Whether ``token_id`` is a special token (``decode`` leaves it out)."""
@@ -418,7 +429,8 @@ class IncrementalDecoder:
     """Turns a growing list of ids into text deltas that never split a UTF-8 character.
 
     Byte-level tokenizers can end a token in the middle of a multi-byte character; the decoded
-    text then ends in U+FFFD. Such a tail is held back until the next tokens complete it. Decoding
+    text then ends in U+FFFD. Such a tail is held back until the next tokens complete it; so is a
+    tail of byte-fallback pieces, whose run decodes as a whole (valid or not). Decoding
     restarts a few tokens back (``prefix_offset``) so that merges and leading spaces come out as
     in a full decode. The deltas concatenate to ``codec.decode(all ids)``.
     """
@@ -434,7 +446,8 @@ class IncrementalDecoder:
         self.ids.extend(int(i) for i in ids)
         before = self.codec.decode(self.ids[self._prefix : self._read])
         after = self.codec.decode(self.ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
+        held = after.endswith("\ufffd") or (bool(self.ids) and self.codec.is_byte_piece(self.ids[-1]))
+        if len(after) > len(before) and not held:
             self._prefix, self._read = self._read, len(self.ids)
             return after[len(before) :]
         return ""
