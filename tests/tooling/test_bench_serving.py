@@ -231,6 +231,7 @@ def test_end_to_end_against_two_real_servers(tiny_llama, capsys, tmp_path):
     assert any("listening on http://127.0.0.1:" in line for line in ours["startup_log"])
     assert ours["exit_status"] == 0 and report["servers"][LLAMA]["exit_status"] == 0
     assert (out / "serve.json").is_file() and (out / "serve.md").is_file()
+    assert report["machine"]["cpu"] and f"Machine: {report['machine']['cpu']}" in (out / "serve.md").read_text()
     if report["chart"]:
         assert Path(report["chart"]).stat().st_size > 0
 

@@ -180,7 +180,14 @@ async def run_modes(modes: dict[str, Runner], prompts: list[Prompt], n: int, rep
 
 
 def machine_info(threads: int) -> dict:
+    """What a report's figures depend on: the CPU (model name and the instruction-set flags
+    kernels choose from: every table names its machine), the platform, the threads."""
+    from ...engine.tune_cache import cpu_facts
+
+    facts = cpu_facts()
     return {
+        "cpu": facts["cpu"],
+        "isa": facts["isa"],
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),

@@ -169,6 +169,12 @@ def format_serving_table(report: dict) -> str:
     return "\n".join(rows)
 
 
+def _machine_line(machine: dict) -> str:
+    """``AMD EPYC, 2 CPUs (avx2, avx512_vnni, ...)``: the CPU every figure depends on."""
+    isa = ", ".join(machine.get("isa") or []) or "flags unknown"
+    return f"{machine.get('cpu') or machine.get('processor') or 'unknown CPU'}, {machine.get('cpus', '?')} CPUs ({isa})"
+
+
 def format_serving_markdown(report: dict) -> str:
     """Markdown: the settings, what each server loaded, one row per (level, server), the ratios."""
     s, srv = report["settings"], report["servers"]
@@ -178,6 +184,8 @@ def format_serving_markdown(report: dict) -> str:
         f"({llama.get('gguf') or 'command given'}), {s['requests']} requests per level, "
         f"max_tokens {s['max_new_tokens']}, greedy, {s['n_prompts']} prompts ({s['prompts']}), "
         f"{s['threads']} threads each; completion tokens from {s['token_count']}.",
+        "",
+        f"Machine: {_machine_line(report.get('machine') or {})}.",
         "",
         f"Our server: `{' '.join(ours.get('cmd', []))}`; GET /v1/models: "
         f"{', '.join(m.get('id', '?') for m in (ours.get('models') or {}).get('data', [])) or '-'}.",
