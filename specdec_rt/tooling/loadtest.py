@@ -160,6 +160,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
+    """Linux: the child gets SIGTERM when this process dies (no orphan after a kill -9)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class ServerProcess:
     """``python -m specdec_rt serve`` on a free loopback port, its output in ``log_path``;
     ``stop()`` sends SIGTERM (SIGKILL after ``grace_s``)."""
@@ -187,6 +197,10 @@ class ServerProcess:
 
     def start(self) -> None:
         _log(f"starting the server: {shlex.join(self.cmd[1:])} (output in {self.log_path})")
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """Start ``self.cmd``, its output into ``log_path``; on Linux it dies with this process."""
         self._log_file = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             self.cmd,
@@ -194,6 +208,7 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
 
     async def wait_ready(self, timeout_s: float) -> float:

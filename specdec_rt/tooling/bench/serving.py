@@ -32,9 +32,6 @@ end, on an error and on Ctrl-C; on Linux they also die with this process.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -215,16 +212,6 @@ def format_serving_markdown(report: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------- the servers
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
-    """Linux: the child gets SIGTERM when this process dies (no orphan after a kill -9)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 class _Server(ServerProcess):
     """A server process on a free loopback port (the load test's :class:`ServerProcess`, with any
     command line): ``start``, ``wait_ready`` (``GET /health``), ``stop`` (SIGTERM, then SIGKILL)."""
@@ -241,15 +228,7 @@ class _Server(ServerProcess):
 
     def start(self) -> None:
         log(f"starting {self.name}: {' '.join(self.cmd)} (output in {self.log_path})")
-        self._log_file = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.cmd,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-        )
+        self._spawn()
 
     async def ready(self, timeout_s: float) -> float:
         try:
