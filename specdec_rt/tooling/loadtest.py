@@ -454,9 +454,9 @@ async def _main(args, levels: list[int], modes: list[str]) -> int:
     return 1 if failed else 0
 
 
-async def _served_model(client, url: str) -> str:
-    """The first model id of ``GET /v1/models``, else ``"default"``; :class:`LoadTestError` when
-    nothing answers at ``url``."""
+async def _served_entry(client, url: str) -> dict:
+    """The first entry of ``GET /v1/models`` (``id``, and from our server ``draft``,
+    ``precision``...), else ``{}``; :class:`LoadTestError` when nothing answers at ``url``."""
     import httpx
 
     try:
@@ -467,9 +467,25 @@ async def _served_model(client, url: str) -> str:
             "(start it with: python -m specdec_rt serve, or use --model)"
         ) from None
     try:
-        return str(resp.json()["data"][0]["id"]) if resp.status_code == 200 else "default"
+        entry = resp.json()["data"][0] if resp.status_code == 200 else {}
     except (ValueError, KeyError, IndexError, TypeError):
-        return "default"
+        return {}
+    return entry if isinstance(entry, dict) else {}
+
+
+def _modes_for(modes: list[str], entry: dict) -> list[str]:
+    """``modes`` less ``spec`` when the server says it runs no draft (``draft: "none"``: what
+    ``serve``'s tuning may choose, or ``--draft none``), which refuses spec requests."""
+    if entry.get("draft") != "none" or "spec" not in modes:
+        return modes
+    left = [m for m in modes if m != "spec"]
+    if not left:
+        raise LoadTestError(
+            "the server runs no draft (GET /v1/models says draft 'none'), so it refuses spec requests; "
+            "start it with a draft (serve --precision exported, or --draft ...) or pass --modes ar"
+        )
+    _log("the server runs no draft (GET /v1/models: draft 'none'): spec mode left out")
+    return left
 
 
 async def _run_levels(url: str, levels: list[int], modes: list[str], prompts: list, args, httpx) -> dict:
@@ -483,7 +499,9 @@ async def _run_levels(url: str, levels: list[int], modes: list[str], prompts: li
     # trust_env=False: no proxy from the environment; redirects are not followed (loopback only)
     headers = {"Authorization": f"Bearer {key}"} if (key := api_key(args)) else None
     async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout, headers=headers) as client:
-        served = args.served_model or await _served_model(client, url)
+        entry = await _served_entry(client, url)
+        served = args.served_model or str(entry.get("id") or "default")
+        modes = _modes_for(modes, entry)
         for mode in modes if args.warmup else ():
             samples, _ = await run_phase(
                 client,

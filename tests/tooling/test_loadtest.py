@@ -458,6 +458,22 @@ def test_the_clients_send_the_api_key(how, capsys, tmp_path, monkeypatch):
     assert seen["auth"] and set(seen["auth"]) == {want}
 
 
+def test_a_server_without_a_draft_is_load_tested_in_ar_only(tiny_llama, capsys, tmp_path):
+    """A server whose (tuned or given) draft is none refuses spec requests: the load test reads
+    that from /v1/models and runs ar alone, saying so; --modes spec alone is one clear error."""
+    _needs_the_server()
+    args = ["loadtest", "--model", str(tiny_llama), "--concurrency", "1", "--requests", "2", "--max-tokens", "4"]
+    args += ["--server-arg=--draft none --precision exported", "--warmup", "0", "--json", "--out", str(tmp_path / "a")]
+    code = main(args)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "spec mode left out" in captured.err
+    phases = json.loads(captured.out)["phases"]
+    assert [p["mode"] for p in phases] == ["ar"] and phases[0]["ok"] == 2
+    code = main([*args[:-2], "--modes", "spec", "--out", str(tmp_path / "b")])
+    assert code != 0 and "refuses spec requests" in capsys.readouterr().err
+
+
 def test_duration_bound_stops_by_itself(capsys, tmp_path):
     pytest.importorskip("httpx")
     app, seen = _fake_openai_server()
@@ -515,6 +531,7 @@ def test_model_starts_the_real_server_and_stops_it(tiny_llama, capsys, tmp_path)
             "3",
             "--max-tokens",
             "8",
+            "--server-arg=--precision exported",  # its draft, not a tuned choice: both modes run
             "--json",
             "--out",
             str(out),
@@ -523,6 +540,7 @@ def test_model_starts_the_real_server_and_stops_it(tiny_llama, capsys, tmp_path)
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(captured.out)
+    assert [(p["concurrency"], p["mode"]) for p in report["phases"]] == [(1, "spec"), (1, "ar"), (2, "spec"), (2, "ar")]
     for p in report["phases"]:  # slots = max-queued = the highest concurrency: nothing refused
         assert (p["requests"], p["ok"], p["rejected_429"], p["errors"], p["usage_missing"]) == (3, 3, 0, 0, 0), p
         assert 0 < p["completion_tokens"] <= 3 * 8 and p["ttft_p50_ms"] > 0
