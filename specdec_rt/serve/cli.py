@@ -270,6 +270,32 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _options(args, access, folder) -> dict:
+    """The flags as :class:`~specdec_rt.serve.options.ServeOptions` fields (the precision aside:
+    its default differs under ``--ray``), one mapping for the local server and the replicas."""
+    from pathlib import Path
+
+    return dict(
+        model=str(folder),
+        draft=args.draft,
+        slots=args.slots,
+        max_queued=args.max_queued,
+        request_timeout=args.request_timeout or None,
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens,
+        max_length=args.max_length,
+        provider=args.provider,
+        prefix_cache=args.prefix_cache,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        threads=args.threads,
+        model_name=args.served_model_name or Path(str(args.model)).name,
+        consumer_timeout=args.consumer_timeout or None,
+        api_keys=access.api_keys,
+        allowed_hosts=access.allowed_hosts,
+        allowed_origins=access.allowed_origins,
+    )
+
+
 def run_serve(args) -> int:
     """Load the model (in the background: ``/health`` answers 503 meanwhile), serve until SIGTERM
     or SIGINT, then drain: new requests get 503, running ones get ``--drain-timeout`` seconds to
@@ -292,49 +318,25 @@ def run_serve(args) -> int:
 
         from .app import create_app
         from .connections import ConnectionLimits, uvicorn_options
+        from .options import ServeOptions
     except ImportError as exc:
         _say(f"specdec_rt: error: serve needs the 'serve' extra (pip install 'specdec-rt[serve]'): {exc}")
         return 1
-    from pathlib import Path
 
     from ..engine.engine import Engine
     from ..engine.loading import ensure_built
 
     folder = ensure_built(args.model, allow_build=not args.no_build)  # a missing model fails here, at once
-    name = args.served_model_name or Path(str(args.model)).name
+    opts = ServeOptions(**_options(args, access, folder), precision=args.precision or "auto")
 
     async def load() -> Engine:
-        engine = await Engine.load(
-            folder,
-            draft=args.draft,
-            threads=args.threads,
-            max_length=args.max_length,
-            provider=args.provider,
-            slots=args.slots,
-            prefix_cache=args.prefix_cache,
-            prefix_cache_bytes=args.prefix_cache_bytes,
-            consumer_timeout=args.consumer_timeout or None,
-            precision=args.precision or "auto",
-        )
-        _say_loaded(name, engine)
+        engine = await Engine.load(opts.model, **opts.engine_options())
+        _say_loaded(opts.model_name or opts.model, engine)
         return engine
 
     logging.getLogger("specdec_rt.serve").setLevel(logging.INFO)  # one event per request on stderr
     logging.getLogger("specdec_rt.engine.tune").setLevel(logging.INFO)  # --precision auto's progress
-    app = create_app(
-        load,
-        slots=args.slots,
-        max_queued=args.max_queued,
-        model_name=name,
-        request_timeout=args.request_timeout or None,
-        max_body_bytes=args.max_body_bytes,
-        default_max_tokens=args.default_max_tokens,
-        drain_timeout=args.drain_timeout,
-        consumer_timeout=args.consumer_timeout or None,
-        api_keys=access.api_keys,
-        allowed_hosts=access.allowed_hosts,
-        allowed_origins=access.allowed_origins,
-    )
+    app = create_app(load, **opts.app_options(), drain_timeout=args.drain_timeout)
     limits = ConnectionLimits(
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
@@ -429,7 +431,6 @@ def run_ray_serve(args, access) -> int:
     except ImportError as exc:
         _say(f"specdec_rt: error: serve --ray needs the 'ray' extra (pip install 'specdec-rt[ray]'): {exc}")
         return 1
-    from pathlib import Path
 
     from ..engine.loading import ensure_built
 
@@ -440,27 +441,11 @@ def run_ray_serve(args, access) -> int:
             s.bind((args.host, 0))
             port = s.getsockname()[1]
     opts = RayOptions(
-        model=str(folder),
-        draft=args.draft,
-        slots=args.slots,
-        max_queued=args.max_queued,
-        request_timeout=args.request_timeout or None,
-        max_body_bytes=args.max_body_bytes,
-        default_max_tokens=args.default_max_tokens,
-        max_length=args.max_length,
-        provider=args.provider,
-        prefix_cache=args.prefix_cache,
-        prefix_cache_bytes=args.prefix_cache_bytes,
-        threads=args.threads,
+        **_options(args, access, folder),
         # not auto unless asked: replicas starting together on one node would each measure, at once
         precision=args.precision or "exported",
-        model_name=args.served_model_name or Path(str(args.model)).name,
         replicas=args.replicas,
         cpus_per_replica=args.cpus_per_replica,
-        consumer_timeout=args.consumer_timeout or None,
-        api_keys=access.api_keys,
-        allowed_hosts=access.allowed_hosts,
-        allowed_origins=access.allowed_origins,
     )
     _say_access(access)
     stop = threading.Event()

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 from ..errors import InvalidInputError, SpecDecError
-from ..kvcache.prefix import DEFAULT_BUDGET_BYTES
+from .options import ServeOptions
 
 __all__ = [
     "RayOptions",
@@ -62,50 +62,26 @@ LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 @dataclass(frozen=True)
-class RayOptions:
-    """What a replica serves, and how many replicas. ``replicas``: a number or ``"auto"`` (Ray's
-    autoscaling; ``autoscaling`` overrides its config: ``min_replicas``, ``max_replicas``,
-    ``target_ongoing_requests``, ...). ``threads``: ONNX Runtime threads (default: the CPUs Ray
-    reserved for the replica). ``api_keys``, ``allowed_hosts``, ``allowed_origins``: as for
-    :func:`~specdec_rt.serve.app.create_app` (``api_keys`` empty: a replica takes the keys in its
-    own ``$SPECDEC_API_KEY``, e.g. from a Kubernetes Secret; ``allowed_hosts`` None: any Host)."""
+class RayOptions(ServeOptions):
+    """What a replica serves (:class:`~specdec_rt.serve.options.ServeOptions`), and how many
+    replicas. ``replicas``: a number or ``"auto"`` (Ray's autoscaling; ``autoscaling`` overrides
+    its config: ``min_replicas``, ``max_replicas``, ``target_ongoing_requests``, ...).
+    ``threads``: ONNX Runtime threads (default: the CPUs Ray reserved for the replica).
+    ``api_keys`` empty: a replica takes the keys in its own ``$SPECDEC_API_KEY``, e.g. from a
+    Kubernetes Secret; ``allowed_hosts`` None: any Host. ``precision="auto"``: each replica reads
+    the tune cache or measures."""
 
-    model: str
-    draft: str | None = None
-    slots: int = 8
-    max_queued: int = 16
-    request_timeout: float | None = 600.0
-    max_body_bytes: int = 1 << 20
-    default_max_tokens: int = 256
-    max_length: int | None = None
-    provider: str = "auto"
-    precision: str = "exported"  # Engine.load's; "auto": each replica reads the tune cache or measures
-    prefix_cache: bool = True
-    prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES
-    model_name: str | None = None
-    threads: int | None = None
     replicas: int | str = 1
     cpus_per_replica: float = 1.0
     autoscaling: dict | None = None
     max_replicas_per_node: int | None = None
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # never in a log line
-    allowed_hosts: tuple[str, ...] | None = None
-    allowed_origins: tuple[str, ...] = ()
-    consumer_timeout: float | None = 30.0  # as for create_app and Engine.load
 
     def __post_init__(self) -> None:
         if self.replicas != "auto" and (not isinstance(self.replicas, int) or self.replicas < 1):
             raise InvalidInputError(f"replicas must be a positive integer or 'auto', got {self.replicas!r}")
-        if not self.cpus_per_replica > 0 or self.slots < 1 or self.max_queued < 0:
-            raise InvalidInputError(
-                f"cpus_per_replica > 0, slots >= 1 and max_queued >= 0 needed, got "
-                f"{self.cpus_per_replica!r}, {self.slots!r}, {self.max_queued!r}"
-            )
-        from .guard import Access
-
-        Access.checked(
-            self.api_keys, self.allowed_hosts, self.allowed_origins
-        )  # a bad one fails here, not on a replica
+        if not self.cpus_per_replica > 0:
+            raise InvalidInputError(f"cpus_per_replica > 0 needed, got {self.cpus_per_replica!r}")
+        super().__post_init__()
 
 
 def replica_threads(default: float) -> int:
@@ -131,33 +107,13 @@ def _replica_app(opts: RayOptions):
         from ..engine.factory import use_global_thread_pool
 
         use_global_thread_pool(threads)  # the replica's process is ours: one pool for all its models
-        return await Engine.load(
-            opts.model,
-            draft=opts.draft,
-            threads=threads,
-            max_length=opts.max_length,
-            provider=opts.provider,
-            slots=opts.slots,
-            prefix_cache=opts.prefix_cache,
-            prefix_cache_bytes=opts.prefix_cache_bytes,
-            consumer_timeout=opts.consumer_timeout,
-            precision=opts.precision,
-        )
+        return await Engine.load(opts.model, **opts.engine_options(threads))
 
     name = opts.model_name or os.path.basename(str(opts.model).rstrip("/"))
     app = create_app(
         load,
-        slots=opts.slots,
-        max_queued=opts.max_queued,
-        model_name=name,
-        request_timeout=opts.request_timeout,
-        max_body_bytes=opts.max_body_bytes,
-        default_max_tokens=opts.default_max_tokens,
+        **{**opts.app_options(), "model_name": name, "api_keys": opts.api_keys or keys_from_env()},
         wait_for_load=True,
-        api_keys=opts.api_keys or keys_from_env(),
-        allowed_hosts=opts.allowed_hosts,
-        allowed_origins=opts.allowed_origins,
-        consumer_timeout=opts.consumer_timeout,
     )
     app.add_middleware(_ReplicaHeader, replica=_replica_id())
     return app
