@@ -13,6 +13,24 @@ _HERE = Path(__file__).parent
 sys.path[:0] = [str(_HERE)] + sorted(str(d) for d in _HERE.iterdir() if d.is_dir() and d.name[0] not in "._")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _tune_files_of_our_own(tmp_path_factory):
+    """What ``precision="auto"`` measures in tests (servers started with serve's defaults tune
+    the tiny models) goes to a temporary folder, not the user's tune cache; child processes
+    inherit it."""
+    import os
+
+    from specdec_rt.engine.tune_cache import TUNE_DIR_ENV
+
+    before = os.environ.get(TUNE_DIR_ENV)
+    os.environ[TUNE_DIR_ENV] = str(tmp_path_factory.mktemp("tune"))
+    yield
+    if before is None:
+        os.environ.pop(TUNE_DIR_ENV, None)
+    else:
+        os.environ[TUNE_DIR_ENV] = before
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A tiny random Llama export with an int4 quantized-copy draft (draft-q4)."""

@@ -1,7 +1,8 @@
 """What ``precision="auto"`` measured, and the file that keeps it per machine and model.
 
 One small JSON file per key in ``<cache>/tune/`` (``$SPECDEC_RT_CACHE``, else
-``$XDG_CACHE_HOME/specdec-rt``, else ``~/.cache/specdec-rt``). The key is everything the winner
+``$XDG_CACHE_HOME/specdec-rt``, else ``~/.cache/specdec-rt``; ``$SPECDEC_RT_TUNE_DIR`` names
+another folder for them). The key is everything the winner
 depends on: the CPU (model name and the instruction sets the kernels pick from: AVX2, AVX-512,
 VNNI, AMX, ...), ONNX Runtime's version and providers, the model folder (a hash of its and its
 drafts' ``manifest.json`` and their files' sizes and modification times), threads, slots, the
@@ -234,11 +235,16 @@ def tune_key(home, *, threads: int | None, slots: int, provider: str) -> dict[st
     }
 
 
+TUNE_DIR_ENV = "SPECDEC_RT_TUNE_DIR"  # the tune files' own folder (tests point it at a temporary one)
+
+
 def cache_path(key: dict) -> Path:
-    """``<cache>/tune/<model>-<hash of the key>.json``."""
+    """``<cache>/tune/<model>-<hash of the key>.json`` (``$SPECDEC_RT_TUNE_DIR`` instead of
+    ``<cache>/tune`` when set)."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", str(key.get("model", "model")))[:60].strip(".-") or "model"
-    return cache_root() / "tune" / f"{slug}-{digest}.json"
+    folder = os.environ.get(TUNE_DIR_ENV)
+    return (Path(folder).expanduser() if folder else cache_root() / "tune") / f"{slug}-{digest}.json"
 
 
 def read_cached(key: dict) -> TuneResult | None:

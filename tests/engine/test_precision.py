@@ -35,6 +35,7 @@ from specdec_rt.ort import OrtModel
 def cache(tmp_path, monkeypatch):
     """A tune cache of the test's own (the models are given by folder: nothing else moves)."""
     monkeypatch.setenv("SPECDEC_RT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECDEC_RT_TUNE_DIR")  # (the session's, conftest): <cache>/tune, as users have it
     return tmp_path / "cache" / "tune"
 
 
@@ -45,6 +46,16 @@ def load(folder, **kw):
         return engine
 
     return anyio.run(go)
+
+
+def test_the_tune_dir_variable_moves_the_files(tmp_path, monkeypatch):
+    from specdec_rt.engine.tune_cache import cache_path
+
+    monkeypatch.setenv("SPECDEC_RT_TUNE_DIR", str(tmp_path / "elsewhere"))
+    assert cache_path({"model": "m"}).parent == tmp_path / "elsewhere"
+    monkeypatch.delenv("SPECDEC_RT_TUNE_DIR")
+    monkeypatch.setenv("SPECDEC_RT_CACHE", str(tmp_path / "c"))
+    assert cache_path({"model": "m"}).parent == tmp_path / "c" / "tune"
 
 
 def test_the_folder_offers_its_target_and_the_quantized_copy(tiny_llama):

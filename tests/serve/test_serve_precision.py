@@ -68,7 +68,9 @@ def test_auto_is_the_default_tunes_once_and_tune_reads_it(tiny_llama, tmp_path):
     """``serve`` without --precision measures (its progress on stderr) and stores the choice;
     ``tune`` with the same settings then shows it from the cache."""
     cache = tmp_path / "cache"
-    run = start_serve(tiny_llama, "--precision", "auto", env={"SPECDEC_RT_CACHE": str(cache)})  # serve's default
+    run = start_serve(
+        tiny_llama, "--precision", "auto", env={"SPECDEC_RT_CACHE": str(cache), "SPECDEC_RT_TUNE_DIR": None}
+    )  # serve's default
     try:
         entry = anyio.run(_models_when_ready, run.url)
         log = run.stop()
@@ -78,7 +80,7 @@ def test_auto_is_the_default_tunes_once_and_tune_reads_it(tiny_llama, tmp_path):
     assert "tuning llama-onnx on this machine" in log and "(tuned on this machine)" in log, log
     assert len(list((cache / "tune").glob("*.json"))) == 1
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECDEC_RT_CACHE": str(cache)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECDEC_RT_CACHE": str(cache), "SPECDEC_RT_TUNE_DIR": ""}
     tune = subprocess.run(
         [sys.executable, "-m", "specdec_rt", "tune", str(tiny_llama), "--slots", "1", "--threads", "1", "--json"],
         capture_output=True,

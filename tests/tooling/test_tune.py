@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def tune(folder, cache: Path, *flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECDEC_RT_CACHE": str(cache)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECDEC_RT_CACHE": str(cache), "SPECDEC_RT_TUNE_DIR": ""}
     return subprocess.run(
         [sys.executable, "-m", "specdec_rt", "tune", str(folder), "--threads", "1", "--slots", "2", *flags],
         capture_output=True,
