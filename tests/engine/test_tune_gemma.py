@@ -10,8 +10,6 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("gguf")
 
-from tiny_models import build_tiny_gguf  # noqa: E402
-
 from specdec_rt import Engine  # noqa: E402
 from specdec_rt.engine import tune  # noqa: E402
 from specdec_rt.engine.factory import home_manifest  # noqa: E402
@@ -19,20 +17,8 @@ from specdec_rt.engine.factory import home_manifest  # noqa: E402
 pytestmark = pytest.mark.export
 
 
-def test_tune_measures_a_model_without_a_chat_template(tmp_path):
-    from export.pipeline import Request, run
-    from export.ui import Reporter
-
-    gguf_path = build_tiny_gguf(
-        tmp_path / "gemma3.gguf",
-        "gemma3_text",
-        window=8,
-        query_pre_attn_scalar=16,
-        layers=6,
-        layer_types=["sliding_attention"] * 5 + ["full_attention"],
-    )
-    folder = tmp_path / "onnx"
-    run(Request(src=str(gguf_path), out=folder, draft_quant="int8", threads=1), Reporter(quiet=True))
+def test_tune_measures_a_model_without_a_chat_template(tiny_gemma3):
+    folder = tiny_gemma3
     home = home_manifest(folder)
     assert home.chat_template is None
     said: list[str] = []
