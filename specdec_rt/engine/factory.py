@@ -33,6 +33,7 @@ from ..ort.manifest import cache_root
 from ..spec.adapters import ModelDrafter
 from ..spec.protocols import DraftInferrer, TargetVerifier
 from ..text.codec import TextCodec
+from .precision import PINNED_PRECISIONS
 
 __all__ = [
     "DEFAULT_DRAFT",
@@ -61,8 +62,6 @@ __all__ = [
 DEFAULT_DRAFT = "ngram+model"
 
 
-# precisions a caller may pin (Engine.load(precision=...)); "exported" and "auto" are resolved above
-PINNED_PRECISIONS = ("float32", "int8", "int4")
 # MatMulNBits accuracy levels: the type activations are quantized to in the CPU kernel
 _ACTIVATIONS = {0: "float32", 1: "float32", 2: "float16", 3: "bfloat16", 4: "int8"}
 DRAFT_COST_RATIO = 0.5  # a promoted target's default draft reads at most half its weight bytes

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from ..checks import brief_repr
 from ..errors import InvalidInputError
 
-__all__ = ["PRECISIONS", "CHOSEN_BY", "PrecisionChoice", "check_precision"]
+__all__ = ["PINNED_PRECISIONS", "PRECISIONS", "CHOSEN_BY", "PrecisionChoice", "check_precision"]
 
-PRECISIONS = ("auto", "exported", "float32", "int8", "int4")
+PINNED_PRECISIONS = ("float32", "int8", "int4")  # weights a folder's targets may have, to pin one
+PRECISIONS = ("auto", "exported", *PINNED_PRECISIONS)
 #: how a choice came about: measured now, read from the tune cache, asked for, the folder's own
 CHOSEN_BY = ("tuned", "cached", "pinned", "exported")
 
