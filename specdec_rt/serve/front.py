@@ -1,0 +1,191 @@
+"""The front of ``serve --ray``: this process's uvicorn, with the connection limits, relaying
+every request to Ray Serve's proxy on loopback.
+
+Ray Serve's proxy runs its own uvicorn (httptools), configured inside Ray
+(``ray/serve/_private/http_util.py``, ``start_asgi_http_server``) with no hook for another
+protocol class, so :mod:`~specdec_rt.serve.connections`' limits (header and body deadlines,
+header size and count, the connection cap, keep-alive) cannot reach it. ``serve --ray`` therefore
+binds Ray's proxy to 127.0.0.1 on an internal port and listens on ``--host:--port`` itself, with
+the very uvicorn options of the single-process server; :func:`create_front` is the app there.
+
+Each request (any method, path, query string and body) goes to ``upstream`` with the same
+method and headers (``Host`` included, so the replica's Host check sees what the client sent),
+less the hop-by-hop ones (``Connection`` and the headers it names, ``Keep-Alive``,
+``Transfer-Encoding``, ``TE``, ``Trailer``, ``Upgrade``, ``Proxy-*``). The body streams up as it
+arrives; the response streams back chunk by chunk (an SSE stream token by token), its status and
+headers passed through less the hop-by-hop ones and ``Date`` / ``Server`` (this server writes its
+own). Upstream unreachable or failing before its response starts: a 502 with the OpenAI error body.
+
+Cancellation: a client that goes away (uvicorn's ``http.disconnect``), whether it is still
+waiting for the response to start or reading its stream, cancels the relay and closes the
+upstream connection; Ray's proxy sees that disconnect and cancels the replica's request, which
+frees its slot as a disconnect does on the single-process server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import Any
+
+import anyio
+import httpx
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from ..errors import InvalidInputError
+from .protocol import error_body
+
+__all__ = ["create_front", "HOP_BY_HOP"]
+
+log = logging.getLogger("specdec_rt.serve")
+
+# RFC 9110 section 7.6.1, and the Proxy-* headers (matched by prefix)
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade"})
+_OWN = frozenset({b"date", b"server"})  # the front's uvicorn writes these
+CONNECT_TIMEOUT_S = 10.0  # to reach the proxy; a response may take as long as --request-timeout allows
+
+
+def create_front(upstream: str, *, transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
+    """The ASGI app that relays every request to ``upstream`` (``http://127.0.0.1:PORT``: Ray
+    Serve's proxy). ``transport``: httpx's (tests pass a mock). Its lifespan opens and closes
+    the one ``httpx.AsyncClient`` it relays with (no proxy from the environment)."""
+    url = httpx.URL(upstream)
+    if url.scheme not in ("http", "https") or not url.host or url.path not in ("", "/") or url.query:
+        raise InvalidInputError(f"upstream must be http://HOST:PORT, got {upstream!r}")
+    relay = _Relay(str(url).rstrip("/"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        async with httpx.AsyncClient(
+            transport=transport,
+            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            trust_env=False,  # an $HTTP_PROXY must not carry loopback traffic elsewhere
+            follow_redirects=False,
+        ) as client:
+            relay.client = client
+            try:
+                yield
+            finally:
+                relay.client = None
+
+    return Starlette(routes=[Route("/{path:path}", relay)], lifespan=lifespan)
+
+
+def _kept(headers: list[tuple[bytes, bytes]], drop: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
+    """``headers`` less the hop-by-hop ones (and those ``Connection`` names) and ``drop``."""
+    named = {
+        token.strip().lower()
+        for name, value in headers
+        if name.lower() == b"connection"
+        for token in value.split(b",")
+        if token.strip()
+    }
+    return [
+        (name, value)
+        for name, value in headers
+        if (low := name.lower()) not in HOP_BY_HOP
+        and low not in named
+        and low not in drop
+        and not low.startswith(b"proxy-")
+    ]
+
+
+class _Relay:
+    """The one route's ASGI endpoint (see the module docstring)."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.client: httpx.AsyncClient | None = None
+
+    async def __call__(self, scope: dict[str, Any], receive, send) -> None:
+        if scope["type"] != "http" or self.client is None:
+            return await _refuse(send, 503, "the front is not running", "server_error")
+        headers = list(scope["headers"])
+        has_body = any(name.lower() in (b"content-length", b"transfer-encoding") for name, _ in headers)
+        body_done = anyio.Event()
+        relay = anyio.CancelScope()  # cancelled when the client goes away
+        if not has_body:
+            body_done.set()  # nothing to relay; receive() is the disconnect watch's alone
+
+        async def body():
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    relay.cancel()
+                    raise _Gone
+                yield message.get("body", b"")
+                if not message.get("more_body", False):
+                    break
+            body_done.set()
+
+        path = scope.get("raw_path") or scope["path"].encode()
+        target = self.base + path.decode("latin-1")
+        if scope.get("query_string"):
+            target += "?" + scope["query_string"].decode("latin-1")
+        request = self.client.build_request(
+            scope["method"],
+            httpx.URL(target),  # (raw: the client's percent-encoding kept)
+            headers=_kept(headers),
+            content=body() if has_body else None,
+        )
+        started = False
+        response: httpx.Response | None = None
+        with relay:
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:  # the client going away cancels the relay
+                    await body_done.wait()
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    relay.cancel()
+
+                tg.start_soon(watch)
+                try:
+                    response = await self.client.send(request, stream=True)
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": response.status_code,
+                            "headers": _kept(response.headers.raw, _OWN),
+                        }
+                    )
+                    started = True
+                    async for chunk in response.aiter_raw():
+                        if chunk:
+                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                except _Gone:
+                    pass
+                except (httpx.HTTPError, OSError) as exc:
+                    if not started:  # else the response ends unfinished: the client sees a cut stream
+                        log.warning("front: the Ray proxy at %s failed: %s: %s", self.base, type(exc).__name__, exc)
+                        await _refuse(
+                            send,
+                            502,
+                            f"the replicas' proxy did not answer: {type(exc).__name__}",
+                            "bad_gateway",
+                        )
+                finally:
+                    if response is not None:
+                        with anyio.CancelScope(shield=True):
+                            await response.aclose()  # mid-stream: Ray sees the disconnect and cancels
+                    tg.cancel_scope.cancel()
+
+
+class _Gone(Exception):
+    """The client went away while its body was being relayed."""
+
+
+async def _refuse(send, status: int, message: str, code: str) -> None:
+    body = json.dumps(error_body(message, "server_error", code)).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})

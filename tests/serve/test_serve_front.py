@@ -1,0 +1,178 @@
+"""The front of ``serve --ray`` (specdec_rt.serve.front) without Ray: relaying to a plain local
+Starlette upstream on uvicorn, or to an httpx mock."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import anyio
+import httpx
+import pytest
+from serve_util import free_port, running_server
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from specdec_rt.errors import InvalidInputError
+from specdec_rt.serve.front import create_front
+
+
+class Upstream:
+    """A Starlette app: ``/echo`` answers what it got; ``/stream`` sends one chunk, then waits for
+    ``release`` before the rest; ``closed`` is set when a stream ends, however it ends."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.closed = asyncio.Event()
+        self.app = Starlette(
+            routes=[
+                Route("/{path:path}", self.echo, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
+            ]
+        )
+
+    async def echo(self, request: Request):
+        if request.url.path == "/stream":
+            return StreamingResponse(self.chunks(), media_type="text/event-stream")
+        body = await request.body()
+        return JSONResponse(
+            {
+                "method": request.method,
+                "path": request.url.path,
+                "query": request.url.query,
+                "body": body.decode(),
+                "headers": [[k, v] for k, v in request.headers.items()],
+            },
+            status_code=201,
+            headers={"x-upstream": "yes", "keep-alive": "timeout=99"},
+        )
+
+    async def chunks(self):
+        try:
+            yield b"data: first\n\n"
+            await self.release.wait()
+            for i in range(3):
+                yield f"data: {i}\n\n".encode()
+        finally:
+            self.closed.set()
+
+
+def test_requests_and_responses_pass_through_and_streams_are_not_buffered():
+    up = Upstream()
+
+    async def main():
+        async with running_server(up.app) as upstream:
+            front = create_front(upstream)
+            async with running_server(front, lifespan="on") as url, httpx.AsyncClient(base_url=url, timeout=10) as c:
+                big = "x" * 300_000  # more than one read: the body streams up
+                r = await c.put("/a/b%20c?x=1&y=%2F", content=big, headers={"x-custom": "1", "te": "trailers"})
+                assert r.status_code == 201 and r.headers["x-upstream"] == "yes"
+                got = r.json()
+                assert (got["method"], got["path"], got["query"], got["body"]) == ("PUT", "/a/b c", "x=1&y=%2F", big)
+                sent = dict(got["headers"])
+                assert sent["x-custom"] == "1" and "te" not in sent
+                assert sent["host"] == url.split("//")[1]  # the client's Host, for the replica's check
+                assert "keep-alive" not in r.headers  # hop-by-hop: the upstream's is not passed on
+                assert r.headers.get_list("server") == ["uvicorn"]  # the front's own, once
+                assert (await c.delete("/")).json()["method"] == "DELETE"
+
+                # the first chunk arrives while the upstream still holds the rest
+                async with c.stream("GET", "/stream") as s:
+                    assert s.headers["content-type"].startswith("text/event-stream")
+                    chunks = s.aiter_raw()
+                    first = await asyncio.wait_for(chunks.__anext__(), 5)
+                    assert first == b"data: first\n\n" and not up.closed.is_set()
+                    up.release.set()
+                    rest = b"".join([c async for c in chunks])
+                assert rest == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+
+    anyio.run(main)
+
+
+def test_a_client_that_leaves_closes_the_upstream_stream():
+    """The upstream's generator ends (Ray would cancel the replica's request) soon after the
+    client leaves mid-stream, although the upstream would have waited forever."""
+    up = Upstream()
+
+    async def main():
+        async with running_server(up.app) as upstream:
+            async with running_server(create_front(upstream), lifespan="on") as url:
+                async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+                    async with c.stream("GET", "/stream") as s:
+                        async for _ in s.aiter_raw():
+                            break  # leaving the block closes the connection
+                    t0 = time.perf_counter()
+                    await asyncio.wait_for(up.closed.wait(), 5)
+                    assert time.perf_counter() - t0 < 2
+                    assert (await c.get("/again")).status_code == 201  # the front still serves
+
+    anyio.run(main)
+
+
+def test_hop_by_hop_headers_are_dropped_both_ways():
+    seen: list[httpx.Request] = []
+
+    async def ok():
+        yield b"ok"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(
+            200,
+            headers=[
+                ("x-kept", "1"),
+                ("x-listed", "gone"),
+                ("connection", "x-listed"),
+                ("keep-alive", "timeout=5"),
+                ("proxy-authenticate", "Basic"),
+                ("trailer", "x-sum"),
+                ("upgrade", "h2c"),
+                ("date", "Thu, 01 Jan 1970 00:00:00 GMT"),
+            ],
+            content=ok(),  # a stream (bytes would be read already: the front streams)
+        )
+
+    async def main():
+        front = create_front("http://127.0.0.1:9", transport=httpx.MockTransport(handler))
+        async with front.router.lifespan_context(front):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(front), base_url="http://t") as c:
+                r = await c.post(
+                    "/v1/x?q=1",
+                    content=b"body",
+                    headers={
+                        "x-mine": "2",
+                        "proxy-authorization": "Basic eA==",
+                        "connection": "x-private",
+                        "x-private": "no",
+                        "upgrade": "websocket",
+                    },
+                )
+        assert r.status_code == 200 and r.content == b"ok" and r.headers["x-kept"] == "1"
+        for name in ("x-listed", "connection", "keep-alive", "proxy-authenticate", "trailer", "upgrade", "date"):
+            assert name not in r.headers, name
+        (up,) = seen
+        assert str(up.url) == "http://127.0.0.1:9/v1/x?q=1" and up.method == "POST" and up.content == b"body"
+        assert up.headers["x-mine"] == "2" and up.headers["host"] == "t"
+        for name in ("proxy-authorization", "x-private", "upgrade"):
+            assert name not in up.headers, name
+
+    anyio.run(main)
+
+
+def test_an_unreachable_upstream_is_a_502_with_the_openai_error_body():
+    async def main():
+        async with running_server(create_front(f"http://127.0.0.1:{free_port()}"), lifespan="on") as url:
+            async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+                r = await c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 502
+        err = r.json()["error"]
+        assert err["code"] == "bad_gateway" and "ConnectError" in err["message"] and err["type"] == "server_error"
+
+    anyio.run(main)
+
+
+def test_the_upstream_must_be_a_base_url():
+    for bad in ("127.0.0.1:8000", "http://h:1/v1", "ftp://h:1", "http://h:1/?a=1"):
+        with pytest.raises(InvalidInputError, match="upstream must be"):
+            create_front(bad)
