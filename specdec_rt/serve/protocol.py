@@ -25,7 +25,7 @@ from ..sampling.constraints import check_response_format
 from ..sampling.logprobs import MAX_TOP_LOGPROBS
 from ..spec.params import RequestParams
 from ..spec.request_checks import check_stop
-from ..text.tools import check_tool_choice, check_tools
+from ..text.tools import check_tool_choice, checked_tools
 from ..types import Mode
 
 __all__ = ["APIError", "GenParams", "parse_request", "engine_error", "error_body", "Kind"]
@@ -89,7 +89,7 @@ class GenParams:
     echo: bool = False  # completions: each choice's text starts with the prompt (and its logprobs, when asked)
     prompts: list = field(default_factory=list)  # completions: every prompt of the request (``prompt`` the first)
     response_format: dict | None = None  # json_object / json_schema (checked); None: text
-    tools: list = field(default_factory=list)  # chat: functions the model may call (checked)
+    tools: Sequence[dict] = ()  # chat: functions the model may call (checked: a CheckedTools)
     tool_choice: str | dict = "none"  # "auto" with tools, unless the request says otherwise
     parallel_tool_calls: bool = True  # False: at most one call an answer (the first)
     min_tokens: int = 0  # vLLM's: no end-of-sequence token before this many
@@ -203,7 +203,7 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
             raise _bad("response_format", str(exc)) from None
     if kind == "chat" and (body.get("tools") is not None or body.get("tool_choice") is not None):
         try:  # the engine's own checks; tools the template cannot render: a 400 when the request starts
-            p.tools = check_tools(body.get("tools"))
+            p.tools = checked_tools(body.get("tools"))  # once: each choice's RequestParams takes them as they are
             p.tool_choice = check_tool_choice(body.get("tool_choice"), p.tools)
         except InvalidInputError as exc:
             raise _bad("tool_choice" if str(exc).startswith("tool_choice") else "tools", str(exc)) from None

@@ -21,7 +21,7 @@ from ..errors import InvalidInputError
 from ..sampling import SamplingParams
 from ..sampling.constraints import check_response_format
 from ..sampling.logprobs import check_top_logprobs
-from ..text.tools import check_tool_choice, check_tools
+from ..text.tools import check_tool_choice, checked_tools
 from ..types import Mode
 from .request_checks import check_length_options, check_stop
 
@@ -126,7 +126,7 @@ class RequestParams:
         put(self, "prompt_logprobs", check_top_logprobs(self.prompt_logprobs, "prompt_logprobs"))
         put(self, "stop", tuple(check_stop(self.stop)))
         put(self, "_schema", check_response_format(self.response_format))
-        tools = tuple(check_tools(self.tools))
+        tools = checked_tools(self.tools)  # (checked once: the same list again is not)
         put(self, "tools", tools)
         put(self, "_choice", check_tool_choice(self.tool_choice, tools))
         check_length_options(self.min_tokens, self.ignore_eos, self.max_new_tokens)

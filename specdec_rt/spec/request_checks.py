@@ -179,16 +179,16 @@ def tool_shape(
     knows them, as OpenAI's does, and calls none); ``"required"`` / a named function: the call
     grammar, which no stop string may cut, and the ``parameters`` schemas it holds the call to
     (each checked on its own before the request runs). Returns ``(tools, grammar, schemas)``."""
-    tools = list(tools)
     if not tools:
         return None, None, ()
     if isinstance(prompt, str) or token_id_prompt(prompt, 2**63) is not None:
         raise InvalidInputError("tools go with chat messages, not a plain-text or token-id prompt")
     if choice in ("none", "auto"):
-        return (tools if choice == "auto" or supports_tools(template) else None), None, ()
+        return (list(tools) if choice == "auto" or supports_tools(template) else None), None, ()
     if stops:
         raise InvalidInputError(f"stop cannot go with tool_choice={choice!r}: a stop string could cut the call")
-    return tools, call_grammar(tools, choice), tuple(call_schemas(tools, choice))
+    # (``tools`` as given: a CheckedTools keeps its call grammar for the request's other choices)
+    return list(tools), call_grammar(tools, choice), tuple(call_schemas(tools, choice))
 
 
 def check_load_args(name_or_path, draft, max_length, threads, spec_config) -> None:
