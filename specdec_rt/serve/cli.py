@@ -121,7 +121,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="web origins (scheme://host[:port], comma separated; '*': any) whose pages may "
         "call the server, with CORS answers (default: none)",
     )
-    conn = p.add_argument_group("connection limits (docs/serving.md, 'Connection limits'; not with --ray)")
+    conn = p.add_argument_group("connection limits (docs/serving.md, 'Connection limits')")
     conn.add_argument(
         "--header-timeout",
         type=_positive_seconds,
@@ -314,10 +314,9 @@ def run_serve(args) -> int:
     if args.ray:
         return run_ray_serve(args, access)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the 'serve' extra, checked before the model loads
 
         from .app import create_app
-        from .connections import ConnectionLimits, uvicorn_options
         from .options import ServeOptions
     except ImportError as exc:
         _say(f"specdec_rt: error: serve needs the 'serve' extra (pip install 'specdec-rt[serve]'): {exc}")
@@ -337,6 +336,27 @@ def run_serve(args) -> int:
     logging.getLogger("specdec_rt.serve").setLevel(logging.INFO)  # one event per request on stderr
     logging.getLogger("specdec_rt.engine.tune").setLevel(logging.INFO)  # --precision auto's progress
     app = create_app(load, **opts.app_options(), drain_timeout=args.drain_timeout)
+    server = _draining_server(_uvicorn_config(args, app), app)
+    app.state.serving.on_load_error = server.stop_after_load_error
+    # uvicorn re-raises the signal that stopped it once it is done; a handler that ignores it makes
+    # a drained shutdown exit 0 (what a process manager expects after SIGTERM)
+    previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 1 if server.load_failed else 0
+
+
+def _uvicorn_config(args, app):
+    """uvicorn's Config for ``app`` on ``--host``/``--port`` with the connection limits, the
+    drain timeout and the access log of the flags: the single-process server's, and the front of
+    ``serve --ray`` (:mod:`~specdec_rt.serve.front`)."""
+    import uvicorn
+
+    from .connections import ConnectionLimits, uvicorn_options
+
     limits = ConnectionLimits(
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
@@ -359,17 +379,7 @@ def run_serve(args) -> int:
     )
     if args.access_log:  # uvicorn set its access logger to log_level (warning), which hides every line
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
-    server = _draining_server(config, app)
-    app.state.serving.on_load_error = server.stop_after_load_error
-    # uvicorn re-raises the signal that stopped it once it is done; a handler that ignores it makes
-    # a drained shutdown exit 0 (what a process manager expects after SIGTERM)
-    previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        server.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 1 if server.load_failed else 0
+    return config
 
 
 def _ignore(sig, frame) -> None:
@@ -411,13 +421,17 @@ def _draining_server(config, app):
 
 def run_ray_serve(args, access) -> int:
     """``serve --ray``: start a local Ray instance on loopback (no dashboard, no usage stats, state
-    in a temporary folder) or join ``--ray-address``, deploy the replicas, say where they listen,
-    and on SIGTERM / SIGINT delete the deployment and stop what it started (exit 0)."""
+    in a temporary folder) or join ``--ray-address``, deploy the replicas, and serve them on
+    ``--host``/``--port`` from this process's uvicorn, with the connection limits of the
+    single-process server: its app (:mod:`~specdec_rt.serve.front`) relays every request to Ray
+    Serve's proxy, bound to 127.0.0.1 on an internal port. On SIGTERM / SIGINT it stops taking
+    requests, lets the running ones finish (``--drain-timeout``), deletes the deployment and
+    stops what it started (exit 0)."""
     import os
     import shutil
-    import socket
     import tempfile
     import threading
+    import time
 
     if not args.ray_address:  # before Ray is imported: it reads these once
         from .ray import LOCAL_RAY_ENV
@@ -425,9 +439,20 @@ def run_ray_serve(args, access) -> int:
         os.environ.update(LOCAL_RAY_ENV)
     try:
         import ray
+        import uvicorn
         from ray import serve
 
-        from .ray import APP_NAME, RayOptions, deployment_app, listening_sockets, replica_states, start_local_ray
+        from .front import create_front
+        from .ray import (
+            APP_NAME,
+            RayOptions,
+            deployment_app,
+            listening_sockets,
+            on_head_node,
+            proxy_address,
+            replica_states,
+            start_local_ray,
+        )
     except ImportError as exc:
         _say(f"specdec_rt: error: serve --ray needs the 'ray' extra (pip install 'specdec-rt[ray]'): {exc}")
         return 1
@@ -435,11 +460,6 @@ def run_ray_serve(args, access) -> int:
     from ..engine.loading import ensure_built
 
     folder = ensure_built(args.model, allow_build=not args.no_build)
-    port = args.port
-    if port == 0:
-        with socket.socket() as s:
-            s.bind((args.host, 0))
-            port = s.getsockname()[1]
     opts = RayOptions(
         **_options(args, access, folder),
         # not auto unless asked: replicas starting together on one node would each measure, at once
@@ -447,10 +467,16 @@ def run_ray_serve(args, access) -> int:
         replicas=args.replicas,
         cpus_per_replica=args.cpus_per_replica,
     )
+    listener: socket.socket | None = _listen(args.host, args.port)  # a busy port fails before Ray starts
+    assert listener is not None
+    port = listener.getsockname()[1]
+    # a Ray Client driver (ray://...) runs off the cluster: no proxy of Serve's on its loopback
+    front = not str(args.ray_address or "").startswith("ray://")
     _say_access(access)
     stop = threading.Event()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     temp = None
+    server = thread = None
     try:
         try:
             if args.ray_address:
@@ -464,7 +490,30 @@ def run_ray_serve(args, access) -> int:
             raise SpecDecError(f"cannot {where}: {type(exc).__name__}: {exc}") from None
         for sig in previous:  # after ray.init, which installs handlers of its own
             signal.signal(sig, lambda *_: stop.set())
-        serve.start(http_options={"host": args.host, "port": port})
+        if front and args.ray_address and not on_head_node():
+            front = False
+        if front:
+            with socket.socket() as s:  # Ray's proxy: loopback only, on every node that has one
+                s.bind(("127.0.0.1", 0))
+                internal = s.getsockname()[1]
+            serve.start(proxy_location="EveryNode", http_options={"host": "127.0.0.1", "port": internal})
+            proxy_host, internal = proxy_address()  # a Serve already running on the cluster keeps its own
+            if proxy_host not in ("127.0.0.1", "localhost"):
+                _say(
+                    f"specdec_rt serve: warning: Serve already runs on this cluster, its proxy on "
+                    f"{proxy_host}:{internal}, which clients may reach without the connection limits"
+                )
+            upstream = proxy_host if proxy_host not in ("0.0.0.0", "::", "localhost") else "127.0.0.1"
+        else:
+            listener.close()  # Ray's proxy takes the port
+            listener = None
+            _say(
+                "specdec_rt serve: warning: the connection limits are not in force: this process is not "
+                "on the Ray cluster's head node (or joins through ray://), so no Ray Serve proxy is sure "
+                "to run beside it; Ray's proxy listens on --host/--port itself (docs/serving.md, "
+                "'Connection limits')"
+            )
+            serve.start(http_options={"host": args.host, "port": port})
         _say(f"specdec_rt serve: deploying {args.replicas} replica(s) on Ray")
         serve.run(deployment_app(opts), name=APP_NAME, route_prefix="/", blocking=False)
         states = ", ".join(f"{n} {k.lower()}" for k, n in replica_states().items())
@@ -476,14 +525,36 @@ def run_ray_serve(args, access) -> int:
                         f"{sock.address} port {sock.port}, beyond loopback; Ray has no setting for it "
                         "(docs/serving.md, 'Ray on a cluster')"
                     )
+        how = "no connection limits"
+        if listener is not None:
+            app = create_front(f"http://{_url_host(upstream)}:{internal}")
+            server = uvicorn.Server(_uvicorn_config(args, app))
+            thread = threading.Thread(
+                target=server.run, kwargs={"sockets": [listener]}, name="specdec-front", daemon=True
+            )
+            thread.start()
+            while not server.started:
+                if not thread.is_alive():
+                    raise SpecDecError("the front server did not start (its error is above)")
+                time.sleep(0.05)
+            how = f"connection limits on; relaying to Ray Serve's proxy on {upstream}:{internal}"
         _say(
-            f"specdec_rt serve: listening on http://{args.host}:{port} (Ray Serve replicas: {states}; "
-            "the models are loaded)"
+            f"specdec_rt serve: listening on http://{_url_host(args.host)}:{port} (Ray Serve replicas: "
+            f"{states}; the models are loaded; {how})"
         )
         while not stop.wait(0.5):
             pass
+        if server is not None and thread is not None:
+            _say("specdec_rt serve: stopping: draining running requests")
+            server.should_exit = True  # no new connections; the running requests get --drain-timeout
+            thread.join(args.drain_timeout + 2 * DRAIN_GRACE_S)
         _say("specdec_rt serve: stopping: deleting the deployment")
     finally:
+        if server is not None and thread is not None and thread.is_alive():
+            server.should_exit = True
+            thread.join(2 * DRAIN_GRACE_S)
+        if listener is not None:
+            listener.close()
         try:
             if ray.is_initialized():
                 serve.delete(APP_NAME)
@@ -496,3 +567,21 @@ def run_ray_serve(args, access) -> int:
             if temp is not None:
                 shutil.rmtree(temp, ignore_errors=True)
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (0: a free one), not yet listening (uvicorn
+    listens on it once the replicas are up; until then a client is refused at once)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SpecDecError(f"cannot listen on --host {host!r} --port {port}: {exc}") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -45,6 +45,8 @@ __all__ = [
     "start_local_ray",
     "Listener",
     "listening_sockets",
+    "on_head_node",
+    "proxy_address",
 ]
 
 APP_NAME = "specdec"
@@ -244,6 +246,31 @@ def replica_states() -> dict[str, int]:
     if app is None:
         return {}
     return {str(k): int(v) for d in app.deployments.values() for k, v in d.replica_states.items()}
+
+
+def on_head_node() -> bool:
+    """Whether this driver runs on the head node of the connected Ray cluster. Ray Serve 2.60
+    runs its HTTP proxies on the node of its controller, which must be the head node, and on the
+    nodes that hold replicas (``ray/serve/_private/controller.py``, ``_update_proxy_nodes``): so
+    only on the head node is a proxy sure to run beside the driver."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    return any(
+        node.get("NodeID") == here and "node:__internal_head__" in node.get("Resources", {}) for node in ray.nodes()
+    )
+
+
+def proxy_address() -> tuple[str, int]:
+    """``(host, port)`` Serve's HTTP proxies listen on, from its controller: what ``serve.start``
+    asked for, unless Serve already ran on the cluster (its options are then kept)."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    if client is None:
+        raise SpecDecError("Ray Serve is not running on the connected cluster")
+    config = client.http_config
+    return str(config.host), int(config.port)
 
 
 def start_local_ray(temp_dir: str) -> None:

@@ -7,8 +7,11 @@ import asyncio
 import importlib.util
 import ipaddress
 import os
+import re
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,7 +21,7 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from serve_util import free_port, sse_data
+from serve_util import free_port, metric, metric_values, sse_data
 
 from specdec_rt.engine.engine import Engine
 from specdec_rt.errors import InvalidInputError
@@ -27,6 +30,8 @@ pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.export
 
 CHAT = [{"role": "user", "content": "Write a Python function."}]
+HEADER_TIMEOUT = 2.0  # the fixture's --header-timeout
+SLACK = 4.0  # seconds a loaded 2-core machine may add to a deadline
 
 
 def test_the_replica_app_is_the_server_app_without_a_cluster(tiny_llama):
@@ -131,6 +136,8 @@ def ray_server(tiny_llama):
             str(tiny_llama),
             "--port",
             str(port),
+            "--header-timeout",
+            str(HEADER_TIMEOUT),
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -222,6 +229,88 @@ def test_two_replicas_serve_like_the_engine(ray_server, tiny_llama):
     anyio.run(main)
 
 
+def _read_until_closed(s: socket.socket, limit: float, drip: bytes = b"") -> tuple[bytes, float]:
+    """What the server sends on ``s`` until it closes it (a reset counts), and when, in seconds
+    (``inf``: still open after ``limit``); ``drip`` is sent every 0.25 s meanwhile."""
+    start, got = time.monotonic(), b""
+    while time.monotonic() - start < limit:
+        if select.select([s], [], [], 0.25)[0]:
+            try:
+                chunk = s.recv(65536)
+            except ConnectionResetError:
+                chunk = b""
+            if not chunk:
+                return got, time.monotonic() - start
+            got += chunk
+        elif drip:
+            try:
+                s.sendall(drip)
+            except OSError:
+                pass  # the next recv says so
+    return got, float("inf")
+
+
+def test_the_connection_limits_hold_under_ray(ray_server):
+    """Through the real port: partial headers get a 408 at --header-timeout (was: open as long
+    as the client liked, Ray's proxy has no deadline), 150 header lines a 431 (was: passed to
+    the replica); Ray's own proxy listens on loopback at another port."""
+    url, proc, lines = ray_server
+    port = int(url.rsplit(":", 1)[1])
+    relay = re.search(r"relaying to Ray Serve's proxy on ([\d.]+):(\d+)", lines[-1])
+    assert relay and relay[1] == "127.0.0.1" and int(relay[2]) != port, lines[-1]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        got, closed = _read_until_closed(s, HEADER_TIMEOUT + SLACK, drip=b"a")
+    assert HEADER_TIMEOUT * 0.9 <= closed <= HEADER_TIMEOUT + SLACK, closed
+    assert got.startswith(b"HTTP/1.1 408 ") and b"--header-timeout" in got, got
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(150))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + many + b"\r\n")
+        got, closed = _read_until_closed(s, 10)
+    assert got.startswith(b"HTTP/1.1 431 ") and b"--max-headers" in got, got[:300]
+    # Ray's proxy itself, straight: still answers (the front is what clients reach)
+    r = httpx.get(f"http://127.0.0.1:{relay[2]}/v1/models", timeout=30)
+    assert r.status_code == 200 and r.headers["x-specdec-replica"]
+
+
+def test_a_client_that_leaves_through_the_front_cancels_the_replicas_request(ray_server):
+    """A stream left after 3 events: the replica that ran it counts one more request
+    ``cancelled`` and none running (Ray's proxy saw the front close its connection)."""
+    url, _, _ = ray_server
+
+    def cancelled_and_running(c: httpx.Client) -> dict[str, tuple[float, float]]:
+        seen: dict[str, tuple[float, float]] = {}
+        for _ in range(40):  # Ray routes each scrape to one replica; until both answered
+            r = c.get("/metrics")
+            values = metric_values(r.text)
+            seen[r.headers["x-specdec-replica"]] = (
+                metric(values, "specdec_requests_aborted_total", reason="cancelled"),
+                metric(values, "specdec_requests_running"),
+            )
+            if len(seen) == 2:
+                break
+        assert len(seen) == 2, seen
+        return seen
+
+    with httpx.Client(base_url=url, timeout=60) as c:
+        before = cancelled_and_running(c)
+        body = {"prompt": "Once upon a time", "max_tokens": 300, "stream": True, "mode": "ar", "temperature": 0}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data: ")
+                if events == 3:
+                    break  # leaving the block closes the connection
+        deadline = time.monotonic() + 15
+        while True:
+            now = cancelled_and_running(c)
+            more = sum(now[k][0] for k in now) - sum(before[k][0] for k in before)
+            if more == 1 and all(running == 0 for _, running in now.values()):
+                break
+            assert time.monotonic() < deadline, (before, now)
+            time.sleep(0.3)
+
+
 def _on_loopback(address: str) -> bool:
     """In 127.0.0.0/8 (also as an IPv4-mapped IPv6 address), or ``::1``."""
     ip = ipaddress.ip_address(address)
@@ -283,7 +372,7 @@ def test_every_ray_process_listens_on_loopback_only(ray_server):
     replicas = [s.pid for s in found if s.process.startswith("ray::ServeReplica")]
     # two replicas, each with its worker's gRPC port and Serve's inter-deployment gRPC server
     assert len(set(replicas)) == 2 and all(replicas.count(p) >= 2 for p in replicas), found
-    assert ("127.0.0.1", port) in {(s.address, s.port) for s in found}  # Serve's HTTP proxy
+    assert ("127.0.0.1", port) in {(s.address, s.port) for s in found}  # the CLI's front (its uvicorn)
     assert len(found) >= 10, found
     outside = [s for s in found if not _on_loopback(s.address)]
     assert not outside, outside
