@@ -252,7 +252,10 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _threads(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:  # (argparse would name this function)
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 256, got {text!r}") from None
     if not 1 <= value <= 256:
         raise argparse.ArgumentTypeError(f"must be from 1 to 256, got {value}")
     return value

@@ -35,7 +35,10 @@ def add_tune_arguments(p: argparse.ArgumentParser, threads_type) -> None:
 
 
 def _slots(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:  # (argparse would name this function)
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 256, got {text!r}") from None
     if not 1 <= value <= 256:
         raise argparse.ArgumentTypeError(f"must be from 1 to 256, got {value}")
     return value
