@@ -32,8 +32,10 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -41,7 +43,7 @@ import anyio
 from ..errors import SpecDecError
 from ..logs import get_logger
 from .factory import cheaper_drafts, home_manifest, target_candidates
-from .tune_cache import TuneResult, TuneRow, read_cached, tune_key, write_cached
+from .tune_cache import TuneResult, TuneRow, cache_path, read_cached, tune_key, write_cached
 
 __all__ = [
     "TUNE_PROMPTS",
@@ -273,6 +275,15 @@ def pick(rows: list[TuneRow]) -> int | None:
     return None  # (unreachable: the top row's precision qualifies)
 
 
+_LOCKS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Path, asyncio.Lock]]" = weakref.WeakKeyDictionary()
+
+
+def _lock(path: Path) -> asyncio.Lock:
+    """The running event loop's lock for one tune cache file (an asyncio lock serves one loop)."""
+    locks = _LOCKS.setdefault(asyncio.get_running_loop(), {})
+    return locks.setdefault(path, asyncio.Lock())
+
+
 async def choose(
     name_or_path,
     load: Load,
@@ -287,25 +298,39 @@ async def choose(
     """The fastest exact configuration of a folder on this machine: read from the tune cache
     when it holds one for this key (:func:`~specdec_rt.engine.tune_cache.tune_key`), else
     measured now (:func:`measure`, with ``load``, ``Engine.load``) and stored; ``force``:
-    measure even so. Raises
+    measure even so. A cached choice that is not one of the folder's configurations
+    (:func:`configs_for`) is measured again. Calls for one key in one event loop measure one at a
+    time: engines loaded at once share one measurement. Raises
     :class:`SpecDecError` when no configuration could be measured."""
 
     def look():  # (reads and hashes files: off the event loop)
         home = home_manifest(name_or_path)
         key = tune_key(home, threads=threads, slots=slots, provider=provider)
-        offered = {c.precision for c in target_candidates(home)}
-        return home, key, offered, None if force else read_cached(key)
+        return home, key, {(c.precision, c.draft) for c in configs_for(home)}
 
-    home, key, offered, cached = await anyio.to_thread.run_sync(look)
-    if cached is not None and cached.best is not None and cached.best.precision in offered:
-        return Tuned(cached.best.precision, cached.best.draft, "cached", cached)
-    result = await measure(
-        home.folder, load, threads=threads, slots=slots, provider=provider, max_length=max_length, say=say
-    )
-    best = result.best
-    if best is None:
-        raise SpecDecError(f"{home.folder}: no configuration could be measured (see the tune table's notes)")
-    path = await anyio.to_thread.run_sync(write_cached, key, result)
+    home, key, measurable = await anyio.to_thread.run_sync(look)
+    # one measurement of a key at a time in this process: engines loaded at once (asyncio.gather)
+    # would measure side by side, slowing each other, and could each choose differently; the
+    # ones that waited read what the first stored
+    async with _lock(cache_path(key)):
+        cached = None if force else await anyio.to_thread.run_sync(read_cached, key)
+        # the file is untrusted: only a configuration this folder offers is loaded (a draft
+        # named there could be any folder, or one no longer listed)
+        if cached is not None and cached.best is not None:
+            if (cached.best.precision, cached.best.draft) in measurable:
+                return Tuned(cached.best.precision, cached.best.draft, "cached", cached)
+            log.warning(
+                "tune.cache_ignored",
+                path=str(cache_path(key)),
+                error=f"its choice {cached.best.precision} {cached.best.draft!r} is not one this folder offers",
+            )
+        result = await measure(
+            home.folder, load, threads=threads, slots=slots, provider=provider, max_length=max_length, say=say
+        )
+        best = result.best
+        if best is None:
+            raise SpecDecError(f"{home.folder}: no configuration could be measured (see the tune table's notes)")
+        path = await anyio.to_thread.run_sync(write_cached, key, result)
     _stderr_or_log(say)(
         f"chose {best.precision} target, draft {best.draft}: {best.tok_s_1:.1f} tok/s alone, "
         f"{best.tok_s_c:.1f} tok/s at {best.concurrency} at once" + (f" (kept in {path})" if path else "")
