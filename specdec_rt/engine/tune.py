@@ -109,12 +109,14 @@ class _Samples:
 @dataclass(frozen=True)
 class Tuned:
     """What :func:`choose` picked: ``precision`` and ``draft`` to load, ``chosen_by``
-    (``"tuned"``: measured now, ``"cached"``: read from the tune cache) and the ``result``."""
+    (``"tuned"``: measured now, ``"cached"``: read from the tune cache), the ``result``, and
+    the tune file it was read from or stored in (None: it could not be written)."""
 
     precision: str
     draft: str
     chosen_by: str
     result: TuneResult
+    path: Path | None = None
 
 
 def configs_for(home) -> list[Config]:
@@ -318,7 +320,7 @@ async def choose(
         # named there could be any folder, or one no longer listed)
         if cached is not None and cached.best is not None:
             if (cached.best.precision, cached.best.draft) in measurable:
-                return Tuned(cached.best.precision, cached.best.draft, "cached", cached)
+                return Tuned(cached.best.precision, cached.best.draft, "cached", cached, cache_path(key))
             log.warning(
                 "tune.cache_ignored",
                 path=str(cache_path(key)),
@@ -335,4 +337,4 @@ async def choose(
         f"chose {best.precision} target, draft {best.draft}: {best.tok_s_1:.1f} tok/s alone, "
         f"{best.tok_s_c:.1f} tok/s at {best.concurrency} at once" + (f" (kept in {path})" if path else "")
     )
-    return Tuned(best.precision, best.draft, "tuned", result)
+    return Tuned(best.precision, best.draft, "tuned", result, path)

@@ -72,7 +72,6 @@ def run_tune(args) -> int:
     from ..engine.factory import home_manifest, pick_target
     from ..engine.loading import ensure_built
     from ..engine.tune import choose
-    from ..engine.tune_cache import cache_path
 
     folder = ensure_built(args.model, allow_build=not args.no_build, say=_say)
 
@@ -101,7 +100,7 @@ def run_tune(args) -> int:
                 "exact_to": exact_to,
             },
             **{k: v for k, v in result.as_dict().items() if k != "version"},  # "chosen": the row's index
-            "cache": str(cache_path(result.key)) if result.key else None,
+            "cache": None if tuned.path is None else str(tuned.path),  # None: it could not be stored
         }
         print(json.dumps(doc, indent=1))
         return 0

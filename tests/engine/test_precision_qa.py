@@ -252,10 +252,10 @@ def test_tune_names_a_bad_flag(args, says, capsys):
 def test_tune_json_is_one_document_with_the_documented_fields(quantized, tune_dir):
     """stdout is the JSON alone (progress goes to stderr); its choice is its chosen row; a
     second run reads the cache, ``--force`` measures again."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECDEC_RT_TUNE_DIR": str(tune_dir)}
-    cmd = [sys.executable, "-m", "specdec_rt", "tune", str(quantized), "--slots", "2", "--threads", "1", "--json"]
 
-    def tune_json(*extra):
+    def tune_json(*extra, folder=tune_dir):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECDEC_RT_TUNE_DIR": str(folder)}
+        cmd = [sys.executable, "-m", "specdec_rt", "tune", str(quantized), "--slots", "2", "--threads", "1", "--json"]
         proc = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout), proc.stderr
@@ -276,3 +276,8 @@ def test_tune_json_is_one_document_with_the_documented_fields(quantized, tune_di
     assert cached["choice"] == {**choice, "chosen_by": "cached"} and cached["rows"] == first["rows"]
     forced, said = tune_json("--force")
     assert forced["choice"]["chosen_by"] == "tuned" and "[tune] tuning" in said
+    assert cached["cache"] == forced["cache"] == first["cache"]
+    (tune_dir.parent / "a-file").write_text("")  # a tune folder that cannot be: nothing is stored
+    unstored, said = tune_json(folder=tune_dir.parent / "a-file")
+    assert unstored["cache"] is None and unstored["choice"]["chosen_by"] == "tuned"
+    assert "tune.cache_unwritable" in said
