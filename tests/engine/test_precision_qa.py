@@ -146,7 +146,7 @@ def test_a_tuned_choice_the_folder_does_not_offer_is_measured_again(
     assert all(m.manifest.folder.is_relative_to(tiny_llama) for m in engine.models)
 
 
-@pytest.mark.parametrize("kind", ["fifo", "folder", "link to /dev/zero", "huge"])
+@pytest.mark.parametrize("kind", ["fifo", "folder", "link to /dev/zero", "huge", "truncated"])
 def test_a_tune_file_that_is_no_file_is_measured_again_without_hanging(tiny_llama, tune_dir, monkeypatch, kind):
     key = tune_key(home_manifest(tiny_llama), threads=1, slots=2, provider="auto")
     path = cache_path(key)
@@ -158,6 +158,9 @@ def test_a_tune_file_that_is_no_file_is_measured_again_without_hanging(tiny_llam
     elif kind == "huge":
         with open(path, "wb") as f:
             f.truncate(1 << 30)  # sparse: 1 GiB that must not be read
+    elif kind == "truncated":  # a write cut short: the first half of a valid file
+        whole = json.dumps(TuneResult(rows(), 0, 1, 0.5, key=key).as_dict())
+        path.write_text(whole[: len(whole) // 2])
     else:
         path.symlink_to("/dev/zero")
     fake = SlowMeasure()
@@ -169,7 +172,7 @@ def test_a_tune_file_that_is_no_file_is_measured_again_without_hanging(tiny_llam
 
     choice, _ = anyio.run(bounded)
     assert fake.calls == 1 and (choice.precision, choice.chosen_by) == ("int4", "tuned")
-    if kind in ("fifo", "huge"):
+    if kind in ("fifo", "huge", "truncated"):
         assert path.is_file() and json.loads(path.read_text())["chosen"] == 3  # replaced by the result
     elif kind == "folder":
         assert path.is_dir()  # not writable there: measured each time, still no crash
