@@ -373,7 +373,9 @@ class Engine:
         if self._closed:
             raise EngineClosedError("this engine is closed")
         request = _request_params(params, overrides)
-        if request.mode == "spec" and self.drafter is None:
+        if request.mode is None:  # the engine's own: speculative when it has a drafter
+            request = request.replace(mode="ar" if self.drafter is None else "spec")
+        elif request.mode == "spec" and self.drafter is None:
             raise InvalidInputError("this engine has no draft model: load it with draft=... or use mode='ar'")
         stops = list(request.stop or ())  # (a tuple of strings once checked)
         shape = RequestShape(
@@ -464,7 +466,7 @@ class Engine:
                         ids,
                         p.max_new_tokens,
                         p.sampling_params(),
-                        mode=p.mode,
+                        mode="ar" if p.mode == "ar" else "spec",  # (resolved in stream)
                         logprobs=p.logprobs,
                         constraint=constraint,
                         ignore_eos=shape.ignore_eos,

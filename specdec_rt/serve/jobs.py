@@ -113,8 +113,6 @@ async def _open(serving: Serving, params: GenParams, prompt, choice: int = 0):
     names no token limit gets the server's default, capped to the room its prompt leaves in the
     context (as OpenAI's API does)."""
     request = params.request_params(serving.default_max_tokens, choice)
-    if not params.mode_given and getattr(serving.engine, "drafter", True) is None:
-        request = request.replace(mode="ar")  # no draft (--draft none, or tuned so): plain decoding
     for capped in (False, True):
         stream = serving.engine.stream(prompt, request)
         if not hasattr(stream, "ready"):  # not an EngineStream: it checks as it goes

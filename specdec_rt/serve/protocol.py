@@ -79,7 +79,7 @@ class GenParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     mode: Mode = "spec"
-    mode_given: bool = False  # the body named a mode (else an engine without a draft decodes plainly)
+    mode_given: bool = False  # the body named a mode (else the engine's own: plain without a draft)
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices
@@ -120,7 +120,7 @@ class GenParams:
             top_k=self.top_k,
             top_p=self.top_p,
             seed=seed,
-            mode=self.mode,
+            mode=self.mode if self.mode_given else None,  # None: the engine's own
             stop=self.stop,
             logprobs=self.logprobs,
             logit_bias=self.logit_bias,

@@ -39,6 +39,9 @@ class RequestParams:
     * ``temperature``, ``top_k``, ``top_p``, ``seed``: sampling (:class:`~specdec_rt.sampling.SamplingParams`;
       temperature 0 is greedy, ``seed`` makes a sampled request reproducible).
     * ``mode``: ``"spec"`` (speculative) or ``"ar"`` (plain decoding); the same output either way.
+      ``None`` (the default): the engine's own, ``"spec"`` when it has a drafter (a draft model
+      or n-gram lookup) and ``"ar"`` when it has none (``draft="none"``, or what
+      ``precision="auto"`` chose); ``"spec"`` on an engine without a drafter is an error.
     * ``stop``: strings that end the generation (the text is cut before the stop string;
       ``token_ids`` end with the token that completes it, in either mode; a stream holds back
       text that may start one). A string or a sequence of them; kept as a tuple.
@@ -76,7 +79,7 @@ class RequestParams:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
-    mode: Mode = "spec"
+    mode: Mode | None = None
     stop: str | Sequence[str] | None = ()
     truncate_prompt: bool = False
     logprobs: int | None = None
@@ -99,8 +102,8 @@ class RequestParams:
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: the checked (canonical) values go in this way
-        if not isinstance(self.mode, str) or self.mode not in ("spec", "ar"):
-            raise InvalidInputError(f"mode must be 'spec' or 'ar', got {brief_repr(self.mode)}")
+        if self.mode is not None and (not isinstance(self.mode, str) or self.mode not in ("spec", "ar")):
+            raise InvalidInputError(f"mode must be 'spec', 'ar' or None, got {brief_repr(self.mode)}")
         check_int(self.max_new_tokens, "max_new_tokens", 1, numpy=False)
         for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             put(self, name, off if getattr(self, name) is None else getattr(self, name))

@@ -20,6 +20,7 @@ from specdec_rt import (
     InvalidInputError,
     ModelLoadError,
     ModelNotBuiltError,
+    RequestParams,
     SpecConfig,
 )
 from specdec_rt.engine.engine import Engine
@@ -85,6 +86,25 @@ def test_prompt_encoding_matches_transformers(tiny_llama, tiny_qwen):
                 assert engine.codec.encode_prompt(chat) == list(want)
 
         anyio.run(main)
+
+
+def test_a_request_naming_no_mode_takes_the_engines_own(tiny_llama):
+    """No mode: speculative with a drafter, plain without one (what ``precision="auto"`` may
+    choose); an explicit ``mode="spec"`` on an engine without a drafter is still refused."""
+
+    async def main():
+        async with await Engine.load(tiny_llama, draft="none") as plain:
+            r = await plain.generate("Hello world", max_new_tokens=6)
+            assert r.stats.mode == "ar" and len(r.token_ids) == 6
+            assert r.token_ids == (await plain.generate("Hello world", max_new_tokens=6, mode="ar")).token_ids
+            with pytest.raises(InvalidInputError, match="no draft model"):
+                await plain.generate("Hello world", max_new_tokens=6, mode="spec")
+            async with plain.stream("Hello world", RequestParams(max_new_tokens=3)) as events:
+                assert [ev async for ev in events][-1].stats.mode == "ar"
+        async with await Engine.load(tiny_llama, draft="ngram") as spec:
+            assert (await spec.generate("Hello world", max_new_tokens=6)).stats.mode == "spec"
+
+    anyio.run(main)
 
 
 def test_sampling_reproducible_with_seed(tiny_qwen):

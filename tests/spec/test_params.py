@@ -20,7 +20,7 @@ BAD = {
     "top_k": [True, 0, -1, 1.5, "4", float("inf"), [4]],
     "top_p": [True, 0, -0.5, 1.5, "0.5", float("nan"), 10**400],
     "seed": [True, -1, 1.5, "4", -(10**30), [4]],
-    "mode": [None, True, 5, "SPEC", "", ["spec"], np.array(["spec", "ar"])],
+    "mode": [True, 5, "SPEC", "", ["spec"], np.array(["spec", "ar"])],
     "stop": [
         5,
         True,
@@ -81,7 +81,7 @@ def test_cross_field_rules():
 
 def test_defaults_and_canonical_forms():
     p = RequestParams()
-    assert (p.max_new_tokens, p.temperature, p.mode, p.stop, p.tools, p.tool_choice) == (256, 0.0, "spec", (), (), None)
+    assert (p.max_new_tokens, p.temperature, p.mode, p.stop, p.tools, p.tool_choice) == (256, 0.0, None, (), (), None)
     assert not p.calls_tools and p.json_schema is None and p.sampling_params() == SamplingParams()
     q = RequestParams(
         stop="END",
