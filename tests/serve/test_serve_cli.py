@@ -149,6 +149,10 @@ async def _drain_scenario(url: str, proc: subprocess.Popen) -> None:
         (["--max-headers", "-5"], "--max-headers"),
         (["--max-connections", "0"], "--max-connections"),
         (["--keep-alive-timeout", "-1"], "--keep-alive-timeout"),
+        (["--slots", "abc"], "'abc'"),
+        (["--port", "x80"], "'x80'"),
+        (["--header-timeout", "soon"], "'soon'"),
+        (["--replicas", "two"], "'two'"),
     ],
 )
 def test_cli_serve_refuses_bad_flags_in_one_line_before_loading(tiny_llama, args, named):
@@ -165,6 +169,7 @@ def test_cli_serve_refuses_bad_flags_in_one_line_before_loading(tiny_llama, args
     )
     assert proc.returncode != 0 and named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert "listening" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 2
+    assert "invalid _" not in proc.stderr  # argparse naming our converter, not the value
 
 
 def test_cli_serve_stops_on_sigterm_when_its_stderr_reader_is_gone(tiny_llama):
