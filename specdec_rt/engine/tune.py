@@ -43,7 +43,7 @@ import anyio
 from ..errors import SpecDecError
 from ..logs import get_logger
 from .factory import cheaper_drafts, home_manifest, target_candidates
-from .tune_cache import TuneResult, TuneRow, cache_path, read_cached, tune_key, write_cached
+from .tune_cache import TuneLock, TuneResult, TuneRow, cache_path, lock_path, read_cached, tune_key, write_cached
 
 __all__ = [
     "TUNE_PROMPTS",
@@ -73,6 +73,10 @@ TUNE_MAX_LENGTH = 512  # KV per request in the tuning engines: a prompt and its 
 MAX_MODEL_DRAFTS = 1  # draft models measured per target: the manifest's first cheap enough one
 AT_ONCE = 4  # requests at once in the "several" measurement (or slots, if fewer)
 PICK_MARGIN = 0.05  # a less precise target must score more than 5% above a more precise one
+# waiting for another process's measurement of the same key: its loads (26 s of 89 on a busy
+# 2-core machine, the default model) and TUNE_BUDGET_S, with room for a slower machine or model
+LOCK_WAIT_S = 300.0
+LOCK_POLL_S = 0.25  # how often a waiting process tries the lock
 
 Say = Callable[[str], None]
 Load = Callable[..., Awaitable[Any]]  # Engine.load
@@ -296,13 +300,18 @@ async def choose(
     max_length: int | None = None,
     force: bool = False,
     say: Say | None = None,
+    lock_wait_s: float = LOCK_WAIT_S,
 ) -> Tuned:
     """The fastest exact configuration of a folder on this machine: read from the tune cache
     when it holds one for this key (:func:`~specdec_rt.engine.tune_cache.tune_key`), else
     measured now (:func:`measure`, with ``load``, ``Engine.load``) and stored; ``force``:
     measure even so. A cached choice that is not one of the folder's configurations
-    (:func:`configs_for`) is measured again. Calls for one key in one event loop measure one at a
-    time: engines loaded at once share one measurement. Raises
+    (:func:`configs_for`) is measured again. Calls for one key measure one at a time, in one
+    event loop and across processes (:class:`~specdec_rt.engine.tune_cache.TuneLock`): engines
+    and servers started at once share one measurement. One that finds another process
+    measuring waits (a progress line says so) at most ``lock_wait_s`` seconds, then reads what
+    it stored; past that, or where the lock cannot be taken (no ``fcntl``, a read-only folder),
+    it measures on its own, with a warning (``tune.unlocked``). Raises
     :class:`SpecDecError` when no configuration could be measured."""
 
     def look():  # (reads and hashes files: off the event loop)
@@ -311,28 +320,72 @@ async def choose(
         return home, key, {(c.precision, c.draft) for c in configs_for(home)}
 
     home, key, measurable = await anyio.to_thread.run_sync(look)
-    # one measurement of a key at a time in this process: engines loaded at once (asyncio.gather)
-    # would measure side by side, slowing each other, and could each choose differently; the
-    # ones that waited read what the first stored
+    # one measurement of a key at a time: engines loaded at once (asyncio.gather) or processes
+    # started at once (two servers, a server and `tune`, Ray Serve replicas on one node) would
+    # measure side by side, slowing each other, and could each choose differently; the ones that
+    # waited read what the first stored. The event loop's lock orders this process's calls; the
+    # file's (flock) orders processes, and loops on other threads of this one.
     async with _lock(cache_path(key)):
-        cached = None if force else await anyio.to_thread.run_sync(read_cached, key)
-        # the file is untrusted: only a configuration this folder offers is loaded (a draft
-        # named there could be any folder, or one no longer listed)
-        if cached is not None and cached.best is not None:
-            if (cached.best.precision, cached.best.draft) in measurable:
-                return Tuned(cached.best.precision, cached.best.draft, "cached", cached, cache_path(key))
-            log.warning(
-                "tune.cache_ignored",
-                path=str(cache_path(key)),
-                error=f"its choice {cached.best.precision} {cached.best.draft!r} is not one this folder offers",
+        across = TuneLock(lock_path(key))
+        try:
+            unlocked = await _take(across, home.name, say, lock_wait_s)
+            settings = {"threads": threads, "slots": slots, "provider": provider, "max_length": max_length}
+            return await _read_or_measure(home, key, measurable, load, force, say, unlocked, settings)
+        finally:
+            across.release()
+
+
+async def _take(lock: TuneLock, model: str, say: Say | None, wait_s: float) -> str:
+    """Hold ``lock``, waiting at most ``wait_s`` while another process holds it: ``""`` once
+    held, else why it is not (it cannot be locked here, or the wait ran out)."""
+    start, waiting = time.monotonic(), False
+    while True:
+        try:
+            if await anyio.to_thread.run_sync(lock.try_acquire):
+                if waiting:
+                    _stderr_or_log(say)(f"the other process is done after {time.monotonic() - start:.0f} s")
+                return ""
+        except OSError as exc:
+            return f"cannot lock {lock.path}: {type(exc).__name__}: {exc}"[:300]
+        if not waiting:
+            waiting = True
+            _stderr_or_log(say)(
+                f"waiting for another process measuring {model} on this machine (at most {wait_s:.0f} s; "
+                f"lock {lock.path})"
             )
-        result = await measure(
-            home.folder, load, threads=threads, slots=slots, provider=provider, max_length=max_length, say=say
+        if time.monotonic() - start >= wait_s:
+            return f"waited {wait_s:.0f} s for another process measuring {model}, holding {lock.path}"
+        await anyio.sleep(LOCK_POLL_S)
+
+
+async def _read_or_measure(
+    home, key, measurable, load: Load, force: bool, say: Say | None, unlocked: str, settings: dict
+) -> Tuned:
+    """The cached choice for ``key``, else (or ``force``) measured now and stored; ``unlocked``:
+    why this process measures without the lock (warned before it does), or ``""``."""
+    cached = None if force else await anyio.to_thread.run_sync(read_cached, key)
+    # the file is untrusted: only a configuration this folder offers is loaded (a draft
+    # named there could be any folder, or one no longer listed)
+    if cached is not None and cached.best is not None:
+        if (cached.best.precision, cached.best.draft) in measurable:
+            return Tuned(cached.best.precision, cached.best.draft, "cached", cached, cache_path(key))
+        log.warning(
+            "tune.cache_ignored",
+            path=str(cache_path(key)),
+            error=f"its choice {cached.best.precision} {cached.best.draft!r} is not one this folder offers",
         )
-        best = result.best
-        if best is None:
-            raise SpecDecError(f"{home.folder}: no configuration could be measured (see the tune table's notes)")
-        path = await anyio.to_thread.run_sync(write_cached, key, result)
+    if unlocked:
+        log.warning(
+            "tune.unlocked",
+            reason=unlocked,
+            message=f"measuring {home.name} without the lock: a process measuring it at once would "
+            "disturb this measurement and be disturbed by it, and the last to finish stores its choice",
+        )
+    result = await measure(home.folder, load, say=say, **settings)
+    best = result.best
+    if best is None:
+        raise SpecDecError(f"{home.folder}: no configuration could be measured (see the tune table's notes)")
+    path = await anyio.to_thread.run_sync(write_cached, key, result)
     _stderr_or_log(say)(
         f"chose {best.precision} target, draft {best.draft}: {best.tok_s_1:.1f} tok/s alone, "
         f"{best.tok_s_c:.1f} tok/s at {best.concurrency} at once" + (f" (kept in {path})" if path else "")

@@ -13,11 +13,17 @@ The file is untrusted input: read only if it is a regular file of at most
 anything else is ignored, with a warning, and measured again, never a crash. Writes are atomic
 (a temporary file renamed over the old one) and best effort (a read-only cache only costs a
 measurement per start).
+
+Processes that read, else measure and store, one key at once (two ``serve``, a ``serve`` and a
+``tune``, Ray Serve replicas on one node) take turns with :class:`TuneLock`: ``fcntl.flock`` on
+``<model>-<hash>.lock`` beside the tune file (opened without following a link, mode 0o600). The
+kernel releases it when its holder exits, killed or not.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -29,6 +35,11 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # (Windows: no flock; each process measures on its own, and says so)
+    fcntl = None  # type: ignore[assignment]
 
 from ..logs import get_logger
 from ..manifest_schema import MANIFEST
@@ -43,6 +54,8 @@ __all__ = [
     "cache_path",
     "read_cached",
     "write_cached",
+    "lock_path",
+    "TuneLock",
 ]
 
 log = get_logger("specdec_rt.engine.tune")
@@ -286,6 +299,22 @@ def _prune(folder: Path, keep: Path) -> None:
         for old in files[: max(0, len(files) + 1 - MAX_CACHE_FILES)]:
             with contextlib.suppress(OSError):
                 old.unlink()
+                _drop_lock(old.with_suffix(LOCK_SUFFIX))
+
+
+def _drop_lock(path: Path) -> None:
+    """Remove a pruned result's lock file unless a process holds it (one that opened it and locks
+    it later sees it gone: :meth:`TuneLock.try_acquire` opens it again)."""
+    if fcntl is None:
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDWR | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _names(path, fd):
+                path.unlink()
+        finally:
+            os.close(fd)
 
 
 def write_cached(key: dict, result: TuneResult) -> Path | None:
@@ -309,3 +338,80 @@ def write_cached(key: dict, result: TuneResult) -> Path | None:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+# ---------------------------------------------------------------------- one process at a time
+LOCK_SUFFIX = ".lock"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def lock_path(key: dict) -> Path:
+    """The lock file of ``key``'s tune file: beside it, ``<model>-<hash>.lock``."""
+    return cache_path(key).with_suffix(LOCK_SUFFIX)
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether ``path`` (not followed) is still the file open as ``fd``."""
+    try:
+        st, mine = os.stat(path, follow_symlinks=False), os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+class TuneLock:
+    """An exclusive lock across processes on one tune file: ``fcntl.flock`` on the file at
+    ``path`` (:func:`lock_path`), created if absent (mode 0o600), never through a link.
+
+    flock locks an open file description: two of them conflict whether they are in two processes
+    or in one (two event loops on two threads each open their own), and the kernel drops the lock
+    when its holder closes it or exits, killed or not. Not re-entrant: one object, one holder.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._fd: int | None = None
+        self.held = False
+
+    def try_acquire(self) -> bool:
+        """Take the lock if it is free: True once held, False while another holds it. Raises
+        :class:`OSError` when it cannot be taken here: no ``fcntl`` on this platform, a folder
+        that cannot be created or written, a link or something else than a regular file there,
+        a file system without flock."""
+        if fcntl is None:
+            raise OSError(errno.ENOSYS, "no fcntl.flock on this platform")
+        if self.held:
+            return True
+        for _ in range(3):  # (the file pruned and made again between open and lock: try the new one)
+            if self._fd is None:
+                self._fd = self._open()
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            except OSError:
+                self.release()
+                raise
+            if _names(self.path, self._fd):  # a lock on a file removed meanwhile would lock nothing
+                self.held = True
+                return True
+            self.release()
+        return False
+
+    def _open(self) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_RDWR | os.O_CREAT | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(self.path, flags, 0o600)  # a link: ELOOP (the folder is untrusted)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device placed there
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"{self.path}: not a regular file")
+        return fd
+
+    def release(self) -> None:
+        """Let go of the lock (and the file); nothing when not held."""
+        fd, self._fd, self.held = self._fd, None, False
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                if fcntl is not None:
+                    fcntl.flock(fd, fcntl.LOCK_UN)  # (before close: a forked child's copy would keep it)
+            os.close(fd)
