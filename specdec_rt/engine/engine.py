@@ -219,12 +219,13 @@ class Engine:
         offers), or ``"auto"``: the fastest exact configuration on this machine, target and
         draft, measured on first use (about a minute on the default model; progress goes to the
         ``specdec_rt.engine.tune`` logger at info level, which ``serve`` shows on stderr)
-        and cached in ``~/.cache/specdec-rt/tune/`` (:mod:`specdec_rt.engine.tune`); an explicit
+        and cached in ``~/.cache/specdec-rt/tune/`` (:mod:`specdec_rt.engine.tune`; engines or
+        processes loading the same at once measure once, the others wait and read it); an explicit
         ``draft`` wins over the tuned one. :attr:`choice` says what was chosen and how.
         """
         check_bool(warmup, "warmup")
         check_precision(precision)
-        chosen_by = None
+        chosen_by, draft_asked = None, False
         if precision == "auto":
             from .tune import choose  # (it loads engines of its own)
 
@@ -234,7 +235,7 @@ class Engine:
                 name_or_path, cls.load, threads=threads, slots=slots, provider=provider, max_length=max_length
             )
             precision, chosen_by = tuned.precision, tuned.chosen_by
-            draft = tuned.draft if draft is None else draft
+            draft_asked, draft = draft is not None, tuned.draft if draft is None else draft
         engine = await anyio.to_thread.run_sync(
             lambda: cls._load(
                 name_or_path,
@@ -249,6 +250,7 @@ class Engine:
                 consumer_timeout,
                 precision,
                 chosen_by,
+                draft_asked,
             )
         )
         if warmup:
@@ -279,6 +281,7 @@ class Engine:
         consumer_timeout=DEFAULT_CONSUMER_TIMEOUT,
         precision="exported",
         chosen_by=None,
+        draft_asked=False,
     ) -> "Engine":
         check_load_args(name_or_path, draft, max_length, threads, spec_config)
         check_int(slots, "slots", 1, MAX_SLOTS, numpy=False)
@@ -314,6 +317,7 @@ class Engine:
             parts.draft_name or "none",
             chosen_by or ("exported" if precision == "exported" else "pinned"),
             parts.candidate.exact_to,
+            draft_asked=draft_asked,
         )
         return engine
 

@@ -257,17 +257,19 @@ def make_drafter(m, spec: str, opts: dict) -> tuple[DraftInferrer | None, str | 
     model_spec = spec[len("ngram+") :] if combined else spec
     path = Path(model_spec).expanduser()
     named = any(d.get("name") == model_spec for d in m.drafts)  # the manifest's name wins over ./<name>
+    label = None  # a folder is named as it was given: its manifest's name ("q4") would read as this folder's own
     if not named and (path / MANIFEST).is_file():
-        draft_dir = path
+        draft_dir, label = path, model_spec
     elif not named and (any(c in model_spec for c in "/\\") or model_spec.startswith(("~", "."))):  # a folder
         raise ModelLoadError(f"{path}: not a draft folder (no manifest.json in it); build one with python -m export")
     else:
         draft_dir = m.draft_dir(model_spec)
     dm = load_manifest(draft_dir)
     model = model_drafter(m, dm, **opts)
+    label = label or dm.name
     if combined:
-        return CombinedDrafter(NgramDrafter(), model), f"ngram+{dm.name}"
-    return model, dm.name
+        return CombinedDrafter(NgramDrafter(), model), f"ngram+{label}"
+    return model, label
 
 
 def engine_models(target, drafter) -> list:

@@ -39,12 +39,14 @@ class PrecisionChoice:
     """What an Engine runs: its target's ``precision`` (``"float32"``, ``"int8"``, ...), its
     ``draft`` (the draft spec it loaded: ``"ngram+q8"``, ``"ngram"``, ``"none"``), ``chosen_by``
     (one of :data:`CHOSEN_BY`) and ``exact_to``, in words ("greedy output is exact to the int8
-    target (int8 weights, int8 activations)")."""
+    target (int8 weights, int8 activations)"). ``draft_asked``: the draft was the caller's, not
+    the tuned one (``precision="auto"`` with ``draft=``): ``chosen_by`` tells of the target only."""
 
     precision: str
     draft: str
     chosen_by: str
     exact_to: str
+    draft_asked: bool = False
 
     def as_dict(self) -> dict[str, str]:
         """The fields, for JSON (``/v1/models`` entries carry them)."""
@@ -56,11 +58,15 @@ class PrecisionChoice:
         }
 
     def describe(self) -> str:
-        """One line: ``int8 target, draft ngram+q4 (tuned on this machine); greedy output is ...``."""
+        """One line: ``int8 target, draft ngram+q4 (tuned on this machine); greedy output is ...``
+        (``int8 target (tuned on this machine), draft q4 (asked for); ...`` when the draft was
+        the caller's)."""
         how = {
             "tuned": "tuned on this machine",
             "cached": "tuned on this machine earlier",
             "pinned": "pinned",
             "exported": "as exported",
         }.get(self.chosen_by, self.chosen_by)
+        if self.draft_asked and self.chosen_by in ("tuned", "cached"):
+            return f"{self.precision} target ({how}), draft {self.draft} (asked for); {self.exact_to}"
         return f"{self.precision} target, draft {self.draft} ({how}); {self.exact_to}"

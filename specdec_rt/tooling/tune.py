@@ -22,7 +22,11 @@ def add_tune_arguments(p: argparse.ArgumentParser, threads_type) -> None:
     from ..engine.loading import DEFAULT_MODEL
 
     p.add_argument(
-        "model", nargs="?", default=DEFAULT_MODEL, help=f"recipe name or export folder (default {DEFAULT_MODEL})"
+        "model",
+        nargs="?",
+        type=_model,
+        default=DEFAULT_MODEL,
+        help=f"recipe name or export folder (default {DEFAULT_MODEL})",
     )
     p.add_argument("--slots", type=_slots, default=8, help="slots the server will run with (default 8, serve's)")
     p.add_argument(
@@ -32,6 +36,12 @@ def add_tune_arguments(p: argparse.ArgumentParser, threads_type) -> None:
     p.add_argument("--force", action="store_true", help="measure again even if a result is cached")
     p.add_argument("--no-build", action="store_true", help="fail instead of building a missing recipe")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+
+
+def _model(text: str) -> str:
+    if not text.strip():  # (Path("") is ".": it would be named as the current folder)
+        raise argparse.ArgumentTypeError(f"must be a recipe name or an export folder, got {text!r}")
+    return text
 
 
 def _slots(text: str) -> int:
