@@ -91,8 +91,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         default=None,
         help="which of the model folder's targets runs: 'auto' (default) the fastest exact one "
         "with its draft, measured on this machine on first start (about a minute) and cached "
-        "(python -m specdec_rt tune shows the table); 'exported' the folder's own (the default "
-        "with --ray); or pinned",
+        "(python -m specdec_rt tune shows the table; processes starting at once measure once); "
+        "'exported' the folder's own; or pinned",
     )
     p.add_argument("--no-build", action="store_true", help="fail instead of building a missing recipe")
     p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
@@ -287,7 +287,7 @@ def _seconds(text: str) -> float:
 
 def _options(args, access, folder) -> dict:
     """The flags as :class:`~specdec_rt.serve.options.ServeOptions` fields (the precision aside:
-    its default differs under ``--ray``), one mapping for the local server and the replicas."""
+    each caller passes it), one mapping for the local server and the replicas."""
     from pathlib import Path
 
     return dict(
@@ -477,8 +477,9 @@ def run_ray_serve(args, access) -> int:
     folder = ensure_built(args.model, allow_build=not args.no_build)
     opts = RayOptions(
         **_options(args, access, folder),
-        # not auto unless asked: replicas starting together on one node would each measure, at once
-        precision=args.precision or "exported",
+        # auto as without --ray: replicas starting together on one node take turns on the tune
+        # file's lock, so the first measures (its siblings wait, loading nothing) and the rest read it
+        precision=args.precision or "auto",
         replicas=args.replicas,
         cpus_per_replica=args.cpus_per_replica,
     )

@@ -71,7 +71,8 @@ class RayOptions(ServeOptions):
     ``threads``: ONNX Runtime threads (default: the CPUs Ray reserved for the replica).
     ``api_keys`` empty: a replica takes the keys in its own ``$SPECDEC_API_KEY``, e.g. from a
     Kubernetes Secret; ``allowed_hosts`` None: any Host. ``precision="auto"``: each replica reads
-    the tune cache or measures."""
+    the tune cache; where it holds nothing yet, the first replica of a node measures and its
+    siblings wait for it (the tune file's lock) and read what it stored."""
 
     replicas: int | str = 1
     cpus_per_replica: float = 1.0

@@ -138,6 +138,8 @@ def ray_server(tiny_llama):
             str(port),
             "--header-timeout",
             str(HEADER_TIMEOUT),
+            "--precision",  # the folder's own target: answers are compared with Engine.load's default
+            "exported",
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -453,3 +455,44 @@ def test_replicas_on_two_nodes_and_losing_one(tiny_llama, monkeypatch):
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_replicas_starting_together_with_auto_measure_once(tiny_llama, tmp_path):
+    """``serve --ray`` defaults to ``--precision auto``: of two replicas starting at once on this
+    node, one measures and the other waits for it (the tune file's lock) and reads its choice."""
+    tune_dir, port = tmp_path / "tune", free_port()
+    cmd = [sys.executable, "-m", "specdec_rt", "serve", "--ray", "--replicas", "2", "--cpus-per-replica", "1"]
+    proc = subprocess.Popen(
+        [*cmd, "--slots", "2", "--model", str(tiny_llama), "--port", str(port)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "SPECDEC_RT_TUNE_DIR": str(tune_dir)},
+    )
+    try:
+        lines: list[str] = []
+        deadline = time.time() + 300
+        while time.time() < deadline and not any("listening on" in x for x in lines):
+            line = proc.stderr.readline() if proc.stderr else ""
+            if not line and proc.poll() is not None:
+                break
+            lines.append(line)
+        assert any("listening on" in x for x in lines), "".join(lines)[-3000:]
+        seen: dict[str, dict] = {}
+        with httpx.Client(timeout=30) as c:
+            for _ in range(60):
+                r = c.get(f"http://127.0.0.1:{port}/v1/models")
+                assert r.status_code == 200, r.text
+                seen[r.headers["x-specdec-replica"]] = r.json()["data"][0]
+                if len(seen) == 2:
+                    break
+        assert len(seen) == 2, seen
+        entries = list(seen.values())
+        assert sorted(e["chosen_by"] for e in entries) == ["cached", "tuned"], entries
+        assert len({(e["precision"], e["draft"]) for e in entries}) == 1, entries
+        assert len(list(tune_dir.glob("*.json"))) == 1 and len(list(tune_dir.glob("*.lock"))) == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
