@@ -184,7 +184,7 @@ CHEAP = [
     *[("seed", v, "seed") for v in (True, 1.5, "4", float("nan"), float("inf"), -1, -(10**30), [4], {"a": 1})],
     *[
         ("mode", v, "mode")
-        for v in (None, True, 5, ["spec"], {"a": 1}, "SPEC", "", float("nan"), np.array(["spec", "ar"]))
+        for v in (True, 5, ["spec"], {"a": 1}, "SPEC", "", float("nan"), np.array(["spec", "ar"]))
     ],
     *[
         ("stop", v, "stop")
