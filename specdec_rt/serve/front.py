@@ -9,12 +9,19 @@ binds Ray's proxy to 127.0.0.1 on an internal port and listens on ``--host:--por
 the very uvicorn options of the single-process server; :func:`create_front` is the app there.
 
 Each request (any method, path, query string and body) goes to ``upstream`` with the same
-method and headers (``Host`` included, so the replica's Host check sees what the client sent),
-less the hop-by-hop ones (``Connection`` and the headers it names, ``Keep-Alive``,
-``Transfer-Encoding``, ``TE``, ``Trailer``, ``Upgrade``, ``Proxy-*``). The body streams up as it
-arrives; the response streams back chunk by chunk (an SSE stream token by token), its status and
-headers passed through less the hop-by-hop ones and ``Date`` / ``Server`` (this server writes its
-own). Upstream unreachable or failing before its response starts: a 502 with the OpenAI error body.
+method and headers (``Host`` included, so the replica's Host check sees what the client sent;
+none goes up empty, never as the upstream's address), less the hop-by-hop ones (``Connection``
+and the headers it names but ``Host``, ``Keep-Alive``, ``Transfer-Encoding``, ``TE``,
+``Trailer``, ``Upgrade``, ``Proxy-*``), ``Content-Length`` beside ``Transfer-Encoding`` (h11
+read the chunks), and the client's ``X-Forwarded-For`` / ``-Proto``: the front sends its own
+(the client's address and scheme as it sees them), which Ray's proxy trusts from 127.0.0.1. The
+request target must be a path: it only ever replaces the path and query of ``upstream``, so no
+request makes the front connect anywhere else (a target such as ``%2F@host/``, which uvicorn
+routes as ``/@host/``, is a 400). Nothing else is added (no httpx defaults, no cookies: the
+client keeps none). The body streams up as it arrives; the response streams back chunk by chunk
+(an SSE stream token by token), its status and headers passed through less the hop-by-hop ones
+and ``Date`` / ``Server`` (this server writes its own). Upstream unreachable or failing before
+its response starts: a 502 with the OpenAI error body.
 
 Cancellation: a client that goes away (uvicorn's ``http.disconnect``), whether it is still
 waiting for the response to start or reading its stream, cancels the relay and closes the
@@ -25,6 +32,7 @@ frees its slot as a disconnect does on the single-process server.
 from __future__ import annotations
 
 import contextlib
+import http.cookiejar
 import json
 import logging
 from typing import Any
@@ -43,6 +51,7 @@ log = logging.getLogger("specdec_rt.serve")
 
 # RFC 9110 section 7.6.1, and the Proxy-* headers (matched by prefix)
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade"})
+_FORWARDED = frozenset({b"x-forwarded-for", b"x-forwarded-proto"})  # what uvicorn's proxy_headers reads
 _OWN = frozenset({b"date", b"server"})  # the front's uvicorn writes these
 CONNECT_TIMEOUT_S = 10.0  # to reach the proxy; a response may take as long as --request-timeout allows
 
@@ -54,7 +63,7 @@ def create_front(upstream: str, *, transport: httpx.AsyncBaseTransport | None = 
     url = httpx.URL(upstream)
     if url.scheme not in ("http", "https") or not url.host or url.path not in ("", "/") or url.query:
         raise InvalidInputError(f"upstream must be http://HOST:PORT, got {upstream!r}")
-    relay = _Relay(str(url).rstrip("/"))
+    relay = _Relay(url)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -64,6 +73,7 @@ def create_front(upstream: str, *, transport: httpx.AsyncBaseTransport | None = 
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
             trust_env=False,  # an $HTTP_PROXY must not carry loopback traffic elsewhere
             follow_redirects=False,
+            cookies=http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[])),  # keeps none
         ) as client:
             relay.client = client
             try:
@@ -75,14 +85,15 @@ def create_front(upstream: str, *, transport: httpx.AsyncBaseTransport | None = 
 
 
 def _kept(headers: list[tuple[bytes, bytes]], drop: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
-    """``headers`` less the hop-by-hop ones (and those ``Connection`` names) and ``drop``."""
+    """``headers`` less the hop-by-hop ones (and those ``Connection`` names, ``Host`` aside) and
+    ``drop``."""
     named = {
         token.strip().lower()
         for name, value in headers
         if name.lower() == b"connection"
         for token in value.split(b",")
         if token.strip()
-    }
+    } - {b"host"}
     return [
         (name, value)
         for name, value in headers
@@ -96,15 +107,32 @@ def _kept(headers: list[tuple[bytes, bytes]], drop: frozenset[bytes] = frozenset
 class _Relay:
     """The one route's ASGI endpoint (see the module docstring)."""
 
-    def __init__(self, base: str) -> None:
-        self.base = base
+    def __init__(self, url: httpx.URL) -> None:
+        self.url = url
+        self.base = str(url).rstrip("/")
         self.client: httpx.AsyncClient | None = None
 
     async def __call__(self, scope: dict[str, Any], receive, send) -> None:
         if scope["type"] != "http" or self.client is None:
             return await _refuse(send, 503, "the front is not running", "server_error")
+        path = scope.get("raw_path") or scope["path"].encode()
+        query = scope.get("query_string") or b""
+        try:
+            if not path.startswith(b"/"):  # the rest would be read as the URL's authority
+                raise httpx.InvalidURL("the request target is not a path")
+            url = self.url.copy_with(raw_path=path + (b"?" + query if query else b""))  # the host stays
+        except (httpx.InvalidURL, UnicodeError) as exc:
+            message = f"invalid request target {path.decode('latin-1')[:200]!r}: {exc}"
+            return await _refuse(send, 400, message, "invalid_request", "invalid_request_error")
         headers = list(scope["headers"])
-        has_body = any(name.lower() in (b"content-length", b"transfer-encoding") for name, _ in headers)
+        names = {name.lower() for name, _ in headers}
+        has_body = bool(names & {b"content-length", b"transfer-encoding"})
+        up = _kept(headers, _FORWARDED | ({b"content-length"} if b"transfer-encoding" in names else set()))
+        if b"host" not in names:
+            up.append((b"host", b""))  # not the upstream's address: that would pass a Host check
+        if scope.get("client"):
+            up.append((b"x-forwarded-for", scope["client"][0].encode()))
+        up.append((b"x-forwarded-proto", scope.get("scheme", "http").encode()))
         body_done = anyio.Event()
         relay = anyio.CancelScope()  # cancelled when the client goes away
         if not has_body:
@@ -121,16 +149,8 @@ class _Relay:
                     break
             body_done.set()
 
-        path = scope.get("raw_path") or scope["path"].encode()
-        target = self.base + path.decode("latin-1")
-        if scope.get("query_string"):
-            target += "?" + scope["query_string"].decode("latin-1")
-        request = self.client.build_request(
-            scope["method"],
-            httpx.URL(target),  # (raw: the client's percent-encoding kept)
-            headers=_kept(headers),
-            content=body() if has_body else None,
-        )
+        # a plain Request: the client's defaults (Accept-Encoding, User-Agent, ...) are not added
+        request = httpx.Request(scope["method"], url, headers=up, content=body() if has_body else None)
         started = False
         response: httpx.Response | None = None
         with relay:
@@ -179,8 +199,8 @@ class _Gone(Exception):
     """The client went away while its body was being relayed."""
 
 
-async def _refuse(send, status: int, message: str, code: str) -> None:
-    body = json.dumps(error_body(message, "server_error", code)).encode()
+async def _refuse(send, status: int, message: str, code: str, kind: str = "server_error") -> None:
+    body = json.dumps(error_body(message, kind, code)).encode()
     await send(
         {
             "type": "http.response.start",

@@ -4,6 +4,7 @@ Starlette upstream on uvicorn, or to an httpx mock."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import anyio
@@ -176,3 +177,119 @@ def test_the_upstream_must_be_a_base_url():
     for bad in ("127.0.0.1:8000", "http://h:1/v1", "ftp://h:1", "http://h:1/?a=1"):
         with pytest.raises(InvalidInputError, match="upstream must be"):
             create_front(bad)
+
+
+async def _raw(url: str, request: bytes) -> bytes:
+    """Send ``request`` as is to the server at ``url``; what it answers until it closes."""
+    host, port = url.split("//")[1].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(request)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+def test_no_request_target_makes_the_front_connect_elsewhere():
+    """A target that is no path (it starts with ``%2F``, which uvicorn decodes to ``/`` for
+    routing) was pasted after ``http://HOST:PORT`` and became the URL's authority: ``GET
+    %2F@127.0.0.1:PORT/x`` made the front fetch another server's page for any client (was: 200
+    with the other server's body). Such targets are 400 now; ``//host/x`` stays a path."""
+    up = Upstream()
+    contacted: list[bytes] = []
+
+    async def decoy_handler(reader, writer):
+        contacted.append(await reader.read(200))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\ndecoy")
+        writer.close()
+
+    async def main():
+        decoy = await asyncio.start_server(decoy_handler, "127.0.0.1", 0)
+        other = f"127.0.0.1:{decoy.sockets[0].getsockname()[1]}"
+        async with decoy, running_server(up.app) as upstream:
+            async with running_server(create_front(upstream), lifespan="on") as url:
+                for target in (f"%2F@{other}/x", f"%2f%2f{other}/x", f"%2F%2F@{other}/x", f"%2F:1@{other}/x"):
+                    got = await _raw(url, f"GET {target} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n".encode())
+                    assert got.startswith(b"HTTP/1.1 400 ") and b"invalid_request" in got, (target, got[:300])
+                got = await _raw(url, f"GET http://{other}/x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n".encode())
+                assert got.startswith(b"HTTP/1.1 404 "), got[:300]  # absolute form: no route, as in one process
+                async with httpx.AsyncClient(base_url=url, timeout=10) as c:  # a path like a host is a path
+                    got = await _raw(url, f"GET //{other}/x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n".encode())
+                    assert got.startswith(b"HTTP/1.1 201 ") and f'"path":"//{other}/x"'.encode() in got, got[:300]
+                    assert (await c.get("/still/serving")).status_code == 201
+        assert contacted == []
+
+    anyio.run(main)
+
+
+def test_framing_headers_reach_the_upstream_consistent():
+    """``Content-Length`` beside ``Transfer-Encoding: chunked``: h11 reads the chunks (RFC 9112:
+    chunked wins) and the front must then drop the length (was: relayed with the chunked body's
+    size differing, a 500 and a cut request upstream)."""
+    up = Upstream()
+
+    async def main():
+        async with running_server(up.app) as upstream:
+            async with running_server(create_front(upstream), lifespan="on") as url:
+                got = await _raw(
+                    url,
+                    b"POST /both HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n"
+                    b"Connection: close\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+                )
+                assert got.startswith(b"HTTP/1.1 201 ") and b'"body":"abc"' in got, got[:400]
+                assert b'"content-length","5"' not in got
+
+    anyio.run(main)
+
+
+def test_the_upstream_sees_the_clients_host_and_no_forged_forwarding():
+    """``Host`` goes up as the client sent it, even when ``Connection`` names it (was: dropped,
+    and httpx put the upstream's own loopback address in its place, which passes a Host check),
+    and none at all (HTTP/1.0) goes up empty, not as the upstream's address. ``X-Forwarded-For``
+    and ``-Proto`` are the front's own (the client's address and scheme as the front sees them),
+    not the client's claims (was: passed on, and Ray's proxy trusts them from 127.0.0.1, the
+    front's address). httpx adds no headers of its own and keeps no cookies (was: a cookie one
+    client got went up with every later client's request)."""
+    up = Upstream()
+
+    async def main():
+        async with running_server(up.app) as upstream:
+            async with running_server(create_front(upstream), lifespan="on") as url:
+                got = await _raw(url, b"GET /h HTTP/1.1\r\nHost: evil.example\r\nConnection: close, host\r\n\r\n")
+                seen = dict(json.loads(got.split(b"\r\n\r\n", 1)[1])["headers"])
+                assert seen["host"] == "evil.example", seen
+                got = await _raw(url, b"GET /h HTTP/1.0\r\n\r\n")
+                seen = dict(json.loads(got.split(b"\r\n\r\n", 1)[1])["headers"])
+                assert seen.get("host", "") == "", seen
+                assert "accept-encoding" not in seen and "user-agent" not in seen  # no httpx defaults
+
+    anyio.run(main)
+
+    # a client elsewhere (uvicorn trusts X-Forwarded-* from loopback only: there the front's own
+    # uvicorn already put them in the scope), claiming loopback; and a cookie the upstream sets
+    # is not sent with the next client's request
+    seen: list[httpx.Request] = []
+
+    async def ok():
+        yield b"ok"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, headers={"set-cookie": "session=alice; Path=/"}, content=ok())
+
+    async def remote():
+        front = create_front("http://127.0.0.1:9", transport=httpx.MockTransport(handler))
+        async with front.router.lifespan_context(front):
+            transport = httpx.ASGITransport(front, client=("203.0.113.7", 4444))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                forged = {"x-forwarded-for": "127.0.0.1", "x-forwarded-proto": "https"}
+                assert (await c.get("/a", headers=forged)).headers["set-cookie"] == "session=alice; Path=/"
+                c.cookies.clear()
+                await c.get("/b")
+
+    anyio.run(remote)
+    first, second = seen
+    assert first.headers.get_list("x-forwarded-for") == ["203.0.113.7"]
+    assert first.headers.get_list("x-forwarded-proto") == ["http"]
+    assert "cookie" not in second.headers
