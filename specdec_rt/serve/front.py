@@ -17,7 +17,8 @@ read the chunks), and the client's ``X-Forwarded-For`` / ``-Proto``: the front s
 (the client's address and scheme as it sees them), which Ray's proxy trusts from 127.0.0.1. The
 request target must be a path: it only ever replaces the path and query of ``upstream``, so no
 request makes the front connect anywhere else (a target such as ``%2F@host/``, which uvicorn
-routes as ``/@host/``, is a 400). Nothing else is added (no httpx defaults, no cookies: the
+routes as ``/@host/``, is a 400). Ray's proxy's own routes (``/-/routes``, ``/-/healthz``: no
+key, no Host check) are a 404 here. Nothing else is added (no httpx defaults, no cookies: the
 client keeps none). The body streams up as it arrives; the response streams back chunk by chunk
 (an SSE stream token by token), its status and headers passed through less the hop-by-hop ones
 and ``Date`` / ``Server`` (this server writes its own). Upstream unreachable or failing before
@@ -53,6 +54,9 @@ log = logging.getLogger("specdec_rt.serve")
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade"})
 _FORWARDED = frozenset({b"x-forwarded-for", b"x-forwarded-proto"})  # what uvicorn's proxy_headers reads
 _OWN = frozenset({b"date", b"server"})  # the front's uvicorn writes these
+# paths Ray's proxy answers itself (ray/serve/_private/proxy_request_response.py), before any
+# replica's key or Host check: not relayed
+RAY_OWN_ROUTES = frozenset({"/-/routes", "/-/healthz"})
 CONNECT_TIMEOUT_S = 10.0  # to reach the proxy; a response may take as long as --request-timeout allows
 
 
@@ -124,6 +128,8 @@ class _Relay:
         except (httpx.InvalidURL, UnicodeError) as exc:
             message = f"invalid request target {path.decode('latin-1')[:200]!r}: {exc}"
             return await _refuse(send, 400, message, "invalid_request", "invalid_request_error")
+        if url.path in RAY_OWN_ROUTES:  # as Ray's proxy will read it: decoded, dot segments gone
+            return await _refuse(send, 404, f"no route {url.path}", "not_found", "invalid_request_error")
         headers = list(scope["headers"])
         names = {name.lower() for name, _ in headers}
         has_body = bool(names & {b"content-length", b"transfer-encoding"})

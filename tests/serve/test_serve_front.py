@@ -293,3 +293,22 @@ def test_the_upstream_sees_the_clients_host_and_no_forged_forwarding():
     assert first.headers.get_list("x-forwarded-for") == ["203.0.113.7"]
     assert first.headers.get_list("x-forwarded-proto") == ["http"]
     assert "cookie" not in second.headers
+
+
+def test_ray_proxys_own_routes_are_not_relayed():
+    """Ray's proxy answers ``/-/routes`` and ``/-/healthz`` itself, before any replica's key or
+    Host check (was: through the front, the application's routes for anyone, with --api-key
+    too). The front answers them 404, however the path spells them; other paths still go up."""
+    up = Upstream()
+
+    async def main():
+        async with running_server(up.app) as upstream:
+            async with running_server(create_front(upstream), lifespan="on") as url:
+                for target in ("/-/routes", "/-/healthz", "/%2D/healthz", "/v1/../-/routes", "/-%2Froutes"):
+                    got = await _raw(url, f"GET {target} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n".encode())
+                    assert got.startswith(b"HTTP/1.1 404 ") and b'"not_found"' in got, (target, got[:300])
+                async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+                    assert (await c.get("/-/other")).status_code == 201
+                    assert (await c.get("/health")).status_code == 201
+
+    anyio.run(main)
