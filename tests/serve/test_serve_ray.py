@@ -273,6 +273,9 @@ def test_the_connection_limits_hold_under_ray(ray_server):
     # Ray's proxy itself, straight: still answers (the front is what clients reach)
     r = httpx.get(f"http://127.0.0.1:{relay[2]}/v1/models", timeout=30)
     assert r.status_code == 200 and r.headers["x-specdec-replica"]
+    # Ray's proxy answers /-/routes itself, no replica asked; the front does not relay it
+    assert httpx.get(f"http://127.0.0.1:{relay[2]}/-/routes", timeout=30).json() == {"/": "specdec"}
+    assert httpx.get(f"{url}/-/routes", timeout=30).status_code == 404
 
 
 def test_a_client_that_leaves_through_the_front_cancels_the_replicas_request(ray_server):
