@@ -182,10 +182,7 @@ CHEAP = [
     *[("top_k", v, "top_k") for v in (True, 1.5, "4", float("nan"), float("inf"), -1, 0, [4], {"a": 1})],
     *[("top_p", v, "top_p") for v in (True, "0.5", float("nan"), float("inf"), -1, 0, 1.5, 10**30, 10**400, [0.5])],
     *[("seed", v, "seed") for v in (True, 1.5, "4", float("nan"), float("inf"), -1, -(10**30), [4], {"a": 1})],
-    *[
-        ("mode", v, "mode")
-        for v in (True, 5, ["spec"], {"a": 1}, "SPEC", "", float("nan"), np.array(["spec", "ar"]))
-    ],
+    *[("mode", v, "mode") for v in (True, 5, ["spec"], {"a": 1}, "SPEC", "", float("nan"), np.array(["spec", "ar"]))],
     *[
         ("stop", v, "stop")
         for v in (
