@@ -407,6 +407,18 @@ def export_tiny(
     return out
 
 
+def with_chat_template(src: Path, dst: Path, template: str) -> Path:
+    """A copy of the export folder `src` at `dst` whose manifest carries chat `template`."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    manifest["tokenizer"]["chat_template"] = template
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
 def plain_spec_together(folder: Path, draft: str, config, prompts: list[str], n: int, slots: int):
     """Greedy token ids of ``prompts`` through an Engine on ``folder``: ``(plain, spec one at a
     time, spec all at once)``, for exactness checks."""

@@ -4,15 +4,13 @@ loop: n=8 with a large list held the loop ~0.2 s before)."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")
 
 from serve_util import CHAT, client, run  # noqa: E402
+from tiny_models import with_chat_template  # noqa: E402
 
 from specdec_rt.errors import InvalidInputError  # noqa: E402
 from specdec_rt.serve import create_app  # noqa: E402
@@ -30,12 +28,7 @@ TEMPLATE = (
 @pytest.fixture(scope="module")
 def tool_model(tiny_llama, tmp_path_factory):
     """tiny_llama with a chat template that renders tools."""
-    folder = tmp_path_factory.mktemp("tools") / "model"
-    shutil.copytree(tiny_llama, folder)
-    man = json.loads((folder / "manifest.json").read_text())
-    man["tokenizer"]["chat_template"] = TEMPLATE
-    (folder / "manifest.json").write_text(json.dumps(man))
-    return folder
+    return with_chat_template(tiny_llama, tmp_path_factory.mktemp("tools") / "model", TEMPLATE)
 
 
 def _count_tool_checks(monkeypatch) -> list:

@@ -5,9 +5,9 @@ grammar (exact under speculation), the OpenAI wire shapes, streamed and not."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
+from tiny_models import with_chat_template
 
 from specdec_rt import InvalidInputError
 from specdec_rt.serve.replies import CallFilter
@@ -144,12 +144,7 @@ def test_a_tag_the_tokenizer_marks_special_is_decoded_as_text(tmp_path):
 # ---------------------------------------------------------------- a tiny model with the template
 @pytest.fixture(scope="module")
 def tool_model(tiny_llama, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tools") / "model"
-    shutil.copytree(tiny_llama, folder)
-    man = json.loads((folder / "manifest.json").read_text())
-    man["tokenizer"]["chat_template"] = HERMES
-    (folder / "manifest.json").write_text(json.dumps(man))
-    return folder
+    return with_chat_template(tiny_llama, tmp_path_factory.mktemp("tools") / "model", HERMES)
 
 
 @pytest.mark.export
