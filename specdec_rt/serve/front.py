@@ -175,7 +175,11 @@ class _Relay:
                         {
                             "type": "http.response.start",
                             "status": response.status_code,
-                            "headers": _kept(response.headers.raw, _OWN),
+                            # a length beside Transfer-Encoding does not frame what is relayed
+                            "headers": _kept(
+                                response.headers.raw,
+                                _OWN | ({b"content-length"} if "transfer-encoding" in response.headers else set()),
+                            ),
                         }
                     )
                     started = True

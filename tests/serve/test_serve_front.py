@@ -161,6 +161,28 @@ def test_hop_by_hop_headers_are_dropped_both_ways():
     anyio.run(main)
 
 
+def test_a_response_length_beside_transfer_encoding_is_not_relayed():
+    """Both framings from upstream: the length does not describe what the front relays (the
+    chunks, re-framed by its own uvicorn), so it is dropped with Transfer-Encoding."""
+
+    async def ok():
+        yield b"ok"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        headers = [("content-length", "999"), ("transfer-encoding", "chunked"), ("x-kept", "1")]
+        return httpx.Response(200, headers=headers, content=ok())
+
+    async def main():
+        front = create_front("http://127.0.0.1:9", transport=httpx.MockTransport(handler))
+        async with front.router.lifespan_context(front):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(front), base_url="http://t") as c:
+                r = await c.get("/v1/models")
+        assert r.status_code == 200 and r.content == b"ok" and r.headers["x-kept"] == "1"
+        assert "content-length" not in r.headers and "transfer-encoding" not in r.headers
+
+    anyio.run(main)
+
+
 def test_an_unreachable_upstream_is_a_502_with_the_openai_error_body():
     async def main():
         async with running_server(create_front(f"http://127.0.0.1:{free_port()}"), lifespan="on") as url:
