@@ -543,7 +543,7 @@ def run_ray_serve(args, access) -> int:
                     )
         how = "no connection limits"
         if listener is not None:
-            app = create_front(f"http://{_url_host(upstream)}:{internal}")
+            app = create_front(f"http://{_url_host(upstream)}:{internal}", max_body_bytes=args.max_body_bytes)
             server = uvicorn.Server(_uvicorn_config(args, app))
             thread = threading.Thread(
                 target=server.run, kwargs={"sockets": [listener]}, name="specdec-front", daemon=True

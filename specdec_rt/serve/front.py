@@ -60,14 +60,18 @@ RAY_OWN_ROUTES = frozenset({"/-/routes", "/-/healthz"})
 CONNECT_TIMEOUT_S = 10.0  # to reach the proxy; a response may take as long as --request-timeout allows
 
 
-def create_front(upstream: str, *, transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
+def create_front(
+    upstream: str, *, max_body_bytes: int | None = None, transport: httpx.AsyncBaseTransport | None = None
+) -> Starlette:
     """The ASGI app that relays every request to ``upstream`` (``http://127.0.0.1:PORT``: Ray
-    Serve's proxy). ``transport``: httpx's (tests pass a mock). Its lifespan opens and closes
-    the one ``httpx.AsyncClient`` it relays with (no proxy from the environment)."""
+    Serve's proxy). ``max_body_bytes``: a body past it gets the replicas' 413 here, told by
+    Content-Length or found while relaying, before Ray's proxy buffers it (None: no limit here).
+    ``transport``: httpx's (tests pass a mock). Its lifespan opens and closes the one
+    ``httpx.AsyncClient`` it relays with (no proxy from the environment)."""
     url = httpx.URL(upstream)
     if url.scheme not in ("http", "https") or not url.host or url.path not in ("", "/") or url.query:
         raise InvalidInputError(f"upstream must be http://HOST:PORT, got {upstream!r}")
-    relay = _Relay(url)
+    relay = _Relay(url, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -111,8 +115,8 @@ def _kept(headers: list[tuple[bytes, bytes]], drop: frozenset[bytes] = frozenset
 class _Relay:
     """The one route's ASGI endpoint (see the module docstring)."""
 
-    def __init__(self, url: httpx.URL) -> None:
-        self.url = url
+    def __init__(self, url: httpx.URL, max_body_bytes: int | None = None) -> None:
+        self.url, self.max_body_bytes = url, max_body_bytes
         self.base = str(url).rstrip("/")
         self.client: httpx.AsyncClient | None = None
 
@@ -139,18 +143,27 @@ class _Relay:
         if scope.get("client"):
             up.append((b"x-forwarded-for", scope["client"][0].encode()))
         up.append((b"x-forwarded-proto", scope.get("scheme", "http").encode()))
+        limit = self.max_body_bytes
+        declared = next((v for n, v in headers if n.lower() == b"content-length"), b"")
+        if limit is not None and b"transfer-encoding" not in names and declared.isdigit() and int(declared) > limit:
+            return await _too_large(send, limit)
         body_done = anyio.Event()
         relay = anyio.CancelScope()  # cancelled when the client goes away
         if not has_body:
             body_done.set()  # nothing to relay; receive() is the disconnect watch's alone
 
         async def body():
+            seen = 0
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     relay.cancel()
                     raise _Gone
-                yield message.get("body", b"")
+                chunk = message.get("body", b"")
+                seen += len(chunk)
+                if limit is not None and seen > limit:
+                    raise _TooLarge
+                yield chunk
                 if not message.get("more_body", False):
                     break
             body_done.set()
@@ -189,6 +202,9 @@ class _Relay:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 except _Gone:
                     pass
+                except _TooLarge:  # (raised through httpx's send, before any response)
+                    body_done.set()  # the disconnect watch may read now
+                    await _too_large(send, limit or 0)
                 except (httpx.HTTPError, OSError) as exc:
                     if not started:  # else the response ends unfinished: the client sees a cut stream
                         log.warning("front: the Ray proxy at %s failed: %s: %s", self.base, type(exc).__name__, exc)
@@ -207,6 +223,15 @@ class _Relay:
 
 class _Gone(Exception):
     """The client went away while its body was being relayed."""
+
+
+class _TooLarge(Exception):
+    """The body being relayed passed ``max_body_bytes``."""
+
+
+async def _too_large(send, limit: int) -> None:
+    """The 413 the replicas give (serve/jobs.py ``read_json``)."""
+    await _refuse(send, 413, f"the request body exceeds {limit} bytes", "request_too_large", "invalid_request_error")
 
 
 async def _refuse(send, status: int, message: str, code: str, kind: str = "server_error") -> None:

@@ -183,6 +183,38 @@ def test_a_response_length_beside_transfer_encoding_is_not_relayed():
     anyio.run(main)
 
 
+def test_a_body_past_the_limit_is_refused_before_it_is_relayed():
+    """``max_body_bytes``: the replicas' 413 comes from the front, told by Content-Length or
+    found while relaying a chunked body; Ray's proxy never gets more than the limit."""
+    seen: list[bytes] = []
+
+    async def ok():
+        yield b"ok"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.content)
+        return httpx.Response(200, content=ok())  # a stream, as the front reads it
+
+    async def chunks(n: int, size: int):
+        for _ in range(n):
+            yield b"x" * size
+
+    async def main():
+        front = create_front("http://127.0.0.1:9", max_body_bytes=1000, transport=httpx.MockTransport(handler))
+        async with front.router.lifespan_context(front):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(front), base_url="http://t") as c:
+                at_limit = await c.post("/v1/completions", content=b"x" * 1000)
+                declared = await c.post("/v1/completions", content=b"x" * 1001)
+                streamed = await c.post("/v1/completions", content=chunks(20, 100))  # chunked, 2,000 bytes
+        assert at_limit.status_code == 200 and at_limit.content == b"ok"
+        for r in (declared, streamed):
+            assert r.status_code == 413, r.text
+            assert r.json()["error"]["code"] == "request_too_large" and "1000 bytes" in r.json()["error"]["message"]
+        assert seen == [b"x" * 1000]  # only the body within the limit went up
+
+    anyio.run(main)
+
+
 def test_an_unreachable_upstream_is_a_502_with_the_openai_error_body():
     async def main():
         async with running_server(create_front(f"http://127.0.0.1:{free_port()}"), lifespan="on") as url:
