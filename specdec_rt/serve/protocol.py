@@ -78,8 +78,7 @@ class GenParams:
     top_k: int | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    mode: Mode = "spec"
-    mode_given: bool = False  # the body named a mode (else the engine's own: plain without a draft)
+    mode: Mode | None = None  # None: the body named none, the engine's own (plain without a draft)
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices
@@ -120,7 +119,7 @@ class GenParams:
             top_k=self.top_k,
             top_p=self.top_p,
             seed=seed,
-            mode=self.mode if self.mode_given else None,  # None: the engine's own
+            mode=self.mode,
             stop=self.stop,
             logprobs=self.logprobs,
             logit_bias=self.logit_bias,
@@ -163,10 +162,10 @@ def parse_request(kind: Kind, body: Any) -> GenParams:
     p.stop = _stop(body.get("stop"))
     if body.get("n") is not None:
         p.n = _int(body, "n", minimum=1, maximum=MAX_N)
-    mode = body.get("mode", "spec")
-    if mode not in ("spec", "ar"):
-        raise _bad("mode", f"mode must be 'spec' or 'ar', got {brief_repr(mode)}")
-    p.mode, p.mode_given = mode, "mode" in body
+    if "mode" in body:
+        if body["mode"] not in ("spec", "ar"):
+            raise _bad("mode", f"mode must be 'spec' or 'ar', got {brief_repr(body['mode'])}")
+        p.mode = body["mode"]
     p.stream = _bool(body, "stream")
     p.ignore_eos = _bool(body, "ignore_eos")
     if body.get("min_tokens") is not None:

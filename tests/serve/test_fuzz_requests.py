@@ -452,7 +452,7 @@ def check_accepted(kind: str, body: dict, p: GenParams) -> None:
             return
         assert isinstance(rp, RequestParams)
         assert rp.max_new_tokens == (p.max_tokens or DEFAULT_MAX_TOKENS)
-        assert rp.stop == tuple(p.stop) and rp.logprobs == p.logprobs and rp.mode == (p.mode if p.mode_given else None)
+        assert rp.stop == tuple(p.stop) and rp.logprobs == p.logprobs and rp.mode == p.mode
         assert rp.prompt_logprobs == (p.logprobs if p.echo else None)
         assert rp.seed == (None if p.seed is None else (p.seed + choice) % 2**64)
 
