@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             "tune",
             help="measure which precision and draft of a model run fastest here (serve's --precision auto)",
         ),
-        _threads,
+        _count,
     )
 
     add_loadtest_arguments(
@@ -251,7 +251,9 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _threads(text: str) -> int:
+def _count(text: str) -> int:
+    """An integer from 1 to 256: ``--threads`` (ONNX Runtime's bound) and ``tune --slots`` (the
+    Engine's)."""
     try:
         value = int(text)
     except ValueError:  # (argparse would name this function)
@@ -269,7 +271,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="draft: a name from the manifest (e.g. q8), a folder, 'ngram', "
         "'ngram+<draft>' or 'none' (default: the engine's)",
     )
-    p.add_argument("--threads", type=_threads, default=None, help="ONNX Runtime intra-op threads per model (1-256)")
+    p.add_argument("--threads", type=_count, default=None, help="ONNX Runtime intra-op threads per model (1-256)")
     p.add_argument("--max-length", type=int, default=None, help="KV cache capacity per request")
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
 

@@ -17,8 +17,9 @@ import anyio
 __all__ = ["add_tune_arguments", "run_tune", "format_table"]
 
 
-def add_tune_arguments(p: argparse.ArgumentParser, threads_type) -> None:
-    """The ``tune`` subcommand's arguments (``threads_type``: the CLI's checked ``--threads``)."""
+def add_tune_arguments(p: argparse.ArgumentParser, count_type) -> None:
+    """The ``tune`` subcommand's arguments (``count_type``: the CLI's integer from 1 to 256, for
+    ``--threads`` and ``--slots``)."""
     from ..engine.loading import DEFAULT_MODEL
 
     p.add_argument(
@@ -28,10 +29,8 @@ def add_tune_arguments(p: argparse.ArgumentParser, threads_type) -> None:
         default=DEFAULT_MODEL,
         help=f"recipe name or export folder (default {DEFAULT_MODEL})",
     )
-    p.add_argument("--slots", type=_slots, default=8, help="slots the server will run with (default 8, serve's)")
-    p.add_argument(
-        "--threads", type=threads_type, default=None, help="ONNX Runtime intra-op threads (default: all CPUs)"
-    )
+    p.add_argument("--slots", type=count_type, default=8, help="slots the server will run with (default 8, serve's)")
+    p.add_argument("--threads", type=count_type, default=None, help="ONNX Runtime intra-op threads (default: all CPUs)")
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--force", action="store_true", help="measure again even if a result is cached")
     p.add_argument("--no-build", action="store_true", help="fail instead of building a missing recipe")
@@ -42,16 +41,6 @@ def _model(text: str) -> str:
     if not text.strip():  # (Path("") is ".": it would be named as the current folder)
         raise argparse.ArgumentTypeError(f"must be a recipe name or an export folder, got {text!r}")
     return text
-
-
-def _slots(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:  # (argparse would name this function)
-        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 256, got {text!r}") from None
-    if not 1 <= value <= 256:
-        raise argparse.ArgumentTypeError(f"must be from 1 to 256, got {value}")
-    return value
 
 
 def _say(text: str) -> None:
