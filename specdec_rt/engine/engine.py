@@ -378,7 +378,7 @@ class Engine:
             raise EngineClosedError("this engine is closed")
         request = _request_params(params, overrides)
         if request.mode is None:  # the engine's own: speculative when it has a drafter
-            request = request.replace(mode="ar" if self.drafter is None else "spec")
+            request = request.with_mode("ar" if self.drafter is None else "spec")
         elif request.mode == "spec" and self.drafter is None:
             raise InvalidInputError("this engine has no draft model: load it with draft=... or use mode='ar'")
         stops = list(request.stop or ())  # (a tuple of strings once checked)

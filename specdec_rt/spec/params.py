@@ -11,6 +11,7 @@ plain-text prompt, the prompt's size and the context length) is checked by
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -154,6 +155,15 @@ class RequestParams:
     def replace(self, **overrides: Any) -> RequestParams:
         """A copy with ``overrides`` in place of these values (checked like a new one)."""
         return RequestParams.of(self, **overrides)
+
+    def with_mode(self, mode: Mode) -> RequestParams:
+        """A copy whose ``mode`` is ``mode`` (``"spec"`` or ``"ar"``), the rest as checked already:
+        what an engine resolves ``mode=None`` to, without checking large tools or schemas again."""
+        if mode not in ("spec", "ar"):
+            raise InvalidInputError(f"mode must be 'spec' or 'ar', got {brief_repr(mode)}")
+        resolved = copy.copy(self)  # (no __post_init__: the checked values are carried over)
+        object.__setattr__(resolved, "mode", mode)
+        return resolved
 
     def sampling_params(self) -> SamplingParams:
         """The sampler's view of this request (temperature, top-k, top-p, seed, logit bias and

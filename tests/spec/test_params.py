@@ -154,3 +154,30 @@ def test_logit_bias_is_copied_and_survives_replace():
     assert p.logit_bias == {1: 5.0} and p.sampling_params().logit_bias == ((1, 5.0),)
     q = p.replace(max_new_tokens=5)
     assert q.logit_bias == {1: 5.0} and q.max_new_tokens == 5
+
+
+def test_with_mode_resolves_the_mode_without_checking_again(monkeypatch):
+    """What an engine resolves ``mode=None`` to: equal to ``replace(mode=...)``, the checked
+    values carried over (a large schema is not checked a second time), a bad mode refused."""
+    import specdec_rt.spec.params as params_module
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    p = RequestParams(
+        max_new_tokens=9,
+        temperature=0.5,
+        seed=4,
+        stop="END",
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    )
+    calls = []
+    real = params_module.check_response_format
+    monkeypatch.setattr(params_module, "check_response_format", lambda f: calls.append(f) or real(f))
+    for mode in ("spec", "ar"):
+        got = p.with_mode(mode)
+        assert got.mode == mode and p.mode is None
+        assert got == dataclasses.replace(p, mode=mode) and got.json_schema == p.json_schema
+        assert got.sampling_params() == p.sampling_params()
+    assert len(calls) == 2  # the two replace() calls above, none for with_mode
+    for bad in (None, "SPEC", 1):
+        with pytest.raises(InvalidInputError, match="mode must be"):
+            p.with_mode(bad)
