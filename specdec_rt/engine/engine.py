@@ -45,6 +45,7 @@ from ..text.encode_process import PromptEncoder
 from ..text.tools import parse_tool_calls
 from ..types import Stats
 from .factory import build_parts
+from .loop_watch import LoopWatch
 from .precision import PrecisionChoice, check_precision
 from .stream import EngineResult, EngineStream, StreamEvent, _Ready
 from .warmup import WARMUP_REQUESTS, WARMUP_TOKENS, warm_up
@@ -158,6 +159,9 @@ class Engine:
             eos_ids,
         )
         self._closed = False
+        #: the event loop's lag, sampled while the engine serves (started by its first request)
+        self.loop_watch = LoopWatch()
+        self._watch_task: asyncio.Task | None = None
 
     @property
     def prefix_cache(self) -> dict:
@@ -398,6 +402,7 @@ class Engine:
         receive: MemoryObjectReceiveStream[StreamEvent | Exception]
         send, receive = anyio.create_memory_object_stream(STREAM_BUFFER)
         stream = EngineStream(receive, self, request)
+        self.watch_loop()
         task = asyncio.get_running_loop().create_task(self._produce(stream._ready, prompt, request, stops, send, shape))
         stream._attach(task)
         self._tasks.add(task)
@@ -557,6 +562,15 @@ class Engine:
         return int(check_int(token_id, "token_id", 0, self.target.vocab_size - 1))
 
     # ------------------------------------------------------------------ lifecycle
+    def watch_loop(self) -> LoopWatch:
+        """Start :attr:`loop_watch` on the running event loop (once; requests start it too), and
+        return it. It stops when the engine closes."""
+        loop = asyncio.get_running_loop()
+        task = self._watch_task
+        if not self._closed and (task is None or task.done() or task.get_loop() is not loop):
+            self._watch_task = loop.create_task(self.loop_watch.run(), name="specdec-loop-watch")
+        return self.loop_watch
+
     async def aclose(self) -> None:
         """Stop the step loop after the model call in flight, end running requests with
         :class:`EngineClosedError`, then release the models (ONNX Runtime sessions and KV pools).
@@ -566,6 +580,8 @@ class Engine:
         self._closed = True
         try:
             await self.executor.aclose()  # no model call runs after this
+            if self._watch_task is not None and not self._watch_task.done():
+                self._watch_task.cancel()
             loop = asyncio.get_running_loop()  # tasks of an event loop that has ended cannot run: left alone
             tasks = [t for t in self._tasks if t.get_loop() is loop and not t.done()]
             for task in tasks:

@@ -132,6 +132,7 @@ def create_app(
             await serving.load()
             if serving.state != "ready":
                 raise RuntimeError(f"the model did not load (state {serving.state!r}); see the log")
+        serving.start_watch()
         async with anyio.create_task_group() as tg:
             tg.start_soon(serving.end_jobs_after_drain)
             if serving.state == "loading":

@@ -18,6 +18,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class Metrics:
@@ -31,6 +32,7 @@ class Metrics:
         slots_free: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.registry = r = CollectorRegistry()
+        self._worst_lag = 0.0
         self.running = Gauge("specdec_requests_running", "Requests generating (holding an engine slot)", registry=r)
         self.running.set_function(running)
         self.waiting = Gauge("specdec_requests_waiting", "Admitted requests waiting for an engine slot", registry=r)
@@ -86,6 +88,15 @@ class Metrics:
         self.batch_size = Histogram(
             "specdec_batch_size", "Rows in one batched target-model call", buckets=BATCH_BUCKETS, registry=r
         )
+        self.loop_lag = Histogram(
+            "specdec_event_loop_lag_seconds",
+            "How late the event loop woke its watchdog (every request waits as long)",
+            buckets=LOOP_LAG_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag_worst = Gauge(
+            "specdec_event_loop_lag_worst_seconds", "The worst event-loop lag since the server started", registry=r
+        )
         for reason in ("stop", "length"):
             self.success.labels(reason)
         for reason in (
@@ -106,6 +117,13 @@ class Metrics:
     def observe_batch(self, rows: int) -> None:
         """A ``batch_listeners`` callback (may be called from the engine's worker threads)."""
         self.batch_size.observe(rows)
+
+    def observe_loop(self, lag: float, busy: float) -> None:
+        """A :class:`~specdec_rt.engine.loop_watch.LoopWatch` listener: one wake, ``lag`` seconds late."""
+        self.loop_lag.observe(lag)
+        if lag > self._worst_lag:
+            self._worst_lag = lag
+            self.loop_lag_worst.set(lag)
 
     def observe_stats(self, stats) -> None:
         """A finished request's :class:`~specdec_rt.types.Stats` (its tokens were counted as they

@@ -84,6 +84,20 @@ class Serving:
         if isinstance(listeners, list):
             listeners.append(self.metrics.observe_batch)
             self._listening = listeners
+        watch = getattr(engine, "loop_watch", None)  # the event loop's lag, into /metrics
+        if watch is not None and self.metrics.observe_loop not in watch.listeners:
+            watch.listeners.append(self.metrics.observe_loop)
+        self.start_watch()
+
+    def start_watch(self) -> None:
+        """Start the engine's event-loop watchdog, if it has one and a loop runs here."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop yet: the lifespan calls this again
+        start = getattr(self.engine, "watch_loop", None)
+        if callable(start):
+            start()
 
     async def load(self) -> None:
         """Load the engine (lifespan startup); a failure is logged and handed to ``on_load_error``."""
