@@ -11,7 +11,11 @@ reading, and the connection's buffers are full) ends the same way: its slots are
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
+import json.scanner
+import threading
+from collections.abc import Iterator
 from time import perf_counter
 from typing import Any
 
@@ -23,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..errors import ConsumerTimeoutError, ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..logs import get_logger
-from .protocol import APIError, GenParams, Kind, engine_error, parse_request
+from .protocol import MAX_PROMPT_TOKENS, APIError, GenParams, Kind, engine_error, parse_request
 from .replies import LogprobsFormat, Reply, call_filter, calls_in, sse
 from .state import Serving
 
@@ -32,14 +36,15 @@ __all__ = ["completions", "error_response"]
 log = get_logger("specdec_rt.serve")
 CUT_GRACE_S = 1.0  # a stalled stream's error event: how long the connection may take to accept it
 REJECT_REASONS = {400: "invalid", 413: "too_large", 415: "media_type", 429: "overloaded"}
+INLINE_BODY_BYTES = 64 << 10  # bodies up to this size are parsed on the event loop, larger ones in a thread
 
 
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; 415 unless it is declared ``application/json`` (a parameter such as
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body's bytes; 415 unless it is declared ``application/json`` (a parameter such as
     ``charset`` aside: a cross-site page can POST ``text/plain`` without a preflight, never
     JSON); 413 past ``limit`` bytes, told by Content-Length or found while reading."""
     media_type = request.headers.get("content-type")
@@ -55,12 +60,76 @@ async def read_json(request: Request, limit: int) -> Any:
         body += chunk
         if len(body) > limit:
             raise too_large
+    return bytes(body)
+
+
+def load_json(body: bytes, *, stepwise: bool = False) -> Any:
+    """``body`` as JSON, or a 400 saying why it is not. ``stepwise``: with :mod:`json`'s
+    reference scanner, Python code between values, so a thread parsing a big body gives the GIL
+    up every few milliseconds (its C scanner holds it throughout: up to ~0.1 s for 1 MiB of
+    numbers or keys, far more with the collector's passes), at 4-5 times its CPU."""
     try:
-        return json.loads(body)
+        if not stepwise:
+            return json.loads(body)
+        decoder = json.JSONDecoder()
+        decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
+        return decoder.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
     except ValueError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:  # e.g. 100,000 nested brackets
         raise APIError(400, "the request body is not valid JSON: nested too deeply", code="invalid_json") from None
+
+
+async def parse_body(serving: Serving, kind: Kind, body: bytes) -> GenParams:
+    """The request in ``body``, checked, with at most the server's capacity of prompts. Past
+    :data:`INLINE_BODY_BYTES`: in a worker thread, while the event loop only waits, parsed
+    stepwise (:func:`load_json`) with the cyclic garbage collector paused (:func:`gc_paused`),
+    and the parsed JSON freed there too."""
+    stepwise = len(body) > INLINE_BODY_BYTES
+
+    def parse() -> GenParams | APIError:
+        with gc_paused() if stepwise else contextlib.nullcontext():
+            try:
+                return parse_request(
+                    kind,
+                    load_json(body, stepwise=stepwise),
+                    max_prompts=serving.slots + serving.max_queued,
+                    max_prompt_tokens=MAX_PROMPT_TOKENS,
+                )
+            except APIError as err:  # a copy: the error's traceback holds the frames that hold the body
+                return err.copy()
+
+    got = await anyio.to_thread.run_sync(parse) if stepwise else parse()
+    if isinstance(got, APIError):
+        raise got
+    return got
+
+
+_gc_lock = threading.Lock()
+_gc_pauses = 0  # gc_paused blocks running now
+_gc_was_enabled = False  # whether the collector ran before the first of them
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside (in any thread), for work that makes and frees many
+    containers: a 1 MiB body holds 255,000 lists, whose allocations set off full collections of
+    every object of the process, and a collection holds the GIL throughout, so the event loop's
+    thread stops with it. Nested and concurrent pauses are counted; the last one to end restores
+    the collector as the first one found it."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 async def completions(request: Request, kind: Kind) -> Any:
@@ -69,7 +138,7 @@ async def completions(request: Request, kind: Kind) -> Any:
     arrived = perf_counter()
     try:
         serving.check_open()
-        params = parse_request(kind, await read_json(request, serving.max_body_bytes))
+        params = await parse_body(serving, kind, await read_body(request, serving.max_body_bytes))
         serving.admit(params.n, len(params.prompts) or 1)
     except APIError as err:
         serving.metrics.rejected.labels(REJECT_REASONS.get(err.status, err.code)).inc()

@@ -35,6 +35,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; the Engine itself takes any finite value
 MAX_SEED = 2**64 - 1  # a seed is a 64-bit integer, as in OpenAI's API
 MAX_N = 16  # choices per request (each one an engine request, batched with the others)
+MAX_PROMPT_TOKENS = 1 << 17  # the server's limit on token ids in a request's prompts, all of them together
 
 
 class APIError(Exception):
@@ -55,6 +56,10 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.code, self.param)
+
+    def copy(self) -> APIError:
+        """The same error, without this one's traceback and context (nor what their frames hold)."""
+        return APIError(self.status, self.message, self.type, self.code, self.param, dict(self.headers))
 
 
 def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
@@ -135,11 +140,16 @@ class GenParams:
         )
 
 
-def parse_request(kind: Kind, body: Any) -> GenParams:
-    """Validate a ``/v1/chat/completions`` (``kind="chat"``) or ``/v1/completions`` body."""
+def parse_request(
+    kind: Kind, body: Any, *, max_prompts: int | None = None, max_prompt_tokens: int | None = None
+) -> GenParams:
+    """Validate a ``/v1/chat/completions`` (``kind="chat"``) or ``/v1/completions`` body.
+    ``max_prompts``: completions' prompts in one request; ``max_prompt_tokens``: token ids in
+    its prompts, all together (both counted before any prompt is looked at one by one; None:
+    no limit)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_type")
-    prompts = [_messages(body)] if kind == "chat" else _prompts(body)
+    prompts = [_messages(body)] if kind == "chat" else _prompts(body, max_prompts, max_prompt_tokens)
     p = GenParams(kind, prompts[0], prompts=prompts)
     for name in ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",):
         if body.get(name) is not None:
@@ -312,14 +322,21 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _prompts(body: dict) -> list[str | list[int]]:
+def _prompts(body: dict, max_prompts: int | None, max_tokens: int | None) -> list[str | list[int]]:
     """Completions' ``prompt`` in OpenAI's four forms, as a list: a string, a list of strings, a
     list of token ids, or a list of such lists (ids are checked against the vocabulary by the
-    engine). Every prompt non-empty. The lists are checked in C loops: 1 MiB of JSON holds
-    500,000 ids or 260,000 one-id prompts, 0.5-0.7 s on the event loop one by one."""
+    engine). Every prompt non-empty; at most ``max_prompts`` of them and ``max_tokens`` ids in
+    all, counted first. The lists are checked in C loops: 1 MiB of JSON holds 500,000 ids or
+    260,000 one-id prompts, 0.5-0.7 s on the event loop one by one."""
     prompt = body.get("prompt")
     if prompt is None:
         raise _bad("prompt", "'prompt' is required", "missing_required_parameter")
+    if isinstance(prompt, list) and prompt:  # its length first: one prompt of ids, or a list of prompts
+        ids = is_int(prompt[0], numpy=False)
+        count, limit = len(prompt), max_tokens if ids else max_prompts
+        if limit is not None and count > limit:
+            what = "token ids, more than one request may hold" if ids else "prompts, more than one request may hold"
+            raise _bad("prompt", f"prompt holds {count} {what} (at most {limit})")
     types = list(map(type, prompt)) if isinstance(prompt, list) else []
     kinds = _kinds(types)
     if any(issubclass(k, int) and k is not bool for k in kinds):  # an integer in it: token ids, all of them?
@@ -349,6 +366,13 @@ def _prompts(body: dict) -> list[str | list[int]]:
             f"prompt[{bad}] must be a non-empty string or a non-empty list of token ids (integers >= 0)",
             "invalid_type",
         )
+    if list in kinds and max_tokens is not None:
+        total = sum(len(one) for one in prompts if isinstance(one, list))
+        if total > max_tokens:
+            raise _bad(
+                "prompt",
+                f"prompt holds {total} token ids in all, more than one request may hold (at most {max_tokens})",
+            )
     return prompts
 
 
