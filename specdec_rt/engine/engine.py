@@ -483,7 +483,7 @@ class Engine:
                 except BaseException as exc:
                     ready.set(exc if isinstance(exc, Exception) else None)
                     raise
-                ready.set(None)
+                ready.set(None, len(ids))
                 self.waiting += 1
                 try:
                     await self._slots.acquire()

@@ -15,6 +15,7 @@ import sys
 
 from ..errors import SpecDecError
 from ..kvcache.prefix import DEFAULT_BUDGET_BYTES
+from .protocol import DEFAULT_PROMPT_LOGPROB_WORK
 
 __all__ = ["add_serve_parser", "run_serve"]
 
@@ -64,6 +65,13 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         default=30.0,
         help="seconds a streamed response may wait for its client to take a chunk (and a request "
         "for its reader); past that it ends and frees its slot (default 30; 0: none)",
+    )
+    p.add_argument(
+        "--max-prompt-logprob-work",
+        type=_non_negative,
+        default=DEFAULT_PROMPT_LOGPROB_WORK,
+        help="a completion with echo and logprobs may ask for this many prompt log-probability "
+        "entries, prompt tokens x (1 + logprobs) x n; more get 400 (default %(default)s; 0: no limit)",
     )
     p.add_argument(
         "--default-max-tokens", type=_positive, default=256, help="max_tokens when a request sets none (default 256)"
@@ -305,6 +313,7 @@ def _options(args, access, folder) -> dict:
         threads=args.threads,
         model_name=args.served_model_name or Path(str(args.model)).name,
         consumer_timeout=args.consumer_timeout or None,
+        max_prompt_logprob_work=args.max_prompt_logprob_work or None,
         api_keys=access.api_keys,
         allowed_hosts=access.allowed_hosts,
         allowed_origins=access.allowed_origins,

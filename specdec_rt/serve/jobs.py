@@ -11,6 +11,7 @@ reading, and the connection's buffers are full) ends the same way: its slots are
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import json.scanner
@@ -27,8 +28,16 @@ from starlette.responses import JSONResponse, Response
 
 from ..errors import ConsumerTimeoutError, ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..logs import get_logger
-from .protocol import MAX_PROMPT_TOKENS, APIError, GenParams, Kind, engine_error, parse_request
-from .replies import LogprobsFormat, Reply, call_filter, calls_in, sse
+from .protocol import (
+    MAX_PROMPT_TOKENS,
+    APIError,
+    GenParams,
+    Kind,
+    check_prompt_logprob_work,
+    engine_error,
+    parse_request,
+)
+from .replies import LogprobsFormat, Reply, call_filter, calls_in, json_bytes, sse
 from .state import Serving
 
 __all__ = ["completions", "error_response"]
@@ -37,6 +46,7 @@ log = get_logger("specdec_rt.serve")
 CUT_GRACE_S = 1.0  # a stalled stream's error event: how long the connection may take to accept it
 REJECT_REASONS = {400: "invalid", 413: "too_large", 415: "media_type", 429: "overloaded"}
 INLINE_BODY_BYTES = 64 << 10  # bodies up to this size are parsed on the event loop, larger ones in a thread
+INLINE_REPLY_ENTRIES = 4096  # whole replies with up to this many log-probability entries are built on the loop
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -139,6 +149,9 @@ async def completions(request: Request, kind: Kind) -> Any:
     try:
         serving.check_open()
         params = await parse_body(serving, kind, await read_body(request, serving.max_body_bytes))
+        if params.scores_prompt:  # token ids: counted now; texts: once encoded (below)
+            known = sum(len(prompt) for prompt in params.prompts if isinstance(prompt, list))
+            check_prompt_logprob_work(params, known, serving.max_prompt_logprob_work)
         serving.admit(params.n, len(params.prompts) or 1)
     except APIError as err:
         serving.metrics.rejected.labels(REJECT_REASONS.get(err.status, err.code)).inc()
@@ -147,14 +160,21 @@ async def completions(request: Request, kind: Kind) -> Any:
         return Response(status_code=499)  # nobody is there to read it
     streams: list = []
     admitted = len(params.streams)
+    scored = 0  # prompt tokens to score (echo with logprobs), each prompt once
     try:  # from here on the request is admitted: Job.close releases it
         for prompt, choice in params.streams:
-            streams.append(await _open(serving, params, prompt, choice))
-    except (InvalidInputError, EngineClosedError) as exc:
+            stream = await _open(serving, params, prompt, choice)
+            streams.append(stream)
+            if params.scores_prompt and choice == 0:  # its prompt's length is known now, before its scoring
+                scored += _prompt_tokens(stream, prompt)
+                check_prompt_logprob_work(params, scored, serving.max_prompt_logprob_work)
+    except (InvalidInputError, EngineClosedError, APIError) as exc:
         await _close_all(streams)
         serving.release(admitted)
         refusal = (
-            engine_error(exc, params)
+            exc
+            if isinstance(exc, APIError)
+            else engine_error(exc, params)
             if isinstance(exc, InvalidInputError)
             else APIError(503, str(exc), type="service_unavailable", code="draining")
         )
@@ -176,12 +196,22 @@ async def _close_all(streams: list) -> None:
             await stream.aclose()
 
 
+def _prompt_tokens(stream, prompt) -> int:
+    """The length of an opened stream's prompt (an engine stream tells it once ready; token ids:
+    their count; else, for engines that do not tell, 0)."""
+    tokens = getattr(stream, "prompt_tokens", None)
+    if isinstance(tokens, int):
+        return tokens
+    return len(prompt) if isinstance(prompt, list) else 0
+
+
 async def _open(serving: Serving, params: GenParams, prompt, choice: int = 0):
     """The engine stream of choice ``choice`` of ``prompt`` of an admitted request, encoded and
     checked (a 400 comes before streaming; a stream that fails is closed here). A request that
     names no token limit gets the server's default, capped to the room its prompt leaves in the
-    context (as OpenAI's API does)."""
-    request = params.request_params(serving.default_max_tokens, choice)
+    context (as OpenAI's API does). Echo with logprobs: the prompt's first choice alone scores
+    it, for all of them (:meth:`Job.scorer`)."""
+    request = params.request_params(serving.default_max_tokens, choice, score_prompt=choice == 0)
     for capped in (False, True):
         stream = serving.engine.stream(prompt, request)
         if not hasattr(stream, "ready"):  # not an EngineStream: it checks as it goes
@@ -232,7 +262,10 @@ class Job:
             )
         )
         #: what each choice's text starts with: its prompt with ``echo`` (token ids: their text)
-        self.echo = [(_text_of(serving.engine, prompt) if params.echo else "") for prompt, _ in params.streams]
+        texts = [
+            _text_of(serving.engine, prompt) if params.echo else "" for prompt in params.prompts or [params.prompt]
+        ]
+        self.echo = [text for text in texts for _ in range(params.n)]
         timeout = serving.request_timeout
         self.deadline = arrived + timeout if timeout else None
         n = len(streams)
@@ -250,6 +283,16 @@ class Job:
         # n > 1: the receiving end the choices' pumps send (i, event, error) to
         self._events: MemoryObjectReceiveStream[tuple[int, Any, BaseException | None]] | None = None
         serving.jobs.add(self)
+
+    def scorer(self, i: int) -> int:
+        """The stream whose events carry stream ``i``'s prompt log-probabilities (echo with
+        logprobs): its prompt's first choice, which scores the prompt for all of them."""
+        return i - i % self.params.n if self.params.scores_prompt else i
+
+    def group(self, i: int) -> range:
+        """The streams that share stream ``i``'s scored prompt (``i`` alone without one)."""
+        first = self.scorer(i)
+        return range(first, first + self.params.n) if self.params.scores_prompt else range(i, i + 1)
 
     def start(self, tg) -> None:
         """With several choices: one task per engine stream, in ``tg`` (the response's task
@@ -427,21 +470,11 @@ class Job:
                             echoed[i] = (ev.prompt_token_ids, ev.prompt_logprobs)
                         ids[i] += ev.token_ids
                         lps[i] += ev.logprobs or ()
-                    lp: list[dict | None] | None = (
-                        None
-                        if self.logprobs is None
-                        else [self.logprobs.body(t, e, i, before=echoed[i]) for i, (t, e) in enumerate(zip(ids, lps))]
+                    big = self._entries(ids, echoed) > INLINE_REPLY_ENTRIES
+                    build = functools.partial(self._whole, parts, ids, lps, echoed, stepwise=big)
+                    response = Response(
+                        await anyio.to_thread.run_sync(build) if big else build(), media_type="application/json"
                     )
-                    texts = ["".join(p) for p in parts]
-                    calls = [calls_in(self.params, t) if self.params.calls_tools else (t, []) for t in texts]
-                    body = self.reply.response(
-                        [content for content, _ in calls],
-                        [f or "stop" for f in self.finish],
-                        *self.usage(),
-                        logprobs=lp,
-                        tool_calls=[c for _, c in calls],
-                    )
-                    response = JSONResponse(body)
                 except APIError as err:
                     response = error_response(err)
                 self.done = True
@@ -449,6 +482,42 @@ class Job:
         finally:
             await self.close()
         return response
+
+    def _entries(self, ids: list[list[int]], echoed: list) -> int:
+        """The log-probability entries of the whole reply (0 without logprobs)."""
+        if self.params.logprobs is None:
+            return 0
+        tokens = sum(map(len, ids)) + sum(
+            len(echoed[self.scorer(i)][0]) for i in range(len(ids)) if echoed[self.scorer(i)]
+        )
+        return tokens * (1 + self.params.logprobs)
+
+    def _whole(
+        self, parts: list[list[str]], ids: list[list[int]], lps: list[list], echoed: list, stepwise: bool
+    ) -> bytes:
+        """The non-streamed response's body: each prompt's scored tokens formatted once for all
+        its choices (``echoed``: the prompt ids and log-probabilities on each scoring stream)."""
+        lp: list[dict | None] | None = None
+        if self.logprobs is not None:
+            heads = {
+                i: self.logprobs.prompt(echoed[i][0], echoed[i][1], self.group(i))
+                for i in range(len(ids))
+                if echoed[i] is not None
+            }
+            lp = []
+            for i, (t, e) in enumerate(zip(ids, lps)):
+                tail, head = self.logprobs.body(t, e, i), heads.get(self.scorer(i))
+                lp.append(tail if head is None else {k: head[k] + tail[k] for k in head})
+        texts = ["".join(p) for p in parts]
+        calls = [calls_in(self.params, t) if self.params.calls_tools else (t, []) for t in texts]
+        body = self.reply.response(
+            [content for content, _ in calls],
+            [f or "stop" for f in self.finish],
+            *self.usage(),
+            logprobs=lp,
+            tool_calls=[c for _, c in calls],
+        )
+        return json_bytes(body, stepwise=stepwise)
 
     async def _watch(self, receive, scope: anyio.CancelScope) -> None:
         """Cancel ``scope`` when the client disconnects (the body was read already)."""
@@ -525,6 +594,15 @@ class EventStream:
         scope.cancel()
         await anyio.lowlevel.checkpoint()  # raises the cancellation
 
+    def _echoed(self, i: int, ev) -> list[bytes]:
+        """The first chunk of each choice that shares the prompt stream ``i`` scored: the prompt's
+        text and log-probabilities, formatted once (in a worker thread: a long prompt's are big)."""
+        job = self.job
+        assert job.logprobs is not None  # (prompt log-probabilities come only when asked)
+        group = job.group(i)
+        lp = job.logprobs.prompt(ev.prompt_token_ids, ev.prompt_logprobs, group)
+        return [sse(job.reply.chunk(job.echo[j], index=j, logprobs=lp), stepwise=True) for j in group]
+
     async def _events(self, send) -> list[bytes]:
         """Send the chunks as the engine produces them; returns what closes the stream."""
         job, reply = self.job, self.job.reply
@@ -539,33 +617,42 @@ class EventStream:
             for i in range(len(job.streams)):
                 await emit(reply.chunk(job.echo[i], index=i))
         filters = [call_filter(job.params) for _ in job.streams] if job.params.calls_tools else None
+        # a choice whose prompt another one scores: its events wait for that prompt's chunk
+        held: dict[int, list] = {i: [] for i in range(len(job.streams)) if job.scorer(i) != i}
+
+        async def step(i: int, ev) -> None:
+            lp = None if job.logprobs is None else job.logprobs.body(ev.token_ids, ev.logprobs or (), i)
+            calls: list[dict] = []
+            text, finish = ev.text, job.finish[i] if ev.finished else None
+            if filters is not None:  # tool calls: held back, and sent whole at the end
+                text = filters[i].push(text)
+                if ev.finished:
+                    rest, calls = filters[i].finish()
+                    text += rest
+            if calls:
+                if text or (lp is not None and ev.token_ids):
+                    await emit(reply.chunk(text, index=i, logprobs=lp))
+                await emit(reply.chunk("", index=i, tool_calls=calls))
+                await emit(reply.chunk("", "tool_calls" if finish == "stop" else finish, index=i, empty=True))
+            elif text or ev.finished or (lp is not None and ev.token_ids):
+                await emit(reply.chunk(text, finish, index=i, logprobs=lp))
+
         try:
             while (got := await job.next_event()) is not None:
                 i, ev = got
-                if getattr(ev, "prompt_logprobs", None) is not None:  # echo with logprobs
-                    assert job.logprobs is not None  # (prompt log-probabilities come only when asked)
-                    await emit(
-                        reply.chunk(
-                            job.echo[i],
-                            index=i,
-                            logprobs=job.logprobs.body(ev.prompt_token_ids, ev.prompt_logprobs, i, part_ends=True),
-                        )
-                    )
-                    continue
-                lp = None if job.logprobs is None else job.logprobs.body(ev.token_ids, ev.logprobs or (), i)
-                text, calls, finish = ev.text, [], job.finish[i] if ev.finished else None
-                if filters is not None:  # tool calls: held back, and sent whole at the end
-                    text = filters[i].push(text)
-                    if ev.finished:
-                        rest, calls = filters[i].finish()
-                        text += rest
-                if calls:
-                    if text or (lp is not None and ev.token_ids):
-                        await emit(reply.chunk(text, index=i, logprobs=lp))
-                    await emit(reply.chunk("", index=i, tool_calls=calls))
-                    await emit(reply.chunk("", "tool_calls" if finish == "stop" else finish, index=i, empty=True))
-                elif text or ev.finished or (lp is not None and ev.token_ids):
-                    await emit(reply.chunk(text, finish, index=i, logprobs=lp))
+                if i in held:
+                    held[i].append(ev)
+                elif getattr(ev, "prompt_logprobs", None) is not None:  # echo with logprobs
+                    for data in await anyio.to_thread.run_sync(self._echoed, i, ev):
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+                    for j in job.group(i):
+                        for later in held.pop(j, ()):
+                            await step(j, later)
+                else:
+                    await step(i, ev)
+            for j, events in held.items():  # (an engine that sent no prompt log-probabilities)
+                for ev in events:
+                    await step(j, ev)
         except APIError as err:
             return [sse(err.body())]
         tail = [

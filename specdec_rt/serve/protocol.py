@@ -28,7 +28,16 @@ from ..spec.request_checks import check_stop
 from ..text.tools import check_tool_choice, checked_tools
 from ..types import Mode
 
-__all__ = ["APIError", "GenParams", "parse_request", "engine_error", "error_body", "Kind"]
+__all__ = [
+    "APIError",
+    "GenParams",
+    "parse_request",
+    "engine_error",
+    "error_body",
+    "Kind",
+    "check_prompt_logprob_work",
+    "prompt_logprob_work",
+]
 
 Kind = Literal["chat", "completion"]
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -36,6 +45,9 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; the Engine itself takes any f
 MAX_SEED = 2**64 - 1  # a seed is a 64-bit integer, as in OpenAI's API
 MAX_N = 16  # choices per request (each one an engine request, batched with the others)
 MAX_PROMPT_TOKENS = 1 << 17  # the server's limit on token ids in a request's prompts, all of them together
+#: the server's default budget of echoed prompt log-probability entries a request
+#: (prompt tokens x (1 + logprobs) x n; see check_prompt_logprob_work)
+DEFAULT_PROMPT_LOGPROB_WORK = 1 << 20
 
 
 class APIError(Exception):
@@ -105,17 +117,23 @@ class GenParams:
         return bool(self.tools) and self.tool_choice != "none"
 
     @property
+    def scores_prompt(self) -> bool:
+        """The prompts' own log-probabilities are asked for (``echo`` with ``logprobs``)."""
+        return self.echo and self.logprobs is not None
+
+    @property
     def streams(self) -> list[tuple[Any, int]]:
         """``(prompt, choice)`` of each engine request: ``n`` choices of every prompt, in the
         order of the response's choice indices (prompt i's choice j is index ``i * n + j``)."""
         return [(prompt, j) for prompt in (self.prompts or [self.prompt]) for j in range(self.n)]
 
-    def request_params(self, default_max_tokens: int, choice: int = 0) -> RequestParams:
+    def request_params(self, default_max_tokens: int, choice: int = 0, *, score_prompt: bool = True) -> RequestParams:
         """The engine's parameters for choice ``choice``: the one place OpenAI's fields become a
         :class:`~specdec_rt.spec.params.RequestParams`. ``max_tokens`` (or
         ``max_completion_tokens``) is ``max_new_tokens``, else ``default_max_tokens``; with a
         ``seed``, choice i samples with ``seed + i`` (so choices differ, and each is
-        reproducible); ``echo`` with ``logprobs`` asks for the prompt's log-probabilities too.
+        reproducible); ``echo`` with ``logprobs`` asks for the prompt's log-probabilities too,
+        unless ``score_prompt`` is false (a choice that shares another one's).
         A value the engine refuses raises its :class:`InvalidInputError` (see :func:`engine_error`)."""
         seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
         return RequestParams(
@@ -131,7 +149,7 @@ class GenParams:
             presence_penalty=self.penalties.get("presence_penalty", 0.0),
             frequency_penalty=self.penalties.get("frequency_penalty", 0.0),
             repetition_penalty=self.penalties.get("repetition_penalty", 1.0),
-            prompt_logprobs=self.logprobs if self.echo else None,
+            prompt_logprobs=self.logprobs if self.echo and score_prompt else None,
             response_format=self.response_format,
             tools=self.tools,
             tool_choice=self.tool_choice if self.tools else None,
@@ -472,6 +490,26 @@ def _stop(stop: Any) -> list[str]:
         return check_stop([s for s in stops if s])  # an empty stop string stops nothing
     except InvalidInputError as exc:
         raise _bad("stop", str(exc)) from None
+
+
+def prompt_logprob_work(p: GenParams, prompt_tokens: int) -> int:
+    """What echoing prompts of ``prompt_tokens`` tokens in all with their log-probabilities
+    costs: the reply's entries for them, ``prompt_tokens x (1 + logprobs) x n`` (each token's
+    own value and its alternatives, in each choice; each prompt is scored once, whatever ``n``)."""
+    return prompt_tokens * (1 + (p.logprobs or 0)) * p.n
+
+
+def check_prompt_logprob_work(p: GenParams, prompt_tokens: int, budget: int | None) -> None:
+    """A 400 when :func:`prompt_logprob_work` is over ``budget`` (the server's
+    ``--max-prompt-logprob-work``; None: no limit), saying what to lower."""
+    work = prompt_logprob_work(p, prompt_tokens)
+    if budget is not None and work > budget:
+        raise _bad(
+            "logprobs",
+            f"echo with logprobs={p.logprobs} and n={p.n} on {prompt_tokens} prompt tokens is {work} "
+            f"log-probability entries (prompt tokens x (1 + logprobs) x n), more than this server's "
+            f"--max-prompt-logprob-work of {budget}: lower logprobs, n or the prompt's length",
+        )
 
 
 def engine_error(exc: InvalidInputError, p: GenParams) -> APIError:

@@ -61,3 +61,96 @@ def test_prompts_and_their_token_ids_are_counted_before_they_are_read():
         assert str(err.value) == want and err.value.param == "prompt" and err.value.status == 400
     ok = parse_request("completion", {"prompt": [[1] * 50, "x", [2] * 50]}, max_prompts=3, max_prompt_tokens=100)
     assert len(ok.prompts) == 3
+
+
+TEXT = "The quick brown fox jumps over the lazy dog, and then it runs back home again."
+
+
+def _counting(monkeypatch) -> list:
+    """Count the engine's prompt scoring passes (one per engine request that asks for them)."""
+    from specdec_rt.engine import engine as engine_module
+
+    calls: list = []
+    score = engine_module.prompt_logprobs_of
+
+    async def counted(model, ids, top=0):
+        calls.append(len(ids))
+        return await score(model, ids, top)
+
+    monkeypatch.setattr(engine_module, "prompt_logprobs_of", counted)
+    return calls
+
+
+def _prompt_part(lp: dict, n: int) -> dict:
+    return {k: v[:n] for k, v in lp.items()}
+
+
+def test_echo_with_logprobs_scores_each_prompt_once_for_all_its_choices(tiny_llama, monkeypatch):
+    calls = _counting(monkeypatch)
+    body = {"prompt": TEXT, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 3}
+
+    async def check(engine):
+        want = await engine.generate(TEXT, 4, logprobs=3, prompt_logprobs=3)
+        size = len(want.prompt_token_ids)
+        async with client(create_app(engine)) as c:
+            calls.clear()
+            one = (await c.post("/v1/completions", json=body)).json()
+            assert calls == [size]
+            calls.clear()
+            many = (await c.post("/v1/completions", json={**body, "n": 4})).json()
+            assert calls == [size]  # was: one scoring pass per choice
+            calls.clear()
+            two = (await c.post("/v1/completions", json={**body, "prompt": [TEXT, TEXT[:20]], "n": 3})).json()
+            assert len(calls) == 2  # one a prompt
+            streamed = (await c.post("/v1/completions", json={**body, "n": 3, "stream": True})).text
+        head = _prompt_part(one["choices"][0]["logprobs"], size)  # what each choice computed alone before
+        values = [e.logprob for e in want.prompt_logprobs[1:]]
+        assert head["token_logprobs"][1:] == pytest.approx(values, abs=1e-4)
+        assert len(many["choices"]) == 4
+        for choice in many["choices"]:
+            assert _prompt_part(choice["logprobs"], size) == head  # the same prompt entries, offsets too
+            assert choice["text"].startswith(TEXT)
+            assert len(choice["logprobs"]["tokens"]) == size + 4
+            assert choice["logprobs"]["text_offset"][size] == len(TEXT)
+        assert [_prompt_part(c["logprobs"], size) == head for c in two["choices"]] == [True] * 3 + [False] * 3
+        assert two["choices"][3]["text"].startswith(TEXT[:20])
+        assert many["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"] == size
+
+        from serve_util import sse_data
+
+        chunks = [e["choices"][0] for e in sse_data(streamed) if e != "[DONE]"]
+        for i in range(3):
+            mine = [c for c in chunks if c["index"] == i]
+            assert mine[0]["text"] == TEXT and _prompt_part(mine[0]["logprobs"], size) == head  # the prompt first
+            assert "".join(c["text"] for c in mine) == many["choices"][i]["text"]
+            offsets = [o for c in mine for o in c["logprobs"]["text_offset"]]
+            assert offsets == many["choices"][i]["logprobs"]["text_offset"]
+
+    run(check, tiny_llama)
+
+
+def test_prompt_log_probabilities_past_the_work_budget_are_a_400_naming_the_flag(tiny_llama, monkeypatch):
+    calls = _counting(monkeypatch)
+
+    async def check(engine):
+        size = len(engine.codec.encode_prompt(TEXT))
+        budget = size * (1 + 5) * 2  # exactly logprobs=5, n=2 of this prompt
+        async with client(create_app(engine, max_prompt_logprob_work=budget)) as c:
+            base = {"prompt": TEXT, "max_tokens": 2, "echo": True, "logprobs": 5}
+            assert (await c.post("/v1/completions", json={**base, "n": 2})).status_code == 200
+            for over in ({"n": 3}, {"n": 2, "logprobs": 6}, {"n": 2, "prompt": [TEXT, "x"]}):
+                r = await c.post("/v1/completions", json={**base, **over})
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == "logprobs", r.text
+                assert "--max-prompt-logprob-work" in err["message"] and str(budget) in err["message"]
+                assert "lower logprobs, n or the prompt" in err["message"]
+            ids = engine.codec.encode_prompt(TEXT) * 2  # token ids: their count, before any model work
+            calls.clear()
+            r = await c.post("/v1/completions", json={**base, "prompt": ids, "n": 2})
+            assert r.status_code == 400 and "--max-prompt-logprob-work" in r.json()["error"]["message"]
+            assert calls == []
+            ok = await c.post("/v1/completions", json={**base, "n": 2, "stream": True})
+            assert ok.status_code == 200 and "[DONE]" in ok.text  # a refusal breaks nothing
+        assert engine.running == 0 and not engine.target._owners
+
+    run(check, tiny_llama)
