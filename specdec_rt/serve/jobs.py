@@ -163,6 +163,9 @@ async def completions(request: Request, kind: Kind) -> Any:
     scored = 0  # prompt tokens to score (echo with logprobs), each prompt once
     try:  # from here on the request is admitted: Job.close releases it
         for prompt, choice in params.streams:
+            if params.scores_prompt and choice > 0:  # opened once its prompt is scored (Job.start)
+                streams.append(None)
+                continue
             stream = await _open(serving, params, prompt, choice)
             streams.append(stream)
             if params.scores_prompt and choice == 0:  # its prompt's length is known now, before its scoring
@@ -193,7 +196,8 @@ async def completions(request: Request, kind: Kind) -> Any:
 async def _close_all(streams: list) -> None:
     with anyio.CancelScope(shield=True):
         for stream in streams:
-            await stream.aclose()
+            if stream is not None:  # (None: a choice not opened yet, see Job.start)
+                await stream.aclose()
 
 
 def _prompt_tokens(stream, prompt) -> int:
@@ -296,19 +300,37 @@ class Job:
 
     def start(self, tg) -> None:
         """With several choices: one task per engine stream, in ``tg`` (the response's task
-        group, cancelled when the response ends), feeding :meth:`next_event`."""
+        group, cancelled when the response ends), feeding :meth:`next_event`. Echo with
+        logprobs: a prompt's other choices open once its first one has scored it (or ended), so
+        that they start from the prompt's KV, which the scoring left in the prefix cache."""
         if len(self.streams) > 1:
             send: MemoryObjectSendStream[tuple[int, Any, BaseException | None]]
             send, self._events = anyio.create_memory_object_stream(0)
+            scored = {i: anyio.Event() for i in range(len(self.streams)) if self.scorer(i) == i}
             with send:
                 for i in range(len(self.streams)):
-                    tg.start_soon(self._pump, i, send.clone())
+                    tg.start_soon(self._pump, i, send.clone(), scored[self.scorer(i)])
 
-    async def _pump(self, i: int, send) -> None:
+    async def _pump(self, i: int, send, scored: anyio.Event) -> None:
+        """Hand stream ``i``'s events on; ``scored``: set by its prompt's scorer (``i`` itself,
+        or the choice stream ``i`` waits for before it opens)."""
         async with send:
             try:
-                async for ev in self.streams[i]:
-                    await send.send((i, ev, None))
+                if self.streams[i] is None:
+                    await scored.wait()
+                    prompt, choice = self.params.streams[i]
+                    stream = await _open(self.serving, self.params, prompt, choice)
+                    if self.closed:  # ended meanwhile (a stalled client's stream): not to be kept
+                        await _close_all([stream])
+                        return
+                    self.streams[i] = stream
+                try:
+                    async for ev in self.streams[i]:
+                        await send.send((i, ev, None))
+                        if getattr(ev, "prompt_logprobs", None) is not None:
+                            scored.set()
+                finally:
+                    scored.set()
             except SpecDecError as exc:
                 await send.send((i, None, exc))
 

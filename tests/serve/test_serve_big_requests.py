@@ -97,8 +97,12 @@ def test_echo_with_logprobs_scores_each_prompt_once_for_all_its_choices(tiny_lla
             one = (await c.post("/v1/completions", json=body)).json()
             assert calls == [size]
             calls.clear()
+            hits = engine.prefix_cache["hit_tokens"]
+            many = (await c.post("/v1/completions", json={**body, "n": 4, "prompt": TEXT.upper()})).json()
+            assert calls == [len(engine.codec.encode_prompt(TEXT.upper()))]  # was: one scoring pass per choice
+            # the other choices open once it is scored: each starts from the KV its scoring left
+            assert engine.prefix_cache["hit_tokens"] - hits == 4 * (calls[0] - 1)
             many = (await c.post("/v1/completions", json={**body, "n": 4})).json()
-            assert calls == [size]  # was: one scoring pass per choice
             calls.clear()
             two = (await c.post("/v1/completions", json={**body, "prompt": [TEXT, TEXT[:20]], "n": 3})).json()
             assert len(calls) == 2  # one a prompt
