@@ -86,6 +86,8 @@ def _prompt_part(lp: dict, n: int) -> dict:
 
 
 def test_echo_with_logprobs_scores_each_prompt_once_for_all_its_choices(tiny_llama, monkeypatch):
+    from specdec_rt.serve import jobs
+
     calls = _counting(monkeypatch)
     body = {"prompt": TEXT, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 3}
 
@@ -103,6 +105,11 @@ def test_echo_with_logprobs_scores_each_prompt_once_for_all_its_choices(tiny_lla
             # the other choices open once it is scored: each starts from the KV its scoring left
             assert engine.prefix_cache["hit_tokens"] - hits == 4 * (calls[0] - 1)
             many = (await c.post("/v1/completions", json={**body, "n": 4})).json()
+            inline = jobs.INLINE_REPLY_ENTRIES
+            monkeypatch.setattr(jobs, "INLINE_REPLY_ENTRIES", 0)  # built and encoded in a worker thread
+            threaded = (await c.post("/v1/completions", json={**body, "n": 4})).json()
+            assert threaded["choices"] == many["choices"] and threaded["usage"] == many["usage"]
+            monkeypatch.setattr(jobs, "INLINE_REPLY_ENTRIES", inline)
             calls.clear()
             two = (await c.post("/v1/completions", json={**body, "prompt": [TEXT, TEXT[:20]], "n": 3})).json()
             assert len(calls) == 2  # one a prompt
@@ -158,3 +165,51 @@ def test_prompt_log_probabilities_past_the_work_budget_are_a_400_naming_the_flag
         assert engine.running == 0 and not engine.target._owners
 
     run(check, tiny_llama)
+
+
+def test_stepwise_json_reads_what_json_loads_reads():
+    import gc
+    import json
+
+    from specdec_rt.serve.jobs import gc_paused, load_json
+    from specdec_rt.serve.protocol import APIError
+
+    values = [
+        {"prompt": ["é😀\u202e", '\\"x"'] * 5000, "temperature": 0.7, "n": 2, "x": [None, True, -1e300, 10**40]},
+        {"messages": [{"role": "user", "content": "\ud800 lone"}], "nested": [[[[{}]]]]},
+        [1.5, -0.0, "NaN"],
+    ]
+    for value in values:
+        for body in (
+            json.dumps(value).encode(),
+            json.dumps(value, ensure_ascii=False).encode("utf-16", "surrogatepass"),
+        ):
+            assert repr(load_json(body, stepwise=True)) == repr(json.loads(body))
+    assert load_json(b'{"a": NaN, "b": -Infinity}', stepwise=True).keys() == {"a", "b"}  # as json.loads takes them
+    for bad in (b"{not json", b"[" * 100_000, b'{"a": 1} x', b"\xff\xfe\x00"):
+        for stepwise in (False, True):
+            with pytest.raises(APIError) as err:
+                load_json(bad, stepwise=stepwise)
+            assert err.value.status == 400 and err.value.code == "invalid_json"
+
+    from starlette.responses import JSONResponse
+
+    from specdec_rt.serve.replies import json_bytes
+
+    reply = {"choices": [{"text": 'é😀\n"', "logprobs": {"top": [{"\u0000": -1.25e-07}]}}], "n": [1, None, True]}
+    assert json_bytes(reply, stepwise=True) == json_bytes(reply) == JSONResponse(reply).body
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with gc_paused():
+            with gc_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()  # the outer pause still runs
+        assert gc.isenabled()
+        gc.disable()
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # as the first pause found it
+    finally:
+        (gc.enable if was else gc.disable)()
