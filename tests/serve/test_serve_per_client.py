@@ -18,10 +18,10 @@ import pytest
 pytest.importorskip("uvicorn")
 pytest.importorskip("h11")
 
-from serve_util import EchoEngine  # noqa: E402
+from serve_util import EchoEngine, running_server  # noqa: E402
 
 from specdec_rt.serve import create_app  # noqa: E402
-from specdec_rt.serve.connections import ConnectionLimits, client_key, uvicorn_options  # noqa: E402
+from specdec_rt.serve.connections import ConnectionLimits, client_key  # noqa: E402
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
 
@@ -29,25 +29,8 @@ HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
 @contextlib.asynccontextmanager
 async def _server(limits: ConnectionLimits):
     """Real uvicorn in this event loop on 127.0.0.1 with ``limits``; yields its port."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    app = create_app(EchoEngine(), model_name="tiny")
-    server = uvicorn.Server(
-        uvicorn.Config(app, lifespan="off", log_level="error", access_log=False, **uvicorn_options(limits))
-    )
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+    async with running_server(create_app(EchoEngine(), model_name="tiny"), limits=limits) as url:
+        yield int(url.rsplit(":", 1)[1])
 
 
 async def _open(port: int, source: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
