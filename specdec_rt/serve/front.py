@@ -236,7 +236,7 @@ class _TooLarge(Exception):
 
 
 async def _too_large(send, limit: int) -> None:
-    """The 413 the replicas give (serve/jobs.py ``read_json``)."""
+    """The 413 the replicas give (serve/jobs.py ``read_body``)."""
     await _refuse(send, 413, f"the request body exceeds {limit} bytes", "request_too_large", "invalid_request_error")
 
 
