@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from specdec_rt.manifest_schema import MAX_TOKEN_ID
+
 from .errors import CorruptSourceError, InsufficientMemoryError
 
 __all__ = ["GGUFInfo", "GGUFArray", "read_gguf_info", "check_model", "machine_memory", "export_memory_estimate"]
@@ -42,7 +44,7 @@ GGUF_LIMITS = {
     "attention.head_count_kv": (1, 1024),
     "context_length": (2, 1 << 24),
 }
-MAX_VOCAB = 1 << 22
+MAX_VOCAB = MAX_TOKEN_ID  # a vocabulary's ids must be ids a manifest may hold
 # optional float metadata that must be finite and > 0 when present
 POSITIVE_FLOATS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["CACHE_ENV", "cache_root", "downloads_dir", "model_dir", "inside"]
+from specdec_rt.manifest_schema import CACHE_ENV
 
-CACHE_ENV = "SPECDEC_RT_CACHE"
+__all__ = ["CACHE_ENV", "cache_root", "downloads_dir", "model_dir", "inside"]
 
 
 def cache_root() -> Path:

@@ -45,14 +45,13 @@ from .paths import inside, model_dir
 from .quant import QUANT_SPECS, quant_spec
 from .recipes import NAME_RE, fetch_source, find_recipe, list_recipes, load_recipe
 from .source import Source, open_source
-from .tokenizer import check_encoding, compare_tokenizers, save_tokenizer, sha256_file
+from .tokenizer import TOKENIZER_FILES, check_encoding, compare_tokenizers, save_tokenizer, sha256_file
 from .ui import Reporter
 from .validate import new_tokens, prompt_ids, reference_logits, validate_graph
 
 __all__ = ["Request", "Result", "run"]
 
 QUANT_SUFFIX = {"int4": "q4", "int8": "q8"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 @dataclass

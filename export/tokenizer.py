@@ -18,7 +18,18 @@ from specdec_rt.manifest_schema import TEXT_TAGS
 from .errors import CorruptSourceError, TokenizerMismatchError, one_line
 from .gguf_meta import read_gguf_info
 
-__all__ = ["TokenizerInfo", "load_tokenizer", "save_tokenizer", "compare_tokenizers", "check_encoding", "SAMPLE_TEXTS"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "TokenizerInfo",
+    "load_tokenizer",
+    "save_tokenizer",
+    "compare_tokenizers",
+    "check_encoding",
+    "SAMPLE_TEXTS",
+]
+
+#: a model folder's tokenizer, copied as they are where a draft shares its target's
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 SAMPLE_TEXTS = [
     "Hello world! Write a Python function that reverses a string.",

@@ -16,6 +16,7 @@ and the KV pool), and the text layer, which lies below ``ort`` in the layer orde
 from __future__ import annotations
 
 __all__ = [
+    "CACHE_ENV",
     "SCHEMA_VERSION",
     "MANIFEST",
     "STAMP",
@@ -42,6 +43,11 @@ __all__ = [
 # The format this exporter writes and this runtime reads (docs/manifest.md). A change that an
 # older runtime would misread bumps it; the runtime refuses any other version.
 SCHEMA_VERSION = 1
+
+# The variable naming the folder built models live in (<root>/models/<recipe-name>/), for the
+# exporter that builds them and the runtime that finds them by name. (The rule around it,
+# ``cache_root``, is a function in each: this module holds constants alone.)
+CACHE_ENV = "SPECDEC_RT_CACHE"
 
 MANIFEST = "manifest.json"  # written last: a folder without it is incomplete
 STAMP = ".specdec-verified.json"  # the runtime's record of verified sha256: [*STAMP_STAT, sha256] per file

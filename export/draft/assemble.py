@@ -21,13 +21,14 @@ from specdec_rt.manifest_schema import PACKED_ROLES, TREE_ROLES
 
 from .. import __version__
 from ..errors import CorruptSourceError, ExportError, UnsupportedModelError, one_line
+from ..gguf_meta import MAX_VOCAB
 from ..manifest import SCHEMA_VERSION, file_table, onnx_section, write_manifest
+from ..tokenizer import TOKENIZER_FILES
 from .graph import HEAD_KEYS, build_head_onnx, target_tensors
 
 __all__ = ["save_head", "load_head", "assemble_draft", "TARGET_TENSORS"]
 
 TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight", "cos_cache", "sin_cache", "norm.weight")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 def save_head(path: Path, weights: dict[str, np.ndarray], vocab: np.ndarray, config: dict) -> Path:
@@ -116,7 +117,6 @@ def load_head(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
 
 
 MAX_CONFIG_BYTES = 1 << 20
-MAX_VOCAB = 1 << 22
 MAX_HEAD_ELEMENTS = 1 << 30  # all weights together (a 7B model's head: ~2.5e8)
 _CONFIG_INTS = {
     "hidden_size": 1 << 16,

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..errors import ModelLoadError, ModelNotBuiltError
 from ..manifest_schema import (
+    CACHE_ENV,
     KV_LAYOUT,
     KV_ROLES,
     LIMITS,
@@ -60,8 +61,6 @@ __all__ = [
     "PACKED_ROLES",
     "inside",
 ]
-
-CACHE_ENV = "SPECDEC_RT_CACHE"
 
 
 def inside(folder: Path, rel, what: str, manifest: Path | None = None) -> Path:
