@@ -19,23 +19,31 @@ from pathlib import Path
 
 import anyio
 
+from specdec_rt.engine.served import EventIterator, ServedEngine
 
-class WrappedEngine:
-    """Delegates to an Engine; subclasses change the event stream. Has no ``running`` /
-    ``waiting`` / ``batch_listeners``, so the server counts requests itself."""
+
+class WrappedEngine(ServedEngine):
+    """Delegates to an Engine; subclasses change the event stream. Leaves ``running`` /
+    ``waiting`` / ``batch_listeners`` at their defaults (None), so the server counts requests
+    itself."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.slots = engine.slots if isinstance(getattr(engine, "slots", None), int) else None
-        self.manifest = engine.manifest
+        self.slots, self.name = engine.slots, engine.name
 
     @property
     def prefix_cache(self) -> dict:
         return self.engine.prefix_cache
 
+    def token_bytes(self, token: int) -> bytes:
+        return self.engine.token_bytes(token)
+
+    def is_special_token(self, token: int) -> bool:
+        return self.engine.is_special_token(token)
+
     def stream(self, *args, **kwargs):
         inner = self.engine.stream(*args, **kwargs)  # bad arguments raise here, synchronously
-        return self._events(inner)
+        return EventIterator(self._events(inner))
 
     async def _events(self, inner):
         try:
@@ -45,7 +53,7 @@ class WrappedEngine:
             await inner.aclose()
 
 
-class EchoEngine:
+class EchoEngine(ServedEngine):
     """A model-free engine for tests of what the server does before and around the model: each
     request's stream is one event (``text``, no token ids, finish ``"length"``); ``requests``
     keeps every ``(prompt, RequestParams)`` the server passed to ``stream``."""
@@ -56,7 +64,7 @@ class EchoEngine:
 
     def stream(self, prompt, params=None, /, **overrides):
         self.requests.append((prompt, params))
-        return self._events()
+        return EventIterator(self._events())
 
     async def _events(self):
         from specdec_rt.engine.stream import StreamEvent

@@ -47,6 +47,7 @@ from ..types import Stats
 from .factory import build_parts
 from .loop_watch import LoopWatch
 from .precision import PrecisionChoice, check_precision
+from .served import DEFAULT_CONSUMER_TIMEOUT, DEFAULT_SLOTS
 from .stream import EngineResult, EngineStream, StreamEvent, _Ready
 from .warmup import WARMUP_REQUESTS, WARMUP_TOKENS, warm_up
 
@@ -54,12 +55,9 @@ __all__ = ["Engine", "EngineResult", "EngineStream", "StreamEvent"]
 
 Prompt = str | Sequence[dict] | Sequence[int]
 
-DEFAULT_SLOTS = 8  # requests batched at once; a slot's KV memory is committed only as it is used
 MAX_SLOTS = 256
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # about 250k tokens: more than any context here holds
 STREAM_BUFFER = 4  # events a request may run ahead of its consumer before it waits
-#: seconds a request waits for its consumer to take an event (its buffer full) before it ends
-DEFAULT_CONSUMER_TIMEOUT = 30.0
 
 
 class Engine:

@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server over :class:`specdec_rt.Engine` (``python -m specdec_rt serve``).
 
 Needs the ``serve`` extra (Starlette, uvicorn, prometheus-client); importing ``specdec_rt`` does
-not. ``create_app(engine_or_loader, slots=..., max_queued=...)`` builds the ASGI app to run under
+not. ``create_app(engine_or_loader, AppConfig(...))`` (or its fields by keyword) builds the ASGI app to run under
 any ASGI server or to test with ``httpx.ASGITransport``; see docs/serving.md.
 """
 

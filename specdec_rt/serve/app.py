@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -18,81 +18,34 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..engine.engine import DEFAULT_CONSUMER_TIMEOUT
+from ..engine.served import ServedEngine
 from .guard import Access, access_middleware
 from .jobs import completions, error_response
-from .protocol import DEFAULT_PROMPT_LOGPROB_WORK, APIError, error_body
+from .options import AppConfig
+from .protocol import APIError, error_body
 from .replies import models_body
-from .state import Serving
+from .state import Loader, Serving
 
 __all__ = ["create_app", "begin_drain"]
 
 
-def create_app(
-    engine_or_loader: Any,
-    *,
-    slots: int | None = None,
-    max_queued: int = 16,
-    model_name: str | None = None,
-    request_timeout: float | None = 600.0,
-    max_body_bytes: int = 1 << 20,
-    default_max_tokens: int = 256,
-    retry_after: int = 1,
-    wait_for_load: bool = False,
-    drain_timeout: float | None = None,
-    api_keys: Sequence[str] = (),
-    allowed_hosts: Sequence[str] | None = None,
-    allowed_origins: Sequence[str] = (),
-    consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT,
-    max_prompt_logprob_work: int | None = DEFAULT_PROMPT_LOGPROB_WORK,
-) -> Starlette:
+def create_app(engine_or_loader: ServedEngine | Loader, config: AppConfig | None = None, **options: Any) -> Starlette:
     """The ASGI app.
 
-    ``engine_or_loader``: a loaded :class:`~specdec_rt.Engine` (the app is ready at once and
-    never closes it), or an async callable that returns one: the app's lifespan loads it in the
-    background at startup (``/health`` and the completion routes answer 503 until then) and
-    closes it at shutdown. ``slots``: requests generating at once (default: the engine's
-    ``slots``, else 4; give the engine the same number); ``max_queued``: admitted requests
-    waiting for a slot; past ``slots + max_queued`` a request gets 429 with ``Retry-After``. ``request_timeout``: seconds per request, queueing
-    included (504 after; ``None``: no limit). ``max_body_bytes``: larger bodies get 413.
-    ``default_max_tokens``: for requests without ``max_tokens``. ``app.state.serving`` holds the
-    state; :func:`begin_drain` starts a graceful shutdown. ``wait_for_load``: the lifespan
-    startup returns only once the engine is loaded, and fails if it cannot be (for hosts that
-    route to an app only after its startup, such as a Ray Serve replica). ``drain_timeout``:
-    seconds admitted requests get once draining began; those still running then end with a 503
-    ``draining`` error (a stream: one error event) instead of being cut off (``None``: no limit).
-    ``consumer_timeout``: seconds a streamed response may wait for its client to take a chunk
-    (default 30): past that the request ends and frees its slot at once, and the client's
-    stream ends (with an error event if the connection still takes one); ``None`` or ``0``: no
-    limit. Give a loaded engine the same (its own ``consumer_timeout``; the CLI does).
-    ``max_prompt_logprob_work``: a completion with ``echo`` and ``logprobs`` may ask for at most
-    this many prompt log-probability entries, prompt tokens x (1 + ``logprobs``) x ``n``
-    (400 past it, before its prompt is scored; ``None``: no limit).
-
-    Access (:mod:`specdec_rt.serve.guard`): ``api_keys``: every route but ``/health`` needs
-    ``Authorization: Bearer <one of them>`` (401 otherwise; none: no key needed).
-    ``allowed_hosts``: the ``Host`` names the app answers to, others get 421 (``None``: any, for an
-    app behind a proxy that checks them; ``guard.host_names`` gives the CLI's list).
-    ``allowed_origins``: web origins whose pages may call the app, with CORS answers; a request
-    with any other ``Origin`` gets 403. The JSON routes take ``application/json`` only (415).
+    ``engine_or_loader``: a loaded engine (an :class:`~specdec_rt.Engine`, or any
+    :class:`~specdec_rt.engine.served.ServedEngine`; the app is ready at once and never closes
+    it), or an async callable that returns one: the app's lifespan loads it in the background at
+    startup (``/health`` and the completion routes answer 503 until then) and closes it at
+    shutdown. ``config``: the app's options (:class:`~specdec_rt.serve.options.AppConfig`: slots,
+    queue, timeouts, limits, access); ``options``: its fields by keyword, over ``config``
+    (``create_app(engine, slots=4, api_keys=[...])``). An engine that lacks a member the server
+    needs, or an unknown option, is refused here. ``app.state.serving`` holds the state;
+    :func:`begin_drain` starts a graceful shutdown. The JSON routes take ``application/json``
+    only (415).
     """
-    access = Access.checked(api_keys, allowed_hosts, allowed_origins)
-    if slots is None:
-        slots = getattr(engine_or_loader, "slots", None)
-        slots = slots if isinstance(slots, int) else 4
-    serving = Serving(
-        engine_or_loader,
-        slots=slots,
-        max_queued=max_queued,
-        model_name=model_name,
-        request_timeout=request_timeout,
-        max_body_bytes=max_body_bytes,
-        default_max_tokens=default_max_tokens,
-        retry_after=retry_after,
-        drain_timeout=drain_timeout,
-        consumer_timeout=consumer_timeout,
-        max_prompt_logprob_work=max_prompt_logprob_work,
-    )
+    config = replace(config or AppConfig(), **options)  # an unknown keyword: TypeError naming it
+    access = Access.checked(config.api_keys, config.allowed_hosts, config.allowed_origins)
+    serving = Serving(engine_or_loader, config)
     created = int(time.time())
 
     async def chat(request: Request) -> Any:
@@ -102,7 +55,7 @@ def create_app(
         return await completions(request, "completion")
 
     async def models(request: Request) -> JSONResponse:
-        return JSONResponse(models_body(serving.model_name or "specdec-rt", created, serving.engine))
+        return JSONResponse(models_body(serving.model_name or "specdec-rt", created, serving.loaded))
 
     async def model(request: Request) -> JSONResponse:
         name = serving.model_name or "specdec-rt"
@@ -115,7 +68,7 @@ def create_app(
                     param="model",
                 )
             )
-        return JSONResponse(models_body(name, created, serving.engine)["data"][0])
+        return JSONResponse(models_body(name, created, serving.loaded)["data"][0])
 
     async def health(request: Request) -> JSONResponse:
         return JSONResponse(
@@ -133,7 +86,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        if wait_for_load and serving.state == "loading":
+        if config.wait_for_load and serving.state == "loading":
             await serving.load()
             if serving.state != "ready":
                 raise RuntimeError(f"the model did not load (state {serving.state!r}); see the log")

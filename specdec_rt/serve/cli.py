@@ -13,13 +13,24 @@ import signal
 import socket
 import sys
 
+from ..engine.served import DEFAULT_CONSUMER_TIMEOUT, DEFAULT_SLOTS
 from ..errors import SpecDecError
 from ..kvcache.prefix import DEFAULT_BUDGET_BYTES
+from .options import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUED,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_REQUEST_TIMEOUT,
+    ConnectionLimits,
+)
 from .protocol import DEFAULT_PROMPT_LOGPROB_WORK
+from .ray import RayOptions  # (Ray itself is imported only by serve --ray)
 
 __all__ = ["add_serve_parser", "run_serve"]
 
 DRAIN_GRACE_S = 5.0  # after --drain-timeout, time to send the 503s before uvicorn cuts connections
+DEFAULT_DRAIN_TIMEOUT = 30.0  # the CLI's; an embedded app's default is none (AppConfig.drain_timeout)
+LIMITS = ConnectionLimits()  # the connection flags' defaults
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
@@ -33,38 +44,43 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--slots", type=_positive, default=8, help="requests generating (and batched) at once (default 8)")
+    p.add_argument(
+        "--slots",
+        type=_positive,
+        default=DEFAULT_SLOTS,
+        help="requests generating (and batched) at once (default %(default)s)",
+    )
     p.add_argument(
         "--max-queued",
         type=_non_negative,
-        default=16,
-        help="requests waiting for a slot before new ones get 429 (default 16)",
+        default=DEFAULT_MAX_QUEUED,
+        help="requests waiting for a slot before new ones get 429 (default %(default)s)",
     )
     p.add_argument(
         "--request-timeout",
         type=_seconds,
-        default=600.0,
-        help="seconds a request may take, queueing included (default 600; 0: none)",
+        default=DEFAULT_REQUEST_TIMEOUT,
+        help="seconds a request may take, queueing included (default %(default)g; 0: none)",
     )
     p.add_argument(
         "--max-body-bytes",
         type=_positive,
-        default=1 << 20,
-        help="largest request body; larger ones get 413 (default 1 MiB)",
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body; larger ones get 413 (default %(default)s bytes)",
     )
     p.add_argument(
         "--drain-timeout",
         type=_seconds,
-        default=30.0,
+        default=DEFAULT_DRAIN_TIMEOUT,
         help="on SIGTERM, seconds to let admitted requests finish; those left then get a 503 "
-        "(a stream: an error event) (default 30)",
+        "(a stream: an error event) (default %(default)g)",
     )
     p.add_argument(
         "--consumer-timeout",
         type=_seconds,
-        default=30.0,
+        default=DEFAULT_CONSUMER_TIMEOUT,
         help="seconds a streamed response may wait for its client to take a chunk (and a request "
-        "for its reader); past that it ends and frees its slot (default 30; 0: none)",
+        "for its reader); past that it ends and frees its slot (default %(default)g; 0: none)",
     )
     p.add_argument(
         "--max-prompt-logprob-work",
@@ -74,7 +90,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "entries, prompt tokens x (1 + logprobs) x n; more get 400 (default %(default)s; 0: no limit)",
     )
     p.add_argument(
-        "--default-max-tokens", type=_positive, default=256, help="max_tokens when a request sets none (default 256)"
+        "--default-max-tokens",
+        type=_positive,
+        default=DEFAULT_MAX_TOKENS,
+        help="max_tokens when a request sets none (default %(default)s)",
     )
     p.add_argument(
         "--served-model-name",
@@ -133,62 +152,70 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     conn.add_argument(
         "--header-timeout",
         type=_positive_seconds,
-        default=10.0,
+        default=LIMITS.header_timeout,
         help="seconds a client has to send a request's line and headers, from its connection or the "
-        "request's first byte; then a 408 and the connection is closed (default 10)",
+        "request's first byte; then a 408 and the connection is closed (default %(default)g)",
     )
     conn.add_argument(
         "--body-timeout",
         type=_positive_seconds,
-        default=30.0,
+        default=LIMITS.body_timeout,
         help="seconds a client has to send a request's body, from the end of its headers; then a "
-        "408 and the connection is closed (default 30)",
+        "408 and the connection is closed (default %(default)g)",
     )
     conn.add_argument(
         "--max-header-bytes",
         type=_positive,
-        default=65536,
-        help="largest request line and headers; larger ones get 431 (default 65536)",
+        default=LIMITS.max_header_bytes,
+        help="largest request line and headers; larger ones get 431 (default %(default)s)",
     )
     conn.add_argument(
-        "--max-headers", type=_positive, default=100, help="most header lines in a request; more get 431 (default 100)"
+        "--max-headers",
+        type=_positive,
+        default=LIMITS.max_headers,
+        help="most header lines in a request; more get 431 (default %(default)s)",
     )
     conn.add_argument(
         "--max-connections",
         type=_positive,
-        default=256,
-        help="open connections, idle ones included; one more gets a 503 and is closed (default 256)",
+        default=LIMITS.max_connections,
+        help="open connections, idle ones included; one more gets a 503 and is closed (default %(default)s)",
     )
     conn.add_argument(
         "--max-connections-per-client",
         type=_count,
-        default=32,
+        default=LIMITS.max_connections_per_client,
         help="open connections from one client address (IPv6: one /64); one more gets a 429 and is "
-        "closed (default 32; 0: no limit, e.g. behind a reverse proxy, where every client has the "
+        "closed (default %(default)s; 0: no limit, e.g. behind a reverse proxy, where every client has the "
         "proxy's address)",
     )
     conn.add_argument(
         "--send-buffer-bytes",
         type=_count,
-        default=65536,
+        default=LIMITS.send_buffer_bytes,
         help="each connection's kernel send buffer: how much of a stream a client that stopped "
-        "reading leaves unread before --consumer-timeout starts (default 65536; 0: the kernel's, "
+        "reading leaves unread before --consumer-timeout starts (default %(default)s; 0: the kernel's, "
         "which grows to megabytes)",
     )
     conn.add_argument(
         "--keep-alive-timeout",
         type=_seconds,
-        default=5.0,
-        help="seconds a connection may sit idle between requests (default 5; 0: closed after each response)",
+        default=LIMITS.keep_alive_timeout,
+        help="seconds a connection may sit idle between requests (default %(default)g; 0: closed after each response)",
     )
     ray = p.add_argument_group("replicas on Ray Serve (the 'ray' extra; docs/serving.md)")
     ray.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve instead of one process")
-    ray.add_argument("--replicas", type=_replicas, default=1, help="replicas: a number or 'auto' (default 1)")
+    ray.add_argument(
+        "--replicas",
+        type=_replicas,
+        default=RayOptions.replicas,
+        help="replicas: a number or 'auto' (default %(default)s)",
+    )
     ray.add_argument(
         "--cpus-per-replica",
         type=_positive_float,
-        default=1.0,
-        help="CPUs Ray reserves per replica; its ONNX Runtime threads (default 1)",
+        default=RayOptions.cpus_per_replica,
+        help="CPUs Ray reserves per replica; its ONNX Runtime threads (default %(default)g)",
     )
     ray.add_argument(
         "--ray-address", default=None, help="join this Ray cluster (default: start a local one on loopback)"
@@ -232,8 +259,7 @@ def _say_access(access) -> None:
 
 def _say_loaded(name: str, engine) -> None:
     """The load line: what runs and what its greedy output is exact to."""
-    choice = getattr(engine, "choice", None)
-    what = choice.describe() if choice is not None else f"draft {engine.draft_name or 'none'}"
+    what = engine.choice.describe() if engine.choice is not None else f"draft {engine.draft_name or 'none'}"
     _say(f"specdec_rt serve: loaded {name}: {what}")
 
 
@@ -383,7 +409,7 @@ def run_serve(args) -> int:
 
     logging.getLogger("specdec_rt.serve").setLevel(logging.INFO)  # one event per request on stderr
     logging.getLogger("specdec_rt.engine.tune").setLevel(logging.INFO)  # --precision auto's progress
-    app = create_app(load, **opts.app_options(), drain_timeout=args.drain_timeout)
+    app = create_app(load, opts.app_config(drain_timeout=args.drain_timeout))
     server = _draining_server(_uvicorn_config(args, app), app)
     app.state.serving.on_load_error = server.stop_after_load_error
     # uvicorn re-raises the signal that stopped it once it is done; a handler that ignores it makes
@@ -403,7 +429,7 @@ def _uvicorn_config(args, app):
     ``serve --ray`` (:mod:`~specdec_rt.serve.front`)."""
     import uvicorn
 
-    from .connections import ConnectionLimits, uvicorn_options
+    from .connections import uvicorn_options
 
     limits = ConnectionLimits(
         header_timeout=args.header_timeout,

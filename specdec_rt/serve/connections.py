@@ -35,58 +35,20 @@ import http
 import ipaddress
 import json
 import logging
-import math
 import socket
-from dataclasses import dataclass
 from typing import Any
 
 import h11
 from h11._receivebuffer import ReceiveBuffer
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..errors import InvalidInputError
 from .guard import framing_error
+from .options import ConnectionLimits
 from .protocol import error_body
 
 __all__ = ["ConnectionLimits", "client_key", "limited_protocol", "uvicorn_options"]
 
 log = logging.getLogger("uvicorn.error")
-
-
-@dataclass(frozen=True)
-class ConnectionLimits:
-    """The limits of one server (the ``serve`` flags of the same names; docs/serving.md)."""
-
-    header_timeout: float = 10.0  # seconds to receive the request line and headers
-    body_timeout: float = 30.0  # seconds to receive the body, from the end of the headers
-    max_header_bytes: int = 65536  # request line and headers, line ends included
-    max_headers: int = 100  # header lines in one request
-    max_connections: int = 256  # open connections, idle ones included
-    keep_alive_timeout: float = 5.0  # seconds a connection may sit idle between requests (0: closed at once)
-    max_connections_per_client: int = 32  # open connections from one address (IPv6: one /64); 0: no limit
-    send_buffer_bytes: int = 65536  # each accepted socket's SO_SNDBUF (the kernel doubles it); 0: the kernel's
-
-    def __post_init__(self) -> None:
-        for name in ("header_timeout", "body_timeout"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-                raise InvalidInputError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-        if not (
-            isinstance(self.keep_alive_timeout, (int, float))
-            and self.keep_alive_timeout >= 0
-            and math.isfinite(self.keep_alive_timeout)
-        ):
-            raise InvalidInputError(
-                f"keep_alive_timeout must be a finite number of seconds >= 0, got {self.keep_alive_timeout!r}"
-            )
-        for name in ("max_header_bytes", "max_headers", "max_connections"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise InvalidInputError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("max_connections_per_client", "send_buffer_bytes"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-                raise InvalidInputError(f"{name} must be an integer >= 0 (0: off), got {value!r}")
 
 
 def uvicorn_options(limits: ConnectionLimits) -> dict[str, Any]:

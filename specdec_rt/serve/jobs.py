@@ -26,6 +26,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from ..engine.served import ServedEngine, ServedStream
 from ..errors import ConsumerTimeoutError, ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..logs import get_logger
 from .protocol import (
@@ -200,11 +201,11 @@ async def _close_all(streams: list) -> None:
                 await stream.aclose()
 
 
-def _prompt_tokens(stream, prompt) -> int:
+def _prompt_tokens(stream: ServedStream, prompt) -> int:
     """The length of an opened stream's prompt (an engine stream tells it once ready; token ids:
     their count; else, for engines that do not tell, 0)."""
-    tokens = getattr(stream, "prompt_tokens", None)
-    if isinstance(tokens, int):
+    tokens = stream.prompt_tokens
+    if tokens is not None:
         return tokens
     return len(prompt) if isinstance(prompt, list) else 0
 
@@ -218,8 +219,6 @@ async def _open(serving: Serving, params: GenParams, prompt, choice: int = 0):
     request = params.request_params(serving.default_max_tokens, choice, score_prompt=choice == 0)
     for capped in (False, True):
         stream = serving.engine.stream(prompt, request)
-        if not hasattr(stream, "ready"):  # not an EngineStream: it checks as it goes
-            return stream
         try:
             await stream.ready()
             return stream
@@ -241,7 +240,7 @@ async def _open(serving: Serving, params: GenParams, prompt, choice: int = 0):
             raise
 
 
-def _text_of(engine, prompt) -> str:
+def _text_of(engine: ServedEngine, prompt) -> str:
     """A prompt as echoed: a string as it is; token ids as the text they stand for (special
     tokens left out, as generated text leaves them)."""
     if isinstance(prompt, str):
@@ -261,9 +260,7 @@ class Job:
             None
             if params.logprobs is None
             # the format, when the request asked for them
-            else LogprobsFormat(
-                params.kind, serving.engine.token_bytes, len(streams), getattr(serving.engine, "is_special_token", None)
-            )
+            else LogprobsFormat(params.kind, serving.engine.token_bytes, len(streams), serving.engine.is_special_token)
         )
         #: what each choice's text starts with: its prompt with ``echo`` (token ids: their text)
         texts = [
@@ -327,7 +324,7 @@ class Job:
                 try:
                     async for ev in self.streams[i]:
                         await send.send((i, ev, None))
-                        if getattr(ev, "prompt_logprobs", None) is not None:
+                        if ev.prompt_logprobs is not None:
                             scored.set()
                 finally:
                     scored.set()
@@ -411,7 +408,7 @@ class Job:
         )
 
     def _observe(self, i: int, ev, now: float) -> None:
-        if getattr(ev, "prompt_logprobs", None) is not None:  # the echoed prompt's: nothing generated
+        if ev.prompt_logprobs is not None:  # the echoed prompt's: nothing generated
             return
         m = self.serving.metrics
         if ev.token_ids:
@@ -488,7 +485,7 @@ class Job:
                     while (got := await self.next_event()) is not None:
                         i, ev = got
                         parts[i].append(ev.text)
-                        if getattr(ev, "prompt_logprobs", None) is not None:  # echo: the prompt's first
+                        if ev.prompt_logprobs is not None:  # echo: the prompt's first
                             echoed[i] = (ev.prompt_token_ids, ev.prompt_logprobs)
                         ids[i] += ev.token_ids
                         lps[i] += ev.logprobs or ()
@@ -664,7 +661,7 @@ class EventStream:
                 i, ev = got
                 if i in held:
                     held[i].append(ev)
-                elif getattr(ev, "prompt_logprobs", None) is not None:  # echo with logprobs
+                elif ev.prompt_logprobs is not None:  # echo with logprobs
                     for data in await anyio.to_thread.run_sync(self._echoed, i, ev):
                         await send({"type": "http.response.body", "body": data, "more_body": True})
                     for j in job.group(i):

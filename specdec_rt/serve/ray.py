@@ -114,9 +114,7 @@ def _replica_app(opts: RayOptions):
 
     name = opts.model_name or os.path.basename(str(opts.model).rstrip("/"))
     app = create_app(
-        load,
-        **{**opts.app_options(), "model_name": name, "api_keys": opts.api_keys or keys_from_env()},
-        wait_for_load=True,
+        load, opts.app_config(model_name=name, api_keys=opts.api_keys or keys_from_env(), wait_for_load=True)
     )
     app.add_middleware(_ReplicaHeader, replica=_replica_id())
     return app

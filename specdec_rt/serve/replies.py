@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from ..engine.served import ServedEngine
 from ..sampling.logprobs import TokenLogprob, json_logprob
 from ..spec.request_checks import stop_prefix_len
 from ..text.tools import CALL_OPEN, parse_tool_calls
@@ -236,13 +237,12 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
     }
 
 
-def models_body(model: str, created: int, engine: Any = None) -> dict:
+def models_body(model: str, created: int, engine: ServedEngine | None = None) -> dict:
     """``/v1/models``: the one model, with what the engine runs once it is loaded (``precision``,
     ``draft``, ``exact_to``, ``chosen_by``: :class:`~specdec_rt.engine.precision.PrecisionChoice`)."""
     entry = {"id": model, "object": "model", "created": created, "owned_by": "specdec-rt"}
-    choice = getattr(engine, "choice", None)
-    if choice is not None:
-        entry.update(choice.as_dict())
+    if engine is not None and engine.choice is not None:
+        entry.update(engine.choice.as_dict())
     return {"object": "list", "data": [entry]}
 
 

@@ -8,85 +8,82 @@ call. ``slots`` of them generate (the engine's own limit); the rest wait for a s
 from __future__ import annotations
 
 import asyncio
-import math
-from typing import Any, Awaitable, Callable, Literal
+from collections.abc import Awaitable, Callable, MutableSequence
+from typing import Any, Literal
 
 import anyio
 
+from ..engine.served import DEFAULT_SLOTS, ServedEngine
 from ..logs import get_logger
+from ..spec.protocols import check_implements
 from .metrics import Metrics
-from .protocol import DEFAULT_PROMPT_LOGPROB_WORK, APIError
+from .options import AppConfig
+from .protocol import APIError
 
 __all__ = ["Serving"]
 
 State = Literal["loading", "ready", "draining", "failed"]
+Loader = Callable[[], Awaitable[ServedEngine]]
 log = get_logger("specdec_rt.serve")
 
 
 class Serving:
-    """What the routes share. ``engine_or_loader``: a loaded :class:`~specdec_rt.Engine` (ready at
-    once; the caller keeps ownership), or an async callable returning one (loaded at startup by
-    the app's lifespan, closed at shutdown)."""
+    """What the routes share. ``engine_or_loader``: a loaded engine (a
+    :class:`~specdec_rt.engine.served.ServedEngine`, such as an :class:`~specdec_rt.Engine`; ready
+    at once; the caller keeps ownership), or an async callable returning one (loaded at startup
+    by the app's lifespan, closed at shutdown). ``config``: the app's options."""
 
-    def __init__(
-        self,
-        engine_or_loader: Any,
-        *,
-        slots: int,
-        max_queued: int,
-        model_name: str | None,
-        request_timeout: float | None,
-        max_body_bytes: int,
-        default_max_tokens: int,
-        retry_after: int = 1,
-        drain_timeout: float | None = None,
-        consumer_timeout: float | None = None,
-        max_prompt_logprob_work: int | None = DEFAULT_PROMPT_LOGPROB_WORK,
-    ) -> None:
-        if slots < 1 or max_queued < 0:
-            raise ValueError(f"slots must be >= 1 and max_queued >= 0, got {slots} and {max_queued}")
-        for name, seconds in (
-            ("request_timeout", request_timeout),
-            ("drain_timeout", drain_timeout),
-            ("consumer_timeout", consumer_timeout),
-        ):
-            if seconds is not None and not (isinstance(seconds, (int, float)) and 0 <= seconds < math.inf):
-                raise ValueError(f"{name} must be None or a finite number of seconds >= 0, got {seconds!r}")
-        self.slots, self.max_queued = slots, max_queued
-        self.request_timeout, self.max_body_bytes = request_timeout, max_body_bytes
-        self.default_max_tokens, self.retry_after = default_max_tokens, retry_after
-        self.drain_timeout = drain_timeout
-        self.max_prompt_logprob_work = max_prompt_logprob_work  # None: no limit
-        self.consumer_timeout = consumer_timeout or None  # a streamed chunk the client does not take
+    def __init__(self, engine_or_loader: ServedEngine | Loader, config: AppConfig) -> None:
+        self.config = config
+        self.slots = config.slots or DEFAULT_SLOTS  # config.slots None: the engine's, once attached
+        self.max_queued = config.max_queued
+        self.request_timeout, self.max_body_bytes = config.request_timeout, config.max_body_bytes
+        self.default_max_tokens, self.retry_after = config.default_max_tokens, config.retry_after
+        self.drain_timeout = config.drain_timeout
+        self.max_prompt_logprob_work = config.max_prompt_logprob_work  # None: no limit
+        self.consumer_timeout = config.consumer_timeout or None  # a streamed chunk the client does not take
         self.admitted = 0
         self.jobs: set[Any] = set()  # the admitted requests' Jobs, ended with a 503 past the drain deadline
         self._draining: anyio.Event | None = None  # made by end_jobs_after_drain, on the loop
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.engine: Any = None
-        self.loader: Callable[[], Awaitable[Any]] | None = None
+        self._engine: ServedEngine | None = None
+        self.loader: Loader | None = None
         self.state: State = "loading"
         self.on_load_error: Callable[[BaseException], None] | None = None  # the CLI exits on it
         self.metrics = Metrics(self._running, self._waiting, self._cache_bytes, self._slots_free)
-        self._listening: list | None = None
-        if callable(getattr(engine_or_loader, "stream", None)):
-            self._attach(engine_or_loader)
-            self.state = "ready"
-        elif callable(engine_or_loader):
+        self._listening: MutableSequence[Callable[[int], None]] | None = None
+        self.model_name = config.model_name
+        if callable(engine_or_loader) and not isinstance(engine_or_loader, ServedEngine):
             self.loader = engine_or_loader
         else:
-            raise TypeError(
-                f"create_app needs an Engine or an async callable returning one, got {type(engine_or_loader).__name__}"
-            )
-        self.model_name = model_name or _model_name(self.engine)
+            self._attach(engine_or_loader)
+            self.state = "ready"
+
+    @property
+    def engine(self) -> ServedEngine:
+        """The engine; only once ready (the routes check :meth:`check_open` first)."""
+        if self._engine is None:
+            raise RuntimeError("the engine is not loaded yet")
+        return self._engine
+
+    @property
+    def loaded(self) -> ServedEngine | None:
+        """The engine, or None while it loads (or after its load failed)."""
+        return self._engine
 
     # ------------------------------------------------------------------ engine
-    def _attach(self, engine: Any) -> None:
-        self.engine = engine
-        listeners = getattr(engine, "batch_listeners", None)  # one call per batched target call
-        if isinstance(listeners, list):
+    def _attach(self, engine: object) -> None:
+        check_implements(engine, ServedEngine, "engine given to create_app")
+        assert isinstance(engine, ServedEngine)  # (for type checkers: check_implements raised otherwise)
+        self._engine = engine
+        if self.config.slots is None:
+            self.slots = engine.slots
+        self.model_name = self.model_name or engine.name
+        listeners = engine.batch_listeners  # one call per batched target call
+        if listeners is not None:
             listeners.append(self.metrics.observe_batch)
             self._listening = listeners
-        watch = getattr(engine, "loop_watch", None)  # the event loop's lag, into /metrics
+        watch = engine.loop_watch  # the event loop's lag, into /metrics
         if watch is not None and self.metrics.observe_loop not in watch.listeners:
             watch.listeners.append(self.metrics.observe_loop)
         self.start_watch()
@@ -97,25 +94,21 @@ class Serving:
             asyncio.get_running_loop()
         except RuntimeError:
             return  # no loop yet: the lifespan calls this again
-        start = getattr(self.engine, "watch_loop", None)
-        if callable(start):
-            start()
+        if self._engine is not None:
+            self._engine.watch_loop()
 
     async def load(self) -> None:
         """Load the engine (lifespan startup); a failure is logged and handed to ``on_load_error``."""
         if self.loader is None:  # made with a loaded engine: ready already
             return
         try:
-            engine = await self.loader()
+            self._attach(await self.loader())
         except Exception as exc:  # noqa: BLE001 - reported, and /health says failed
             self.state = "failed"
             log.error("model.load_failed", error=f"{type(exc).__name__}: {exc}")
             if self.on_load_error is not None:
                 self.on_load_error(exc)
             return
-        self._attach(engine)
-        if self.model_name is None:
-            self.model_name = _model_name(engine)
         if self.state == "loading":
             self.state = "ready"
         log.info("model.ready", model=self.model_name)
@@ -125,8 +118,8 @@ class Serving:
         self.begin_drain()
         if self._listening is not None and self.metrics.observe_batch in self._listening:
             self._listening.remove(self.metrics.observe_batch)
-        if self.loader is not None and self.engine is not None:
-            await self.engine.aclose()
+        if self.loader is not None and self._engine is not None:
+            await self._engine.aclose()
 
     def begin_drain(self) -> None:
         """From now on new requests get 503 and ``/health`` 503; admitted ones run to the end, or
@@ -197,26 +190,19 @@ class Serving:
         self.admitted -= n
 
     def _running(self) -> float:
-        n = getattr(self.engine, "running", None)
-        return n if isinstance(n, int) else min(self.admitted, self.slots)
+        n = None if self._engine is None else self._engine.running
+        return min(self.admitted, self.slots) if n is None else n
 
     def _slots_free(self) -> float:
-        """The engine's slots minus the requests holding one (an engine without ``slots`` /
+        """The engine's slots minus the requests holding one (an engine that does not count
         ``running``: the server's own count of them)."""
-        slots = getattr(self.engine, "slots", None)
-        slots = slots if isinstance(slots, int) else self.slots
+        slots = self.slots if self._engine is None else self._engine.slots
         return max(0, slots - self._running())
 
     def _cache_bytes(self) -> float:
-        info = getattr(self.engine, "prefix_cache", None)
-        return float(info["bytes"]) if isinstance(info, dict) else 0.0
+        info = None if self._engine is None else self._engine.prefix_cache
+        return 0.0 if info is None else float(info["bytes"])
 
     def _waiting(self) -> float:
-        n = getattr(self.engine, "waiting", None)
-        return n if isinstance(n, int) else max(0, self.admitted - self.slots)
-
-
-def _model_name(engine: Any) -> str | None:
-    if engine is None:
-        return None
-    return getattr(getattr(engine, "manifest", None), "name", None) or "specdec-rt"
+        n = None if self._engine is None else self._engine.waiting
+        return max(0, self.admitted - self.slots) if n is None else n

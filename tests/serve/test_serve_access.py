@@ -19,6 +19,7 @@ httpx = pytest.importorskip("httpx")
 
 from serve_util import PROMPT, ServeProcess, metric, metric_values, start_serve  # noqa: E402
 
+from specdec_rt.engine.served import ServedEngine  # noqa: E402
 from specdec_rt.errors import InvalidInputError  # noqa: E402
 from specdec_rt.serve import create_app  # noqa: E402
 from specdec_rt.serve.guard import Access, host_names, keys_from_env  # noqa: E402
@@ -28,7 +29,7 @@ KEY1, KEY2 = "sk-first-0123456789abcdef", "sk-second-fedcba9876543210"
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
 
 
-class NoEngine:
+class NoEngine(ServedEngine):
     """An engine that must never be asked to generate (every request here stops before)."""
 
     def stream(self, *args, **kwargs):

@@ -27,6 +27,7 @@ from serve_util import (  # noqa: E402
 )
 
 from specdec_rt import Engine  # noqa: E402
+from specdec_rt.engine.served import ServedEngine  # noqa: E402
 from specdec_rt.errors import EngineClosedError  # noqa: E402
 from specdec_rt.serve import begin_drain, create_app  # noqa: E402
 
@@ -342,7 +343,7 @@ def test_batch_sizes_come_from_the_engine_listeners(tiny_llama):
 
 
 def test_batch_listener_is_registered_and_removed_at_shutdown():
-    class FakeEngine:
+    class FakeEngine(ServedEngine):
         batch_listeners: list = []
         running, waiting = 3, 5
 

@@ -21,6 +21,7 @@ pytest.importorskip("uvicorn")
 
 from serve_util import EchoEngine, metric, metric_values, running_server  # noqa: E402
 
+from specdec_rt.engine.served import EventIterator  # noqa: E402
 from specdec_rt.engine.stream import StreamEvent  # noqa: E402
 from specdec_rt.serve import create_app  # noqa: E402
 from specdec_rt.serve.connections import ConnectionLimits  # noqa: E402
@@ -45,7 +46,7 @@ class FloodEngine(EchoEngine):
 
     def stream(self, prompt, params=None, /, **overrides):
         self.requests.append((prompt, params))
-        return self._flood()
+        return EventIterator(self._flood())
 
     async def _flood(self):
         try:
