@@ -20,6 +20,7 @@ from .logs import configure_cli_logging
 from .sampling.constraints import MAX_SCHEMA_CHARS, check_response_format
 from .sampling.logprobs import check_top_logprobs, json_logprob
 from .serve.cli import add_serve_parser, run_serve
+from .tooling.bench.args import add_bench_arguments
 from .tooling.loadtest import add_arguments as add_loadtest_arguments
 from .tooling.loadtest import run_loadtest
 from .tooling.tune import add_tune_arguments
@@ -76,100 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="side-by-side benchmark (see docs/benchmarks.md)")
     _model_args(bench)
-    bench.add_argument("--prompts", default=None, help="JSONL file: {'prompt': ...} or {'messages': [...]} per line")
-    bench.add_argument("--modes", default=None, help="comma-separated modes (default: all available)")
-    bench.add_argument("--max-new-tokens", type=int, default=64)
-    bench.add_argument("--categories", default=None, help="comma-separated prompt categories to keep")
-    bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    bench.add_argument(
-        "--repeats", type=int, default=None, help="runs of each prompt per mode (default 1; --prefill: rounds, 5)"
-    )
-    bench.add_argument("--out", default="bench-out", help="folder for the JSON report and the PNG chart")
-    bench.add_argument(
-        "--add-draft",
-        action="append",
-        metavar="FOLDER",
-        help="also benchmark this draft folder (e.g. a train-draft output; repeatable)",
-    )
-    bench.add_argument("--micro", action="store_true", help="also run the step-cost micro-benchmarks")
-    bench.add_argument(
-        "--concurrency",
-        default=None,
-        metavar="LEVELS",
-        help="instead: one Engine under concurrent clients, e.g. 1,2,4,8 (spec and ar)",
-    )
-    bench.add_argument(
-        "--cold",
-        action="store_true",
-        help="--concurrency: a fresh engine per level and repeat, prefix cache off (a server that just started)",
-    )
-    bench.add_argument(
-        "--prefix-cache",
-        action="store_true",
-        help="instead: time to first token with and without the prefix cache (multi-turn, "
-        "shared system prompt, memory pressure)",
-    )
-    bench.add_argument(
-        "--prefill",
-        action="store_true",
-        help="instead: prompt-processing tokens/s per prompt length and batched decode steps, "
-        "for the model and its quantized targets (with --llama-cpp: beside llama-bench)",
-    )
-    bench.add_argument(
-        "--lengths", default=None, metavar="N,N,..", help="--prefill: prompt lengths in tokens (default 64,256,1024)"
-    )
-    bench.add_argument(
-        "--rows", default=None, metavar="B,B,..", help="--prefill: requests in flight per decode step (default 1,4,8)"
-    )
-    bench.add_argument("--conversations", type=int, default=4, help="--prefix-cache: conversations")
-    bench.add_argument("--turns", type=int, default=3, help="--prefix-cache: turns per conversation")
-    bench.add_argument(
-        "--prefix-concurrency", type=int, default=8, help="--prefix-cache: requests at once sharing a system prompt"
-    )
-    bench.add_argument(
-        "--llama-cpp",
-        default=None,
-        metavar="BIN_DIR",
-        help="also run llama.cpp (its bin folder; scripts/build-llama-cpp builds it) on every "
-        "prompt: llamacpp_<quant> modes and an ours/theirs table",
-    )
-    bench.add_argument(
-        "--llama-gguf",
-        default=None,
-        metavar="FILES_OR_FOLDER",
-        help="--llama-cpp: comma-separated GGUF files or a folder of them (default: the model's "
-        "source GGUF and F32 / Q8_0 made from it with llama-quantize)",
-    )
-    bench.add_argument(
-        "--llama-draft",
-        default=None,
-        metavar="GGUF",
-        help="--llama-cpp: also llama.cpp's speculative decoding with this draft GGUF",
-    )
-    bench.add_argument(
-        "--serve",
-        action="store_true",
-        help="instead: our server against llama-server (needs --llama-cpp), both started here and "
-        "driven by the openai client at each --concurrency level (default 1,4,8)",
-    )
-    bench.add_argument(
-        "--requests", type=int, default=None, metavar="N", help="--serve: requests per level and server (default 16)"
-    )
-    bench.add_argument(
-        "--agreement",
-        action="store_true",
-        help="instead: top-1 agreement and KL of the quantized targets against float32, teacher-forced "
-        "over held-out text (with --llama-cpp: llama-perplexity's for its quantizations, same windows)",
-    )
-    bench.add_argument("--text", default=None, metavar="FILE", help="--agreement: plain text to score")
-    bench.add_argument(
-        "--window",
-        type=int,
-        default=None,
-        metavar="N",
-        help="--agreement: tokens per window (llama-perplexity -c; 512)",
-    )
-    bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    add_bench_arguments(bench)
 
     _model_args(add_serve_parser(sub))  # the OpenAI-compatible server: specdec_rt/serve, docs/serving.md
 

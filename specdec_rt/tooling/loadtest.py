@@ -64,7 +64,7 @@ def check_loopback(url: str) -> str:
             ip = ipaddress.ip_address(host)
         except ValueError:
             ip = None
-        mapped = getattr(ip, "ipv4_mapped", None)
+        mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
         if ip is None or not (ip.is_loopback if mapped is None else mapped.is_loopback):
             raise LoadTestError(
                 f"--url {url!r}: the load test only sends traffic to this machine's loopback "
@@ -368,16 +368,25 @@ def _check(args) -> tuple[list[int], list[str]]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in ("spec", "ar") for m in modes):
         raise LoadTestError(f"--modes {args.modes!r}: choose from spec, ar")
-    for name in ("requests", "duration", "max_tokens", "time_limit", "request_timeout"):
-        v = getattr(args, name)
+    for name, v in (
+        ("requests", args.requests),
+        ("duration", args.duration),
+        ("max_tokens", args.max_tokens),
+        ("time_limit", args.time_limit),
+        ("request_timeout", args.request_timeout),
+    ):
         if v is not None and v <= 0:
             raise LoadTestError(f"--{name.replace('_', '-')} must be positive, got {v}")
     if args.warmup < 0:
         raise LoadTestError(f"--warmup must be >= 0, got {args.warmup}")
     if not 0 <= args.temperature <= MAX_TEMPERATURE:  # the server's range (OpenAI's); NaN too
         raise LoadTestError(f"--temperature must be in 0..{MAX_TEMPERATURE:g}, got {args.temperature}")
-    for name in ("duration", "time_limit", "request_timeout", "startup_timeout"):
-        v = getattr(args, name)
+    for name, v in (
+        ("duration", args.duration),
+        ("time_limit", args.time_limit),
+        ("request_timeout", args.request_timeout),
+        ("startup_timeout", args.startup_timeout),
+    ):
         if v is not None and not math.isfinite(v):
             raise LoadTestError(f"--{name.replace('_', '-')} must be a finite number of seconds, got {v}")
     if args.url:
@@ -389,11 +398,11 @@ def _check(args) -> tuple[list[int], list[str]]:
     return levels, modes
 
 
-def api_key(args) -> str | None:
-    """The key the clients send: ``--api-key``, else the first of ``$SPECDEC_API_KEY`` (the
-    server's own variable, comma separated), else none."""
-    if getattr(args, "api_key", None):
-        return str(args.api_key)
+def api_key(flag: str | None = None) -> str | None:
+    """The key the clients send: ``flag`` (``--api-key``), else the first of ``$SPECDEC_API_KEY``
+    (the server's own variable, comma separated), else none."""
+    if flag:
+        return str(flag)
     keys = [k.strip() for k in os.environ.get("SPECDEC_API_KEY", "").split(",") if k.strip()]
     return keys[0] if keys else None
 
@@ -497,7 +506,7 @@ async def _run_levels(url: str, levels: list[int], modes: list[str], prompts: li
     e2e_by_mode: dict[str, float] = {}
     t_start = time.perf_counter()
     # trust_env=False: no proxy from the environment; redirects are not followed (loopback only)
-    headers = {"Authorization": f"Bearer {key}"} if (key := api_key(args)) else None
+    headers = {"Authorization": f"Bearer {key}"} if (key := api_key(args.api_key)) else None
     async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout, headers=headers) as client:
         entry = await _served_entry(client, url)
         served = args.served_model or str(entry.get("id") or "default")

@@ -25,7 +25,8 @@ def read_prompt_file(path: str | None, default: str = "data/prompts.jsonl") -> l
             else resources.files("specdec_rt.tooling").joinpath(default).read_text(encoding="utf-8")
         )
     except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidInputError(f"{where}: cannot read the prompts ({getattr(exc, 'strerror', None) or exc})") from None
+        why = (exc.strerror if isinstance(exc, OSError) else None) or exc
+        raise InvalidInputError(f"{where}: cannot read the prompts ({why})") from None
     out = []
     for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():

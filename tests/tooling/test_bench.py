@@ -336,7 +336,7 @@ def test_the_warm_up_forgets_the_times_of_a_schedulers_first_request():
     runners without a scheduler (llama.cpp, Hugging Face) warm up once."""
     import anyio
 
-    from specdec_rt.tooling.bench.runner import Prompt, run_modes
+    from specdec_rt.tooling.bench.runner import Prompt, _SchedulerRunner, run_modes
 
     calls, forgotten = [], []
 
@@ -344,13 +344,21 @@ def test_the_warm_up_forgets_the_times_of_a_schedulers_first_request():
         def forget_times(self):
             forgotten.append(len(calls))
 
+    class Scheduler:  # what _SchedulerRunner reads of a SpecDecScheduler
+        costs = Costs()
+
+        async def run(self, ids, n, mode):
+            calls.append(("spec", n))
+            return type("Result", (), {"token_ids": list(ids[:1]) * n, "stats": None})()
+
     def make(name, scheduler):
+        if scheduler:
+            return _SchedulerRunner(Scheduler(), "spec")
+
         async def run(ids, n):
             calls.append((name, n))
             return list(ids[:1]) * n, 0.01, None
 
-        if scheduler:
-            run.scheduler = type("S", (), {"costs": Costs()})()
         return run
 
     modes = {"spec": make("spec", True), "hf_ar": make("hf_ar", False)}

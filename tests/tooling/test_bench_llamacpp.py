@@ -139,8 +139,9 @@ class _Tok:
         return type("Enc", (), {"ids": [ord(c) for c in text]})()
 
 
-class _Codec:
+class _Codec:  # the TextCodec members llamacpp reads
     tokenizer = _Tok()
+    add_bos, bos_id = False, None
 
     def decode(self, ids):
         return self.tokenizer.decode(ids)

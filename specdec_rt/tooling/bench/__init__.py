@@ -19,7 +19,7 @@ import anyio
 
 from ...errors import InvalidInputError
 from ..reports import write_report
-from .args import split_list
+from .args import bench_args, split_list
 from .micro import memory_bandwidth_gbs, request_memory, step_costs, weight_bytes
 from .report import format_markdown, format_micro, format_table, plot, plot_acceptance, summarize
 from .runner import HF_MODES, build_our_modes, default_threads, load_prompts, log, machine_info, run_modes
@@ -28,7 +28,7 @@ __all__ = ["run_bench"]
 
 
 def run_bench(args) -> int:
-    return anyio.run(_bench, args)
+    return anyio.run(_bench, bench_args(args))
 
 
 async def _bench(args) -> int:
@@ -36,12 +36,12 @@ async def _bench(args) -> int:
     from ...ort.manifest import cache_root, load_manifest
     from ...text.codec import TextCodec
 
-    llama_bin = getattr(args, "llama_cpp", None)
+    llama_bin = args.llama_cpp
     if llama_bin:
         from .llamacpp import find_tools
 
         find_tools(llama_bin)  # a wrong folder fails before any model is built or loaded
-    elif getattr(args, "llama_gguf", None) or getattr(args, "llama_draft", None):
+    elif args.llama_gguf or args.llama_draft:
         raise InvalidInputError("--llama-gguf / --llama-draft need --llama-cpp BIN_DIR")
     folder = ensure_built(args.model, say=log)
     threads = args.threads or default_threads()
@@ -54,9 +54,9 @@ async def _bench(args) -> int:
     )
     prompts = load_prompts(codec, args.prompts, cats or None, args.limit)
     t0 = time.perf_counter()
-    ours, ctx = build_our_modes(folder, threads, max_length, getattr(args, "add_draft", None) or ())
+    ours, ctx = build_our_modes(folder, threads, max_length, args.add_draft or ())
     m = ctx["manifest"]
-    drafts = len(m.drafts) + len(getattr(args, "add_draft", None) or ())
+    drafts = len(m.drafts) + len(args.add_draft or ())
     log(f"loaded {m.name} and {drafts} draft(s) in {time.perf_counter() - t0:.1f} s; {threads} threads")
 
     modes_arg = split_list(args.modes, "--modes") if isinstance(args.modes, str) else args.modes
@@ -106,7 +106,8 @@ async def _bench(args) -> int:
         markdown += "\n\n" + format_llamacpp(rows)
         table += "\n\n" + format_llamacpp(rows)
     if "hf_assisted" in modes:
-        report["model"]["hf_assistant"] = getattr(modes["hf_assisted"], "kind", None)
+        assisted = modes["hf_assisted"]
+        report["model"]["hf_assistant"] = assisted.kind if isinstance(assisted, _HFRunner) else None
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,12 +155,18 @@ def _hf_modes(wanted, ctx, threads, cache_dir, skipped) -> dict:
     from .hf import HFBaselines
 
     hf = HFBaselines(ctx["manifest"], ctx["draft_manifest"], threads, cache_dir, log)
+    baselines = {  # one per HF_MODES
+        "hf_ar": hf.hf_ar,
+        "hf_assisted": hf.hf_assisted,
+        "hf_prompt_lookup": hf.hf_prompt_lookup,
+        "optimum_ar": hf.optimum_ar,
+    }
     modes = {}
     for w in wanted:
         if w == "optimum_ar" and importlib.util.find_spec("optimum") is None:
             skipped[w] = "needs optimum-onnx (the bench extra)"
             continue
-        run = _HFRunner(getattr(hf, w))
+        run = _HFRunner(baselines[w])
         if w == "hf_assisted":
             hf.assistant()
             run.kind = hf.assistant_kind

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import InvalidInputError, SpecDecError
+from .args import bench_args
 
 __all__ = [
     "DEFAULT_TEXT",
@@ -354,7 +355,7 @@ def _llama_side(args, text: Path, window: int, threads: int, manifest, out: Path
             f"--llama-cpp {args.llama_cpp}: no llama-perplexity (scripts/build-llama-cpp builds it, or "
             f"cmake --build {tools['completion'].parent.parent} --target llama-perplexity)"
         )
-    ggufs = resolve_ggufs(getattr(args, "llama_gguf", None), tools, manifest, _log)
+    ggufs = resolve_ggufs(args.llama_gguf, tools, manifest, _log)
     if "f32" not in ggufs:
         raise InvalidInputError(f"--llama-gguf needs an F32 file as the base; got {sorted(ggufs)}")
     common = ["-c", str(window), "-t", str(threads), "-tb", str(threads)]
@@ -387,16 +388,17 @@ def _llama_side(args, text: Path, window: int, threads: int, manifest, out: Path
 def check_agreement_args(args) -> bool:
     """Whether ``args`` ask for ``--agreement``; raise :class:`InvalidInputError` naming the first
     flag that does not go with it (or ``--text`` / ``--window`` without it), before any model loads."""
-    if not getattr(args, "agreement", False):
-        for flag, value in (("--text", getattr(args, "text", None)), ("--window", getattr(args, "window", None))):
+    bench_args(args)
+    if not args.agreement:
+        for flag, value in (("--text", args.text), ("--window", args.window)):
             if value is not None:
                 raise InvalidInputError(f"{flag} goes with --agreement")
         return False
     for flag, value in (
         ("--concurrency", args.concurrency),
         ("--prefix-cache", args.prefix_cache),
-        ("--prefill", getattr(args, "prefill", False)),
-        ("--serve", getattr(args, "serve", False)),
+        ("--prefill", args.prefill),
+        ("--serve", args.serve),
         ("--modes", args.modes),
         ("--categories", args.categories),
         ("--prompts", args.prompts),

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..prompt_files import read_prompt_file
 from ..reports import pyplot, save_figure, write_report
-from .args import parse_levels
+from .args import bench_args, parse_levels
 from .runner import log
 
 __all__ = ["run_concurrency"]
@@ -101,7 +101,7 @@ async def _concurrency(args) -> int:
     folder = ensure_built(args.model, say=log)
     prompts = load_texts(args.prompts, args.limit or max(levels))
     n = args.max_new_tokens
-    cold = bool(getattr(args, "cold", False))
+    cold = bool(args.cold)
 
     async def load(prefix_cache: bool = True):
         return await Engine.load(
@@ -250,4 +250,4 @@ def plot(rows: list[dict], path: Path) -> Path | None:
 
 
 def run_concurrency(args) -> int:
-    return asyncio.run(_concurrency(args))
+    return asyncio.run(_concurrency(bench_args(args)))

@@ -248,7 +248,7 @@ def llamacpp_modes(
     def runner(cmd: list[str], spec: bool):
         async def run(ids, n):
             text_ids = list(ids)
-            if getattr(codec, "add_bos", False) and text_ids and text_ids[0] == codec.bos_id:
+            if codec.add_bos and text_ids and text_ids[0] == codec.bos_id:
                 text_ids = text_ids[1:]  # llama.cpp adds the BOS itself, as the GGUF says
             prompt = codec.tokenizer.decode(text_ids, skip_special_tokens=False)
             proc = await anyio.run_process(

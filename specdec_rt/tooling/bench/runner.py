@@ -157,9 +157,9 @@ async def run_modes(modes: dict[str, Runner], prompts: list[Prompt], n: int, rep
     names = list(modes)
     for name in names:  # warm-up: allocations, thread pools, cost measurements
         await modes[name](prompts[0].ids, min(8, n))
-        sched = getattr(modes[name], "scheduler", None)
-        if sched is not None:  # that first request paid for first calls: its times are not the
-            sched.costs.forget_times()  # costs (as in Engine.load's warm-up); measure warm ones
+        runner = modes[name]
+        if isinstance(runner, _SchedulerRunner):  # that first request paid for first calls: its times
+            runner.scheduler.costs.forget_times()  # are not the costs (as in Engine.load's warm-up)
             await modes[name](prompts[0].ids, min(8, n))
     samples = []
     total = len(prompts) * len(names) * repeats

@@ -42,7 +42,7 @@ from ..loadtest import LoadTestError, ServerProcess, _free_port, api_key
 from ..loadtest_report import ERROR, OK, REJECTED, RequestSample, percentile, plot, summarize_phase
 from ..prompt_files import read_prompt_file
 from ..reports import write_report
-from .args import parse_levels
+from .args import SERVE_LEVELS, bench_args, parse_levels
 from .runner import log, machine_info
 
 __all__ = [
@@ -57,7 +57,6 @@ __all__ = [
 ]
 
 OURS, LLAMA = "ours", "llama-server"
-DEFAULT_LEVELS = "1,4,8"
 DEFAULT_REQUESTS = 16
 DEFAULT_CTX = 4096  # our per-request KV capacity when --max-length is not given
 STARTUP_TIMEOUT_S = 600.0  # a first start may build the model
@@ -251,7 +250,7 @@ def _our_command(args, slots: int) -> LlamaCommand:
         ("--draft", args.draft),
         ("--threads", args.threads),
         ("--max-length", args.max_length),
-        ("--provider", None if getattr(args, "provider", "auto") == "auto" else args.provider),
+        ("--provider", None if args.provider == "auto" else args.provider),
     ):
         if value is not None:
             extra += [flag, str(value)]
@@ -388,8 +387,9 @@ async def _main(args, llama_command: LlamaCommand | None) -> int:
     from ...engine.loading import ensure_built
     from ...ort.manifest import load_manifest
 
-    levels = getattr(args, "levels", None) or parse_levels(args.concurrency or DEFAULT_LEVELS)
-    count = getattr(args, "requests", None) or DEFAULT_REQUESTS
+    bench_args(args)
+    levels = parse_levels(args.concurrency or SERVE_LEVELS)  # (check_bench_args reads it the same way)
+    count = args.requests or DEFAULT_REQUESTS
     rows = read_prompt_file(args.prompts, "data/chat_heldout.jsonl")
     prompts = [r["text"] if isinstance(r["text"], list) else [{"role": "user", "content": r["text"]}] for r in rows]
     prompts = prompts[: args.limit] if args.limit else prompts
@@ -412,7 +412,7 @@ async def _main(args, llama_command: LlamaCommand | None) -> int:
     ours = _Server(OURS, _our_command(args, slots), out / "server-ours.log")
     llama = _Server(LLAMA, llama_command, out / "server-llama.log", avoid=ours.port)
     servers = {OURS: ours, LLAMA: llama}
-    key = api_key(args) or "none"
+    key = api_key() or "none"  # (bench --serve has no --api-key: $SPECDEC_API_KEY, as the servers read it)
     report: dict = {
         "model": manifest.name,
         "machine": machine_info(threads),
