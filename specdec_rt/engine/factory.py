@@ -65,7 +65,11 @@ DEFAULT_DRAFT = "ngram+model"
 # MatMulNBits accuracy levels: the type activations are quantized to in the CPU kernel
 _ACTIVATIONS = {0: "float32", 1: "float32", 2: "float16", 3: "bfloat16", 4: "int8"}
 DRAFT_COST_RATIO = 0.5  # a promoted target's default draft reads at most half its weight bytes
-_SAME_MODEL = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
+
+
+def _model_shape(m: Manifest) -> tuple[int, ...]:
+    """What a quantized copy of the same model shares with it."""
+    return (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size)
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,7 @@ def target_candidates(home: Manifest) -> list[TargetCandidate]:
             dm = load_manifest(home.path(d["path"], "drafts.path"))
         except ModelLoadError:
             continue  # a broken draft folder is reported when it is loaded as a draft
-        same = all(getattr(dm, k) == getattr(home, k) for k in _SAME_MODEL)
+        same = _model_shape(dm) == _model_shape(home)
         if dm.raw.get("kind") == "eagle" or not same or not dm.quantization:
             continue
         if home.tokenizer_sha256 and dm.tokenizer_sha256 != home.tokenizer_sha256:

@@ -189,7 +189,7 @@ async def measure(
                     if c.engine == key:
                         samples[c].failed = f"did not load: {exc}"[:280]
         live = [c for c in configs if c.engine in engines]
-        if any(getattr(getattr(e, "codec", None), "chat_template", "") is None for e in engines.values()):
+        if any(e.codec.chat_template is None for e in engines.values()):
             chat = list(prompts)  # no chat template (a base model: Gemma 3 270M): the prompts as plain text
         loaded = time.perf_counter()
         say(f"loaded in {loaded - t0:.1f} s; measuring {len(live)} configurations for at most {budget_s:.0f} s")

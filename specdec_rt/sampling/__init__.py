@@ -96,8 +96,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", _check_bias(self.logit_bias))
-        for name in ("presence_penalty", "frequency_penalty"):
-            check_number(getattr(self, name), name, -2.0, 2.0)
+        for name, value in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
+            check_number(value, name, -2.0, 2.0)
         check_number(self.repetition_penalty, "repetition_penalty", MIN_REPETITION_PENALTY, 10.0)
         check_number(self.temperature, "temperature", 0.0)
         check_int(self.top_k, "top_k", 1, optional=True, what="a positive integer or None")

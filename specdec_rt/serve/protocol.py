@@ -14,7 +14,7 @@ import operator
 import re
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from itertools import accumulate, chain, compress, repeat
 from typing import Any, Literal
 
@@ -219,8 +219,8 @@ def parse_request(
         SamplingParams(**checked)
     except InvalidInputError as exc:
         raise engine_error(exc, p) from None
-    off = SamplingParams()
-    p.penalties = {k: v for k, v in p.penalties.items() if v != getattr(off, k)}  # 0, 0, 1: not passed on
+    off = asdict(SamplingParams())
+    p.penalties = {k: v for k, v in p.penalties.items() if v != off[k]}  # 0, 0, 1: not passed on
     if body.get("response_format") is not None:
         try:  # the engine's own check: the shape here, the schema when the request starts (a 400 still)
             p.response_format = (

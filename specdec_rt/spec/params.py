@@ -106,8 +106,12 @@ class RequestParams:
         if self.mode is not None and (not isinstance(self.mode, str) or self.mode not in ("spec", "ar")):
             raise InvalidInputError(f"mode must be 'spec', 'ar' or None, got {brief_repr(self.mode)}")
         check_int(self.max_new_tokens, "max_new_tokens", 1, numpy=False)
-        for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            put(self, name, off if getattr(self, name) is None else getattr(self, name))
+        for name, value, off in (
+            ("presence_penalty", self.presence_penalty, 0.0),
+            ("frequency_penalty", self.frequency_penalty, 0.0),
+            ("repetition_penalty", self.repetition_penalty, 1.0),
+        ):
+            put(self, name, off if value is None else value)
         bias: Any = self.logit_bias  # a dict or pairs: SamplingParams keeps them as sorted pairs
         put(
             self,
