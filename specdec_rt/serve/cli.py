@@ -30,7 +30,7 @@ __all__ = ["add_serve_parser", "run_serve"]
 
 DRAIN_GRACE_S = 5.0  # after --drain-timeout, time to send the 503s before uvicorn cuts connections
 DEFAULT_DRAIN_TIMEOUT = 30.0  # the CLI's; an embedded app's default is none (AppConfig.drain_timeout)
-LIMITS = ConnectionLimits()  # the connection flags' defaults
+CONNECTION_DEFAULTS = ConnectionLimits()  # the connection flags' defaults
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
@@ -152,39 +152,39 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     conn.add_argument(
         "--header-timeout",
         type=_positive_seconds,
-        default=LIMITS.header_timeout,
+        default=CONNECTION_DEFAULTS.header_timeout,
         help="seconds a client has to send a request's line and headers, from its connection or the "
         "request's first byte; then a 408 and the connection is closed (default %(default)g)",
     )
     conn.add_argument(
         "--body-timeout",
         type=_positive_seconds,
-        default=LIMITS.body_timeout,
+        default=CONNECTION_DEFAULTS.body_timeout,
         help="seconds a client has to send a request's body, from the end of its headers; then a "
         "408 and the connection is closed (default %(default)g)",
     )
     conn.add_argument(
         "--max-header-bytes",
         type=_positive,
-        default=LIMITS.max_header_bytes,
+        default=CONNECTION_DEFAULTS.max_header_bytes,
         help="largest request line and headers; larger ones get 431 (default %(default)s)",
     )
     conn.add_argument(
         "--max-headers",
         type=_positive,
-        default=LIMITS.max_headers,
+        default=CONNECTION_DEFAULTS.max_headers,
         help="most header lines in a request; more get 431 (default %(default)s)",
     )
     conn.add_argument(
         "--max-connections",
         type=_positive,
-        default=LIMITS.max_connections,
+        default=CONNECTION_DEFAULTS.max_connections,
         help="open connections, idle ones included; one more gets a 503 and is closed (default %(default)s)",
     )
     conn.add_argument(
         "--max-connections-per-client",
         type=_count,
-        default=LIMITS.max_connections_per_client,
+        default=CONNECTION_DEFAULTS.max_connections_per_client,
         help="open connections from one client address (IPv6: one /64); one more gets a 429 and is "
         "closed (default %(default)s; 0: no limit, e.g. behind a reverse proxy, where every client has the "
         "proxy's address)",
@@ -192,7 +192,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     conn.add_argument(
         "--send-buffer-bytes",
         type=_count,
-        default=LIMITS.send_buffer_bytes,
+        default=CONNECTION_DEFAULTS.send_buffer_bytes,
         help="each connection's kernel send buffer: how much of a stream a client that stopped "
         "reading leaves unread before --consumer-timeout starts (default %(default)s; 0: the kernel's, "
         "which grows to megabytes)",
@@ -200,7 +200,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     conn.add_argument(
         "--keep-alive-timeout",
         type=_seconds,
-        default=LIMITS.keep_alive_timeout,
+        default=CONNECTION_DEFAULTS.keep_alive_timeout,
         help="seconds a connection may sit idle between requests (default %(default)g; 0: closed after each response)",
     )
     ray = p.add_argument_group("replicas on Ray Serve (the 'ray' extra; docs/serving.md)")
