@@ -265,7 +265,7 @@ def read_cached(key: dict) -> TuneResult | None:
     (a warning says which and the caller measures again)."""
     path = cache_path(key)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -308,7 +308,7 @@ def _drop_lock(path: Path) -> None:
     if fcntl is None:
         return
     with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDWR | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDWR | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if _names(path, fd):
@@ -343,6 +343,8 @@ def write_cached(key: dict, result: TuneResult) -> Path | None:
 # ---------------------------------------------------------------------- one process at a time
 LOCK_SUFFIX = ".lock"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # (these three: 0 where the platform has no such flag)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def lock_path(key: dict) -> Path:
@@ -400,7 +402,7 @@ class TuneLock:
 
     def _open(self) -> int:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        flags = os.O_RDWR | os.O_CREAT | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        flags = os.O_RDWR | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC
         fd = os.open(self.path, flags, 0o600)  # a link: ELOOP (the folder is untrusted)
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device placed there
             os.close(fd)
