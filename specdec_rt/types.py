@@ -187,23 +187,20 @@ class Stats:
 
     def merge(self, other: "Stats") -> None:
         """Add another request's counters to these (for totals across requests)."""
-        for name in (
-            "prompt_tokens",
-            "cached_prompt_tokens",
-            "cache_queries",
-            "new_tokens",
-            "rounds",
-            "ar_steps",
-            "drafted",
-            "accepted",
-            "tree_rounds",
-            "tree_nodes",
-            "tree_hits",
-            "time_draft",
-            "time_verify",
-            "time_total",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.prompt_tokens += other.prompt_tokens
+        self.cached_prompt_tokens += other.cached_prompt_tokens
+        self.cache_queries += other.cache_queries
+        self.new_tokens += other.new_tokens
+        self.rounds += other.rounds
+        self.ar_steps += other.ar_steps
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.tree_rounds += other.tree_rounds
+        self.tree_nodes += other.tree_nodes
+        self.tree_hits += other.tree_hits
+        self.time_draft += other.time_draft
+        self.time_verify += other.time_verify
+        self.time_total += other.time_total
         for mine, theirs in (
             (self.position_drafted, other.position_drafted),
             (self.position_accepted, other.position_accepted),

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ..checks import is_int
 from ..errors import InvalidInputError
@@ -40,12 +40,16 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
-            raise InvalidInputError(f"SpecConfig.{name}={getattr(self, name)!r}: {why}")
+            raise InvalidInputError(f"SpecConfig.{name}={asdict(self)[name]!r}: {why}")
 
         if not 0 < self.alpha <= 1:
             bad("alpha", "must be in (0, 1]")
-        for name in ("initial_acceptance", "fallback_below", "resume_above"):
-            if not 0 <= getattr(self, name) <= 1:
+        for name, value in (
+            ("initial_acceptance", self.initial_acceptance),
+            ("fallback_below", self.fallback_below),
+            ("resume_above", self.resume_above),
+        ):
+            if not 0 <= value <= 1:
                 bad(name, "must be in [0, 1]")
         if not 1 <= self.k_min <= self.k_init <= self.k_max:
             bad("k_init", f"need 1 <= k_min ({self.k_min}) <= k_init <= k_max ({self.k_max})")
