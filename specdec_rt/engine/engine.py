@@ -23,7 +23,7 @@ from ..checks import brief_repr, check_bool, check_int, check_number
 from ..errors import ConsumerTimeoutError, ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..kvcache.prefix import DEFAULT_BUDGET_BYTES, PrefixCache
 from ..policy.config import SpecConfig
-from ..sampling.constraints import GrammarFactory, MinTokens
+from ..sampling.constraints import GRAMMAR_THREADS, GrammarFactory, MinTokens
 from ..sampling.logprobs import TokenLogprob
 from ..sampling.prompt_logprobs import prompt_logprobs as prompt_logprobs_of
 from ..spec.adapters import ModelVerifier
@@ -466,9 +466,11 @@ class Engine:
                     ids: Sequence[int] | np.ndarray = await anyio.to_thread.run_sync(
                         lambda: self._encode(prompt, p.max_new_tokens, p.truncate_prompt, shape.tools)
                     )
-                    compiles = shape.schema is not None or shape.lark is not None  # a grammar: in a thread
+                    compiles = shape.schema is not None or shape.lark is not None  # a grammar: in a grammar thread
                     constraint = (
-                        await anyio.to_thread.run_sync(self._constraint, shape) if compiles else self._constraint(shape)
+                        await asyncio.get_running_loop().run_in_executor(GRAMMAR_THREADS, self._constraint, shape)
+                        if compiles
+                        else self._constraint(shape)
                     )
                     # started here, on the loop (it reads the prefix cache); it checks the rest
                     request = self.scheduler.stream(

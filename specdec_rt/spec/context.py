@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
@@ -10,14 +13,17 @@ from ..checks import check_int
 from ..errors import ContextLengthError, InvalidInputError
 from ..policy.confidence import ChainStop
 from ..sampling import SamplingParams, brief_repr
-from ..sampling.constraints import Constraint, constrained
+from ..sampling.constraints import GRAMMAR_THREADS, Constraint, constrained, masked, masks_of
 from ..sampling.logprobs import check_top_logprobs
 from ..sampling.penalties import penalized
 from ..types import FinishReason, Stats
 
-__all__ = ["RequestContext"]
+__all__ = ["RequestContext", "Scorer"]
 
 S = TypeVar("S")
+
+#: what :meth:`RequestContext.scoring` yields: the model's rows ``[n, V]`` in, the request's scores out
+Scorer = Callable[[np.ndarray], Awaitable[np.ndarray]]
 
 
 class RequestContext:
@@ -153,6 +159,46 @@ class RequestContext:
         (:func:`~specdec_rt.sampling.constraints.constrained`); the same array when neither applies."""
         rows = self.penalized(logits, before)
         return rows if self.constraint is None else constrained(rows, self.constraint, before)
+
+    @contextlib.asynccontextmanager
+    async def scoring(self, before: Sequence[Iterable[int]]) -> AsyncIterator[Scorer]:
+        """:meth:`scores` of the rows after ``before``, for a model call made inside the block::
+
+            async with ctx.scoring(paths) as score:
+                scores = await score(await session.extend(ids, len(paths)))
+
+        A constraint that is ``off_loop`` (a grammar) computes its masks in a worker thread,
+        started here, while the model runs: the event loop only awaits them. The block is left
+        only once that thread is done with the constraint (the next commit may not overlap it)."""
+        constraint = self.constraint
+        if constraint is None or not constraint.off_loop:
+
+            async def inline(logits: np.ndarray) -> np.ndarray:
+                return self.scores(logits, before)
+
+            yield inline
+            return
+        paths = [[int(t) for t in path] for path in before]  # (read now: the caller may change its own)
+        work = asyncio.get_running_loop().run_in_executor(GRAMMAR_THREADS, masks_of, constraint, paths)
+
+        async def score(logits: np.ndarray) -> np.ndarray:
+            return masked(self.penalized(logits, paths), await asyncio.shield(work))
+
+        try:
+            yield score
+        finally:
+            cancelled = False  # (a model call that failed or was cancelled: the thread finishes first)
+            while not work.done():
+                try:
+                    await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    cancelled = True
+                except Exception:  # noqa: BLE001 - the block's own exception goes on
+                    pass
+            if not work.cancelled():
+                work.exception()  # (retrieved: a mask's error after the model's is not logged as lost)
+            if cancelled:
+                raise asyncio.CancelledError
 
     def state(self, owner: object, factory: Callable[[], S]) -> S:
         """Per-request state of ``owner`` (e.g. a KV cache session), created on first use."""
