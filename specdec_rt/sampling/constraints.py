@@ -120,10 +120,11 @@ def masked(scores: np.ndarray, masks: Sequence[np.ndarray | None]) -> np.ndarray
 
 
 class GrammarConstraint(Constraint):
-    """A llguidance ``LLMatcher`` that follows a request: committed tokens are consumed; a row's
-    path is consumed, the mask read, and the path rolled back. A path's mask is kept until the
-    next commit (a draft model's rows and the target's rows after the same drafts ask for the
-    same ones). Each mask may cost ``budget`` seconds of CPU (:data:`MASK_BUDGET_S`)."""
+    """A llguidance ``LLMatcher`` that follows a request: committed tokens are consumed (before
+    the next mask, in its thread); a row's path is consumed, the mask read, and the path rolled
+    back. A path's mask is kept until the next commit (a draft model's rows and the target's
+    rows after the same drafts ask for the same ones). Each mask may cost ``budget`` seconds of
+    CPU (:data:`MASK_BUDGET_S`)."""
 
     off_loop = True
 
@@ -142,8 +143,11 @@ class GrammarConstraint(Constraint):
         self.what = what  # the request field the grammar came from, for errors
         self.budget = budget
         self._masks: dict[tuple[int, ...], np.ndarray | None] = {}  # path -> its mask, until a commit
+        self._pending: list[int] = []  # committed ids not consumed yet
 
     def allowed(self, before: Sequence[int]) -> np.ndarray | None:
+        if self._pending:
+            self._consume_pending()
         key = tuple(int(t) for t in before)
         if key not in self._masks:
             self._masks[key] = self._allowed(key)
@@ -177,15 +181,18 @@ class GrammarConstraint(Constraint):
                 m.rollback(went)
 
     def commit(self, ids: np.ndarray) -> None:
-        # on the event loop: consuming a token follows one path through the grammar, which costs
-        # microseconds even where a mask (every token's way on) costs a tenth of a second
+        # consumed by the next allowed(), in the grammar thread: one token can cost milliseconds
+        # (a lexer that gives up builds its expressions first)
         self._masks.clear()
-        m = self.matcher
-        for t in ids:
-            if int(t) in self.eos_ids and m.is_stopped():
+        self._pending.extend(int(t) for t in ids)
+
+    def _consume_pending(self) -> None:
+        m, pending, self._pending = self.matcher, self._pending, []
+        for t in pending:
+            if t in self.eos_ids and m.is_stopped():
                 continue  # the end, once the grammar is complete (a matcher stops by itself there)
-            if not m.consume_token(int(t)):  # every committed token was allowed: the engine gave up here
-                raise InvalidInputError(f"{self.what}: at token {int(t)}, {_stopped(m)}")
+            if not m.consume_token(t):  # every committed token was allowed: the engine gave up here
+                raise InvalidInputError(f"{self.what}: at token {t}, {_stopped(m)}")
 
 
 class MinTokens(Constraint):

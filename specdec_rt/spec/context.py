@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import Awaitable, Sequence
+from concurrent.futures import Future
 from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
@@ -18,7 +18,7 @@ from ..sampling.logprobs import check_top_logprobs
 from ..sampling.penalties import penalized
 from ..types import FinishReason, Stats
 
-__all__ = ["RequestContext", "Scorer"]
+__all__ = ["RequestContext", "Scorer", "Scoring"]
 
 S = TypeVar("S")
 
@@ -160,45 +160,15 @@ class RequestContext:
         rows = self.penalized(logits, before)
         return rows if self.constraint is None else constrained(rows, self.constraint, before)
 
-    @contextlib.asynccontextmanager
-    async def scoring(self, before: Sequence[Iterable[int]]) -> AsyncIterator[Scorer]:
+    def scoring(self, before: Sequence[Iterable[int]]) -> "Scoring":
         """:meth:`scores` of the rows after ``before``, for a model call made inside the block::
 
             async with ctx.scoring(paths) as score:
                 scores = await score(await session.extend(ids, len(paths)))
 
-        A constraint that is ``off_loop`` (a grammar) computes its masks in a worker thread,
-        started here, while the model runs: the event loop only awaits them. The block is left
-        only once that thread is done with the constraint (the next commit may not overlap it)."""
-        constraint = self.constraint
-        if constraint is None or not constraint.off_loop:
-
-            async def inline(logits: np.ndarray) -> np.ndarray:
-                return self.scores(logits, before)
-
-            yield inline
-            return
-        paths = [[int(t) for t in path] for path in before]  # (read now: the caller may change its own)
-        work = asyncio.get_running_loop().run_in_executor(GRAMMAR_THREADS, masks_of, constraint, paths)
-
-        async def score(logits: np.ndarray) -> np.ndarray:
-            return masked(self.penalized(logits, paths), await asyncio.shield(work))
-
-        try:
-            yield score
-        finally:
-            cancelled = False  # (a model call that failed or was cancelled: the thread finishes first)
-            while not work.done():
-                try:
-                    await asyncio.shield(work)
-                except asyncio.CancelledError:
-                    cancelled = True
-                except Exception:  # noqa: BLE001 - the block's own exception goes on
-                    pass
-            if not work.cancelled():
-                work.exception()  # (retrieved: a mask's error after the model's is not logged as lost)
-            if cancelled:
-                raise asyncio.CancelledError
+        A constraint that is ``off_loop`` (a grammar) computes its masks in a grammar thread,
+        started here, while the model runs: the event loop only awaits them."""
+        return Scoring(self, before)
 
     def state(self, owner: object, factory: Callable[[], S]) -> S:
         """Per-request state of ``owner`` (e.g. a KV cache session), created on first use."""
@@ -215,3 +185,42 @@ class RequestContext:
     def pop_state(self, owner: object) -> Any:
         """Remove and return ``owner``'s state (None if it never made any)."""
         return self._state.pop(owner, None)
+
+
+class Scoring:
+    """:meth:`RequestContext.scoring`'s block. The block is left only once the grammar thread is
+    done with the constraint (the request's next commit may not overlap it), whatever the model
+    call did."""
+
+    def __init__(self, ctx: RequestContext, before: Sequence[Iterable[int]]) -> None:
+        self.ctx, self.before = ctx, before
+        self.work: Future[list[np.ndarray | None]] | None = None
+        constraint = ctx.constraint
+        if constraint is not None and constraint.off_loop:
+            self.before = paths = [[int(t) for t in path] for path in before]  # (read now)
+            self.work = GRAMMAR_THREADS.submit(masks_of, constraint, paths)
+
+    async def __aenter__(self) -> Scorer:
+        return self.score
+
+    async def score(self, logits: np.ndarray) -> np.ndarray:
+        """The request's scores of the model's rows ``[n, V]``."""
+        if self.work is None:
+            return self.ctx.scores(logits, self.before)
+        work = self.work  # done by now when the model took longer: no hand-over back
+        masks = work.result() if work.done() else await asyncio.wrap_future(work)
+        return masked(self.ctx.penalized(logits, self.before), masks)
+
+    async def __aexit__(self, *exc: object) -> None:
+        work, cancelled = self.work, False
+        while work is not None and not work.done():  # the block failed or was cancelled first
+            try:
+                await asyncio.wrap_future(work)
+            except asyncio.CancelledError:
+                cancelled = True  # (a running one cannot be: it finishes first)
+            except Exception:  # noqa: BLE001 - the block's own exception goes on
+                pass
+        if work is not None and not work.cancelled():
+            work.exception()  # (retrieved: a mask's error after the model's is not logged as lost)
+        if cancelled:
+            raise asyncio.CancelledError
