@@ -30,8 +30,10 @@ the limit.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Protocol, Sequence
@@ -69,6 +71,7 @@ FORCED_CHARS = 1024
 # JSON schema's cost a few milliseconds, and well under one: docs/security.md, "Loop stalls")
 COMPILE_BUDGET_S = 0.25
 MASK_BUDGET_S = 0.05
+REFUSED_KEPT = 1024  # grammars refused as too costly that are refused again at no cost
 #: the worker threads that compile grammars and compute off-loop masks: one a core, so that
 #: grammars alone never take every core from the event loop (more work waits its turn)
 GRAMMAR_THREADS = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="specdec-grammar")
@@ -291,6 +294,10 @@ class GrammarFactory:
         self.vocab_size, self.eos_ids = vocab_size, [int(t) for t in eos_ids]
         self._tokenizer = None
         self._usable: np.ndarray | None = None
+        #: sha256 of a grammar refused as too costly -> why (the newest REFUSED_KEPT), shared by
+        #: the grammar threads
+        self._refused: dict[bytes, str] = {}
+        self._lock = threading.Lock()
 
     def _llg(self):
         try:
@@ -331,6 +338,11 @@ class GrammarFactory:
             )
         except (ValueError, TypeError, RecursionError) as exc:
             raise InvalidInputError(f"{what}: the grammar engine cannot read this schema: {exc}"[:300]) from None
+        key = hashlib.sha256(str(grammar).encode()).digest()
+        with self._lock:
+            refused = self._refused.get(key)
+        if refused is not None:  # (n choices, or a client that asks again: refused at no cost)
+            raise InvalidInputError(f"{what}: {refused}")
         tokenizer = self.tokenizer()  # (sets _usable the first time)
         cpu = time.thread_time()
         matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
@@ -340,10 +352,15 @@ class GrammarFactory:
         if matcher.is_error():
             raise InvalidInputError(f"{what}: {_stopped(matcher)}")
         if cpu > COMPILE_BUDGET_S:  # (llguidance's own limits let its first step cost seconds)
-            raise InvalidInputError(
-                f"{what}: the grammar is too costly to follow: compiling it took {cpu * 1000:.0f} ms of CPU, "
+            why = (
+                f"the grammar is too costly to follow: compiling it took {cpu * 1000:.0f} ms of CPU, "
                 f"over the limit of {COMPILE_BUDGET_S * 1000:.0f} ms"
             )
+            with self._lock:
+                self._refused[key] = why
+                while len(self._refused) > REFUSED_KEPT:
+                    del self._refused[next(iter(self._refused))]  # the oldest
+            raise InvalidInputError(f"{what}: {why}")
         return GrammarConstraint(matcher, self.vocab_size, self.eos_ids, self._usable, what)
 
 
