@@ -301,7 +301,7 @@ async def measure(
             if not following:
                 break  # told apart (or nothing left to tell apart)
             if rounds >= MAX_ROUNDS or time.perf_counter() - loaded + each * len(following) / len(order) > budget_s:
-                say(f"the leaders are still within {NOISE:.0%} of each other; the budget is spent")
+                say(f"stopping with {len(following)} configurations not yet told apart: budget or rounds spent")
                 break
             live = following
     finally:

@@ -198,3 +198,41 @@ def test_one_stream_weighs_twice():
     batched = row("none", 10.0, 20.0, {})  # 12.6
     assert alone.score == pytest.approx(20 ** (2 / 3) * 10 ** (1 / 3)) and alone.score > batched.score
     assert tune.pick([batched, alone]) == 1
+
+
+# ---------------------------------------------------------------------- what is shown
+def test_v1_models_shows_the_chosen_configuration_per_category(tiny_llama, tmp_path, monkeypatch):
+    """``precision="auto"``: Engine.choice (and so /v1/models) carries what the tune measured of
+    the configuration it runs, per category; read back from the tune file alike."""
+    pytest.importorskip("starlette")
+    pytest.importorskip("httpx")
+    from serve_util import client
+
+    from specdec_rt import Engine
+    from specdec_rt.serve import create_app
+
+    monkeypatch.setenv("SPECDEC_RT_TUNE_DIR", str(tmp_path / "tune"))
+    table = [
+        row("ngram+q4", 9.0, 27.0, {"chat": 8.4, "code": 11.5, "extract": 8.0}),
+        row("none", 10.0, 30.0, {"chat": 10.0, "code": 10.0, "extract": 10.0}),
+    ]
+
+    async def measure(folder, load, **kw) -> TuneResult:
+        return TuneResult(table, tune.pick(table), rounds=1, tokens=96)
+
+    monkeypatch.setattr(tune, "measure", measure)
+
+    async def listed():
+        async with await Engine.load(tiny_llama, precision="auto", threads=1, slots=2, warmup=False) as engine:
+            async with client(create_app(engine, model_name="m")) as c:
+                return engine.choice, (await c.get("/v1/models")).json()["data"][0]
+
+    for how in ("tuned", "cached"):
+        choice, entry = anyio.run(listed)
+        assert (choice.draft, choice.chosen_by) == ("ngram+q4", how)
+        assert entry["measured"]["categories"]["code"] == {"tok_s_1": 11.5, "acceptance": 0.5}
+        assert list(entry["measured"]["categories"]) == ["chat", "code", "extract"]
+        assert entry["measured"]["tok_s_1"] == 9.0 and entry["measured"]["concurrency"] == 4
+    asked = anyio.run(lambda: Engine.load(tiny_llama, precision="auto", draft="none", threads=1, slots=2, warmup=False))
+    assert asked.choice.measured is None and "measured" not in asked.choice.as_dict()  # not what was measured
+    anyio.run(asked.aclose)
