@@ -229,7 +229,7 @@ class Engine:
         """
         check_bool(warmup, "warmup")
         check_precision(precision)
-        chosen_by, draft_asked = None, False
+        chosen_by, draft_asked, measured = None, False, None
         if precision == "auto":
             from .tune import choose  # (it loads engines of its own)
 
@@ -240,6 +240,7 @@ class Engine:
             )
             precision, chosen_by = tuned.precision, tuned.chosen_by
             draft_asked, draft = draft is not None, tuned.draft if draft is None else draft
+            measured = None if draft_asked else tuned.result.best  # (/v1/models shows it)
         engine = await anyio.to_thread.run_sync(
             lambda: cls._load(
                 name_or_path,
@@ -257,6 +258,8 @@ class Engine:
                 draft_asked,
             )
         )
+        if measured is not None and engine.choice is not None:
+            engine.choice = engine.choice.with_measured(measured)
         if warmup:
             try:
                 await engine.warm_up()
@@ -485,7 +488,7 @@ class Engine:
                 except BaseException as exc:
                     ready.set(exc if isinstance(exc, Exception) else None)
                     raise
-                ready.set(None)
+                ready.set(None, len(ids))
                 self.waiting += 1
                 try:
                     await self._slots.acquire()

@@ -81,6 +81,11 @@ class EngineStream:
         first iteration raises the same. A server awaits it to answer 400 before streaming."""
         await self._ready.wait()
 
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's length in tokens once :meth:`ready` returned (None before)."""
+        return self._ready.prompt_tokens
+
     def __aiter__(self) -> "EngineStream":
         return self
 
@@ -118,9 +123,10 @@ class _Ready:
         self._event = asyncio.Event()
         self._error: Exception | None = None
         self.ended: Exception | None = None
+        self.prompt_tokens: int | None = None
 
-    def set(self, error: Exception | None) -> None:
-        self._error = error
+    def set(self, error: Exception | None, prompt_tokens: int | None = None) -> None:
+        self._error, self.prompt_tokens = error, prompt_tokens
         self._event.set()
 
     async def wait(self) -> None:

@@ -21,7 +21,7 @@ from starlette.routing import Route
 from ..engine.engine import DEFAULT_CONSUMER_TIMEOUT
 from .guard import Access, access_middleware
 from .jobs import completions, error_response
-from .protocol import APIError, error_body
+from .protocol import DEFAULT_PROMPT_LOGPROB_WORK, APIError, error_body
 from .replies import models_body
 from .state import Serving
 
@@ -44,6 +44,7 @@ def create_app(
     allowed_hosts: Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
     consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT,
+    max_prompt_logprob_work: int | None = DEFAULT_PROMPT_LOGPROB_WORK,
 ) -> Starlette:
     """The ASGI app.
 
@@ -64,6 +65,9 @@ def create_app(
     (default 30): past that the request ends and frees its slot at once, and the client's
     stream ends (with an error event if the connection still takes one); ``None`` or ``0``: no
     limit. Give a loaded engine the same (its own ``consumer_timeout``; the CLI does).
+    ``max_prompt_logprob_work``: a completion with ``echo`` and ``logprobs`` may ask for at most
+    this many prompt log-probability entries, prompt tokens x (1 + ``logprobs``) x ``n``
+    (400 past it, before its prompt is scored; ``None``: no limit).
 
     Access (:mod:`specdec_rt.serve.guard`): ``api_keys``: every route but ``/health`` needs
     ``Authorization: Bearer <one of them>`` (401 otherwise; none: no key needed).
@@ -87,6 +91,7 @@ def create_app(
         retry_after=retry_after,
         drain_timeout=drain_timeout,
         consumer_timeout=consumer_timeout,
+        max_prompt_logprob_work=max_prompt_logprob_work,
     )
     created = int(time.time())
 

@@ -15,6 +15,7 @@ import sys
 
 from ..errors import SpecDecError
 from ..kvcache.prefix import DEFAULT_BUDGET_BYTES
+from .protocol import DEFAULT_PROMPT_LOGPROB_WORK
 
 __all__ = ["add_serve_parser", "run_serve"]
 
@@ -64,6 +65,13 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         default=30.0,
         help="seconds a streamed response may wait for its client to take a chunk (and a request "
         "for its reader); past that it ends and frees its slot (default 30; 0: none)",
+    )
+    p.add_argument(
+        "--max-prompt-logprob-work",
+        type=_non_negative,
+        default=DEFAULT_PROMPT_LOGPROB_WORK,
+        help="a completion with echo and logprobs may ask for this many prompt log-probability "
+        "entries, prompt tokens x (1 + logprobs) x n; more get 400 (default %(default)s; 0: no limit)",
     )
     p.add_argument(
         "--default-max-tokens", type=_positive, default=256, help="max_tokens when a request sets none (default 256)"
@@ -150,6 +158,22 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         type=_positive,
         default=256,
         help="open connections, idle ones included; one more gets a 503 and is closed (default 256)",
+    )
+    conn.add_argument(
+        "--max-connections-per-client",
+        type=_count,
+        default=32,
+        help="open connections from one client address (IPv6: one /64); one more gets a 429 and is "
+        "closed (default 32; 0: no limit, e.g. behind a reverse proxy, where every client has the "
+        "proxy's address)",
+    )
+    conn.add_argument(
+        "--send-buffer-bytes",
+        type=_count,
+        default=65536,
+        help="each connection's kernel send buffer: how much of a stream a client that stopped "
+        "reading leaves unread before --consumer-timeout starts (default 65536; 0: the kernel's, "
+        "which grows to megabytes)",
     )
     conn.add_argument(
         "--keep-alive-timeout",
@@ -241,6 +265,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    """An integer >= 0 (0: off)."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = _float(text)
     if not value > 0:
@@ -305,6 +337,7 @@ def _options(args, access, folder) -> dict:
         threads=args.threads,
         model_name=args.served_model_name or Path(str(args.model)).name,
         consumer_timeout=args.consumer_timeout or None,
+        max_prompt_logprob_work=args.max_prompt_logprob_work or None,
         api_keys=access.api_keys,
         allowed_hosts=access.allowed_hosts,
         allowed_origins=access.allowed_origins,
@@ -379,6 +412,8 @@ def _uvicorn_config(args, app):
         max_headers=args.max_headers,
         max_connections=args.max_connections,
         keep_alive_timeout=args.keep_alive_timeout,
+        max_connections_per_client=args.max_connections_per_client,
+        send_buffer_bytes=args.send_buffer_bytes,
     )
     # past --drain-timeout the app ends what still runs with a 503 / an error event; uvicorn's own
     # limit, which cuts connections off, only backs that up

@@ -11,7 +11,12 @@ reading, and the connection's buffers are full) ends the same way: its slots are
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import json
+import json.scanner
+import threading
+from collections.abc import Iterator
 from time import perf_counter
 from typing import Any
 
@@ -23,8 +28,16 @@ from starlette.responses import JSONResponse, Response
 
 from ..errors import ConsumerTimeoutError, ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..logs import get_logger
-from .protocol import APIError, GenParams, Kind, engine_error, parse_request
-from .replies import LogprobsFormat, Reply, call_filter, calls_in, sse
+from .protocol import (
+    MAX_PROMPT_TOKENS,
+    APIError,
+    GenParams,
+    Kind,
+    check_prompt_logprob_work,
+    engine_error,
+    parse_request,
+)
+from .replies import LogprobsFormat, Reply, call_filter, calls_in, json_bytes, sse
 from .state import Serving
 
 __all__ = ["completions", "error_response"]
@@ -32,14 +45,16 @@ __all__ = ["completions", "error_response"]
 log = get_logger("specdec_rt.serve")
 CUT_GRACE_S = 1.0  # a stalled stream's error event: how long the connection may take to accept it
 REJECT_REASONS = {400: "invalid", 413: "too_large", 415: "media_type", 429: "overloaded"}
+INLINE_BODY_BYTES = 64 << 10  # bodies up to this size are parsed on the event loop, larger ones in a thread
+INLINE_REPLY_ENTRIES = 4096  # whole replies with up to this many log-probability entries are built on the loop
 
 
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; 415 unless it is declared ``application/json`` (a parameter such as
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body's bytes; 415 unless it is declared ``application/json`` (a parameter such as
     ``charset`` aside: a cross-site page can POST ``text/plain`` without a preflight, never
     JSON); 413 past ``limit`` bytes, told by Content-Length or found while reading."""
     media_type = request.headers.get("content-type")
@@ -55,12 +70,76 @@ async def read_json(request: Request, limit: int) -> Any:
         body += chunk
         if len(body) > limit:
             raise too_large
+    return bytes(body)
+
+
+def load_json(body: bytes, *, stepwise: bool = False) -> Any:
+    """``body`` as JSON, or a 400 saying why it is not. ``stepwise``: with :mod:`json`'s
+    reference scanner, Python code between values, so a thread parsing a big body gives the GIL
+    up every few milliseconds (its C scanner holds it throughout: up to ~0.1 s for 1 MiB of
+    numbers or keys, far more with the collector's passes), at 4-5 times its CPU."""
     try:
-        return json.loads(body)
+        if not stepwise:
+            return json.loads(body)
+        decoder = json.JSONDecoder()
+        decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
+        return decoder.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
     except ValueError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:  # e.g. 100,000 nested brackets
         raise APIError(400, "the request body is not valid JSON: nested too deeply", code="invalid_json") from None
+
+
+async def parse_body(serving: Serving, kind: Kind, body: bytes) -> GenParams:
+    """The request in ``body``, checked, with at most the server's capacity of prompts. Past
+    :data:`INLINE_BODY_BYTES`: in a worker thread, while the event loop only waits, parsed
+    stepwise (:func:`load_json`) with the cyclic garbage collector paused (:func:`gc_paused`),
+    and the parsed JSON freed there too."""
+    stepwise = len(body) > INLINE_BODY_BYTES
+
+    def parse() -> GenParams | APIError:
+        with gc_paused() if stepwise else contextlib.nullcontext():
+            try:
+                return parse_request(
+                    kind,
+                    load_json(body, stepwise=stepwise),
+                    max_prompts=serving.slots + serving.max_queued,
+                    max_prompt_tokens=MAX_PROMPT_TOKENS,
+                )
+            except APIError as err:  # a copy: the error's traceback holds the frames that hold the body
+                return err.copy()
+
+    got = await anyio.to_thread.run_sync(parse) if stepwise else parse()
+    if isinstance(got, APIError):
+        raise got
+    return got
+
+
+_gc_lock = threading.Lock()
+_gc_pauses = 0  # gc_paused blocks running now
+_gc_was_enabled = False  # whether the collector ran before the first of them
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside (in any thread), for work that makes and frees many
+    containers: a 1 MiB body holds 255,000 lists, whose allocations set off full collections of
+    every object of the process, and a collection holds the GIL throughout, so the event loop's
+    thread stops with it. Nested and concurrent pauses are counted; the last one to end restores
+    the collector as the first one found it."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 async def completions(request: Request, kind: Kind) -> Any:
@@ -69,7 +148,10 @@ async def completions(request: Request, kind: Kind) -> Any:
     arrived = perf_counter()
     try:
         serving.check_open()
-        params = parse_request(kind, await read_json(request, serving.max_body_bytes))
+        params = await parse_body(serving, kind, await read_body(request, serving.max_body_bytes))
+        if params.scores_prompt:  # token ids: counted now; texts: once encoded (below)
+            known = sum(len(prompt) for prompt in params.prompts if isinstance(prompt, list))
+            check_prompt_logprob_work(params, known, serving.max_prompt_logprob_work)
         serving.admit(params.n, len(params.prompts) or 1)
     except APIError as err:
         serving.metrics.rejected.labels(REJECT_REASONS.get(err.status, err.code)).inc()
@@ -78,14 +160,24 @@ async def completions(request: Request, kind: Kind) -> Any:
         return Response(status_code=499)  # nobody is there to read it
     streams: list = []
     admitted = len(params.streams)
+    scored = 0  # prompt tokens to score (echo with logprobs), each prompt once
     try:  # from here on the request is admitted: Job.close releases it
         for prompt, choice in params.streams:
-            streams.append(await _open(serving, params, prompt, choice))
-    except (InvalidInputError, EngineClosedError) as exc:
+            if params.scores_prompt and choice > 0:  # opened once its prompt is scored (Job.start)
+                streams.append(None)
+                continue
+            stream = await _open(serving, params, prompt, choice)
+            streams.append(stream)
+            if params.scores_prompt and choice == 0:  # its prompt's length is known now, before its scoring
+                scored += _prompt_tokens(stream, prompt)
+                check_prompt_logprob_work(params, scored, serving.max_prompt_logprob_work)
+    except (InvalidInputError, EngineClosedError, APIError) as exc:
         await _close_all(streams)
         serving.release(admitted)
         refusal = (
-            engine_error(exc, params)
+            exc
+            if isinstance(exc, APIError)
+            else engine_error(exc, params)
             if isinstance(exc, InvalidInputError)
             else APIError(503, str(exc), type="service_unavailable", code="draining")
         )
@@ -104,15 +196,26 @@ async def completions(request: Request, kind: Kind) -> Any:
 async def _close_all(streams: list) -> None:
     with anyio.CancelScope(shield=True):
         for stream in streams:
-            await stream.aclose()
+            if stream is not None:  # (None: a choice not opened yet, see Job.start)
+                await stream.aclose()
+
+
+def _prompt_tokens(stream, prompt) -> int:
+    """The length of an opened stream's prompt (an engine stream tells it once ready; token ids:
+    their count; else, for engines that do not tell, 0)."""
+    tokens = getattr(stream, "prompt_tokens", None)
+    if isinstance(tokens, int):
+        return tokens
+    return len(prompt) if isinstance(prompt, list) else 0
 
 
 async def _open(serving: Serving, params: GenParams, prompt, choice: int = 0):
     """The engine stream of choice ``choice`` of ``prompt`` of an admitted request, encoded and
     checked (a 400 comes before streaming; a stream that fails is closed here). A request that
     names no token limit gets the server's default, capped to the room its prompt leaves in the
-    context (as OpenAI's API does)."""
-    request = params.request_params(serving.default_max_tokens, choice)
+    context (as OpenAI's API does). Echo with logprobs: the prompt's first choice alone scores
+    it, for all of them (:meth:`Job.scorer`)."""
+    request = params.request_params(serving.default_max_tokens, choice, score_prompt=choice == 0)
     for capped in (False, True):
         stream = serving.engine.stream(prompt, request)
         if not hasattr(stream, "ready"):  # not an EngineStream: it checks as it goes
@@ -163,7 +266,10 @@ class Job:
             )
         )
         #: what each choice's text starts with: its prompt with ``echo`` (token ids: their text)
-        self.echo = [(_text_of(serving.engine, prompt) if params.echo else "") for prompt, _ in params.streams]
+        texts = [
+            _text_of(serving.engine, prompt) if params.echo else "" for prompt in params.prompts or [params.prompt]
+        ]
+        self.echo = [text for text in texts for _ in range(params.n)]
         timeout = serving.request_timeout
         self.deadline = arrived + timeout if timeout else None
         n = len(streams)
@@ -182,21 +288,49 @@ class Job:
         self._events: MemoryObjectReceiveStream[tuple[int, Any, BaseException | None]] | None = None
         serving.jobs.add(self)
 
+    def scorer(self, i: int) -> int:
+        """The stream whose events carry stream ``i``'s prompt log-probabilities (echo with
+        logprobs): its prompt's first choice, which scores the prompt for all of them."""
+        return i - i % self.params.n if self.params.scores_prompt else i
+
+    def group(self, i: int) -> range:
+        """The streams that share stream ``i``'s scored prompt (``i`` alone without one)."""
+        first = self.scorer(i)
+        return range(first, first + self.params.n) if self.params.scores_prompt else range(i, i + 1)
+
     def start(self, tg) -> None:
         """With several choices: one task per engine stream, in ``tg`` (the response's task
-        group, cancelled when the response ends), feeding :meth:`next_event`."""
+        group, cancelled when the response ends), feeding :meth:`next_event`. Echo with
+        logprobs: a prompt's other choices open once its first one has scored it (or ended), so
+        that they start from the prompt's KV, which the scoring left in the prefix cache."""
         if len(self.streams) > 1:
             send: MemoryObjectSendStream[tuple[int, Any, BaseException | None]]
             send, self._events = anyio.create_memory_object_stream(0)
+            scored = {i: anyio.Event() for i in range(len(self.streams)) if self.scorer(i) == i}
             with send:
                 for i in range(len(self.streams)):
-                    tg.start_soon(self._pump, i, send.clone())
+                    tg.start_soon(self._pump, i, send.clone(), scored[self.scorer(i)])
 
-    async def _pump(self, i: int, send) -> None:
+    async def _pump(self, i: int, send, scored: anyio.Event) -> None:
+        """Hand stream ``i``'s events on; ``scored``: set by its prompt's scorer (``i`` itself,
+        or the choice stream ``i`` waits for before it opens)."""
         async with send:
             try:
-                async for ev in self.streams[i]:
-                    await send.send((i, ev, None))
+                if self.streams[i] is None:
+                    await scored.wait()
+                    prompt, choice = self.params.streams[i]
+                    stream = await _open(self.serving, self.params, prompt, choice)
+                    if self.closed:  # ended meanwhile (a stalled client's stream): not to be kept
+                        await _close_all([stream])
+                        return
+                    self.streams[i] = stream
+                try:
+                    async for ev in self.streams[i]:
+                        await send.send((i, ev, None))
+                        if getattr(ev, "prompt_logprobs", None) is not None:
+                            scored.set()
+                finally:
+                    scored.set()
             except SpecDecError as exc:
                 await send.send((i, None, exc))
 
@@ -358,21 +492,11 @@ class Job:
                             echoed[i] = (ev.prompt_token_ids, ev.prompt_logprobs)
                         ids[i] += ev.token_ids
                         lps[i] += ev.logprobs or ()
-                    lp: list[dict | None] | None = (
-                        None
-                        if self.logprobs is None
-                        else [self.logprobs.body(t, e, i, before=echoed[i]) for i, (t, e) in enumerate(zip(ids, lps))]
+                    big = self._entries(ids, echoed) > INLINE_REPLY_ENTRIES
+                    build = functools.partial(self._whole, parts, ids, lps, echoed, stepwise=big)
+                    response = Response(
+                        await anyio.to_thread.run_sync(build) if big else build(), media_type="application/json"
                     )
-                    texts = ["".join(p) for p in parts]
-                    calls = [calls_in(self.params, t) if self.params.calls_tools else (t, []) for t in texts]
-                    body = self.reply.response(
-                        [content for content, _ in calls],
-                        [f or "stop" for f in self.finish],
-                        *self.usage(),
-                        logprobs=lp,
-                        tool_calls=[c for _, c in calls],
-                    )
-                    response = JSONResponse(body)
                 except APIError as err:
                     response = error_response(err)
                 self.done = True
@@ -380,6 +504,42 @@ class Job:
         finally:
             await self.close()
         return response
+
+    def _entries(self, ids: list[list[int]], echoed: list) -> int:
+        """The log-probability entries of the whole reply (0 without logprobs)."""
+        if self.params.logprobs is None:
+            return 0
+        tokens = sum(map(len, ids)) + sum(
+            len(echoed[self.scorer(i)][0]) for i in range(len(ids)) if echoed[self.scorer(i)]
+        )
+        return tokens * (1 + self.params.logprobs)
+
+    def _whole(
+        self, parts: list[list[str]], ids: list[list[int]], lps: list[list], echoed: list, stepwise: bool
+    ) -> bytes:
+        """The non-streamed response's body: each prompt's scored tokens formatted once for all
+        its choices (``echoed``: the prompt ids and log-probabilities on each scoring stream)."""
+        lp: list[dict | None] | None = None
+        if self.logprobs is not None:
+            heads = {
+                i: self.logprobs.prompt(echoed[i][0], echoed[i][1], self.group(i))
+                for i in range(len(ids))
+                if echoed[i] is not None
+            }
+            lp = []
+            for i, (t, e) in enumerate(zip(ids, lps)):
+                tail, head = self.logprobs.body(t, e, i), heads.get(self.scorer(i))
+                lp.append(tail if head is None else {k: head[k] + tail[k] for k in head})
+        texts = ["".join(p) for p in parts]
+        calls = [calls_in(self.params, t) if self.params.calls_tools else (t, []) for t in texts]
+        body = self.reply.response(
+            [content for content, _ in calls],
+            [f or "stop" for f in self.finish],
+            *self.usage(),
+            logprobs=lp,
+            tool_calls=[c for _, c in calls],
+        )
+        return json_bytes(body, stepwise=stepwise)
 
     async def _watch(self, receive, scope: anyio.CancelScope) -> None:
         """Cancel ``scope`` when the client disconnects (the body was read already)."""
@@ -456,6 +616,15 @@ class EventStream:
         scope.cancel()
         await anyio.lowlevel.checkpoint()  # raises the cancellation
 
+    def _echoed(self, i: int, ev) -> list[bytes]:
+        """The first chunk of each choice that shares the prompt stream ``i`` scored: the prompt's
+        text and log-probabilities, formatted once (in a worker thread: a long prompt's are big)."""
+        job = self.job
+        assert job.logprobs is not None  # (prompt log-probabilities come only when asked)
+        group = job.group(i)
+        lp = job.logprobs.prompt(ev.prompt_token_ids, ev.prompt_logprobs, group)
+        return [sse(job.reply.chunk(job.echo[j], index=j, logprobs=lp), stepwise=True) for j in group]
+
     async def _events(self, send) -> list[bytes]:
         """Send the chunks as the engine produces them; returns what closes the stream."""
         job, reply = self.job, self.job.reply
@@ -470,33 +639,42 @@ class EventStream:
             for i in range(len(job.streams)):
                 await emit(reply.chunk(job.echo[i], index=i))
         filters = [call_filter(job.params) for _ in job.streams] if job.params.calls_tools else None
+        # a choice whose prompt another one scores: its events wait for that prompt's chunk
+        held: dict[int, list] = {i: [] for i in range(len(job.streams)) if job.scorer(i) != i}
+
+        async def step(i: int, ev) -> None:
+            lp = None if job.logprobs is None else job.logprobs.body(ev.token_ids, ev.logprobs or (), i)
+            calls: list[dict] = []
+            text, finish = ev.text, job.finish[i] if ev.finished else None
+            if filters is not None:  # tool calls: held back, and sent whole at the end
+                text = filters[i].push(text)
+                if ev.finished:
+                    rest, calls = filters[i].finish()
+                    text += rest
+            if calls:
+                if text or (lp is not None and ev.token_ids):
+                    await emit(reply.chunk(text, index=i, logprobs=lp))
+                await emit(reply.chunk("", index=i, tool_calls=calls))
+                await emit(reply.chunk("", "tool_calls" if finish == "stop" else finish, index=i, empty=True))
+            elif text or ev.finished or (lp is not None and ev.token_ids):
+                await emit(reply.chunk(text, finish, index=i, logprobs=lp))
+
         try:
             while (got := await job.next_event()) is not None:
                 i, ev = got
-                if getattr(ev, "prompt_logprobs", None) is not None:  # echo with logprobs
-                    assert job.logprobs is not None  # (prompt log-probabilities come only when asked)
-                    await emit(
-                        reply.chunk(
-                            job.echo[i],
-                            index=i,
-                            logprobs=job.logprobs.body(ev.prompt_token_ids, ev.prompt_logprobs, i, part_ends=True),
-                        )
-                    )
-                    continue
-                lp = None if job.logprobs is None else job.logprobs.body(ev.token_ids, ev.logprobs or (), i)
-                text, calls, finish = ev.text, [], job.finish[i] if ev.finished else None
-                if filters is not None:  # tool calls: held back, and sent whole at the end
-                    text = filters[i].push(text)
-                    if ev.finished:
-                        rest, calls = filters[i].finish()
-                        text += rest
-                if calls:
-                    if text or (lp is not None and ev.token_ids):
-                        await emit(reply.chunk(text, index=i, logprobs=lp))
-                    await emit(reply.chunk("", index=i, tool_calls=calls))
-                    await emit(reply.chunk("", "tool_calls" if finish == "stop" else finish, index=i, empty=True))
-                elif text or ev.finished or (lp is not None and ev.token_ids):
-                    await emit(reply.chunk(text, finish, index=i, logprobs=lp))
+                if i in held:
+                    held[i].append(ev)
+                elif getattr(ev, "prompt_logprobs", None) is not None:  # echo with logprobs
+                    for data in await anyio.to_thread.run_sync(self._echoed, i, ev):
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+                    for j in job.group(i):
+                        for later in held.pop(j, ()):
+                            await step(j, later)
+                else:
+                    await step(i, ev)
+            for j, events in held.items():  # (an engine that sent no prompt log-probabilities)
+                for ev in events:
+                    await step(j, ev)
         except APIError as err:
             return [sse(err.body())]
         tail = [

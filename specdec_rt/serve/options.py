@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import InvalidInputError
 from ..kvcache.prefix import DEFAULT_BUDGET_BYTES
+from .protocol import DEFAULT_PROMPT_LOGPROB_WORK
 
 __all__ = ["ServeOptions"]
 
@@ -38,6 +39,7 @@ class ServeOptions:
     allowed_hosts: tuple[str, ...] | None = None
     allowed_origins: tuple[str, ...] = ()
     consumer_timeout: float | None = 30.0  # as for create_app and Engine.load
+    max_prompt_logprob_work: int | None = DEFAULT_PROMPT_LOGPROB_WORK  # as for create_app
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.max_queued < 0:
@@ -73,4 +75,5 @@ class ServeOptions:
             allowed_hosts=self.allowed_hosts,
             allowed_origins=self.allowed_origins,
             consumer_timeout=self.consumer_timeout,
+            max_prompt_logprob_work=self.max_prompt_logprob_work,
         )

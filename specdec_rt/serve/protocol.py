@@ -28,13 +28,26 @@ from ..spec.request_checks import check_stop
 from ..text.tools import check_tool_choice, checked_tools
 from ..types import Mode
 
-__all__ = ["APIError", "GenParams", "parse_request", "engine_error", "error_body", "Kind"]
+__all__ = [
+    "APIError",
+    "GenParams",
+    "parse_request",
+    "engine_error",
+    "error_body",
+    "Kind",
+    "check_prompt_logprob_work",
+    "prompt_logprob_work",
+]
 
 Kind = Literal["chat", "completion"]
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; the Engine itself takes any finite value
 MAX_SEED = 2**64 - 1  # a seed is a 64-bit integer, as in OpenAI's API
 MAX_N = 16  # choices per request (each one an engine request, batched with the others)
+MAX_PROMPT_TOKENS = 1 << 17  # the server's limit on token ids in a request's prompts, all of them together
+#: the server's default budget of echoed prompt log-probability entries a request
+#: (prompt tokens x (1 + logprobs) x n; see check_prompt_logprob_work)
+DEFAULT_PROMPT_LOGPROB_WORK = 1 << 20
 
 
 class APIError(Exception):
@@ -55,6 +68,10 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.code, self.param)
+
+    def copy(self) -> APIError:
+        """The same error, without this one's traceback and context (nor what their frames hold)."""
+        return APIError(self.status, self.message, self.type, self.code, self.param, dict(self.headers))
 
 
 def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
@@ -100,17 +117,23 @@ class GenParams:
         return bool(self.tools) and self.tool_choice != "none"
 
     @property
+    def scores_prompt(self) -> bool:
+        """The prompts' own log-probabilities are asked for (``echo`` with ``logprobs``)."""
+        return self.echo and self.logprobs is not None
+
+    @property
     def streams(self) -> list[tuple[Any, int]]:
         """``(prompt, choice)`` of each engine request: ``n`` choices of every prompt, in the
         order of the response's choice indices (prompt i's choice j is index ``i * n + j``)."""
         return [(prompt, j) for prompt in (self.prompts or [self.prompt]) for j in range(self.n)]
 
-    def request_params(self, default_max_tokens: int, choice: int = 0) -> RequestParams:
+    def request_params(self, default_max_tokens: int, choice: int = 0, *, score_prompt: bool = True) -> RequestParams:
         """The engine's parameters for choice ``choice``: the one place OpenAI's fields become a
         :class:`~specdec_rt.spec.params.RequestParams`. ``max_tokens`` (or
         ``max_completion_tokens``) is ``max_new_tokens``, else ``default_max_tokens``; with a
         ``seed``, choice i samples with ``seed + i`` (so choices differ, and each is
-        reproducible); ``echo`` with ``logprobs`` asks for the prompt's log-probabilities too.
+        reproducible); ``echo`` with ``logprobs`` asks for the prompt's log-probabilities too,
+        unless ``score_prompt`` is false (a choice that shares another one's).
         A value the engine refuses raises its :class:`InvalidInputError` (see :func:`engine_error`)."""
         seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
         return RequestParams(
@@ -126,7 +149,7 @@ class GenParams:
             presence_penalty=self.penalties.get("presence_penalty", 0.0),
             frequency_penalty=self.penalties.get("frequency_penalty", 0.0),
             repetition_penalty=self.penalties.get("repetition_penalty", 1.0),
-            prompt_logprobs=self.logprobs if self.echo else None,
+            prompt_logprobs=self.logprobs if self.echo and score_prompt else None,
             response_format=self.response_format,
             tools=self.tools,
             tool_choice=self.tool_choice if self.tools else None,
@@ -135,11 +158,16 @@ class GenParams:
         )
 
 
-def parse_request(kind: Kind, body: Any) -> GenParams:
-    """Validate a ``/v1/chat/completions`` (``kind="chat"``) or ``/v1/completions`` body."""
+def parse_request(
+    kind: Kind, body: Any, *, max_prompts: int | None = None, max_prompt_tokens: int | None = None
+) -> GenParams:
+    """Validate a ``/v1/chat/completions`` (``kind="chat"``) or ``/v1/completions`` body.
+    ``max_prompts``: completions' prompts in one request; ``max_prompt_tokens``: token ids in
+    its prompts, all together (both counted before any prompt is looked at one by one; None:
+    no limit)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_type")
-    prompts = [_messages(body)] if kind == "chat" else _prompts(body)
+    prompts = [_messages(body)] if kind == "chat" else _prompts(body, max_prompts, max_prompt_tokens)
     p = GenParams(kind, prompts[0], prompts=prompts)
     for name in ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",):
         if body.get(name) is not None:
@@ -312,14 +340,21 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _prompts(body: dict) -> list[str | list[int]]:
+def _prompts(body: dict, max_prompts: int | None, max_tokens: int | None) -> list[str | list[int]]:
     """Completions' ``prompt`` in OpenAI's four forms, as a list: a string, a list of strings, a
     list of token ids, or a list of such lists (ids are checked against the vocabulary by the
-    engine). Every prompt non-empty. The lists are checked in C loops: 1 MiB of JSON holds
-    500,000 ids or 260,000 one-id prompts, 0.5-0.7 s on the event loop one by one."""
+    engine). Every prompt non-empty; at most ``max_prompts`` of them and ``max_tokens`` ids in
+    all, counted first. The lists are checked in C loops: 1 MiB of JSON holds 500,000 ids or
+    260,000 one-id prompts, 0.5-0.7 s on the event loop one by one."""
     prompt = body.get("prompt")
     if prompt is None:
         raise _bad("prompt", "'prompt' is required", "missing_required_parameter")
+    if isinstance(prompt, list) and prompt:  # its length first: one prompt of ids, or a list of prompts
+        ids = is_int(prompt[0], numpy=False)
+        count, limit = len(prompt), max_tokens if ids else max_prompts
+        if limit is not None and count > limit:
+            what = "token ids, more than one request may hold" if ids else "prompts, more than one request may hold"
+            raise _bad("prompt", f"prompt holds {count} {what} (at most {limit})")
     types = list(map(type, prompt)) if isinstance(prompt, list) else []
     kinds = _kinds(types)
     if any(issubclass(k, int) and k is not bool for k in kinds):  # an integer in it: token ids, all of them?
@@ -349,6 +384,13 @@ def _prompts(body: dict) -> list[str | list[int]]:
             f"prompt[{bad}] must be a non-empty string or a non-empty list of token ids (integers >= 0)",
             "invalid_type",
         )
+    if list in kinds and max_tokens is not None:
+        total = sum(len(one) for one in prompts if isinstance(one, list))
+        if total > max_tokens:
+            raise _bad(
+                "prompt",
+                f"prompt holds {total} token ids in all, more than one request may hold (at most {max_tokens})",
+            )
     return prompts
 
 
@@ -448,6 +490,26 @@ def _stop(stop: Any) -> list[str]:
         return check_stop([s for s in stops if s])  # an empty stop string stops nothing
     except InvalidInputError as exc:
         raise _bad("stop", str(exc)) from None
+
+
+def prompt_logprob_work(p: GenParams, prompt_tokens: int) -> int:
+    """What echoing prompts of ``prompt_tokens`` tokens in all with their log-probabilities
+    costs: the reply's entries for them, ``prompt_tokens x (1 + logprobs) x n`` (each token's
+    own value and its alternatives, in each choice; each prompt is scored once, whatever ``n``)."""
+    return prompt_tokens * (1 + (p.logprobs or 0)) * p.n
+
+
+def check_prompt_logprob_work(p: GenParams, prompt_tokens: int, budget: int | None) -> None:
+    """A 400 when :func:`prompt_logprob_work` is over ``budget`` (the server's
+    ``--max-prompt-logprob-work``; None: no limit), saying what to lower."""
+    work = prompt_logprob_work(p, prompt_tokens)
+    if budget is not None and work > budget:
+        raise _bad(
+            "logprobs",
+            f"echo with logprobs={p.logprobs} and n={p.n} on {prompt_tokens} prompt tokens is {work} "
+            f"log-probability entries (prompt tokens x (1 + logprobs) x n), more than this server's "
+            f"--max-prompt-logprob-work of {budget}: lower logprobs, n or the prompt's length",
+        )
 
 
 def engine_error(exc: InvalidInputError, p: GenParams) -> APIError:

@@ -15,7 +15,7 @@ import anyio
 
 from ..logs import get_logger
 from .metrics import Metrics
-from .protocol import APIError
+from .protocol import DEFAULT_PROMPT_LOGPROB_WORK, APIError
 
 __all__ = ["Serving"]
 
@@ -41,6 +41,7 @@ class Serving:
         retry_after: int = 1,
         drain_timeout: float | None = None,
         consumer_timeout: float | None = None,
+        max_prompt_logprob_work: int | None = DEFAULT_PROMPT_LOGPROB_WORK,
     ) -> None:
         if slots < 1 or max_queued < 0:
             raise ValueError(f"slots must be >= 1 and max_queued >= 0, got {slots} and {max_queued}")
@@ -55,6 +56,7 @@ class Serving:
         self.request_timeout, self.max_body_bytes = request_timeout, max_body_bytes
         self.default_max_tokens, self.retry_after = default_max_tokens, retry_after
         self.drain_timeout = drain_timeout
+        self.max_prompt_logprob_work = max_prompt_logprob_work  # None: no limit
         self.consumer_timeout = consumer_timeout or None  # a streamed chunk the client does not take
         self.admitted = 0
         self.jobs: set[Any] = set()  # the admitted requests' Jobs, ended with a 503 past the drain deadline

@@ -227,3 +227,44 @@ def test_offsets_after_a_character_left_incomplete():
     assert offsets([0, 2, 3, 1]) == [0, 0, 0, 1]  # f0 9f 8e b6 = one character, then z
     assert offsets([0, 0, 1]) == [0, 1, 2]  # a second start: the first became U+FFFD
     assert offsets([1, 1]) == [0, 1]
+
+
+def _per_row(logits, ids, top):
+    """token_logprobs as it was, row by row (the reference the vectorised one must equal)."""
+    from specdec_rt.sampling.logprobs import TokenLogprob
+
+    rows = np.asarray(logits)
+    m = rows.max(axis=-1, keepdims=True)
+    lse = m[:, 0].astype(np.float64) + np.log(np.exp(rows - m).sum(axis=-1, dtype=np.float64))
+    out = []
+    for i, t in enumerate(np.asarray(ids).tolist()):
+        best: tuple = ()
+        if top:
+            row = rows[i]
+            kth = row[np.argpartition(-row, top - 1)[top - 1]] if top < row.size else row.min()
+            above = np.flatnonzero(row > kth)
+            tied = np.flatnonzero(row == kth)[: top - above.size]
+            cand = sorted(np.concatenate([above, tied]).tolist(), key=lambda j: (-row[j], j))
+            best = tuple((j, float(row[j]) - float(lse[i])) for j in cand)
+        out.append(TokenLogprob(float(rows[i, t]) - float(lse[i]), best))
+    return tuple(out)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN rows
+def test_vectorised_token_logprobs_equal_the_row_by_row_values_ties_and_nans_too():
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        n, size = int(rng.integers(1, 12)), int(rng.integers(1, 50))
+        x = rng.standard_normal((n, size)).astype(np.float32)
+        kind = trial % 5
+        if kind == 1:
+            x = np.round(x).astype(np.float32)  # ties everywhere
+        elif kind == 2:
+            x[rng.random((n, size)) < 0.3] = -np.inf
+        elif kind == 3:
+            x[rng.random((n, size)) < 0.2] = np.nan
+        elif kind == 4:
+            x[:] = 0.0
+        ids = rng.integers(0, size, n)
+        for top in (0, 1, 2, 5, 20, size, size + 3):
+            assert repr(token_logprobs(x, ids, top)) == repr(_per_row(x, ids, top)), (trial, top)

@@ -49,3 +49,7 @@ def test_the_flags_map_onto_the_options(tmp_path):
     opts = ServeOptions(**_options(args, _access(args), tmp_path))
     assert (opts.model, opts.slots, opts.max_queued, opts.draft, opts.threads) == (str(tmp_path), 3, 5, "none", 2)
     assert (opts.model_name, opts.consumer_timeout, opts.request_timeout) == ("x", None, 7)
+    assert opts.app_options()["max_prompt_logprob_work"] == 1 << 20  # the default
+    for flag, want in (("0", None), ("5000", 5000)):
+        args = parser.parse_args(["serve", "--model", "m", "--max-prompt-logprob-work", flag])
+        assert ServeOptions(**_options(args, _access(args), tmp_path)).app_options()["max_prompt_logprob_work"] == want
