@@ -72,9 +72,12 @@ FORCED_CHARS = 1024
 COMPILE_BUDGET_S = 0.25
 MASK_BUDGET_S = 0.05
 REFUSED_KEPT = 1024  # grammars refused as too costly that are refused again at no cost
-#: the worker threads that compile grammars and compute off-loop masks: one a core, so that
-#: grammars alone never take every core from the event loop (more work waits its turn)
-GRAMMAR_THREADS = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="specdec-grammar")
+#: the worker threads that compile grammars and compute off-loop masks: one a core this process may
+#: use, so that grammars alone never take every core from the event loop (more work waits its turn)
+GRAMMAR_THREADS = ThreadPoolExecutor(
+    max_workers=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+    thread_name_prefix="specdec-grammar",
+)
 
 
 class Constraint(Protocol):

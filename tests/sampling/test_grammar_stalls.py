@@ -69,7 +69,9 @@ def test_costly_grammar_masks_never_stall_the_event_loop(tiny_llama, mode, costl
         for r in attack.out:  # refused at its first costly step, the limit named; or followed to the end
             assert not isinstance(r, Exception) or str(r).startswith("response_format: "), r
         assert attack.worst <= bound(control), (attack.ms(), control.ms())
-        assert attack.busy < 0.05, (attack.ms(), control.ms())  # the loop's own CPU between two wakes
+        # the loop's own CPU between two wakes (was 0.8-1.2 s); a request left alone runs its model
+        # steps on the loop (docs/decisions/0004-inline-small-steps.md), longer on a loaded machine
+        assert attack.busy < 0.1, (attack.ms(), control.ms())
         assert engine.running == 0 and not engine.target._owners
         after = await engine.generate("Answer:", 12, mode=mode, response_format=ORDINARY)  # the next one is fine
         assert after.text.lstrip().startswith("{")
