@@ -68,7 +68,7 @@ JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
 # characters of the text a grammar forces next that are tokenized for llguidance (_TokenTable)
 FORCED_CHARS = 1024
 # CPU seconds a grammar's compilation and first mask may cost, and each later mask (an ordinary
-# JSON schema's cost a few milliseconds, and well under one: docs/security.md, "Loop stalls")
+# JSON schema's cost a few milliseconds, and well under one: docs/security.md, "Grammar masks")
 COMPILE_BUDGET_S = 0.25
 MASK_BUDGET_S = 0.05
 REFUSED_KEPT = 1024  # grammars refused as too costly that are refused again at no cost

@@ -109,3 +109,22 @@ def test_a_grammar_over_the_budgets_is_a_400_naming_the_limit():
     g.budget = 1e-9
     with pytest.raises(InvalidInputError, match=r"response_format: .* ms of CPU, over the limit of 0 ms a token"):
         g.allowed([ord('"'), ord("a")])
+
+
+def test_the_forced_text_tokenized_in_part_gives_the_same_masks(monkeypatch):
+    """llguidance tokenizes the text a grammar forces next at every mask; only its first
+    ``FORCED_CHARS`` characters are: the masks along a path are those of the whole text's."""
+    import numpy as np
+
+    from specdec_rt.sampling import constraints
+
+    schema = {"type": "string", "pattern": "^(ab){3000}c$"}  # 6,003 characters forced
+    path = [ord('"')] + [ord("a"), ord("b")] * 5
+    seen = []
+    for chars in (constraints.FORCED_CHARS, 10**6):
+        monkeypatch.setattr(constraints, "FORCED_CHARS", chars)
+        g = _bytes_factory().build(schema)
+        seen.append([g.allowed(path[:i]) for i in range(len(path) + 1)])
+    for part, whole in zip(*seen):
+        assert part is not None and whole is not None and np.array_equal(part, whole)
+    assert [np.flatnonzero(m).tolist() for m in seen[0][1:]] == [[t] for t in path[1:] + [ord("a")]]  # forced
