@@ -78,18 +78,29 @@ async def completions(request: Request, kind: Kind) -> Any:
         return Response(status_code=499)  # nobody is there to read it
     streams: list = []
     admitted = len(params.streams)
+    timeout = serving.request_timeout
     try:  # from here on the request is admitted: Job.close releases it
-        for prompt, choice in params.streams:
-            streams.append(await _open(serving, params, prompt, choice))
-    except (InvalidInputError, EngineClosedError) as exc:
+        # the deadline runs from the request's arrival: templating and tokenizing count
+        with anyio.fail_after(max(0.0, arrived + timeout - perf_counter()) if timeout else None):
+            for prompt, choice in params.streams:
+                streams.append(await _open(serving, params, prompt, choice))
+    except (InvalidInputError, EngineClosedError, SpecDecError, TimeoutError) as exc:
         await _close_all(streams)
         serving.release(admitted)
         refusal = (
             engine_error(exc, params)
             if isinstance(exc, InvalidInputError)
             else APIError(503, str(exc), type="service_unavailable", code="draining")
+            if isinstance(exc, EngineClosedError)
+            else APIError(500, str(exc), type="server_error", code="inference_error")
+            if isinstance(exc, SpecDecError)  # InferenceError: the tokenizer failed; the engine goes on
+            else APIError(504, f"the request took longer than {timeout:g} s", type="timeout", code="request_timeout")
         )
-        serving.metrics.rejected.labels("invalid" if refusal.status == 400 else "draining").inc()
+        if refusal.status in (500, 504):  # admitted, ended before its first token
+            serving.metrics.aborted.labels("error" if refusal.status == 500 else "timeout").inc()
+            log.warning("request.failed", status=refusal.status, error=refusal.message[:300])
+        else:
+            serving.metrics.rejected.labels("invalid" if refusal.status == 400 else "draining").inc()
         return error_response(refusal)
     except BaseException:
         await _close_all(streams)
