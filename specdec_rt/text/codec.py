@@ -118,7 +118,9 @@ class TextCodec:
             if len(data) > MAX_TOKENIZER_BYTES:
                 raise ValueError(f"it grew past {MAX_TOKENIZER_BYTES} bytes while it was read")
             self.tokenizer = Tokenizer.from_str(data.decode("utf-8"))
-        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:  # plain Exceptions, or a panic of the tokenizers library
             raise ModelLoadError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
         #: the sha256 of the tokenizer file as it was read (see :mod:`specdec_rt.text.encode_process`)
         self.tokenizer_sha256 = hashlib.sha256(data).hexdigest()

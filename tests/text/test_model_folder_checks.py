@@ -165,3 +165,34 @@ def test_expansion_of_real_normalizers_is_one():
     )
     bound = expansion(tok)
     assert (bound.per_char, bound.added) == (1, 1)
+
+
+class _Panic(BaseException):
+    """Stands in for the tokenizers library's PanicException (a BaseException)."""
+
+
+class _PanickingTokenizer:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def decode(self, *args, **kwargs):
+        raise self.exc
+
+    def encode_batch(self, *args, **kwargs):
+        raise self.exc
+
+
+def test_a_native_panic_while_decoding_is_an_inference_error_but_an_interrupt_is_not(tiny_qwen):
+    codec = TextCodec(tiny_qwen / "tokenizer.json")
+    real = codec.tokenizer
+    codec.tokenizer = _PanickingTokenizer(_Panic("decoder gave up"))
+    with pytest.raises(InferenceError, match="failed while decoding the answer: _Panic: decoder gave up"):
+        codec.decoder().push([1, 2])
+    for passes in (KeyboardInterrupt(), SystemExit(1)):
+        codec.tokenizer = _PanickingTokenizer(passes)
+        with pytest.raises(type(passes)):
+            codec.decode([1])
+        with pytest.raises(type(passes)):
+            codec.encode("hi")
+    codec.tokenizer = real
+    assert codec.decode(codec.encode("hello")) == "hello"
