@@ -164,12 +164,14 @@ class TextCodec:
         (``raise_exception``) is left to the requests."""
         if self.chat_template is None:
             return
-        try:
-            self._render(list(PROBE_CHAT), True, chars=TEMPLATE_MIN_CHARS)  # (the template's, whatever the budget)
-        except TemplateLimitError as exc:
-            raise ModelLoadError(f"{exc} (on a short conversation of {len(PROBE_CHAT)} messages)") from None
-        except InvalidInputError:
-            pass
+        for chat in (PROBE_CHAT, PROBE_CHAT[1:]):  # (the second: for templates without a system role)
+            try:
+                self._render(list(chat), True, chars=TEMPLATE_MIN_CHARS)  # (the template's, whatever the budget)
+                return
+            except TemplateLimitError as exc:
+                raise ModelLoadError(f"{exc} (on a short conversation of {len(chat)} messages)") from None
+            except InvalidInputError:
+                continue
 
     def token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.tokenizer.id_to_token(int(token_id)) or "")

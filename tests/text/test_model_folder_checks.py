@@ -153,6 +153,13 @@ def test_template_that_cannot_render_a_short_conversation_is_a_load_error(tiny_q
     # one that refuses the sample conversation itself is left to the requests
     picky = with_chat_template(tiny_qwen, tmp_path / "picky", "{{ raise_exception('no system messages') }}")
     TextCodec.from_manifest(load_manifest(picky))
+    # one that refuses a system message is checked on the conversation without it
+    no_system = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+    )
+    with pytest.raises(ModelLoadError, match=r"ran .* \(on a short conversation of 3 messages\)"):
+        TextCodec.from_manifest(load_manifest(with_chat_template(tiny_qwen, tmp_path / "nosys", no_system)))
 
 
 def test_expansion_of_real_normalizers_is_one():
