@@ -117,7 +117,7 @@ def _with_tokenizer(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
-def test_tokenizer_panic_is_a_500_with_a_message(tiny_qwen, tmp_path):
+def test_tokenizer_panic_is_a_500_with_a_message(tiny_qwen, tmp_path, caplog):
     def panic_on_a_run_of_a(doc):  # the regex gives up on 40 'a' then 'b': the library panics
         split = {"type": "Split", "pattern": {"Regex": "(a+)+$"}, "behavior": "Isolated", "invert": False}
         doc["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split, doc["pre_tokenizer"]]}
@@ -137,6 +137,8 @@ def test_tokenizer_panic_is_a_500_with_a_message(tiny_qwen, tmp_path):
         assert fine.status_code == 200
 
     run(check, folder)
+    failed = [r for r in caplog.records if "request.failed" in r.getMessage()]
+    assert len(failed) == 2 and "PanicException" in failed[0].getMessage()
 
 
 def test_expanding_tokenizer_is_refused_at_load(tiny_qwen, tmp_path):
