@@ -15,7 +15,10 @@ bound exceed :data:`MAX_ENCODE_TOKENS`.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +53,7 @@ PROBE_TEXT = (
 ) * 4
 
 _BYTES_PER_CHAR = 4  # UTF-8
+_UNICODE_EXPANSION = 18  # the most characters NFKC writes for one (U+FDFA)
 # what a native library's call lets through as it is; any other BaseException it raises (the
 # tokenizers library's PanicException, a Rust panic) is a failure of that library, mapped to ours
 PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError)
@@ -90,7 +94,8 @@ def _describe(node: dict) -> str:
 def _normalizer(node: Any) -> tuple[float, int, str | None]:
     """(characters out per character in, characters added, the largest step) of a normalizer.
     Unicode normalization and case mapping count 1: they expand a few code points at most 18-fold
-    (a property of Unicode, the same for every model, not something the folder chose)."""
+    (a property of Unicode, the same for every model, not something the folder chose); so does
+    a SentencePiece character map whose strings are no longer than that."""
     if not isinstance(node, dict):
         return 1.0, 0, None
     kind = node.get("type")
@@ -110,10 +115,25 @@ def _normalizer(node: Any) -> tuple[float, int, str | None]:
         else:  # a regex may match one character, or none (then before every character and at the end)
             factor, added = max(1.0, content + 1.0), content
         return factor, added, f"normalizer {_describe(node)}" if factor > 1 else None
+    if kind == "Precompiled":  # a SentencePiece character map: Unicode's own, unless it writes more
+        longest = _longest_replacement(str(node.get("precompiled_charsmap") or ""))
+        factor = 1.0 if longest <= _UNICODE_EXPANSION else float(longest)
+        return factor, 0, f"normalizer Precompiled (a replacement of {longest} characters)" if factor > 1 else None
     if kind == "Prepend":
         added = len(str(node.get("prepend", "")))
         return 1.0, added, f"normalizer Prepend({added} characters)" if added > 1 else None
     return 1.0, 0, None
+
+
+def _longest_replacement(charsmap: str) -> int:
+    """The longest string (in characters) a SentencePiece precompiled character map writes for
+    what it matches: its layout is a 4-byte trie size, the trie, then NUL-ended strings."""
+    try:
+        data = base64.b64decode(charsmap)
+        (size,) = struct.unpack_from("<I", data)
+    except (binascii.Error, ValueError, struct.error):
+        return 0  # the tokenizers library refused it already, or it holds nothing
+    return max((len(s.decode("utf-8", "replace")) for s in data[4 + size :].split(b"\0")), default=0)
 
 
 def _pre_tokenizer(node: Any) -> tuple[float, str | None]:

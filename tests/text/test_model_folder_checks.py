@@ -203,3 +203,32 @@ def test_a_native_panic_while_decoding_is_an_inference_error_but_an_interrupt_is
             codec.encode("hi")
     codec.tokenizer = real
     assert codec.decode(codec.encode("hello")) == "hello"
+
+
+def _charsmap(key: int, replacement: str) -> str:
+    """A SentencePiece precompiled character map (a darts-clone trie, then NUL-ended strings)
+    that writes ``replacement`` for the byte ``key``."""
+    import base64
+    import struct
+
+    units = [0] * 512
+    units[key] = (0x100 << 10) | (1 << 8) | key  # the key's node: its label, a leaf, offset 0x100
+    units[key ^ 0x100] = 1 << 31  # the leaf: string 0
+    trie = struct.pack(f"<{len(units)}I", *units)
+    return base64.b64encode(struct.pack("<I", len(trie)) + trie + replacement.encode() + b"\0").decode()
+
+
+def test_a_precompiled_character_map_that_expands_is_refused(tiny_qwen, tmp_path):
+    """A SentencePiece map writing 1000 characters for 'a' (the tokenizers library applies it:
+    checked here) is refused at load; one within Unicode's own 18 loads."""
+    from tokenizers import Tokenizer
+
+    doc = json.loads((tiny_qwen / "tokenizer.json").read_text())
+    doc["normalizer"] = {"type": "Precompiled", "precompiled_charsmap": _charsmap(0x61, "b" * 1000)}
+    assert len(Tokenizer.from_str(json.dumps(doc)).normalizer.normalize_str("xay")) == 1002
+    (tmp_path / "tokenizer.json").write_text(json.dumps(doc))
+    with pytest.raises(ModelLoadError, match=r"normalizer Precompiled \(a replacement of 1000 characters\)"):
+        TextCodec(tmp_path / "tokenizer.json")
+    doc["normalizer"]["precompiled_charsmap"] = _charsmap(0x61, "b" * 18)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(doc))
+    assert TextCodec(tmp_path / "tokenizer.json").expansion.per_char == 4
