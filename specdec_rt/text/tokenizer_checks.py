@@ -119,6 +119,8 @@ def _normalizer(node: Any) -> tuple[float, int, str | None]:
         longest = _longest_replacement(str(node.get("precompiled_charsmap") or ""))
         factor = 1.0 if longest <= _UNICODE_EXPANSION else float(longest)
         return factor, 0, f"normalizer Precompiled (a replacement of {longest} characters)" if factor > 1 else None
+    if kind == "ByteLevel":  # a character per UTF-8 byte
+        return float(_BYTES_PER_CHAR), 0, "normalizer ByteLevel"
     if kind == "Prepend":
         added = len(str(node.get("prepend", "")))
         return 1.0, added, f"normalizer Prepend({added} characters)" if added > 1 else None
