@@ -161,23 +161,22 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def running_server(app, lifespan: str = "off", sndbuf: int | None = None):
-    """Real uvicorn in this event loop, with ``serve``'s connection limits (their defaults);
-    yields its base URL. ``sndbuf``: the listening socket's send buffer, fixed (accepted sockets
-    inherit it), so a client that stops reading blocks the server soon."""
+async def running_server(app, lifespan: str = "off", sndbuf: int | None = None, limits=None):
+    """Real uvicorn in this event loop, with ``serve``'s connection limits (``limits``, a
+    ``ConnectionLimits``; default: their defaults); yields its base URL. ``sndbuf``: the
+    accepted sockets' send buffer (``send_buffer_bytes`` of the default limits), so a client
+    that stops reading blocks the server soon."""
     import uvicorn
 
     from specdec_rt.serve.connections import ConnectionLimits, uvicorn_options
 
+    if limits is None:
+        limits = ConnectionLimits() if sndbuf is None else ConnectionLimits(send_buffer_bytes=sndbuf)
     sock = socket.socket()
-    if sndbuf is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(
-            app, lifespan=lifespan, log_level="warning", access_log=False, **uvicorn_options(ConnectionLimits())
-        )
+        uvicorn.Config(app, lifespan=lifespan, log_level="warning", access_log=False, **uvicorn_options(limits))
     )
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     try:

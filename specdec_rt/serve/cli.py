@@ -152,6 +152,22 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="open connections, idle ones included; one more gets a 503 and is closed (default 256)",
     )
     conn.add_argument(
+        "--max-connections-per-client",
+        type=_count,
+        default=32,
+        help="open connections from one client address (IPv6: one /64); one more gets a 429 and is "
+        "closed (default 32; 0: no limit, e.g. behind a reverse proxy, where every client has the "
+        "proxy's address)",
+    )
+    conn.add_argument(
+        "--send-buffer-bytes",
+        type=_count,
+        default=65536,
+        help="each connection's kernel send buffer: how much of a stream a client that stopped "
+        "reading leaves unread before --consumer-timeout starts (default 65536; 0: the kernel's, "
+        "which grows to megabytes)",
+    )
+    conn.add_argument(
         "--keep-alive-timeout",
         type=_seconds,
         default=5.0,
@@ -238,6 +254,14 @@ def _positive(text: str) -> int:
     value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    """An integer >= 0 (0: off)."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value}")
     return value
 
 
@@ -379,6 +403,8 @@ def _uvicorn_config(args, app):
         max_headers=args.max_headers,
         max_connections=args.max_connections,
         keep_alive_timeout=args.keep_alive_timeout,
+        max_connections_per_client=args.max_connections_per_client,
+        send_buffer_bytes=args.send_buffer_bytes,
     )
     # past --drain-timeout the app ends what still runs with a 503 / an error event; uvicorn's own
     # limit, which cuts connections off, only backs that up

@@ -10,7 +10,18 @@ the missing limits (the choice of h11, and its cost, in docs/decisions/0009-conn
 - ``max_header_bytes`` bytes of request line and headers (h11 stops buffering there) and
   ``max_headers`` header lines, a 431 past either;
 - ``max_connections`` open connections: the next one gets a 503 and is closed at once;
-- ``keep_alive_timeout`` seconds idle between requests (uvicorn's own timer).
+  ``max_connections_per_client`` of them from one client address (an IPv6 client: its /64), the
+  next from it a 429 (0: no per-client limit; behind a reverse proxy every client has the
+  proxy's address);
+- ``keep_alive_timeout`` seconds idle between requests (uvicorn's own timer);
+- ``send_buffer_bytes``: each accepted socket's kernel send buffer, fixed, so that a client that
+  stops reading a stream blocks the server's writes (and the app's ``consumer_timeout`` starts)
+  after that many bytes, not after the megabytes the kernel would otherwise grow it to;
+- one request framing (RFC 9112 section 6): a request that repeats ``Host``, ``Content-Length``,
+  ``Content-Type``, ``Origin`` or ``Authorization``, or sends both ``Content-Length`` and
+  ``Transfer-Encoding``, gets a 400 and the connection is closed;
+- no WebSocket upgrades (no route takes one): an ``Upgrade: websocket`` request is served as
+  plain HTTP.
 
 Refusals carry the OpenAI error body and ``Connection: close``. Imported only when the server
 runs (uvicorn and h11 come with the ``serve`` extra).
@@ -19,20 +30,25 @@ runs (uvicorn and h11 come with the ``serve`` extra).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http
+import ipaddress
 import json
 import logging
 import math
+import socket
 from dataclasses import dataclass
 from typing import Any
 
 import h11
+from h11._receivebuffer import ReceiveBuffer
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..errors import InvalidInputError
+from .guard import framing_error
 from .protocol import error_body
 
-__all__ = ["ConnectionLimits", "limited_protocol", "uvicorn_options"]
+__all__ = ["ConnectionLimits", "client_key", "limited_protocol", "uvicorn_options"]
 
 log = logging.getLogger("uvicorn.error")
 
@@ -47,6 +63,8 @@ class ConnectionLimits:
     max_headers: int = 100  # header lines in one request
     max_connections: int = 256  # open connections, idle ones included
     keep_alive_timeout: float = 5.0  # seconds a connection may sit idle between requests (0: closed at once)
+    max_connections_per_client: int = 32  # open connections from one address (IPv6: one /64); 0: no limit
+    send_buffer_bytes: int = 65536  # each accepted socket's SO_SNDBUF (the kernel doubles it); 0: the kernel's
 
     def __post_init__(self) -> None:
         for name in ("header_timeout", "body_timeout"):
@@ -65,6 +83,10 @@ class ConnectionLimits:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise InvalidInputError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("max_connections_per_client", "send_buffer_bytes"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise InvalidInputError(f"{name} must be an integer >= 0 (0: off), got {value!r}")
 
 
 def uvicorn_options(limits: ConnectionLimits) -> dict[str, Any]:
@@ -73,7 +95,23 @@ def uvicorn_options(limits: ConnectionLimits) -> dict[str, Any]:
         "http": limited_protocol(limits),
         "timeout_keep_alive": limits.keep_alive_timeout,
         "h11_max_incomplete_event_size": limits.max_header_bytes,
+        "ws": "none",  # no route takes a WebSocket: an upgrade request is plain HTTP
     }
+
+
+def client_key(address: str) -> str:
+    """Whose connection it is, for ``max_connections_per_client``: the peer's IPv4 address, or
+    the /64 of its IPv6 one (one host commonly holds a whole /64); an IPv4-mapped IPv6 address
+    counts as the IPv4 one."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address  # a Unix socket's path, or no address: one client
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 def limited_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
@@ -87,21 +125,41 @@ def limited_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
     return Protocol
 
 
+class _HeadBuffer(ReceiveBuffer):
+    """h11's receive buffer that keeps the last header block it handed out (the lines as they
+    came, before h11 merges a repeated ``Content-Length``). h11 has no public hook for them;
+    tests/serve/test_serve_framing.py's ``content-length`` case fails if this one stops working."""
+
+    lines: list[bytearray] | None = None
+
+    def maybe_extract_lines(self) -> list[bytearray] | None:
+        lines = super().maybe_extract_lines()
+        if lines is not None:
+            self.lines = lines
+        return lines
+
+
 class _Connection(h11.Connection):
-    """h11's server side that also refuses more than ``max_headers`` header lines, and keeps the
-    status h11 hints at for what it refused (431 for a header block past its size)."""
+    """h11's server side that also refuses more than ``max_headers`` header lines and a request
+    of more than one framing (:func:`_framing_error`), and keeps the status h11 hints at for what
+    it refused (431 for a header block past its size)."""
 
     def __init__(self, limits: ConnectionLimits) -> None:
         super().__init__(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        self._receive_buffer = self._head = _HeadBuffer()
         self.max_headers = limits.max_headers
         self.max_header_bytes = limits.max_header_bytes
         self.refusal: tuple[int, str] | None = None  # (status, message) of the last refused request
 
     def next_event(self) -> Any:
+        before = self._head.lines
         try:
             event = super().next_event()
         except h11.RemoteProtocolError as exc:
-            if exc.error_status_hint == 431:  # h11's receive buffer outgrew max_incomplete_event_size
+            head = self._head.lines
+            if head is not before and head is not None and (problem := _framing_error(head)):
+                self.refusal = (400, problem)  # (h11 refuses a second Host in its own words)
+            elif exc.error_status_hint == 431:  # h11's receive buffer outgrew max_incomplete_event_size
                 self.refusal = (
                     431,
                     f"the request line and headers exceed {self.max_header_bytes} bytes (--max-header-bytes)",
@@ -115,7 +173,23 @@ class _Connection(h11.Connection):
                 f"the request has {len(event.headers)} headers, more than {self.max_headers} (--max-headers)",
             )
             raise h11.RemoteProtocolError(self.refusal[1], error_status_hint=431)
+        if isinstance(event, h11.Request) and (problem := _framing_error(self._head.lines or [])):
+            self.refusal = (400, problem)
+            raise h11.RemoteProtocolError(problem, error_status_hint=400)
         return event
+
+
+def _framing_error(lines: list[bytearray]) -> str | None:
+    """:func:`~specdec_rt.serve.guard.framing_error` of a request head as received (its request
+    line, then its header lines), and a list in ``Content-Length``: h11 merges ``5, 5`` and a
+    repeated equal length into one before the app sees the headers."""
+    headers = []
+    for line in lines[1:]:
+        name, _, value = bytes(line).partition(b":")
+        headers.append((name.strip().lower(), value))
+        if headers[-1][0] == b"content-length" and b"," in value:
+            return "the Content-Length header holds a list; send one length"
+    return framing_error(headers)
 
 
 class LimitedH11Protocol(H11Protocol):
@@ -129,18 +203,43 @@ class LimitedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.conn = self._checked = _Connection(self.limits)
         self._wait: str | None = None  # the read deadline running: "headers", "body" or none
+        self.client_key = ""  # client_key() of the peer, once connected
         self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:  # this one included
+        self.client_key = client_key(self.client[0]) if self.client else ""
+        limits = self.limits
+        if limits.send_buffer_bytes:
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                with contextlib.suppress(OSError):  # a peer already gone: nothing to bound
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limits.send_buffer_bytes)
+        if len(self.connections) > limits.max_connections:  # this one included
             log.warning("refused a connection: %d open (--max-connections)", len(self.connections) - 1)
             self._refuse(
                 503,
-                f"the server has {self.limits.max_connections} connections open (--max-connections); try again later",
+                f"the server has {limits.max_connections} connections open (--max-connections); try again later",
                 "too_many_connections",
             )
             return
+        if limits.max_connections_per_client and self.client_key:
+            mine = sum(
+                1 for c in self.connections if isinstance(c, LimitedH11Protocol) and c.client_key == self.client_key
+            )
+            if mine > limits.max_connections_per_client:  # this one included
+                log.warning(
+                    "refused a connection from %s: %d open from it (--max-connections-per-client)",
+                    self.client_key,
+                    mine - 1,
+                )
+                self._refuse(
+                    429,
+                    f"this client has {limits.max_connections_per_client} connections open "
+                    "(--max-connections-per-client); close one or try again later",
+                    "too_many_connections",
+                )
+                return
         self._watch(arrived=True)  # a client that connects and says nothing has header_timeout too
 
     def data_received(self, data: bytes) -> None:

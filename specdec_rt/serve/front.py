@@ -7,13 +7,15 @@ protocol class, so :mod:`~specdec_rt.serve.connections`' limits (header and body
 header size and count, the connection cap, keep-alive) cannot reach it. ``serve --ray`` therefore
 binds Ray's proxy to 127.0.0.1 on an internal port and listens on ``--host:--port`` itself, with
 the very uvicorn options of the single-process server; :func:`create_front` is the app there.
+A request of two meanings (a repeated single-valued header, ``Content-Length`` beside
+``Transfer-Encoding``: :func:`~specdec_rt.serve.guard.framing_error`) is a 400 there, from the
+connection, or from the relay itself under another server; no WebSocket is taken.
 
 Each request (any method, path, query string and body) goes to ``upstream`` with the same
 method and headers (``Host`` included, so the replica's Host check sees what the client sent;
 none goes up empty, never as the upstream's address), less the hop-by-hop ones (``Connection``
 and the headers it names but ``Host``, ``Keep-Alive``, ``Transfer-Encoding``, ``TE``,
-``Trailer``, ``Upgrade``, ``Proxy-*``), ``Content-Length`` beside ``Transfer-Encoding`` (h11
-read the chunks), and the client's ``X-Forwarded-For`` / ``-Proto``: the front sends its own
+``Trailer``, ``Upgrade``, ``Proxy-*``) and the client's ``X-Forwarded-For`` / ``-Proto``: the front sends its own
 (the client's address and scheme as it sees them), which Ray's proxy trusts from 127.0.0.1. The
 request target must be a path: it only ever replaces the path and query of ``upstream``, so no
 request makes the front connect anywhere else (a target such as ``%2F@host/``, which uvicorn
@@ -44,6 +46,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from ..errors import InvalidInputError
+from .guard import framing_error
 from .protocol import error_body
 
 __all__ = ["create_front", "HOP_BY_HOP"]
@@ -123,6 +126,9 @@ class _Relay:
     async def __call__(self, scope: dict[str, Any], receive, send) -> None:
         if scope["type"] != "http" or self.client is None:
             return await _refuse(send, 503, "the front is not running", "server_error")
+        problem = framing_error(scope["headers"])
+        if problem is not None:
+            return await _refuse(send, 400, problem, "invalid_request", "invalid_request_error")
         path = scope.get("raw_path") or scope["path"].encode()
         query = scope.get("query_string") or b""
         try:
@@ -137,7 +143,7 @@ class _Relay:
         headers = list(scope["headers"])
         names = {name.lower() for name, _ in headers}
         has_body = bool(names & {b"content-length", b"transfer-encoding"})
-        up = _kept(headers, _FORWARDED | ({b"content-length"} if b"transfer-encoding" in names else set()))
+        up = _kept(headers, _FORWARDED)
         if b"host" not in names:
             up.append((b"host", b""))  # not the upstream's address: that would pass a Host check
         if scope.get("client"):

@@ -3,7 +3,12 @@ from (``Origin``) and the API key it carries.
 
 :func:`access_middleware` puts three ASGI layers in front of the routes, outermost first:
 
-1. :class:`SiteGuard`: a ``Host`` that is not one of the server's names is refused with 421
+1. :class:`SiteGuard`: only HTTP requests pass (a WebSocket is closed unaccepted, any other
+   scope but ``lifespan`` dropped); a request that repeats one of :data:`SINGLE_HEADERS` (the
+   first copy is what one reader sees, the last what another does) or sends ``Content-Length``
+   beside ``Transfer-Encoding`` is refused with 400 (the server's connections refuse both
+   before this: :mod:`~specdec_rt.serve.connections`; this holds under any other server);
+   a ``Host`` that is not one of the server's names is refused with 421
    (DNS rebinding: a page on ``attacker.example``, whose name the attacker points at 127.0.0.1,
    sends ``Host: attacker.example``; Starlette's ``TrustedHostMiddleware`` decides the match);
    an ``Origin`` that is neither allowed nor the server's own is refused with 403 (any page the
@@ -14,7 +19,7 @@ from (``Origin``) and the API key it carries.
    ``Authorization: Bearer <key>`` (401 otherwise), compared in constant time with every key.
 
 Refusals carry the OpenAI error body and are counted by ``refused(reason)`` (the app counts
-them in ``specdec_requests_rejected_total``: ``host``, ``origin``, ``auth``). No key is ever
+them in ``specdec_requests_rejected_total``: ``framing``, ``host``, ``origin``, ``auth``). No key is ever
 logged or echoed. The JSON routes' ``Content-Type`` (415) is checked where the body is read
 (:mod:`specdec_rt.serve.jobs`).
 """
@@ -51,12 +56,22 @@ __all__ = [
     "keys_from_env",
     "API_KEY_ENV",
     "LOOPBACK_NAMES",
+    "SINGLE_HEADERS",
+    "framing_error",
 ]
 
 API_KEY_ENV = "SPECDEC_API_KEY"  # comma separated; keeps the keys out of `ps`
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")  # any port
 OPEN_PATHS = frozenset({"/health"})  # answered without a key (load balancers, probes)
 WILDCARD_BINDS = ("0.0.0.0", "::", "")
+# headers a request may carry once (lower case: as written in messages)
+SINGLE_HEADERS = {
+    b"host": "Host",
+    b"content-length": "Content-Length",
+    b"content-type": "Content-Type",
+    b"origin": "Origin",
+    b"authorization": "Authorization",
+}
 _HOST_NAME = re.compile(r"(\*\.)?[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?")
 
 Refused = Callable[[str], None]
@@ -207,8 +222,24 @@ async def _nothing():
     return {"type": "http.disconnect"}
 
 
+def framing_error(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """Why a request with these headers (ASGI's: lower-case names) means two things to two
+    readers, or None: one of :data:`SINGLE_HEADERS` repeated, or ``Content-Length`` beside
+    ``Transfer-Encoding`` (RFC 9112 section 6.3)."""
+    seen: dict[bytes, int] = {}
+    for name, _ in headers:
+        seen[name] = seen.get(name, 0) + 1
+    for name, count in seen.items():
+        if count > 1 and name in SINGLE_HEADERS:
+            return f"the request has {count} '{SINGLE_HEADERS[name]}' headers; send it once"
+    if b"content-length" in seen and b"transfer-encoding" in seen:
+        return "the request has both Content-Length and Transfer-Encoding (RFC 9112 section 6.3); send one"
+    return None
+
+
 class SiteGuard:
-    """Refuses a foreign ``Host`` (421) and a foreign ``Origin`` (403), before anything else runs."""
+    """Refuses every scope but HTTP and lifespan, a request of two framings (400), a foreign
+    ``Host`` (421) and a foreign ``Origin`` (403), before anything else runs."""
 
     def __init__(self, app, hosts: tuple[str, ...] | None, origins: tuple[str, ...], refused: Refused) -> None:
         self.app, self.hosts, self.refused = app, hosts, refused
@@ -217,8 +248,17 @@ class SiteGuard:
         self.trusted = None if hosts is None else TrustedHostMiddleware(_mark_passed, list(hosts), www_redirect=False)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":
             return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":  # no route takes one: closed before it is accepted (a 403)
+            self.refused("framing")
+            return await send({"type": "websocket.close", "code": 1008})
+        if scope["type"] != "http":
+            return None
+        problem = framing_error(scope["headers"])
+        if problem is not None:
+            self.refused("framing")
+            return await _refuse(400, problem, "invalid_request")(scope, receive, send)
         headers = Headers(scope=scope)
         host = headers.get("host")
         if self.trusted is not None:

@@ -55,7 +55,7 @@ class Metrics:
         self.success = Counter("specdec_request_success", "Requests that finished", ["finished_reason"], registry=r)
         self.rejected = Counter(
             "specdec_requests_rejected",
-            "Requests refused before generation (auth, host, origin: on any route)",
+            "Requests refused before generation (auth, framing, host, origin: on any route)",
             ["reason"],
             registry=r,
         )
@@ -107,6 +107,7 @@ class Metrics:
             "loading",
             "draining",
             "auth",
+            "framing",
             "host",
             "origin",
         ):

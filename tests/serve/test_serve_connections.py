@@ -219,6 +219,8 @@ def test_the_flags_default_to_the_limits_defaults_and_bad_limits_are_named():
         "max_headers",
         "max_connections",
         "keep_alive_timeout",
+        "max_connections_per_client",
+        "send_buffer_bytes",
     ):
         assert getattr(args, name) == getattr(defaults, name), name
     for bad in (
@@ -227,6 +229,8 @@ def test_the_flags_default_to_the_limits_defaults_and_bad_limits_are_named():
         {"max_headers": 0},
         {"max_connections": True},
         {"keep_alive_timeout": -1.0},
+        {"max_connections_per_client": -1},
+        {"send_buffer_bytes": 1.5},
     ):
         with pytest.raises(InvalidInputError, match=next(iter(bad))):
             ConnectionLimits(**bad)

@@ -161,6 +161,34 @@ def test_hop_by_hop_headers_are_dropped_both_ways():
     anyio.run(main)
 
 
+def test_the_relay_itself_refuses_a_request_of_two_meanings():
+    """Under a server without the connection limits (here httpx's ASGI transport): a repeated
+    single-valued header or a length beside chunked is the relay's own 400; nothing goes up."""
+    seen: list[httpx.Request] = []
+
+    async def ok():
+        yield b"ok"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, content=ok())  # a stream: the front streams
+
+    async def main():
+        front = create_front("http://127.0.0.1:9", transport=httpx.MockTransport(handler))
+        async with front.router.lifespan_context(front):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(front), base_url="http://t") as c:
+                for headers, named in (
+                    ([("origin", "http://a"), ("origin", "http://b")], "'Origin'"),
+                    ([("transfer-encoding", "chunked")], "Content-Length and Transfer-Encoding"),
+                ):
+                    r = await c.post("/v1/x", content=b"body", headers=httpx.Headers(headers))
+                    assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
+                assert (await c.post("/v1/x", content=b"body")).status_code == 200
+        assert len(seen) == 1
+
+    anyio.run(main)
+
+
 def test_a_response_length_beside_transfer_encoding_is_not_relayed():
     """Both framings from upstream: the length does not describe what the front relays (the
     chunks, re-framed by its own uvicorn), so it is dropped with Transfer-Encoding."""
@@ -277,22 +305,35 @@ def test_no_request_target_makes_the_front_connect_elsewhere():
     anyio.run(main)
 
 
-def test_framing_headers_reach_the_upstream_consistent():
-    """``Content-Length`` beside ``Transfer-Encoding: chunked``: h11 reads the chunks (RFC 9112:
-    chunked wins) and the front must then drop the length (was: relayed with the chunked body's
-    size differing, a 500 and a cut request upstream)."""
+def test_a_request_of_two_framings_is_refused_at_the_front():
+    """``Content-Length`` beside ``Transfer-Encoding: chunked`` (RFC 9112 section 6.3), and a
+    repeated single-valued header: the front's connection refuses them with a 400 and closes,
+    and nothing reaches the upstream (was: the chunks relayed, the length dropped; the
+    duplicate relayed as it came)."""
     up = Upstream()
+    seen: list[str] = []
+    inner = up.app
+
+    async def counting(scope, receive, send):
+        if scope["type"] == "http":
+            seen.append(scope["path"])
+        await inner(scope, receive, send)
 
     async def main():
-        async with running_server(up.app) as upstream:
+        async with running_server(counting) as upstream:
             async with running_server(create_front(upstream), lifespan="on") as url:
-                got = await _raw(
-                    url,
-                    b"POST /both HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n"
-                    b"Connection: close\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
-                )
-                assert got.startswith(b"HTTP/1.1 201 ") and b'"body":"abc"' in got, got[:400]
-                assert b'"content-length","5"' not in got
+                for request, header in (
+                    (b"POST /both HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n"
+                     b"\r\n3\r\nabc\r\n0\r\n\r\n", "Transfer-Encoding"),
+                    (b"POST /dup HTTP/1.1\r\nHost: a\r\nContent-Type: text/plain\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}", "'Content-Type'"),
+                ):  # fmt: skip
+                    got = await _raw(url, request)  # no Connection: close: the server closes
+                    assert got.startswith(b"HTTP/1.1 400 "), got[:400]
+                    assert b"connection: close" in got.lower() and header.encode() in got
+                assert seen == []
+                r = await _raw(url, b"GET /fine HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+                assert r.startswith(b"HTTP/1.1 201 ") and seen == ["/fine"]
 
     anyio.run(main)
 

@@ -18,6 +18,7 @@ from serve_util import CHAT, PROMPT, FailingEngine, SlowEngine, metric, metric_v
 
 from specdec_rt import Engine, InvalidInputError  # noqa: E402
 from specdec_rt.serve import create_app  # noqa: E402
+from specdec_rt.serve.connections import ConnectionLimits  # noqa: E402
 
 pytestmark = pytest.mark.export
 
@@ -180,7 +181,12 @@ def test_cancel_storm_leaves_nothing_running_and_survivors_equal_their_solo_outp
             rng = random.Random(7)
             gc.disable()
             try:
-                async with running_server(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
+                # 50 connections from one address: no per-client share (a load test's setting)
+                alone = ConnectionLimits(max_connections_per_client=0)
+                async with (
+                    running_server(app, limits=alone) as url,
+                    httpx.AsyncClient(base_url=url, timeout=60) as c,
+                ):
 
                     async def one(i: int):
                         body = {"prompt": prompts[i], "max_tokens": 24, "temperature": 0}
