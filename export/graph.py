@@ -315,7 +315,7 @@ def build_onnx(
             softcap = {"softcap": spec.attn_softcap} if spec.attn_softcap else {}
             a = g.node(
                 "GroupQueryAttention",
-                gqa_inputs(g.unpack(qkv, f"/layers.{i}/attn"), i, rotary=rotary, local=spec.local_rope and window > 0),
+                gqa_inputs(g.unpack(qkv, f"/layers.{i}/attn"), i, rotary=rotary, local=i in spec.local_rope_layers),
                 [f"/layers.{i}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
                 f"/layers.{i}/attn/GroupQueryAttention",
                 domain=MS,

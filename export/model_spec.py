@@ -95,11 +95,18 @@ class ModelSpec:
     attn_scale: float = 0.0  # attention's scale (0: 1 / sqrt(own head size)); Gemma: query_pre_attn_scalar^-0.5
     attn_softcap: float = 0.0  # tanh soft-capping of attention scores (0: none; Gemma 2)
     final_softcap: float = 0.0  # tanh soft-capping of the logits (0: none; Gemma 2)
-    local_rope: bool = False  # sliding layers turn by their own rotary base (Gemma 3's rope_local_base_freq)
+    # the layers that turn by their own rotary base (Gemma 3's sliding layers: rope_local_base_freq),
+    # whether or not their window is shorter than max_positions
+    local_rope_layers: tuple[int, ...] = ()
 
     @property
     def own_head_dim(self) -> int:
         return self.model_head_dim or self.head_dim
+
+    @property
+    def local_rope(self) -> bool:
+        """Some layers turn by a local rotary base (their own cos / sin tables)."""
+        return bool(self.local_rope_layers)
 
     @property
     def sliding_window(self) -> int:
@@ -187,7 +194,7 @@ class ModelSpec:
             attn_scale=scale,
             attn_softcap=_softcap(config, "attn_logit_softcapping") if gemma else 0.0,
             final_softcap=_softcap(config, "final_logit_softcapping") if gemma else 0.0,
-            local_rope=family == "gemma3_text" and any(windows),
+            local_rope_layers=_local_rope_layers(config, family),
         )
 
     def manifest(self) -> dict:
@@ -282,17 +289,33 @@ def _windows(config, family: str, limit: int) -> tuple[int, ...]:
     if family in ("mistral", "phi3"):
         sliding = [True] * layers
     else:
-        types = getattr(config, "layer_types", None)
-        kinds = ("sliding_attention", "full_attention")
-        if not isinstance(types, (list, tuple)) or len(types) != layers or any(t not in kinds for t in types):
-            raise UnsupportedModelError(
-                f"unsupported layer_types {types!r}: need sliding_attention or full_attention for each of the "
-                f"{layers} layers"
-            )
-        sliding = [t == "sliding_attention" for t in types]
+        sliding = _layer_types(config)
     if window >= limit or not any(sliding):  # no position can see past the window: full attention
         return ()
     return tuple(window if s else 0 for s in sliding)
+
+
+def _layer_types(config) -> list[bool]:
+    """``layer_types`` as one flag a layer, True for ``sliding_attention``."""
+    layers = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    kinds = ("sliding_attention", "full_attention")
+    if not isinstance(types, (list, tuple)) or len(types) != layers or any(t not in kinds for t in types):
+        raise UnsupportedModelError(
+            f"unsupported layer_types {types!r}: need sliding_attention or full_attention for each of the "
+            f"{layers} layers"
+        )
+    return [t == "sliding_attention" for t in types]
+
+
+def _local_rope_layers(config, family: str) -> tuple[int, ...]:
+    """Gemma 3's layers that turn by ``rope_local_base_freq``: transformers picks the rotary
+    module by ``layer_types`` (a ``sliding_attention`` layer turns by the local base), not by
+    whether the window is shorter than the context, so a window that covers every exported
+    position drops the mask but keeps the local base."""
+    if family != "gemma3_text":
+        return ()
+    return tuple(i for i, sliding in enumerate(_layer_types(config)) if sliding)
 
 
 def _nope_layers(config, family: str) -> tuple[int, ...]:

@@ -53,6 +53,7 @@ _LONGROPE = {
 }
 
 WINDOW = 8  # the Gemma cases' sliding window: prompt + answer run 6 windows past it
+WIDE = 128  # a window as long as the context
 # name: (family, build options, what differs from Llama: a config change or a module swap that
 # undoes it in PyTorch, for the sensitivity check; a tuple of them: each must matter)
 CASES = {
@@ -102,6 +103,14 @@ CASES = {
             rope_scaling={"rope_type": "linear", "factor": 8.0},  # the global layers' (as in 4B+)
         ),
         ({"sliding_window": 4096}, {"rope_local_base_freq": 1e6}, {"rope_scaling": None}, "qk_norm"),
+    ),
+    # a window that covers the whole exported context (the released 270M's 512 at <= 512 positions):
+    # no layer is masked, yet the sliding layers still turn by rope_local_base_freq (the global
+    # rope_theta, 1e6, in the undo: what the graph gave them before the fix)
+    "gemma3-wide-window": (
+        "gemma3_text",
+        dict(window=WIDE, max_positions=WIDE, layers=3, rope_scaling={"rope_type": "linear", "factor": 8.0}),
+        ({"rope_local_base_freq": 1e6}, {"rope_scaling": None}, "qk_norm"),
     ),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
@@ -169,7 +178,9 @@ def test_manifest_and_validation(exported):
         assert m["architecture"]["max_positions"] == 128 and m["architecture"]["head_dim"] == 64
     if case in ("phi3", "qwen3-head24"):  # heads padded: 16 = 12 rotated + 4 -> 16 + 4 -> 32; 24 -> 32
         assert m["architecture"]["head_dim"] == 32
-    if case.startswith("gemma"):  # the real context, not the window
+    if case == "gemma3-wide-window":  # no layer masked: the manifest names no window
+        assert m["architecture"]["max_positions"] == WIDE and "sliding_window" not in m["architecture"]
+    elif case.startswith("gemma"):  # the real context, not the window
         assert m["architecture"]["max_positions"] == 512 and m["architecture"]["sliding_window"] == WINDOW
     else:
         assert "sliding_window" not in m["architecture"]
@@ -276,6 +287,37 @@ def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory,
         s.close()
     finally:
         m.close()
+
+
+def test_gemma3_window_covering_the_exported_context_keeps_the_local_rope_base(tmp_path):
+    """Gemma 3 with a sliding window at least as long as the exported context (the released
+    270M's 512 exported at <= 512 positions; here 128 at ``--max-positions 128``, unvalidated so
+    the graph itself is checked): no layer is masked, but the sliding layers still turn by
+    ``rope_local_base_freq``, not the global ``rope_theta``. Logits and greedy tokens (Engine,
+    ``ar`` and ``spec``) equal PyTorch's."""
+    from specdec_rt import Engine
+
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt", "gemma3_text", seed=7, vocab=VOCAB, window=WIDE, layers=3)
+    folder = tmp_path / "onnx"
+    run(Request(src=str(ckpt), out=folder, max_positions=WIDE, validate=False, threads=1), Reporter(quiet=True))
+    arch = read_manifest(folder)["architecture"]
+    assert arch["max_positions"] == WIDE and "sliding_window" not in arch
+    model = _model(ckpt)
+    ids = np.random.default_rng(5).integers(0, VOCAB, POSITIONS)
+    got = _graph_logits(folder, ids)
+    np.testing.assert_allclose(got, _logits(model, ids), atol=ATOL, rtol=0)
+    assert np.abs(got - _logits(_model(ckpt, rope_local_base_freq=1e6), ids)).max() > 100 * ATOL
+    prompt = [int(t) for t in np.random.default_rng(11).integers(3, VOCAB, 16)]
+    want = _greedy(model, prompt, POSITIONS)
+
+    async def main():
+        async with await Engine.load(folder, draft="ngram", warmup=False) as engine:
+            return [
+                (await engine.generate(prompt, max_new_tokens=len(want), mode=mode, ignore_eos=True)).token_ids
+                for mode in ("ar", "spec")
+            ]
+
+    assert asyncio.run(main()) == [want, want]
 
 
 @pytest.mark.parametrize("value", ["8", -1, True, 1 << 40])
@@ -418,6 +460,8 @@ def test_family_options_the_graph_cannot_express_are_refused(family, kw, fragmen
         ("phi3", {"sliding_window": 64}, 2, (), 16, ()),  # no shorter than the context: none
         ("gemma2", {"sliding_window": 24}, 4, (), 16, (24, 0, 24, 0)),  # every other layer
         ("gemma3_text", {"sliding_window": 24}, 7, (), 16, (24,) * 5 + (0, 24)),  # 5 local : 1 global
+        # a window covering the context: no mask, the local rotary base stays (spec.local_rope)
+        ("gemma3_text", {"sliding_window": 64}, 7, (), 16, ()),
     ],
 )
 def test_spec_reads_each_family_as_transformers_does(family, kw, layers, nope, rotary, windows):
