@@ -112,6 +112,44 @@ CASES = {
         dict(window=WIDE, max_positions=WIDE, layers=3, rope_scaling={"rope_type": "linear", "factor": 8.0}),
         ({"rope_local_base_freq": 1e6}, {"rope_scaling": None}, "qk_norm"),
     ),
+    # the families built from export.families' blocks
+    "gemma": ("gemma", dict(layers=3), ("plain_norms", {"hidden_act": "relu"})),  # (1 + w) norms, x sqrt(H), GeGLU
+    "granite": (
+        "granite",
+        dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0),
+        (
+            {"embedding_multiplier": 1.0},
+            {"residual_multiplier": 1.0},
+            {"attention_multiplier": 0.25},
+            {"logits_scaling": 1.0},
+        ),
+    ),
+    "olmo2": ("olmo2", dict(layers=3), "qk_norm"),  # norms after attention and the MLP only, q/k norms over all heads
+    "stablelm": (  # LayerNorm, partial rotary, q/k/v biases
+        "stablelm",
+        dict(partial_rotary_factor=0.5, use_qkv_bias=True),
+        {"partial_rotary_factor": 1.0},
+    ),
+    "stablelm-parallel": (  # attention and the MLP read the same norm
+        "stablelm",
+        dict(partial_rotary_factor=0.25, use_parallel_residual=True),
+        {"partial_rotary_factor": 1.0},
+    ),
+    "phi": (  # Phi-2: parallel attention / MLP on one LayerNorm, partial rotary, biases, gelu_new
+        "phi",
+        dict(partial_rotary_factor=0.5, hidden_act="gelu_new"),
+        ({"partial_rotary_factor": 1.0}, {"hidden_act": "relu"}),
+    ),
+    "starcoder2": (  # LayerNorm with bias, biases everywhere, the tanh GELU, a sliding window
+        "starcoder2",
+        dict(window=WINDOW, layers=3),
+        ({"sliding_window": 4096}, {"hidden_act": "relu"}),
+    ),
+    "gpt_neox": (  # q/k/v fused per head, parallel residual with two norms, rotary_pct
+        "gpt_neox",
+        dict(kv_heads=4, rotary_pct=0.5),
+        ({"rotary_pct": 1.0, "partial_rotary_factor": 1.0}, {"use_parallel_residual": False}),
+    ),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
 
@@ -180,7 +218,7 @@ def test_manifest_and_validation(exported):
         assert m["architecture"]["head_dim"] == 32
     if case == "gemma3-wide-window":  # no layer masked: the manifest names no window
         assert m["architecture"]["max_positions"] == WIDE and "sliding_window" not in m["architecture"]
-    elif case.startswith("gemma"):  # the real context, not the window
+    elif CASES[case][1].get("window"):  # the real context, not the window
         assert m["architecture"]["max_positions"] == 512 and m["architecture"]["sliding_window"] == WINDOW
     else:
         assert "sliding_window" not in m["architecture"]
@@ -200,6 +238,12 @@ def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
             other = _model(ckpt)
             for layer in other.model.layers:
                 layer.self_attn.q_norm = layer.self_attn.k_norm = torch.nn.Identity()
+        elif undo == "plain_norms":  # Gemma's norms as w, not 1 + w
+            other = _model(ckpt)
+            with torch.no_grad():
+                for name, param in other.named_parameters():
+                    if "norm" in name:
+                        param.sub_(1.0)
         else:
             other = _model(ckpt, **undo)
         assert np.abs(got - _logits(other, ids)).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
@@ -238,7 +282,7 @@ def _greedy(model, prompt: list[int], total: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "starcoder2"])
 def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory, case):
     """Sliding windows in every path the runtime has: several requests at once (packed rows of
     different lengths past the window, prefill and decode and verifies batched together), prefix-
@@ -355,7 +399,7 @@ def _refused(capsys, tmp_path, config: dict, *fragments: str) -> str:
 @pytest.mark.parametrize(
     "config,why",
     [
-        ({"model_type": "gemma"}, "Gemma 1: not yet"),
+        ({"model_type": "gemma3n", "text_config": {}}, "Gemma 3n: not yet; multimodal"),
         (
             {"model_type": "gemma3", "vision_config": {}, "text_config": {}},
             "Gemma 3 with its vision tower: multimodal; its text model (gemma3_text) exports",

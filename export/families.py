@@ -1,0 +1,195 @@
+"""Each supported family as a declared combination of the graph's building blocks: one
+``Family`` row says only where a family departs from Llama's graph (read from its transformers
+4.57 modelling code); ``ModelSpec.from_config`` reads the numbers from the config, and
+``export.graph`` emits the blocks. A new dense family is a new row (plus its weight names, when
+they are not Llama's).
+
+Building blocks:
+
+- norms: RMSNorm or LayerNorm (with or without bias), weights stored as ``w - offset`` (Gemma's
+  ``1 + w``: offset 1);
+- layer layouts (``LAYOUTS``): ``pre`` (Llama: norm, attention, add; norm, MLP, add),
+  ``sandwich`` (Gemma 2 / 3: a norm after attention's and the MLP's output too), ``post``
+  (OLMo 2: no norm before attention or the MLP, one after each), ``parallel`` (Phi-2: attention
+  and the MLP read the same normed input, both added to the residual), ``parallel2`` (GPT-NeoX:
+  each reads its own norm of the same input);
+- MLPs gated (``act(gate) * up``) or plain (``act(up)``), biases on any projection, activations
+  ``ACTIVATIONS``;
+- attention: q/k norms per head (Qwen3) or over the whole projection (OLMo 2), partial rotary
+  (``partial_rotary_factor`` / ``rotary_pct``), a fused q/k/v (rows q, k, v: Phi-3; per head
+  q, k, v: GPT-NeoX), an attention scale from the config (``query_pre_attn_scalar ** -0.5``,
+  Granite's ``attention_multiplier``), sliding windows (``WINDOW_RULES``);
+- multipliers: the embeddings (x sqrt(hidden): Gemma; ``embedding_multiplier``: Granite), each
+  branch before its residual add (``residual_multiplier``), the logits (/ ``logits_scaling``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["Family", "FAMILY_TABLE", "LAYOUTS", "ACTIVATIONS", "WINDOW_RULES"]
+
+LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2")
+# transformers' ACT2FN names the graph emits, by the ONNX form: silu (x * Sigmoid(x)), gelu (erf
+# Gelu), gelu_tanh (Gelu approximate="tanh": gelu_new and gelu_pytorch_tanh are the same
+# function), relu, relu2 (Relu(x)^2: Nemotron, Primer)
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
+    "relu2": "relu2",
+}
+# how a family's config says which layers slide: "" none; "all" every layer when sliding_window
+# is set; "opt_in" layer_types' sliding layers when use_sliding_window; "layer_types" always
+WINDOW_RULES = ("", "all", "opt_in", "layer_types")
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a family departs from Llama's graph (the defaults are Llama's)."""
+
+    name: str  # model_type
+    norm: str = "rms"  # "rms" | "layer" (LayerNorm; its bias when the checkpoint has one)
+    norm_offset: float = 0.0  # a norm multiplies by weight + offset (Gemma: 1)
+    eps_key: str = "rms_norm_eps"  # the config's norm epsilon
+    layout: str = "pre"  # LAYOUTS
+    parallel_key: str = ""  # a config flag that turns the layout to `parallel_layout` (when true)
+    parallel_layout: str = "parallel"
+    gated: bool = True  # the MLP: act(gate) * up, else act(up)
+    acts: tuple[str, ...] = ("silu", "swish")  # the activations accepted (ACTIVATIONS keys)
+    act_keys: tuple[str, ...] = ("hidden_act",)  # the config keys naming it, first set one wins
+    mlp_bias_key: str = "mlp_bias"  # a config flag for MLP biases ("*": always; "": never)
+    qk_norm: str = ""  # "" | "head" (each head, Qwen3) | "full" (the whole projection, OLMo 2)
+    rotary_key: str = ""  # the config's fraction of each head that turns (partial rotary)
+    fused_qkv: str = ""  # "" | "rows" (q, k, v rows: Phi-3) | "heads" (q, k, v per head: GPT-NeoX)
+    windows: str = ""  # WINDOW_RULES
+    embed_scale: str = ""  # "" | "sqrt_hidden" (Gemma) | a config key (Granite: embedding_multiplier)
+    attn_scale: str = ""  # "" (1 / sqrt(head)) | "query_pre_attn_scalar" (^-0.5) | a config key (the scale)
+    residual_key: str = ""  # a config key: each branch times it before its residual add (Granite)
+    logits_key: str = ""  # a config key: the logits divided by it (Granite's logits_scaling)
+    softcaps: bool = False  # Gemma 2: attn_logit_softcapping, final_logit_softcapping
+    local_rope: bool = False  # Gemma 3: sliding layers turn by rope_local_base_freq
+    nope_layers: bool = False  # SmolLM3: no_rope_layers
+    causal_key: str = ""  # a config flag that must be false (Gemma 3's use_bidirectional_attention)
+    refuse: tuple[str, ...] = ()  # config flags the graph has no block for: refused when true
+    # the checkpoint's tensor names as Llama's (substring replacements, in order)
+    renames: tuple[tuple[str, str], ...] = ()
+
+
+# Gemma 2: Gemma's norms (1 + w), embeddings x sqrt(hidden), GeGLU with the tanh GELU, a norm after
+# attention and the MLP too, the attention scale from query_pre_attn_scalar, soft-capping
+_GEMMA2 = Family(
+    "gemma2",
+    norm_offset=1.0,
+    layout="sandwich",
+    acts=("gelu_pytorch_tanh",),
+    act_keys=("hidden_activation", "hidden_act"),
+    windows="layer_types",
+    embed_scale="sqrt_hidden",
+    attn_scale="query_pre_attn_scalar",
+    softcaps=True,
+)
+_PHI_NAMES = (
+    (".self_attn.dense.", ".self_attn.o_proj."),
+    (".mlp.fc1.", ".mlp.up_proj."),
+    (".mlp.fc2.", ".mlp.down_proj."),
+    ("model.final_layernorm.", "model.norm."),
+)
+_NEOX_NAMES = (
+    ("gpt_neox.embed_in.", "model.embed_tokens."),
+    ("gpt_neox.layers.", "model.layers."),
+    ("gpt_neox.final_layer_norm.", "model.norm."),
+    (".attention.query_key_value.", ".self_attn.qkv_proj."),
+    (".attention.dense.", ".self_attn.o_proj."),
+    (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
+    (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
+    ("embed_out.", "lm_head."),
+)
+
+FAMILY_TABLE: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama"),
+        Family("mistral", windows="all"),
+        Family("qwen2", windows="opt_in"),
+        Family("qwen3", qk_norm="head", windows="opt_in"),
+        Family("phi3", rotary_key="partial_rotary_factor", fused_qkv="rows", windows="all"),
+        Family("smollm3", windows="opt_in", nope_layers=True),
+        _GEMMA2,
+        replace(
+            _GEMMA2,
+            name="gemma3_text",
+            softcaps=False,
+            qk_norm="head",
+            local_rope=True,
+            causal_key="use_bidirectional_attention",
+        ),
+        # Gemma 1: Llama's layout with Gemma's norms and GeGLU (transformers 4.57 reads hidden_act);
+        # no soft-capping, no windows, 1 / sqrt(head)
+        replace(
+            _GEMMA2,
+            name="gemma",
+            layout="pre",
+            acts=("gelu_pytorch_tanh", "gelu", "gelu_new"),
+            act_keys=("hidden_act",),
+            windows="",
+            attn_scale="",
+            softcaps=False,
+        ),
+        Family(
+            "granite",
+            embed_scale="embedding_multiplier",
+            attn_scale="attention_multiplier",
+            residual_key="residual_multiplier",
+            logits_key="logits_scaling",
+        ),
+        Family("olmo2", layout="post", qk_norm="full"),
+        Family(
+            "stablelm",
+            norm="layer",
+            eps_key="layer_norm_eps",
+            rotary_key="partial_rotary_factor",
+            parallel_key="use_parallel_residual",
+            mlp_bias_key="",
+            refuse=("qk_layernorm",),
+        ),
+        Family(
+            "phi",
+            norm="layer",
+            eps_key="layer_norm_eps",
+            layout="parallel",
+            gated=False,
+            acts=("gelu_new", "gelu", "gelu_pytorch_tanh", "relu"),
+            mlp_bias_key="*",
+            rotary_key="partial_rotary_factor",
+            refuse=("qk_layernorm",),
+            renames=_PHI_NAMES,
+        ),
+        Family(
+            "starcoder2",
+            norm="layer",
+            eps_key="norm_epsilon",
+            gated=False,
+            acts=("gelu_pytorch_tanh", "gelu_new", "gelu", "relu"),
+            mlp_bias_key="use_bias",
+            windows="all",
+            renames=((".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj.")),
+        ),
+        Family(
+            "gpt_neox",
+            norm="layer",
+            eps_key="layer_norm_eps",
+            parallel_key="use_parallel_residual",
+            parallel_layout="parallel2",
+            gated=False,
+            acts=("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
+            mlp_bias_key="*",
+            rotary_key="rotary_pct",
+            fused_qkv="heads",
+            renames=_NEOX_NAMES,
+        ),
+    )
+}
