@@ -75,8 +75,14 @@ class Family:
     nope_layers: bool = False  # SmolLM3: no_rope_layers
     causal_key: str = ""  # a config flag that must be false (Gemma 3's use_bidirectional_attention)
     refuse: tuple[str, ...] = ()  # config flags the graph has no block for: refused when true
+    require: tuple[str, ...] = ()  # config flags the graph needs true (OPT's do_layer_norm_before)
     # the checkpoint's tensor names as Llama's (substring replacements, in order)
     renames: tuple[tuple[str, str], ...] = ()
+    positions: str = "rope"  # "rope" | "learned" (absolute position embeddings added to the input)
+    position_offset: int = 0  # learned: the table's row of position p is p + offset (OPT: 2)
+    kv_key: str = "num_key_value_heads"  # the config's KV heads ("": as many as heads)
+    multi_query_key: str = ""  # a config flag for one KV head (GPTBigCode; its c_attn then holds q, k, v rows)
+    intermediate_key: str = "intermediate_size"  # the MLP's width (None: 4 x hidden)
 
 
 # Gemma 2: Gemma's norms (1 + w), embeddings x sqrt(hidden), GeGLU with the tanh GELU, a norm after
@@ -178,8 +184,74 @@ FAMILY_TABLE: dict[str, Family] = {
             windows="all",
             renames=((".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj.")),
         ),
+        # Nemotron: LayerNorm1P (LayerNorm by 1 + w, with bias), relu^2 in a plain MLP, partial rotary
+        Family(
+            "nemotron",
+            norm="layer",
+            norm_offset=1.0,
+            eps_key="norm_eps",
+            gated=False,
+            acts=("relu2",),
+            rotary_key="partial_rotary_factor",
+        ),
+        # GPTBigCode (StarCoder 1, SantaCoder): learned absolute positions, multi-query attention
+        Family(
+            "gpt_bigcode",
+            kv_key="",
+            norm="layer",
+            eps_key="layer_norm_epsilon",
+            gated=False,
+            acts=("gelu_pytorch_tanh", "gelu_new", "gelu", "relu"),
+            act_keys=("activation_function",),
+            mlp_bias_key="*",
+            fused_qkv="heads",
+            require=("scale_attn_weights",),
+            renames=(
+                ("transformer.wte.", "model.embed_tokens."),
+                ("transformer.wpe.", "model.embed_positions."),
+                ("transformer.ln_f.", "model.norm."),
+                ("transformer.h.", "model.layers."),
+                (".ln_1.", ".input_layernorm."),
+                (".ln_2.", ".post_attention_layernorm."),
+                (".attn.c_attn.", ".self_attn.qkv_proj."),
+                (".attn.c_proj.", ".self_attn.o_proj."),
+                (".mlp.c_fc.", ".mlp.up_proj."),
+                (".mlp.c_proj.", ".mlp.down_proj."),
+            ),
+            positions="learned",
+            multi_query_key="multi_query",
+            intermediate_key="n_inner",
+        ),
+        # OPT: learned absolute positions at an offset of 2, LayerNorm, biases, ReLU
+        Family(
+            "opt",
+            kv_key="",
+            norm="layer",
+            eps_key="",
+            gated=False,
+            acts=("relu", "gelu", "gelu_new"),
+            act_keys=("activation_function",),
+            mlp_bias_key="enable_bias",
+            refuse=("_remove_final_layer_norm",),
+            require=("do_layer_norm_before", "layer_norm_elementwise_affine"),
+            renames=(
+                ("model.decoder.embed_tokens.", "model.embed_tokens."),
+                ("model.decoder.embed_positions.", "model.embed_positions."),
+                ("model.decoder.final_layer_norm.", "model.norm."),
+                ("model.decoder.layers.", "model.layers."),
+                (".self_attn.out_proj.", ".self_attn.o_proj."),
+                (".self_attn_layer_norm.", ".input_layernorm."),
+                (".final_layer_norm.", ".post_attention_layernorm."),
+                (".fc1.", ".mlp.up_proj."),
+                (".fc2.", ".mlp.down_proj."),
+            ),
+            positions="learned",
+            position_offset=2,
+            intermediate_key="ffn_dim",
+        ),
         Family(
             "gpt_neox",
+            kv_key="",
             norm="layer",
             eps_key="layer_norm_eps",
             parallel_key="use_parallel_residual",

@@ -97,7 +97,7 @@ def rotary_tables(model, spec: ModelSpec, module=None) -> tuple[np.ndarray, np.n
     """
     import torch
 
-    rot = model.base_model.rotary_emb if module is None else module
+    rot = _decoder(model).rotary_emb if module is None else module
     with torch.no_grad():
         pos = torch.arange(spec.max_positions, dtype=torch.long)[None]  # [1, P]
         cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)  # [1, P, d] each
@@ -112,6 +112,13 @@ def rotary_tables(model, spec: ModelSpec, module=None) -> tuple[np.ndarray, np.n
     cos = np.pad(cos[:, :half], ((0, 0), (0, pad)), constant_values=1.0)
     sin = np.pad(sin[:, :half], ((0, 0), (0, pad)), constant_values=0.0)
     return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+
+
+def _decoder(model):
+    """The decoder stack holding the rotary modules: ``model.model`` (Llama and most), else the
+    base model (GPT-NeoX's ``gpt_neox``)."""
+    inner = getattr(model, "model", None)
+    return inner if inner is not None and hasattr(inner, "rotary_emb") else model.base_model
 
 
 class _Graph:
@@ -290,20 +297,21 @@ def build_onnx(
     check_weights(sd, spec)
     d, kv, nh, own, rot = spec.head_dim, spec.num_kv_heads, spec.num_heads, spec.own_head_dim, spec.rotary
     heads = {"q": nh, "k": kv, "v": kv}
-    cos, sin = rotary_tables(model, spec)
     blocks = _Blocks(sd, spec)
 
     out_dir = Path(out_dir)
     with ExternalDataWriter(out_dir / "model.onnx.data") as data:
         g = _Graph(data, quant, spec.rms_eps)
         blocks.g = g
-        g.init("cos_cache", cos)  # [P, d/2]
-        g.init("sin_cache", sin)
-        if spec.local_rope:  # Gemma 3's sliding layers: rope_local_base_freq, no scaling
-            cos, sin = rotary_tables(model, spec, model.base_model.rotary_emb_local)
-            g.init("cos_cache_local", cos)
-            g.init("sin_cache_local", sin)
-        del cos, sin
+        if not spec.learned_positions:
+            cos, sin = rotary_tables(model, spec)
+            g.init("cos_cache", cos)  # [P, d/2]
+            g.init("sin_cache", sin)
+            if spec.local_rope:  # Gemma 3's sliding layers: rope_local_base_freq, no scaling
+                cos, sin = rotary_tables(model, spec, _decoder(model).rotary_emb_local)
+                g.init("cos_cache_local", cos)
+                g.init("sin_cache_local", sin)
+            del cos, sin
         x = g.node(
             "Gather",
             [g.init("embed_tokens.weight", _np(sd["model.embed_tokens.weight"])), "input_ids"],
@@ -313,6 +321,14 @@ def build_onnx(
         if spec.embed_scale:  # Gemma: x sqrt(hidden), rounded to float32 first as transformers does
             scale = g.init("/embed/scale", np.array(spec.embed_scale, dtype=np.float32))
             x = g.node("Mul", [x, scale], ["/embed/scaled"], "/embed/Scale")[0]
+        if spec.learned_positions:  # + the embedding of each packed position (its row p + offset)
+            rows = "position_ids"
+            if spec.position_offset:
+                off = g.init("/embed_positions/offset", np.array(spec.position_offset, dtype=np.int64))
+                rows = g.node("Add", [rows, off], ["/embed_positions/rows"], "/embed_positions/Offset")[0]
+            table = g.init("embed_positions.weight", _np(sd["model.embed_positions.weight"]))
+            pos = g.node("Gather", [table, rows], ["/embed_positions/output"], "/embed_positions/Gather")[0]
+            x = g.node("Add", [x, pos], ["/embed/positioned"], "/embed/AddPositions")[0]
         stream, res = x, None  # stream: the branch output to add; res: the running residual
         g.position_rows()  # [B, S] for attention, from the packed [1, N]
         layout = spec.layout
@@ -338,7 +354,7 @@ def build_onnx(
             del w_qkv
             if normed:
                 qkv = _norm_heads(g, qkv, sd, att, spec, f"{n}/attn")
-            rotary = i not in spec.nope_layers  # SmolLM3: some layers have no rotary
+            rotary = i not in spec.nope_layers and not spec.learned_positions  # SmolLM3: some layers have none
             window = spec.windows[i] if spec.windows else 0  # 0: every earlier position
             softcap = {"softcap": spec.attn_softcap} if spec.attn_softcap else {}
             a = g.node(

@@ -133,6 +133,8 @@ def check_weights(sd, spec) -> None:
         parts += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     known = {f"model.layers.{i}.{part}" for i in range(spec.num_layers) for part in parts}
     known |= {"model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"}
+    if spec.learned_positions:
+        known.add("model.embed_positions.weight")
     known |= {f"model.norm.{t}" for t in norm_kinds}
     extra = sorted(k for k in sd if k not in known and not k.endswith("rotary_emb.inv_freq"))
     if extra:

@@ -109,6 +109,12 @@ class ModelSpec:
     residual_scale: float = 0.0  # each branch times it before its residual add (0: none; Granite)
     logits_divisor: float = 0.0  # the logits divided by it (0: none; Granite's logits_scaling)
     renames: tuple[tuple[str, str], ...] = ()  # the checkpoint's tensor names as Llama's
+    # -1: rotary positions; else learned absolute positions, row p + offset of model.embed_positions
+    position_offset: int = -1
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.position_offset >= 0
 
     @property
     def own_head_dim(self) -> int:
@@ -116,8 +122,8 @@ class ModelSpec:
 
     @property
     def gemma(self) -> bool:
-        """Gemma's norms (weights stored as w - 1)."""
-        return self.norm_offset == 1.0
+        """Gemma's norms (RMSNorm by 1 + w)."""
+        return self.norm == "rms" and self.norm_offset == 1.0
 
     @property
     def local_rope(self) -> bool:
@@ -149,12 +155,20 @@ class ModelSpec:
                 extra = ": need causal attention" if flag == fam.causal_key else ""
                 raise UnsupportedModelError(f"unsupported option {flag}=True{extra}")
         mlp_bias = fam.mlp_bias_key == "*" or bool(fam.mlp_bias_key and getattr(config, fam.mlp_bias_key, False))
+        for flag in fam.require:
+            if not getattr(config, flag, False):
+                raise UnsupportedModelError(f"unsupported option {flag}={getattr(config, flag, None)!r}: need true")
+        proj = getattr(config, "word_embed_proj_dim", None)  # OPT-350m: embeddings projected in and out
+        if proj is not None and proj != config.hidden_size:
+            raise UnsupportedModelError(
+                f"unsupported word_embed_proj_dim {proj!r}: need hidden_size {config.hidden_size} (no projections)"
+            )
         limit = min(config.max_position_embeddings, MAX_POSITIONS_CAP)
         if max_positions:
             limit = min(limit, max_positions)
         limit = min(limit, _longrope_limit(config) or limit)
         windows = _windows(config, fam, limit) if isinstance(limit, int) and not isinstance(limit, bool) else ()
-        eps = _positive_number(config, fam.eps_key)
+        eps = _positive_number(config, fam.eps_key) if fam.eps_key else 1e-5  # nn.LayerNorm's default
         _check_rope(config)
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < MIN_POSITIONS:
             raise UnsupportedModelError(
@@ -162,7 +176,11 @@ class ModelSpec:
                 f"{config.max_position_embeddings!r}): need at least {MIN_POSITIONS}"
             )
         heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kv_heads = (getattr(config, fam.kv_key, None) if fam.kv_key else None) or heads
+        fused = fam.fused_qkv
+        if fam.multi_query_key and getattr(config, fam.multi_query_key, False):  # one KV head; q, k, v rows
+            kv_heads, fused = 1, "rows"
+        width = getattr(config, fam.intermediate_key, None) or 4 * config.hidden_size
         for key, value in (
             ("hidden_size", config.hidden_size),
             ("num_attention_heads", heads),
@@ -181,9 +199,10 @@ class ModelSpec:
         own = getattr(config, "head_dim", None) or config.hidden_size // heads
         if isinstance(own, bool) or not isinstance(own, int) or own < 1:
             raise UnsupportedModelError(f"unsupported head_dim {own!r}: need a positive integer")
-        if own % 2:
+        learned = fam.positions == "learned"
+        if own % 2 and not learned:
             raise UnsupportedModelError(f"unsupported head size {own}: rotary embeddings need an even one")
-        rotary = _rotary_dim(config, fam, own)
+        rotary = own if learned else _rotary_dim(config, fam, own)
         padded = graph_head_dim(own, rotary)
         scale = 0.0
         if fam.attn_scale == "query_pre_attn_scalar":
@@ -204,7 +223,7 @@ class ModelSpec:
             num_kv_heads=kv_heads,
             head_dim=padded,
             model_head_dim=own if padded != own else 0,
-            intermediate_size=config.intermediate_size,
+            intermediate_size=width,
             vocab_size=config.vocab_size,
             max_positions=limit,
             rms_eps=eps,
@@ -223,7 +242,8 @@ class ModelSpec:
             act=ACTIVATIONS[act],
             mlp_bias=mlp_bias,
             qk_norm_full=fam.qk_norm == "full",
-            fused_qkv=fam.fused_qkv,
+            fused_qkv=fused,
+            position_offset=fam.position_offset if learned else -1,
             embed_scale=embed_scale,
             residual_scale=_positive_number(config, fam.residual_key) if fam.residual_key else 0.0,
             logits_divisor=_positive_number(config, fam.logits_key) if fam.logits_key else 0.0,

@@ -37,6 +37,9 @@ AUTO_FAMILIES: dict[str, dict] = {
     "phi": dict(tie_word_embeddings=False),
     "starcoder2": dict(tie_word_embeddings=True),
     "gpt_neox": dict(tie_word_embeddings=False),
+    "nemotron": dict(tie_word_embeddings=False),
+    "gpt_bigcode": dict(tie_word_embeddings=True),
+    "opt": dict(tie_word_embeddings=True),
 }
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", *AUTO_FAMILIES)
 BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text", "gemma")  # tokenizers that add bos to plain text
@@ -221,6 +224,10 @@ def build_tiny_checkpoint(
         from transformers import AutoConfig, AutoModelForCausalLM
 
         options = {**AUTO_FAMILIES[family], **common}
+        if family == "opt":  # its MLP width's own name
+            options.setdefault("ffn_dim", intermediate)
+        if family == "gpt_bigcode":
+            options.setdefault("n_inner", intermediate)
         if family == "gemma":
             options.setdefault("head_dim", hidden // heads)
         if window:

@@ -150,6 +150,18 @@ CASES = {
         dict(kv_heads=4, rotary_pct=0.5),
         ({"rotary_pct": 1.0, "partial_rotary_factor": 1.0}, {"use_parallel_residual": False}),
     ),
+    "nemotron": (  # LayerNorm1P, relu^2, partial rotary, biases
+        "nemotron",
+        dict(partial_rotary_factor=0.5, attention_bias=True, mlp_bias=True),
+        ("plain_norms", {"partial_rotary_factor": 1.0}, {"hidden_act": "relu"}),
+    ),
+    "gpt_bigcode": (  # learned absolute positions, multi-query attention, LayerNorm, biases
+        "gpt_bigcode",
+        dict(multi_query=True, activation_function="gelu_pytorch_tanh"),
+        ("positions", {"activation_function": "relu"}),
+    ),
+    "gpt_bigcode-mha": ("gpt_bigcode", dict(multi_query=False), "positions"),  # q, k, v per head
+    "opt": ("opt", dict(activation_function="relu"), ("positions", {"activation_function": "gelu"})),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
 
@@ -238,11 +250,16 @@ def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
             other = _model(ckpt)
             for layer in other.model.layers:
                 layer.self_attn.q_norm = layer.self_attn.k_norm = torch.nn.Identity()
-        elif undo == "plain_norms":  # Gemma's norms as w, not 1 + w
+        elif undo == "positions":  # every position embedded as the first one
+            other = _model(ckpt)
+            with torch.no_grad():
+                table = other.transformer.wpe if hasattr(other, "transformer") else other.model.decoder.embed_positions
+                table.weight.copy_(table.weight[:1].expand_as(table.weight))
+        elif undo == "plain_norms":  # Gemma's and Nemotron's norms as w, not 1 + w
             other = _model(ckpt)
             with torch.no_grad():
                 for name, param in other.named_parameters():
-                    if "norm" in name:
+                    if "norm" in name and name.endswith("weight"):
                         param.sub_(1.0)
         else:
             other = _model(ckpt, **undo)
