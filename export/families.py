@@ -64,6 +64,8 @@ class Family:
     mlp_bias_key: str = "mlp_bias"  # a config flag for MLP biases ("*": always; "": never)
     qk_norm: str = ""  # "" | "head" (each head, Qwen3) | "full" (the whole projection, OLMo 2)
     rotary_key: str = ""  # the config's fraction of each head that turns (partial rotary)
+    rotary_dims_key: str = ""  # or the config's count of turned dimensions (GPT-J's rotary_dim; None: all)
+    rotary_interleaved: bool = False  # pairs 2i, 2i + 1 turn together (GPT-J), not i, i + d / 2
     fused_qkv: str = ""  # "" | "rows" (q, k, v rows: Phi-3) | "heads" (q, k, v per head: GPT-NeoX)
     windows: str = ""  # WINDOW_RULES
     embed_scale: str = ""  # "" | "sqrt_hidden" (Gemma) | a config key (Granite: embedding_multiplier)
@@ -248,6 +250,31 @@ FAMILY_TABLE: dict[str, Family] = {
             positions="learned",
             position_offset=2,
             intermediate_key="ffn_dim",
+        ),
+        # GPT-J: interleaved partial rotary, attention and MLP in parallel on one LayerNorm
+        Family(
+            "gptj",
+            kv_key="",
+            norm="layer",
+            eps_key="layer_norm_epsilon",
+            layout="parallel",
+            gated=False,
+            acts=("gelu_new", "gelu", "gelu_pytorch_tanh", "relu"),
+            act_keys=("activation_function",),
+            mlp_bias_key="*",
+            rotary_dims_key="rotary_dim",
+            rotary_interleaved=True,
+            intermediate_key="n_inner",
+            renames=(
+                ("transformer.wte.", "model.embed_tokens."),
+                ("transformer.ln_f.", "model.norm."),
+                ("transformer.h.", "model.layers."),
+                (".ln_1.", ".input_layernorm."),
+                (".attn.out_proj.", ".self_attn.o_proj."),
+                (".attn.", ".self_attn."),
+                (".mlp.fc_in.", ".mlp.up_proj."),
+                (".mlp.fc_out.", ".mlp.down_proj."),
+            ),
         ),
         Family(
             "gpt_neox",

@@ -97,6 +97,15 @@ def rotary_tables(model, spec: ModelSpec, module=None) -> tuple[np.ndarray, np.n
     """
     import torch
 
+    if spec.rotary_interleaved:  # GPT-J: its attention's own table, [P, rotary] = cat(sin, cos)
+        table = model.base_model.h[0].attn.embed_positions[: spec.max_positions].float().numpy()
+        half = spec.rotary // 2
+        if table.shape != (spec.max_positions, spec.rotary):
+            raise UnsupportedModelError(f"unsupported rotary table of shape {table.shape} for {spec.rotary} dimensions")
+        pad = rotary_width(spec.own_head_dim, spec.rotary) // 2 - half
+        cos = np.pad(table[:, half:], ((0, 0), (0, pad)), constant_values=1.0)
+        sin = np.pad(table[:, :half], ((0, 0), (0, pad)), constant_values=0.0)
+        return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
     rot = _decoder(model).rotary_emb if module is None else module
     with torch.no_grad():
         pos = torch.arange(spec.max_positions, dtype=torch.long)[None]  # [1, P]
@@ -297,6 +306,7 @@ def build_onnx(
     check_weights(sd, spec)
     d, kv, nh, own, rot = spec.head_dim, spec.num_kv_heads, spec.num_heads, spec.own_head_dim, spec.rotary
     heads = {"q": nh, "k": kv, "v": kv}
+    inter = spec.rotary_interleaved  # GPT-J: pairs 2i, 2i + 1 turn together
     blocks = _Blocks(sd, spec)
 
     out_dir = Path(out_dir)
@@ -343,12 +353,13 @@ def build_onnx(
             normed = spec.qk_norm or spec.qk_norm_full
             size = {n: own if normed and n != "v" else d for n in "qkv"}
             w_qkv = np.concatenate(
-                [pad_heads(_np(sd[att + f"{n}_proj.weight"]).T, heads[n], own, size[n], rot) for n in "qkv"], axis=1
+                [pad_heads(_np(sd[att + f"{n}_proj.weight"]).T, heads[n], own, size[n], rot, inter) for n in "qkv"],
+                axis=1,
             )
             b_qkv = None
             if att + "q_proj.bias" in sd:
                 b_qkv = np.concatenate(
-                    [pad_heads(_np(sd[att + f"{n}_proj.bias"]), heads[n], own, size[n], rot) for n in "qkv"]
+                    [pad_heads(_np(sd[att + f"{n}_proj.bias"]), heads[n], own, size[n], rot, inter) for n in "qkv"]
                 )
             qkv = g.linear(h, w_qkv, f"{n}/attn/qkv", b_qkv)  # [1, N, (nh + 2 kv) d]
             del w_qkv
@@ -367,12 +378,14 @@ def build_onnx(
                 kv_num_heads=kv,
                 scale=spec.attn_scale or 1.0 / math.sqrt(own),
                 do_rotary=int(rotary),
-                rotary_interleaved=0,
+                rotary_interleaved=int(inter),
                 local_window_size=window if window else -1,  # itself and the window - 1 before it
                 **softcap,
             )[0]
             a = g.pack(a, f"{n}/attn")  # [1, N, nh d]
-            w_o = pad_heads(_np(sd[att + "o_proj.weight"]), nh, own, d, rot).T  # [nh d, H]: zero rows for padding
+            w_o = pad_heads(
+                _np(sd[att + "o_proj.weight"]), nh, own, d, rot, inter
+            ).T  # [nh d, H]: zero rows for padding
             o = g.linear(a, w_o, f"{n}/attn/o_proj", blocks.bias(att + "o_proj"))
             if layout in ("parallel", "parallel2"):  # the MLP reads the layer's input too; one add
                 if layout == "parallel2":  # GPT-NeoX: its own norm of the input

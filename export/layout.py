@@ -37,13 +37,17 @@ def graph_head_dim(own: int, rotary: int) -> int:
     return -(-(rotary_width(own, rotary) + own - rotary) // HEAD_MULTIPLE) * HEAD_MULTIPLE
 
 
-def pad_heads(w: np.ndarray, heads: int, own: int, padded: int, rotary: int | None = None) -> np.ndarray:
+def pad_heads(
+    w: np.ndarray, heads: int, own: int, padded: int, rotary: int | None = None, interleaved: bool = False
+) -> np.ndarray:
     """The columns ``[K, heads * own]`` of a q, k or v projection (or a bias, ``[heads * own]``)
     as ``[K, heads * padded]``: each half of each head's rotated part (its first ``rotary``
     dimensions; all of them by default) zero-padded at its end, so that GroupQueryAttention's
     rotary (which pairs dimension i with i + width / 2) still pairs the model's i with
     i + rotary / 2, then the unrotated rest, then zeros; every padded dimension holds 0 (it adds 0
-    to q . k, and its 0 in v meets a zero column of o_proj's weight padded the same way)."""
+    to q . k, and its 0 in v meets a zero column of o_proj's weight padded the same way).
+    ``interleaved`` (GPT-J: pairs 2i, 2i + 1 turn together): the rotated part as it is, zeros to
+    the padded rotary width, then the rest."""
     rotary = own if rotary is None else rotary
     if padded == own:
         return w
@@ -51,6 +55,10 @@ def pad_heads(w: np.ndarray, heads: int, own: int, padded: int, rotary: int | No
     h = w.reshape(*lead, heads, own)
     out = np.zeros((*lead, heads, padded), dtype=w.dtype)
     half, width = rotary // 2, rotary_width(own, rotary) // 2
+    if interleaved:
+        out[..., :rotary] = h[..., :rotary]
+        out[..., 2 * width : 2 * width + own - rotary] = h[..., rotary:]
+        return out.reshape(*lead, heads * padded)
     out[..., :half] = h[..., :half]
     out[..., width : width + half] = h[..., half:rotary]
     out[..., 2 * width : 2 * width + own - rotary] = h[..., rotary:]

@@ -111,6 +111,7 @@ class ModelSpec:
     renames: tuple[tuple[str, str], ...] = ()  # the checkpoint's tensor names as Llama's
     # -1: rotary positions; else learned absolute positions, row p + offset of model.embed_positions
     position_offset: int = -1
+    rotary_interleaved: bool = False  # pairs 2i, 2i + 1 turn together (GPT-J)
 
     @property
     def learned_positions(self) -> bool:
@@ -244,6 +245,7 @@ class ModelSpec:
             qk_norm_full=fam.qk_norm == "full",
             fused_qkv=fused,
             position_offset=fam.position_offset if learned else -1,
+            rotary_interleaved=fam.rotary_interleaved,
             embed_scale=embed_scale,
             residual_scale=_positive_number(config, fam.residual_key) if fam.residual_key else 0.0,
             logits_divisor=_positive_number(config, fam.logits_key) if fam.logits_key else 0.0,
@@ -300,7 +302,17 @@ def _check_rope(config) -> None:
 
 def _rotary_dim(config, fam: Family, own: int) -> int:
     """The rotated dimensions of each head: the family's fraction of it (``partial_rotary_factor``,
-    GPT-NeoX's ``rotary_pct``), as transformers counts them (``int(head_dim * factor)``), else all."""
+    GPT-NeoX's ``rotary_pct``), as transformers counts them (``int(head_dim * factor)``), or its
+    count (GPT-J's ``rotary_dim``), else all."""
+    if fam.rotary_dims_key:
+        count = getattr(config, fam.rotary_dims_key, None)
+        if count is None:
+            return own
+        if isinstance(count, bool) or not isinstance(count, int) or not 2 <= count <= own or count % 2:
+            raise UnsupportedModelError(
+                f"unsupported {fam.rotary_dims_key} {count!r} of head size {own}: need an even number 2..{own}"
+            )
+        return count
     if not fam.rotary_key:
         return own
     factor = getattr(config, fam.rotary_key, 1.0)

@@ -40,6 +40,7 @@ AUTO_FAMILIES: dict[str, dict] = {
     "nemotron": dict(tie_word_embeddings=False),
     "gpt_bigcode": dict(tie_word_embeddings=True),
     "opt": dict(tie_word_embeddings=True),
+    "gptj": dict(tie_word_embeddings=False),
 }
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", *AUTO_FAMILIES)
 BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text", "gemma")  # tokenizers that add bos to plain text
@@ -226,7 +227,7 @@ def build_tiny_checkpoint(
         options = {**AUTO_FAMILIES[family], **common}
         if family == "opt":  # its MLP width's own name
             options.setdefault("ffn_dim", intermediate)
-        if family == "gpt_bigcode":
+        if family in ("gpt_bigcode", "gptj"):
             options.setdefault("n_inner", intermediate)
         if family == "gemma":
             options.setdefault("head_dim", hidden // heads)

@@ -162,6 +162,11 @@ CASES = {
     ),
     "gpt_bigcode-mha": ("gpt_bigcode", dict(multi_query=False), "positions"),  # q, k, v per head
     "opt": ("opt", dict(activation_function="relu"), ("positions", {"activation_function": "gelu"})),
+    "gptj": (  # interleaved partial rotary (8 of 16), parallel attention / MLP, LM head bias
+        "gptj",
+        dict(rotary_dim=8, activation_function="gelu_new"),
+        ({"rotary_dim": 16}, {"activation_function": "relu"}),
+    ),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
 
