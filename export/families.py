@@ -276,6 +276,32 @@ FAMILY_TABLE: dict[str, Family] = {
                 (".mlp.fc_out.", ".mlp.down_proj."),
             ),
         ),
+        # Falcon (7B layout): multi-query, attention and MLP side by side on one LayerNorm
+        # (parallel_attn); the grouped q/k/v of new_decoder_architecture (40B, 180B) and ALiBi refused
+        Family(
+            "falcon",
+            kv_key="",
+            norm="layer",
+            eps_key="layer_norm_epsilon",
+            parallel_key="parallel_attn",
+            gated=False,
+            acts=("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
+            act_keys=("activation",),
+            mlp_bias_key="bias",
+            fused_qkv="heads",
+            multi_query_key="multi_query",
+            intermediate_key="ffn_hidden_size",
+            refuse=("alibi", "new_decoder_architecture"),
+            renames=(
+                ("transformer.word_embeddings.", "model.embed_tokens."),
+                ("transformer.ln_f.", "model.norm."),
+                ("transformer.h.", "model.layers."),
+                (".self_attention.query_key_value.", ".self_attn.qkv_proj."),
+                (".self_attention.dense.", ".self_attn.o_proj."),
+                (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
+                (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
+            ),
+        ),
         Family(
             "gpt_neox",
             kv_key="",

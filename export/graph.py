@@ -1,5 +1,6 @@
-"""Emit a compact, fused ONNX graph for a Llama-style decoder (Llama, Mistral, Qwen2, Qwen3,
-Phi-3, SmolLM3, Gemma 2, Gemma 3; ``export.model_spec``) straight from its weights.
+"""Emit a compact, fused ONNX graph for a decoder (Llama and the families of
+``export.families``, each a combination of this graph's blocks: norms, layer layouts, MLPs,
+biases, rotary or learned positions, multipliers; ``export.model_spec``) straight from its weights.
 
 The graph is what onnxruntime-genai's model builder would write, ~12 nodes a layer:
 

@@ -41,6 +41,7 @@ AUTO_FAMILIES: dict[str, dict] = {
     "gpt_bigcode": dict(tie_word_embeddings=True),
     "opt": dict(tie_word_embeddings=True),
     "gptj": dict(tie_word_embeddings=False),
+    "falcon": dict(tie_word_embeddings=True, new_decoder_architecture=False),
 }
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", *AUTO_FAMILIES)
 BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text", "gemma")  # tokenizers that add bos to plain text
@@ -227,6 +228,8 @@ def build_tiny_checkpoint(
         options = {**AUTO_FAMILIES[family], **common}
         if family == "opt":  # its MLP width's own name
             options.setdefault("ffn_dim", intermediate)
+        if family == "falcon":
+            options.setdefault("ffn_hidden_size", intermediate)
         if family in ("gpt_bigcode", "gptj"):
             options.setdefault("n_inner", intermediate)
         if family == "gemma":

@@ -167,6 +167,16 @@ CASES = {
         dict(rotary_dim=8, activation_function="gelu_new"),
         ({"rotary_dim": 16}, {"activation_function": "relu"}),
     ),
+    "falcon": (  # Falcon-7B's layout: multi-query, parallel attention / MLP on one LayerNorm
+        "falcon",
+        dict(multi_query=True, parallel_attn=True, bias=False),
+        ({"activation": "relu"},),
+    ),
+    "falcon-mha": (  # q, k, v per head, sequential layers with biases
+        "falcon",
+        dict(multi_query=False, parallel_attn=False, bias=True),
+        ({"activation": "relu"},),
+    ),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
 
@@ -483,6 +493,15 @@ def test_a_gemma3_gguf_without_its_numbers_fails_naming_the_key(capsys, tmp_path
         ("gemma2", {"layer_types": ["sliding_attention"]}, "unsupported layer_types ['sliding_attention']"),
         ("gemma3_text", {"use_bidirectional_attention": True}, "unsupported option use_bidirectional_attention"),
         ("gemma3_text", {"rope_local_base_freq": 0.0}, "unsupported rope_local_base_freq 0.0"),
+        ("falcon", {"alibi": True}, "unsupported option alibi=True"),
+        ("falcon", {"new_decoder_architecture": True}, "unsupported option new_decoder_architecture=True"),
+        ("opt", {"do_layer_norm_before": False}, "unsupported option do_layer_norm_before=False: need true"),
+        ("opt", {"word_embed_proj_dim": 16}, "unsupported word_embed_proj_dim 16"),
+        ("stablelm", {"qk_layernorm": True}, "unsupported option qk_layernorm=True"),
+        ("phi", {"qk_layernorm": True}, "unsupported option qk_layernorm=True"),
+        ("gpt_neox", {"rotary_pct": 0.01}, "unsupported rotary_pct 0.01 of head size 16"),
+        ("granite", {"logits_scaling": 0.0}, "unsupported logits_scaling 0.0"),
+        ("nemotron", {"hidden_act": "silu"}, "unsupported activation silu; need relu2"),
     ],
 )
 def test_family_options_the_graph_cannot_express_are_refused(family, kw, fragment):
