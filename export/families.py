@@ -85,6 +85,7 @@ class Family:
     kv_key: str = "num_key_value_heads"  # the config's KV heads ("": as many as heads)
     multi_query_key: str = ""  # a config flag for one KV head (GPTBigCode; its c_attn then holds q, k, v rows)
     intermediate_key: str = "intermediate_size"  # the MLP's width (None: 4 x hidden)
+    conv1d: bool = False  # the layers' weights stored [in, out] (GPT-2's Conv1D), not nn.Linear's [out, in]
 
 
 # Gemma 2: Gemma's norms (1 + w), embeddings x sqrt(hidden), GeGLU with the tanh GELU, a norm after
@@ -105,6 +106,18 @@ _PHI_NAMES = (
     (".mlp.fc1.", ".mlp.up_proj."),
     (".mlp.fc2.", ".mlp.down_proj."),
     ("model.final_layernorm.", "model.norm."),
+)
+_GPT2_NAMES = (  # GPT-2 and GPTBigCode
+    ("transformer.wte.", "model.embed_tokens."),
+    ("transformer.wpe.", "model.embed_positions."),
+    ("transformer.ln_f.", "model.norm."),
+    ("transformer.h.", "model.layers."),
+    (".ln_1.", ".input_layernorm."),
+    (".ln_2.", ".post_attention_layernorm."),
+    (".attn.c_attn.", ".self_attn.qkv_proj."),
+    (".attn.c_proj.", ".self_attn.o_proj."),
+    (".mlp.c_fc.", ".mlp.up_proj."),
+    (".mlp.c_proj.", ".mlp.down_proj."),
 )
 _NEOX_NAMES = (
     ("gpt_neox.embed_in.", "model.embed_tokens."),
@@ -208,21 +221,28 @@ FAMILY_TABLE: dict[str, Family] = {
             mlp_bias_key="*",
             fused_qkv="heads",
             require=("scale_attn_weights",),
-            renames=(
-                ("transformer.wte.", "model.embed_tokens."),
-                ("transformer.wpe.", "model.embed_positions."),
-                ("transformer.ln_f.", "model.norm."),
-                ("transformer.h.", "model.layers."),
-                (".ln_1.", ".input_layernorm."),
-                (".ln_2.", ".post_attention_layernorm."),
-                (".attn.c_attn.", ".self_attn.qkv_proj."),
-                (".attn.c_proj.", ".self_attn.o_proj."),
-                (".mlp.c_fc.", ".mlp.up_proj."),
-                (".mlp.c_proj.", ".mlp.down_proj."),
-            ),
+            renames=_GPT2_NAMES,
             positions="learned",
             multi_query_key="multi_query",
             intermediate_key="n_inner",
+        ),
+        # GPT-2: learned absolute positions, Conv1D weights, q/k/v as rows of c_attn
+        Family(
+            "gpt2",
+            kv_key="",
+            norm="layer",
+            eps_key="layer_norm_epsilon",
+            gated=False,
+            acts=("gelu_new", "gelu", "gelu_pytorch_tanh", "relu"),
+            act_keys=("activation_function",),
+            mlp_bias_key="*",
+            fused_qkv="rows",
+            require=("scale_attn_weights",),
+            refuse=("scale_attn_by_inverse_layer_idx", "add_cross_attention"),
+            renames=_GPT2_NAMES,
+            positions="learned",
+            intermediate_key="n_inner",
+            conv1d=True,
         ),
         # OPT: learned absolute positions at an offset of 2, LayerNorm, biases, ReLU
         Family(

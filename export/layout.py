@@ -67,13 +67,16 @@ def pad_heads(
 
 def rename(sd, spec) -> dict:
     """The state dict under Llama's tensor names (``spec.renames``: the family's substring
-    replacements, in order; Phi-2's ``dense`` / ``fc1`` / ``fc2``, GPT-NeoX's ``gpt_neox.*``)."""
-    if not spec.renames:
+    replacements, in order; Phi-2's ``dense`` / ``fc1`` / ``fc2``, GPT-NeoX's ``gpt_neox.*``),
+    the layers' matrices as nn.Linear's ``[out, in]`` (``spec.conv1d``: GPT-2 stores ``[in, out]``)."""
+    if not spec.renames and not spec.conv1d:
         return sd
     out = {}
     for key, value in sd.items():
         for old, new in spec.renames:
             key = key.replace(old, new)
+        if spec.conv1d and key.startswith("model.layers.") and key.endswith("_proj.weight") and value.dim() == 2:
+            value = value.T
         out[key] = value
     return out
 

@@ -112,6 +112,7 @@ class ModelSpec:
     # -1: rotary positions; else learned absolute positions, row p + offset of model.embed_positions
     position_offset: int = -1
     rotary_interleaved: bool = False  # pairs 2i, 2i + 1 turn together (GPT-J)
+    conv1d: bool = False  # the layers' weights stored [in, out] (GPT-2)
 
     @property
     def learned_positions(self) -> bool:
@@ -246,6 +247,7 @@ class ModelSpec:
             fused_qkv=fused,
             position_offset=fam.position_offset if learned else -1,
             rotary_interleaved=fam.rotary_interleaved,
+            conv1d=fam.conv1d,
             embed_scale=embed_scale,
             residual_scale=_positive_number(config, fam.residual_key) if fam.residual_key else 0.0,
             logits_divisor=_positive_number(config, fam.logits_key) if fam.logits_key else 0.0,

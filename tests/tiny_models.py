@@ -42,6 +42,7 @@ AUTO_FAMILIES: dict[str, dict] = {
     "opt": dict(tie_word_embeddings=True),
     "gptj": dict(tie_word_embeddings=False),
     "falcon": dict(tie_word_embeddings=True, new_decoder_architecture=False),
+    "gpt2": dict(tie_word_embeddings=True),
 }
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", *AUTO_FAMILIES)
 BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text", "gemma")  # tokenizers that add bos to plain text
@@ -230,7 +231,7 @@ def build_tiny_checkpoint(
             options.setdefault("ffn_dim", intermediate)
         if family == "falcon":
             options.setdefault("ffn_hidden_size", intermediate)
-        if family in ("gpt_bigcode", "gptj"):
+        if family in ("gpt_bigcode", "gptj", "gpt2"):
             options.setdefault("n_inner", intermediate)
         if family == "gemma":
             options.setdefault("head_dim", hidden // heads)

@@ -177,6 +177,7 @@ CASES = {
         dict(multi_query=False, parallel_attn=False, bias=True),
         ({"activation": "relu"},),
     ),
+    "gpt2": ("gpt2", dict(activation_function="gelu_new"), ("positions", {"activation_function": "relu"})),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
 
@@ -441,7 +442,7 @@ def _refused(capsys, tmp_path, config: dict, *fragments: str) -> str:
         ({"model_type": "llava", "vision_config": {}, "text_config": {}}, "multimodal"),
         ({"model_type": "mamba", "state_size": 16}, "state-space layers"),
         ({"model_type": "some_new_thing", "moe_intermediate_size": 64}, "mixture of experts"),
-        ({"model_type": "gpt2"}, None),
+        ({"model_type": "bloom"}, None),
     ],
 )
 def test_unsupported_families_are_refused_before_any_work(capsys, tmp_path, config, why):
