@@ -72,6 +72,7 @@ class Family:
     attn_scale: str = ""  # "" (1 / sqrt(head)) | "query_pre_attn_scalar" (^-0.5) | a config key (the scale)
     residual_key: str = ""  # a config key: each branch times it before its residual add (Granite)
     logits_key: str = ""  # a config key: the logits divided by it (Granite's logits_scaling)
+    logits_scale_key: str = ""  # a config key: the logits times it (Cohere's logit_scale)
     softcaps: bool = False  # Gemma 2: attn_logit_softcapping, final_logit_softcapping
     local_rope: bool = False  # Gemma 3: sliding layers turn by rope_local_base_freq
     nope_layers: bool = False  # SmolLM3: no_rope_layers
@@ -321,6 +322,17 @@ FAMILY_TABLE: dict[str, Family] = {
                 (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
                 (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
             ),
+        ),
+        # Cohere (Command R): LayerNorm without bias, attention and MLP on one norm, interleaved
+        # rotary, logits x logit_scale
+        Family(
+            "cohere",
+            norm="layer",
+            eps_key="layer_norm_eps",
+            layout="parallel",
+            rotary_interleaved=True,
+            logits_scale_key="logit_scale",
+            refuse=("use_qk_norm",),
         ),
         Family(
             "gpt_neox",

@@ -98,6 +98,18 @@ def rotary_tables(model, spec: ModelSpec, module=None) -> tuple[np.ndarray, np.n
     """
     import torch
 
+    if spec.rotary_interleaved and getattr(_decoder(model), "rotary_emb", None) is not None:
+        rot = _decoder(model).rotary_emb  # Cohere: tables repeat_interleave'd (each angle twice)
+        with torch.no_grad():
+            pos = torch.arange(spec.max_positions, dtype=torch.long)[None]
+            cos_t, sin_t = rot(torch.zeros(1, dtype=torch.float32), pos)
+        cos_i, sin_i = cos_t[0].float().numpy(), sin_t[0].float().numpy()
+        if cos_i.shape[-1] != spec.rotary or not np.array_equal(cos_i[:, ::2], cos_i[:, 1::2]):
+            raise UnsupportedModelError(f"unsupported interleaved rotary table of {cos_i.shape[-1]} dimensions")
+        pad = rotary_width(spec.own_head_dim, spec.rotary) // 2 - spec.rotary // 2
+        cos = np.pad(cos_i[:, ::2], ((0, 0), (0, pad)), constant_values=1.0)
+        sin = np.pad(sin_i[:, ::2], ((0, 0), (0, pad)), constant_values=0.0)
+        return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
     if spec.rotary_interleaved:  # GPT-J: its attention's own table, [P, rotary] = cat(sin, cos)
         table = model.base_model.h[0].attn.embed_positions[: spec.max_positions].float().numpy()
         half = spec.rotary // 2
@@ -414,8 +426,12 @@ def build_onnx(
             0
         ]  # [B, R, H]
         head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-        cap, div = spec.final_softcap, spec.logits_divisor
-        logits = g.linear(picked, _np(head).T, "/lm_head", blocks.bias("lm_head"), out=None if cap or div else "logits")
+        cap, div, mul = spec.final_softcap, spec.logits_divisor, spec.logits_scale
+        last = not (cap or div or mul)
+        logits = g.linear(picked, _np(head).T, "/lm_head", blocks.bias("lm_head"), out="logits" if last else None)
+        if mul:  # Cohere: logits x logit_scale
+            c = g.init("/lm_head/scale", np.array(mul, dtype=np.float32))
+            logits = g.node("Mul", [logits, c], ["/lm_head/multiplied" if cap or div else "logits"], "/lm_head/Mul")[0]
         if div:  # Granite: logits / logits_scaling
             c = g.init("/lm_head/divisor", np.array(div, dtype=np.float32))
             logits = g.node("Div", [logits, c], ["/lm_head/scaled" if cap else "logits"], "/lm_head/Scale")[0]

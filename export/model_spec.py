@@ -108,6 +108,7 @@ class ModelSpec:
     embed_scale: float = 0.0  # the embeddings times it (0: none; Gemma sqrt(H), Granite's multiplier)
     residual_scale: float = 0.0  # each branch times it before its residual add (0: none; Granite)
     logits_divisor: float = 0.0  # the logits divided by it (0: none; Granite's logits_scaling)
+    logits_scale: float = 0.0  # the logits times it (0: none; Cohere's logit_scale)
     renames: tuple[tuple[str, str], ...] = ()  # the checkpoint's tensor names as Llama's
     # -1: rotary positions; else learned absolute positions, row p + offset of model.embed_positions
     position_offset: int = -1
@@ -251,6 +252,7 @@ class ModelSpec:
             embed_scale=embed_scale,
             residual_scale=_positive_number(config, fam.residual_key) if fam.residual_key else 0.0,
             logits_divisor=_positive_number(config, fam.logits_key) if fam.logits_key else 0.0,
+            logits_scale=_positive_number(config, fam.logits_scale_key) if fam.logits_scale_key else 0.0,
             renames=fam.renames,
         )
 

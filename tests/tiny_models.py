@@ -43,6 +43,7 @@ AUTO_FAMILIES: dict[str, dict] = {
     "gptj": dict(tie_word_embeddings=False),
     "falcon": dict(tie_word_embeddings=True, new_decoder_architecture=False),
     "gpt2": dict(tie_word_embeddings=True),
+    "cohere": dict(tie_word_embeddings=True),
 }
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", *AUTO_FAMILIES)
 BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text", "gemma")  # tokenizers that add bos to plain text

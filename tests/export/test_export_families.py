@@ -178,6 +178,11 @@ CASES = {
         ({"activation": "relu"},),
     ),
     "gpt2": ("gpt2", dict(activation_function="gelu_new"), ("positions", {"activation_function": "relu"})),
+    "cohere": (  # LayerNorm without bias, parallel attention / MLP, interleaved rotary, logit_scale
+        "cohere",
+        dict(logit_scale=0.5),
+        ({"logit_scale": 1.0}, "halves_rotary"),
+    ),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
 
@@ -271,6 +276,20 @@ def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
             with torch.no_grad():
                 table = other.transformer.wpe if hasattr(other, "transformer") else other.model.decoder.embed_positions
                 table.weight.copy_(table.weight[:1].expand_as(table.weight))
+        elif undo == "halves_rotary":  # Cohere's rotary as Llama's: halves, not interleaved pairs
+            import transformers.models.cohere.modeling_cohere as cohere
+            from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+            saved = cohere.apply_rotary_pos_emb
+            cohere.apply_rotary_pos_emb = lambda q, k, cos, sin, *a, **kw: apply_rotary_pos_emb(
+                q, k, torch.cat([cos[..., ::2]] * 2, -1), torch.cat([sin[..., ::2]] * 2, -1)
+            )
+            try:
+                halves = _logits(_model(ckpt), ids)
+            finally:
+                cohere.apply_rotary_pos_emb = saved
+            assert np.abs(got - halves).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
+            continue
         elif undo == "plain_norms":  # Gemma's and Nemotron's norms as w, not 1 + w
             other = _model(ckpt)
             with torch.no_grad():
