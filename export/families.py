@@ -54,6 +54,8 @@ class Family:
     name: str  # model_type
     norm: str = "rms"  # "rms" | "layer" (LayerNorm; its bias when the checkpoint has one)
     norm_offset: float = 0.0  # a norm multiplies by weight + offset (Gemma: 1)
+    norm_weights: bool = True  # norms have a weight (OLMo 1's LayerNorm has neither weight nor bias)
+    clip_key: str = ""  # a config key: q, k and v clamped to +-it after their projection (OLMo's clip_qkv)
     eps_key: str = "rms_norm_eps"  # the config's norm epsilon
     layout: str = "pre"  # LAYOUTS
     parallel_key: str = ""  # a config flag that turns the layout to `parallel_layout` (when true)
@@ -334,6 +336,10 @@ FAMILY_TABLE: dict[str, Family] = {
             logits_scale_key="logit_scale",
             refuse=("use_qk_norm",),
         ),
+        # OLMo 1: LayerNorm without weight or bias, q/k/v clamped (clip_qkv)
+        Family("olmo", norm="layer", norm_weights=False, eps_key="", clip_key="clip_qkv"),
+        # GLM-4 (glm): interleaved partial rotary, fused gate_up_proj, q/k/v biases
+        Family("glm", rotary_key="partial_rotary_factor", rotary_interleaved=True),
         Family(
             "gpt_neox",
             kv_key="",

@@ -99,16 +99,23 @@ def rotary_tables(model, spec: ModelSpec, module=None) -> tuple[np.ndarray, np.n
     import torch
 
     if spec.rotary_interleaved and getattr(_decoder(model), "rotary_emb", None) is not None:
-        rot = _decoder(model).rotary_emb  # Cohere: tables repeat_interleave'd (each angle twice)
+        rot = _decoder(model).rotary_emb  # Cohere's and GLM's: one angle per pair
         with torch.no_grad():
             pos = torch.arange(spec.max_positions, dtype=torch.long)[None]
             cos_t, sin_t = rot(torch.zeros(1, dtype=torch.float32), pos)
         cos_i, sin_i = cos_t[0].float().numpy(), sin_t[0].float().numpy()
-        if cos_i.shape[-1] != spec.rotary or not np.array_equal(cos_i[:, ::2], cos_i[:, 1::2]):
+        half = spec.rotary // 2
+        if cos_i.shape[-1] != spec.rotary:
             raise UnsupportedModelError(f"unsupported interleaved rotary table of {cos_i.shape[-1]} dimensions")
-        pad = rotary_width(spec.own_head_dim, spec.rotary) // 2 - spec.rotary // 2
-        cos = np.pad(cos_i[:, ::2], ((0, 0), (0, pad)), constant_values=1.0)
-        sin = np.pad(sin_i[:, ::2], ((0, 0), (0, pad)), constant_values=0.0)
+        if np.array_equal(cos_i[:, ::2], cos_i[:, 1::2]):  # each angle twice in a row (Cohere)
+            cos_i, sin_i = cos_i[:, ::2], sin_i[:, ::2]
+        elif np.array_equal(cos_i[:, :half], cos_i[:, half:]):  # Llama's cat(f, f), paired by GLM's apply
+            cos_i, sin_i = cos_i[:, :half], sin_i[:, :half]
+        else:
+            raise UnsupportedModelError("unsupported rotary table: neither interleaved nor halves")
+        pad = rotary_width(spec.own_head_dim, spec.rotary) // 2 - half
+        cos = np.pad(cos_i, ((0, 0), (0, pad)), constant_values=1.0)
+        sin = np.pad(sin_i, ((0, 0), (0, pad)), constant_values=0.0)
         return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
     if spec.rotary_interleaved:  # GPT-J: its attention's own table, [P, rotary] = cat(sin, cos)
         table = model.base_model.h[0].attn.embed_positions[: spec.max_positions].float().numpy()
@@ -376,6 +383,10 @@ def build_onnx(
                 )
             qkv = g.linear(h, w_qkv, f"{n}/attn/qkv", b_qkv)  # [1, N, (nh + 2 kv) d]
             del w_qkv
+            if spec.clip_qkv:  # OLMo: q, k and v clamped (padding stays 0)
+                lo = g.init(f"{n}/attn/clip_lo", np.array(-spec.clip_qkv, dtype=np.float32))
+                hi = g.init(f"{n}/attn/clip_hi", np.array(spec.clip_qkv, dtype=np.float32))
+                qkv = g.node("Clip", [qkv, lo, hi], [f"{n}/attn/clipped"], f"{n}/attn/Clip")[0]
             if normed:
                 qkv = _norm_heads(g, qkv, sd, att, spec, f"{n}/attn")
             rotary = i not in spec.nope_layers and not spec.learned_positions  # SmolLM3: some layers have none
@@ -460,7 +471,7 @@ class _Blocks:
     def norm(self, x: str, skip: str | None, key: str, name: str, out: str | None = None) -> tuple[str, str]:
         """The family's norm (``<key>.weight`` + its offset, LayerNorm's bias) of ``x + skip``;
         returns (normed, x + skip)."""
-        w = _np(self.sd[key + ".weight"])
+        w = _np(self.sd[key + ".weight"]) if self.spec.norm_weights else np.ones(self.spec.hidden_size, np.float32)
         if self.spec.norm_offset:
             w = w + np.float32(self.spec.norm_offset)
         if self.spec.norm == "layer":

@@ -135,7 +135,9 @@ def check_weights(sd, spec) -> None:
     """Refuse a state dict with tensors the graph would not use (e.g. an MLP bias the family
     does not have, a layer's extra norm): the export would be silently wrong, and validation
     would find out only after the whole graph was written."""
-    norm_kinds = ("weight", "bias") if spec.norm == "layer" else ("weight",)
+    norm_kinds: tuple[str, ...] = ("weight", "bias") if spec.norm == "layer" else ("weight",)
+    if not spec.norm_weights:
+        norm_kinds = ()
     parts = [f"{n}.{t}" for n in LAYOUT_NORMS[spec.layout] for t in norm_kinds]
     parts += [f"self_attn.{n}_proj.{t}" for n in "qkvo" for t in ("weight", "bias")]
     mlp = ("gate", "up", "down") if spec.gated else ("up", "down")

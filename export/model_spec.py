@@ -114,6 +114,8 @@ class ModelSpec:
     position_offset: int = -1
     rotary_interleaved: bool = False  # pairs 2i, 2i + 1 turn together (GPT-J)
     conv1d: bool = False  # the layers' weights stored [in, out] (GPT-2)
+    norm_weights: bool = True  # norms have weights (OLMo 1's have none)
+    clip_qkv: float = 0.0  # q, k and v clamped to +-it after their projection (0: none; OLMo)
 
     @property
     def learned_positions(self) -> bool:
@@ -249,6 +251,8 @@ class ModelSpec:
             position_offset=fam.position_offset if learned else -1,
             rotary_interleaved=fam.rotary_interleaved,
             conv1d=fam.conv1d,
+            norm_weights=fam.norm_weights,
+            clip_qkv=_clip(config, fam.clip_key),
             embed_scale=embed_scale,
             residual_scale=_positive_number(config, fam.residual_key) if fam.residual_key else 0.0,
             logits_divisor=_positive_number(config, fam.logits_key) if fam.logits_key else 0.0,
@@ -330,6 +334,12 @@ def _rotary_dim(config, fam: Family, own: int) -> int:
             f"need an even number of rotated dimensions, 2..{own}"
         )
     return rotary
+
+
+def _clip(config, key: str) -> float:
+    """OLMo's ``clip_qkv``: 0 when the family has none or it is unset (None), else a number > 0."""
+    value = getattr(config, key, None) if key else None
+    return 0.0 if value is None else _positive_number(config, key, value)
 
 
 def _softcap(config, key: str) -> float:

@@ -44,6 +44,8 @@ AUTO_FAMILIES: dict[str, dict] = {
     "falcon": dict(tie_word_embeddings=True, new_decoder_architecture=False),
     "gpt2": dict(tie_word_embeddings=True),
     "cohere": dict(tie_word_embeddings=True),
+    "olmo": dict(tie_word_embeddings=False),
+    "glm": dict(tie_word_embeddings=False),
 }
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", *AUTO_FAMILIES)
 BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text", "gemma")  # tokenizers that add bos to plain text
@@ -234,7 +236,7 @@ def build_tiny_checkpoint(
             options.setdefault("ffn_hidden_size", intermediate)
         if family in ("gpt_bigcode", "gptj", "gpt2"):
             options.setdefault("n_inner", intermediate)
-        if family == "gemma":
+        if family in ("gemma", "glm"):  # their default heads: 256, 128
             options.setdefault("head_dim", hidden // heads)
         if window:
             options["sliding_window"] = window

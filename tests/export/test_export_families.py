@@ -183,6 +183,12 @@ CASES = {
         dict(logit_scale=0.5),
         ({"logit_scale": 1.0}, "halves_rotary"),
     ),
+    "olmo": ("olmo", dict(clip_qkv=0.3), ({"clip_qkv": None},)),  # LayerNorm without weights, q/k/v clamped
+    "glm": (  # interleaved partial rotary (8 of 16), fused gate_up_proj, q/k/v biases
+        "glm",
+        dict(partial_rotary_factor=0.5, attention_bias=True),
+        ({"partial_rotary_factor": 1.0},),
+    ),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
 
