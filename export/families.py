@@ -340,6 +340,10 @@ FAMILY_TABLE: dict[str, Family] = {
         Family("olmo", norm="layer", norm_weights=False, eps_key="", clip_key="clip_qkv"),
         # GLM-4 (glm): interleaved partial rotary, fused gate_up_proj, q/k/v biases
         Family("glm", rotary_key="partial_rotary_factor", rotary_interleaved=True),
+        Family("arcee", gated=False, acts=("relu2",)),  # AFM: Llama with a plain relu^2 MLP
+        Family("seed_oss"),  # Llama's graph (its o_proj bias: attention_out_bias)
+        Family("helium", rotary_interleaved=True),  # Llama with GLM's interleaved rotary
+        Family("ministral", windows="layer_types"),  # Llama with windows on the layers layer_types marks
         Family(
             "gpt_neox",
             kv_key="",

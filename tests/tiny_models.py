@@ -1,5 +1,5 @@
 """Tiny random Llama / Qwen2 / Mistral / Qwen3 / Phi-3 / SmolLM3 / Gemma 2 / Gemma 3 checkpoints
-(and Gemma 1, Granite, OLMo 2, StableLM, Phi-2, Starcoder2, GPT-NeoX: ``AUTO_FAMILIES``)
+(and the families of ``AUTO_FAMILIES``: Gemma 1, Granite, OLMo 1 / 2, StableLM, Phi-2, ...)
 (2 layers, hidden 64) with a real byte-level BPE tokenizer, built offline in seconds, plus a
 one-call export.
 Shared by the export and runtime tests:
@@ -46,6 +46,10 @@ AUTO_FAMILIES: dict[str, dict] = {
     "cohere": dict(tie_word_embeddings=True),
     "olmo": dict(tie_word_embeddings=False),
     "glm": dict(tie_word_embeddings=False),
+    "arcee": dict(tie_word_embeddings=False),
+    "seed_oss": dict(tie_word_embeddings=False),
+    "helium": dict(tie_word_embeddings=False),
+    "ministral": dict(tie_word_embeddings=False),
 }
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", *AUTO_FAMILIES)
 BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text", "gemma")  # tokenizers that add bos to plain text
@@ -236,7 +240,7 @@ def build_tiny_checkpoint(
             options.setdefault("ffn_hidden_size", intermediate)
         if family in ("gpt_bigcode", "gptj", "gpt2"):
             options.setdefault("n_inner", intermediate)
-        if family in ("gemma", "glm"):  # their default heads: 256, 128
+        if family in ("gemma", "glm", "seed_oss", "helium", "ministral"):  # default heads of 256, 128
             options.setdefault("head_dim", hidden // heads)
         if window:
             options["sliding_window"] = window

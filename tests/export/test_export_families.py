@@ -189,6 +189,14 @@ CASES = {
         dict(partial_rotary_factor=0.5, attention_bias=True),
         ({"partial_rotary_factor": 1.0},),
     ),
+    "arcee": ("arcee", dict(hidden_act="relu2"), ({"hidden_act": "relu"},)),
+    "seed_oss": ("seed_oss", dict(attention_bias=True, attention_out_bias=True), ({"rope_theta": 10.0},)),
+    "helium": ("helium", dict(attention_bias=True), ("halves_rotary",)),
+    "ministral": (  # windows on the layers layer_types marks
+        "ministral",
+        dict(window=WINDOW, layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+        ({"sliding_window": 4096},),
+    ),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
 
@@ -282,19 +290,26 @@ def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
             with torch.no_grad():
                 table = other.transformer.wpe if hasattr(other, "transformer") else other.model.decoder.embed_positions
                 table.weight.copy_(table.weight[:1].expand_as(table.weight))
-        elif undo == "halves_rotary":  # Cohere's rotary as Llama's: halves, not interleaved pairs
-            import transformers.models.cohere.modeling_cohere as cohere
+        elif undo == "halves_rotary":  # the family's interleaved rotary as Llama's: halves
+            import importlib
+
             from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-            saved = cohere.apply_rotary_pos_emb
-            cohere.apply_rotary_pos_emb = lambda q, k, cos, sin, *a, **kw: apply_rotary_pos_emb(
-                q, k, torch.cat([cos[..., ::2]] * 2, -1), torch.cat([sin[..., ::2]] * 2, -1)
-            )
+            family = CASES[case][0]
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+            def halves(q, k, cos, sin, *args, **kwargs):
+                if torch.equal(cos[..., ::2], cos[..., 1::2]):  # Cohere's tables: each angle twice
+                    cos, sin = torch.cat([cos[..., ::2]] * 2, -1), torch.cat([sin[..., ::2]] * 2, -1)
+                return apply_rotary_pos_emb(q, k, cos, sin)
+
+            saved = module.apply_rotary_pos_emb
+            module.apply_rotary_pos_emb = halves
             try:
-                halves = _logits(_model(ckpt), ids)
+                halves_logits = _logits(_model(ckpt), ids)
             finally:
-                cohere.apply_rotary_pos_emb = saved
-            assert np.abs(got - halves).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
+                module.apply_rotary_pos_emb = saved
+            assert np.abs(got - halves_logits).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
             continue
         elif undo == "plain_norms":  # Gemma's and Nemotron's norms as w, not 1 + w
             other = _model(ckpt)
@@ -340,7 +355,7 @@ def _greedy(model, prompt: list[int], total: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3", "starcoder2"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "starcoder2", "ministral"])
 def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory, case):
     """Sliding windows in every path the runtime has: several requests at once (packed rows of
     different lengths past the window, prefill and decode and verifies batched together), prefix-
