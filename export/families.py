@@ -76,7 +76,7 @@ class Family:
     logits_key: str = ""  # a config key: the logits divided by it (Granite's logits_scaling)
     logits_scale_key: str = ""  # a config key: the logits times it (Cohere's logit_scale)
     softcaps: bool = False  # Gemma 2: attn_logit_softcapping, final_logit_softcapping
-    local_rope: bool = False  # Gemma 3: sliding layers turn by rope_local_base_freq
+    local_rope: bool = False  # sliding layers turn by their own rotary module (Gemma 3's local base, OLMo 3's)
     nope_layers: bool = False  # SmolLM3: no_rope_layers
     causal_key: str = ""  # a config flag that must be false (Gemma 3's use_bidirectional_attention)
     refuse: tuple[str, ...] = ()  # config flags the graph has no block for: refused when true
@@ -340,6 +340,8 @@ FAMILY_TABLE: dict[str, Family] = {
         Family("olmo", norm="layer", norm_weights=False, eps_key="", clip_key="clip_qkv"),
         # GLM-4 (glm): interleaved partial rotary, fused gate_up_proj, q/k/v biases
         Family("glm", rotary_key="partial_rotary_factor", rotary_interleaved=True),
+        # OLMo 3: OLMo 2 with windows on the layers layer_types marks, which turn unscaled
+        Family("olmo3", layout="post", qk_norm="full", windows="layer_types", local_rope=True),
         Family("arcee", gated=False, acts=("relu2",)),  # AFM: Llama with a plain relu^2 MLP
         Family("seed_oss"),  # Llama's graph (its o_proj bias: attention_out_bias)
         Family("helium", rotary_interleaved=True),  # Llama with GLM's interleaved rotary

@@ -126,7 +126,7 @@ def rotary_tables(model, spec: ModelSpec, module=None) -> tuple[np.ndarray, np.n
         cos = np.pad(table[:, half:], ((0, 0), (0, pad)), constant_values=1.0)
         sin = np.pad(table[:, :half], ((0, 0), (0, pad)), constant_values=0.0)
         return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
-    rot = _decoder(model).rotary_emb if module is None else module
+    rot = _rotary_module(model) if module is None else module
     with torch.no_grad():
         pos = torch.arange(spec.max_positions, dtype=torch.long)[None]  # [1, P]
         cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)  # [1, P, d] each
@@ -147,7 +147,18 @@ def _decoder(model):
     """The decoder stack holding the rotary modules: ``model.model`` (Llama and most), else the
     base model (GPT-NeoX's ``gpt_neox``)."""
     inner = getattr(model, "model", None)
-    return inner if inner is not None and hasattr(inner, "rotary_emb") else model.base_model
+    rotary = inner is not None and (hasattr(inner, "rotary_emb") or hasattr(inner, "rotary_embs"))
+    return inner if rotary else model.base_model
+
+
+def _rotary_module(model, local: bool = False):
+    """The rotary module of the global layers, or (``local``) of the sliding ones: Gemma 3's
+    ``rotary_emb_local``, OLMo 3's ``rotary_embs['sliding_attention']``."""
+    decoder = _decoder(model)
+    embs = getattr(decoder, "rotary_embs", None)
+    if embs is not None:  # one module per attention type
+        return embs["sliding_attention" if local else "full_attention"]
+    return decoder.rotary_emb_local if local else decoder.rotary_emb
 
 
 class _Graph:
@@ -337,8 +348,8 @@ def build_onnx(
             cos, sin = rotary_tables(model, spec)
             g.init("cos_cache", cos)  # [P, d/2]
             g.init("sin_cache", sin)
-            if spec.local_rope:  # Gemma 3's sliding layers: rope_local_base_freq, no scaling
-                cos, sin = rotary_tables(model, spec, _decoder(model).rotary_emb_local)
+            if spec.local_rope:  # sliding layers: Gemma 3's rope_local_base_freq, OLMo 3's unscaled
+                cos, sin = rotary_tables(model, spec, _rotary_module(model, local=True))
                 g.init("cos_cache_local", cos)
                 g.init("sin_cache_local", sin)
             del cos, sin

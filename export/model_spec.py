@@ -385,8 +385,8 @@ def _layer_types(config) -> list[bool]:
 
 
 def _local_rope_layers(config) -> tuple[int, ...]:
-    """Gemma 3's layers that turn by ``rope_local_base_freq``: transformers picks the rotary
-    module by ``layer_types`` (a ``sliding_attention`` layer turns by the local base), not by
+    """The layers that turn by their own rotary module (Gemma 3's ``rope_local_base_freq``, OLMo
+    3's unscaled one): transformers picks the rotary module by ``layer_types`` (a ``sliding_attention`` layer turns by the local base), not by
     whether the window is shorter than the context, so a window that covers every exported
     position drops the mask but keeps the local base."""
     return tuple(i for i, sliding in enumerate(_layer_types(config)) if sliding)

@@ -46,6 +46,7 @@ AUTO_FAMILIES: dict[str, dict] = {
     "cohere": dict(tie_word_embeddings=True),
     "olmo": dict(tie_word_embeddings=False),
     "glm": dict(tie_word_embeddings=False),
+    "olmo3": dict(tie_word_embeddings=False),
     "arcee": dict(tie_word_embeddings=False),
     "seed_oss": dict(tie_word_embeddings=False),
     "helium": dict(tie_word_embeddings=False),

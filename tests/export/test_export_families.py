@@ -189,6 +189,16 @@ CASES = {
         dict(partial_rotary_factor=0.5, attention_bias=True),
         ({"partial_rotary_factor": 1.0},),
     ),
+    "olmo3": (  # OLMo 2's layout, windows on layer_types' sliding layers, which turn unscaled
+        "olmo3",
+        dict(
+            window=WINDOW,
+            layers=3,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+        ),
+        ({"sliding_window": 4096}, {"rope_scaling": None}, "qk_norm"),
+    ),
     "arcee": ("arcee", dict(hidden_act="relu2"), ({"hidden_act": "relu"},)),
     "seed_oss": ("seed_oss", dict(attention_bias=True, attention_out_bias=True), ({"rope_theta": 10.0},)),
     "helium": ("helium", dict(attention_bias=True), ("halves_rotary",)),
