@@ -338,12 +338,11 @@ def build_onnx(
     d, kv, nh, own, rot = spec.head_dim, spec.num_kv_heads, spec.num_heads, spec.own_head_dim, spec.rotary
     heads = {"q": nh, "k": kv, "v": kv}
     inter = spec.rotary_interleaved  # GPT-J: pairs 2i, 2i + 1 turn together
-    blocks = _Blocks(sd, spec)
 
     out_dir = Path(out_dir)
     with ExternalDataWriter(out_dir / "model.onnx.data") as data:
         g = _Graph(data, quant, spec.rms_eps)
-        blocks.g = g
+        blocks = _Blocks(g, sd, spec)
         if not spec.learned_positions:
             cos, sin = rotary_tables(model, spec)
             g.init("cos_cache", cos)  # [P, d/2]
@@ -470,9 +469,8 @@ def build_onnx(
 class _Blocks:
     """The per-layer building blocks a family combines (``export.families``), on one graph."""
 
-    def __init__(self, sd, spec: ModelSpec):
-        self.sd, self.spec = sd, spec
-        self.g: _Graph
+    def __init__(self, g: _Graph, sd, spec: ModelSpec):
+        self.g, self.sd, self.spec = g, sd, spec
 
     def bias(self, key: str) -> np.ndarray | None:
         """``<key>.bias`` when the checkpoint has one (check_weights allowed it)."""
