@@ -340,6 +340,18 @@ FAMILY_TABLE: dict[str, Family] = {
         Family("olmo", norm="layer", norm_weights=False, eps_key="", clip_key="clip_qkv"),
         # GLM-4 (glm): interleaved partial rotary, fused gate_up_proj, q/k/v biases
         Family("glm", rotary_key="partial_rotary_factor", rotary_interleaved=True),
+        # GLM-4-0414 (glm4): GLM with a norm after attention and after the MLP too (Gemma 2's sandwich)
+        Family(
+            "glm4",
+            layout="sandwich",
+            rotary_key="partial_rotary_factor",
+            rotary_interleaved=True,
+            renames=(  # its names for the sandwich's norms (the MLP's input norm first)
+                (".post_attention_layernorm.", ".pre_feedforward_layernorm."),
+                (".post_self_attn_layernorm.", ".post_attention_layernorm."),
+                (".post_mlp_layernorm.", ".post_feedforward_layernorm."),
+            ),
+        ),
         # OLMo 3: OLMo 2 with windows on the layers layer_types marks, which turn unscaled
         Family("olmo3", layout="post", qk_norm="full", windows="layer_types", local_rope=True),
         Family("arcee", gated=False, acts=("relu2",)),  # AFM: Llama with a plain relu^2 MLP

@@ -189,6 +189,11 @@ CASES = {
         dict(partial_rotary_factor=0.5, attention_bias=True),
         ({"partial_rotary_factor": 1.0},),
     ),
+    "glm4": (  # GLM's attention, Gemma 2's sandwich of norms
+        "glm4",
+        dict(partial_rotary_factor=0.5, attention_bias=True),
+        ({"partial_rotary_factor": 1.0},),
+    ),
     "olmo3": (  # OLMo 2's layout, windows on layer_types' sliding layers, which turn unscaled
         "olmo3",
         dict(
