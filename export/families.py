@@ -78,6 +78,7 @@ class Family:
     softcaps: bool = False  # Gemma 2: attn_logit_softcapping, final_logit_softcapping
     local_rope: bool = False  # sliding layers turn by their own rotary module (Gemma 3's local base, OLMo 3's)
     nope_layers: bool = False  # SmolLM3: no_rope_layers
+    nope_global: bool = False  # EXAONE 4: with a sliding_window, its global layers turn not at all
     causal_key: str = ""  # a config flag that must be false (Gemma 3's use_bidirectional_attention)
     refuse: tuple[str, ...] = ()  # config flags the graph has no block for: refused when true
     require: tuple[str, ...] = ()  # config flags the graph needs true (OPT's do_layer_norm_before)
@@ -354,6 +355,9 @@ FAMILY_TABLE: dict[str, Family] = {
         ),
         # OLMo 3: OLMo 2 with windows on the layers layer_types marks, which turn unscaled
         Family("olmo3", layout="post", qk_norm="full", windows="layer_types", local_rope=True),
+        # EXAONE 4: OLMo 2's norms after attention and the MLP, q/k norms per head, windows on
+        # layer_types' sliding layers and no rotary on the others
+        Family("exaone4", layout="post", qk_norm="head", windows="layer_types", nope_global=True),
         Family("arcee", gated=False, acts=("relu2",)),  # AFM: Llama with a plain relu^2 MLP
         Family("seed_oss"),  # Llama's graph (its o_proj bias: attention_out_bias)
         Family("helium", rotary_interleaved=True),  # Llama with GLM's interleaved rotary

@@ -234,7 +234,7 @@ class ModelSpec:
             rms_eps=eps,
             rotary_dim=rotary if rotary != own else 0,
             qk_norm=fam.qk_norm == "head",
-            nope_layers=_nope_layers(config, family) if fam.nope_layers else (),
+            nope_layers=_nope_layers(config, family) if fam.nope_layers else _global_nope(config, fam),
             windows=windows,
             attn_scale=scale,
             attn_softcap=_softcap(config, "attn_logit_softcapping") if fam.softcaps else 0.0,
@@ -390,6 +390,14 @@ def _local_rope_layers(config) -> tuple[int, ...]:
     whether the window is shorter than the context, so a window that covers every exported
     position drops the mask but keeps the local base."""
     return tuple(i for i, sliding in enumerate(_layer_types(config)) if sliding)
+
+
+def _global_nope(config, fam: Family) -> tuple[int, ...]:
+    """EXAONE 4's layers without rotary: with a ``sliding_window`` set, transformers turns only
+    the layers ``layer_types`` marks sliding (whether or not the window covers the context)."""
+    if not fam.nope_global or getattr(config, "sliding_window", None) is None:
+        return ()
+    return tuple(i for i, sliding in enumerate(_layer_types(config)) if not sliding)
 
 
 def _nope_layers(config, family: str) -> tuple[int, ...]:

@@ -48,6 +48,7 @@ AUTO_FAMILIES: dict[str, dict] = {
     "glm": dict(tie_word_embeddings=False),
     "olmo3": dict(tie_word_embeddings=False),
     "glm4": dict(tie_word_embeddings=False),
+    "exaone4": dict(tie_word_embeddings=False),
     "arcee": dict(tie_word_embeddings=False),
     "seed_oss": dict(tie_word_embeddings=False),
     "helium": dict(tie_word_embeddings=False),
@@ -242,7 +243,15 @@ def build_tiny_checkpoint(
             options.setdefault("ffn_hidden_size", intermediate)
         if family in ("gpt_bigcode", "gptj", "gpt2"):
             options.setdefault("n_inner", intermediate)
-        if family in ("gemma", "glm", "glm4", "seed_oss", "helium", "ministral"):  # default heads of 256, 128
+        if family in (
+            "gemma",
+            "glm",
+            "glm4",
+            "seed_oss",
+            "helium",
+            "ministral",
+            "exaone4",
+        ):  # default heads of 256, 128
             options.setdefault("head_dim", hidden // heads)
         if window:
             options["sliding_window"] = window

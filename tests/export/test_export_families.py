@@ -204,6 +204,11 @@ CASES = {
         ),
         ({"sliding_window": 4096}, {"rope_scaling": None}, "qk_norm"),
     ),
+    "exaone4": (  # norms after attention and the MLP, per-head q/k norms, windows, no rotary on global layers
+        "exaone4",
+        dict(window=WINDOW, layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+        ({"sliding_window": 4096}, "qk_norm"),
+    ),
     "arcee": ("arcee", dict(hidden_act="relu2"), ({"hidden_act": "relu"},)),
     "seed_oss": ("seed_oss", dict(attention_bias=True, attention_out_bias=True), ({"rope_theta": 10.0},)),
     "helium": ("helium", dict(attention_bias=True), ("halves_rotary",)),
