@@ -20,7 +20,14 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..batching import BatchExecutor
 from ..checks import brief_repr, check_bool, check_int, check_number
-from ..errors import ConsumerTimeoutError, ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
+from ..errors import (
+    ConsumerTimeoutError,
+    ContextLengthError,
+    EngineClosedError,
+    InferenceError,
+    InvalidInputError,
+    SpecDecError,
+)
 from ..kvcache.prefix import DEFAULT_BUDGET_BYTES, PrefixCache
 from ..policy.config import SpecConfig
 from ..sampling.constraints import GRAMMAR_THREADS, GrammarFactory, MinTokens
@@ -42,6 +49,7 @@ from ..spec.request_checks import (
 from ..spec.scheduler import SpecDecScheduler
 from ..text.codec import TextCodec
 from ..text.encode_process import PromptEncoder
+from ..text.tokenizer_checks import PASS_THROUGH
 from ..text.tools import parse_tool_calls
 from ..types import Stats
 from .factory import build_parts
@@ -427,6 +435,10 @@ class Engine:
             raise
         except Exception as exc:  # noqa: BLE001 - the codec maps what it knows; anything else is still the prompt's
             raise InvalidInputError(f"prompt cannot be encoded: {type(exc).__name__}: {exc}"[:300]) from exc
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:  # a native library's panic: never a request that ends without a word
+            raise InferenceError(f"prompt cannot be encoded: {type(exc).__name__}: {exc}"[:300]) from exc
         if len(ids) == 0:
             raise InvalidInputError("prompt encodes to no tokens: give some text")
         limit = self.scheduler.max_length or len(ids) + max_new_tokens
