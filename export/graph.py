@@ -1,5 +1,6 @@
-"""Emit a compact, fused ONNX graph for a Llama-style decoder (Llama, Mistral, Qwen2, Qwen3,
-Phi-3, SmolLM3, Gemma 2, Gemma 3; ``export.model_spec``) straight from its weights.
+"""Emit a compact, fused ONNX graph for a decoder (Llama and the families of
+``export.families``, each a combination of this graph's blocks: norms, layer layouts, MLPs,
+biases, rotary or learned positions, multipliers; ``export.model_spec``) straight from its weights.
 
 The graph is what onnxruntime-genai's model builder would write, ~12 nodes a layer:
 
@@ -65,7 +66,7 @@ from specdec_rt.manifest_schema import IO_NAMES, PACKED_ROLES, TREE_ROLES  # the
 
 from .errors import UnsupportedModelError
 from .grid import find_grid
-from .layout import check_weights, pad_heads, rotary_width, split_fused
+from .layout import check_weights, pad_heads, rename, rotary_width, split_fused
 from .model_spec import ModelSpec
 from .quant import QuantSpec, quantize
 from .weights import ExternalDataWriter
@@ -97,7 +98,35 @@ def rotary_tables(model, spec: ModelSpec, module=None) -> tuple[np.ndarray, np.n
     """
     import torch
 
-    rot = model.model.rotary_emb if module is None else module
+    if spec.rotary_interleaved and getattr(_decoder(model), "rotary_emb", None) is not None:
+        rot = _decoder(model).rotary_emb  # Cohere's and GLM's: one angle per pair
+        with torch.no_grad():
+            pos = torch.arange(spec.max_positions, dtype=torch.long)[None]
+            cos_t, sin_t = rot(torch.zeros(1, dtype=torch.float32), pos)
+        cos_i, sin_i = cos_t[0].float().numpy(), sin_t[0].float().numpy()
+        half = spec.rotary // 2
+        if cos_i.shape[-1] != spec.rotary:
+            raise UnsupportedModelError(f"unsupported interleaved rotary table of {cos_i.shape[-1]} dimensions")
+        if np.array_equal(cos_i[:, ::2], cos_i[:, 1::2]):  # each angle twice in a row (Cohere)
+            cos_i, sin_i = cos_i[:, ::2], sin_i[:, ::2]
+        elif np.array_equal(cos_i[:, :half], cos_i[:, half:]):  # Llama's cat(f, f), paired by GLM's apply
+            cos_i, sin_i = cos_i[:, :half], sin_i[:, :half]
+        else:
+            raise UnsupportedModelError("unsupported rotary table: neither interleaved nor halves")
+        pad = rotary_width(spec.own_head_dim, spec.rotary) // 2 - half
+        cos = np.pad(cos_i, ((0, 0), (0, pad)), constant_values=1.0)
+        sin = np.pad(sin_i, ((0, 0), (0, pad)), constant_values=0.0)
+        return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+    if spec.rotary_interleaved:  # GPT-J: its attention's own table, [P, rotary] = cat(sin, cos)
+        table = model.base_model.h[0].attn.embed_positions[: spec.max_positions].float().numpy()
+        half = spec.rotary // 2
+        if table.shape != (spec.max_positions, spec.rotary):
+            raise UnsupportedModelError(f"unsupported rotary table of shape {table.shape} for {spec.rotary} dimensions")
+        pad = rotary_width(spec.own_head_dim, spec.rotary) // 2 - half
+        cos = np.pad(table[:, half:], ((0, 0), (0, pad)), constant_values=1.0)
+        sin = np.pad(table[:, :half], ((0, 0), (0, pad)), constant_values=0.0)
+        return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+    rot = _rotary_module(model) if module is None else module
     with torch.no_grad():
         pos = torch.arange(spec.max_positions, dtype=torch.long)[None]  # [1, P]
         cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)  # [1, P, d] each
@@ -112,6 +141,24 @@ def rotary_tables(model, spec: ModelSpec, module=None) -> tuple[np.ndarray, np.n
     cos = np.pad(cos[:, :half], ((0, 0), (0, pad)), constant_values=1.0)
     sin = np.pad(sin[:, :half], ((0, 0), (0, pad)), constant_values=0.0)
     return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+
+
+def _decoder(model):
+    """The decoder stack holding the rotary modules: ``model.model`` (Llama and most), else the
+    base model (GPT-NeoX's ``gpt_neox``)."""
+    inner = getattr(model, "model", None)
+    rotary = inner is not None and (hasattr(inner, "rotary_emb") or hasattr(inner, "rotary_embs"))
+    return inner if rotary else model.base_model
+
+
+def _rotary_module(model, local: bool = False):
+    """The rotary module of the global layers, or (``local``) of the sliding ones: Gemma 3's
+    ``rotary_emb_local``, OLMo 3's ``rotary_embs['sliding_attention']``."""
+    decoder = _decoder(model)
+    embs = getattr(decoder, "rotary_embs", None)
+    if embs is not None:  # one module per attention type
+        return embs["sliding_attention" if local else "full_attention"]
+    return decoder.rotary_emb_local if local else decoder.rotary_emb
 
 
 class _Graph:
@@ -165,7 +212,8 @@ class _Graph:
 
     def linear(self, x: str, w: np.ndarray, name: str, bias: np.ndarray | None = None, out: str | None = None) -> str:
         """`x @ w (+ bias)` for `w` float32 [K, N]; MatMulNBits when quantizing."""
-        out = out or f"{name}/output"
+        final = out or f"{name}/output"
+        out = f"{name}/matmul" if bias is not None else final
         if self.quant is None:
             self.node("MatMul", [x, self.init(f"{name}.weight", w)], [out], f"{name}/MatMul")
         else:
@@ -200,15 +248,22 @@ class _Graph:
                 self.node("Add", [f"{name}/codes", part], [out], f"{name}/AddOffsets")
         if bias is None:
             return out
-        return self.node("Add", [out, self.init(f"{name}.bias", bias)], [f"{name}/biased"], f"{name}/Add")[0]
+        return self.node("Add", [out, self.init(f"{name}.bias", bias)], [final], f"{name}/Add")[0]
 
-    def head_norm(self, x: str, heads: int, own: int, padded: int, rotary: int, w: np.ndarray, name: str) -> str:
-        """RMSNorm over each head of ``x`` ``[1, N, heads * own]`` (Qwen3's q_norm / k_norm),
-        as ``[1, N, heads * padded]`` in the layout of ``layout.pad_heads`` (the padding, a
-        MatMul by a 0/1 matrix: every output is one input times 1, exactly)."""
+    def head_norm(
+        self, x: str, heads: int, own: int, padded: int, rotary: int, w: np.ndarray, name: str, full: bool = False
+    ) -> str:
+        """RMSNorm over each head of ``x`` ``[1, N, heads * own]`` (Qwen3's q_norm / k_norm), or
+        over all of it (``full``: OLMo 2's, weight ``[heads * own]``), as
+        ``[1, N, heads * padded]`` in the layout of ``layout.pad_heads`` (the padding, a MatMul by
+        a 0/1 matrix: every output is one input times 1, exactly)."""
+        if full:
+            x, _ = self.rms_norm(x, None, w, name)
+            if padded == own:
+                return x
         shape = self.init(f"{name}/head_shape", np.array([0, 0, heads, own], dtype=np.int64))
         rows = self.node("Reshape", [x, shape], [f"{name}/heads"], f"{name}/Heads")[0]
-        out, _ = self.rms_norm(rows, None, w, name)
+        out = rows if full else self.rms_norm(rows, None, w, name)[0]
         if padded != own:
             scatter = pad_heads(np.eye(own, dtype=np.float32), 1, own, padded, rotary)  # [own, padded]
             out = self.node("MatMul", [out, self.init(f"{name}/pad", scatter)], [f"{name}/padded"], f"{name}/Pad")[0]
@@ -228,6 +283,24 @@ class _Graph:
                 "ReduceSum", [rows, axes], [f"{tag}/block_sums"], f"{tag}/BlockSums", keepdims=0
             )[0]
         return self._block_sums[key]
+
+    def layer_norm(
+        self, x: str, skip: str | None, w: np.ndarray, b: np.ndarray | None, name: str, out: str | None = None
+    ) -> tuple[str, str]:
+        """LayerNorm(x + skip) * w (+ b); returns (normed, x + skip)."""
+        eps, out = self.eps, out or f"{name}/output"
+        ins = [self.init(f"{name}.weight", w)] + ([self.init(f"{name}.bias", b)] if b is not None else [])
+        if skip is None:
+            return self.node("LayerNormalization", [x, *ins], [out], name, axis=-1, epsilon=eps, stash_type=1)[0], x
+        out, _, _, summed = self.node(
+            "SkipLayerNormalization",
+            [x, skip, *ins],
+            [out, "", "", f"{name}/sum"],
+            name,
+            domain=MS,
+            epsilon=eps,
+        )
+        return out, summed
 
     def rms_norm(self, x: str, skip: str | None, w: np.ndarray, name: str, out: str | None = None):
         """RMSNorm(x + skip) * w; returns (normed, x + skip)."""
@@ -260,107 +333,129 @@ def build_onnx(
     `model` is a transformers causal LM of a supported family (``ModelSpec.family``) in
     float32. `on_layer(i)` is called after each layer (progress bars).
     """
-    sd = split_fused(model.state_dict(), spec)  # Phi-3's fused qkv / gate_up as the graph's
+    sd = split_fused(rename(model.state_dict(), spec), spec)  # Llama's names; fused qkv / gate_up split
     check_weights(sd, spec)
     d, kv, nh, own, rot = spec.head_dim, spec.num_kv_heads, spec.num_heads, spec.own_head_dim, spec.rotary
     heads = {"q": nh, "k": kv, "v": kv}
-    cos, sin = rotary_tables(model, spec)
-    one = np.float32(1.0)
-
-    def norm(key: str) -> np.ndarray:  # a norm's weight as the graph multiplies by it: Gemma's 1 + w
-        w = _np(sd[key])
-        return w + one if spec.gemma else w
+    inter = spec.rotary_interleaved  # GPT-J: pairs 2i, 2i + 1 turn together
 
     out_dir = Path(out_dir)
     with ExternalDataWriter(out_dir / "model.onnx.data") as data:
         g = _Graph(data, quant, spec.rms_eps)
-        g.init("cos_cache", cos)  # [P, d/2]
-        g.init("sin_cache", sin)
-        if spec.local_rope:  # Gemma 3's sliding layers: rope_local_base_freq, no scaling
-            cos, sin = rotary_tables(model, spec, model.model.rotary_emb_local)
-            g.init("cos_cache_local", cos)
-            g.init("sin_cache_local", sin)
-        del cos, sin
+        blocks = _Blocks(g, sd, spec)
+        if not spec.learned_positions:
+            cos, sin = rotary_tables(model, spec)
+            g.init("cos_cache", cos)  # [P, d/2]
+            g.init("sin_cache", sin)
+            if spec.local_rope:  # sliding layers: Gemma 3's rope_local_base_freq, OLMo 3's unscaled
+                cos, sin = rotary_tables(model, spec, _rotary_module(model, local=True))
+                g.init("cos_cache_local", cos)
+                g.init("sin_cache_local", sin)
+            del cos, sin
         x = g.node(
             "Gather",
             [g.init("embed_tokens.weight", _np(sd["model.embed_tokens.weight"])), "input_ids"],
             ["/embed/output"],
             "/embed/Gather",
         )[0]  # [B, S, H]
-        if spec.gemma:  # x sqrt(hidden), rounded to float32 first as transformers does
-            scale = g.init("/embed/scale", np.array(math.sqrt(spec.hidden_size), dtype=np.float32))
+        if spec.embed_scale:  # Gemma: x sqrt(hidden), rounded to float32 first as transformers does
+            scale = g.init("/embed/scale", np.array(spec.embed_scale, dtype=np.float32))
             x = g.node("Mul", [x, scale], ["/embed/scaled"], "/embed/Scale")[0]
+        if spec.learned_positions:  # + the embedding of each packed position (its row p + offset)
+            rows = "position_ids"
+            if spec.position_offset:
+                off = g.init("/embed_positions/offset", np.array(spec.position_offset, dtype=np.int64))
+                rows = g.node("Add", [rows, off], ["/embed_positions/rows"], "/embed_positions/Offset")[0]
+            table = g.init("embed_positions.weight", _np(sd["model.embed_positions.weight"]))
+            pos = g.node("Gather", [table, rows], ["/embed_positions/output"], "/embed_positions/Gather")[0]
+            x = g.node("Add", [x, pos], ["/embed/positioned"], "/embed/AddPositions")[0]
         stream, res = x, None  # stream: the branch output to add; res: the running residual
         g.position_rows()  # [B, S] for attention, from the packed [1, N]
+        layout = spec.layout
         for i in range(spec.num_layers):
-            p = f"model.layers.{i}."
-            h, res = g.rms_norm(stream, res, norm(p + "input_layernorm.weight"), f"/layers.{i}/input_layernorm")
+            p, n = f"model.layers.{i}.", f"/layers.{i}"
+            if layout == "post":  # OLMo 2: attention reads the residual itself
+                h = res = blocks.add(stream, res, f"{n}/attn_residual")
+            else:
+                h, res = blocks.norm(stream, res, p + "input_layernorm", f"{n}/input_layernorm")
             att = p + "self_attn."
-            # q and k unpadded where each head is normed first (Qwen3): the norm pads them
-            size = {n: own if spec.qk_norm and n != "v" else d for n in "qkv"}
+            # q and k unpadded where they are normed first (Qwen3, OLMo 2): the norm pads them
+            normed = spec.qk_norm or spec.qk_norm_full
+            size = {n: own if normed and n != "v" else d for n in "qkv"}
             w_qkv = np.concatenate(
-                [pad_heads(_np(sd[att + f"{n}_proj.weight"]).T, heads[n], own, size[n], rot) for n in "qkv"], axis=1
+                [pad_heads(_np(sd[att + f"{n}_proj.weight"]).T, heads[n], own, size[n], rot, inter) for n in "qkv"],
+                axis=1,
             )
             b_qkv = None
             if att + "q_proj.bias" in sd:
                 b_qkv = np.concatenate(
-                    [pad_heads(_np(sd[att + f"{n}_proj.bias"]), heads[n], own, size[n], rot) for n in "qkv"]
+                    [pad_heads(_np(sd[att + f"{n}_proj.bias"]), heads[n], own, size[n], rot, inter) for n in "qkv"]
                 )
-            qkv = g.linear(h, w_qkv, f"/layers.{i}/attn/qkv", b_qkv)  # [1, N, (nh + 2 kv) d]
+            qkv = g.linear(h, w_qkv, f"{n}/attn/qkv", b_qkv)  # [1, N, (nh + 2 kv) d]
             del w_qkv
-            if spec.qk_norm:
-                qkv = _norm_heads(g, qkv, sd, att, spec, f"/layers.{i}/attn", one if spec.gemma else None)
-            rotary = i not in spec.nope_layers  # SmolLM3: some layers have no rotary
+            if spec.clip_qkv:  # OLMo: q, k and v clamped (padding stays 0)
+                lo = g.init(f"{n}/attn/clip_lo", np.array(-spec.clip_qkv, dtype=np.float32))
+                hi = g.init(f"{n}/attn/clip_hi", np.array(spec.clip_qkv, dtype=np.float32))
+                qkv = g.node("Clip", [qkv, lo, hi], [f"{n}/attn/clipped"], f"{n}/attn/Clip")[0]
+            if normed:
+                qkv = _norm_heads(g, qkv, sd, att, spec, f"{n}/attn")
+            rotary = i not in spec.nope_layers and not spec.learned_positions  # SmolLM3: some layers have none
             window = spec.windows[i] if spec.windows else 0  # 0: every earlier position
             softcap = {"softcap": spec.attn_softcap} if spec.attn_softcap else {}
             a = g.node(
                 "GroupQueryAttention",
-                gqa_inputs(g.unpack(qkv, f"/layers.{i}/attn"), i, rotary=rotary, local=spec.local_rope and window > 0),
-                [f"/layers.{i}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
-                f"/layers.{i}/attn/GroupQueryAttention",
+                gqa_inputs(g.unpack(qkv, f"{n}/attn"), i, rotary=rotary, local=i in spec.local_rope_layers),
+                [f"{n}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
+                f"{n}/attn/GroupQueryAttention",
                 domain=MS,
                 num_heads=nh,
                 kv_num_heads=kv,
                 scale=spec.attn_scale or 1.0 / math.sqrt(own),
                 do_rotary=int(rotary),
-                rotary_interleaved=0,
+                rotary_interleaved=int(inter),
                 local_window_size=window if window else -1,  # itself and the window - 1 before it
                 **softcap,
             )[0]
-            a = g.pack(a, f"/layers.{i}/attn")  # [1, N, nh d]
-            w_o = pad_heads(_np(sd[att + "o_proj.weight"]), nh, own, d, rot).T  # [nh d, H]: zero rows for padding
-            b_o = sd.get(att + "o_proj.bias")  # Llama with attention_bias=True
-            o = g.linear(a, w_o, f"/layers.{i}/attn/o_proj", None if b_o is None else _np(b_o))
-            post = norm(p + "post_attention_layernorm.weight")
-            if spec.gemma:  # the output normed, then added, then normed again for the MLP
-                o, _ = g.rms_norm(o, None, post, f"/layers.{i}/post_attention_layernorm")
-                post, name = norm(p + "pre_feedforward_layernorm.weight"), f"/layers.{i}/pre_feedforward_layernorm"
+            a = g.pack(a, f"{n}/attn")  # [1, N, nh d]
+            w_o = pad_heads(
+                _np(sd[att + "o_proj.weight"]), nh, own, d, rot, inter
+            ).T  # [nh d, H]: zero rows for padding
+            o = g.linear(a, w_o, f"{n}/attn/o_proj", blocks.bias(att + "o_proj"))
+            if layout in ("parallel", "parallel2"):  # the MLP reads the layer's input too; one add
+                if layout == "parallel2":  # GPT-NeoX: its own norm of the input
+                    h, _ = blocks.norm(res, None, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
+                m = blocks.mlp(h, p + "mlp.", f"{n}/mlp")
+                stream = blocks.scaled(g.node("Add", [o, m], [f"{n}/branches"], f"{n}/Branches")[0], f"{n}/branch")
             else:
-                name = f"/layers.{i}/post_attention_layernorm"
-            h, res = g.rms_norm(o, res, post, name)
-            mlp = p + "mlp."
-            gate = g.linear(h, _np(sd[mlp + "gate_proj.weight"]).T, f"/layers.{i}/mlp/gate_proj")
-            up = g.linear(h, _np(sd[mlp + "up_proj.weight"]).T, f"/layers.{i}/mlp/up_proj")
-            m = f"/layers.{i}/mlp"
-            if spec.gemma:  # GeGLU: the tanh GELU (transformers' gelu_pytorch_tanh)
-                gelu = g.node("Gelu", [gate], [f"{m}/gelu"], f"{m}/Gelu", approximate="tanh")
-                act = g.node("Mul", [gelu[0], up], [f"{m}/act"], f"{m}/Mul")
-            else:
-                sig = g.node("Sigmoid", [gate], [f"{m}/sigmoid"], f"{m}/Sigmoid")
-                silu = g.node("Mul", [gate, sig[0]], [f"{m}/silu"], f"{m}/SiLU")  # ORT: QuickGelu
-                act = g.node("Mul", [silu[0], up], [f"{m}/act"], f"{m}/Mul")
-            stream = g.linear(act[0], _np(sd[mlp + "down_proj.weight"]).T, f"/layers.{i}/mlp/down_proj")
-            if spec.gemma:
-                stream, _ = g.rms_norm(stream, None, norm(p + "post_feedforward_layernorm.weight"), f"{m}/post_norm")
+                o = blocks.scaled(o, f"{n}/attn")
+                if layout == "pre":
+                    h, res = blocks.norm(o, res, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
+                else:  # the output normed, then added (then normed again for the MLP: Gemma 2 / 3)
+                    o, _ = blocks.norm(o, None, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
+                    if layout == "sandwich":
+                        h, res = blocks.norm(o, res, p + "pre_feedforward_layernorm", f"{n}/pre_feedforward_layernorm")
+                    else:
+                        h = res = blocks.add(o, res, f"{n}/mlp_residual")
+                stream = blocks.mlp(h, p + "mlp.", f"{n}/mlp")
+                if layout in ("sandwich", "post"):
+                    stream, _ = blocks.norm(stream, None, p + "post_feedforward_layernorm", f"{n}/mlp/post_norm")
+                stream = blocks.scaled(stream, f"{n}/mlp")
             if on_layer:
                 on_layer(i)
-        g.rms_norm(stream, res, norm("model.norm.weight"), "/norm", out="hidden_states")
+        blocks.norm(stream, res, "model.norm", "/norm", out="hidden_states")
         picked = g.node("Gather", ["hidden_states", "logits_index"], ["/lm_head/rows"], "/lm_head/Gather", axis=1)[
             0
         ]  # [B, R, H]
         head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-        cap = spec.final_softcap
-        logits = g.linear(picked, _np(head).T, "/lm_head", out=None if cap else "logits")  # [B, R, V]
+        cap, div, mul = spec.final_softcap, spec.logits_divisor, spec.logits_scale
+        last = not (cap or div or mul)
+        logits = g.linear(picked, _np(head).T, "/lm_head", blocks.bias("lm_head"), out="logits" if last else None)
+        if mul:  # Cohere: logits x logit_scale
+            c = g.init("/lm_head/scale", np.array(mul, dtype=np.float32))
+            logits = g.node("Mul", [logits, c], ["/lm_head/multiplied" if cap or div else "logits"], "/lm_head/Mul")[0]
+        if div:  # Granite: logits / logits_scaling
+            c = g.init("/lm_head/divisor", np.array(div, dtype=np.float32))
+            logits = g.node("Div", [logits, c], ["/lm_head/scaled" if cap else "logits"], "/lm_head/Scale")[0]
         if cap:  # Gemma 2: tanh(logits / cap) * cap
             c = g.init("/lm_head/softcap", np.array(cap, dtype=np.float32))
             t = g.node("Div", [logits, c], ["/lm_head/capped"], "/lm_head/SoftcapDiv")[0]
@@ -371,19 +466,79 @@ def build_onnx(
     return save_graph(g, "decoder", inputs, outputs, out_dir / "model.onnx", "specdec-rt export")
 
 
-def _norm_heads(g: _Graph, qkv: str, sd, att: str, spec: ModelSpec, name: str, plus=None) -> str:
-    """Qwen3's and Gemma 3's RMSNorm of each query and key head (``q_norm``, ``k_norm``, before
-    rotary) on the fused projection ``[1, N, (nh + kv) own + kv d]``: split, normed and padded to
-    the graph's head size, joined again ``[1, N, (nh + 2 kv) d]``. ``plus``: added to the norms'
-    weights (Gemma's ``1 + w``)."""
+class _Blocks:
+    """The per-layer building blocks a family combines (``export.families``), on one graph."""
+
+    def __init__(self, g: _Graph, sd, spec: ModelSpec):
+        self.g, self.sd, self.spec = g, sd, spec
+
+    def bias(self, key: str) -> np.ndarray | None:
+        """``<key>.bias`` when the checkpoint has one (check_weights allowed it)."""
+        b = self.sd.get(key + ".bias")
+        return None if b is None else _np(b)
+
+    def norm(self, x: str, skip: str | None, key: str, name: str, out: str | None = None) -> tuple[str, str]:
+        """The family's norm (``<key>.weight`` + its offset, LayerNorm's bias) of ``x + skip``;
+        returns (normed, x + skip)."""
+        w = _np(self.sd[key + ".weight"]) if self.spec.norm_weights else np.ones(self.spec.hidden_size, np.float32)
+        if self.spec.norm_offset:
+            w = w + np.float32(self.spec.norm_offset)
+        if self.spec.norm == "layer":
+            return self.g.layer_norm(x, skip, w, self.bias(key), name, out=out)
+        return self.g.rms_norm(x, skip, w, name, out=out)
+
+    def add(self, x: str, res: str | None, name: str) -> str:
+        """``x + res`` (``x`` alone before the first residual)."""
+        return x if res is None else self.g.node("Add", [x, res], [f"{name}/sum"], f"{name}/Add")[0]
+
+    def scaled(self, x: str, name: str) -> str:
+        """A branch times the residual multiplier before its add (Granite), else itself."""
+        if not self.spec.residual_scale:
+            return x
+        m = self.g.init(f"{name}/residual_scale", np.array(self.spec.residual_scale, dtype=np.float32))
+        return self.g.node("Mul", [x, m], [f"{name}/scaled"], f"{name}/ResidualScale")[0]
+
+    def mlp(self, h: str, key: str, m: str) -> str:
+        """``down(act(gate(h)) * up(h))``, or ``down(act(up(h)))`` for a plain MLP, with biases
+        where the checkpoint has them."""
+        g, sd = self.g, self.sd
+        gate = None
+        if self.spec.gated:
+            gate = g.linear(h, _np(sd[key + "gate_proj.weight"]).T, f"{m}/gate_proj", self.bias(key + "gate_proj"))
+        up = g.linear(h, _np(sd[key + "up_proj.weight"]).T, f"{m}/up_proj", self.bias(key + "up_proj"))
+        act = self.activation(gate if gate is not None else up, m)
+        if gate is not None:
+            act = g.node("Mul", [act, up], [f"{m}/act"], f"{m}/Mul")[0]
+        return g.linear(act, _np(sd[key + "down_proj.weight"]).T, f"{m}/down_proj", self.bias(key + "down_proj"))
+
+    def activation(self, x: str, m: str) -> str:
+        g, kind = self.g, self.spec.act
+        if kind == "silu":
+            sig = g.node("Sigmoid", [x], [f"{m}/sigmoid"], f"{m}/Sigmoid")[0]
+            return g.node("Mul", [x, sig], [f"{m}/silu"], f"{m}/SiLU")[0]  # ORT: QuickGelu
+        if kind in ("gelu", "gelu_tanh"):  # erf, or the tanh approximation (gelu_new, gelu_pytorch_tanh)
+            extra = {"approximate": "tanh"} if kind == "gelu_tanh" else {}
+            return g.node("Gelu", [x], [f"{m}/gelu"], f"{m}/Gelu", **extra)[0]
+        r = g.node("Relu", [x], [f"{m}/relu"], f"{m}/Relu")[0]
+        if kind == "relu":
+            return r
+        return g.node("Mul", [r, r], [f"{m}/relu2"], f"{m}/Square")[0]  # relu2
+
+
+def _norm_heads(g: _Graph, qkv: str, sd, att: str, spec: ModelSpec, name: str) -> str:
+    """The RMSNorm of queries and keys before rotary (``q_norm``, ``k_norm``) on the fused
+    projection ``[1, N, (nh + kv) own + kv d]``: each head (Qwen3; Gemma 3 with ``1 + w``) or the
+    whole projection (OLMo 2), split, normed and padded to the graph's head size, joined again
+    ``[1, N, (nh + 2 kv) d]``."""
     own, d, nh, kv, rot = spec.own_head_dim, spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.rotary
     sizes = g.init(f"{name}/qkv_split", np.array([nh * own, kv * own, kv * d], dtype=np.int64))
     q, k, v = g.node("Split", [qkv, sizes], [f"{name}/q", f"{name}/k", f"{name}/v"], f"{name}/Split", axis=-1)
     wq, wk = _np(sd[att + "q_norm.weight"]), _np(sd[att + "k_norm.weight"])
-    if plus is not None:
-        wq, wk = wq + plus, wk + plus
-    q = g.head_norm(q, nh, own, d, rot, wq, f"{name}/q_norm")
-    k = g.head_norm(k, kv, own, d, rot, wk, f"{name}/k_norm")
+    if spec.norm_offset:
+        wq, wk = wq + np.float32(spec.norm_offset), wk + np.float32(spec.norm_offset)
+    full = spec.qk_norm_full
+    q = g.head_norm(q, nh, own, d, rot, wq, f"{name}/q_norm", full=full)
+    k = g.head_norm(k, kv, own, d, rot, wk, f"{name}/k_norm", full=full)
     return g.node("Concat", [q, k, v], [f"{name}/qkv_normed"], f"{name}/Concat", axis=-1)[0]
 
 

@@ -7,7 +7,16 @@ import numpy as np
 
 from .errors import UnsupportedModelError
 
-__all__ = ["HEAD_MULTIPLE", "pad_heads", "check_weights", "split_fused", "graph_head_dim", "rotary_width"]
+__all__ = [
+    "HEAD_MULTIPLE",
+    "LAYOUT_NORMS",
+    "pad_heads",
+    "check_weights",
+    "rename",
+    "split_fused",
+    "graph_head_dim",
+    "rotary_width",
+]
 
 # ONNX Runtime's CPU GroupQueryAttention with rotary takes head sizes that are multiples of 16 only; a model
 # whose heads are smaller or odd-sized (tiny test models: hidden 16 over 4 heads) gets zero-padded
@@ -28,13 +37,17 @@ def graph_head_dim(own: int, rotary: int) -> int:
     return -(-(rotary_width(own, rotary) + own - rotary) // HEAD_MULTIPLE) * HEAD_MULTIPLE
 
 
-def pad_heads(w: np.ndarray, heads: int, own: int, padded: int, rotary: int | None = None) -> np.ndarray:
+def pad_heads(
+    w: np.ndarray, heads: int, own: int, padded: int, rotary: int | None = None, interleaved: bool = False
+) -> np.ndarray:
     """The columns ``[K, heads * own]`` of a q, k or v projection (or a bias, ``[heads * own]``)
     as ``[K, heads * padded]``: each half of each head's rotated part (its first ``rotary``
     dimensions; all of them by default) zero-padded at its end, so that GroupQueryAttention's
     rotary (which pairs dimension i with i + width / 2) still pairs the model's i with
     i + rotary / 2, then the unrotated rest, then zeros; every padded dimension holds 0 (it adds 0
-    to q . k, and its 0 in v meets a zero column of o_proj's weight padded the same way)."""
+    to q . k, and its 0 in v meets a zero column of o_proj's weight padded the same way).
+    ``interleaved`` (GPT-J: pairs 2i, 2i + 1 turn together): the rotated part as it is, zeros to
+    the padded rotary width, then the rest."""
     rotary = own if rotary is None else rotary
     if padded == own:
         return w
@@ -42,29 +55,57 @@ def pad_heads(w: np.ndarray, heads: int, own: int, padded: int, rotary: int | No
     h = w.reshape(*lead, heads, own)
     out = np.zeros((*lead, heads, padded), dtype=w.dtype)
     half, width = rotary // 2, rotary_width(own, rotary) // 2
+    if interleaved:
+        out[..., :rotary] = h[..., :rotary]
+        out[..., 2 * width : 2 * width + own - rotary] = h[..., rotary:]
+        return out.reshape(*lead, heads * padded)
     out[..., :half] = h[..., :half]
     out[..., width : width + half] = h[..., half:rotary]
     out[..., 2 * width : 2 * width + own - rotary] = h[..., rotary:]
     return out.reshape(*lead, heads * padded)
 
 
+def rename(sd, spec) -> dict:
+    """The state dict under Llama's tensor names (``spec.renames``: the family's substring
+    replacements, in order; Phi-2's ``dense`` / ``fc1`` / ``fc2``, GPT-NeoX's ``gpt_neox.*``),
+    the layers' matrices as nn.Linear's ``[out, in]`` (``spec.conv1d``: GPT-2 stores ``[in, out]``)."""
+    if not spec.renames and not spec.conv1d:
+        return sd
+    out = {}
+    for key, value in sd.items():
+        for old, new in spec.renames:
+            key = key.replace(old, new)
+        if spec.conv1d and key.startswith("model.layers.") and key.endswith("_proj.weight") and value.dim() == 2:
+            value = value.T
+        out[key] = value
+    return out
+
+
 def split_fused(sd, spec) -> dict:
-    """The state dict with Phi-3's fused projections as the tensors the graph takes: each
-    layer's ``qkv_proj`` (rows: q, then k, then v) as ``q_proj`` / ``k_proj`` / ``v_proj`` and
-    ``gate_up_proj`` (rows: gate, then up, as transformers' ``chunk(2)`` reads them) as
-    ``gate_proj`` / ``up_proj``. Row slices: views of the same numbers, nothing is copied."""
+    """The state dict with fused projections as the tensors the graph takes: each layer's
+    ``qkv_proj`` as ``q_proj`` / ``k_proj`` / ``v_proj`` (``spec.fused_qkv``: Phi-3's rows q,
+    then k, then v; GPT-NeoX's q, k, v of each head in turn, as its ``view(..., heads, 3 * d)``
+    reads them) and ``gate_up_proj`` (rows: gate, then up, as transformers' ``chunk(2)`` reads
+    them) as ``gate_proj`` / ``up_proj``. Row slices (GPT-NeoX: a reshape and a copy)."""
     if not any(k.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")) for k in sd):
         return sd
     out = dict(sd)
     own = spec.own_head_dim
     q, kv = spec.num_heads * own, spec.num_kv_heads * own
     for key in [k for k in out if k.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias"))]:
-        fused, stem, kind = out.pop(key), key[: -len("qkv_proj.weight")], key.rsplit(".", 1)[1]
+        fused, (stem, kind) = out.pop(key), key.rsplit("qkv_proj.", 1)
         if fused.shape[0] != q + 2 * kv:
             raise UnsupportedModelError(
                 f"unsupported {key} of {fused.shape[0]} rows: need {q + 2 * kv} "
                 f"(q, k and v of {spec.num_heads} and 2 x {spec.num_kv_heads} heads)"
             )
+        if spec.fused_qkv == "heads":  # [heads, 3, own, ...] -> q, k, v each [heads * own, ...]
+            if spec.num_kv_heads != spec.num_heads:
+                raise UnsupportedModelError(f"unsupported {key}: q, k and v per head need as many kv heads as heads")
+            parts = fused.reshape(spec.num_heads, 3, own, *fused.shape[1:])
+            for j, name in enumerate("qkv"):
+                out[f"{stem}{name}_proj.{kind}"] = parts[:, j].reshape(q, *fused.shape[1:])
+            continue
         for name, lo, hi in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
             out[f"{stem}{name}_proj.{kind}"] = fused[lo:hi]
     for key in [k for k in out if k.endswith("mlp.gate_up_proj.weight")]:
@@ -75,19 +116,39 @@ def split_fused(sd, spec) -> dict:
     return out
 
 
+# each layout's norms in a layer (export.families.LAYOUTS)
+LAYOUT_NORMS = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    "parallel": ("input_layernorm",),
+    "parallel2": ("input_layernorm", "post_attention_layernorm"),
+}
+
+
 def check_weights(sd, spec) -> None:
-    """Refuse a state dict with tensors the graph would not use (e.g. an MLP bias, a layer's
-    extra norm): the export would be silently wrong, and validation would find out only after
-    the whole graph was written."""
-    parts = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    """Refuse a state dict with tensors the graph would not use (e.g. an MLP bias the family
+    does not have, a layer's extra norm): the export would be silently wrong, and validation
+    would find out only after the whole graph was written."""
+    norm_kinds: tuple[str, ...] = ("weight", "bias") if spec.norm == "layer" else ("weight",)
+    if not spec.norm_weights:
+        norm_kinds = ()
+    parts = [f"{n}.{t}" for n in LAYOUT_NORMS[spec.layout] for t in norm_kinds]
     parts += [f"self_attn.{n}_proj.{t}" for n in "qkvo" for t in ("weight", "bias")]
-    parts += [f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
-    if spec.qk_norm:
+    mlp = ("gate", "up", "down") if spec.gated else ("up", "down")
+    parts += [f"mlp.{n}_proj.{t}" for n in mlp for t in (("weight", "bias") if spec.mlp_bias else ("weight",))]
+    if spec.qk_norm or spec.qk_norm_full:
         parts += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    if spec.gemma:  # norms after attention's output and around the MLP
-        parts += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     known = {f"model.layers.{i}.{part}" for i in range(spec.num_layers) for part in parts}
-    known |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    known |= {"model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"}
+    if spec.learned_positions:
+        known.add("model.embed_positions.weight")
+    known |= {f"model.norm.{t}" for t in norm_kinds}
     extra = sorted(k for k in sd if k not in known and not k.endswith("rotary_emb.inv_freq"))
     if extra:
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""

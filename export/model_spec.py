@@ -8,6 +8,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from .errors import UnsupportedModelError
+from .families import ACTIVATIONS, FAMILY_TABLE, Family
 from .layout import graph_head_dim
 
 __all__ = [
@@ -19,16 +20,14 @@ __all__ = [
     "unsupported_architecture",
 ]
 
-# model_type of a checkpoint folder; Mistral is Llama's graph with a sliding window
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text")
-GEMMA = ("gemma2", "gemma3_text")  # (1 + w) norms, norms after attention and MLP too, GeGLU, scaled embeddings
+# model_type of a checkpoint folder: a row of export.families.FAMILY_TABLE each
+SUPPORTED_FAMILIES = tuple(FAMILY_TABLE)
 GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3")  # general.architecture
 # of a GGUF (Mistral: llama; gemma3: Gemma 3's text model)
 MAX_POSITIONS_CAP = 32768
 MIN_POSITIONS = 2  # a prompt token and one generated token
 # families refused on purpose, with why (named in the refusal); the rest by what config.json shows
 NOT_YET = {
-    "gemma": "Gemma 1: not yet",
     "gemma3": "Gemma 3 with its vision tower: multimodal; its text model (gemma3_text) exports",
     "gemma3n": "Gemma 3n: not yet; multimodal",
 }
@@ -91,15 +90,50 @@ class ModelSpec:
     # each layer's sliding window: it sees its last `window` positions, itself included (0: all of
     # them); () when no layer has a window shorter than max_positions
     windows: tuple[int, ...] = ()
-    gemma: bool = False  # Gemma 2 / 3: (1 + w) norms, norms after attention and MLP, GeGLU, embeddings x sqrt(H)
     attn_scale: float = 0.0  # attention's scale (0: 1 / sqrt(own head size)); Gemma: query_pre_attn_scalar^-0.5
     attn_softcap: float = 0.0  # tanh soft-capping of attention scores (0: none; Gemma 2)
     final_softcap: float = 0.0  # tanh soft-capping of the logits (0: none; Gemma 2)
-    local_rope: bool = False  # sliding layers turn by their own rotary base (Gemma 3's rope_local_base_freq)
+    # the layers that turn by their own rotary base (Gemma 3's sliding layers: rope_local_base_freq),
+    # whether or not their window is shorter than max_positions
+    local_rope_layers: tuple[int, ...] = ()
+    # the building blocks (export.families): rms_eps is every norm's epsilon
+    norm: str = "rms"  # "rms" | "layer" (LayerNorm)
+    norm_offset: float = 0.0  # norms multiply by weight + offset (Gemma: 1)
+    layout: str = "pre"  # export.families.LAYOUTS
+    gated: bool = True  # MLP act(gate) * up, else act(up)
+    act: str = "silu"  # the MLP's activation, as the graph emits it (export.families.ACTIVATIONS values)
+    mlp_bias: bool = False  # the MLP's projections may have biases
+    qk_norm_full: bool = False  # RMSNorm of the whole q and k projections before rotary (OLMo 2)
+    fused_qkv: str = ""  # "rows" | "heads": how a fused qkv_proj holds q, k and v
+    embed_scale: float = 0.0  # the embeddings times it (0: none; Gemma sqrt(H), Granite's multiplier)
+    residual_scale: float = 0.0  # each branch times it before its residual add (0: none; Granite)
+    logits_divisor: float = 0.0  # the logits divided by it (0: none; Granite's logits_scaling)
+    logits_scale: float = 0.0  # the logits times it (0: none; Cohere's logit_scale)
+    renames: tuple[tuple[str, str], ...] = ()  # the checkpoint's tensor names as Llama's
+    # -1: rotary positions; else learned absolute positions, row p + offset of model.embed_positions
+    position_offset: int = -1
+    rotary_interleaved: bool = False  # pairs 2i, 2i + 1 turn together (GPT-J)
+    conv1d: bool = False  # the layers' weights stored [in, out] (GPT-2)
+    norm_weights: bool = True  # norms have weights (OLMo 1's have none)
+    clip_qkv: float = 0.0  # q, k and v clamped to +-it after their projection (0: none; OLMo)
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.position_offset >= 0
 
     @property
     def own_head_dim(self) -> int:
         return self.model_head_dim or self.head_dim
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's norms (RMSNorm by 1 + w)."""
+        return self.norm == "rms" and self.norm_offset == 1.0
+
+    @property
+    def local_rope(self) -> bool:
+        """Some layers turn by a local rotary base (their own cos / sin tables)."""
+        return bool(self.local_rope_layers)
 
     @property
     def sliding_window(self) -> int:
@@ -117,25 +151,29 @@ class ModelSpec:
         family = getattr(config, "model_type", None)
         if family not in SUPPORTED_FAMILIES:
             raise unsupported_architecture(family)
-        gemma = family in GEMMA
-        if gemma:  # GeGLU: the tanh GELU (transformers' hidden_activation; hidden_act is older configs')
-            act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-            if act != "gelu_pytorch_tanh":
-                raise UnsupportedModelError(f"unsupported activation {act}; need gelu_pytorch_tanh")
-            if getattr(config, "use_bidirectional_attention", False):
-                raise UnsupportedModelError(
-                    "unsupported option use_bidirectional_attention=True: need causal attention"
-                )
-        elif getattr(config, "hidden_act", "silu") not in ("silu", "swish"):  # one function, two names
-            raise UnsupportedModelError(f"unsupported activation {config.hidden_act}; need silu")
-        if getattr(config, "mlp_bias", False):
-            raise UnsupportedModelError("unsupported option mlp_bias=True")
+        fam = FAMILY_TABLE[family]
+        act = next((getattr(config, k) for k in fam.act_keys if getattr(config, k, None)), None)
+        if act not in fam.acts:
+            raise UnsupportedModelError(f"unsupported activation {act}; need {' or '.join(fam.acts)}")
+        for flag in (fam.causal_key, *fam.refuse):
+            if flag and getattr(config, flag, False):
+                extra = ": need causal attention" if flag == fam.causal_key else ""
+                raise UnsupportedModelError(f"unsupported option {flag}=True{extra}")
+        mlp_bias = fam.mlp_bias_key == "*" or bool(fam.mlp_bias_key and getattr(config, fam.mlp_bias_key, False))
+        for flag in fam.require:
+            if not getattr(config, flag, False):
+                raise UnsupportedModelError(f"unsupported option {flag}={getattr(config, flag, None)!r}: need true")
+        proj = getattr(config, "word_embed_proj_dim", None)  # OPT-350m: embeddings projected in and out
+        if proj is not None and proj != config.hidden_size:
+            raise UnsupportedModelError(
+                f"unsupported word_embed_proj_dim {proj!r}: need hidden_size {config.hidden_size} (no projections)"
+            )
         limit = min(config.max_position_embeddings, MAX_POSITIONS_CAP)
         if max_positions:
             limit = min(limit, max_positions)
         limit = min(limit, _longrope_limit(config) or limit)
-        windows = _windows(config, family, limit) if isinstance(limit, int) and not isinstance(limit, bool) else ()
-        eps = _positive_number(config, "rms_norm_eps")
+        windows = _windows(config, fam, limit) if isinstance(limit, int) and not isinstance(limit, bool) else ()
+        eps = _positive_number(config, fam.eps_key) if fam.eps_key else 1e-5  # nn.LayerNorm's default
         _check_rope(config)
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < MIN_POSITIONS:
             raise UnsupportedModelError(
@@ -143,7 +181,11 @@ class ModelSpec:
                 f"{config.max_position_embeddings!r}): need at least {MIN_POSITIONS}"
             )
         heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kv_heads = (getattr(config, fam.kv_key, None) if fam.kv_key else None) or heads
+        fused = fam.fused_qkv
+        if fam.multi_query_key and getattr(config, fam.multi_query_key, False):  # one KV head; q, k, v rows
+            kv_heads, fused = 1, "rows"
+        width = getattr(config, fam.intermediate_key, None) or 4 * config.hidden_size
         for key, value in (
             ("hidden_size", config.hidden_size),
             ("num_attention_heads", heads),
@@ -162,11 +204,22 @@ class ModelSpec:
         own = getattr(config, "head_dim", None) or config.hidden_size // heads
         if isinstance(own, bool) or not isinstance(own, int) or own < 1:
             raise UnsupportedModelError(f"unsupported head_dim {own!r}: need a positive integer")
-        if own % 2:
+        learned = fam.positions == "learned"
+        if own % 2 and not learned:
             raise UnsupportedModelError(f"unsupported head size {own}: rotary embeddings need an even one")
-        rotary = _rotary_dim(config, family, own)
+        rotary = own if learned else _rotary_dim(config, fam, own)
         padded = graph_head_dim(own, rotary)
-        scale = _positive_number(config, "query_pre_attn_scalar") ** -0.5 if gemma else 0.0
+        scale = 0.0
+        if fam.attn_scale == "query_pre_attn_scalar":
+            scale = _positive_number(config, fam.attn_scale) ** -0.5
+        elif fam.attn_scale:
+            scale = _positive_number(config, fam.attn_scale)
+        embed_scale = 0.0
+        if fam.embed_scale == "sqrt_hidden":
+            embed_scale = math.sqrt(config.hidden_size)
+        elif fam.embed_scale:
+            embed_scale = _positive_number(config, fam.embed_scale)
+        layout = fam.parallel_layout if fam.parallel_key and getattr(config, fam.parallel_key, False) else fam.layout
         return cls(
             family=family,
             num_layers=config.num_hidden_layers,
@@ -175,19 +228,36 @@ class ModelSpec:
             num_kv_heads=kv_heads,
             head_dim=padded,
             model_head_dim=own if padded != own else 0,
-            intermediate_size=config.intermediate_size,
+            intermediate_size=width,
             vocab_size=config.vocab_size,
             max_positions=limit,
             rms_eps=eps,
             rotary_dim=rotary if rotary != own else 0,
-            qk_norm=family in ("qwen3", "gemma3_text"),
-            nope_layers=_nope_layers(config, family),
+            qk_norm=fam.qk_norm == "head",
+            nope_layers=_nope_layers(config, family) if fam.nope_layers else _global_nope(config, fam),
             windows=windows,
-            gemma=gemma,
             attn_scale=scale,
-            attn_softcap=_softcap(config, "attn_logit_softcapping") if gemma else 0.0,
-            final_softcap=_softcap(config, "final_logit_softcapping") if gemma else 0.0,
-            local_rope=family == "gemma3_text" and any(windows),
+            attn_softcap=_softcap(config, "attn_logit_softcapping") if fam.softcaps else 0.0,
+            final_softcap=_softcap(config, "final_logit_softcapping") if fam.softcaps else 0.0,
+            local_rope_layers=_local_rope_layers(config) if fam.local_rope else (),
+            norm=fam.norm,
+            norm_offset=fam.norm_offset,
+            layout=layout,
+            gated=fam.gated,
+            act=ACTIVATIONS[act],
+            mlp_bias=mlp_bias,
+            qk_norm_full=fam.qk_norm == "full",
+            fused_qkv=fused,
+            position_offset=fam.position_offset if learned else -1,
+            rotary_interleaved=fam.rotary_interleaved,
+            conv1d=fam.conv1d,
+            norm_weights=fam.norm_weights,
+            clip_qkv=_clip(config, fam.clip_key),
+            embed_scale=embed_scale,
+            residual_scale=_positive_number(config, fam.residual_key) if fam.residual_key else 0.0,
+            logits_divisor=_positive_number(config, fam.logits_key) if fam.logits_key else 0.0,
+            logits_scale=_positive_number(config, fam.logits_scale_key) if fam.logits_scale_key else 0.0,
+            renames=fam.renames,
         )
 
     def manifest(self) -> dict:
@@ -238,22 +308,38 @@ def _check_rope(config) -> None:
         _positive_number(config, "rope_scaling.factor", scaling["factor"])
 
 
-def _rotary_dim(config, family: str, own: int) -> int:
-    """The rotated dimensions of each head: Phi-3's ``partial_rotary_factor`` of it, as
-    transformers counts them (``int(head_dim * factor)``), else all of it."""
-    if family != "phi3":
+def _rotary_dim(config, fam: Family, own: int) -> int:
+    """The rotated dimensions of each head: the family's fraction of it (``partial_rotary_factor``,
+    GPT-NeoX's ``rotary_pct``), as transformers counts them (``int(head_dim * factor)``), or its
+    count (GPT-J's ``rotary_dim``), else all."""
+    if fam.rotary_dims_key:
+        count = getattr(config, fam.rotary_dims_key, None)
+        if count is None:
+            return own
+        if isinstance(count, bool) or not isinstance(count, int) or not 2 <= count <= own or count % 2:
+            raise UnsupportedModelError(
+                f"unsupported {fam.rotary_dims_key} {count!r} of head size {own}: need an even number 2..{own}"
+            )
+        return count
+    if not fam.rotary_key:
         return own
-    factor = getattr(config, "partial_rotary_factor", 1.0)
+    factor = getattr(config, fam.rotary_key, 1.0)
     if factor is None:
         return own
-    _positive_number(config, "partial_rotary_factor", factor)
+    _positive_number(config, fam.rotary_key, factor)
     rotary = int(own * float(factor))
     if rotary < 2 or rotary > own or rotary % 2:
         raise UnsupportedModelError(
-            f"unsupported partial_rotary_factor {factor!r} of head size {own}: "
+            f"unsupported {fam.rotary_key} {factor!r} of head size {own}: "
             f"need an even number of rotated dimensions, 2..{own}"
         )
     return rotary
+
+
+def _clip(config, key: str) -> float:
+    """OLMo's ``clip_qkv``: 0 when the family has none or it is unset (None), else a number > 0."""
+    value = getattr(config, key, None) if key else None
+    return 0.0 if value is None else _positive_number(config, key, value)
 
 
 def _softcap(config, key: str) -> float:
@@ -263,43 +349,60 @@ def _softcap(config, key: str) -> float:
     return 0.0 if value is None else _positive_number(config, key, value)
 
 
-def _windows(config, family: str, limit: int) -> tuple[int, ...]:
+def _windows(config, fam: Family, limit: int) -> tuple[int, ...]:
     """Each layer's sliding window as transformers reads it (0: full attention), or () when no
-    layer's window is shorter than ``limit`` positions. Mistral and Phi-3 slide every layer when
+    layer's window is shorter than ``limit`` positions. By the family's rule
+    (``export.families.WINDOW_RULES``): Mistral, Phi-3 and Starcoder2 slide every layer when
     ``sliding_window`` is set; Qwen2, Qwen3 and SmolLM3 with ``use_sliding_window`` the layers
     their ``layer_types`` mark ``sliding_attention``; Gemma 2 and 3 the layers their
     ``layer_types`` mark (Gemma 2: every other, Gemma 3: 5 of 6 in released models). A window of
     w lets a position see the last w positions, itself included (transformers'
     ``sliding_window_overlay``: key > query - w)."""
     window = getattr(config, "sliding_window", None)
-    if family in ("qwen2", "qwen3", "smollm3") and not getattr(config, "use_sliding_window", False):
+    if fam.windows == "opt_in" and not getattr(config, "use_sliding_window", False):
         return ()
-    if window is None or family == "llama":
+    if window is None or not fam.windows:
         return ()
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise UnsupportedModelError(f"unsupported sliding_window {window!r}")
-    layers = config.num_hidden_layers
-    if family in ("mistral", "phi3"):
-        sliding = [True] * layers
-    else:
-        types = getattr(config, "layer_types", None)
-        kinds = ("sliding_attention", "full_attention")
-        if not isinstance(types, (list, tuple)) or len(types) != layers or any(t not in kinds for t in types):
-            raise UnsupportedModelError(
-                f"unsupported layer_types {types!r}: need sliding_attention or full_attention for each of the "
-                f"{layers} layers"
-            )
-        sliding = [t == "sliding_attention" for t in types]
+    sliding = [True] * config.num_hidden_layers if fam.windows == "all" else _layer_types(config)
     if window >= limit or not any(sliding):  # no position can see past the window: full attention
         return ()
     return tuple(window if s else 0 for s in sliding)
 
 
+def _layer_types(config) -> list[bool]:
+    """``layer_types`` as one flag a layer, True for ``sliding_attention``."""
+    layers = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    kinds = ("sliding_attention", "full_attention")
+    if not isinstance(types, (list, tuple)) or len(types) != layers or any(t not in kinds for t in types):
+        raise UnsupportedModelError(
+            f"unsupported layer_types {types!r}: need sliding_attention or full_attention for each of the "
+            f"{layers} layers"
+        )
+    return [t == "sliding_attention" for t in types]
+
+
+def _local_rope_layers(config) -> tuple[int, ...]:
+    """The layers that turn by their own rotary module (Gemma 3's ``rope_local_base_freq``, OLMo
+    3's unscaled one): transformers picks the rotary module by ``layer_types`` (a ``sliding_attention`` layer turns by the local base), not by
+    whether the window is shorter than the context, so a window that covers every exported
+    position drops the mask but keeps the local base."""
+    return tuple(i for i, sliding in enumerate(_layer_types(config)) if sliding)
+
+
+def _global_nope(config, fam: Family) -> tuple[int, ...]:
+    """EXAONE 4's layers without rotary: with a ``sliding_window`` set, transformers turns only
+    the layers ``layer_types`` marks sliding (whether or not the window covers the context)."""
+    if not fam.nope_global or getattr(config, "sliding_window", None) is None:
+        return ()
+    return tuple(i for i, sliding in enumerate(_layer_types(config)) if not sliding)
+
+
 def _nope_layers(config, family: str) -> tuple[int, ...]:
     """SmolLM3's layers without rotary: transformers rotates layer i when ``no_rope_layers[i]``
     is 1 (a NoPE layer every ``no_rope_layer_interval`` when the config has no list)."""
-    if family != "smollm3":
-        return ()
     flags = getattr(config, "no_rope_layers", None)
     if (
         not isinstance(flags, (list, tuple))

@@ -415,7 +415,7 @@ def test_fuzz_gguf_headers(root, gguf_base, data):
             value = data.draw(st.sampled_from([0, 1, 2, 3, 16, 17, 200000, 2**31 - 1, 2**32 - 1]))
             try:
                 buf = bytearray(patch_kv(bytes(buf), key, value))
-            except (ValueError, struct.error):  # key mangled by an earlier mutation
+            except (ValueError, KeyError, struct.error):  # key or its type mangled by an earlier mutation
                 pass
         elif kind == "count":
             struct.pack_into(

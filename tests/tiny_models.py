@@ -1,4 +1,5 @@
 """Tiny random Llama / Qwen2 / Mistral / Qwen3 / Phi-3 / SmolLM3 / Gemma 2 / Gemma 3 checkpoints
+(and the families of ``AUTO_FAMILIES``: Gemma 1, Granite, OLMo 1 / 2, StableLM, Phi-2, ...)
 (2 layers, hidden 64) with a real byte-level BPE tokenizer, built offline in seconds, plus a
 one-call export.
 Shared by the export and runtime tests:
@@ -26,8 +27,35 @@ __all__ = [
     "CHATML_TEMPLATE",
 ]
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text")  # build_tiny_checkpoint's
-BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text")  # tokenizers that add bos to plain text
+# built from transformers' auto classes, with the options that make each what it is: size options
+# the family does not take (a head_dim for Gemma 1, whose default is 256)
+AUTO_FAMILIES: dict[str, dict] = {
+    "gemma": dict(hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "granite": dict(tie_word_embeddings=True),
+    "olmo2": dict(tie_word_embeddings=False),
+    "stablelm": dict(tie_word_embeddings=False),
+    "phi": dict(tie_word_embeddings=False),
+    "starcoder2": dict(tie_word_embeddings=True),
+    "gpt_neox": dict(tie_word_embeddings=False),
+    "nemotron": dict(tie_word_embeddings=False),
+    "gpt_bigcode": dict(tie_word_embeddings=True),
+    "opt": dict(tie_word_embeddings=True),
+    "gptj": dict(tie_word_embeddings=False),
+    "falcon": dict(tie_word_embeddings=True, new_decoder_architecture=False),
+    "gpt2": dict(tie_word_embeddings=True),
+    "cohere": dict(tie_word_embeddings=True),
+    "olmo": dict(tie_word_embeddings=False),
+    "glm": dict(tie_word_embeddings=False),
+    "olmo3": dict(tie_word_embeddings=False),
+    "glm4": dict(tie_word_embeddings=False),
+    "exaone4": dict(tie_word_embeddings=False),
+    "arcee": dict(tie_word_embeddings=False),
+    "seed_oss": dict(tie_word_embeddings=False),
+    "helium": dict(tie_word_embeddings=False),
+    "ministral": dict(tie_word_embeddings=False),
+}
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", *AUTO_FAMILIES)
+BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text", "gemma")  # tokenizers that add bos to plain text
 CHATML_TEMPLATE = (
     "{{ bos_token if add_bos_in_template else '' }}"
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
@@ -205,6 +233,29 @@ def build_tiny_checkpoint(
         if window:
             common["sliding_window"] = window
         model = Gemma3ForCausalLM(Gemma3TextConfig(**common, tie_word_embeddings=True))
+    elif family in AUTO_FAMILIES:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        options = {**AUTO_FAMILIES[family], **common}
+        if family == "opt":  # its MLP width's own name
+            options.setdefault("ffn_dim", intermediate)
+        if family == "falcon":
+            options.setdefault("ffn_hidden_size", intermediate)
+        if family in ("gpt_bigcode", "gptj", "gpt2"):
+            options.setdefault("n_inner", intermediate)
+        if family in (
+            "gemma",
+            "glm",
+            "glm4",
+            "seed_oss",
+            "helium",
+            "ministral",
+            "exaone4",
+        ):  # default heads of 256, 128
+            options.setdefault("head_dim", hidden // heads)
+        if window:
+            options["sliding_window"] = window
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **options), attn_implementation="eager")
     else:
         raise ValueError(f"family must be one of {FAMILIES}")
     with torch.no_grad():  # norms and biases away from their 1/0 init, so they matter

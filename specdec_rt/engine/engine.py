@@ -20,10 +20,17 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..batching import BatchExecutor
 from ..checks import brief_repr, check_bool, check_int, check_number
-from ..errors import ConsumerTimeoutError, ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
+from ..errors import (
+    ConsumerTimeoutError,
+    ContextLengthError,
+    EngineClosedError,
+    InferenceError,
+    InvalidInputError,
+    SpecDecError,
+)
 from ..kvcache.prefix import DEFAULT_BUDGET_BYTES, PrefixCache
 from ..policy.config import SpecConfig
-from ..sampling.constraints import GrammarFactory, MinTokens
+from ..sampling.constraints import GRAMMAR_THREADS, GrammarFactory, MinTokens
 from ..sampling.logprobs import TokenLogprob
 from ..sampling.prompt_logprobs import prompt_logprobs as prompt_logprobs_of
 from ..spec.adapters import ModelVerifier
@@ -42,6 +49,7 @@ from ..spec.request_checks import (
 from ..spec.scheduler import SpecDecScheduler
 from ..text.codec import TextCodec
 from ..text.encode_process import PromptEncoder
+from ..text.tokenizer_checks import PASS_THROUGH
 from ..text.tools import parse_tool_calls
 from ..types import Stats
 from .factory import build_parts
@@ -227,7 +235,7 @@ class Engine:
         """
         check_bool(warmup, "warmup")
         check_precision(precision)
-        chosen_by, draft_asked = None, False
+        chosen_by, draft_asked, measured = None, False, None
         if precision == "auto":
             from .tune import choose  # (it loads engines of its own)
 
@@ -238,6 +246,7 @@ class Engine:
             )
             precision, chosen_by = tuned.precision, tuned.chosen_by
             draft_asked, draft = draft is not None, tuned.draft if draft is None else draft
+            measured = None if draft_asked else tuned.result.best  # (/v1/models shows it)
         engine = await anyio.to_thread.run_sync(
             lambda: cls._load(
                 name_or_path,
@@ -255,6 +264,8 @@ class Engine:
                 draft_asked,
             )
         )
+        if measured is not None and engine.choice is not None:
+            engine.choice = engine.choice.with_measured(measured)
         if warmup:
             try:
                 await engine.warm_up()
@@ -422,6 +433,10 @@ class Engine:
             raise
         except Exception as exc:  # noqa: BLE001 - the codec maps what it knows; anything else is still the prompt's
             raise InvalidInputError(f"prompt cannot be encoded: {type(exc).__name__}: {exc}"[:300]) from exc
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:  # a native library's panic: never a request that ends without a word
+            raise InferenceError(f"prompt cannot be encoded: {type(exc).__name__}: {exc}"[:300]) from exc
         if len(ids) == 0:
             raise InvalidInputError("prompt encodes to no tokens: give some text")
         limit = self.scheduler.max_length or len(ids) + max_new_tokens
@@ -464,9 +479,11 @@ class Engine:
                     ids: Sequence[int] | np.ndarray = await anyio.to_thread.run_sync(
                         lambda: self._encode(prompt, p.max_new_tokens, p.truncate_prompt, shape.tools)
                     )
-                    compiles = shape.schema is not None or shape.lark is not None  # a grammar: in a thread
+                    compiles = shape.schema is not None or shape.lark is not None  # a grammar: in a grammar thread
                     constraint = (
-                        await anyio.to_thread.run_sync(self._constraint, shape) if compiles else self._constraint(shape)
+                        await asyncio.get_running_loop().run_in_executor(GRAMMAR_THREADS, self._constraint, shape)
+                        if compiles
+                        else self._constraint(shape)
                     )
                     # started here, on the loop (it reads the prefix cache); it checks the rest
                     request = self.scheduler.stream(

@@ -14,10 +14,14 @@ the output is exact *to*, never whether it is. ``Engine.load(precision=...)``:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from ..checks import brief_repr
 from ..errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from .tune_cache import TuneRow
 
 __all__ = ["PINNED_PRECISIONS", "PRECISIONS", "CHOSEN_BY", "PrecisionChoice", "check_precision"]
 
@@ -40,22 +44,45 @@ class PrecisionChoice:
     ``draft`` (the draft spec it loaded: ``"ngram+q8"``, ``"ngram"``, ``"none"``), ``chosen_by``
     (one of :data:`CHOSEN_BY`) and ``exact_to``, in words ("greedy output is exact to the int8
     target (int8 weights, int8 activations)"). ``draft_asked``: the draft was the caller's, not
-    the tuned one (``precision="auto"`` with ``draft=``): ``chosen_by`` tells of the target only."""
+    the tuned one (``precision="auto"`` with ``draft=``): ``chosen_by`` tells of the target only.
+    ``measured``: what the tune measured of this very configuration (tuned or cached, with its
+    tuned draft), per prompt category too; None otherwise."""
 
     precision: str
     draft: str
     chosen_by: str
     exact_to: str
     draft_asked: bool = False
+    measured: TuneRow | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        """The fields, for JSON (``/v1/models`` entries carry them)."""
-        return {
+    def as_dict(self) -> dict[str, Any]:
+        """The fields, for JSON (``/v1/models`` entries carry them); ``measured`` only when
+        tuned: ``{"tok_s_1", "tok_s_c", "concurrency", "acceptance", "categories": {name:
+        {"tok_s_1", "acceptance"}}}`` (tok/s with one stream, at ``concurrency`` at once, the
+        drafts' acceptance; one stream per prompt category)."""
+        out: dict[str, Any] = {
             "precision": self.precision,
             "draft": self.draft,
             "chosen_by": self.chosen_by,
             "exact_to": self.exact_to,
         }
+        m = self.measured
+        if m is not None:
+            out["measured"] = {
+                "tok_s_1": round(m.tok_s_1, 2),
+                "tok_s_c": round(m.tok_s_c, 2),
+                "concurrency": m.concurrency,
+                "acceptance": round(m.acceptance, 3),
+                "categories": {
+                    c.category: {"tok_s_1": round(c.tok_s_1, 2), "acceptance": round(c.acceptance, 3)}
+                    for c in m.categories
+                },
+            }
+        return out
+
+    def with_measured(self, row: TuneRow) -> PrecisionChoice:
+        """This choice with what the tune measured of it."""
+        return replace(self, measured=row)
 
     def describe(self) -> str:
         """One line: ``int8 target, draft ngram+q4 (tuned on this machine); greedy output is ...``

@@ -9,31 +9,41 @@ What is measured (:func:`measure`): for each target the folder offers
 lookup (``"ngram"``) and n-gram lookup with the first :data:`MAX_MODEL_DRAFTS` draft models that
 read at most half the target's weight bytes (``"ngram+q8"``;
 :func:`~specdec_rt.engine.factory.cheaper_drafts`): every engine loaded as ``Engine.load``
-would load it (with a shorter warm-up), then :data:`TUNE_PROMPTS` (fixed chat
-prompts; plain text to a model without a chat template, as Gemma 3 270M's base model;
-:data:`TUNE_TOKENS` greedy tokens each, end of sequence ignored) in rounds, the
-configurations interleaved within each round (in an order that rotates) so that a machine that
-slows down or speeds up meanwhile weighs on all alike:
+would load it (with a shorter warm-up), then :data:`TUNE_PROMPTS` (fixed prompts in three
+categories, chat, code and extraction, whatever the model is for: a draft may pay on one
+alone; plain text to a model without a chat template, as Gemma 3 270M's base model;
+:data:`TUNE_TOKENS` greedy tokens each, as long as real answers, end of sequence ignored) in
+rounds, the configurations interleaved within each step of a round (in an order that rotates)
+so that a machine that slows down or speeds up meanwhile weighs on all alike. A round:
 
-1. one stream: each configuration generates the round's prompt alone (end-to-end tok/s);
-2. several at once: each generates ``min(4, slots)`` prompts at once (summed tok/s, as a
-   server's batches run).
+1. one stream: each configuration generates one prompt of each category alone (end-to-end
+   tok/s, per category);
+2. several at once: each generates ``min(4, slots)`` prompts of mixed categories at once
+   (summed tok/s, as a server's batches run).
 
-Rounds go on while the time budget (:data:`TUNE_BUDGET_S`) allows, at least one. A
-configuration's rates are the medians over rounds; its greedy output must equal plain decoding's
-of the same target, token for token, on every prompt, one stream and several alike, or it is
-disqualified (and reported). The winner: the highest geometric mean of the two rates
-(:attr:`~specdec_rt.engine.tune_cache.TuneRow.score`) among exact configurations, except that
-a less precise target must beat a more precise one by more than :data:`PICK_MARGIN` (:func:`pick`).
+The first round measures every configuration. Then rounds go on while the leader's and the
+runner-up's scores are not told apart (their ranges over rounds, each widened by
+:data:`NOISE`, overlap), the time budget (:data:`TUNE_BUDGET_S`) allows the next and fewer than
+:data:`MAX_ROUNDS` ran, measuring only the configurations still in reach of the leader (and
+their targets' plain decoding, the reference). A configuration's rates are medians: per
+category over rounds, one stream being their geometric mean; its greedy output must equal plain
+decoding's of the same target, token for token, on every prompt, one stream and several alike,
+or it is disqualified (and reported). The winner (:func:`pick`): the highest score
+(:attr:`~specdec_rt.engine.tune_cache.TuneRow.score`: one stream ^ 2/3 x several at once ^ 1/3)
+among exact configurations, except that a less precise target must beat a more precise one by
+more than :data:`PICK_MARGIN`, and that a draft model which pays on one category stays
+(:data:`DRAFT_WIN`, :data:`DRAFT_SLACK`): the per-request acceptance tracker falls back to plain
+decoding on requests where it does not pay, so losing a little on the others is the smaller cost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,43 +53,75 @@ import anyio
 from ..errors import SpecDecError
 from ..logs import get_logger
 from .factory import cheaper_drafts, home_manifest, target_candidates
-from .tune_cache import TuneLock, TuneResult, TuneRow, cache_path, lock_path, read_cached, tune_key, write_cached
+from .tune_cache import (
+    CategoryRate,
+    TuneLock,
+    TuneResult,
+    TuneRow,
+    cache_path,
+    lock_path,
+    read_cached,
+    score,
+    tune_key,
+    write_cached,
+)
 
 __all__ = [
     "TUNE_PROMPTS",
     "TUNE_TOKENS",
     "TUNE_BUDGET_S",
     "MAX_MODEL_DRAFTS",
+    "DRAFT_WIN",
+    "DRAFT_SLACK",
     "Config",
     "Tuned",
     "configs_for",
     "measure",
     "pick",
+    "kept_draft",
     "choose",
 ]
 
 log = get_logger("specdec_rt.engine.tune")
 
-# general chat (the kind of request a server mostly gets), in no benchmark prompt set
-TUNE_PROMPTS = (
-    "Explain how a refrigerator keeps food cold.",
-    "Give me three ideas for a rainy Sunday afternoon.",
-    "Write a short Python function that reverses the words in a sentence.",
-    "What are the pros and cons of working from home?",
+# (category, prompt): what a server gets (chat), what coder models are for (code, measured for
+# every model: nothing in a manifest says what a model is for) and answers that copy from their
+# prompt (extraction, where n-gram lookup pays); two of each, in no benchmark prompt set
+TUNE_PROMPTS: tuple[tuple[str, str], ...] = (
+    ("chat", "Explain how a refrigerator keeps food cold."),
+    ("code", "Write a Python function that merges two sorted lists into one sorted list, with a docstring."),
+    (
+        "extract",
+        "Extract the payer, date, amount and payee from this text as JSON: On 14 March 2024 Maria Lopez "
+        "paid 1,250 euros to Northwind Traders for office furniture, invoice 2024-117.",
+    ),
+    ("chat", "What are the pros and cons of working from home?"),
+    ("code", "Write a Python class for a stack with push, pop and peek methods that raise when it is empty."),
+    (
+        "extract",
+        "List every city in this paragraph with its country, one per line: The tour starts in Lisbon, "
+        "Portugal, crosses to Seville and Madrid in Spain, flies to Lyon, France, and ends in Turin, Italy.",
+    ),
 )
-TUNE_TOKENS = 32
-TUNE_BUDGET_S = 40.0  # measuring, after the loads: rounds stop once the next would pass it
+TUNE_TOKENS = 96  # per answer: a draft's prefill is paid once per request, as long answers amortise it
+TUNE_BUDGET_S = 60.0  # measuring, after the loads: rounds past the first stop once the next would pass it
+MAX_ROUNDS = 6
+NOISE = 0.03  # a score's range over rounds is widened by 3% each way before ranges are compared
 TUNE_MAX_LENGTH = 512  # KV per request in the tuning engines: a prompt and its tokens fit
 MAX_MODEL_DRAFTS = 1  # draft models measured per target: the manifest's first cheap enough one
 AT_ONCE = 4  # requests at once in the "several" measurement (or slots, if fewer)
 PICK_MARGIN = 0.05  # a less precise target must score more than 5% above a more precise one
+DRAFT_WIN = 0.10  # a draft model "pays" on a category where its one-stream rate beats the pick's by > 10%
+DRAFT_SLACK = 0.15  # ... and then is chosen instead if its score is within 15% of the pick's
 # waiting for another process's measurement of the same key: its loads (26 s of 89 on a busy
-# 2-core machine, the default model) and TUNE_BUDGET_S, with room for a slower machine or model
-LOCK_WAIT_S = 300.0
+# 2-core machine, the default model, 2026-12-03) and its rounds (one round of the default model
+# took up to 4 minutes there), with room for a slower machine or model
+LOCK_WAIT_S = 600.0
 LOCK_POLL_S = 0.25  # how often a waiting process tries the lock
 
 Say = Callable[[str], None]
 Load = Callable[..., Awaitable[Any]]  # Engine.load
+Prompts = Sequence[tuple[str, str]]  # (category, text)
 
 
 @dataclass(frozen=True)
@@ -102,12 +144,19 @@ class Config:
 
 @dataclass
 class _Samples:
-    one: list[float] = field(default_factory=list)  # tok/s, one stream, per round
+    one: dict[str, list[float]] = field(default_factory=dict)  # category -> tok/s alone, per prompt run
     many: list[float] = field(default_factory=list)  # tok/s summed, several at once, per round
-    drafted: int = 0
-    accepted: int = 0
+    drafted: dict[str, int] = field(default_factory=dict)  # per category (one stream); "" several at once
+    accepted: dict[str, int] = field(default_factory=dict)
+    scores: list[float] = field(default_factory=list)  # the score of each round it ran
+    round_one: dict[str, float] = field(default_factory=dict)  # this round's rates, per category
+    round_many: float = 0.0
     mismatch: str = ""  # the first prompt whose output left plain decoding's
     failed: str = ""  # why it did not run
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.mismatch
 
 
 @dataclass(frozen=True)
@@ -147,28 +196,66 @@ async def measure(
     provider: str = "auto",
     max_length: int | None = None,
     budget_s: float = TUNE_BUDGET_S,
-    prompts: tuple[str, ...] = TUNE_PROMPTS,
+    prompts: Prompts = TUNE_PROMPTS,
     tokens: int = TUNE_TOKENS,
     say: Say | None = None,
 ) -> TuneResult:
     """Measure every configuration of ``folder`` (see the module's docstring) and pick the
     winner. ``load``: :meth:`Engine.load <specdec_rt.engine.engine.Engine.load>` (passed in:
-    the engine imports this module). ``say``: progress lines (default: the
-    ``specdec_rt.engine.tune`` logger, info)."""
+    the engine imports this module). ``prompts``: ``(category, text)`` pairs. ``say``: progress
+    lines (default: the ``specdec_rt.engine.tune`` logger, info)."""
     say = _stderr_or_log(say)
     t0 = time.perf_counter()
     home = await anyio.to_thread.run_sync(home_manifest, folder)  # (reads files: off the event loop)
     configs = await anyio.to_thread.run_sync(configs_for, home)
+    kinds = list(dict.fromkeys(kind for kind, _ in prompts))
+    of_kind = {k: [i for i, (kind, _) in enumerate(prompts) if kind == k] for k in kinds}
     at_once = max(1, min(AT_ONCE, slots, len(prompts)))
     length = min(max_length or TUNE_MAX_LENGTH, TUNE_MAX_LENGTH)
     tokens = max(1, min(tokens, length // 2))  # a short context keeps room for the prompt
     samples = {c: _Samples() for c in configs}
     engines: dict[tuple[str, str], Any] = {}
-    chat: list[Any] = [[{"role": "user", "content": p}] for p in prompts]
+    chat: list[Any] = [[{"role": "user", "content": text}] for _, text in prompts]
+    plain: dict[tuple[str, tuple[int, ...], bool], list] = {}  # (precision, prompts, several) -> plain's ids
     say(
         f"tuning {home.name} on this machine (once per machine, model and settings): "
-        f"{len(configs)} configurations, {len({c.engine for c in configs})} engines"
+        f"{len(configs)} configurations, {len({c.engine for c in configs})} engines, "
+        f"{len(kinds)} prompt categories, {tokens} tokens an answer"
     )
+
+    async def run(c: Config, kind: str, picked: tuple[int, ...]) -> None:
+        """``c`` on the prompts ``picked`` at once; ``kind``: their category ("": several at once)."""
+        s = samples[c]
+        took = time.perf_counter()
+        try:
+            results = await asyncio.gather(
+                *[
+                    engines[c.engine].generate(
+                        chat[i], max_new_tokens=tokens, mode=c.mode, ignore_eos=True, truncate_prompt=True
+                    )
+                    for i in picked
+                ]
+            )
+        except SpecDecError as exc:  # left out, reported; the others go on
+            s.failed = f"failed: {type(exc).__name__}: {exc}"[:280]
+            return
+        rate = sum(x.stats.new_tokens for x in results) / (time.perf_counter() - took)
+        if kind:
+            s.one.setdefault(kind, []).append(rate)
+            s.round_one[kind] = rate
+        else:
+            s.many.append(rate)
+            s.round_many = rate
+        s.drafted[kind] = s.drafted.get(kind, 0) + sum(x.stats.drafted for x in results)
+        s.accepted[kind] = s.accepted.get(kind, 0) + sum(x.stats.accepted for x in results)
+        ids, ref = [list(x.token_ids) for x in results], (c.precision, picked, not kind)
+        if c.mode == "ar":
+            plain[ref] = ids
+        elif ref not in plain:
+            s.failed = "plain decoding of its target failed: nothing to check it against"
+        elif ids != plain[ref] and not s.mismatch:
+            s.mismatch = f"differs from plain decoding on prompt {picked[0] + 1}" + ("" if kind else " (batched)")
+
     try:
         for key in dict.fromkeys(c.engine for c in configs):  # one engine per (target, draft loaded)
             try:
@@ -188,77 +275,89 @@ async def measure(
                 for c in configs:
                     if c.engine == key:
                         samples[c].failed = f"did not load: {exc}"[:280]
-        live = [c for c in configs if c.engine in engines]
         if any(e.codec.chat_template is None for e in engines.values()):
-            chat = list(prompts)  # no chat template (a base model: Gemma 3 270M): the prompts as plain text
+            chat = [text for _, text in prompts]  # no chat template (a base model: Gemma 3 270M): plain text
         loaded = time.perf_counter()
-        say(f"loaded in {loaded - t0:.1f} s; measuring {len(live)} configurations for at most {budget_s:.0f} s")
-        rounds = 0
-        for r in range(len(prompts)):
+        say(f"loaded in {loaded - t0:.1f} s; measuring for at most {budget_s:.0f} s after the first round")
+        rounds, live = 0, [c for c in configs if c.engine in engines]
+        while live:
             start = time.perf_counter()
-            live = [c for c in live if not samples[c].failed]
-            order = live[r % len(live) :] + live[: r % len(live)] if live else []
-            plain: dict[tuple[str, bool], list] = {}  # (precision, several) -> plain decoding's ids
-            for several in (False, True):
+            order = live[rounds % len(live) :] + live[: rounds % len(live)]
+            steps: list[tuple[str, tuple[int, ...]]] = [(k, (of_kind[k][rounds % len(of_kind[k])],)) for k in kinds]
+            steps.append(("", tuple((rounds * at_once + i) % len(prompts) for i in range(at_once))))
+            for kind, picked in steps:
                 for c in sorted(order, key=lambda c: c.mode != "ar"):  # plain first: the reference
-                    group = [chat[(r + i) % len(chat)] for i in range(at_once)] if several else [chat[r]]
-                    s = samples[c]
-                    if s.failed:
-                        continue
-                    took = time.perf_counter()
-                    try:
-                        results = await asyncio.gather(
-                            *[
-                                engines[c.engine].generate(
-                                    g, max_new_tokens=tokens, mode=c.mode, ignore_eos=True, truncate_prompt=True
-                                )
-                                for g in group
-                            ]
-                        )
-                    except SpecDecError as exc:  # left out, reported; the others go on
-                        s.failed = f"failed: {type(exc).__name__}: {exc}"[:280]
-                        continue
-                    took = time.perf_counter() - took
-                    (s.many if several else s.one).append(sum(x.stats.new_tokens for x in results) / took)
-                    s.drafted += sum(x.stats.drafted for x in results)
-                    s.accepted += sum(x.stats.accepted for x in results)
-                    ids = [list(x.token_ids) for x in results]
-                    if c.mode == "ar":
-                        plain[(c.precision, several)] = ids
-                    elif (c.precision, several) not in plain:
-                        s.failed = "plain decoding of its target failed: nothing to check it against"
-                    elif ids != plain[(c.precision, several)] and not s.mismatch:
-                        s.mismatch = f"differs from plain decoding on prompt {r + 1}" + (
-                            " (batched)" if several else ""
-                        )
+                    if samples[c].ok:
+                        await run(c, kind, picked)
+            for c in order:
+                s = samples[c]
+                if s.ok and len(s.round_one) == len(kinds) and s.round_many:
+                    s.scores.append(score(_geomean(list(s.round_one.values())), s.round_many))
+                s.round_one, s.round_many = {}, 0.0
             rounds += 1
-            spent, each = time.perf_counter() - loaded, time.perf_counter() - start
-            say(f"round {rounds}/{len(prompts)} in {each:.1f} s")
-            if spent + each > budget_s:
+            each = time.perf_counter() - start
+            say(f"round {rounds}: {len(order)} configurations in {each:.1f} s")
+            following = _contenders(configs, samples, kinds, at_once)
+            if not following:
+                break  # told apart (or nothing left to tell apart)
+            if rounds >= MAX_ROUNDS or time.perf_counter() - loaded + each * len(following) / len(order) > budget_s:
+                say(f"stopping with {len(following)} configurations not yet told apart: budget or rounds spent")
                 break
+            live = following
     finally:
         with anyio.CancelScope(shield=True):  # cancelled (a server stopped while tuning): close them still
             for engine in engines.values():
                 await engine.aclose()
-    rows = [_row(c, samples[c], at_once) for c in configs]
-    result = TuneResult(rows, pick(rows), rounds, time.perf_counter() - t0)
+    rows = [_row(c, samples[c], at_once, kinds) for c in configs]
+    result = TuneResult(rows, pick(rows), rounds, time.perf_counter() - t0, tokens=tokens)
     for row in rows:
         if not row.exact:
             say(f"left out: {row.precision} {row.draft}: {row.note}")
     return result
 
 
-def _row(c: Config, s: _Samples, at_once: int) -> TuneRow:
-    ok = bool(s.one) and not s.failed and not s.mismatch
+def _geomean(values: Sequence[float]) -> float:
+    return math.exp(statistics.fmean(math.log(v) for v in values)) if values and min(values) > 0 else 0.0
+
+
+def _contenders(configs: list[Config], samples: dict[Config, _Samples], kinds: list[str], at_once: int) -> list[Config]:
+    """The configurations the next round measures: none when the leader's score range (over
+    rounds, widened by :data:`NOISE`) is clear of every other's; else the leader, those whose
+    ranges reach it, and their targets' plain decoding (the reference their output is checked
+    against)."""
+    ranked = sorted(
+        (c for c in configs if samples[c].ok and samples[c].scores),
+        key=lambda c: -_row(c, samples[c], at_once, kinds).score,
+    )
+    if len(ranked) < 2:
+        return []
+    floor = min(samples[ranked[0]].scores) * (1 - NOISE)
+    close = [c for c in ranked[1:] if max(samples[c].scores) * (1 + NOISE) >= floor]
+    if not close:
+        return []
+    keep = {ranked[0], *close}
+    keep |= {Config(c.precision, "none") for c in keep}
+    return [c for c in configs if c in keep and samples[c].ok]
+
+
+def _row(c: Config, s: _Samples, at_once: int, kinds: list[str]) -> TuneRow:
+    ok = all(s.one.get(k) for k in kinds) and bool(s.many) and s.ok
+    categories = tuple(
+        CategoryRate(k, statistics.median(s.one[k]), s.accepted.get(k, 0) / s.drafted[k] if s.drafted.get(k) else 0.0)
+        for k in kinds
+        if s.one.get(k)
+    )
+    drafted, accepted = sum(s.drafted.values()), sum(s.accepted.values())
     return TuneRow(
         c.precision,
         c.draft,
-        statistics.median(s.one) if s.one else 0.0,
+        _geomean([r.tok_s_1 for r in categories]) if len(categories) == len(kinds) else 0.0,
         statistics.median(s.many) if s.many else 0.0,
         at_once,
-        s.accepted / s.drafted if s.drafted else 0.0,
+        accepted / drafted if drafted else 0.0,
         ok,
         s.failed or s.mismatch,
+        categories,
     )
 
 
@@ -268,7 +367,7 @@ def pick(rows: list[TuneRow]) -> int | None:
     whose best score is within :data:`PICK_MARGIN` of the best of all, and its best row (the
     first on a tie). A copy that is barely faster does not displace a more precise target: a
     round or two on a busy machine cannot tell them apart, and the more precise one is closer
-    to the float32 weights."""
+    to the float32 weights. Then :func:`kept_draft` may keep a draft model of that precision."""
     exact = [i for i, row in enumerate(rows) if row.exact]
     if not exact:
         return None
@@ -277,8 +376,57 @@ def pick(rows: list[TuneRow]) -> int | None:
         mine = [i for i in exact if rows[i].precision == precision]
         best = max(mine, key=lambda i: (rows[i].score, -i))
         if rows[best].score >= (1 - PICK_MARGIN) * top:
-            return best
+            kept = kept_draft(rows, best)
+            return best if kept is None else kept[0]
     return None  # (unreachable: the top row's precision qualifies)
+
+
+def has_model_draft(row: TuneRow) -> bool:
+    """Whether ``row`` drafts with a model (``ngram+q8``), not n-gram lookup alone or nothing."""
+    return row.draft not in ("none", "ngram")
+
+
+def kept_draft(rows: list[TuneRow], best: int) -> tuple[int, str, float] | None:
+    """The draft rule: when the best row ``best`` drafts with no model, an exact row of its
+    precision that does, whose one-stream rate beats ``best``'s by more than :data:`DRAFT_WIN`
+    on at least one prompt category and whose score is at least ``1 - DRAFT_SLACK`` times
+    ``best``'s, is chosen instead (the highest scoring such row): ``(its index, the category
+    where it gains most, that gain as a ratio)``; None when there is none. The per-request
+    acceptance tracker falls back to plain decoding on requests where the draft does not pay,
+    so it costs little on the categories where it loses, while on the one where it wins (code,
+    for a coder model) it is what users would run."""
+    if has_model_draft(rows[best]):
+        return None
+    found: list[tuple[int, str, float]] = []
+    for i, row in enumerate(rows):
+        if not (row.exact and row.precision == rows[best].precision and has_model_draft(row)):
+            continue
+        if row.score < (1 - DRAFT_SLACK) * rows[best].score:
+            continue
+        gains = []
+        for mine in row.categories:
+            theirs = rows[best].category(mine.category)
+            if theirs is not None and theirs.tok_s_1 > 0:
+                gains.append((mine.tok_s_1 / theirs.tok_s_1, mine.category))
+        if gains and max(gains)[0] > 1 + DRAFT_WIN:
+            gain, kind = max(gains)
+            found.append((i, kind, gain))
+    return max(found, key=lambda f: (rows[f[0]].score, -f[0])) if found else None
+
+
+def why_chosen(result: TuneResult) -> str:
+    """``"; kept for its draft: 1.41x on code"`` when the draft rule chose the winner, else ``""``."""
+    rows, chosen = result.rows, result.chosen
+    if chosen is None or not has_model_draft(rows[chosen]):
+        return ""
+    mine = [i for i, r in enumerate(rows) if r.exact and r.precision == rows[chosen].precision]
+    best = max(mine, key=lambda i: (rows[i].score, -i))
+    kept = kept_draft(rows, best) if best != chosen else None
+    return (
+        ""
+        if kept is None
+        else f"; kept for its draft: {kept[2]:.2f}x on {kept[1]}, score {rows[chosen].score / rows[best].score:.2f}x"
+    )
 
 
 _LOCKS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Path, asyncio.Lock]]" = weakref.WeakKeyDictionary()
@@ -388,6 +536,7 @@ async def _read_or_measure(
     path = await anyio.to_thread.run_sync(write_cached, key, result)
     _stderr_or_log(say)(
         f"chose {best.precision} target, draft {best.draft}: {best.tok_s_1:.1f} tok/s alone, "
-        f"{best.tok_s_c:.1f} tok/s at {best.concurrency} at once" + (f" (kept in {path})" if path else "")
+        f"{best.tok_s_c:.1f} tok/s at {best.concurrency} at once{why_chosen(result)}"
+        + (f" (kept in {path})" if path else "")
     )
     return Tuned(best.precision, best.draft, "tuned", result, path)

@@ -48,6 +48,7 @@ from .factory import cache_root, runtime_facts
 __all__ = [
     "TUNE_VERSION",
     "MAX_CACHE_BYTES",
+    "CategoryRate",
     "TuneRow",
     "TuneResult",
     "tune_key",
@@ -60,9 +61,12 @@ __all__ = [
 
 log = get_logger("specdec_rt.engine.tune")
 
-TUNE_VERSION = 2  # the measurement's procedure and rule: a change re-measures every cached choice
+TUNE_VERSION = 3  # the measurement's procedure and rule: a change re-measures every cached choice
 MAX_CACHE_BYTES = 64 * 1024
 MAX_ROWS = 64
+MAX_CATEGORIES = 8  # prompt categories per row
+MAX_TOKENS = 4096  # the answer length a file may say was measured
+ONE_STREAM_WEIGHT = 2 / 3  # the score's exponent of the one-stream rate (the latency case); 1/3 for several at once
 MAX_CACHE_FILES = 64  # results kept in the folder (the oldest go first)
 # the CPU features ONNX Runtime's MLAS kernels choose between (x86 and Arm)
 ISA_FLAGS = (
@@ -87,6 +91,17 @@ ISA_FLAGS = (
     "bf16",
 )
 _TEXT = re.compile(r"^[\x20-\x7e]*$")  # printable ASCII: what the file may say in a string field
+_CATEGORY = re.compile(r"^[a-z][a-z0-9_-]{0,15}$")  # a prompt category's name ("chat", "code", ...)
+
+
+@dataclass(frozen=True)
+class CategoryRate:
+    """One prompt category of one configuration: the median end-to-end tokens/s with one stream
+    (``tok_s_1``) over its prompts and rounds, and the mean ``acceptance`` of its drafts there."""
+
+    category: str
+    tok_s_1: float
+    acceptance: float
 
 
 @dataclass(frozen=True)
@@ -94,8 +109,9 @@ class TuneRow:
     """One configuration measured: target ``precision``, ``draft`` spec (``"none"``: plain
     decoding), medians of end-to-end tokens/s with one stream (``tok_s_1``) and summed over
     ``concurrency`` streams at once (``tok_s_c``), mean ``acceptance`` of its drafts, whether its
-    greedy speculative output equalled plain decoding's on every prompt (``exact``), and a
-    ``note`` (why it was left out)."""
+    greedy speculative output equalled plain decoding's on every prompt (``exact``), a ``note``
+    (why it was left out) and the one-stream rate per prompt category (``categories``; then
+    ``tok_s_1`` is their geometric mean: each category weighs alike)."""
 
     precision: str
     draft: str
@@ -105,12 +121,22 @@ class TuneRow:
     acceptance: float
     exact: bool
     note: str = ""
+    categories: tuple[CategoryRate, ...] = ()
 
     @property
     def score(self) -> float:
-        """The choice's rule: the geometric mean of the two rates (one user, and a server's
-        batches, weigh alike)."""
-        return math.sqrt(self.tok_s_1 * self.tok_s_c)
+        """The choice's measure: a geometric mean of the two rates weighted 2 to 1, one stream
+        (the latency a user waits through) counting twice a server's batches."""
+        return score(self.tok_s_1, self.tok_s_c)
+
+    def category(self, name: str) -> CategoryRate | None:
+        """Its rate on the category ``name``, if measured."""
+        return next((c for c in self.categories if c.category == name), None)
+
+
+def score(one: float, several: float) -> float:
+    """``one ** (2/3) * several ** (1/3)`` (:data:`ONE_STREAM_WEIGHT`): a configuration's score."""
+    return one**ONE_STREAM_WEIGHT * several ** (1 - ONE_STREAM_WEIGHT) if one > 0 and several > 0 else 0.0
 
 
 @dataclass
@@ -123,10 +149,13 @@ class TuneResult:
     rounds: int = 0
     seconds: float = 0.0
     rule: str = (
-        "highest geometric mean of tok/s with one stream and with several at once, among exact "
-        "configurations; a less precise target must beat a more precise one by more than 5%"
+        "highest score (tok/s with one stream ^ 2/3 x with several at once ^ 1/3; one stream: geometric "
+        "mean over prompt categories) among exact configurations; a less precise target must beat a more "
+        "precise one by more than 5%; a draft model that beats the pick by over 10% on a category alone is "
+        "kept if its score is within 15% of the pick's"
     )
     key: dict = field(default_factory=dict)
+    tokens: int = 0  # greedy tokens per answer measured (0: not said)
 
     @property
     def best(self) -> TuneRow | None:
@@ -136,10 +165,11 @@ class TuneResult:
         return {
             "version": TUNE_VERSION,
             "key": self.key,
-            "rows": [asdict(r) for r in self.rows],
+            "rows": [{**asdict(r), "categories": [asdict(c) for c in r.categories]} for r in self.rows],
             "chosen": self.chosen,
             "rounds": self.rounds,
             "seconds": round(self.seconds, 3),
+            "tokens": self.tokens,
             "rule": self.rule,
         }
 
@@ -160,10 +190,13 @@ class TuneResult:
             raise ValueError("rounds out of range")
         if not _number(seconds, 1e6):
             raise ValueError("seconds out of range")
+        tokens = raw.get("tokens")
+        if type(tokens) is not int or not 0 <= tokens <= MAX_TOKENS:
+            raise ValueError(f"tokens must be an integer from 0 to {MAX_TOKENS}")
         key = raw.get("key")
         if not isinstance(key, dict):
             raise ValueError("key must be an object")
-        return cls(rows, chosen, rounds, float(seconds), _text(raw.get("rule", ""), 300), key)
+        return cls(rows, chosen, rounds, float(seconds), _text(raw.get("rule", ""), 400), key, tokens)
 
 
 def _number(value, hi: float) -> bool:
@@ -195,7 +228,24 @@ def _row(raw) -> TuneRow:
         float(nums["acceptance"]),  # type: ignore[arg-type]
         exact,
         _text(raw.get("note", ""), 300),
+        _categories(raw.get("categories")),
     )
+
+
+def _categories(raw) -> tuple[CategoryRate, ...]:
+    if not isinstance(raw, list) or len(raw) > MAX_CATEGORIES:
+        raise ValueError(f"row categories must be a list of at most {MAX_CATEGORIES}")
+    found: list[CategoryRate] = []
+    for item in raw:
+        if not isinstance(item, dict) or set(item) != {"category", "tok_s_1", "acceptance"}:
+            raise ValueError("a row category must be an object of category, tok_s_1 and acceptance")
+        name, rate, acceptance = item["category"], item["tok_s_1"], item["acceptance"]
+        if not isinstance(name, str) or not _CATEGORY.match(name) or any(c.category == name for c in found):
+            raise ValueError(f"a row category's name must be a distinct short lowercase word, got {str(name)[:40]!r}")
+        if not _number(rate, 1e7) or not _number(acceptance, 1.0):
+            raise ValueError(f"row category {name} out of range")
+        found.append(CategoryRate(name, float(rate), float(acceptance)))
+    return tuple(found)
 
 
 # ---------------------------------------------------------------------- the key

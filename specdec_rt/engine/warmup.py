@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import copy
 
+import anyio.to_thread
+
 from ..errors import SpecDecError
 from ..logs import get_logger
 
-__all__ = ["WARMUP_REQUESTS", "WARMUP_TOKENS", "warm_up"]
+__all__ = ["WARMUP_REQUESTS", "WARMUP_TOKENS", "WARMUP_PROMPT_TOKENS", "warm_up"]
 
 log = get_logger("specdec_rt.engine.warmup")
 
 WARMUP_REQUESTS = 2  # the first measures the draft's steps, the second its prefill (it needs the steps)
 WARMUP_TOKENS = 16
+WARMUP_PROMPT_TOKENS = 64  # the last tokens of a rendered prompt the warm-up runs (real ones: ~20 to 40)
 TOUCH_TOKENS = 8  # the requests before them: one whose times are forgotten, one plain (the base step)
 # general chat, in no prompt set of the benchmarks or the demo
 WARMUP_PROMPTS = ("Describe the water cycle for a ten-year-old.", "List a few ways to reuse glass jars at home.")
@@ -35,7 +38,8 @@ async def warm_up(engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int =
     target, a better prior than the configured default). Not kept: prefix-cache entries (the
     cache is off meanwhile) and the scheduler's totals. The prompts are fixed general chat,
     rendered with the model's chat template when it has one (as plain text if that fails), cut
-    to fit a short context.
+    to their last :data:`WARMUP_PROMPT_TOKENS` tokens: a template that writes pages around
+    every conversation must not turn the warm-up into minutes of prefill.
 
     A failure is logged (``engine.warmup_failed``) and ends the warm-up, never the load: it is a
     request's failure (a chat template that refuses, a model that fails on some input), and a
@@ -55,8 +59,9 @@ async def warm_up(engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int =
             text = WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)]
             for prompt in ([[{"role": "user", "content": text}]] if chat else []) + [text]:
                 try:
+                    ids = await anyio.to_thread.run_sync(engine.prompt_encoder.encode, prompt)
                     await engine.generate(
-                        prompt,
+                        [int(t) for t in ids[-WARMUP_PROMPT_TOKENS:]],
                         min(tokens, TOUCH_TOKENS) if i < 0 else tokens,
                         mode="ar" if i == -1 else mode,
                         truncate_prompt=True,

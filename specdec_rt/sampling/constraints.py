@@ -15,13 +15,27 @@ token probability 0 (a draft there is rejected, and the walk stops).
 
 Log-probabilities stay the model's own (before the constraint, as before temperature).
 
+A grammar's work may be costly, and is never done on the event loop: it compiles in a grammar
+thread (``GRAMMAR_THREADS``, one a core), and a constraint that says so (``off_loop``) has its
+masks computed there too, one hand-over for all the rows of a model call, started before the
+call so that the two run side by side (:meth:`~specdec_rt.spec.context.RequestContext.scoring`);
+the event loop only awaits (llguidance drops the GIL while it computes). Its CPU time is bounded:
+its compilation with its first mask (``COMPILE_BUDGET_S``), then each mask (``MASK_BUDGET_S``);
+one that costs more is refused, or ends its request, with an :class:`InvalidInputError` naming
+the limit.
+
 :class:`GrammarConstraint` is backed by llguidance (the optional extra ``structured``; the
 ``serve`` extra has it), the grammar engine vLLM, SGLang and llama.cpp use.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Protocol, Sequence
 
 import numpy as np
@@ -35,6 +49,12 @@ __all__ = [
     "GrammarFactory",
     "MinTokens",
     "constrained",
+    "masks_of",
+    "masked",
+    "MASK_BUDGET_S",
+    "COMPILE_BUDGET_S",
+    "GRAMMAR_THREADS",
+    "FORCED_CHARS",
     "check_response_format",
     "json_text",
     "MAX_SCHEMA_CHARS",
@@ -45,16 +65,31 @@ MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema's text; grammar size and parse work 
 # whitespace between JSON tokens: what pretty-printing needs, bounded, so that a model cannot
 # loop on newlines forever inside a structure (a random model does, at once; real ones too, at times)
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+# characters of the text a grammar forces next that are tokenized for llguidance (_TokenTable)
+FORCED_CHARS = 1024
+# CPU seconds a grammar's compilation and first mask may cost, and each later mask (an ordinary
+# JSON schema's cost a few milliseconds, and well under one: docs/security.md, "Grammar masks")
+COMPILE_BUDGET_S = 0.25
+MASK_BUDGET_S = 0.05
+REFUSED_KEPT = 1024  # grammars refused as too costly that are refused again at no cost
+#: the worker threads that compile grammars and compute off-loop masks: one a core this process may
+#: use, so that grammars alone never take every core from the event loop (more work waits its turn)
+GRAMMAR_THREADS = ThreadPoolExecutor(
+    max_workers=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+    thread_name_prefix="specdec-grammar",
+)
 
 
 class Constraint(Protocol):
-    """What may come next. Called on the event loop, for one request at a time.
+    """What may come next. Called for one request at a time: on the event loop, or, if
+    ``off_loop``, :meth:`allowed` in a worker thread while the loop awaits it.
 
     ``spent``: it rules nothing more (after a :meth:`commit`); the request then keeps ``inner``
-    (another constraint, or None) instead."""
+    (another constraint, or None) instead. ``off_loop``: its masks may be costly (a grammar's)."""
 
     spent: bool = False
     inner: "Constraint | None" = None
+    off_loop: bool = False
 
     def allowed(self, before: Sequence[int]) -> np.ndarray | None:
         """``[V]`` bool: the tokens allowed after the committed ones and then ``before``; None
@@ -70,9 +105,18 @@ class Constraint(Protocol):
 def constrained(scores: np.ndarray, constraint: Constraint, before: Sequence[Sequence[int]]) -> np.ndarray:
     """Rows ``[n, V]`` (a copy) with the tokens ``constraint`` disallows at -inf; ``before[i]``:
     the uncommitted tokens between the committed ones and row ``i``'s position."""
+    return masked(scores, masks_of(constraint, before))
+
+
+def masks_of(constraint: Constraint, before: Sequence[Sequence[int]]) -> list[np.ndarray | None]:
+    """``constraint``'s mask ``[V']`` (or None: a path it rules out) after each of ``before``."""
+    return [constraint.allowed([int(t) for t in path]) for path in before]
+
+
+def masked(scores: np.ndarray, masks: Sequence[np.ndarray | None]) -> np.ndarray:
+    """Rows ``[n, V]`` (a copy) with what ``masks[i]`` disallows at -inf in row ``i``."""
     out = np.array(scores, dtype=np.float32, copy=True)  # [n, V]
-    for i, path in enumerate(before):
-        mask = constraint.allowed([int(t) for t in path])  # [V'] or None
+    for i, mask in enumerate(masks):
         if mask is None:
             continue  # an unreachable row: left as it is
         width = min(mask.size, out.shape[1])
@@ -82,8 +126,13 @@ def constrained(scores: np.ndarray, constraint: Constraint, before: Sequence[Seq
 
 
 class GrammarConstraint(Constraint):
-    """A llguidance ``LLMatcher`` that follows a request: committed tokens are consumed; a row's
-    path is consumed, the mask read, and the path rolled back."""
+    """A llguidance ``LLMatcher`` that follows a request: committed tokens are consumed (before
+    the next mask, in its thread); a row's path is consumed, the mask read, and the path rolled
+    back. A path's mask is kept until the next commit (a draft model's rows and the target's
+    rows after the same drafts ask for the same ones). Each mask may cost ``budget`` seconds of
+    CPU (:data:`MASK_BUDGET_S`)."""
+
+    off_loop = True
 
     def __init__(
         self,
@@ -92,36 +141,64 @@ class GrammarConstraint(Constraint):
         eos_ids: Sequence[int] = (),
         usable: np.ndarray | None = None,
         what: str = "response_format",
+        *,
+        budget: float = MASK_BUDGET_S,
     ) -> None:
         self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, frozenset(int(t) for t in eos_ids)
         self.usable = usable  # [V] bool: ids that stand for text (or end it); None: all
         self.what = what  # the request field the grammar came from, for errors
+        self.budget = budget
+        self._masks: dict[tuple[int, ...], np.ndarray | None] = {}  # path -> its mask, until a commit
+        self._pending: list[int] = []  # committed ids not consumed yet
 
     def allowed(self, before: Sequence[int]) -> np.ndarray | None:
+        if self._pending:
+            self._consume_pending()
+        key = tuple(int(t) for t in before)
+        if key not in self._masks:
+            self._masks[key] = self._allowed(key)
+        return self._masks[key]
+
+    def _allowed(self, before: tuple[int, ...]) -> np.ndarray | None:
         m = self.matcher
         went = m.try_consume_tokens(list(before)) if before else 0
         try:
             # end-of-sequence ids after the grammar's end are not consumed, as in commit (a request
             # that goes on past its end, ignore_eos): that row's mask is a stopped matcher's
-            if went < len(before) and not (m.is_stopped() and all(int(t) in self.eos_ids for t in before[went:])):
+            if went < len(before) and not (m.is_stopped() and all(t in self.eos_ids for t in before[went:])):
                 return None
+            cpu = time.thread_time()  # (llguidance computes a mask in the calling thread)
             bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)  # one bit a token id, little-endian
+            cpu = time.thread_time() - cpu
             if m.is_error():  # the grammar engine gave up (a limit, a grammar with no way on): so does the
                 # request, whichever row asked (a matcher in error stays so); the input's fault: a 400
                 raise InvalidInputError(f"{self.what}: {_stopped(m)}")
+            if cpu > self.budget:  # the next one may cost as much: the request ends here, a 400
+                raise InvalidInputError(
+                    f"{self.what}: the grammar is too costly to follow: one token's mask took "
+                    f"{cpu * 1000:.0f} ms of CPU, over the limit of {self.budget * 1000:.0f} ms a token"
+                )
             mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)  # [V]
-            return mask if self.usable is None else mask & self.usable
+            out = mask if self.usable is None else mask & self.usable
+            out.flags.writeable = False  # kept, and handed to every row that asks
+            return out
         finally:
             if went and not m.is_error():
                 m.rollback(went)
 
     def commit(self, ids: np.ndarray) -> None:
-        m = self.matcher
-        for t in ids:
-            if int(t) in self.eos_ids and m.is_stopped():
+        # consumed by the next allowed(), in the grammar thread: one token can cost milliseconds
+        # (a lexer that gives up builds its expressions first)
+        self._masks.clear()
+        self._pending.extend(int(t) for t in ids)
+
+    def _consume_pending(self) -> None:
+        m, pending, self._pending = self.matcher, self._pending, []
+        for t in pending:
+            if t in self.eos_ids and m.is_stopped():
                 continue  # the end, once the grammar is complete (a matcher stops by itself there)
-            if not m.consume_token(int(t)):  # every committed token was allowed: the engine gave up here
-                raise InvalidInputError(f"{self.what}: at token {int(t)}, {_stopped(m)}")
+            if not m.consume_token(t):  # every committed token was allowed: the engine gave up here
+                raise InvalidInputError(f"{self.what}: at token {t}, {_stopped(m)}")
 
 
 class MinTokens(Constraint):
@@ -139,6 +216,10 @@ class MinTokens(Constraint):
 
     def _spent(self) -> bool:
         return self.committed >= self.count or not self.stop.size
+
+    @property
+    def off_loop(self) -> bool:  # type: ignore[override]  # (the inner constraint's masks are its own)
+        return self.inner is not None and self.inner.off_loop
 
     def allowed(self, before: Sequence[int]) -> np.ndarray | None:
         mask = None if self.inner is None else self.inner.allowed(before)  # [V] or None
@@ -216,6 +297,10 @@ class GrammarFactory:
         self.vocab_size, self.eos_ids = vocab_size, [int(t) for t in eos_ids]
         self._tokenizer = None
         self._usable: np.ndarray | None = None
+        #: sha256 of a grammar refused as too costly -> why (the newest REFUSED_KEPT), shared by
+        #: the grammar threads
+        self._refused: dict[bytes, str] = {}
+        self._lock = threading.Lock()
 
     def _llg(self):
         try:
@@ -256,17 +341,39 @@ class GrammarFactory:
             )
         except (ValueError, TypeError, RecursionError) as exc:
             raise InvalidInputError(f"{what}: the grammar engine cannot read this schema: {exc}"[:300]) from None
-        matcher = llg.LLMatcher(self.tokenizer(), grammar, log_level=0)  # (sets _usable the first time)
+        key = hashlib.sha256(str(grammar).encode()).digest()
+        with self._lock:
+            refused = self._refused.get(key)
+        if refused is not None:  # (n choices, or a client that asks again: refused at no cost)
+            raise InvalidInputError(f"{what}: {refused}")
+        tokenizer = self.tokenizer()  # (sets _usable the first time)
+        cpu = time.thread_time()
+        matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if not matcher.is_error():
             matcher.compute_bitmask()  # the first step: a grammar with no way on, or past a limit, shows here
+        cpu = time.thread_time() - cpu
         if matcher.is_error():
             raise InvalidInputError(f"{what}: {_stopped(matcher)}")
+        if cpu > COMPILE_BUDGET_S:  # (llguidance's own limits let its first step cost seconds)
+            why = (
+                f"the grammar is too costly to follow: compiling it took {cpu * 1000:.0f} ms of CPU, "
+                f"over the limit of {COMPILE_BUDGET_S * 1000:.0f} ms"
+            )
+            with self._lock:
+                self._refused[key] = why
+                while len(self._refused) > REFUSED_KEPT:
+                    del self._refused[next(iter(self._refused))]  # the oldest
+            raise InvalidInputError(f"{what}: {why}")
         return GrammarConstraint(matcher, self.vocab_size, self.eos_ids, self._usable, what)
 
 
 class _TokenTable:
     """What ``llguidance.TokenizerWrapper`` reads: every token id's bytes, the special ones, and
-    a way to encode text (from the engine's codec, so the two never disagree)."""
+    a way to encode text (from the engine's codec, so the two never disagree).
+
+    llguidance encodes, at every mask, the text the grammar forces next (all of it: a quarter
+    of a million characters for ``^(a{500}){500}$``), in this thread, holding the GIL, and reads
+    only the first tokens: the first ``FORCED_CHARS`` characters are encoded."""
 
     def __init__(self, token_bytes, is_special, encode, vocab_size: int, eos: int) -> None:
         self.eos_token_id, self.bos_token_id = eos, None
@@ -275,4 +382,6 @@ class _TokenTable:
         self._encode = encode
 
     def __call__(self, text) -> list[int]:
-        return self._encode(text if isinstance(text, str) else text.decode("utf-8", "replace"))
+        if not isinstance(text, str):  # (a character takes at most 4 bytes: a cut one falls past the end)
+            text = bytes(text[: 4 * FORCED_CHARS]).decode("utf-8", "replace")
+        return self._encode(text[:FORCED_CHARS])

@@ -162,17 +162,20 @@ async def completions(request: Request, kind: Kind) -> Any:
     streams: list = []
     admitted = len(params.streams)
     scored = 0  # prompt tokens to score (echo with logprobs), each prompt once
+    timeout = serving.request_timeout
     try:  # from here on the request is admitted: Job.close releases it
-        for prompt, choice in params.streams:
-            if params.scores_prompt and choice > 0:  # opened once its prompt is scored (Job.start)
-                streams.append(None)
-                continue
-            stream = await _open(serving, params, prompt, choice)
-            streams.append(stream)
-            if params.scores_prompt and choice == 0:  # its prompt's length is known now, before its scoring
-                scored += _prompt_tokens(stream, prompt)
-                check_prompt_logprob_work(params, scored, serving.max_prompt_logprob_work)
-    except (InvalidInputError, EngineClosedError, APIError) as exc:
+        # the deadline runs from the request's arrival: templating and tokenizing count
+        with anyio.fail_after(max(0.0, arrived + timeout - perf_counter()) if timeout else None):
+            for prompt, choice in params.streams:
+                if params.scores_prompt and choice > 0:  # opened once its prompt is scored (Job.start)
+                    streams.append(None)
+                    continue
+                stream = await _open(serving, params, prompt, choice)
+                streams.append(stream)
+                if params.scores_prompt and choice == 0:  # its prompt's length is known now, before its scoring
+                    scored += _prompt_tokens(stream, prompt)
+                    check_prompt_logprob_work(params, scored, serving.max_prompt_logprob_work)
+    except (InvalidInputError, EngineClosedError, SpecDecError, APIError, TimeoutError) as exc:
         await _close_all(streams)
         serving.release(admitted)
         refusal = (
@@ -181,8 +184,16 @@ async def completions(request: Request, kind: Kind) -> Any:
             else engine_error(exc, params)
             if isinstance(exc, InvalidInputError)
             else APIError(503, str(exc), type="service_unavailable", code="draining")
+            if isinstance(exc, EngineClosedError)
+            else APIError(500, str(exc), type="server_error", code="inference_error")
+            if isinstance(exc, SpecDecError)  # InferenceError: the tokenizer failed; the engine goes on
+            else APIError(504, f"the request took longer than {timeout:g} s", type="timeout", code="request_timeout")
         )
-        serving.metrics.rejected.labels("invalid" if refusal.status == 400 else "draining").inc()
+        if refusal.status in (500, 504):  # admitted, ended before its first token
+            serving.metrics.aborted.labels("error" if refusal.status == 500 else "timeout").inc()
+            log.warning("request.failed", status=refusal.status, error=refusal.message[:300])
+        else:
+            serving.metrics.rejected.labels("invalid" if refusal.status == 400 else "draining").inc()
         return error_response(refusal)
     except BaseException:
         await _close_all(streams)

@@ -169,10 +169,12 @@ class ModelDrafter(_ModelUser, DraftInferrer):
         stepped = 0.0  # seconds of the steps after the first call, which reads what the draft missed
         for i in range(k):
             t = perf_counter()
-            logits = (await s.extend(feed, 1))[0]  # [V]
+            if ctx.adjusts:  # as the target's check will score this position (its mask meanwhile)
+                async with ctx.scoring([[d.id for d in drafts]]) as score:
+                    logits = (await score(await s.extend(feed, 1)))[0]  # [V]
+            else:
+                logits = (await s.extend(feed, 1))[0]  # [V]
             stepped += perf_counter() - t if i else 0.0
-            if ctx.adjusts:  # as the target's check will score this position
-                logits = ctx.scores(logits[None], [[d.id for d in drafts]])[0]
             if ctx.params.greedy:
                 scores = biased(logits, ctx.params)  # [V] the logits the target's argmax will read
                 x = int(greedy_ids(scores))
@@ -248,16 +250,17 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         k = len(drafts)
         draft_ids = np.fromiter((d.id for d in drafts), dtype=np.int64, count=k)  # [k]
         feed = np.concatenate([s.pending(ctx.tokens), draft_ids])  # [S >= k+1]
-        if self.share_hidden:
-            start = s.session.length
-            logits, hidden = await s.extend(feed, k + 1, hidden=True)  # hidden [S, H]
-            ctx.state(TARGET_HIDDEN, lambda: TargetHidden(self.model.max_length, hidden.shape[-1], s.session)).write(
-                start, hidden
-            )
-        else:
-            logits = await s.extend(feed, k + 1)  # [k+1, V]: p_0 .. p_k before warping
-        _note_cached_prompt(ctx, s, first)
-        scores = ctx.scores(logits, [draft_ids[:i] for i in range(k + 1)])  # [k+1, V]: row i after i drafts
+        async with ctx.scoring([draft_ids[:i] for i in range(k + 1)]) as score:  # row i after i drafts
+            if self.share_hidden:
+                start = s.session.length
+                logits, hidden = await s.extend(feed, k + 1, hidden=True)  # hidden [S, H]
+                ctx.state(
+                    TARGET_HIDDEN, lambda: TargetHidden(self.model.max_length, hidden.shape[-1], s.session)
+                ).write(start, hidden)
+            else:
+                logits = await s.extend(feed, k + 1)  # [k+1, V]: p_0 .. p_k before warping
+            _note_cached_prompt(ctx, s, first)
+            scores = await score(logits)  # [k+1, V]
         if ctx.params.greedy:
             target_ids = greedy_ids(scores, ctx.params)  # [k+1]
             out = greedy_accept(draft_ids, target_ids)
@@ -281,9 +284,10 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         m, start = tail.size, s.session.length
         feed = np.concatenate([tail, tree.tokens])  # [m + n]
         links = np.concatenate([np.arange(m) - 1, np.where(tree.parents < 0, m - 1, m + tree.parents)])  # [m + n]
-        logits = await s.extend(feed, n + 1, tree=links)  # [n + 1, V]: after the tail, after each node
-        _note_cached_prompt(ctx, s, first)
-        scores = ctx.scores(logits, [[]] + [_path_tokens(tree, j) for j in range(n)])  # row 1+j: after node j
+        async with ctx.scoring([[]] + [_path_tokens(tree, j) for j in range(n)]) as score:  # row 1+j: after node j
+            logits = await s.extend(feed, n + 1, tree=links)  # [n + 1, V]: after the tail, after each node
+            _note_cached_prompt(ctx, s, first)
+            scores = await score(logits)
         if ctx.params.greedy:
             path, out = greedy_tree_accept(tree, greedy_ids(scores, ctx.params))
         else:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Sequence
+from concurrent.futures import Future
 from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
@@ -10,14 +13,17 @@ from ..checks import check_int
 from ..errors import ContextLengthError, InvalidInputError
 from ..policy.confidence import ChainStop
 from ..sampling import SamplingParams, brief_repr
-from ..sampling.constraints import Constraint, constrained
+from ..sampling.constraints import GRAMMAR_THREADS, Constraint, constrained, masked, masks_of
 from ..sampling.logprobs import check_top_logprobs
 from ..sampling.penalties import penalized
 from ..types import FinishReason, Stats
 
-__all__ = ["RequestContext"]
+__all__ = ["RequestContext", "Scorer", "Scoring"]
 
 S = TypeVar("S")
+
+#: what :meth:`RequestContext.scoring` yields: the model's rows ``[n, V]`` in, the request's scores out
+Scorer = Callable[[np.ndarray], Awaitable[np.ndarray]]
 
 
 class RequestContext:
@@ -154,6 +160,16 @@ class RequestContext:
         rows = self.penalized(logits, before)
         return rows if self.constraint is None else constrained(rows, self.constraint, before)
 
+    def scoring(self, before: Sequence[Iterable[int]]) -> "Scoring":
+        """:meth:`scores` of the rows after ``before``, for a model call made inside the block::
+
+            async with ctx.scoring(paths) as score:
+                scores = await score(await session.extend(ids, len(paths)))
+
+        A constraint that is ``off_loop`` (a grammar) computes its masks in a grammar thread,
+        started here, while the model runs: the event loop only awaits them."""
+        return Scoring(self, before)
+
     def state(self, owner: object, factory: Callable[[], S]) -> S:
         """Per-request state of ``owner`` (e.g. a KV cache session), created on first use."""
         try:
@@ -169,3 +185,42 @@ class RequestContext:
     def pop_state(self, owner: object) -> Any:
         """Remove and return ``owner``'s state (None if it never made any)."""
         return self._state.pop(owner, None)
+
+
+class Scoring:
+    """:meth:`RequestContext.scoring`'s block. The block is left only once the grammar thread is
+    done with the constraint (the request's next commit may not overlap it), whatever the model
+    call did."""
+
+    def __init__(self, ctx: RequestContext, before: Sequence[Iterable[int]]) -> None:
+        self.ctx, self.before = ctx, before
+        self.work: Future[list[np.ndarray | None]] | None = None
+        constraint = ctx.constraint
+        if constraint is not None and constraint.off_loop:
+            self.before = paths = [[int(t) for t in path] for path in before]  # (read now)
+            self.work = GRAMMAR_THREADS.submit(masks_of, constraint, paths)
+
+    async def __aenter__(self) -> Scorer:
+        return self.score
+
+    async def score(self, logits: np.ndarray) -> np.ndarray:
+        """The request's scores of the model's rows ``[n, V]``."""
+        if self.work is None:
+            return self.ctx.scores(logits, self.before)
+        work = self.work  # done by now when the model took longer: no hand-over back
+        masks = work.result() if work.done() else await asyncio.wrap_future(work)
+        return masked(self.ctx.penalized(logits, self.before), masks)
+
+    async def __aexit__(self, *exc: object) -> None:
+        work, cancelled = self.work, False
+        while work is not None and not work.done():  # the block failed or was cancelled first
+            try:
+                await asyncio.wrap_future(work)
+            except asyncio.CancelledError:
+                cancelled = True  # (a running one cannot be: it finishes first)
+            except Exception:  # noqa: BLE001 - the block's own exception goes on
+                pass
+        if work is not None and not work.cancelled():
+            work.exception()  # (retrieved: a mask's error after the model's is not logged as lost)
+        if cancelled:
+            raise asyncio.CancelledError

@@ -5,7 +5,11 @@ Two kinds of untrusted input pass through here (docs/security.md):
 - The chat template comes from the model folder. It renders in a Jinja sandbox that is also
   bounded in size, steps and time (:mod:`specdec_rt.text.template_sandbox`). Going over any bound is
   an ``InvalidInputError`` naming the template.
-- The tokenizer file comes from the model folder too: its size is bounded before it is parsed.
+- The tokenizer file comes from the model folder too: its size is bounded before it is parsed,
+  and how much it can expand text is checked when it is loaded
+  (:mod:`specdec_rt.text.tokenizer_checks`); each text's characters times that bound are checked
+  before it is encoded. A failure inside the tokenizers library (a panic of its Rust code,
+  raised as a ``BaseException``) is an :class:`~specdec_rt.errors.InferenceError`.
 - Chat message content comes from users. By default the text of a special token in a message
   (``<|im_end|>``) is encoded as plain text, never as the control token; only the template
   itself writes control tokens. ``allow_special`` lets trusted callers opt out.
@@ -20,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import InvalidInputError, ModelLoadError
+from ..errors import InferenceError, InvalidInputError, ModelLoadError
 from ..manifest_schema import TEXT_TAGS
 from ..sampling import brief_repr
 from .template_sandbox import (
@@ -32,11 +36,26 @@ from .template_sandbox import (
     new_environment,
     render_bounded,
 )
+from .tokenizer_checks import MAX_ENCODE_TOKENS, PASS_THROUGH, check_tokenizer
 from .tools import CALL_OPEN, nested_strings, supports_tools, template_messages
 
-__all__ = ["TextCodec", "IncrementalDecoder", "MAX_TOKENIZER_BYTES"]
+__all__ = ["TextCodec", "IncrementalDecoder", "TemplateLimitError", "MAX_TOKENIZER_BYTES"]
 
 MAX_TOKENIZER_BYTES = 128 << 20  # a tokenizer.json larger than this is refused before it is parsed
+
+
+class TemplateLimitError(InvalidInputError):
+    """The chat template went over a bound of its rendering (time, size, steps, a method it may
+    not call); the message names the template."""
+
+
+# a short conversation that every chat template must render within its bounds when it is loaded
+PROBE_CHAT = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello! What can you do?"},
+    {"role": "assistant", "content": "I can answer questions."},
+    {"role": "user", "content": "Tell me a short story."},
+]
 
 
 def _tags_as_text(tokenizer):
@@ -99,18 +118,22 @@ class TextCodec:
             if len(data) > MAX_TOKENIZER_BYTES:
                 raise ValueError(f"it grew past {MAX_TOKENIZER_BYTES} bytes while it was read")
             self.tokenizer = Tokenizer.from_str(data.decode("utf-8"))
-        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:  # plain Exceptions, or a panic of the tokenizers library
             raise ModelLoadError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
         #: the sha256 of the tokenizer file as it was read (see :mod:`specdec_rt.text.encode_process`)
         self.tokenizer_sha256 = hashlib.sha256(data).hexdigest()
         if any(t.special and t.content in TEXT_TAGS for t in self.tokenizer.get_added_tokens_decoder().values()):
             self.tokenizer = _tags_as_text(self.tokenizer)
+        #: how many tokens a character can become at most (checked: a tokenizer past the limits is refused)
+        self.expansion = check_tokenizer(self.tokenizer, str(tokenizer_file))
         self.tokenizer_file = Path(tokenizer_file)
         self.add_bos, self.bos_id, self.chat_template = add_bos, bos_id, chat_template
         self.allow_special_in_content = allow_special_in_content
         self.template_timeout_s, self.template_max_chars = template_timeout_s, template_max_chars
         self.template_source = template_source or f"the chat template of {tokenizer_file}"
-        self._template = None
+        self._template: tuple[str | None, Any] | None = None  # (the text, compiled)
         self._plain = None  # a copy of the tokenizer that encodes special tokens as plain text
         self._kinds: frozenset[str] | None = None  # the decoder's step types (token_bytes)
         self._byte_ids: frozenset[int] | None = None  # byte-fallback pieces (is_byte_piece)
@@ -122,7 +145,8 @@ class TextCodec:
 
     @classmethod
     def from_manifest(cls, m, **options) -> "TextCodec":
-        return cls(
+        """The codec of a model folder's manifest, its chat template checked (:meth:`check_template`)."""
+        codec = cls(
             m.tokenizer_file,
             add_bos=m.add_bos,
             bos_id=m.bos_id,
@@ -130,6 +154,24 @@ class TextCodec:
             template_source=f"the chat template in {Path(m.folder) / 'manifest.json'}",
             **options,
         )
+        codec.check_template()
+        return codec
+
+    def check_template(self) -> None:
+        """:class:`ModelLoadError` naming the template when it does not compile, or goes over a
+        bound of its rendering on a short conversation (:data:`PROBE_CHAT`): such a template
+        could answer no request. A template that refuses the conversation itself
+        (``raise_exception``) is left to the requests."""
+        if self.chat_template is None:
+            return
+        for chat in (PROBE_CHAT, PROBE_CHAT[1:]):  # (the second: for templates without a system role)
+            try:
+                self._render(list(chat), True, chars=TEMPLATE_MIN_CHARS)  # (the template's, whatever the budget)
+                return
+            except TemplateLimitError as exc:
+                raise ModelLoadError(f"{exc} (on a short conversation of {len(chat)} messages)") from None
+            except InvalidInputError:
+                continue
 
     def token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.tokenizer.id_to_token(int(token_id)) or "")
@@ -221,15 +263,27 @@ class TextCodec:
             out.append(msg)
         return out
 
-    @staticmethod
-    def _tokenize(tokenizer, text: str, fields):
+    def _tokenize(self, tokenizer, text: str, fields):
         """``tokenizer.encode(text)``; a failure is the input's: :class:`InvalidInputError` naming
         the field. ``fields()`` (called only on failure) yields ``(name, value)`` for the strings
         the text came from. The tokenizer raises ``TypeError`` for a lone surrogate
-        (``"\\ud800"``): that is not Unicode text, and the error names the first such field."""
+        (``"\\ud800"``): that is not Unicode text, and the error names the first such field.
+        A text that could become more than :data:`MAX_ENCODE_TOKENS` tokens (its characters times
+        :attr:`expansion`) is refused before it is encoded; a panic of the tokenizer is an
+        :class:`InferenceError`."""
+        if self.expansion.tokens(len(text)) > MAX_ENCODE_TOKENS:
+            raise InvalidInputError(
+                f"the prompt has {len(text)} characters of text, which this model's tokenizer could turn "
+                f"into up to {self.expansion.tokens(len(text)):.0f} tokens ({self.expansion.per_char:g} a character, "
+                f"set by its {self.expansion.by}), more than the {MAX_ENCODE_TOKENS} one text may"
+            )
         try:  # a batch of one: the same encoding, but the GIL is released while it runs (decision 0011)
             return tokenizer.encode_batch([text], add_special_tokens=False)[0]
-        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises TypeError / Exception
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # a panic in the tokenizers library (PanicException)
+                raise _native_failure("encoding the prompt", exc) from exc
             for name, value in fields():
                 at = _bad_unicode(value)
                 if at:
@@ -245,12 +299,15 @@ class TextCodec:
             (f"messages[{i}].{k}", v) for i, msg in enumerate(messages) for k, v in msg.items() if isinstance(v, str)
         )
 
-    def _render(self, messages: list, add_generation_prompt: bool, tools: Sequence[dict] | None = None) -> str:
+    def _render(
+        self, messages: list, add_generation_prompt: bool, tools: Sequence[dict] | None = None, *, chars: int = 0
+    ) -> str:
+        """The template rendered within its bounds; ``chars``: the output budget (0: the codec's)."""
         template = self._compiled()
         size = sum(len(v) for msg in messages for v in msg.values() if isinstance(v, str))
         nested = _structured_fields(messages, tools)
         size += sum(len(t) for name, value in nested for t in nested_strings(value, name))  # as JSON, about
-        chars = self.template_max_chars or TEMPLATE_MIN_CHARS + 4 * size
+        chars = chars or self.template_max_chars or TEMPLATE_MIN_CHARS + 4 * size
         extra = {"tools": list(tools)} if tools else {}
         try:
             return render_bounded(
@@ -265,11 +322,11 @@ class TextCodec:
                 **extra,
             )
         except TemplateBudgetError as exc:
-            raise InvalidInputError(f"{self.template_source} {exc}; refusing to render it") from None
+            raise TemplateLimitError(f"{self.template_source} {exc}; refusing to render it") from None
         except InvalidInputError:
             raise
         except (MemoryError, RecursionError, OverflowError) as exc:
-            raise InvalidInputError(
+            raise TemplateLimitError(
                 f"{self.template_source} failed ({type(exc).__name__}); refusing to render it"
             ) from None
         except Exception as exc:  # noqa: BLE001 - a template error is the input's problem
@@ -377,13 +434,20 @@ class TextCodec:
         return self._plain
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        try:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                raise
+            raise _native_failure("decoding the answer", exc) from exc
 
     def decoder(self) -> "IncrementalDecoder":
         return IncrementalDecoder(self)
 
     def _compiled(self):
-        if self._template is None:
+        if self._template is None or self._template[0] != self.chat_template:
             from jinja2.exceptions import TemplateError
 
             def raise_exception(message):
@@ -393,10 +457,10 @@ class TextCodec:
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(str(fmt)[:64])
             try:
-                self._template = compile_template(env, self.chat_template)
+                self._template = (self.chat_template, compile_template(env, self.chat_template))
             except (TemplateError, RecursionError) as exc:
                 raise ModelLoadError(f"{self.template_source} does not compile: {exc}") from exc
-        return self._template
+        return self._template[1]
 
 
 def _byte_alphabet() -> dict[str, int]:
@@ -414,6 +478,11 @@ def _byte_alphabet() -> dict[str, int]:
 
 _UNICODE_BYTE = _byte_alphabet()
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _native_failure(what: str, exc: BaseException) -> InferenceError:
+    """The tokenizers library's panic (a ``BaseException``) while ``what``, as our error."""
+    return InferenceError(f"the model's tokenizer failed while {what}: {type(exc).__name__}: {exc}"[:300])
 
 
 def _bad_unicode(text: str) -> int:

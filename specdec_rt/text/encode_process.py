@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import InvalidInputError, ModelLoadError, SpecDecError
+from ..errors import InferenceError, InvalidInputError, ModelLoadError, SpecDecError
 from .codec import TextCodec
 
 __all__ = ["PromptEncoder", "PROCESS_MIN_CHARS"]
@@ -38,6 +38,7 @@ PROCESS_MIN_CHARS = 16_384  # prompts of at least this many characters are encod
 _ERRORS: dict[str, type[SpecDecError]] = {
     "InvalidInputError": InvalidInputError,
     "ModelLoadError": ModelLoadError,
+    "InferenceError": InferenceError,  # the tokenizer panicked
 }
 
 
@@ -183,7 +184,7 @@ def _serve() -> None:
         out.flush()
 
     def error(exc: BaseException) -> None:
-        if isinstance(exc, SpecDecError):  # the codec's errors: InvalidInputError, ModelLoadError
+        if isinstance(exc, SpecDecError):  # the codec's errors: InvalidInputError, ModelLoadError, InferenceError
             kind = next((k for k, cls in _ERRORS.items() if isinstance(exc, cls)), "InvalidInputError")
             answer({"error": kind, "message": str(exc)})
         else:  # as Engine._encode words what the codec does not map

@@ -26,6 +26,8 @@ from ..errors import InvalidInputError
 
 __all__ = [
     "TemplateBudgetError",
+    "TemplateMethodError",
+    "STR_METHODS",
     "new_environment",
     "compile_template",
     "render_bounded",
@@ -49,6 +51,25 @@ _budget = threading.local()  # the budget of the rendering running in this threa
 
 class TemplateBudgetError(InvalidInputError):
     """A template went over its budget (the message says which)."""
+
+
+class TemplateMethodError(TemplateBudgetError):
+    """A template used a method of a string that the sandbox does not offer (the message names it)."""
+
+
+# the str methods a template may use: each runs in time linear in its input, and those that can
+# build a bigger string are sized first (_precheck_call); a codec (str.encode: 'punycode' and
+# 'idna' are quadratic, one call the deadline cannot stop) and anything not listed are refused
+STR_METHODS = frozenset(
+    {
+        *("capitalize", "casefold", "center", "count", "endswith", "expandtabs", "find", "format", "format_map"),
+        *("index", "isalnum", "isalpha", "isascii", "isdecimal", "isdigit", "isidentifier", "islower"),
+        *("isnumeric", "isprintable", "isspace", "istitle", "isupper", "join", "ljust", "lower", "lstrip"),
+        *("partition", "removeprefix", "removesuffix", "replace", "rfind", "rindex", "rjust", "rpartition"),
+        *("rsplit", "rstrip", "split", "splitlines", "startswith", "strip", "swapcase", "title", "translate"),
+        *("upper", "zfill", "escape", "striptags", "unescape"),  # (the last three: markupsafe's Markup)
+    }
+)
 
 
 class _Budget:
@@ -352,6 +373,15 @@ def _sandbox_class():
         """The immutable sandbox, with every operation that can amplify size or time bounded."""
 
         intercepted_binops = frozenset({"*", "**", "+", "-", "%", "//"})
+
+        def is_safe_attribute(self, obj, attr, value):
+            if isinstance(obj, (str, bytes, bytearray)) and attr not in STR_METHODS:
+                kind = type(obj).__name__ if isinstance(obj, (bytes, bytearray)) else "str"
+                raise TemplateMethodError(
+                    f"used {kind}.{attr}, which chat templates may not call (the sandbox offers only "
+                    "the str methods that run in linear time: strip, split, replace, startswith...)"
+                )
+            return super().is_safe_attribute(obj, attr, value)
 
         def call_binop(self, context, operator, left, right):
             b = _current()

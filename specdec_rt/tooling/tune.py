@@ -49,18 +49,34 @@ def _say(text: str) -> None:
 
 def format_table(result) -> str:
     """The result as a text table: configuration, tok/s with one stream and at several at once,
-    acceptance, exact, and the chosen row marked."""
+    acceptance, exact, one stream's tok/s per prompt category (with the drafts' acceptance
+    there), and the chosen row marked."""
     c = result.rows[0].concurrency if result.rows else 1
+    kinds = list(dict.fromkeys(k.category for row in result.rows for k in row.categories))
     lines = [
         f"{'precision':<10} {'draft':<14} {'tok/s 1 stream':>14} {f'tok/s at {c}':>11} {'acceptance':>10} "
-        f"{'exact':>5}  chosen"
+        f"{'exact':>5}  " + "".join(f"{k:>12}" for k in kinds) + ("  " if kinds else "") + "chosen"
     ]
     for i, row in enumerate(result.rows):
+        cells = []
+        for k in kinds:
+            mine = row.category(k)
+            cell = "-" if mine is None else f"{mine.tok_s_1:.1f}"
+            if mine is not None and row.draft != "none":
+                cell += f" @{mine.acceptance:.2f}"
+            cells.append(f"{cell:>12}")
         lines.append(
             f"{row.precision:<10} {row.draft:<14} {row.tok_s_1:>14.1f} {row.tok_s_c:>11.1f} "
             f"{row.acceptance if row.draft not in ('none',) else 0:>10.2f} {'yes' if row.exact else 'NO':>5}  "
+            + "".join(cells)
+            + ("  " if kinds else "")
             + ("<-" if i == result.chosen else "")
             + (f" {row.note}" if row.note else "")
+        )
+    if kinds:
+        lines.append(
+            f"(per category: tok/s with one stream @ acceptance, {result.tokens or '?'} tokens an answer; "
+            "tok/s 1 stream: their geometric mean)"
         )
     return "\n".join(lines)
 
@@ -70,7 +86,7 @@ def run_tune(args) -> int:
     from ..engine.engine import Engine
     from ..engine.factory import home_manifest, pick_target
     from ..engine.loading import ensure_built
-    from ..engine.tune import choose
+    from ..engine.tune import choose, why_chosen
 
     folder = ensure_built(args.model, allow_build=not args.no_build, say=_say)
 
@@ -107,6 +123,6 @@ def run_tune(args) -> int:
     how = "measured now" if tuned.chosen_by == "tuned" else "cached from an earlier run (--force measures again)"
     print(
         f"\nchosen: {tuned.precision} target, draft {tuned.draft} ({how}; {result.rounds} round(s), "
-        f"{result.seconds:.0f} s)\nrule: {result.rule}\n{exact_to}"
+        f"{result.seconds:.0f} s{why_chosen(result)})\nrule: {result.rule}\n{exact_to}"
     )
     return 0

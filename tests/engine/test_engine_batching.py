@@ -346,16 +346,18 @@ def test_a_failing_warm_up_never_fails_the_load(tiny_llama):
     async def main():
         async with await Engine.load(tiny_llama, draft="q4", warmup=False) as engine:
             real, calls = engine.generate, []
+            encode = engine.prompt_encoder.encode
 
-            async def chat_refused(prompt, *a, **kw):
+            def chat_refused(prompt, *a, **kw):  # (the warm-up encodes its prompts, then runs their ids)
                 calls.append(type(prompt).__name__)
                 if not isinstance(prompt, str):
                     raise InvalidInputError("chat template refused")
-                return await real(prompt, *a, **kw)
+                return encode(prompt, *a, **kw)
 
-            engine.generate = chat_refused
+            engine.prompt_encoder.encode = chat_refused
             await warm_up(engine)  # messages refused: warmed up with the plain text instead
             assert calls == ["list", "str"] * 4 and engine.scheduler.costs.draft_token_s is not None
+            engine.prompt_encoder.encode = encode
 
             async def broken(prompt, *a, **kw):
                 calls.append("broken")

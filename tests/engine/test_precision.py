@@ -7,6 +7,7 @@ among its drafts (draft-q4), so it offers float32 and int4.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -20,6 +21,7 @@ from specdec_rt.engine.factory import as_target, home_manifest, target_candidate
 from specdec_rt.engine.tune_cache import (
     MAX_CACHE_BYTES,
     TUNE_VERSION,
+    CategoryRate,
     TuneResult,
     TuneRow,
     cache_path,
@@ -239,7 +241,10 @@ def test_a_corrupt_cache_file_is_measured_again(tiny_llama, cache, monkeypatch, 
 
 def valid(key) -> dict:
     rows = fake_rows()
-    result = TuneResult(rows, 3, 1, 0.5, key=key)
+    rows[0] = dataclasses.replace(
+        rows[0], categories=(CategoryRate("chat", 90.0, 0.7), CategoryRate("code", 111.1, 0.9))
+    )
+    result = TuneResult(rows, 3, 1, 0.5, key=key, tokens=96)
     return result.as_dict()
 
 
@@ -247,6 +252,7 @@ def valid(key) -> dict:
     "change",
     [
         lambda d: d.update(version=TUNE_VERSION + 1),
+        lambda d: d.update(version=2),  # measured by the 32-token chat procedure: measured again
         lambda d: d.update(chosen=2),  # a row that is not exact
         lambda d: d.update(chosen=9),
         lambda d: d.update(chosen=True),
@@ -259,6 +265,19 @@ def valid(key) -> dict:
         lambda d: d.update(rows=[]),
         lambda d: d.update(rows=d["rows"] * 20),
         lambda d: d["key"].update(cpu="another CPU"),
+        lambda d: d.update(tokens=-1),
+        lambda d: d.update(tokens=1e9),
+        lambda d: d.pop("tokens"),
+        lambda d: d["rows"][0].update(categories={"chat": 1}),
+        lambda d: d["rows"][0].pop("categories"),
+        lambda d: d["rows"][0]["categories"].append(dict(d["rows"][0]["categories"][0])),  # a name twice
+        lambda d: d["rows"][0]["categories"][0].update(category="Chat\x1b"),
+        lambda d: d["rows"][0]["categories"][0].update(tok_s_1=float("inf")),
+        lambda d: d["rows"][0]["categories"][0].update(acceptance=2),
+        lambda d: d["rows"][0]["categories"][0].update(extra=1),
+        lambda d: d["rows"][0].update(
+            categories=[{"category": f"c{i}", "tok_s_1": 1, "acceptance": 0} for i in range(9)]
+        ),
     ],
 )
 def test_the_cache_file_is_checked_field_by_field(tiny_llama, cache, change):
@@ -305,7 +324,8 @@ def test_the_real_measurement_on_a_tiny_model(tiny_llama):
     assert all(r.exact and r.tok_s_1 > 0 and r.tok_s_c > 0 and r.concurrency == 2 for r in result.rows), result.rows
     assert result.rows[0].acceptance > 0 and result.rows[2].acceptance == 0
     assert result.chosen == tune.pick(result.rows) and result.rounds >= 1
-    assert any("round 1/2" in line for line in said)
+    assert any(line.startswith("round 1: 5 configurations") for line in said)
+    assert [c.category for c in result.rows[0].categories] == ["chat", "code"]
 
 
 def test_a_config_that_leaves_plain_decoding_or_fails_is_left_out(tiny_llama):

@@ -230,7 +230,8 @@ def test_v1_models_says_what_engine_choice_says(tiny_llama, quantized, tune_dir,
     ]:
         choice, listed = anyio.run(lambda: entry(folder, **kw))
         assert len(listed) == 1 and listed[0]["id"] == "m"
-        assert {k: listed[0][k] for k in ("precision", "draft", "chosen_by", "exact_to")} == choice.as_dict()
+        assert {k: listed[0][k] for k in choice.as_dict()} == choice.as_dict()
+        assert ("measured" in listed[0]) == (choice.chosen_by in ("tuned", "cached"))
     assert choice.chosen_by == "cached"
 
 
@@ -264,7 +265,19 @@ def test_tune_json_is_one_document_with_the_documented_fields(quantized, tune_di
         return json.loads(proc.stdout), proc.stderr
 
     first, said = tune_json()
-    assert set(first) == {"model", "folder", "choice", "key", "rows", "chosen", "rounds", "seconds", "rule", "cache"}
+    assert set(first) == {
+        "model",
+        "folder",
+        "choice",
+        "key",
+        "rows",
+        "chosen",
+        "rounds",
+        "seconds",
+        "rule",
+        "tokens",
+        "cache",
+    }
     assert "[tune] tuning llama-onnx" in said and "[tune] chose " in said
     choice, best = first["choice"], first["rows"][first["chosen"]]
     assert set(choice) == {"precision", "draft", "chosen_by", "exact_to"} and choice["chosen_by"] == "tuned"

@@ -53,6 +53,7 @@ _LONGROPE = {
 }
 
 WINDOW = 8  # the Gemma cases' sliding window: prompt + answer run 6 windows past it
+WIDE = 128  # a window as long as the context
 # name: (family, build options, what differs from Llama: a config change or a module swap that
 # undoes it in PyTorch, for the sensitivity check; a tuple of them: each must matter)
 CASES = {
@@ -102,6 +103,119 @@ CASES = {
             rope_scaling={"rope_type": "linear", "factor": 8.0},  # the global layers' (as in 4B+)
         ),
         ({"sliding_window": 4096}, {"rope_local_base_freq": 1e6}, {"rope_scaling": None}, "qk_norm"),
+    ),
+    # a window that covers the whole exported context (the released 270M's 512 at <= 512 positions):
+    # no layer is masked, yet the sliding layers still turn by rope_local_base_freq (the global
+    # rope_theta, 1e6, in the undo: what the graph gave them before the fix)
+    "gemma3-wide-window": (
+        "gemma3_text",
+        dict(window=WIDE, max_positions=WIDE, layers=3, rope_scaling={"rope_type": "linear", "factor": 8.0}),
+        ({"rope_local_base_freq": 1e6}, {"rope_scaling": None}, "qk_norm"),
+    ),
+    # the families built from export.families' blocks
+    "gemma": ("gemma", dict(layers=3), ("plain_norms", {"hidden_act": "relu"})),  # (1 + w) norms, x sqrt(H), GeGLU
+    "granite": (
+        "granite",
+        dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0),
+        (
+            {"embedding_multiplier": 1.0},
+            {"residual_multiplier": 1.0},
+            {"attention_multiplier": 0.25},
+            {"logits_scaling": 1.0},
+        ),
+    ),
+    "olmo2": ("olmo2", dict(layers=3), "qk_norm"),  # norms after attention and the MLP only, q/k norms over all heads
+    "stablelm": (  # LayerNorm, partial rotary, q/k/v biases
+        "stablelm",
+        dict(partial_rotary_factor=0.5, use_qkv_bias=True),
+        {"partial_rotary_factor": 1.0},
+    ),
+    "stablelm-parallel": (  # attention and the MLP read the same norm
+        "stablelm",
+        dict(partial_rotary_factor=0.25, use_parallel_residual=True),
+        {"partial_rotary_factor": 1.0},
+    ),
+    "phi": (  # Phi-2: parallel attention / MLP on one LayerNorm, partial rotary, biases, gelu_new
+        "phi",
+        dict(partial_rotary_factor=0.5, hidden_act="gelu_new"),
+        ({"partial_rotary_factor": 1.0}, {"hidden_act": "relu"}),
+    ),
+    "starcoder2": (  # LayerNorm with bias, biases everywhere, the tanh GELU, a sliding window
+        "starcoder2",
+        dict(window=WINDOW, layers=3),
+        ({"sliding_window": 4096}, {"hidden_act": "relu"}),
+    ),
+    "gpt_neox": (  # q/k/v fused per head, parallel residual with two norms, rotary_pct
+        "gpt_neox",
+        dict(kv_heads=4, rotary_pct=0.5),
+        ({"rotary_pct": 1.0, "partial_rotary_factor": 1.0}, {"use_parallel_residual": False}),
+    ),
+    "nemotron": (  # LayerNorm1P, relu^2, partial rotary, biases
+        "nemotron",
+        dict(partial_rotary_factor=0.5, attention_bias=True, mlp_bias=True),
+        ("plain_norms", {"partial_rotary_factor": 1.0}, {"hidden_act": "relu"}),
+    ),
+    "gpt_bigcode": (  # learned absolute positions, multi-query attention, LayerNorm, biases
+        "gpt_bigcode",
+        dict(multi_query=True, activation_function="gelu_pytorch_tanh"),
+        ("positions", {"activation_function": "relu"}),
+    ),
+    "gpt_bigcode-mha": ("gpt_bigcode", dict(multi_query=False), "positions"),  # q, k, v per head
+    "opt": ("opt", dict(activation_function="relu"), ("positions", {"activation_function": "gelu"})),
+    "gptj": (  # interleaved partial rotary (8 of 16), parallel attention / MLP, LM head bias
+        "gptj",
+        dict(rotary_dim=8, activation_function="gelu_new"),
+        ({"rotary_dim": 16}, {"activation_function": "relu"}),
+    ),
+    "falcon": (  # Falcon-7B's layout: multi-query, parallel attention / MLP on one LayerNorm
+        "falcon",
+        dict(multi_query=True, parallel_attn=True, bias=False),
+        ({"activation": "relu"},),
+    ),
+    "falcon-mha": (  # q, k, v per head, sequential layers with biases
+        "falcon",
+        dict(multi_query=False, parallel_attn=False, bias=True),
+        ({"activation": "relu"},),
+    ),
+    "gpt2": ("gpt2", dict(activation_function="gelu_new"), ("positions", {"activation_function": "relu"})),
+    "cohere": (  # LayerNorm without bias, parallel attention / MLP, interleaved rotary, logit_scale
+        "cohere",
+        dict(logit_scale=0.5),
+        ({"logit_scale": 1.0}, "halves_rotary"),
+    ),
+    "olmo": ("olmo", dict(clip_qkv=0.3), ({"clip_qkv": None},)),  # LayerNorm without weights, q/k/v clamped
+    "glm": (  # interleaved partial rotary (8 of 16), fused gate_up_proj, q/k/v biases
+        "glm",
+        dict(partial_rotary_factor=0.5, attention_bias=True),
+        ({"partial_rotary_factor": 1.0},),
+    ),
+    "glm4": (  # GLM's attention, Gemma 2's sandwich of norms
+        "glm4",
+        dict(partial_rotary_factor=0.5, attention_bias=True),
+        ({"partial_rotary_factor": 1.0},),
+    ),
+    "olmo3": (  # OLMo 2's layout, windows on layer_types' sliding layers, which turn unscaled
+        "olmo3",
+        dict(
+            window=WINDOW,
+            layers=3,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+        ),
+        ({"sliding_window": 4096}, {"rope_scaling": None}, "qk_norm"),
+    ),
+    "exaone4": (  # norms after attention and the MLP, per-head q/k norms, windows, no rotary on global layers
+        "exaone4",
+        dict(window=WINDOW, layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+        ({"sliding_window": 4096}, "qk_norm"),
+    ),
+    "arcee": ("arcee", dict(hidden_act="relu2"), ({"hidden_act": "relu"},)),
+    "seed_oss": ("seed_oss", dict(attention_bias=True, attention_out_bias=True), ({"rope_theta": 10.0},)),
+    "helium": ("helium", dict(attention_bias=True), ("halves_rotary",)),
+    "ministral": (  # windows on the layers layer_types marks
+        "ministral",
+        dict(window=WINDOW, layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+        ({"sliding_window": 4096},),
     ),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
@@ -169,7 +283,9 @@ def test_manifest_and_validation(exported):
         assert m["architecture"]["max_positions"] == 128 and m["architecture"]["head_dim"] == 64
     if case in ("phi3", "qwen3-head24"):  # heads padded: 16 = 12 rotated + 4 -> 16 + 4 -> 32; 24 -> 32
         assert m["architecture"]["head_dim"] == 32
-    if case.startswith("gemma"):  # the real context, not the window
+    if case == "gemma3-wide-window":  # no layer masked: the manifest names no window
+        assert m["architecture"]["max_positions"] == WIDE and "sliding_window" not in m["architecture"]
+    elif CASES[case][1].get("window"):  # the real context, not the window
         assert m["architecture"]["max_positions"] == 512 and m["architecture"]["sliding_window"] == WINDOW
     else:
         assert "sliding_window" not in m["architecture"]
@@ -189,6 +305,38 @@ def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
             other = _model(ckpt)
             for layer in other.model.layers:
                 layer.self_attn.q_norm = layer.self_attn.k_norm = torch.nn.Identity()
+        elif undo == "positions":  # every position embedded as the first one
+            other = _model(ckpt)
+            with torch.no_grad():
+                table = other.transformer.wpe if hasattr(other, "transformer") else other.model.decoder.embed_positions
+                table.weight.copy_(table.weight[:1].expand_as(table.weight))
+        elif undo == "halves_rotary":  # the family's interleaved rotary as Llama's: halves
+            import importlib
+
+            from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+            family = CASES[case][0]
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+            def halves(q, k, cos, sin, *args, **kwargs):
+                if torch.equal(cos[..., ::2], cos[..., 1::2]):  # Cohere's tables: each angle twice
+                    cos, sin = torch.cat([cos[..., ::2]] * 2, -1), torch.cat([sin[..., ::2]] * 2, -1)
+                return apply_rotary_pos_emb(q, k, cos, sin)
+
+            saved = module.apply_rotary_pos_emb
+            module.apply_rotary_pos_emb = halves
+            try:
+                halves_logits = _logits(_model(ckpt), ids)
+            finally:
+                module.apply_rotary_pos_emb = saved
+            assert np.abs(got - halves_logits).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
+            continue
+        elif undo == "plain_norms":  # Gemma's and Nemotron's norms as w, not 1 + w
+            other = _model(ckpt)
+            with torch.no_grad():
+                for name, param in other.named_parameters():
+                    if "norm" in name and name.endswith("weight"):
+                        param.sub_(1.0)
         else:
             other = _model(ckpt, **undo)
         assert np.abs(got - _logits(other, ids)).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
@@ -227,7 +375,7 @@ def _greedy(model, prompt: list[int], total: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "starcoder2", "ministral"])
 def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory, case):
     """Sliding windows in every path the runtime has: several requests at once (packed rows of
     different lengths past the window, prefill and decode and verifies batched together), prefix-
@@ -278,6 +426,37 @@ def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory,
         m.close()
 
 
+def test_gemma3_window_covering_the_exported_context_keeps_the_local_rope_base(tmp_path):
+    """Gemma 3 with a sliding window at least as long as the exported context (the released
+    270M's 512 exported at <= 512 positions; here 128 at ``--max-positions 128``, unvalidated so
+    the graph itself is checked): no layer is masked, but the sliding layers still turn by
+    ``rope_local_base_freq``, not the global ``rope_theta``. Logits and greedy tokens (Engine,
+    ``ar`` and ``spec``) equal PyTorch's."""
+    from specdec_rt import Engine
+
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt", "gemma3_text", seed=7, vocab=VOCAB, window=WIDE, layers=3)
+    folder = tmp_path / "onnx"
+    run(Request(src=str(ckpt), out=folder, max_positions=WIDE, validate=False, threads=1), Reporter(quiet=True))
+    arch = read_manifest(folder)["architecture"]
+    assert arch["max_positions"] == WIDE and "sliding_window" not in arch
+    model = _model(ckpt)
+    ids = np.random.default_rng(5).integers(0, VOCAB, POSITIONS)
+    got = _graph_logits(folder, ids)
+    np.testing.assert_allclose(got, _logits(model, ids), atol=ATOL, rtol=0)
+    assert np.abs(got - _logits(_model(ckpt, rope_local_base_freq=1e6), ids)).max() > 100 * ATOL
+    prompt = [int(t) for t in np.random.default_rng(11).integers(3, VOCAB, 16)]
+    want = _greedy(model, prompt, POSITIONS)
+
+    async def main():
+        async with await Engine.load(folder, draft="ngram", warmup=False) as engine:
+            return [
+                (await engine.generate(prompt, max_new_tokens=len(want), mode=mode, ignore_eos=True)).token_ids
+                for mode in ("ar", "spec")
+            ]
+
+    assert asyncio.run(main()) == [want, want]
+
+
 @pytest.mark.parametrize("value", ["8", -1, True, 1 << 40])
 def test_a_manifest_sliding_window_is_checked(tmp_path_factory, value):
     """``architecture.sliding_window`` (which turns trees off) is an integer in range, or the
@@ -313,7 +492,7 @@ def _refused(capsys, tmp_path, config: dict, *fragments: str) -> str:
 @pytest.mark.parametrize(
     "config,why",
     [
-        ({"model_type": "gemma"}, "Gemma 1: not yet"),
+        ({"model_type": "gemma3n", "text_config": {}}, "Gemma 3n: not yet; multimodal"),
         (
             {"model_type": "gemma3", "vision_config": {}, "text_config": {}},
             "Gemma 3 with its vision tower: multimodal; its text model (gemma3_text) exports",
@@ -323,7 +502,7 @@ def _refused(capsys, tmp_path, config: dict, *fragments: str) -> str:
         ({"model_type": "llava", "vision_config": {}, "text_config": {}}, "multimodal"),
         ({"model_type": "mamba", "state_size": 16}, "state-space layers"),
         ({"model_type": "some_new_thing", "moe_intermediate_size": 64}, "mixture of experts"),
-        ({"model_type": "gpt2"}, None),
+        ({"model_type": "bloom"}, None),
     ],
 )
 def test_unsupported_families_are_refused_before_any_work(capsys, tmp_path, config, why):
@@ -375,6 +554,15 @@ def test_a_gemma3_gguf_without_its_numbers_fails_naming_the_key(capsys, tmp_path
         ("gemma2", {"layer_types": ["sliding_attention"]}, "unsupported layer_types ['sliding_attention']"),
         ("gemma3_text", {"use_bidirectional_attention": True}, "unsupported option use_bidirectional_attention"),
         ("gemma3_text", {"rope_local_base_freq": 0.0}, "unsupported rope_local_base_freq 0.0"),
+        ("falcon", {"alibi": True}, "unsupported option alibi=True"),
+        ("falcon", {"new_decoder_architecture": True}, "unsupported option new_decoder_architecture=True"),
+        ("opt", {"do_layer_norm_before": False}, "unsupported option do_layer_norm_before=False: need true"),
+        ("opt", {"word_embed_proj_dim": 16}, "unsupported word_embed_proj_dim 16"),
+        ("stablelm", {"qk_layernorm": True}, "unsupported option qk_layernorm=True"),
+        ("phi", {"qk_layernorm": True}, "unsupported option qk_layernorm=True"),
+        ("gpt_neox", {"rotary_pct": 0.01}, "unsupported rotary_pct 0.01 of head size 16"),
+        ("granite", {"logits_scaling": 0.0}, "unsupported logits_scaling 0.0"),
+        ("nemotron", {"hidden_act": "silu"}, "unsupported activation silu; need relu2"),
     ],
 )
 def test_family_options_the_graph_cannot_express_are_refused(family, kw, fragment):
@@ -418,6 +606,8 @@ def test_family_options_the_graph_cannot_express_are_refused(family, kw, fragmen
         ("phi3", {"sliding_window": 64}, 2, (), 16, ()),  # no shorter than the context: none
         ("gemma2", {"sliding_window": 24}, 4, (), 16, (24, 0, 24, 0)),  # every other layer
         ("gemma3_text", {"sliding_window": 24}, 7, (), 16, (24,) * 5 + (0, 24)),  # 5 local : 1 global
+        # a window covering the context: no mask, the local rotary base stays (spec.local_rope)
+        ("gemma3_text", {"sliding_window": 64}, 7, (), 16, ()),
     ],
 )
 def test_spec_reads_each_family_as_transformers_does(family, kw, layers, nope, rotary, windows):

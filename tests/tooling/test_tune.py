@@ -41,10 +41,12 @@ def test_tune_prints_the_table_then_reads_it_back(tiny_llama, tmp_path):
         ("int4", "none"),
     ]
     assert sum("<-" in line for line in lines[1:6]) == 1
+    assert lines[0].split()[-4:] == ["chat", "code", "extract", "chosen"]  # one stream's tok/s per category
+    assert lines[6].startswith("(per category: tok/s with one stream @ acceptance, 96 tokens an answer")
     assert (
         "chosen:" in first.stdout and "(measured now;" in first.stdout and "greedy output is exact to" in first.stdout
     )
-    assert "[tune] round 1/4" in first.stderr and "[tune] chose" in first.stderr
+    assert "[tune] round 1: 5 configurations" in first.stderr and "[tune] chose" in first.stderr
 
     again = tune(tiny_llama, tmp_path)
     assert again.returncode == 0 and "cached from an earlier run" in again.stdout, again.stderr

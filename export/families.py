@@ -1,0 +1,380 @@
+"""Each supported family as a declared combination of the graph's building blocks: one
+``Family`` row says only where a family departs from Llama's graph (read from its transformers
+4.57 modelling code); ``ModelSpec.from_config`` reads the numbers from the config, and
+``export.graph`` emits the blocks. A new dense family is a new row (plus its weight names, when
+they are not Llama's).
+
+Building blocks:
+
+- norms: RMSNorm or LayerNorm (with or without bias), weights stored as ``w - offset`` (Gemma's
+  ``1 + w``: offset 1);
+- layer layouts (``LAYOUTS``): ``pre`` (Llama: norm, attention, add; norm, MLP, add),
+  ``sandwich`` (Gemma 2 / 3: a norm after attention's and the MLP's output too), ``post``
+  (OLMo 2: no norm before attention or the MLP, one after each), ``parallel`` (Phi-2: attention
+  and the MLP read the same normed input, both added to the residual), ``parallel2`` (GPT-NeoX:
+  each reads its own norm of the same input);
+- MLPs gated (``act(gate) * up``) or plain (``act(up)``), biases on any projection, activations
+  ``ACTIVATIONS``;
+- attention: q/k norms per head (Qwen3) or over the whole projection (OLMo 2), partial rotary
+  (``partial_rotary_factor`` / ``rotary_pct``), a fused q/k/v (rows q, k, v: Phi-3; per head
+  q, k, v: GPT-NeoX), an attention scale from the config (``query_pre_attn_scalar ** -0.5``,
+  Granite's ``attention_multiplier``), sliding windows (``WINDOW_RULES``);
+- multipliers: the embeddings (x sqrt(hidden): Gemma; ``embedding_multiplier``: Granite), each
+  branch before its residual add (``residual_multiplier``), the logits (/ ``logits_scaling``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["Family", "FAMILY_TABLE", "LAYOUTS", "ACTIVATIONS", "WINDOW_RULES"]
+
+LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2")
+# transformers' ACT2FN names the graph emits, by the ONNX form: silu (x * Sigmoid(x)), gelu (erf
+# Gelu), gelu_tanh (Gelu approximate="tanh": gelu_new and gelu_pytorch_tanh are the same
+# function), relu, relu2 (Relu(x)^2: Nemotron, Primer)
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
+    "relu2": "relu2",
+}
+# how a family's config says which layers slide: "" none; "all" every layer when sliding_window
+# is set; "opt_in" layer_types' sliding layers when use_sliding_window; "layer_types" always
+WINDOW_RULES = ("", "all", "opt_in", "layer_types")
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a family departs from Llama's graph (the defaults are Llama's)."""
+
+    name: str  # model_type
+    norm: str = "rms"  # "rms" | "layer" (LayerNorm; its bias when the checkpoint has one)
+    norm_offset: float = 0.0  # a norm multiplies by weight + offset (Gemma: 1)
+    norm_weights: bool = True  # norms have a weight (OLMo 1's LayerNorm has neither weight nor bias)
+    clip_key: str = ""  # a config key: q, k and v clamped to +-it after their projection (OLMo's clip_qkv)
+    eps_key: str = "rms_norm_eps"  # the config's norm epsilon
+    layout: str = "pre"  # LAYOUTS
+    parallel_key: str = ""  # a config flag that turns the layout to `parallel_layout` (when true)
+    parallel_layout: str = "parallel"
+    gated: bool = True  # the MLP: act(gate) * up, else act(up)
+    acts: tuple[str, ...] = ("silu", "swish")  # the activations accepted (ACTIVATIONS keys)
+    act_keys: tuple[str, ...] = ("hidden_act",)  # the config keys naming it, first set one wins
+    mlp_bias_key: str = "mlp_bias"  # a config flag for MLP biases ("*": always; "": never)
+    qk_norm: str = ""  # "" | "head" (each head, Qwen3) | "full" (the whole projection, OLMo 2)
+    rotary_key: str = ""  # the config's fraction of each head that turns (partial rotary)
+    rotary_dims_key: str = ""  # or the config's count of turned dimensions (GPT-J's rotary_dim; None: all)
+    rotary_interleaved: bool = False  # pairs 2i, 2i + 1 turn together (GPT-J), not i, i + d / 2
+    fused_qkv: str = ""  # "" | "rows" (q, k, v rows: Phi-3) | "heads" (q, k, v per head: GPT-NeoX)
+    windows: str = ""  # WINDOW_RULES
+    embed_scale: str = ""  # "" | "sqrt_hidden" (Gemma) | a config key (Granite: embedding_multiplier)
+    attn_scale: str = ""  # "" (1 / sqrt(head)) | "query_pre_attn_scalar" (^-0.5) | a config key (the scale)
+    residual_key: str = ""  # a config key: each branch times it before its residual add (Granite)
+    logits_key: str = ""  # a config key: the logits divided by it (Granite's logits_scaling)
+    logits_scale_key: str = ""  # a config key: the logits times it (Cohere's logit_scale)
+    softcaps: bool = False  # Gemma 2: attn_logit_softcapping, final_logit_softcapping
+    local_rope: bool = False  # sliding layers turn by their own rotary module (Gemma 3's local base, OLMo 3's)
+    nope_layers: bool = False  # SmolLM3: no_rope_layers
+    nope_global: bool = False  # EXAONE 4: with a sliding_window, its global layers turn not at all
+    causal_key: str = ""  # a config flag that must be false (Gemma 3's use_bidirectional_attention)
+    refuse: tuple[str, ...] = ()  # config flags the graph has no block for: refused when true
+    require: tuple[str, ...] = ()  # config flags the graph needs true (OPT's do_layer_norm_before)
+    # the checkpoint's tensor names as Llama's (substring replacements, in order)
+    renames: tuple[tuple[str, str], ...] = ()
+    positions: str = "rope"  # "rope" | "learned" (absolute position embeddings added to the input)
+    position_offset: int = 0  # learned: the table's row of position p is p + offset (OPT: 2)
+    kv_key: str = "num_key_value_heads"  # the config's KV heads ("": as many as heads)
+    multi_query_key: str = ""  # a config flag for one KV head (GPTBigCode; its c_attn then holds q, k, v rows)
+    intermediate_key: str = "intermediate_size"  # the MLP's width (None: 4 x hidden)
+    conv1d: bool = False  # the layers' weights stored [in, out] (GPT-2's Conv1D), not nn.Linear's [out, in]
+
+
+# Gemma 2: Gemma's norms (1 + w), embeddings x sqrt(hidden), GeGLU with the tanh GELU, a norm after
+# attention and the MLP too, the attention scale from query_pre_attn_scalar, soft-capping
+_GEMMA2 = Family(
+    "gemma2",
+    norm_offset=1.0,
+    layout="sandwich",
+    acts=("gelu_pytorch_tanh",),
+    act_keys=("hidden_activation", "hidden_act"),
+    windows="layer_types",
+    embed_scale="sqrt_hidden",
+    attn_scale="query_pre_attn_scalar",
+    softcaps=True,
+)
+_PHI_NAMES = (
+    (".self_attn.dense.", ".self_attn.o_proj."),
+    (".mlp.fc1.", ".mlp.up_proj."),
+    (".mlp.fc2.", ".mlp.down_proj."),
+    ("model.final_layernorm.", "model.norm."),
+)
+_GPT2_NAMES = (  # GPT-2 and GPTBigCode
+    ("transformer.wte.", "model.embed_tokens."),
+    ("transformer.wpe.", "model.embed_positions."),
+    ("transformer.ln_f.", "model.norm."),
+    ("transformer.h.", "model.layers."),
+    (".ln_1.", ".input_layernorm."),
+    (".ln_2.", ".post_attention_layernorm."),
+    (".attn.c_attn.", ".self_attn.qkv_proj."),
+    (".attn.c_proj.", ".self_attn.o_proj."),
+    (".mlp.c_fc.", ".mlp.up_proj."),
+    (".mlp.c_proj.", ".mlp.down_proj."),
+)
+_NEOX_NAMES = (
+    ("gpt_neox.embed_in.", "model.embed_tokens."),
+    ("gpt_neox.layers.", "model.layers."),
+    ("gpt_neox.final_layer_norm.", "model.norm."),
+    (".attention.query_key_value.", ".self_attn.qkv_proj."),
+    (".attention.dense.", ".self_attn.o_proj."),
+    (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
+    (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
+    ("embed_out.", "lm_head."),
+)
+
+FAMILY_TABLE: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama"),
+        Family("mistral", windows="all"),
+        Family("qwen2", windows="opt_in"),
+        Family("qwen3", qk_norm="head", windows="opt_in"),
+        Family("phi3", rotary_key="partial_rotary_factor", fused_qkv="rows", windows="all"),
+        Family("smollm3", windows="opt_in", nope_layers=True),
+        _GEMMA2,
+        replace(
+            _GEMMA2,
+            name="gemma3_text",
+            softcaps=False,
+            qk_norm="head",
+            local_rope=True,
+            causal_key="use_bidirectional_attention",
+        ),
+        # Gemma 1: Llama's layout with Gemma's norms and GeGLU (transformers 4.57 reads hidden_act);
+        # no soft-capping, no windows, 1 / sqrt(head)
+        replace(
+            _GEMMA2,
+            name="gemma",
+            layout="pre",
+            acts=("gelu_pytorch_tanh", "gelu", "gelu_new"),
+            act_keys=("hidden_act",),
+            windows="",
+            attn_scale="",
+            softcaps=False,
+        ),
+        Family(
+            "granite",
+            embed_scale="embedding_multiplier",
+            attn_scale="attention_multiplier",
+            residual_key="residual_multiplier",
+            logits_key="logits_scaling",
+        ),
+        Family("olmo2", layout="post", qk_norm="full"),
+        Family(
+            "stablelm",
+            norm="layer",
+            eps_key="layer_norm_eps",
+            rotary_key="partial_rotary_factor",
+            parallel_key="use_parallel_residual",
+            mlp_bias_key="",
+            refuse=("qk_layernorm",),
+        ),
+        Family(
+            "phi",
+            norm="layer",
+            eps_key="layer_norm_eps",
+            layout="parallel",
+            gated=False,
+            acts=("gelu_new", "gelu", "gelu_pytorch_tanh", "relu"),
+            mlp_bias_key="*",
+            rotary_key="partial_rotary_factor",
+            refuse=("qk_layernorm",),
+            renames=_PHI_NAMES,
+        ),
+        Family(
+            "starcoder2",
+            norm="layer",
+            eps_key="norm_epsilon",
+            gated=False,
+            acts=("gelu_pytorch_tanh", "gelu_new", "gelu", "relu"),
+            mlp_bias_key="use_bias",
+            windows="all",
+            renames=((".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj.")),
+        ),
+        # Nemotron: LayerNorm1P (LayerNorm by 1 + w, with bias), relu^2 in a plain MLP, partial rotary
+        Family(
+            "nemotron",
+            norm="layer",
+            norm_offset=1.0,
+            eps_key="norm_eps",
+            gated=False,
+            acts=("relu2",),
+            rotary_key="partial_rotary_factor",
+        ),
+        # GPTBigCode (StarCoder 1, SantaCoder): learned absolute positions, multi-query attention
+        Family(
+            "gpt_bigcode",
+            kv_key="",
+            norm="layer",
+            eps_key="layer_norm_epsilon",
+            gated=False,
+            acts=("gelu_pytorch_tanh", "gelu_new", "gelu", "relu"),
+            act_keys=("activation_function",),
+            mlp_bias_key="*",
+            fused_qkv="heads",
+            require=("scale_attn_weights",),
+            renames=_GPT2_NAMES,
+            positions="learned",
+            multi_query_key="multi_query",
+            intermediate_key="n_inner",
+        ),
+        # GPT-2: learned absolute positions, Conv1D weights, q/k/v as rows of c_attn
+        Family(
+            "gpt2",
+            kv_key="",
+            norm="layer",
+            eps_key="layer_norm_epsilon",
+            gated=False,
+            acts=("gelu_new", "gelu", "gelu_pytorch_tanh", "relu"),
+            act_keys=("activation_function",),
+            mlp_bias_key="*",
+            fused_qkv="rows",
+            require=("scale_attn_weights",),
+            refuse=("scale_attn_by_inverse_layer_idx", "add_cross_attention"),
+            renames=_GPT2_NAMES,
+            positions="learned",
+            intermediate_key="n_inner",
+            conv1d=True,
+        ),
+        # OPT: learned absolute positions at an offset of 2, LayerNorm, biases, ReLU
+        Family(
+            "opt",
+            kv_key="",
+            norm="layer",
+            eps_key="",
+            gated=False,
+            acts=("relu", "gelu", "gelu_new"),
+            act_keys=("activation_function",),
+            mlp_bias_key="enable_bias",
+            refuse=("_remove_final_layer_norm",),
+            require=("do_layer_norm_before", "layer_norm_elementwise_affine"),
+            renames=(
+                ("model.decoder.embed_tokens.", "model.embed_tokens."),
+                ("model.decoder.embed_positions.", "model.embed_positions."),
+                ("model.decoder.final_layer_norm.", "model.norm."),
+                ("model.decoder.layers.", "model.layers."),
+                (".self_attn.out_proj.", ".self_attn.o_proj."),
+                (".self_attn_layer_norm.", ".input_layernorm."),
+                (".final_layer_norm.", ".post_attention_layernorm."),
+                (".fc1.", ".mlp.up_proj."),
+                (".fc2.", ".mlp.down_proj."),
+            ),
+            positions="learned",
+            position_offset=2,
+            intermediate_key="ffn_dim",
+        ),
+        # GPT-J: interleaved partial rotary, attention and MLP in parallel on one LayerNorm
+        Family(
+            "gptj",
+            kv_key="",
+            norm="layer",
+            eps_key="layer_norm_epsilon",
+            layout="parallel",
+            gated=False,
+            acts=("gelu_new", "gelu", "gelu_pytorch_tanh", "relu"),
+            act_keys=("activation_function",),
+            mlp_bias_key="*",
+            rotary_dims_key="rotary_dim",
+            rotary_interleaved=True,
+            intermediate_key="n_inner",
+            renames=(
+                ("transformer.wte.", "model.embed_tokens."),
+                ("transformer.ln_f.", "model.norm."),
+                ("transformer.h.", "model.layers."),
+                (".ln_1.", ".input_layernorm."),
+                (".attn.out_proj.", ".self_attn.o_proj."),
+                (".attn.", ".self_attn."),
+                (".mlp.fc_in.", ".mlp.up_proj."),
+                (".mlp.fc_out.", ".mlp.down_proj."),
+            ),
+        ),
+        # Falcon (7B layout): multi-query, attention and MLP side by side on one LayerNorm
+        # (parallel_attn); the grouped q/k/v of new_decoder_architecture (40B, 180B) and ALiBi refused
+        Family(
+            "falcon",
+            kv_key="",
+            norm="layer",
+            eps_key="layer_norm_epsilon",
+            parallel_key="parallel_attn",
+            gated=False,
+            acts=("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
+            act_keys=("activation",),
+            mlp_bias_key="bias",
+            fused_qkv="heads",
+            multi_query_key="multi_query",
+            intermediate_key="ffn_hidden_size",
+            refuse=("alibi", "new_decoder_architecture"),
+            renames=(
+                ("transformer.word_embeddings.", "model.embed_tokens."),
+                ("transformer.ln_f.", "model.norm."),
+                ("transformer.h.", "model.layers."),
+                (".self_attention.query_key_value.", ".self_attn.qkv_proj."),
+                (".self_attention.dense.", ".self_attn.o_proj."),
+                (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
+                (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
+            ),
+        ),
+        # Cohere (Command R): LayerNorm without bias, attention and MLP on one norm, interleaved
+        # rotary, logits x logit_scale
+        Family(
+            "cohere",
+            norm="layer",
+            eps_key="layer_norm_eps",
+            layout="parallel",
+            rotary_interleaved=True,
+            logits_scale_key="logit_scale",
+            refuse=("use_qk_norm",),
+        ),
+        # OLMo 1: LayerNorm without weight or bias, q/k/v clamped (clip_qkv)
+        Family("olmo", norm="layer", norm_weights=False, eps_key="", clip_key="clip_qkv"),
+        # GLM-4 (glm): interleaved partial rotary, fused gate_up_proj, q/k/v biases
+        Family("glm", rotary_key="partial_rotary_factor", rotary_interleaved=True),
+        # GLM-4-0414 (glm4): GLM with a norm after attention and after the MLP too (Gemma 2's sandwich)
+        Family(
+            "glm4",
+            layout="sandwich",
+            rotary_key="partial_rotary_factor",
+            rotary_interleaved=True,
+            renames=(  # its names for the sandwich's norms (the MLP's input norm first)
+                (".post_attention_layernorm.", ".pre_feedforward_layernorm."),
+                (".post_self_attn_layernorm.", ".post_attention_layernorm."),
+                (".post_mlp_layernorm.", ".post_feedforward_layernorm."),
+            ),
+        ),
+        # OLMo 3: OLMo 2 with windows on the layers layer_types marks, which turn unscaled
+        Family("olmo3", layout="post", qk_norm="full", windows="layer_types", local_rope=True),
+        # EXAONE 4: OLMo 2's norms after attention and the MLP, q/k norms per head, windows on
+        # layer_types' sliding layers and no rotary on the others
+        Family("exaone4", layout="post", qk_norm="head", windows="layer_types", nope_global=True),
+        Family("arcee", gated=False, acts=("relu2",)),  # AFM: Llama with a plain relu^2 MLP
+        Family("seed_oss"),  # Llama's graph (its o_proj bias: attention_out_bias)
+        Family("helium", rotary_interleaved=True),  # Llama with GLM's interleaved rotary
+        Family("ministral", windows="layer_types"),  # Llama with windows on the layers layer_types marks
+        Family(
+            "gpt_neox",
+            kv_key="",
+            norm="layer",
+            eps_key="layer_norm_eps",
+            parallel_key="use_parallel_residual",
+            parallel_layout="parallel2",
+            gated=False,
+            acts=("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
+            mlp_bias_key="*",
+            rotary_key="rotary_pct",
+            fused_qkv="heads",
+            renames=_NEOX_NAMES,
+        ),
+    )
+}
