@@ -424,7 +424,7 @@ def build_onnx(
             if layout in ("parallel", "parallel2"):  # the MLP reads the layer's input too; one add
                 if layout == "parallel2":  # GPT-NeoX: its own norm of the input
                     h, _ = blocks.norm(res, None, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
-                m = blocks.mlp(h, p + "mlp.", f"{n}/mlp")
+                m = blocks.ffn(h, i, p + "mlp.", f"{n}/mlp")
                 stream = blocks.scaled(g.node("Add", [o, m], [f"{n}/branches"], f"{n}/Branches")[0], f"{n}/branch")
             else:
                 o = blocks.scaled(o, f"{n}/attn")
@@ -436,7 +436,7 @@ def build_onnx(
                         h, res = blocks.norm(o, res, p + "pre_feedforward_layernorm", f"{n}/pre_feedforward_layernorm")
                     else:
                         h = res = blocks.add(o, res, f"{n}/mlp_residual")
-                stream = blocks.mlp(h, p + "mlp.", f"{n}/mlp")
+                stream = blocks.ffn(h, i, p + "mlp.", f"{n}/mlp")
                 if layout in ("sandwich", "post"):
                     stream, _ = blocks.norm(stream, None, p + "post_feedforward_layernorm", f"{n}/mlp/post_norm")
                 stream = blocks.scaled(stream, f"{n}/mlp")
@@ -498,6 +498,58 @@ class _Blocks:
         m = self.g.init(f"{name}/residual_scale", np.array(self.spec.residual_scale, dtype=np.float32))
         return self.g.node("Mul", [x, m], [f"{name}/scaled"], f"{name}/ResidualScale")[0]
 
+    def ffn(self, h: str, layer: int, key: str, m: str) -> str:
+        """The layer's feed-forward block: its experts (``spec.moe_layers``) or its MLP."""
+        return self.moe(h, key, m) if layer in self.spec.moe_layers else self.mlp(h, key, m)
+
+    def moe(self, h: str, key: str, m: str) -> str:
+        """A mixture of experts on ``h`` ``[1, N, H]``, each position routed on its own (a
+        verify's k + 1 positions, a batch's rows alike), as ONNX Runtime's ``com.microsoft.MoE``:
+        the router's logits in, the softmax over the experts, the top k (renormalised over the k
+        when ``spec.norm_topk``; Granite-MoE's softmax over the top k logits is the same), each
+        chosen expert's SwiGLU (``swiglu_fusion=1``: gate and up rows interleaved, ``alpha`` 1 and
+        ``beta`` 0: ``silu(gate) * up``), weighed and summed; a step reads the k active experts,
+        not all E. Plus a shared expert behind its sigmoid gate (Qwen2-MoE)."""
+        g, sd, spec = self.g, self.sd, self.spec
+        if spec.act != "silu":
+            raise UnsupportedModelError(f"unsupported experts' activation {spec.act}: need silu")
+        hidden = spec.hidden_size
+        rows = g.node(
+            "Reshape", [h, g.init(f"{m}/rows_shape", np.array([-1, hidden], dtype=np.int64))], [f"{m}/x"], f"{m}/Rows"
+        )[0]  # [N, H]
+        logits = g.linear(rows, _np(sd[key + "gate.weight"]).T, f"{m}/router")  # [N, E]
+        gate_up, down = _stacked_experts(sd, key, spec)  # [E, H, 2W] (gate | up), [E, W, H]
+        width = spec.expert_size
+        fc1 = np.stack([gate_up[..., :width], gate_up[..., width:]], axis=-1).reshape(gate_up.shape)
+        del gate_up
+        fc1 = np.ascontiguousarray(fc1.transpose(0, 2, 1))  # [E, 2W, H]: rows gate_0, up_0, gate_1, ...
+        fc2 = np.ascontiguousarray(down.transpose(0, 2, 1))  # [E, H, W]
+        del down
+        normalize = spec.norm_topk or spec.router == "topk_softmax"
+        y = g.node(
+            "MoE",
+            [rows, logits, g.init(f"{m}/experts.fc1", fc1), "", g.init(f"{m}/experts.fc2", fc2)],
+            [f"{m}/experts_rows"],
+            f"{m}/MoE",
+            domain=MS,
+            k=spec.experts_per_token,
+            activation_type="swiglu",
+            swiglu_fusion=1,
+            activation_alpha=1.0,
+            activation_beta=0.0,
+            normalize_routing_weights=int(normalize),
+        )[0]
+        del fc1, fc2
+        packed = g.init(f"{m}/packed_shape", np.array([1, -1, hidden], dtype=np.int64))
+        out = g.node("Reshape", [y, packed], [f"{m}/experts_out"], f"{m}/Packed")[0]  # [1, N, H]
+        if not spec.shared_expert_size:
+            return out
+        shared = self.mlp(h, key + "shared_expert.", f"{m}/shared_expert")
+        gate_w = _np(sd[key + "shared_expert_gate.weight"]).T  # [H, 1]
+        opened = g.node("Sigmoid", [g.linear(h, gate_w, f"{m}/shared_gate")], [f"{m}/shared_open"], f"{m}/SharedGate")
+        shared = g.node("Mul", [opened[0], shared], [f"{m}/shared"], f"{m}/SharedMul")[0]
+        return g.node("Add", [out, shared], [f"{m}/output"], f"{m}/AddShared")[0]
+
     def mlp(self, h: str, key: str, m: str) -> str:
         """``down(act(gate(h)) * up(h))``, or ``down(act(up(h)))`` for a plain MLP, with biases
         where the checkpoint has them."""
@@ -523,6 +575,33 @@ class _Blocks:
         if kind == "relu":
             return r
         return g.node("Mul", [r, r], [f"{m}/relu2"], f"{m}/Square")[0]  # relu2
+
+
+def _stacked_experts(sd, key: str, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's experts as two stacks: gate | up ``[E, H, 2W]`` and down ``[E, W, H]``, from
+    one module per expert (``experts.{j}.gate_proj`` ...) or stacked ones (Granite-MoE's
+    ``[E, 2W, H]`` gate then up, ``[E, H, W]``)."""
+    if key + "experts.gate_up_proj.weight" in sd:
+        gate_up = _np(sd[key + "experts.gate_up_proj.weight"]).transpose(0, 2, 1)
+        down = _np(sd[key + "experts.down_proj.weight"]).transpose(0, 2, 1)
+    else:
+        e = key + "experts."
+        gate_up = np.stack(
+            [
+                np.concatenate([_np(sd[f"{e}{j}.{n}_proj.weight"]).T for n in ("gate", "up")], 1)
+                for j in range(spec.num_experts)
+            ]
+        )
+        down = np.stack([_np(sd[f"{e}{j}.down_proj.weight"]).T for j in range(spec.num_experts)])
+    want = (
+        (spec.num_experts, spec.hidden_size, 2 * spec.expert_size),
+        (spec.num_experts, spec.expert_size, spec.hidden_size),
+    )
+    if (gate_up.shape, down.shape) != want:
+        raise UnsupportedModelError(
+            f"unsupported experts of {key}: gate/up {gate_up.shape} and down {down.shape}, need {want[0]} and {want[1]}"
+        )
+    return np.ascontiguousarray(gate_up), np.ascontiguousarray(down)
 
 
 def _norm_heads(g: _Graph, qkv: str, sd, att: str, spec: ModelSpec, name: str) -> str:
