@@ -526,19 +526,39 @@ class _Blocks:
         fc2 = np.ascontiguousarray(down.transpose(0, 2, 1))  # [E, H, W]
         del down
         normalize = spec.norm_topk or spec.router == "topk_softmax"
-        y = g.node(
-            "MoE",
-            [rows, logits, g.init(f"{m}/experts.fc1", fc1), "", g.init(f"{m}/experts.fc2", fc2)],
-            [f"{m}/experts_rows"],
-            f"{m}/MoE",
-            domain=MS,
+        attrs = dict(
             k=spec.experts_per_token,
             activation_type="swiglu",
             swiglu_fusion=1,
             activation_alpha=1.0,
             activation_beta=0.0,
             normalize_routing_weights=int(normalize),
-        )[0]
+        )
+        block = g.quant.block_size if g.quant else 0
+        if g.quant is None or hidden % block or width % block:  # QMoE takes whole blocks only
+            ins = [rows, logits, g.init(f"{m}/experts.fc1", fc1), "", g.init(f"{m}/experts.fc2", fc2)]
+            y = g.node("MoE", ins, [f"{m}/experts_rows"], f"{m}/MoE", domain=MS, **attrs)[0]
+        else:  # QMoE: each expert's matrices in MatMulNBits' blocks (the same codes, scales, zero points)
+            fc1_q, fc2_q = (
+                _quantized_experts(g, fc1, f"{m}/experts.fc1"),
+                _quantized_experts(g, fc2, f"{m}/experts.fc2"),
+            )
+            ins = [rows, logits, fc1_q[0], fc1_q[1], "", fc2_q[0], fc2_q[1], ""]
+            if fc1_q[2]:  # asymmetric: the zero points are QMoE's 12th and 13th inputs
+                ins += ["", "", "", fc1_q[2], fc2_q[2]]
+            quant = g.quant
+            g.grids["requantized"] = g.grids.get("requantized", 0) + 2
+            y = g.node(
+                "QMoE",
+                ins,
+                [f"{m}/experts_rows"],
+                f"{m}/QMoE",
+                domain=MS,
+                expert_weight_bits=quant.bits,
+                block_size=quant.block_size,
+                accuracy_level=quant.accuracy_level,
+                **attrs,
+            )[0]
         del fc1, fc2
         packed = g.init(f"{m}/packed_shape", np.array([1, -1, hidden], dtype=np.int64))
         out = g.node("Reshape", [y, packed], [f"{m}/experts_out"], f"{m}/Packed")[0]  # [1, N, H]
@@ -602,6 +622,20 @@ def _stacked_experts(sd, key: str, spec: ModelSpec) -> tuple[np.ndarray, np.ndar
             f"unsupported experts of {key}: gate/up {gate_up.shape} and down {down.shape}, need {want[0]} and {want[1]}"
         )
     return np.ascontiguousarray(gate_up), np.ascontiguousarray(down)
+
+
+def _quantized_experts(g: _Graph, w: np.ndarray, name: str) -> tuple[str, str, str]:
+    """Stacked expert matrices ``[E, N, K]`` (``y = W x``) quantized as MatMulNBits does each
+    (``export.quant``): QMoE's codes ``[E, N, K * bits / 8]``, scales ``[E, N, K / block]`` and
+    zero points (``""`` when symmetric) initializers."""
+    assert g.quant is not None
+    qs = [quantize(np.ascontiguousarray(w[e].T), g.quant) for e in range(w.shape[0])]
+    codes = g.init(f"{name}.weight_q", np.stack([q.packed.reshape(q.n, -1) for q in qs]))
+    scales = g.init(f"{name}.scales", np.stack([q.scales.reshape(q.n, -1) for q in qs]).astype(np.float32))
+    zeros = ""
+    if qs[0].zero_points is not None:
+        zeros = g.init(f"{name}.zero_points", np.stack([np.asarray(q.zero_points).reshape(q.n, -1) for q in qs]))
+    return codes, scales, zeros
 
 
 def _norm_heads(g: _Graph, qkv: str, sd, att: str, spec: ModelSpec, name: str) -> str:

@@ -702,3 +702,24 @@ def test_spec_reads_the_sparse_layers_as_transformers_builds_them(family, kw):
     spec = ModelSpec.from_config(config)
     assert spec.moe_layers == routed and spec.experts_per_token == 3
     assert spec.manifest()["num_experts"] == spec.num_experts > 3
+
+
+@pytest.mark.parametrize("case,quantized", [("mixtral", True), ("qwen2_moe", False)])
+def test_moe_experts_run_as_one_op_and_drafts_quantize_them(tmp_path_factory, case, quantized):
+    """The experts are ONNX Runtime's MoE op in the target (routing inside: a step reads the
+    active experts only) and QMoE in the int8 draft, with the MatMuls' blocks, where each
+    expert's widths are whole blocks of 32 (mixtral: hidden 64, width 128); otherwise (qwen2_moe's
+    width of 48) the draft keeps them in float32, still exact."""
+    import onnx
+
+    folder, _ = _export(case, tmp_path_factory)
+
+    def ops(path: Path) -> set[str]:
+        return {n.op_type for n in onnx.load(str(path / "model.onnx"), load_external_data=False).graph.node}
+
+    target, draft = ops(folder), ops(folder / "draft-q8")
+    assert "MoE" in target and "QMoE" not in target
+    assert ("QMoE" in draft) is quantized and ("MoE" in draft) is not quantized
+    size = (folder / "model.onnx.data").stat().st_size
+    draft_size = (folder / "draft-q8" / "model.onnx.data").stat().st_size
+    assert draft_size < (0.4 if quantized else 0.7) * size
