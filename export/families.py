@@ -22,7 +22,8 @@ Building blocks:
 - mixtures of experts (``moe``): a router picks each token's top k experts (``ROUTERS``), each a
   gated MLP, their outputs weighed by the router's probabilities (renormalised over the k:
   ``norm_topk``), beside a shared expert behind a sigmoid gate (Qwen2-MoE), on every layer or
-  those ``decoder_sparse_step`` / ``mlp_only_layers`` leave sparse (the rest a dense MLP);
+  those ``decoder_sparse_step`` / ``mlp_only_layers`` leave sparse (the rest a dense MLP); GPT-OSS's
+  experts have biases and a clamped SwiGLU (``swiglu``), its attention sinks (``sinks``);
 - multipliers: the embeddings (x sqrt(hidden): Gemma; ``embedding_multiplier``: Granite), each
   branch before its residual add (``residual_multiplier``), the logits (/ ``logits_scaling``).
 """
@@ -105,6 +106,10 @@ class Family:
     norm_topk: str = "norm_topk_prob"  # a config flag: the top k weights renormalised to 1 ("*": always)
     shared_expert_key: str = ""  # a config key: the width of a shared expert behind a sigmoid gate
     sparse_step: bool = False  # decoder_sparse_step / mlp_only_layers pick the sparse layers (Qwen-MoE)
+    # GPT-OSS: each expert's SwiGLU clamped (gate <= limit, |up| <= limit) as
+    # gate * sigmoid(alpha * gate) * (up + beta): (alpha, beta, limit); () plain silu(gate) * up
+    swiglu: tuple[float, float, float] = ()
+    sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS's attention sinks)
 
 
 # Gemma 2: Gemma's norms (1 + w), embeddings x sqrt(hidden), GeGLU with the tanh GELU, a norm after
@@ -423,6 +428,26 @@ FAMILY_TABLE: dict[str, Family] = {
                 (".block_sparse_moe.router.layer.", ".mlp.gate."),
                 (".block_sparse_moe.input_linear.", ".mlp.experts.gate_up_proj."),
                 (".block_sparse_moe.output_linear.", ".mlp.experts.down_proj."),
+            ),
+        ),
+        # GPT-OSS: attention sinks, q/k/v/o biases, windows on layer_types' sliding layers (YaRN
+        # through its own rotary tables); experts with biases, their gate and up columns
+        # interleaved, the clamped SwiGLU (transformers' constants), softmax over the top k logits
+        Family(
+            "gpt_oss",
+            windows="layer_types",
+            experts_key="num_local_experts",
+            expert_width_key="intermediate_size",
+            router="topk_softmax",
+            norm_topk="",
+            swiglu=(1.702, 1.0, 7.0),
+            sinks=True,
+            renames=(
+                (".mlp.router.", ".mlp.gate."),
+                (".mlp.experts.gate_up_proj_bias", ".mlp.experts.fc1.bias"),
+                (".mlp.experts.gate_up_proj", ".mlp.experts.fc1.weight"),
+                (".mlp.experts.down_proj_bias", ".mlp.experts.fc2.bias"),
+                (".mlp.experts.down_proj", ".mlp.experts.fc2.weight"),
             ),
         ),
         Family(

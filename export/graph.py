@@ -132,6 +132,8 @@ def rotary_tables(model, spec: ModelSpec, module=None) -> tuple[np.ndarray, np.n
         cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)  # [1, P, d] each
     cos, sin = cos[0].float().numpy(), sin[0].float().numpy()
     half = spec.rotary // 2
+    if cos.shape[-1] == half:  # GPT-OSS's module: one angle per pair i, i + d / 2 (Llama's pairs)
+        cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
     if cos.shape[-1] != spec.rotary or not np.array_equal(cos[:, :half], cos[:, half:]):
         raise UnsupportedModelError(
             f"unsupported rotary layout (partial or interleaved): a table of "
@@ -402,9 +404,12 @@ def build_onnx(
             rotary = i not in spec.nope_layers and not spec.learned_positions  # SmolLM3: some layers have none
             window = spec.windows[i] if spec.windows else 0  # 0: every earlier position
             softcap = {"softcap": spec.attn_softcap} if spec.attn_softcap else {}
+            ins = gqa_inputs(g.unpack(qkv, f"{n}/attn"), i, rotary=rotary, local=i in spec.local_rope_layers)
+            if spec.sinks:  # GPT-OSS: exp(sink) of each head joins its softmax's denominator
+                ins[11] = g.init(f"{n}/attn/head_sink", _np(sd[att + "sinks"]))
             a = g.node(
                 "GroupQueryAttention",
-                gqa_inputs(g.unpack(qkv, f"{n}/attn"), i, rotary=rotary, local=i in spec.local_rope_layers),
+                ins,
                 [f"{n}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
                 f"{n}/attn/GroupQueryAttention",
                 domain=MS,
@@ -517,33 +522,46 @@ class _Blocks:
         rows = g.node(
             "Reshape", [h, g.init(f"{m}/rows_shape", np.array([-1, hidden], dtype=np.int64))], [f"{m}/x"], f"{m}/Rows"
         )[0]  # [N, H]
-        logits = g.linear(rows, _np(sd[key + "gate.weight"]).T, f"{m}/router")  # [N, E]
-        gate_up, down = _stacked_experts(sd, key, spec)  # [E, H, 2W] (gate | up), [E, W, H]
+        logits = g.linear(rows, _np(sd[key + "gate.weight"]).T, f"{m}/router", self.bias(key + "gate"))  # [N, E]
         width = spec.expert_size
-        fc1 = np.stack([gate_up[..., :width], gate_up[..., width:]], axis=-1).reshape(gate_up.shape)
-        del gate_up
-        fc1 = np.ascontiguousarray(fc1.transpose(0, 2, 1))  # [E, 2W, H]: rows gate_0, up_0, gate_1, ...
-        fc2 = np.ascontiguousarray(down.transpose(0, 2, 1))  # [E, H, W]
-        del down
+        b1 = b2 = ""
+        if key + "experts.fc1.weight" in sd:  # GPT-OSS: [E, H, 2W], gate and up columns interleaved
+            fc1 = np.ascontiguousarray(_np(sd[key + "experts.fc1.weight"]).transpose(0, 2, 1))
+            fc2 = np.ascontiguousarray(_np(sd[key + "experts.fc2.weight"]).transpose(0, 2, 1))
+            b1 = g.init(f"{m}/experts.fc1.bias", _np(sd[key + "experts.fc1.bias"]))
+            b2 = g.init(f"{m}/experts.fc2.bias", _np(sd[key + "experts.fc2.bias"]))
+        else:
+            gate_up, down = _stacked_experts(sd, key, spec)  # [E, H, 2W] (gate | up), [E, W, H]
+            fc1 = np.stack([gate_up[..., :width], gate_up[..., width:]], axis=-1).reshape(gate_up.shape)
+            del gate_up
+            fc1 = np.ascontiguousarray(fc1.transpose(0, 2, 1))  # [E, 2W, H]: rows gate_0, up_0, gate_1, ...
+            fc2 = np.ascontiguousarray(down.transpose(0, 2, 1))  # [E, H, W]
+            del down
+        want = (spec.num_experts, 2 * width, hidden), (spec.num_experts, hidden, width)
+        if (fc1.shape, fc2.shape) != want:
+            raise UnsupportedModelError(f"unsupported experts of {key}: {fc1.shape} and {fc2.shape}, need {want}")
         normalize = spec.norm_topk or spec.router == "topk_softmax"
-        attrs = dict(
+        alpha, beta, limit = spec.swiglu or (1.0, 0.0, 0.0)
+        attrs: dict = dict(
             k=spec.experts_per_token,
             activation_type="swiglu",
             swiglu_fusion=1,
-            activation_alpha=1.0,
-            activation_beta=0.0,
+            activation_alpha=alpha,
+            activation_beta=beta,
             normalize_routing_weights=int(normalize),
         )
+        if limit:  # GPT-OSS: gate <= limit, -limit <= up <= limit
+            attrs["swiglu_limit"] = limit
         block = g.quant.block_size if g.quant else 0
         if g.quant is None or hidden % block or width % block:  # QMoE takes whole blocks only
-            ins = [rows, logits, g.init(f"{m}/experts.fc1", fc1), "", g.init(f"{m}/experts.fc2", fc2)]
+            ins = [rows, logits, g.init(f"{m}/experts.fc1", fc1), b1, g.init(f"{m}/experts.fc2", fc2), b2]
             y = g.node("MoE", ins, [f"{m}/experts_rows"], f"{m}/MoE", domain=MS, **attrs)[0]
         else:  # QMoE: each expert's matrices in MatMulNBits' blocks (the same codes, scales, zero points)
             fc1_q, fc2_q = (
                 _quantized_experts(g, fc1, f"{m}/experts.fc1"),
                 _quantized_experts(g, fc2, f"{m}/experts.fc2"),
             )
-            ins = [rows, logits, fc1_q[0], fc1_q[1], "", fc2_q[0], fc2_q[1], ""]
+            ins = [rows, logits, fc1_q[0], fc1_q[1], b1, fc2_q[0], fc2_q[1], b2]
             if fc1_q[2]:  # asymmetric: the zero points are QMoE's 12th and 13th inputs
                 ins += ["", "", "", fc1_q[2], fc2_q[2]]
             quant = g.quant

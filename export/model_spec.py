@@ -124,6 +124,8 @@ class ModelSpec:
     norm_topk: bool = False  # the top k weights renormalised to sum to 1
     shared_expert_size: int = 0  # a shared expert's width, behind a sigmoid gate (0: none; Qwen2-MoE)
     moe_layers: tuple[int, ...] = ()  # the layers with experts (the others: a dense MLP)
+    swiglu: tuple[float, float, float] = ()  # the experts' clamped SwiGLU (alpha, beta, limit): GPT-OSS
+    sinks: bool = False  # attention sinks: a learned logit per head in each softmax (GPT-OSS)
 
     @property
     def learned_positions(self) -> bool:
@@ -343,6 +345,8 @@ def _experts(config, fam: Family) -> dict:
         "norm_topk": norm,
         "shared_expert_size": _count(config, fam.shared_expert_key) if fam.shared_expert_key else 0,
         "moe_layers": sparse,
+        "swiglu": fam.swiglu,
+        "sinks": fam.sinks,
     }
 
 

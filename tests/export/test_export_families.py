@@ -240,8 +240,30 @@ CASES = {
         dict(layers=3, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0),
         ({"num_experts_per_tok": 1}, {"residual_multiplier": 1.0}, {"logits_scaling": 1.0}),
     ),
+    # attention sinks, biases, windows on every other layer, experts with biases and the clamped
+    # SwiGLU (their gate / up weights x 10 so that the clamp at 7 binds)
+    "gpt_oss": (
+        "gpt_oss",
+        dict(layers=3, head_dim=16, window=WINDOW),
+        ({"sliding_window": 4096}, "no_sinks", "no_swiglu_limit", {"num_experts_per_tok": 1}),
+    ),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
+
+
+def _scale_experts(ckpt: Path) -> None:
+    """GPT-OSS's experts' gate and up weights x 10 (so the SwiGLU's clamp binds), saved back."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(10.0)
+    model.save_pretrained(ckpt)
+
+
+_TWEAKS = {"gpt_oss": _scale_experts}  # a case's checkpoint changed after it is built
 
 
 def _export(case: str, tmp_path_factory) -> tuple[Path, Path]:
@@ -250,6 +272,8 @@ def _export(case: str, tmp_path_factory) -> tuple[Path, Path]:
         family, options, _ = CASES[case]
         tmp = tmp_path_factory.mktemp(case)
         ckpt = build_tiny_checkpoint(tmp / "ckpt", family, seed=7, vocab=VOCAB, **options)
+        if case in _TWEAKS:
+            _TWEAKS[case](ckpt)
         out = tmp / "onnx"
         run(Request(src=str(ckpt), out=out, draft_quant="int8", threads=1), Reporter(quiet=True))
         _EXPORTS[case] = out, ckpt
@@ -354,6 +378,15 @@ def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
                 module.apply_rotary_pos_emb = saved
             assert np.abs(got - halves_logits).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
             continue
+        elif undo == "no_sinks":  # GPT-OSS's attention sinks at -inf: nothing joins the softmax
+            other = _model(ckpt)
+            with torch.no_grad():
+                for layer in other.model.layers:
+                    layer.self_attn.sinks.fill_(-1e9)
+        elif undo == "no_swiglu_limit":  # GPT-OSS's experts unclamped
+            other = _model(ckpt)
+            for layer in other.model.layers:
+                layer.mlp.experts.limit = float("inf")
         elif undo == "no_shared_expert":  # Qwen2-MoE's shared expert left out
             other = _model(ckpt)
             with torch.no_grad():
@@ -404,7 +437,7 @@ def _greedy(model, prompt: list[int], total: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3", "starcoder2", "ministral"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "starcoder2", "ministral", "gpt_oss"])
 def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory, case):
     """Sliding windows in every path the runtime has: several requests at once (packed rows of
     different lengths past the window, prefill and decode and verifies batched together), prefix-
@@ -675,6 +708,7 @@ def test_spec_reads_each_family_as_transformers_does(family, kw, layers, nope, r
         ("qwen3_moe", {"decoder_sparse_step": 3}),
         ("mixtral", {}),
         ("granitemoe", {}),
+        ("gpt_oss", {}),
     ],
 )
 def test_spec_reads_the_sparse_layers_as_transformers_builds_them(family, kw):
