@@ -19,6 +19,11 @@ Building blocks:
   (``partial_rotary_factor`` / ``rotary_pct``), a fused q/k/v (rows q, k, v: Phi-3; per head
   q, k, v: GPT-NeoX), an attention scale from the config (``query_pre_attn_scalar ** -0.5``,
   Granite's ``attention_multiplier``), sliding windows (``WINDOW_RULES``);
+- mixtures of experts (``moe``): a router picks each token's top k experts (``ROUTERS``), each a
+  gated MLP, their outputs weighed by the router's probabilities (renormalised over the k:
+  ``norm_topk``), beside a shared expert behind a sigmoid gate (Qwen2-MoE), on every layer or
+  those ``decoder_sparse_step`` / ``mlp_only_layers`` leave sparse (the rest a dense MLP); GPT-OSS's
+  experts have biases and a clamped SwiGLU (``swiglu``), its attention sinks (``sinks``);
 - multipliers: the embeddings (x sqrt(hidden): Gemma; ``embedding_multiplier``: Granite), each
   branch before its residual add (``residual_multiplier``), the logits (/ ``logits_scaling``).
 """
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["Family", "FAMILY_TABLE", "LAYOUTS", "ACTIVATIONS", "WINDOW_RULES"]
+__all__ = ["Family", "FAMILY_TABLE", "LAYOUTS", "ACTIVATIONS", "WINDOW_RULES", "ROUTERS"]
 
 LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2")
 # transformers' ACT2FN names the graph emits, by the ONNX form: silu (x * Sigmoid(x)), gelu (erf
@@ -45,6 +50,10 @@ ACTIVATIONS = {
 # how a family's config says which layers slide: "" none; "all" every layer when sliding_window
 # is set; "opt_in" layer_types' sliding layers when use_sliding_window; "layer_types" always
 WINDOW_RULES = ("", "all", "opt_in", "layer_types")
+# how a router turns its logits into the top k experts' weights: "softmax_topk" (softmax over all
+# experts, the k largest: Mixtral, Qwen2 / Qwen3-MoE, OLMoE), "topk_softmax" (the k largest
+# logits, softmax over them: Granite-MoE)
+ROUTERS = ("softmax_topk", "topk_softmax")
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,17 @@ class Family:
     multi_query_key: str = ""  # a config flag for one KV head (GPTBigCode; its c_attn then holds q, k, v rows)
     intermediate_key: str = "intermediate_size"  # the MLP's width (None: 4 x hidden)
     conv1d: bool = False  # the layers' weights stored [in, out] (GPT-2's Conv1D), not nn.Linear's [out, in]
+    # mixture of experts: the config key of the expert count ("": a dense model)
+    experts_key: str = ""
+    expert_width_key: str = "moe_intermediate_size"  # each expert's MLP width
+    router: str = "softmax_topk"  # ROUTERS
+    norm_topk: str = "norm_topk_prob"  # a config flag: the top k weights renormalised to 1 ("*": always)
+    shared_expert_key: str = ""  # a config key: the width of a shared expert behind a sigmoid gate
+    sparse_step: bool = False  # decoder_sparse_step / mlp_only_layers pick the sparse layers (Qwen-MoE)
+    # GPT-OSS: each expert's SwiGLU clamped (gate <= limit, |up| <= limit) as
+    # gate * sigmoid(alpha * gate) * (up + beta): (alpha, beta, limit); () plain silu(gate) * up
+    swiglu: tuple[float, float, float] = ()
+    sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS's attention sinks)
 
 
 # Gemma 2: Gemma's norms (1 + w), embeddings x sqrt(hidden), GeGLU with the tanh GELU, a norm after
@@ -362,6 +382,74 @@ FAMILY_TABLE: dict[str, Family] = {
         Family("seed_oss"),  # Llama's graph (its o_proj bias: attention_out_bias)
         Family("helium", rotary_interleaved=True),  # Llama with GLM's interleaved rotary
         Family("ministral", windows="layer_types"),  # Llama with windows on the layers layer_types marks
+        # mixtures of experts (export.graph's MoE block)
+        Family(
+            "mixtral",
+            windows="all",
+            experts_key="num_local_experts",
+            expert_width_key="intermediate_size",
+            norm_topk="*",
+            renames=(
+                (".block_sparse_moe.", ".mlp."),
+                (".w1.", ".gate_proj."),
+                (".w3.", ".up_proj."),
+                (".w2.", ".down_proj."),
+            ),
+        ),
+        Family(
+            "qwen2_moe",
+            experts_key="num_experts",
+            shared_expert_key="shared_expert_intermediate_size",
+            sparse_step=True,
+            refuse=("use_sliding_window",),  # its windows stop at max_window_layers
+        ),
+        # Qwen3-MoE: transformers slides every layer whenever sliding_window is set
+        Family("qwen3_moe", qk_norm="head", windows="all", experts_key="num_experts", sparse_step=True),
+        # OLMoE: Llama's layout, q/k norms over the whole projections (clip_qkv would clamp after them)
+        Family(
+            "olmoe",
+            qk_norm="full",
+            experts_key="num_experts",
+            expert_width_key="intermediate_size",
+            refuse=("clip_qkv",),
+        ),
+        # Granite-MoE: Granite's multipliers; experts stacked [E, 2 x width, H] (gate, then up)
+        Family(
+            "granitemoe",
+            embed_scale="embedding_multiplier",
+            attn_scale="attention_multiplier",
+            residual_key="residual_multiplier",
+            logits_key="logits_scaling",
+            experts_key="num_local_experts",
+            expert_width_key="intermediate_size",
+            router="topk_softmax",
+            norm_topk="",
+            renames=(
+                (".block_sparse_moe.router.layer.", ".mlp.gate."),
+                (".block_sparse_moe.input_linear.", ".mlp.experts.gate_up_proj."),
+                (".block_sparse_moe.output_linear.", ".mlp.experts.down_proj."),
+            ),
+        ),
+        # GPT-OSS: attention sinks, q/k/v/o biases, windows on layer_types' sliding layers (YaRN
+        # through its own rotary tables); experts with biases, their gate and up columns
+        # interleaved, the clamped SwiGLU (transformers' constants), softmax over the top k logits
+        Family(
+            "gpt_oss",
+            windows="layer_types",
+            experts_key="num_local_experts",
+            expert_width_key="intermediate_size",
+            router="topk_softmax",
+            norm_topk="",
+            swiglu=(1.702, 1.0, 7.0),
+            sinks=True,
+            renames=(
+                (".mlp.router.", ".mlp.gate."),
+                (".mlp.experts.gate_up_proj_bias", ".mlp.experts.fc1.bias"),
+                (".mlp.experts.gate_up_proj", ".mlp.experts.fc1.weight"),
+                (".mlp.experts.down_proj_bias", ".mlp.experts.fc2.bias"),
+                (".mlp.experts.down_proj", ".mlp.experts.fc2.weight"),
+            ),
+        ),
         Family(
             "gpt_neox",
             kv_key="",

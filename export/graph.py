@@ -132,6 +132,8 @@ def rotary_tables(model, spec: ModelSpec, module=None) -> tuple[np.ndarray, np.n
         cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)  # [1, P, d] each
     cos, sin = cos[0].float().numpy(), sin[0].float().numpy()
     half = spec.rotary // 2
+    if cos.shape[-1] == half:  # GPT-OSS's module: one angle per pair i, i + d / 2 (Llama's pairs)
+        cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
     if cos.shape[-1] != spec.rotary or not np.array_equal(cos[:, :half], cos[:, half:]):
         raise UnsupportedModelError(
             f"unsupported rotary layout (partial or interleaved): a table of "
@@ -402,9 +404,12 @@ def build_onnx(
             rotary = i not in spec.nope_layers and not spec.learned_positions  # SmolLM3: some layers have none
             window = spec.windows[i] if spec.windows else 0  # 0: every earlier position
             softcap = {"softcap": spec.attn_softcap} if spec.attn_softcap else {}
+            ins = gqa_inputs(g.unpack(qkv, f"{n}/attn"), i, rotary=rotary, local=i in spec.local_rope_layers)
+            if spec.sinks:  # GPT-OSS: exp(sink) of each head joins its softmax's denominator
+                ins[11] = g.init(f"{n}/attn/head_sink", _np(sd[att + "sinks"]))
             a = g.node(
                 "GroupQueryAttention",
-                gqa_inputs(g.unpack(qkv, f"{n}/attn"), i, rotary=rotary, local=i in spec.local_rope_layers),
+                ins,
                 [f"{n}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
                 f"{n}/attn/GroupQueryAttention",
                 domain=MS,
@@ -424,7 +429,7 @@ def build_onnx(
             if layout in ("parallel", "parallel2"):  # the MLP reads the layer's input too; one add
                 if layout == "parallel2":  # GPT-NeoX: its own norm of the input
                     h, _ = blocks.norm(res, None, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
-                m = blocks.mlp(h, p + "mlp.", f"{n}/mlp")
+                m = blocks.ffn(h, i, p + "mlp.", f"{n}/mlp")
                 stream = blocks.scaled(g.node("Add", [o, m], [f"{n}/branches"], f"{n}/Branches")[0], f"{n}/branch")
             else:
                 o = blocks.scaled(o, f"{n}/attn")
@@ -436,7 +441,7 @@ def build_onnx(
                         h, res = blocks.norm(o, res, p + "pre_feedforward_layernorm", f"{n}/pre_feedforward_layernorm")
                     else:
                         h = res = blocks.add(o, res, f"{n}/mlp_residual")
-                stream = blocks.mlp(h, p + "mlp.", f"{n}/mlp")
+                stream = blocks.ffn(h, i, p + "mlp.", f"{n}/mlp")
                 if layout in ("sandwich", "post"):
                     stream, _ = blocks.norm(stream, None, p + "post_feedforward_layernorm", f"{n}/mlp/post_norm")
                 stream = blocks.scaled(stream, f"{n}/mlp")
@@ -498,6 +503,91 @@ class _Blocks:
         m = self.g.init(f"{name}/residual_scale", np.array(self.spec.residual_scale, dtype=np.float32))
         return self.g.node("Mul", [x, m], [f"{name}/scaled"], f"{name}/ResidualScale")[0]
 
+    def ffn(self, h: str, layer: int, key: str, m: str) -> str:
+        """The layer's feed-forward block: its experts (``spec.moe_layers``) or its MLP."""
+        return self.moe(h, key, m) if layer in self.spec.moe_layers else self.mlp(h, key, m)
+
+    def moe(self, h: str, key: str, m: str) -> str:
+        """A mixture of experts on ``h`` ``[1, N, H]``, each position routed on its own (a
+        verify's k + 1 positions, a batch's rows alike), as ONNX Runtime's ``com.microsoft.MoE``:
+        the router's logits in, the softmax over the experts, the top k (renormalised over the k
+        when ``spec.norm_topk``; Granite-MoE's softmax over the top k logits is the same), each
+        chosen expert's SwiGLU (``swiglu_fusion=1``: gate and up rows interleaved, ``alpha`` 1 and
+        ``beta`` 0: ``silu(gate) * up``), weighed and summed; a step reads the k active experts,
+        not all E. Plus a shared expert behind its sigmoid gate (Qwen2-MoE)."""
+        g, sd, spec = self.g, self.sd, self.spec
+        if spec.act != "silu":
+            raise UnsupportedModelError(f"unsupported experts' activation {spec.act}: need silu")
+        hidden = spec.hidden_size
+        rows = g.node(
+            "Reshape", [h, g.init(f"{m}/rows_shape", np.array([-1, hidden], dtype=np.int64))], [f"{m}/x"], f"{m}/Rows"
+        )[0]  # [N, H]
+        logits = g.linear(rows, _np(sd[key + "gate.weight"]).T, f"{m}/router", self.bias(key + "gate"))  # [N, E]
+        width = spec.expert_size
+        b1 = b2 = ""
+        if key + "experts.fc1.weight" in sd:  # GPT-OSS: [E, H, 2W], gate and up columns interleaved
+            fc1 = np.ascontiguousarray(_np(sd[key + "experts.fc1.weight"]).transpose(0, 2, 1))
+            fc2 = np.ascontiguousarray(_np(sd[key + "experts.fc2.weight"]).transpose(0, 2, 1))
+            b1 = g.init(f"{m}/experts.fc1.bias", _np(sd[key + "experts.fc1.bias"]))
+            b2 = g.init(f"{m}/experts.fc2.bias", _np(sd[key + "experts.fc2.bias"]))
+        else:
+            gate_up, down = _stacked_experts(sd, key, spec)  # [E, H, 2W] (gate | up), [E, W, H]
+            fc1 = np.stack([gate_up[..., :width], gate_up[..., width:]], axis=-1).reshape(gate_up.shape)
+            del gate_up
+            fc1 = np.ascontiguousarray(fc1.transpose(0, 2, 1))  # [E, 2W, H]: rows gate_0, up_0, gate_1, ...
+            fc2 = np.ascontiguousarray(down.transpose(0, 2, 1))  # [E, H, W]
+            del down
+        want = (spec.num_experts, 2 * width, hidden), (spec.num_experts, hidden, width)
+        if (fc1.shape, fc2.shape) != want:
+            raise UnsupportedModelError(f"unsupported experts of {key}: {fc1.shape} and {fc2.shape}, need {want}")
+        normalize = spec.norm_topk or spec.router == "topk_softmax"
+        alpha, beta, limit = spec.swiglu or (1.0, 0.0, 0.0)
+        attrs: dict = dict(
+            k=spec.experts_per_token,
+            activation_type="swiglu",
+            swiglu_fusion=1,
+            activation_alpha=alpha,
+            activation_beta=beta,
+            normalize_routing_weights=int(normalize),
+        )
+        if limit:  # GPT-OSS: gate <= limit, -limit <= up <= limit
+            attrs["swiglu_limit"] = limit
+        block = g.quant.block_size if g.quant else 0
+        if g.quant is None or hidden % block or width % block:  # QMoE takes whole blocks only
+            ins = [rows, logits, g.init(f"{m}/experts.fc1", fc1), b1, g.init(f"{m}/experts.fc2", fc2), b2]
+            y = g.node("MoE", ins, [f"{m}/experts_rows"], f"{m}/MoE", domain=MS, **attrs)[0]
+        else:  # QMoE: each expert's matrices in MatMulNBits' blocks (the same codes, scales, zero points)
+            fc1_q, fc2_q = (
+                _quantized_experts(g, fc1, f"{m}/experts.fc1"),
+                _quantized_experts(g, fc2, f"{m}/experts.fc2"),
+            )
+            ins = [rows, logits, fc1_q[0], fc1_q[1], b1, fc2_q[0], fc2_q[1], b2]
+            if fc1_q[2]:  # asymmetric: the zero points are QMoE's 12th and 13th inputs
+                ins += ["", "", "", fc1_q[2], fc2_q[2]]
+            quant = g.quant
+            g.grids["requantized"] = g.grids.get("requantized", 0) + 2
+            y = g.node(
+                "QMoE",
+                ins,
+                [f"{m}/experts_rows"],
+                f"{m}/QMoE",
+                domain=MS,
+                expert_weight_bits=quant.bits,
+                block_size=quant.block_size,
+                accuracy_level=quant.accuracy_level,
+                **attrs,
+            )[0]
+        del fc1, fc2
+        packed = g.init(f"{m}/packed_shape", np.array([1, -1, hidden], dtype=np.int64))
+        out = g.node("Reshape", [y, packed], [f"{m}/experts_out"], f"{m}/Packed")[0]  # [1, N, H]
+        if not spec.shared_expert_size:
+            return out
+        shared = self.mlp(h, key + "shared_expert.", f"{m}/shared_expert")
+        gate_w = _np(sd[key + "shared_expert_gate.weight"]).T  # [H, 1]
+        opened = g.node("Sigmoid", [g.linear(h, gate_w, f"{m}/shared_gate")], [f"{m}/shared_open"], f"{m}/SharedGate")
+        shared = g.node("Mul", [opened[0], shared], [f"{m}/shared"], f"{m}/SharedMul")[0]
+        return g.node("Add", [out, shared], [f"{m}/output"], f"{m}/AddShared")[0]
+
     def mlp(self, h: str, key: str, m: str) -> str:
         """``down(act(gate(h)) * up(h))``, or ``down(act(up(h)))`` for a plain MLP, with biases
         where the checkpoint has them."""
@@ -523,6 +613,47 @@ class _Blocks:
         if kind == "relu":
             return r
         return g.node("Mul", [r, r], [f"{m}/relu2"], f"{m}/Square")[0]  # relu2
+
+
+def _stacked_experts(sd, key: str, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's experts as two stacks: gate | up ``[E, H, 2W]`` and down ``[E, W, H]``, from
+    one module per expert (``experts.{j}.gate_proj`` ...) or stacked ones (Granite-MoE's
+    ``[E, 2W, H]`` gate then up, ``[E, H, W]``)."""
+    if key + "experts.gate_up_proj.weight" in sd:
+        gate_up = _np(sd[key + "experts.gate_up_proj.weight"]).transpose(0, 2, 1)
+        down = _np(sd[key + "experts.down_proj.weight"]).transpose(0, 2, 1)
+    else:
+        e = key + "experts."
+        gate_up = np.stack(
+            [
+                np.concatenate([_np(sd[f"{e}{j}.{n}_proj.weight"]).T for n in ("gate", "up")], 1)
+                for j in range(spec.num_experts)
+            ]
+        )
+        down = np.stack([_np(sd[f"{e}{j}.down_proj.weight"]).T for j in range(spec.num_experts)])
+    want = (
+        (spec.num_experts, spec.hidden_size, 2 * spec.expert_size),
+        (spec.num_experts, spec.expert_size, spec.hidden_size),
+    )
+    if (gate_up.shape, down.shape) != want:
+        raise UnsupportedModelError(
+            f"unsupported experts of {key}: gate/up {gate_up.shape} and down {down.shape}, need {want[0]} and {want[1]}"
+        )
+    return np.ascontiguousarray(gate_up), np.ascontiguousarray(down)
+
+
+def _quantized_experts(g: _Graph, w: np.ndarray, name: str) -> tuple[str, str, str]:
+    """Stacked expert matrices ``[E, N, K]`` (``y = W x``) quantized as MatMulNBits does each
+    (``export.quant``): QMoE's codes ``[E, N, K * bits / 8]``, scales ``[E, N, K / block]`` and
+    zero points (``""`` when symmetric) initializers."""
+    assert g.quant is not None
+    qs = [quantize(np.ascontiguousarray(w[e].T), g.quant) for e in range(w.shape[0])]
+    codes = g.init(f"{name}.weight_q", np.stack([q.packed.reshape(q.n, -1) for q in qs]))
+    scales = g.init(f"{name}.scales", np.stack([q.scales.reshape(q.n, -1) for q in qs]).astype(np.float32))
+    zeros = ""
+    if qs[0].zero_points is not None:
+        zeros = g.init(f"{name}.zero_points", np.stack([np.asarray(q.zero_points).reshape(q.n, -1) for q in qs]))
+    return codes, scales, zeros
 
 
 def _norm_heads(g: _Graph, qkv: str, sd, att: str, spec: ModelSpec, name: str) -> str:

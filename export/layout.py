@@ -144,7 +144,16 @@ def check_weights(sd, spec) -> None:
     parts += [f"mlp.{n}_proj.{t}" for n in mlp for t in (("weight", "bias") if spec.mlp_bias else ("weight",))]
     if spec.qk_norm or spec.qk_norm_full:
         parts += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    moe = [f"mlp.{n}.weight" for n in ("gate", "experts.gate_up_proj", "experts.down_proj")]
+    moe += [f"mlp.experts.{j}.{n}_proj.weight" for j in range(spec.num_experts) for n in ("gate", "up", "down")]
+    if spec.swiglu:  # GPT-OSS: stacked experts with biases, a router bias, attention sinks
+        moe += [f"mlp.experts.fc{n}.{t}" for n in (1, 2) for t in ("weight", "bias")] + ["mlp.gate.bias"]
+        parts.append("self_attn.sinks")
+    if spec.shared_expert_size:
+        moe += [f"mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")]
+        moe.append("mlp.shared_expert_gate.weight")
     known = {f"model.layers.{i}.{part}" for i in range(spec.num_layers) for part in parts}
+    known |= {f"model.layers.{i}.{part}" for i in spec.moe_layers for part in moe}
     known |= {"model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"}
     if spec.learned_positions:
         known.add("model.embed_positions.weight")

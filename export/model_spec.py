@@ -116,6 +116,16 @@ class ModelSpec:
     conv1d: bool = False  # the layers' weights stored [in, out] (GPT-2)
     norm_weights: bool = True  # norms have weights (OLMo 1's have none)
     clip_qkv: float = 0.0  # q, k and v clamped to +-it after their projection (0: none; OLMo)
+    # mixture of experts (export.families): 0 experts: a dense model
+    num_experts: int = 0
+    experts_per_token: int = 0  # the router's top k
+    expert_size: int = 0  # each expert's MLP width
+    router: str = "softmax_topk"  # export.families.ROUTERS
+    norm_topk: bool = False  # the top k weights renormalised to sum to 1
+    shared_expert_size: int = 0  # a shared expert's width, behind a sigmoid gate (0: none; Qwen2-MoE)
+    moe_layers: tuple[int, ...] = ()  # the layers with experts (the others: a dense MLP)
+    swiglu: tuple[float, float, float] = ()  # the experts' clamped SwiGLU (alpha, beta, limit): GPT-OSS
+    sinks: bool = False  # attention sinks: a learned logit per head in each softmax (GPT-OSS)
 
     @property
     def learned_positions(self) -> bool:
@@ -258,6 +268,7 @@ class ModelSpec:
             logits_divisor=_positive_number(config, fam.logits_key) if fam.logits_key else 0.0,
             logits_scale=_positive_number(config, fam.logits_scale_key) if fam.logits_scale_key else 0.0,
             renames=fam.renames,
+            **_experts(config, fam),
         )
 
     def manifest(self) -> dict:
@@ -273,6 +284,9 @@ class ModelSpec:
             "max_positions",
         )
         record = {k: v for k, v in asdict(self).items() if k in keep}
+        if self.num_experts:
+            record["num_experts"] = self.num_experts
+            record["experts_per_token"] = self.experts_per_token
         if self.windows:  # sliding layers: the runtime verifies chains (see specdec_rt.ort.model)
             record["sliding_window"] = self.sliding_window
         return record
@@ -290,6 +304,50 @@ def _positive_number(config, key: str, value=None) -> float:
     if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
         raise UnsupportedModelError(f"unsupported {key} {value!r}: need a finite number > 0")
     return number
+
+
+def _count(config, key: str, low: int = 1) -> int:
+    """``config.<key>`` as an int >= ``low``, else UnsupportedModelError naming it."""
+    value = getattr(config, key, None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise UnsupportedModelError(f"unsupported {key} {value!r}: need an integer >= {low}")
+    return value
+
+
+def _experts(config, fam: Family) -> dict:
+    """The mixture-of-experts fields of ``ModelSpec`` as transformers reads them: the expert
+    count, the top k (at most the count), each expert's width, the router and whether its top k
+    weights are renormalised, a shared expert, and the sparse layers (Qwen-MoE: layer i has
+    experts when it is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``)."""
+    if not fam.experts_key:
+        return {}
+    experts = _count(config, fam.experts_key)
+    top = _count(config, "num_experts_per_tok")
+    if top > experts:
+        raise UnsupportedModelError(
+            f"unsupported num_experts_per_tok {top}: more than the {experts} experts ({fam.experts_key})"
+        )
+    layers = range(config.num_hidden_layers)
+    if fam.sparse_step:
+        step = _count(config, "decoder_sparse_step")
+        dense = getattr(config, "mlp_only_layers", None) or []
+        if not isinstance(dense, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+            raise UnsupportedModelError(f"unsupported mlp_only_layers {dense!r}: need a list of layer numbers")
+        sparse = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+    else:
+        sparse = tuple(layers)
+    norm = fam.norm_topk == "*" or bool(fam.norm_topk and getattr(config, fam.norm_topk, False))
+    return {
+        "num_experts": experts,
+        "experts_per_token": top,
+        "expert_size": _count(config, fam.expert_width_key),
+        "router": fam.router,
+        "norm_topk": norm,
+        "shared_expert_size": _count(config, fam.shared_expert_key) if fam.shared_expert_key else 0,
+        "moe_layers": sparse,
+        "swiglu": fam.swiglu,
+        "sinks": fam.sinks,
+    }
 
 
 def _check_rope(config) -> None:

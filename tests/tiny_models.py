@@ -53,6 +53,13 @@ AUTO_FAMILIES: dict[str, dict] = {
     "seed_oss": dict(tie_word_embeddings=False),
     "helium": dict(tie_word_embeddings=False),
     "ministral": dict(tie_word_embeddings=False),
+    # mixtures of experts: 4 experts, top 2 (options set each family's own fields)
+    "mixtral": dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
+    "qwen3_moe": dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
+    "olmoe": dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2),
+    "granitemoe": dict(tie_word_embeddings=True, num_local_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
 }
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", *AUTO_FAMILIES)
 BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text", "gemma")  # tokenizers that add bos to plain text

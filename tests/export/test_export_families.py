@@ -217,8 +217,53 @@ CASES = {
         dict(window=WINDOW, layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
         ({"sliding_window": 4096},),
     ),
+    # mixtures of experts: 4 experts, top 2 (tests/tiny_models.py), routed per position
+    "mixtral": ("mixtral", dict(layers=3), ({"num_experts_per_tok": 1},)),  # renormalised over the top k
+    "qwen2_moe": (  # a shared expert behind a sigmoid gate; layer 1 a dense MLP (mlp_only_layers)
+        "qwen2_moe",
+        dict(layers=3, shared_expert_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1]),
+        ({"norm_topk_prob": False}, {"num_experts_per_tok": 1}, "no_shared_expert"),
+    ),
+    "qwen3_moe": (  # experts on every other layer (decoder_sparse_step 2), per-head q/k norms
+        "qwen3_moe",
+        dict(layers=3, head_dim=16, norm_topk_prob=True, decoder_sparse_step=2),
+        ({"norm_topk_prob": False}, {"num_experts_per_tok": 1}, "qk_norm"),
+    ),
+    "qwen3_moe-unnormed": (  # the top k weights as the softmax left them (the default)
+        "qwen3_moe",
+        dict(layers=3, head_dim=16, norm_topk_prob=False),
+        ({"norm_topk_prob": True},),
+    ),
+    "olmoe": ("olmoe", dict(layers=3, norm_topk_prob=True), ({"norm_topk_prob": False}, "qk_norm")),
+    "granitemoe": (  # softmax over the top k logits, Granite's multipliers
+        "granitemoe",
+        dict(layers=3, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0),
+        ({"num_experts_per_tok": 1}, {"residual_multiplier": 1.0}, {"logits_scaling": 1.0}),
+    ),
+    # attention sinks, biases, windows on every other layer, experts with biases and the clamped
+    # SwiGLU (their gate / up weights x 10 so that the clamp at 7 binds)
+    "gpt_oss": (
+        "gpt_oss",
+        dict(layers=3, head_dim=16, window=WINDOW),
+        ({"sliding_window": 4096}, "no_sinks", "no_swiglu_limit", {"num_experts_per_tok": 1}),
+    ),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
+
+
+def _scale_experts(ckpt: Path) -> None:
+    """GPT-OSS's experts' gate and up weights x 10 (so the SwiGLU's clamp binds), saved back."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(10.0)
+    model.save_pretrained(ckpt)
+
+
+_TWEAKS = {"gpt_oss": _scale_experts}  # a case's checkpoint changed after it is built
 
 
 def _export(case: str, tmp_path_factory) -> tuple[Path, Path]:
@@ -227,6 +272,8 @@ def _export(case: str, tmp_path_factory) -> tuple[Path, Path]:
         family, options, _ = CASES[case]
         tmp = tmp_path_factory.mktemp(case)
         ckpt = build_tiny_checkpoint(tmp / "ckpt", family, seed=7, vocab=VOCAB, **options)
+        if case in _TWEAKS:
+            _TWEAKS[case](ckpt)
         out = tmp / "onnx"
         run(Request(src=str(ckpt), out=out, draft_quant="int8", threads=1), Reporter(quiet=True))
         _EXPORTS[case] = out, ckpt
@@ -331,6 +378,21 @@ def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
                 module.apply_rotary_pos_emb = saved
             assert np.abs(got - halves_logits).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
             continue
+        elif undo == "no_sinks":  # GPT-OSS's attention sinks at -inf: nothing joins the softmax
+            other = _model(ckpt)
+            with torch.no_grad():
+                for layer in other.model.layers:
+                    layer.self_attn.sinks.fill_(-1e9)
+        elif undo == "no_swiglu_limit":  # GPT-OSS's experts unclamped
+            other = _model(ckpt)
+            for layer in other.model.layers:
+                layer.mlp.experts.limit = float("inf")
+        elif undo == "no_shared_expert":  # Qwen2-MoE's shared expert left out
+            other = _model(ckpt)
+            with torch.no_grad():
+                for layer in other.model.layers:
+                    if hasattr(layer.mlp, "shared_expert"):
+                        layer.mlp.shared_expert.down_proj.weight.zero_()
         elif undo == "plain_norms":  # Gemma's and Nemotron's norms as w, not 1 + w
             other = _model(ckpt)
             with torch.no_grad():
@@ -375,7 +437,7 @@ def _greedy(model, prompt: list[int], total: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3", "starcoder2", "ministral"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "starcoder2", "ministral", "gpt_oss"])
 def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory, case):
     """Sliding windows in every path the runtime has: several requests at once (packed rows of
     different lengths past the window, prefill and decode and verifies batched together), prefix-
@@ -497,8 +559,8 @@ def _refused(capsys, tmp_path, config: dict, *fragments: str) -> str:
             {"model_type": "gemma3", "vision_config": {}, "text_config": {}},
             "Gemma 3 with its vision tower: multimodal; its text model (gemma3_text) exports",
         ),
-        ({"model_type": "qwen3_moe", "num_experts": 8}, "mixture of experts"),
-        ({"model_type": "mixtral", "num_local_experts": 8}, "mixture of experts"),
+        ({"model_type": "deepseek_v3", "n_routed_experts": 8}, "mixture of experts"),
+        ({"model_type": "dbrx"}, "mixture of experts"),
         ({"model_type": "llava", "vision_config": {}, "text_config": {}}, "multimodal"),
         ({"model_type": "mamba", "state_size": 16}, "state-space layers"),
         ({"model_type": "some_new_thing", "moe_intermediate_size": 64}, "mixture of experts"),
@@ -563,6 +625,12 @@ def test_a_gemma3_gguf_without_its_numbers_fails_naming_the_key(capsys, tmp_path
         ("gpt_neox", {"rotary_pct": 0.01}, "unsupported rotary_pct 0.01 of head size 16"),
         ("granite", {"logits_scaling": 0.0}, "unsupported logits_scaling 0.0"),
         ("nemotron", {"hidden_act": "silu"}, "unsupported activation silu; need relu2"),
+        ("mixtral", {"num_experts_per_tok": 9}, "unsupported num_experts_per_tok 9: more than the 8 experts"),
+        ("mixtral", {"num_local_experts": 0}, "unsupported num_local_experts 0"),
+        ("qwen2_moe", {"use_sliding_window": True}, "unsupported option use_sliding_window=True"),
+        ("qwen2_moe", {"decoder_sparse_step": 0}, "unsupported decoder_sparse_step 0"),
+        ("qwen3_moe", {"moe_intermediate_size": None}, "unsupported moe_intermediate_size None"),
+        ("olmoe", {"clip_qkv": 8.0}, "unsupported option clip_qkv"),
     ],
 )
 def test_family_options_the_graph_cannot_express_are_refused(family, kw, fragment):
@@ -630,3 +698,62 @@ def test_spec_reads_each_family_as_transformers_does(family, kw, layers, nope, r
     assert spec.qk_norm is (family in ("qwen3", "gemma3_text"))
     assert spec.gemma is family.startswith("gemma") and spec.local_rope is (family == "gemma3_text")
     assert ("sliding_window" in spec.manifest()) is bool(windows)
+
+
+@pytest.mark.parametrize(
+    "family,kw",
+    [
+        ("qwen2_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [3]}),
+        ("qwen2_moe", {"decoder_sparse_step": 1, "mlp_only_layers": [0, 4]}),
+        ("qwen3_moe", {"decoder_sparse_step": 3}),
+        ("mixtral", {}),
+        ("granitemoe", {}),
+        ("gpt_oss", {}),
+    ],
+)
+def test_spec_reads_the_sparse_layers_as_transformers_builds_them(family, kw):
+    """The layers with experts are those transformers gives a router (Qwen-MoE's
+    decoder_sparse_step / mlp_only_layers), and the router's numbers are the config's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        num_experts_per_tok=3,
+        **kw,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    routed = tuple(
+        i for i, layer in enumerate(model.model.layers) if not hasattr(getattr(layer, "mlp", None), "up_proj")
+    )
+    spec = ModelSpec.from_config(config)
+    assert spec.moe_layers == routed and spec.experts_per_token == 3
+    assert spec.manifest()["num_experts"] == spec.num_experts > 3
+
+
+@pytest.mark.parametrize("case,quantized", [("mixtral", True), ("qwen2_moe", False)])
+def test_moe_experts_run_as_one_op_and_drafts_quantize_them(tmp_path_factory, case, quantized):
+    """The experts are ONNX Runtime's MoE op in the target (routing inside: a step reads the
+    active experts only) and QMoE in the int8 draft, with the MatMuls' blocks, where each
+    expert's widths are whole blocks of 32 (mixtral: hidden 64, width 128); otherwise (qwen2_moe's
+    width of 48) the draft keeps them in float32, still exact."""
+    import onnx
+
+    folder, _ = _export(case, tmp_path_factory)
+
+    def ops(path: Path) -> set[str]:
+        return {n.op_type for n in onnx.load(str(path / "model.onnx"), load_external_data=False).graph.node}
+
+    target, draft = ops(folder), ops(folder / "draft-q8")
+    assert "MoE" in target and "QMoE" not in target
+    assert ("QMoE" in draft) is quantized and ("MoE" in draft) is not quantized
+    size = (folder / "model.onnx.data").stat().st_size
+    draft_size = (folder / "draft-q8" / "model.onnx.data").stat().st_size
+    assert draft_size < (0.4 if quantized else 0.7) * size
