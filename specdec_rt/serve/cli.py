@@ -31,6 +31,10 @@ __all__ = ["add_serve_parser", "run_serve"]
 DRAIN_GRACE_S = 5.0  # after --drain-timeout, time to send the 503s before uvicorn cuts connections
 DEFAULT_DRAIN_TIMEOUT = 30.0  # the CLI's; an embedded app's default is none (AppConfig.drain_timeout)
 CONNECTION_DEFAULTS = ConnectionLimits()  # the connection flags' defaults
+# how long a thread that wants the GIL waits before the holder must give it up (Python's default:
+# 5 ms): the event loop takes the GIL back at every wake, so a worker thread running Python code
+# (big replies' JSON, log-probability tables) delays each of its wakes by up to this much
+SWITCH_INTERVAL_S = 0.001
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
@@ -409,6 +413,7 @@ def run_serve(args) -> int:
 
     logging.getLogger("specdec_rt.serve").setLevel(logging.INFO)  # one event per request on stderr
     logging.getLogger("specdec_rt.engine.tune").setLevel(logging.INFO)  # --precision auto's progress
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     app = create_app(load, opts.app_config(drain_timeout=args.drain_timeout))
     server = _draining_server(_uvicorn_config(args, app), app)
     app.state.serving.on_load_error = server.stop_after_load_error

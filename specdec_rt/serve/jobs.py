@@ -38,7 +38,7 @@ from .protocol import (
     engine_error,
     parse_request,
 )
-from .replies import LogprobsFormat, Reply, call_filter, calls_in, json_bytes, sse
+from .replies import LogprobsFormat, Reply, call_filter, calls_in, json_bytes, release_stepwise, sse
 from .state import Serving
 
 __all__ = ["completions", "error_response"]
@@ -309,8 +309,10 @@ class Job:
     def start(self, tg) -> None:
         """With several choices: one task per engine stream, in ``tg`` (the response's task
         group, cancelled when the response ends), feeding :meth:`next_event`. Echo with
-        logprobs: a prompt's other choices open once its first one has scored it (or ended), so
-        that they start from the prompt's KV, which the scoring left in the prefix cache."""
+        logprobs: a prompt's other choices open once its first one has ended, so that they start
+        from the prompt's KV in the prefix cache, the target's (which the scoring left there) and
+        a draft model's (which the first choice's speculation computed) alike: opened as soon as
+        the prompt is scored, each would prefill the draft model on the whole prompt again."""
         if len(self.streams) > 1:
             send: MemoryObjectSendStream[tuple[int, Any, BaseException | None]]
             send, self._events = anyio.create_memory_object_stream(0)
@@ -320,8 +322,8 @@ class Job:
                     tg.start_soon(self._pump, i, send.clone(), scored[self.scorer(i)])
 
     async def _pump(self, i: int, send, scored: anyio.Event) -> None:
-        """Hand stream ``i``'s events on; ``scored``: set by its prompt's scorer (``i`` itself,
-        or the choice stream ``i`` waits for before it opens)."""
+        """Hand stream ``i``'s events on; ``scored``: set when its prompt's scorer ends (``i``
+        itself, or the choice stream ``i`` waits for before it opens)."""
         async with send:
             try:
                 if self.streams[i] is None:
@@ -335,8 +337,6 @@ class Job:
                 try:
                     async for ev in self.streams[i]:
                         await send.send((i, ev, None))
-                        if ev.prompt_logprobs is not None:
-                            scored.set()
                 finally:
                     scored.set()
             except SpecDecError as exc:
@@ -526,8 +526,18 @@ class Job:
         self, parts: list[list[str]], ids: list[list[int]], lps: list[list], echoed: list, stepwise: bool
     ) -> bytes:
         """The non-streamed response's body: each prompt's scored tokens formatted once for all
-        its choices (``echoed``: the prompt ids and log-probabilities on each scoring stream)."""
+        its choices (``echoed``: the prompt ids and log-probabilities on each scoring stream).
+        ``stepwise`` (a big reply, built in a worker thread): encoded by :func:`json_bytes`
+        stepwise, the cyclic collector paused meanwhile (:func:`gc_paused`: a reply's hundreds of
+        thousands of dicts set off full collections, each holding the GIL throughout)."""
+        with gc_paused() if stepwise else contextlib.nullcontext():
+            return self._whole_body(parts, ids, lps, echoed, stepwise)
+
+    def _whole_body(
+        self, parts: list[list[str]], ids: list[list[int]], lps: list[list], echoed: list, stepwise: bool
+    ) -> bytes:
         lp: list[dict | None] | None = None
+        heads: dict[int, dict] = {}
         if self.logprobs is not None:
             heads = {
                 i: self.logprobs.prompt(echoed[i][0], echoed[i][1], self.group(i))
@@ -547,7 +557,10 @@ class Job:
             logprobs=lp,
             tool_calls=[c for _, c in calls],
         )
-        return json_bytes(body, stepwise=stepwise)
+        out = json_bytes(body, stepwise=stepwise)
+        if stepwise:  # (freed whole, its tree would hold the GIL for as long as it takes)
+            release_stepwise([body, lp, heads])
+        return out
 
     async def _watch(self, receive, scope: anyio.CancelScope) -> None:
         """Cancel ``scope`` when the client disconnects (the body was read already)."""

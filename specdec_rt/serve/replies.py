@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..engine.served import ServedEngine
 from ..sampling.logprobs import TokenLogprob, json_logprob
@@ -250,18 +250,76 @@ def sse(data: dict | str, *, stepwise: bool = False) -> bytes:
     """One server-sent event: ``data: <json>`` and a blank line (``stepwise``: see :func:`json_bytes`)."""
     if isinstance(data, str):
         return f"data: {data}\n\n".encode()
-    encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
-    text = "".join(encoder.iterencode(data)) if stepwise else encoder.encode(data)
-    return f"data: {text}\n\n".encode()
+    if not stepwise:
+        encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+        return f"data: {encoder.encode(data)}\n\n".encode()
+    return b"data: " + json_bytes(data, stepwise=True, allow_nan=True) + b"\n\n"
 
 
-def json_bytes(data: Any, *, stepwise: bool = False) -> bytes:
+def release_stepwise(tree: Any) -> None:
+    """Take a big JSON-like ``tree`` apart one container at a time, so that dropping it frees
+    nothing big at once: freeing a tree of a million objects is one C call that holds the GIL
+    throughout (~0.1 s) while the event loop waits for it. Destroys the tree: every dict in it is
+    emptied (so nothing else may hold one of its containers)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()  # the previous node is freed here: its children are on the stack
+        if isinstance(node, dict):
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+            node.clear()
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+
+
+STEPWISE_ITEMS = 256  # list items the C encoder writes in one call: well under a millisecond of GIL
+
+
+def json_bytes(data: Any, *, stepwise: bool = False, allow_nan: bool = False) -> bytes:
     """``data`` as compact UTF-8 JSON, as Starlette's ``JSONResponse`` renders it. ``stepwise``:
-    with :mod:`json`'s reference encoder, Python code between values, so a worker thread
-    encoding a big reply gives the GIL up every few milliseconds (the C encoder holds it
-    throughout), at ~3 times the CPU."""
-    encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    return ("".join(encoder.iterencode(data)) if stepwise else encoder.encode(data)).encode()
+    for a big reply encoded in a worker thread: the C encoder writes small values whole and long
+    lists :data:`STEPWISE_ITEMS` items at a time, so the thread gives the GIL up between calls
+    (one call for the whole reply, or the pure-Python encoder's many small steps under a busy
+    machine's scheduler, held the event loop up to ~0.1 s); the same bytes."""
+    encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=allow_nan, separators=(",", ":"))
+    if not stepwise:
+        return encoder.encode(data).encode()
+    return "".join(_pieces(data, encoder.encode)).encode()
+
+
+def _bulky(value: Any) -> bool:
+    """Whether ``value`` is too big for one call of the C encoder: a long list or dict, or one
+    holding containers."""
+    if isinstance(value, dict):
+        return len(value) > STEPWISE_ITEMS or any(isinstance(v, (dict, list)) for v in value.values())
+    if isinstance(value, list):
+        return len(value) > STEPWISE_ITEMS or any(isinstance(v, (dict, list)) and _bulky(v) for v in value)
+    return False
+
+
+def _pieces(value: Any, encode: Callable[[Any], str]) -> Iterator[str]:
+    """``value``'s JSON text in pieces, each from one short call of ``encode``."""
+    if isinstance(value, dict) and _bulky(value) and all(isinstance(k, str) for k in value):
+        yield "{"
+        for n, (key, item) in enumerate(value.items()):
+            yield ("," if n else "") + encode(key) + ":"
+            yield from _pieces(item, encode)
+        yield "}"
+    elif isinstance(value, list) and _bulky(value):
+        yield "["
+        for lo in range(0, len(value), STEPWISE_ITEMS):
+            part = value[lo : lo + STEPWISE_ITEMS]
+            if lo:
+                yield ","
+            if any(isinstance(v, (dict, list)) and _bulky(v) for v in part):
+                for n, item in enumerate(part):
+                    if n:
+                        yield ","
+                    yield from _pieces(item, encode)
+            else:
+                yield encode(part)[1:-1]
+        yield "]"
+    else:
+        yield encode(value)
 
 
 class CallFilter:

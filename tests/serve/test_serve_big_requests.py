@@ -213,3 +213,46 @@ def test_stepwise_json_reads_what_json_loads_reads():
         assert not gc.isenabled()  # as the first pause found it
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_stepwise_json_is_the_same_bytes_in_short_calls():
+    """A big reply encoded in a worker thread: the same bytes as one call of the C encoder, and
+    no single call of it gets more than STEPWISE_ITEMS items of a list (NaN still refused)."""
+    import json
+    import random
+
+    from specdec_rt.serve import replies
+
+    rng = random.Random(0)
+
+    def value(depth=0):
+        r = rng.random()
+        if depth >= 3 or r < 0.3:
+            return rng.choice([1, -2.5, 'x\u00e9"\n', None, True, 1e300, "\U0001f642", [], {}])
+        if r < 0.6:
+            return [value(depth + 1) for _ in range(rng.choice([0, 1, 3, 300]))]
+        return {f"k{i}\u00e9": value(depth + 1) for i in range(rng.choice([0, 2, 5, 300]))}
+
+    big = {"choices": [{"logprobs": {"top_logprobs": [{f"t{j}": -1.25 * j for j in range(21)}] * 3400}}] * 3}
+    for data in [value() for _ in range(40)] + [big]:
+        assert replies.json_bytes(data, stepwise=True) == replies.json_bytes(data)
+    calls = []
+    encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+    def counted(v):
+        calls.append(len(v) if isinstance(v, (list, dict)) else 1)
+        return encoder.encode(v)
+
+    assert "".join(replies._pieces(big, counted)).encode() == replies.json_bytes(big)
+    assert max(calls) <= replies.STEPWISE_ITEMS and len(calls) > 3400 * 3 // replies.STEPWISE_ITEMS
+    with pytest.raises(ValueError):
+        replies.json_bytes([1.0] * 500 + [float("nan")], stepwise=True)
+
+
+def test_release_stepwise_takes_a_tree_apart():
+    from specdec_rt.serve.replies import release_stepwise
+
+    leaf = {"a": 1.0}
+    tree = {"x": [leaf, {"y": [1, 2, {"z": leaf}]}], "w": "s"}
+    release_stepwise(tree)
+    assert tree == {} and leaf == {}
