@@ -301,6 +301,7 @@ class GrammarFactory:
         #: the grammar threads
         self._refused: dict[bytes, str] = {}
         self._lock = threading.Lock()
+        self._building = threading.Lock()  # held while the tokenizer is built
 
     def _llg(self):
         try:
@@ -313,18 +314,22 @@ class GrammarFactory:
 
     def tokenizer(self):
         if self._tokenizer is None:
-            llg = self._llg()
-            if not self.eos_ids:
-                raise InvalidInputError("response_format: this model names no end-of-sequence token to end the output")
-            table = _TokenTable(self._bytes, self._special, self._encode, self.vocab_size, self.eos_ids[0])
-            self._tokenizer = llg.LLTokenizer(
-                llg.TokenizerWrapper(table), n_vocab=self.vocab_size, eos_token=self.eos_ids
-            )
-            # ids with no bytes (past the tokenizer's vocabulary) would fit any grammar anywhere,
-            # adding nothing: a model could emit them forever; they are never allowed
-            self._usable = np.array([bool(b) for b in table.tokens], dtype=bool)  # [V]
-            self._usable[[t for t in self.eos_ids if t < self.vocab_size]] = True
+            with self._building:  # once, however many grammar threads need it first at once
+                if self._tokenizer is None:
+                    self._build_tokenizer()
         return self._tokenizer
+
+    def _build_tokenizer(self) -> None:
+        llg = self._llg()
+        if not self.eos_ids:
+            raise InvalidInputError("response_format: this model names no end-of-sequence token to end the output")
+        table = _TokenTable(self._bytes, self._special, self._encode, self.vocab_size, self.eos_ids[0])
+        tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(table), n_vocab=self.vocab_size, eos_token=self.eos_ids)
+        # ids with no bytes (past the tokenizer's vocabulary) would fit any grammar anywhere,
+        # adding nothing: a model could emit them forever; they are never allowed
+        usable = np.array([bool(b) for b in table.tokens], dtype=bool)  # [V]
+        usable[[t for t in self.eos_ids if t < self.vocab_size]] = True
+        self._usable, self._tokenizer = usable, tokenizer  # (the tokenizer last: it says both are there)
 
     def build(
         self, schema: dict | None = None, lark: str | None = None, what: str = "response_format"

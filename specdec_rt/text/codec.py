@@ -271,12 +271,26 @@ class TextCodec:
         A text that could become more than :data:`MAX_ENCODE_TOKENS` tokens (its characters times
         :attr:`expansion`) is refused before it is encoded; a panic of the tokenizer is an
         :class:`InferenceError`."""
-        if self.expansion.tokens(len(text)) > MAX_ENCODE_TOKENS:
+        bound = self.expansion
+        if bound.tokens(len(text)) > MAX_ENCODE_TOKENS:
             raise InvalidInputError(
                 f"the prompt has {len(text)} characters of text, which this model's tokenizer could turn "
-                f"into up to {self.expansion.tokens(len(text)):.0f} tokens ({self.expansion.per_char:g} a character, "
-                f"set by its {self.expansion.by}), more than the {MAX_ENCODE_TOKENS} one text may"
+                f"into up to {bound.tokens(len(text)):.0f} tokens ({bound.per_char:g} a character, "
+                f"set by its {bound.by}), more than the {MAX_ENCODE_TOKENS} one text may"
             )
+        if bound.normalizes and tokenizer.normalizer is not None:  # (Unicode writes up to 18 characters for one)
+            try:
+                normalized = len(tokenizer.normalizer.normalize_str(text))
+            except PASS_THROUGH:
+                raise
+            except BaseException:  # (the encoding below says what is wrong with the text)
+                normalized = 0
+            if normalized * bound.per_normalized_char > MAX_ENCODE_TOKENS:
+                raise InvalidInputError(
+                    f"the prompt has {len(text)} characters of text, {normalized} once this model's tokenizer "
+                    f"normalized them, which it could turn into up to {normalized * bound.per_normalized_char:.0f} "
+                    f"tokens, more than the {MAX_ENCODE_TOKENS} one text may"
+                )
         try:  # a batch of one: the same encoding, but the GIL is released while it runs (decision 0011)
             return tokenizer.encode_batch([text], add_special_tokens=False)[0]
         except PASS_THROUGH:

@@ -9,7 +9,9 @@ that bound; :func:`check_tokenizer` refuses a tokenizer whose bound is over
 :data:`MAX_TOKENS_PER_CHAR_BOUND` (before any text is encoded with it), then encodes
 :data:`PROBE_TEXT` and refuses one that writes more than :data:`MAX_PROBE_TOKENS_PER_CHAR` tokens a
 character of it. The codec then refuses, before encoding, a text whose characters times the
-bound exceed :data:`MAX_ENCODE_TOKENS`.
+bound exceed :data:`MAX_ENCODE_TOKENS`, and with a Unicode normalizer (which writes up to 18
+characters for one, counted 1 in the bound) a text whose normalized characters times the rest of
+the bound do.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ class Expansion:
     per_char: float
     added: int
     by: str
+    #: the normalizer holds a Unicode normalization or a SentencePiece character map, counted 1
+    #: in ``per_char`` though it writes up to 18 characters for one (U+FDFA): a text's bound is
+    #: then its normalized characters times ``per_normalized_char``
+    normalizes: bool = False
+    #: tokens a character the normalizer wrote can become (the pre-tokenizer's and model's bound)
+    per_normalized_char: float = 0.0
 
     def tokens(self, chars: int) -> float:
         """At most how many tokens a text of ``chars`` characters can become."""
@@ -138,6 +146,19 @@ def _longest_replacement(charsmap: str) -> int:
     return max((len(s.decode("utf-8", "replace")) for s in data[4 + size :].split(b"\0")), default=0)
 
 
+_UNICODE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Precompiled"})
+
+
+def _normalizes(node: Any) -> bool:
+    """Whether a normalizer holds a step that may write several characters for one, counted 1
+    in its factor (:data:`_UNICODE_NORMALIZERS`)."""
+    if not isinstance(node, dict):
+        return False
+    if node.get("type") == "Sequence":
+        return any(_normalizes(sub) for sub in node.get("normalizers") or [])
+    return node.get("type") in _UNICODE_NORMALIZERS
+
+
 def _pre_tokenizer(node: Any) -> tuple[float, str | None]:
     """(characters out per character in, the largest step) of a pre-tokenizer: ByteLevel writes a
     character per UTF-8 byte, Metaspace may mark each word with one more."""
@@ -164,7 +185,8 @@ def expansion(tokenizer: Any) -> Expansion:
     normalizer x pre-tokenizer x model (a model with byte fallback writes a token a byte)."""
     from tokenizers import models
 
-    n_factor, added, n_by = _normalizer(_state(tokenizer.normalizer))
+    n_state = _state(tokenizer.normalizer)
+    n_factor, added, n_by = _normalizer(n_state)
     p_factor, p_by = _pre_tokenizer(_state(tokenizer.pre_tokenizer))
     model = tokenizer.model
     bytewise = isinstance(model, models.Unigram) or (isinstance(model, models.BPE) and model.byte_fallback)
@@ -172,7 +194,7 @@ def expansion(tokenizer: Any) -> Expansion:
     per_char = n_factor * p_factor * m_factor
     # the component named: the normalizer's amplifying step first (what a folder may abuse)
     by = n_by if n_factor > 1 or added > 1 else p_by if p_factor > 1 else None
-    return Expansion(per_char, added, by or "model")
+    return Expansion(per_char, added, by or "model", _normalizes(n_state), p_factor * m_factor)
 
 
 def check_tokenizer(tokenizer: Any, source: str) -> Expansion:
