@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import InferenceError, InvalidInputError, ModelLoadError
+from ..logs import get_logger
 from ..manifest_schema import TEXT_TAGS
 from ..sampling import brief_repr
 from .template_sandbox import (
@@ -32,6 +33,7 @@ from .template_sandbox import (
     TEMPLATE_MIN_CHARS,
     TEMPLATE_TIMEOUT_S,
     TemplateBudgetError,
+    TemplateMethodError,
     compile_template,
     new_environment,
     render_bounded,
@@ -39,7 +41,9 @@ from .template_sandbox import (
 from .tokenizer_checks import MAX_ENCODE_TOKENS, PASS_THROUGH, check_tokenizer
 from .tools import CALL_OPEN, nested_strings, supports_tools, template_messages
 
-__all__ = ["TextCodec", "IncrementalDecoder", "TemplateLimitError", "MAX_TOKENIZER_BYTES"]
+__all__ = ["TextCodec", "IncrementalDecoder", "TemplateLimitError", "TemplateMethodRefusedError", "MAX_TOKENIZER_BYTES"]
+
+log = get_logger("specdec_rt.text.codec")
 
 MAX_TOKENIZER_BYTES = 128 << 20  # a tokenizer.json larger than this is refused before it is parsed
 
@@ -47,6 +51,10 @@ MAX_TOKENIZER_BYTES = 128 << 20  # a tokenizer.json larger than this is refused 
 class TemplateLimitError(InvalidInputError):
     """The chat template went over a bound of its rendering (time, size, steps, a method it may
     not call); the message names the template."""
+
+
+class TemplateMethodRefusedError(TemplateLimitError):
+    """The chat template called a method the sandbox does not offer (refused at once, at no cost)."""
 
 
 # a short conversation that every chat template must render within its bounds when it is loaded
@@ -159,14 +167,20 @@ class TextCodec:
 
     def check_template(self) -> None:
         """:class:`ModelLoadError` naming the template when it does not compile, or goes over a
-        bound of its rendering on a short conversation (:data:`PROBE_CHAT`): such a template
-        could answer no request. A template that refuses the conversation itself
+        bound of its time, size or steps on a short conversation (:data:`PROBE_CHAT`): every
+        request would spend that budget before its refusal. A template that calls a method the
+        sandbox does not offer is refused at once, at no cost, by each chat request (a 400
+        naming the method): it loads, with a warning, so that its other requests (completions,
+        token ids) are served. A template that refuses the conversation itself
         (``raise_exception``) is left to the requests."""
         if self.chat_template is None:
             return
         for chat in (PROBE_CHAT, PROBE_CHAT[1:]):  # (the second: for templates without a system role)
             try:
                 self._render(list(chat), True, chars=TEMPLATE_MIN_CHARS)  # (the template's, whatever the budget)
+                return
+            except TemplateMethodRefusedError as exc:
+                log.warning("template.refused", error=str(exc), effect="every chat request gets a 400")
                 return
             except TemplateLimitError as exc:
                 raise ModelLoadError(f"{exc} (on a short conversation of {len(chat)} messages)") from None
@@ -335,6 +349,8 @@ class TextCodec:
                 eos_token="",
                 **extra,
             )
+        except TemplateMethodError as exc:
+            raise TemplateMethodRefusedError(f"{self.template_source} {exc}; refusing to render it") from None
         except TemplateBudgetError as exc:
             raise TemplateLimitError(f"{self.template_source} {exc}; refusing to render it") from None
         except InvalidInputError:

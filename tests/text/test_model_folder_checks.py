@@ -137,14 +137,15 @@ def test_template_methods_outside_the_allow_list_are_refused(tiny_qwen, method):
         codec.render_chat([{"role": "user", "content": "hi"}])
 
 
-def test_template_that_cannot_render_a_short_conversation_is_a_load_error(tiny_qwen, tmp_path):
+def test_templates_over_budget_fail_at_load_and_refused_methods_per_request(tiny_qwen, tmp_path):
     from tiny_models import with_chat_template
 
     from specdec_rt.ort.manifest import load_manifest
 
     folder = with_chat_template(tiny_qwen, tmp_path / "puny", PUNYCODE)
-    with pytest.raises(ModelLoadError, match=r"chat template in .*puny/manifest.json used str.encode"):
-        TextCodec.from_manifest(load_manifest(folder))
+    codec = TextCodec.from_manifest(load_manifest(folder))  # a refused method costs nothing: it loads
+    with pytest.raises(InvalidInputError, match=r"chat template in .*puny/manifest.json used str.encode"):
+        codec.encode_prompt([{"role": "user", "content": "hi"}])
     slow = with_chat_template(
         tiny_qwen, tmp_path / "slow", "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
     )
