@@ -85,6 +85,19 @@ def _prompt_part(lp: dict, n: int) -> dict:
     return {k: v[:n] for k, v in lp.items()}
 
 
+def _same_reply(a, b) -> bool:
+    """Equal JSON values, floats equal to 1e-6 (relative)."""
+    import math
+
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_reply(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_reply(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
 def test_echo_with_logprobs_scores_each_prompt_once_for_all_its_choices(tiny_llama, monkeypatch):
     from specdec_rt.serve import jobs
 
@@ -108,7 +121,9 @@ def test_echo_with_logprobs_scores_each_prompt_once_for_all_its_choices(tiny_lla
             inline = jobs.INLINE_REPLY_ENTRIES
             monkeypatch.setattr(jobs, "INLINE_REPLY_ENTRIES", 0)  # built and encoded in a worker thread
             threaded = (await c.post("/v1/completions", json={**body, "n": 4})).json()
-            assert threaded["choices"] == many["choices"] and threaded["usage"] == many["usage"]
+            # the same reply, built either way; a generated token's log-probability may move in its
+            # last float digits between two runs (speculation verifies in shapes that vary with timing)
+            assert _same_reply(threaded["choices"], many["choices"]) and threaded["usage"] == many["usage"]
             monkeypatch.setattr(jobs, "INLINE_REPLY_ENTRIES", inline)
             calls.clear()
             two = (await c.post("/v1/completions", json={**body, "prompt": [TEXT, TEXT[:20]], "n": 3})).json()
