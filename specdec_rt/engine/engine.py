@@ -218,7 +218,8 @@ class Engine:
         ``prefix_cache``: keep what finished requests computed (prompt and answer) and start new
         requests from the longest cached prefix (:mod:`specdec_rt.kvcache.prefix`; CPU), in at most
         ``prefix_cache_bytes`` of KV memory over all models (least recently used entries go first).
-        ``warmup``: run :meth:`warm_up` before returning (about a second on the default model).
+        ``warmup``: build the grammar engine's token table (if llguidance is installed) and run
+        :meth:`warm_up` before returning (about a second on the default model).
         ``consumer_timeout``: seconds (default 30) a request whose consumer takes none of its
         waiting events may wait before it ends with
         :class:`~specdec_rt.errors.ConsumerTimeoutError` and frees its slot (``None`` or ``0``:
@@ -268,6 +269,7 @@ class Engine:
             engine.choice = engine.choice.with_measured(measured)
         if warmup:
             try:
+                await anyio.to_thread.run_sync(engine.grammars.prepare)  # (not while serving: it holds the GIL)
                 await engine.warm_up()
             except BaseException:
                 await engine.aclose()
