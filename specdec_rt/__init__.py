@@ -15,12 +15,12 @@ from .errors import (
     SpecDecError,
 )
 from .policy.config import SpecConfig
+from .request.params import RequestParams
 from .sampling import SamplingParams, rejection_sample
-from .spec.adapters import ModelDrafter, ModelVerifier
-from .spec.context import RequestContext
-from .spec.params import RequestParams
-from .spec.protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
-from .spec.scheduler import RequestStream, SpecDecScheduler
+from .speculation.adapters import ModelDrafter, ModelVerifier
+from .speculation.context import RequestContext
+from .speculation.protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
+from .speculation.scheduler import RequestStream, SpecDecScheduler
 from .types import DraftToken, GenerationResult, Stats, TokenEvent, Verdict
 
 __version__ = "0.1.0"

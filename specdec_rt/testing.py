@@ -2,7 +2,7 @@
 
 * :class:`ToyLM` is a fixed random Markov model over a small vocabulary: the logits of the next
   token depend on the last ``order`` tokens. It implements
-  :class:`~specdec_rt.spec.protocols.LanguageModel`, so ``ModelDrafter(ToyLM(...))`` and
+  :class:`~specdec_rt.speculation.protocols.LanguageModel`, so ``ModelDrafter(ToyLM(...))`` and
   ``ModelVerifier(ToyLM(...))`` run the real scheduler with no ONNX.
 * :func:`toy_pair` builds a target and a draft whose distance is a knob (0: the same model).
 * :func:`sequence_distribution` computes the exact distribution of whole generated sequences of a
@@ -27,9 +27,9 @@ from .kvcache.prefix import Hit, PrefixCache
 from .policy.config import SpecConfig
 from .sampling import SamplingParams, warp
 from .sampling.penalties import penalized
-from .spec.adapters import ModelDrafter, ModelVerifier
-from .spec.protocols import CacheSession, DraftInferrer, LanguageModel, ModelCaps, TargetVerifier
-from .spec.scheduler import SpecDecScheduler
+from .speculation.adapters import ModelDrafter, ModelVerifier
+from .speculation.protocols import CacheSession, DraftInferrer, LanguageModel, ModelCaps, TargetVerifier
+from .speculation.scheduler import SpecDecScheduler
 
 if TYPE_CHECKING:
     from .engine.engine import Engine

@@ -18,7 +18,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("sampling",),
     ("types", "text"),
     ("policy", "kvcache"),
-    ("spec",),
+    ("request",),
+    ("speculation",),
+    ("spec",),  # the deprecated alias of speculation and request
     ("batching",),
     ("drafters", "ort"),
     ("engine",),
@@ -42,7 +44,7 @@ def may_use_ort(module: str) -> bool:
 
 
 def unit_of(module: str) -> str | None:
-    """``specdec_rt.spec.scheduler`` -> ``spec``; ``specdec_rt`` -> ``""``; other packages: None."""
+    """``specdec_rt.speculation.scheduler`` -> ``spec``; ``specdec_rt`` -> ``""``; other packages: None."""
     if module == "specdec_rt":
         return ""
     if not module.startswith("specdec_rt."):
@@ -86,7 +88,7 @@ def test_every_subpackage_is_in_a_layer():
 @pytest.mark.parametrize(
     ("graph", "why"),
     [
-        ({"specdec_rt.sampling.tree": {"specdec_rt.spec.context"}}, "imports"),  # up
+        ({"specdec_rt.sampling.tree": {"specdec_rt.speculation.context"}}, "imports"),  # up
         ({"specdec_rt.drafters.ngram": {"specdec_rt.ort.model"}}, "imports"),  # a peer
         ({"specdec_rt.serve.app": {"specdec_rt.ort.model"}}, "only the engine's factory"),  # ort from above
         ({"specdec_rt.newthing.x": set()}, "no declared layer"),
@@ -102,8 +104,8 @@ def test_the_checker_allows_downward_imports():
     assert (
         violations(
             {
-                "specdec_rt.engine.factory": {"specdec_rt.ort.model", "specdec_rt.spec.protocols"},
-                "specdec_rt.spec.scheduler": {"specdec_rt.policy.acceptance", "specdec_rt.errors"},
+                "specdec_rt.engine.factory": {"specdec_rt.ort.model", "specdec_rt.speculation.protocols"},
+                "specdec_rt.speculation.scheduler": {"specdec_rt.policy.acceptance", "specdec_rt.errors"},
                 "specdec_rt": {"specdec_rt.engine"},
             }
         )

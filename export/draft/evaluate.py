@@ -34,7 +34,7 @@ def measure_acceptance(
     from specdec_rt.engine.factory import model_drafter
     from specdec_rt.ort import OrtModel, OrtTargetVerifier, load_manifest
     from specdec_rt.policy.config import SpecConfig
-    from specdec_rt.spec.scheduler import SpecDecScheduler
+    from specdec_rt.speculation.scheduler import SpecDecScheduler
     from specdec_rt.text.codec import TextCodec
     from specdec_rt.types import Stats
 

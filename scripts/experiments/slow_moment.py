@@ -23,7 +23,7 @@ from pathlib import Path
 
 from specdec_rt.tooling.bench.runner import build_our_modes, load_prompts
 from specdec_rt.ort import load_manifest, resolve_model_dir
-from specdec_rt.spec.scheduler import SpecDecScheduler
+from specdec_rt.speculation.scheduler import SpecDecScheduler
 from specdec_rt.text.codec import TextCodec
 
 

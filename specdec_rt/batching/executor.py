@@ -1,6 +1,6 @@
 """The step loop that batches model calls across requests (continuous batching).
 
-Every request runs its own scheduler loop (:mod:`specdec_rt.spec.scheduler`: choose k, draft, verify,
+Every request runs its own scheduler loop (:mod:`specdec_rt.speculation.scheduler`: choose k, draft, verify,
 commit, observe, emit), and every model call it makes ends here, in one :class:`BatchExecutor`
 per engine. Each iteration of the executor's loop:
 
@@ -27,7 +27,7 @@ for that), so their verifies run one request at a time.
 
 A model takes part through the Protocols below, :class:`BatchedSession` and
 :class:`BatchedModel`: synchronous methods run in the worker thread, and the flags of its
-:class:`~specdec_rt.spec.protocols.ModelCaps` say which batched forms it offers. Every batched
+:class:`~specdec_rt.speculation.protocols.ModelCaps` say which batched forms it offers. Every batched
 method sets each session's ``length`` as soon as its KV entries are written (also per chunk), so
 a batched call can tell which positions of every slot are free to scribble on.
 
@@ -53,7 +53,7 @@ import numpy as np
 
 from ..errors import EngineClosedError, InferenceError, SpecDecError
 from ..logs import get_logger
-from ..spec.protocols import ModelCaps, check_implements
+from ..speculation.protocols import ModelCaps, check_implements
 
 __all__ = ["BatchExecutor", "BatchedModel", "BatchedSession"]
 

@@ -7,8 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..spec.context import RequestContext
-from ..spec.protocols import DraftInferrer
+from ..speculation.context import RequestContext
+from ..speculation.protocols import DraftInferrer
 from ..types import DraftToken
 from .ngram import NgramDrafter
 

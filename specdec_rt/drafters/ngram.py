@@ -1,8 +1,8 @@
 """N-gram (prompt lookup) drafting: propose what followed the latest earlier occurrence of the
 context's last tokens. No model call, deterministic proposals (one-hot ``q``).
 
-Implements :class:`~specdec_rt.spec.protocols.DraftInferrer`; a model draft is
-:class:`~specdec_rt.spec.adapters.ModelDrafter` (``OrtDraftInferrer`` for exported models).
+Implements :class:`~specdec_rt.speculation.protocols.DraftInferrer`; a model draft is
+:class:`~specdec_rt.speculation.adapters.ModelDrafter` (``OrtDraftInferrer`` for exported models).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InvalidInputError
-from ..spec.context import RequestContext
-from ..spec.protocols import DraftInferrer
+from ..speculation.context import RequestContext
+from ..speculation.protocols import DraftInferrer
 from ..types import DraftToken
 
 __all__ = ["NgramDrafter"]

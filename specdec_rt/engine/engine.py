@@ -30,13 +30,7 @@ from ..errors import (
 )
 from ..kvcache.prefix import DEFAULT_BUDGET_BYTES, PrefixCache
 from ..policy.config import SpecConfig
-from ..sampling.constraints import GRAMMAR_THREADS, GrammarFactory, MinTokens
-from ..sampling.logprobs import TokenLogprob
-from ..sampling.prompt_logprobs import prompt_logprobs as prompt_logprobs_of
-from ..spec.adapters import ModelVerifier
-from ..spec.params import RequestParams
-from ..spec.protocols import BatchCosts, DraftInferrer, LanguageModel, TargetVerifier, check_implements
-from ..spec.request_checks import (
+from ..request.checks import (
     MAX_STOP_STRINGS,  # noqa: F401 - re-exported (the stop-string limit)
     RequestShape,
     check_load_args,
@@ -46,7 +40,13 @@ from ..spec.request_checks import (
     token_id_prompt,
     tool_shape,
 )
-from ..spec.scheduler import SpecDecScheduler
+from ..request.params import RequestParams
+from ..sampling.constraints import GRAMMAR_THREADS, GrammarFactory, MinTokens
+from ..sampling.logprobs import TokenLogprob
+from ..sampling.prompt_logprobs import prompt_logprobs as prompt_logprobs_of
+from ..speculation.adapters import ModelVerifier
+from ..speculation.protocols import BatchCosts, DraftInferrer, LanguageModel, TargetVerifier, check_implements
+from ..speculation.scheduler import SpecDecScheduler
 from ..text.codec import TextCodec
 from ..text.encode_process import PromptEncoder
 from ..text.tokenizer_checks import PASS_THROUGH
@@ -114,9 +114,9 @@ class Engine:
     ) -> None:
         """An engine over models built already (:meth:`load` builds them from an export folder).
 
-        Any backend that implements :class:`~specdec_rt.spec.protocols.LanguageModel` runs here:
+        Any backend that implements :class:`~specdec_rt.speculation.protocols.LanguageModel` runs here:
         ``target`` and ``drafter`` (``None``: plain decoding only); ``verifier``: default a
-        :class:`~specdec_rt.spec.adapters.ModelVerifier` of ``target`` (sharing hidden states when
+        :class:`~specdec_rt.speculation.adapters.ModelVerifier` of ``target`` (sharing hidden states when
         the drafter needs them); ``executor``: the step loop every model was built with, which
         batches their calls (``None``: a loop of its own, and models that run their calls
         themselves); ``models``: every model to close with the engine, the target first (default:
@@ -345,11 +345,11 @@ class Engine:
         string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined), or token
         ids (a list of ints, used as they are).
 
-        ``params``: a :class:`~specdec_rt.spec.params.RequestParams` (None: the defaults; an
+        ``params``: a :class:`~specdec_rt.request.params.RequestParams` (None: the defaults; an
         integer: ``max_new_tokens``, the older form); ``overrides``: its fields as keywords
         (``max_new_tokens=64, temperature=0.7, seed=1``), which win over ``params``. The fields
         (sampling, ``mode``, ``stop``, log-probabilities, ``response_format``, ``tools``,
-        ``min_tokens``, ...) are documented on :class:`~specdec_rt.spec.params.RequestParams`;
+        ``min_tokens``, ...) are documented on :class:`~specdec_rt.request.params.RequestParams`;
         an unknown keyword is an :class:`~specdec_rt.errors.InvalidInputError` naming it."""
         parts: list[str] = []
         ids: list[int] = []
@@ -382,7 +382,7 @@ class Engine:
         context manager that closes it).
 
         Cheap checks run here and raise at once (the parameters, see
-        :class:`~specdec_rt.spec.params.RequestParams`; a draft model for ``mode="spec"``;
+        :class:`~specdec_rt.request.params.RequestParams`; a draft model for ``mode="spec"``;
         ``tools`` with chat messages; the prompt's type and size: at most ``max_prompt_chars``
         characters).
         Rendering the chat template and tokenizing run in a worker thread (a prompt of 16k

@@ -2,7 +2,7 @@
 to ONNX Runtime models, a drafter, a text codec and one step loop for them all.
 
 The only module above :mod:`specdec_rt.ort` that knows it (tests/test_layers.py): the Engine
-itself runs any :class:`~specdec_rt.spec.protocols.LanguageModel`. Shared by
+itself runs any :class:`~specdec_rt.speculation.protocols.LanguageModel`. Shared by
 :class:`~specdec_rt.engine.engine.Engine.load`, the benchmarks and ``export train-draft``'s
 evaluation, so a draft spec means the same everywhere.
 """
@@ -30,8 +30,8 @@ from ..ort import (
 )
 from ..ort.eagle import EagleDrafter
 from ..ort.manifest import cache_root
-from ..spec.adapters import ModelDrafter
-from ..spec.protocols import DraftInferrer, TargetVerifier
+from ..speculation.adapters import ModelDrafter
+from ..speculation.protocols import DraftInferrer, TargetVerifier
 from ..text.codec import TextCodec
 from .precision import PINNED_PRECISIONS
 

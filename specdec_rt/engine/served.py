@@ -2,8 +2,8 @@
 :class:`ServedStream`. An :class:`~specdec_rt.engine.engine.Engine` is one; so is any object that
 has these members, and a class that subclasses the Protocol gets the optional ones as do-nothing
 defaults (no counters, no loop watchdog), as the model-level Protocols of
-:mod:`specdec_rt.spec.protocols` do. The app checks an engine with
-:func:`~specdec_rt.spec.protocols.check_implements` when it gets one, and reads nothing else.
+:mod:`specdec_rt.speculation.protocols` do. The app checks an engine with
+:func:`~specdec_rt.speculation.protocols.check_implements` when it gets one, and reads nothing else.
 
 The defaults an engine serves with live here too, so that the server and its command line read
 them without importing the engine itself.
@@ -18,7 +18,7 @@ from .loop_watch import LoopWatch
 from .stream import StreamEvent
 
 if TYPE_CHECKING:
-    from ..spec.params import RequestParams
+    from ..request.params import RequestParams
     from .engine import Prompt
     from .precision import PrecisionChoice
 

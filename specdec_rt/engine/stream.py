@@ -62,7 +62,7 @@ class EngineStream:
     not read ends its request after the engine's ``consumer_timeout`` (see
     :class:`~specdec_rt.engine.engine.Engine`): its waiting events can still be taken, then it
     raises :class:`~specdec_rt.errors.ConsumerTimeoutError`. ``params``: the request's checked
-    :class:`~specdec_rt.spec.params.RequestParams`."""
+    :class:`~specdec_rt.request.params.RequestParams`."""
 
     def __init__(self, receive, engine, params=None) -> None:  # engine: the Engine it belongs to
         self._receive, self._engine, self.params = receive, engine, params

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ..spec.adapters import ModelDrafter, ModelVerifier
+from ..speculation.adapters import ModelDrafter, ModelVerifier
 from .manifest import Manifest, load_manifest, resolve_model_dir
 from .model import KVPool, OrtModel, OrtSession, default_threads, use_global_thread_pool
 

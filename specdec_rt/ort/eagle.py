@@ -1,7 +1,7 @@
 """EAGLE-style drafting: a one-layer head that reads the target's own hidden states.
 
 Notation: h_j is the target's normalised last hidden state after token x_j (the verifier shares
-it, see :class:`~specdec_rt.spec.adapters.TargetHidden`); the head at position j reads
+it, see :class:`~specdec_rt.speculation.adapters.TargetHidden`); the head at position j reads
 ``(x_{j+1}, h_j)`` and returns ``g_j`` (its guess of h_{j+1}) and logits over a reduced
 vocabulary V' for x_{j+2}. Drafting continues from its own guesses: ``(d_1, g)``, ``(d_2, g')``...
 
@@ -22,9 +22,9 @@ import numpy as np
 
 from ..errors import ModelLoadError
 from ..sampling import greedy_ids, sample, warp
-from ..spec.adapters import TARGET_HIDDEN
-from ..spec.context import RequestContext
-from ..spec.protocols import DraftInferrer
+from ..speculation.adapters import TARGET_HIDDEN
+from ..speculation.context import RequestContext
+from ..speculation.protocols import DraftInferrer
 from ..types import DraftToken
 from .manifest import LIMITS, Manifest
 from .model import OrtModel

@@ -22,7 +22,7 @@ from ..errors import InferenceError, ModelLoadError
 from ..kvcache.prefix import DEFAULT_BLOCK, PrefixCache
 from ..logs import get_logger
 from ..sampling import brief_repr
-from ..spec.protocols import LanguageModel, ModelCaps
+from ..speculation.protocols import LanguageModel, ModelCaps
 from .kvpool import KVPool
 from .manifest import PACKED_ROLES, Manifest, load_manifest
 from .session import OrtSession

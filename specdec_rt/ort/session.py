@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import ContextLengthError, InferenceError
 from ..kvcache.cached_start import CachedStart
 from ..kvcache.prefix import Hit
-from ..spec.protocols import CacheSession
+from ..speculation.protocols import CacheSession
 from .manifest import PACKED_ROLES
 from .tree import compact_rows, tree_feeds
 from .tree import packed_layout as _packed_layout

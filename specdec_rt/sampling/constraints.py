@@ -18,7 +18,7 @@ Log-probabilities stay the model's own (before the constraint, as before tempera
 A grammar's work may be costly, and is never done on the event loop: it compiles in a grammar
 thread (``GRAMMAR_THREADS``, one a core), and a constraint that says so (``off_loop``) has its
 masks computed there too, one hand-over for all the rows of a model call, started before the
-call so that the two run side by side (:meth:`~specdec_rt.spec.context.RequestContext.scoring`);
+call so that the two run side by side (:meth:`~specdec_rt.speculation.context.RequestContext.scoring`);
 the event loop only awaits (llguidance drops the GIL while it computes). Its CPU time is bounded:
 its compilation with its first mask (``COMPILE_BUDGET_S``), then each mask (``MASK_BUDGET_S``);
 one that costs more is refused, or ends its request, with an :class:`InvalidInputError` naming

@@ -20,11 +20,11 @@ from typing import Any, Literal
 
 from ..checks import brief_repr, is_int, is_number
 from ..errors import ContextLengthError, InvalidInputError
+from ..request.checks import check_stop
+from ..request.params import RequestParams
 from ..sampling import MAX_LOGIT_BIAS, SamplingParams
 from ..sampling.constraints import check_response_format
 from ..sampling.logprobs import MAX_TOP_LOGPROBS
-from ..spec.params import RequestParams
-from ..spec.request_checks import check_stop
 from ..text.tools import check_tool_choice, checked_tools
 from ..types import Mode
 
@@ -129,7 +129,7 @@ class GenParams:
 
     def request_params(self, default_max_tokens: int, choice: int = 0, *, score_prompt: bool = True) -> RequestParams:
         """The engine's parameters for choice ``choice``: the one place OpenAI's fields become a
-        :class:`~specdec_rt.spec.params.RequestParams`. ``max_tokens`` (or
+        :class:`~specdec_rt.request.params.RequestParams`. ``max_tokens`` (or
         ``max_completion_tokens``) is ``max_new_tokens``, else ``default_max_tokens``; with a
         ``seed``, choice i samples with ``seed + i`` (so choices differ, and each is
         reproducible); ``echo`` with ``logprobs`` asks for the prompt's log-probabilities too,

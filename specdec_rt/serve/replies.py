@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from ..engine.served import ServedEngine
+from ..request.checks import stop_prefix_len
 from ..sampling.logprobs import TokenLogprob, json_logprob
-from ..spec.request_checks import stop_prefix_len
 from ..text.tools import CALL_OPEN, parse_tool_calls
 from .protocol import Kind
 

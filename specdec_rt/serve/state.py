@@ -15,7 +15,7 @@ import anyio
 
 from ..engine.served import DEFAULT_SLOTS, ServedEngine
 from ..logs import get_logger
-from ..spec.protocols import check_implements
+from ..speculation.protocols import check_implements
 from .metrics import Metrics
 from .options import AppConfig
 from .protocol import APIError

@@ -139,7 +139,7 @@ def test_ngram_trees_are_lossless_and_pay_where_continuations_differ():
 def test_the_ngram_tree_distribution_test_catches_a_walk_without_the_residual(monkeypatch):
     from test_tree_spec import _walk_without_residual
 
-    import specdec_rt.spec.adapters as adapters
+    import specdec_rt.speculation.adapters as adapters
 
     monkeypatch.setattr(adapters, "tree_accept", _walk_without_residual)
     with pytest.raises(AssertionError, match="chi_square_pvalue"):
@@ -170,7 +170,7 @@ def test_a_model_drafter_times_its_steps_after_the_first_call():
     """``ctx.draft_steps``: the steps a draft took after its first call (which may read a
     prompt or what the draft missed) and their seconds: what the cost model can trust as a
     draft step's cost in a first round or a probe."""
-    from specdec_rt.spec.context import RequestContext
+    from specdec_rt.speculation.context import RequestContext
 
     _, draft = toy_pair(8, seed=1)
     drafter = ModelDrafter(draft)

@@ -188,7 +188,7 @@ def test_a_stop_string_across_tokens_cuts_alike_in_every_mode(tiny_llama):
 
 
 def test_stop_prefix_len_holds_back_only_what_may_start_a_stop():
-    from specdec_rt.spec.request_checks import stop_prefix_len
+    from specdec_rt.request.checks import stop_prefix_len
 
     assert stop_prefix_len("hello wor", ["world"]) == 3
     assert stop_prefix_len("hello world", ["world"]) == 0  # a whole stop is not a prefix to hold

@@ -98,8 +98,8 @@ def test_the_load_checks_that_calls_of_2_and_9_positions_round_a_position_alike(
 
 def test_a_seeded_sampled_request_sends_its_lone_queries_twice(tiny_llama):
     from specdec_rt.sampling import SamplingParams
-    from specdec_rt.spec.adapters import ModelDrafter
-    from specdec_rt.spec.context import RequestContext
+    from specdec_rt.speculation.adapters import ModelDrafter
+    from specdec_rt.speculation.context import RequestContext
 
     drafter = ModelDrafter(OrtModel(tiny_llama / "draft-q4", max_length=64, slots=3))
     for params, twice in (

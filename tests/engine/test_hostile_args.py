@@ -15,8 +15,8 @@ import pytest
 from specdec_rt import CacheSession, InvalidInputError, LanguageModel, SpecConfig
 from specdec_rt.engine.engine import MAX_STOP_STRINGS, Engine
 from specdec_rt.engine.factory import engine_models as _models
+from specdec_rt.request.checks import MAX_STOP_CHARS
 from specdec_rt.sampling import MIN_TEMPERATURE, SamplingParams, sample, warp
-from specdec_rt.spec.request_checks import MAX_STOP_CHARS
 
 PROMPT = "def add(a, b):"
 

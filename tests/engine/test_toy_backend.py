@@ -17,7 +17,7 @@ import pytest
 from specdec_rt import InvalidInputError, ModelDrafter, SpecConfig
 from specdec_rt.batching import BatchExecutor
 from specdec_rt.sampling import SamplingParams, warp
-from specdec_rt.spec.protocols import LanguageModel, ModelCaps
+from specdec_rt.speculation.protocols import LanguageModel, ModelCaps
 from specdec_rt.testing import PlainLM, ToyLM, toy_engine, toy_pair
 
 V = 12

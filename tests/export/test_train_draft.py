@@ -110,8 +110,8 @@ def test_reduced_vocabulary_maps_back_exactly(trained, tiny_llama):
     from specdec_rt.ort import OrtModel
     from specdec_rt.ort.eagle import EagleDrafter
     from specdec_rt.sampling import rejection_sample
-    from specdec_rt.spec.adapters import ModelVerifier
-    from specdec_rt.spec.scheduler import SpecDecScheduler
+    from specdec_rt.speculation.adapters import ModelVerifier
+    from specdec_rt.speculation.scheduler import SpecDecScheduler
 
     seen = []
 
@@ -282,7 +282,7 @@ def test_eagle_greedy_drafts_follow_the_logit_bias_and_penalties(trained):
     """A greedy request with a logit bias drafts the biased argmax (the target's check takes it),
     from the head's vocabulary, not the raw argmax a ban would reject every round."""
     from specdec_rt.ort.eagle import EagleDrafter
-    from specdec_rt.spec.context import RequestContext
+    from specdec_rt.speculation.context import RequestContext
 
     drafter = EagleDrafter(trained / "draft", slots=1)
     logits = np.random.default_rng(0).normal(size=drafter.vocab.size).astype(np.float32)  # [V']

@@ -121,7 +121,7 @@ def test_a_quantized_model_refuses_a_tree(tiny_llama):
 def test_greedy_tree_speculation_through_the_engine_equals_plain(tmp_path, monkeypatch):
     from tiny_models import export_tiny, plain_spec_together
 
-    import specdec_rt.spec.adapters as adapters
+    import specdec_rt.speculation.adapters as adapters
     from specdec_rt.policy.config import SpecConfig
 
     out = export_tiny(tmp_path, "llama", draft="int8")  # a close draft: long accepted paths
@@ -210,7 +210,7 @@ def test_tree_sampling_on_an_exported_pair_keeps_the_distribution(tiny_pair, mon
     with a tree walk that forgets the residual update must fail."""
     from test_tree_spec import _walk_without_residual
 
-    import specdec_rt.spec.adapters as adapters
+    import specdec_rt.speculation.adapters as adapters
     from specdec_rt.sampling import SamplingParams
     from specdec_rt.testing import chi_square_pvalue
 

@@ -16,8 +16,8 @@ from specdec_rt.drafters import CombinedDrafter, NgramDrafter
 from specdec_rt.policy.acceptance import AcceptanceEWMA, CostModel
 from specdec_rt.policy.config import SpecConfig
 from specdec_rt.policy.request import RequestPolicy
-from specdec_rt.spec.context import RequestContext
-from specdec_rt.spec.protocols import DraftInferrer
+from specdec_rt.speculation.context import RequestContext
+from specdec_rt.speculation.protocols import DraftInferrer
 
 STEP_8 = 0.044  # seconds of a batched plain step of 8 rows (SmolLM2, measured)
 PER_POSITION = 0.0017  # seconds per extra position in a batched call (measured)

@@ -17,7 +17,7 @@ from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingP
 from specdec_rt.errors import InferenceError
 from specdec_rt.sampling import warp
 from specdec_rt.sampling.constraints import Constraint, check_response_format, constrained
-from specdec_rt.spec.context import RequestContext
+from specdec_rt.speculation.context import RequestContext
 from specdec_rt.testing import chi_square_pvalue, toy_pair, toy_scheduler
 
 ALWAYS = dict(measure_costs=False, adapt_k=False, fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)

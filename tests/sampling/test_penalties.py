@@ -11,7 +11,7 @@ import pytest
 
 from specdec_rt import InvalidInputError, ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
 from specdec_rt.sampling.penalties import penalized
-from specdec_rt.spec.context import RequestContext
+from specdec_rt.speculation.context import RequestContext
 from specdec_rt.testing import (
     chi_square_pvalue,
     run_together,

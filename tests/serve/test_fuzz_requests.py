@@ -40,12 +40,12 @@ from serve_util import CHAT, EchoEngine, client, sse_data  # noqa: E402
 from starlette.responses import JSONResponse  # noqa: E402
 
 from specdec_rt.errors import InvalidInputError  # noqa: E402
+from specdec_rt.request.checks import MAX_STOP_CHARS, MAX_STOP_STRINGS  # noqa: E402
+from specdec_rt.request.params import RequestParams  # noqa: E402
 from specdec_rt.sampling import MAX_LOGIT_BIAS  # noqa: E402
 from specdec_rt.sampling.logprobs import MAX_TOP_LOGPROBS  # noqa: E402
 from specdec_rt.serve import create_app  # noqa: E402
 from specdec_rt.serve.protocol import MAX_N, ROLES, APIError, GenParams, engine_error, parse_request  # noqa: E402
-from specdec_rt.spec.params import RequestParams  # noqa: E402
-from specdec_rt.spec.request_checks import MAX_STOP_CHARS, MAX_STOP_STRINGS  # noqa: E402
 from specdec_rt.text.tools import MAX_TOOLS  # noqa: E402
 
 BODY_LIMIT = 1 << 20  # create_app's max_body_bytes: larger bodies never reach parse_request

@@ -13,9 +13,9 @@ pytest.importorskip("httpx")
 from serve_util import CHAT, PROMPT, client, run, sse_data  # noqa: E402
 
 from specdec_rt.errors import ContextLengthError, InvalidInputError  # noqa: E402
+from specdec_rt.request.params import RequestParams  # noqa: E402
 from specdec_rt.serve import create_app  # noqa: E402
 from specdec_rt.serve.protocol import APIError, engine_error, parse_request  # noqa: E402
-from specdec_rt.spec.params import RequestParams  # noqa: E402
 
 
 # ---------------------------------------------------------------- parsing (no model)

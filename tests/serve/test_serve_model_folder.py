@@ -167,7 +167,7 @@ def test_long_template_literal_does_not_stretch_the_warm_up(tmp_path, monkeypatc
     from export.pipeline import Request
     from export.pipeline import run as export
     from export.ui import Reporter
-    from specdec_rt.spec.scheduler import SpecDecScheduler
+    from specdec_rt.speculation.scheduler import SpecDecScheduler
 
     ckpt = build_tiny_checkpoint(tmp_path / "ckpt", "qwen2", max_positions=8192)
     out = tmp_path / "onnx"

@@ -13,9 +13,9 @@ from serve_util import CHAT, client, run  # noqa: E402
 from tiny_models import with_chat_template  # noqa: E402
 
 from specdec_rt.errors import InvalidInputError  # noqa: E402
+from specdec_rt.request.params import RequestParams  # noqa: E402
 from specdec_rt.serve import create_app  # noqa: E402
 from specdec_rt.serve.protocol import APIError, parse_request  # noqa: E402
-from specdec_rt.spec.params import RequestParams  # noqa: E402
 
 # the least a template needs to take tools: it renders them, and calls are <tool_call> blocks
 TEMPLATE = (
@@ -33,8 +33,8 @@ def tool_model(tiny_llama, tmp_path_factory):
 
 def _count_tool_checks(monkeypatch) -> list:
     """A spy on every ``check_tools`` a request can reach: the size of each non-empty list checked."""
+    import specdec_rt.request.params
     import specdec_rt.serve.protocol
-    import specdec_rt.spec.params
     import specdec_rt.text.tools as tools_module
 
     calls: list = []
@@ -45,7 +45,7 @@ def _count_tool_checks(monkeypatch) -> list:
             calls.append(len(tools))
         return real(tools)
 
-    for module in (tools_module, specdec_rt.spec.params, specdec_rt.serve.protocol):
+    for module in (tools_module, specdec_rt.request.params, specdec_rt.serve.protocol):
         monkeypatch.setattr(module, "check_tools", spy, raising=False)
     return calls
 

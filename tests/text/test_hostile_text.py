@@ -152,7 +152,7 @@ def test_any_role_reaches_the_template(tiny_codec):
 def test_text_content_parts_read_as_their_joined_text(tiny_codec):
     """OpenAI-style content parts, as the server takes them: text parts are joined; any other
     part is refused naming the message; the cheap size check counts their text."""
-    from specdec_rt.spec.request_checks import check_prompt_size
+    from specdec_rt.request.checks import check_prompt_size
 
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]}]
     assert tiny_codec.encode_prompt(parts) == tiny_codec.encode_prompt([{"role": "user", "content": "Hello, world"}])

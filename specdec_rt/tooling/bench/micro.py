@@ -50,7 +50,7 @@ def weight_bytes(manifest) -> int:
 _MEMORY_PROBE = """
 import json, sys, anyio
 from specdec_rt.ort import OrtModel, OrtTargetVerifier, OrtDraftInferrer, use_global_thread_pool
-from specdec_rt.spec.scheduler import SpecDecScheduler
+from specdec_rt.speculation.scheduler import SpecDecScheduler
 from specdec_rt.tooling.bench.micro import rss_mb
 use_global_thread_pool(int(sys.argv[3]))
 folder, draft, n = sys.argv[1], sys.argv[2], 2048

@@ -14,8 +14,8 @@ from ...engine.factory import as_target, model_drafter, resolve_draft_spec
 from ...errors import InvalidInputError
 from ...ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
 from ...policy.config import SpecConfig
-from ...spec.protocols import DraftInferrer
-from ...spec.scheduler import SpecDecScheduler
+from ...speculation.protocols import DraftInferrer
+from ...speculation.scheduler import SpecDecScheduler
 from ...text.codec import TextCodec
 from ...types import Stats
 from ..prompt_files import label, read_prompt_file

@@ -24,7 +24,7 @@ from ..sampling.constraints import check_response_format
 from ..sampling.logprobs import check_top_logprobs
 from ..text.tools import check_tool_choice, checked_tools
 from ..types import Mode
-from .request_checks import check_length_options, check_stop
+from .checks import check_length_options, check_stop
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "RequestParams"]
 

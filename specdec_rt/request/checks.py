@@ -174,7 +174,7 @@ def tool_shape(
     prompt, tools, choice, stops: list[str], template: str | None
 ) -> tuple[list | None, str | None, tuple[dict, ...]]:
     """(the tools to render, a call grammar) from ``tools`` / ``choice`` (checked already, e.g.
-    by :class:`~specdec_rt.spec.params.RequestParams`; ``choice`` None resolved) for this
+    by :class:`~specdec_rt.request.params.RequestParams`; ``choice`` None resolved) for this
     prompt. With ``"none"`` the tools are still rendered where the ``template`` can (the model
     knows them, as OpenAI's does, and calls none); ``"required"`` / a named function: the call
     grammar, which no stop string may cut, and the ``parameters`` schemas it holds the call to

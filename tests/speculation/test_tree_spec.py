@@ -10,12 +10,12 @@ import anyio
 import numpy as np
 import pytest
 
-import specdec_rt.spec.adapters as adapters
+import specdec_rt.speculation.adapters as adapters
 from specdec_rt import ModelDrafter, ModelVerifier, SamplingParams, SpecConfig, SpecDecScheduler
 from specdec_rt.errors import InferenceError
 from specdec_rt.sampling import sample
 from specdec_rt.sampling.tree import DraftTree, tree_depth, tree_parents
-from specdec_rt.spec.scheduler import _checked
+from specdec_rt.speculation.scheduler import _checked
 from specdec_rt.testing import chi_square_pvalue, sequence_counts, sequence_distribution, toy_pair
 from specdec_rt.types import DraftToken, Verdict
 
@@ -196,8 +196,8 @@ def test_a_model_drafts_siblings_go_where_the_draft_is_least_sure():
     may add is the second depth's alternative, not the first depth's 1%-runner-up."""
     import anyio
 
-    from specdec_rt.spec.adapters import ModelDrafter
-    from specdec_rt.spec.context import RequestContext
+    from specdec_rt.speculation.adapters import ModelDrafter
+    from specdec_rt.speculation.context import RequestContext
     from specdec_rt.testing import ToyLM
 
     def row(probs: dict) -> np.ndarray:  # logits with these probabilities, the rest ~0

@@ -1,4 +1,4 @@
-"""Turn any :class:`~specdec_rt.spec.protocols.LanguageModel` into a drafter or a verifier.
+"""Turn any :class:`~specdec_rt.speculation.protocols.LanguageModel` into a drafter or a verifier.
 
 The KV bookkeeping of speculative decoding lives here, once, for every backend:
 

@@ -32,7 +32,7 @@ from .protocols import BatchCosts, DraftInferrer, TargetVerifier, check_implemen
 
 __all__ = ["SpecDecScheduler", "RequestStream"]
 
-log = get_logger("specdec_rt.spec.scheduler")
+log = get_logger("specdec_rt.speculation.scheduler")
 
 
 class SpecDecScheduler:

@@ -6,11 +6,11 @@ Two levels:
 * **Speculation level** (what ``SpecDecScheduler`` calls): a :class:`DraftInferrer` proposes k
   tokens for a request, a :class:`TargetVerifier` checks them in one target call and says what to
   emit. Both read the request's committed tokens (the *whole* context) from the
-  :class:`~specdec_rt.spec.context.RequestContext` and keep their per-request state in it, so one
+  :class:`~specdec_rt.speculation.context.RequestContext` and keep their per-request state in it, so one
   drafter/verifier instance serves many concurrent requests.
 * **Model level** (what a backend implements): a :class:`LanguageModel` starts one
   :class:`CacheSession` per request, a KV cache with ``extend`` / ``rollback`` / ``close``.
-  :class:`~specdec_rt.spec.adapters.ModelDrafter` and :class:`~specdec_rt.spec.adapters.ModelVerifier` turn
+  :class:`~specdec_rt.speculation.adapters.ModelDrafter` and :class:`~specdec_rt.speculation.adapters.ModelVerifier` turn
   any ``LanguageModel`` into a drafter or a verifier; a backend never implements speculation.
 
 What each side may rely on is declared here, never probed: a backend states what its model can do

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from specdec_rt import InvalidInputError, RequestParams, SamplingParams
-from specdec_rt.spec.params import FIELDS
-from specdec_rt.spec.request_checks import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from specdec_rt.request.checks import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from specdec_rt.request.params import FIELDS
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 
@@ -159,7 +159,7 @@ def test_logit_bias_is_copied_and_survives_replace():
 def test_with_mode_resolves_the_mode_without_checking_again(monkeypatch):
     """What an engine resolves ``mode=None`` to: equal to ``replace(mode=...)``, the checked
     values carried over (a large schema is not checked a second time), a bad mode refused."""
-    import specdec_rt.spec.params as params_module
+    import specdec_rt.request.params as params_module
 
     schema = {"type": "object", "properties": {"a": {"type": "string"}}}
     p = RequestParams(
