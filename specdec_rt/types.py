@@ -130,7 +130,7 @@ class Stats:
     finish_reason: FinishReason | None = None
 
     def observe_round(
-        self, drafted: int, accepted: int, emitted: int, t_draft: float, t_verify: float, ewma: float | None
+        self, drafted: int, accepted: int, emitted: int, *, t_draft: float, t_verify: float, ewma: float | None
     ) -> None:
         """Count one round that proposed ``drafted`` tokens and kept ``accepted`` of them."""
         if drafted:

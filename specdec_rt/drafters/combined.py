@@ -35,7 +35,7 @@ class CombinedDrafter(DraftInferrer):
         self.max_length = model.max_length
         self.used = {"ngram": 0, "model": 0}  # rounds served by each (all requests)
         self.needs_target_hidden = model.needs_target_hidden
-        self.cheap_drafts = True  # honours ctx.cheap_drafts: n-gram proposals only
+        self.cheap_drafts = True  # honours ctx.plan.cheap_drafts: n-gram proposals only
 
     def cached_prefix(self, tokens) -> int:
         """What the model drafter's prefix cache holds of ``tokens`` (its prefill is the rest)."""
@@ -45,13 +45,14 @@ class CombinedDrafter(DraftInferrer):
         st = ctx.state(self, _CombinedState)
         st.score(ctx.tokens, self.alpha)
         n_min = max(self.ngram.n_min, self.min_match)
-        if ctx.tree_nodes:  # a tree: its chain is propose's, plus where earlier matches went on differently
-            ngram = self.ngram.propose_tree(ctx.tokens, k, ctx.tree_nodes, n_min=n_min)
+        plan = ctx.plan
+        if plan.tree_nodes:  # a tree: its chain is propose's, plus where earlier matches went on differently
+            ngram = self.ngram.propose_tree(ctx.tokens, k, plan.tree_nodes, n_min=n_min)
         else:
             ngram = [DraftToken(int(t)) for t in self.ngram.propose(ctx.tokens, k, n_min=n_min)]
         chain = sum(d.parent is None for d in ngram)  # the proposal's chain comes first
-        # sharing a batch (ctx.cheap_drafts): the long n-gram match only, maybe none, never the model
-        if ctx.cheap_drafts or (chain >= min(self.min_tokens, k) and st.acceptance["ngram"] >= st.acceptance["model"]):
+        # sharing a batch (plan.cheap_drafts): the long n-gram match only, maybe none, never the model
+        if plan.cheap_drafts or (chain >= min(self.min_tokens, k) and st.acceptance["ngram"] >= st.acceptance["model"]):
             source, drafts = "ngram", ngram
         else:
             source, drafts = "model", list(await self.model.generate_draft(ctx, k))

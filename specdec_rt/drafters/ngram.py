@@ -103,8 +103,8 @@ class NgramDrafter(DraftInferrer):
         return out
 
     async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
-        if ctx.tree_nodes:
-            return self.propose_tree(ctx.tokens, k, ctx.tree_nodes)
+        if ctx.plan.tree_nodes:
+            return self.propose_tree(ctx.tokens, k, ctx.plan.tree_nodes)
         return [DraftToken(int(t)) for t in self.propose(ctx.tokens, k)]
 
     def release(self, ctx: RequestContext) -> None:

@@ -67,7 +67,7 @@ class ConfidenceRates:
 
 
 class ChainStop:
-    """One round's stopping rule, handed to the drafter as ``ctx.chain_stop``: call
+    """One round's stopping rule, handed to the drafter as ``ctx.plan.chain_stop``: call
     :meth:`more` with the confidence of every token proposed; stop drafting when it says so."""
 
     def __init__(self, rates: ConfidenceRates, acceptance: float, floor: float) -> None:

@@ -152,6 +152,7 @@ class RequestPolicy:
         at: int,
         drafted: int,
         accepted: int,
+        *,
         t_draft: float,
         t_verify: float,
         timed: bool = True,
@@ -169,7 +170,7 @@ class RequestPolicy:
         costs (the step loop measures the batched calls), only this request's tokens per second
         in that kind of round (:class:`BatchArms`). ``verified``: the drafts the verify call took
         (a tree's nodes; default ``drafted``, its depth). ``steps``: the draft model's steps
-        after its first call and their seconds (``RequestContext.draft_steps``), which measure a
+        after its first call and their seconds (``DraftPlan.draft_steps``), which measure a
         draft step in a round whose draft time as a whole does not (a first round, a probe, a
         catch-up)."""
         if alone and timed:  # a draft that first read what it missed (a probe, a catch-up): its verify

@@ -153,7 +153,7 @@ class ModelDrafter(_ModelUser, DraftInferrer):
         return self.model.cached_prefix(tokens)
 
     async def generate_draft(self, ctx: RequestContext, k: int) -> Sequence[DraftToken]:
-        """k autoregressive steps; with ``ctx.tree_nodes`` = n > 0, also n siblings of the chain's
+        """k autoregressive steps; with ``ctx.plan.tree_nodes`` = n > 0, also n siblings of the chain's
         tokens (a tree; free: the same logits), the most probable under the draft (EAGLE-2's
         rule, within the chain's siblings): a candidate y at depth i scores
         ``q_0(x_0) ... q_{i-1}(x_{i-1}) q_i(y)``, the draft's probability of reaching it, over the
@@ -165,7 +165,8 @@ class ModelDrafter(_ModelUser, DraftInferrer):
         drafts: list[DraftToken] = []
         candidates: list[tuple[float, int, int]] = []  # (draft probability of the node, depth, token)
         reach = 1.0  # draft probability of the chain so far
-        stop = ctx.chain_stop  # set: end the chain where the draft is unsure (confidence.py)
+        plan = ctx.plan  # this round's: tree nodes, chain stop; the steps' timing goes back in it
+        stop = plan.chain_stop  # set: end the chain where the draft is unsure (confidence.py)
         stepped = 0.0  # seconds of the steps after the first call, which reads what the draft missed
         for i in range(k):
             t = perf_counter()
@@ -179,21 +180,21 @@ class ModelDrafter(_ModelUser, DraftInferrer):
                 scores = biased(logits, ctx.params)  # [V] the logits the target's argmax will read
                 x = int(greedy_ids(scores))
                 drafts.append(DraftToken(x))  # deterministic: q is one-hot at x
-                q = _softmax(scores) if ctx.tree_nodes else None  # [V] only to rank siblings
+                q = _softmax(scores) if plan.tree_nodes else None  # [V] only to rank siblings
             else:
                 q = warp(logits, ctx.params)  # [V]
                 x = sample(q, ctx.rng)
                 drafts.append(DraftToken(x, q))
             if stop is not None and not stop.more(confidence(logits) if q is None else float(q[x])) and i + 1 < k:
                 break  # one more draft would cost more than it is likely to bring
-            if ctx.tree_nodes:
+            if plan.tree_nodes:
                 assert q is not None  # (computed for trees in both branches)
                 best = np.argpartition(q, -(SIBLING_RANKS + 1))[-(SIBLING_RANKS + 1) :]  # [ranks + 1]
                 candidates += [(reach * float(q[y]), i, int(y)) for y in best if y != x and q[y] > 0]
                 reach *= float(q[x])
             feed = np.array([x], dtype=np.int64)  # the last draft is never fed: it may be rejected
-        ctx.draft_steps = (max(len(drafts) - 1, 0), stepped)  # one draft per call
-        chosen = sorted(candidates, reverse=True)[: ctx.tree_nodes]
+        plan.draft_steps = (max(len(drafts) - 1, 0), stepped)  # one draft per call
+        chosen = sorted(candidates, reverse=True)[: plan.tree_nodes]
         return drafts + [DraftToken(y, parent=i - 1) for _, i, y in sorted(chosen, key=lambda c: c[1])]
 
 

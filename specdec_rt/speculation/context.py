@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
@@ -18,12 +20,30 @@ from ..sampling.logprobs import check_top_logprobs
 from ..sampling.penalties import penalized
 from ..types import FinishReason, Stats
 
-__all__ = ["RequestContext", "Scorer", "Scoring"]
+__all__ = ["DraftPlan", "RequestContext", "Scorer", "Scoring"]
 
 S = TypeVar("S")
 
 #: what :meth:`RequestContext.scoring` yields: the model's rows ``[n, V]`` in, the request's scores out
 Scorer = Callable[[np.ndarray], Awaitable[np.ndarray]]
+
+
+@dataclass
+class DraftPlan:
+    """What the scheduler asks of the drafter in one round (set as ``ctx.plan`` before its
+    ``generate_draft``), and what a model drafter reports back about its steps."""
+
+    #: nodes the drafter may add beside its chain (a draft tree; 0: a chain)
+    tree_nodes: int = 0
+    #: where a model drafter should stop its chain (confidence.py), or None
+    chain_stop: ChainStop | None = None
+    #: propose only what costs nothing to draft (n-gram matches): the request shares a batch,
+    #: or the draft model sits it out (see RequestPolicy)
+    cheap_drafts: bool = False
+    #: the draft model's single-token steps after its first call, and their seconds (set by model
+    #: drafters that time them; the first call may read a prompt or what the draft missed, so only
+    #: these measure a draft step alone)
+    draft_steps: tuple[int, float] = (0, 0.0)
 
 
 class RequestContext:
@@ -41,23 +61,18 @@ class RequestContext:
         max_new_tokens: int,
         params: SamplingParams | None = None,
         stop_ids: Iterable[int] = (),
+        *legacy: Any,
         max_length: int | None = None,
         rng: np.random.Generator | None = None,
         vocab_size: int | None = None,
         logprobs: int | None = None,
         constraint: Constraint | None = None,
     ) -> None:
-        prompt = np.asarray(list(prompt_ids) if not isinstance(prompt_ids, np.ndarray) else prompt_ids)
-        if prompt.ndim != 1 or prompt.size == 0:
-            raise InvalidInputError(f"prompt must be a non-empty sequence of token ids, got shape {prompt.shape}")
-        if not np.issubdtype(prompt.dtype, np.integer) or prompt.min() < 0:
-            raise InvalidInputError(f"prompt token ids must be non-negative integers, got {prompt[:8]!r}")
-        if vocab_size is not None and prompt.max() >= vocab_size:
-            bad = int(prompt[np.argmax(prompt >= vocab_size)])
-            raise InvalidInputError(
-                f"prompt token id {bad} is outside the model's vocabulary (ids 0..{vocab_size - 1}); "
-                "a tokenizer that does not match the model?"
+        if legacy:  # the form before the keywords: max_length, rng, vocab_size, logprobs, constraint
+            max_length, rng, vocab_size, logprobs, constraint = _legacy_args(
+                legacy, max_length=max_length, rng=rng, vocab_size=vocab_size, logprobs=logprobs, constraint=constraint
             )
+        prompt = _prompt_array(prompt_ids, vocab_size)
         check_int(max_new_tokens, "max_new_tokens", 1)
         if max_length is not None and prompt.size + max_new_tokens > max_length:
             raise ContextLengthError(
@@ -87,16 +102,46 @@ class RequestContext:
         self.finish_reason: FinishReason | None = None
         self.stats = Stats(prompt_tokens=self.prompt_len)
         self._state: dict[Any, Any] = {}
-        self.tree_nodes = 0  # set by the scheduler each round: nodes a drafter may add to its chain
-        #: this round, where a model drafter should stop its chain (confidence.py), or None
-        self.chain_stop: ChainStop | None = None
-        #: this round, drafters that can should propose only what costs nothing to draft (n-gram
-        #: matches): set by the scheduler when the request shares a batch (see RequestPolicy)
-        self.cheap_drafts = False
-        #: this round, the draft model's single-token steps after its first call, and their
-        #: seconds (set by model drafters that time them; the first call may read a prompt or
-        #: what the draft missed, so only these measure a draft step alone)
-        self.draft_steps: tuple[int, float] = (0, 0.0)
+        #: what the scheduler asks of the drafter in the round under way (a fresh plan each round)
+        self.plan = DraftPlan()
+
+    # The current round's plan, read and set through the context as well (drafters and tests
+    # written against these names): ``ctx.tree_nodes`` is ``ctx.plan.tree_nodes``, and so on.
+    @property
+    def tree_nodes(self) -> int:
+        """This round: nodes a drafter may add to its chain (``plan.tree_nodes``)."""
+        return self.plan.tree_nodes
+
+    @tree_nodes.setter
+    def tree_nodes(self, nodes: int) -> None:
+        self.plan.tree_nodes = nodes
+
+    @property
+    def chain_stop(self) -> ChainStop | None:
+        """This round: where a model drafter should stop its chain, or None (``plan.chain_stop``)."""
+        return self.plan.chain_stop
+
+    @chain_stop.setter
+    def chain_stop(self, stop: ChainStop | None) -> None:
+        self.plan.chain_stop = stop
+
+    @property
+    def cheap_drafts(self) -> bool:
+        """This round: propose only drafts that cost nothing (``plan.cheap_drafts``)."""
+        return self.plan.cheap_drafts
+
+    @cheap_drafts.setter
+    def cheap_drafts(self, cheap: bool) -> None:
+        self.plan.cheap_drafts = cheap
+
+    @property
+    def draft_steps(self) -> tuple[int, float]:
+        """This round: the draft model's steps after its first call, and their seconds (``plan.draft_steps``)."""
+        return self.plan.draft_steps
+
+    @draft_steps.setter
+    def draft_steps(self, steps: tuple[int, float]) -> None:
+        self.plan.draft_steps = steps
 
     @property
     def tokens(self) -> np.ndarray:
@@ -185,6 +230,41 @@ class RequestContext:
     def pop_state(self, owner: object) -> Any:
         """Remove and return ``owner``'s state (None if it never made any)."""
         return self._state.pop(owner, None)
+
+
+def _prompt_array(prompt_ids: Iterable[int], vocab_size: int | None) -> np.ndarray:
+    """The prompt as a 1-D integer array of the vocabulary's ids, else an InvalidInputError."""
+    prompt = np.asarray(list(prompt_ids) if not isinstance(prompt_ids, np.ndarray) else prompt_ids)
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise InvalidInputError(f"prompt must be a non-empty sequence of token ids, got shape {prompt.shape}")
+    if not np.issubdtype(prompt.dtype, np.integer) or prompt.min() < 0:
+        raise InvalidInputError(f"prompt token ids must be non-negative integers, got {prompt[:8]!r}")
+    if vocab_size is not None and prompt.max() >= vocab_size:
+        bad = int(prompt[np.argmax(prompt >= vocab_size)])
+        raise InvalidInputError(
+            f"prompt token id {bad} is outside the model's vocabulary (ids 0..{vocab_size - 1}); "
+            "a tokenizer that does not match the model?"
+        )
+    return prompt
+
+
+_LEGACY = ("max_length", "rng", "vocab_size", "logprobs", "constraint")
+
+
+def _legacy_args(legacy: tuple[Any, ...], **given: Any) -> tuple[Any, ...]:
+    """``RequestContext``'s arguments after ``stop_ids`` passed by position (deprecated: they are
+    keywords): the five in order, a keyword given too or a sixth is an InvalidInputError."""
+    if len(legacy) > len(_LEGACY):
+        raise InvalidInputError(f"RequestContext takes at most 4 positional arguments, got {4 + len(legacy)}")
+    twice = [name for name in _LEGACY[: len(legacy)] if given[name] is not None]
+    if twice:
+        raise InvalidInputError(f"RequestContext got {twice[0]} both by position and by keyword")
+    warnings.warn(
+        f"RequestContext: pass {', '.join(_LEGACY[: len(legacy)])} by keyword (positional use is deprecated)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return tuple(legacy) + tuple(given[name] for name in _LEGACY[len(legacy) :])
 
 
 class Scoring:

@@ -75,7 +75,7 @@ class DraftInferrer(Protocol):
 
     Declared attributes (their defaults hold for a drafter that sets nothing):
     ``max_length`` the longest sequence it can hold (``None``: no limit); ``cheap_drafts``: it can
-    propose drafts that cost nothing (n-gram matches) when ``ctx.cheap_drafts`` asks for them
+    propose drafts that cost nothing (n-gram matches) when ``ctx.plan.cheap_drafts`` asks for them
     only; ``needs_target_hidden``: it reads the target's hidden states (EAGLE), so the verifier
     must share them.
     """
@@ -85,7 +85,9 @@ class DraftInferrer(Protocol):
     needs_target_hidden: bool = False
 
     async def generate_draft(self, ctx: "RequestContext", k: int) -> Sequence[DraftToken]:
-        """Up to ``k`` tokens that continue ``ctx.tokens``; fewer (even none) is allowed."""
+        """Up to ``k`` tokens that continue ``ctx.tokens``; fewer (even none) is allowed.
+        ``ctx.plan`` (:class:`~specdec_rt.speculation.context.DraftPlan`) says what this round
+        asks beyond that: tree nodes, where to stop a chain, cheap drafts only."""
         ...
 
     def release(self, ctx: "RequestContext") -> None:

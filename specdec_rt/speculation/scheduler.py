@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass, field
 from time import perf_counter
-from typing import AsyncGenerator, Iterable, Sequence
+from typing import Any, AsyncGenerator, Iterable, Sequence
 
 import numpy as np
 
@@ -26,8 +27,8 @@ from ..sampling import SamplingParams, brief_repr
 from ..sampling.constraints import Constraint
 from ..sampling.logprobs import TokenLogprob
 from ..sampling.tree import chain_length, tree_depth, tree_parents
-from ..types import DraftToken, GenerationResult, Mode, Stats, TokenEvent, Verdict
-from .context import RequestContext
+from ..types import DraftToken, FallbackEvent, GenerationResult, Mode, Stats, TokenEvent, Verdict
+from .context import DraftPlan, RequestContext
 from .protocols import BatchCosts, DraftInferrer, TargetVerifier, check_implements
 
 __all__ = ["SpecDecScheduler", "RequestStream"]
@@ -139,13 +140,21 @@ class SpecDecScheduler:
             max_new_tokens,
             params,
             ends,
-            self.max_length,
-            rng,
-            self.verifier.vocab_size,
-            logprobs,
-            constraint,
+            max_length=self.max_length,
+            rng=rng,
+            vocab_size=self.verifier.vocab_size,
+            logprobs=logprobs,
+            constraint=constraint,
         )
         seeded = ctx.params.seed is not None and not ctx.params.greedy
+        tree = TreePolicy(self.tree_nodes if self.trees and mode == "spec" else 0, self.config.alpha)
+        rates = self.tree_rates if self.config.measure_costs and not seeded else None  # timings decide?
+        return RequestStream(self._loop(ctx, self._policy(ctx, mode, seeded), tree, rates), ctx)
+
+    def _policy(self, ctx: RequestContext, mode: Mode, seeded: bool) -> RequestPolicy:
+        """The request's policy: it starts from the shared acceptance EWMA and the measured costs,
+        or, ``seeded``, from the configured defaults with no timings (its output depends only on
+        its seed); the draft's prefill it prices is what the drafter's caches lack of the prompt."""
         ewma = (
             AcceptanceEWMA.start(self.config.alpha, self.config.initial_acceptance)
             if seeded
@@ -158,20 +167,18 @@ class SpecDecScheduler:
             mode,
             ewma,
             costs,
-            shared=self.shared_ewma,  # the draft's prefill:
+            shared=self.shared_ewma,
             prompt_tokens=ctx.prompt_len - (cached(ctx.tokens) if cached else 0),
-        )  # what it lacks
+        )
         policy.cheap_drafts = self.drafter is not None and self.drafter.cheap_drafts
-        tree = TreePolicy(self.tree_nodes if self.trees and mode == "spec" else 0, self.config.alpha)
-        rates = self.tree_rates if self.config.measure_costs and not seeded else None  # timings decide?
-        return RequestStream(self._loop(ctx, policy, tree, rates), ctx)
+        return policy
 
     async def run(
         self,
         prompt_ids: Sequence[int] | np.ndarray,
         max_new_tokens: int,
         params: SamplingParams | None = None,
-        **kwargs,
+        **kwargs: Any,
     ) -> GenerationResult:
         """The whole request: generated ids and stats (same arguments as :meth:`stream`)."""
         it = self.stream(prompt_ids, max_new_tokens, params, **kwargs)
@@ -183,100 +190,22 @@ class SpecDecScheduler:
     async def _loop(
         self, ctx: RequestContext, policy: RequestPolicy, tree: TreePolicy, rates: TreeRates | None
     ) -> AsyncGenerator[TokenEvent, None]:
-        stats, seen, drafted = ctx.stats, False, False  # rounds so far; any of them drafted with the model
-        stats.mode = policy.mode
-        t_start = perf_counter()
+        """The request's rounds, each one draft call and one verify call, until it is done."""
+        ctx.stats.mode = policy.mode
+        run = _Run(ctx, policy, tree, rates, started=perf_counter())
         self.running += 1
         try:
             if (switch := policy.start(ctx.max_new_tokens)) is not None:
-                stats.fallbacks.append(switch)  # the draft's prefill would cost more than it saves
+                ctx.stats.fallbacks.append(switch)  # the draft's prefill would cost more than it saves
             while not ctx.done:
-                # 1. choose: how many tokens to draft this round (0 = one plain target step), for
-                #    this request's acceptance and the batch its calls share with the others
-                batch = max(self.running, self._admitted())
-                k = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
-                ctx.cheap_drafts = policy.cheap  # only drafts that cost nothing (a batch, or no draft prefill)
-                k, ctx.tree_nodes = self._tree_shape(ctx, tree, policy, k, batch == 1 or rates is None, rates)
-                ctx.chain_stop = self._chain_stop(ctx, policy, k, batch)
-                # 2. draft: up to k proposals continuing the committed tokens (a tree: up to k deep)
-                t0, ctx.draft_steps = perf_counter(), (0, 0.0)
-                drafts: list[DraftToken] = []
-                if k:
-                    assert self.drafter is not None  # k > 0 in mode "spec" alone, which stream() checks has one
-                    drafts = _drafts_checked(await self.drafter.generate_draft(ctx, k), k + ctx.tree_nodes, ctx)
-                depth, chain = tree_depth(drafts), chain_length(drafts)
-                # 3. verify: one target call over len(drafts) + 1 positions (a tree: in one call too)
-                t1 = perf_counter()
-                verdict = _checked(
-                    await self.verifier.verify_and_accept(ctx, drafts), drafts, ctx.vocab_size, ctx.logprobs is not None
-                )
-                t2 = perf_counter()
-                # 4. commit: append what the target kept, cut at the budget and at a stop id
-                at = ctx.generated.size
-                new = ctx.commit(verdict.tokens)
-                # 5. observe: stats, acceptance EWMA, costs, next draft length, fallback (costs
-                #    leave out the prefills: the target's in the first round, a drafter's in its first)
-                timed = seen and (drafted or not drafts)
-                switch = policy.observe(
-                    at,
-                    depth,
-                    verdict.accepted,
-                    t1 - t0,
-                    t2 - t1,
-                    timed,
-                    alone=batch == 1 == max(self.running, self._admitted()),
-                    batch=batch,
-                    verified=len(drafts),
-                    steps=ctx.draft_steps,
-                )
-                stats.observe_round(
-                    depth,
-                    verdict.accepted,
-                    new.size,
-                    t1 - t0,
-                    t2 - t1,
-                    policy.ewma.value if drafts or stats.rounds else None,
-                )
-                if ctx.chain_stop is not None:
-                    ctx.chain_stop.observe(verdict.accepted)  # model drafts by confidence: accepted?
-                took_tree = any(i >= chain for i in verdict.path or ())  # the path left the main chain
-                stats.observe_tree(len(drafts) - chain, took_tree)
-                tree.observe(len(drafts) - chain, took_tree)
-                if rates is not None and timed and drafts and batch == 1:  # realized speed, alone
-                    rates.observe(len(drafts) > chain, new.size, t2 - t0)
-                # (free drafts read no prompt: the model's first round still prefills, untimed)
-                seen, drafted = True, drafted or (bool(drafts) and not policy.cheap)
+                rnd = self.choose(run)  # 1. choose k: how many tokens to draft (0: a plain target step)
+                await self.draft(ctx, rnd)  # 2. draft k: proposals continuing the committed tokens
+                await self.verify(ctx, rnd)  # 3. verify once: one target call over the drafts + 1 position
+                self.accept(ctx, rnd)  # 4. accept: commit what rejection sampling kept, and the target's token
+                switch = self.observe(run, rnd)  # 5. update the acceptance tracker (and costs, stats)
                 if switch is not None:
-                    stats.fallbacks.append(switch)
-                    log.info(
-                        "speculation.switch",
-                        to=switch.to,
-                        reason=switch.reason,
-                        at=switch.at,
-                        ewma=round(switch.ewma, 3),
-                    )
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug(
-                        "round",
-                        k=depth,
-                        nodes=len(drafts),
-                        accepted=verdict.accepted,
-                        emitted=new.size,
-                        ewma=round(policy.ewma.value, 3),
-                        t_draft=t1 - t0,
-                        t_verify=t2 - t1,
-                    )
-                # 6. emit: these tokens are final
-                if stats.time_to_first_token is None:
-                    stats.time_to_first_token = perf_counter() - t_start
-                yield TokenEvent(
-                    tuple(new.tolist()),
-                    at,
-                    depth,
-                    verdict.accepted,
-                    ctx.finish_reason,
-                    verdict.logprobs[: new.size] if ctx.logprobs is not None and verdict.logprobs is not None else None,
-                )  # (_checked)
+                    self.fall_back(ctx.stats, switch)  # 6. fall back when acceptance stays low (or resume)
+                yield self.emit(run, rnd)  # 7. emit: these tokens are final
         except SpecDecError:
             ctx.finish_reason = "error"
             raise
@@ -288,43 +217,166 @@ class SpecDecScheduler:
             raise
         finally:
             self.running -= 1
-            policy.close()  # a round cut short is not measured
-            stats.finish_reason = ctx.finish_reason
-            stats.time_total = perf_counter() - t_start
-            self.totals.merge(stats)
-            if self.drafter is not None:
-                self.drafter.release(ctx)
-            self.verifier.release(ctx)
-            log.info(
-                "request.end",
-                mode=stats.mode,
-                new_tokens=stats.new_tokens,
-                finish=stats.finish_reason,
-                acceptance=round(stats.acceptance_rate, 3),
-                tokens_per_s=round(stats.tokens_per_s, 2),
-            )
+            self._finish(run)
 
-    def _chain_stop(self, ctx: RequestContext, policy: RequestPolicy, k: int, batch: int) -> ChainStop | None:
+    def choose(self, run: _Run) -> Round:
+        """Step 1: the round's draft length for this request's acceptance and the batch its
+        calls share with the others, its shape (a chain, or a tree), and where a chain stops."""
+        ctx, policy = run.ctx, run.policy
+        batch = max(self.running, self._admitted())
+        k = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
+        alone = batch == 1 or run.rates is None
+        depth, nodes = self._tree_shape(ctx, run.tree, policy, k, alone=alone, rates=run.rates)
+        plan = DraftPlan(
+            tree_nodes=nodes,
+            chain_stop=self._chain_stop(ctx, policy, depth=depth, nodes=nodes, batch=batch),
+            cheap_drafts=policy.cheap,  # only drafts that cost nothing (a batch, or no draft prefill)
+        )
+        return Round(k=depth, batch=batch, plan=plan)
+
+    async def draft(self, ctx: RequestContext, rnd: Round) -> None:
+        """Step 2: up to ``k`` proposals continuing the committed tokens (a tree: up to ``k`` deep,
+        plus its nodes), from the drafter the round's plan is handed to as ``ctx.plan``."""
+        rnd.started = perf_counter()
+        ctx.plan = rnd.plan
+        if rnd.k:
+            assert self.drafter is not None  # k > 0 in mode "spec" alone, which stream() checks has one
+            proposed = await self.drafter.generate_draft(ctx, rnd.k)
+            rnd.drafts = _drafts_checked(proposed, rnd.k + rnd.plan.tree_nodes, ctx)
+        rnd.depth, rnd.chain = tree_depth(rnd.drafts), chain_length(rnd.drafts)
+        rnd.drafted = perf_counter()
+
+    async def verify(self, ctx: RequestContext, rnd: Round) -> None:
+        """Step 3: one target call over the drafts plus one position (a tree: in one call too);
+        the verifier accepts a prefix of them by rejection sampling and adds one target token."""
+        verdict = await self.verifier.verify_and_accept(ctx, rnd.drafts)
+        rnd.verdict = _checked(verdict, rnd.drafts, ctx.vocab_size, ctx.logprobs is not None)
+        rnd.verified = perf_counter()
+
+    def accept(self, ctx: RequestContext, rnd: Round) -> None:
+        """Step 4: commit what the target kept, cut at the budget and at a stop id."""
+        rnd.at = ctx.generated.size
+        rnd.emitted = ctx.commit(rnd.outcome.tokens)
+
+    def observe(self, run: _Run, rnd: Round) -> FallbackEvent | None:
+        """Step 5: the round feeds the request's policy (acceptance EWMA, costs, next draft
+        length), its stats, the chain-stop and tree rates; returns the mode switch it caused."""
+        policy, stats, accepted = run.policy, run.ctx.stats, rnd.outcome.accepted
+        # costs leave out the prefills: the target's in the first round, a drafter's in its first
+        timed = run.seen and (run.model_drafted or not rnd.drafts)
+        switch = policy.observe(
+            rnd.at,
+            rnd.depth,
+            accepted,
+            t_draft=rnd.draft_s,
+            t_verify=rnd.verify_s,
+            timed=timed,
+            alone=rnd.batch == 1 == max(self.running, self._admitted()),
+            batch=rnd.batch,
+            verified=len(rnd.drafts),
+            steps=rnd.plan.draft_steps,
+        )
+        ewma = policy.ewma.value if rnd.drafts or stats.rounds else None
+        stats.observe_round(
+            rnd.depth, accepted, rnd.emitted.size, t_draft=rnd.draft_s, t_verify=rnd.verify_s, ewma=ewma
+        )
+        if rnd.plan.chain_stop is not None:
+            rnd.plan.chain_stop.observe(accepted)  # model drafts by confidence: accepted?
+        nodes = len(rnd.drafts) - rnd.chain
+        took_tree = any(i >= rnd.chain for i in rnd.outcome.path or ())  # the path left the main chain
+        stats.observe_tree(nodes, took_tree)
+        run.tree.observe(nodes, took_tree)
+        if run.rates is not None and timed and rnd.drafts and rnd.batch == 1:  # realized speed, alone
+            run.rates.observe(nodes > 0, rnd.emitted.size, rnd.verified - rnd.started)
+        # (free drafts read no prompt: the model's first round still prefills, untimed)
+        run.seen, run.model_drafted = True, run.model_drafted or (bool(rnd.drafts) and not policy.cheap)
+        return switch
+
+    def fall_back(self, stats: Stats, switch: FallbackEvent) -> None:
+        """Step 6: record a switch the policy made: to plain decoding when acceptance stayed low
+        (or speculation would not pay), back to speculation when a probe found it pays again."""
+        stats.fallbacks.append(switch)
+        log.info("speculation.switch", to=switch.to, reason=switch.reason, at=switch.at, ewma=round(switch.ewma, 3))
+
+    def emit(self, run: _Run, rnd: Round) -> TokenEvent:
+        """Step 7: the round's committed tokens as an event (the first sets the time to first token)."""
+        ctx, verdict = run.ctx, rnd.outcome
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "round",
+                k=rnd.depth,
+                nodes=len(rnd.drafts),
+                accepted=verdict.accepted,
+                emitted=rnd.emitted.size,
+                ewma=round(run.policy.ewma.value, 3),
+                t_draft=rnd.draft_s,
+                t_verify=rnd.verify_s,
+            )
+        if ctx.stats.time_to_first_token is None:
+            ctx.stats.time_to_first_token = perf_counter() - run.started
+        logprobs = verdict.logprobs if ctx.logprobs is not None else None  # (_checked: one a token)
+        return TokenEvent(
+            token_ids=tuple(rnd.emitted.tolist()),
+            index=rnd.at,
+            drafted=rnd.depth,
+            accepted=verdict.accepted,
+            finished=ctx.finish_reason,
+            logprobs=logprobs[: rnd.emitted.size] if logprobs is not None else None,
+        )
+
+    def _finish(self, run: _Run) -> None:
+        """The request ended, however it ended: its stats into the totals, its model state released
+        (a round cut short is not measured)."""
+        ctx, stats = run.ctx, run.ctx.stats
+        run.policy.close()
+        stats.finish_reason = ctx.finish_reason
+        stats.time_total = perf_counter() - run.started
+        self.totals.merge(stats)
+        if self.drafter is not None:
+            self.drafter.release(ctx)
+        self.verifier.release(ctx)
+        log.info(
+            "request.end",
+            mode=stats.mode,
+            new_tokens=stats.new_tokens,
+            finish=stats.finish_reason,
+            acceptance=round(stats.acceptance_rate, 3),
+            tokens_per_s=round(stats.tokens_per_s, 2),
+        )
+
+    def _chain_stop(
+        self, ctx: RequestContext, policy: RequestPolicy, *, depth: int, nodes: int, batch: int
+    ) -> ChainStop | None:
         """A request alone that drafts a chain with the draft model stops it where one more draft
         would not pay at the rates measured for its confidences (confidence.py). Not in a batch
         (its costs are the batch's), not in trees, probes or cheap rounds, and not for a seeded
         sampled request (its schedule must not depend on other requests)."""
         if (
             not self.config.confidence_stop
-            or k < 2
+            or depth < 2
             or batch > 1
-            or ctx.tree_nodes
+            or nodes
             or policy.cheap
             or not policy.speculating
             or (ctx.params.seed is not None and not ctx.params.greedy)
         ):
             return None
-        d, s = policy.costs.relative()
-        a = policy.ewma.value
-        return ChainStop(self.confidence_rates, a, (d + s) * policy.costs.speedup(a, k) / max(a, 1e-3))
+        draft_cost, verify_cost = policy.costs.relative()
+        acceptance = policy.ewma.value
+        speedup = policy.costs.speedup(acceptance, depth)
+        return ChainStop(
+            self.confidence_rates, acceptance, (draft_cost + verify_cost) * speedup / max(acceptance, 1e-3)
+        )
 
     def _tree_shape(
-        self, ctx: RequestContext, tree: TreePolicy, policy: RequestPolicy, k: int, alone: bool, rates: TreeRates | None
+        self,
+        ctx: RequestContext,
+        tree: TreePolicy,
+        policy: RequestPolicy,
+        k: int,
+        *,
+        alone: bool,
+        rates: TreeRates | None,
     ) -> tuple[int, int]:
         """``(depth, nodes)`` for a round the policy gave ``k`` drafts: the chain, or a tree of
         ``nodes`` beyond a main chain of ``depth <= k``, the depth whose tree the cost model
@@ -332,13 +384,63 @@ class SpecDecScheduler:
         beside a shorter one), within the room the models have left."""
         if not k or not tree.max_nodes:  # trees off (the default): no cost estimates per round
             return k, 0
-        c, a, n, h = policy.costs, policy.ewma.value, tree.max_nodes, tree.hit_rate
-        rated = {j: c.speedup(a, j, nodes=n, hit_rate=h) for j in range(1, k + 1)}  # a tree on depth j
+        costs, acceptance = policy.costs, policy.ewma.value
+        rated = {  # a tree on depth j
+            j: costs.speedup(acceptance, j, nodes=tree.max_nodes, hit_rate=tree.hit_rate) for j in range(1, k + 1)
+        }
         depth = max(rated, key=rated.__getitem__)
-        nodes = tree.nodes(alone, rated[depth] > c.speedup(a, k), rates)
+        nodes = tree.nodes(alone, rated[depth] > costs.speedup(acceptance, k), rates)
         room = self.max_length - ctx.tokens.size - depth if self.max_length else nodes
         nodes = max(0, min(nodes, room))
         return (depth, nodes) if nodes else (k, 0)
+
+
+@dataclass
+class _Run:
+    """One request's way through the loop: what lasts across its rounds besides its context."""
+
+    ctx: RequestContext
+    policy: RequestPolicy
+    tree: TreePolicy
+    rates: TreeRates | None  # the realized speed of tree and chain rounds, when timings decide
+    started: float  # perf_counter() when the request's first round began
+    seen: bool = False  # a round ran (the first includes the target's prefill)
+    model_drafted: bool = False  # a round drafted with the draft model (the first includes its prefill)
+
+
+@dataclass
+class Round:
+    """One round of :meth:`SpecDecScheduler._loop`: what was asked, drafted, verified and
+    committed, and when each step ended (``perf_counter()`` seconds)."""
+
+    k: int  # drafts asked for (a tree's depth); 0: one plain target step
+    batch: int  # requests sharing the model calls when k was chosen
+    plan: DraftPlan  # what the drafter was asked (tree nodes, chain stop, cheap drafts), its steps
+    drafts: list[DraftToken] = field(default_factory=list)  # the chain first, then a tree's nodes
+    depth: int = 0  # the drafts' depth (a chain: their number)
+    chain: int = 0  # drafts in the main chain
+    verdict: Verdict | None = None  # what the target kept, and its token
+    at: int = 0  # generated tokens before this round's
+    emitted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # what it committed
+    started: float = 0.0  # the draft step began
+    drafted: float = 0.0  # the draft step ended, the verify began
+    verified: float = 0.0  # the verify ended
+
+    @property
+    def outcome(self) -> Verdict:
+        """The verdict (once verified)."""
+        assert self.verdict is not None, "the round is not verified yet"
+        return self.verdict
+
+    @property
+    def draft_s(self) -> float:
+        """Seconds the draft step took."""
+        return self.drafted - self.started
+
+    @property
+    def verify_s(self) -> float:
+        """Seconds the verify step took."""
+        return self.verified - self.drafted
 
 
 class RequestStream:

@@ -65,7 +65,7 @@ def test_free_drafts_with_good_acceptance_are_verified_in_the_batch_call():
     p = _policy(_costs(draft_step=0.035), acceptance=0.7, cheap_drafts=True, cheap=0.9)
     assert p.draft_length(48, batch=8) > 0 and p.cheap
     for _ in range(30):
-        p.observe(0, 3, 0, 0.0, 0.04, alone=False)
+        p.observe(0, 3, 0, t_draft=0.0, t_verify=0.04, alone=False)
     assert p.cheap_ewma.value < 0.3 and p.ewma.value == pytest.approx(0.7)
     assert p.draft_length(48, batch=8) == 0
 
@@ -127,10 +127,10 @@ def test_model_drafts_that_did_not_pay_in_a_batch_stop():
         k = p.draft_length(48, batch=8, at=at)
         kinds.append(k > 0)
         if k:  # each model-draft round took 3 plain steps' time for 2 tokens
-            p.observe(at, k, 1, 0.066, 0.066, alone=False, batch=8)
+            p.observe(at, k, 1, t_draft=0.066, t_verify=0.066, alone=False, batch=8)
             at += 2
         else:
-            p.observe(at, 0, 0, 0.0, 0.044, alone=False, batch=8)
+            p.observe(at, 0, 0, t_draft=0.0, t_verify=0.044, alone=False, batch=8)
             at += 1
     assert kinds[0] and not any(kinds[-8:])
     assert p.costs.batch_arms[8].plain > p.costs.batch_arms[8].drafts
@@ -140,14 +140,14 @@ def test_a_round_that_first_fed_the_draft_what_it_missed_is_not_measured():
     p = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
     p._drafted_at = -40  # the draft lacks a 40-token prompt: this round's time is mostly catching up
     assert p.draft_length(400, batch=8, at=10) > 0
-    p.observe(10, 3, 3, 0.2, 0.066, alone=False, batch=8)
+    p.observe(10, 3, 3, t_draft=0.2, t_verify=0.066, alone=False, batch=8)
     assert 8 not in p.costs.batch_arms  # catching up is priced apart (catchup_pays_batch)
     assert p.draft_length(400, batch=8, at=14) > 0  # caught up: this round counts
-    p.observe(14, 3, 3, 0.006, 0.066, alone=False, batch=8)
+    p.observe(14, 3, 3, t_draft=0.006, t_verify=0.066, alone=False, batch=8)
     assert p.costs.batch_arms[8].draft_rates == [pytest.approx(4 / 0.072)]
     first = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
     assert first.draft_length(400, batch=8) > 0
-    first.observe(0, 3, 0, 0.3, 0.066, timed=False, alone=False, batch=8)  # with the prompt's prefills
+    first.observe(0, 3, 0, t_draft=0.3, t_verify=0.066, timed=False, alone=False, batch=8)  # with the prompt's prefills
     assert 8 not in first.costs.batch_arms
 
 
@@ -185,8 +185,8 @@ def _measured_arms(plain: float, drafts: float, batch: int = 4) -> RequestPolicy
 
     for i in range(ARM_MIN_SAMPLES):
         p._drafted_at = 10 + 4 * i
-        p.observe(10 + 4 * i, 0, 0, 0.0, 1.0 / plain, alone=False, batch=batch)
-        p.observe(11 + 4 * i, 3, 2, 0.01, 3.0 / drafts - 0.01, alone=False, batch=batch)
+        p.observe(10 + 4 * i, 0, 0, t_draft=0.0, t_verify=1.0 / plain, alone=False, batch=batch)
+        p.observe(11 + 4 * i, 3, 2, t_draft=0.01, t_verify=3.0 / drafts - 0.01, alone=False, batch=batch)
     return p
 
 
@@ -361,29 +361,31 @@ def test_only_rounds_that_no_other_kind_of_round_overlapped_are_measured():
     p._drafted_at = q._drafted_at = 10
     costs.batch_arms[4] = arms = BatchArms(probing=1, probe_drafts=False)  # the next decision: plain
     assert q.draft_length(48, batch=4, at=10) == 0 and p.draft_length(48, batch=4, at=10) > 0
-    q.observe(10, 0, 0, 0.0, 0.02, alone=False, batch=4)
-    p.observe(10, 3, 2, 0.01, 0.02, alone=False, batch=4)
+    q.observe(10, 0, 0, t_draft=0.0, t_verify=0.02, alone=False, batch=4)
+    p.observe(10, 3, 2, t_draft=0.01, t_verify=0.02, alone=False, batch=4)
     assert not arms.plain_rates and not arms.draft_rates
     assert p.draft_length(48, batch=4, at=13) > 0
-    p.observe(13, 3, 2, 0.01, 0.02, alone=False, batch=4)
+    p.observe(13, 3, 2, t_draft=0.01, t_verify=0.02, alone=False, batch=4)
     assert arms.draft_rates == [pytest.approx(3 / 0.03)]
 
 
 def test_arms_are_per_batch_size_and_untouched_by_the_prompt_round_and_catch_up():
     p = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
-    p.observe(0, 0, 0, 0.0, 0.5, timed=False, alone=False, batch=4)  # the prompt's round
+    p.observe(0, 0, 0, t_draft=0.0, t_verify=0.5, timed=False, alone=False, batch=4)  # the prompt's round
     assert 4 not in p.costs.batch_arms
     p._drafted_at = -40  # the draft lacks 40 tokens: its next round is a catch-up
     assert p.draft_length(400, batch=4, at=10) > 0
-    p.observe(10, 3, 3, 0.2, 0.066, alone=False, batch=4)
+    p.observe(10, 3, 3, t_draft=0.2, t_verify=0.066, alone=False, batch=4)
     assert 4 not in p.costs.batch_arms
-    p.observe(14, 0, 0, 0.0, 0.03, alone=False, batch=4)
+    p.observe(14, 0, 0, t_draft=0.0, t_verify=0.03, alone=False, batch=4)
     assert p.costs.batch_arms[4].plain_rates == [pytest.approx(1 / 0.03)] and 8 not in p.costs.batch_arms
     never = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
-    never.observe(5, 0, 0, 0.0, 0.03, timed=False, alone=False, batch=2)  # it never drafted: plain rounds count
+    never.observe(
+        5, 0, 0, t_draft=0.0, t_verify=0.03, timed=False, alone=False, batch=2
+    )  # it never drafted: plain rounds count
     assert never.costs.batch_arms[2].plain_rates == [pytest.approx(1 / 0.03)]
     alone = _policy(_costs(draft_step=0.002), acceptance=0.8, cheap_drafts=False)
-    alone.observe(14, 0, 0, 0.0, 0.03)  # a request alone has no arms: its costs are its own
+    alone.observe(14, 0, 0, t_draft=0.0, t_verify=0.03)  # a request alone has no arms: its costs are its own
     assert not alone.costs.batch_arms
 
 
@@ -396,10 +398,10 @@ def test_plain_requests_in_the_batch_spoil_no_measurement():
     p._drafted_at = 10
     assert ar.draft_length(48, batch=2, at=0) == 0  # the ar row's prompt round
     assert p.draft_length(48, batch=2, at=10) > 0
-    p.observe(10, 3, 2, 0.01, 0.02, alone=False, batch=2)
-    ar.observe(0, 0, 0, 0.0, 0.1, timed=False, alone=False, batch=2)
+    p.observe(10, 3, 2, t_draft=0.01, t_verify=0.02, alone=False, batch=2)
+    ar.observe(0, 0, 0, t_draft=0.0, t_verify=0.1, timed=False, alone=False, batch=2)
     assert 2 not in costs.batch_arms  # overlapped a prefill
     assert ar.draft_length(48, batch=2, at=1) == 0 and p.draft_length(48, batch=2, at=13) > 0
-    p.observe(13, 3, 2, 0.01, 0.02, alone=False, batch=2)
-    ar.observe(1, 0, 0, 0.0, 0.02, alone=False, batch=2)
+    p.observe(13, 3, 2, t_draft=0.01, t_verify=0.02, alone=False, batch=2)
+    ar.observe(1, 0, 0, t_draft=0.0, t_verify=0.02, alone=False, batch=2)
     assert costs.batch_arms[2].draft_rates == [pytest.approx(3 / 0.03)] and not costs.batch_arms[2].plain_rates

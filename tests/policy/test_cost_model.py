@@ -84,15 +84,15 @@ def test_a_probe_that_first_catches_up_feeds_its_verify_not_its_draft_time():
     policy.speculating, policy._drafted_at = False, 0  # fell back at token 0
     for at in range(config.probe_every):
         assert policy.draft_length(100, 1, at + 1) == 0
-        policy.observe(at + 1, 0, 0, 0.0, 0.024)
+        policy.observe(at + 1, 0, 0, t_draft=0.0, t_verify=0.024)
     at = config.probe_every + 1
     k = policy.draft_length(100, 1, at)
     assert k >= config.k_init
-    policy.observe(at, k, k, k * 0.011 + 0.060, 0.030)  # the draft read 17 tokens first: +60 ms
+    policy.observe(at, k, k, t_draft=k * 0.011 + 0.060, t_verify=0.030)  # the draft read 17 tokens first: +60 ms
     assert costs.draft_token_s == pytest.approx(0.011) and costs.verify_s[k] == pytest.approx(0.030)
     assert policy.speculating  # resumed: the probe's drafts were all accepted and pay
     k = policy.draft_length(100, 1, at + k + 1)
-    policy.observe(at + k + 1, k, k, k * 0.013, 0.030)  # caught up: a draft cost again
+    policy.observe(at + k + 1, k, k, t_draft=k * 0.013, t_verify=0.030)  # caught up: a draft cost again
     assert costs.draft_token_s > 0.011
 
 
@@ -104,7 +104,7 @@ def _fell_back_for_cost(config: SpecConfig, draft_s: float) -> tuple[RequestPoli
     policy.speculating, policy._drafted_at = False, 0
     for at in range(config.probe_every):
         assert policy.draft_length(100, 1, at + 1) == 0
-        policy.observe(at + 1, 0, 0, 0.0, 0.024)
+        policy.observe(at + 1, 0, 0, t_draft=0.0, t_verify=0.024)
     return policy, costs
 
 
@@ -122,13 +122,13 @@ def test_a_probe_remeasures_the_draft_steps_that_a_slow_moment_priced_too_high()
     k = policy.draft_length(100, 1, at)
     assert k >= 2
     steps = (k - 1, (k - 1) * 0.010)  # the steps after the catch-up call: 10 ms each
-    policy.observe(at, k, k, 0.060 + steps[1], 0.030, steps=steps)
+    policy.observe(at, k, k, t_draft=0.060 + steps[1], t_verify=0.030, steps=steps)
     assert costs.draft_token_s == pytest.approx(0.010)
     assert policy.speculating  # resumed
     # without the steps' times (a drafter that does not time them) the probe cannot tell
     policy, costs = _fell_back_for_cost(config, 0.022)
     k = policy.draft_length(100, 1, at)
-    policy.observe(at, k, k, 0.060 + (k - 1) * 0.010, 0.030)
+    policy.observe(at, k, k, t_draft=0.060 + (k - 1) * 0.010, t_verify=0.030)
     assert costs.draft_token_s == pytest.approx(0.022) and not policy.speculating
 
 
@@ -144,11 +144,11 @@ def test_a_probe_refreshes_the_level_of_every_verify_cost_and_keeps_their_shape(
     assert policy.best_k()[1] < config.resume_speedup
     for at in range(config.probe_every):
         policy.draft_length(100, 1, at + 1)
-        policy.observe(at + 1, 0, 0, 0.0, 0.024)
+        policy.observe(at + 1, 0, 0, t_draft=0.0, t_verify=0.024)
     at = config.probe_every + 1
     k = policy.draft_length(100, 1, at)
     true = 0.024 + 0.0015 * k  # what a verify of k drafts costs now
-    policy.observe(at, k, k, 0.060 + (k - 1) * 0.010, true, steps=(k - 1, (k - 1) * 0.010))
+    policy.observe(at, k, k, t_draft=0.060 + (k - 1) * 0.010, t_verify=true, steps=(k - 1, (k - 1) * 0.010))
     assert costs.verify_s[k] == pytest.approx(true) and costs.verify_s[0] == pytest.approx(0.024)
     others = [j for j in stale if j and j != k]
     ratios = {j: costs.verify_s[j] / stale[j] for j in others}
@@ -172,10 +172,10 @@ def test_a_request_that_always_drafts_re_measures_the_plain_step_now_and_then():
         k = policy.draft_length(10_000, 1, at)
         if k == 0:
             plain.append(at)
-            policy.observe(at, 0, 0, 0.0, 0.026)  # the machine is slower now
+            policy.observe(at, 0, 0, t_draft=0.0, t_verify=0.026)  # the machine is slower now
             at += 1
         else:
-            policy.observe(at, k, k, k * 0.013, 0.033 + 0.002 * (k - 4))
+            policy.observe(at, k, k, t_draft=k * 0.013, t_verify=0.033 + 0.002 * (k - 4))
             at += k + 1
     assert len(plain) == 2  # one plain round in PLAIN_REFRESH_EVERY + 1
     assert costs.verify_s[0] == pytest.approx(0.026, rel=0.01)  # not 0.0191 + 10% of the gap
@@ -206,6 +206,6 @@ def test_a_tree_round_is_measured_by_the_nodes_its_verify_took():
     config = SpecConfig()
     costs = CostModel(config, draft_token_s=0.02, verify_s={0: 0.2})
     policy = RequestPolicy(config, "spec", AcceptanceEWMA.start(0.1, 0.8, prior_weight=100.0), costs)
-    policy.observe(1, 3, 2, 3 * 0.02, 0.33, verified=6)  # 3 deep, 6 nodes: 7 positions
+    policy.observe(1, 3, 2, t_draft=3 * 0.02, t_verify=0.33, verified=6)  # 3 deep, 6 nodes: 7 positions
     assert set(costs.verify_s) == {0, 6} and costs.verify_s[6] == pytest.approx(0.33)
     assert costs.draft_token_s == pytest.approx(0.02)  # per depth: the alternatives came with the chain

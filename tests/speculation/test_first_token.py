@@ -144,13 +144,13 @@ def test_the_deferred_prefill_is_the_model_drafts_first_round_not_a_catch_up():
     # alone: a stale plain step would make that round plain, and then the prompt a catch-up
     p = _policy(_costs(draft_prefill_s=0.0035, since_plain=100), 30)
     assert p.draft_length(64) == 0 and not p.cheap
-    p.observe(0, 0, 0, 0.0, 0.3, timed=False)
+    p.observe(0, 0, 0, t_draft=0.0, t_verify=0.3, timed=False)
     assert p.draft_length(63, at=1) > 0  # the draft reads the prompt and drafts now
     assert p.draft_length(62, at=2) == 0  # (the next round re-measures the plain step)
     # in a batch: unmeasured catch-up costs would call 400 missed tokens "behind"
     q = _policy(_costs(), 400, cheap_drafts=True)
     assert q.draft_length(64, batch=8) > 0 and q.cheap  # free drafts in the prefill's call
-    q.observe(0, 2, 0, 0.0, 0.3, timed=False, alone=False, batch=8)
+    q.observe(0, 2, 0, t_draft=0.0, t_verify=0.3, timed=False, alone=False, batch=8)
     assert q.draft_length(63, batch=8, at=1) > 0 and not q.cheap
 
 
@@ -158,11 +158,13 @@ def test_the_deferred_prefill_is_measured_as_a_prefill_of_what_the_draft_read():
     costs = _costs()
     p = _policy(costs, 40)
     assert p.draft_length(64) == 0
-    p.observe(0, 0, 0, 0.0, 0.3, timed=False)
+    p.observe(0, 0, 0, t_draft=0.0, t_verify=0.3, timed=False)
     k = p.draft_length(63, at=1)
     assert k > 1
     steps = (k - 1, 0.012 * (k - 1))
-    p.observe(1, k, k, 0.2 + steps[1], 0.03, timed=False, steps=steps)  # read 41 tokens, then k - 1 steps
+    p.observe(
+        1, k, k, t_draft=0.2 + steps[1], t_verify=0.03, timed=False, steps=steps
+    )  # read 41 tokens, then k - 1 steps
     assert costs.prefill_samples == [pytest.approx(0.2 / 41)]
     assert costs.verify_s == {0: 0.025, 4: 0.030}  # an untimed round: no verify or step measured as usual
 

@@ -16,12 +16,14 @@ from specdec_rt import (
     InvalidInputError,
     ModelDrafter,
     ModelVerifier,
+    RequestContext,
     SamplingParams,
     SpecConfig,
     SpecDecScheduler,
     TargetVerifier,
     Verdict,
 )
+from specdec_rt.drafters import NgramDrafter
 from specdec_rt.testing import FaultyModel, ToyLM, check_greedy_lossless, toy_pair, toy_scheduler
 
 STATIC = SpecConfig(measure_costs=False)  # toy models: costs from config, not from timing
@@ -329,12 +331,12 @@ def test_a_drafter_with_free_drafts_keeps_speculating_with_those_when_the_prefil
     assert event is not None and event.reason == "prefill_free_drafts" and event.to == "spec"
     k = p.draft_length(64)
     assert k > 0 and p.cheap  # free drafts only: the drafter never calls its model
-    p.observe(0, k, k, 0.0001, 0.03, timed=False)  # its first round read no prompt: no prefill sample
-    p.observe(1, k, k, 0.0001, 0.03)  # a free round alone: its verify is measured, not its draft cost
+    p.observe(0, k, k, t_draft=0.0001, t_verify=0.03, timed=False)  # its first round read no prompt: no prefill sample
+    p.observe(1, k, k, t_draft=0.0001, t_verify=0.03)  # a free round alone: its verify is measured, not its draft cost
     assert costs.draft_token_s == 0.012 and costs.draft_prefill_s == 0.0035 and not costs.prefill_samples
     for i in range(30):  # matches that keep missing: their own acceptance says stop
         k = p.draft_length(60)
-        p.observe(i + 1, k, 0, 0.0, 0.03)
+        p.observe(i + 1, k, 0, t_draft=0.0, t_verify=0.03)
     assert p.draft_length(50) == 0 and not p.cheap and p.speculating and p.cheap_ewma.value < 0.2
     # in a batch the model does not draft for it either (it never read the prompt)
     q = RequestPolicy(
@@ -478,3 +480,40 @@ def test_a_plug_in_verifiers_token_outside_the_vocabulary_is_an_error_not_output
     for mode in ("spec", "ar"):
         with pytest.raises(InferenceError, match=msg):
             anyio.run(lambda: sched.run([1, 2, 3], 4, mode=mode))
+
+
+def test_request_context_options_after_stop_ids_are_keywords_and_the_old_positional_form_warns():
+    """``max_length`` and the options after it are keywords; passed by position they still work,
+    with a DeprecationWarning, and a value given both ways is an error naming it."""
+    with pytest.raises(ContextLengthError):
+        RequestContext([1, 2, 3], 4, None, (), max_length=6)
+    with pytest.warns(DeprecationWarning, match="max_length, rng, vocab_size by keyword"):
+        ctx = RequestContext([1, 2, 3], 4, None, (), 8, None, 50)
+    assert ctx.vocab_size == 50 and ctx.max_new_tokens == 4
+    with pytest.warns(DeprecationWarning), pytest.raises(ContextLengthError):
+        RequestContext([1, 2, 3], 4, None, (), 6)
+    with pytest.raises(InvalidInputError, match="vocab_size both by position and by keyword"):
+        RequestContext([1, 2, 3], 4, None, (), None, None, 50, vocab_size=50)
+
+
+def test_each_round_hands_the_drafter_a_fresh_plan_the_context_reads_through():
+    """``ctx.plan`` is the round's: what a drafter set in one round (its timed steps) is not
+    there in the next, and ``ctx.tree_nodes`` and the like read and write the plan."""
+    seen = []
+
+    class Recording(NgramDrafter):
+        async def generate_draft(self, ctx, k):
+            seen.append((ctx.plan, ctx.plan.draft_steps))
+            ctx.plan.draft_steps = (1, 0.5)
+            return await super().generate_draft(ctx, k)
+
+    target, _ = toy_pair(16, seed=3)
+    sched = SpecDecScheduler(
+        Recording(n_max=1), ModelVerifier(target), SpecConfig(k_init=2, adapt_k=False, measure_costs=False)
+    )
+    anyio.run(sched.run, [1, 2, 1, 2, 1, 2], 12)
+    assert len(seen) >= 2 and len({id(plan) for plan, _ in seen}) == len(seen)
+    assert all(steps == (0, 0.0) for _, steps in seen)
+    ctx = RequestContext([1, 2], 4)
+    ctx.tree_nodes, ctx.cheap_drafts = 3, True
+    assert (ctx.plan.tree_nodes, ctx.plan.cheap_drafts, ctx.draft_steps) == (3, True, (0, 0.0))

@@ -243,4 +243,4 @@ def test_a_tree_round_takes_the_depth_the_cost_model_rates_best():
         policy = SimpleNamespace(costs=costs, ewma=AcceptanceEWMA.start(0.1, a, prior_weight=100.0))
         tree = TreePolicy(nodes=3, alpha=0.1)
         tree.hit_rate = hit_rate
-        assert sched._tree_shape(ctx, tree, policy, 5, True, None) == want, (a, hit_rate)
+        assert sched._tree_shape(ctx, tree, policy, 5, alone=True, rates=None) == want, (a, hit_rate)

@@ -194,7 +194,7 @@ def test_a_crashed_tool_is_named_with_its_signal_and_the_amx_hint(tmp_path):
 def test_summary_ratios_and_table():
     ar_ids = [ord(c) for c in TEXT]
     st = Stats(mode="ar", new_tokens=64, time_total=1.0, time_to_first_token=0.1)
-    st.observe_round(0, 0, 1, 0.0, 0.1, None)
+    st.observe_round(0, 0, 1, t_draft=0.0, t_verify=0.1, ewma=None)
     ar = Sample("ar", 0, "chat", ar_ids, 1.0, st)  # len(TEXT) tokens in 1 s
     llama = Sample(
         "llamacpp_q8_0",
