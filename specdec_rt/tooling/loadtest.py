@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from ..engine.loading import DEFAULT_MODEL, ensure_built
@@ -109,8 +110,9 @@ async def run_phase(
     url: str,
     model: str,
     mode: str,
+    *,
     concurrency: int,
-    prompts: list,
+    prompts: list[list[dict[str, Any]]],
     max_tokens: int,
     count: int,
     seconds: float,
@@ -174,7 +176,7 @@ class ServerProcess:
     """``python -m specdec_rt serve`` on a free loopback port, its output in ``log_path``;
     ``stop()`` sends SIGTERM (SIGKILL after ``grace_s``)."""
 
-    def __init__(self, model: str, slots: int, max_queued: int, extra: list[str], log_path: Path) -> None:
+    def __init__(self, model: str, *, slots: int, max_queued: int, extra: list[str], log_path: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [
@@ -419,8 +421,6 @@ def run_loadtest(args) -> int:
 
 
 async def _main(args, levels: list[int], modes: list[str]) -> int:
-    import httpx
-
     prompts = read_prompts(args.prompts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -430,10 +430,10 @@ async def _main(args, levels: list[int], modes: list[str]) -> int:
         ensure_built(model, say=_log)  # its progress here, not hidden in the server's log
         server = ServerProcess(
             model,
-            args.slots or max(levels),
-            args.max_queued or max(levels),
-            [a for extra in args.server_arg for a in shlex.split(extra)],
-            out / "server.log",
+            slots=args.slots or max(levels),
+            max_queued=args.max_queued or max(levels),
+            extra=[a for extra in args.server_arg for a in shlex.split(extra)],
+            log_path=out / "server.log",
         )
         server.start()
     try:
@@ -441,7 +441,7 @@ async def _main(args, levels: list[int], modes: list[str]) -> int:
             took = await server.wait_ready(args.startup_timeout)
             _log(f"server ready at {server.url} after {took:.1f} s")
         url = server.url if server else args.url
-        report = await _run_levels(url, levels, modes, prompts, args, httpx)
+        report = await _run_levels(url, levels, modes, prompts=prompts, args=args)
     finally:
         if server:
             server_status = server.stop()
@@ -455,7 +455,7 @@ async def _main(args, levels: list[int], modes: list[str]) -> int:
     if png is None:
         _log("matplotlib is not installed: no chart (pip install matplotlib)")
     report["chart"] = str(png) if png else None
-    write_report(out, "loadtest", report, format_markdown(report), format_table(report), args.json)
+    write_report(out, "loadtest", report, format_markdown(report), table=format_table(report), as_json=args.json)
     _log(f"wrote {out / 'loadtest.json'}, {out / 'loadtest.md'}" + (f" and {png}" if png else ""))
     failed = sum(p["ok"] for p in report["phases"]) == 0
     if failed:
@@ -497,7 +497,9 @@ def _modes_for(modes: list[str], entry: dict) -> list[str]:
     return left
 
 
-async def _run_levels(url: str, levels: list[int], modes: list[str], prompts: list, args, httpx) -> dict:
+async def _run_levels(url: str, levels: list[int], modes: list[str], *, prompts: list, args) -> dict:
+    import httpx
+
     count = args.requests or (MAX_REQUESTS_PER_PHASE if args.duration else 16)
     seconds = args.duration or args.time_limit
     limits = httpx.Limits(max_connections=max(levels) + 2, max_keepalive_connections=max(levels) + 2)
@@ -517,13 +519,13 @@ async def _run_levels(url: str, levels: list[int], modes: list[str], prompts: li
                 url,
                 served,
                 mode,
-                1,
-                prompts,
-                args.max_tokens,
-                args.warmup,
-                min(seconds, args.request_timeout * args.warmup),
-                args.request_timeout,
-                args.temperature,
+                concurrency=1,
+                prompts=prompts,
+                max_tokens=args.max_tokens,
+                count=args.warmup,
+                seconds=min(seconds, args.request_timeout * args.warmup),
+                timeout_s=args.request_timeout,
+                temperature=args.temperature,
             )
             bad = [s for s in samples if s.status != OK]
             _log(
@@ -537,13 +539,13 @@ async def _run_levels(url: str, levels: list[int], modes: list[str], prompts: li
                 url,
                 served,
                 mode,
-                c,
-                prompts,
-                args.max_tokens,
-                count,
-                seconds,
-                args.request_timeout,
-                args.temperature,
+                concurrency=c,
+                prompts=prompts,
+                max_tokens=args.max_tokens,
+                count=count,
+                seconds=seconds,
+                timeout_s=args.request_timeout,
+                temperature=args.temperature,
             )
             p = summarize_phase(samples, wall, c, mode)
             phases.append(p)

@@ -263,7 +263,7 @@ def _our_command(args, slots: int) -> LlamaCommand:
     return command
 
 
-def llama_server_command(binary: Path, gguf: Path, slots: int, ctx: int, threads: int) -> LlamaCommand:
+def llama_server_command(binary: Path, gguf: Path, *, slots: int, ctx: int, threads: int) -> LlamaCommand:
     """llama-server with ``slots`` parallel slots of ``ctx`` tokens each, ``threads`` threads for
     generation and batches, the GGUF's chat template (``--jinja``), on 127.0.0.1."""
 
@@ -300,7 +300,7 @@ def _find_server(bin_dir: str) -> Path:
 
 # ----------------------------------------------------------------------------------- the client
 async def one_chat(
-    client, model: str, messages: list[dict], max_tokens: int, include_usage: bool, server: str
+    client, model: str, messages: list[dict], *, max_tokens: int, include_usage: bool, server: str
 ) -> tuple[RequestSample, str | None]:
     """One streaming chat completion, timed chunk by chunk: the sample and the text (None when
     the request failed)."""
@@ -344,7 +344,14 @@ async def one_chat(
 
 
 async def run_level(
-    client, model: str, server: str, level: int, requests: list[list[dict]], max_tokens: int, include_usage: bool
+    client,
+    model: str,
+    server: str,
+    level: int,
+    *,
+    requests: list[list[dict]],
+    max_tokens: int,
+    include_usage: bool,
 ) -> tuple[list[RequestSample], list[str | None], float]:
     """``level`` closed-loop clients through ``requests`` in order: samples and texts per request
     (in request order) and the level's wall time."""
@@ -356,7 +363,9 @@ async def run_level(
 
     async def worker() -> None:
         for i in it:  # one shared iterator: each client takes the next request when it is free
-            samples[i], texts[i] = await one_chat(client, model, requests[i], max_tokens, include_usage, server)
+            samples[i], texts[i] = await one_chat(
+                client, model, requests[i], max_tokens=max_tokens, include_usage=include_usage, server=server
+            )
 
     t0 = time.perf_counter()
     async with anyio.create_task_group() as tg:
@@ -405,7 +414,7 @@ async def _main(args, llama_command: LlamaCommand | None) -> int:
     if llama_command is None:
         assert binary is not None
         gguf = _llama_gguf(args, manifest)
-        llama_command = llama_server_command(binary, gguf, slots, ctx, threads)
+        llama_command = llama_server_command(binary, gguf, slots=slots, ctx=ctx, threads=threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -459,7 +468,9 @@ async def _main(args, llama_command: LlamaCommand | None) -> int:
             usage = {}
             warm = tag_messages(prompts[0], "[warm-up]")
             for name in servers:
-                s, _ = await one_chat(clients[name], served[name], warm, args.max_new_tokens, True, name)
+                s, _ = await one_chat(
+                    clients[name], served[name], warm, max_tokens=args.max_new_tokens, include_usage=True, server=name
+                )
                 if s.status != OK:
                     raise SpecDecError(f"{name}: the warm-up request failed: {s.error}")
                 usage[name] = s.usage_reported
@@ -475,7 +486,13 @@ async def _main(args, llama_command: LlamaCommand | None) -> int:
                 requests = level_requests(prompts, level, count)
                 for name in turn:
                     samples, got, wall = await run_level(
-                        clients[name], served[name], name, level, requests, args.max_new_tokens, include_usage
+                        clients[name],
+                        served[name],
+                        name,
+                        level,
+                        requests=requests,
+                        max_tokens=args.max_new_tokens,
+                        include_usage=include_usage,
                     )
                     if codec is not None:
                         for s, text in zip(samples, got):
@@ -524,7 +541,9 @@ async def _main(args, llama_command: LlamaCommand | None) -> int:
     if png is None:
         log("matplotlib is not installed: no chart (pip install -e '.[bench]')")
     report["chart"] = str(png) if png else None
-    write_report(out, "serve", report, format_serving_markdown(report), format_serving_table(report), args.json)
+    write_report(
+        out, "serve", report, format_serving_markdown(report), table=format_serving_table(report), as_json=args.json
+    )
     log(f"wrote {out / 'serve.json'}, {out / 'serve.md'}" + (f" and {png}" if png else ""))
     return 0 if all(p["ok"] for p in phases) else 1
 
