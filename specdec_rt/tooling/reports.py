@@ -19,7 +19,7 @@ def write_report(
     print(json.dumps(report) if as_json else markdown if table is None else table)
 
 
-def pyplot():
+def pyplot() -> Any:
     """matplotlib's ``pyplot`` on the non-interactive Agg backend, or None when matplotlib is not
     installed (a report then has no chart)."""
     try:
@@ -32,7 +32,7 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, path: Path) -> Path:
+def save_figure(fig: Any, path: Path) -> Path:
     """Write ``fig`` to ``path`` (PNG, 110 dpi) and free it."""
     import matplotlib.pyplot as plt
 
