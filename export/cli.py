@@ -12,9 +12,13 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import OneLineParser, one_line_errors
 from .ui import Reporter, format_bytes, format_table
+
+if TYPE_CHECKING:
+    from .pipeline import Result
 
 __all__ = ["main", "summary"]
 
@@ -51,9 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def summary(result, ui: Reporter) -> str:
+def summary(result: Result, ui: Reporter) -> str:
     """The end-of-run table: folders, sizes, node counts, validation; then stage timings."""
-    rows = []
+    rows: list[list[object]] = []
     for _name, folder, man in result.folders:
         files = man["files"]
         val = man.get("validation") or {}
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("SRC is required")
     ui = Reporter(quiet=args.quiet)
 
-    def work():
+    def work() -> Result:
         from .pipeline import Request, run
 
         return run(
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     result, code = one_line_errors(work, args.verbose)
-    if code:
+    if result is None:
         return code
     if not result.noop and not args.quiet:
         print(summary(result, ui), file=sys.stderr)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from typing import Callable, TypeVar
+from typing import Callable, NoReturn, TypeVar
 
 __all__ = [
     "one_line_errors",
@@ -121,5 +121,5 @@ def one_line_errors(work: Callable[[], T], verbose: bool, interrupted: str = "in
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line on stderr (exit 2), like every other error."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

@@ -267,7 +267,7 @@ class _Graph:
         rows = self.node("Reshape", [x, shape], [f"{name}/heads"], f"{name}/Heads")[0]
         out = rows if full else self.rms_norm(rows, None, w, name)[0]
         if padded != own:
-            scatter = pad_heads(np.eye(own, dtype=np.float32), 1, own, padded, rotary)  # [own, padded]
+            scatter = pad_heads(np.eye(own, dtype=np.float32), 1, own, padded, rotary=rotary)  # [own, padded]
             out = self.node("MatMul", [out, self.init(f"{name}/pad", scatter)], [f"{name}/padded"], f"{name}/Pad")[0]
         flat = self.init(f"{name}/flat_shape", np.array([0, 0, heads * padded], dtype=np.int64))
         return self.node("Reshape", [out, flat], [f"{name}/flat"], f"{name}/Flat")[0]
@@ -385,13 +385,23 @@ def build_onnx(
             normed = spec.qk_norm or spec.qk_norm_full
             size = {n: own if normed and n != "v" else d for n in "qkv"}
             w_qkv = np.concatenate(
-                [pad_heads(_np(sd[att + f"{n}_proj.weight"]).T, heads[n], own, size[n], rot, inter) for n in "qkv"],
+                [
+                    pad_heads(
+                        _np(sd[att + f"{n}_proj.weight"]).T, heads[n], own, size[n], rotary=rot, interleaved=inter
+                    )
+                    for n in "qkv"
+                ],
                 axis=1,
             )
             b_qkv = None
             if att + "q_proj.bias" in sd:
                 b_qkv = np.concatenate(
-                    [pad_heads(_np(sd[att + f"{n}_proj.bias"]), heads[n], own, size[n], rot, inter) for n in "qkv"]
+                    [
+                        pad_heads(
+                            _np(sd[att + f"{n}_proj.bias"]), heads[n], own, size[n], rotary=rot, interleaved=inter
+                        )
+                        for n in "qkv"
+                    ]
                 )
             qkv = g.linear(h, w_qkv, f"{n}/attn/qkv", b_qkv)  # [1, N, (nh + 2 kv) d]
             del w_qkv
@@ -423,7 +433,7 @@ def build_onnx(
             )[0]
             a = g.pack(a, f"{n}/attn")  # [1, N, nh d]
             w_o = pad_heads(
-                _np(sd[att + "o_proj.weight"]), nh, own, d, rot, inter
+                _np(sd[att + "o_proj.weight"]), nh, own, d, rotary=rot, interleaved=inter
             ).T  # [nh d, H]: zero rows for padding
             o = g.linear(a, w_o, f"{n}/attn/o_proj", blocks.bias(att + "o_proj"))
             if layout in ("parallel", "parallel2"):  # the MLP reads the layer's input too; one add

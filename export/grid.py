@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import numpy.typing as npt
 
 from .quant import QuantizedWeight, QuantSpec, _pack_nibbles, dequantize
 
@@ -66,8 +67,13 @@ def _blocks(weight: np.ndarray, bs: int) -> np.ndarray | None:
 
 MAX_DIVISOR = 32  # a block's step is its smallest gap (or magnitude) divided by at most this
 
+#: fits(step [b], where [b] block indices) -> bool [b]: whether those blocks lie on those steps
+Fits = Callable[[npt.NDArray[np.float64], npt.NDArray[np.intp]], npt.NDArray[np.bool_]]
+#: detect(weight [K, n], blocks [n, nb, bs]) -> the weight on one form's grid, or None
+Detect = Callable[[np.ndarray, np.ndarray], "GridWeight | None"]
 
-def _steps(smallest: np.ndarray, fits, divisors: int = MAX_DIVISOR) -> np.ndarray | None:
+
+def _steps(smallest: np.ndarray, fits: Fits, divisors: int = MAX_DIVISOR) -> np.ndarray | None:
     """Per block, the largest step ``smallest / m`` (m = 1..divisors) for which
     ``fits(step [b], where [b] block indices) -> bool [b]`` holds; None if some block has none.
     Each try looks only at the blocks still without a step."""
@@ -115,9 +121,10 @@ def _affine(blocks: np.ndarray, k: int, bits: int, spanning: bool = False) -> Gr
     shifted = (blocks - lo[..., None]).astype(np.float64).reshape(-1, blocks.shape[2])  # [blocks, bs]
     flat_rows = flat.reshape(-1)
 
-    def fits(step, where):
+    def fits(step: npt.NDArray[np.float64], where: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
         codes, ok = _on_steps(shifted[where], step)
-        return ok & (codes.max(axis=-1) <= top) | flat_rows[where]
+        fit: npt.NDArray[np.bool_] = ok & (codes.max(axis=-1) <= top) | flat_rows[where]
+        return fit
 
     step = _steps(smallest, fits, 1 if spanning else MAX_DIVISOR)
     if step is None:
@@ -153,9 +160,10 @@ def _sym8(blocks: np.ndarray, k: int, bs: int, spanning: bool = False) -> GridWe
     values = blocks.astype(np.float64).reshape(-1, blocks.shape[2])  # [blocks, bs]
     zero_rows = zero.reshape(-1)
 
-    def fits(step, where):
+    def fits(step: npt.NDArray[np.float64], where: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
         codes, ok = _on_steps(values[where], step)
-        return ok & (np.abs(codes).max(axis=-1) <= 127) | zero_rows[where]
+        fit: npt.NDArray[np.bool_] = ok & (np.abs(codes).max(axis=-1) <= 127) | zero_rows[where]
+        return fit
 
     step = _steps(smallest, fits, 1 if spanning else MAX_DIVISOR)
     if step is None:
@@ -172,7 +180,7 @@ PROBE_COLUMNS = 64  # a form is tried on this many output columns first (a miss 
 CHUNK_ELEMENTS = 1 << 23  # ... then on the whole weight about this many weights at a time (memory bounded)
 
 
-def _detectors(block_size: int) -> list[tuple[str, int, Callable]]:
+def _detectors(block_size: int) -> list[tuple[str, int, Detect]]:
     """(form, block size, detect(weight [K, n], blocks [n, nb, bs]) -> GridWeight | None), in order."""
     sym = "sym8" if block_size == 32 else f"sym8_{block_size}"
     return [
@@ -198,7 +206,7 @@ def find_grid(weight: np.ndarray, block_size: int = 32, forms: tuple[str, ...] |
         if bs > block_size or (forms is not None and form not in forms):
             continue
 
-        def on(cols: slice, bs=bs, detect=detect) -> GridWeight | None:
+        def on(cols: slice, bs: int = bs, detect: Detect = detect) -> GridWeight | None:
             part = np.ascontiguousarray(weight[:, cols])
             blocks = _blocks(part, bs)
             found = None if blocks is None else detect(part, blocks)
@@ -210,7 +218,7 @@ def find_grid(weight: np.ndarray, block_size: int = 32, forms: tuple[str, ...] |
 
         if on(slice(0, PROBE_COLUMNS)) is None:
             continue
-        parts = []
+        parts: list[GridWeight] = []
         cols = max(1, CHUNK_ELEMENTS // max(1, weight.shape[0]))
         for start in range(0, n, cols):
             part = on(slice(start, start + cols))
@@ -229,6 +237,8 @@ def _faithful(weight: np.ndarray, g: GridWeight) -> bool:
     small weight on code 0 of a huge step: "found", and not carried over at all."""
     back = _blocks(grid_dequantize(g), g.block_size)  # [n, nb, bs] what the kernel computes with
     orig = _blocks(weight, g.block_size)
+    if back is None or orig is None:  # K is not a multiple of the block: never on a grid
+        return False
     # and every weight within a few float32 ulps of its block's largest (the tolerance of a
     # fraction of a step let a weight sitting alone on its code be 1e-3 of a step off)
     bound = ULPS * np.finfo(np.float32).eps * np.abs(orig).max(axis=2)  # [n, nb]

@@ -3,9 +3,15 @@ ONNX Runtime takes, and the tensors the graph has a place for."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
+import numpy.typing as npt
 
 from .errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from .model_spec import ModelSpec
 
 __all__ = [
     "HEAD_MULTIPLE",
@@ -38,8 +44,8 @@ def graph_head_dim(own: int, rotary: int) -> int:
 
 
 def pad_heads(
-    w: np.ndarray, heads: int, own: int, padded: int, rotary: int | None = None, interleaved: bool = False
-) -> np.ndarray:
+    w: npt.NDArray[Any], heads: int, own: int, padded: int, *, rotary: int | None = None, interleaved: bool = False
+) -> npt.NDArray[Any]:
     """The columns ``[K, heads * own]`` of a q, k or v projection (or a bias, ``[heads * own]``)
     as ``[K, heads * padded]``: each half of each head's rotated part (its first ``rotary``
     dimensions; all of them by default) zero-padded at its end, so that GroupQueryAttention's
@@ -65,7 +71,7 @@ def pad_heads(
     return out.reshape(*lead, heads * padded)
 
 
-def rename(sd, spec) -> dict:
+def rename(sd: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
     """The state dict under Llama's tensor names (``spec.renames``: the family's substring
     replacements, in order; Phi-2's ``dense`` / ``fc1`` / ``fc2``, GPT-NeoX's ``gpt_neox.*``),
     the layers' matrices as nn.Linear's ``[out, in]`` (``spec.conv1d``: GPT-2 stores ``[in, out]``)."""
@@ -81,7 +87,7 @@ def rename(sd, spec) -> dict:
     return out
 
 
-def split_fused(sd, spec) -> dict:
+def split_fused(sd: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
     """The state dict with fused projections as the tensors the graph takes: each layer's
     ``qkv_proj`` as ``q_proj`` / ``k_proj`` / ``v_proj`` (``spec.fused_qkv``: Phi-3's rows q,
     then k, then v; GPT-NeoX's q, k, v of each head in turn, as its ``view(..., heads, 3 * d)``
@@ -131,7 +137,7 @@ LAYOUT_NORMS = {
 }
 
 
-def check_weights(sd, spec) -> None:
+def check_weights(sd: dict[str, Any], spec: ModelSpec) -> None:
     """Refuse a state dict with tensors the graph would not use (e.g. an MLP bias the family
     does not have, a layer's extra norm): the export would be silently wrong, and validation
     would find out only after the whole graph was written."""

@@ -14,6 +14,7 @@ import math
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from specdec_rt.manifest_schema import (
     IO_NAMES,
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 
-def onnx_section(quantization: dict | None) -> dict:
+def onnx_section(quantization: dict[str, Any] | None) -> dict[str, Any]:
     """The manifest's `onnx` record for graphs from `export.graph`."""
     return {
         "file": "model.onnx",
@@ -58,7 +59,7 @@ def onnx_section(quantization: dict | None) -> dict:
     }
 
 
-def file_table(folder: Path) -> dict:
+def file_table(folder: Path) -> dict[str, dict[str, Any]]:
     """sha256 and size of every regular file directly in `folder` except the manifest."""
     return {
         p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
@@ -74,17 +75,17 @@ def build_manifest(
     spec: ModelSpec,
     tok: TokenizerInfo,
     folder: Path,
-    quantization: dict | None,
+    quantization: dict[str, Any] | None,
     exact_to: str,
-    source: dict,
-    build: dict,
-    validation: dict | None,
-    graph: dict,
-    drafts: list[dict] | None = None,
+    source: dict[str, Any],
+    build: dict[str, Any],
+    validation: dict[str, Any] | None,
+    graph: dict[str, Any],
+    drafts: list[dict[str, Any]] | None = None,
     draft_of: str | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Assemble the manifest for a finished folder (hashes every file in it)."""
-    manifest = {
+    manifest: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "name": name,
         "role": role,
@@ -113,12 +114,12 @@ def build_manifest(
     return manifest
 
 
-def write_manifest(folder: Path, manifest: dict) -> Path:
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> Path:
     """Write `manifest.json` (the last file of a folder), and the runtime's verification stamp
     for the files just hashed into it, so the first load does not hash them again."""
     path = Path(folder) / MANIFEST
     path.write_text(json.dumps(_finite(manifest), indent=2, ensure_ascii=False, allow_nan=False) + "\n")
-    stamp = {}
+    stamp: dict[str, list[object]] = {}
     for fname, meta in (manifest.get("files") or {}).items():
         st = (Path(folder) / fname).stat()
         if st.st_size != meta["bytes"]:
@@ -128,7 +129,7 @@ def write_manifest(folder: Path, manifest: dict) -> Path:
     return path
 
 
-def _finite(value):
+def _finite(value: object) -> object:
     """``value`` with every NaN / infinity replaced by None: strict JSON has no such numbers."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -167,7 +168,7 @@ def _read_small_file(path: Path, limit: int) -> bytes | None:
         os.close(fd)
 
 
-def read_manifest(folder: Path) -> dict | None:
+def read_manifest(folder: Path) -> dict[str, Any] | None:
     """The folder's manifest, or None if it has none or it is unreadable: not a regular file
     (a symlink, FIFO, device), over ``MAX_MANIFEST_BYTES``, not JSON, nested too deeply to
     parse, or not a JSON object."""
@@ -181,7 +182,7 @@ def read_manifest(folder: Path) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def is_export_manifest(manifest) -> bool:
+def is_export_manifest(manifest: object) -> bool:
     """True when ``manifest`` has the fields every manifest this exporter writes has
     (:func:`build_manifest`, ``export.draft.assemble``): only such a folder may ever be replaced
     by an export. A web app's ``manifest.json`` (or any other JSON) is not one."""
@@ -201,7 +202,7 @@ def is_export_manifest(manifest) -> bool:
     )
 
 
-def is_up_to_date(folder: Path, build: dict) -> bool:
+def is_up_to_date(folder: Path, build: dict[str, Any]) -> bool:
     """True when `folder` was built with exactly `build` and its files (and its drafts'
     files) are all present with their recorded sizes. A manifest that is malformed or names
     a path outside its folder is simply not up to date (it gets rebuilt)."""
@@ -210,7 +211,7 @@ def is_up_to_date(folder: Path, build: dict) -> bool:
         return False
     root = Path(folder).resolve()
     try:
-        folders = [(root, manifest)]
+        folders: list[tuple[Path, dict[str, Any]]] = [(root, manifest)]
         for draft in manifest.get("drafts", []):
             sub = (root / draft["path"]).resolve()
             if sub == root or not sub.is_relative_to(root):

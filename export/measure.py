@@ -17,12 +17,15 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
+from .errors import SourceNotFoundError
 from .manifest import read_manifest
 from .validate import KVSession
 
@@ -34,7 +37,15 @@ PROMPTS = [
 ]
 
 
-def node_counts(folder: Path, manifest: dict) -> dict:
+def _manifest(folder: Path) -> dict[str, Any]:
+    """The folder's manifest; `SourceNotFoundError` when it has no readable one."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise SourceNotFoundError(f"{folder} has no readable manifest.json")
+    return manifest
+
+
+def node_counts(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """Nodes in model.onnx, and after ORT_ENABLE_ALL (saved optimized graph)."""
     model = Path(folder) / manifest["onnx"]["file"]
     before = len(onnx.load(str(model), load_external_data=False).graph.node)
@@ -53,7 +64,7 @@ def node_counts(folder: Path, manifest: dict) -> dict:
     return {"nodes": before, "nodes_optimized": len(opt.graph.node), "optimized_ops": ops}
 
 
-def _median_ms(fn, repeat: int) -> float:
+def _median_ms(fn: Callable[[], object], repeat: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeat):
@@ -63,7 +74,9 @@ def _median_ms(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def step_times(folder: Path, manifest: dict, threads: int, repeat: int = 20, long: int = 2000) -> dict:
+def step_times(
+    folder: Path, manifest: dict[str, Any], threads: int, *, repeat: int = 20, long: int = 2000
+) -> dict[str, float]:
     """Median ms for 1 token at past 100 / `long` and 5 tokens at past 100."""
     vocab = manifest["architecture"]["vocab_size"]
     rng = np.random.default_rng(0)
@@ -82,7 +95,7 @@ def step_times(folder: Path, manifest: dict, threads: int, repeat: int = 20, lon
     return out
 
 
-def rollback_check(folder: Path, manifest: dict, threads: int) -> float:
+def rollback_check(folder: Path, manifest: dict[str, Any], threads: int) -> float:
     """Max |diff| of logits at past L between a fresh session and one that first wrote
     garbage at L .. L+9 (a rejected verify), then rolled back to L."""
     vocab = manifest["architecture"]["vocab_size"]
@@ -113,7 +126,7 @@ def agreement(target_dir: Path, draft_dir: Path, threads: int, n: int = 40) -> f
     greedy continuations of PROMPTS (teacher-forced)."""
     from tokenizers import Tokenizer
 
-    tman, dman = read_manifest(target_dir), read_manifest(draft_dir)
+    tman, dman = _manifest(target_dir), _manifest(draft_dir)
     tok = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
     target = KVSession(target_dir, tman, max_len=256, threads=threads)
     draft = KVSession(draft_dir, dman, max_len=256, threads=threads)
@@ -127,22 +140,22 @@ def agreement(target_dir: Path, draft_dir: Path, threads: int, n: int = 40) -> f
     return hits / total
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m export.measure")
     p.add_argument("folder", type=Path)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--long", type=int, default=2000, help="the long context to time")
     args = p.parse_args(argv)
-    target = read_manifest(args.folder)
+    target = _manifest(args.folder)
     folders = [(target["name"], args.folder, target)] + [
-        (d["name"], args.folder / d["path"], read_manifest(args.folder / d["path"])) for d in target.get("drafts", [])
+        (d["name"], args.folder / d["path"], _manifest(args.folder / d["path"])) for d in target.get("drafts", [])
     ]
-    report = {}
+    report: dict[str, dict[str, Any]] = {}
     for name, folder, man in folders:
         row = {
             **node_counts(folder, man),
-            **step_times(folder, man, args.threads, args.repeat, args.long),
+            **step_times(folder, man, args.threads, repeat=args.repeat, long=args.long),
             "rollback_max_diff": rollback_check(folder, man, args.threads),
         }
         if folder != args.folder:

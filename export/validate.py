@@ -21,10 +21,13 @@ a sanity floor that catches a broken graph (r ~ 0), not a bound on quantization 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from specdec_rt.manifest_schema import SCHEMA_VERSION
 
@@ -57,8 +60,14 @@ class KVSession:
     """
 
     def __init__(
-        self, model_dir: Path, manifest: dict, max_len: int, threads: int | None = None, bind_hidden: bool = False
-    ):
+        self,
+        model_dir: Path,
+        manifest: dict[str, Any],
+        max_len: int,
+        *,
+        threads: int | None = None,
+        bind_hidden: bool = False,
+    ) -> None:
         from specdec_rt.ort import OrtModel
         from specdec_rt.ort.manifest import check_manifest
 
@@ -72,27 +81,30 @@ class KVSession:
         self.session = self.model.start()
         self.max_len = self.model.max_length
         self.bind_hidden = bind_hidden
-        self.hidden_states: np.ndarray | None = None
+        self.hidden_states: npt.NDArray[np.float32] | None = None
 
-    def forward(self, ids, past_len: int, rows=None) -> np.ndarray:
+    def forward(
+        self, ids: npt.ArrayLike, past_len: int, rows: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None
+    ) -> npt.NDArray[np.float32]:
         """Logits float32 [R, V] for ``ids`` int [S] on top of ``past_len`` cached tokens."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [S]
-        s = ids.size
-        if past_len + s > self.max_len:
-            raise ValueError(f"sequence of {past_len + s} tokens exceeds the cache ({self.max_len})")
-        rows = np.arange(s) if rows is None else np.asarray(rows, dtype=np.int64)  # [R]
-        first = int(rows.min())  # the runtime returns the logits of the last s - first positions
-        out = self.session.run_sync(ids, s - first, past_len, hidden=self.bind_hidden)
+        tokens = np.asarray(ids, dtype=np.int64).reshape(-1)  # [S]
+        count = tokens.size
+        if past_len + count > self.max_len:
+            raise ValueError(f"sequence of {past_len + count} tokens exceeds the cache ({self.max_len})")
+        picked = np.arange(count) if rows is None else np.asarray(rows, dtype=np.int64)  # [R]
+        first = int(picked.min())  # the runtime returns the logits of the last count - first positions
+        out = self.session.run_sync(tokens, count - first, past_len, hidden=self.bind_hidden)
         if self.bind_hidden:
-            out, self.hidden_states = out  # [s - first, V], [S, H]
-        return out[rows - first]  # [R, V]
+            out, self.hidden_states = out  # [count - first, V], [S, H]
+        logits: npt.NDArray[np.float32] = out[picked - first]  # [R, V]
+        return logits
 
     def close(self) -> None:
         self.session.close()
         self.model.close()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ValidationReport:
     """The figures the summary table and the manifest record."""
 
@@ -104,11 +116,11 @@ class ValidationReport:
     reference: str
     passed: bool
 
-    def manifest(self) -> dict:
+    def manifest(self) -> dict[str, Any]:
         """The manifest's `validation` record (strict JSON: a non-finite figure is null)."""
 
-        def num(x: float, digits: int):
-            return round(float(x), digits) if math.isfinite(x) else None
+        def num(value: float, digits: int) -> float | None:
+            return round(float(value), digits) if math.isfinite(value) else None
 
         return {
             "rows": self.rows,
@@ -120,7 +132,7 @@ class ValidationReport:
         }
 
 
-def prompt_ids(tokenizer, vocab_size: int, max_positions: int | None = None) -> list[int]:
+def prompt_ids(tokenizer: Any, vocab_size: int, max_positions: int | None = None) -> list[int]:
     """A short code/chat prompt as ids (at most 48), padded with fixed ids if it is short; with
     ``max_positions``, short enough to leave room for the greedy continuation (:func:`new_tokens`)."""
     limit = 48 if max_positions is None else max(1, min(48, max_positions - new_tokens(max_positions, 1)))
@@ -137,7 +149,9 @@ def new_tokens(max_positions: int | None, prompt_len: int) -> int:
     return max(0, min(NEW_TOKENS, max(1, max_positions // 4), max_positions - prompt_len))
 
 
-def reference_logits(model, prompt: list[int], new_tokens: int = NEW_TOKENS):
+def reference_logits(
+    model: Any, prompt: list[int], new_tokens: int = NEW_TOKENS
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
     """Greedy-continue `prompt` in PyTorch; return (ids int64 [T], logits float32 [T, V])."""
     import torch
 
@@ -150,12 +164,15 @@ def reference_logits(model, prompt: list[int], new_tokens: int = NEW_TOKENS):
             seq.append(nxt)
             out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
         full = torch.tensor([seq], dtype=torch.long)  # [1, T]
-        logits = model(full, use_cache=False).logits[0].float().numpy()  # [T, V]
+        logits: npt.NDArray[np.float32] = model(full, use_cache=False).logits[0].float().numpy()  # [T, V]
     return np.array(seq, dtype=np.int64), logits
 
 
-def _replay(session: KVSession, ids: np.ndarray, prompt_len: int, vocab: int):
-    """Run the runtime's call pattern; yield (position of first row, logits [R, V], rows)."""
+def _replay(
+    session: KVSession, ids: npt.NDArray[np.int64], prompt_len: int, vocab: int
+) -> Iterator[tuple[int, npt.NDArray[np.float32]]]:
+    """Run the runtime's call pattern; yield (position of the first row, logits [R, V] of
+    consecutive rows)."""
     total, p = len(ids), prompt_len
     yield 0, session.forward(ids[:p], 0)  # prefill, all rows
     pos = p
@@ -177,22 +194,22 @@ def _replay(session: KVSession, ids: np.ndarray, prompt_len: int, vocab: int):
 
 def validate_graph(
     model_dir: Path,
-    manifest: dict,
-    ids: np.ndarray,
-    ref: np.ndarray,
+    manifest: dict[str, Any],
+    ids: npt.NDArray[np.int64],
+    ref: npt.NDArray[np.float32],
+    *,
     prompt_len: int,
     threads: int | None = None,
     quantized: bool = False,
     raise_on_fail: bool = True,
     label: str | None = None,
 ) -> ValidationReport:
-    """Replay `ids` through the exported graph and compare with `ref` [T, V]; a failure names
-    ``label`` (default: the folder's name)."""
-    vocab = manifest["architecture"]["vocab_size"]
-    max_len = min(manifest["architecture"]["max_positions"], len(ids) + 16)
+    """Replay `ids` (the first ``prompt_len`` of them the prompt) through the exported graph and
+    compare with `ref` [T, V]; a failure names ``label`` (default: the folder's name)."""
     from specdec_rt.errors import SpecDecError
 
     name = label or model_dir.name
+    max_len = min(manifest["architecture"]["max_positions"], len(ids) + 16)
     try:
         session = KVSession(model_dir, manifest, max_len=max_len, threads=threads)
     except SpecDecError as exc:  # the runtime refuses the graph or its manifest
@@ -200,50 +217,83 @@ def validate_graph(
     got = np.zeros_like(ref)
     rows = np.zeros(len(ref), dtype=bool)  # compared rows
     try:
-        for start, logits in _replay(session, ids, prompt_len, vocab):
+        for start, logits in _replay(session, ids, prompt_len, manifest["architecture"]["vocab_size"]):
             got[start : start + len(logits)] = logits
             rows[start : start + len(logits)] = True
     finally:
         session.close()
-    a, b = got[rows].astype(np.float64), ref[rows].astype(np.float64)
-    finite = bool(len(a)) and bool(np.isfinite(a).all()) and bool(np.isfinite(b).all())
-    sane = finite and float(np.abs(b).max()) <= MAX_LOGIT and float(np.abs(a).max()) <= MAX_LOGIT
-    diff = float(np.abs(a - b).max()) if finite else float("inf")
-    scale = float(max(1.0, np.abs(b).max())) if finite else float("inf")
-    agree = (a.argmax(axis=1) == b.argmax(axis=1)) if finite else np.zeros(len(a), dtype=bool)
+    onnx_rows, ref_rows = got[rows].astype(np.float64), ref[rows].astype(np.float64)
+    report = _compare(onnx_rows, ref_rows, quantized)
+    if raise_on_fail and not report.passed:
+        raise _failure(name, onnx_rows, ref_rows, report)
+    return report
+
+
+def _all_finite(got: npt.NDArray[np.float64], want: npt.NDArray[np.float64]) -> bool:
+    """There are rows to compare, and every logit of both is finite."""
+    return bool(len(got)) and bool(np.isfinite(got).all()) and bool(np.isfinite(want).all())
+
+
+def _plausible(got: npt.NDArray[np.float64], want: npt.NDArray[np.float64]) -> bool:
+    """No (finite) logit of either is beyond ``MAX_LOGIT`` in magnitude."""
+    return float(np.abs(want).max()) <= MAX_LOGIT and float(np.abs(got).max()) <= MAX_LOGIT
+
+
+def _compare(got: npt.NDArray[np.float64], want: npt.NDArray[np.float64], quantized: bool) -> ValidationReport:
+    """The figures of the graph's logits ``got`` against the reference's ``want`` [R, V], and
+    whether they pass: float32 graphs to ``FP32_RTOL`` with every confident argmax equal,
+    quantized ones the correlation floor; any non-finite or implausible logit fails."""
+    count = len(got)
+    finite = _all_finite(got, want)
+    sane = finite and _plausible(got, want)
     if finite:
-        top2 = np.sort(b, axis=1)[:, -2:]
+        diff = float(np.abs(got - want).max())
+        scale = float(max(1.0, np.abs(want).max()))
+        agree = got.argmax(axis=1) == want.argmax(axis=1)
+        top2 = np.sort(want, axis=1)[:, -2:]
         confident = (top2[:, 1] - top2[:, 0]) > 2 * diff  # a near-tie may flip legitimately
+        corr = _row_correlation(got, want)
     else:
-        confident = np.ones(len(a), dtype=bool)
-    corr = _row_correlation(a, b) if finite else float("nan")
-    agreement = float(agree.mean()) if len(agree) else 0.0
+        diff = scale = float("inf")
+        agree, confident = np.zeros(count, dtype=bool), np.ones(count, dtype=bool)
+        corr = float("nan")
     if quantized:
         passed = sane and corr >= QUANT_MIN_CORRELATION
         reference = "float32 PyTorch model (quantized graph: correlation floor only)"
     else:
         passed = sane and diff <= FP32_RTOL * scale and bool(agree[confident].all())
         reference = "float32 PyTorch model"
-    report = ValidationReport(int(rows.sum()), diff, scale, agreement, corr, reference, passed)
-    if raise_on_fail and not passed:
-        if not finite:
-            which = "ONNX" if len(a) and not np.isfinite(a).all() else "PyTorch reference"
-            raise ValidationError(
-                f"validation failed for {name}: the {which} logits are not "
-                f"finite (NaN or infinity) over {rows.sum()} rows"
-            )
-        if not sane:
-            raise ValidationError(
-                f"validation failed for {name}: logits of magnitude "
-                f"{max(np.abs(a).max(), np.abs(b).max()):.3g} (over {MAX_LOGIT:.0g}) are not "
-                "those of a working model (corrupt or misread weights)"
-            )
-        raise ValidationError(
-            f"validation failed for {name}: max |logit diff| {diff:.3g} "
-            f"(scale {scale:.3g}), greedy agreement {agreement:.1%}, correlation "
-            f"{corr:.3f} over {rows.sum()} rows"
+    return ValidationReport(
+        rows=count,
+        max_abs_diff=diff,
+        logit_scale=scale,
+        greedy_agreement=float(agree.mean()) if count else 0.0,
+        correlation=corr,
+        reference=reference,
+        passed=passed,
+    )
+
+
+def _failure(
+    name: str, got: npt.NDArray[np.float64], want: npt.NDArray[np.float64], report: ValidationReport
+) -> ValidationError:
+    """Why the comparison of ``got`` with ``want`` failed, naming the folder ``name``."""
+    if not _all_finite(got, want):
+        which = "ONNX" if len(got) and not np.isfinite(got).all() else "PyTorch reference"
+        return ValidationError(
+            f"validation failed for {name}: the {which} logits are not finite (NaN or infinity) over {report.rows} rows"
         )
-    return report
+    if not _plausible(got, want):
+        return ValidationError(
+            f"validation failed for {name}: logits of magnitude "
+            f"{max(np.abs(got).max(), np.abs(want).max()):.3g} (over {MAX_LOGIT:.0g}) are not "
+            "those of a working model (corrupt or misread weights)"
+        )
+    return ValidationError(
+        f"validation failed for {name}: max |logit diff| {report.max_abs_diff:.3g} "
+        f"(scale {report.logit_scale:.3g}), greedy agreement {report.greedy_agreement:.1%}, correlation "
+        f"{report.correlation:.3f} over {report.rows} rows"
+    )
 
 
 def _row_correlation(a: np.ndarray, b: np.ndarray) -> float:

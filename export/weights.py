@@ -8,8 +8,10 @@ protobuf. Each tensor starts at a page-aligned offset so ONNX Runtime can map it
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import onnx
 from onnx import helper, numpy_helper
 
@@ -22,14 +24,14 @@ _INLINE_BYTES = 1024  # smaller tensors stay inside model.onnx
 class ExternalDataWriter:
     """Appends tensors to one external-data file and returns their `TensorProto` stubs."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.location = self.path.name  # relative to model.onnx, as ONNX requires
         self._file = open(self.path, "wb")
         self._offset = 0
         self.bytes_written = 0
 
-    def add(self, name: str, array: np.ndarray) -> onnx.TensorProto:
+    def add(self, name: str, array: npt.NDArray[Any]) -> onnx.TensorProto:
         """Write `array` (C-contiguous copy if needed) and return its initializer."""
         array = np.ascontiguousarray(array)
         if array.nbytes < _INLINE_BYTES:
@@ -38,7 +40,7 @@ class ExternalDataWriter:
         if pad:
             self._file.write(b"\0" * pad)
             self._offset += pad
-        self._file.write(memoryview(array).cast("B"))
+        self._file.write(array.data.cast("B"))
         tensor = onnx.TensorProto()
         tensor.name = name
         tensor.data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
@@ -64,5 +66,5 @@ class ExternalDataWriter:
     def __enter__(self) -> "ExternalDataWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

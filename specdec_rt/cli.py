@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 
@@ -25,14 +26,58 @@ from .tooling.loadtest import add_arguments as add_loadtest_arguments
 from .tooling.loadtest import run_loadtest
 from .tooling.tune import add_tune_arguments
 
+if TYPE_CHECKING:
+    from .engine.engine import Engine
+    from .sampling.logprobs import TokenLogprob
+    from .types import Stats
+
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _OneLineParser(prog="python -m specdec_rt", description=__doc__.splitlines()[0])
+    args = _build_parser().parse_args(argv)
+    configure_cli_logging(logging.WARNING - 10 * min(args.verbose, 2))
+    if args.command != "loadtest":  # the load test is an HTTP client: no model in this process
+        from .ort import use_global_thread_pool
+
+        use_global_thread_pool(args.threads)  # we own this process: one ONNX Runtime pool for all models
+    try:
+        return _run(args)
+    except SpecDecError as exc:
+        print(f"specdec_rt: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("specdec_rt: interrupted", file=sys.stderr)
+        return 130
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per task, each with its own flags."""
+    parser = _OneLineParser(prog="python -m specdec_rt", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-vv: per round)")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub)
+    demo = sub.add_parser("demo", help="the main job: build the default model if needed, stream, compare")
+    _model_args(demo)
+    demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.add_argument("--no-build", action="store_true", help="fail instead of building a missing model")
+    bench = sub.add_parser("bench", help="side-by-side benchmark (see docs/benchmarks.md)")
+    _model_args(bench)
+    add_bench_arguments(bench)
+    _model_args(add_serve_parser(sub))  # the OpenAI-compatible server: specdec_rt/serve, docs/serving.md
+    tune = sub.add_parser(
+        "tune", help="measure which precision and draft of a model run fastest here (serve's --precision auto)"
+    )
+    add_tune_arguments(tune, _count)
+    add_loadtest_arguments(
+        sub.add_parser(
+            "loadtest", help="concurrent streaming clients against the server on loopback (docs/benchmarks.md)"
+        )
+    )
+    return parser
 
+
+def _add_generate_parser(sub: argparse._SubParsersAction[_OneLineParser]) -> None:
     gen = sub.add_parser("generate", help="generate text with speculative (or plain) decoding")
     _model_args(gen)
     gen.add_argument("--prompt", required=True, help="the prompt text (a user message with --chat)")
@@ -70,92 +115,62 @@ def main(argv: list[str] | None = None) -> int:
         help="with --json: each token's log-probability and its N (0-20) most likely alternatives",
     )
 
-    demo = sub.add_parser("demo", help="the main job: build the default model if needed, stream, compare")
-    _model_args(demo)
-    demo.add_argument("--max-new-tokens", type=int, default=96)
-    demo.add_argument("--no-build", action="store_true", help="fail instead of building a missing model")
 
-    bench = sub.add_parser("bench", help="side-by-side benchmark (see docs/benchmarks.md)")
-    _model_args(bench)
-    add_bench_arguments(bench)
+def _run(args: argparse.Namespace) -> int:
+    """Run the parsed command; its exit status."""
+    if args.command == "loadtest":
+        return run_loadtest(args)
+    if args.command == "generate":
+        return anyio.run(_generate, args)
+    if args.command == "demo":
+        from .tooling.demo import run_demo
 
-    _model_args(add_serve_parser(sub))  # the OpenAI-compatible server: specdec_rt/serve, docs/serving.md
+        return anyio.run(run_demo, args)
+    if args.command == "serve":
+        return run_serve(args)
+    if args.command == "tune":
+        from .tooling.tune import run_tune
 
-    add_tune_arguments(
-        sub.add_parser(
-            "tune",
-            help="measure which precision and draft of a model run fastest here (serve's --precision auto)",
-        ),
-        _count,
-    )
+        return run_tune(args)
+    return _run_bench(args)
 
-    add_loadtest_arguments(
-        sub.add_parser(
-            "loadtest", help="concurrent streaming clients against the server on loopback (docs/benchmarks.md)"
-        )
-    )
 
-    args = parser.parse_args(argv)
-    configure_cli_logging(logging.WARNING - 10 * min(args.verbose, 2))
-    if args.command != "loadtest":  # the load test is an HTTP client: no model in this process
-        from .ort import use_global_thread_pool
+def _run_bench(args: argparse.Namespace) -> int:
+    """``bench``: the flags pick one benchmark; they are checked before any model loads."""
+    from .tooling.bench.agreement import check_agreement_args
 
-        use_global_thread_pool(args.threads)  # we own this process: one ONNX Runtime pool for all models
-    try:
-        if args.command == "loadtest":
-            return run_loadtest(args)
-        if args.command == "generate":
-            return anyio.run(_generate, args)
-        if args.command == "demo":
-            from .tooling.demo import run_demo
+    if check_agreement_args(args):  # a benchmark of its own, with its own flags' checks
+        from .tooling.bench.agreement import run_agreement
 
-            return anyio.run(run_demo, args)
-        if args.command == "serve":
-            return run_serve(args)
-        if args.command == "tune":
-            from .tooling.tune import run_tune
+        return run_agreement(args)
+    from .tooling.bench.args import check_bench_args
 
-            return run_tune(args)
-        from .tooling.bench.agreement import check_agreement_args
+    check_bench_args(args)  # before any model is loaded: a bad flag costs nothing
+    if args.serve:
+        from .tooling.bench.serving import run_serving_bench
 
-        if check_agreement_args(args):  # a benchmark of its own, with its own flags' checks
-            from .tooling.bench.agreement import run_agreement
+        return run_serving_bench(args)
+    if args.prefill:
+        from .tooling.bench.prefill import run_prefill
 
-            return run_agreement(args)
-        from .tooling.bench.args import check_bench_args
+        return run_prefill(args)
+    if args.prefix_cache:
+        from .tooling.bench.prefix import run_prefix
 
-        check_bench_args(args)  # before any model is loaded: a bad flag costs nothing
-        if args.serve:
-            from .tooling.bench.serving import run_serving_bench
+        return run_prefix(args)
+    if args.concurrency:
+        from .tooling.bench.concurrency import run_concurrency
 
-            return run_serving_bench(args)
-        if args.prefill:
-            from .tooling.bench.prefill import run_prefill
+        return run_concurrency(args)
+    from .tooling.bench import run_bench
 
-            return run_prefill(args)
-        if args.prefix_cache:
-            from .tooling.bench.prefix import run_prefix
-
-            return run_prefix(args)
-        if args.concurrency:
-            from .tooling.bench.concurrency import run_concurrency
-
-            return run_concurrency(args)
-        from .tooling.bench import run_bench
-
-        return run_bench(args)
-    except SpecDecError as exc:
-        print(f"specdec_rt: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("specdec_rt: interrupted", file=sys.stderr)
-        return 130
+    return run_bench(args)
 
 
 class _OneLineParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line on stderr (exit 2); subcommands inherit it."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -184,7 +199,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
 
 
-async def _generate(args) -> int:
+async def _generate(args: argparse.Namespace) -> int:
     if args.mode is None:
         args.mode = "ar" if args.draft == "none" else "spec"
     elif args.mode == "spec" and args.draft == "none":
@@ -230,7 +245,7 @@ async def _generate(args) -> int:
     return 0
 
 
-def _response_format(args) -> dict | None:
+def _response_format(args: argparse.Namespace) -> dict[str, Any] | None:
     """``--json-object`` / ``--json-schema FILE`` as a response format, checked before a model loads."""
     if args.json_object:
         return {"type": "json_object"}
@@ -251,7 +266,7 @@ def _response_format(args) -> dict | None:
     return rf
 
 
-def _logprob_json(engine, token: int, entry) -> dict:
+def _logprob_json(engine: Engine, token: int, entry: TokenLogprob) -> dict[str, Any]:
     """One token's log-probability for the CLI's JSON: ids, texts (U+FFFD where a token holds
     part of a character), values."""
 
@@ -266,7 +281,7 @@ def _logprob_json(engine, token: int, entry) -> dict:
     }
 
 
-def stats_json(stats) -> dict:
+def stats_json(stats: Stats) -> dict[str, Any]:
     """The CLI's stats object: the contract keys first, then everything else."""
     d = stats.to_dict()
     head = {k: d.pop(k) for k in ("tokens_per_s", "acceptance_rate", "mean_accepted", "mode")}

@@ -78,9 +78,9 @@ class ToyLM(LanguageModel):
         order: int = 2,
         seed: int = 0,
         sharpness: float = 2.0,
+        *,
         max_length: int = 4096,
         table: np.ndarray | None = None,
-        *,
         slots: int = 16,
         prefix_cache_tokens: int = 0,
         cache_entries: int | None = None,
@@ -369,7 +369,7 @@ def toy_engine(target: LanguageModel, drafter: DraftInferrer | None, folder, **o
 
 
 def toy_pair(
-    vocab_size: int = 8, order: int = 2, seed: int = 0, distance: float = 0.5, sharpness: float = 2.0, **options
+    vocab_size: int = 8, order: int = 2, seed: int = 0, distance: float = 0.5, *, sharpness: float = 2.0, **options
 ) -> tuple[ToyLM, ToyLM]:
     """``(target, draft)``: the draft's logits are ``(1-distance)*target + distance*noise``.
     ``options``: more :class:`ToyLM` options for both (``max_length``, ``prefix_cache_tokens``, ...)."""
@@ -384,6 +384,7 @@ def toy_scheduler(
     vocab_size: int = 8,
     seed: int = 0,
     config: SpecConfig | None = None,
+    *,
     eos_ids: Iterable[int] = (),
     batched: bool = False,
     **options,
@@ -419,6 +420,7 @@ async def sequence_counts(
     prompt: Sequence[int],
     length: int,
     params: SamplingParams,
+    *,
     n: int,
     rng: np.random.Generator,
     mode: str = "spec",
@@ -437,6 +439,7 @@ async def run_together(
     prompts: Sequence[Sequence[int]],
     n: int,
     params: Sequence[SamplingParams],
+    *,
     mode: str = "spec",
 ) -> list[list[int]]:
     """The generated ids of ``prompts`` run at once (one task each: a batched scheduler batches
@@ -509,6 +512,7 @@ async def check_greedy_lossless(
     verifier: TargetVerifier,
     prompts: Iterable[Sequence[int]],
     max_new_tokens: int = 32,
+    *,
     eos_ids: Iterable[int] = (),
 ) -> None:
     """Assert that greedy speculative decoding with ``drafter`` reproduces greedy plain decoding

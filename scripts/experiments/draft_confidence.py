@@ -32,7 +32,7 @@ from specdec_rt.ort.model import OrtModel
 from specdec_rt.text.codec import TextCodec
 
 
-def teacher_forced(target: OrtModel, draft: OrtModel, codec, eos, messages, n_new: int):
+def teacher_forced(target: OrtModel, draft: OrtModel, codec, eos, *, messages, n_new: int):
     """(confidence [n], logit gap [n], agrees [n]) of the draft at the target's greedy answer."""
     ids = np.array(codec.encode_prompt(messages), dtype=np.int64)
     s = target.start()
@@ -53,7 +53,7 @@ def teacher_forced(target: OrtModel, draft: OrtModel, codec, eos, messages, n_ne
     return q.max(-1), top2[:, 1] - top2[:, 0], q.argmax(-1) == np.array(out)
 
 
-def replay(conf, agree, k: int, tau: float, d: float, s: float, jump: float) -> float:
+def replay(conf, agree, k: int, tau: float, *, d: float, s: float, jump: float) -> float:
     """Tokens per target-step unit of rounds with at most k drafts and the floor tau."""
     tokens = cost = 0.0
     for c, a in zip(conf, agree):
@@ -92,7 +92,7 @@ def main() -> None:
     draft = OrtModel(m.path(path, "drafts.path"), max_length=1024, threads=a.threads)
     codec, eos = TextCodec.from_manifest(m), set(m.eos_ids)
     rows = [json.loads(x) for x in open(a.prompts) if x.strip()]
-    conf, gap, agree = zip(*(teacher_forced(target, draft, codec, eos, r["messages"], a.max_new_tokens)
+    conf, gap, agree = zip(*(teacher_forced(target, draft, codec, eos, messages=r["messages"], n_new=a.max_new_tokens)
                              for r in rows))
     c, g, y = np.concatenate(conf), np.concatenate(gap), np.concatenate(agree)
     print(f"{len(rows)} answers, {y.size} positions, draft agrees with the target on {y.mean():.3f}")
@@ -106,7 +106,7 @@ def main() -> None:
     print("tokens per target-step unit; k = most drafts a round, tau = the confidence floor")
     print("k   " + " ".join(f"tau={t:<4g}" for t in taus))
     for k in (4, 6, 8, 12):
-        print(f"{k:<3} " + " ".join(f"{replay(conf, agree, k, t, a.d, a.s, a.jump):8.3f}" for t in taus))
+        print(f"{k:<3} " + " ".join(f"{replay(conf, agree, k, t, d=a.d, s=a.s, jump=a.jump):8.3f}" for t in taus))
 
 
 if __name__ == "__main__":

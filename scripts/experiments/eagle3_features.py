@@ -52,7 +52,7 @@ def hidden_features(model, **inputs):
     return torch.cat([rms(hs[LOW]), rms(hs[MID]), h], -1), model.lm_head(h)
 
 
-def make_shards(model, prompts, folder: Path, eos, log, batch=64, max_new=128):
+def make_shards(model, prompts, folder: Path, eos, *, log, batch=64, max_new=128):
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     for i in range(0, len(prompts), batch):
@@ -94,7 +94,7 @@ def variant_losses(variant: str):
     return lambda model, b, depth: T._losses(model, b, depth, inputs=last, target=last, feat_w=feat_w)
 
 
-def run_variant(variant, make_head, train_b, evals, cfg, log):
+def run_variant(variant, make_head, train_b, evals, *, cfg, log):
     """One training run (``export.draft.train.train``, in a scratch folder), then agreement on
     every evaluation set."""
     torch.manual_seed(cfg.seed)
@@ -153,7 +153,7 @@ def main() -> None:
         if len(list((out / "data" / name).glob("shard-?????.npz"))) < -(-len(prompts) // 64):
             model = model or _load_torch(source)
             log(f"data: {name}, {len(prompts)} prompts")
-        sets[name] = make_shards(model, prompts, out / "data" / name, eos, log) if model else \
+        sets[name] = make_shards(model, prompts, out / "data" / name, eos, log=log) if model else \
             D.load_shards(out / "data" / name)
     del model
     sizes = sorted({int(x) for x in a.sizes.split(",") if x} | {a.shards})
@@ -176,7 +176,7 @@ def main() -> None:
                     continue
                 make = (lambda: LayersHead(_new_head(folder, tm, vocab)[0], H)) if v == "layers" else \
                     (lambda: _new_head(folder, tm, vocab)[0])
-                r = run_variant(v, make, train_b, evals, cfg, log)
+                r = run_variant(v, make, train_b, evals, cfg=cfg, log=log)
                 r["answer_tokens"] = sum(s.answer_tokens for s in shards)
                 report["runs"][key] = r
                 log(f"{key}: " + json.dumps({k: x for k, x in r.items() if k != "curve"}))

@@ -68,7 +68,7 @@ def _propose(table: Table, ctx: list[int], n_max: int, conf: float) -> int | Non
 
 
 def replay(
-    build: list[list[int]], held: list[list[int]], n_max: int, k: int, conf: float, costs: list[float], dynamic: bool
+    build: list[list[int]], held: list[list[int]], n_max: int, k: int, *, conf: float, costs: list[float], dynamic: bool
 ) -> float:
     """Tokens per step-equivalent over the held-out answers (see the module docstring)."""
     table: Table = [{} for _ in range(n_max + 1)]
@@ -112,7 +112,7 @@ def main() -> None:
     print("dynamic conf " + " ".join(f"{'k=' + str(k):>6}" for k in range(1, len(costs))))
     for dynamic in (False, True):
         for conf in (0.0, 0.3, 0.5, 0.7):
-            row = [replay(build, held, a.n_max, k, conf, costs, dynamic) for k in range(1, len(costs))]
+            row = [replay(build, held, a.n_max, k, conf=conf, costs=costs, dynamic=dynamic) for k in range(1, len(costs))]
             print(f"{dynamic!s:>7} {conf:4.1f} " + " ".join(f"{x:6.3f}" for x in row))
     table: Table = [{} for _ in range(a.n_max + 1)]
     for seq in build:

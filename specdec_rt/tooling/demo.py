@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from argparse import Namespace
 
 from ..engine.loading import ensure_built, load_engine
 
@@ -28,7 +29,7 @@ def _say(msg: str) -> None:
     print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
 
-async def run_demo(args) -> int:
+async def run_demo(args: Namespace) -> int:
     ensure_built(args.model, allow_build=not args.no_build, say=_say)
     t0 = time.perf_counter()
     engine = await load_engine(args)

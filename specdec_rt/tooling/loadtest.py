@@ -26,7 +26,9 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..engine.loading import DEFAULT_MODEL, ensure_built
@@ -36,6 +38,9 @@ from .loadtest_report import OK, REJECTED, RequestSample, format_markdown, forma
 from .prompt_files import read_prompt_file
 from .reports import write_report
 from .sse_client import SSEEvent, SSEParser, interpret, one_request  # noqa: F401 - the client, re-exported
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = ["add_arguments", "run_loadtest", "check_loopback", "SSEParser", "read_prompts", "LoadTestError"]
 
@@ -78,7 +83,7 @@ def check_loopback(url: str) -> str:
 
 
 # ----------------------------------------------------------------------------------- SSE parsing
-def read_prompts(path: str | None = None) -> list[list[dict]]:
+def read_prompts(path: str | None = None) -> list[list[dict[str, Any]]]:
     """Chat messages per prompt, from the bench's JSONL format (``{"messages": [...]}`` or
     ``{"prompt": "..."}``, sent as one user message; :func:`~specdec_rt.tooling.prompt_files.read_prompt_file`
     checks it); the built-in bench prompts by default."""
@@ -105,12 +110,13 @@ class _Budget:
 
 
 async def run_phase(
-    client,
+    client: httpx.AsyncClient,
     url: str,
     model: str,
     mode: str,
+    *,
     concurrency: int,
-    prompts: list,
+    prompts: list[list[dict[str, Any]]],
     max_tokens: int,
     count: int,
     seconds: float,
@@ -157,7 +163,8 @@ async def run_phase(
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
@@ -174,7 +181,7 @@ class ServerProcess:
     """``python -m specdec_rt serve`` on a free loopback port, its output in ``log_path``;
     ``stop()`` sends SIGTERM (SIGKILL after ``grace_s``)."""
 
-    def __init__(self, model: str, slots: int, max_queued: int, extra: list[str], log_path: Path) -> None:
+    def __init__(self, model: str, *, slots: int, max_queued: int, extra: list[str], log_path: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [
@@ -193,7 +200,7 @@ class ServerProcess:
             *extra,
         ]
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         _log(f"starting the server: {shlex.join(self.cmd[1:])} (output in {self.log_path})")
@@ -263,6 +270,19 @@ class ServerProcess:
 # ----------------------------------------------------------------------------------- the CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``loadtest`` subcommand's options."""
+    _add_server_arguments(p)
+    _add_load_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    p.add_argument(
+        "--out",
+        default="loadtest-out",
+        metavar="DIR",
+        help="folder for loadtest.json, .md, .png (default ./loadtest-out)",
+    )
+
+
+def _add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """The server under test: ``--url``, or one started here with ``--model`` and its options."""
     target = p.add_mutually_exclusive_group()
     target.add_argument("--url", help="a running server on this machine, e.g. http://127.0.0.1:8000")
     target.add_argument(
@@ -270,6 +290,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="start `python -m specdec_rt serve --model MODEL` on a free loopback "
         "port for the test (built first if it is a recipe)",
     )
+    p.add_argument(
+        "--served-model",
+        default=None,
+        metavar="NAME",
+        help="the requests' 'model' field (default: the first of the server's /v1/models)",
+    )
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="send `Authorization: Bearer KEY` (default: the first key in $SPECDEC_API_KEY, which a "
+        "server started with --model also reads)",
+    )
+    p.add_argument(
+        "--slots", type=int, default=None, help="with --model: the server's --slots (default: the highest concurrency)"
+    )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=None,
+        help="with --model: the server's --max-queued (default: the highest concurrency)",
+    )
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="with --model: more server options, e.g. --server-arg='--draft none' (repeatable)",
+    )
+    p.add_argument(
+        "--startup-timeout", type=float, default=300.0, metavar="S", help="seconds to wait for the server's /health"
+    )
+
+
+def _add_load_arguments(p: argparse.ArgumentParser) -> None:
+    """The load: levels, modes, requests per phase, what each request asks for, time bounds."""
     bound = p.add_mutually_exclusive_group()
     bound.add_argument(
         "--requests",
@@ -313,44 +368,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds before one request counts as an error (default 120)",
     )
-    p.add_argument(
-        "--served-model",
-        default=None,
-        metavar="NAME",
-        help="the requests' 'model' field (default: the first of the server's /v1/models)",
-    )
-    p.add_argument(
-        "--slots", type=int, default=None, help="with --model: the server's --slots (default: the highest concurrency)"
-    )
-    p.add_argument(
-        "--max-queued",
-        type=int,
-        default=None,
-        help="with --model: the server's --max-queued (default: the highest concurrency)",
-    )
-    p.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        metavar="ARGS",
-        help="with --model: more server options, e.g. --server-arg='--draft none' (repeatable)",
-    )
-    p.add_argument(
-        "--startup-timeout", type=float, default=300.0, metavar="S", help="seconds to wait for the server's /health"
-    )
-    p.add_argument(
-        "--api-key",
-        metavar="KEY",
-        help="send `Authorization: Bearer KEY` (default: the first key in $SPECDEC_API_KEY, which a "
-        "server started with --model also reads)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    p.add_argument(
-        "--out",
-        default="loadtest-out",
-        metavar="DIR",
-        help="folder for loadtest.json, .md, .png (default ./loadtest-out)",
-    )
 
 
 def _levels(text: str) -> list[int]:
@@ -363,7 +380,7 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
-def _check(args) -> tuple[list[int], list[str]]:
+def _check(args: argparse.Namespace) -> tuple[list[int], list[str]]:
     levels = _levels(args.concurrency)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in ("spec", "ar") for m in modes):
@@ -407,7 +424,7 @@ def api_key(flag: str | None = None) -> str | None:
     return keys[0] if keys else None
 
 
-def run_loadtest(args) -> int:
+def run_loadtest(args: argparse.Namespace) -> int:
     import anyio
 
     levels, modes = _check(args)  # before anything is started or imported
@@ -418,9 +435,7 @@ def run_loadtest(args) -> int:
     return anyio.run(_main, args, levels, modes)
 
 
-async def _main(args, levels: list[int], modes: list[str]) -> int:
-    import httpx
-
+async def _main(args: argparse.Namespace, levels: list[int], modes: list[str]) -> int:
     prompts = read_prompts(args.prompts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -430,10 +445,10 @@ async def _main(args, levels: list[int], modes: list[str]) -> int:
         ensure_built(model, say=_log)  # its progress here, not hidden in the server's log
         server = ServerProcess(
             model,
-            args.slots or max(levels),
-            args.max_queued or max(levels),
-            [a for extra in args.server_arg for a in shlex.split(extra)],
-            out / "server.log",
+            slots=args.slots or max(levels),
+            max_queued=args.max_queued or max(levels),
+            extra=[a for extra in args.server_arg for a in shlex.split(extra)],
+            log_path=out / "server.log",
         )
         server.start()
     try:
@@ -441,7 +456,7 @@ async def _main(args, levels: list[int], modes: list[str]) -> int:
             took = await server.wait_ready(args.startup_timeout)
             _log(f"server ready at {server.url} after {took:.1f} s")
         url = server.url if server else args.url
-        report = await _run_levels(url, levels, modes, prompts, args, httpx)
+        report = await _run_levels(url, levels, modes, prompts=prompts, args=args)
     finally:
         if server:
             server_status = server.stop()
@@ -455,7 +470,7 @@ async def _main(args, levels: list[int], modes: list[str]) -> int:
     if png is None:
         _log("matplotlib is not installed: no chart (pip install matplotlib)")
     report["chart"] = str(png) if png else None
-    write_report(out, "loadtest", report, format_markdown(report), format_table(report), args.json)
+    write_report(out, "loadtest", report, format_markdown(report), table=format_table(report), as_json=args.json)
     _log(f"wrote {out / 'loadtest.json'}, {out / 'loadtest.md'}" + (f" and {png}" if png else ""))
     failed = sum(p["ok"] for p in report["phases"]) == 0
     if failed:
@@ -463,7 +478,7 @@ async def _main(args, levels: list[int], modes: list[str]) -> int:
     return 1 if failed else 0
 
 
-async def _served_entry(client, url: str) -> dict:
+async def _served_entry(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
     """The first entry of ``GET /v1/models`` (``id``, and from our server ``draft``,
     ``precision``...), else ``{}``; :class:`LoadTestError` when nothing answers at ``url``."""
     import httpx
@@ -482,7 +497,7 @@ async def _served_entry(client, url: str) -> dict:
     return entry if isinstance(entry, dict) else {}
 
 
-def _modes_for(modes: list[str], entry: dict) -> list[str]:
+def _modes_for(modes: list[str], entry: dict[str, Any]) -> list[str]:
     """``modes`` less ``spec`` when the server says it runs no draft (``draft: "none"``: what
     ``serve``'s tuning may choose, or ``--draft none``), which refuses spec requests."""
     if entry.get("draft") != "none" or "spec" not in modes:
@@ -497,82 +512,63 @@ def _modes_for(modes: list[str], entry: dict) -> list[str]:
     return left
 
 
-async def _run_levels(url: str, levels: list[int], modes: list[str], prompts: list, args, httpx) -> dict:
+@dataclass(frozen=True)
+class _Target:
+    """Where the phases send their requests: the client, the server's URL, the served model name
+    and the prompts, with the request settings of ``args``."""
+
+    client: httpx.AsyncClient
+    url: str
+    served: str
+    prompts: list[list[dict[str, Any]]]
+    args: argparse.Namespace
+
+    async def phase(
+        self, mode: str, *, concurrency: int, count: int, seconds: float
+    ) -> tuple[list[RequestSample], float]:
+        """:func:`run_phase` against this target."""
+        return await run_phase(
+            self.client,
+            self.url,
+            self.served,
+            mode,
+            concurrency=concurrency,
+            prompts=self.prompts,
+            max_tokens=self.args.max_tokens,
+            count=count,
+            seconds=seconds,
+            timeout_s=self.args.request_timeout,
+            temperature=self.args.temperature,
+        )
+
+
+def _client(args: argparse.Namespace, clients: int) -> httpx.AsyncClient:
+    """An HTTP client for ``clients`` concurrent streams, with ``--api-key``'s header. No proxy
+    from the environment (``trust_env=False``); redirects are not followed (loopback only)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=clients + 2)
+    timeout = httpx.Timeout(args.request_timeout, connect=10.0)
+    headers = {"Authorization": f"Bearer {key}"} if (key := api_key(args.api_key)) else None
+    return httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout, headers=headers)
+
+
+async def _run_levels(
+    url: str, levels: list[int], modes: list[str], *, prompts: list[list[dict[str, Any]]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The warm-up, then every (level, mode) phase; the report less what :func:`_main` adds."""
     count = args.requests or (MAX_REQUESTS_PER_PHASE if args.duration else 16)
     seconds = args.duration or args.time_limit
-    limits = httpx.Limits(max_connections=max(levels) + 2, max_keepalive_connections=max(levels) + 2)
-    timeout = httpx.Timeout(args.request_timeout, connect=10.0)
-    phases, requests = [], []
-    e2e_by_mode: dict[str, float] = {}
     t_start = time.perf_counter()
-    # trust_env=False: no proxy from the environment; redirects are not followed (loopback only)
-    headers = {"Authorization": f"Bearer {key}"} if (key := api_key(args.api_key)) else None
-    async with httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout, headers=headers) as client:
+    async with _client(args, max(levels)) as client:
         entry = await _served_entry(client, url)
-        served = args.served_model or str(entry.get("id") or "default")
+        target = _Target(client, url, args.served_model or str(entry.get("id") or "default"), prompts, args)
         modes = _modes_for(modes, entry)
-        for mode in modes if args.warmup else ():
-            samples, _ = await run_phase(
-                client,
-                url,
-                served,
-                mode,
-                1,
-                prompts,
-                args.max_tokens,
-                args.warmup,
-                min(seconds, args.request_timeout * args.warmup),
-                args.request_timeout,
-                args.temperature,
-            )
-            bad = [s for s in samples if s.status != OK]
-            _log(
-                f"warm-up {mode}: {len(samples) - len(bad)}/{len(samples)} ok"
-                + (f" ({bad[0].error or 'HTTP 429'})" if bad else "")
-            )
+        await _warm_up(target, modes, seconds)
         todo = [(c, m) for c in levels for m in modes]
-        for n, (c, mode) in enumerate(todo):
-            samples, wall = await run_phase(
-                client,
-                url,
-                served,
-                mode,
-                c,
-                prompts,
-                args.max_tokens,
-                count,
-                seconds,
-                args.request_timeout,
-                args.temperature,
-            )
-            p = summarize_phase(samples, wall, c, mode)
-            phases.append(p)
-            requests += [{"concurrency": c, **s.to_dict()} for s in samples]
-            if p["e2e_p50_ms"] is not None:
-                e2e_by_mode[mode] = p["e2e_p50_ms"] / 1e3
-            _log(
-                f"[{n + 1}/{len(todo)}] concurrency {c} {mode}: {p['ok']} ok, {p['rejected_429']} 429, "
-                f"{p['errors']} errors, {p['tokens_per_s']:.1f} tok/s, TTFT p50 {_fmt_ms(p['ttft_p50_ms'])}, "
-                f"ITL p50 {_fmt_ms(p['itl_p50_ms'])} ({wall:.1f} s); "
-                f"ETA {_eta(todo[n + 1 :], args, count, e2e_by_mode)}"
-                + (f"; e.g. {p['error_examples'][0]}" if p["error_examples"] else "")
-            )
+        phases, requests = await _measure(target, todo, count=count, seconds=seconds)
     return {
-        "settings": {
-            "concurrency": levels,
-            "modes": modes,
-            "requests": None if args.duration else count,
-            "duration": args.duration,
-            "requests_per_phase_bound": count,
-            "seconds_per_phase_bound": seconds,
-            "max_tokens": args.max_tokens,
-            "temperature": args.temperature,
-            "prompts": args.prompts or "built-in",
-            "n_prompts": len(prompts),
-            "warmup": args.warmup,
-            "request_timeout_s": args.request_timeout,
-            "served_model": served,
-        },
+        "settings": _settings(target, levels, modes, count=count, seconds=seconds),
         "phases": phases,
         "speedup_spec_vs_ar": speedups(phases),
         "total_s": round(time.perf_counter() - t_start, 3),
@@ -580,11 +576,75 @@ async def _run_levels(url: str, levels: list[int], modes: list[str], prompts: li
     }
 
 
+async def _warm_up(target: _Target, modes: list[str], seconds: float) -> None:
+    """``--warmup`` unmeasured requests per mode, one client."""
+    args = target.args
+    for mode in modes if args.warmup else ():
+        budget = min(seconds, args.request_timeout * args.warmup)
+        samples, _ = await target.phase(mode, concurrency=1, count=args.warmup, seconds=budget)
+        bad = [s for s in samples if s.status != OK]
+        _log(
+            f"warm-up {mode}: {len(samples) - len(bad)}/{len(samples)} ok"
+            + (f" ({bad[0].error or 'HTTP 429'})" if bad else "")
+        )
+
+
+async def _measure(
+    target: _Target, todo: list[tuple[int, str]], *, count: int, seconds: float
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each (concurrency, mode) phase of ``todo`` in turn: the phase summaries and every request."""
+    phases: list[dict[str, Any]] = []
+    requests: list[dict[str, Any]] = []
+    e2e_by_mode: dict[str, float] = {}
+    for done, (clients, mode) in enumerate(todo, 1):
+        samples, wall = await target.phase(mode, concurrency=clients, count=count, seconds=seconds)
+        phase = summarize_phase(samples, wall, clients, mode)
+        phases.append(phase)
+        requests += [{"concurrency": clients, **s.to_dict()} for s in samples]
+        if phase["e2e_p50_ms"] is not None:
+            e2e_by_mode[mode] = phase["e2e_p50_ms"] / 1e3
+        eta = _eta(todo[done:], target.args, count, e2e_by_mode)
+        _log(
+            f"[{done}/{len(todo)}] concurrency {clients} {mode}: {_phase_line(phase)} ({wall:.1f} s); ETA {eta}"
+            + (f"; e.g. {phase['error_examples'][0]}" if phase["error_examples"] else "")
+        )
+    return phases, requests
+
+
+def _phase_line(phase: dict[str, Any]) -> str:
+    """A phase's counts, tokens/s and p50 latencies for the progress line."""
+    return (
+        f"{phase['ok']} ok, {phase['rejected_429']} 429, {phase['errors']} errors, "
+        f"{phase['tokens_per_s']:.1f} tok/s, TTFT p50 {_fmt_ms(phase['ttft_p50_ms'])}, "
+        f"ITL p50 {_fmt_ms(phase['itl_p50_ms'])}"
+    )
+
+
+def _settings(target: _Target, levels: list[int], modes: list[str], *, count: int, seconds: float) -> dict[str, Any]:
+    """The report's settings."""
+    args = target.args
+    return {
+        "concurrency": levels,
+        "modes": modes,
+        "requests": None if args.duration else count,
+        "duration": args.duration,
+        "requests_per_phase_bound": count,
+        "seconds_per_phase_bound": seconds,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "prompts": args.prompts or "built-in",
+        "n_prompts": len(target.prompts),
+        "warmup": args.warmup,
+        "request_timeout_s": args.request_timeout,
+        "served_model": target.served,
+    }
+
+
 def _fmt_ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f} ms"
 
 
-def _eta(rest: list[tuple[int, str]], args, count: int, e2e_by_mode: dict[str, float]) -> str:
+def _eta(rest: list[tuple[int, str]], args: argparse.Namespace, count: int, e2e_by_mode: dict[str, float]) -> str:
     """Time left: --duration per phase, or ceil(requests / clients) x the last p50 end-to-end
     latency of that mode (latency grows with load, so this is a lower bound)."""
     if not rest:

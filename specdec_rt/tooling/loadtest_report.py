@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from .reports import pyplot, save_figure
 
@@ -30,8 +30,8 @@ class RequestSample:
     retry_after: float | None = None  # a 429's Retry-After, seconds
     error: str | None = None
 
-    def to_dict(self) -> dict:
-        d = {
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
             "mode": self.mode,
             "status": self.status,
             "ttft_ms": _ms(self.ttft),
@@ -62,7 +62,7 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def summarize_phase(samples: Sequence[RequestSample], wall_s: float, concurrency: int, mode: str) -> dict:
+def summarize_phase(samples: Sequence[RequestSample], wall_s: float, concurrency: int, mode: str) -> dict[str, Any]:
     """One (concurrency, mode) phase. Throughput counts the completion tokens of successful
     requests over the phase's wall time (first request sent to last response finished); the
     latency percentiles are over successful requests (ITL: over all their chunk gaps, pooled)."""
@@ -78,7 +78,7 @@ def summarize_phase(samples: Sequence[RequestSample], wall_s: float, concurrency
         if s.e2e is not None and s.ttft is not None and s.completion_tokens > 1
     ]
 
-    def ms(xs, q):
+    def ms(xs: list[float], q: float) -> float | None:
         v = percentile(xs, q)
         return None if v is None else round(v * 1e3, 3)
 
@@ -106,17 +106,17 @@ def summarize_phase(samples: Sequence[RequestSample], wall_s: float, concurrency
     }
 
 
-def speedups(phases: Sequence[dict], num: str = "spec", den: str = "ar") -> dict[int, float]:
+def speedups(phases: Sequence[dict[str, Any]], num: str = "spec", den: str = "ar") -> dict[int, float]:
     """tokens/s of mode ``num`` over mode ``den`` at each concurrency where both ran."""
     by = {(p["concurrency"], p["mode"]): p["tokens_per_s"] for p in phases}
     return {c: round(by[c, num] / by[c, den], 3) for (c, m) in by if m == num and (c, den) in by and by[c, den] > 0}
 
 
-def _f(v, fmt: str, unit: str = "") -> str:
+def _f(v: float | None, fmt: str, unit: str = "") -> str:
     return "-" if v is None else format(v, fmt) + unit
 
 
-def format_table(report: dict) -> str:
+def format_table(report: dict[str, Any]) -> str:
     """The plain-text result table (stdout)."""
     rows = [
         f"{'conc':>4} {'mode':<5} {'tok/s':>8} {'req/s':>6} {'ok':>5} {'429':>5} {'err':>4} "
@@ -135,7 +135,7 @@ def format_table(report: dict) -> str:
     return "\n".join(rows)
 
 
-def format_markdown(report: dict) -> str:
+def format_markdown(report: dict[str, Any]) -> str:
     """Markdown: the settings line and one table row per (concurrency, mode)."""
     s = report["settings"]
     bound = f"{s['duration']:g} s" if s.get("duration") else f"{s['requests']} requests"
@@ -161,7 +161,7 @@ def format_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: Path) -> Path | None:
+def plot(report: dict[str, Any], path: Path) -> Path | None:
     """tokens/s vs concurrency (one line per mode) and TTFT p50 vs concurrency; ``None`` (and no
     file) when matplotlib is not installed."""
     plt = pyplot()

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from ..errors import InvalidInputError
 
 __all__ = ["read_prompt_file", "label"]
 
 
-def read_prompt_file(path: str | None, default: str = "data/prompts.jsonl") -> list[dict]:
+def read_prompt_file(path: str | None, default: str = "data/prompts.jsonl") -> list[dict[str, Any]]:
     """``[{"text": str | messages, "category": str}]`` from a JSONL file of ``{"prompt": ...}`` /
     ``{"messages": [...]}`` lines (optional ``"category"``), or the packaged ``default``. A file
     that cannot be read, a line that is not such an object, or a file with no prompt is a
@@ -56,7 +57,7 @@ def read_prompt_file(path: str | None, default: str = "data/prompts.jsonl") -> l
     return out
 
 
-def label(text) -> str:
+def label(text: str | list[dict[str, Any]]) -> str:
     """A prompt's text for progress lines: the string, or the last message's text."""
     if isinstance(text, str):
         return text

@@ -9,10 +9,14 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .loadtest_report import ERROR, OK, REJECTED, RequestSample
 
 __all__ = ["SSEEvent", "SSEParser", "interpret", "one_request"]
+
+if TYPE_CHECKING:
+    import httpx
 
 
 @dataclass
@@ -112,39 +116,61 @@ def _retry_after(value: str | None) -> float | None:
     return v if v is not None and math.isfinite(v) and v >= 0 else None
 
 
-async def one_request(client, url: str, body: dict, timeout_s: float) -> RequestSample:
+class _Recorder:
+    """Times one stream's events into its sample: the first content chunk (TTFT), the gaps
+    between content chunks, the usage chunk's completion tokens; ``done`` after ``[DONE]``."""
+
+    def __init__(self, sample: RequestSample, t0: float) -> None:
+        self.sample, self.t0 = sample, t0
+        self.last: float | None = None
+        self.done = False
+
+    def on_event(self, ev: SSEEvent, now: float) -> None:
+        kind, val = interpret(ev)
+        if kind == "done":
+            self.done = True
+            return
+        if kind == "error":
+            raise _StreamError(str(val))
+        assert isinstance(val, tuple)  # a chunk's (content, usage)
+        content, usage = val
+        sample = self.sample
+        if content:
+            sample.chunks += 1
+            if self.last is None:
+                sample.ttft = now - self.t0
+            else:
+                sample.itl.append(now - self.last)
+            self.last = now
+        if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+            sample.completion_tokens = int(usage["completion_tokens"])
+            sample.usage_reported = True
+
+
+async def _read_stream(resp: httpx.Response, recorder: _Recorder) -> None:
+    """Feed the response's events to ``recorder`` until ``data: [DONE]``; :class:`_StreamError`
+    when the stream ends without it."""
+    parser = SSEParser()
+    async for raw in resp.aiter_bytes():
+        now = time.perf_counter()
+        for ev in parser.feed(raw):
+            recorder.on_event(ev, now)
+        if recorder.done:
+            return
+    for ev in parser.close():
+        recorder.on_event(ev, time.perf_counter())
+    if not recorder.done:
+        raise _StreamError("the stream ended without data: [DONE]")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout_s: float) -> RequestSample:
     """Send one streaming chat completion and time it; never raises for HTTP or stream failures
     (they become an ``error`` sample); bounded by ``timeout_s``."""
     import anyio
     import httpx
 
     s = RequestSample(mode=body.get("mode", "?"))
-    parser = SSEParser()
     t0 = time.perf_counter()
-    last = None
-    done = False
-
-    def on_event(ev: SSEEvent, now: float) -> None:
-        nonlocal last, done
-        kind, val = interpret(ev)
-        if kind == "done":
-            done = True
-        elif kind == "error":
-            raise _StreamError(val)
-        else:
-            assert isinstance(val, tuple)  # a chunk's (content, usage)
-            content, usage = val
-            if content:
-                s.chunks += 1
-                if last is None:
-                    s.ttft = now - t0
-                else:
-                    s.itl.append(now - last)
-                last = now
-            if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
-                s.completion_tokens = int(usage["completion_tokens"])
-                s.usage_reported = True
-
     try:
         with anyio.fail_after(timeout_s):
             async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
@@ -156,17 +182,7 @@ async def one_request(client, url: str, body: dict, timeout_s: float) -> Request
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode("utf-8", "replace")
                     raise _StreamError(f"HTTP {resp.status_code}: {_error_message(text)}")
-                async for raw in resp.aiter_bytes():
-                    now = time.perf_counter()
-                    for ev in parser.feed(raw):
-                        on_event(ev, now)
-                    if done:
-                        break
-                if not done:
-                    for ev in parser.close():
-                        on_event(ev, time.perf_counter())
-                if not done:
-                    raise _StreamError("the stream ended without data: [DONE]")
+                await _read_stream(resp, _Recorder(s, t0))
         s.e2e = time.perf_counter() - t0
         if not s.usage_reported:
             s.completion_tokens = s.chunks  # a server without usage: one token per chunk, a guess

@@ -11,13 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import anyio
+
+if TYPE_CHECKING:
+    from ..engine.tune import Tuned
+    from ..engine.tune_cache import TuneResult
 
 __all__ = ["add_tune_arguments", "run_tune", "format_table"]
 
 
-def add_tune_arguments(p: argparse.ArgumentParser, count_type) -> None:
+def add_tune_arguments(p: argparse.ArgumentParser, count_type: Callable[[str], int]) -> None:
     """The ``tune`` subcommand's arguments (``count_type``: the CLI's integer from 1 to 256, for
     ``--threads`` and ``--slots``)."""
     from ..engine.loading import DEFAULT_MODEL
@@ -47,7 +53,7 @@ def _say(text: str) -> None:
     print(f"[tune] {text}", file=sys.stderr, flush=True)
 
 
-def format_table(result) -> str:
+def format_table(result: TuneResult) -> str:
     """The result as a text table: configuration, tok/s with one stream and at several at once,
     acceptance, exact, one stream's tok/s per prompt category (with the drafts' acceptance
     there), and the chosen row marked."""
@@ -81,7 +87,7 @@ def format_table(result) -> str:
     return "\n".join(lines)
 
 
-def run_tune(args) -> int:
+def run_tune(args: argparse.Namespace) -> int:
     """Measure (or show the cached result), print the table (``--json``: one document)."""
     from ..engine.engine import Engine
     from ..engine.factory import home_manifest, pick_target
@@ -90,7 +96,7 @@ def run_tune(args) -> int:
 
     folder = ensure_built(args.model, allow_build=not args.no_build, say=_say)
 
-    async def go():
+    async def go() -> Tuned:
         return await choose(
             folder,
             Engine.load,

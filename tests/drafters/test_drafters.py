@@ -72,7 +72,7 @@ def test_ngram_sampling_keeps_the_target_distribution(nodes):
     sched = SpecDecScheduler(NgramDrafter(n_min=1), ModelVerifier(target), config)
     params = SamplingParams(temperature=1.0)
     prompt = [1, 2, 1]  # "1" repeats: the drafter always has a proposal
-    counts = anyio.run(sequence_counts, sched, prompt, 3, params, 5000, np.random.default_rng(5))
+    counts = anyio.run(lambda: sequence_counts(sched, prompt, 3, params, n=5000, rng=np.random.default_rng(5)))
     assert chi_square_pvalue(counts, sequence_distribution(target, prompt, 3, params)) > 1e-3
     assert sched.totals.drafted > 0 and (sched.totals.tree_nodes > 0) == (nodes > 0)
 

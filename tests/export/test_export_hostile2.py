@@ -350,7 +350,7 @@ def _validate(monkeypatch, tmp_path, got, ref, **kw):
     monkeypatch.setattr(validate, "KVSession", _FakeSession)
     _FakeSession.table = got
     manifest = {"architecture": {"vocab_size": ref.shape[1], "max_positions": len(ref)}}
-    return validate.validate_graph(tmp_path, manifest, np.arange(len(ref)), ref, 4, **kw)
+    return validate.validate_graph(tmp_path, manifest, np.arange(len(ref)), ref, prompt_len=4, **kw)
 
 
 def test_validation_fails_on_nan_onnx_logits(monkeypatch, tmp_path):
@@ -394,7 +394,9 @@ def test_multi_line_library_errors_become_one_line(monkeypatch, tmp_path, capsys
         raise RuntimeError("Error(s) in loading state_dict for Linear:\n\tsize mismatch for weight")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
-    src = Source("folder", tmp_path, None, "llama", "x")  # a GGUF would be read before the loader runs
+    src = Source(
+        kind="folder", folder=tmp_path, gguf_file=None, family="llama", label="x"
+    )  # a GGUF would be read before the loader runs
     with pytest.raises(CorruptSourceError) as exc:
         src.load_model()
     assert "\n" not in str(exc.value) and "Linear: size mismatch" in str(exc.value)

@@ -157,11 +157,12 @@ def test_recipe_head_is_hash_checked_and_assembled(trained, tiny_llama, tmp_path
     staging = tmp_path / "target"
     shutil.copytree(tiny_llama, staging, ignore=shutil.ignore_patterns("draft-*"))
     head = trained / "head.npz"
-    builder = _Builder(Request(src="x"), "tiny", None, Reporter(quiet=True), {})
-    bad = Job("eagle", "draft", "draft-eagle", None, None, {"path": head, "sha256": "0" * 64})
+    builder = _Builder(Request(src="x"), "tiny", None, Reporter(quiet=True), build={})
+    eagle = {"name": "eagle", "role": "draft", "subdir": "draft-eagle", "ref": None, "quantize": None}
+    bad = Job(**eagle, head={"path": head, "sha256": "0" * 64})
     with pytest.raises(HashMismatchError, match="head.npz"):
         builder.trained_head(bad, staging)
-    good = Job("eagle", "draft", "draft-eagle", None, None, {"path": head, "sha256": sha256_file(head)})
+    good = Job(**eagle, head={"path": head, "sha256": sha256_file(head)})
     builder.trained_head(good, staging)
     m = json.loads((staging / "draft-eagle" / "manifest.json").read_text())
     assert m["kind"] == "eagle" and m["source"]["sha256"] == sha256_file(head)

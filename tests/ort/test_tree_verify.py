@@ -197,7 +197,7 @@ def _tree_samples(folder, params, n, seed=0):
         min_speedup=0.0,
     )
     sched = SpecDecScheduler(OrtDraftInferrer(draft), OrtTargetVerifier(target), config)
-    counts = anyio.run(sequence_counts, sched, PROMPT_IDS, 3, params, n, np.random.default_rng(seed))
+    counts = anyio.run(lambda: sequence_counts(sched, PROMPT_IDS, 3, params, n=n, rng=np.random.default_rng(seed)))
     return (counts, sched.totals), target
 
 

@@ -119,7 +119,7 @@ def test_stopped_chains_keep_the_sampled_distribution(monkeypatch):
     def collect(sampler):
         cfg = SpecConfig(k_init=3, k_max=3, confidence_stop=True, **FORCED)
         sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target, sampler=sampler), cfg)
-        return anyio.run(sequence_counts, sched, prompt, length, params, n, np.random.default_rng(0))
+        return anyio.run(lambda: sequence_counts(sched, prompt, length, params, n=n, rng=np.random.default_rng(0)))
 
     assert chi_square_pvalue(collect(rejection_sample), expected) > 1e-3
     assert sum(stopped) > 0.1 * len(stopped)  # chains did stop early

@@ -32,7 +32,9 @@ CONFIG = SpecConfig(
 def collect(sampler, params: SamplingParams, n: int = N, mode: str = "spec", seed: int = 0) -> dict:
     target, draft = toy_pair(VOCAB, seed=3, distance=0.7)
     sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target, sampler=sampler), CONFIG)
-    return anyio.run(sequence_counts, sched, PROMPT, LENGTH, params, n, np.random.default_rng(seed), mode)
+    return anyio.run(
+        lambda: sequence_counts(sched, PROMPT, LENGTH, params, n=n, rng=np.random.default_rng(seed), mode=mode)
+    )
 
 
 def expected(params: SamplingParams) -> dict:

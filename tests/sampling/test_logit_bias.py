@@ -96,7 +96,7 @@ def test_sampling_keeps_the_biased_target_distribution():
     target, draft = toy_pair(vocab, seed=3, distance=0.7)
     params = SamplingParams(temperature=1.0, logit_bias={0: 1.5, 2: -2.0})
     sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), SpecConfig(k_init=2, **ALWAYS))
-    counts = anyio.run(lambda: sequence_counts(sched, prompt, length, params, n, np.random.default_rng(11)))
+    counts = anyio.run(lambda: sequence_counts(sched, prompt, length, params, n=n, rng=np.random.default_rng(11)))
     expected = sequence_distribution(target, prompt, length, params)
     assert chi_square_pvalue(counts, expected) > 1e-3
     unbiased = sequence_distribution(target, prompt, length, SamplingParams(temperature=1.0))

@@ -114,7 +114,7 @@ def test_sampling_keeps_the_penalized_distribution(tree_nodes):
         ModelVerifier(target),
         SpecConfig(k_min=2, k_init=2, k_max=2, tree_nodes=tree_nodes, **ALWAYS),
     )
-    counts = anyio.run(lambda: sequence_counts(sched, prompt, length, params, n, np.random.default_rng(12)))
+    counts = anyio.run(lambda: sequence_counts(sched, prompt, length, params, n=n, rng=np.random.default_rng(12)))
     assert (target.tree_calls > 0) == (tree_nodes > 0)
     assert chi_square_pvalue(counts, sequence_distribution(target, prompt, length, params)) > 1e-3
     plain = sequence_distribution(target, prompt, length, SamplingParams(temperature=1.0))

@@ -118,7 +118,7 @@ def test_seeded_requests_stay_reproducible_and_sampling_keeps_the_distribution()
     config = SpecConfig(measure_costs=False, fallback_below=0.0, zero_rounds=10**6, min_speedup=0.0)
     combined = CombinedDrafter(NgramDrafter(), ModelDrafter(draft), min_match=2)
     sched = SpecDecScheduler(combined, ModelVerifier(target), config)
-    counts = anyio.run(sequence_counts, sched, prompt, length, params, n, np.random.default_rng(0))
+    counts = anyio.run(lambda: sequence_counts(sched, prompt, length, params, n=n, rng=np.random.default_rng(0)))
     assert chi_square_pvalue(counts, expected) > 1e-3
     assert combined.used["ngram"] >= n and combined.used["model"] > 0  # both kinds of round ran
     seeded = SamplingParams(temperature=0.8, seed=11)

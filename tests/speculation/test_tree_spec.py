@@ -85,7 +85,9 @@ def test_a_target_that_takes_chains_only_verifies_the_main_chain():
 def _collect(params, config, n=N, seed=0):
     target, draft = toy_pair(VOCAB, seed=3, distance=0.7)
     sched = SpecDecScheduler(ModelDrafter(draft), ModelVerifier(target), config)
-    return anyio.run(sequence_counts, sched, PROMPT, LENGTH, params, n, np.random.default_rng(seed)), target
+    return anyio.run(
+        lambda: sequence_counts(sched, PROMPT, LENGTH, params, n=n, rng=np.random.default_rng(seed))
+    ), target
 
 
 TREE = SpecConfig(k_min=2, k_init=2, k_max=2, tree_nodes=2, **ALWAYS)

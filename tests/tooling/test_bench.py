@@ -301,8 +301,8 @@ def test_ratios_pair_the_runs_of_one_repeat():
     for r, secs in ((0, 2.0), (1, 1.0)):
         for p in (0, 1):
             samples += [
-                Sample("ar", p, "chat", [1] * 10, secs, repeat=r),
-                Sample("spec", p, "chat", [1] * 10, secs / 2, repeat=r),
+                Sample(mode="ar", prompt=p, category="chat", token_ids=[1] * 10, seconds=secs, repeat=r),
+                Sample(mode="spec", prompt=p, category="chat", token_ids=[1] * 10, seconds=secs / 2, repeat=r),
             ]
     modes = summarize(samples)["modes"]
     assert modes["ar"]["speedup_vs_ar"] == 1.0 and modes["spec"]["speedup_vs_ar"] == 2.0

@@ -175,7 +175,7 @@ def test_runner_replays_a_run(tmp_path):
     assert args[args.index("-n") + 1] == "64" and args[args.index("-t") + 1] == "2"
     assert stats is None and extra["tokens"] == 64 and extra["text"] == TEXT
     assert secs == pytest.approx(1.87966)
-    sample = Sample("llamacpp_f32", 0, "chat", ids, secs, None, extra)
+    sample = Sample(mode="llamacpp_f32", prompt=0, category="chat", token_ids=ids, seconds=secs, extra=extra)
     assert sample.tokens_per_s == pytest.approx(64 / 1.87966)  # llama.cpp's count, not len(ids)
 
 
@@ -195,15 +195,15 @@ def test_summary_ratios_and_table():
     ar_ids = [ord(c) for c in TEXT]
     st = Stats(mode="ar", new_tokens=64, time_total=1.0, time_to_first_token=0.1)
     st.observe_round(0, 0, 1, t_draft=0.0, t_verify=0.1, ewma=None)
-    ar = Sample("ar", 0, "chat", ar_ids, 1.0, st)  # len(TEXT) tokens in 1 s
+    # len(TEXT) tokens in 1 s
+    ar = Sample(mode="ar", prompt=0, category="chat", token_ids=ar_ids, seconds=1.0, stats=st)
     llama = Sample(
-        "llamacpp_q8_0",
-        0,
-        "chat",
-        ar_ids,
-        2.0,
-        None,
-        {
+        mode="llamacpp_q8_0",
+        prompt=0,
+        category="chat",
+        token_ids=ar_ids,
+        seconds=2.0,
+        extra={
             "tokens": 64,
             "text": TEXT,
             "decode_tokens_per_s": 40.0,

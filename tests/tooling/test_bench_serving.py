@@ -148,7 +148,7 @@ def test_table_and_markdown_show_every_phase_and_ratio():
 
 
 def test_llama_server_command_line():
-    cmd = llama_server_command(Path("/b/llama-server"), Path("/m/x.gguf"), 8, 4096, 2)(5555)
+    cmd = llama_server_command(Path("/b/llama-server"), Path("/m/x.gguf"), slots=8, ctx=4096, threads=2)(5555)
     assert cmd[0] == "/b/llama-server" and "--jinja" in cmd
     pairs = dict(zip(cmd[1::2], cmd[2::2]))
     assert pairs["-np"] == "8" and pairs["-c"] == str(8 * 4096) and pairs["-t"] == pairs["-tb"] == "2"

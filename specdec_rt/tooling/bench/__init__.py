@@ -83,13 +83,20 @@ async def _bench(args) -> int:
     modes = {k: v for k, v in ours.items() if k in wanted}
     hf_wanted = [w for w in wanted if w in HF_MODES]
     if hf_wanted:
-        hf = _hf_modes(hf_wanted, ctx, threads, cache_root() / "bench", report["skipped"])
+        hf = _hf_modes(hf_wanted, ctx, threads=threads, cache_dir=cache_root() / "bench", skipped=report["skipped"])
         modes.update(hf)
     if llama_bin:
         from .llamacpp import llamacpp_modes
 
         llama, report["llama_cpp"] = llamacpp_modes(
-            llama_bin, args.llama_gguf, args.llama_draft, codec, threads, max_length, m, log
+            llama_bin,
+            args.llama_gguf,
+            args.llama_draft,
+            codec,
+            threads=threads,
+            ctx_size=max_length,
+            manifest=m,
+            say=log,
         )
         log(f"llama.cpp modes: {', '.join(llama)}")
         modes.update(llama)
@@ -115,7 +122,7 @@ async def _bench(args) -> int:
     report["chart"] = str(png) if png else None
     acc_png = plot_acceptance(samples, out / "acceptance.png")
     report["acceptance_chart"] = str(acc_png) if acc_png else None
-    write_report(out, "bench", report, markdown, table, args.json)
+    write_report(out, "bench", report, markdown, table=table, as_json=args.json)
     if not args.json:
         if report.get("micro"):
             print("\n" + format_micro(report["micro"]))
@@ -147,14 +154,14 @@ async def _micro(ctx, m, max_length) -> dict:
     return micro
 
 
-def _hf_modes(wanted, ctx, threads, cache_dir, skipped) -> dict:
+def _hf_modes(wanted, ctx, *, threads, cache_dir, skipped) -> dict:
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         for w in wanted:
             skipped[w] = "needs torch + transformers (pip install -e '.[export,bench]')"
         return {}
     from .hf import HFBaselines
 
-    hf = HFBaselines(ctx["manifest"], ctx["draft_manifest"], threads, cache_dir, log)
+    hf = HFBaselines(ctx["manifest"], ctx["draft_manifest"], threads=threads, cache_dir=cache_dir, log=log)
     baselines = {  # one per HF_MODES
         "hf_ar": hf.hf_ar,
         "hf_assisted": hf.hf_assisted,

@@ -300,6 +300,7 @@ def measure(
     quants: Mapping[str, Any],
     chunks: np.ndarray,
     llama_base: KldBase | None = None,
+    *,
     say=_log,
 ) -> dict[str, dict]:
     """Teacher-forced agreement over ``chunks`` ``[n, window]``: each of ``quants`` (label ->
@@ -344,7 +345,7 @@ def _run_perplexity(tool: Path, args: list[str]) -> LlamaKld:
     return parse_perplexity(log)
 
 
-def _llama_side(args, text: Path, window: int, threads: int, manifest, out: Path) -> tuple[dict, KldBase]:
+def _llama_side(args, text: Path, *, window: int, threads: int, manifest, out: Path) -> tuple[dict, KldBase]:
     """llama-perplexity on F32 (the base) and each other GGUF; the base file read back."""
     from .llamacpp import find_tools, resolve_ggufs
 
@@ -462,7 +463,9 @@ def run_agreement(args) -> int:
     chunks = windows(tokens, window, bos)  # the text is checked before anything runs
     llama_base = None
     if args.llama_cpp:
-        report["llama_cpp"], llama_base = _llama_side(args, text, window, threads, manifest, out)
+        report["llama_cpp"], llama_base = _llama_side(
+            args, text, window=window, threads=threads, manifest=manifest, out=out
+        )
         theirs = llama_base.tokens.astype(np.int64)  # [chunks, window]
         diff = _first_difference(np.asarray(tokens[: theirs.size], dtype=np.int64), theirs.reshape(-1))
         report["token_ids_match_llama_cpp"] = diff is None
@@ -526,7 +529,7 @@ def run_agreement(args) -> int:
             )
     report["rows"] = rows
     table = format_agreement(report)
-    write_report(out, "agreement", report, table, table, args.json)
+    write_report(out, "agreement", report, table, as_json=args.json)
     _log(f"wrote {out / 'agreement.json'}, {out / 'agreement.md'}")
     return 0
 

@@ -62,8 +62,8 @@ async def _one(engine, prompt, n: int, mode: str) -> dict:
     return {"ids": ids, "ttft": first, "gaps": gaps}
 
 
-async def run_level(engine, prompts: list, n: int, mode: str, c: int) -> dict:
-    """All prompts through ``c`` closed-loop clients; aggregate and per-request numbers."""
+async def run_level(engine, prompts: list, n: int, mode: str, *, clients: int) -> dict:
+    """All prompts through ``clients`` closed-loop clients; aggregate and per-request numbers."""
     queue = list(enumerate(prompts))[::-1]
     results: dict[int, dict] = {}
     stalls: list[float] = []
@@ -75,7 +75,7 @@ async def run_level(engine, prompts: list, n: int, mode: str, c: int) -> dict:
 
     beat = asyncio.ensure_future(_heartbeat(stalls))
     t0 = time.perf_counter()
-    await asyncio.gather(*[client() for _ in range(c)])
+    await asyncio.gather(*[client() for _ in range(clients)])
     wall = time.perf_counter() - t0
     beat.cancel()
     rs = [results[i] for i in range(len(prompts))]
@@ -140,7 +140,7 @@ async def _concurrency(args) -> int:
                     draft = draft or fresh.draft_name
                 try:
                     for mode in ("spec", "ar") if rep % 2 == 0 else ("ar", "spec"):
-                        r = await run_level(fresh or engine, prompts, n, mode, max(1, c))
+                        r = await run_level(fresh or engine, prompts, n, mode, clients=max(1, c))
                         runs.setdefault(f"{c}/{mode}", []).append(r)
                         log(
                             f"repeat {rep + 1}/{args.repeats} {'sequential' if c == 0 else f'c={c}'} {mode}: "
@@ -169,7 +169,7 @@ async def _concurrency(args) -> int:
         "levels": summary,
     }
     chart = plot(summary, out / "concurrency.png")
-    write_report(out, "concurrency", report, format_markdown(summary), format_markdown(summary), args.json)
+    write_report(out, "concurrency", report, format_markdown(summary), as_json=args.json)
     log(f"wrote {out / 'concurrency.json'}, {out / 'concurrency.md'}" + (f", {chart}" if chart else ""))
     return 0
 

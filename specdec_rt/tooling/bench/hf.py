@@ -63,7 +63,7 @@ class HFBaselines:
     """Runs the Hugging Face modes on prompt ids; each call returns ``(new_ids, seconds)``."""
 
     def __init__(
-        self, manifest, draft_manifest=None, threads: int = 2, cache_dir: Path | None = None, log=print
+        self, manifest, draft_manifest=None, *, threads: int = 2, cache_dir: Path | None = None, log=print
     ) -> None:
         import torch
 

@@ -56,7 +56,7 @@ SPECULATIVE_TOOLS = ("llama-speculative-simple", "llama-speculative")
 DEFAULT_QUANTS = ("F32", "Q8_0")  # made from the source GGUF, which is a mode too
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LlamaTiming:
     """One llama.cpp run, from its own timing lines."""
 
@@ -91,7 +91,12 @@ def parse_completion(log: str) -> LlamaTiming:
         raise SpecDecError("llama.cpp printed no 'prompt eval time' / 'eval time' lines: " + _tail(log))
     runs = int(e.group(2))
     return LlamaTiming(
-        int(p.group(2)), float(p.group(1)), runs + 1, runs, float(e.group(1)), float(s.group(1)) if s else None
+        prompt_tokens=int(p.group(2)),
+        prompt_ms=float(p.group(1)),
+        generated=runs + 1,
+        decode_tokens=runs,
+        decode_ms=float(e.group(1)),
+        sampling_ms=float(s.group(1)) if s else None,
     )
 
 
@@ -103,11 +108,11 @@ def parse_speculative(log: str) -> LlamaTiming:
     counts = dict(_COUNT.findall(log))
     n = int(dec.group(1))
     return LlamaTiming(
-        int(enc.group(1)),
-        float(enc.group(2)) * 1e3,
-        n,
-        n,
-        float(dec.group(2)) * 1e3,
+        prompt_tokens=int(enc.group(1)),
+        prompt_ms=float(enc.group(2)) * 1e3,
+        generated=n,
+        decode_tokens=n,
+        decode_ms=float(dec.group(2)) * 1e3,
         drafted=int(counts["n_drafted"]) if "n_drafted" in counts else None,
         accepted=int(counts["n_accept"]) if "n_accept" in counts else None,
     )
@@ -231,6 +236,7 @@ def llamacpp_modes(
     gguf_spec: str | None,
     draft: str | None,
     codec,
+    *,
     threads: int,
     ctx_size: int,
     manifest=None,

@@ -89,7 +89,7 @@ async def _time(session, ids: np.ndarray, rows: int, back_to: int) -> float:
 
 
 async def step_costs(
-    model, reps: int = 20, short: int = 100, long: int = 2000, width: int = 5, progress=lambda msg: None
+    model, *, reps: int = 20, short: int = 100, long: int = 2000, width: int = 5, progress=lambda msg: None
 ) -> dict:
     """Median seconds of (a) one call over ``width`` new positions vs one over 1 position at
     context ``short``; (b) a 1-token step at context ``long`` vs ``short``. Interleaved."""

@@ -313,7 +313,7 @@ async def _prefill(args) -> int:
     table = format_prefill(report)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_report(out, "prefill", report, table, table, args.json)
+    write_report(out, "prefill", report, table, as_json=args.json)
     log(f"wrote {out / 'prefill.json'}, {out / 'prefill.md'}")
     return 0
 

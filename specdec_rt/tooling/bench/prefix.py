@@ -131,7 +131,7 @@ async def multi_turn(engines: dict, convs: int, turns: int, n: int) -> dict:
     }
 
 
-async def shared_prompt(engines: dict, questions: list, c: int, n: int, waves: int) -> dict:
+async def shared_prompt(engines: dict, questions: list, c: int, n: int, *, waves: int) -> dict:
     """``c`` requests at once sharing one long system prompt: p50 TTFT per wave and engine."""
     system = {"role": "system", "content": _fit(engines["cache"], [system_prompt()], 500)[0]}
     res: dict[str, list[float]] = {name: [] for name in engines}  # p50 TTFT per wave
@@ -248,7 +248,7 @@ async def _prefix(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     chart = plot(report, out / "prefix.png")
     md = format_markdown(report)
-    write_report(out, "prefix", report, md, md, args.json)
+    write_report(out, "prefix", report, md, as_json=args.json)
     log(f"wrote {out / 'prefix.json'}, {out / 'prefix.md'}" + (f", {chart}" if chart else ""))
     return 0
 

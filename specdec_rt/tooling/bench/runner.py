@@ -32,7 +32,7 @@ class Prompt:
     label: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Sample:
     mode: str
     prompt: int
@@ -169,7 +169,18 @@ async def run_modes(modes: dict[str, Runner], prompts: list[Prompt], n: int, rep
             shift = (i + r) % len(names)
             for name in names[shift:] + names[:shift]:
                 ids, secs, stats, *extra = await modes[name](p.ids, n)
-                samples.append(Sample(name, i, p.category, ids, secs, stats, extra[0] if extra else None, r))
+                samples.append(
+                    Sample(
+                        mode=name,
+                        prompt=i,
+                        category=p.category,
+                        token_ids=ids,
+                        seconds=secs,
+                        stats=stats,
+                        extra=extra[0] if extra else None,
+                        repeat=r,
+                    )
+                )
                 done += 1
                 log(
                     f"{done}/{total} [{p.category}] {p.label!r:.40} {name}: "

@@ -32,10 +32,13 @@ end, on an error and on Ctrl-C; on Linux they also die with this process.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ...errors import InvalidInputError, SpecDecError
 from ..loadtest import LoadTestError, ServerProcess, _free_port, api_key
@@ -44,6 +47,12 @@ from ..prompt_files import read_prompt_file
 from ..reports import write_report
 from .args import SERVE_LEVELS, bench_args, parse_levels
 from .runner import log, machine_info
+
+if TYPE_CHECKING:
+    import openai
+
+    from ...ort.manifest import Manifest
+    from ...text.codec import TextCodec
 
 __all__ = [
     "run_serving_bench",
@@ -67,7 +76,7 @@ LlamaCommand = Callable[[int], list[str]]  # port -> the llama-server command li
 
 
 # ----------------------------------------------------------------------------------- pure parts
-def tag_messages(messages: list[dict], tag: str) -> list[dict]:
+def tag_messages(messages: list[dict[str, Any]], tag: str) -> list[dict[str, Any]]:
     """A copy of ``messages`` whose last user message starts with ``tag`` (so every request is a
     new prompt); :class:`InvalidInputError` when there is no user message with text."""
     out = [dict(m) for m in messages]
@@ -84,12 +93,12 @@ def tag_messages(messages: list[dict], tag: str) -> list[dict]:
     raise InvalidInputError(f"a prompt has no user message to tag: {messages!r:.200}")
 
 
-def level_requests(prompts: list[list[dict]], level: int, count: int) -> list[list[dict]]:
+def level_requests(prompts: list[list[dict[str, Any]]], level: int, count: int) -> list[list[dict[str, Any]]]:
     """The ``count`` requests of one level: prompt ``i mod n`` tagged ``[level-i]``."""
     return [tag_messages(prompts[i % len(prompts)], f"[{level}-{i + 1}]") for i in range(count)]
 
 
-def summarize_level(samples: list[RequestSample], wall_s: float, level: int, server: str) -> dict:
+def summarize_level(samples: list[RequestSample], wall_s: float, level: int, server: str) -> dict[str, Any]:
     """The load test's phase summary plus the p90s of TTFT and inter-token latency."""
     p = summarize_phase(samples, wall_s, level, server)
     ok = [s for s in samples if s.status == OK]
@@ -107,7 +116,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def compare_levels(phases: list[dict], texts: dict[tuple[str, int], list[str | None]]) -> list[dict]:
+def compare_levels(
+    phases: list[dict[str, Any]], texts: dict[tuple[str, int], list[str | None]]
+) -> list[dict[str, Any]]:
     """Per level where both servers ran: ours / llama-server for tokens/s and TTFT p50, and how
     many requests both answered (``compared``) with the same text (``identical``). ``texts``:
     ``(server, level) -> text per request`` (None for a failed request)."""
@@ -134,7 +145,7 @@ def compare_levels(phases: list[dict], texts: dict[tuple[str, int], list[str | N
     return out
 
 
-def _f(v, fmt: str, unit: str = "") -> str:
+def _f(v: float | None, fmt: str, unit: str = "") -> str:
     return "-" if v is None else format(v, fmt) + unit
 
 
@@ -150,7 +161,7 @@ _COLUMNS = (
 )
 
 
-def format_serving_table(report: dict) -> str:
+def format_serving_table(report: dict[str, Any]) -> str:
     """Plain text: one row per (level, server), then the ratios per level."""
     head = f"{'conc':>4} {'server':<12} {'ok/err':>7} " + " ".join(f"{c[1]:>9}" for c in _COLUMNS)
     rows = [head]
@@ -165,13 +176,13 @@ def format_serving_table(report: dict) -> str:
     return "\n".join(rows)
 
 
-def _machine_line(machine: dict) -> str:
+def _machine_line(machine: dict[str, Any]) -> str:
     """``AMD EPYC, 2 CPUs (avx2, avx512_vnni, ...)``: the CPU every figure depends on."""
     isa = ", ".join(machine.get("isa") or []) or "flags unknown"
     return f"{machine.get('cpu') or machine.get('processor') or 'unknown CPU'}, {machine.get('cpus', '?')} CPUs ({isa})"
 
 
-def format_serving_markdown(report: dict) -> str:
+def format_serving_markdown(report: dict[str, Any]) -> str:
     """Markdown: the settings, what each server loaded, one row per (level, server), the ratios."""
     s, srv = report["settings"], report["servers"]
     ours, llama = srv.get(OURS, {}), srv.get(LLAMA, {})
@@ -244,7 +255,7 @@ class _Server(ServerProcess):
             return []
 
 
-def _our_command(args, slots: int) -> LlamaCommand:
+def _our_command(args: argparse.Namespace, slots: int) -> LlamaCommand:
     extra: list[str] = []
     for flag, value in (
         ("--draft", args.draft),
@@ -263,7 +274,7 @@ def _our_command(args, slots: int) -> LlamaCommand:
     return command
 
 
-def llama_server_command(binary: Path, gguf: Path, slots: int, ctx: int, threads: int) -> LlamaCommand:
+def llama_server_command(binary: Path, gguf: Path, *, slots: int, ctx: int, threads: int) -> LlamaCommand:
     """llama-server with ``slots`` parallel slots of ``ctx`` tokens each, ``threads`` threads for
     generation and batches, the GGUF's chat template (``--jinja``), on 127.0.0.1."""
 
@@ -274,7 +285,7 @@ def llama_server_command(binary: Path, gguf: Path, slots: int, ctx: int, threads
     return command
 
 
-def _llama_gguf(args, manifest) -> Path:
+def _llama_gguf(args: argparse.Namespace, manifest: Manifest) -> Path:
     from .llamacpp import find_tools, resolve_ggufs
 
     if args.llama_gguf:
@@ -300,7 +311,13 @@ def _find_server(bin_dir: str) -> Path:
 
 # ----------------------------------------------------------------------------------- the client
 async def one_chat(
-    client, model: str, messages: list[dict], max_tokens: int, include_usage: bool, server: str
+    client: Any,  # openai.AsyncOpenAI: its create() overloads want the messages as its TypedDicts
+    model: str,
+    messages: list[dict[str, Any]],
+    *,
+    max_tokens: int,
+    include_usage: bool,
+    server: str,
 ) -> tuple[RequestSample, str | None]:
     """One streaming chat completion, timed chunk by chunk: the sample and the text (None when
     the request failed)."""
@@ -344,7 +361,14 @@ async def one_chat(
 
 
 async def run_level(
-    client, model: str, server: str, level: int, requests: list[list[dict]], max_tokens: int, include_usage: bool
+    client: openai.AsyncOpenAI,
+    model: str,
+    server: str,
+    level: int,
+    *,
+    requests: list[list[dict[str, Any]]],
+    max_tokens: int,
+    include_usage: bool,
 ) -> tuple[list[RequestSample], list[str | None], float]:
     """``level`` closed-loop clients through ``requests`` in order: samples and texts per request
     (in request order) and the level's wall time."""
@@ -356,7 +380,9 @@ async def run_level(
 
     async def worker() -> None:
         for i in it:  # one shared iterator: each client takes the next request when it is free
-            samples[i], texts[i] = await one_chat(client, model, requests[i], max_tokens, include_usage, server)
+            samples[i], texts[i] = await one_chat(
+                client, model, requests[i], max_tokens=max_tokens, include_usage=include_usage, server=server
+            )
 
     t0 = time.perf_counter()
     async with anyio.create_task_group() as tg:
@@ -367,7 +393,7 @@ async def run_level(
 
 
 # ----------------------------------------------------------------------------------- the run
-def run_serving_bench(args, llama_command: LlamaCommand | None = None) -> int:
+def run_serving_bench(args: argparse.Namespace, llama_command: LlamaCommand | None = None) -> int:
     """The benchmark (module docstring). ``llama_command``: the command line that stands in for
     llama-server (port -> argv); by default llama-server from ``args.llama_cpp``."""
     import anyio
@@ -381,155 +407,239 @@ def run_serving_bench(args, llama_command: LlamaCommand | None = None) -> int:
     return anyio.run(_main, args, llama_command)
 
 
-async def _main(args, llama_command: LlamaCommand | None) -> int:
-    import openai
+@dataclass
+class _Plan:
+    """What both servers are given: the levels, requests per level, prompts and shared settings."""
 
+    levels: list[int]
+    count: int
+    prompts: list[list[dict[str, Any]]]
+    folder: Path
+    manifest: Manifest
+    threads: int
+    slots: int
+    ctx: int  # per-slot context
+    max_tokens: int
+
+
+@dataclass
+class _Results:
+    """What the run measured: phases, every request, texts per (server, level), the servers'
+    turns per level, their ``GET /v1/models``, our server's start-up lines, how tokens were counted."""
+
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    texts: dict[tuple[str, int], list[str | None]] = field(default_factory=dict)
+    order: list[list[str]] = field(default_factory=list)
+    info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    said: list[str] = field(default_factory=list)
+    token_count: str = ""
+
+
+def _plan(args: argparse.Namespace, llama_command: LlamaCommand | None) -> tuple[_Plan, Path | None]:
+    """The run's plan, and llama-server's binary (None when ``llama_command`` stands in for it);
+    a wrong ``--llama-cpp`` folder fails before the model is built."""
     from ...engine.loading import ensure_built
+    from ...ort import default_threads
     from ...ort.manifest import load_manifest
 
     bench_args(args)
     levels = parse_levels(args.concurrency or SERVE_LEVELS)  # (check_bench_args reads it the same way)
-    count = args.requests or DEFAULT_REQUESTS
     rows = read_prompt_file(args.prompts, "data/chat_heldout.jsonl")
     prompts = [r["text"] if isinstance(r["text"], list) else [{"role": "user", "content": r["text"]}] for r in rows]
-    prompts = prompts[: args.limit] if args.limit else prompts
-    binary = _find_server(args.llama_cpp) if llama_command is None else None  # a wrong folder fails first
+    binary = _find_server(args.llama_cpp) if llama_command is None else None
     folder = ensure_built(args.model, say=log)
     manifest = load_manifest(folder)
-    from ...ort import default_threads
+    plan = _Plan(
+        levels=levels,
+        count=args.requests or DEFAULT_REQUESTS,
+        prompts=prompts[: args.limit] if args.limit else prompts,
+        folder=folder,
+        manifest=manifest,
+        threads=args.threads or default_threads(),
+        slots=max(levels),
+        ctx=min(args.max_length or DEFAULT_CTX, manifest.raw["architecture"]["max_positions"]),
+        max_tokens=args.max_new_tokens,
+    )
+    return plan, binary
 
-    threads = args.threads or default_threads()
-    slots = max(levels)
-    ctx = min(args.max_length or DEFAULT_CTX, manifest.raw["architecture"]["max_positions"])
+
+async def _main(args: argparse.Namespace, llama_command: LlamaCommand | None) -> int:
+    plan, binary = _plan(args, llama_command)
     gguf = None
     if llama_command is None:
         assert binary is not None
-        gguf = _llama_gguf(args, manifest)
-        llama_command = llama_server_command(binary, gguf, slots, ctx, threads)
+        gguf = _llama_gguf(args, plan.manifest)
+        llama_command = llama_server_command(binary, gguf, slots=plan.slots, ctx=plan.ctx, threads=plan.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-
-    ours = _Server(OURS, _our_command(args, slots), out / "server-ours.log")
+    ours = _Server(OURS, _our_command(args, plan.slots), out / "server-ours.log")
     llama = _Server(LLAMA, llama_command, out / "server-llama.log", avoid=ours.port)
     servers = {OURS: ours, LLAMA: llama}
-    key = api_key() or "none"  # (bench --serve has no --api-key: $SPECDEC_API_KEY, as the servers read it)
-    report: dict = {
-        "model": manifest.name,
-        "machine": machine_info(threads),
-        "settings": {
-            "concurrency": levels,
-            "requests": count,
-            "max_new_tokens": args.max_new_tokens,
-            "prompts": args.prompts or "built-in chat_heldout.jsonl",
-            "n_prompts": len(prompts),
-            "threads": threads,
-            "slots": slots,
-            "per_slot_context": ctx,
-            "decoding": "greedy (temperature 0)",
-        },
+    report: dict[str, Any] = {
+        "model": plan.manifest.name,
+        "machine": machine_info(plan.threads),
+        "settings": _settings(args, plan),
     }
-    phases: list[dict] = []
-    records: list[dict] = []
-    texts: dict[tuple[str, int], list[str | None]] = {}
-    order: list[list[str]] = []
     try:
-        ours.start()
-        llama.start()
-        for srv in servers.values():
-            await srv.ready(STARTUP_TIMEOUT_S)
-        said = ours.lines()[:STARTUP_LOG_LINES]  # what it printed until it was ready: what it loaded
-        # the openai package's own HTTP client (its HTTP library), without proxies from the environment;
-        # "Connection: close": a new loopback connection per request, never one the server has just
-        # closed for idling (llama-server does after a few seconds: an instant connection error)
-        http = openai.DefaultAsyncHttpxClient(trust_env=False, timeout=REQUEST_TIMEOUT_S)
-        async with http:
-            clients = {
-                name: openai.AsyncOpenAI(
-                    base_url=f"{srv.url}/v1",
-                    api_key=key,
-                    max_retries=0,
-                    timeout=REQUEST_TIMEOUT_S,
-                    http_client=http,
-                    default_headers={"Connection": "close"},
-                )
-                for name, srv in servers.items()
-            }
-            info = {name: await _models(http, srv.url, key) for name, srv in servers.items()}
-            served = {name: _first_id(info[name]) for name in servers}
-            usage = {}
-            warm = tag_messages(prompts[0], "[warm-up]")
-            for name in servers:
-                s, _ = await one_chat(clients[name], served[name], warm, args.max_new_tokens, True, name)
-                if s.status != OK:
-                    raise SpecDecError(f"{name}: the warm-up request failed: {s.error}")
-                usage[name] = s.usage_reported
-                log(f"warm-up {name}: {s.e2e or 0:.2f} s, usage chunk {'yes' if s.usage_reported else 'no'}")
-            include_usage = all(usage.values())
-            codec = None if include_usage else _codec(folder)
-            report["settings"]["token_count"] = (
-                "the servers' usage chunks" if include_usage else "our tokenizer on the text (a server sent no usage)"
-            )
-            for n, level in enumerate(levels):
-                turn = [OURS, LLAMA] if n % 2 == 0 else [LLAMA, OURS]
-                order.append(turn)
-                requests = level_requests(prompts, level, count)
-                for name in turn:
-                    samples, got, wall = await run_level(
-                        clients[name], served[name], name, level, requests, args.max_new_tokens, include_usage
-                    )
-                    if codec is not None:
-                        for s, text in zip(samples, got):
-                            if text is not None:
-                                s.completion_tokens = len(codec.tokenizer.encode(text, add_special_tokens=False).ids)
-                    p = summarize_level(samples, wall, level, name)
-                    phases.append(p)
-                    texts[name, level] = got
-                    records += [
-                        {"server": name, "concurrency": level, "request": i, **s.to_dict(), "text": t}
-                        for i, (s, t) in enumerate(zip(samples, got))
-                    ]
-                    log(
-                        f"{level} in flight, {name}: {p['ok']}/{p['requests']} ok, {p['tokens_per_s']:.1f} tok/s, "
-                        f"TTFT p50 {_f(p['ttft_p50_ms'], '.0f', ' ms')}, ITL p50 {_f(p['itl_p50_ms'], '.1f', ' ms')}"
-                        f" ({wall:.1f} s)" + (f"; e.g. {p['error_examples'][0]}" if p["error_examples"] else "")
-                    )
+        results = await _run_servers(servers, plan)
     finally:
         status = {name: srv.stop() if srv.proc is not None else None for name, srv in servers.items()}
         log(f"servers stopped (exit status: ours {status[OURS]}, llama-server {status[LLAMA]})")
+    report["settings"]["token_count"] = results.token_count
+    report["servers"] = _servers_report(servers, status, results, gguf)
+    report["order"] = results.order
+    report["phases"] = results.phases
+    report["comparison"] = compare_levels(results.phases, results.texts)
+    report["requests_log"] = results.records
+    png = plot(report, out / "serve.png")
+    if png is None:
+        log("matplotlib is not installed: no chart (pip install -e '.[bench]')")
+    report["chart"] = str(png) if png else None
+    write_report(
+        out, "serve", report, format_serving_markdown(report), table=format_serving_table(report), as_json=args.json
+    )
+    log(f"wrote {out / 'serve.json'}, {out / 'serve.md'}" + (f" and {png}" if png else ""))
+    return 0 if all(p["ok"] for p in results.phases) else 1
 
-    report["servers"] = {
+
+def _settings(args: argparse.Namespace, plan: _Plan) -> dict[str, Any]:
+    return {
+        "concurrency": plan.levels,
+        "requests": plan.count,
+        "max_new_tokens": plan.max_tokens,
+        "prompts": args.prompts or "built-in chat_heldout.jsonl",
+        "n_prompts": len(plan.prompts),
+        "threads": plan.threads,
+        "slots": plan.slots,
+        "per_slot_context": plan.ctx,
+        "decoding": "greedy (temperature 0)",
+    }
+
+
+def _servers_report(
+    servers: dict[str, _Server], status: dict[str, int | None], results: _Results, gguf: Path | None
+) -> dict[str, dict[str, Any]]:
+    """Per server: its command line, URL, log, exit status, ``GET /v1/models``; ours: what it
+    said at start-up; llama-server: the GGUF and llama.cpp's version."""
+    ours, llama = servers[OURS], servers[LLAMA]
+    return {
         OURS: {
             "cmd": ours.cmd[1:],
             "url": ours.url,
             "log": str(ours.log_path),
             "exit_status": status[OURS],
-            "models": info[OURS],
-            "startup_log": said,
+            "models": results.info[OURS],
+            "startup_log": results.said,
         },
         LLAMA: {
             "cmd": llama.cmd,
             "url": llama.url,
             "log": str(llama.log_path),
             "exit_status": status[LLAMA],
-            "models": info[LLAMA],
+            "models": results.info[LLAMA],
             "gguf": str(gguf) if gguf else None,
             "version": _llama_version(llama.cmd[0]) if gguf else None,
         },
     }
-    report["order"] = order
-    report["phases"] = phases
-    report["comparison"] = compare_levels(phases, texts)
-    report["requests_log"] = records
-    png = plot(report, out / "serve.png")
-    if png is None:
-        log("matplotlib is not installed: no chart (pip install -e '.[bench]')")
-    report["chart"] = str(png) if png else None
-    write_report(out, "serve", report, format_serving_markdown(report), format_serving_table(report), args.json)
-    log(f"wrote {out / 'serve.json'}, {out / 'serve.md'}" + (f" and {png}" if png else ""))
-    return 0 if all(p["ok"] for p in phases) else 1
 
 
-async def _models(http, url: str, key: str) -> dict:
+async def _run_servers(servers: dict[str, _Server], plan: _Plan) -> _Results:
+    """Start both servers, wait until they are ready, then warm up and measure every level."""
+    import openai
+
+    for srv in servers.values():
+        srv.start()
+    for srv in servers.values():
+        await srv.ready(STARTUP_TIMEOUT_S)
+    results = _Results(said=servers[OURS].lines()[:STARTUP_LOG_LINES])  # until ready: what it loaded
+    key = api_key() or "none"  # (bench --serve has no --api-key: $SPECDEC_API_KEY, as the servers read it)
+    # the openai package's own HTTP client (its HTTP library), without proxies from the environment;
+    # "Connection: close": a new loopback connection per request, never one the server has just
+    # closed for idling (llama-server does after a few seconds: an instant connection error)
+    http = openai.DefaultAsyncHttpxClient(trust_env=False, timeout=REQUEST_TIMEOUT_S)
+    async with http:
+        clients = {
+            name: openai.AsyncOpenAI(
+                base_url=f"{srv.url}/v1",
+                api_key=key,
+                max_retries=0,
+                timeout=REQUEST_TIMEOUT_S,
+                http_client=http,
+                default_headers={"Connection": "close"},
+            )
+            for name, srv in servers.items()
+        }
+        results.info = {name: await _models(http, srv.url, key) for name, srv in servers.items()}
+        driver = _Driver(clients, {name: _first_id(results.info[name]) for name in servers}, plan, results)
+        await driver.warm_up()
+        for n, level in enumerate(plan.levels):
+            turn = [OURS, LLAMA] if n % 2 == 0 else [LLAMA, OURS]
+            results.order.append(turn)
+            requests = level_requests(plan.prompts, level, plan.count)
+            for name in turn:
+                await driver.level(name, level, requests)
+    return results
+
+
+class _Driver:
+    """Sends the requests to both servers through their clients, into ``results``."""
+
+    def __init__(
+        self, clients: dict[str, openai.AsyncOpenAI], served: dict[str, str], plan: _Plan, results: _Results
+    ) -> None:
+        self.clients, self.served, self.plan, self.results = clients, served, plan, results
+        self.include_usage = True
+        self.codec: TextCodec | None = None
+
+    async def warm_up(self) -> None:
+        """One request per server; whether both send a usage chunk decides how tokens are counted."""
+        warm = tag_messages(self.plan.prompts[0], "[warm-up]")
+        usage = {}
+        for name, client in self.clients.items():
+            s, _ = await one_chat(
+                client, self.served[name], warm, max_tokens=self.plan.max_tokens, include_usage=True, server=name
+            )
+            if s.status != OK:
+                raise SpecDecError(f"{name}: the warm-up request failed: {s.error}")
+            usage[name] = s.usage_reported
+            log(f"warm-up {name}: {s.e2e or 0:.2f} s, usage chunk {'yes' if s.usage_reported else 'no'}")
+        self.include_usage = all(usage.values())
+        self.codec = None if self.include_usage else _codec(self.plan.folder)
+        self.results.token_count = (
+            "the servers' usage chunks" if self.include_usage else "our tokenizer on the text (a server sent no usage)"
+        )
+
+    async def level(self, name: str, level: int, requests: list[list[dict[str, Any]]]) -> None:
+        """``requests`` to server ``name`` from ``level`` clients: one phase, its requests, its texts."""
+        samples, got, wall = await run_level(
+            self.clients[name],
+            self.served[name],
+            name,
+            level,
+            requests=requests,
+            max_tokens=self.plan.max_tokens,
+            include_usage=self.include_usage,
+        )
+        if self.codec is not None:
+            for s, text in zip(samples, got):
+                if text is not None:
+                    s.completion_tokens = len(self.codec.tokenizer.encode(text, add_special_tokens=False).ids)
+        p = summarize_level(samples, wall, level, name)
+        self.results.phases.append(p)
+        self.results.texts[name, level] = got
+        self.results.records += [
+            {"server": name, "concurrency": level, "request": i, **s.to_dict(), "text": t}
+            for i, (s, t) in enumerate(zip(samples, got))
+        ]
+        log(
+            f"{level} in flight, {name}: {p['ok']}/{p['requests']} ok, {p['tokens_per_s']:.1f} tok/s, "
+            f"TTFT p50 {_f(p['ttft_p50_ms'], '.0f', ' ms')}, ITL p50 {_f(p['itl_p50_ms'], '.1f', ' ms')}"
+            f" ({wall:.1f} s)" + (f"; e.g. {p['error_examples'][0]}" if p["error_examples"] else "")
+        )
+
+
+async def _models(http: openai.DefaultAsyncHttpxClient, url: str, key: str) -> dict[str, Any]:
     """``GET /v1/models`` as JSON (``{}`` when it is not JSON)."""
     resp = await http.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"})
     try:
@@ -539,14 +649,14 @@ async def _models(http, url: str, key: str) -> dict:
     return body if isinstance(body, dict) else {}
 
 
-def _first_id(models: dict) -> str:
+def _first_id(models: dict[str, Any]) -> str:
     try:
         return str(models["data"][0]["id"])
     except (KeyError, IndexError, TypeError):
         return "default"
 
 
-def _codec(folder: Path):
+def _codec(folder: Path) -> TextCodec:
     from ...ort.manifest import load_manifest
     from ...text.codec import TextCodec
 
