@@ -408,7 +408,7 @@ def sequence_distribution(
         ids = np.array(list(prompt) + list(seq))
         rows = model.logits_at(ids[:-1])[len(prompt) - 1 :]  # [length, V]
         rows = penalized(
-            rows, params, np.asarray(prompt), np.zeros(0, dtype=np.int64), [seq[:j] for j in range(length)]
+            rows, params, np.asarray(prompt), np.zeros(0, dtype=np.int64), before=[seq[:j] for j in range(length)]
         )
         probs = warp(rows, params)  # [length, V]
         out[seq] = float(np.prod(probs[np.arange(length), list(seq)]))

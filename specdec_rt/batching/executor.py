@@ -307,56 +307,68 @@ class BatchExecutor:
                 wake.clear()
                 await wake.wait()
                 continue
-            # 1. gather: every request that is ready submits its call before the batch is cut
-            #    (a request needs a few event-loop passes from its last result to its next call)
-            seen, stable = len(self._pending), 0
-            for _ in range(GATHER_PASSES):
-                if self.clients is not None and seen >= self.clients():
-                    break  # every request that could submit a call has
-                await asyncio.sleep(0)
-                stable = stable + 1 if len(self._pending) == seen else 0
-                seen = len(self._pending)
-                if stable == GATHER_STABLE:
-                    break
-            calls = [c for c in self._pending if not c.future.done()]
-            self._pending.clear()
-            # draft steps first: while a lead (draft) model has steps to take, the others' calls
-            # wait, so the rows of a batch draft together and then verify together in one call
-            # (a draft's long prefill alone holds nobody up)
-            steps = [c for c in calls if id(c.model) in self.lead and (c.batchable or c.raggable)]
-            if steps and not all(id(c.model) in self.lead for c in calls):
-                self._pending.extend(c for c in calls if id(c.model) not in self.lead)
-                calls = [c for c in calls if id(c.model) in self.lead]
-            # a call that copies a prefix from a request still computing it waits for that call
-            busy = {id(c.session) for c in calls}
-            later = [c for c in calls if c.source is not None and id(c.source) in busy]
-            calls = [c for c in calls if c not in later]
-            # 2. batch: single-token steps per model, then multi-position calls one at a time
-            groups: dict[int, list[_Call]] = {}
-            for c in calls:
-                if c.batchable or c.raggable:
-                    groups.setdefault(id(c.model), []).append(c)
-            singles = [c for c in calls if not (c.batchable or c.raggable)]
-            prompts: dict[int, list[_Call]] = {}
-            for c in singles:
-                if c.fresh:
-                    prompts.setdefault(id(c.model), []).append(c)
-            prompts = {
-                k: g
-                for k, g in prompts.items()
-                if len(g) > 1 and g[0].model.can_prefill_together([c.session for c in g])
-            }
-            together = {id(c) for g in prompts.values() for c in g}
-            singles = [c for c in singles if id(c) not in together]
+            await self._gather()  # 1. gather: every request that is ready submits its call
+            calls, later = self._take()
+            groups, prompts, singles = self._group(calls)  # 2. batch
             # 3. run: one call at a time in a worker thread, results out as soon as they exist
             for group in groups.values():
                 await self._run(group, self._batch_job)
             for group in prompts.values():  # new requests' prompts (their first pieces) together
                 await self._run(group, self._prefill_job)
-            for c in singles:
-                await self._run([c], lambda calls: self._single_job(calls[0]))
+            for call in singles:
+                await self._run([call], lambda calls: self._single_job(calls[0]))
             # 4. every call taken is answered, or (a long one, part fed) waits for the next turn
             self._pending.extend(c for c in calls + later if not c.future.done() and c not in self._pending)
+
+    async def _gather(self) -> None:
+        """Let every request that is ready submit its call before the batch is cut (a request
+        needs a few event-loop passes from its last result to its next call)."""
+        seen, stable = len(self._pending), 0
+        for _ in range(GATHER_PASSES):
+            if self.clients is not None and seen >= self.clients():
+                break  # every request that could submit a call has
+            await asyncio.sleep(0)
+            stable = stable + 1 if len(self._pending) == seen else 0
+            seen = len(self._pending)
+            if stable == GATHER_STABLE:
+                break
+
+    def _take(self) -> tuple[list[_Call], list[_Call]]:
+        """``(calls to run now, calls held back)`` from the queue, which is left empty but for
+        the calls that wait their turn. Draft steps first: while a lead (draft) model has steps
+        to take, the others' calls wait, so the rows of a batch draft together and then verify
+        together in one call (a draft's long prefill alone holds nobody up). A call that copies
+        a prefix from a request still computing it waits for that call (held back)."""
+        calls = [c for c in self._pending if not c.future.done()]
+        self._pending.clear()
+        steps = [c for c in calls if id(c.model) in self.lead and (c.batchable or c.raggable)]
+        if steps and not all(id(c.model) in self.lead for c in calls):
+            self._pending.extend(c for c in calls if id(c.model) not in self.lead)
+            calls = [c for c in calls if id(c.model) in self.lead]
+        busy = {id(c.session) for c in calls}
+        later = [c for c in calls if c.source is not None and id(c.source) in busy]
+        return [c for c in calls if c not in later], later
+
+    def _group(self, calls: list[_Call]) -> tuple[dict[int, list[_Call]], dict[int, list[_Call]], list[_Call]]:
+        """``(steps, prompts, singles)``: single-token steps by model (one batched call each),
+        new requests' prompts that a model can prefill together, by model, and the other
+        multi-position calls, one at a time."""
+        groups: dict[int, list[_Call]] = {}
+        for call in calls:
+            if call.batchable or call.raggable:
+                groups.setdefault(id(call.model), []).append(call)
+        singles = [c for c in calls if not (c.batchable or c.raggable)]
+        prompts: dict[int, list[_Call]] = {}
+        for call in singles:
+            if call.fresh:
+                prompts.setdefault(id(call.model), []).append(call)
+        prompts = {
+            key: group
+            for key, group in prompts.items()
+            if len(group) > 1 and group[0].model.can_prefill_together([c.session for c in group])
+        }
+        together = {id(c) for group in prompts.values() for c in group}
+        return groups, prompts, [c for c in singles if id(c) not in together]
 
     async def _run(self, calls: list[_Call], make_job: Callable[[list[_Call]], Callable[[], list]]) -> None:
         calls = [c for c in calls if not c.future.done()]  # a caller cancelled meanwhile is skipped

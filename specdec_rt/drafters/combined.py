@@ -28,7 +28,7 @@ class CombinedDrafter(DraftInferrer):
     """
 
     def __init__(
-        self, ngram: NgramDrafter, model: DraftInferrer, min_match: int = 3, min_tokens: int = 2, alpha: float = 0.3
+        self, ngram: NgramDrafter, model: DraftInferrer, *, min_match: int = 3, min_tokens: int = 2, alpha: float = 0.3
     ) -> None:
         self.ngram, self.model, self.min_match, self.min_tokens = ngram, model, min_match, min_tokens
         self.alpha = alpha

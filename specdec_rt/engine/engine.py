@@ -161,8 +161,8 @@ class Engine:
             codec.token_bytes,
             codec.is_special,
             lambda text: codec.tokenizer.encode(text, add_special_tokens=False).ids,
-            target.vocab_size,
-            eos_ids,
+            vocab_size=target.vocab_size,
+            eos_ids=eos_ids,
         )
         self._closed = False
         #: the event loop's lag, sampled while the engine serves (started by its first request)
@@ -240,7 +240,9 @@ class Engine:
         if precision == "auto":
             from .tune import choose  # (it loads engines of its own)
 
-            check_load_args(name_or_path, draft, max_length, threads, spec_config)  # before a minute of tuning
+            check_load_args(
+                name_or_path, draft, max_length=max_length, threads=threads, spec_config=spec_config
+            )  # before a minute of tuning
             check_int(slots, "slots", 1, MAX_SLOTS, numpy=False)
             tuned = await choose(
                 name_or_path, cls.load, threads=threads, slots=slots, provider=provider, max_length=max_length
@@ -298,7 +300,7 @@ class Engine:
         chosen_by=None,
         draft_asked=False,
     ) -> "Engine":
-        check_load_args(name_or_path, draft, max_length, threads, spec_config)
+        check_load_args(name_or_path, draft, max_length=max_length, threads=threads, spec_config=spec_config)
         check_int(slots, "slots", 1, MAX_SLOTS, numpy=False)
         check_bool(prefix_cache, "prefix_cache")
         check_number(consumer_timeout, "consumer_timeout", 0, optional=True)  # before any model is built
@@ -400,7 +402,7 @@ class Engine:
         shape = RequestShape(
             request.prompt_logprobs,
             request.json_schema,
-            *tool_shape(prompt, request.tools, request.effective_tool_choice, stops, self.codec.chat_template),
+            *tool_shape(prompt, request.tools, request.effective_tool_choice, stops, template=self.codec.chat_template),
             request.min_tokens,
             request.ignore_eos,
         )
@@ -516,7 +518,9 @@ class Engine:
                     async for ev in request:
                         ids, finished = ev.token_ids, ev.finished
                         if stops:  # token by token, as a plain step would see them (see cut_at_stop)
-                            ids, text, cut = cut_at_stop(decoder, text, ids, stops, finished, kept, shape.min_tokens)
+                            ids, text, cut = cut_at_stop(
+                                decoder, text, ids, stops, finished=finished, done=kept, min_tokens=shape.min_tokens
+                            )
                         else:
                             text, cut = text + decoder.push(ids) + (decoder.flush() if finished else ""), None
                         kept += len(ids)

@@ -132,6 +132,7 @@ class CostModel:
         drafted: int,
         t_draft: float,
         t_verify: float,
+        *,
         model_drafts: bool = True,
         verified: int | None = None,
         fresh: bool = False,
@@ -284,7 +285,7 @@ class CostModel:
             arms.observe(drafting, tokens / seconds)
 
     def batch_drafts(
-        self, batch: int, gain: float, caught_up: bool = True, behind: bool = False, alone_gain: float = 0.0
+        self, batch: int, gain: float, *, caught_up: bool = True, behind: bool = False, alone_gain: float = 0.0
     ) -> bool:
         """Whether a request in a batch of ``batch`` drafts with the model this round: the kind
         of round measured faster at this batch size, or the prediction (``gain`` >=
@@ -295,7 +296,8 @@ class CostModel:
         arms = self.batch_arms.get(batch)
         if arms is None:
             return gain >= threshold and not behind
-        return arms.choose(batch, gain, threshold, caught_up, behind, self._explore(batch, alone_gain))
+        explore = self._explore(batch, alone_gain)
+        return arms.choose(batch, gain, threshold, caught_up=caught_up, behind=behind, explore=explore)
 
     def _explore(self, batch: int, alone_gain: float) -> bool:
         """Model drafts never measured at ``batch`` are within reach: they won clearly (by
@@ -319,7 +321,7 @@ class CostModel:
             return gain > 1.0 and lag <= CATCHUP_BLIND * new_tokens
         return new_tokens * c1 * (1.0 - 1.0 / gain) > batch * lag * self.draft_prefill_s
 
-    def speedup(self, a: float, k: int, free: bool = False, nodes: int = 0, hit_rate: float = 0.0) -> float:
+    def speedup(self, a: float, k: int, *, free: bool = False, nodes: int = 0, hit_rate: float = 0.0) -> float:
         """Predicted tokens/s of k-draft rounds relative to plain decoding (``free``: drafts
         that cost nothing to make, n-gram matches; ``nodes``: a tree's nodes beyond its k-long
         main chain, verified in the same call, each on the accepted path at ``hit_rate``)."""

@@ -82,6 +82,7 @@ class BatchArms:
         batch: int,
         predicted: float,
         threshold: float,
+        *,
         caught_up: bool = True,
         behind: bool = False,
         explore: bool = True,

@@ -24,6 +24,7 @@ class RequestPolicy:
         mode: Mode,
         ewma: AcceptanceEWMA,
         costs: CostModel,
+        *,
         shared: AcceptanceEWMA | None = None,
         prompt_tokens: int = 0,
     ) -> None:
@@ -108,30 +109,16 @@ class RequestPolicy:
         # what the draft must read before drafting (not a draft cost); the first round's prefill: start() decided
         self._lag = lag = at - self._drafted_at if at else 0
         if at == 0 and self.speculating and not self.free_only and self.config.defer_draft_prefill:
-            # the first token must not wait for the draft model's prefill: this round verifies free
-            # drafts (when the drafter has them) with the target's prefill; the draft reads the
-            # prompt in the next round, while the first token is on its way
-            self._deferred = True
-            if not self.cheap_drafts:
-                return 0
-            k, _ = self.best_k(batch, cheap=True)  # (no gain rule: beside a prefill, positions are ~free)
-            self.cheap = True
-            return min(k, remaining - 1)
+            return self._deferred_prefill(remaining, batch)
         if not self.speculating:
             if batch > 1 or not self._probes or self._plain_since_probe < self._probe_every:
                 return 0
             self._probing = True  # a probe drafts at least k_init tokens: one round, enough evidence
             return min(max(self.best_k()[0], self.config.k_init), remaining - 1)
-        if batch > 1:  # leave plain batched steps only for a clear gain (resume_speedup, hysteresis)
-            k, gain = self.best_k(batch)
-            caught_up = first or lag <= CATCHUP_FREE
-            behind = not caught_up and not self.costs.catchup_pays_batch(lag, remaining, gain, batch)
-            # model drafts: the faster kind of round once both were measured, else the prediction
-            alone = self.best_k()[1] if batch == 2 else 0.0  # 2 requests explore drafts if they pay alone
-            if not self.free_only and self.costs.batch_drafts(batch, gain, caught_up, behind, alone):
-                return min(k, remaining - 1)
-            if not (self.cheap_drafts and self.costs.batched_verify):
-                return 0
+        if batch > 1:
+            in_batch = self._batch_drafts(remaining, batch, caught_up=first or lag <= CATCHUP_FREE, lag=lag)
+            if in_batch is not None:
+                return in_batch
         elif not self.free_only:
             if not first and self.costs.plain_stale():  # re-measure the unit of every cost (CostModel.plain_stale)
                 return 0
@@ -146,6 +133,30 @@ class RequestPolicy:
             return 0
         self.cheap = True
         return min(k, remaining - 1)
+
+    def _deferred_prefill(self, remaining: int, batch: int) -> int:
+        """The first round when the first token must not wait for the draft model's prefill:
+        it verifies free drafts (when the drafter has them) with the target's prefill; the
+        draft reads the prompt in the next round, while the first token is on its way."""
+        self._deferred = True
+        if not self.cheap_drafts:
+            return 0
+        k, _ = self.best_k(batch, cheap=True)  # (no gain rule: beside a prefill, positions are ~free)
+        self.cheap = True
+        return min(k, remaining - 1)
+
+    def _batch_drafts(self, remaining: int, batch: int, *, caught_up: bool, lag: int) -> int | None:
+        """In a batch, plain batched steps are left only for a clear gain (``resume_speedup``,
+        hysteresis): model drafts when that kind of round was measured faster (else predicted
+        so); ``None``: no model drafts, but free ones may pay (the caller's rule); 0: plain."""
+        k, gain = self.best_k(batch)
+        behind = not caught_up and not self.costs.catchup_pays_batch(lag, remaining, gain, batch)
+        alone = self.best_k()[1] if batch == 2 else 0.0  # 2 requests explore drafts if they pay alone
+        if not self.free_only and self.costs.batch_drafts(
+            batch, gain, caught_up=caught_up, behind=behind, alone_gain=alone
+        ):
+            return min(k, remaining - 1)
+        return None if self.cheap_drafts and self.costs.batched_verify else 0
 
     def observe(
         self,
@@ -173,7 +184,30 @@ class RequestPolicy:
         after its first call and their seconds (``DraftPlan.draft_steps``), which measure a
         draft step in a round whose draft time as a whole does not (a first round, a probe, a
         catch-up)."""
-        if alone and timed:  # a draft that first read what it missed (a probe, a catch-up): its verify
+        if alone:
+            self._measure_alone(
+                drafted, t_draft=t_draft, t_verify=t_verify, timed=timed, verified=verified, steps=steps
+            )
+        pure = self.costs.ledger.end(self._round) if self._round is not None else True
+        self._round = None
+        if not alone and pure and self.mode == "spec" and at > 0:  # no other kind of round ran meanwhile
+            model = bool(drafted) and not self.cheap
+            if not model or (timed and self._lag <= CATCHUP_FREE):  # not the prompt's, nor a catch-up
+                self.costs.observe_arm(batch, model, accepted + 1 if drafted else 1, t_draft + t_verify)
+        return self._track(at, drafted, accepted)
+
+    def _measure_alone(
+        self,
+        drafted: int,
+        *,
+        t_draft: float,
+        t_verify: float,
+        timed: bool,
+        verified: int | None,
+        steps: tuple[int, float],
+    ) -> None:
+        """A round this request ran alone: its times are its costs (see :meth:`observe`)."""
+        if timed:  # a draft that first read what it missed (a probe, a catch-up): its verify
             caught_up = self._lag <= CATCHUP_FREE  # and its steps after that first call
             self.costs.observe(
                 drafted,
@@ -185,15 +219,12 @@ class RequestPolicy:
             )
             if not caught_up and not self.cheap:
                 self.costs.observe_steps(*steps, fresh=self._probing)
-        elif alone and not self.cheap:  # free drafts read no prompt: no prefill to measure
+        elif not self.cheap:  # free drafts read no prompt: no prefill to measure
             # what the draft read first: the prompt, and what was committed since (a deferred prefill)
             self.costs.observe_prefill(max(self.prompt_tokens, self._lag), drafted, t_draft, steps)
-        pure = self.costs.ledger.end(self._round) if self._round is not None else True
-        self._round = None
-        if not alone and pure and self.mode == "spec" and at > 0:  # no other kind of round ran meanwhile
-            model = bool(drafted) and not self.cheap
-            if not model or (timed and self._lag <= CATCHUP_FREE):  # not the prompt's, nor a catch-up
-                self.costs.observe_arm(batch, model, accepted + 1 if drafted else 1, t_draft + t_verify)
+
+    def _track(self, at: int, drafted: int, accepted: int) -> FallbackEvent | None:
+        """The round's acceptance into the EWMAs; the mode switch it causes, if any."""
         if self.cheap:  # free drafts in a batch: their own acceptance; they never switch modes
             self.cheap_ewma.observe(drafted, accepted)
             return None
@@ -205,28 +236,37 @@ class RequestPolicy:
         if self.shared is not None:
             self.shared.observe(drafted, accepted)
         self._zero = self._zero + 1 if accepted == 0 else 0
-        c, a = self.config, self.ewma.value
-        if self._probing:
-            self._probing, self._plain_since_probe = False, 0
-            if a >= c.resume_above and self.best_k()[1] >= c.resume_speedup:
-                self.speculating, self._zero, self._probe_every = True, 0, c.probe_every
-                return FallbackEvent(at, "spec", "probe_ok", a)
-            self._probe_every = min(int(self._probe_every * c.probe_backoff), c.probe_max_every)
-            return None
+        return self._end_probe(at) if self._probing else self._fall_back(at)
+
+    def _end_probe(self, at: int) -> FallbackEvent | None:
+        """After a probe's round: speculation resumes when it pays again, else the next probe
+        waits longer (``probe_backoff``, up to ``probe_max_every`` plain steps)."""
+        config, acceptance = self.config, self.ewma.value
+        self._probing, self._plain_since_probe = False, 0
+        if acceptance >= config.resume_above and self.best_k()[1] >= config.resume_speedup:
+            self.speculating, self._zero, self._probe_every = True, 0, config.probe_every
+            return FallbackEvent(at, "spec", "probe_ok", acceptance)
+        self._probe_every = min(int(self._probe_every * config.probe_backoff), config.probe_max_every)
+        return None
+
+    def _fall_back(self, at: int) -> FallbackEvent | None:
+        """Plain decoding from here when acceptance stays low (``fallback_below``), when
+        ``zero_rounds`` rounds in a row accepted nothing, or when speculation no longer pays."""
+        config, acceptance = self.config, self.ewma.value
         reason = (
             "ewma"
-            if a < c.fallback_below
+            if acceptance < config.fallback_below
             else "zero_rounds"
-            if self._zero >= c.zero_rounds
+            if self._zero >= config.zero_rounds
             else "cost"
-            if self.best_k()[1] < c.min_speedup
+            if self.best_k()[1] < config.min_speedup
             else None
         )
         if reason is None:
             return None
-        self.speculating, self._plain_since_probe, self._probe_every = False, 0, c.probe_every
+        self.speculating, self._plain_since_probe, self._probe_every = False, 0, config.probe_every
         self.ewma.soften()  # let the probes' evidence count (hysteresis still needs resume_above)
-        return FallbackEvent(at, "ar", reason, a)
+        return FallbackEvent(at, "ar", reason, acceptance)
 
 
 def _peak(ks: Sequence[int], speedup: Callable[[int], float]) -> tuple[int, float]:

@@ -122,7 +122,7 @@ def stop_prefix_len(text: str, stops: list[str], since: int = 0) -> int:
 
 
 def cut_at_stop(
-    decoder, text: str, ids, stops: list[str], finished, done: int = 0, min_tokens: int = 0
+    decoder, text: str, ids, stops: list[str], *, finished, done: int = 0, min_tokens: int = 0
 ) -> tuple[list[int], str, int | None]:
     """Feed one event's ids to ``decoder`` one at a time, stopping at the first token whose
     text completes a stop string. Returns (the ids kept, the text so far, where the earliest
@@ -171,7 +171,7 @@ def check_length_options(min_tokens, ignore_eos, max_new_tokens: int) -> tuple[i
 
 
 def tool_shape(
-    prompt, tools, choice, stops: list[str], template: str | None
+    prompt, tools, choice, stops: list[str], *, template: str | None
 ) -> tuple[list | None, str | None, tuple[dict, ...]]:
     """(the tools to render, a call grammar) from ``tools`` / ``choice`` (checked already, e.g.
     by :class:`~specdec_rt.request.params.RequestParams`; ``choice`` None resolved) for this
@@ -191,7 +191,7 @@ def tool_shape(
     return list(tools), call_grammar(tools, choice), tuple(call_schemas(tools, choice))
 
 
-def check_load_args(name_or_path, draft, max_length, threads, spec_config) -> None:
+def check_load_args(name_or_path, draft, *, max_length, threads, spec_config) -> None:
     """Engine.load's arguments of the wrong type or range, named (before any file is read)."""
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
         raise InvalidInputError(f"name_or_path must be a recipe name or a folder, got {brief_repr(name_or_path)}")

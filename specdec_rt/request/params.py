@@ -117,14 +117,14 @@ class RequestParams:
             self,
             "_sampling",
             SamplingParams(
-                self.temperature,
-                self.top_k,
-                self.top_p,
-                self.seed,
-                bias,
-                self.presence_penalty,
-                self.frequency_penalty,
-                self.repetition_penalty,
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                seed=self.seed,
+                logit_bias=bias,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
             ),
         )
         # keep no reference to the caller's dict: what the sampler uses is what this object shows

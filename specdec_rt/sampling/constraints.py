@@ -139,9 +139,9 @@ class GrammarConstraint(Constraint):
         matcher: Any,
         vocab_size: int,
         eos_ids: Sequence[int] = (),
+        *,
         usable: np.ndarray | None = None,
         what: str = "response_format",
-        *,
         budget: float = MASK_BUDGET_S,
     ) -> None:
         self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, frozenset(int(t) for t in eos_ids)
@@ -292,7 +292,7 @@ class GrammarFactory:
     plain tokenization of a piece of text: no BOS or other added tokens) come from the engine's
     codec; ``eos_ids``: the tokens that end a generation (allowed once the grammar is complete)."""
 
-    def __init__(self, token_bytes, is_special, encode, vocab_size: int, eos_ids: Sequence[int]) -> None:
+    def __init__(self, token_bytes, is_special, encode, *, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self._bytes, self._special, self._encode = token_bytes, is_special, encode
         self.vocab_size, self.eos_ids = vocab_size, [int(t) for t in eos_ids]
         self._tokenizer = None
@@ -334,7 +334,7 @@ class GrammarFactory:
         llg = self._llg()
         if not self.eos_ids:
             raise InvalidInputError("response_format: this model names no end-of-sequence token to end the output")
-        table = _TokenTable(self._bytes, self._special, self._encode, self.vocab_size, self.eos_ids[0])
+        table = _TokenTable(self._bytes, self._special, self._encode, vocab_size=self.vocab_size, eos=self.eos_ids[0])
         tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(table), n_vocab=self.vocab_size, eos_token=self.eos_ids)
         # ids with no bytes (past the tokenizer's vocabulary) would fit any grammar anywhere,
         # adding nothing: a model could emit them forever; they are never allowed
@@ -380,7 +380,7 @@ class GrammarFactory:
                 while len(self._refused) > REFUSED_KEPT:
                     del self._refused[next(iter(self._refused))]  # the oldest
             raise InvalidInputError(f"{what}: {why}")
-        return GrammarConstraint(matcher, self.vocab_size, self.eos_ids, self._usable, what)
+        return GrammarConstraint(matcher, self.vocab_size, self.eos_ids, usable=self._usable, what=what)
 
 
 class _TokenTable:
@@ -391,7 +391,7 @@ class _TokenTable:
     of a million characters for ``^(a{500}){500}$``), in this thread, holding the GIL, and reads
     only the first tokens: the first ``FORCED_CHARS`` characters are encoded."""
 
-    def __init__(self, token_bytes, is_special, encode, vocab_size: int, eos: int) -> None:
+    def __init__(self, token_bytes, is_special, encode, *, vocab_size: int, eos: int) -> None:
         self.eos_token_id, self.bos_token_id = eos, None
         self.tokens = [token_bytes(i) for i in range(vocab_size)]
         self.special_token_ids = [i for i in range(vocab_size) if is_special(i)]

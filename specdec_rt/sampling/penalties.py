@@ -32,6 +32,7 @@ def penalized(
     params: SamplingParams,
     prompt: np.ndarray,
     generated: np.ndarray,
+    *,
     before: Sequence[Sequence[int]],
 ) -> np.ndarray:
     """``logits`` ``[n, V]`` with the request's penalties applied (the same array when it has

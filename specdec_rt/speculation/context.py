@@ -191,7 +191,7 @@ class RequestContext:
         the committed ones and row i's position."""
         if not self.params.penalized:
             return logits
-        return penalized(logits, self.params, self.tokens[: self.prompt_len], self.generated, before)
+        return penalized(logits, self.params, self.tokens[: self.prompt_len], self.generated, before=before)
 
     @property
     def adjusts(self) -> bool:

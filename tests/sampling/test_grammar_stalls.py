@@ -85,7 +85,11 @@ def _bytes_factory():
     from specdec_rt.sampling.constraints import GrammarFactory
 
     return GrammarFactory(
-        lambda i: bytes([i]) if i < 256 else b"", lambda i: i == 256, lambda t: list(t.encode()), 257, [256]
+        lambda i: bytes([i]) if i < 256 else b"",
+        lambda i: i == 256,
+        lambda t: list(t.encode()),
+        vocab_size=257,
+        eos_ids=[256],
     )
 
 

@@ -32,7 +32,9 @@ def test_the_formula_by_hand():
     assert out[0].tolist() == [1.0, -3.0, 0.5, 3.0, 1.0]
     # row 1: also token 3 twice among the drafts before it (3 / 2 - 0.25 * 2 - 0.5)
     assert out[1].tolist() == [1.0, -3.0, 0.5, 0.5, 1.0]
-    assert penalized(logits, SamplingParams(), np.array([0]), np.array([1]), [[], []]) is logits  # off: untouched
+    assert (
+        penalized(logits, SamplingParams(), np.array([0]), np.array([1]), before=[[], []]) is logits
+    )  # off: untouched
 
 
 @pytest.mark.parametrize(
@@ -123,5 +125,7 @@ def test_sampling_keeps_the_penalized_distribution(tree_nodes):
 
 def test_the_smallest_repetition_penalty_keeps_float32_logits_finite():
     logits = np.array([[3.0e36, -3.0e36, 1.0]], dtype=np.float32)  # [1, V]: extreme but finite
-    out = penalized(logits, SamplingParams(repetition_penalty=0.01), np.array([0, 1]), np.zeros(0, np.int64), [[]])
+    out = penalized(
+        logits, SamplingParams(repetition_penalty=0.01), np.array([0, 1]), np.zeros(0, np.int64), before=[[]]
+    )
     assert np.isfinite(out).all() and out[0, 0] > 0 > out[0, 1]
