@@ -31,6 +31,7 @@ import os
 import platform
 import re
 import stat
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -393,9 +394,10 @@ def write_cached(key: dict, result: TuneResult) -> Path | None:
 
 # ---------------------------------------------------------------------- one process at a time
 LOCK_SUFFIX = ".lock"
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # (these three: 0 where the platform has no such flag)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+if sys.platform == "win32":  # no such flags there
+    _NOFOLLOW = _NONBLOCK = _CLOEXEC = 0
+else:
+    _NOFOLLOW, _NONBLOCK, _CLOEXEC = os.O_NOFOLLOW, os.O_NONBLOCK, os.O_CLOEXEC
 
 
 def lock_path(key: dict) -> Path:

@@ -20,6 +20,7 @@ import json
 import os
 import stat
 import string
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,12 +304,18 @@ def _check_packed(inputs: dict, path: Path) -> None:
         )
 
 
+if sys.platform == "win32":  # no such flags there
+    _NONBLOCK = _NOFOLLOW = 0
+else:
+    _NONBLOCK, _NOFOLLOW = os.O_NONBLOCK, os.O_NOFOLLOW
+
+
 def read_regular(path: Path, limit: int, follow: bool = True) -> bytes:
     """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes: a FIFO or a
     device is refused without blocking on it or reading it (``st_size`` says 0 for them), and at
     most ``limit + 1`` bytes are ever read. ``follow=False``: a symlink is refused too.
     Raises ``OSError`` (``FileNotFoundError`` if absent) or ``ValueError`` (not regular, too big)."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
+    flags = os.O_RDONLY | _NONBLOCK | (0 if follow else _NOFOLLOW)
     fd = os.open(path, flags)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
