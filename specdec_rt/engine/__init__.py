@@ -4,14 +4,18 @@
 Runtime through the factory).
 """
 
-_LAZY = {"Engine": ".engine", "EngineResult": ".stream", "StreamEvent": ".stream"}
+from typing import Any
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+def __getattr__(name: str) -> Any:
+    if name == "Engine":
+        from .engine import Engine
 
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+        return Engine
+    if name in ("EngineResult", "StreamEvent"):
+        from . import stream
+
+        return {"EngineResult": stream.EngineResult, "StreamEvent": stream.StreamEvent}[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

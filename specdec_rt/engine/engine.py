@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from typing import Any, Callable, Iterable, Sequence, cast
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, cast
 
 import anyio
 import numpy as np
@@ -28,7 +29,7 @@ from ..errors import (
     InvalidInputError,
     SpecDecError,
 )
-from ..kvcache.prefix import DEFAULT_BUDGET_BYTES, PrefixCache
+from ..kvcache.prefix import PrefixCache
 from ..policy.config import SpecConfig
 from ..request.checks import (
     MAX_STOP_STRINGS,  # noqa: F401 - re-exported (the stop-string limit)
@@ -46,18 +47,21 @@ from ..sampling.logprobs import TokenLogprob
 from ..sampling.prompt_logprobs import prompt_logprobs as prompt_logprobs_of
 from ..speculation.adapters import ModelVerifier
 from ..speculation.protocols import BatchCosts, DraftInferrer, LanguageModel, TargetVerifier, check_implements
-from ..speculation.scheduler import SpecDecScheduler
+from ..speculation.scheduler import RequestStream, SpecDecScheduler
 from ..text.codec import TextCodec
 from ..text.encode_process import PromptEncoder
 from ..text.tokenizer_checks import PASS_THROUGH
 from ..text.tools import parse_tool_calls
 from ..types import Stats
-from .factory import build_parts
+from .factory import DEFAULT_LOAD, LoadOptions, build_parts
 from .loop_watch import LoopWatch
 from .precision import PrecisionChoice, check_precision
 from .served import DEFAULT_CONSUMER_TIMEOUT, DEFAULT_SLOTS
 from .stream import EngineResult, EngineStream, StreamEvent, _Ready
 from .warmup import WARMUP_REQUESTS, WARMUP_TOKENS, warm_up
+
+if TYPE_CHECKING:
+    from .tune_cache import TuneRow
 
 __all__ = ["Engine", "EngineResult", "EngineStream", "StreamEvent"]
 
@@ -126,7 +130,7 @@ class Engine:
         ends with :class:`~specdec_rt.errors.ConsumerTimeoutError` (see above; ``None`` or ``0``:
         never, a stream nobody reads then holds its slot until it is closed or dropped)."""
         consumer_timeout = check_number(consumer_timeout, "consumer_timeout", 0, optional=True) or None
-        eos_ids = tuple(int(t) for t in eos_ids)
+        eos = tuple(int(t) for t in eos_ids)
         check_implements(target, LanguageModel, "target")
         if drafter is not None:
             check_implements(drafter, DraftInferrer, "drafter")
@@ -139,35 +143,43 @@ class Engine:
         self.slots = slots
         self.executor = executor or BatchExecutor()
         self.models = list(models) or [target]
-        drafts = [m for m in self.models if m is not target]
         self.executor.clients = lambda: self.running  # every running request's call in: cut the batch
         #: callables ``f(rows)`` told about every target-model call (rows: requests in the batch)
         self.batch_listeners: list[Callable[[int], None]] = []
         self.executor.listeners.append(self._tell_batch)
-        if verifier is None:
-            verifier = ModelVerifier(target, share_hidden=drafter is not None and drafter.needs_target_hidden)
-        self.scheduler = SpecDecScheduler(
-            drafter, verifier, config, eos_ids=eos_ids, batch=_MeasuredBatch(self, drafts[0] if drafts else None)
-        )
-        self._slots = anyio.Semaphore(slots)
-        self._tasks: set[asyncio.Task] = set()
-        self.running: int = 0  #: requests holding a slot
-        self.waiting = 0  #: requests waiting for a slot
-        self.max_prompt_chars = DEFAULT_MAX_PROMPT_CHARS  #: longer prompts are refused before encoding
-        #: seconds a request waits for its consumer to take an event (None: no limit)
-        self.consumer_timeout: float | None = consumer_timeout
+        self.scheduler = self._scheduler(config, verifier, eos)
         #: per-request constraints of ``response_format`` (its tokenizer table built on first use)
         self.grammars = GrammarFactory(
             codec.token_bytes,
             codec.is_special,
             lambda text: codec.tokenizer.encode(text, add_special_tokens=False).ids,
             vocab_size=target.vocab_size,
-            eos_ids=eos_ids,
+            eos_ids=eos,
         )
+        self._slots = anyio.Semaphore(slots)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.running: int = 0  #: requests holding a slot
+        self.waiting = 0  #: requests waiting for a slot
+        self.max_prompt_chars = DEFAULT_MAX_PROMPT_CHARS  #: longer prompts are refused before encoding
+        #: seconds a request waits for its consumer to take an event (None: no limit)
+        self.consumer_timeout: float | None = consumer_timeout
         self._closed = False
         #: the event loop's lag, sampled while the engine serves (started by its first request)
         self.loop_watch = LoopWatch()
-        self._watch_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+
+    def _scheduler(
+        self, config: SpecConfig | None, verifier: TargetVerifier | None, eos_ids: tuple[int, ...]
+    ) -> SpecDecScheduler:
+        """The scheduler of the engine's requests: ``verifier`` (default: a
+        :class:`~specdec_rt.speculation.adapters.ModelVerifier` of the target, sharing hidden
+        states when the drafter needs them), costs measured by the engine's step loop."""
+        target, drafter = self.target, self.drafter
+        if verifier is None:
+            verifier = ModelVerifier(target, share_hidden=drafter is not None and drafter.needs_target_hidden)
+        drafts = [m for m in self.models if m is not target]
+        batch = _MeasuredBatch(self, drafts[0] if drafts else None)
+        return SpecDecScheduler(drafter, verifier, config, eos_ids=eos_ids, batch=batch)
 
     @property
     def prefix_cache(self) -> dict:
@@ -193,19 +205,19 @@ class Engine:
     @classmethod
     async def load(
         cls,
-        name_or_path: str | os.PathLike,
-        draft: str | os.PathLike | None = None,
+        name_or_path: str | os.PathLike[str],
+        draft: str | os.PathLike[str] | None = None,
         *,
-        max_length: int | None = None,
-        threads: int | None = None,
-        provider: str = "auto",
-        slots: int = DEFAULT_SLOTS,
-        spec_config: SpecConfig | None = None,
-        prefix_cache: bool = True,
-        prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
-        warmup: bool = True,
-        consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT,
-        precision: str = "exported",
+        max_length: int | None = DEFAULT_LOAD.max_length,
+        threads: int | None = DEFAULT_LOAD.threads,
+        provider: str = DEFAULT_LOAD.provider,
+        slots: int = DEFAULT_LOAD.slots,
+        spec_config: SpecConfig | None = DEFAULT_LOAD.spec_config,
+        prefix_cache: bool = DEFAULT_LOAD.prefix_cache,
+        prefix_cache_bytes: int = DEFAULT_LOAD.prefix_cache_bytes,
+        warmup: bool = DEFAULT_LOAD.warmup,
+        consumer_timeout: float | None = DEFAULT_LOAD.consumer_timeout,
+        precision: str = DEFAULT_LOAD.precision,
     ) -> "Engine":
         """Load a built recipe (``"smollm2-135m"``) or an export folder.
 
@@ -234,42 +246,33 @@ class Engine:
         processes loading the same at once measure once, the others wait and read it); an explicit
         ``draft`` wins over the tuned one. :attr:`choice` says what was chosen and how.
         """
-        check_bool(warmup, "warmup")
-        check_precision(precision)
-        chosen_by, draft_asked, measured = None, False, None
-        if precision == "auto":
-            from .tune import choose  # (it loads engines of its own)
-
-            check_load_args(
-                name_or_path, draft, max_length=max_length, threads=threads, spec_config=spec_config
-            )  # before a minute of tuning
-            check_int(slots, "slots", 1, MAX_SLOTS, numpy=False)
-            tuned = await choose(
-                name_or_path, cls.load, threads=threads, slots=slots, provider=provider, max_length=max_length
-            )
-            precision, chosen_by = tuned.precision, tuned.chosen_by
-            draft_asked, draft = draft is not None, tuned.draft if draft is None else draft
-            measured = None if draft_asked else tuned.result.best  # (/v1/models shows it)
-        engine = await anyio.to_thread.run_sync(
-            lambda: cls._load(
-                name_or_path,
-                draft,
-                max_length,
-                threads,
-                provider,
-                slots,
-                spec_config,
-                prefix_cache,
-                prefix_cache_bytes,
-                consumer_timeout,
-                precision,
-                chosen_by,
-                draft_asked,
-            )
+        options = LoadOptions(
+            draft=draft,
+            max_length=max_length,
+            threads=threads,
+            provider=provider,
+            slots=slots,
+            spec_config=spec_config,
+            prefix_cache=prefix_cache,
+            prefix_cache_bytes=prefix_cache_bytes,
+            warmup=warmup,
+            consumer_timeout=consumer_timeout,
+            precision=precision,
         )
-        if measured is not None and engine.choice is not None:
-            engine.choice = engine.choice.with_measured(measured)
-        if warmup:
+        return await cls._from_options(name_or_path, options)
+
+    @classmethod
+    async def _from_options(cls, name_or_path: str | os.PathLike[str], options: LoadOptions) -> "Engine":
+        """:meth:`load` with its keywords as one :class:`~specdec_rt.engine.factory.LoadOptions`."""
+        check_bool(options.warmup, "warmup")
+        check_precision(options.precision)
+        tuned = _Tuned()
+        if options.precision == "auto":
+            options, tuned = await cls._tune(name_or_path, options)
+        engine = await anyio.to_thread.run_sync(lambda: cls._load(name_or_path, options, tuned))
+        if tuned.measured is not None and engine.choice is not None:
+            engine.choice = engine.choice.with_measured(tuned.measured)
+        if options.warmup:
             try:
                 await anyio.to_thread.run_sync(engine.grammars.prepare)  # (not while serving: it holds the GIL)
                 await engine.warm_up()
@@ -278,63 +281,64 @@ class Engine:
                 raise
         return engine
 
+    @classmethod
+    async def _tune(cls, name_or_path: str | os.PathLike[str], options: LoadOptions) -> tuple[LoadOptions, _Tuned]:
+        """``precision="auto"``: the tuned precision and draft (an explicit draft wins) as
+        options to load, and how they were chosen."""
+        from .tune import choose  # (it loads engines of its own)
+
+        _check_load_options(name_or_path, options)  # before a minute of tuning
+        tuned = await choose(
+            name_or_path,
+            cls.load,
+            threads=options.threads,
+            slots=options.slots,
+            provider=options.provider,
+            max_length=options.max_length,
+        )
+        draft_asked = options.draft is not None
+        chosen = _Tuned(
+            chosen_by=tuned.chosen_by,
+            draft_asked=draft_asked,
+            measured=None if draft_asked else tuned.result.best,  # (/v1/models shows it)
+        )
+        draft = options.draft if draft_asked else tuned.draft
+        return replace(options, precision=tuned.precision, draft=draft), chosen
+
     async def warm_up(self, requests: int = WARMUP_REQUESTS, max_new_tokens: int = WARMUP_TOKENS) -> None:
         """Run ``requests`` short requests one after another before serving, then forget them
         except what they measured (see :func:`specdec_rt.engine.warmup.warm_up`, which says why)."""
         await warm_up(self, requests, max_new_tokens)
 
     @classmethod
-    def _load(
-        cls,
-        name_or_path,
-        draft,
-        max_length,
-        threads,
-        provider,
-        slots,
-        spec_config,
-        prefix_cache=True,
-        prefix_cache_bytes=DEFAULT_BUDGET_BYTES,
-        consumer_timeout=DEFAULT_CONSUMER_TIMEOUT,
-        precision="exported",
-        chosen_by=None,
-        draft_asked=False,
-    ) -> "Engine":
-        check_load_args(name_or_path, draft, max_length=max_length, threads=threads, spec_config=spec_config)
-        check_int(slots, "slots", 1, MAX_SLOTS, numpy=False)
-        check_bool(prefix_cache, "prefix_cache")
-        check_number(consumer_timeout, "consumer_timeout", 0, optional=True)  # before any model is built
-        check_int(prefix_cache_bytes, "prefix_cache_bytes", 0, numpy=False)
-        parts = build_parts(
-            name_or_path,
-            draft,
-            max_length=max_length,
-            threads=threads,
-            provider=provider,
-            slots=slots,
-            prefix_cache_bytes=prefix_cache_bytes if prefix_cache else 0,
-            precision=precision,
-        )
+    def _load(cls, name_or_path: str | os.PathLike[str], options: LoadOptions, tuned: _Tuned) -> "Engine":
+        """Build the engine (in a worker thread): its arguments checked before any model is built."""
+        _check_load_options(name_or_path, options)
+        check_bool(options.prefix_cache, "prefix_cache")
+        check_number(options.consumer_timeout, "consumer_timeout", 0, optional=True)
+        check_int(options.prefix_cache_bytes, "prefix_cache_bytes", 0, numpy=False)
+        parts = build_parts(name_or_path, options)
         engine = cls(
             parts.target,
             parts.drafter,
             parts.codec,
-            spec_config,
-            slots=slots,
+            options.spec_config,
+            slots=options.slots,
             draft_name=parts.draft_name,
             verifier=parts.verifier,
             executor=parts.executor,
             models=parts.models,
             eos_ids=parts.manifest.eos_ids,
             manifest=parts.manifest,
-            consumer_timeout=consumer_timeout,
+            consumer_timeout=options.consumer_timeout,
         )
+        pinned = "exported" if options.precision == "exported" else "pinned"
         engine.choice = PrecisionChoice(
             parts.candidate.precision,
             parts.draft_name or "none",
-            chosen_by or ("exported" if precision == "exported" else "pinned"),
+            tuned.chosen_by or pinned,
             parts.candidate.exact_to,
-            draft_asked=draft_asked,
+            draft_asked=tuned.draft_asked,
         )
         return engine
 
@@ -369,14 +373,18 @@ class Engine:
         text = "".join(parts)
         assert stats is not None  # the stream's last event carries them
         return EngineResult(
-            text,
-            ids,
-            stats,
-            stats.prompt_tokens if stats else 0,
-            lps if request.logprobs is not None else None,
-            None if first.prompt_token_ids is None else list(first.prompt_token_ids),
-            None if first.prompt_logprobs is None else list(first.prompt_logprobs),
-            parse_tool_calls(text, [t["function"]["name"] for t in request.tools])[1] if request.calls_tools else None,
+            text=text,
+            token_ids=ids,
+            stats=stats,
+            prompt_tokens=stats.prompt_tokens if stats else 0,
+            logprobs=lps if request.logprobs is not None else None,
+            prompt_token_ids=None if first.prompt_token_ids is None else list(first.prompt_token_ids),
+            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
+            tool_calls=(
+                parse_tool_calls(text, [t["function"]["name"] for t in request.tools])[1]
+                if request.calls_tools
+                else None
+            ),
         )
 
     def stream(self, prompt: Prompt, params: RequestParams | int | None = None, **overrides: Any) -> "EngineStream":
@@ -416,7 +424,9 @@ class Engine:
         send, receive = anyio.create_memory_object_stream(STREAM_BUFFER)
         stream = EngineStream(receive, self, request)
         self.watch_loop()
-        task = asyncio.get_running_loop().create_task(self._produce(stream._ready, prompt, request, stops, send, shape))
+        task = asyncio.get_running_loop().create_task(
+            self._produce(stream._ready, prompt, request, stops, send=send, shape=shape)
+        )
         stream._attach(task)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -473,74 +483,31 @@ class Engine:
         return grammar
 
     async def _produce(
-        self, ready: "_Ready", prompt, p: RequestParams, stops: list[str], send, shape: "RequestShape"
+        self,
+        ready: _Ready,
+        prompt: Prompt,
+        params: RequestParams,
+        stops: list[str],
+        *,
+        send: MemoryObjectSendStream[StreamEvent | Exception],
+        shape: RequestShape,
     ) -> None:
         """One request, as a task: encode, run, detokenize, cut at stop strings, hand events over."""
-        decoder, text, shown, kept = self.codec.decoder(), "", 0, 0  # text decoded, streamed; tokens kept
         async with send:
             try:
                 try:
-                    ids: Sequence[int] | np.ndarray = await anyio.to_thread.run_sync(
-                        lambda: self._encode(prompt, p.max_new_tokens, p.truncate_prompt, shape.tools)
-                    )
-                    compiles = shape.schema is not None or shape.lark is not None  # a grammar: in a grammar thread
-                    constraint = (
-                        await asyncio.get_running_loop().run_in_executor(GRAMMAR_THREADS, self._constraint, shape)
-                        if compiles
-                        else self._constraint(shape)
-                    )
-                    # started here, on the loop (it reads the prefix cache); it checks the rest
-                    request = self.scheduler.stream(
-                        ids,
-                        p.max_new_tokens,
-                        p.sampling_params(),
-                        mode="ar" if p.mode == "ar" else "spec",  # (resolved in stream)
-                        logprobs=p.logprobs,
-                        constraint=constraint,
-                        ignore_eos=shape.ignore_eos,
-                    )
+                    ids, request = await self._start(prompt, params, shape)
                 except BaseException as exc:
                     ready.set(exc if isinstance(exc, Exception) else None)
                     raise
                 ready.set(None, len(ids))
-                self.waiting += 1
-                try:
-                    await self._slots.acquire()
-                finally:
-                    self.waiting -= 1
-                self.running += 1
+                await self._take_slot()
                 try:
                     if shape.prompt_top is not None:  # the prompt's own tokens first, in the request's slot
                         scored = await prompt_logprobs_of(self.target, np.asarray(ids), shape.prompt_top)
-                        await self._hand_over(
-                            send, StreamEvent("", (), prompt_token_ids=tuple(ids), prompt_logprobs=tuple(scored))
-                        )
-                    async for ev in request:
-                        ids, finished = ev.token_ids, ev.finished
-                        if stops:  # token by token, as a plain step would see them (see cut_at_stop)
-                            ids, text, cut = cut_at_stop(
-                                decoder, text, ids, stops, finished=finished, done=kept, min_tokens=shape.min_tokens
-                            )
-                        else:
-                            text, cut = text + decoder.push(ids) + (decoder.flush() if finished else ""), None
-                        kept += len(ids)
-                        if cut is not None:  # end at a stop string: emit the text before it
-                            text, finished = text[:cut], "stop"
-                            request.context.finish_reason = request.stats.finish_reason = "stop"
-                            request.stats.new_tokens = kept  # the tokens up to the stop, in every mode
-                        upto = len(text) - (stop_prefix_len(text, stops, shown) if stops and not finished else 0)
-                        lps = ev.logprobs[: len(ids)] if ev.logprobs is not None else None
-                        if finished and shape.prompt_top is not None:  # its own scoring pass computed the
-                            request.stats.cached_prompt_tokens = 0  # prompt: nothing came from earlier ones
-                        await self._hand_over(
-                            send,
-                            StreamEvent(
-                                text[shown:upto], tuple(ids), finished, request.stats if finished else None, lps
-                            ),
-                        )
-                        shown = max(shown, upto)
-                        if cut is not None:
-                            break
+                        scores = StreamEvent("", (), prompt_token_ids=tuple(ids), prompt_logprobs=tuple(scored))
+                        await self._hand_over(send, scores)
+                    await self._answer(request, _Answer(self.codec.decoder(), stops, shape.min_tokens), send, shape)
                 finally:
                     await request.aclose()  # releases the request's KV slots, however it ended
                     self.running -= 1
@@ -552,6 +519,68 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - handed to the consumer
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                     await send.send(exc)
+
+    async def _start(
+        self, prompt: Prompt, params: RequestParams, shape: RequestShape
+    ) -> tuple[Sequence[int] | np.ndarray, RequestStream]:
+        """Encode the prompt and build its constraint (in worker threads), then start the
+        scheduler's request on the loop (it reads the prefix cache); it checks the rest."""
+        ids: Sequence[int] | np.ndarray = await anyio.to_thread.run_sync(
+            lambda: self._encode(prompt, params.max_new_tokens, params.truncate_prompt, shape.tools)
+        )
+        compiles = shape.schema is not None or shape.lark is not None  # a grammar: in a grammar thread
+        constraint = (
+            await asyncio.get_running_loop().run_in_executor(GRAMMAR_THREADS, self._constraint, shape)
+            if compiles
+            else self._constraint(shape)
+        )
+        request = self.scheduler.stream(
+            ids,
+            params.max_new_tokens,
+            params.sampling_params(),
+            mode="ar" if params.mode == "ar" else "spec",  # (resolved in stream)
+            logprobs=params.logprobs,
+            constraint=constraint,
+            ignore_eos=shape.ignore_eos,
+        )
+        return ids, request
+
+    async def _take_slot(self) -> None:
+        """Wait for a free slot (counted in :attr:`waiting`), then hold it (in :attr:`running`)."""
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+
+    async def _answer(
+        self,
+        request: RequestStream,
+        answer: _Answer,
+        send: MemoryObjectSendStream[StreamEvent | Exception],
+        shape: RequestShape,
+    ) -> None:
+        """Run the request, handing its events over as text; end at the first stop string."""
+        async for ev in request:
+            finished = ev.finished
+            ids, stopped = answer.push(ev.token_ids, finished is not None)
+            if stopped:  # end at a stop string: emit the text before it
+                finished = request.context.finish_reason = request.stats.finish_reason = "stop"
+                request.stats.new_tokens = answer.kept  # the tokens up to the stop, in every mode
+            lps = ev.logprobs[: len(ids)] if ev.logprobs is not None else None
+            if finished and shape.prompt_top is not None:  # its own scoring pass computed the
+                request.stats.cached_prompt_tokens = 0  # prompt: nothing came from earlier ones
+            event = StreamEvent(
+                answer.take(finished is not None),
+                tuple(ids),
+                finished,
+                stats=request.stats if finished else None,
+                logprobs=lps,
+            )
+            await self._hand_over(send, event)
+            if stopped:
+                break
 
     async def _hand_over(self, send, event: StreamEvent) -> None:
         """Queue ``event`` for the consumer; when :data:`STREAM_BUFFER` events wait already,
@@ -619,6 +648,59 @@ class Engine:
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+
+class _Answer:
+    """A request's answer as text: decoded event by event, and cut at its first stop string
+    token by token, as a plain step would see it (see ``cut_at_stop``)."""
+
+    def __init__(self, decoder: Any, stops: list[str], min_tokens: int) -> None:
+        self.decoder, self.stops, self.min_tokens = decoder, stops, min_tokens
+        self.text = ""  # decoded so far
+        self.shown = 0  # characters of it handed over
+        self.kept = 0  # tokens kept
+
+    def push(self, ids: Sequence[int], finished: bool) -> tuple[Sequence[int], bool]:
+        """Decode one event's ids: (the ids kept, whether a stop string ended the answer)."""
+        if self.stops:
+            ids, self.text, cut = cut_at_stop(
+                self.decoder, self.text, ids, self.stops, finished=finished, done=self.kept, min_tokens=self.min_tokens
+            )
+        else:
+            self.text, cut = self.text + self.decoder.push(ids) + (self.decoder.flush() if finished else ""), None
+        self.kept += len(ids)
+        if cut is not None:
+            self.text = self.text[:cut]
+        return ids, cut is not None
+
+    def take(self, finished: bool) -> str:
+        """The text not handed over yet, less a tail that may still start a stop string."""
+        held = stop_prefix_len(self.text, self.stops, self.shown) if self.stops and not finished else 0
+        upto = len(self.text) - held
+        new = self.text[self.shown : upto]
+        self.shown = max(self.shown, upto)
+        return new
+
+
+@dataclass(frozen=True)
+class _Tuned:
+    """How ``precision="auto"`` chose (all unset: it did not run)."""
+
+    chosen_by: str | None = None  # "tuned" or "cached"
+    draft_asked: bool = False  # the caller's draft was loaded, not the tuned one
+    measured: TuneRow | None = None  # what the tune measured of the configuration loaded
+
+
+def _check_load_options(name_or_path: object, options: LoadOptions) -> None:
+    """The options checked first, before a file is read (the rest are checked by the load)."""
+    check_load_args(
+        name_or_path,
+        options.draft,
+        max_length=options.max_length,
+        threads=options.threads,
+        spec_config=options.spec_config,
+    )
+    check_int(options.slots, "slots", 1, MAX_SLOTS, numpy=False)
 
 
 class _MeasuredBatch(BatchCosts):

@@ -17,6 +17,7 @@ from typing import Any
 from ..batching import BatchExecutor
 from ..drafters import CombinedDrafter, NgramDrafter
 from ..errors import InvalidInputError, ModelLoadError
+from ..kvcache.prefix import DEFAULT_BUDGET_BYTES
 from ..manifest_schema import MANIFEST
 from ..ort import (
     Manifest,
@@ -30,13 +31,17 @@ from ..ort import (
 )
 from ..ort.eagle import EagleDrafter
 from ..ort.manifest import cache_root
+from ..policy.config import SpecConfig
 from ..speculation.adapters import ModelDrafter
 from ..speculation.protocols import DraftInferrer, TargetVerifier
 from ..text.codec import TextCodec
 from .precision import PINNED_PRECISIONS
+from .served import DEFAULT_CONSUMER_TIMEOUT, DEFAULT_SLOTS
 
 __all__ = [
     "DEFAULT_DRAFT",
+    "LoadOptions",
+    "DEFAULT_LOAD",
     "PINNED_PRECISIONS",
     "TargetCandidate",
     "target_candidates",
@@ -60,6 +65,33 @@ __all__ = [
 # The drafter when Engine.load gets draft=None: n-gram lookup plus the recipe's first draft
 # (docs/decisions/0008-default-draft-q8.md).
 DEFAULT_DRAFT = "ngram+model"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How :meth:`Engine.load <specdec_rt.engine.engine.Engine.load>` loads an export folder:
+    its keywords, with the library's defaults (:data:`DEFAULT_LOAD`). Checked when loaded
+    (``check_load_args`` and the engine's own checks), not here."""
+
+    draft: str | os.PathLike[str] | None = None  # None: DEFAULT_DRAFT
+    max_length: int | None = None
+    threads: int | None = None
+    provider: str = "auto"
+    slots: int = DEFAULT_SLOTS
+    spec_config: SpecConfig | None = None
+    prefix_cache: bool = True
+    prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES
+    warmup: bool = True
+    consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT
+    precision: str = "exported"
+
+    @property
+    def cache_bytes(self) -> int:
+        """The prefix cache's KV budget over all models: 0 when the cache is off."""
+        return self.prefix_cache_bytes if self.prefix_cache else 0
+
+
+DEFAULT_LOAD = LoadOptions()  #: the defaults of Engine.load's keywords
 
 
 # MatMulNBits accuracy levels: the type activations are quantized to in the CPU kernel
@@ -249,7 +281,7 @@ def model_drafter(m, dm, **opts) -> OrtDraftInferrer | EagleDrafter:
     return OrtDraftInferrer(OrtModel(dm, **opts))
 
 
-def make_drafter(m, spec: str, opts: dict) -> tuple[DraftInferrer | None, str | None]:
+def make_drafter(m, spec: str | None, opts: dict) -> tuple[DraftInferrer | None, str | None]:
     """A drafter from a draft spec: ``"none"``, ``"ngram"``, a model draft (a name from the
     manifest or a folder; ``"model"`` is the manifest's first), or ``"ngram+<model draft>"``."""
     spec = resolve_draft_spec(m, spec)
@@ -307,53 +339,56 @@ class EngineParts:
     candidate: TargetCandidate  # which of the folder's targets was loaded
 
 
-def build_parts(
-    name_or_path: str | os.PathLike,
-    draft,
-    *,
-    max_length: int | None,
-    threads: int | None,
-    provider: str,
-    slots: int,
-    prefix_cache_bytes: int,
-    precision: str = "exported",
-) -> EngineParts:
-    """Load a built recipe or an export folder with its drafter (``draft``: a draft spec), all
-    models built with one :class:`BatchExecutor`; ``prefix_cache_bytes`` is shared among them in
-    proportion to their KV bytes per token, so every model caches as many tokens.
+def build_parts(name_or_path: str | os.PathLike[str], options: LoadOptions) -> EngineParts:
+    """Load a built recipe or an export folder with its drafter (``options.draft``: a draft
+    spec), all models built with one :class:`BatchExecutor`; the prefix cache's budget is shared
+    among them in proportion to their KV bytes per token, so every model caches as many tokens.
 
-    ``precision``: ``"exported"`` (the folder's own target) or a pinned one (``"int8"``, ...): a
-    quantized copy among the folder's drafts, loaded as the target (:func:`pick_target`). Its
-    default draft is the folder's first draft that is cheaper than it (else n-gram lookup);
+    ``options.precision``: ``"exported"`` (the folder's own target) or a pinned one (``"int8"``,
+    ...): a quantized copy among the folder's drafts, loaded as the target (:func:`pick_target`).
+    Its default draft is the folder's first draft that is cheaper than it (else n-gram lookup);
     draft names still resolve among all the folder's drafts."""
     home = load_manifest(resolve_model_dir(name_or_path))
-    candidate = pick_target(home, precision)
+    candidate = pick_target(home, options.precision)
+    draft = None if options.draft is None else str(options.draft)
     if candidate.draft_name is not None:  # "model" means the first cheaper draft
         draft = resolve_draft_spec(replace(home, drafts=_named(home, cheaper_drafts(home, candidate))), draft)
-    m = candidate.manifest
     executor = BatchExecutor()
     opts: dict[str, Any] = dict(
-        max_length=max_length,
-        threads=threads,
-        provider=provider,
-        slots=slots,
-        prefix_cache_bytes=prefix_cache_bytes,
+        max_length=options.max_length,
+        threads=options.threads,
+        provider=options.provider,
+        slots=options.slots,
+        prefix_cache_bytes=options.cache_bytes,
         executor=executor,
     )
     alone = resolve_draft_spec(home, draft) in ("ngram", "none")  # no draft model beside the target
-    target = OrtModel(m, **opts, alone=alone)
+    target = OrtModel(candidate.manifest, **opts, alone=alone)
     drafter, draft_name = make_drafter(home, draft, opts)  # (a promoted target shares home's vocabulary)
     models = engine_models(target, drafter)
-    caching = [mod for mod in models if mod.caches_prefixes]
-    for mod in caching:
-        mod.prefix_cache.budget_bytes = (
-            prefix_cache_bytes * mod.pool.token_bytes // sum(x.pool.token_bytes for x in caching)
-        )
+    _share_cache_budget(models, options.cache_bytes)
     verifier = OrtTargetVerifier(target, share_hidden=drafter is not None and drafter.needs_target_hidden)
     executor.lead = {id(mod) for mod in models[1:]}  # draft steps first: a batch drafts, then verifies, together
     return EngineParts(
-        m, target, verifier, drafter, draft_name, models, executor, TextCodec.from_manifest(home), candidate
+        manifest=candidate.manifest,
+        target=target,
+        verifier=verifier,
+        drafter=drafter,
+        draft_name=draft_name,
+        models=models,
+        executor=executor,
+        codec=TextCodec.from_manifest(home),
+        candidate=candidate,
     )
+
+
+def _share_cache_budget(models: list[OrtModel], budget: int) -> None:
+    """Split ``budget`` bytes among the models that cache prefixes, in proportion to their KV
+    bytes per token."""
+    caching = [mod for mod in models if mod.caches_prefixes]
+    for mod in caching:
+        per_token = sum(x.open_pool().token_bytes for x in caching)
+        mod.prefix_cache.budget_bytes = budget * mod.open_pool().token_bytes // per_token
 
 
 def _named(home: Manifest, names: list[str]) -> tuple[dict, ...]:

@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import statistics
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -81,6 +82,9 @@ __all__ = [
     "kept_draft",
     "choose",
 ]
+
+if TYPE_CHECKING:
+    from ..ort import Manifest
 
 log = get_logger("specdec_rt.engine.tune")
 
@@ -158,6 +162,17 @@ class _Samples:
     def ok(self) -> bool:
         return not self.failed and not self.mismatch
 
+    def add(self, kind: str, rate: float, results: Sequence[Any]) -> None:
+        """One step's tok/s and drafts; ``kind``: the category alone ("": several at once)."""
+        if kind:
+            self.one.setdefault(kind, []).append(rate)
+            self.round_one[kind] = rate
+        else:
+            self.many.append(rate)
+            self.round_many = rate
+        self.drafted[kind] = self.drafted.get(kind, 0) + sum(x.stats.drafted for x in results)
+        self.accepted[kind] = self.accepted.get(kind, 0) + sum(x.stats.accepted for x in results)
+
 
 @dataclass(frozen=True)
 class Tuned:
@@ -188,7 +203,7 @@ def _stderr_or_log(say: Say | None) -> Say:
 
 
 async def measure(
-    folder,
+    folder: str | os.PathLike[str],
     load: Load,
     *,
     threads: int | None = None,
@@ -208,112 +223,171 @@ async def measure(
     t0 = time.perf_counter()
     home = await anyio.to_thread.run_sync(home_manifest, folder)  # (reads files: off the event loop)
     configs = await anyio.to_thread.run_sync(configs_for, home)
-    kinds = list(dict.fromkeys(kind for kind, _ in prompts))
-    of_kind = {k: [i for i, (kind, _) in enumerate(prompts) if kind == k] for k in kinds}
-    at_once = max(1, min(AT_ONCE, slots, len(prompts)))
-    length = min(max_length or TUNE_MAX_LENGTH, TUNE_MAX_LENGTH)
-    tokens = max(1, min(tokens, length // 2))  # a short context keeps room for the prompt
-    samples = {c: _Samples() for c in configs}
-    engines: dict[tuple[str, str], Any] = {}
-    chat: list[Any] = [[{"role": "user", "content": text}] for _, text in prompts]
-    plain: dict[tuple[str, tuple[int, ...], bool], list] = {}  # (precision, prompts, several) -> plain's ids
+    plan = _Plan.of(prompts, slots=slots, max_length=max_length, tokens=tokens)
+    bench = _Bench(configs, plan)
     say(
         f"tuning {home.name} on this machine (once per machine, model and settings): "
         f"{len(configs)} configurations, {len({c.engine for c in configs})} engines, "
-        f"{len(kinds)} prompt categories, {tokens} tokens an answer"
+        f"{len(plan.kinds)} prompt categories, {plan.tokens} tokens an answer"
     )
-
-    async def run(c: Config, kind: str, picked: tuple[int, ...]) -> None:
-        """``c`` on the prompts ``picked`` at once; ``kind``: their category ("": several at once)."""
-        s = samples[c]
-        took = time.perf_counter()
-        try:
-            results = await asyncio.gather(
-                *[
-                    engines[c.engine].generate(
-                        chat[i], max_new_tokens=tokens, mode=c.mode, ignore_eos=True, truncate_prompt=True
-                    )
-                    for i in picked
-                ]
-            )
-        except SpecDecError as exc:  # left out, reported; the others go on
-            s.failed = f"failed: {type(exc).__name__}: {exc}"[:280]
-            return
-        rate = sum(x.stats.new_tokens for x in results) / (time.perf_counter() - took)
-        if kind:
-            s.one.setdefault(kind, []).append(rate)
-            s.round_one[kind] = rate
-        else:
-            s.many.append(rate)
-            s.round_many = rate
-        s.drafted[kind] = s.drafted.get(kind, 0) + sum(x.stats.drafted for x in results)
-        s.accepted[kind] = s.accepted.get(kind, 0) + sum(x.stats.accepted for x in results)
-        ids, ref = [list(x.token_ids) for x in results], (c.precision, picked, not kind)
-        if c.mode == "ar":
-            plain[ref] = ids
-        elif ref not in plain:
-            s.failed = "plain decoding of its target failed: nothing to check it against"
-        elif ids != plain[ref] and not s.mismatch:
-            s.mismatch = f"differs from plain decoding on prompt {picked[0] + 1}" + ("" if kind else " (batched)")
-
     try:
-        for key in dict.fromkeys(c.engine for c in configs):  # one engine per (target, draft loaded)
+        await bench.load(home.folder, load, threads=threads, slots=slots, provider=provider)
+        loaded = time.perf_counter()
+        say(f"loaded in {loaded - t0:.1f} s; measuring for at most {budget_s:.0f} s after the first round")
+        rounds = await bench.rounds(loaded + budget_s, say)
+    finally:
+        with anyio.CancelScope(shield=True):  # cancelled (a server stopped while tuning): close them still
+            await bench.aclose()
+    rows = [_row(c, bench.samples[c], plan.at_once, plan.kinds) for c in configs]
+    result = TuneResult(
+        rows=rows, chosen=pick(rows), rounds=rounds, seconds=time.perf_counter() - t0, tokens=plan.tokens
+    )
+    for row in rows:
+        if not row.exact:
+            say(f"left out: {row.precision} {row.draft}: {row.note}")
+    return result
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a measurement runs: ``prompts`` and their categories (``kinds``, in order, and
+    ``of_kind``: each one's prompt indices), requests ``at_once`` in the several-at-once step,
+    greedy ``tokens`` an answer and the engines' ``max_length``."""
+
+    prompts: Prompts
+    kinds: list[str]
+    of_kind: dict[str, list[int]]
+    at_once: int
+    tokens: int
+    length: int
+
+    @classmethod
+    def of(cls, prompts: Prompts, *, slots: int, max_length: int | None, tokens: int) -> _Plan:
+        kinds = list(dict.fromkeys(kind for kind, _ in prompts))
+        length = min(max_length or TUNE_MAX_LENGTH, TUNE_MAX_LENGTH)
+        return cls(
+            prompts=prompts,
+            kinds=kinds,
+            of_kind={k: [i for i, (kind, _) in enumerate(prompts) if kind == k] for k in kinds},
+            at_once=max(1, min(AT_ONCE, slots, len(prompts))),
+            tokens=max(1, min(tokens, length // 2)),  # a short context keeps room for the prompt
+            length=length,
+        )
+
+    def steps(self, round_no: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Round ``round_no``'s steps: ``(category, prompt indices)``, one prompt of each
+        category alone, then ``("", at_once prompts)`` together (the prompts rotate by round)."""
+        steps = [(k, (self.of_kind[k][round_no % len(self.of_kind[k])],)) for k in self.kinds]
+        together = tuple((round_no * self.at_once + i) % len(self.prompts) for i in range(self.at_once))
+        return [*steps, ("", together)]
+
+
+class _Bench:
+    """The engines of one measurement (one per target and draft loaded) and what each
+    configuration measured on them."""
+
+    def __init__(self, configs: list[Config], plan: _Plan) -> None:
+        self.configs, self.plan = configs, plan
+        self.samples = {c: _Samples() for c in configs}
+        self.engines: dict[tuple[str, str], Any] = {}
+        self.chat: list[Any] = [[{"role": "user", "content": text}] for _, text in plan.prompts]
+        #: plain decoding's ids, by (precision, prompts, several at once): the reference
+        self.plain: dict[tuple[str, tuple[int, ...], bool], list[list[int]]] = {}
+
+    async def load(self, folder: Path, load: Load, *, threads: int | None, slots: int, provider: str) -> None:
+        """Load every engine as ``Engine.load`` would (a short warm-up); one that fails leaves
+        its configurations out, with why."""
+        for key in dict.fromkeys(c.engine for c in self.configs):
             try:
-                engines[key] = await load(
-                    home.folder,
+                self.engines[key] = await load(
+                    folder,
                     draft=key[1],
                     precision=key[0],
                     threads=threads,
                     provider=provider,
                     slots=slots,
-                    max_length=length,
+                    max_length=self.plan.length,
                     prefix_cache=False,  # rounds repeat prompts: each must be computed
                     warmup=False,
                 )
-                await engines[key].warm_up(1, 8)  # a short one: costs go on being measured as it runs
+                await self.engines[key].warm_up(1, 8)  # a short one: costs go on being measured as it runs
             except SpecDecError as exc:
-                for c in configs:
+                for c in self.configs:
                     if c.engine == key:
-                        samples[c].failed = f"did not load: {exc}"[:280]
-        if any(e.codec.chat_template is None for e in engines.values()):
-            chat = [text for _, text in prompts]  # no chat template (a base model: Gemma 3 270M): plain text
-        loaded = time.perf_counter()
-        say(f"loaded in {loaded - t0:.1f} s; measuring for at most {budget_s:.0f} s after the first round")
-        rounds, live = 0, [c for c in configs if c.engine in engines]
+                        self.samples[c].failed = f"did not load: {exc}"[:280]
+        if any(e.codec.chat_template is None for e in self.engines.values()):
+            self.chat = [text for _, text in self.plan.prompts]  # no chat template (Gemma 3 270M): plain text
+
+    async def rounds(self, deadline: float, say: Say) -> int:
+        """Measure rounds until the leader is told apart, :data:`MAX_ROUNDS` ran or the next
+        round would end past ``deadline`` (a ``perf_counter`` time); the rounds run."""
+        rounds, live = 0, [c for c in self.configs if c.engine in self.engines]
         while live:
             start = time.perf_counter()
             order = live[rounds % len(live) :] + live[: rounds % len(live)]
-            steps: list[tuple[str, tuple[int, ...]]] = [(k, (of_kind[k][rounds % len(of_kind[k])],)) for k in kinds]
-            steps.append(("", tuple((rounds * at_once + i) % len(prompts) for i in range(at_once))))
-            for kind, picked in steps:
-                for c in sorted(order, key=lambda c: c.mode != "ar"):  # plain first: the reference
-                    if samples[c].ok:
-                        await run(c, kind, picked)
-            for c in order:
-                s = samples[c]
-                if s.ok and len(s.round_one) == len(kinds) and s.round_many:
-                    s.scores.append(score(_geomean(list(s.round_one.values())), s.round_many))
-                s.round_one, s.round_many = {}, 0.0
+            await self.round(order, rounds)
             rounds += 1
             each = time.perf_counter() - start
             say(f"round {rounds}: {len(order)} configurations in {each:.1f} s")
-            following = _contenders(configs, samples, kinds, at_once)
+            following = _contenders(self.configs, self.samples, self.plan.kinds, self.plan.at_once)
             if not following:
                 break  # told apart (or nothing left to tell apart)
-            if rounds >= MAX_ROUNDS or time.perf_counter() - loaded + each * len(following) / len(order) > budget_s:
+            if rounds >= MAX_ROUNDS or time.perf_counter() + each * len(following) / len(order) > deadline:
                 say(f"stopping with {len(following)} configurations not yet told apart: budget or rounds spent")
                 break
             live = following
-    finally:
-        with anyio.CancelScope(shield=True):  # cancelled (a server stopped while tuning): close them still
-            for engine in engines.values():
-                await engine.aclose()
-    rows = [_row(c, samples[c], at_once, kinds) for c in configs]
-    result = TuneResult(rows, pick(rows), rounds, time.perf_counter() - t0, tokens=tokens)
-    for row in rows:
-        if not row.exact:
-            say(f"left out: {row.precision} {row.draft}: {row.note}")
-    return result
+        return rounds
+
+    async def round(self, order: list[Config], round_no: int) -> None:
+        """One round of ``order``'s configurations, interleaved within each step, plain
+        decoding first (the reference); then each one's score for the round."""
+        for kind, picked in self.plan.steps(round_no):
+            for c in sorted(order, key=lambda c: c.mode != "ar"):
+                if self.samples[c].ok:
+                    await self.run(c, kind, picked)
+        for c in order:
+            sample = self.samples[c]
+            if sample.ok and len(sample.round_one) == len(self.plan.kinds) and sample.round_many:
+                sample.scores.append(score(_geomean(list(sample.round_one.values())), sample.round_many))
+            sample.round_one, sample.round_many = {}, 0.0
+
+    async def run(self, c: Config, kind: str, picked: tuple[int, ...]) -> None:
+        """``c`` on the prompts ``picked`` at once; ``kind``: their category ("": several at once)."""
+        sample = self.samples[c]
+        took = time.perf_counter()
+        try:
+            results = await asyncio.gather(
+                *[
+                    self.engines[c.engine].generate(
+                        self.chat[i],
+                        max_new_tokens=self.plan.tokens,
+                        mode=c.mode,
+                        ignore_eos=True,
+                        truncate_prompt=True,
+                    )
+                    for i in picked
+                ]
+            )
+        except SpecDecError as exc:  # left out, reported; the others go on
+            sample.failed = f"failed: {type(exc).__name__}: {exc}"[:280]
+            return
+        sample.add(kind, sum(x.stats.new_tokens for x in results) / (time.perf_counter() - took), results)
+        self.check(c, kind, picked, [list(x.token_ids) for x in results])
+
+    def check(self, c: Config, kind: str, picked: tuple[int, ...], ids: list[list[int]]) -> None:
+        """Keep plain decoding's output as the reference; mark a configuration whose output
+        differs from it."""
+        sample, ref = self.samples[c], (c.precision, picked, not kind)
+        if c.mode == "ar":
+            self.plain[ref] = ids
+        elif ref not in self.plain:
+            sample.failed = "plain decoding of its target failed: nothing to check it against"
+        elif ids != self.plain[ref] and not sample.mismatch:
+            sample.mismatch = f"differs from plain decoding on prompt {picked[0] + 1}" + ("" if kind else " (batched)")
+
+    async def aclose(self) -> None:
+        for engine in self.engines.values():
+            await engine.aclose()
 
 
 def _geomean(values: Sequence[float]) -> float:
@@ -349,15 +423,15 @@ def _row(c: Config, s: _Samples, at_once: int, kinds: list[str]) -> TuneRow:
     )
     drafted, accepted = sum(s.drafted.values()), sum(s.accepted.values())
     return TuneRow(
-        c.precision,
-        c.draft,
-        _geomean([r.tok_s_1 for r in categories]) if len(categories) == len(kinds) else 0.0,
-        statistics.median(s.many) if s.many else 0.0,
-        at_once,
-        accepted / drafted if drafted else 0.0,
-        ok,
-        s.failed or s.mismatch,
-        categories,
+        precision=c.precision,
+        draft=c.draft,
+        tok_s_1=_geomean([r.tok_s_1 for r in categories]) if len(categories) == len(kinds) else 0.0,
+        tok_s_c=statistics.median(s.many) if s.many else 0.0,
+        concurrency=at_once,
+        acceptance=accepted / drafted if drafted else 0.0,
+        exact=ok,
+        note=s.failed or s.mismatch,
+        categories=categories,
     )
 
 
@@ -478,7 +552,9 @@ async def choose(
         try:
             unlocked = await _take(across, home.name, say, lock_wait_s)
             settings = {"threads": threads, "slots": slots, "provider": provider, "max_length": max_length}
-            return await _read_or_measure(home, key, measurable, load, force, say, unlocked, settings)
+            return await _read_or_measure(
+                home, key, measurable, load, force=force, say=say, unlocked=unlocked, settings=settings
+            )
         finally:
             across.release()
 
@@ -507,7 +583,15 @@ async def _take(lock: TuneLock, model: str, say: Say | None, wait_s: float) -> s
 
 
 async def _read_or_measure(
-    home, key, measurable, load: Load, force: bool, say: Say | None, unlocked: str, settings: dict
+    home: Manifest,
+    key: dict[str, Any],
+    measurable: set[tuple[str, str]],
+    load: Load,
+    *,
+    force: bool,
+    say: Say | None,
+    unlocked: str,
+    settings: dict[str, Any],
 ) -> Tuned:
     """The cached choice for ``key``, else (or ``force``) measured now and stored; ``unlocked``:
     why this process measures without the lock (warned before it does), or ``""``."""

@@ -31,6 +31,7 @@ import os
 import platform
 import re
 import stat
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -196,7 +197,8 @@ class TuneResult:
         key = raw.get("key")
         if not isinstance(key, dict):
             raise ValueError("key must be an object")
-        return cls(rows, chosen, rounds, float(seconds), _text(raw.get("rule", ""), 400), key, tokens)
+        rule = _text(raw.get("rule", ""), 400)
+        return cls(rows=rows, chosen=chosen, rounds=rounds, seconds=float(seconds), rule=rule, key=key, tokens=tokens)
 
 
 def _number(value, hi: float) -> bool:
@@ -220,15 +222,15 @@ def _row(raw) -> TuneRow:
     if type(concurrency) is not int or not 1 <= concurrency <= 256 or not isinstance(exact, bool):
         raise ValueError("row concurrency or exact malformed")
     return TuneRow(
-        _text(raw.get("precision"), 16),
-        _text(raw.get("draft"), 200),
-        float(nums["tok_s_1"]),  # type: ignore[arg-type]  # checked above
-        float(nums["tok_s_c"]),  # type: ignore[arg-type]
-        concurrency,
-        float(nums["acceptance"]),  # type: ignore[arg-type]
-        exact,
-        _text(raw.get("note", ""), 300),
-        _categories(raw.get("categories")),
+        precision=_text(raw.get("precision"), 16),
+        draft=_text(raw.get("draft"), 200),
+        tok_s_1=float(nums["tok_s_1"]),  # type: ignore[arg-type]  # checked above
+        tok_s_c=float(nums["tok_s_c"]),  # type: ignore[arg-type]
+        concurrency=concurrency,
+        acceptance=float(nums["acceptance"]),  # type: ignore[arg-type]
+        exact=exact,
+        note=_text(raw.get("note", ""), 300),
+        categories=_categories(raw.get("categories")),
     )
 
 
@@ -392,9 +394,10 @@ def write_cached(key: dict, result: TuneResult) -> Path | None:
 
 # ---------------------------------------------------------------------- one process at a time
 LOCK_SUFFIX = ".lock"
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # (these three: 0 where the platform has no such flag)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+if sys.platform == "win32":  # no such flags there
+    _NOFOLLOW = _NONBLOCK = _CLOEXEC = 0
+else:
+    _NOFOLLOW, _NONBLOCK, _CLOEXEC = os.O_NOFOLLOW, os.O_NONBLOCK, os.O_CLOEXEC
 
 
 def lock_path(key: dict) -> Path:

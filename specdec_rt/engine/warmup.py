@@ -4,6 +4,7 @@ what they measured."""
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
@@ -11,6 +12,9 @@ from ..errors import SpecDecError
 from ..logs import get_logger
 
 __all__ = ["WARMUP_REQUESTS", "WARMUP_TOKENS", "WARMUP_PROMPT_TOKENS", "warm_up"]
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 log = get_logger("specdec_rt.engine.warmup")
 
@@ -22,7 +26,7 @@ TOUCH_TOKENS = 8  # the requests before them: one whose times are forgotten, one
 WARMUP_PROMPTS = ("Describe the water cycle for a ten-year-old.", "List a few ways to reuse glass jars at home.")
 
 
-async def warm_up(engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int = WARMUP_TOKENS) -> None:
+async def warm_up(engine: Engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int = WARMUP_TOKENS) -> None:
     """Run ``requests`` short requests on ``engine`` one after another (``mode="spec"`` when it
     has a drafter), then forget them, except what they measured; before them two shorter ones:
     a touch whose times are forgotten, and a plain request.
@@ -46,35 +50,41 @@ async def warm_up(engine, requests: int = WARMUP_REQUESTS, max_new_tokens: int =
     user's requests must meet it as their own, with the engine still there for the next one."""
     if requests <= 0:
         return
-    caches = [m.prefix_cache for m in engine.models if m.caps.caches_prefixes]
+    caches = [m.prefix_cache for m in engine.models if m.caps.caches_prefixes and m.prefix_cache is not None]
     totals = copy.deepcopy(engine.scheduler.totals)  # merged into in place
     chat = engine.codec.chat_template is not None
     limit = engine.scheduler.max_length
     tokens = max(1, min(max_new_tokens, limit // 2) if limit else max_new_tokens)
-    mode = "spec" if engine.drafter is not None else "ar"
     for c in caches:
         c.enabled = False
     try:
         for i in range(-2, requests):  # -2: the touch, -1: a plain request
-            text = WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)]
-            for prompt in ([[{"role": "user", "content": text}]] if chat else []) + [text]:
-                try:
-                    ids = await anyio.to_thread.run_sync(engine.prompt_encoder.encode, prompt)
-                    await engine.generate(
-                        [int(t) for t in ids[-WARMUP_PROMPT_TOKENS:]],
-                        min(tokens, TOUCH_TOKENS) if i < 0 else tokens,
-                        mode="ar" if i == -1 else mode,
-                        truncate_prompt=True,
-                    )
-                    if i == -2:
-                        engine.scheduler.costs.forget_times()
-                    break
-                except SpecDecError as exc:
-                    error = exc
-            else:  # failed as chat and as plain text
+            error = await _warm_request(engine, i, tokens=tokens if i >= 0 else min(tokens, TOUCH_TOKENS), chat=chat)
+            if error is not None:  # failed as chat and as plain text
                 log.warning("engine.warmup_failed", error=f"{type(error).__name__}: {error}"[:300])
                 return
     finally:
         for c in caches:
             c.enabled = True
         engine.scheduler.totals = totals
+
+
+async def _warm_request(engine: Engine, i: int, *, tokens: int, chat: bool) -> SpecDecError | None:
+    """Warm-up request ``i`` (-2: the touch, whose times are forgotten; -1: plain decoding),
+    as chat (with a chat template), else as plain text; None once one ran, else the error."""
+    error: SpecDecError | None = None
+    text = WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)]
+    mode = "ar" if i == -1 or engine.drafter is None else "spec"
+    prompts: list[Any] = [[{"role": "user", "content": text}]] if chat else []
+    for prompt in [*prompts, text]:
+        try:
+            ids = await anyio.to_thread.run_sync(engine.prompt_encoder.encode, prompt)
+            await engine.generate(
+                [int(t) for t in ids[-WARMUP_PROMPT_TOKENS:]], tokens, mode=mode, truncate_prompt=True
+            )
+            if i == -2:
+                engine.scheduler.costs.forget_times()
+            return None
+        except SpecDecError as exc:
+            error = exc
+    return error

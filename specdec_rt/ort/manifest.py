@@ -20,6 +20,7 @@ import json
 import os
 import stat
 import string
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,11 +204,25 @@ def check_manifest(folder: str | os.PathLike, raw: dict, verify_hashes: bool | s
         raise ModelLoadError(
             f"{path}: schema_version {_short(raw.get('schema_version'))}, this runtime reads {SCHEMA_VERSION}"
         )
+    m = _read_fields(folder, raw, path)
+    _check_graph_names(m, path)
+    if "draft_vocab" in raw:
+        vocab = _obj(raw, "draft_vocab", path)
+        inside(folder, vocab.get("file", "vocab.npy"), "draft_vocab.file", path)
+        _int(vocab.get("target_vocab_size"), "draft_vocab.target_vocab_size", path, lo=1, hi=LIMITS["vocab_size"][1])
+    checked = _check_files(m, raw.get("files") or {}, path)
+    if mode != "never":
+        _verify_hashes(folder, checked, path, use_stamp=mode == "once")
+    return m
+
+
+def _read_fields(folder: Path, raw: dict[str, Any], path: Path) -> Manifest:
+    """The manifest's fields, each checked for its type and bounds."""
     arch = _obj(raw, "architecture", path)
     onnx_ = _obj(raw, "onnx", path)
     tok = _obj(raw, "tokenizer", path)
     special = _obj(raw, "special_tokens", path, default={})
-    nums = {k: _int(arch.get(k), f"architecture.{k}", path, lo, hi) for k, (lo, hi) in LIMITS.items()}
+    nums = {k: _int(arch.get(k), f"architecture.{k}", path, lo=lo, hi=hi) for k, (lo, hi) in LIMITS.items()}
     if nums["num_kv_heads"] > nums["num_heads"]:
         raise ModelLoadError(f"{path}: num_kv_heads={nums['num_kv_heads']} exceeds num_heads={nums['num_heads']}")
     eos = special.get("eos")
@@ -216,13 +231,13 @@ def check_manifest(folder: str | os.PathLike, raw: dict, verify_hashes: bool | s
         raise ModelLoadError(f"{path}: special_tokens.eos lists {len(eos)} ids (at most {MAX_EOS_IDS})")
     bos = special.get("bos")
     kv = _obj(onnx_, "kv", path)
-    m = Manifest(
+    return Manifest(
         folder=folder,
         name=_printable(_str(raw.get("name", folder.name), "name", path), "name", path),
         role=_str(raw.get("role", "target"), "role", path),
         **nums,
-        bos_id=None if bos is None else _int(bos, "special_tokens.bos", path, 0, MAX_TOKEN_ID - 1),
-        eos_ids=tuple(_int(e, "special_tokens.eos", path, 0, MAX_TOKEN_ID - 1) for e in eos),
+        bos_id=None if bos is None else _int(bos, "special_tokens.bos", path, lo=0, hi=MAX_TOKEN_ID - 1),
+        eos_ids=tuple(_int(e, "special_tokens.eos", path, lo=0, hi=MAX_TOKEN_ID - 1) for e in eos),
         tokenizer_file=inside(folder, tok.get("file"), "tokenizer.file", path),
         tokenizer_sha256=_opt_str(tok.get("sha256"), "tokenizer.sha256", path, 128),
         add_bos=_bool(tok.get("add_bos", False), "tokenizer.add_bos", path),
@@ -236,9 +251,13 @@ def check_manifest(folder: str | os.PathLike, raw: dict, verify_hashes: bool | s
         exact_to=raw.get("exact_to"),
         raw=raw,
         sliding_window=_int(
-            arch.get("sliding_window", 0), "architecture.sliding_window", path, 0, LIMITS["max_positions"][1]
+            arch.get("sliding_window", 0), "architecture.sliding_window", path, lo=0, hi=LIMITS["max_positions"][1]
         ),
     )
+
+
+def _check_graph_names(m: Manifest, path: Path) -> None:
+    """The graph's input, output and KV names that the runtime needs."""
     for role in REQUIRED_INPUTS:
         if not m.inputs.get(role):
             raise ModelLoadError(f"{path}: onnx.inputs.{role} is missing")
@@ -254,23 +273,20 @@ def check_manifest(folder: str | os.PathLike, raw: dict, verify_hashes: bool | s
         _check_kv_template(m.kv.get(role), f"onnx.kv.{role}", path)
     if len({m.kv[r] for r in KV_ROLES}) != len(KV_ROLES):
         raise ModelLoadError(f"{path}: onnx.kv names must differ from one another")
-    if "draft_vocab" in raw:
-        vocab = _obj(raw, "draft_vocab", path)
-        inside(folder, vocab.get("file", "vocab.npy"), "draft_vocab.file", path)
-        _int(vocab.get("target_vocab_size"), "draft_vocab.target_vocab_size", path, 1, LIMITS["vocab_size"][1])
-    files = raw.get("files") or {}
+
+
+def _check_files(m: Manifest, files: Any, path: Path) -> dict[str, Any]:
+    """The listed ``files`` (inside the folder, of the recorded sizes; by name, what
+    :func:`_verify_hashes` needs), and the graph and tokenizer present."""
     if not isinstance(files, dict) or len(files) > MAX_FILES:
         raise ModelLoadError(f"{path}: files must be an object of at most {MAX_FILES} entries")
     checked = {}
     for fname, info in files.items():
-        p = inside(folder, fname, "files entry", path)
-        checked[fname] = _check_file(p, info, path)
-    for p in (m.onnx_file, m.tokenizer_file):
-        if not _is_file(p):
-            raise ModelLoadError(f"{path}: {_short(p.name)} is missing (listed in the manifest)")
-    if mode != "never":
-        _verify_hashes(folder, checked, path, use_stamp=mode == "once")
-    return m
+        checked[fname] = _check_file(inside(m.folder, fname, "files entry", path), info, path)
+    for file in (m.onnx_file, m.tokenizer_file):
+        if not _is_file(file):
+            raise ModelLoadError(f"{path}: {_short(file.name)} is missing (listed in the manifest)")
+    return checked
 
 
 def _check_packed(inputs: dict, path: Path) -> None:
@@ -288,12 +304,18 @@ def _check_packed(inputs: dict, path: Path) -> None:
         )
 
 
+if sys.platform == "win32":  # no such flags there
+    _NONBLOCK = _NOFOLLOW = 0
+else:
+    _NONBLOCK, _NOFOLLOW = os.O_NONBLOCK, os.O_NOFOLLOW
+
+
 def read_regular(path: Path, limit: int, follow: bool = True) -> bytes:
     """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes: a FIFO or a
     device is refused without blocking on it or reading it (``st_size`` says 0 for them), and at
     most ``limit + 1`` bytes are ever read. ``follow=False``: a symlink is refused too.
     Raises ``OSError`` (``FileNotFoundError`` if absent) or ``ValueError`` (not regular, too big)."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
+    flags = os.O_RDONLY | _NONBLOCK | (0 if follow else _NOFOLLOW)
     fd = os.open(path, flags)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
@@ -331,7 +353,7 @@ def _obj(parent: dict, key: str, path: Path, default=None) -> dict:
     return value
 
 
-def _int(value, what: str, path: Path, lo: int, hi: int) -> int:
+def _int(value: Any, what: str, path: Path, *, lo: int, hi: int) -> int:
     if type(value) is not int or not lo <= value <= hi:
         raise ModelLoadError(f"{path}: {what} must be an integer from {lo} to {hi}, got {_short(value)}")
     return value

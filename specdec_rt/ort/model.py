@@ -68,27 +68,71 @@ class OrtModel(LanguageModel):
         import onnxruntime as ort
 
         self.manifest = m = folder if isinstance(folder, Manifest) else load_manifest(folder)
-        self.name = m.name
-        self.vocab_size = m.vocab_size
-        self.max_length = min(max_length or DEFAULT_MAX_LENGTH, m.max_positions)
+        self.name, self.vocab_size = m.name, m.vocab_size
+        self.max_length = self._checked_length(max_length, slots)
+        self.session: Any = self._open_session(ort, threads=threads, alone=alone, provider=provider)
+        self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
+        self._choose_paths()  # (the graph checked first)
+        entries = max(slots, MIN_CACHE_ENTRIES) if cache_entries is None else cache_entries
+        self.pool: KVPool | None = KVPool(
+            layers=m.num_layers,
+            kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            running=slots,
+            max_len=self.max_length,
+            device=self.device,
+            ort=ort,
+            entries=entries if prefix_cache_bytes else 0,
+            budget_bytes=prefix_cache_bytes,
+            block=block,
+        )
+        self.prefix_cache: PrefixCache = self.pool.cache  # slot bookkeeping; .enabled: it keeps prefixes
+        self.executor = executor or BatchExecutor()  # an Engine's factory gives all its models one
+        self._owners: dict[int, OrtSession] = {}  # slot -> the open session that holds it
+        self._batch_io: dict[tuple[int, int], Any] = {}  # (first slot, rows) -> ORT IO binding
+        self.calls = 0  # model calls run
+        self._measure_rounding()
+        self.caps = ModelCaps(
+            batched_steps=True,
+            ragged=self.ragged,
+            batched_prefill=True,
+            caches_prefixes=self.prefix_cache.enabled,
+            trees=self.tree,
+            hidden_states=self.has_hidden,
+        )
+
+    def _checked_length(self, max_length: int | None, slots: int) -> int:
+        """The KV capacity per request: ``max_length`` capped at the graph's positions (with a
+        warning); a ModelLoadError for a capacity under 2 or ``slots`` under 1."""
+        m = self.manifest
+        length = min(max_length or DEFAULT_MAX_LENGTH, m.max_positions)
         if max_length and max_length > m.max_positions:  # asked for more than the graph holds
             get_logger("specdec_rt").warning(
                 "model.max_length_capped", model=m.name, asked=brief_repr(max_length), max_length=m.max_positions
             )
-        if self.max_length < 2:
+        if length < 2:
             raise ModelLoadError(f"max_length must be >= 2, got {max_length!r}")
         if slots < 1:
             raise ModelLoadError(f"slots must be >= 1, got {slots!r}")
-        so = ort.SessionOptions()
-        self.threads = _configure_threads(so, threads or default_threads(), alone)
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.log_severity_level = 3
+        return length
+
+    def _open_session(self, ort: Any, *, threads: int | None, alone: bool, provider: str) -> Any:
+        """The ONNX Runtime session of the model's graph (sets :attr:`threads`)."""
+        m = self.manifest
+        options = ort.SessionOptions()
+        self.threads = _configure_threads(options, threads or default_threads(), alone)
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
         providers = pick_providers(provider, ort)
         try:
-            self.session = ort.InferenceSession(str(m.onnx_file), so, providers=providers)
+            return ort.InferenceSession(str(m.onnx_file), options, providers=providers)
         except Exception as exc:  # noqa: BLE001 - ORT raises its own hierarchy
             raise ModelLoadError(f"{m.onnx_file}: ONNX Runtime cannot load it: {exc}") from exc
-        self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
+
+    def _choose_paths(self) -> None:
+        """Check the graph against the manifest, then choose which kernel paths the model's
+        calls take, from its graph and device."""
+        m = self.manifest
         check_graph(m, self.session)
         self.has_hidden = bool(m.outputs.get("hidden")) and m.outputs["hidden"] in {
             o.name for o in self.session.get_outputs()
@@ -110,39 +154,16 @@ class OrtModel(LanguageModel):
         # its index in the cache, and a tree's nodes sit there past their real positions
         self.biased = self.ragged  # with positions: both checked at load with the packed inputs
         self.tree = self.ragged and self.device == "cpu" and not quantized and not m.sliding_window
-        entries = max(slots, MIN_CACHE_ENTRIES) if cache_entries is None else cache_entries
-        self.pool: KVPool | None = KVPool(
-            m.num_layers,
-            m.num_kv_heads,
-            m.head_dim,
-            slots,
-            self.max_length,
-            self.device,
-            ort,
-            entries=entries if prefix_cache_bytes else 0,
-            budget_bytes=prefix_cache_bytes,
-            block=block,
-        )
-        self.prefix_cache: PrefixCache = self.pool.cache  # slot bookkeeping; .enabled: it keeps prefixes
-        self.executor = executor or BatchExecutor()  # an Engine's factory gives all its models one
-        self._owners: dict[int, OrtSession] = {}  # slot -> the open session that holds it
-        self._batch_io: dict[tuple[int, int], Any] = {}  # (first slot, rows) -> ORT IO binding
-        self.calls = 0
-        # Measured at load: where a lone position's logits differ from its logits in a 2-position
-        # call (``lone_differs``), a quantized target pads it with a copy (``pad_lone``); longer
-        # calls that differ (``rows_differ``) get a warning (docs/decisions/0002-pad-lone-positions.md)
+
+    def _measure_rounding(self) -> None:
+        """Measured at load: where a lone position's logits differ from its logits in a
+        2-position call (``lone_differs``), a quantized target pads it with a copy
+        (``pad_lone``); longer calls that differ (``rows_differ``) get a warning
+        (docs/decisions/0002-pad-lone-positions.md)."""
         self.pad_lone = False  # the probe's own session copies it
         self.rows_differ = False
         self.lone_differs = self.ragged and self.device == "cpu" and self._lone_step_differs()
         self.pad_lone = self.lone_twice and self.lone_differs
-        self.caps = ModelCaps(
-            batched_steps=True,
-            ragged=self.ragged,
-            batched_prefill=True,
-            caches_prefixes=self.prefix_cache.enabled,
-            trees=self.tree,
-            hidden_states=self.has_hidden,
-        )
 
     def _lone_step_differs(self) -> bool:
         """Whether a lone position's logits (its query twice in attention) differ from its
@@ -225,9 +246,15 @@ class OrtModel(LanguageModel):
         shape = [rows, *pool.shape[1:]]
         for layer in range(m.num_layers):
             for which, (past, present) in enumerate((("past_key", "present_key"), ("past_value", "present_value"))):
-                ptr = pool.pointer(layer, which, first_slot)
-                io.bind_input(m.kv_name(past, layer), self.device, 0, np.float32, shape, ptr)
-                io.bind_output(m.kv_name(present, layer), self.device, 0, np.float32, shape, ptr)
+                where = {
+                    "device_type": self.device,
+                    "device_id": 0,
+                    "element_type": np.float32,
+                    "shape": shape,
+                    "buffer_ptr": pool.pointer(layer, which, first_slot),
+                }
+                io.bind_input(m.kv_name(past, layer), **where)
+                io.bind_output(m.kv_name(present, layer), **where)
 
     def _span(self, sessions) -> tuple[int, int, np.ndarray]:
         """``(first slot, rows, row of each session)`` of the slots a batched call covers."""
@@ -241,9 +268,10 @@ class OrtModel(LanguageModel):
         feed: np.ndarray,
         positions: np.ndarray,
         seqlens: np.ndarray,
+        *,
         logits_index: np.ndarray,
         what: str,
-        layout: tuple | None = None,
+        layout: tuple[np.ndarray, ...] | None = None,
     ) -> np.ndarray:
         """One call over the contiguous slots ``lo .. lo + rows - 1`` (in a worker thread):
         ``feed`` / ``positions`` ``[rows, S]`` (packed graphs: ``[1, N]``, with ``layout``, see
@@ -303,7 +331,12 @@ class OrtModel(LanguageModel):
         feed[at, 0] = ids
         past[at] = pasts
         logits = self._run_rows(
-            lo, feed, past[:, None], past, np.zeros(1, dtype=np.int64), f"a step of {len(sessions)} rows"
+            lo,
+            feed,
+            past[:, None],
+            past,
+            logits_index=np.zeros(1, dtype=np.int64),
+            what=f"a step of {len(sessions)} rows",
         )  # [rows, 1, V]
         for s, p, x in zip(sessions, pasts, ids):
             s._ids[p] = x
@@ -338,17 +371,7 @@ class OrtModel(LanguageModel):
             return [sessions[0].run_sync(np.asarray(feeds[0], dtype=np.int64), 1, sessions[0].length)]
         apart = self._overflowing(sessions, feeds)
         if apart:  # rows near the end of their slot go alone (a call's padding would not fit there)
-            got: dict[int, np.ndarray] = {}  # row -> its logits
-            keep = [i for i in range(len(sessions)) if i not in apart]
-            for group in ([keep] if keep else []) + [[i] for i in apart]:
-                for i, r in zip(
-                    group,
-                    self.run_rows_sync(
-                        [sessions[i] for i in group], [feeds[i] for i in group], [wants[i] for i in group]
-                    ),
-                ):
-                    got[i] = r
-            return [got[i] for i in range(len(sessions))]
+            return self._run_apart(sessions, feeds, wants, apart)
         lo, rows, at = self._span(sessions)
         pasts = [s.length for s in sessions]
         news = np.zeros(rows, dtype=np.int64)  # [rows] new positions per slot
@@ -367,16 +390,29 @@ class OrtModel(LanguageModel):
         layout = _packed_layout(news, twice)
         seqlens = np.maximum(past + layout[0] - 1, 0)  # [rows] a row feeding nothing: untouched
         logits = self._run_rows(
-            lo, feed, positions, seqlens, index, f"{len(sessions)} rows, {feed.shape[1]} positions", layout
+            lo,
+            feed,
+            positions,
+            seqlens,
+            logits_index=index,
+            what=f"{len(sessions)} rows, {feed.shape[1]} positions",
+            layout=layout,
         )[0]  # [R, V]
-        out: list[np.ndarray] = []
-        at_row = 0
-        for s, f, w, n in zip(sessions, feeds, wants, pasts):
-            s._ids[n : n + f.size] = f
-            s._length = n + f.size
-            out.append(logits[at_row : at_row + w])  # [w, V]
-            at_row += w
-        return out
+        return _commit_rows(sessions, feeds, wants, logits)
+
+    def _run_apart(
+        self, sessions: list["OrtSession"], feeds: list[np.ndarray], wants: list[int], apart: set[int]
+    ) -> list[np.ndarray]:
+        """:meth:`run_rows_sync` with the rows ``apart`` each in a call of its own, the others
+        together."""
+        got: dict[int, np.ndarray] = {}  # row -> its logits
+        keep = [i for i in range(len(sessions)) if i not in apart]
+        for group in ([keep] if keep else []) + [[i] for i in apart]:
+            part = self.run_rows_sync(
+                [sessions[i] for i in group], [feeds[i] for i in group], [wants[i] for i in group]
+            )
+            got.update(zip(group, part))
+        return [got[i] for i in range(len(sessions))]
 
     def can_prefill_together(self, sessions: list["OrtSession"]) -> bool:
         """A batched first-prompt call writes positions 0.. of every slot it covers: only when
@@ -404,9 +440,30 @@ class OrtModel(LanguageModel):
         last = sorted({int(n) - 1 for n in lengths[at]})  # [R] positions whose logits are needed
         positions = np.tile(np.arange(feed.shape[1]), (rows, 1))  # [rows, S]
         logits = self._run_rows(
-            lo, feed, positions, lengths - 1, np.array(last, dtype=np.int64), f"a prefill of {len(sessions)} prompts"
+            lo,
+            feed,
+            positions,
+            lengths - 1,
+            logits_index=np.array(last, dtype=np.int64),
+            what=f"a prefill of {len(sessions)} prompts",
         )  # [rows, R, V]
         for s, p in zip(sessions, prompts):
             s._ids[: p.size] = p
             s._length = p.size
         return logits[at, [last.index(p.size - 1) for p in prompts]]  # [B, V]
+
+
+def _commit_rows(
+    sessions: list["OrtSession"], feeds: list[np.ndarray], wants: list[int], logits: np.ndarray
+) -> list[np.ndarray]:
+    """Record each session's fed ids after its past, and split a packed call's logits ``[R, V]``
+    into each session's last ``wants[i]`` positions."""
+    out: list[np.ndarray] = []
+    at_row = 0
+    for s, f, w in zip(sessions, feeds, wants):
+        n = s.length
+        s._ids[n : n + f.size] = f
+        s._length = n + f.size
+        out.append(logits[at_row : at_row + w])  # [w, V]
+        at_row += w
+    return out

@@ -95,37 +95,62 @@ class OrtSession(CachedStart, CacheSession):
         its first call: a call with a tree (or features) cannot be that first call."""
         return self._deferred is not None
 
-    def run_sync(self, ids: np.ndarray, rows: int, past: int, features=None, hidden: bool = False, tree=None):
+    def run_sync(
+        self,
+        ids: np.ndarray,
+        rows: int,
+        past: int,
+        *,
+        features: np.ndarray | None = None,
+        hidden: bool = False,
+        tree: np.ndarray | None = None,
+    ) -> Any:
         """Feed ``ids`` [S] after ``past`` cached tokens and set ``length`` to ``past + S``
         (in a worker thread: the executor calls it). ``tree``: the parent of each new position
-        (see :mod:`specdec_rt.ort.tree`); the length stays ``past`` until :meth:`accept_tree`."""
-        if self._closed:
-            raise InferenceError("KV cache session is closed")
-        session, pool = self.model.session, self.model.pool  # held: close() cannot free them under the call
-        if session is None or pool is None:  # (close() drops both)
-            raise InferenceError(f"model {self.model.name} is closed")
-        if tree is not None and not self.model.tree:
-            raise InferenceError(f"model {self.model.name} cannot verify a tree (export 0.3+ on CPU)")
+        (see :mod:`specdec_rt.ort.tree`); the length stays ``past`` until :meth:`accept_tree`.
+        Returns logits ``[rows, V]`` (with ``hidden``: and the hidden states ``[S, H]``)."""
+        session, pool = self._open_call(tree)  # held: close() cannot free them under the call
         pool.cache.apply()  # queued prefix-cache copies first
         wanted = ids.size
         if self._deferred is not None and (features is not None or tree is not None):
             raise InferenceError("a session fed features or a tree cannot start from a prefix-cache hit")
         ids, past = self._settle(pool.cache, ids, past, self._ids)  # a hit on a running source: copy now
         self._ids[past : past + ids.size] = ids
-        n, s = past, ids.size
-        if s == 1 and self.pad_lone and tree is None and features is None:
+        n, size = past, ids.size
+        if size == 1 and self.pad_lone and tree is None and features is None:
             # two positions through the model, the lone one and a copy (see OrtModel.pad_lone)
             out = self.run_sync(np.repeat(ids, 2), 2, n, hidden=hidden)
             self._length = n + 1
             return (out[0][:1], out[1][:1]) if hidden else out[:1]
-        if s == 1 and rows == 1 and tree is None and features is None and not hidden and self._hidden_at is None:
+        if size == 1 and rows == 1 and tree is None and features is None and not hidden and self._hidden_at is None:
             return self._step(session, int(ids[0]), n)
         self._step_bound = False  # the inputs below replace the plain step's
-        names, io = self._names, self._io
+        self._bind_inputs(ids, rows, n, tree)
+        self._bind_extras(features, hidden)
+        try:
+            return self._run_bound(session, pool, n, size, wanted=wanted, hidden=hidden, tree=tree is not None)
+        finally:
+            del pool
+
+    def _open_call(self, tree: np.ndarray | None) -> tuple[Any, Any]:
+        """The model's ONNX Runtime session and KV pool for a call; an InferenceError when the
+        session or model is closed, or for a tree the model cannot verify."""
+        if self._closed:
+            raise InferenceError("KV cache session is closed")
+        session, pool = self.model.session, self.model.pool
+        if session is None or pool is None:  # (close() drops both)
+            raise InferenceError(f"model {self.model.name} is closed")
+        if tree is not None and not self.model.tree:
+            raise InferenceError(f"model {self.model.name} cannot verify a tree (export 0.3+ on CPU)")
+        return session, pool
+
+    def _bind_inputs(self, ids: np.ndarray, rows: int, n: int, tree: np.ndarray | None) -> None:
+        """Bind a call's inputs: ``ids`` after ``n`` cached tokens, logits of the last ``rows``."""
+        names, io, size = self._names, self._io, ids.size
         io.bind_cpu_input(names["input_ids"], ids[None, :])  # [1, S]
-        layout = _packed_layout(np.array([s]), self.lone_twice) if self.model.ragged else None
-        q = int(layout[0][0]) if layout is not None else s  # query rows attention computes (see OrtModel)
-        positions, bias = tree_feeds(tree, n, q) if tree is not None else (self._pos[None, n : n + s], None)
+        layout = _packed_layout(np.array([size]), self.lone_twice) if self.model.ragged else None
+        q = int(layout[0][0]) if layout is not None else size  # query rows attention computes (see OrtModel)
+        positions, bias = tree_feeds(tree, n, q) if tree is not None else (self._pos[None, n : n + size], None)
         if names.get("position_ids"):
             io.bind_cpu_input(names["position_ids"], positions)  # [1, S]
         if self.model.biased:  # no tree: zeros, causal order alone
@@ -134,38 +159,46 @@ class OrtSession(CachedStart, CacheSession):
             )  # [1, 1, q, n + q]
         io.bind_cpu_input(names["seqlens_k"], np.array([n + q - 1], dtype=np.int32))  # [1]
         io.bind_cpu_input(names["total_sequence_length"], np.array(n + q, dtype=np.int32))  # scalar
-        io.bind_cpu_input(names["logits_index"], self._pos[s - rows : s])  # [R]
+        io.bind_cpu_input(names["logits_index"], self._pos[size - rows : size])  # [R]
         if layout is not None:  # one row: the packed layout is the identity (a lone query twice, see above)
             for role, value in zip(PACKED_ROLES, layout):
                 io.bind_cpu_input(names[role], value)
+
+    def _bind_extras(self, features: np.ndarray | None, hidden: bool) -> None:
+        """Bind the features input and the outputs: outputs whose shape changes per call are
+        re-bound unallocated (ORT allocates them); only the logits (and hidden states) come
+        back to the host, the KV buffers stay bound in place."""
+        names, io = self._names, self._io
         if features is not None:
             if not names.get("features"):
                 raise InferenceError(f"model {self.model.name} takes no features input")
             io.bind_cpu_input(names["features"], np.ascontiguousarray(features, dtype=np.float32)[None])  # [1, S, H]
-        # outputs whose shape changes per call are re-bound unallocated (ORT allocates them);
-        # only the logits come back to the host, the KV buffers stay bound in place
         io.bind_output(self.model.manifest.outputs["logits"], "cpu")
         if hidden or self._hidden_at is not None:  # once bound, re-bound unallocated every call
             if not self.model.has_hidden:
                 raise InferenceError(f"model {self.model.name} has no hidden_states output")
             io.bind_output(self.model.manifest.outputs["hidden"], "cpu")  # [1, S, H], after logits
             self._hidden_at = self._logits_at + 1
+
+    def _run_bound(self, session: Any, pool: Any, n: int, size: int, *, wanted: int, hidden: bool, tree: bool) -> Any:
+        """Run the bound call of ``size`` new positions after ``n``; its logits (and the last
+        ``wanted`` hidden states, kept in the pool's hidden rows)."""
         try:
-            session.run_with_iobinding(io)
+            session.run_with_iobinding(self._io)
             self.model.calls += 1
-            outs = io.get_outputs()
+            outs = self._io.get_outputs()
             logits = outs[self._logits_at].numpy()[0]  # [R, V]
-            self._length = n if tree is not None else n + s
+            self._length = n if tree else n + size
             if not hidden:
                 return logits
-            h = outs[self._hidden_at].numpy()[0]  # [S, H]
+            states = outs[self._hidden_at].numpy()[0]  # [S, H]
             if pool.hidden is not None:
-                pool.hidden.array[self.slot, n : n + s] = h
-            return logits, h[s - wanted :]
+                pool.hidden.array[self.slot, n : n + size] = states
+            return logits, states[size - wanted :]
         except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
-            raise InferenceError(f"ONNX Runtime failed in {self.model.name} (past {n}, new {s} tokens): {exc}") from exc
-        finally:
-            del pool
+            raise InferenceError(
+                f"ONNX Runtime failed in {self.model.name} (past {n}, new {size} tokens): {exc}"
+            ) from exc
 
     def _step(self, session, token: int, n: int) -> np.ndarray:
         """A plain single-token step after ``n`` cached tokens: logits ``[1, V]``. Most calls

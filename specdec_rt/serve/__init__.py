@@ -5,12 +5,14 @@ not. ``create_app(engine_or_loader, AppConfig(...))`` (or its fields by keyword)
 any ASGI server or to test with ``httpx.ASGITransport``; see docs/serving.md.
 """
 
+from typing import Any
+
 __all__ = ["create_app", "begin_drain"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in __all__:  # Starlette is imported only when the app is built
-        import importlib
+        from . import app
 
-        return getattr(importlib.import_module(".app", __name__), name)
+        return {"create_app": app.create_app, "begin_drain": app.begin_drain}[name]
     raise AttributeError(f"module 'specdec_rt.serve' has no attribute {name!r}")

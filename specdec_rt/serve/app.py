@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -20,7 +22,7 @@ from starlette.routing import Route
 
 from ..engine.served import ServedEngine
 from .guard import Access, access_middleware
-from .jobs import completions, error_response
+from .jobs import EventStream, completions, error_response
 from .options import AppConfig
 from .protocol import APIError, error_body
 from .replies import models_body
@@ -46,19 +48,43 @@ def create_app(engine_or_loader: ServedEngine | Loader, config: AppConfig | None
     config = replace(config or AppConfig(), **options)  # an unknown keyword: TypeError naming it
     access = Access.checked(config.api_keys, config.allowed_hosts, config.allowed_origins)
     serving = Serving(engine_or_loader, config)
-    created = int(time.time())
+    routes = _Routes(serving)
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", routes.chat, methods=["POST"]),
+            Route("/v1/completions", routes.completion, methods=["POST"]),
+            Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
+            Route("/health", routes.health, methods=["GET"]),
+            Route("/metrics", routes.metrics, methods=["GET"]),
+        ],
+        lifespan=_lifespan(serving, wait_for_load=config.wait_for_load),
+        middleware=access_middleware(access, lambda reason: serving.metrics.rejected.labels(reason).inc()),
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+    )
+    app.state.serving = serving
+    app.state.access = access  # the checked rules (their repr leaves the keys out)
+    return app
 
-    async def chat(request: Request) -> Any:
+
+class _Routes:
+    """The app's endpoints over one :class:`~specdec_rt.serve.state.Serving`."""
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        self.created = int(time.time())
+
+    async def chat(self, request: Request) -> Response | EventStream:
         return await completions(request, "chat")
 
-    async def completion(request: Request) -> Any:
+    async def completion(self, request: Request) -> Response | EventStream:
         return await completions(request, "completion")
 
-    async def models(request: Request) -> JSONResponse:
-        return JSONResponse(models_body(serving.model_name or "specdec-rt", created, serving.loaded))
+    async def models(self, request: Request) -> JSONResponse:
+        return JSONResponse(models_body(self.serving.model_name or "specdec-rt", self.created, self.serving.loaded))
 
-    async def model(request: Request) -> JSONResponse:
-        name = serving.model_name or "specdec-rt"
+    async def model(self, request: Request) -> JSONResponse:
+        name = self.serving.model_name or "specdec-rt"
         if request.path_params["model"] != name:
             return error_response(
                 APIError(
@@ -68,9 +94,10 @@ def create_app(engine_or_loader: ServedEngine | Loader, config: AppConfig | None
                     param="model",
                 )
             )
-        return JSONResponse(models_body(name, created, serving.loaded)["data"][0])
+        return JSONResponse(models_body(name, self.created, self.serving.loaded)["data"][0])
 
-    async def health(request: Request) -> JSONResponse:
+    async def health(self, request: Request) -> JSONResponse:
+        serving = self.serving
         return JSONResponse(
             {
                 "status": "ok" if serving.state == "ready" else serving.state,
@@ -80,13 +107,18 @@ def create_app(engine_or_loader: ServedEngine | Loader, config: AppConfig | None
             status_code=200 if serving.state == "ready" else 503,
         )
 
-    async def metrics(request: Request) -> Response:
-        body, content_type = serving.metrics.render(request.headers.get("accept"))
+    async def metrics(self, request: Request) -> Response:
+        body, content_type = self.serving.metrics.render(request.headers.get("accept"))
         return Response(body, headers={"content-type": content_type})
 
+
+def _lifespan(serving: Serving, *, wait_for_load: bool) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: load the engine (first, with ``wait_for_load``; else in the
+    background while the server listens), then at shutdown drain and close it."""
+
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
-        if config.wait_for_load and serving.state == "loading":
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if wait_for_load and serving.state == "loading":
             await serving.load()
             if serving.state != "ready":
                 raise RuntimeError(f"the model did not load (state {serving.state!r}); see the log")
@@ -102,35 +134,22 @@ def create_app(engine_or_loader: ServedEngine | Loader, config: AppConfig | None
                 tg.cancel_scope.cancel()  # a load still running is abandoned
         await serving.shutdown()
 
-    async def http_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, HTTPException)  # registered for HTTPException alone (starlette types it Exception)
-        err = APIError(
-            exc.status_code,
-            str(exc.detail),
-            code="not_found" if exc.status_code == 404 else None,
-            headers=dict(exc.headers or {}),
-        )  # e.g. a 405's Allow
-        return error_response(err)
+    return lifespan
 
-    async def server_error(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
 
-    app = Starlette(
-        routes=[
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/v1/completions", completion, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/v1/models/{model:path}", model, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-        ],
-        lifespan=lifespan,
-        middleware=access_middleware(access, lambda reason: serving.metrics.rejected.labels(reason).inc()),
-        exception_handlers={HTTPException: http_error, Exception: server_error},
-    )
-    app.state.serving = serving
-    app.state.access = access  # the checked rules (their repr leaves the keys out)
-    return app
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)  # registered for HTTPException alone (starlette types it Exception)
+    err = APIError(
+        exc.status_code,
+        str(exc.detail),
+        code="not_found" if exc.status_code == 404 else None,
+        headers=dict(exc.headers or {}),
+    )  # e.g. a 405's Allow
+    return error_response(err)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
 
 
 def begin_drain(app: Starlette) -> None:

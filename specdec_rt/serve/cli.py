@@ -9,9 +9,15 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+import threading
+import time
+from typing import Any
 
 from ..engine.served import DEFAULT_CONSUMER_TIMEOUT, DEFAULT_SLOTS
 from ..errors import SpecDecError
@@ -46,8 +52,26 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         description="Serve /v1/chat/completions, /v1/completions, /v1/models, "
         "/health and /metrics (see docs/serving.md).",
     )
+    _add_listen_flags(p)
+    _add_admission_flags(p)
+    _add_request_limit_flags(p)
+    _add_model_flags(p)
+    _add_access_flags(p)
+    conn = p.add_argument_group("connection limits (docs/serving.md, 'Connection limits')")
+    _add_framing_flags(conn)
+    _add_connection_flags(conn)
+    _add_ray_flags(p)
+    return p
+
+
+def _add_listen_flags(p: argparse.ArgumentParser) -> None:
+    """Where the server listens: ``--host``, ``--port``."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 picks a free one)")
+
+
+def _add_admission_flags(p: argparse.ArgumentParser) -> None:
+    """How many requests run and wait, and for how long: ``--slots`` to ``--drain-timeout``."""
     p.add_argument(
         "--slots",
         type=_positive,
@@ -79,6 +103,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="on SIGTERM, seconds to let admitted requests finish; those left then get a 503 "
         "(a stream: an error event) (default %(default)g)",
     )
+
+
+def _add_request_limit_flags(p: argparse.ArgumentParser) -> None:
+    """A request's own limits: ``--consumer-timeout``, ``--max-prompt-logprob-work``, ``--default-max-tokens``."""
     p.add_argument(
         "--consumer-timeout",
         type=_seconds,
@@ -99,6 +127,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         default=DEFAULT_MAX_TOKENS,
         help="max_tokens when a request sets none (default %(default)s)",
     )
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """What is served and how it is loaded: the name, the prefix cache, the precision, building."""
     p.add_argument(
         "--served-model-name",
         default=None,
@@ -127,6 +159,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-build", action="store_true", help="fail instead of building a missing recipe")
     p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
+
+
+def _add_access_flags(p: argparse.ArgumentParser) -> None:
+    """Who may call the server: API keys, hosts, origins."""
     access = p.add_argument_group("access (docs/serving.md, 'Access')")
     access.add_argument(
         "--api-key",
@@ -152,7 +188,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="web origins (scheme://host[:port], comma separated; '*': any) whose pages may "
         "call the server, with CORS answers (default: none)",
     )
-    conn = p.add_argument_group("connection limits (docs/serving.md, 'Connection limits')")
+
+
+def _add_framing_flags(conn: argparse._ArgumentGroup) -> None:
+    """How long and how big a request's head and body may be."""
     conn.add_argument(
         "--header-timeout",
         type=_positive_seconds,
@@ -179,6 +218,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         default=CONNECTION_DEFAULTS.max_headers,
         help="most header lines in a request; more get 431 (default %(default)s)",
     )
+
+
+def _add_connection_flags(conn: argparse._ArgumentGroup) -> None:
+    """Open connections: how many, per client, their send buffers and idle time."""
     conn.add_argument(
         "--max-connections",
         type=_positive,
@@ -207,6 +250,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         default=CONNECTION_DEFAULTS.keep_alive_timeout,
         help="seconds a connection may sit idle between requests (default %(default)g; 0: closed after each response)",
     )
+
+
+def _add_ray_flags(p: argparse.ArgumentParser) -> None:
+    """Replicas on Ray Serve."""
     ray = p.add_argument_group("replicas on Ray Serve (the 'ray' extra; docs/serving.md)")
     ray.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve instead of one process")
     ray.add_argument(
@@ -224,7 +271,6 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     ray.add_argument(
         "--ray-address", default=None, help="join this Ray cluster (default: start a local one on loopback)"
     )
-    return p
 
 
 def _names(text: str) -> list[str]:
@@ -417,15 +463,20 @@ def run_serve(args) -> int:
     app = create_app(load, opts.app_config(drain_timeout=args.drain_timeout))
     server = _draining_server(_uvicorn_config(args, app), app)
     app.state.serving.on_load_error = server.stop_after_load_error
-    # uvicorn re-raises the signal that stopped it once it is done; a handler that ignores it makes
-    # a drained shutdown exit 0 (what a process manager expects after SIGTERM)
+    _run_ignoring_signals(server)
+    return 1 if server.load_failed else 0
+
+
+def _run_ignoring_signals(server: Any) -> None:
+    """Run uvicorn's ``server``. uvicorn re-raises the signal that stopped it once it is done; a
+    handler that ignores it makes a drained shutdown exit 0 (what a process manager expects
+    after SIGTERM)."""
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 1 if server.load_failed else 0
 
 
 def _uvicorn_config(args, app):
@@ -500,7 +551,7 @@ def _draining_server(config, app):
     return DrainingServer(config)
 
 
-def run_ray_serve(args, access) -> int:
+def run_ray_serve(args: argparse.Namespace, access: Any) -> int:
     """``serve --ray``: start a local Ray instance on loopback (no dashboard, no usage stats, state
     in a temporary folder) or join ``--ray-address``, deploy the replicas, and serve them on
     ``--host``/``--port`` from this process's uvicorn, with the connection limits of the
@@ -508,32 +559,16 @@ def run_ray_serve(args, access) -> int:
     Serve's proxy, bound to 127.0.0.1 on an internal port. On SIGTERM / SIGINT it stops taking
     requests, lets the running ones finish (``--drain-timeout``), deletes the deployment and
     stops what it started (exit 0)."""
-    import os
-    import shutil
-    import tempfile
-    import threading
-    import time
-
     if not args.ray_address:  # before Ray is imported: it reads these once
         from .ray import LOCAL_RAY_ENV
 
         os.environ.update(LOCAL_RAY_ENV)
     try:
         import ray
-        import uvicorn
+        import uvicorn  # noqa: F401 - the 'ray' extra holds it: checked before anything starts
         from ray import serve
 
-        from .front import create_front
-        from .ray import (
-            APP_NAME,
-            RayOptions,
-            deployment_app,
-            listening_sockets,
-            on_head_node,
-            proxy_address,
-            replica_states,
-            start_local_ray,
-        )
+        from .front import create_front  # noqa: F401 - (the same)
     except ImportError as exc:
         _say(f"specdec_rt: error: serve --ray needs the 'ray' extra (pip install 'specdec-rt[ray]'): {exc}")
         return 1
@@ -549,106 +584,157 @@ def run_ray_serve(args, access) -> int:
         replicas=args.replicas,
         cpus_per_replica=args.cpus_per_replica,
     )
-    listener: socket.socket | None = _listen(args.host, args.port)  # a busy port fails before Ray starts
-    assert listener is not None
-    port = listener.getsockname()[1]
-    # a Ray Client driver (ray://...) runs off the cluster: no proxy of Serve's on its loopback
-    front = not str(args.ray_address or "").startswith("ray://")
+    run = _RayRun(args, ray, serve)  # a busy port fails here, before Ray starts
     _say_access(access)
-    stop = threading.Event()
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    temp = None
-    server = thread = None
     try:
+        run.serve(opts)
+    finally:
+        run.close()
+    return 0
+
+
+class _RayRun:
+    """One ``serve --ray`` run: the listening socket, Ray (joined or started), Serve's proxy,
+    the deployment and the front server relaying to it; :meth:`close` stops what it started."""
+
+    def __init__(self, args: argparse.Namespace, ray: Any, serve: Any) -> None:
+        self.args, self.ray, self.serve_api = args, ray, serve
+        self.listener: socket.socket | None = _listen(args.host, args.port)
+        self.port: int = self.listener.getsockname()[1]
+        # a Ray Client driver (ray://...) runs off the cluster: no proxy of Serve's on its loopback
+        self.front = not str(args.ray_address or "").startswith("ray://")
+        self.stop = threading.Event()
+        self.previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.temp: str | None = None
+        self.server: Any = None
+        self.thread: threading.Thread | None = None
+
+    def serve(self, opts: RayOptions) -> None:
+        """Start Ray and the deployment, serve until a stop signal, then drain."""
+        from .ray import APP_NAME, deployment_app, on_head_node, replica_states
+
+        args = self.args
+        self._start_ray()
+        for sig in self.previous:  # after ray.init, which installs handlers of its own
+            signal.signal(sig, lambda *_: self.stop.set())
+        if self.front and args.ray_address and not on_head_node():
+            self.front = False
+        upstream = self._start_proxy()
+        _say(f"specdec_rt serve: deploying {args.replicas} replica(s) on Ray")
+        self.serve_api.run(deployment_app(opts), name=APP_NAME, route_prefix="/", blocking=False)
+        states = ", ".join(f"{n} {k.lower()}" for k, n in replica_states().items())
+        if not args.ray_address:  # a port Ray has no setting for would show here (not --host's own)
+            self._warn_open_ports()
+        how = "no connection limits" if upstream is None else self._start_front(*upstream)
+        _say(
+            f"specdec_rt serve: listening on http://{_url_host(args.host)}:{self.port} (Ray Serve replicas: "
+            f"{states}; the models are loaded; {how})"
+        )
+        while not self.stop.wait(0.5):
+            pass
+        if self.server is not None and self.thread is not None:
+            _say("specdec_rt serve: stopping: draining running requests")
+            self.server.should_exit = True  # no new connections; the running requests get --drain-timeout
+            self.thread.join(args.drain_timeout + 2 * DRAIN_GRACE_S)
+        _say("specdec_rt serve: stopping: deleting the deployment")
+
+    def _start_ray(self) -> None:
+        """Join ``--ray-address``, or start a local Ray with every process on 127.0.0.1."""
+        from .ray import start_local_ray
+
+        address = self.args.ray_address
         try:
-            if args.ray_address:
-                ray.init(address=args.ray_address, log_to_driver=False)
+            if address:
+                self.ray.init(address=address, log_to_driver=False)
             else:
                 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-                temp = tempfile.mkdtemp(prefix="specdec-ray-")
-                start_local_ray(temp)  # every Ray process on 127.0.0.1 (docs/serving.md, "Ray on loopback")
+                self.temp = tempfile.mkdtemp(prefix="specdec-ray-")
+                start_local_ray(self.temp)  # every Ray process on 127.0.0.1 (docs/serving.md, "Ray on loopback")
         except Exception as exc:  # noqa: BLE001 - Ray raises many kinds
-            where = f"join Ray at --ray-address {args.ray_address!r}" if args.ray_address else "start a local Ray"
+            where = f"join Ray at --ray-address {address!r}" if address else "start a local Ray"
             raise SpecDecError(f"cannot {where}: {type(exc).__name__}: {exc}") from None
-        for sig in previous:  # after ray.init, which installs handlers of its own
-            signal.signal(sig, lambda *_: stop.set())
-        if front and args.ray_address and not on_head_node():
-            front = False
-        if front:
-            with socket.socket() as s:  # Ray's proxy: loopback only, on every node that has one
-                s.bind(("127.0.0.1", 0))
-                internal = s.getsockname()[1]
-            serve.start(proxy_location="EveryNode", http_options={"host": "127.0.0.1", "port": internal})
-            proxy_host, internal = proxy_address()  # a Serve already running on the cluster keeps its own
-            if proxy_host not in ("127.0.0.1", "localhost"):
-                _say(
-                    f"specdec_rt serve: warning: Serve already runs on this cluster, its proxy on "
-                    f"{proxy_host}:{internal}, which clients may reach without the connection limits"
-                )
-            upstream = proxy_host if proxy_host not in ("0.0.0.0", "::", "localhost") else "127.0.0.1"
-        else:
-            listener.close()  # Ray's proxy takes the port
-            listener = None
+
+    def _start_proxy(self) -> tuple[str, int] | None:
+        """Start Serve's proxy: on loopback behind the front (its ``(host, port)``), or, with no
+        front, on ``--host``/``--port`` itself (None: no connection limits)."""
+        from .ray import proxy_address
+
+        if not self.front:
+            assert self.listener is not None
+            self.listener.close()  # Ray's proxy takes the port
+            self.listener = None
             _say(
                 "specdec_rt serve: warning: the connection limits are not in force: this process is not "
                 "on the Ray cluster's head node (or joins through ray://), so no Ray Serve proxy is sure "
                 "to run beside it; Ray's proxy listens on --host/--port itself (docs/serving.md, "
                 "'Connection limits')"
             )
-            serve.start(http_options={"host": args.host, "port": port})
-        _say(f"specdec_rt serve: deploying {args.replicas} replica(s) on Ray")
-        serve.run(deployment_app(opts), name=APP_NAME, route_prefix="/", blocking=False)
-        states = ", ".join(f"{n} {k.lower()}" for k, n in replica_states().items())
-        if not args.ray_address:  # a port Ray has no setting for would show here (not --host's own)
-            for sock in listening_sockets():
-                if not sock.loopback and sock.port != port:
-                    _say(
-                        f"specdec_rt serve: warning: Ray's {sock.process} (pid {sock.pid}) listens on "
-                        f"{sock.address} port {sock.port}, beyond loopback; Ray has no setting for it "
-                        "(docs/serving.md, 'Ray on a cluster')"
-                    )
-        how = "no connection limits"
-        if listener is not None:
-            app = create_front(f"http://{_url_host(upstream)}:{internal}", max_body_bytes=args.max_body_bytes)
-            server = uvicorn.Server(_uvicorn_config(args, app))
-            thread = threading.Thread(
-                target=server.run, kwargs={"sockets": [listener]}, name="specdec-front", daemon=True
+            self.serve_api.start(http_options={"host": self.args.host, "port": self.port})
+            return None
+        with socket.socket() as probe:  # Ray's proxy: loopback only, on every node that has one
+            probe.bind(("127.0.0.1", 0))
+            internal = probe.getsockname()[1]
+        self.serve_api.start(proxy_location="EveryNode", http_options={"host": "127.0.0.1", "port": internal})
+        proxy_host, internal = proxy_address()  # a Serve already running on the cluster keeps its own
+        if proxy_host not in ("127.0.0.1", "localhost"):
+            _say(
+                f"specdec_rt serve: warning: Serve already runs on this cluster, its proxy on "
+                f"{proxy_host}:{internal}, which clients may reach without the connection limits"
             )
-            thread.start()
-            while not server.started:
-                if not thread.is_alive():
-                    raise SpecDecError("the front server did not start (its error is above)")
-                time.sleep(0.05)
-            how = f"connection limits on; relaying to Ray Serve's proxy on {upstream}:{internal}"
-        _say(
-            f"specdec_rt serve: listening on http://{_url_host(args.host)}:{port} (Ray Serve replicas: "
-            f"{states}; the models are loaded; {how})"
+        return (proxy_host if proxy_host not in ("0.0.0.0", "::", "localhost") else "127.0.0.1"), internal
+
+    def _warn_open_ports(self) -> None:
+        """Warn of a Ray process listening beyond loopback on a port other than ours."""
+        from .ray import listening_sockets
+
+        for sock in listening_sockets():
+            if not sock.loopback and sock.port != self.port:
+                _say(
+                    f"specdec_rt serve: warning: Ray's {sock.process} (pid {sock.pid}) listens on "
+                    f"{sock.address} port {sock.port}, beyond loopback; Ray has no setting for it "
+                    "(docs/serving.md, 'Ray on a cluster')"
+                )
+
+    def _start_front(self, upstream: str, internal: int) -> str:
+        """Run the front server on the listening socket, in a thread, relaying to Serve's proxy
+        at ``upstream:internal``; what it does, in words, once it has started."""
+        import uvicorn
+
+        from .front import create_front
+
+        app = create_front(f"http://{_url_host(upstream)}:{internal}", max_body_bytes=self.args.max_body_bytes)
+        self.server = server = uvicorn.Server(_uvicorn_config(self.args, app))
+        self.thread = thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [self.listener]}, name="specdec-front", daemon=True
         )
-        while not stop.wait(0.5):
-            pass
-        if server is not None and thread is not None:
-            _say("specdec_rt serve: stopping: draining running requests")
-            server.should_exit = True  # no new connections; the running requests get --drain-timeout
-            thread.join(args.drain_timeout + 2 * DRAIN_GRACE_S)
-        _say("specdec_rt serve: stopping: deleting the deployment")
-    finally:
-        if server is not None and thread is not None and thread.is_alive():
-            server.should_exit = True
-            thread.join(2 * DRAIN_GRACE_S)
-        if listener is not None:
-            listener.close()
+        thread.start()
+        while not server.started:
+            if not thread.is_alive():
+                raise SpecDecError("the front server did not start (its error is above)")
+            time.sleep(0.05)
+        return f"connection limits on; relaying to Ray Serve's proxy on {upstream}:{internal}"
+
+    def close(self) -> None:
+        """Stop the front, delete the deployment, stop what this run started, restore the
+        signal handlers."""
+        from .ray import APP_NAME
+
+        if self.server is not None and self.thread is not None and self.thread.is_alive():
+            self.server.should_exit = True
+            self.thread.join(2 * DRAIN_GRACE_S)
+        if self.listener is not None:
+            self.listener.close()
         try:
-            if ray.is_initialized():
-                serve.delete(APP_NAME)
-                if not args.ray_address:
-                    serve.shutdown()
+            if self.ray.is_initialized():
+                self.serve_api.delete(APP_NAME)
+                if not self.args.ray_address:
+                    self.serve_api.shutdown()
         finally:
-            ray.shutdown()
-            for sig, handler in previous.items():
+            self.ray.shutdown()
+            for sig, handler in self.previous.items():
                 signal.signal(sig, handler)
-            if temp is not None:
-                shutil.rmtree(temp, ignore_errors=True)
-    return 0
+            if self.temp is not None:
+                shutil.rmtree(self.temp, ignore_errors=True)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -38,12 +38,13 @@ import contextlib
 import http.cookiejar
 import json
 import logging
-from typing import Any
+from collections.abc import AsyncIterator
 
 import anyio
 import httpx
 from starlette.applications import Starlette
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from ..errors import InvalidInputError
 from .guard import framing_error
@@ -123,12 +124,32 @@ class _Relay:
         self.base = str(url).rstrip("/")
         self.client: httpx.AsyncClient | None = None
 
-    async def __call__(self, scope: dict[str, Any], receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.client is None:
             return await _refuse(send, 503, "the front is not running", "server_error")
+        try:
+            url = self._target(scope)
+        except _Refused as refused:
+            return await _refuse(send, refused.status, str(refused), refused.code, kind="invalid_request_error")
+        headers = list(scope["headers"])
+        names = {name.lower() for name, _ in headers}
+        limit = self.max_body_bytes
+        declared = next((v for n, v in headers if n.lower() == b"content-length"), b"")
+        if limit is not None and b"transfer-encoding" not in names and declared.isdigit() and int(declared) > limit:
+            return await _too_large(send, limit)
+        has_body = bool(names & {b"content-length", b"transfer-encoding"})
+        exchange = _Exchange(receive, send, limit, has_body=has_body)
+        # a plain Request: the client's defaults (Accept-Encoding, User-Agent, ...) are not added
+        up = _upstream_headers(scope, headers, names)
+        request = httpx.Request(scope["method"], url, headers=up, content=exchange.body() if has_body else None)
+        await exchange.relay(self.client, request, self.base)
+
+    def _target(self, scope: Scope) -> httpx.URL:
+        """The upstream URL of the request's target; :class:`_Refused` for bad framing (400), a
+        target that is not a path (400), or a route Ray's proxy answers itself (404)."""
         problem = framing_error(scope["headers"])
         if problem is not None:
-            return await _refuse(send, 400, problem, "invalid_request", "invalid_request_error")
+            raise _Refused(400, problem, "invalid_request")
         path = scope.get("raw_path") or scope["path"].encode()
         query = scope.get("query_string") or b""
         try:
@@ -137,94 +158,110 @@ class _Relay:
             url = self.url.copy_with(raw_path=path + (b"?" + query if query else b""))  # the host stays
         except (httpx.InvalidURL, UnicodeError) as exc:
             message = f"invalid request target {path.decode('latin-1')[:200]!r}: {exc}"
-            return await _refuse(send, 400, message, "invalid_request", "invalid_request_error")
+            raise _Refused(400, message, "invalid_request") from None
         if url.path in RAY_OWN_ROUTES:  # as Ray's proxy will read it: decoded, dot segments gone
-            return await _refuse(send, 404, f"no route {url.path}", "not_found", "invalid_request_error")
-        headers = list(scope["headers"])
-        names = {name.lower() for name, _ in headers}
-        has_body = bool(names & {b"content-length", b"transfer-encoding"})
-        up = _kept(headers, _FORWARDED)
-        if b"host" not in names:
-            up.append((b"host", b""))  # not the upstream's address: that would pass a Host check
-        if scope.get("client"):
-            up.append((b"x-forwarded-for", scope["client"][0].encode()))
-        up.append((b"x-forwarded-proto", scope.get("scheme", "http").encode()))
-        limit = self.max_body_bytes
-        declared = next((v for n, v in headers if n.lower() == b"content-length"), b"")
-        if limit is not None and b"transfer-encoding" not in names and declared.isdigit() and int(declared) > limit:
-            return await _too_large(send, limit)
-        body_done = anyio.Event()
-        relay = anyio.CancelScope()  # cancelled when the client goes away
+            raise _Refused(404, f"no route {url.path}", "not_found")
+        return url
+
+
+def _upstream_headers(scope: Scope, headers: list[tuple[bytes, bytes]], names: set[bytes]) -> list[tuple[bytes, bytes]]:
+    """The headers relayed: the client's end-to-end ones, its Host (an empty one if it sent
+    none), and X-Forwarded-For / -Proto of this connection (the client's own are dropped)."""
+    up = _kept(headers, _FORWARDED)
+    if b"host" not in names:
+        up.append((b"host", b""))  # not the upstream's address: that would pass a Host check
+    if scope.get("client"):
+        up.append((b"x-forwarded-for", scope["client"][0].encode()))
+    up.append((b"x-forwarded-proto", scope.get("scheme", "http").encode()))
+    return up
+
+
+class _Refused(Exception):
+    """A request the front answers itself with an error (``status``, ``code``)."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+class _Exchange:
+    """One request relayed: its body streamed up (at most ``limit`` bytes), the response
+    streamed back, and the client's going away (a disconnect) cancelling the relay."""
+
+    def __init__(self, receive: Receive, send: Send, limit: int | None, *, has_body: bool) -> None:
+        self.receive, self.send, self.limit = receive, send, limit
+        self.body_done = anyio.Event()
+        self.scope = anyio.CancelScope()  # cancelled when the client goes away
+        self.started = False  # the response's head was sent
         if not has_body:
-            body_done.set()  # nothing to relay; receive() is the disconnect watch's alone
+            self.body_done.set()  # nothing to relay; receive() is the disconnect watch's alone
 
-        async def body():
-            seen = 0
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    relay.cancel()
-                    raise _Gone
-                chunk = message.get("body", b"")
-                seen += len(chunk)
-                if limit is not None and seen > limit:
-                    raise _TooLarge
-                yield chunk
-                if not message.get("more_body", False):
-                    break
-            body_done.set()
+    async def body(self) -> AsyncIterator[bytes]:
+        """The request's body, chunk by chunk; :class:`_Gone` on a disconnect, :class:`_TooLarge`
+        past the limit."""
+        seen = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                self.scope.cancel()
+                raise _Gone
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if self.limit is not None and seen > self.limit:
+                raise _TooLarge
+            yield chunk
+            if not message.get("more_body", False):
+                break
+        self.body_done.set()
 
-        # a plain Request: the client's defaults (Accept-Encoding, User-Agent, ...) are not added
-        request = httpx.Request(scope["method"], url, headers=up, content=body() if has_body else None)
-        started = False
+    async def watch(self) -> None:
+        """Once the body is read: cancel the relay when the client goes away."""
+        await self.body_done.wait()
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.scope.cancel()
+
+    async def relay(self, client: httpx.AsyncClient, request: httpx.Request, base: str) -> None:
+        """Send ``request`` upstream and its response back; a failure before the response
+        started is a 502 (after: the client sees a cut stream)."""
         response: httpx.Response | None = None
-        with relay:
+        with self.scope:
             async with anyio.create_task_group() as tg:
-
-                async def watch() -> None:  # the client going away cancels the relay
-                    await body_done.wait()
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    relay.cancel()
-
-                tg.start_soon(watch)
+                tg.start_soon(self.watch)
                 try:
-                    response = await self.client.send(request, stream=True)
-                    await send(
-                        {
-                            "type": "http.response.start",
-                            "status": response.status_code,
-                            # a length beside Transfer-Encoding does not frame what is relayed
-                            "headers": _kept(
-                                response.headers.raw,
-                                _OWN | ({b"content-length"} if "transfer-encoding" in response.headers else set()),
-                            ),
-                        }
-                    )
-                    started = True
-                    async for chunk in response.aiter_raw():
-                        if chunk:
-                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    response = await client.send(request, stream=True)
+                    await self._pass_on(response)
                 except _Gone:
                     pass
                 except _TooLarge:  # (raised through httpx's send, before any response)
-                    body_done.set()  # the disconnect watch may read now
-                    await _too_large(send, limit or 0)
+                    self.body_done.set()  # the disconnect watch may read now
+                    await _too_large(self.send, self.limit or 0)
                 except (httpx.HTTPError, OSError) as exc:
-                    if not started:  # else the response ends unfinished: the client sees a cut stream
-                        log.warning("front: the Ray proxy at %s failed: %s: %s", self.base, type(exc).__name__, exc)
-                        await _refuse(
-                            send,
-                            502,
-                            f"the replicas' proxy did not answer: {type(exc).__name__}",
-                            "bad_gateway",
-                        )
+                    if not self.started:  # else the response ends unfinished: the client sees a cut stream
+                        log.warning("front: the Ray proxy at %s failed: %s: %s", base, type(exc).__name__, exc)
+                        message = f"the replicas' proxy did not answer: {type(exc).__name__}"
+                        await _refuse(self.send, 502, message, "bad_gateway")
                 finally:
                     if response is not None:
                         with anyio.CancelScope(shield=True):
                             await response.aclose()  # mid-stream: Ray sees the disconnect and cancels
                     tg.cancel_scope.cancel()
+
+    async def _pass_on(self, response: httpx.Response) -> None:
+        """The response's head and body, as they come."""
+        # a length beside Transfer-Encoding does not frame what is relayed
+        drop = _OWN | ({b"content-length"} if "transfer-encoding" in response.headers else set())
+        head = {
+            "type": "http.response.start",
+            "status": response.status_code,
+            "headers": _kept(response.headers.raw, drop),
+        }
+        await self.send(head)
+        self.started = True
+        async for chunk in response.aiter_raw():
+            if chunk:
+                await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _Gone(Exception):
@@ -237,10 +274,12 @@ class _TooLarge(Exception):
 
 async def _too_large(send, limit: int) -> None:
     """The 413 the replicas give (serve/jobs.py ``read_body``)."""
-    await _refuse(send, 413, f"the request body exceeds {limit} bytes", "request_too_large", "invalid_request_error")
+    await _refuse(
+        send, 413, f"the request body exceeds {limit} bytes", "request_too_large", kind="invalid_request_error"
+    )
 
 
-async def _refuse(send, status: int, message: str, code: str, kind: str = "server_error") -> None:
+async def _refuse(send: Send, status: int, message: str, code: str, *, kind: str = "server_error") -> None:
     body = json.dumps(error_body(message, kind, code)).encode()
     await send(
         {

@@ -205,7 +205,7 @@ def host_names(bind_host: str, allowed_hosts: Sequence[str] = ()) -> tuple[str, 
 
 
 def _refuse(
-    status: int, message: str, code: str, type: str = "invalid_request_error", headers: dict[str, str] | None = None
+    status: int, message: str, code: str, *, type: str = "invalid_request_error", headers: dict[str, str] | None = None
 ) -> JSONResponse:
     return JSONResponse(error_body(message, type, code), status_code=status, headers=headers)
 

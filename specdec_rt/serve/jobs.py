@@ -16,7 +16,8 @@ import gc
 import json
 import json.scanner
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
@@ -27,6 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from ..engine.served import ServedEngine, ServedStream
+from ..engine.stream import StreamEvent
 from ..errors import ConsumerTimeoutError, ContextLengthError, EngineClosedError, InvalidInputError, SpecDecError
 from ..logs import get_logger
 from .protocol import (
@@ -143,58 +145,21 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
-async def completions(request: Request, kind: Kind) -> Any:
+async def completions(request: Request, kind: Kind) -> Response | EventStream:
     """``POST /v1/chat/completions`` (``kind="chat"``) and ``POST /v1/completions``."""
     serving: Serving = request.app.state.serving
     arrived = perf_counter()
-    try:
-        serving.check_open()
-        params = await parse_body(serving, kind, await read_body(request, serving.max_body_bytes))
-        if params.scores_prompt:  # token ids: counted now; texts: once encoded (below)
-            known = sum(len(prompt) for prompt in params.prompts if isinstance(prompt, list))
-            check_prompt_logprob_work(params, known, serving.max_prompt_logprob_work)
-        serving.admit(params.n, len(params.prompts) or 1)
-    except APIError as err:
-        serving.metrics.rejected.labels(REJECT_REASONS.get(err.status, err.code)).inc()
-        return error_response(err)
-    except ClientDisconnect:
-        return Response(status_code=499)  # nobody is there to read it
-    streams: list = []
+    params = await _admit(request, serving, kind)
+    if isinstance(params, Response):
+        return params
+    streams: list[ServedStream | None] = []
     admitted = len(params.streams)
-    scored = 0  # prompt tokens to score (echo with logprobs), each prompt once
-    timeout = serving.request_timeout
     try:  # from here on the request is admitted: Job.close releases it
-        # the deadline runs from the request's arrival: templating and tokenizing count
-        with anyio.fail_after(max(0.0, arrived + timeout - perf_counter()) if timeout else None):
-            for prompt, choice in params.streams:
-                if params.scores_prompt and choice > 0:  # opened once its prompt is scored (Job.start)
-                    streams.append(None)
-                    continue
-                stream = await _open(serving, params, prompt, choice)
-                streams.append(stream)
-                if params.scores_prompt and choice == 0:  # its prompt's length is known now, before its scoring
-                    scored += _prompt_tokens(stream, prompt)
-                    check_prompt_logprob_work(params, scored, serving.max_prompt_logprob_work)
+        await _open_streams(serving, params, streams, arrived)
     except (InvalidInputError, EngineClosedError, SpecDecError, APIError, TimeoutError) as exc:
         await _close_all(streams)
         serving.release(admitted)
-        refusal = (
-            exc
-            if isinstance(exc, APIError)
-            else engine_error(exc, params)
-            if isinstance(exc, InvalidInputError)
-            else APIError(503, str(exc), type="service_unavailable", code="draining")
-            if isinstance(exc, EngineClosedError)
-            else APIError(500, str(exc), type="server_error", code="inference_error")
-            if isinstance(exc, SpecDecError)  # InferenceError: the tokenizer failed; the engine goes on
-            else APIError(504, f"the request took longer than {timeout:g} s", type="timeout", code="request_timeout")
-        )
-        if refusal.status in (500, 504):  # admitted, ended before its first token
-            serving.metrics.aborted.labels("error" if refusal.status == 500 else "timeout").inc()
-            log.warning("request.failed", status=refusal.status, error=refusal.message[:300])
-        else:
-            serving.metrics.rejected.labels("invalid" if refusal.status == 400 else "draining").inc()
-        return error_response(refusal)
+        return _refuse_admitted(serving, _refusal(exc, params, serving.request_timeout))
     except BaseException:
         await _close_all(streams)
         serving.release(admitted)
@@ -203,6 +168,67 @@ async def completions(request: Request, kind: Kind) -> Any:
     if params.stream:
         return EventStream(job)
     return await job.respond_whole(request.receive)
+
+
+async def _admit(request: Request, serving: Serving, kind: Kind) -> GenParams | Response:
+    """The request's checked parameters, admitted (its slots counted); else the response that
+    refuses it."""
+    try:
+        serving.check_open()
+        params = await parse_body(serving, kind, await read_body(request, serving.max_body_bytes))
+        if params.scores_prompt:  # token ids: counted now; texts: once encoded (_open_streams)
+            known = sum(len(prompt) for prompt in params.prompts if isinstance(prompt, list))
+            check_prompt_logprob_work(params, known, serving.max_prompt_logprob_work)
+        serving.admit(params.n, len(params.prompts) or 1)
+        return params
+    except APIError as err:
+        serving.metrics.rejected.labels(REJECT_REASONS.get(err.status, err.code)).inc()
+        return error_response(err)
+    except ClientDisconnect:
+        return Response(status_code=499)  # nobody is there to read it
+
+
+async def _open_streams(
+    serving: Serving, params: GenParams, streams: list[ServedStream | None], arrived: float
+) -> None:
+    """Open an admitted request's engine streams into ``streams`` (None: a choice opened once
+    its prompt is scored, see Job.start), under the request's deadline, which runs from its
+    arrival: templating and tokenizing count."""
+    timeout = serving.request_timeout
+    scored = 0  # prompt tokens to score (echo with logprobs), each prompt once
+    with anyio.fail_after(max(0.0, arrived + timeout - perf_counter()) if timeout else None):
+        for prompt, choice in params.streams:
+            if params.scores_prompt and choice > 0:
+                streams.append(None)
+                continue
+            stream = await _open(serving, params, prompt, choice)
+            streams.append(stream)
+            if params.scores_prompt and choice == 0:  # its prompt's length is known now, before its scoring
+                scored += _prompt_tokens(stream, prompt)
+                check_prompt_logprob_work(params, scored, serving.max_prompt_logprob_work)
+
+
+def _refusal(exc: Exception, params: GenParams, timeout: float | None) -> APIError:
+    """The error answer of an admitted request whose streams failed to open."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidInputError):
+        return engine_error(exc, params)
+    if isinstance(exc, EngineClosedError):
+        return APIError(503, str(exc), type="service_unavailable", code="draining")
+    if isinstance(exc, SpecDecError):  # InferenceError: the tokenizer failed; the engine goes on
+        return APIError(500, str(exc), type="server_error", code="inference_error")
+    return APIError(504, f"the request took longer than {timeout or 0:g} s", type="timeout", code="request_timeout")
+
+
+def _refuse_admitted(serving: Serving, refusal: APIError) -> JSONResponse:
+    """Count and log a refusal after admission, and answer it."""
+    if refusal.status in (500, 504):  # admitted, ended before its first token
+        serving.metrics.aborted.labels("error" if refusal.status == 500 else "timeout").inc()
+        log.warning("request.failed", status=refusal.status, error=refusal.message[:300])
+    else:
+        serving.metrics.rejected.labels("invalid" if refusal.status == 400 else "draining").inc()
+    return error_response(refusal)
 
 
 async def _close_all(streams: list) -> None:
@@ -488,20 +514,12 @@ class Job:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch, receive, tg.cancel_scope)
                 self.start(tg)
-                parts: list[list[str]] = [[echo] for echo in self.echo]
-                ids: list[list[int]] = [[] for _ in self.streams]
-                lps: list[list] = [[] for _ in self.streams]
-                echoed: list = [None] * len(self.streams)  # (prompt ids, their log-probabilities) with echo
+                collected = _Collected.of(self.echo)
                 try:
                     while (got := await self.next_event()) is not None:
-                        i, ev = got
-                        parts[i].append(ev.text)
-                        if ev.prompt_logprobs is not None:  # echo: the prompt's first
-                            echoed[i] = (ev.prompt_token_ids, ev.prompt_logprobs)
-                        ids[i] += ev.token_ids
-                        lps[i] += ev.logprobs or ()
-                    big = self._entries(ids, echoed) > INLINE_REPLY_ENTRIES
-                    build = functools.partial(self._whole, parts, ids, lps, echoed, stepwise=big)
+                        collected.add(*got)
+                    big = self._entries(collected.ids, collected.echoed) > INLINE_REPLY_ENTRIES
+                    build = functools.partial(self._whole, collected, stepwise=big)
                     response = Response(
                         await anyio.to_thread.run_sync(build) if big else build(), media_type="application/json"
                     )
@@ -522,20 +540,17 @@ class Job:
         )
         return tokens * (1 + self.params.logprobs)
 
-    def _whole(
-        self, parts: list[list[str]], ids: list[list[int]], lps: list[list], echoed: list, stepwise: bool
-    ) -> bytes:
+    def _whole(self, collected: _Collected, *, stepwise: bool) -> bytes:
         """The non-streamed response's body: each prompt's scored tokens formatted once for all
-        its choices (``echoed``: the prompt ids and log-probabilities on each scoring stream).
+        its choices (``collected.echoed``: the prompt ids and log-probabilities on each scoring stream).
         ``stepwise`` (a big reply, built in a worker thread): encoded by :func:`json_bytes`
         stepwise, the cyclic collector paused meanwhile (:func:`gc_paused`: a reply's hundreds of
         thousands of dicts set off full collections, each holding the GIL throughout)."""
         with gc_paused() if stepwise else contextlib.nullcontext():
-            return self._whole_body(parts, ids, lps, echoed, stepwise)
+            return self._whole_body(collected, stepwise)
 
-    def _whole_body(
-        self, parts: list[list[str]], ids: list[list[int]], lps: list[list], echoed: list, stepwise: bool
-    ) -> bytes:
+    def _whole_body(self, collected: _Collected, stepwise: bool) -> bytes:
+        parts, ids, lps, echoed = collected.parts, collected.ids, collected.lps, collected.echoed
         lp: list[dict | None] | None = None
         heads: dict[int, dict] = {}
         if self.logprobs is not None:
@@ -550,10 +565,13 @@ class Job:
                 lp.append(tail if head is None else {k: head[k] + tail[k] for k in head})
         texts = ["".join(p) for p in parts]
         calls = [calls_in(self.params, t) if self.params.calls_tools else (t, []) for t in texts]
+        prompt, completion, cached = self.usage()
         body = self.reply.response(
             [content for content, _ in calls],
             [f or "stop" for f in self.finish],
-            *self.usage(),
+            prompt,
+            completion,
+            cached_tokens=cached,
             logprobs=lp,
             tool_calls=[c for _, c in calls],
         )
@@ -571,6 +589,36 @@ class Job:
             scope.cancel()
 
 
+@dataclass
+class _Collected:
+    """What a non-streamed request's streams produced, per stream: its text ``parts`` (the echo
+    first), token ``ids``, log-probabilities (``lps``) and, with echo, ``echoed``: (prompt ids,
+    their log-probabilities) on a stream that scored its prompt."""
+
+    parts: list[list[str]]
+    ids: list[list[int]]
+    lps: list[list[Any]]
+    echoed: list[Any]
+
+    @classmethod
+    def of(cls, echo: Sequence[str]) -> _Collected:
+        """Nothing collected yet for streams whose texts start with ``echo``."""
+        return cls(
+            parts=[[text] for text in echo],
+            ids=[[] for _ in echo],
+            lps=[[] for _ in echo],
+            echoed=[None] * len(echo),
+        )
+
+    def add(self, i: int, ev: StreamEvent) -> None:
+        """Stream ``i``'s event ``ev``."""
+        self.parts[i].append(ev.text)
+        if ev.prompt_logprobs is not None:  # echo: the prompt's first
+            self.echoed[i] = (ev.prompt_token_ids, ev.prompt_logprobs)
+        self.ids[i] += ev.token_ids
+        self.lps[i] += ev.logprobs or ()
+
+
 class EventStream:
     """The streamed response (server-sent events), an ASGI app: one chunk per engine event with
     text, exactly one chunk with a ``finish_reason``, the usage chunk if asked, ``data: [DONE]``.
@@ -586,6 +634,8 @@ class EventStream:
 
     def __init__(self, job: Job) -> None:
         self.job = job
+        self._send: Callable[[dict[str, Any]], Awaitable[None]] | None = None  # set by _events
+        self._filters: list[Any] | None = None  # tool calls: one call filter per choice
 
     async def __call__(self, scope, receive, send) -> None:
         job = self.job
@@ -646,56 +696,19 @@ class EventStream:
         lp = job.logprobs.prompt(ev.prompt_token_ids, ev.prompt_logprobs, group)
         return [sse(job.reply.chunk(job.echo[j], index=j, logprobs=lp), stepwise=True) for j in group]
 
-    async def _events(self, send) -> list[bytes]:
+    async def _events(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> list[bytes]:
         """Send the chunks as the engine produces them; returns what closes the stream."""
         job, reply = self.job, self.job.reply
-
-        async def emit(payload: dict) -> None:
-            await send({"type": "http.response.body", "body": sse(payload), "more_body": True})
-
+        self._send = send
         if reply.kind == "chat":  # each choice's role comes at once, before the first token
             for i in range(len(job.streams)):
-                await emit(reply.chunk("", first=True, index=i))
+                await self._emit(reply.chunk("", first=True, index=i))
         elif job.params.echo and job.logprobs is None:  # echo: the prompt first (with logprobs: as they come)
             for i in range(len(job.streams)):
-                await emit(reply.chunk(job.echo[i], index=i))
-        filters = [call_filter(job.params) for _ in job.streams] if job.params.calls_tools else None
-        # a choice whose prompt another one scores: its events wait for that prompt's chunk
-        held: dict[int, list] = {i: [] for i in range(len(job.streams)) if job.scorer(i) != i}
-
-        async def step(i: int, ev) -> None:
-            lp = None if job.logprobs is None else job.logprobs.body(ev.token_ids, ev.logprobs or (), i)
-            calls: list[dict] = []
-            text, finish = ev.text, job.finish[i] if ev.finished else None
-            if filters is not None:  # tool calls: held back, and sent whole at the end
-                text = filters[i].push(text)
-                if ev.finished:
-                    rest, calls = filters[i].finish()
-                    text += rest
-            if calls:
-                if text or (lp is not None and ev.token_ids):
-                    await emit(reply.chunk(text, index=i, logprobs=lp))
-                await emit(reply.chunk("", index=i, tool_calls=calls))
-                await emit(reply.chunk("", "tool_calls" if finish == "stop" else finish, index=i, empty=True))
-            elif text or ev.finished or (lp is not None and ev.token_ids):
-                await emit(reply.chunk(text, finish, index=i, logprobs=lp))
-
+                await self._emit(reply.chunk(job.echo[i], index=i))
+        self._filters = [call_filter(job.params) for _ in job.streams] if job.params.calls_tools else None
         try:
-            while (got := await job.next_event()) is not None:
-                i, ev = got
-                if i in held:
-                    held[i].append(ev)
-                elif ev.prompt_logprobs is not None:  # echo with logprobs
-                    for data in await anyio.to_thread.run_sync(self._echoed, i, ev):
-                        await send({"type": "http.response.body", "body": data, "more_body": True})
-                    for j in job.group(i):
-                        for later in held.pop(j, ()):
-                            await step(j, later)
-                else:
-                    await step(i, ev)
-            for j, events in held.items():  # (an engine that sent no prompt log-probabilities)
-                for ev in events:
-                    await step(j, ev)
+            await self._relay()
         except APIError as err:
             return [sse(err.body())]
         tail = [
@@ -706,3 +719,50 @@ class EventStream:
         if job.params.include_usage:
             tail.append(sse(reply.usage_chunk(*job.usage())))
         return tail + [sse("[DONE]")]
+
+    async def _emit(self, payload: dict[str, Any]) -> None:
+        await self._emit_bytes(sse(payload))
+
+    async def _emit_bytes(self, data: bytes) -> None:
+        assert self._send is not None
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def _relay(self) -> None:
+        """Each engine event as chunks, in order; a choice whose prompt another one scores: its
+        events wait for that prompt's chunk."""
+        job = self.job
+        held: dict[int, list[StreamEvent]] = {i: [] for i in range(len(job.streams)) if job.scorer(i) != i}
+        while (got := await job.next_event()) is not None:
+            i, ev = got
+            if i in held:
+                held[i].append(ev)
+            elif ev.prompt_logprobs is not None:  # echo with logprobs
+                for data in await anyio.to_thread.run_sync(self._echoed, i, ev):
+                    await self._emit_bytes(data)
+                for j in job.group(i):
+                    for later in held.pop(j, ()):
+                        await self._step(j, later)
+            else:
+                await self._step(i, ev)
+        for j, events in held.items():  # (an engine that sent no prompt log-probabilities)
+            for ev in events:
+                await self._step(j, ev)
+
+    async def _step(self, i: int, ev: StreamEvent) -> None:
+        """Choice ``i``'s event as chunks; tool calls are held back and sent whole at the end."""
+        job, reply, filters = self.job, self.job.reply, self._filters
+        lp = None if job.logprobs is None else job.logprobs.body(ev.token_ids, ev.logprobs or (), i)
+        calls: list[dict[str, Any]] = []
+        text, finish = ev.text, job.finish[i] if ev.finished else None
+        if filters is not None:
+            text = filters[i].push(text)
+            if ev.finished:
+                rest, calls = filters[i].finish()
+                text += rest
+        if calls:
+            if text or (lp is not None and ev.token_ids):
+                await self._emit(reply.chunk(text, index=i, logprobs=lp))
+            await self._emit(reply.chunk("", index=i, tool_calls=calls))
+            await self._emit(reply.chunk("", "tool_calls" if finish == "stop" else finish, index=i, empty=True))
+        elif text or ev.finished or (lp is not None and ev.token_ids):
+            await self._emit(reply.chunk(text, finish, index=i, logprobs=lp))

@@ -97,6 +97,10 @@ class Metrics:
         self.loop_lag_worst = Gauge(
             "specdec_event_loop_lag_worst_seconds", "The worst event-loop lag since the server started", registry=r
         )
+        self._show_reasons()
+
+    def _show_reasons(self) -> None:
+        """Create every known label of the counters, so a scrape shows each one at 0."""
         for reason in ("stop", "length"):
             self.success.labels(reason)
         for reason in (

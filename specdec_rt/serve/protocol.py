@@ -57,6 +57,7 @@ class APIError(Exception):
         self,
         status: int,
         message: str,
+        *,
         type: str = "invalid_request_error",
         code: str | None = None,
         param: str | None = None,
@@ -71,7 +72,9 @@ class APIError(Exception):
 
     def copy(self) -> APIError:
         """The same error, without this one's traceback and context (nor what their frames hold)."""
-        return APIError(self.status, self.message, self.type, self.code, self.param, dict(self.headers))
+        return APIError(
+            self.status, self.message, type=self.type, code=self.code, param=self.param, headers=dict(self.headers)
+        )
 
 
 def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
@@ -169,24 +172,40 @@ def parse_request(
         raise APIError(400, "the request body must be a JSON object", code="invalid_type")
     prompts = [_messages(body)] if kind == "chat" else _prompts(body, max_prompts, max_prompt_tokens)
     p = GenParams(kind, prompts[0], prompts=prompts)
-    for name in ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",):
+    for read in (_read_length, _read_sampling, _read_choices, _read_streaming, _read_biases, _read_structure):
+        read(p, body)
+    _unsupported(body, kind)
+    return p
+
+
+def _read_length(p: GenParams, body: dict[str, Any]) -> None:
+    """``max_tokens`` (chat: ``max_completion_tokens`` first)."""
+    for name in ("max_completion_tokens", "max_tokens") if p.kind == "chat" else ("max_tokens",):
         if body.get(name) is not None:
             p.max_tokens, p.max_tokens_param = _int(body, name, minimum=1), name
             break
+
+
+def _read_sampling(p: GenParams, body: dict[str, Any]) -> None:
+    """``temperature``, ``top_p``, ``top_k`` and ``seed``."""
     if body.get("temperature") is not None:
         p.temperature = _number(body, "temperature", minimum=0.0)
         if p.temperature > MAX_TEMPERATURE:
             raise _bad("temperature", f"temperature must be <= {MAX_TEMPERATURE:g}, got {p.temperature!r}")
     if body.get("top_p") is not None:
-        p.top_p = _number(body, "top_p", minimum=0.0)
-        if not 0.0 < p.top_p <= 1.0:
-            raise _bad("top_p", f"top_p must be in (0, 1], got {p.top_p!r}")
-        p.top_p = None if p.top_p == 1.0 else p.top_p
+        top_p = _number(body, "top_p", minimum=0.0)
+        if not 0.0 < top_p <= 1.0:
+            raise _bad("top_p", f"top_p must be in (0, 1], got {top_p!r}")
+        p.top_p = None if top_p == 1.0 else top_p
     if body.get("top_k") is not None:
         top_k = _int(body, "top_k", minimum=-1)
         p.top_k = top_k if top_k > 0 else None  # 0 and -1 mean "off", as in vLLM
     if body.get("seed") is not None:
         p.seed = _int(body, "seed", minimum=0, maximum=MAX_SEED)
+
+
+def _read_choices(p: GenParams, body: dict[str, Any]) -> None:
+    """``stop``, ``n`` and ``mode``."""
     p.stop = _stop(body.get("stop"))
     if body.get("n") is not None:
         p.n = _int(body, "n", minimum=1, maximum=MAX_N)
@@ -194,6 +213,11 @@ def parse_request(
         if body["mode"] not in ("spec", "ar"):
             raise _bad("mode", f"mode must be 'spec' or 'ar', got {brief_repr(body['mode'])}")
         p.mode = body["mode"]
+
+
+def _read_streaming(p: GenParams, body: dict[str, Any]) -> None:
+    """``stream``, ``ignore_eos``, ``min_tokens``, ``stream_options``, the log-probabilities
+    and ``echo``."""
     p.stream = _bool(body, "stream")
     p.ignore_eos = _bool(body, "ignore_eos")
     if body.get("min_tokens") is not None:
@@ -207,20 +231,29 @@ def parse_request(
         if not p.stream:
             raise _bad("stream_options", "stream_options is only allowed when stream is true")
         p.include_usage = _bool(options, "include_usage", param="stream_options.include_usage")
-    p.logprobs = _logprobs(body, kind)
-    if kind == "completion":
+    p.logprobs = _logprobs(body, p.kind)
+    if p.kind == "completion":
         p.echo = _bool(body, "echo")
+
+
+def _read_biases(p: GenParams, body: dict[str, Any]) -> None:
+    """``logit_bias`` and the penalties, checked by the engine's own rules (SamplingParams)
+    before admission; penalties at their "off" values are not passed on."""
     p.logit_bias = _logit_bias(body.get("logit_bias"))
     for name in PENALTIES:
         if body.get(name) is not None:
             p.penalties[name] = _number(body, name, minimum=-math.inf)
-    try:  # their ranges are the engine's own checks (SamplingParams), answered before admission
+    try:
         checked: dict[str, Any] = {"logit_bias": p.logit_bias, **p.penalties}  # the client's values
         SamplingParams(**checked)
     except InvalidInputError as exc:
         raise engine_error(exc, p) from None
     off = asdict(SamplingParams())
     p.penalties = {k: v for k, v in p.penalties.items() if v != off[k]}  # 0, 0, 1: not passed on
+
+
+def _read_structure(p: GenParams, body: dict[str, Any]) -> None:
+    """``response_format``, and chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls``."""
     if body.get("response_format") is not None:
         try:  # the engine's own check: the shape here, the schema when the request starts (a 400 still)
             p.response_format = (
@@ -228,16 +261,15 @@ def parse_request(
             )  # (an empty schema {} holds the answer to any JSON value)
         except InvalidInputError as exc:
             raise _bad("response_format", str(exc)) from None
-    if kind == "chat" and (body.get("tools") is not None or body.get("tool_choice") is not None):
+    if p.kind != "chat":
+        return
+    if body.get("tools") is not None or body.get("tool_choice") is not None:
         try:  # the engine's own checks; tools the template cannot render: a 400 when the request starts
             p.tools = checked_tools(body.get("tools"))  # once: each choice's RequestParams takes them as they are
             p.tool_choice = check_tool_choice(body.get("tool_choice"), p.tools)
         except InvalidInputError as exc:
             raise _bad("tool_choice" if str(exc).startswith("tool_choice") else "tools", str(exc)) from None
-    if kind == "chat":
-        p.parallel_tool_calls = body.get("parallel_tool_calls") is None or _bool(body, "parallel_tool_calls")
-    _unsupported(body, kind)
-    return p
+    p.parallel_tool_calls = body.get("parallel_tool_calls") is None or _bool(body, "parallel_tool_calls")
 
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -350,11 +382,7 @@ def _prompts(body: dict, max_prompts: int | None, max_tokens: int | None) -> lis
     if prompt is None:
         raise _bad("prompt", "'prompt' is required", "missing_required_parameter")
     if isinstance(prompt, list) and prompt:  # its length first: one prompt of ids, or a list of prompts
-        ids = is_int(prompt[0], numpy=False)
-        count, limit = len(prompt), max_tokens if ids else max_prompts
-        if limit is not None and count > limit:
-            what = "token ids, more than one request may hold" if ids else "prompts, more than one request may hold"
-            raise _bad("prompt", f"prompt holds {count} {what} (at most {limit})")
+        _check_count(prompt, max_prompts, max_tokens)
     types = list(map(type, prompt)) if isinstance(prompt, list) else []
     kinds = _kinds(types)
     if any(issubclass(k, int) and k is not bool for k in kinds):  # an integer in it: token ids, all of them?
@@ -385,13 +413,28 @@ def _prompts(body: dict, max_prompts: int | None, max_tokens: int | None) -> lis
             "invalid_type",
         )
     if list in kinds and max_tokens is not None:
-        total = sum(len(one) for one in prompts if isinstance(one, list))
-        if total > max_tokens:
-            raise _bad(
-                "prompt",
-                f"prompt holds {total} token ids in all, more than one request may hold (at most {max_tokens})",
-            )
+        _check_total(prompts, max_tokens)
     return prompts
+
+
+def _check_count(prompt: list[Any], max_prompts: int | None, max_tokens: int | None) -> None:
+    """A 400 for a list prompt longer than its limit: ``max_tokens`` for one prompt of ids,
+    ``max_prompts`` for a list of prompts."""
+    ids = is_int(prompt[0], numpy=False)
+    count, limit = len(prompt), max_tokens if ids else max_prompts
+    if limit is not None and count > limit:
+        what = "token ids, more than one request may hold" if ids else "prompts, more than one request may hold"
+        raise _bad("prompt", f"prompt holds {count} {what} (at most {limit})")
+
+
+def _check_total(prompts: list[str | list[int]], max_tokens: int) -> None:
+    """A 400 when the prompts of ids hold more than ``max_tokens`` ids in all."""
+    total = sum(len(one) for one in prompts if isinstance(one, list))
+    if total > max_tokens:
+        raise _bad(
+            "prompt",
+            f"prompt holds {total} token ids in all, more than one request may hold (at most {max_tokens})",
+        )
 
 
 def _kinds(types: list) -> set:

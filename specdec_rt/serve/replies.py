@@ -50,6 +50,7 @@ class Reply:
         self,
         text: str,
         finish_reason: str | None = None,
+        *,
         first: bool = False,
         index: int = 0,
         logprobs: dict | None = None,
@@ -83,6 +84,7 @@ class Reply:
         finish_reason: str | list[str],
         prompt_tokens: int,
         completion_tokens: int,
+        *,
         cached_tokens: int = 0,
         logprobs: list[dict | None] | None = None,
         tool_calls: list[list[dict]] | None = None,
@@ -152,6 +154,7 @@ class LogprobsFormat:
         token_ids: Sequence[int],
         entries: Sequence[TokenLogprob | None],
         choice: int = 0,
+        *,
         part_ends: bool = False,
         before: tuple[Sequence[int], Sequence[TokenLogprob | None]] | None = None,
     ) -> dict:

@@ -109,27 +109,7 @@ class TextCodec:
         template_max_chars: int | None = None,
         template_source: str | None = None,
     ) -> None:
-        from tokenizers import Tokenizer
-
-        try:  # sized before it is parsed: a hostile folder's 20 GB "tokenizer" must not be read
-            size = Path(tokenizer_file).stat().st_size
-        except OSError as exc:
-            raise ModelLoadError(f"{tokenizer_file}: cannot load tokenizer: {exc.strerror or exc}") from exc
-        if size > MAX_TOKENIZER_BYTES:
-            raise ModelLoadError(
-                f"{tokenizer_file}: {size} bytes, more than the {MAX_TOKENIZER_BYTES} a "
-                "tokenizer may have (the largest real ones are ~35 MB)"
-            )
-        try:  # read once: parsed here, and digested so that a copy in another process can check it
-            with open(tokenizer_file, "rb") as f:
-                data = f.read(MAX_TOKENIZER_BYTES + 1)
-            if len(data) > MAX_TOKENIZER_BYTES:
-                raise ValueError(f"it grew past {MAX_TOKENIZER_BYTES} bytes while it was read")
-            self.tokenizer = Tokenizer.from_str(data.decode("utf-8"))
-        except PASS_THROUGH:
-            raise
-        except BaseException as exc:  # plain Exceptions, or a panic of the tokenizers library
-            raise ModelLoadError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
+        self.tokenizer, data = _read_tokenizer(tokenizer_file)
         #: the sha256 of the tokenizer file as it was read (see :mod:`specdec_rt.text.encode_process`)
         self.tokenizer_sha256 = hashlib.sha256(data).hexdigest()
         if any(t.special and t.content in TEXT_TAGS for t in self.tokenizer.get_added_tokens_decoder().values()):
@@ -152,7 +132,7 @@ class TextCodec:
         self._special_re = re.compile("|".join(map(re.escape, texts))) if texts else None
 
     @classmethod
-    def from_manifest(cls, m, **options) -> "TextCodec":
+    def from_manifest(cls, m: Any, **options: Any) -> "TextCodec":
         """The codec of a model folder's manifest, its chat template checked (:meth:`check_template`)."""
         codec = cls(
             m.tokenizer_file,
@@ -413,21 +393,19 @@ class TextCodec:
         fields = self._message_fields(messages)
         if not found:
             return self._tokenize(self.tokenizer, self._render(messages, True, tools), fields).ids
-        used = set(self.chat_template or "")
-        for msg in messages:
-            for v in msg.values():
-                if isinstance(v, str):
-                    used.update(v)
-        free = (chr(c) for c in range(0xF0000, 0x10FFFE) if chr(c) not in used)  # private use
-        holder = {text: next(free) for text in sorted(found, key=len, reverse=True)}
-        back = {ph: text for text, ph in holder.items()}
+        holder = _placeholders(messages, found, self.chat_template or "")
         pattern = re.compile("|".join(map(re.escape, holder)))
         swapped = [
             {k: pattern.sub(lambda m: holder[m.group()], v) if isinstance(v, str) else v for k, v in msg.items()}
             for msg in messages
         ]
         text = self._render(swapped, True, tools)
-        enc = self._tokenize(self.tokenizer, text, fields)
+        return self._reencode(text, self._tokenize(self.tokenizer, text, fields), holder, fields)
+
+    def _reencode(self, text: str, enc: Any, holder: dict[str, str], fields: Any) -> list[int]:
+        """``enc`` (the encoding of ``text``) with each stretch between two control tokens that
+        holds a placeholder encoded again, the strings put back and read as plain text."""
+        back = {ph: original for original, ph in holder.items()}
         ids = enc.ids
         cuts = [i for i, t in enumerate(ids) if t in self._special_ids]
         # the offsets of the cuts only: all of them, as Python tuples, hold the GIL ~0.3 us a token
@@ -437,9 +415,9 @@ class TextCodec:
         bounds = [-1] + cuts + [len(ids)]
         for k in range(len(bounds) - 1):
             lo, hi = bounds[k], bounds[k + 1]  # special tokens at lo and hi (or the ends)
-            a = offsets[lo][1] if lo >= 0 else 0
-            b = offsets[hi][0] if hi < len(ids) else len(text)
-            segment = text[a:b]
+            start = offsets[lo][1] if lo >= 0 else 0
+            end = offsets[hi][0] if hi < len(ids) else len(text)
+            segment = text[start:end]
             if lo >= 0:
                 out.append(ids[lo])
             if not any(ph in segment for ph in back):
@@ -557,3 +535,42 @@ class IncrementalDecoder:
         after = self.codec.decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
         return after[len(before) :]
+
+
+def _read_tokenizer(tokenizer_file: str | Path) -> tuple[Any, bytes]:
+    """The parsed tokenizer and the file's bytes, read once (digested, so that a copy in
+    another process can check it); sized before it is parsed: a hostile folder's 20 GB
+    "tokenizer" must not be read. A ModelLoadError when it cannot be read or parsed."""
+    from tokenizers import Tokenizer
+
+    try:
+        size = Path(tokenizer_file).stat().st_size
+    except OSError as exc:
+        raise ModelLoadError(f"{tokenizer_file}: cannot load tokenizer: {exc.strerror or exc}") from exc
+    if size > MAX_TOKENIZER_BYTES:
+        raise ModelLoadError(
+            f"{tokenizer_file}: {size} bytes, more than the {MAX_TOKENIZER_BYTES} a "
+            "tokenizer may have (the largest real ones are ~35 MB)"
+        )
+    try:
+        with open(tokenizer_file, "rb") as f:
+            data = f.read(MAX_TOKENIZER_BYTES + 1)
+        if len(data) > MAX_TOKENIZER_BYTES:
+            raise ValueError(f"it grew past {MAX_TOKENIZER_BYTES} bytes while it was read")
+        return Tokenizer.from_str(data.decode("utf-8")), data
+    except PASS_THROUGH:
+        raise
+    except BaseException as exc:  # plain Exceptions, or a panic of the tokenizers library
+        raise ModelLoadError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
+
+
+def _placeholders(messages: list[dict[str, Any]], found: set[str], template: str) -> dict[str, str]:
+    """A private-use character for each string of ``found`` (longest first), one that neither
+    the messages nor the chat ``template`` use."""
+    used = set(template)
+    for msg in messages:
+        for v in msg.values():
+            if isinstance(v, str):
+                used.update(v)
+    free = (chr(c) for c in range(0xF0000, 0x10FFFE) if chr(c) not in used)  # private use
+    return {text: next(free) for text in sorted(found, key=len, reverse=True)}

@@ -20,6 +20,7 @@ import math
 import re
 import threading
 import time
+from collections.abc import Callable, Iterable, Sized
 from typing import Any
 
 from ..errors import InvalidInputError
@@ -46,7 +47,15 @@ TEMPLATE_MAX_SORT_ITEMS = 1 << 16  # items sort, dictsort, unique and groupby ma
 _CHECK_EVERY = 64  # steps between two looks at the clock (one step: a loop item, a call, a filter)
 _SEQUENCES = (str, bytes, bytearray, list, tuple)
 _CONTAINERS = (list, tuple, dict, set, frozenset)
-_budget = threading.local()  # the budget of the rendering running in this thread
+
+
+class _ThreadBudget(threading.local):
+    """The budget of the rendering running in this thread (None: none runs)."""
+
+    value: _Budget | None = None
+
+
+_budget = _ThreadBudget()
 
 
 class TemplateBudgetError(InvalidInputError):
@@ -110,7 +119,7 @@ class _Budget:
 
 
 def _current() -> _Budget:
-    b = getattr(_budget, "value", None)
+    b = _budget.value
     if b is None:  # rendering outside TextCodec.render_chat: the defaults
         b = _budget.value = _Budget(TEMPLATE_MIN_CHARS, TEMPLATE_MAX_STEPS, TEMPLATE_TIMEOUT_S)
     return b
@@ -216,7 +225,7 @@ _SIZING_FILTERS = frozenset({"center", "indent", "wordwrap", "slice", "batch"})
 _SIZING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
 
 
-def _precheck_call(obj: Any, args: tuple, kwargs: dict, budget: _Budget, filter_name: str | None = None) -> None:
+def _precheck_call(obj: Any, args: tuple, kwargs: dict, budget: _Budget, *, filter_name: str | None = None) -> None:
     """Refuse a call whose result could exceed the budget before it is made."""
     inner = getattr(obj, "__wrapped__", obj)  # the sandbox wraps str.format
     name = getattr(inner, "__name__", "")
@@ -228,8 +237,9 @@ def _precheck_call(obj: Any, args: tuple, kwargs: dict, budget: _Budget, filter_
     if isinstance(owner, (str, bytes, bytearray)):
         if name == "replace" and len(args) >= 2:
             budget.need((len(owner) + 1) * (_length(args[1]) + 1), "str.replace")
-        elif name == "join" and args and hasattr(args[0], "__len__"):
-            budget.need(len(owner) * len(args[0]) + sum(_length(x) for x in args[0]), "str.join")
+        elif name == "join" and args and isinstance(args[0], Sized):
+            joined: Any = args[0]
+            budget.need(len(owner) * len(joined) + sum(_length(x) for x in joined), "str.join")
         elif name == "expandtabs":
             tab = args[0] if args else kwargs.get("tabsize", 8)
             budget.need(len(owner) * max(1, tab if isinstance(tab, int) else 8), "str.expandtabs")
@@ -238,7 +248,7 @@ def _precheck_call(obj: Any, args: tuple, kwargs: dict, budget: _Budget, filter_
             budget.need(len(owner) * max(longest, 1), "str.translate")
 
 
-def _bounded_filter(name: str, func):
+def _bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
     """A filter that checks its int arguments and known amplifiers first, its result after."""
     from functools import update_wrapper
 
@@ -246,60 +256,92 @@ def _bounded_filter(name: str, func):
     from jinja2.nodes import EvalContext
     from jinja2.runtime import Context
 
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         b = _current()
         b.tick()
         values = [a for a in args if not isinstance(a, (Environment, EvalContext, Context))]
         _precheck_call(None, tuple(values[1:]), kwargs, b, filter_name=name)
-        if values and name in _CONSUMING:
-            counted = _charge_items(values[0], b, name)
-            if counted is not values[0]:  # an iterator: counted as it is consumed
-                at = next(i for i, a in enumerate(args) if a is values[0])
-                args, values = (*args[:at], counted, *args[at + 1 :]), [counted, *values[1:]]
+        if values and name in _CONSUMING:  # an iterator: counted as it is consumed
+            args, values = _replace_first(args, values, _charge_items(values[0], b, name))
+        if values and name == "join" and not isinstance(values[0], Sized):  # a generator (map, select...)
+            items = list(itertools.islice(values[0], b.chars + 1))  # counted first
+            b.need(len(items), "the join filter")
+            args, values = _replace_first(args, values, items)
         if values:
-            value = values[0]
-            if isinstance(value, _CONTAINERS) and name in _STRINGIFYING:
-                b.need(_text_length(value, b.chars), f"the {name} filter")
-            if name == "join":
-                sep = values[1] if len(values) > 1 else kwargs.get("d", "")
-                if not hasattr(value, "__len__"):  # a generator (map, select...): count it first
-                    items = list(itertools.islice(value, b.chars + 1))
-                    b.need(len(items), "the join filter")
-                    at = next(i for i, a in enumerate(args) if a is value)
-                    args, value = (*args[:at], items, *args[at + 1 :]), items
-                b.need(_length(sep) * len(value) + _text_length(value, b.chars), "the join filter")
-            elif name == "replace" and len(values) >= 3:
-                b.need((_length(value) + 1) * (_length(values[2]) + 1), "the replace filter")
-            elif name == "indent":
-                width = values[1] if len(values) > 1 else kwargs.get("width", 4)
-                lines = str(value).count("\n") + 1
-                b.need(
-                    lines * _length(width if isinstance(width, str) else " " * min(int(width), b.chars + 1)),
-                    "the indent filter",
-                )
-            elif name == "format" and isinstance(value, str):
-                _check_percent(value, kwargs or tuple(values[1:]), b, "the format filter")
-            elif (
-                name == "int"
-                and isinstance(value, str)
-                and len(value) > 5000
-                and value.strip().lstrip("+-").replace("_", "").isdigit()
-            ):
-                # Python 3.11+ refuse over 4300 digits; 3.10 would parse them in quadratic time
-                b.bits(len(value), "the int filter's result")
-            elif name == "wordwrap":
-                width = values[1] if len(values) > 1 else kwargs.get("width", 79)
-                wrap = values[3] if len(values) > 3 else kwargs.get("wrapstring") or "\n"
-                text = str(value)
-                lines = 2 * len(text) // max(width if isinstance(width, int) else 1, 1) + text.count("\n") + 2
-                b.need(len(text) + min(lines, len(text) + 2) * _length(wrap), "the wordwrap filter")
-            elif name == "tojson":
-                indent = values[1] if len(values) > 1 else kwargs.get("indent")
-                if isinstance(indent, int) and indent > 64:
-                    b.need(indent * 10**6, "tojson's indent")
+            if isinstance(values[0], _CONTAINERS) and name in _STRINGIFYING:
+                b.need(_text_length(values[0], b.chars), f"the {name} filter")
+            check = _FILTER_CHECKS.get(name)
+            if check is not None:
+                check(values, kwargs, b)
         return b.size(func(*args, **kwargs))
 
     return update_wrapper(wrapper, func)
+
+
+def _replace_first(args: tuple[Any, ...], values: list[Any], new: Any) -> tuple[tuple[Any, ...], list[Any]]:
+    """``args`` and ``values`` with the filter's input (``values[0]``) replaced by ``new``."""
+    if new is values[0]:
+        return args, values
+    at = next(i for i, a in enumerate(args) if a is values[0])
+    return (*args[:at], new, *args[at + 1 :]), [new, *values[1:]]
+
+
+def _check_join(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+    value = values[0]
+    sep = values[1] if len(values) > 1 else kwargs.get("d", "")
+    b.need(_length(sep) * len(value) + _text_length(value, b.chars), "the join filter")
+
+
+def _check_replace(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+    if len(values) >= 3:
+        b.need((_length(values[0]) + 1) * (_length(values[2]) + 1), "the replace filter")
+
+
+def _check_indent(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+    width = values[1] if len(values) > 1 else kwargs.get("width", 4)
+    lines = str(values[0]).count("\n") + 1
+    b.need(
+        lines * _length(width if isinstance(width, str) else " " * min(int(width), b.chars + 1)),
+        "the indent filter",
+    )
+
+
+def _check_format(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+    if isinstance(values[0], str):
+        _check_percent(values[0], kwargs or tuple(values[1:]), b, "the format filter")
+
+
+def _check_int(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+    value = values[0]
+    if isinstance(value, str) and len(value) > 5000 and value.strip().lstrip("+-").replace("_", "").isdigit():
+        # Python 3.11+ refuse over 4300 digits; 3.10 would parse them in quadratic time
+        b.bits(len(value), "the int filter's result")
+
+
+def _check_wordwrap(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+    width = values[1] if len(values) > 1 else kwargs.get("width", 79)
+    wrap = values[3] if len(values) > 3 else kwargs.get("wrapstring") or "\n"
+    text = str(values[0])
+    lines = 2 * len(text) // max(width if isinstance(width, int) else 1, 1) + text.count("\n") + 2
+    b.need(len(text) + min(lines, len(text) + 2) * _length(wrap), "the wordwrap filter")
+
+
+def _check_tojson(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+    indent = values[1] if len(values) > 1 else kwargs.get("indent")
+    if isinstance(indent, int) and indent > 64:
+        b.need(indent * 10**6, "tojson's indent")
+
+
+# what a filter's input and arguments would build, checked before it runs
+_FILTER_CHECKS: dict[str, Callable[[list[Any], dict[str, Any], _Budget], None]] = {
+    "join": _check_join,
+    "replace": _check_replace,
+    "indent": _check_indent,
+    "format": _check_format,
+    "int": _check_int,
+    "wordwrap": _check_wordwrap,
+    "tojson": _check_tojson,
+}
 
 
 # filters that go through all of their input in one call (in C or in a Python loop the budget does
@@ -317,7 +359,7 @@ def _charge_items(value: Any, budget: _Budget, name: str) -> Any:
     try:
         n = len(value)
     except TypeError:  # an iterator (map, select...)
-        return _counted(iter(value), budget, cap, name) if hasattr(value, "__iter__") else value
+        return _counted(iter(value), budget, cap, name) if isinstance(value, Iterable) else value
     if cap is not None and n > cap:
         raise TemplateBudgetError(f"the {name} filter was given {n} items, over its limit of {cap}")
     budget.tick(max(n, 1))
@@ -374,34 +416,14 @@ def _sandbox_class():
 
         intercepted_binops = frozenset({"*", "**", "+", "-", "%", "//"})
 
-        def is_safe_attribute(self, obj, attr, value):
-            if isinstance(obj, (str, bytes, bytearray)) and attr not in STR_METHODS:
-                kind = type(obj).__name__ if isinstance(obj, (bytes, bytearray)) else "str"
-                raise TemplateMethodError(
-                    f"used {kind}.{attr}, which chat templates may not call (the sandbox offers only "
-                    "the str methods that run in linear time: strip, split, replace, startswith...)"
-                )
-            return super().is_safe_attribute(obj, attr, value)
+        def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+            _check_str_method(obj, attr)
+            return bool(super().is_safe_attribute(obj, attr, value))
 
-        def call_binop(self, context, operator, left, right):
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             b = _current()
             b.tick()
-            if isinstance(left, int) and isinstance(right, int):
-                # bound the result's bits BEFORE computing it: one huge multiplication or power
-                # runs in C and cannot be stopped by the deadline
-                bl, br = left.bit_length(), right.bit_length()
-                if operator == "*":
-                    b.bits(bl + br, "a product")
-                elif operator == "**" and right > 0 and abs(left) > 1:
-                    b.bits(int(right * math.log2(abs(left))) + 1 if br < 64 else 1 << 64, "a power")
-                elif operator in ("+", "-"):
-                    b.bits(max(bl, br) + 1, "a sum")
-            elif operator == "*":
-                for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, _SEQUENCES) and isinstance(n, int):
-                        b.need(_length(seq) * max(n, 0), "a repetition")
-            elif operator == "%" and isinstance(left, str):
-                _check_percent(left, right, b, "a %-format")
+            _check_binop(b, operator, left, right)
             try:
                 return b.size(super().call_binop(context, operator, left, right))
             except OverflowError as exc:  # float ** float, an int too large for a float
@@ -419,19 +441,8 @@ def _sandbox_class():
             ):
                 return None
             f_self = value.__self__
-            str_type, is_format_map = type(f_self), value.__name__ == "format_map"
             fmt = escape_formatter(self, escape=f_self.escape) if isinstance(f_self, Markup) else formatter(self)
-
-            def wrapper(*args, **kwargs):
-                if is_format_map:
-                    if kwargs:
-                        raise TypeError("format_map() takes no keyword arguments")
-                    if len(args) != 1:
-                        raise TypeError(f"format_map() takes exactly one argument ({len(args)} given)")
-                    kwargs, args = args[0], ()
-                return str_type(fmt.vformat(f_self, args, kwargs))
-
-            return update_wrapper(wrapper, value)
+            return update_wrapper(_format_call(fmt, f_self, format_map=value.__name__ == "format_map"), value)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
             b = _current()
@@ -440,6 +451,52 @@ def _sandbox_class():
             return b.size(super().call(__context, __obj, *args, **kwargs))
 
     return _BoundedSandbox
+
+
+def _check_str_method(obj: Any, attr: str) -> None:
+    """A :class:`TemplateMethodError` for a str (or bytes) method chat templates may not call."""
+    if isinstance(obj, (str, bytes, bytearray)) and attr not in STR_METHODS:
+        kind = type(obj).__name__ if isinstance(obj, (bytes, bytearray)) else "str"
+        raise TemplateMethodError(
+            f"used {kind}.{attr}, which chat templates may not call (the sandbox offers only "
+            "the str methods that run in linear time: strip, split, replace, startswith...)"
+        )
+
+
+def _check_binop(b: _Budget, operator: str, left: Any, right: Any) -> None:
+    """Refuse a binary operation whose result could exceed the budget, before it runs: an int
+    result's bits are bounded BEFORE computing it (one huge multiplication or power runs in C
+    and cannot be stopped by the deadline), a repetition's and a %-format's length."""
+    if isinstance(left, int) and isinstance(right, int):
+        bl, br = left.bit_length(), right.bit_length()
+        if operator == "*":
+            b.bits(bl + br, "a product")
+        elif operator == "**" and right > 0 and abs(left) > 1:
+            b.bits(int(right * math.log2(abs(left))) + 1 if br < 64 else 1 << 64, "a power")
+        elif operator in ("+", "-"):
+            b.bits(max(bl, br) + 1, "a sum")
+    elif operator == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, _SEQUENCES) and isinstance(n, int):
+                b.need(_length(seq) * max(n, 0), "a repetition")
+    elif operator == "%" and isinstance(left, str):
+        _check_percent(left, right, b, "a %-format")
+
+
+def _format_call(fmt: Any, f_self: str, *, format_map: bool) -> Callable[..., str]:
+    """``f_self.format`` (or ``format_map``) through the checking formatter ``fmt``."""
+    str_type = type(f_self)
+
+    def wrapper(*args: Any, **kwargs: Any) -> str:
+        if format_map:
+            if kwargs:
+                raise TypeError("format_map() takes no keyword arguments")
+            if len(args) != 1:
+                raise TypeError(f"format_map() takes exactly one argument ({len(args)} given)")
+            kwargs, args = args[0], ()
+        return str_type(fmt.vformat(f_self, args, kwargs))
+
+    return wrapper
 
 
 def _guard_iter(iterable):
@@ -494,7 +551,7 @@ def _instrument(ast):
 
 def _finalize(value):
     """``{{ value }}``: a list or dict is sized as text before ``str()`` builds it."""
-    b = getattr(_budget, "value", None)
+    b = _budget.value
     if b is not None and isinstance(value, _CONTAINERS):
         b.need(_text_length(value, b.chars), "writing a list or dict")
     return value
@@ -559,7 +616,7 @@ def render_bounded(template, *, chars: int, steps: int, seconds: float, **variab
     :class:`TemplateBudgetError`. The budget is per thread, so concurrent renderings in other
     threads keep their own."""
     budget = _Budget(chars, steps, seconds)
-    previous, _budget.value = getattr(_budget, "value", None), budget
+    previous, _budget.value = _budget.value, budget
     try:
         parts, total = [], 0
         for chunk in template.generate(**variables):
