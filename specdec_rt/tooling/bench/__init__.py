@@ -10,10 +10,12 @@ whose package is missing is skipped with a note. ``--llama-cpp BIN_DIR`` adds ll
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -22,49 +24,47 @@ from ..reports import write_report
 from .args import bench_args, split_list
 from .micro import memory_bandwidth_gbs, request_memory, step_costs, weight_bytes
 from .report import format_markdown, format_micro, format_table, plot, plot_acceptance, summarize
-from .runner import HF_MODES, build_our_modes, default_threads, load_prompts, log, machine_info, run_modes
+from .runner import (
+    HF_MODES,
+    Runner,
+    Sample,
+    build_our_modes,
+    default_threads,
+    load_prompts,
+    log,
+    machine_info,
+    run_modes,
+)
+
+if TYPE_CHECKING:
+    from ...ort.manifest import Manifest
+    from ...text.codec import TextCodec
 
 __all__ = ["run_bench"]
 
 
-def run_bench(args) -> int:
+def run_bench(args: argparse.Namespace) -> int:
     return anyio.run(_bench, bench_args(args))
 
 
-async def _bench(args) -> int:
+async def _bench(args: argparse.Namespace) -> int:
     from ...engine.loading import ensure_built
     from ...ort.manifest import cache_root, load_manifest
     from ...text.codec import TextCodec
 
-    llama_bin = args.llama_cpp
-    if llama_bin:
-        from .llamacpp import find_tools
-
-        find_tools(llama_bin)  # a wrong folder fails before any model is built or loaded
-    elif args.llama_gguf or args.llama_draft:
-        raise InvalidInputError("--llama-gguf / --llama-draft need --llama-cpp BIN_DIR")
+    _check_llama_flags(args)  # a wrong folder fails before any model is built or loaded
     folder = ensure_built(args.model, say=log)
     threads = args.threads or default_threads()
     max_length = args.max_length or 4096
     codec = TextCodec.from_manifest(load_manifest(folder))  # the prompts are checked before the models load
-    cats = (
-        set(split_list(args.categories, "--categories") or ())
-        if isinstance(args.categories, str)
-        else set(args.categories or ())
-    )
-    prompts = load_prompts(codec, args.prompts, cats or None, args.limit)
+    prompts = load_prompts(codec, args.prompts, _categories(args), args.limit)
     t0 = time.perf_counter()
     ours, ctx = build_our_modes(folder, threads, max_length, args.add_draft or ())
     m = ctx["manifest"]
     drafts = len(m.drafts) + len(args.add_draft or ())
     log(f"loaded {m.name} and {drafts} draft(s) in {time.perf_counter() - t0:.1f} s; {threads} threads")
-
-    modes_arg = split_list(args.modes, "--modes") if isinstance(args.modes, str) else args.modes
-    wanted = modes_arg or list(ours) + list(HF_MODES)
-    unknown = [w for w in wanted if w not in ours and w not in HF_MODES]
-    if unknown:
-        raise InvalidInputError(f"unknown mode(s) {unknown}; available: {list(ours) + list(HF_MODES)}")
-    report: dict = {
+    wanted = _wanted_modes(args, ours)
+    report: dict[str, Any] = {
         "model": ctx["info"],
         "machine": machine_info(threads),
         "settings": {
@@ -76,49 +76,99 @@ async def _bench(args) -> int:
         },
         "skipped": {},
     }
-
     if args.micro:  # before any PyTorch model is loaded, so memory is ours alone
         report["micro"] = await _micro(ctx, m, max_length)
-
-    modes = {k: v for k, v in ours.items() if k in wanted}
+    modes: dict[str, Runner] = {k: v for k, v in ours.items() if k in wanted}
     hf_wanted = [w for w in wanted if w in HF_MODES]
     if hf_wanted:
-        hf = _hf_modes(hf_wanted, ctx, threads=threads, cache_dir=cache_root() / "bench", skipped=report["skipped"])
-        modes.update(hf)
-    if llama_bin:
-        from .llamacpp import llamacpp_modes
-
-        llama, report["llama_cpp"] = llamacpp_modes(
-            llama_bin,
-            args.llama_gguf,
-            args.llama_draft,
-            codec,
-            threads=threads,
-            ctx_size=max_length,
-            manifest=m,
-            say=log,
-        )
-        log(f"llama.cpp modes: {', '.join(llama)}")
-        modes.update(llama)
+        cache_dir = cache_root() / "bench"
+        modes.update(_hf_modes(hf_wanted, ctx, threads=threads, cache_dir=cache_dir, skipped=report["skipped"]))
+    if args.llama_cpp:
+        modes.update(_llama_modes(args, report, codec=codec, manifest=m, threads=threads, ctx_size=max_length))
     samples = await run_modes(modes, prompts, args.max_new_tokens, args.repeats)
     report.update(summarize(samples))
     markdown, table = format_markdown(report), format_table(report)
-    if llama_bin:
-        from .llamacpp import format_llamacpp, summarize_llamacpp
-
-        report["llama_cpp"]["rows"] = rows = summarize_llamacpp(samples, codec)
-        report["llama_cpp"]["runs"] = [
-            {"mode": s.mode, "prompt": s.prompt, **s.extra["llama"]} for s in samples if s.extra and "llama" in s.extra
-        ]
-        markdown += "\n\n" + format_llamacpp(rows)
-        table += "\n\n" + format_llamacpp(rows)
+    if args.llama_cpp:
+        llama_tables = _llama_results(report, samples, codec)
+        markdown, table = markdown + llama_tables, table + llama_tables
     if "hf_assisted" in modes:
         assisted = modes["hf_assisted"]
         report["model"]["hf_assistant"] = assisted.kind if isinstance(assisted, _HFRunner) else None
+    title = f"{m.name}: {len(prompts)} prompts, {args.max_new_tokens} new tokens"
+    _write(args, report, samples, title=title, markdown=markdown, table=table)
+    return 0
 
+
+def _categories(args: argparse.Namespace) -> set[str] | None:
+    """``--categories`` as a set (None: all); a caller's Namespace may hold a list already."""
+    given = split_list(args.categories, "--categories") if isinstance(args.categories, str) else args.categories
+    return set(given or ()) or None
+
+
+def _check_llama_flags(args: argparse.Namespace) -> None:
+    """``--llama-cpp``'s folder has llama.cpp's tools; ``--llama-gguf`` / ``--llama-draft`` need it."""
+    if args.llama_cpp:
+        from .llamacpp import find_tools
+
+        find_tools(args.llama_cpp)
+    elif args.llama_gguf or args.llama_draft:
+        raise InvalidInputError("--llama-gguf / --llama-draft need --llama-cpp BIN_DIR")
+
+
+def _wanted_modes(args: argparse.Namespace, ours: dict[str, Runner]) -> list[str]:
+    """``--modes`` (default: ours and the Hugging Face baselines); an unknown one is an error."""
+    modes_arg = split_list(args.modes, "--modes") if isinstance(args.modes, str) else args.modes
+    wanted: list[str] = modes_arg or list(ours) + list(HF_MODES)
+    unknown = [w for w in wanted if w not in ours and w not in HF_MODES]
+    if unknown:
+        raise InvalidInputError(f"unknown mode(s) {unknown}; available: {list(ours) + list(HF_MODES)}")
+    return wanted
+
+
+def _llama_modes(
+    args: argparse.Namespace,
+    report: dict[str, Any],
+    *,
+    codec: TextCodec,
+    manifest: Manifest,
+    threads: int,
+    ctx_size: int,
+) -> dict[str, Runner]:
+    """llama.cpp's modes; what they run goes to ``report["llama_cpp"]``."""
+    from .llamacpp import llamacpp_modes
+
+    llama, report["llama_cpp"] = llamacpp_modes(
+        args.llama_cpp,
+        args.llama_gguf,
+        args.llama_draft,
+        codec,
+        threads=threads,
+        ctx_size=ctx_size,
+        manifest=manifest,
+        say=log,
+    )
+    log(f"llama.cpp modes: {', '.join(llama)}")
+    return llama
+
+
+def _llama_results(report: dict[str, Any], samples: list[Sample], codec: TextCodec) -> str:
+    """llama.cpp's side-by-side rows and runs into ``report["llama_cpp"]``; their table."""
+    from .llamacpp import format_llamacpp, summarize_llamacpp
+
+    report["llama_cpp"]["rows"] = rows = summarize_llamacpp(samples, codec)
+    report["llama_cpp"]["runs"] = [
+        {"mode": s.mode, "prompt": s.prompt, **s.extra["llama"]} for s in samples if s.extra and "llama" in s.extra
+    ]
+    return "\n\n" + format_llamacpp(rows)
+
+
+def _write(
+    args: argparse.Namespace, report: dict[str, Any], samples: list[Sample], *, title: str, markdown: str, table: str
+) -> None:
+    """The charts, ``bench.json`` and ``bench.md`` in ``--out``; the table (or JSON) on stdout."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    png = plot(report, out / "bench.png", f"{m.name}: {len(prompts)} prompts, {args.max_new_tokens} new tokens")
+    png = plot(report, out / "bench.png", title)
     report["chart"] = str(png) if png else None
     acc_png = plot_acceptance(samples, out / "acceptance.png")
     report["acceptance_chart"] = str(acc_png) if acc_png else None
@@ -129,10 +179,9 @@ async def _bench(args) -> int:
         for k, v in report["skipped"].items():
             print(f"skipped {k}: {v}")
     log(f"wrote {', '.join(str(p) for p in (out / 'bench.json', out / 'bench.md', png, acc_png) if p)}")
-    return 0
 
 
-async def _micro(ctx, m, max_length) -> dict:
+async def _micro(ctx, m, max_length) -> dict[str, Any]:
     target = ctx["target"]
     log("micro: step costs (verify width 5 vs 1, context 2000 vs 100)")
     costs = await step_costs(target, progress=log, long=min(2000, max_length - 8))
@@ -154,7 +203,7 @@ async def _micro(ctx, m, max_length) -> dict:
     return micro
 
 
-def _hf_modes(wanted, ctx, *, threads, cache_dir, skipped) -> dict:
+def _hf_modes(wanted, ctx, *, threads, cache_dir, skipped) -> dict[str, Any]:
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         for w in wanted:
             skipped[w] = "needs torch + transformers (pip install -e '.[export,bench]')"
@@ -189,7 +238,7 @@ class _HFRunner:
         self.fn = fn
         self.kind: str | None = None
 
-    async def __call__(self, ids: list[int], n: int) -> tuple:
+    async def __call__(self, ids: list[int], n: int) -> tuple[Any, ...]:
         new, secs = self.fn(ids, n)
         return new, secs, None
 

@@ -28,6 +28,7 @@ float32 target is compared with llama.cpp's F32 on the same positions.
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 import subprocess
@@ -36,12 +37,15 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...errors import InvalidInputError, SpecDecError
 from .args import bench_args
+
+if TYPE_CHECKING:
+    from ...ort.manifest import Manifest
 
 __all__ = [
     "DEFAULT_TEXT",
@@ -111,7 +115,7 @@ class Agreement:
         self.nll_sum -= float(logp[rows, next_ids].sum())
         self.nll_base_sum -= float(base_logp[rows, next_ids].sum())
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """``top1`` (fraction), ``kl_mean`` and its standard error, both perplexities."""
         n = self.positions
         if n == 0:
@@ -345,7 +349,9 @@ def _run_perplexity(tool: Path, args: list[str]) -> LlamaKld:
     return parse_perplexity(log)
 
 
-def _llama_side(args, text: Path, *, window: int, threads: int, manifest, out: Path) -> tuple[dict, KldBase]:
+def _llama_side(
+    args: argparse.Namespace, text: Path, *, window: int, threads: int, manifest, out: Path
+) -> tuple[dict, KldBase]:
     """llama-perplexity on F32 (the base) and each other GGUF; the base file read back."""
     from .llamacpp import find_tools, resolve_ggufs
 
@@ -362,7 +368,7 @@ def _llama_side(args, text: Path, *, window: int, threads: int, manifest, out: P
     common = ["-c", str(window), "-t", str(threads), "-tb", str(threads)]
     base_file = out / "llama-f32.kld"
     _log(f"llama-perplexity --kl-divergence-base on {ggufs['f32'].name}")
-    runs: dict = {
+    runs: dict[str, Any] = {
         "f32": asdict(
             _run_perplexity(
                 tool, ["-m", str(ggufs["f32"]), "-f", str(text), *common, "--kl-divergence-base", str(base_file)]
@@ -386,7 +392,7 @@ def _llama_side(args, text: Path, *, window: int, threads: int, manifest, out: P
     return info, base
 
 
-def check_agreement_args(args) -> bool:
+def check_agreement_args(args: argparse.Namespace) -> bool:
     """Whether ``args`` ask for ``--agreement``; raise :class:`InvalidInputError` naming the first
     flag that does not go with it (or ``--text`` / ``--window`` without it), before any model loads."""
     bench_args(args)
@@ -425,12 +431,11 @@ def check_agreement_args(args) -> bool:
     return True
 
 
-def run_agreement(args) -> int:
+def run_agreement(args: argparse.Namespace) -> int:
     """The ``bench --agreement`` command (see the module docstring): a table on stdout,
     ``<out>/agreement.json`` and ``agreement.md``."""
     from ...engine.loading import ensure_built
     from ...ort.manifest import load_manifest
-    from ...ort.model import OrtModel
     from ...text.codec import TextCodec
     from ..reports import write_report
     from .runner import default_threads, machine_info
@@ -453,7 +458,7 @@ def run_agreement(args) -> int:
     threads = args.threads or default_threads()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report: dict = {
+    report: dict[str, Any] = {
         "model": manifest.name,
         "text": str(text),
         "text_tokens": len(tokens),
@@ -466,72 +471,99 @@ def run_agreement(args) -> int:
         report["llama_cpp"], llama_base = _llama_side(
             args, text, window=window, threads=threads, manifest=manifest, out=out
         )
-        theirs = llama_base.tokens.astype(np.int64)  # [chunks, window]
-        diff = _first_difference(np.asarray(tokens[: theirs.size], dtype=np.int64), theirs.reshape(-1))
-        report["token_ids_match_llama_cpp"] = diff is None
-        if diff is not None:
-            _log(f"our token ids differ from llama.cpp's (first at index {diff}): scoring llama.cpp's")
-            report["token_ids_first_difference"] = diff
-            chunks = theirs.copy()
-            if bos is not None:
-                chunks[:, 0] = bos
-        if llama_base.window != window or llama_base.chunks != chunks.shape[0]:
-            raise SpecDecError(
-                f"llama.cpp scored {llama_base.chunks} windows of {llama_base.window}, "
-                f"ours are {chunks.shape[0]} of {window}"
-            )
+        chunks = _llama_chunks(report, llama_base, tokens, chunks=chunks, bos=bos)
+    rows = _score(folder, manifest, chunks, threads=threads, llama_base=llama_base)
+    report["rows"] = rows + (_llama_rows(report, positions=_positions(chunks)) if llama_base is not None else [])
+    table = format_agreement(report)
+    write_report(out, "agreement", report, table, as_json=args.json)
+    _log(f"wrote {out / 'agreement.json'}, {out / 'agreement.md'}")
+    return 0
+
+
+def _positions(chunks: np.ndarray) -> int:
+    """Positions scored: the second half of each window, less its last token."""
+    window = chunks.shape[1]
+    return int(chunks.shape[0] * (window - 1 - window // 2))
+
+
+def _llama_chunks(
+    report: dict[str, Any], llama_base: KldBase, tokens: list[int], *, chunks: np.ndarray, bos: int | None
+) -> np.ndarray:
+    """The windows to score: ours, or llama.cpp's token ids where ours differ (the report says
+    where); :class:`SpecDecError` when llama.cpp scored other windows."""
+    theirs = llama_base.tokens.astype(np.int64)  # [chunks, window]
+    diff = _first_difference(np.asarray(tokens[: theirs.size], dtype=np.int64), theirs.reshape(-1))
+    report["token_ids_match_llama_cpp"] = diff is None
+    if diff is not None:
+        _log(f"our token ids differ from llama.cpp's (first at index {diff}): scoring llama.cpp's")
+        report["token_ids_first_difference"] = diff
+        chunks = theirs.copy()
+        if bos is not None:
+            chunks[:, 0] = bos
+    window = chunks.shape[1]
+    if llama_base.window != window or llama_base.chunks != chunks.shape[0]:
+        raise SpecDecError(
+            f"llama.cpp scored {llama_base.chunks} windows of {llama_base.window}, ours are {chunks.shape[0]} of {window}"
+        )
+    return chunks
+
+
+def _score(
+    folder: Path, manifest: Manifest, chunks: np.ndarray, *, threads: int, llama_base: KldBase | None
+) -> list[dict[str, Any]]:
+    """Our rows: each quantized copy against the float32 target (and that against llama.cpp's F32)."""
+    from ...ort.model import OrtModel
+
     copies = quantized_targets(folder, manifest)
     if not copies:
         raise SpecDecError(
             f"{manifest.name} has no quantized copy (draft-q8 / draft-q4 or {manifest.name}-q8 / -q4): nothing to compare"
         )
+    window = chunks.shape[1]
     _log(
-        f"{chunks.shape[0]} windows of {window} tokens, {chunks.shape[0] * (window - 1 - window // 2)} positions; "
+        f"{chunks.shape[0]} windows of {window} tokens, {_positions(chunks)} positions; "
         f"float32 against {', '.join('+'.join(n) for _, n, _ in copies)}"
     )
     target = OrtModel(folder, max_length=window, slots=1, threads=threads)
+    labels = [c[0] for c in copies]
     quants = {
-        label if [c[0] for c in copies].count(label) == 1 else f"{label}:{names[0]}": OrtModel(
+        label if labels.count(label) == 1 else f"{label}:{names[0]}": OrtModel(
             path, max_length=window, slots=1, threads=threads
         )
         for label, names, path in copies
     }
     ours = measure(target, quants, chunks, llama_base)
-    rows = []
-    for (_, names, _), key in zip(copies, quants):
-        rows.append({"side": "ours", "model": key, "vs": "ours f32", "names": names, **ours[key]})
+    rows = [
+        {"side": "ours", "model": key, "vs": "ours f32", "names": names, **ours[key]}
+        for (_, names, _), key in zip(copies, quants)
+    ]
     if llama_base is not None:
+        base = {"side": "ours", "model": "f32", "vs": "llama.cpp F32", "names": [manifest.name]}
+        rows.append({**base, **ours["f32_vs_llama_f32"]})
+    return rows
+
+
+def _llama_rows(report: dict[str, Any], *, positions: int) -> list[dict[str, Any]]:
+    """llama.cpp's rows: each of its quantizations against its F32, from llama-perplexity's lines."""
+    rows = []
+    for label, r in report["llama_cpp"]["runs"].items():
+        if label == "f32":
+            continue
         rows.append(
             {
-                "side": "ours",
-                "model": "f32",
+                "side": "llama.cpp",
+                "model": label.upper(),
                 "vs": "llama.cpp F32",
-                "names": [manifest.name],
-                **ours["f32_vs_llama_f32"],
+                "names": [Path(report["llama_cpp"]["gguf"][label]).name],
+                "positions": positions,
+                "top1": r["top1"],
+                "kl_mean": r["kl_mean"],
+                "kl_stderr": r["kl_stderr"],
+                "ppl": r["ppl"],
+                "ppl_base": r["ppl_base"],
             }
         )
-        for label, r in report["llama_cpp"]["runs"].items():
-            if label == "f32":
-                continue
-            rows.append(
-                {
-                    "side": "llama.cpp",
-                    "model": label.upper(),
-                    "vs": "llama.cpp F32",
-                    "names": [Path(report["llama_cpp"]["gguf"][label]).name],
-                    "positions": chunks.shape[0] * (window - 1 - window // 2),
-                    "top1": r["top1"],
-                    "kl_mean": r["kl_mean"],
-                    "kl_stderr": r["kl_stderr"],
-                    "ppl": r["ppl"],
-                    "ppl_base": r["ppl_base"],
-                }
-            )
-    report["rows"] = rows
-    table = format_agreement(report)
-    write_report(out, "agreement", report, table, as_json=args.json)
-    _log(f"wrote {out / 'agreement.json'}, {out / 'agreement.md'}")
-    return 0
+    return rows
 
 
 def _kl(v: float | None) -> str:
@@ -541,10 +573,10 @@ def _kl(v: float | None) -> str:
     return f"{v:.5f}" if abs(v) >= 1e-4 else f"{v:.1e}"
 
 
-def format_agreement(report: dict) -> str:
+def format_agreement(report: dict[str, Any]) -> str:
     """Markdown: one row per quantized model, against its float32 base."""
 
-    def f(v, fmt):
+    def f(v: float | None, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
     lines = [

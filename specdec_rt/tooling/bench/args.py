@@ -16,6 +16,16 @@ SERVE_LEVELS = "1,4,8"  # --serve's default --concurrency
 
 def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     """``bench``'s own flags (the caller adds the shared model options), with their defaults."""
+    _add_side_by_side_arguments(bench)
+    _add_other_benchmarks(bench)
+    _add_llama_arguments(bench)
+    bench.add_argument("--out", default="bench-out", help="folder for the JSON report and the PNG chart")
+    bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+
+
+def _add_side_by_side_arguments(bench: argparse.ArgumentParser) -> None:
+    """The side-by-side bench's prompts, modes and runs (the other benchmarks read ``--prompts``,
+    ``--max-new-tokens``, ``--limit`` and ``--repeats`` too)."""
     bench.add_argument("--prompts", default=None, help="JSONL file: {'prompt': ...} or {'messages': [...]} per line")
     bench.add_argument("--modes", default=None, help="comma-separated modes (default: all available)")
     bench.add_argument("--max-new-tokens", type=int, default=64)
@@ -24,7 +34,6 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--repeats", type=int, default=None, help="runs of each prompt per mode (default 1; --prefill: rounds, 5)"
     )
-    bench.add_argument("--out", default="bench-out", help="folder for the JSON report and the PNG chart")
     bench.add_argument(
         "--add-draft",
         action="append",
@@ -32,6 +41,10 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         help="also benchmark this draft folder (e.g. a train-draft output; repeatable)",
     )
     bench.add_argument("--micro", action="store_true", help="also run the step-cost micro-benchmarks")
+
+
+def _add_other_benchmarks(bench: argparse.ArgumentParser) -> None:
+    """The benchmarks run instead of the side-by-side one, and their own flags."""
     bench.add_argument(
         "--concurrency",
         default=None,
@@ -49,6 +62,11 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         help="instead: time to first token with and without the prefix cache (multi-turn, "
         "shared system prompt, memory pressure)",
     )
+    bench.add_argument("--conversations", type=int, default=4, help="--prefix-cache: conversations")
+    bench.add_argument("--turns", type=int, default=3, help="--prefix-cache: turns per conversation")
+    bench.add_argument(
+        "--prefix-concurrency", type=int, default=8, help="--prefix-cache: requests at once sharing a system prompt"
+    )
     bench.add_argument(
         "--prefill",
         action="store_true",
@@ -61,11 +79,10 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--rows", default=None, metavar="B,B,..", help="--prefill: requests in flight per decode step (default 1,4,8)"
     )
-    bench.add_argument("--conversations", type=int, default=4, help="--prefix-cache: conversations")
-    bench.add_argument("--turns", type=int, default=3, help="--prefix-cache: turns per conversation")
-    bench.add_argument(
-        "--prefix-concurrency", type=int, default=8, help="--prefix-cache: requests at once sharing a system prompt"
-    )
+
+
+def _add_llama_arguments(bench: argparse.ArgumentParser) -> None:
+    """llama.cpp beside us: the side-by-side modes, ``--serve`` and ``--agreement``."""
     bench.add_argument(
         "--llama-cpp",
         default=None,
@@ -109,7 +126,6 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         metavar="N",
         help="--agreement: tokens per window (llama-perplexity -c; 512)",
     )
-    bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
 
 def bench_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -156,7 +172,7 @@ def parse_sizes(value: str, flag: str) -> list[int]:
     return sizes
 
 
-def _check_prefill(args) -> None:
+def _check_prefill(args: argparse.Namespace) -> None:
     """``--prefill`` runs targets alone on its own prompts: no other benchmark's flags."""
     if args.prefix_cache or args.concurrency:
         raise InvalidInputError("--prefill is a benchmark of its own: not with --concurrency / --prefix-cache")
@@ -178,7 +194,7 @@ def _check_prefill(args) -> None:
     parse_sizes(args.rows or "1", "--rows")
 
 
-def _check_serve(args) -> None:
+def _check_serve(args: argparse.Namespace) -> None:
     """``--serve`` starts our server and llama-server and drives them over HTTP: it needs
     ``--llama-cpp`` and takes none of the in-process benchmarks' flags."""
     if not args.llama_cpp:
@@ -201,11 +217,9 @@ def _check_serve(args) -> None:
     args.levels = parse_levels(args.concurrency or SERVE_LEVELS)
 
 
-def check_bench_args(args) -> None:
+def check_bench_args(args: argparse.Namespace) -> None:
     """Raise :class:`InvalidInputError` naming the first bad flag (see the module docstring)."""
     bench_args(args)
-    prefill, serve = args.prefill, args.serve
-    side_by_side = not args.prefix_cache and not args.concurrency and not prefill and not serve
     for flag, value in (
         ("--repeats", args.repeats),
         ("--max-new-tokens", args.max_new_tokens),
@@ -218,16 +232,32 @@ def check_bench_args(args) -> None:
             raise InvalidInputError(f"{flag} must be >= 1, got {value}")
     if args.concurrency is not None:
         args.levels = parse_levels(args.concurrency)
-    if serve:
+    if args.serve:
         _check_serve(args)
     elif args.requests is not None:
         raise InvalidInputError("--requests goes with --serve")
-    if prefill:
+    if args.prefill:
         _check_prefill(args)
     elif args.lengths is not None or args.rows is not None:
         raise InvalidInputError("--lengths / --rows go with --prefill")
     if args.repeats is None:
-        args.repeats = 5 if prefill else 1
+        args.repeats = 5 if args.prefill else 1
+    _check_which_bench(args)
+    args.modes = split_list(args.modes, "--modes")
+    args.categories = split_list(args.categories, "--categories")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InvalidInputError(f"--out {out} is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidInputError(f"--out {out}: cannot create the folder ({exc.strerror or exc})") from None
+
+
+def _check_which_bench(args: argparse.Namespace) -> None:
+    """The flags of one benchmark are not given to another."""
+    prefill, serve = args.prefill, args.serve
+    side_by_side = not args.prefix_cache and not args.concurrency and not prefill and not serve
     if args.llama_cpp and not side_by_side and not prefill and not serve:
         raise InvalidInputError("--llama-cpp goes with the side-by-side bench, not --concurrency / --prefix-cache")
     if args.prefix_cache and args.concurrency:
@@ -244,12 +274,3 @@ def check_bench_args(args) -> None:
             "--draft goes with --concurrency / --prefix-cache; the side-by-side bench runs "
             "every draft as its own mode (spec_<draft>, see --modes)"
         )
-    args.modes = split_list(args.modes, "--modes")
-    args.categories = split_list(args.categories, "--categories")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise InvalidInputError(f"--out {out} is a file, not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InvalidInputError(f"--out {out}: cannot create the folder ({exc.strerror or exc})") from None

@@ -16,10 +16,12 @@ and in a batch of the highest level), serves every level.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,6 +29,9 @@ from ..prompt_files import read_prompt_file
 from ..reports import pyplot, save_figure, write_report
 from .args import bench_args, parse_levels
 from .runner import log
+
+if TYPE_CHECKING:
+    from ...engine.engine import Engine
 
 __all__ = ["run_concurrency"]
 
@@ -46,7 +51,7 @@ async def _heartbeat(stalls: list[float], period: float = 0.01) -> None:
         stalls.append(time.perf_counter() - t - period)
 
 
-async def _one(engine, prompt, n: int, mode: str) -> dict:
+async def _one(engine, prompt, n: int, mode: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     first, last, gaps, ids = None, None, [], []
     async with engine.stream(prompt, n, mode=mode) as events:
@@ -62,7 +67,7 @@ async def _one(engine, prompt, n: int, mode: str) -> dict:
     return {"ids": ids, "ttft": first, "gaps": gaps}
 
 
-async def run_level(engine, prompts: list, n: int, mode: str, *, clients: int) -> dict:
+async def run_level(engine, prompts: list, n: int, mode: str, *, clients: int) -> dict[str, Any]:
     """All prompts through ``clients`` closed-loop clients; aggregate and per-request numbers."""
     queue = list(enumerate(prompts))[::-1]
     results: dict[int, dict] = {}
@@ -93,77 +98,26 @@ async def run_level(engine, prompts: list, n: int, mode: str, *, clients: int) -
     }
 
 
-async def _concurrency(args) -> int:
-    from ...engine.engine import Engine
+async def _concurrency(args: argparse.Namespace) -> int:
     from ...engine.loading import ensure_built
 
     levels = parse_levels(args.concurrency)
     folder = ensure_built(args.model, say=log)
     prompts = load_texts(args.prompts, args.limit or max(levels))
-    n = args.max_new_tokens
-    cold = bool(args.cold)
-
-    async def load(prefix_cache: bool = True):
-        return await Engine.load(
-            folder,
-            draft=args.draft,
-            threads=args.threads,
-            max_length=args.max_length,
-            provider=args.provider,
-            slots=max(levels),
-            prefix_cache=prefix_cache,
-        )
-
-    runs: dict[str, list[dict]] = {}
-    order = [0] + levels  # 0: one after another
-    engine = None if cold else await load()
-    draft = engine.draft_name if engine is not None else None
-    try:
-        if engine is not None:
-            log(f"{len(prompts)} prompts x {n} tokens, concurrency {levels}, draft {engine.draft_name}; warming up")
-            for p in prompts[:4]:  # alone, on these prompts: their shapes and arena (Engine.load measured the costs)
-                await engine.generate(p, n)
-            for mode in ("spec", "ar"):  # batched: every batch size's shapes, and its step costs
-                await asyncio.gather(*[engine.generate(p, n, mode=mode) for p in prompts[: max(levels)]])
-        else:
-            log(
-                f"{len(prompts)} prompts x {n} tokens, concurrency {levels}: a fresh engine per level and "
-                "repeat (only Engine.load's own warm-up), prefix cache off"
-            )
-        t_start = time.perf_counter()
-        for rep in range(args.repeats):
-            # odd repeats run the levels and modes backwards: a machine that drifts (shared, noisy)
-            # then biases neither end of the ratios the bars name (c=8 against one after another)
-            for c in order if rep % 2 == 0 else order[::-1]:
-                fresh = await load(prefix_cache=False) if cold else None
-                if fresh is not None:
-                    draft = draft or fresh.draft_name
-                try:
-                    for mode in ("spec", "ar") if rep % 2 == 0 else ("ar", "spec"):
-                        r = await run_level(fresh or engine, prompts, n, mode, clients=max(1, c))
-                        runs.setdefault(f"{c}/{mode}", []).append(r)
-                        log(
-                            f"repeat {rep + 1}/{args.repeats} {'sequential' if c == 0 else f'c={c}'} {mode}: "
-                            f"{r['tokens_per_s']:.1f} tok/s ({time.perf_counter() - t_start:.0f} s)"
-                        )
-                finally:
-                    if fresh is not None:
-                        await fresh.aclose()
-    finally:
-        if engine is not None:
-            await engine.aclose()
+    bench = _Levels(args, folder, levels, prompts)
+    runs = await bench.run()
     summary = summarize(runs, levels)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "settings": {
             "model": str(args.model),
-            "draft": draft,
+            "draft": bench.draft,
             "prompts": len(prompts),
-            "max_new_tokens": n,
+            "max_new_tokens": bench.n,
             "repeats": args.repeats,
             "levels": levels,
-            "cold": cold,
+            "cold": bench.cold,
             "prompt_file": args.prompts or "built-in general chat",
         },
         "levels": summary,
@@ -174,7 +128,82 @@ async def _concurrency(args) -> int:
     return 0
 
 
-def summarize(runs: dict[str, list[dict]], levels: list[int]) -> list[dict]:
+class _Levels:
+    """Every level (0: one after another) in both modes, ``--repeats`` times, on one warmed-up
+    Engine or (``--cold``) a fresh one per level and repeat; ``draft``: the engines' draft."""
+
+    def __init__(self, args: argparse.Namespace, folder: Path, levels: list[int], prompts: list[Any]) -> None:
+        self.args, self.folder, self.levels, self.prompts = args, folder, levels, prompts
+        self.n: int = args.max_new_tokens
+        self.cold = bool(args.cold)
+        self.draft: str | None = None
+        self.runs: dict[str, list[dict[str, Any]]] = {}
+
+    async def load(self, prefix_cache: bool = True) -> Engine:
+        from ...engine.engine import Engine
+
+        args = self.args
+        engine = await Engine.load(
+            self.folder,
+            draft=args.draft,
+            threads=args.threads,
+            max_length=args.max_length,
+            provider=args.provider,
+            slots=max(self.levels),
+            prefix_cache=prefix_cache,
+        )
+        self.draft = self.draft or engine.draft_name
+        return engine
+
+    async def run(self) -> dict[str, list[dict[str, Any]]]:
+        """``"<level>/<mode>" ->`` the runs of that level and mode."""
+        engine = None if self.cold else await self.load()
+        try:
+            await self._warm_up(engine)
+            t_start = time.perf_counter()
+            order = [0] + self.levels
+            for rep in range(self.args.repeats):
+                # odd repeats run the levels and modes backwards: a machine that drifts (shared, noisy)
+                # then biases neither end of the ratios the bars name (c=8 against one after another)
+                for c in order if rep % 2 == 0 else order[::-1]:
+                    await self._level(engine, c, rep, t_start)
+        finally:
+            if engine is not None:
+                await engine.aclose()
+        return self.runs
+
+    async def _warm_up(self, engine: Engine | None) -> None:
+        """The shared engine: each prompt shape alone, then every batch size in both modes."""
+        prompts, n, levels = self.prompts, self.n, self.levels
+        if engine is None:
+            log(
+                f"{len(prompts)} prompts x {n} tokens, concurrency {levels}: a fresh engine per level and "
+                "repeat (only Engine.load's own warm-up), prefix cache off"
+            )
+            return
+        log(f"{len(prompts)} prompts x {n} tokens, concurrency {levels}, draft {engine.draft_name}; warming up")
+        for p in prompts[:4]:  # alone, on these prompts: their shapes and arena (Engine.load measured the costs)
+            await engine.generate(p, n)
+        for mode in ("spec", "ar"):  # batched: every batch size's shapes, and its step costs
+            await asyncio.gather(*[engine.generate(p, n, mode=mode) for p in prompts[: max(levels)]])
+
+    async def _level(self, engine: Engine | None, c: int, rep: int, t_start: float) -> None:
+        """Level ``c`` in both modes (backwards on odd repeats), on ``engine`` or a fresh one."""
+        fresh = await self.load(prefix_cache=False) if engine is None else None
+        try:
+            for mode in ("spec", "ar") if rep % 2 == 0 else ("ar", "spec"):
+                r = await run_level(fresh or engine, self.prompts, self.n, mode, clients=max(1, c))
+                self.runs.setdefault(f"{c}/{mode}", []).append(r)
+                log(
+                    f"repeat {rep + 1}/{self.args.repeats} {'sequential' if c == 0 else f'c={c}'} {mode}: "
+                    f"{r['tokens_per_s']:.1f} tok/s ({time.perf_counter() - t_start:.0f} s)"
+                )
+        finally:
+            if fresh is not None:
+                await fresh.aclose()
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], levels: list[int]) -> list[dict[str, Any]]:
     """Medians per (level, mode) and the ratios the bars name."""
 
     def median(xs):  # of the runs that measured it (a run of one event a request has no ITL)
@@ -207,7 +236,7 @@ def summarize(runs: dict[str, list[dict]], levels: list[int]) -> list[dict]:
     return rows
 
 
-def format_markdown(rows: list[dict]) -> str:
+def format_markdown(rows: list[dict[str, Any]]) -> str:
     head = (
         "| clients | mode | tok/s | x sequential spec | x sequential same mode | spec/ar | x previous level "
         "| TTFT p50 | ITL p50 | ITL p99 | max loop stall | identical |\n|" + "---|" * 12 + "\n"
@@ -228,7 +257,7 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
-def plot(rows: list[dict], path: Path) -> Path | None:
+def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     """Aggregate tokens/s against concurrent clients, one line per mode, sequential as dashes."""
     plt = pyplot()
     if plt is None:
@@ -249,5 +278,5 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     return save_figure(fig, path)
 
 
-def run_concurrency(args) -> int:
+def run_concurrency(args: argparse.Namespace) -> int:
     return asyncio.run(_concurrency(bench_args(args)))

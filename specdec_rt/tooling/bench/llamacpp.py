@@ -27,10 +27,16 @@ import re
 import signal
 import statistics
 import subprocess
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ...errors import InvalidInputError, SpecDecError
+
+if TYPE_CHECKING:
+    from ...ort.manifest import Manifest
+    from ...text.codec import TextCodec
 
 __all__ = [
     "LlamaTiming",
@@ -235,79 +241,30 @@ def llamacpp_modes(
     bin_dir: str | Path,
     gguf_spec: str | None,
     draft: str | None,
-    codec,
+    codec: TextCodec,
     *,
     threads: int,
     ctx_size: int,
-    manifest=None,
-    say=print,
-) -> tuple[dict, dict]:
+    manifest: Manifest | None = None,
+    say: Callable[[str], object] = print,
+) -> tuple[dict[str, LlamaRunner], dict[str, Any]]:
     """Bench runners ``llamacpp_<label>`` (and ``llamacpp_<label>_spec`` with a draft file) and
     an info dict for the report. A runner returns ``(ids, seconds, None, extra)``: ``ids`` are
     llama.cpp's text encoded by our tokenizer, ``extra["tokens"]`` the count llama.cpp made."""
-    import anyio
-
     tools = find_tools(bin_dir)
     ggufs = resolve_ggufs(gguf_spec, tools, manifest, say)
     common = ["--temp", "0", "-t", str(threads), "-tb", str(threads), "-c", str(ctx_size)]
-
-    def runner(cmd: list[str], spec: bool):
-        async def run(ids, n):
-            text_ids = list(ids)
-            if codec.add_bos and text_ids and text_ids[0] == codec.bos_id:
-                text_ids = text_ids[1:]  # llama.cpp adds the BOS itself, as the GGUF says
-            prompt = codec.tokenizer.decode(text_ids, skip_special_tokens=False)
-            proc = await anyio.run_process(
-                [*cmd, "-p", prompt, "-n", str(n), *common], check=False, stdin=subprocess.DEVNULL
-            )
-            out, err = proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
-            if proc.returncode != 0:
-                raise SpecDecError(f"{Path(cmd[0]).name} {_exit_words(proc.returncode)}: {_tail(err)}")
-            t = parse_speculative(out + err) if spec else parse_completion(err + out)
-            # the speculative tools echo the prompt as they tokenized it: with the BOS they added
-            echo = codec.tokenizer.decode(list(ids), skip_special_tokens=False)
-            text = _generated_text(out, echo if spec else None)
-            new = codec.tokenizer.encode(text, add_special_tokens=False).ids
-            return (
-                new,
-                t.seconds,
-                None,
-                {
-                    "tokens": t.generated,
-                    "text": text,
-                    "llama": asdict(t),
-                    "decode_tokens_per_s": t.decode_tokens_per_s,
-                    "prompt_tokens_ours": len(ids),
-                },
-            )
-
-        return run
-
     modes = {}
     for label, path in ggufs.items():
-        modes[f"llamacpp_{label}"] = runner(
-            [str(tools["completion"]), "-m", str(path), "-no-cnv", "--no-display-prompt", "--simple-io"], False
-        )
+        cmd = [str(tools["completion"]), "-m", str(path), "-no-cnv", "--no-display-prompt", "--simple-io"]
+        modes[f"llamacpp_{label}"] = LlamaRunner(cmd, common, codec, spec=False)
     if draft and not Path(draft).expanduser().is_file():
         raise SpecDecError(f"--llama-draft {draft}: no such file")
     if draft and "speculative" in tools:
         label = "f32" if "f32" in ggufs else next(iter(ggufs))  # our spec: the f32 target
-        path = ggufs[label]
-        modes[f"llamacpp_{label}_spec"] = runner(
-            [
-                str(tools["speculative"]),
-                "-m",
-                str(path),
-                "-md",
-                str(Path(draft).expanduser()),
-                "-td",
-                str(threads),
-                "-tbd",
-                str(threads),
-                *_spec_type(tools["speculative"]),
-            ],
-            True,
-        )
+        cmd = [str(tools["speculative"]), "-m", str(ggufs[label]), "-md", str(Path(draft).expanduser())]
+        cmd += ["-td", str(threads), "-tbd", str(threads), *_spec_type(tools["speculative"])]
+        modes[f"llamacpp_{label}_spec"] = LlamaRunner(cmd, common, codec, spec=True)
     elif draft:
         say(f"no {' or '.join(SPECULATIVE_TOOLS)} in {tools['completion'].parent}: no llama.cpp speculative mode")
     info = {
@@ -320,6 +277,43 @@ def llamacpp_modes(
         "version": _version(tools["completion"]),
     }
     return modes, info
+
+
+class LlamaRunner:
+    """A bench runner over one llama.cpp tool: ``cmd`` (the tool and its model flags) with
+    ``common`` flags, the prompt given as text (our ids decoded by ``codec``); ``spec``: a
+    speculative tool (its own timing lines, and it echoes the prompt)."""
+
+    def __init__(self, cmd: list[str], common: list[str], codec: TextCodec, *, spec: bool) -> None:
+        self.cmd, self.common, self.codec, self.spec = cmd, common, codec, spec
+
+    async def __call__(self, ids: list[int], n: int) -> tuple[list[int], float, None, dict[str, Any]]:
+        import anyio
+
+        codec = self.codec
+        text_ids = list(ids)
+        if codec.add_bos and text_ids and text_ids[0] == codec.bos_id:
+            text_ids = text_ids[1:]  # llama.cpp adds the BOS itself, as the GGUF says
+        prompt = codec.tokenizer.decode(text_ids, skip_special_tokens=False)
+        proc = await anyio.run_process(
+            [*self.cmd, "-p", prompt, "-n", str(n), *self.common], check=False, stdin=subprocess.DEVNULL
+        )
+        out, err = proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
+        if proc.returncode != 0:
+            raise SpecDecError(f"{Path(self.cmd[0]).name} {_exit_words(proc.returncode)}: {_tail(err)}")
+        timing = parse_speculative(out + err) if self.spec else parse_completion(err + out)
+        # the speculative tools echo the prompt as they tokenized it: with the BOS they added
+        echo = codec.tokenizer.decode(list(ids), skip_special_tokens=False)
+        text = _generated_text(out, echo if self.spec else None)
+        new: list[int] = codec.tokenizer.encode(text, add_special_tokens=False).ids
+        extra = {
+            "tokens": timing.generated,
+            "text": text,
+            "llama": asdict(timing),
+            "decode_tokens_per_s": timing.decode_tokens_per_s,
+            "prompt_tokens_ours": len(ids),
+        }
+        return new, timing.seconds, None, extra
 
 
 def _generated_text(out: str, prompt: str | None) -> str:
@@ -346,7 +340,7 @@ def _version(tool: Path) -> str | None:
     return m.group(1) if m else None
 
 
-def summarize_llamacpp(samples, codec) -> list[dict]:
+def summarize_llamacpp(samples, codec) -> list[dict[str, Any]]:
     """Medians per llama.cpp mode, and for our ``ar`` / ``spec`` too, per prompt: end-to-end and
     decode-only tokens/s, ours/theirs ratios, and whether the text equals our ``ar`` text (over
     the shorter of the two)."""
@@ -397,10 +391,10 @@ def _decode_tps(s) -> float:
     return (st.new_tokens - st.history[0].emitted) / t if t > 0 else 0.0
 
 
-def format_llamacpp(rows: list[dict]) -> str:
+def format_llamacpp(rows: list[dict[str, Any]]) -> str:
     """Markdown: one row per mode, ours/theirs ratios on the llama.cpp rows."""
 
-    def f(v, fmt):
+    def f(v: float | None, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
     lines = [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 
@@ -64,7 +65,7 @@ print(json.dumps({"tokens": n, **rss_mb()}))
 """
 
 
-def request_memory(folder, draft_folder, threads: int) -> dict:
+def request_memory(folder, draft_folder, threads: int) -> dict[str, Any]:
     """Resident memory of a fresh process holding the target, one draft and the KV caches of one
     2,048-token request (prefill + 48 generated tokens), in MB."""
     import json
@@ -90,7 +91,7 @@ async def _time(session, ids: np.ndarray, rows: int, back_to: int) -> float:
 
 async def step_costs(
     model, *, reps: int = 20, short: int = 100, long: int = 2000, width: int = 5, progress=lambda msg: None
-) -> dict:
+) -> dict[str, Any]:
     """Median seconds of (a) one call over ``width`` new positions vs one over 1 position at
     context ``short``; (b) a 1-token step at context ``long`` vs ``short``. Interleaved."""
     rng = np.random.default_rng(0)

@@ -24,11 +24,13 @@ STEP_CONTEXT`` for one row and, where it is built, ``llama-batched-bench -npp ST
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +39,9 @@ from ...ort import default_threads
 from ..reports import write_report
 from .args import parse_sizes
 from .runner import log, machine_info
+
+if TYPE_CHECKING:
+    from ...ort import OrtModel
 
 __all__ = [
     "DEFAULT_LENGTHS",
@@ -59,7 +64,7 @@ STEP_TOKENS = 32  # llama.cpp's timed decode steps per row (-n / -ntg)
 STEP_REPS = 10  # our timed steps per row count and round (median)
 
 
-def parse_llama_bench(text: str) -> list[dict]:
+def parse_llama_bench(text: str) -> list[dict[str, Any]]:
     """``llama-bench -o json``'s tests: per test ``n_prompt``, ``n_gen``, ``n_depth``,
     ``n_threads``, ``model_type``, and ``tokens_per_s`` (the median of its ``samples_ts``)."""
     try:
@@ -88,7 +93,7 @@ def parse_llama_bench(text: str) -> list[dict]:
     return out
 
 
-def parse_batched_bench(text: str) -> list[dict]:
+def parse_batched_bench(text: str) -> list[dict[str, Any]]:
     """``llama-batched-bench --output-format jsonl``'s lines: per line ``rows`` (``pl``), the
     timed decode steps per row (``tg``) and ``step_ms`` (``t_tg`` / ``tg``)."""
     out = []
@@ -136,7 +141,7 @@ def pair_label(ours: str, theirs: list[str]) -> str | None:
     return next((t for t in theirs if t == ours), None) or next((t for t in theirs if t.startswith(ours + "_")), None)
 
 
-async def _prefill_once(model, length: int, rng) -> float:
+async def _prefill_once(model, length: int, rng: np.random.Generator) -> float:
     s = model.start()
     try:
         ids = rng.integers(3, model.vocab_size, length)
@@ -147,13 +152,15 @@ async def _prefill_once(model, length: int, rng) -> float:
         s.close()
 
 
-async def our_prefill(models: dict, lengths: list[int], rng, rnd: int) -> dict[tuple[str, int], float]:
+async def our_prefill(
+    models: dict[str, Any], lengths: list[int], rng: np.random.Generator, rnd: int
+) -> dict[tuple[str, int], float]:
     """One round: seconds of one prefill per (label, length), the lengths rotated by ``rnd``."""
     order = lengths[rnd % len(lengths) :] + lengths[: rnd % len(lengths)]
     return {(label, n): await _prefill_once(m, n, rng) for n in order for label, m in models.items()}
 
 
-async def our_steps(model, rows: list[int], rng, reps: int = STEP_REPS) -> dict[int, float]:
+async def our_steps(model, rows: list[int], rng: np.random.Generator, reps: int = STEP_REPS) -> dict[int, float]:
     """Median seconds of one decode step of ``B`` rows in one call, per ``B`` in ``rows``; each
     row holds a ``STEP_CONTEXT``-token prompt, rolled back to it after every step."""
     sessions = [model.start() for _ in range(max(rows))]
@@ -190,43 +197,24 @@ def _run_tool(cmd: list[str], what: str, both: bool = False) -> str:
     return proc.stdout + proc.stderr if both else proc.stdout
 
 
-def run_prefill(args) -> int:
+def run_prefill(args: argparse.Namespace) -> int:
     import anyio
 
     return anyio.run(_prefill, args)
 
 
-async def _prefill(args) -> int:
+async def _prefill(args: argparse.Namespace) -> int:
     from ...engine.loading import ensure_built
-    from ...ort import OrtModel, load_manifest
+    from ...ort import load_manifest
 
     lengths = parse_sizes(args.lengths or DEFAULT_LENGTHS, "--lengths")
     rows = parse_sizes(args.rows or DEFAULT_ROWS, "--rows")
-    tools: dict[str, Path] = {}
-    if args.llama_cpp:
-        from .llamacpp import find_tools
-
-        tools = find_tools(args.llama_cpp)  # a wrong folder fails before any model is built or loaded
-        bench = Path(args.llama_cpp).expanduser() / "llama-bench"
-        if not bench.is_file():
-            raise SpecDecError(f"--llama-cpp {args.llama_cpp}: no llama-bench in it")
-        tools["bench"] = bench
-        batched = bench.parent / "llama-batched-bench"
-        if batched.is_file():
-            tools["batched"] = batched
+    tools = _llama_tools(args.llama_cpp) if args.llama_cpp else {}  # a wrong folder fails before any model loads
     folder = ensure_built(args.model, say=log)
     manifest = load_manifest(folder)
     threads = args.threads or default_threads()
-    max_length = args.max_length or max(max(lengths), STEP_CONTEXT + 1) + 1  # KV for the longest prompt
     targets = our_targets(folder)
-    t0 = time.perf_counter()
-    models = {
-        label: OrtModel(f, max_length=max_length, slots=max(rows), threads=threads) for label, f in targets.items()
-    }
-    for mdl in models.values():
-        if mdl.max_length < max(lengths):
-            raise InvalidInputError(f"--lengths {max(lengths)}: {mdl.name} holds {mdl.max_length} positions")
-    log(f"loaded {', '.join(f'{k} ({v.name})' for k, v in models.items())} in {time.perf_counter() - t0:.1f} s")
+    models = _load_targets(targets, lengths, rows, threads=threads, max_length=args.max_length)
     ggufs: dict[str, Path] = {}
     if tools:
         from .llamacpp import resolve_ggufs
@@ -235,34 +223,116 @@ async def _prefill(args) -> int:
         log(f"llama.cpp: {', '.join(f'{k} ({v.name})' for k, v in ggufs.items())}")
     rng = np.random.default_rng(0)
     try:
-        for mdl in models.values():  # every shape once, untimed
-            for n in lengths:
-                await _prefill_once(mdl, n, rng)
-        ours: dict[tuple[str, int], list[float]] = {}
-        theirs: dict[tuple[str, int], list[float]] = {}
-        for rnd in range(args.repeats):
-            for key, secs in (await our_prefill(models, lengths, rng, rnd)).items():
-                ours.setdefault(key, []).append(key[1] / secs)
-            for label, path in ggufs.items():
-                cmd = [str(tools["bench"]), "-m", str(path), "-p", ",".join(map(str, lengths)), "-n", "0"]
-                text = _run_tool([*cmd, "-t", str(threads), "-r", "1", "-o", "json"], "llama-bench")
-                for t in parse_llama_bench(text):
-                    if t["n_gen"] == 0 and t["n_prompt"] in lengths:
-                        theirs.setdefault((label, t["n_prompt"]), []).append(t["tokens_per_s"])
-            log(f"prefill round {rnd + 1}/{args.repeats} done")
+        ours, theirs = await _prefill_rounds(
+            models, lengths, rng, rounds=args.repeats, tools=tools, ggufs=ggufs, threads=threads
+        )
         steps = await _steps(models, rows, rng, args.repeats)
         llama_steps = _llama_steps(tools, ggufs, rows, threads) if tools else {}
     finally:
         for mdl in models.values():
             await mdl.executor.aclose()
             mdl.close()
+    report = {
+        "model": {"name": manifest.name, "folder": str(folder), "targets": {k: str(v) for k, v in targets.items()}},
+        "machine": machine_info(threads),
+        "settings": {
+            "lengths": lengths,
+            "rounds": args.repeats,
+            "rows": rows,
+            "step_context": STEP_CONTEXT,
+            "path": "OrtModel.start + extend, prefix cache off, no draft, fresh random prompts",
+        },
+        "prefill": _prefill_rows(models, lengths, list(ggufs), ours=ours, theirs=theirs),
+        "steps": _step_rows(models, rows, list(ggufs), steps=steps, llama_steps=llama_steps),
+        "llama_cpp": {"gguf": {k: str(v) for k, v in ggufs.items()}, "tools": sorted(tools)} if tools else None,
+    }
+    table = format_prefill(report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_report(out, "prefill", report, table, as_json=args.json)
+    log(f"wrote {out / 'prefill.json'}, {out / 'prefill.md'}")
+    return 0
 
-    prefill_rows = []
+
+def _llama_tools(bin_dir: str) -> dict[str, Path]:
+    """llama.cpp's tools in ``bin_dir``: :func:`~.llamacpp.find_tools`' and ``bench``
+    (llama-bench, required), ``batched`` (llama-batched-bench, where it is built)."""
+    from .llamacpp import find_tools
+
+    tools = find_tools(bin_dir)
+    bench = Path(bin_dir).expanduser() / "llama-bench"
+    if not bench.is_file():
+        raise SpecDecError(f"--llama-cpp {bin_dir}: no llama-bench in it")
+    tools["bench"] = bench
+    batched = bench.parent / "llama-batched-bench"
+    if batched.is_file():
+        tools["batched"] = batched
+    return tools
+
+
+def _load_targets(
+    targets: dict[str, Path], lengths: list[int], rows: list[int], *, threads: int, max_length: int | None
+) -> dict[str, OrtModel]:
+    """Each target with KV for the longest prompt (``max_length`` by default) and ``max(rows)`` slots."""
+    from ...ort import OrtModel
+
+    max_length = max_length or max(max(lengths), STEP_CONTEXT + 1) + 1
+    t0 = time.perf_counter()
+    models = {
+        label: OrtModel(f, max_length=max_length, slots=max(rows), threads=threads) for label, f in targets.items()
+    }
+    for mdl in models.values():
+        if mdl.max_length < max(lengths):
+            raise InvalidInputError(f"--lengths {max(lengths)}: {mdl.name} holds {mdl.max_length} positions")
+    log(f"loaded {', '.join(f'{k} ({v.name})' for k, v in models.items())} in {time.perf_counter() - t0:.1f} s")
+    return models
+
+
+async def _prefill_rounds(
+    models: dict[str, OrtModel],
+    lengths: list[int],
+    rng,
+    *,
+    rounds: int,
+    tools: dict[str, Path],
+    ggufs: dict[str, Path],
+    threads: int,
+) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], list[float]]]:
+    """Every shape once untimed, then ``rounds`` rounds of ours and llama-bench's per GGUF:
+    prefill tokens/s per (label, length), ours and theirs."""
+    for mdl in models.values():
+        for n in lengths:
+            await _prefill_once(mdl, n, rng)
+    ours: dict[tuple[str, int], list[float]] = {}
+    theirs: dict[tuple[str, int], list[float]] = {}
+    for rnd in range(rounds):
+        for key, secs in (await our_prefill(models, lengths, rng, rnd)).items():
+            ours.setdefault(key, []).append(key[1] / secs)
+        for label, path in ggufs.items():
+            cmd = [str(tools["bench"]), "-m", str(path), "-p", ",".join(map(str, lengths)), "-n", "0"]
+            text = _run_tool([*cmd, "-t", str(threads), "-r", "1", "-o", "json"], "llama-bench")
+            for t in parse_llama_bench(text):
+                if t["n_gen"] == 0 and t["n_prompt"] in lengths:
+                    theirs.setdefault((label, t["n_prompt"]), []).append(t["tokens_per_s"])
+        log(f"prefill round {rnd + 1}/{rounds} done")
+    return ours, theirs
+
+
+def _prefill_rows(
+    models: dict[str, OrtModel],
+    lengths: list[int],
+    ggufs: list[str],
+    *,
+    ours: dict[tuple[str, int], list[float]],
+    theirs: dict[tuple[str, int], list[float]],
+) -> list[dict[str, Any]]:
+    """The report's prefill rows: per target and length, medians, bests and ours / llama.cpp."""
+    out = []
     for label in models:
-        other = pair_label(label, list(ggufs))
+        other = pair_label(label, ggufs)
         for n in lengths:
             got, their = ours[label, n], theirs.get((other, n), []) if other else []
-            prefill_rows.append(
+            out.append(
                 {
                     "target": label,
                     "model": models[label].name,
@@ -279,13 +349,25 @@ async def _prefill(args) -> int:
                     "ours_vs_llama_best": max(got) / max(their) if their else None,
                 }
             )
-    step_rows = []
+    return out
+
+
+def _step_rows(
+    models: dict[str, OrtModel],
+    rows: list[int],
+    ggufs: list[str],
+    *,
+    steps: dict[tuple[str, int], float],
+    llama_steps: dict[tuple[str, int], float],
+) -> list[dict[str, Any]]:
+    """The report's decode-step rows: per target and rows in flight, ms a step, ours and llama.cpp's."""
+    out = []
     for label in models:
-        other = pair_label(label, list(ggufs))
+        other = pair_label(label, ggufs)
         for b in rows:
             mine = steps[label, b]
             them = llama_steps.get((other, b)) if other else None
-            step_rows.append(
+            out.append(
                 {
                     "target": label,
                     "rows": b,
@@ -296,29 +378,12 @@ async def _prefill(args) -> int:
                     "llama_over_ours": them / (mine * 1e3) if them else None,  # > 1: ours is faster
                 }
             )
-    report = {
-        "model": {"name": manifest.name, "folder": str(folder), "targets": {k: str(v) for k, v in targets.items()}},
-        "machine": machine_info(threads),
-        "settings": {
-            "lengths": lengths,
-            "rounds": args.repeats,
-            "rows": rows,
-            "step_context": STEP_CONTEXT,
-            "path": "OrtModel.start + extend, prefix cache off, no draft, fresh random prompts",
-        },
-        "prefill": prefill_rows,
-        "steps": step_rows,
-        "llama_cpp": {"gguf": {k: str(v) for k, v in ggufs.items()}, "tools": sorted(tools)} if tools else None,
-    }
-    table = format_prefill(report)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_report(out, "prefill", report, table, as_json=args.json)
-    log(f"wrote {out / 'prefill.json'}, {out / 'prefill.md'}")
-    return 0
+    return out
 
 
-async def _steps(models: dict, rows: list[int], rng, rounds: int) -> dict[tuple[str, int], float]:
+async def _steps(
+    models: dict[str, Any], rows: list[int], rng: np.random.Generator, rounds: int
+) -> dict[tuple[str, int], float]:
     """Median step seconds per (label, rows) over ``rounds`` rounds, the targets interleaved."""
     got: dict[tuple[str, int], list[float]] = {}
     for _ in range(rounds):
@@ -329,7 +394,9 @@ async def _steps(models: dict, rows: list[int], rng, rounds: int) -> dict[tuple[
     return {k: statistics.median(v) for k, v in got.items()}
 
 
-def _llama_steps(tools: dict, ggufs: dict, rows: list[int], threads: int) -> dict[tuple[str, int], float]:
+def _llama_steps(
+    tools: dict[str, Any], ggufs: dict[str, Any], rows: list[int], threads: int
+) -> dict[tuple[str, int], float]:
     """llama.cpp's decode step in ms per (label, rows): llama-bench for one row, and
     llama-batched-bench (when built) for every row count."""
     out: dict[tuple[str, int], float] = {}
@@ -372,10 +439,10 @@ def _llama_steps(tools: dict, ggufs: dict, rows: list[int], threads: int) -> dic
     return out
 
 
-def format_prefill(report: dict) -> str:
+def format_prefill(report: dict[str, Any]) -> str:
     """Markdown: prefill tokens/s per target and length, ours / llama.cpp; decode steps per rows."""
 
-    def f(v, fmt):
+    def f(v: float | None, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
     lines = [

@@ -27,6 +27,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from ..prompt_files import label
 from ..reports import pyplot, save_figure, write_report
@@ -100,7 +101,7 @@ def _fit(engine, texts: list[str], tokens: int) -> list[str]:
     return out
 
 
-async def multi_turn(engines: dict, convs: int, turns: int, n: int) -> dict:
+async def multi_turn(engines: dict[str, Any], convs: int, turns: int, n: int) -> dict[str, Any]:
     """TTFT per turn, both engines, conversations fed their own answers."""
     out: dict[str, list[list[float]]] = {name: [[] for _ in range(turns)] for name in engines}  # TTFT per turn
     cached: list[list[int]] = [[] for _ in range(turns)]  # cached prompt tokens per turn
@@ -131,7 +132,7 @@ async def multi_turn(engines: dict, convs: int, turns: int, n: int) -> dict:
     }
 
 
-async def shared_prompt(engines: dict, questions: list, c: int, n: int, *, waves: int) -> dict:
+async def shared_prompt(engines: dict[str, Any], questions: list, c: int, n: int, *, waves: int) -> dict[str, Any]:
     """``c`` requests at once sharing one long system prompt: p50 TTFT per wave and engine."""
     system = {"role": "system", "content": _fit(engines["cache"], [system_prompt()], 500)[0]}
     res: dict[str, list[float]] = {name: [] for name in engines}  # p50 TTFT per wave
@@ -173,7 +174,7 @@ def pressure_budget(engine, n: int) -> tuple[list[str], int]:
     return docs, 2 * longest * per_token
 
 
-async def pressure(load, docs: list[str], budget: int, n: int) -> dict:
+async def pressure(load, docs: list[str], budget: int, n: int) -> dict[str, Any]:
     """Six conversations rotating through a cache with room for two: bytes, evictions, hits."""
     engine = await load(prefix_cache_bytes=budget)
     peak, hits = 0, 0
@@ -200,7 +201,7 @@ async def pressure(load, docs: list[str], budget: int, n: int) -> dict:
     }
 
 
-async def _prefix(args) -> int:
+async def _prefix(args: argparse.Namespace) -> int:
     from ...engine.engine import Engine
     from ...engine.loading import ensure_built
 
@@ -232,14 +233,7 @@ async def _prefix(args) -> int:
             await e.aclose()
     mem = await pressure(load, docs, budget, n)
     report = {
-        "settings": {
-            "model": str(args.model),
-            "draft": args.draft,
-            "max_new_tokens": n,
-            "conversations": args.conversations,
-            "turns": args.turns,
-            "concurrency": args.prefix_concurrency,
-        },
+        "settings": _settings(args),
         "multi_turn": turns,
         "shared_system_prompt": shared,
         "memory_pressure": mem,
@@ -253,7 +247,18 @@ async def _prefix(args) -> int:
     return 0
 
 
-def format_markdown(r: dict) -> str:
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model": str(args.model),
+        "draft": args.draft,
+        "max_new_tokens": args.max_new_tokens,
+        "conversations": args.conversations,
+        "turns": args.turns,
+        "concurrency": args.prefix_concurrency,
+    }
+
+
+def format_markdown(r: dict[str, Any]) -> str:
     t, s, m = r["multi_turn"], r["shared_system_prompt"], r["memory_pressure"]
     lines = [
         "| turn | prompt tokens cached (p50) | TTFT without cache | TTFT with cache | shorter by |",
@@ -286,7 +291,7 @@ def format_markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(r: dict, path: Path) -> Path | None:
+def plot(r: dict[str, Any], path: Path) -> Path | None:
     """Left: TTFT per turn of a conversation; right: the shared-system-prompt waves."""
     plt = pyplot()
     if plt is None:
@@ -315,5 +320,5 @@ def plot(r: dict, path: Path) -> Path | None:
     return save_figure(fig, path)
 
 
-def run_prefix(args) -> int:
+def run_prefix(args: argparse.Namespace) -> int:
     return asyncio.run(_prefix(args))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from ..reports import pyplot, save_figure
 
@@ -20,7 +21,7 @@ def _q(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
 
 
-def _mode_summary(samples, by_prompt_ar, by_prompt_hf) -> dict:
+def _mode_summary(samples, by_prompt_ar, by_prompt_hf) -> dict[str, Any]:
     tps = [s.tokens_per_s for s in samples]
     out = {"tokens_per_s": statistics.median(tps), "p25": _q(tps, 0.25), "p75": _q(tps, 0.75), "n": len(samples)}
     for ref_name, ref in (("ar", by_prompt_ar), ("hf_ar", by_prompt_hf)):  # keyed (prompt, repeat)
@@ -59,7 +60,7 @@ def _mode_summary(samples, by_prompt_ar, by_prompt_hf) -> dict:
     return out
 
 
-def summarize(samples) -> dict:
+def summarize(samples) -> dict[str, Any]:
     """``{"modes": {mode: {...}}, "categories": {category: {mode: {...}}}}`` (medians, ratios)."""
     by_mode = defaultdict(list)
     for s in samples:
@@ -79,7 +80,7 @@ def summarize(samples) -> dict:
     return {"modes": modes, "categories": categories}
 
 
-def format_table(summary: dict) -> str:
+def format_table(summary: dict[str, Any]) -> str:
     rows = [
         f"{'mode':<22} {'tok/s':>7} {'p25-p75':>13} {'vs ar':>6} {'vs hf_ar':>8} {'accept':>6} "
         f"{'mean acc':>8} {'tok/call':>8} {'identical':>9}"
@@ -98,7 +99,7 @@ def format_table(summary: dict) -> str:
     return "\n".join(rows)
 
 
-def plot(summary: dict, path: Path, title: str) -> Path | None:
+def plot(summary: dict[str, Any], path: Path, title: str) -> Path | None:
     """Median tokens/s per mode (bars, p25-p75 whiskers) and per-category speedup over ``ar``."""
     plt = pyplot()
     if plt is None:
@@ -169,7 +170,7 @@ def plot_acceptance(samples, path: Path, mode: str = "spec") -> Path | None:
     return save_figure(fig, path)
 
 
-def format_markdown(report: dict) -> str:
+def format_markdown(report: dict[str, Any]) -> str:
     """Markdown tables of a bench report: modes, categories, micro-benchmarks."""
     lines = [
         "| mode | tokens/s (median) | p25-p75 | vs our ar | vs hf_ar | acceptance | mean accepted | tokens per target call | identical to ar |",
@@ -209,7 +210,7 @@ def format_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def format_micro(micro: dict) -> str:
+def format_micro(micro: dict[str, Any]) -> str:
     """The micro-benchmarks (step costs, bandwidth, memory) as a markdown table."""
     lines = ["| micro-benchmark | value |", "|---|---|"]
     lines.append(f"| 1-token step @ context {micro['context_short']} | {micro['step_ms_ctx_short']:.1f} ms |")

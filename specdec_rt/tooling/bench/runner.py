@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from ...drafters import CombinedDrafter, NgramDrafter
 from ...engine.factory import as_target, model_drafter, resolve_draft_spec
@@ -80,7 +80,7 @@ BENCH_TREE_NODES = 3  # the tree modes: main chain + the draft's runner-up at th
 
 def build_our_modes(
     folder: Path, threads: int, max_length: int | None, extra_drafts: Sequence[str | Path] = ()
-) -> tuple[dict[str, Runner], dict]:
+) -> tuple[dict[str, Runner], dict[str, Any]]:
     """Our modes over one shared target: ``ar``, ``spec`` (the engine's default drafter),
     ``spec_ngram``, ``spec_<draft>`` per exported draft (and per folder in ``extra_drafts``, e.g.
     a ``train-draft`` output), ``spec_ngram+<draft>`` for the first draft and for EAGLE drafts;
@@ -99,27 +99,20 @@ def build_our_modes(
         if i == 0 or d.needs_target_hidden:
             drafters[f"ngram+{name}"] = CombinedDrafter(NgramDrafter(), d)
     default = resolve_draft_spec(m, None)
-    modes: dict[str, Runner] = {}
 
-    modes["ar"] = _SchedulerRunner(SpecDecScheduler(None, verifier, eos_ids=m.eos_ids), "ar")
+    def runner(drafter: DraftInferrer | None, config: SpecConfig | None = None) -> _SchedulerRunner:
+        chosen = sharing if drafter is not None and drafter.needs_target_hidden else verifier
+        mode = "ar" if drafter is None else "spec"
+        return _SchedulerRunner(SpecDecScheduler(drafter, chosen, config, eos_ids=m.eos_ids), mode)
 
-    def verifier_for(d):
-        return sharing if d.needs_target_hidden else verifier
-
-    modes["spec"] = _SchedulerRunner(
-        SpecDecScheduler(drafters[default], verifier_for(drafters[default]), eos_ids=m.eos_ids), "spec"
-    )
-    for name, drafter in drafters.items():
-        modes[f"spec_{name}"] = _SchedulerRunner(
-            SpecDecScheduler(drafter, verifier_for(drafter), eos_ids=m.eos_ids), "spec"
-        )
+    modes: dict[str, Runner] = {"ar": runner(None), "spec": runner(drafters[default])}
+    modes.update({f"spec_{name}": runner(drafter) for name, drafter in drafters.items()})
     if target.tree:  # the same drafters with draft trees (each model draft's runner-up as siblings)
         trees = SpecConfig(tree_nodes=BENCH_TREE_NODES)
         for name in dict.fromkeys([default, *drafts, *(n for n in drafters if n.startswith("ngram+"))]):
             if name == "ngram" or drafters[name].needs_target_hidden:
                 continue  # EAGLE drafts: chains (their verifier shares hidden states)
-            mode = "spec_tree" if name == default else f"spec_{name}_tree"
-            modes[mode] = _SchedulerRunner(SpecDecScheduler(drafters[name], verifier, trees, eos_ids=m.eos_ids), "spec")
+            modes["spec_tree" if name == default else f"spec_{name}_tree"] = runner(drafters[name], trees)
     info = {
         "target": m.name,
         "exact_to": m.exact_to,
@@ -144,7 +137,7 @@ class _SchedulerRunner:
     def __init__(self, scheduler: SpecDecScheduler, mode: str) -> None:
         self.scheduler, self.mode = scheduler, mode
 
-    async def __call__(self, ids: list[int], n: int) -> tuple:
+    async def __call__(self, ids: list[int], n: int) -> tuple[Any, ...]:
         t = time.perf_counter()
         res = await self.scheduler.run(ids, n, mode=self.mode)
         return res.token_ids, time.perf_counter() - t, res.stats
@@ -190,7 +183,7 @@ async def run_modes(modes: dict[str, Runner], prompts: list[Prompt], n: int, rep
     return samples
 
 
-def machine_info(threads: int) -> dict:
+def machine_info(threads: int) -> dict[str, Any]:
     """What a report's figures depend on: the CPU (model name and the instruction-set flags
     kernels choose from: every table names its machine), the platform, the threads."""
     from ...engine.tune_cache import cpu_facts
