@@ -9,15 +9,18 @@ Building blocks:
 - norms: RMSNorm or LayerNorm (with or without bias), weights stored as ``w - offset`` (Gemma's
   ``1 + w``: offset 1);
 - layer layouts (``LAYOUTS``): ``pre`` (Llama: norm, attention, add; norm, MLP, add),
+  ``post_ln`` (OPT-350M: attention, add, norm; MLP, add, norm; no final norm),
   ``sandwich`` (Gemma 2 / 3: a norm after attention's and the MLP's output too), ``post``
   (OLMo 2: no norm before attention or the MLP, one after each), ``parallel`` (Phi-2: attention
   and the MLP read the same normed input, both added to the residual), ``parallel2`` (GPT-NeoX:
   each reads its own norm of the same input);
 - MLPs gated (``act(gate) * up``) or plain (``act(up)``), biases on any projection, activations
   ``ACTIVATIONS``;
-- attention: q/k norms per head (Qwen3) or over the whole projection (OLMo 2), partial rotary
+- attention: q/k norms per head (Qwen3; LayerNorm: StableLM, Phi-2, Cohere) or over the whole
+  projection (OLMo 2), partial rotary
   (``partial_rotary_factor`` / ``rotary_pct``), a fused q/k/v (rows q, k, v: Phi-3; per head
-  q, k, v: GPT-NeoX), an attention scale from the config (``query_pre_attn_scalar ** -0.5``,
+  q, k, v: GPT-NeoX; per group of heads sharing a KV head, its q heads, k, v: Falcon's
+  ``new_decoder_architecture``), an attention scale from the config (``query_pre_attn_scalar ** -0.5``,
   Granite's ``attention_multiplier``), sliding windows (``WINDOW_RULES``);
 - mixtures of experts (``moe``): a router picks each token's top k experts (``ROUTERS``), each a
   gated MLP, their outputs weighed by the router's probabilities (renormalised over the k:
@@ -25,16 +28,25 @@ Building blocks:
   those ``decoder_sparse_step`` / ``mlp_only_layers`` leave sparse (the rest a dense MLP); GPT-OSS's
   experts have biases and a clamped SwiGLU (``swiglu``), its attention sinks (``sinks``);
 - multipliers: the embeddings (x sqrt(hidden): Gemma; ``embedding_multiplier``: Granite), each
-  branch before its residual add (``residual_multiplier``), the logits (/ ``logits_scaling``).
+  branch before its residual add (``residual_multiplier``), the logits (/ ``logits_scaling``);
+- embeddings narrower than the layers, projected in and out (OPT-350M's ``word_embed_proj_dim``).
+
+A config option that turns a family into another combination of blocks is a ``Variant`` of its
+row (Falcon's ``new_decoder_architecture``, OPT's ``do_layer_norm_before``, StableLM's
+``qk_layernorm``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["Family", "FAMILY_TABLE", "LAYOUTS", "ACTIVATIONS", "WINDOW_RULES", "ROUTERS"]
+__all__ = ["Family", "Variant", "FAMILY_TABLE", "LAYOUTS", "ACTIVATIONS", "WINDOW_RULES", "ROUTERS", "QK_NORMS"]
 
-LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2")
+LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2", "post_ln")
+# the norms of queries and keys before rotary: "" none; "head" RMSNorm of each head (Qwen3);
+# "full" RMSNorm of the whole projection (OLMo 2); "layer" LayerNorm of each head, its weight
+# (and bias) shared by the heads (Phi-2) or one a head (StableLM's, Cohere's)
+QK_NORMS = ("", "head", "full", "layer")
 # transformers' ACT2FN names the graph emits, by the ONNX form: silu (x * Sigmoid(x)), gelu (erf
 # Gelu), gelu_tanh (Gelu approximate="tanh": gelu_new and gelu_pytorch_tanh are the same
 # function), relu, relu2 (Relu(x)^2: Nemotron, Primer)
@@ -57,6 +69,18 @@ ROUTERS = ("softmax_topk", "topk_softmax")
 
 
 @dataclass(frozen=True)
+class Variant:
+    """The fields of a family's row that change when every config key of ``when`` has its value
+    (``changes``: field name, new value)."""
+
+    when: tuple[tuple[str, object], ...]
+    changes: tuple[tuple[str, object], ...]
+
+    def applies(self, config: object) -> bool:
+        return all(getattr(config, key, None) == value for key, value in self.when)
+
+
+@dataclass(frozen=True)
 class Family:
     """Where a family departs from Llama's graph (the defaults are Llama's)."""
 
@@ -73,7 +97,7 @@ class Family:
     acts: tuple[str, ...] = ("silu", "swish")  # the activations accepted (ACTIVATIONS keys)
     act_keys: tuple[str, ...] = ("hidden_act",)  # the config keys naming it, first set one wins
     mlp_bias_key: str = "mlp_bias"  # a config flag for MLP biases ("*": always; "": never)
-    qk_norm: str = ""  # "" | "head" (each head, Qwen3) | "full" (the whole projection, OLMo 2)
+    qk_norm: str = ""  # QK_NORMS
     rotary_key: str = ""  # the config's fraction of each head that turns (partial rotary)
     rotary_dims_key: str = ""  # or the config's count of turned dimensions (GPT-J's rotary_dim; None: all)
     rotary_interleaved: bool = False  # pairs 2i, 2i + 1 turn together (GPT-J), not i, i + d / 2
@@ -110,6 +134,16 @@ class Family:
     # gate * sigmoid(alpha * gate) * (up + beta): (alpha, beta, limit); () plain silu(gate) * up
     swiglu: tuple[float, float, float] = ()
     sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS's attention sinks)
+    embed_proj_key: str = ""  # a config key: the embeddings' width, projected in and out when not hidden (OPT)
+    variants: tuple[Variant, ...] = ()  # the row as a config option changes it, applied in order
+
+    def for_config(self, config: object) -> Family:
+        """The row with the changes of each of its variants that applies to ``config``."""
+        row = self
+        for variant in self.variants:
+            if variant.applies(config):
+                row = replace(row, **dict(variant.changes))
+        return row
 
 
 # Gemma 2: Gemma's norms (1 + w), embeddings x sqrt(hidden), GeGLU with the tanh GELU, a norm after
@@ -125,11 +159,22 @@ _GEMMA2 = Family(
     attn_scale="query_pre_attn_scalar",
     softcaps=True,
 )
+_COHERE = Family(
+    "cohere",
+    norm="layer",
+    eps_key="layer_norm_eps",
+    layout="parallel",
+    rotary_interleaved=True,
+    logits_scale_key="logit_scale",
+    variants=(Variant((("use_qk_norm", True),), (("qk_norm", "layer"),)),),
+)
 _PHI_NAMES = (
     (".self_attn.dense.", ".self_attn.o_proj."),
     (".mlp.fc1.", ".mlp.up_proj."),
     (".mlp.fc2.", ".mlp.down_proj."),
     ("model.final_layernorm.", "model.norm."),
+    (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
 )
 _GPT2_NAMES = (  # GPT-2 and GPTBigCode
     ("transformer.wte.", "model.embed_tokens."),
@@ -199,7 +244,12 @@ FAMILY_TABLE: dict[str, Family] = {
             rotary_key="partial_rotary_factor",
             parallel_key="use_parallel_residual",
             mlp_bias_key="",
-            refuse=("qk_layernorm",),
+            # qk_layernorm: a LayerNorm (no bias) of each head, one a head (q_layernorm.norms.{h})
+            renames=(
+                (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+                (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+            ),
+            variants=(Variant((("qk_layernorm", True),), (("qk_norm", "layer"),)),),
         ),
         Family(
             "phi",
@@ -210,8 +260,8 @@ FAMILY_TABLE: dict[str, Family] = {
             acts=("gelu_new", "gelu", "gelu_pytorch_tanh", "relu"),
             mlp_bias_key="*",
             rotary_key="partial_rotary_factor",
-            refuse=("qk_layernorm",),
-            renames=_PHI_NAMES,
+            renames=_PHI_NAMES,  # qk_layernorm: one LayerNorm (weight, bias) shared by the heads
+            variants=(Variant((("qk_layernorm", True),), (("qk_norm", "layer"),)),),
         ),
         Family(
             "starcoder2",
@@ -279,9 +329,11 @@ FAMILY_TABLE: dict[str, Family] = {
             act_keys=("activation_function",),
             mlp_bias_key="enable_bias",
             refuse=("_remove_final_layer_norm",),
-            require=("do_layer_norm_before", "layer_norm_elementwise_affine"),
+            require=("layer_norm_elementwise_affine",),
             renames=(
                 ("model.decoder.embed_tokens.", "model.embed_tokens."),
+                ("model.decoder.project_in.", "model.project_in."),
+                ("model.decoder.project_out.", "model.project_out."),
                 ("model.decoder.embed_positions.", "model.embed_positions."),
                 ("model.decoder.final_layer_norm.", "model.norm."),
                 ("model.decoder.layers.", "model.layers."),
@@ -294,6 +346,9 @@ FAMILY_TABLE: dict[str, Family] = {
             positions="learned",
             position_offset=2,
             intermediate_key="ffn_dim",
+            embed_proj_key="word_embed_proj_dim",
+            # OPT-350M: each layer's norms after its residual adds, no final norm
+            variants=(Variant((("do_layer_norm_before", False),), (("layout", "post_ln"),)),),
         ),
         # GPT-J: interleaved partial rotary, attention and MLP in parallel on one LayerNorm
         Family(
@@ -321,7 +376,9 @@ FAMILY_TABLE: dict[str, Family] = {
             ),
         ),
         # Falcon (7B layout): multi-query, attention and MLP side by side on one LayerNorm
-        # (parallel_attn); the grouped q/k/v of new_decoder_architecture (40B, 180B) and ALiBi refused
+        # (parallel_attn); new_decoder_architecture (40B, 180B): num_kv_heads, each group's q heads,
+        # k and v in turn, attention on ln_attn and the MLP on ln_mlp (one input_layernorm when
+        # num_ln_in_parallel_attn is 1: Falcon 2); ALiBi refused
         Family(
             "falcon",
             kv_key="",
@@ -335,9 +392,11 @@ FAMILY_TABLE: dict[str, Family] = {
             fused_qkv="heads",
             multi_query_key="multi_query",
             intermediate_key="ffn_hidden_size",
-            refuse=("alibi", "new_decoder_architecture"),
+            refuse=("alibi",),
             renames=(
                 ("transformer.word_embeddings.", "model.embed_tokens."),
+                (".ln_attn.", ".input_layernorm."),
+                (".ln_mlp.", ".post_attention_layernorm."),
                 ("transformer.ln_f.", "model.norm."),
                 ("transformer.h.", "model.layers."),
                 (".self_attention.query_key_value.", ".self_attn.qkv_proj."),
@@ -345,18 +404,28 @@ FAMILY_TABLE: dict[str, Family] = {
                 (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
                 (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
             ),
+            variants=(
+                Variant(
+                    (("new_decoder_architecture", True),),
+                    (
+                        ("kv_key", "num_kv_heads"),
+                        ("multi_query_key", ""),
+                        ("parallel_key", ""),
+                        ("layout", "parallel2"),
+                        ("require", ("parallel_attn",)),
+                    ),
+                ),
+                Variant(
+                    (("new_decoder_architecture", True), ("num_ln_in_parallel_attn", 1)), (("layout", "parallel"),)
+                ),
+            ),
         ),
         # Cohere (Command R): LayerNorm without bias, attention and MLP on one norm, interleaved
-        # rotary, logits x logit_scale
-        Family(
-            "cohere",
-            norm="layer",
-            eps_key="layer_norm_eps",
-            layout="parallel",
-            rotary_interleaved=True,
-            logits_scale_key="logit_scale",
-            refuse=("use_qk_norm",),
-        ),
+        # rotary, logits x logit_scale; use_qk_norm (Command R+): a LayerNorm of each head, one a head
+        _COHERE,
+        # Cohere 2 (Command R7B, Command A): Cohere's, with windows on layer_types' sliding
+        # layers, the only ones that turn (the global layers have no rotary)
+        replace(_COHERE, name="cohere2", windows="layer_types", nope_global=True, variants=()),
         # OLMo 1: LayerNorm without weight or bias, q/k/v clamped (clip_qkv)
         Family("olmo", norm="layer", norm_weights=False, eps_key="", clip_key="clip_qkv"),
         # GLM-4 (glm): interleaved partial rotary, fused gate_up_proj, q/k/v biases

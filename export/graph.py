@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import onnx
@@ -252,26 +252,6 @@ class _Graph:
             return out
         return self.node("Add", [out, self.init(f"{name}.bias", bias)], [final], f"{name}/Add")[0]
 
-    def head_norm(
-        self, x: str, heads: int, own: int, padded: int, rotary: int, w: np.ndarray, name: str, full: bool = False
-    ) -> str:
-        """RMSNorm over each head of ``x`` ``[1, N, heads * own]`` (Qwen3's q_norm / k_norm), or
-        over all of it (``full``: OLMo 2's, weight ``[heads * own]``), as
-        ``[1, N, heads * padded]`` in the layout of ``layout.pad_heads`` (the padding, a MatMul by
-        a 0/1 matrix: every output is one input times 1, exactly)."""
-        if full:
-            x, _ = self.rms_norm(x, None, w, name)
-            if padded == own:
-                return x
-        shape = self.init(f"{name}/head_shape", np.array([0, 0, heads, own], dtype=np.int64))
-        rows = self.node("Reshape", [x, shape], [f"{name}/heads"], f"{name}/Heads")[0]
-        out = rows if full else self.rms_norm(rows, None, w, name)[0]
-        if padded != own:
-            scatter = pad_heads(np.eye(own, dtype=np.float32), 1, own, padded, rotary=rotary)  # [own, padded]
-            out = self.node("MatMul", [out, self.init(f"{name}/pad", scatter)], [f"{name}/padded"], f"{name}/Pad")[0]
-        flat = self.init(f"{name}/flat_shape", np.array([0, 0, heads * padded], dtype=np.int64))
-        return self.node("Reshape", [out, flat], [f"{name}/flat"], f"{name}/Flat")[0]
-
     def block_sums(self, x: str, k: int, bs: int) -> str:
         """``x [1, N, K]`` summed over each block of ``bs`` along K: ``[1, N, K / bs]`` (once per
         input and block size)."""
@@ -328,169 +308,234 @@ def _np(t) -> np.ndarray:
 
 
 def build_onnx(
-    model, spec: ModelSpec, out_dir: Path, quant: QuantSpec | None = None, on_layer: Callable[[int], None] | None = None
-) -> dict:
+    model: Any,
+    spec: ModelSpec,
+    out_dir: Path,
+    quant: QuantSpec | None = None,
+    *,
+    on_layer: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """Write `model.onnx` + `model.onnx.data` into `out_dir`; returns {"nodes": n, ...}.
 
     `model` is a transformers causal LM of a supported family (``ModelSpec.family``) in
     float32. `on_layer(i)` is called after each layer (progress bars).
     """
-    sd = split_fused(rename(model.state_dict(), spec), spec)  # Llama's names; fused qkv / gate_up split
-    check_weights(sd, spec)
-    d, kv, nh, own, rot = spec.head_dim, spec.num_kv_heads, spec.num_heads, spec.own_head_dim, spec.rotary
-    heads = {"q": nh, "k": kv, "v": kv}
-    inter = spec.rotary_interleaved  # GPT-J: pairs 2i, 2i + 1 turn together
-
+    sd = _graph_weights(model, spec)
     out_dir = Path(out_dir)
     with ExternalDataWriter(out_dir / "model.onnx.data") as data:
         g = _Graph(data, quant, spec.rms_eps)
         blocks = _Blocks(g, sd, spec)
         if not spec.learned_positions:
-            cos, sin = rotary_tables(model, spec)
-            g.init("cos_cache", cos)  # [P, d/2]
-            g.init("sin_cache", sin)
-            if spec.local_rope:  # sliding layers: Gemma 3's rope_local_base_freq, OLMo 3's unscaled
-                cos, sin = rotary_tables(model, spec, _rotary_module(model, local=True))
-                g.init("cos_cache_local", cos)
-                g.init("sin_cache_local", sin)
-            del cos, sin
-        x = g.node(
-            "Gather",
-            [g.init("embed_tokens.weight", _np(sd["model.embed_tokens.weight"])), "input_ids"],
-            ["/embed/output"],
-            "/embed/Gather",
-        )[0]  # [B, S, H]
-        if spec.embed_scale:  # Gemma: x sqrt(hidden), rounded to float32 first as transformers does
-            scale = g.init("/embed/scale", np.array(spec.embed_scale, dtype=np.float32))
-            x = g.node("Mul", [x, scale], ["/embed/scaled"], "/embed/Scale")[0]
-        if spec.learned_positions:  # + the embedding of each packed position (its row p + offset)
-            rows = "position_ids"
-            if spec.position_offset:
-                off = g.init("/embed_positions/offset", np.array(spec.position_offset, dtype=np.int64))
-                rows = g.node("Add", [rows, off], ["/embed_positions/rows"], "/embed_positions/Offset")[0]
-            table = g.init("embed_positions.weight", _np(sd["model.embed_positions.weight"]))
-            pos = g.node("Gather", [table, rows], ["/embed_positions/output"], "/embed_positions/Gather")[0]
-            x = g.node("Add", [x, pos], ["/embed/positioned"], "/embed/AddPositions")[0]
-        stream, res = x, None  # stream: the branch output to add; res: the running residual
+            _rotary_inits(g, model, spec)
+        stream, res = blocks.embed(), None  # stream: the branch output to add; res: the running residual
         g.position_rows()  # [B, S] for attention, from the packed [1, N]
-        layout = spec.layout
         for i in range(spec.num_layers):
-            p, n = f"model.layers.{i}.", f"/layers.{i}"
-            if layout == "post":  # OLMo 2: attention reads the residual itself
-                h = res = blocks.add(stream, res, f"{n}/attn_residual")
-            else:
-                h, res = blocks.norm(stream, res, p + "input_layernorm", f"{n}/input_layernorm")
-            att = p + "self_attn."
-            # q and k unpadded where they are normed first (Qwen3, OLMo 2): the norm pads them
-            normed = spec.qk_norm or spec.qk_norm_full
-            size = {n: own if normed and n != "v" else d for n in "qkv"}
-            w_qkv = np.concatenate(
-                [
-                    pad_heads(
-                        _np(sd[att + f"{n}_proj.weight"]).T, heads[n], own, size[n], rotary=rot, interleaved=inter
-                    )
-                    for n in "qkv"
-                ],
-                axis=1,
-            )
-            b_qkv = None
-            if att + "q_proj.bias" in sd:
-                b_qkv = np.concatenate(
-                    [
-                        pad_heads(
-                            _np(sd[att + f"{n}_proj.bias"]), heads[n], own, size[n], rotary=rot, interleaved=inter
-                        )
-                        for n in "qkv"
-                    ]
-                )
-            qkv = g.linear(h, w_qkv, f"{n}/attn/qkv", b_qkv)  # [1, N, (nh + 2 kv) d]
-            del w_qkv
-            if spec.clip_qkv:  # OLMo: q, k and v clamped (padding stays 0)
-                lo = g.init(f"{n}/attn/clip_lo", np.array(-spec.clip_qkv, dtype=np.float32))
-                hi = g.init(f"{n}/attn/clip_hi", np.array(spec.clip_qkv, dtype=np.float32))
-                qkv = g.node("Clip", [qkv, lo, hi], [f"{n}/attn/clipped"], f"{n}/attn/Clip")[0]
-            if normed:
-                qkv = _norm_heads(g, qkv, sd, att, spec, f"{n}/attn")
-            rotary = i not in spec.nope_layers and not spec.learned_positions  # SmolLM3: some layers have none
-            window = spec.windows[i] if spec.windows else 0  # 0: every earlier position
-            softcap = {"softcap": spec.attn_softcap} if spec.attn_softcap else {}
-            ins = gqa_inputs(g.unpack(qkv, f"{n}/attn"), i, rotary=rotary, local=i in spec.local_rope_layers)
-            if spec.sinks:  # GPT-OSS: exp(sink) of each head joins its softmax's denominator
-                ins[11] = g.init(f"{n}/attn/head_sink", _np(sd[att + "sinks"]))
-            a = g.node(
-                "GroupQueryAttention",
-                ins,
-                [f"{n}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
-                f"{n}/attn/GroupQueryAttention",
-                domain=MS,
-                num_heads=nh,
-                kv_num_heads=kv,
-                scale=spec.attn_scale or 1.0 / math.sqrt(own),
-                do_rotary=int(rotary),
-                rotary_interleaved=int(inter),
-                local_window_size=window if window else -1,  # itself and the window - 1 before it
-                **softcap,
-            )[0]
-            a = g.pack(a, f"{n}/attn")  # [1, N, nh d]
-            w_o = pad_heads(
-                _np(sd[att + "o_proj.weight"]), nh, own, d, rotary=rot, interleaved=inter
-            ).T  # [nh d, H]: zero rows for padding
-            o = g.linear(a, w_o, f"{n}/attn/o_proj", blocks.bias(att + "o_proj"))
-            if layout in ("parallel", "parallel2"):  # the MLP reads the layer's input too; one add
-                if layout == "parallel2":  # GPT-NeoX: its own norm of the input
-                    h, _ = blocks.norm(res, None, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
-                m = blocks.ffn(h, i, p + "mlp.", f"{n}/mlp")
-                stream = blocks.scaled(g.node("Add", [o, m], [f"{n}/branches"], f"{n}/Branches")[0], f"{n}/branch")
-            else:
-                o = blocks.scaled(o, f"{n}/attn")
-                if layout == "pre":
-                    h, res = blocks.norm(o, res, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
-                else:  # the output normed, then added (then normed again for the MLP: Gemma 2 / 3)
-                    o, _ = blocks.norm(o, None, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
-                    if layout == "sandwich":
-                        h, res = blocks.norm(o, res, p + "pre_feedforward_layernorm", f"{n}/pre_feedforward_layernorm")
-                    else:
-                        h = res = blocks.add(o, res, f"{n}/mlp_residual")
-                stream = blocks.ffn(h, i, p + "mlp.", f"{n}/mlp")
-                if layout in ("sandwich", "post"):
-                    stream, _ = blocks.norm(stream, None, p + "post_feedforward_layernorm", f"{n}/mlp/post_norm")
-                stream = blocks.scaled(stream, f"{n}/mlp")
+            stream, res = blocks.layer(i, stream, res)
             if on_layer:
                 on_layer(i)
-        blocks.norm(stream, res, "model.norm", "/norm", out="hidden_states")
-        picked = g.node("Gather", ["hidden_states", "logits_index"], ["/lm_head/rows"], "/lm_head/Gather", axis=1)[
-            0
-        ]  # [B, R, H]
-        head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-        cap, div, mul = spec.final_softcap, spec.logits_divisor, spec.logits_scale
-        last = not (cap or div or mul)
-        logits = g.linear(picked, _np(head).T, "/lm_head", blocks.bias("lm_head"), out="logits" if last else None)
-        if mul:  # Cohere: logits x logit_scale
-            c = g.init("/lm_head/scale", np.array(mul, dtype=np.float32))
-            logits = g.node("Mul", [logits, c], ["/lm_head/multiplied" if cap or div else "logits"], "/lm_head/Mul")[0]
-        if div:  # Granite: logits / logits_scaling
-            c = g.init("/lm_head/divisor", np.array(div, dtype=np.float32))
-            logits = g.node("Div", [logits, c], ["/lm_head/scaled" if cap else "logits"], "/lm_head/Scale")[0]
-        if cap:  # Gemma 2: tanh(logits / cap) * cap
-            c = g.init("/lm_head/softcap", np.array(cap, dtype=np.float32))
-            t = g.node("Div", [logits, c], ["/lm_head/capped"], "/lm_head/SoftcapDiv")[0]
-            t = g.node("Tanh", [t], ["/lm_head/tanh"], "/lm_head/Tanh")[0]
-            g.node("Mul", [t, c], ["logits"], "/lm_head/SoftcapMul")
+        blocks.lm_head(stream, res)
+    inputs, outputs = decoder_io(
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size, hidden=spec.hidden_size
+    )
+    return save_graph(g, "decoder", inputs, outputs, path=out_dir / "model.onnx", producer="specdec-rt export")
 
-    inputs, outputs = decoder_io(spec.num_layers, kv, d, spec.vocab_size, spec.hidden_size)
-    return save_graph(g, "decoder", inputs, outputs, out_dir / "model.onnx", "specdec-rt export")
+
+def _graph_weights(model: Any, spec: ModelSpec) -> dict[str, Any]:
+    """The model's tensors under Llama's names, fused q/k/v and gate/up split, per-head norms
+    stacked, checked against what the graph has a place for."""
+    sd = split_fused(rename(model.state_dict(), spec), spec)
+    sd = _stack_head_norms(sd)
+    check_weights(sd, spec)
+    return sd
+
+
+def _stack_head_norms(sd: dict[str, Any]) -> dict[str, Any]:
+    """StableLM's per-head LayerNorms (``q_norm.norms.{h}.weight``, one module a head) as one
+    ``q_norm.weight`` ``[heads, own]``, as Cohere stores its own."""
+    stems = sorted({k.split(".norms.")[0] for k in sd if ".norms." in k and k.endswith(".weight")})
+    if not stems:
+        return sd
+    import torch
+
+    out = dict(sd)
+    for stem in stems:
+        heads = sorted(int(k[len(stem) + 7 :].split(".")[0]) for k in sd if k.startswith(stem + ".norms."))
+        if heads != list(range(len(heads))) or any(f"{stem}.norms.{h}.bias" in sd for h in heads):
+            continue  # check_weights names what the graph has no place for
+        out[stem + ".weight"] = torch.stack([out.pop(f"{stem}.norms.{h}.weight") for h in heads])
+    return out
+
+
+def _rotary_inits(g: _Graph, model: Any, spec: ModelSpec) -> None:
+    """The rotary tables ``cos_cache`` / ``sin_cache`` ``[P, d / 2]`` and, where sliding layers
+    turn by their own module (Gemma 3's ``rope_local_base_freq``, OLMo 3's unscaled one),
+    ``cos_cache_local`` / ``sin_cache_local``."""
+    cos, sin = rotary_tables(model, spec)
+    g.init("cos_cache", cos)
+    g.init("sin_cache", sin)
+    if spec.local_rope:
+        cos, sin = rotary_tables(model, spec, _rotary_module(model, local=True))
+        g.init("cos_cache_local", cos)
+        g.init("sin_cache_local", sin)
 
 
 class _Blocks:
     """The per-layer building blocks a family combines (``export.families``), on one graph."""
 
-    def __init__(self, g: _Graph, sd, spec: ModelSpec):
+    def __init__(self, g: _Graph, sd: dict[str, Any], spec: ModelSpec):
         self.g, self.sd, self.spec = g, sd, spec
+
+    def weight(self, key: str) -> np.ndarray:
+        """``<key>.weight`` as float32, ``[in, out]`` (a MatMul's right side)."""
+        return _np(self.sd[key + ".weight"]).T
 
     def bias(self, key: str) -> np.ndarray | None:
         """``<key>.bias`` when the checkpoint has one (check_weights allowed it)."""
         b = self.sd.get(key + ".bias")
         return None if b is None else _np(b)
+
+    def embed(self) -> str:
+        """The input embeddings ``[1, N, H]``: the token rows (projected in: OPT-350M), times the
+        family's scale (Gemma: sqrt(hidden), rounded to float32 as transformers does), plus the
+        learned position rows (``position_ids`` + offset)."""
+        g, spec = self.g, self.spec
+        table = g.init("embed_tokens.weight", _np(self.sd["model.embed_tokens.weight"]))
+        x = g.node("Gather", [table, "input_ids"], ["/embed/output"], "/embed/Gather")[0]
+        if spec.embed_dim:
+            x = g.linear(x, self.weight("model.project_in"), "/embed/project_in")
+        if spec.embed_scale:
+            scale = g.init("/embed/scale", np.array(spec.embed_scale, dtype=np.float32))
+            x = g.node("Mul", [x, scale], ["/embed/scaled"], "/embed/Scale")[0]
+        if not spec.learned_positions:
+            return x
+        rows = "position_ids"
+        if spec.position_offset:
+            off = g.init("/embed_positions/offset", np.array(spec.position_offset, dtype=np.int64))
+            rows = g.node("Add", [rows, off], ["/embed_positions/rows"], "/embed_positions/Offset")[0]
+        positions = g.init("embed_positions.weight", _np(self.sd["model.embed_positions.weight"]))
+        pos = g.node("Gather", [positions, rows], ["/embed_positions/output"], "/embed_positions/Gather")[0]
+        return g.node("Add", [x, pos], ["/embed/positioned"], "/embed/AddPositions")[0]
+
+    def layer(self, i: int, stream: str, res: str | None) -> tuple[str, str | None]:
+        """Layer ``i`` in the family's layout, from the branch output still to add (``stream``)
+        and the running residual; returns the same pair after it."""
+        p, n, layout = f"model.layers.{i}.", f"/layers.{i}", self.spec.layout
+        if layout in ("post", "post_ln"):  # attention reads the residual itself
+            h = res = self.add(stream, res, f"{n}/attn_residual")
+        else:
+            h, res = self.norm(stream, res, p + "input_layernorm", f"{n}/input_layernorm")
+        o = self.attention(h, i)
+        if layout in ("parallel", "parallel2"):  # the MLP reads the layer's input too; one add
+            if layout == "parallel2":  # GPT-NeoX, Falcon's ln_mlp: its own norm of the input
+                h, _ = self.norm(res, None, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
+            m = self.ffn(h, i, p + "mlp.", f"{n}/mlp")
+            both = self.g.node("Add", [o, m], [f"{n}/branches"], f"{n}/Branches")[0]
+            return self.scaled(both, f"{n}/branch"), res
+        if layout == "post_ln":  # OPT-350M: LayerNorm(x + attention), LayerNorm(h + MLP)
+            h, _ = self.norm(o, res, p + "input_layernorm", f"{n}/input_layernorm")
+            m = self.ffn(h, i, p + "mlp.", f"{n}/mlp")
+            out, _ = self.norm(m, h, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
+            return out, None
+        return self.sequential(i, self.scaled(o, f"{n}/attn"), res)
+
+    def sequential(self, i: int, o: str, res: str) -> tuple[str, str | None]:
+        """The rest of a layer whose MLP follows attention: the output added (``pre``), or
+        normed then added (``sandwich``: normed again for the MLP; ``post``), then the MLP."""
+        p, n, layout = f"model.layers.{i}.", f"/layers.{i}", self.spec.layout
+        if layout == "pre":
+            h, res = self.norm(o, res, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
+        else:
+            o, _ = self.norm(o, None, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
+            if layout == "sandwich":
+                h, res = self.norm(o, res, p + "pre_feedforward_layernorm", f"{n}/pre_feedforward_layernorm")
+            else:
+                h = res = self.add(o, res, f"{n}/mlp_residual")
+        stream = self.ffn(h, i, p + "mlp.", f"{n}/mlp")
+        if layout in ("sandwich", "post"):
+            stream, _ = self.norm(stream, None, p + "post_feedforward_layernorm", f"{n}/mlp/post_norm")
+        return self.scaled(stream, f"{n}/mlp"), res
+
+    def attention(self, h: str, i: int) -> str:
+        """Layer ``i``'s attention on ``h`` ``[1, N, H]``: the fused q/k/v projection (heads
+        padded, clamped, normed), GroupQueryAttention over the rows, the output projection."""
+        g, spec, n, att = self.g, self.spec, f"/layers.{i}", f"model.layers.{i}.self_attn."
+        qkv = self.qkv(h, att, f"{n}/attn")
+        rotary = i not in spec.nope_layers and not spec.learned_positions  # SmolLM3: some layers have none
+        window = spec.windows[i] if spec.windows else 0  # 0: every earlier position
+        softcap = {"softcap": spec.attn_softcap} if spec.attn_softcap else {}
+        ins = gqa_inputs(g.unpack(qkv, f"{n}/attn"), i, rotary=rotary, local=i in spec.local_rope_layers)
+        if spec.sinks:  # GPT-OSS: exp(sink) of each head joins its softmax's denominator
+            ins[11] = g.init(f"{n}/attn/head_sink", _np(self.sd[att + "sinks"]))
+        rows = g.node(
+            "GroupQueryAttention",
+            ins,
+            [f"{n}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
+            f"{n}/attn/GroupQueryAttention",
+            domain=MS,
+            num_heads=spec.num_heads,
+            kv_num_heads=spec.num_kv_heads,
+            scale=spec.attn_scale or 1.0 / math.sqrt(spec.own_head_dim),
+            do_rotary=int(rotary),
+            rotary_interleaved=int(spec.rotary_interleaved),
+            local_window_size=window if window else -1,  # itself and the window - 1 before it
+            **softcap,
+        )[0]
+        a = g.pack(rows, f"{n}/attn")  # [1, N, nh d]
+        w_o = self.padded(_np(self.sd[att + "o_proj.weight"]), spec.num_heads, spec.head_dim).T  # zero rows for padding
+        return g.linear(a, w_o, f"{n}/attn/o_proj", self.bias(att + "o_proj"))
+
+    def padded(self, w: np.ndarray, heads: int, size: int) -> np.ndarray:
+        """``layout.pad_heads`` of ``w``'s last axis (``heads`` model heads) to heads of ``size``."""
+        spec = self.spec
+        return pad_heads(w, heads, spec.own_head_dim, size, rotary=spec.rotary, interleaved=spec.rotary_interleaved)
+
+    def qkv(self, h: str, att: str, name: str) -> str:
+        """q, k and v of ``h`` in one MatMul ``[1, N, (nh + 2 kv) d]`` (q and k left unpadded
+        where they are normed first: the norm pads them), clamped (OLMo), q and k normed."""
+        g, spec = self.g, self.spec
+        heads = {"q": spec.num_heads, "k": spec.num_kv_heads, "v": spec.num_kv_heads}
+        normed = spec.qk_norm or spec.qk_norm_full
+        size = {p: spec.own_head_dim if normed and p != "v" else spec.head_dim for p in "qkv"}
+        w_qkv = np.concatenate([self.padded(self.weight(att + f"{p}_proj"), heads[p], size[p]) for p in "qkv"], 1)
+        b_qkv = None
+        if att + "q_proj.bias" in self.sd:
+            b_qkv = np.concatenate(
+                [self.padded(_np(self.sd[att + f"{p}_proj.bias"]), heads[p], size[p]) for p in "qkv"]
+            )
+        qkv = g.linear(h, w_qkv, f"{name}/qkv", b_qkv)
+        del w_qkv
+        if spec.clip_qkv:  # OLMo: q, k and v clamped (padding stays 0)
+            lo = g.init(f"{name}/clip_lo", np.array(-spec.clip_qkv, dtype=np.float32))
+            hi = g.init(f"{name}/clip_hi", np.array(spec.clip_qkv, dtype=np.float32))
+            qkv = g.node("Clip", [qkv, lo, hi], [f"{name}/clipped"], f"{name}/Clip")[0]
+        return _norm_heads(g, qkv, self.sd, att=att, spec=spec, name=name) if normed else qkv
+
+    def lm_head(self, stream: str, res: str | None) -> None:
+        """``hidden_states`` (the last branch added, the final norm: none after ``post_ln``
+        layers) and ``logits`` of the rows ``logits_index`` picks (projected out: OPT-350M),
+        times ``logit_scale`` (Cohere), over ``logits_scaling`` (Granite), soft-capped (Gemma 2)."""
+        g, spec = self.g, self.spec
+        if spec.layout == "post_ln":
+            g.node("Identity", [stream], ["hidden_states"], "/norm/Identity")
+        else:
+            self.norm(stream, res, "model.norm", "/norm", out="hidden_states")
+        picked = g.node("Gather", ["hidden_states", "logits_index"], ["/lm_head/rows"], "/lm_head/Gather", axis=1)[0]
+        if spec.embed_dim:
+            picked = g.linear(picked, self.weight("model.project_out"), "/lm_head/project_out")
+        head = self.sd.get("lm_head.weight", self.sd["model.embed_tokens.weight"])
+        steps = [(op, c) for op, c in (("Mul", spec.logits_scale), ("Div", spec.logits_divisor)) if c]
+        cap = spec.final_softcap
+        last = not (steps or cap)
+        logits = g.linear(picked, _np(head).T, "/lm_head", self.bias("lm_head"), out="logits" if last else None)
+        for j, (op, c) in enumerate(steps):
+            const = g.init(f"/lm_head/{op.lower()}_by", np.array(c, dtype=np.float32))
+            out = "logits" if j == len(steps) - 1 and not cap else f"/lm_head/{op.lower()}"
+            logits = g.node(op, [logits, const], [out], f"/lm_head/{op}")[0]
+        if cap:  # Gemma 2: tanh(logits / cap) * cap
+            c = g.init("/lm_head/softcap", np.array(cap, dtype=np.float32))
+            t = g.node("Div", [logits, c], ["/lm_head/capped"], "/lm_head/SoftcapDiv")[0]
+            t = g.node("Tanh", [t], ["/lm_head/tanh"], "/lm_head/Tanh")[0]
+            g.node("Mul", [t, c], ["logits"], "/lm_head/SoftcapMul")
 
     def norm(self, x: str, skip: str | None, key: str, name: str, out: str | None = None) -> tuple[str, str]:
         """The family's norm (``<key>.weight`` + its offset, LayerNorm's bias) of ``x + skip``;
@@ -666,24 +711,65 @@ def _quantized_experts(g: _Graph, w: np.ndarray, name: str) -> tuple[str, str, s
     return codes, scales, zeros
 
 
-def _norm_heads(g: _Graph, qkv: str, sd, att: str, spec: ModelSpec, name: str) -> str:
-    """The RMSNorm of queries and keys before rotary (``q_norm``, ``k_norm``) on the fused
-    projection ``[1, N, (nh + kv) own + kv d]``: each head (Qwen3; Gemma 3 with ``1 + w``) or the
-    whole projection (OLMo 2), split, normed and padded to the graph's head size, joined again
-    ``[1, N, (nh + 2 kv) d]``."""
-    own, d, nh, kv, rot = spec.own_head_dim, spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.rotary
+def _norm_heads(g: _Graph, qkv: str, sd: dict[str, Any], *, att: str, spec: ModelSpec, name: str) -> str:
+    """The norms of queries and keys before rotary (``q_norm``, ``k_norm``) on the fused
+    projection ``[1, N, (nh + kv) own + kv d]``: each head (Qwen3's RMSNorm, Gemma 3's with
+    ``1 + w``; a LayerNorm: StableLM, Phi-2, Cohere) or the whole projection (OLMo 2), split,
+    normed and padded to the graph's head size, joined again ``[1, N, (nh + 2 kv) d]``."""
+    own, d, nh, kv = spec.own_head_dim, spec.head_dim, spec.num_heads, spec.num_kv_heads
     sizes = g.init(f"{name}/qkv_split", np.array([nh * own, kv * own, kv * d], dtype=np.int64))
     q, k, v = g.node("Split", [qkv, sizes], [f"{name}/q", f"{name}/k", f"{name}/v"], f"{name}/Split", axis=-1)
-    wq, wk = _np(sd[att + "q_norm.weight"]), _np(sd[att + "k_norm.weight"])
-    if spec.norm_offset:
-        wq, wk = wq + np.float32(spec.norm_offset), wk + np.float32(spec.norm_offset)
-    full = spec.qk_norm_full
-    q = g.head_norm(q, nh, own, d, rot, wq, f"{name}/q_norm", full=full)
-    k = g.head_norm(k, kv, own, d, rot, wk, f"{name}/k_norm", full=full)
-    return g.node("Concat", [q, k, v], [f"{name}/qkv_normed"], f"{name}/Concat", axis=-1)[0]
+    normed = []
+    for x, part, heads in ((q, "q", nh), (k, "k", kv)):
+        w, b = _np(sd[f"{att}{part}_norm.weight"]), sd.get(f"{att}{part}_norm.bias")
+        if spec.norm_offset:
+            w = w + np.float32(spec.norm_offset)
+        bias = None if b is None else _np(b)
+        normed.append(_head_norm(g, x, w, heads=heads, spec=spec, name=f"{name}/{part}_norm", bias=bias))
+    return g.node("Concat", [*normed, v], [f"{name}/qkv_normed"], f"{name}/Concat", axis=-1)[0]
 
 
-def gqa_inputs(qkv: str, layer: int, packed: bool = True, rotary: bool = True, local: bool = False) -> list[str]:
+def _head_norm(
+    g: _Graph, x: str, w: np.ndarray, *, heads: int, spec: ModelSpec, name: str, bias: np.ndarray | None = None
+) -> str:
+    """The norm of each head of ``x`` ``[1, N, heads * own]`` (RMSNorm: Qwen3; LayerNorm with
+    a weight and bias ``[own]`` shared by the heads, or ``[heads, own]`` one a head), or of all of
+    it (``spec.qk_norm_full``: OLMo 2's, weight ``[heads * own]``), as ``[1, N, heads * padded]``
+    in the layout of ``layout.pad_heads`` (the padding, a MatMul by a 0/1 matrix: every output
+    is one input times 1, exactly)."""
+    own, padded, full = spec.own_head_dim, spec.head_dim, spec.qk_norm_full
+    if full:
+        x, _ = g.rms_norm(x, None, w, name)
+        if padded == own:
+            return x
+    shape = g.init(f"{name}/head_shape", np.array([0, 0, heads, own], dtype=np.int64))
+    out = g.node("Reshape", [x, shape], [f"{name}/heads"], f"{name}/Heads")[0]
+    if spec.qk_layer_norm:
+        out = _head_layer_norm(g, out, w, name=name, bias=bias)
+    elif not full:
+        out = g.rms_norm(out, None, w, name)[0]
+    if padded != own:
+        eye = np.eye(own, dtype=np.float32)
+        scatter = pad_heads(eye, 1, own, padded, rotary=spec.rotary, interleaved=spec.rotary_interleaved)
+        out = g.node("MatMul", [out, g.init(f"{name}/pad", scatter)], [f"{name}/padded"], f"{name}/Pad")[0]
+    flat = g.init(f"{name}/flat_shape", np.array([0, 0, heads * padded], dtype=np.int64))
+    return g.node("Reshape", [out, flat], [f"{name}/flat"], f"{name}/Flat")[0]
+
+
+def _head_layer_norm(g: _Graph, rows: str, w: np.ndarray, *, name: str, bias: np.ndarray | None) -> str:
+    """LayerNorm over the last axis of ``rows`` ``[1, N, heads, own]``: one op with a weight
+    (and bias) ``[own]``; with one a head (``[heads, own]``), a LayerNorm without, then times
+    the weights (plus the biases)."""
+    if w.ndim == 1:
+        return g.layer_norm(rows, None, w, bias, name)[0]
+    normed = g.layer_norm(rows, None, np.ones(w.shape[-1], np.float32), None, name)[0]
+    out = g.node("Mul", [normed, g.init(f"{name}/head_weights", w)], [f"{name}/weighted"], f"{name}/HeadWeights")[0]
+    if bias is None:
+        return out
+    return g.node("Add", [out, g.init(f"{name}/head_biases", bias)], [f"{name}/biased"], f"{name}/HeadBiases")[0]
+
+
+def gqa_inputs(qkv: str, layer: int, *, packed: bool = True, rotary: bool = True, local: bool = False) -> list[str]:
     """GroupQueryAttention's inputs: QKV, the layer's KV, the sequence lengths, the rotary
     tables (none for a layer without rotary, ``rotary=False``; a sliding layer's own, ``local``:
     Gemma 3), and for ``packed`` graphs: (10th, 11th) ``position_rows`` ``[B, S]`` and
@@ -712,10 +798,11 @@ def decoder_io(
     kv_heads: int,
     head_dim: int,
     vocab: int,
+    *,
     hidden: int,
-    extra_inputs: tuple = (),
+    extra_inputs: tuple[onnx.ValueInfoProto, ...] = (),
     packed: bool = True,
-) -> tuple[list, list]:
+) -> tuple[list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]]:
     """The graph inputs / outputs every decoder graph of this exporter has (the manifest's
     names), plus ``extra_inputs`` (value infos). ``packed``: the positions of all rows come
     packed in one row (``input_ids`` ``[1, N]``, ``logits_index`` over the N), with the
@@ -750,7 +837,15 @@ def decoder_io(
     return inputs, outputs
 
 
-def save_graph(g: "_Graph", name: str, inputs: list, outputs: list, path: Path, producer: str) -> dict:
+def save_graph(
+    g: _Graph,
+    name: str,
+    inputs: list[onnx.ValueInfoProto],
+    outputs: list[onnx.ValueInfoProto],
+    *,
+    path: Path,
+    producer: str,
+) -> dict[str, Any]:
     """Write the accumulated graph as ``path`` (opset 21 + com.microsoft); returns its stats."""
     graph = helper.make_graph(g.nodes, name, inputs, outputs, initializer=g.inits)
     proto = helper.make_model(

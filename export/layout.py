@@ -91,7 +91,8 @@ def split_fused(sd: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
     """The state dict with fused projections as the tensors the graph takes: each layer's
     ``qkv_proj`` as ``q_proj`` / ``k_proj`` / ``v_proj`` (``spec.fused_qkv``: Phi-3's rows q,
     then k, then v; GPT-NeoX's q, k, v of each head in turn, as its ``view(..., heads, 3 * d)``
-    reads them) and ``gate_up_proj`` (rows: gate, then up, as transformers' ``chunk(2)`` reads
+    reads them; Falcon's ``new_decoder_architecture``: each KV head's group of q heads, then its
+    k and v) and ``gate_up_proj`` (rows: gate, then up, as transformers' ``chunk(2)`` reads
     them) as ``gate_proj`` / ``up_proj``. Row slices (GPT-NeoX: a reshape and a copy)."""
     if not any(k.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")) for k in sd):
         return sd
@@ -105,12 +106,12 @@ def split_fused(sd: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
                 f"unsupported {key} of {fused.shape[0]} rows: need {q + 2 * kv} "
                 f"(q, k and v of {spec.num_heads} and 2 x {spec.num_kv_heads} heads)"
             )
-        if spec.fused_qkv == "heads":  # [heads, 3, own, ...] -> q, k, v each [heads * own, ...]
-            if spec.num_kv_heads != spec.num_heads:
-                raise UnsupportedModelError(f"unsupported {key}: q, k and v per head need as many kv heads as heads")
-            parts = fused.reshape(spec.num_heads, 3, own, *fused.shape[1:])
-            for j, name in enumerate("qkv"):
-                out[f"{stem}{name}_proj.{kind}"] = parts[:, j].reshape(q, *fused.shape[1:])
+        if spec.fused_qkv == "heads":  # [kv, group + 2, own, ...]: each KV head's q heads, then k, v
+            group = spec.num_heads // spec.num_kv_heads
+            parts = fused.reshape(spec.num_kv_heads, group + 2, own, *fused.shape[1:])
+            out[f"{stem}q_proj.{kind}"] = parts[:, :group].reshape(q, *fused.shape[1:])
+            out[f"{stem}k_proj.{kind}"] = parts[:, group].reshape(kv, *fused.shape[1:])
+            out[f"{stem}v_proj.{kind}"] = parts[:, group + 1].reshape(kv, *fused.shape[1:])
             continue
         for name, lo, hi in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
             out[f"{stem}{name}_proj.{kind}"] = fused[lo:hi]
@@ -134,6 +135,7 @@ LAYOUT_NORMS = {
     "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
     "parallel": ("input_layernorm",),
     "parallel2": ("input_layernorm", "post_attention_layernorm"),
+    "post_ln": ("input_layernorm", "post_attention_layernorm"),
 }
 
 
@@ -150,6 +152,8 @@ def check_weights(sd: dict[str, Any], spec: ModelSpec) -> None:
     parts += [f"mlp.{n}_proj.{t}" for n in mlp for t in (("weight", "bias") if spec.mlp_bias else ("weight",))]
     if spec.qk_norm or spec.qk_norm_full:
         parts += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if spec.qk_layer_norm:  # LayerNorms of each head: Phi-2's have a bias
+        parts += ["self_attn.q_norm.bias", "self_attn.k_norm.bias"]
     moe = [f"mlp.{n}.weight" for n in ("gate", "experts.gate_up_proj", "experts.down_proj")]
     moe += [f"mlp.experts.{j}.{n}_proj.weight" for j in range(spec.num_experts) for n in ("gate", "up", "down")]
     if spec.swiglu:  # GPT-OSS: stacked experts with biases, a router bias, attention sinks
@@ -163,7 +167,10 @@ def check_weights(sd: dict[str, Any], spec: ModelSpec) -> None:
     known |= {"model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"}
     if spec.learned_positions:
         known.add("model.embed_positions.weight")
-    known |= {f"model.norm.{t}" for t in norm_kinds}
+    if spec.layout != "post_ln":  # post_ln: each layer ends normed, no final norm
+        known |= {f"model.norm.{t}" for t in norm_kinds}
+    if spec.embed_dim:  # embeddings projected in and out (OPT-350M)
+        known |= {"model.project_in.weight", "model.project_out.weight"}
     extra = sorted(k for k in sd if k not in known and not k.endswith("rotary_emb.inv_freq"))
     if extra:
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""

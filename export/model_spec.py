@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from .errors import UnsupportedModelError
 from .families import ACTIVATIONS, FAMILY_TABLE, Family
@@ -30,8 +31,20 @@ MIN_POSITIONS = 2  # a prompt token and one generated token
 NOT_YET = {
     "gemma3": "Gemma 3 with its vision tower: multimodal; its text model (gemma3_text) exports",
     "gemma3n": "Gemma 3n: not yet; multimodal",
+    # GroupQueryAttention adds no per-head bias to the scores; ALiBi needs one growing with distance
+    "bloom": "ALiBi position biases: not yet",
+    "mpt": "ALiBi position biases: not yet",
 }
-_KINDS = (  # (what, model_type fragments, config.json keys)
+# (what, model_type fragments, config.json keys): every kind a refused config shows is named
+_KINDS = (
+    (
+        "state-space layers",
+        ("mamba", "jamba", "falcon_h1", "zamba", "bamba", "nemotron_h", "granitemoehybrid"),
+        ("ssm_cfg", "mamba_d_state", "state_size", "layers_block_type", "mamba_n_heads"),
+    ),
+    ("convolution layers", ("lfm2", "hyena"), ("conv_L_cache",)),
+    ("recurrent layers", ("rwkv", "xlstm", "recurrent_gemma"), ("lru_width",)),
+    ("linear attention", ("qwen3_next",), ("linear_num_value_heads", "linear_conv_kernel_dim")),
     (
         "mixture of experts",
         ("moe", "mixtral", "dbrx", "deepseek", "jetmoe", "granitemoe", "olmoe"),
@@ -42,28 +55,25 @@ _KINDS = (  # (what, model_type fragments, config.json keys)
         ("vl", "vision", "llava", "mllama", "idefics", "multimodal", "smolvlm", "paligemma"),
         ("vision_config", "audio_config", "text_config"),
     ),
-    (
-        "state-space layers",
-        ("mamba", "jamba", "rwkv", "falcon_h1", "zamba", "bamba", "lfm2", "nemotron_h"),
-        ("ssm_cfg", "mamba_d_state", "state_size", "layers_block_type"),
-    ),
 )
 
 
 def unsupported_architecture(
-    family, supported: tuple[str, ...] = SUPPORTED_FAMILIES, config: dict | None = None
+    family: object, supported: tuple[str, ...] = SUPPORTED_FAMILIES, config: dict[str, Any] | None = None
 ) -> UnsupportedModelError:
     """The one error for a model family the graph builder cannot emit (from a checkpoint folder,
     or from a GGUF file: ``supported=GGUF_FAMILIES``), one line naming the family, why when it is
-    known (Gemma 1 not yet; mixture of experts, multimodal towers, state-space layers: from the
+    known (``NOT_YET``; else each kind of layer the graph has no block for: state-space,
+    convolution or recurrent layers, linear attention, experts, multimodal towers, from the
     model_type or ``config``, config.json's keys), and the supported ones."""
     why = NOT_YET.get(family) if isinstance(family, str) else None
     if why is None and supported is GGUF_FAMILIES and family in SUPPORTED_FAMILIES:
         why = f"GGUF files of {family}: not yet; its checkpoint folders export"
     name = family.lower() if isinstance(family, str) else ""
-    for what, fragments, keys in _KINDS:
-        if why is None and (any(f in name for f in fragments) or any(k in (config or {}) for k in keys)):
-            why = what
+    if why is None:
+        keys = config or {}
+        kinds = [w for w, frags, ks in _KINDS if any(f in name for f in frags) or any(k in keys for k in ks)]
+        why = ", ".join(kinds) or None
     return UnsupportedModelError(
         f"unsupported architecture {family}{f' ({why})' if why else ''}; supported: {', '.join(supported)}"
     )
@@ -85,7 +95,7 @@ class ModelSpec:
     rms_eps: float
     model_head_dim: int = 0  # the model's own head size (0: head_dim, no padding)
     rotary_dim: int = 0  # the model's rotated dimensions of a head (0: all; Phi-3 partial_rotary_factor)
-    qk_norm: bool = False  # RMSNorm of each query and key head before rotary (Qwen3)
+    qk_norm: bool = False  # a norm of each query and key head before rotary (Qwen3: RMSNorm)
     nope_layers: tuple[int, ...] = ()  # layers without rotary (SmolLM3's no_rope_layers 0s)
     # each layer's sliding window: it sees its last `window` positions, itself included (0: all of
     # them); () when no layer has a window shorter than max_positions
@@ -104,6 +114,10 @@ class ModelSpec:
     act: str = "silu"  # the MLP's activation, as the graph emits it (export.families.ACTIVATIONS values)
     mlp_bias: bool = False  # the MLP's projections may have biases
     qk_norm_full: bool = False  # RMSNorm of the whole q and k projections before rotary (OLMo 2)
+    # the q and k norms of each head are LayerNorms (StableLM's and Phi-2's qk_layernorm, Cohere's
+    # use_qk_norm): weight (and bias) [own] shared by the heads, or [heads, own] one a head
+    qk_layer_norm: bool = False
+    embed_dim: int = 0  # the embeddings' width, projected in and out (0: hidden_size; OPT-350M)
     fused_qkv: str = ""  # "rows" | "heads": how a fused qkv_proj holds q, k and v
     embed_scale: float = 0.0  # the embeddings times it (0: none; Gemma sqrt(H), Granite's multiplier)
     residual_scale: float = 0.0  # each branch times it before its residual add (0: none; Granite)
@@ -156,118 +170,26 @@ class ModelSpec:
         return self.rotary_dim or self.own_head_dim
 
     @classmethod
-    def from_config(cls, config, max_positions: int | None = None) -> "ModelSpec":
+    def from_config(cls, config: Any, max_positions: int | None = None) -> ModelSpec:
         """Read a transformers config; reject what the graph cannot express."""
-        family = getattr(config, "model_type", None)
-        if family not in SUPPORTED_FAMILIES:
-            raise unsupported_architecture(family)
-        fam = FAMILY_TABLE[family]
-        act = next((getattr(config, k) for k in fam.act_keys if getattr(config, k, None)), None)
-        if act not in fam.acts:
-            raise UnsupportedModelError(f"unsupported activation {act}; need {' or '.join(fam.acts)}")
-        for flag in (fam.causal_key, *fam.refuse):
-            if flag and getattr(config, flag, False):
-                extra = ": need causal attention" if flag == fam.causal_key else ""
-                raise UnsupportedModelError(f"unsupported option {flag}=True{extra}")
-        mlp_bias = fam.mlp_bias_key == "*" or bool(fam.mlp_bias_key and getattr(config, fam.mlp_bias_key, False))
-        for flag in fam.require:
-            if not getattr(config, flag, False):
-                raise UnsupportedModelError(f"unsupported option {flag}={getattr(config, flag, None)!r}: need true")
-        proj = getattr(config, "word_embed_proj_dim", None)  # OPT-350m: embeddings projected in and out
-        if proj is not None and proj != config.hidden_size:
-            raise UnsupportedModelError(
-                f"unsupported word_embed_proj_dim {proj!r}: need hidden_size {config.hidden_size} (no projections)"
-            )
-        limit = min(config.max_position_embeddings, MAX_POSITIONS_CAP)
-        if max_positions:
-            limit = min(limit, max_positions)
-        limit = min(limit, _longrope_limit(config) or limit)
-        windows = _windows(config, fam, limit) if isinstance(limit, int) and not isinstance(limit, bool) else ()
+        fam = _family_row(config)
+        limit = _context(config, max_positions)
+        windows = _windows(config, fam, limit)
         eps = _positive_number(config, fam.eps_key) if fam.eps_key else 1e-5  # nn.LayerNorm's default
         _check_rope(config)
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < MIN_POSITIONS:
-            raise UnsupportedModelError(
-                f"unsupported context of {limit!r} positions (max_position_embeddings "
-                f"{config.max_position_embeddings!r}): need at least {MIN_POSITIONS}"
-            )
-        heads = config.num_attention_heads
-        kv_heads = (getattr(config, fam.kv_key, None) if fam.kv_key else None) or heads
-        fused = fam.fused_qkv
-        if fam.multi_query_key and getattr(config, fam.multi_query_key, False):  # one KV head; q, k, v rows
-            kv_heads, fused = 1, "rows"
-        width = getattr(config, fam.intermediate_key, None) or 4 * config.hidden_size
-        for key, value in (
-            ("hidden_size", config.hidden_size),
-            ("num_attention_heads", heads),
-            ("num_key_value_heads", kv_heads),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UnsupportedModelError(f"unsupported {key} {value!r}: need a positive integer")
-        if heads % kv_heads:
-            raise UnsupportedModelError(
-                f"unsupported num_attention_heads {heads} with num_key_value_heads {kv_heads}: need a multiple"
-            )
-        if not getattr(config, "head_dim", None) and config.hidden_size % heads:
-            raise UnsupportedModelError(
-                f"unsupported hidden_size {config.hidden_size} with num_attention_heads {heads}: need a multiple"
-            )
-        own = getattr(config, "head_dim", None) or config.hidden_size // heads
-        if isinstance(own, bool) or not isinstance(own, int) or own < 1:
-            raise UnsupportedModelError(f"unsupported head_dim {own!r}: need a positive integer")
-        learned = fam.positions == "learned"
-        if own % 2 and not learned:
-            raise UnsupportedModelError(f"unsupported head size {own}: rotary embeddings need an even one")
-        rotary = own if learned else _rotary_dim(config, fam, own)
-        padded = graph_head_dim(own, rotary)
-        scale = 0.0
-        if fam.attn_scale == "query_pre_attn_scalar":
-            scale = _positive_number(config, fam.attn_scale) ** -0.5
-        elif fam.attn_scale:
-            scale = _positive_number(config, fam.attn_scale)
-        embed_scale = 0.0
-        if fam.embed_scale == "sqrt_hidden":
-            embed_scale = math.sqrt(config.hidden_size)
-        elif fam.embed_scale:
-            embed_scale = _positive_number(config, fam.embed_scale)
-        layout = fam.parallel_layout if fam.parallel_key and getattr(config, fam.parallel_key, False) else fam.layout
+        heads = _heads(config, fam)
         return cls(
-            family=family,
+            family=fam.name,
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=padded,
-            model_head_dim=own if padded != own else 0,
-            intermediate_size=width,
+            intermediate_size=getattr(config, fam.intermediate_key, None) or 4 * config.hidden_size,
             vocab_size=config.vocab_size,
             max_positions=limit,
             rms_eps=eps,
-            rotary_dim=rotary if rotary != own else 0,
-            qk_norm=fam.qk_norm == "head",
-            nope_layers=_nope_layers(config, family) if fam.nope_layers else _global_nope(config, fam),
             windows=windows,
-            attn_scale=scale,
-            attn_softcap=_softcap(config, "attn_logit_softcapping") if fam.softcaps else 0.0,
-            final_softcap=_softcap(config, "final_logit_softcapping") if fam.softcaps else 0.0,
-            local_rope_layers=_local_rope_layers(config) if fam.local_rope else (),
-            norm=fam.norm,
-            norm_offset=fam.norm_offset,
-            layout=layout,
-            gated=fam.gated,
-            act=ACTIVATIONS[act],
-            mlp_bias=mlp_bias,
-            qk_norm_full=fam.qk_norm == "full",
-            fused_qkv=fused,
-            position_offset=fam.position_offset if learned else -1,
-            rotary_interleaved=fam.rotary_interleaved,
-            conv1d=fam.conv1d,
-            norm_weights=fam.norm_weights,
-            clip_qkv=_clip(config, fam.clip_key),
-            embed_scale=embed_scale,
-            residual_scale=_positive_number(config, fam.residual_key) if fam.residual_key else 0.0,
-            logits_divisor=_positive_number(config, fam.logits_key) if fam.logits_key else 0.0,
-            logits_scale=_positive_number(config, fam.logits_scale_key) if fam.logits_scale_key else 0.0,
-            renames=fam.renames,
+            **heads,
+            **_blocks(config, fam),
+            **_multipliers(config, fam),
             **_experts(config, fam),
         )
 
@@ -304,6 +226,143 @@ def _positive_number(config, key: str, value=None) -> float:
     if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
         raise UnsupportedModelError(f"unsupported {key} {value!r}: need a finite number > 0")
     return number
+
+
+def _family_row(config: Any) -> Family:
+    """The config's family row (``export.families``) with the variants its options select,
+    after the checks of its activation and of the options the graph has no block for."""
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise unsupported_architecture(family)
+    fam = FAMILY_TABLE[family].for_config(config)
+    act = next((getattr(config, k) for k in fam.act_keys if getattr(config, k, None)), None)
+    if act not in fam.acts:
+        raise UnsupportedModelError(f"unsupported activation {act}; need {' or '.join(fam.acts)}")
+    for flag in (fam.causal_key, *fam.refuse):
+        if flag and getattr(config, flag, False):
+            extra = ": need causal attention" if flag == fam.causal_key else ""
+            raise UnsupportedModelError(f"unsupported option {flag}=True{extra}")
+    for flag in fam.require:
+        if not getattr(config, flag, False):
+            raise UnsupportedModelError(f"unsupported option {flag}={getattr(config, flag, None)!r}: need true")
+    return fam
+
+
+def _context(config: Any, max_positions: int | None) -> int:
+    """The exported positions: the model's (at most ``MAX_POSITIONS_CAP``, LongRoPE's original
+    length), capped by ``max_positions``; at least ``MIN_POSITIONS``."""
+    limit = min(config.max_position_embeddings, MAX_POSITIONS_CAP)
+    if max_positions:
+        limit = min(limit, max_positions)
+    limit = min(limit, _longrope_limit(config) or limit)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < MIN_POSITIONS:
+        raise UnsupportedModelError(
+            f"unsupported context of {limit!r} positions (max_position_embeddings "
+            f"{config.max_position_embeddings!r}): need at least {MIN_POSITIONS}"
+        )
+    return limit
+
+
+def _heads(config: Any, fam: Family) -> dict[str, Any]:
+    """The attention heads' fields of ``ModelSpec``: the query and KV heads, how a fused q/k/v
+    holds them, the model's head size, its rotated part and the graph's padded head size."""
+    heads = config.num_attention_heads
+    kv_heads = (getattr(config, fam.kv_key, None) if fam.kv_key else None) or heads
+    fused = fam.fused_qkv
+    if fam.multi_query_key and getattr(config, fam.multi_query_key, False):  # one KV head; q, k, v rows
+        kv_heads, fused = 1, "rows"
+    for key, value in (
+        ("hidden_size", config.hidden_size),
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", kv_heads),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UnsupportedModelError(f"unsupported {key} {value!r}: need a positive integer")
+    if heads % kv_heads:
+        raise UnsupportedModelError(
+            f"unsupported num_attention_heads {heads} with num_key_value_heads {kv_heads}: need a multiple"
+        )
+    if not getattr(config, "head_dim", None) and config.hidden_size % heads:
+        raise UnsupportedModelError(
+            f"unsupported hidden_size {config.hidden_size} with num_attention_heads {heads}: need a multiple"
+        )
+    own = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if isinstance(own, bool) or not isinstance(own, int) or own < 1:
+        raise UnsupportedModelError(f"unsupported head_dim {own!r}: need a positive integer")
+    learned = fam.positions == "learned"
+    if own % 2 and not learned:
+        raise UnsupportedModelError(f"unsupported head size {own}: rotary embeddings need an even one")
+    rotary = own if learned else _rotary_dim(config, fam, own)
+    padded = graph_head_dim(own, rotary)
+    return {
+        "num_heads": heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": padded,
+        "model_head_dim": own if padded != own else 0,
+        "rotary_dim": rotary if rotary != own else 0,
+        "fused_qkv": fused,
+        "position_offset": fam.position_offset if learned else -1,
+    }
+
+
+def _blocks(config: Any, fam: Family) -> dict[str, Any]:
+    """The building blocks of ``ModelSpec`` the family's row and its config options choose."""
+    mlp_bias = fam.mlp_bias_key == "*" or bool(fam.mlp_bias_key and getattr(config, fam.mlp_bias_key, False))
+    layout = fam.parallel_layout if fam.parallel_key and getattr(config, fam.parallel_key, False) else fam.layout
+    return {
+        "qk_norm": fam.qk_norm in ("head", "layer"),
+        "qk_layer_norm": fam.qk_norm == "layer",
+        "qk_norm_full": fam.qk_norm == "full",
+        "nope_layers": _nope_layers(config) if fam.nope_layers else _global_nope(config, fam),
+        "local_rope_layers": _local_rope_layers(config) if fam.local_rope else (),
+        "norm": fam.norm,
+        "norm_offset": fam.norm_offset,
+        "layout": layout,
+        "gated": fam.gated,
+        "act": ACTIVATIONS[next(getattr(config, k) for k in fam.act_keys if getattr(config, k, None))],
+        "mlp_bias": mlp_bias,
+        "rotary_interleaved": fam.rotary_interleaved,
+        "conv1d": fam.conv1d,
+        "norm_weights": fam.norm_weights,
+        "clip_qkv": _clip(config, fam.clip_key),
+        "renames": fam.renames,
+        "embed_dim": _embed_dim(config, fam),
+    }
+
+
+def _multipliers(config: Any, fam: Family) -> dict[str, float]:
+    """The scales of ``ModelSpec``: attention's scale and soft-cap, the embeddings', each
+    branch's, the logits' (0: none)."""
+    scale = 0.0
+    if fam.attn_scale == "query_pre_attn_scalar":
+        scale = _positive_number(config, fam.attn_scale) ** -0.5
+    elif fam.attn_scale:
+        scale = _positive_number(config, fam.attn_scale)
+    embed_scale = 0.0
+    if fam.embed_scale == "sqrt_hidden":
+        embed_scale = math.sqrt(config.hidden_size)
+    elif fam.embed_scale:
+        embed_scale = _positive_number(config, fam.embed_scale)
+    return {
+        "attn_scale": scale,
+        "attn_softcap": _softcap(config, "attn_logit_softcapping") if fam.softcaps else 0.0,
+        "final_softcap": _softcap(config, "final_logit_softcapping") if fam.softcaps else 0.0,
+        "embed_scale": embed_scale,
+        "residual_scale": _positive_number(config, fam.residual_key) if fam.residual_key else 0.0,
+        "logits_divisor": _positive_number(config, fam.logits_key) if fam.logits_key else 0.0,
+        "logits_scale": _positive_number(config, fam.logits_scale_key) if fam.logits_scale_key else 0.0,
+    }
+
+
+def _embed_dim(config: Any, fam: Family) -> int:
+    """The embeddings' width when it is not the layers' (OPT-350M's ``word_embed_proj_dim``:
+    projected in after the lookup and out before the LM head), else 0."""
+    if not fam.embed_proj_key:
+        return 0
+    width = getattr(config, fam.embed_proj_key, None)
+    if width is None or width == config.hidden_size:
+        return 0
+    return _count(config, fam.embed_proj_key)
 
 
 def _count(config, key: str, low: int = 1) -> int:
@@ -458,7 +517,7 @@ def _global_nope(config, fam: Family) -> tuple[int, ...]:
     return tuple(i for i, sliding in enumerate(_layer_types(config)) if not sliding)
 
 
-def _nope_layers(config, family: str) -> tuple[int, ...]:
+def _nope_layers(config: Any) -> tuple[int, ...]:
     """SmolLM3's layers without rotary: transformers rotates layer i when ``no_rope_layers[i]``
     is 1 (a NoPE layer every ``no_rope_layer_interval`` when the config has no list)."""
     flags = getattr(config, "no_rope_layers", None)

@@ -44,6 +44,7 @@ AUTO_FAMILIES: dict[str, dict] = {
     "falcon": dict(tie_word_embeddings=True, new_decoder_architecture=False),
     "gpt2": dict(tie_word_embeddings=True),
     "cohere": dict(tie_word_embeddings=True),
+    "cohere2": dict(tie_word_embeddings=True),
     "olmo": dict(tie_word_embeddings=False),
     "glm": dict(tie_word_embeddings=False),
     "olmo3": dict(tie_word_embeddings=False),

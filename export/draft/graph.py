@@ -112,5 +112,7 @@ def build_head_onnx(
         g.linear(picked, np.ascontiguousarray(lm_head[:, vocab]), "/lm_head", out="logits")
 
     features = helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch_size", "sequence_length", H])
-    inputs, outputs = decoder_io(1, kv, d, int(vocab.size), H, (features,), packed=False)
-    return save_graph(g, "eagle_head", inputs, outputs, out_dir / "model.onnx", "specdec-rt export train-draft")
+    inputs, outputs = decoder_io(1, kv, d, int(vocab.size), hidden=H, extra_inputs=(features,), packed=False)
+    return save_graph(
+        g, "eagle_head", inputs, outputs, path=out_dir / "model.onnx", producer="specdec-rt export train-draft"
+    )

@@ -76,7 +76,7 @@ def test_unsupported_gguf_architecture(capsys, tmp_path):
     _fails(
         capsys,
         [str(src), "--out", str(tmp_path / "o")],
-        "unsupported architecture bloom; supported: llama, qwen2, qwen3, phi3, smollm3, gemma2, gemma3",
+        "unsupported architecture bloom (ALiBi position biases: not yet); supported: llama, qwen2, qwen3, phi3, smollm3, gemma2, gemma3",
     )
 
 
@@ -98,7 +98,7 @@ def test_unsupported_checkpoint_architecture(capsys, tmp_path):
     _fails(
         capsys,
         [str(tmp_path / "bloom"), "--out", str(tmp_path / "o")],
-        "unsupported architecture bloom; supported: llama, mistral, qwen2",
+        "unsupported architecture bloom (ALiBi position biases: not yet); supported: llama, mistral, qwen2",
     )
 
 
