@@ -342,11 +342,11 @@ class _Bench:
         """One round of ``order``'s configurations, interleaved within each step, plain
         decoding first (the reference); then each one's score for the round."""
         for kind, picked in self.plan.steps(round_no):
-            for c in sorted(order, key=lambda c: c.mode != "ar"):
-                if self.samples[c].ok:
-                    await self.run(c, kind, picked)
-        for c in order:
-            sample = self.samples[c]
+            for config in sorted(order, key=lambda c: c.mode != "ar"):
+                if self.samples[config].ok:
+                    await self.run(config, kind, picked)
+        for config in order:
+            sample = self.samples[config]
             if sample.ok and len(sample.round_one) == len(self.plan.kinds) and sample.round_many:
                 sample.scores.append(score(_geomean(list(sample.round_one.values())), sample.round_many))
             sample.round_one, sample.round_many = {}, 0.0

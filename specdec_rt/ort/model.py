@@ -462,10 +462,10 @@ def _commit_rows(
     into each session's last ``wants[i]`` positions."""
     out: list[np.ndarray] = []
     at_row = 0
-    for s, f, w in zip(sessions, feeds, wants):
-        n = s.length
-        s._ids[n : n + f.size] = f
-        s._length = n + f.size
-        out.append(logits[at_row : at_row + w])  # [w, V]
-        at_row += w
+    for session, feed, want in zip(sessions, feeds, wants):
+        past = session.length
+        session._ids[past : past + feed.size] = feed
+        session._length = past + feed.size
+        out.append(logits[at_row : at_row + want])  # [want, V]
+        at_row += want
     return out

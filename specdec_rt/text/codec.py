@@ -427,8 +427,7 @@ class TextCodec:
         out: list[int] = []
         unplace = re.compile("|".join(map(re.escape, back)))
         bounds = [-1] + cuts + [len(ids)]
-        for k in range(len(bounds) - 1):
-            lo, hi = bounds[k], bounds[k + 1]  # special tokens at lo and hi (or the ends)
+        for lo, hi in zip(bounds, bounds[1:]):  # special tokens at lo and hi (or the ends)
             start = offsets[lo][1] if lo >= 0 else 0
             end = offsets[hi][0] if hi < len(ids) else len(text)
             segment = text[start:end]

@@ -290,50 +290,50 @@ def _replace_first(args: tuple[Any, ...], values: list[Any], new: Any) -> tuple[
     return (*args[:at], new, *args[at + 1 :]), [new, *values[1:]]
 
 
-def _check_join(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+def _check_join(values: list[Any], kwargs: dict[str, Any], budget: _Budget) -> None:
     value = values[0]
     sep = values[1] if len(values) > 1 else kwargs.get("d", "")
-    b.need(_length(sep) * len(value) + _text_length(value, b.chars), "the join filter")
+    budget.need(_length(sep) * len(value) + _text_length(value, budget.chars), "the join filter")
 
 
-def _check_replace(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+def _check_replace(values: list[Any], kwargs: dict[str, Any], budget: _Budget) -> None:
     if len(values) >= 3:
-        b.need((_length(values[0]) + 1) * (_length(values[2]) + 1), "the replace filter")
+        budget.need((_length(values[0]) + 1) * (_length(values[2]) + 1), "the replace filter")
 
 
-def _check_indent(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+def _check_indent(values: list[Any], kwargs: dict[str, Any], budget: _Budget) -> None:
     width = values[1] if len(values) > 1 else kwargs.get("width", 4)
     lines = str(values[0]).count("\n") + 1
-    b.need(
-        lines * _length(width if isinstance(width, str) else " " * min(int(width), b.chars + 1)),
+    budget.need(
+        lines * _length(width if isinstance(width, str) else " " * min(int(width), budget.chars + 1)),
         "the indent filter",
     )
 
 
-def _check_format(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+def _check_format(values: list[Any], kwargs: dict[str, Any], budget: _Budget) -> None:
     if isinstance(values[0], str):
-        _check_percent(values[0], kwargs or tuple(values[1:]), b, "the format filter")
+        _check_percent(values[0], kwargs or tuple(values[1:]), budget, "the format filter")
 
 
-def _check_int(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+def _check_int(values: list[Any], kwargs: dict[str, Any], budget: _Budget) -> None:
     value = values[0]
     if isinstance(value, str) and len(value) > 5000 and value.strip().lstrip("+-").replace("_", "").isdigit():
         # Python 3.11+ refuse over 4300 digits; 3.10 would parse them in quadratic time
-        b.bits(len(value), "the int filter's result")
+        budget.bits(len(value), "the int filter's result")
 
 
-def _check_wordwrap(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+def _check_wordwrap(values: list[Any], kwargs: dict[str, Any], budget: _Budget) -> None:
     width = values[1] if len(values) > 1 else kwargs.get("width", 79)
     wrap = values[3] if len(values) > 3 else kwargs.get("wrapstring") or "\n"
     text = str(values[0])
     lines = 2 * len(text) // max(width if isinstance(width, int) else 1, 1) + text.count("\n") + 2
-    b.need(len(text) + min(lines, len(text) + 2) * _length(wrap), "the wordwrap filter")
+    budget.need(len(text) + min(lines, len(text) + 2) * _length(wrap), "the wordwrap filter")
 
 
-def _check_tojson(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+def _check_tojson(values: list[Any], kwargs: dict[str, Any], budget: _Budget) -> None:
     indent = values[1] if len(values) > 1 else kwargs.get("indent")
     if isinstance(indent, int) and indent > 64:
-        b.need(indent * 10**6, "tojson's indent")
+        budget.need(indent * 10**6, "tojson's indent")
 
 
 # what a filter's input and arguments would build, checked before it runs
@@ -467,24 +467,24 @@ def _check_str_method(obj: Any, attr: str) -> None:
         )
 
 
-def _check_binop(b: _Budget, operator: str, left: Any, right: Any) -> None:
+def _check_binop(budget: _Budget, operator: str, left: Any, right: Any) -> None:
     """Refuse a binary operation whose result could exceed the budget, before it runs: an int
     result's bits are bounded BEFORE computing it (one huge multiplication or power runs in C
     and cannot be stopped by the deadline), a repetition's and a %-format's length."""
     if isinstance(left, int) and isinstance(right, int):
         bl, br = left.bit_length(), right.bit_length()
         if operator == "*":
-            b.bits(bl + br, "a product")
+            budget.bits(bl + br, "a product")
         elif operator == "**" and right > 0 and abs(left) > 1:
-            b.bits(int(right * math.log2(abs(left))) + 1 if br < 64 else 1 << 64, "a power")
+            budget.bits(int(right * math.log2(abs(left))) + 1 if br < 64 else 1 << 64, "a power")
         elif operator in ("+", "-"):
-            b.bits(max(bl, br) + 1, "a sum")
+            budget.bits(max(bl, br) + 1, "a sum")
     elif operator == "*":
         for seq, n in ((left, right), (right, left)):
             if isinstance(seq, _SEQUENCES) and isinstance(n, int):
-                b.need(_length(seq) * max(n, 0), "a repetition")
+                budget.need(_length(seq) * max(n, 0), "a repetition")
     elif operator == "%" and isinstance(left, str):
-        _check_percent(left, right, b, "a %-format")
+        _check_percent(left, right, budget, "a %-format")
 
 
 def _format_call(fmt: Any, f_self: str, *, format_map: bool) -> Callable[..., str]:
