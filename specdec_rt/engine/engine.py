@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Engine", "EngineResult", "EngineStream", "StreamEvent"]
 
-Prompt = str | Sequence[dict] | Sequence[int]
+Prompt = str | Sequence[dict[str, Any]] | Sequence[int]
 
 MAX_SLOTS = 256
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # about 250k tokens: more than any context here holds
@@ -182,7 +182,7 @@ class Engine:
         return SpecDecScheduler(drafter, verifier, config, eos_ids=eos_ids, batch=batch)
 
     @property
-    def prefix_cache(self) -> dict:
+    def prefix_cache(self) -> dict[str, Any]:
         """The prefix cache now: ``enabled``, ``queries`` and ``hit_tokens`` (target lookups and
         prompt tokens they supplied), ``entries``, ``evictions`` and ``bytes`` (KV held, all models)."""
         caches = [m.prefix_cache for m in self.models if m.prefix_cache is not None]
@@ -196,7 +196,7 @@ class Engine:
             "bytes": sum(c.bytes for c in caches),
         }
 
-    def _tell_batch(self, model, rows: int, seconds: float) -> None:
+    def _tell_batch(self, model: LanguageModel, rows: int, seconds: float) -> None:
         if model is self.target:
             for f in self.batch_listeners:
                 f(rows)
@@ -381,7 +381,7 @@ class Engine:
             prompt_token_ids=None if first.prompt_token_ids is None else list(first.prompt_token_ids),
             prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
             tool_calls=(
-                parse_tool_calls(text, [t["function"]["name"] for t in request.tools])[1]
+                parse_tool_calls(text, [t["function"]["name"] for t in request.tools or ()])[1]
                 if request.calls_tools
                 else None
             ),
@@ -432,7 +432,9 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
         return stream
 
-    def _encode(self, prompt: Prompt, max_new_tokens: int, truncate_prompt: bool, tools=None) -> list[int] | np.ndarray:
+    def _encode(
+        self, prompt: Prompt, max_new_tokens: int, truncate_prompt: bool, tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int] | np.ndarray:
         """The prompt's token ids, cut to fit with ``truncate_prompt`` (in a worker thread: a chat
         template may take a while). Starting the scheduler's request is the event loop's: it
         reads the prefix cache, whose bookkeeping only the loop's thread may touch. A big
@@ -441,7 +443,7 @@ class Engine:
         ids: list[int] | np.ndarray
         try:
             ids = token_id_prompt(prompt, self.target.vocab_size) or self.prompt_encoder.encode(
-                cast("str | Sequence[dict]", prompt), tools=tools
+                cast("str | Sequence[dict[str, Any]]", prompt), tools=tools
             )  # (not token ids: those were taken)
         except SpecDecError:
             raise
@@ -467,7 +469,7 @@ class Engine:
             ids = ids.tolist()
         return ids
 
-    def _constraint(self, shape: "RequestShape"):
+    def _constraint(self, shape: RequestShape) -> Any:
         """The request's constraint, or None (in a worker thread): its JSON schema's, or its call
         grammar's, whose parameter schemas are compiled on their own first (one the grammar engine
         gives up on is refused now, before anything runs); ``min_tokens`` on top."""
@@ -582,7 +584,7 @@ class Engine:
             if stopped:
                 break
 
-    async def _hand_over(self, send, event: StreamEvent) -> None:
+    async def _hand_over(self, send: MemoryObjectSendStream[StreamEvent | Exception], event: StreamEvent) -> None:
         """Queue ``event`` for the consumer; when :data:`STREAM_BUFFER` events wait already,
         wait at most ``consumer_timeout`` seconds for it to take one, then end the request."""
         timeout = self.consumer_timeout
@@ -646,7 +648,7 @@ class Engine:
     async def __aenter__(self) -> "Engine":
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
 
@@ -723,7 +725,7 @@ class _MeasuredBatch(BatchCosts):
         return min(len(self.engine._tasks), self.engine.slots)
 
 
-def _request_params(params, overrides: dict) -> RequestParams:
+def _request_params(params: object, overrides: dict[str, Any]) -> RequestParams:
     """``generate`` / ``stream``'s parameters as one checked :class:`RequestParams`: ``params``
     (None, a RequestParams, or ``max_new_tokens`` as a number, the older positional form) with
     the keyword ``overrides`` on top."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..batching import BatchExecutor
 from ..drafters import CombinedDrafter, NgramDrafter
@@ -227,7 +227,7 @@ def cheaper_drafts(home: Manifest, target: TargetCandidate, every: bool = True) 
     ]
 
 
-def home_manifest(name_or_path: str | os.PathLike) -> Manifest:
+def home_manifest(name_or_path: str | os.PathLike[str]) -> Manifest:
     """The checked manifest of a built recipe or an export folder."""
     return load_manifest(resolve_model_dir(name_or_path))
 
@@ -244,7 +244,7 @@ def runtime_facts(threads: int | None) -> dict[str, Any]:
     }
 
 
-def resolve_draft_spec(m, spec: str | None) -> str:
+def resolve_draft_spec(m: Manifest, spec: str | None) -> str:
     """The concrete draft spec for a manifest: ``None`` means ``DEFAULT_DRAFT``, and ``"model"``
     the manifest's first draft (or, when it lists none, n-gram lookup alone)."""
     spec = DEFAULT_DRAFT if spec is None else str(spec)
@@ -257,7 +257,7 @@ def resolve_draft_spec(m, spec: str | None) -> str:
     return f"ngram+{model_spec}" if combined else model_spec
 
 
-def model_drafter(m, dm, **opts) -> OrtDraftInferrer | EagleDrafter:
+def model_drafter(m: Manifest, dm: Manifest, **opts: Any) -> OrtDraftInferrer | EagleDrafter:
     """The drafter for draft folder ``dm`` of target ``m`` (both manifests): an
     :class:`~specdec_rt.ort.eagle.EagleDrafter` for ``"kind": "eagle"``, else a draft model run by
     ONNX Runtime. Checks that it shares the target's tokenizer and vocabulary. ``opts``:
@@ -281,7 +281,7 @@ def model_drafter(m, dm, **opts) -> OrtDraftInferrer | EagleDrafter:
     return OrtDraftInferrer(OrtModel(dm, **opts))
 
 
-def make_drafter(m, spec: str | None, opts: dict) -> tuple[DraftInferrer | None, str | None]:
+def make_drafter(m: Manifest, spec: str | None, opts: dict[str, Any]) -> tuple[DraftInferrer | None, str | None]:
     """A drafter from a draft spec: ``"none"``, ``"ngram"``, a model draft (a name from the
     manifest or a folder; ``"model"`` is the manifest's first), or ``"ngram+<model draft>"``."""
     spec = resolve_draft_spec(m, spec)
@@ -299,7 +299,10 @@ def make_drafter(m, spec: str | None, opts: dict) -> tuple[DraftInferrer | None,
     elif not named and (any(c in model_spec for c in "/\\") or model_spec.startswith(("~", "."))):  # a folder
         raise ModelLoadError(f"{path}: not a draft folder (no manifest.json in it); build one with python -m export")
     else:
-        draft_dir = m.draft_dir(model_spec)
+        listed = m.draft_dir(model_spec)
+        if listed is None:
+            raise ModelLoadError(f"{m.folder}: no draft named {model_spec!r}; this model lists no drafts")
+        draft_dir = listed
     dm = load_manifest(draft_dir)
     model = model_drafter(m, dm, **opts)
     label = label or dm.name
@@ -308,17 +311,17 @@ def make_drafter(m, spec: str | None, opts: dict) -> tuple[DraftInferrer | None,
     return model, label
 
 
-def engine_models(target, drafter) -> list:
+def engine_models(target: OrtModel, drafter: DraftInferrer | None) -> list[OrtModel]:
     """The models of an engine: its target, then the models its drafter runs (a draft model, a
-    combined drafter's model, an EAGLE head)."""
+    combined drafter's model, an EAGLE head), all ONNX Runtime models as the factory builds them."""
     found = [target]
     for part in _drafter_parts(drafter):
         if isinstance(part, (ModelDrafter, EagleDrafter)) and part.model not in found:
-            found.append(part.model)
+            found.append(cast(OrtModel, part.model))
     return found
 
 
-def _drafter_parts(drafter) -> list:
+def _drafter_parts(drafter: DraftInferrer | None) -> list[DraftInferrer]:
     if isinstance(drafter, CombinedDrafter):
         return [drafter.ngram, *_drafter_parts(drafter.model)]
     return [] if drafter is None else [drafter]
@@ -333,7 +336,7 @@ class EngineParts:
     verifier: TargetVerifier
     drafter: DraftInferrer | None
     draft_name: str | None
-    models: list  # [OrtModel]: the target first, then the draft's (closed with the engine)
+    models: list[Any]  # [OrtModel]: the target first, then the draft's (closed with the engine)
     executor: BatchExecutor
     codec: TextCodec
     candidate: TargetCandidate  # which of the folder's targets was loaded
@@ -391,5 +394,5 @@ def _share_cache_budget(models: list[OrtModel], budget: int) -> None:
         mod.prefix_cache.budget_bytes = budget * mod.open_pool().token_bytes // per_token
 
 
-def _named(home: Manifest, names: list[str]) -> tuple[dict, ...]:
+def _named(home: Manifest, names: list[str]) -> tuple[dict[str, Any], ...]:
     return tuple(d for d in home.drafts if d["name"] in names)

@@ -10,9 +10,14 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import ModelNotBuiltError, SpecDecError
+
+if TYPE_CHECKING:
+    import argparse
+
+    from .engine import Engine
 
 __all__ = ["DEFAULT_MODEL", "ensure_built", "load_engine"]
 
@@ -44,7 +49,7 @@ def ensure_built(model: str, allow_build: bool = True, say: Callable[[str], None
     return resolve_model_dir(model)
 
 
-async def load_engine(args, draft=None):
+async def load_engine(args: argparse.Namespace, draft: str | None = None) -> Engine:
     """An :class:`~specdec_rt.Engine` (one slot) from the CLI's model options (``--model``,
     ``--draft``, ``--threads``, ``--max-length``, ``--provider``); ``draft`` overrides
     ``args.draft``."""

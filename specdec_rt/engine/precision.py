@@ -31,7 +31,7 @@ PRECISIONS = ("auto", "exported", *PINNED_PRECISIONS)
 CHOSEN_BY = ("tuned", "cached", "pinned", "exported")
 
 
-def check_precision(precision) -> str:
+def check_precision(precision: object) -> str:
     """``precision`` if it is one of :data:`PRECISIONS`; else an InvalidInputError naming it."""
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise InvalidInputError(f"precision must be one of {', '.join(PRECISIONS)}, got {brief_repr(precision)}")

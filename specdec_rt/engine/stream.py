@@ -7,11 +7,17 @@ from __future__ import annotations
 import asyncio
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ..errors import EngineClosedError
 from ..types import FinishReason, Stats, TokenLogprob
+
+if TYPE_CHECKING:
+    from ..request.params import RequestParams
+    from .engine import Engine
 
 __all__ = ["EngineResult", "EngineStream", "StreamEvent"]
 
@@ -32,7 +38,7 @@ class EngineResult:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     #: with ``tools``: the calls in ``text`` (OpenAI's shape: ``id``, ``type``, ``function.name``,
     #: ``function.arguments`` as a JSON string), maybe none; ``text`` stays the whole answer
-    tool_calls: list[dict] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -64,13 +70,18 @@ class EngineStream:
     raises :class:`~specdec_rt.errors.ConsumerTimeoutError`. ``params``: the request's checked
     :class:`~specdec_rt.request.params.RequestParams`."""
 
-    def __init__(self, receive, engine, params=None) -> None:  # engine: the Engine it belongs to
+    def __init__(
+        self,
+        receive: MemoryObjectReceiveStream[StreamEvent | Exception],
+        engine: Engine,
+        params: RequestParams,
+    ) -> None:
         self._receive, self._engine, self.params = receive, engine, params
         self._ready = _Ready()
-        self._task: asyncio.Task | None = None
-        self._finalizer: weakref.finalize | None = None  # cancels the task (set by _attach, with it)
+        self._task: asyncio.Task[Any] | None = None
+        self._finalizer: weakref.finalize[..., EngineStream] | None = None  # cancels the task (set by _attach, with it)
 
-    def _attach(self, task: asyncio.Task) -> None:
+    def _attach(self, task: asyncio.Task[Any]) -> None:
         self._task = task
         self._finalizer = finalizer = weakref.finalize(self, _cancel_soon, task.get_loop(), task, self._receive)
         finalizer.atexit = False
@@ -89,11 +100,18 @@ class EngineStream:
     def __aiter__(self) -> "EngineStream":
         return self
 
-    async def __anext__(self):  # -> StreamEvent
+    async def __anext__(self) -> StreamEvent:
         try:
             item = await self._receive.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
-            if self._finalizer.alive and self._engine._closed and self._task.cancelled():
+            finalizer, task = self._finalizer, self._task
+            if (
+                finalizer is not None
+                and finalizer.alive
+                and self._engine._closed
+                and task is not None
+                and task.cancelled()
+            ):
                 raise EngineClosedError("the engine was closed while this request ran") from None
             if self._ready.ended is not None and self._finalizer is not None and self._finalizer.alive:
                 raise self._ready.ended from None  # its consumer took no event for consumer_timeout s
@@ -110,7 +128,7 @@ class EngineStream:
     async def __aenter__(self) -> "EngineStream":
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
 
@@ -135,7 +153,9 @@ class _Ready:
             raise self._error
 
 
-def _cancel_soon(loop, task: asyncio.Task, receive) -> None:
+def _cancel_soon(
+    loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], receive: MemoryObjectReceiveStream[Any]
+) -> None:
     """Cancel a request's task from wherever its stream was dropped (thread-safe)."""
     receive.close()
     if not task.done() and not loop.is_closed():

@@ -187,7 +187,7 @@ class Tuned:
     path: Path | None = None
 
 
-def configs_for(home) -> list[Config]:
+def configs_for(home: Manifest) -> list[Config]:
     """The configurations to measure for the folder whose manifest is ``home`` (see the module's
     docstring): per target, ``none``, ``ngram`` and ``ngram+<draft>`` for its cheaper drafts."""
     found = []
@@ -342,11 +342,11 @@ class _Bench:
         """One round of ``order``'s configurations, interleaved within each step, plain
         decoding first (the reference); then each one's score for the round."""
         for kind, picked in self.plan.steps(round_no):
-            for c in sorted(order, key=lambda c: c.mode != "ar"):
-                if self.samples[c].ok:
-                    await self.run(c, kind, picked)
-        for c in order:
-            sample = self.samples[c]
+            for config in sorted(order, key=lambda c: c.mode != "ar"):
+                if self.samples[config].ok:
+                    await self.run(config, kind, picked)
+        for config in order:
+            sample = self.samples[config]
             if sample.ok and len(sample.round_one) == len(self.plan.kinds) and sample.round_many:
                 sample.scores.append(score(_geomean(list(sample.round_one.values())), sample.round_many))
             sample.round_one, sample.round_many = {}, 0.0
@@ -513,7 +513,7 @@ def _lock(path: Path) -> asyncio.Lock:
 
 
 async def choose(
-    name_or_path,
+    name_or_path: str | os.PathLike[str],
     load: Load,
     *,
     threads: int | None = None,
@@ -536,7 +536,7 @@ async def choose(
     it measures on its own, with a warning (``tune.unlocked``). Raises
     :class:`SpecDecError` when no configuration could be measured."""
 
-    def look():  # (reads and hashes files: off the event loop)
+    def look() -> tuple[Manifest, dict[str, Any], set[tuple[str, str]]]:  # (reads files: off the event loop)
         home = home_manifest(name_or_path)
         key = tune_key(home, threads=threads, slots=slots, provider=provider)
         return home, key, {(c.precision, c.draft) for c in configs_for(home)}

@@ -35,7 +35,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     import fcntl
@@ -45,6 +45,9 @@ except ImportError:  # (Windows: no flock; each process measures on its own, and
 from ..logs import get_logger
 from ..manifest_schema import MANIFEST
 from .factory import cache_root, runtime_facts
+
+if TYPE_CHECKING:
+    from ..ort import Manifest
 
 __all__ = [
     "TUNE_VERSION",
@@ -155,7 +158,7 @@ class TuneResult:
         "precise one by more than 5%; a draft model that beats the pick by over 10% on a category alone is "
         "kept if its score is within 15% of the pick's"
     )
-    key: dict = field(default_factory=dict)
+    key: dict[str, Any] = field(default_factory=dict)
     tokens: int = 0  # greedy tokens per answer measured (0: not said)
 
     @property
@@ -201,17 +204,17 @@ class TuneResult:
         return cls(rows=rows, chosen=chosen, rounds=rounds, seconds=float(seconds), rule=rule, key=key, tokens=tokens)
 
 
-def _number(value, hi: float) -> bool:
+def _number(value: Any, hi: float) -> bool:
     return type(value) in (int, float) and math.isfinite(value) and 0 <= value <= hi
 
 
-def _text(value, limit: int) -> str:
+def _text(value: object, limit: int) -> str:
     if not isinstance(value, str) or len(value) > limit or not _TEXT.match(value):
         raise ValueError(f"a string of at most {limit} printable characters expected, got {str(value)[:40]!r}")
     return value
 
 
-def _row(raw) -> TuneRow:
+def _row(raw: object) -> TuneRow:
     if not isinstance(raw, dict):
         raise ValueError("a row must be an object")
     nums = {k: raw.get(k) for k in ("tok_s_1", "tok_s_c", "acceptance")}
@@ -234,7 +237,7 @@ def _row(raw) -> TuneRow:
     )
 
 
-def _categories(raw) -> tuple[CategoryRate, ...]:
+def _categories(raw: object) -> tuple[CategoryRate, ...]:
     if not isinstance(raw, list) or len(raw) > MAX_CATEGORIES:
         raise ValueError(f"row categories must be a list of at most {MAX_CATEGORIES}")
     found: list[CategoryRate] = []
@@ -268,7 +271,7 @@ def cpu_facts() -> dict[str, Any]:
     return {"cpu": name[:200], "machine": platform.machine(), "isa": sorted(flags & set(ISA_FLAGS))}
 
 
-def model_stamp(home) -> str:
+def model_stamp(home: Manifest) -> str:
     """A hash of the folder's and its drafts' ``manifest.json`` and of each listed file's size
     and modification time: a rebuilt or edited model is another key."""
     h = hashlib.sha256()
@@ -287,7 +290,7 @@ def model_stamp(home) -> str:
     return h.hexdigest()
 
 
-def tune_key(home, *, threads: int | None, slots: int, provider: str) -> dict[str, Any]:
+def tune_key(home: Manifest, *, threads: int | None, slots: int, provider: str) -> dict[str, Any]:
     """Everything a measurement's winner depends on (see the module's docstring)."""
     return {
         "tune_version": TUNE_VERSION,
@@ -303,7 +306,7 @@ def tune_key(home, *, threads: int | None, slots: int, provider: str) -> dict[st
 TUNE_DIR_ENV = "SPECDEC_RT_TUNE_DIR"  # the tune files' own folder (tests point it at a temporary one)
 
 
-def cache_path(key: dict) -> Path:
+def cache_path(key: dict[str, Any]) -> Path:
     """``<cache>/tune/<model>-<hash of the key>.json`` (``$SPECDEC_RT_TUNE_DIR`` instead of
     ``<cache>/tune`` when set)."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
@@ -312,7 +315,7 @@ def cache_path(key: dict) -> Path:
     return (Path(folder).expanduser() if folder else cache_root() / "tune") / f"{slug}-{digest}.json"
 
 
-def read_cached(key: dict) -> TuneResult | None:
+def read_cached(key: dict[str, Any]) -> TuneResult | None:
     """The cached result for ``key``, or None: absent, unreadable, malformed, or for another key
     (a warning says which and the caller measures again)."""
     path = cache_path(key)
@@ -369,7 +372,7 @@ def _drop_lock(path: Path) -> None:
             os.close(fd)
 
 
-def write_cached(key: dict, result: TuneResult) -> Path | None:
+def write_cached(key: dict[str, Any], result: TuneResult) -> Path | None:
     """Store ``result`` under ``key`` (atomically); the path, or None when it cannot be written."""
     path = cache_path(key)
     result.key = key
@@ -400,7 +403,7 @@ else:
     _NOFOLLOW, _NONBLOCK, _CLOEXEC = os.O_NOFOLLOW, os.O_NONBLOCK, os.O_CLOEXEC
 
 
-def lock_path(key: dict) -> Path:
+def lock_path(key: dict[str, Any]) -> Path:
     """The lock file of ``key``'s tune file: beside it, ``<model>-<hash>.lock``."""
     return cache_path(key).with_suffix(LOCK_SUFFIX)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ..speculation.adapters import ModelDrafter, ModelVerifier
 from .manifest import Manifest, load_manifest, resolve_model_dir
@@ -32,7 +33,7 @@ class OrtTargetVerifier(ModelVerifier):
     model: OrtModel
 
     def __init__(
-        self, model: OrtModel | str | os.PathLike | Manifest, *, share_hidden: bool = False, **options
+        self, model: OrtModel | str | os.PathLike[str] | Manifest, *, share_hidden: bool = False, **options: Any
     ) -> None:
         super().__init__(
             model if isinstance(model, OrtModel) else OrtModel(model, **options), share_hidden=share_hidden
@@ -45,5 +46,5 @@ class OrtDraftInferrer(ModelDrafter):
 
     model: OrtModel
 
-    def __init__(self, model: OrtModel | str | os.PathLike | Manifest, **options) -> None:
+    def __init__(self, model: OrtModel | str | os.PathLike[str] | Manifest, **options: Any) -> None:
         super().__init__(model if isinstance(model, OrtModel) else OrtModel(model, **options))

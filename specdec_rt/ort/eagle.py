@@ -16,7 +16,7 @@ draft's q is zero outside V', which rejection sampling handles (those tokens are
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -75,7 +75,7 @@ def load_vocab_map(m: Manifest) -> tuple[np.ndarray, int]:
 
 
 class _HeadState:
-    def __init__(self, session) -> None:
+    def __init__(self, session: Any) -> None:
         self.session = session
         self.true_len = 0  # head positions computed from committed tokens and true features
 
@@ -89,7 +89,7 @@ class EagleDrafter(DraftInferrer):
 
     needs_target_hidden = True
 
-    def __init__(self, model: OrtModel | str | os.PathLike | Manifest, **options) -> None:
+    def __init__(self, model: OrtModel | str | os.PathLike[str] | Manifest, **options: Any) -> None:
         if not isinstance(model, OrtModel):
             model = OrtModel(model, **options)
         if model.manifest.raw.get("kind") != "eagle" or not model.manifest.inputs.get("features"):

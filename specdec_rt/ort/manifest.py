@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 
-def inside(folder: Path, rel, what: str, manifest: Path | None = None) -> Path:
+def inside(folder: Path, rel: Any, what: str, manifest: Path | None = None) -> Path:
     """``folder / rel`` for a relative path that resolves (symlinks followed) inside ``folder``;
     else ``ModelLoadError``. The message names the manifest and the field, never anything about
     the file outside (whether it exists, its size)."""
@@ -90,7 +90,7 @@ def _is_file(p: Path) -> bool:
         return False
 
 
-def _short(value) -> str:
+def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -105,7 +105,7 @@ def cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "specdec-rt"
 
 
-def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
+def resolve_model_dir(name_or_path: str | os.PathLike[str]) -> Path:
     """A folder holding ``manifest.json``: the path itself, or a built recipe by name."""
     path = Path(name_or_path).expanduser()
     if (path / MANIFEST).is_file():
@@ -149,18 +149,18 @@ class Manifest:
     inputs: dict[str, str | None]
     outputs: dict[str, str | None]
     kv: dict[str, Any]
-    quantization: dict | None
-    drafts: tuple[dict, ...]
+    quantization: dict[str, Any] | None
+    drafts: tuple[dict[str, Any], ...]
     exact_to: str | None
-    raw: dict = field(repr=False, compare=False, default_factory=dict)
+    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
     # the longest window of the graph's sliding layers (0: none); such a model verifies chains
     sliding_window: int = 0
 
     def kv_name(self, role: str, layer: int) -> str:
         """ONNX name of ``past_key`` / ``past_value`` / ``present_key`` / ``present_value``."""
-        return self.kv[role].format(layer=layer)
+        return str(self.kv[role]).format(layer=layer)
 
-    def path(self, rel, what: str) -> Path:
+    def path(self, rel: Any, what: str) -> Path:
         """A file the manifest names (``rel``), checked to lie inside the folder."""
         return inside(self.folder, rel, what)
 
@@ -177,7 +177,7 @@ class Manifest:
         raise ModelLoadError(f"{self.folder}: no draft named {name!r}; this model has {names}")
 
 
-def load_manifest(folder: str | os.PathLike, verify_hashes: bool | str = "once") -> Manifest:
+def load_manifest(folder: str | os.PathLike[str], verify_hashes: bool | str = "once") -> Manifest:
     """Parse and check ``folder/manifest.json``: schema, required fields and their bounds, every
     named path inside the folder, files present with the recorded sizes and sha256.
 
@@ -188,7 +188,9 @@ def load_manifest(folder: str | os.PathLike, verify_hashes: bool | str = "once")
     return check_manifest(folder, _read_json(folder / MANIFEST), verify_hashes)
 
 
-def check_manifest(folder: str | os.PathLike, raw: dict, verify_hashes: bool | str = "never") -> Manifest:
+def check_manifest(
+    folder: str | os.PathLike[str], raw: dict[str, Any], verify_hashes: bool | str = "never"
+) -> Manifest:
     """The checks of :func:`load_manifest` on a manifest held in memory, ``raw``, for the files
     in ``folder``: the exporter validates a graph through the runtime before it writes
     ``manifest.json``. Errors name ``folder/manifest.json``."""
@@ -289,7 +291,7 @@ def _check_files(m: Manifest, files: Any, path: Path) -> dict[str, Any]:
     return checked
 
 
-def _check_packed(inputs: dict, path: Path) -> None:
+def _check_packed(inputs: dict[str, Any], path: Path) -> None:
     """Every language-model graph takes packed rows with positions and an attention bias
     (``PACKED_ROLES`` + ``TREE_ROLES``, exporter 0.3 and later); an EAGLE head (an input
     ``features``) takes none of them. A folder exported before packed rows is refused here, the
@@ -329,7 +331,7 @@ def read_regular(path: Path, limit: int, follow: bool = True) -> bytes:
     return data
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
     """The manifest: a regular file inside its folder, at most ``MAX_MANIFEST_BYTES``, a JSON object."""
     if path.is_symlink():
         inside(path.parent, path.name, MANIFEST, path)  # a link must stay inside the folder
@@ -344,7 +346,7 @@ def _read_json(path: Path) -> dict:
     return raw
 
 
-def _obj(parent: dict, key: str, path: Path, default=None) -> dict:
+def _obj(parent: dict[str, Any], key: str, path: Path, default: dict[str, Any] | None = None) -> dict[str, Any]:
     value = parent.get(key, default)
     if value is None and default is not None:
         value = default
@@ -366,23 +368,23 @@ def _printable(value: str, what: str, path: Path) -> str:
     return value
 
 
-def _bool(value, what: str, path: Path) -> bool:
+def _bool(value: Any, what: str, path: Path) -> bool:
     if not isinstance(value, bool):
         raise ModelLoadError(f"{path}: {what} must be true or false, got {_short(value)}")
     return value
 
 
-def _str(value, what: str, path: Path, limit: int = MAX_NAME_CHARS) -> str:
+def _str(value: Any, what: str, path: Path, limit: int = MAX_NAME_CHARS) -> str:
     if not isinstance(value, str) or len(value) > limit:
         raise ModelLoadError(f"{path}: {what} must be a string of at most {limit} characters, got {_short(value)}")
     return value
 
 
-def _opt_str(value, what: str, path: Path, limit: int) -> str | None:
+def _opt_str(value: Any, what: str, path: Path, limit: int) -> str | None:
     return None if value is None else _str(value, what, path, limit)
 
 
-def _names(onnx_: dict, key: str, path: Path) -> dict[str, str | None]:
+def _names(onnx_: dict[str, Any], key: str, path: Path) -> dict[str, str | None]:
     table = _obj(onnx_, key, path)
     for role, name in table.items():
         if name is not None:
@@ -390,7 +392,7 @@ def _names(onnx_: dict, key: str, path: Path) -> dict[str, str | None]:
     return dict(table)
 
 
-def _check_kv_template(value, what: str, path: Path) -> None:
+def _check_kv_template(value: Any, what: str, path: Path) -> None:
     """A KV name template: a bounded string whose only field is ``{layer}``, with no conversion
     or format spec (``{layer:>300000000}`` would build a 300 MB name)."""
     _str(value, what, path)
@@ -405,7 +407,7 @@ def _check_kv_template(value, what: str, path: Path) -> None:
         )
 
 
-def _drafts(folder: Path, drafts, path: Path) -> tuple[dict, ...]:
+def _drafts(folder: Path, drafts: Any, path: Path) -> tuple[dict[str, Any], ...]:
     if drafts is None:
         return ()
     if not isinstance(drafts, list) or len(drafts) > MAX_DRAFTS:
@@ -418,7 +420,7 @@ def _drafts(folder: Path, drafts, path: Path) -> tuple[dict, ...]:
     return tuple(drafts)
 
 
-def _check_file(p: Path, info, manifest: Path) -> tuple[int, str | None]:
+def _check_file(p: Path, info: Any, manifest: Path) -> tuple[int, str | None]:
     """Size check of one listed file (already confined); returns (size, sha256 or None)."""
     if not isinstance(info, dict):
         raise ModelLoadError(f"{manifest}: files entry for {p.name!r} must be an object")
@@ -443,7 +445,7 @@ def _sha256(p: Path) -> str:
     return h.hexdigest()
 
 
-def _read_stamp(folder: Path) -> dict:
+def _read_stamp(folder: Path) -> dict[str, Any]:
     """The folder's verification stamp, or ``{}``: a regular file, not a link, bounded."""
     try:
         stamp = json.loads(read_regular(folder / STAMP, MAX_MANIFEST_BYTES, follow=False).decode("utf-8"))
@@ -453,7 +455,7 @@ def _read_stamp(folder: Path) -> dict:
         return {}
 
 
-def _verify_hashes(folder: Path, checked: dict, manifest: Path, use_stamp: bool) -> None:
+def _verify_hashes(folder: Path, checked: dict[str, Any], manifest: Path, use_stamp: bool) -> None:
     """sha256 of every listed file that has one, skipping those the stamp records as verified
     with their current ``[*STAMP_STAT, sha256]``; a mismatch names the file. Writes the stamp."""
     stamp = _read_stamp(folder) if use_stamp else {}

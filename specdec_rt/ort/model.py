@@ -13,15 +13,15 @@ they are (host memory on CPU, device memory with CUDA).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..batching import BatchExecutor
+from ..checks import brief_repr
 from ..errors import InferenceError, ModelLoadError
 from ..kvcache.prefix import DEFAULT_BLOCK, PrefixCache
 from ..logs import get_logger
-from ..sampling import brief_repr
 from ..speculation.protocols import LanguageModel, ModelCaps
 from .kvpool import KVPool
 from .manifest import PACKED_ROLES, Manifest, load_manifest
@@ -53,7 +53,7 @@ class OrtModel(LanguageModel):
 
     def __init__(
         self,
-        folder: str | os.PathLike | Manifest,
+        folder: str | os.PathLike[str] | Manifest,
         *,
         max_length: int | None = None,
         slots: int = 4,
@@ -239,7 +239,7 @@ class OrtModel(LanguageModel):
         self._batch_io.clear()
         self._owners.clear()
 
-    def _bind_kv(self, io, first_slot: int, rows: int) -> None:
+    def _bind_kv(self, io: Any, first_slot: int, rows: int) -> None:
         """Bind every layer's past and present KV to the same ``[rows, kv, max_len + 1, d]``
         slice of the pool, starting at ``first_slot``: appends happen in place."""
         m, pool = self.manifest, self.open_pool()
@@ -256,7 +256,7 @@ class OrtModel(LanguageModel):
                 io.bind_input(m.kv_name(past, layer), **where)
                 io.bind_output(m.kv_name(present, layer), **where)
 
-    def _span(self, sessions) -> tuple[int, int, np.ndarray]:
+    def _span(self, sessions: Sequence[OrtSession]) -> tuple[int, int, np.ndarray]:
         """``(first slot, rows, row of each session)`` of the slots a batched call covers."""
         slots = [s.slot for s in sessions]
         lo = min(slots)
@@ -303,7 +303,8 @@ class OrtModel(LanguageModel):
         try:
             session.run_with_iobinding(io)
             self.calls += 1
-            return io.get_outputs()[2 * self.manifest.num_layers].numpy()  # [rows, R, V]
+            logits: np.ndarray = io.get_outputs()[2 * self.manifest.num_layers].numpy()  # [rows, R, V]
+            return logits
         except Exception as exc:  # noqa: BLE001 - map ORT's errors at the boundary
             raise InferenceError(
                 f"ONNX Runtime failed in {self.name} ({what} over slots {lo}..{lo + rows - 1}): {exc}"
@@ -341,7 +342,8 @@ class OrtModel(LanguageModel):
         for s, p, x in zip(sessions, pasts, ids):
             s._ids[p] = x
             s._length = int(p) + 1
-        return logits[at, 0]  # [B, V]
+        step: np.ndarray = logits[at, 0]  # [B, V]
+        return step
 
     def _overflowing(self, sessions: list["OrtSession"], feeds: list[np.ndarray]) -> set[int]:
         """Rows of a call of several that attention's padded layout would write past the end of
@@ -460,10 +462,10 @@ def _commit_rows(
     into each session's last ``wants[i]`` positions."""
     out: list[np.ndarray] = []
     at_row = 0
-    for s, f, w in zip(sessions, feeds, wants):
-        n = s.length
-        s._ids[n : n + f.size] = f
-        s._length = n + f.size
-        out.append(logits[at_row : at_row + w])  # [w, V]
-        at_row += w
+    for session, feed, want in zip(sessions, feeds, wants):
+        past = session.length
+        session._ids[past : past + feed.size] = feed
+        session._length = past + feed.size
+        out.append(logits[at_row : at_row + want])  # [want, V]
+        at_row += want
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ..errors import ContextLengthError, InferenceError
 from ..kvcache.cached_start import CachedStart
@@ -64,8 +65,14 @@ class OrtSession(CachedStart, CacheSession):
         return self.model.open_pool().hidden_rows(self.slot, size)
 
     async def extend(
-        self, ids: np.ndarray, logits_rows: int, *, features: np.ndarray | None = None, hidden: bool = False, tree=None
-    ):
+        self,
+        ids: np.ndarray,
+        logits_rows: int,
+        *,
+        features: np.ndarray | None = None,
+        hidden: bool = False,
+        tree: np.ndarray | None = None,
+    ) -> Any:
         """Append ``ids`` [S]; the logits of the last ``logits_rows`` positions [R, V].
 
         ``features`` [S, H]: the extra per-position input of an EAGLE draft head. ``hidden=True``
@@ -200,7 +207,7 @@ class OrtSession(CachedStart, CacheSession):
                 f"ONNX Runtime failed in {self.model.name} (past {n}, new {size} tokens): {exc}"
             ) from exc
 
-    def _step(self, session, token: int, n: int) -> np.ndarray:
+    def _step(self, session: Any, token: int, n: int) -> np.ndarray:
         """A plain single-token step after ``n`` cached tokens: logits ``[1, V]``. Most calls
         are these, so their inputs and the logits are host buffers bound once (``_StepBuffers``)
         and written in place: a call binds nothing new (an attention bias, whose width grows,
@@ -223,9 +230,10 @@ class OrtSession(CachedStart, CacheSession):
             raise InferenceError(f"ONNX Runtime failed in {self.model.name} (past {n}, one new token): {exc}") from exc
         self.model.calls += 1
         self._length = n + 1
-        return b.logits[0].copy()  # [1, V]: the buffer is the next step's
+        logits: np.ndarray = b.logits[0].copy()  # [1, V]: the buffer is the next step's
+        return logits
 
-    def accept_tree(self, past: int, keep) -> None:
+    def accept_tree(self, past: int, keep: ArrayLike) -> None:
         """After a tree call at ``past``: keep the nodes ``keep`` (increasing: the accepted path),
         their KV moved to positions ``past ..`` in place; ``length`` becomes ``past + len(keep)``."""
         if self._length != past:

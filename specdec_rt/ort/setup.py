@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from ..errors import ModelLoadError
 from ..manifest_schema import MANIFEST
@@ -21,7 +22,7 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def pick_providers(provider: str, ort) -> list[str]:
+def pick_providers(provider: str, ort: Any) -> list[str]:
     """``"auto"``: CUDA when onnxruntime-gpu sees a GPU, else CPU; or ``"cpu"`` / ``"cuda"``."""
     available = ort.get_available_providers()
     if provider == "cpu":
@@ -69,7 +70,7 @@ def use_global_thread_pool(threads: int | None = None) -> bool:
     return True
 
 
-def _configure_threads(so, threads: int, alone: bool = False) -> int:
+def _configure_threads(so: Any, threads: int, alone: bool = False) -> int:
     """The shared pool if :func:`use_global_thread_pool` set one up; else a pool per session
     whose threads spin while a run dispatches its nodes (waking a sleeping thread for each of a
     graph's ~500 small nodes costs more than the nodes) and, unless the model is ``alone`` in
@@ -86,7 +87,7 @@ def _configure_threads(so, threads: int, alone: bool = False) -> int:
     return threads
 
 
-def check_graph(m: Manifest, session) -> None:
+def check_graph(m: Manifest, session: Any) -> None:
     """The ONNX graph has every input/output the manifest names, with compatible shapes."""
     ins = {i.name: i for i in session.get_inputs()}
     outs = {o.name: o for o in session.get_outputs()}

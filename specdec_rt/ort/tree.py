@@ -21,7 +21,10 @@ back like any rejected draft. A chain (p_i = i - 1) is the ordinary causal verif
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ..errors import InferenceError
 from ..sampling.tree import depths_of
@@ -31,7 +34,7 @@ __all__ = ["packed_layout", "depths", "tree_feeds", "compact_rows"]
 MASKED = np.finfo(np.float32).min  # added to a score: exp() of it is 0
 
 
-def depths(parents) -> np.ndarray:
+def depths(parents: ArrayLike) -> np.ndarray:
     """``[S]`` depth of each node (1 for a child of the committed tokens), checking that
     ``parents[i]`` is -1 or an earlier node."""
     parents = np.asarray(parents, dtype=np.int64)
@@ -41,7 +44,7 @@ def depths(parents) -> np.ndarray:
     return depths_of(parents)
 
 
-def tree_feeds(parents, past: int, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def tree_feeds(parents: ArrayLike, past: int, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(position_ids [1, S], attention_bias [1, 1, W, past + W])`` for a tree of S nodes after
     ``past`` committed tokens (W = ``width`` >= S, attention's padded row; S by default).
     ``parents=None``: a chain (causal order alone)."""
@@ -61,7 +64,7 @@ def tree_feeds(parents, past: int, width: int | None = None) -> tuple[np.ndarray
     return (past + depth - 1)[None], bias
 
 
-def compact_rows(buffers, slot: int, past: int, keep) -> None:
+def compact_rows(buffers: Iterable[np.ndarray], slot: int, past: int, keep: ArrayLike) -> None:
     """Move KV positions ``past + keep[j]`` to ``past + j`` (``keep`` increasing) in every
     ``[slots, kv, max_len + 1, d]`` array of ``buffers``, for ``slot``."""
     keep = np.asarray(keep, dtype=np.int64)

@@ -120,8 +120,7 @@ def _lifespan(serving: Serving, *, wait_for_load: bool) -> Callable[[Starlette],
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if wait_for_load and serving.state == "loading":
             await serving.load()
-            if serving.state != "ready":
-                raise RuntimeError(f"the model did not load (state {serving.state!r}); see the log")
+            _check_loaded(serving)
         serving.start_watch()
         async with anyio.create_task_group() as tg:
             tg.start_soon(serving.end_jobs_after_drain)
@@ -135,6 +134,12 @@ def _lifespan(serving: Serving, *, wait_for_load: bool) -> Callable[[Starlette],
         await serving.shutdown()
 
     return lifespan
+
+
+def _check_loaded(serving: Serving) -> None:
+    """A RuntimeError (the server does not start) when the model did not load."""
+    if serving.state != "ready":
+        raise RuntimeError(f"the model did not load (state {serving.state!r}); see the log")
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

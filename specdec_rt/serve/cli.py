@@ -17,7 +17,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..engine.served import DEFAULT_CONSUMER_TIMEOUT, DEFAULT_SLOTS
 from ..errors import SpecDecError
@@ -32,6 +33,10 @@ from .options import (
 from .protocol import DEFAULT_PROMPT_LOGPROB_WORK
 from .ray import RayOptions  # (Ray itself is imported only by serve --ray)
 
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+    from .guard import Access
+
 __all__ = ["add_serve_parser", "run_serve"]
 
 DRAIN_GRACE_S = 5.0  # after --drain-timeout, time to send the 503s before uvicorn cuts connections
@@ -43,7 +48,7 @@ CONNECTION_DEFAULTS = ConnectionLimits()  # the connection flags' defaults
 SWITCH_INTERVAL_S = 0.001
 
 
-def add_serve_parser(sub) -> argparse.ArgumentParser:
+def add_serve_parser(sub: Any) -> argparse.ArgumentParser:  # sub: argparse's subparsers action
     """Add the ``serve`` subcommand to ``sub`` (argparse subparsers); returns its parser, to
     which the caller adds the shared model options (``--model``, ``--draft``, ``--threads``, ...)."""
     p = sub.add_parser(
@@ -52,6 +57,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         description="Serve /v1/chat/completions, /v1/completions, /v1/models, "
         "/health and /metrics (see docs/serving.md).",
     )
+    assert isinstance(p, argparse.ArgumentParser)
     _add_listen_flags(p)
     _add_admission_flags(p)
     _add_request_limit_flags(p)
@@ -277,7 +283,7 @@ def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
-def _access(args):
+def _access(args: argparse.Namespace) -> Access:
     """The checked :class:`~specdec_rt.serve.guard.Access` of the flags and ``$SPECDEC_API_KEY``."""
     from .guard import WILDCARD_BINDS, Access, check_api_keys, check_origins, host_names, keys_from_env
 
@@ -286,28 +292,26 @@ def _access(args):
             f"--host {args.host!r} listens on every address: name the hosts clients reach it as "
             "with --allowed-hosts (e.g. --allowed-hosts api.example,10.0.0.5), or '*' for any"
         )
-    checks = (
-        ("--api-key / $SPECDEC_API_KEY", lambda: check_api_keys([*args.api_key, *keys_from_env()])),
-        ("--allowed-hosts", lambda: host_names(args.host, args.allowed_hosts)),
-        ("--allowed-origins", lambda: check_origins(args.allowed_origins)),
-    )
-    values = []
-    for flag, check in checks:
-        try:
-            values.append(check())
-        except SpecDecError as exc:
-            raise SpecDecError(f"{flag}: {exc}") from None
-    return Access(*values)
+    try:
+        flag = "--api-key / $SPECDEC_API_KEY"
+        keys = check_api_keys([*args.api_key, *keys_from_env()])
+        flag = "--allowed-hosts"
+        hosts = host_names(args.host, args.allowed_hosts)
+        flag = "--allowed-origins"
+        origins = check_origins(args.allowed_origins)
+    except SpecDecError as exc:
+        raise SpecDecError(f"{flag}: {exc}") from None
+    return Access(api_keys=keys, allowed_hosts=hosts, allowed_origins=origins)
 
 
-def _say_access(access) -> None:
+def _say_access(access: Access) -> None:
     keys = f"{len(access.api_keys)} API key(s) required" if access.api_keys else "no API key required"
     hosts = "any Host" if access.allowed_hosts is None else "Host " + ", ".join(access.allowed_hosts)
     origins = ", ".join(access.allowed_origins) or "none"
     _say(f"specdec_rt serve: {keys}; answering {hosts}; web origins allowed: {origins}")
 
 
-def _say_loaded(name: str, engine) -> None:
+def _say_loaded(name: str, engine: Engine) -> None:
     """The load line: what runs and what its greedy output is exact to."""
     what = engine.choice.describe() if engine.choice is not None else f"draft {engine.draft_name or 'none'}"
     _say(f"specdec_rt serve: loaded {name}: {what}")
@@ -393,10 +397,9 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _options(args, access, folder) -> dict:
+def _options(args: argparse.Namespace, access: Access, folder: Path) -> dict[str, Any]:
     """The flags as :class:`~specdec_rt.serve.options.ServeOptions` fields (the precision aside:
     each caller passes it), one mapping for the local server and the replicas."""
-    from pathlib import Path
 
     return dict(
         model=str(folder),
@@ -420,7 +423,7 @@ def _options(args, access, folder) -> dict:
     )
 
 
-def run_serve(args) -> int:
+def run_serve(args: argparse.Namespace) -> int:
     """Load the model (in the background: ``/health`` answers 503 meanwhile), serve until SIGTERM
     or SIGINT, then drain: new requests get 503, running ones get ``--drain-timeout`` seconds to
     finish, the engine is closed, and the exit status is 0. A model that fails to load exits 1.
@@ -479,7 +482,7 @@ def _run_ignoring_signals(server: Any) -> None:
             signal.signal(sig, handler)
 
 
-def _uvicorn_config(args, app):
+def _uvicorn_config(args: argparse.Namespace, app: Any) -> Any:
     """uvicorn's Config for ``app`` on ``--host``/``--port`` with the connection limits, the
     drain timeout and the access log of the flags: the single-process server's, and the front of
     ``serve --ray`` (:mod:`~specdec_rt.serve.front`)."""
@@ -514,11 +517,11 @@ def _uvicorn_config(args, app):
     return config
 
 
-def _ignore(sig, frame) -> None:
+def _ignore(sig: int, frame: Any) -> None:
     pass
 
 
-def _draining_server(config, app):
+def _draining_server(config: Any, app: Any) -> Any:
     """uvicorn's server that tells the app to drain (503 for new requests, /health 503) as soon as
     a stop signal arrives, and says where it listens on stderr (uvicorn is imported here)."""
     import uvicorn
@@ -526,13 +529,13 @@ def _draining_server(config, app):
     class DrainingServer(uvicorn.Server):
         load_failed = False
 
-        def handle_exit(self, sig, frame) -> None:
+        def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:
                 _say("specdec_rt serve: stopping: draining running requests")
             app.state.serving.begin_drain()
             super().handle_exit(sig, frame)
 
-        async def startup(self, sockets=None) -> None:
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             for server in self.servers:
                 for sock in server.sockets:
@@ -551,7 +554,7 @@ def _draining_server(config, app):
     return DrainingServer(config)
 
 
-def run_ray_serve(args: argparse.Namespace, access: Any) -> int:
+def run_ray_serve(args: argparse.Namespace, access: Access) -> int:
     """``serve --ray``: start a local Ray instance on loopback (no dashboard, no usage stats, state
     in a temporary folder) or join ``--ray-address``, deploy the replicas, and serve them on
     ``--host``/``--port`` from this process's uvicorn, with the connection limits of the

@@ -78,7 +78,7 @@ def create_front(
     relay = _Relay(url, max_body_bytes)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with httpx.AsyncClient(
             transport=transport,
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
@@ -272,7 +272,7 @@ class _TooLarge(Exception):
     """The body being relayed passed ``max_body_bytes``."""
 
 
-async def _too_large(send, limit: int) -> None:
+async def _too_large(send: Send, limit: int) -> None:
     """The 413 the replicas give (serve/jobs.py ``read_body``)."""
     await _refuse(
         send, 413, f"the request body exceeds {limit} bytes", "request_too_large", kind="invalid_request_error"

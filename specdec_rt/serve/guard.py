@@ -41,6 +41,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..checks import brief_repr
 from ..errors import InvalidInputError
@@ -210,15 +211,15 @@ def _refuse(
     return JSONResponse(error_body(message, type, code), status_code=status, headers=headers)
 
 
-async def _mark_passed(scope, receive, send) -> None:
+async def _mark_passed(scope: Scope, receive: Receive, send: Send) -> None:
     scope["specdec.host_ok"] = True
 
 
-async def _drop(message) -> None:
+async def _drop(message: Message) -> None:
     pass
 
 
-async def _nothing():
+async def _nothing() -> Message:
     return {"type": "http.disconnect"}
 
 
@@ -241,13 +242,13 @@ class SiteGuard:
     """Refuses every scope but HTTP and lifespan, a request of two framings (400), a foreign
     ``Host`` (421) and a foreign ``Origin`` (403), before anything else runs."""
 
-    def __init__(self, app, hosts: tuple[str, ...] | None, origins: tuple[str, ...], refused: Refused) -> None:
+    def __init__(self, app: ASGIApp, hosts: tuple[str, ...] | None, origins: tuple[str, ...], refused: Refused) -> None:
         self.app, self.hosts, self.refused = app, hosts, refused
         self.any_origin, self.origins = "*" in origins, frozenset(origins)
         # Starlette's matcher (IPv6 brackets, ports, '*.domain'); its own plain-text answer is not used
         self.trusted = None if hosts is None else TrustedHostMiddleware(_mark_passed, list(hosts), www_redirect=False)
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":  # no route takes one: closed before it is accepted (a 403)
@@ -300,13 +301,13 @@ class BearerAuth:
     ``WWW-Authenticate: Bearer``. Both sides are hashed (SHA-256) and compared with
     :func:`hmac.compare_digest` against every key, so the time taken says nothing about the keys."""
 
-    def __init__(self, app, keys: tuple[str, ...], refused: Refused) -> None:
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...], refused: Refused) -> None:
         if not keys:
             raise InvalidInputError("BearerAuth needs at least one key")
         self.app, self.refused = app, refused
         self.digests = [hashlib.sha256(k.encode("ascii")).digest() for k in keys]
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or _route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         token = _bearer(Headers(scope=scope).get("authorization"))
@@ -333,8 +334,9 @@ def _bearer(value: str | None) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
-def _route_path(scope) -> str:
-    path, root = scope.get("path", ""), scope.get("root_path", "")
+def _route_path(scope: Scope) -> str:
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
     return path[len(root) :] if root and path.startswith(root) else path
 
 

@@ -19,13 +19,14 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from ..engine.served import ServedEngine, ServedStream
 from ..engine.stream import StreamEvent
@@ -44,6 +45,9 @@ from .replies import LogprobsFormat, Reply, call_filter, calls_in, json_bytes, r
 from .state import Serving
 
 __all__ = ["completions", "error_response"]
+
+if TYPE_CHECKING:
+    from ..engine.engine import Prompt
 
 log = get_logger("specdec_rt.serve")
 CUT_GRACE_S = 1.0  # a stalled stream's error event: how long the connection may take to accept it
@@ -231,14 +235,14 @@ def _refuse_admitted(serving: Serving, refusal: APIError) -> JSONResponse:
     return error_response(refusal)
 
 
-async def _close_all(streams: list) -> None:
+async def _close_all(streams: list[Any]) -> None:
     with anyio.CancelScope(shield=True):
         for stream in streams:
             if stream is not None:  # (None: a choice not opened yet, see Job.start)
                 await stream.aclose()
 
 
-def _prompt_tokens(stream: ServedStream, prompt) -> int:
+def _prompt_tokens(stream: ServedStream, prompt: Prompt) -> int:
     """The length of an opened stream's prompt (an engine stream tells it once ready; token ids:
     their count; else, for engines that do not tell, 0)."""
     tokens = stream.prompt_tokens
@@ -247,7 +251,7 @@ def _prompt_tokens(stream: ServedStream, prompt) -> int:
     return len(prompt) if isinstance(prompt, list) else 0
 
 
-async def _open(serving: Serving, params: GenParams, prompt, choice: int = 0):
+async def _open(serving: Serving, params: GenParams, prompt: Prompt, choice: int = 0) -> ServedStream:
     """The engine stream of choice ``choice`` of ``prompt`` of an admitted request, encoded and
     checked (a 400 comes before streaming; a stream that fails is closed here). A request that
     names no token limit gets the server's default, capped to the room its prompt leaves in the
@@ -275,11 +279,12 @@ async def _open(serving: Serving, params: GenParams, prompt, choice: int = 0):
         except BaseException:
             await stream.aclose()
             raise
+    raise AssertionError("unreachable: the capped try returns or raises")
 
 
-def _text_of(engine: ServedEngine, prompt) -> str:
-    """A prompt as echoed: a string as it is; token ids as the text they stand for (special
-    tokens left out, as generated text leaves them)."""
+def _text_of(engine: ServedEngine, prompt: str | Sequence[int]) -> str:
+    """A prompt as echoed (completions'): a string as it is; token ids as the text they stand
+    for (special tokens left out, as generated text leaves them)."""
     if isinstance(prompt, str):
         return prompt
     return b"".join(b"" if engine.is_special_token(t) else engine.token_bytes(t) for t in prompt).decode(
@@ -290,7 +295,7 @@ def _text_of(engine: ServedEngine, prompt) -> str:
 class Job:
     """An admitted request and its engine streams, one per choice (``n``; usually one)."""
 
-    def __init__(self, serving: Serving, params: GenParams, streams: list, arrived: float) -> None:
+    def __init__(self, serving: Serving, params: GenParams, streams: list[Any], arrived: float) -> None:
         self.serving, self.params, self.streams, self.arrived = serving, params, streams, arrived
         self.reply = Reply(params.kind, serving.model_name or "specdec-rt", include_usage=params.include_usage)
         self.logprobs = (
@@ -319,7 +324,7 @@ class Job:
         self.expired = False  # the server's drain deadline passed (expire)
         self._scope: anyio.CancelScope | None = None  # around the wait for the engine's next event
         # n > 1: the receiving end the choices' pumps send (i, event, error) to
-        self._events: MemoryObjectReceiveStream[tuple[int, Any, BaseException | None]] | None = None
+        self._events: MemoryObjectReceiveStream[_Pumped] | None = None
         serving.jobs.add(self)
 
     def scorer(self, i: int) -> int:
@@ -332,7 +337,7 @@ class Job:
         first = self.scorer(i)
         return range(first, first + self.params.n) if self.params.scores_prompt else range(i, i + 1)
 
-    def start(self, tg) -> None:
+    def start(self, tg: anyio.abc.TaskGroup) -> None:
         """With several choices: one task per engine stream, in ``tg`` (the response's task
         group, cancelled when the response ends), feeding :meth:`next_event`. Echo with
         logprobs: a prompt's other choices open once its first one has ended, so that they start
@@ -340,14 +345,14 @@ class Job:
         a draft model's (which the first choice's speculation computed) alike: opened as soon as
         the prompt is scored, each would prefill the draft model on the whole prompt again."""
         if len(self.streams) > 1:
-            send: MemoryObjectSendStream[tuple[int, Any, BaseException | None]]
+            send: MemoryObjectSendStream[_Pumped]
             send, self._events = anyio.create_memory_object_stream(0)
             scored = {i: anyio.Event() for i in range(len(self.streams)) if self.scorer(i) == i}
             with send:
                 for i in range(len(self.streams)):
                     tg.start_soon(self._pump, i, send.clone(), scored[self.scorer(i)])
 
-    async def _pump(self, i: int, send, scored: anyio.Event) -> None:
+    async def _pump(self, i: int, send: MemoryObjectSendStream[_Pumped], scored: anyio.Event) -> None:
         """Hand stream ``i``'s events on; ``scored``: set when its prompt's scorer ends (``i``
         itself, or the choice stream ``i`` waits for before it opens)."""
         async with send:
@@ -368,7 +373,7 @@ class Job:
             except SpecDecError as exc:
                 await send.send((i, None, exc))
 
-    async def _next(self):
+    async def _next(self) -> tuple[int, StreamEvent] | None:
         """``(choice, event)`` from whichever stream has one, or ``None`` after the last."""
         if self._events is None:
             try:
@@ -381,9 +386,10 @@ class Job:
             return None
         if exc is not None:
             raise exc
+        assert ev is not None  # (an event or an error)
         return i, ev
 
-    async def next_event(self):
+    async def next_event(self) -> tuple[int, StreamEvent] | None:
         """The engines' next ``(choice, event)`` (``None`` after the last), under the request's
         deadline. Raises :class:`APIError` for a timeout (504), a model failure (500), or the
         server's drain deadline (503, :meth:`expire`)."""
@@ -424,7 +430,7 @@ class Job:
         if cancelled:  # expire() cancelled the wait
             raise self._shut_down()
         if got is not None:
-            self._observe(*got, perf_counter())
+            self._observe(got[0], got[1], perf_counter())
         return got
 
     def expire(self) -> None:
@@ -444,7 +450,7 @@ class Job:
             code="draining",
         )
 
-    def _observe(self, i: int, ev, now: float) -> None:
+    def _observe(self, i: int, ev: StreamEvent, now: float) -> None:
         if ev.prompt_logprobs is not None:  # the echoed prompt's: nothing generated
             return
         m = self.serving.metrics
@@ -507,7 +513,7 @@ class Job:
             prompt, cached = prompt + (s.prompt_tokens if s else 0), cached + (s.cached_prompt_tokens if s else 0)
         return prompt, sum(self.tokens), cached
 
-    async def respond_whole(self, receive) -> Response:
+    async def respond_whole(self, receive: Receive) -> Response:
         """The non-streamed response; a disconnect meanwhile cancels the generation."""
         response: Response = Response(status_code=499)  # kept if the client went away
         try:
@@ -531,7 +537,7 @@ class Job:
             await self.close()
         return response
 
-    def _entries(self, ids: list[list[int]], echoed: list) -> int:
+    def _entries(self, ids: list[list[int]], echoed: list[Any]) -> int:
         """The log-probability entries of the whole reply (0 without logprobs)."""
         if self.params.logprobs is None:
             return 0
@@ -551,8 +557,8 @@ class Job:
 
     def _whole_body(self, collected: _Collected, stepwise: bool) -> bytes:
         parts, ids, lps, echoed = collected.parts, collected.ids, collected.lps, collected.echoed
-        lp: list[dict | None] | None = None
-        heads: dict[int, dict] = {}
+        lp: list[dict[str, Any] | None] | None = None
+        heads: dict[int, dict[str, Any]] = {}
         if self.logprobs is not None:
             heads = {
                 i: self.logprobs.prompt(echoed[i][0], echoed[i][1], self.group(i))
@@ -580,13 +586,16 @@ class Job:
             release_stepwise([body, lp, heads])
         return out
 
-    async def _watch(self, receive, scope: anyio.CancelScope) -> None:
+    async def _watch(self, receive: Receive, scope: anyio.CancelScope) -> None:
         """Cancel ``scope`` when the client disconnects (the body was read already)."""
         while (await receive())["type"] != "http.disconnect":
             pass
         if not self.done:
             self.outcome = "cancelled"
             scope.cancel()
+
+
+_Pumped = tuple[int, "StreamEvent | None", "BaseException | None"]  # (choice, event, or the error that ended it)
 
 
 @dataclass
@@ -637,14 +646,14 @@ class EventStream:
         self._send: Callable[[dict[str, Any]], Awaitable[None]] | None = None  # set by _events
         self._filters: list[Any] | None = None  # tool calls: one call filter per choice
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         job = self.job
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(job._watch, receive, tg.cancel_scope)
                 job.start(tg)
 
-                async def send_or_cancel(message: dict) -> None:
+                async def send_or_cancel(message: dict[str, Any]) -> None:
                     try:
                         with anyio.fail_after(job.serving.consumer_timeout):  # None: no limit
                             await send(message)
@@ -664,7 +673,7 @@ class EventStream:
         finally:
             await job.close()
 
-    async def _cut(self, send, scope: anyio.CancelScope, started: bool = True) -> None:
+    async def _cut(self, send: Send, scope: anyio.CancelScope, started: bool = True) -> None:
         """The client took no chunk for ``consumer_timeout`` seconds (it stopped reading, and the
         connection's buffers are full): end the request and free its slots at once, then send
         an error event and the end of the stream if the connection takes them within
@@ -687,11 +696,12 @@ class EventStream:
         scope.cancel()
         await anyio.lowlevel.checkpoint()  # raises the cancellation
 
-    def _echoed(self, i: int, ev) -> list[bytes]:
+    def _echoed(self, i: int, ev: StreamEvent) -> list[bytes]:
         """The first chunk of each choice that shares the prompt stream ``i`` scored: the prompt's
         text and log-probabilities, formatted once (in a worker thread: a long prompt's are big)."""
         job = self.job
         assert job.logprobs is not None  # (prompt log-probabilities come only when asked)
+        assert ev.prompt_token_ids is not None and ev.prompt_logprobs is not None  # (the scoring event)
         group = job.group(i)
         lp = job.logprobs.prompt(ev.prompt_token_ids, ev.prompt_logprobs, group)
         return [sse(job.reply.chunk(job.echo[j], index=j, logprobs=lp), stepwise=True) for j in group]

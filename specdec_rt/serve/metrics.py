@@ -12,6 +12,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
+from ..types import Stats
+
 __all__ = ["Metrics"]
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -130,7 +132,7 @@ class Metrics:
             self._worst_lag = lag
             self.loop_lag_worst.set(lag)
 
-    def observe_stats(self, stats) -> None:
+    def observe_stats(self, stats: Stats) -> None:
         """A finished request's :class:`~specdec_rt.types.Stats` (its tokens were counted as they
         came; ``cache_queries``: it looked its prompt up in the prefix cache)."""
         self.prompt_tokens.inc(stats.prompt_tokens)

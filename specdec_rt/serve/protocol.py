@@ -67,7 +67,7 @@ class APIError(Exception):
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
         self.headers = headers or {}
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.code, self.param)
 
     def copy(self) -> APIError:
@@ -77,7 +77,7 @@ class APIError(Exception):
         )
 
 
-def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
+def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "code": code, "param": param}}
 
 
@@ -90,7 +90,7 @@ class GenParams:
     """A validated request: the engine's arguments plus the response options."""
 
     kind: Kind
-    prompt: str | list[dict] | list[int]  # chat: the messages; completions: a text or token ids
+    prompt: str | list[dict[str, Any]] | list[int]  # chat: the messages; completions: a text or token ids
     max_tokens: int | None = None
     max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
     temperature: float = 1.0  # OpenAI's defaults: sampling at temperature 1
@@ -106,10 +106,10 @@ class GenParams:
     logit_bias: dict[int, float] | None = None  # token id -> bias (-100..100)
     penalties: dict[str, float] = field(default_factory=dict)  # the ones set: presence/frequency/repetition
     echo: bool = False  # completions: each choice's text starts with the prompt (and its logprobs, when asked)
-    prompts: list = field(default_factory=list)  # completions: every prompt of the request (``prompt`` the first)
-    response_format: dict | None = None  # json_object / json_schema (checked); None: text
-    tools: Sequence[dict] = ()  # chat: functions the model may call (checked: a CheckedTools)
-    tool_choice: str | dict = "none"  # "auto" with tools, unless the request says otherwise
+    prompts: list[Any] = field(default_factory=list)  # completions: every prompt of the request (``prompt`` the first)
+    response_format: dict[str, Any] | None = None  # json_object / json_schema (checked); None: text
+    tools: Sequence[dict[str, Any]] = ()  # chat: functions the model may call (checked: a CheckedTools)
+    tool_choice: str | dict[str, Any] = "none"  # "auto" with tools, unless the request says otherwise
     parallel_tool_calls: bool = True  # False: at most one call an answer (the first)
     min_tokens: int = 0  # vLLM's: no end-of-sequence token before this many
     ignore_eos: bool = False  # vLLM's: go on past end-of-sequence tokens
@@ -275,7 +275,7 @@ def _read_structure(p: GenParams, body: dict[str, Any]) -> None:
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
-def _logprobs(body: dict, kind: Kind) -> int | None:
+def _logprobs(body: dict[str, Any], kind: Kind) -> int | None:
     """Chat: ``logprobs`` (bool) and ``top_logprobs`` (0..20, needs ``logprobs``); completions:
     ``logprobs`` (an int 0..20, the alternatives; ``null`` / ``false``: off)."""
     if kind == "completion":
@@ -290,7 +290,10 @@ def _logprobs(body: dict, kind: Kind) -> int | None:
 
 
 # options this server cannot honour, and their "off" values (which some clients always send)
-UNHONOURED: dict[str, tuple] = {"functions": ([],), "function_call": ("none", "auto")}  # the legacy names of tools
+UNHONOURED: dict[str, tuple[Any, ...]] = {
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+}  # the legacy names of tools
 UNHONOURED_COMPLETION = {
     "best_of": (1,),
     "suffix": ("",),
@@ -300,7 +303,7 @@ UNHONOURED_COMPLETION = {
 }  # (tools: chat only)
 
 
-def _unsupported(body: dict, kind: Kind) -> None:
+def _unsupported(body: dict[str, Any], kind: Kind) -> None:
     """Options this server cannot honour are refused rather than silently dropped (a client
     that asks for JSON or a tool call would otherwise get free text). Their "off" values
     (``0``, ``null``, ``{}``, ``"none"``, ...), which some clients always send, pass."""
@@ -339,7 +342,7 @@ def _logit_bias(bias: Any) -> dict[int, Any] | None:
     return out
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if messages is None:
         raise _bad("messages", "'messages' is required", "missing_required_parameter")
@@ -372,7 +375,7 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _prompts(body: dict, max_prompts: int | None, max_tokens: int | None) -> list[str | list[int]]:
+def _prompts(body: dict[str, Any], max_prompts: int | None, max_tokens: int | None) -> list[str | list[int]]:
     """Completions' ``prompt`` in OpenAI's four forms, as a list: a string, a list of strings, a
     list of token ids, or a list of such lists (ids are checked against the vocabulary by the
     engine). Every prompt non-empty; at most ``max_prompts`` of them and ``max_tokens`` ids in
@@ -437,7 +440,7 @@ def _check_total(prompts: list[str | list[int]], max_tokens: int) -> None:
         )
 
 
-def _kinds(types: list) -> set:
+def _kinds(types: list[Any]) -> set[Any]:
     """``set(types)``, the distinct types of a list's items, without a hash per item when they
     are all the same (``count`` matches by identity first: 30 times faster)."""
     return {types[0]} if types and types.count(types[0]) == len(types) else set(types)
@@ -447,7 +450,7 @@ def _is_id(token: Any) -> bool:
     return is_int(token, numpy=False) and 0 <= token < 2**63
 
 
-def _bad_id(items: list, types: list | None = None, kinds: set | None = None) -> int | None:
+def _bad_id(items: list[Any], types: list[Any] | None = None, kinds: set[Any] | None = None) -> int | None:
     """The index of an item of ``items`` that is not a token id (an integer >= 0 and < 2**63),
     or None; ``types`` / ``kinds``: the items' types and :func:`_kinds`, when known already."""
     types = list(map(type, items)) if types is None else types
@@ -461,7 +464,7 @@ def _bad_id(items: list, types: list | None = None, kinds: set | None = None) ->
     return next((i for i, t in enumerate(items) if not _is_id(t)), None)  # int subclasses: one by one
 
 
-def _bad_prompt(prompts: list, types: list, kinds: set) -> int | None:
+def _bad_prompt(prompts: list[Any], types: list[Any], kinds: set[Any]) -> int | None:
     """The index of a prompt that is not a non-empty string or a non-empty list of token ids,
     or None (``types`` / ``kinds`` as for :func:`_bad_id`)."""
     if not kinds <= {str, list}:
@@ -492,7 +495,7 @@ def _is_prompt(one: Any) -> bool:
     return (isinstance(one, str) and bool(one)) or (isinstance(one, list) and bool(one) and _bad_id(one) is None)
 
 
-def _int(body: dict, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
+def _int(body: dict[str, Any], name: str, minimum: int | None = None, maximum: int | None = None) -> int:
     value = body[name]
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -502,10 +505,10 @@ def _int(body: dict, name: str, minimum: int | None = None, maximum: int | None 
         raise _bad(name, f"{name} must be >= {minimum}, got {brief_repr(value)}")
     if maximum is not None and value > maximum:
         raise _bad(name, f"{name} must be <= {maximum}, got {brief_repr(value)}")
-    return value
+    return int(value)
 
 
-def _number(body: dict, name: str, minimum: float) -> float:
+def _number(body: dict[str, Any], name: str, minimum: float) -> float:
     value = body[name]
     if not is_number(value):  # a 400-digit JSON integer is not a float, nor is NaN
         raise _bad(name, f"{name} must be a number, got {brief_repr(value)}", "invalid_type")
@@ -514,7 +517,7 @@ def _number(body: dict, name: str, minimum: float) -> float:
     return float(value)
 
 
-def _bool(body: dict, name: str, param: str | None = None) -> bool:
+def _bool(body: dict[str, Any], name: str, param: str | None = None) -> bool:
     value = body.get(name)
     if value is None:
         return False

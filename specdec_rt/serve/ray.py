@@ -30,10 +30,14 @@ from __future__ import annotations
 import ipaddress
 import os
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import InvalidInputError, SpecDecError
 from .options import ServeOptions
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = [
     "RayOptions",
@@ -76,7 +80,7 @@ class RayOptions(ServeOptions):
 
     replicas: int | str = 1
     cpus_per_replica: float = 1.0
-    autoscaling: dict | None = None
+    autoscaling: dict[str, Any] | None = None
     max_replicas_per_node: int | None = None
 
     def __post_init__(self) -> None:
@@ -92,13 +96,13 @@ def replica_threads(default: float) -> int:
     try:
         import ray
 
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", default)
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", default)  # type: ignore[no-untyped-call, unused-ignore]  # Ray's
     except Exception:  # noqa: BLE001 - not in a Ray worker
         cpus = default
     return max(1, int(cpus))
 
 
-def _replica_app(opts: RayOptions):
+def _replica_app(opts: RayOptions) -> Starlette:
     """The ASGI app of one replica (runs on the replica)."""
     from ..engine.engine import Engine
     from .app import create_app
@@ -135,14 +139,14 @@ def _replica_id() -> str:
 class _ReplicaHeader:
     """Adds ``x-specdec-replica`` (which replica answered) to every HTTP response."""
 
-    def __init__(self, app, replica: str) -> None:
+    def __init__(self, app: ASGIApp, replica: str) -> None:
         self.app, self.header = app, (b"x-specdec-replica", replica.encode())
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
-        async def tagged(message):
+        async def tagged(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), self.header]}
             await send(message)
@@ -150,11 +154,11 @@ class _ReplicaHeader:
         await self.app(scope, receive, tagged)
 
 
-def deployment_app(opts: RayOptions):
+def deployment_app(opts: RayOptions) -> Any:
     """A Ray Serve application (``serve.run`` it, or return it from a builder)."""
     from ray import serve
 
-    def build_asgi():  # a plain function: Ray calls it on each replica
+    def build_asgi() -> Starlette:  # a plain function: Ray calls it on each replica
         return _replica_app(opts)
 
     @serve.ingress(build_asgi)
@@ -189,7 +193,7 @@ def deployment_app(opts: RayOptions):
     return serve.deployment(**options)(SpecDecReplica).bind()  # (the decorator's form: what ray's types say)
 
 
-def build(args: dict) -> Any:
+def build(args: dict[str, Any]) -> Any:
     """Application builder for ``serve run specdec_rt.serve.ray:build key=value ...`` and RayService
     configs (``import_path: specdec_rt.serve.ray:build``, ``args: {...}``): keys are
     :class:`RayOptions` fields; values may be strings (``replicas=2``, ``prefix_cache=false``)."""
@@ -256,7 +260,8 @@ def on_head_node() -> bool:
 
     here = ray.get_runtime_context().get_node_id()
     return any(
-        node.get("NodeID") == here and "node:__internal_head__" in node.get("Resources", {}) for node in ray.nodes()
+        node.get("NodeID") == here and "node:__internal_head__" in node.get("Resources", {})
+        for node in ray.nodes()  # type: ignore[no-untyped-call, unused-ignore]  # Ray's
     )
 
 
@@ -289,7 +294,7 @@ def start_local_ray(temp_dir: str) -> None:
         _node_ip_address="127.0.0.1",
         log_to_driver=False,
     )
-    node_ip = ray.util.get_node_ip_address()
+    node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call, unused-ignore]  # Ray's
     if not _is_loopback(node_ip):
         ray.shutdown()
         raise SpecDecError(
@@ -434,7 +439,7 @@ def _replica_grpc_on_loopback() -> bool:
     except ImportError:
         return False
     original = getattr(ray_replica, "add_port_to_grpc_server", None)
-    if original is None or not _is_loopback(ray.util.get_node_ip_address()):
+    if original is None or not _is_loopback(ray.util.get_node_ip_address()):  # type: ignore[no-untyped-call, unused-ignore]
         return False
     if getattr(original, "specdec_loopback", False):
         return True
@@ -445,5 +450,5 @@ def _replica_grpc_on_loopback() -> bool:
         return original(server, address)
 
     on_loopback.specdec_loopback = True  # type: ignore[attr-defined]
-    ray_replica.add_port_to_grpc_server = on_loopback
+    ray_replica.add_port_to_grpc_server = on_loopback  # type: ignore[attr-defined, unused-ignore]  # Ray's private module
     return True

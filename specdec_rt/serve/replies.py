@@ -14,7 +14,7 @@ from ..engine.served import ServedEngine
 from ..request.checks import stop_prefix_len
 from ..sampling.logprobs import TokenLogprob, json_logprob
 from ..text.tools import CALL_OPEN, parse_tool_calls
-from .protocol import Kind
+from .protocol import GenParams, Kind
 
 __all__ = [
     "Reply",
@@ -43,7 +43,7 @@ class Reply:
         self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = self.created or int(time.time())
 
-    def _head(self, obj: str) -> dict:
+    def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(
@@ -53,10 +53,10 @@ class Reply:
         *,
         first: bool = False,
         index: int = 0,
-        logprobs: dict | None = None,
-        tool_calls: list[dict] | None = None,
+        logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
         empty: bool = False,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """A streamed chunk of choice ``index``; a choice's first chat chunk carries ``"role": "assistant"``;
         ``logprobs``: the chunk's tokens' (a :class:`LogprobsFormat` body); ``tool_calls``: whole
         calls, each with its ``index`` among the choice's calls."""
@@ -73,7 +73,7 @@ class Reply:
             out = {**self._head("text_completion"), "choices": [choice]}
         return {**out, "usage": None} if self.include_usage else out
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """The last chunk when ``stream_options.include_usage`` is set: no choices, the usage."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
@@ -86,9 +86,9 @@ class Reply:
         completion_tokens: int,
         *,
         cached_tokens: int = 0,
-        logprobs: list[dict | None] | None = None,
-        tool_calls: list[list[dict]] | None = None,
-    ) -> dict:
+        logprobs: list[dict[str, Any] | None] | None = None,
+        tool_calls: list[list[dict[str, Any]]] | None = None,
+    ) -> dict[str, Any]:
         """The whole (non-streamed) response: one choice per text (``n`` of them: lists);
         ``logprobs``: one :class:`LogprobsFormat` body per choice, when asked; ``tool_calls``:
         each choice's calls (a choice with some: its text is the content around them, None
@@ -157,7 +157,7 @@ class LogprobsFormat:
         *,
         part_ends: bool = False,
         before: tuple[Sequence[int], Sequence[TokenLogprob | None]] | None = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """The logprobs object of ``token_ids`` (an entry of None, an echoed prompt's first token
         in completions: ``null`` value and alternatives, as OpenAI's). ``part_ends``: the text of
         these tokens was decoded apart from what follows (an echoed prompt: a character it leaves
@@ -173,7 +173,9 @@ class LogprobsFormat:
             self._utf8[choice].reset()
         return out
 
-    def prompt(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], choices: Sequence[int]) -> dict:
+    def prompt(
+        self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], choices: Sequence[int]
+    ) -> dict[str, Any]:
         """The logprobs object of an echoed prompt that ``choices`` share (nothing before it in
         any of them), made once: :meth:`body` with ``part_ends`` for each of them."""
         first, *rest = choices
@@ -183,7 +185,7 @@ class LogprobsFormat:
             self._utf8[j].reset()
         return out
 
-    def _body(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], choice: int) -> dict:
+    def _body(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], choice: int) -> dict[str, Any]:
         if self.kind == "chat":
             content = []
             for t, e in zip(token_ids, entries):
@@ -229,7 +231,7 @@ class LogprobsFormat:
         }
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI's usage block; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix
     cache supplied."""
     return {
@@ -240,7 +242,7 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
     }
 
 
-def models_body(model: str, created: int, engine: ServedEngine | None = None) -> dict:
+def models_body(model: str, created: int, engine: ServedEngine | None = None) -> dict[str, Any]:
     """``/v1/models``: the one model, with what the engine runs once it is loaded (``precision``,
     ``draft``, ``exact_to``, ``chosen_by``: :class:`~specdec_rt.engine.precision.PrecisionChoice`)."""
     entry = {"id": model, "object": "model", "created": created, "owned_by": "specdec-rt"}
@@ -249,7 +251,7 @@ def models_body(model: str, created: int, engine: ServedEngine | None = None) ->
     return {"object": "list", "data": [entry]}
 
 
-def sse(data: dict | str, *, stepwise: bool = False) -> bytes:
+def sse(data: dict[str, Any] | str, *, stepwise: bool = False) -> bytes:
     """One server-sent event: ``data: <json>`` and a blank line (``stepwise``: see :func:`json_bytes`)."""
     if isinstance(data, str):
         return f"data: {data}\n\n".encode()
@@ -358,7 +360,7 @@ class CallFilter:
         text, self.blank = (self.blank or "") + text, None
         return text
 
-    def finish(self) -> tuple[str, list[dict]]:
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """(the content still held, the calls) at the end of the choice."""
         blank = self.blank or ""
         if not self.calling:
@@ -370,12 +372,12 @@ class CallFilter:
         return (blank + content if content else ""), calls
 
 
-def call_filter(params) -> CallFilter:
+def call_filter(params: GenParams) -> CallFilter:
     """A :class:`CallFilter` for one choice of a request (a ``GenParams`` with tools)."""
     return CallFilter([t["function"]["name"] for t in params.tools], params.parallel_tool_calls)
 
 
-def calls_in(params, text: str) -> tuple[str | None, list[dict]]:
+def calls_in(params: GenParams, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole answer's ``(content, calls)``, split as a stream splits it (:func:`call_filter`)."""
     f = call_filter(params)
     content = f.push(text)

@@ -22,12 +22,12 @@ import json
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, NoReturn, Sequence
 
+from ..checks import brief_repr
 from ..errors import InferenceError, InvalidInputError, ModelLoadError
 from ..logs import get_logger
 from ..manifest_schema import TEXT_TAGS
-from ..sampling import brief_repr
 from .template_sandbox import (
     TEMPLATE_MAX_STEPS,
     TEMPLATE_MIN_CHARS,
@@ -66,7 +66,7 @@ PROBE_CHAT = [
 ]
 
 
-def _tags_as_text(tokenizer):
+def _tags_as_text(tokenizer: Any) -> Any:
     """``tokenizer`` with :data:`TEXT_TAGS` no longer special (decoded as their text; still
     matched whole when encoding, as any added token)."""
     from tokenizers import Tokenizer
@@ -78,7 +78,9 @@ def _tags_as_text(tokenizer):
     return Tokenizer.from_str(json.dumps(doc))
 
 
-def _structured_fields(messages: Sequence[dict], tools: Sequence[dict] | None) -> list[tuple[str, Any]]:
+def _structured_fields(
+    messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+) -> list[tuple[str, Any]]:
     """``(name, value)`` of what a template renders from structures rather than strings: the
     ``tools`` and each message's ``tool_calls``."""
     return [("tools", tools or [])] + [
@@ -175,7 +177,8 @@ class TextCodec:
         character; a special token: its text). For log-probabilities' ``token`` / ``bytes``."""
         token_id = int(token_id)
         if token_id in self._special_ids:
-            return self._special_tokens[token_id].content.encode()
+            content: str = self._special_tokens[token_id].content
+            return content.encode()
         piece = self.tokenizer.id_to_token(token_id) or ""
         kinds = self._decoder_kinds()
         if "ByteLevel" in kinds and all(c in _UNICODE_BYTE for c in piece):
@@ -204,7 +207,7 @@ class TextCodec:
         """The types of the tokenizer's decoder steps (e.g. ``{"ByteLevel"}``), read once."""
         if self._kinds is None:
 
-            def walk(d) -> list[str]:
+            def walk(d: Any) -> list[str]:
                 if not isinstance(d, dict):
                     return []
                 return [str(d.get("type"))] + [k for sub in d.get("decoders") or [] for k in walk(sub)]
@@ -217,15 +220,15 @@ class TextCodec:
         prompt: special-token strings in it are the special tokens."""
         if not isinstance(text, str):
             raise InvalidInputError(f"prompt must be a string or a list of chat messages, got {type(text).__name__}")
-        ids = self._tokenize(self.tokenizer, text, lambda: [("prompt", text)]).ids
+        ids: list[int] = self._tokenize(self.tokenizer, text, lambda: [("prompt", text)]).ids
         return ([self.bos_id] if self.add_bos and self.bos_id is not None else []) + ids
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Chat messages -> the prompt text, through the model's chat template (bounded: see the
         module docstring). Any role string is passed to the template as it is."""
         return self._render(self._check_messages(messages), add_generation_prompt)
 
-    def _check_messages(self, messages) -> list[dict]:
+    def _check_messages(self, messages: Any) -> list[dict[str, Any]]:
         """The messages, checked; OpenAI-style content parts (``[{"type": "text", "text": ...}]``)
         are joined into one string (other parts are refused)."""
         if self.chat_template is None:
@@ -257,7 +260,7 @@ class TextCodec:
             out.append(msg)
         return out
 
-    def _tokenize(self, tokenizer, text: str, fields):
+    def _tokenize(self, tokenizer: Any, text: str, fields: Callable[[], Iterable[tuple[str, str]]]) -> Any:
         """``tokenizer.encode(text)``; a failure is the input's: :class:`InvalidInputError` naming
         the field. ``fields()`` (called only on failure) yields ``(name, value)`` for the strings
         the text came from. The tokenizer raises ``TypeError`` for a lone surrogate
@@ -301,14 +304,19 @@ class TextCodec:
             raise InvalidInputError(f"the prompt cannot be tokenized: {type(exc).__name__}: {exc}"[:300]) from exc
 
     @staticmethod
-    def _message_fields(messages: Sequence[dict]):
+    def _message_fields(messages: Sequence[dict[str, Any]]) -> Callable[[], Iterable[tuple[str, str]]]:
         """``(messages[i].key, value)`` for the string fields of chat messages."""
         return lambda: (
             (f"messages[{i}].{k}", v) for i, msg in enumerate(messages) for k, v in msg.items() if isinstance(v, str)
         )
 
     def _render(
-        self, messages: list, add_generation_prompt: bool, tools: Sequence[dict] | None = None, *, chars: int = 0
+        self,
+        messages: list[Any],
+        add_generation_prompt: bool,
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        chars: int = 0,
     ) -> str:
         """The template rendered within its bounds; ``chars``: the output budget (0: the codec's)."""
         template = self._compiled()
@@ -343,7 +351,10 @@ class TextCodec:
             raise InvalidInputError(f"chat template failed on these messages: {exc}") from exc
 
     def encode_prompt(
-        self, prompt: str | Sequence[dict], allow_special: bool | None = None, tools: Sequence[dict] | None = None
+        self,
+        prompt: str | Sequence[dict[str, Any]],
+        allow_special: bool | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         """A string is plain text (the raw prompt, see :meth:`encode`); a list of messages goes
         through the chat template (which holds any special tokens itself, so no BOS is added).
@@ -373,13 +384,13 @@ class TextCodec:
                 if any(self._special_re.search(text) for text in nested_strings(value, name)):
                     raise InvalidInputError(f"{name} holds the text of a special token")
         if allow or self._special_re is None:
-            return self._tokenize(
-                self.tokenizer, self._render(list(prompt), True, tools), self._message_fields(prompt)
-            ).ids
+            text = self._render(list(prompt), True, tools)
+            ids: list[int] = self._tokenize(self.tokenizer, text, self._message_fields(prompt)).ids
+            return ids
         return self._encode_chat_plain(list(prompt), self._special_re, tools)
 
     def _encode_chat_plain(
-        self, messages: list, special: re.Pattern[str], tools: Sequence[dict] | None = None
+        self, messages: list[Any], special: re.Pattern[str], tools: Sequence[dict[str, Any]] | None = None
     ) -> list[int]:
         """Render with each special-token string in the messages replaced by a placeholder
         character, encode (the template's control tokens are matched), then re-encode the text
@@ -392,7 +403,8 @@ class TextCodec:
                     found.update(m.group() for m in special.finditer(v))
         fields = self._message_fields(messages)
         if not found:
-            return self._tokenize(self.tokenizer, self._render(messages, True, tools), fields).ids
+            ids: list[int] = self._tokenize(self.tokenizer, self._render(messages, True, tools), fields).ids
+            return ids
         holder = _placeholders(messages, found, self.chat_template or "")
         pattern = re.compile("|".join(map(re.escape, holder)))
         swapped = [
@@ -402,7 +414,9 @@ class TextCodec:
         text = self._render(swapped, True, tools)
         return self._reencode(text, self._tokenize(self.tokenizer, text, fields), holder, fields)
 
-    def _reencode(self, text: str, enc: Any, holder: dict[str, str], fields: Any) -> list[int]:
+    def _reencode(
+        self, text: str, enc: Any, holder: dict[str, str], fields: Callable[[], Iterable[tuple[str, str]]]
+    ) -> list[int]:
         """``enc`` (the encoding of ``text``) with each stretch between two control tokens that
         holds a placeholder encoded again, the strings put back and read as plain text."""
         back = {ph: original for original, ph in holder.items()}
@@ -413,8 +427,7 @@ class TextCodec:
         out: list[int] = []
         unplace = re.compile("|".join(map(re.escape, back)))
         bounds = [-1] + cuts + [len(ids)]
-        for k in range(len(bounds) - 1):
-            lo, hi = bounds[k], bounds[k + 1]  # special tokens at lo and hi (or the ends)
+        for lo, hi in zip(bounds, bounds[1:]):  # special tokens at lo and hi (or the ends)
             start = offsets[lo][1] if lo >= 0 else 0
             end = offsets[hi][0] if hi < len(ids) else len(text)
             segment = text[start:end]
@@ -432,7 +445,7 @@ class TextCodec:
             )
         return out
 
-    def _plain_tokenizer(self):
+    def _plain_tokenizer(self) -> Any:
         if self._plain is None:
             from tokenizers import Tokenizer
 
@@ -443,7 +456,8 @@ class TextCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         try:
-            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+            text: str = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+            return text
         except PASS_THROUGH:
             raise
         except BaseException as exc:
@@ -454,11 +468,13 @@ class TextCodec:
     def decoder(self) -> "IncrementalDecoder":
         return IncrementalDecoder(self)
 
-    def _compiled(self):
+    def _compiled(self) -> Any:
+        if self.chat_template is None:
+            raise InvalidInputError("this model has no chat template; pass a plain string prompt")
         if self._template is None or self._template[0] != self.chat_template:
             from jinja2.exceptions import TemplateError
 
-            def raise_exception(message):
+            def raise_exception(message: Any) -> NoReturn:
                 raise InvalidInputError(f"chat template rejected the messages: {message}"[:500])
 
             env = new_environment(trim_blocks=True, lstrip_blocks=True)

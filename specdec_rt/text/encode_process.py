@@ -42,7 +42,7 @@ _ERRORS: dict[str, type[SpecDecError]] = {
 }
 
 
-def prompt_chars(prompt: Any, tools: Sequence[dict] | None = None) -> int:
+def prompt_chars(prompt: Any, tools: Sequence[dict[str, Any]] | None = None) -> int:
     """About how many characters of text ``prompt`` (a string or chat messages) and ``tools``
     hold (strings nested up to 64 levels deep): what decides where the prompt is encoded."""
     total, todo = 0, [(prompt, 0), (tools, 0)]
@@ -68,7 +68,9 @@ class PromptEncoder:
         self._child: subprocess.Popen[bytes] | None = None
         self._closed = False
 
-    def encode(self, prompt: str | Sequence[dict], tools: Sequence[dict] | None = None) -> list[int] | np.ndarray:
+    def encode(
+        self, prompt: str | Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int] | np.ndarray:
         """The prompt's ids: a list (encoded here) or, for a big prompt, a read-only int64 array
         (the same ids, from the child). Errors are the codec's."""
         if self.min_chars is None or prompt_chars(prompt, tools) < self.min_chars:
@@ -179,7 +181,7 @@ def _serve() -> None:
             raise SystemExit(0)
         return pickle.loads(inp.read(int.from_bytes(size, "little")))  # noqa: S301 - from the parent
 
-    def answer(head: dict, body: bytes = b"") -> None:
+    def answer(head: dict[str, Any], body: bytes = b"") -> None:
         out.write(json.dumps(head).encode() + b"\n" + body)
         out.flush()
 

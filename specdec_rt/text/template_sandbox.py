@@ -20,7 +20,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any
 
 from ..errors import InvalidInputError
@@ -197,22 +197,24 @@ def _check_percent(fmt: str, args: Any, budget: _Budget, what: str) -> None:
 _SPEC_NUMBER = re.compile(r"\d+")
 
 
-def _format_field_mixin(base):
+def _format_field_mixin(base: Any) -> Any:
     """``base`` (Jinja's sandboxed ``str.format`` formatter) with each field checked before it is
     formatted: its width and precision (after ``{:{}}`` fields are filled in) and its value's
     text, added to what the format has built so far."""
 
-    class Bounded(base):
-        def vformat(self, format_string, args, kwargs):
-            self._built = len(format_string)
-            return super().vformat(format_string, args, kwargs)
+    class Bounded(base):  # type: ignore[misc, unused-ignore]  # strict: a Jinja class chosen at run time (Any)
+        _built: int
 
-        def format_field(self, value, format_spec):
+        def vformat(self, format_string: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+            self._built = len(format_string)
+            return str(super().vformat(format_string, args, kwargs))
+
+        def format_field(self, value: Any, format_spec: str) -> str:
             b = _current()
             b.tick()
             widths = sum(_spec_number(n) for n in _SPEC_NUMBER.findall(format_spec))
             b.need(self._built + widths + _text_length(value, b.chars), "str.format")
-            out = super().format_field(value, format_spec)
+            out = str(super().format_field(value, format_spec))
             self._built += len(out)
             return out
 
@@ -225,7 +227,9 @@ _SIZING_FILTERS = frozenset({"center", "indent", "wordwrap", "slice", "batch"})
 _SIZING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
 
 
-def _precheck_call(obj: Any, args: tuple, kwargs: dict, budget: _Budget, *, filter_name: str | None = None) -> None:
+def _precheck_call(
+    obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any], budget: _Budget, *, filter_name: str | None = None
+) -> None:
     """Refuse a call whose result could exceed the budget before it is made."""
     inner = getattr(obj, "__wrapped__", obj)  # the sandbox wraps str.format
     name = getattr(inner, "__name__", "")
@@ -286,50 +290,50 @@ def _replace_first(args: tuple[Any, ...], values: list[Any], new: Any) -> tuple[
     return (*args[:at], new, *args[at + 1 :]), [new, *values[1:]]
 
 
-def _check_join(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+def _check_join(values: list[Any], kwargs: dict[str, Any], budget: _Budget) -> None:
     value = values[0]
     sep = values[1] if len(values) > 1 else kwargs.get("d", "")
-    b.need(_length(sep) * len(value) + _text_length(value, b.chars), "the join filter")
+    budget.need(_length(sep) * len(value) + _text_length(value, budget.chars), "the join filter")
 
 
-def _check_replace(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+def _check_replace(values: list[Any], kwargs: dict[str, Any], budget: _Budget) -> None:
     if len(values) >= 3:
-        b.need((_length(values[0]) + 1) * (_length(values[2]) + 1), "the replace filter")
+        budget.need((_length(values[0]) + 1) * (_length(values[2]) + 1), "the replace filter")
 
 
-def _check_indent(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+def _check_indent(values: list[Any], kwargs: dict[str, Any], budget: _Budget) -> None:
     width = values[1] if len(values) > 1 else kwargs.get("width", 4)
     lines = str(values[0]).count("\n") + 1
-    b.need(
-        lines * _length(width if isinstance(width, str) else " " * min(int(width), b.chars + 1)),
+    budget.need(
+        lines * _length(width if isinstance(width, str) else " " * min(int(width), budget.chars + 1)),
         "the indent filter",
     )
 
 
-def _check_format(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+def _check_format(values: list[Any], kwargs: dict[str, Any], budget: _Budget) -> None:
     if isinstance(values[0], str):
-        _check_percent(values[0], kwargs or tuple(values[1:]), b, "the format filter")
+        _check_percent(values[0], kwargs or tuple(values[1:]), budget, "the format filter")
 
 
-def _check_int(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+def _check_int(values: list[Any], kwargs: dict[str, Any], budget: _Budget) -> None:
     value = values[0]
     if isinstance(value, str) and len(value) > 5000 and value.strip().lstrip("+-").replace("_", "").isdigit():
         # Python 3.11+ refuse over 4300 digits; 3.10 would parse them in quadratic time
-        b.bits(len(value), "the int filter's result")
+        budget.bits(len(value), "the int filter's result")
 
 
-def _check_wordwrap(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+def _check_wordwrap(values: list[Any], kwargs: dict[str, Any], budget: _Budget) -> None:
     width = values[1] if len(values) > 1 else kwargs.get("width", 79)
     wrap = values[3] if len(values) > 3 else kwargs.get("wrapstring") or "\n"
     text = str(values[0])
     lines = 2 * len(text) // max(width if isinstance(width, int) else 1, 1) + text.count("\n") + 2
-    b.need(len(text) + min(lines, len(text) + 2) * _length(wrap), "the wordwrap filter")
+    budget.need(len(text) + min(lines, len(text) + 2) * _length(wrap), "the wordwrap filter")
 
 
-def _check_tojson(values: list[Any], kwargs: dict[str, Any], b: _Budget) -> None:
+def _check_tojson(values: list[Any], kwargs: dict[str, Any], budget: _Budget) -> None:
     indent = values[1] if len(values) > 1 else kwargs.get("indent")
     if isinstance(indent, int) and indent > 64:
-        b.need(indent * 10**6, "tojson's indent")
+        budget.need(indent * 10**6, "tojson's indent")
 
 
 # what a filter's input and arguments would build, checked before it runs
@@ -366,7 +370,7 @@ def _charge_items(value: Any, budget: _Budget, name: str) -> Any:
     return value
 
 
-def _counted(items, budget: _Budget, cap: int | None, name: str):
+def _counted(items: Iterator[Any], budget: _Budget, cap: int | None, name: str) -> Iterator[Any]:
     for n, item in enumerate(items, 1):
         if cap is not None and n > cap:
             raise TemplateBudgetError(f"the {name} filter was given more than {cap} items, over its limit")
@@ -403,7 +407,7 @@ _STRINGIFYING = frozenset(
 )
 
 
-def _sandbox_class():
+def _sandbox_class() -> type[Any]:
     from functools import update_wrapper
 
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEscapeFormatter, SandboxedFormatter
@@ -429,7 +433,7 @@ def _sandbox_class():
             except OverflowError as exc:  # float ** float, an int too large for a float
                 raise TemplateBudgetError(f"overflowed ({exc})") from None
 
-        def wrap_str_format(self, value):
+        def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
             """Jinja's own sandboxed ``str.format`` / ``format_map``, through a formatter that
             checks each field before formatting it (see :func:`_format_field_mixin`)."""
             import types
@@ -444,7 +448,7 @@ def _sandbox_class():
             fmt = escape_formatter(self, escape=f_self.escape) if isinstance(f_self, Markup) else formatter(self)
             return update_wrapper(_format_call(fmt, f_self, format_map=value.__name__ == "format_map"), value)
 
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - jinja's
             b = _current()
             b.tick()
             _precheck_call(__obj, args, kwargs, b)
@@ -463,24 +467,24 @@ def _check_str_method(obj: Any, attr: str) -> None:
         )
 
 
-def _check_binop(b: _Budget, operator: str, left: Any, right: Any) -> None:
+def _check_binop(budget: _Budget, operator: str, left: Any, right: Any) -> None:
     """Refuse a binary operation whose result could exceed the budget, before it runs: an int
     result's bits are bounded BEFORE computing it (one huge multiplication or power runs in C
     and cannot be stopped by the deadline), a repetition's and a %-format's length."""
     if isinstance(left, int) and isinstance(right, int):
         bl, br = left.bit_length(), right.bit_length()
         if operator == "*":
-            b.bits(bl + br, "a product")
+            budget.bits(bl + br, "a product")
         elif operator == "**" and right > 0 and abs(left) > 1:
-            b.bits(int(right * math.log2(abs(left))) + 1 if br < 64 else 1 << 64, "a power")
+            budget.bits(int(right * math.log2(abs(left))) + 1 if br < 64 else 1 << 64, "a power")
         elif operator in ("+", "-"):
-            b.bits(max(bl, br) + 1, "a sum")
+            budget.bits(max(bl, br) + 1, "a sum")
     elif operator == "*":
         for seq, n in ((left, right), (right, left)):
             if isinstance(seq, _SEQUENCES) and isinstance(n, int):
-                b.need(_length(seq) * max(n, 0), "a repetition")
+                budget.need(_length(seq) * max(n, 0), "a repetition")
     elif operator == "%" and isinstance(left, str):
-        _check_percent(left, right, b, "a %-format")
+        _check_percent(left, right, budget, "a %-format")
 
 
 def _format_call(fmt: Any, f_self: str, *, format_map: bool) -> Callable[..., str]:
@@ -499,7 +503,7 @@ def _format_call(fmt: Any, f_self: str, *, format_map: bool) -> Callable[..., st
     return wrapper
 
 
-def _guard_iter(iterable):
+def _guard_iter(iterable: Iterable[Any]) -> Iterator[Any]:
     """Every template loop iterates through this: each item is a step of the budget."""
     b = _current()
     for item in iterable:
@@ -507,7 +511,7 @@ def _guard_iter(iterable):
         yield item
 
 
-def _guard_concat(*parts):
+def _guard_concat(*parts: Any) -> str:
     """The template's ``~`` operator, sized before it is joined."""
     b = _current()
     b.tick()
@@ -517,13 +521,13 @@ def _guard_concat(*parts):
     return "".join(strs)
 
 
-def _instrument(ast):
+def _instrument(ast: Any) -> Any:
     """Route every loop and every ``~`` of a parsed template through the guards above."""
     from jinja2 import nodes
     from jinja2.visitor import NodeTransformer
 
     class Guard(NodeTransformer):
-        def visit_For(self, node):
+        def visit_For(self, node: Any) -> Any:
             self.generic_visit(node)
             node.iter = nodes.Call(
                 nodes.Name("__specdec_iter", "load", lineno=node.lineno),
@@ -535,7 +539,7 @@ def _instrument(ast):
             )
             return node
 
-        def visit_Concat(self, node):
+        def visit_Concat(self, node: Any) -> Any:
             self.generic_visit(node)
             return nodes.Call(
                 nodes.Name("__specdec_concat", "load", lineno=node.lineno),
@@ -549,7 +553,7 @@ def _instrument(ast):
     return Guard().visit(ast)
 
 
-def _finalize(value):
+def _finalize(value: Any) -> Any:
     """``{{ value }}``: a list or dict is sized as text before ``str()`` builds it."""
     b = _budget.value
     if b is not None and isinstance(value, _CONTAINERS):
@@ -557,10 +561,10 @@ def _finalize(value):
     return value
 
 
-def _bounded_lipsum(lipsum):
+def _bounded_lipsum(lipsum: Callable[..., Any]) -> Callable[..., Any]:
     """``lipsum(n, html, min, max)`` writes up to n * max words in a Python loop: sized first."""
 
-    def bounded(n=5, html=True, min=20, max=100):  # noqa: A002 - Jinja's names
+    def bounded(n: Any = 5, html: Any = True, min: Any = 20, max: Any = 100) -> Any:  # noqa: A002 - Jinja's names
         b = _current()
         if all(isinstance(v, int) for v in (n, min, max)):
             b.need(abs(n) * (abs(min) + abs(max)) * 16, "lipsum")
@@ -569,7 +573,7 @@ def _bounded_lipsum(lipsum):
     return bounded
 
 
-def _generation_tag():
+def _generation_tag() -> type[Any]:
     from jinja2.ext import Extension
 
     class GenerationTag(Extension):
@@ -577,19 +581,21 @@ def _generation_tag():
 
         tags = {"generation"}
 
-        def parse(self, parser):
+        def parse(self, parser: Any) -> Any:
             next(parser.stream)
             return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
     return GenerationTag
 
 
-def _tojson(x, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:  # transformers' signature: templates may pass them by position
     """``tojson`` as Hugging Face's chat templates call it (transformers' own arguments)."""
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def new_environment(**options):
+def new_environment(**options: Any) -> Any:
     """A bounded sandbox environment: every filter checked, the loop and ``~`` guards installed,
     ``tojson`` as Hugging Face templates expect it. ``options`` go to Jinja (``trim_blocks``...)."""
     # as transformers renders chat templates: {% break %} / {% continue %}, and {% generation %}
@@ -604,13 +610,13 @@ def new_environment(**options):
     return env
 
 
-def compile_template(env, text: str):
+def compile_template(env: Any, text: str) -> Any:
     """``text`` compiled in ``env`` (from :func:`new_environment`) with every loop and ``~``
     routed through the budget. Raises Jinja's ``TemplateError`` (or ``RecursionError``)."""
     return env.from_string(_instrument(env.parse(text)))
 
 
-def render_bounded(template, *, chars: int, steps: int, seconds: float, **variables) -> str:
+def render_bounded(template: Any, *, chars: int, steps: int, seconds: float, **variables: Any) -> str:
     """Render ``template`` with at most ``chars`` characters of output (and of any value built
     on the way), ``steps`` loop iterations and calls, and ``seconds``; over any of them is a
     :class:`TemplateBudgetError`. The budget is per thread, so concurrent renderings in other

@@ -89,7 +89,7 @@ def _state(component: Any) -> Any:
     return json.loads(component.__getstate__())
 
 
-def _describe(node: dict) -> str:
+def _describe(node: dict[str, Any]) -> str:
     kind = node.get("type")
     if kind == "Replace":
         pattern = node.get("pattern") or {}

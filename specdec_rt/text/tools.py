@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Container, Iterable, Iterator
 from typing import Any, Sequence
 
+from ..checks import brief_repr
 from ..errors import InvalidInputError
-from ..sampling import brief_repr
 from ..sampling.constraints import json_text
 
 __all__ = [
@@ -42,7 +43,7 @@ MAX_TOOL_CALLS = 64  # per assistant message of a history
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
-def check_tools(tools: Any) -> list[dict]:
+def check_tools(tools: Any) -> list[dict[str, Any]]:
     """OpenAI's ``tools``: a list of ``{"type": "function", "function": {"name", "description"?,
     "parameters"? (a JSON schema object), "strict"?}}``, names unique. None or [] -> []."""
     if tools is None:
@@ -75,11 +76,18 @@ def check_tools(tools: Any) -> list[dict]:
     return list(tools)
 
 
-class CheckedTools(tuple):
+class CheckedTools(tuple[Any, ...]):
     """A ``tools`` list that :func:`check_tools` passed, as a tuple: :func:`checked_tools` takes
     it as it is, so the n choices of one request (and a ``RequestParams.replace``) check a
     large list once, not once each (each check walks every schema: ~15 ms a megabyte). It
     keeps the call grammars built from it (:func:`call_grammar`), for the same reason."""
+
+    grammars: dict[tuple[str, str], str]  #: the call grammars built from these tools, by function
+
+    def __new__(cls, tools: Iterable[dict[str, Any]]) -> CheckedTools:
+        self = super().__new__(cls, tools)
+        self.grammars = {}
+        return self
 
 
 def checked_tools(tools: Any) -> CheckedTools:
@@ -87,7 +95,7 @@ def checked_tools(tools: Any) -> CheckedTools:
     return tools if isinstance(tools, CheckedTools) else CheckedTools(check_tools(tools))
 
 
-def check_tool_choice(choice: Any, tools: Sequence[dict]) -> str | dict:
+def check_tool_choice(choice: Any, tools: Sequence[dict[str, Any]]) -> str | dict[str, Any]:
     """``"none"`` | ``"auto"`` | ``"required"`` | ``{"type": "function", "function": {"name": X}}``
     with X among ``tools``; None -> ``"auto"`` with tools, ``"none"`` without."""
     if choice is None:
@@ -95,7 +103,7 @@ def check_tool_choice(choice: Any, tools: Sequence[dict]) -> str | dict:
     if choice in ("none", "auto", "required"):
         if choice == "required" and not tools:
             raise InvalidInputError("tool_choice 'required' needs tools")
-        return choice
+        return str(choice)
     name = (
         choice.get("function", {}).get("name")
         if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
@@ -108,7 +116,8 @@ def check_tool_choice(choice: Any, tools: Sequence[dict]) -> str | dict:
         )
     if name not in {t["function"]["name"] for t in tools}:
         raise InvalidInputError(f"tool_choice names function {brief_repr(name, 100)}, which tools does not list")
-    return choice
+    named: dict[str, Any] = choice
+    return named
 
 
 def supports_tools(template: str | None) -> bool:
@@ -116,7 +125,7 @@ def supports_tools(template: str | None) -> bool:
     return template is not None and "tools" in template and CALL_OPEN in template
 
 
-def template_messages(messages: Sequence[dict]) -> list[dict]:
+def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The history as chat templates expect it (Hugging Face's convention): an assistant
     message's ``tool_calls`` checked, each call's ``arguments`` (a JSON string in OpenAI's API)
     given as the object it holds; ``content`` None -> ``""``. Other messages as they are."""
@@ -151,7 +160,7 @@ def template_messages(messages: Sequence[dict]) -> list[dict]:
     return out
 
 
-def nested_strings(value: Any, name: str = "tools", depth: int = 0):
+def nested_strings(value: Any, name: str = "tools", depth: int = 0) -> Iterator[str]:
     """Every string inside ``value`` (dict keys and values, list items), depth-first; a structure
     deeper than 64 levels is an :class:`InvalidInputError` naming ``name`` (templates would
     recurse into it)."""
@@ -169,7 +178,7 @@ def nested_strings(value: Any, name: str = "tools", depth: int = 0):
             yield from nested_strings(v, name, depth + 1)
 
 
-def parse_tool_calls(text: str, names: Sequence[str] | None = None) -> tuple[str, list[dict]]:
+def parse_tool_calls(text: str, names: Sequence[str] | None = None) -> tuple[str, list[dict[str, Any]]]:
     """An answer -> ``(content, calls)``: every ``<tool_call>{"name": ..., "arguments": {...}}
     </tool_call>`` block whose body is such a JSON object (``"parameters"`` is read as
     ``"arguments"``, as some models write it; arguments may be an object or a JSON string of
@@ -191,7 +200,7 @@ def parse_tool_calls(text: str, names: Sequence[str] | None = None) -> tuple[str
     return "".join(kept).strip(), calls
 
 
-def _call_at(text: str, pos: int, names) -> tuple[dict | None, int]:
+def _call_at(text: str, pos: int, names: Container[str] | None) -> tuple[dict[str, Any] | None, int]:
     """The call whose JSON body starts at or after ``pos`` (whitespace first), and where its
     ``</tool_call>`` ends; ``(None, pos)`` if there is none."""
     body_at = len(text) - len(text[pos:].lstrip())
@@ -227,33 +236,33 @@ def _call_at(text: str, pos: int, names) -> tuple[dict | None, int]:
     )
 
 
-def _forced(tools: Sequence[dict], choice: str | dict) -> list[tuple[str, dict]]:
+def _forced(tools: Sequence[dict[str, Any]], choice: str | dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """``(name, parameters schema)`` of each function a call forced by ``choice`` may name."""
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     names = [choice["function"]["name"]] if isinstance(choice, dict) else list(params)
     return [(n, params[n]) for n in names]
 
 
-def call_schemas(tools: Sequence[dict], choice: str | dict) -> list[dict]:
+def call_schemas(tools: Sequence[dict[str, Any]], choice: str | dict[str, Any]) -> list[dict[str, Any]]:
     """The ``parameters`` schemas a call forced by ``choice`` may follow (checked on their own
     before a request runs, so a schema the grammar engine gives up on is refused up front)."""
     return [schema for _, schema in _forced(tools, choice)]
 
 
-def call_grammar(tools: Sequence[dict], choice: str | dict) -> str:
+def call_grammar(tools: Sequence[dict[str, Any]], choice: str | dict[str, Any]) -> str:
     """A Lark grammar (llguidance's, with ``%json``) for an answer that is exactly one call:
     ``<tool_call>\n{"name": "N", "arguments": {...}}\n</tool_call>``, N the named function or any
     of ``tools``, its arguments following the function's ``parameters`` schema (embedded whole,
     so its own ``$ref``s resolve inside it), on one line. A :class:`CheckedTools` keeps each
     grammar built from it: the n choices of a request build theirs once."""
     key = ("call_grammar", choice if isinstance(choice, str) else choice["function"]["name"])
-    kept: dict = tools.__dict__ if isinstance(tools, CheckedTools) else {}
+    kept: dict[tuple[str, str], str] = tools.grammars if isinstance(tools, CheckedTools) else {}
     if key not in kept:
         kept[key] = _call_grammar(tools, choice)
     return kept[key]
 
 
-def _call_grammar(tools: Sequence[dict], choice: str | dict) -> str:
+def _call_grammar(tools: Sequence[dict[str, Any]], choice: str | dict[str, Any]) -> str:
     forced = _forced(tools, choice)
     rules = [f"call: {' | '.join(f'call{i}' for i in range(len(forced)))}"]
     for i, (name, params) in enumerate(forced):

@@ -12,8 +12,12 @@ import statistics
 import sys
 import time
 from argparse import Namespace
+from typing import TYPE_CHECKING, cast
 
 from ..engine.loading import ensure_built, load_engine
+
+if TYPE_CHECKING:
+    from ..ort import OrtModel
 
 __all__ = ["run_demo", "DEMO_PROMPTS"]
 
@@ -35,7 +39,7 @@ async def run_demo(args: Namespace) -> int:
     engine = await load_engine(args)
     _say(
         f"loaded {engine.manifest.name} with draft {engine.draft_name!r} in {time.perf_counter() - t0:.1f} s "
-        f"({engine.target.session.get_providers()[0]}, exact to: {engine.manifest.exact_to})"
+        f"({cast('OrtModel', engine.target).session.get_providers()[0]}, exact to: {engine.manifest.exact_to})"
     )
     n = args.max_new_tokens
     async with engine:

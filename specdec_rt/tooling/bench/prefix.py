@@ -169,7 +169,7 @@ def pressure_budget(engine, n: int) -> tuple[list[str], int]:
     from ...engine.factory import engine_models
 
     docs = _fit(engine, documents(6), 400)
-    per_token = sum(m.pool.token_bytes for m in engine_models(engine.target, engine.drafter))
+    per_token = sum(m.open_pool().token_bytes for m in engine_models(engine.target, engine.drafter))
     longest = max(len(engine.codec.encode_prompt([{"role": "user", "content": d}])) for d in docs) + 3 * n
     return docs, 2 * longest * per_token
 
