@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING, Iterable, Sequence
+import os
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import anyio
 import numpy as np
@@ -32,6 +33,8 @@ from .speculation.protocols import CacheSession, DraftInferrer, LanguageModel, M
 from .speculation.scheduler import SpecDecScheduler
 
 if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
+
     from .engine.engine import Engine
     from .text.codec import TextCodec
 
@@ -203,16 +206,17 @@ class ToySession(CachedStart, CacheSession):
     def length(self) -> int:
         return self._length
 
-    async def extend(self, ids: np.ndarray, logits_rows: int, tree=None) -> np.ndarray:
+    async def extend(self, ids: np.ndarray, logits_rows: int, tree: np.ndarray | None = None) -> np.ndarray:
         if self.closed:
             raise RuntimeError("session is closed")
         ids = np.asarray(ids, dtype=np.int64)
         extra = {} if tree is None else {"tree": np.asarray(tree, dtype=np.int64)}
         if self.model.executor is not None:
-            return await self.model.executor.extend(self, ids, logits_rows, **extra)
+            out: np.ndarray = await self.model.executor.extend(self, ids, logits_rows, **extra)
+            return out
         return self.run_sync(ids, logits_rows, self._length, **extra)
 
-    def run_sync(self, ids: np.ndarray, logits_rows: int, past: int, tree=None) -> np.ndarray:
+    def run_sync(self, ids: np.ndarray, logits_rows: int, past: int, tree: np.ndarray | None = None) -> np.ndarray:
         """Feed ``ids`` [S] after ``past`` cached tokens (the executor's entry point); ``tree``
         [S]: each position's parent (-1: the cached tokens), and ``length`` stays ``past``."""
         cache = self.model.prefix_cache
@@ -245,7 +249,7 @@ class ToySession(CachedStart, CacheSession):
         logits = self.model.logits_at(self._ids[start : self._length])
         return logits[-logits_rows:]
 
-    def accept_tree(self, start: int, keep) -> None:
+    def accept_tree(self, start: int, keep: np.ndarray) -> None:
         """Keep the tree positions ``start + keep`` as ``start ..`` (the accepted path)."""
         if self._length != start:
             raise ValueError(f"accept_tree at {start}: the cache holds {self._length}")
@@ -288,16 +292,16 @@ class FaultyModel(LanguageModel):
             length = property(lambda s: inner.length)
             _closed = False
 
-            async def extend(s, ids, logits_rows):
+            async def extend(s, ids: np.ndarray, logits_rows: int) -> np.ndarray:
                 outer.calls += 1
                 if outer.calls == outer.fail_on:
                     raise RuntimeError(f"injected failure on call {outer.calls}")
                 return await inner.extend(ids, logits_rows)
 
-            def rollback(s, length):
+            def rollback(s, length: int) -> None:
                 inner.rollback(length)
 
-            def close(s):
+            def close(s) -> None:
                 if not s._closed:
                     s._closed = True
                     outer.open_sessions -= 1
@@ -342,7 +346,7 @@ class _PlainSession(CacheSession):
         self.ids = self.ids[:0]
 
 
-def toy_codec(vocab_size: int, folder) -> "TextCodec":
+def toy_codec(vocab_size: int, folder: str | os.PathLike[str]) -> TextCodec:
     """A word-level :class:`~specdec_rt.text.codec.TextCodec` over the words ``w0 .. w{V-1}``
     (token i is ``w{i}``; text is words split on spaces), its tokenizer file written to ``folder``."""
     from pathlib import Path
@@ -358,7 +362,9 @@ def toy_codec(vocab_size: int, folder) -> "TextCodec":
     return TextCodec(path)
 
 
-def toy_engine(target: LanguageModel, drafter: DraftInferrer | None, folder, **options) -> "Engine":
+def toy_engine(
+    target: LanguageModel, drafter: DraftInferrer | None, folder: str | os.PathLike[str], **options: Any
+) -> Engine:
     """An :class:`~specdec_rt.engine.engine.Engine` over any backend's models (no export folder):
     ``options`` are the Engine's (``slots``, ``executor``, ``models``, ``eos_ids``, ``config``...).
     The codec is :func:`toy_codec` over the target's vocabulary."""
@@ -369,7 +375,7 @@ def toy_engine(target: LanguageModel, drafter: DraftInferrer | None, folder, **o
 
 
 def toy_pair(
-    vocab_size: int = 8, order: int = 2, seed: int = 0, distance: float = 0.5, *, sharpness: float = 2.0, **options
+    vocab_size: int = 8, order: int = 2, seed: int = 0, distance: float = 0.5, *, sharpness: float = 2.0, **options: Any
 ) -> tuple[ToyLM, ToyLM]:
     """``(target, draft)``: the draft's logits are ``(1-distance)*target + distance*noise``.
     ``options``: more :class:`ToyLM` options for both (``max_length``, ``prefix_cache_tokens``, ...)."""
@@ -387,7 +393,7 @@ def toy_scheduler(
     *,
     eos_ids: Iterable[int] = (),
     batched: bool = False,
-    **options,
+    **options: Any,
 ) -> tuple[SpecDecScheduler, ToyLM, ToyLM]:
     """A scheduler over a :func:`toy_pair`: ``(scheduler, target, draft)``. ``batched=True``
     runs every model call through one :class:`~specdec_rt.batching.executor.BatchExecutor`, as an Engine
@@ -455,7 +461,9 @@ async def run_together(
     return out
 
 
-def chi_square_pvalue(counts: dict, expected: dict[tuple, float], min_expected: float = 5.0) -> float:
+def chi_square_pvalue(
+    counts: Mapping[tuple[int, ...], int], expected: Mapping[tuple[int, ...], float], min_expected: float = 5.0
+) -> float:
     """Goodness-of-fit p-value of observed ``counts`` against ``expected`` probabilities.
 
     Outcomes with expected count below ``min_expected`` are pooled into one bin; an observed
@@ -525,20 +533,21 @@ async def check_greedy_lossless(
             raise AssertionError(f"prompt {list(prompt)}: spec {spec.token_ids} != ar {ar.token_ids}")
 
 
-def rejection_cases(max_k: int = 6, max_vocab: int = 8):
+def rejection_cases(max_k: int = 6, max_vocab: int = 8) -> SearchStrategy[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Hypothesis strategy of valid ``(draft_ids [k], q [k, V], p [k+1, V])`` with each draft id
     drawn from the support of its q row (as a real drafter would). Needs ``hypothesis``."""
     from hypothesis import strategies as st
 
     @st.composite
-    def cases(draw):
+    def cases(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         k = draw(st.integers(1, max_k))
         v = draw(st.integers(1, max_vocab))
         weights = st.lists(st.one_of(st.just(0.0), st.floats(0.01, 10.0)), min_size=v, max_size=v)
 
-        def row():
-            w = np.array(draw(weights.filter(lambda w: sum(w) > 0)))
-            return w / w.sum()
+        def row() -> np.ndarray:
+            weight = np.array(draw(weights.filter(lambda w: sum(w) > 0)))
+            normalized: np.ndarray = weight / weight.sum()
+            return normalized
 
         q = np.stack([row() for _ in range(k)])
         p = np.stack([row() for _ in range(k + 1)])
