@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING, Iterable, Sequence
+import os
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import anyio
 import numpy as np
@@ -32,6 +33,8 @@ from .speculation.protocols import CacheSession, DraftInferrer, LanguageModel, M
 from .speculation.scheduler import SpecDecScheduler
 
 if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
+
     from .engine.engine import Engine
     from .text.codec import TextCodec
 
@@ -55,21 +58,28 @@ __all__ = [
 class ToyLM(LanguageModel):
     """A fixed random order-``order`` Markov LM: ``logits(next | last order tokens)``.
 
-    ``table`` ``[V**order, V]`` holds the logits; ``sharpness`` scales them (higher: peakier).
     Counts ``calls`` (forward passes) and ``positions`` (tokens fed) so tests and the toy demo can
-    measure speculation in model calls.
+    measure speculation in model calls; ``tree_calls`` counts the tree verifies. With a prefix
+    cache, every call checks that its slot holds exactly the ids its session was started with and
+    fed, so a cache that copies the wrong positions fails loudly.
 
-    ``ragged``: the executor may batch calls of several positions (verifies) across requests.
-    ``tree``: it verifies a draft tree in one call (``extend(..., tree=parents)``, then
-    ``accept_tree``), as ONNX Runtime targets of exporter 0.3+ do; ``tree_calls`` counts them.
-
-    ``executor``: a :class:`~specdec_rt.batching.executor.BatchExecutor` its calls go through
-    (batched with other requests' calls, as in an Engine); ``None``: each call runs at once.
-
-    ``prefix_cache_tokens > 0``: a :class:`~specdec_rt.kvcache.prefix.PrefixCache` over a pool of
-    ``slots`` running and ``cache_entries`` entry slots holding ids (the toy's "KV"), as the ONNX
-    backend has. Every call then checks that its slot holds exactly the ids its session was
-    started with and fed, so a cache that copies the wrong positions fails loudly.
+    Args:
+        vocab_size: Tokens in the vocabulary (``V``).
+        order: How many last tokens the next token's logits depend on.
+        seed: Seed of the random logits table.
+        sharpness: Scale of the logits (higher: peakier distributions).
+        max_length: The longest sequence a session holds.
+        table: The logits ``[V**order, V]``, instead of random ones.
+        slots: Sessions that run at once (with a prefix cache: the pool's running slots).
+        prefix_cache_tokens: Above 0, a :class:`~specdec_rt.kvcache.prefix.PrefixCache` of this
+            budget over the ids (the toy's "KV"), as the ONNX backend has.
+        cache_entries: The prefix cache's entry slots (default: ``slots``).
+        block: The prefix cache's block size in tokens.
+        ragged: The executor may batch calls of several positions (verifies) across requests.
+        tree: It verifies a draft tree in one call (``extend(..., tree=parents)``, then
+            ``accept_tree``), as ONNX Runtime targets of exporter 0.3+ do.
+        executor: A :class:`~specdec_rt.batching.executor.BatchExecutor` its calls go through
+            (batched with other requests' calls, as in an Engine); ``None``: each call runs at once.
     """
 
     def __init__(
@@ -203,16 +213,17 @@ class ToySession(CachedStart, CacheSession):
     def length(self) -> int:
         return self._length
 
-    async def extend(self, ids: np.ndarray, logits_rows: int, tree=None) -> np.ndarray:
+    async def extend(self, ids: np.ndarray, logits_rows: int, tree: np.ndarray | None = None) -> np.ndarray:
         if self.closed:
             raise RuntimeError("session is closed")
         ids = np.asarray(ids, dtype=np.int64)
         extra = {} if tree is None else {"tree": np.asarray(tree, dtype=np.int64)}
         if self.model.executor is not None:
-            return await self.model.executor.extend(self, ids, logits_rows, **extra)
+            out: np.ndarray = await self.model.executor.extend(self, ids, logits_rows, **extra)
+            return out
         return self.run_sync(ids, logits_rows, self._length, **extra)
 
-    def run_sync(self, ids: np.ndarray, logits_rows: int, past: int, tree=None) -> np.ndarray:
+    def run_sync(self, ids: np.ndarray, logits_rows: int, past: int, tree: np.ndarray | None = None) -> np.ndarray:
         """Feed ``ids`` [S] after ``past`` cached tokens (the executor's entry point); ``tree``
         [S]: each position's parent (-1: the cached tokens), and ``length`` stays ``past``."""
         cache = self.model.prefix_cache
@@ -245,7 +256,7 @@ class ToySession(CachedStart, CacheSession):
         logits = self.model.logits_at(self._ids[start : self._length])
         return logits[-logits_rows:]
 
-    def accept_tree(self, start: int, keep) -> None:
+    def accept_tree(self, start: int, keep: np.ndarray) -> None:
         """Keep the tree positions ``start + keep`` as ``start ..`` (the accepted path)."""
         if self._length != start:
             raise ValueError(f"accept_tree at {start}: the cache holds {self._length}")
@@ -273,7 +284,12 @@ class ToySession(CachedStart, CacheSession):
 
 
 class FaultyModel(LanguageModel):
-    """Wraps a model; the ``fail_on``-th forward call (1-based, counted across sessions) raises."""
+    """Wraps a model; the ``fail_on``-th forward call (counted across sessions) raises.
+
+    Args:
+        model: The model whose sessions it wraps.
+        fail_on: Which forward call raises ``RuntimeError`` (1-based).
+    """
 
     def __init__(self, model: LanguageModel, fail_on: int) -> None:
         self.model, self.fail_on, self.calls = model, fail_on, 0
@@ -288,16 +304,16 @@ class FaultyModel(LanguageModel):
             length = property(lambda s: inner.length)
             _closed = False
 
-            async def extend(s, ids, logits_rows):
+            async def extend(s, ids: np.ndarray, logits_rows: int) -> np.ndarray:
                 outer.calls += 1
                 if outer.calls == outer.fail_on:
                     raise RuntimeError(f"injected failure on call {outer.calls}")
                 return await inner.extend(ids, logits_rows)
 
-            def rollback(s, length):
+            def rollback(s, length: int) -> None:
                 inner.rollback(length)
 
-            def close(s):
+            def close(s) -> None:
                 if not s._closed:
                     s._closed = True
                     outer.open_sessions -= 1
@@ -311,7 +327,11 @@ class PlainLM(LanguageModel):
     the defaults, so nothing is batched, cached or verified as a tree). Its logits are those of
     ``model.logits_at`` (a :class:`ToyLM`), recomputed from the whole context on every call; a
     test that runs it through :class:`~specdec_rt.engine.engine.Engine` shows what a third
-    backend must write."""
+    backend must write.
+
+    Args:
+        model: The toy model whose logits it returns.
+    """
 
     def __init__(self, model: ToyLM) -> None:
         self.model = model
@@ -342,9 +362,14 @@ class _PlainSession(CacheSession):
         self.ids = self.ids[:0]
 
 
-def toy_codec(vocab_size: int, folder) -> "TextCodec":
+def toy_codec(vocab_size: int, folder: str | os.PathLike[str]) -> TextCodec:
     """A word-level :class:`~specdec_rt.text.codec.TextCodec` over the words ``w0 .. w{V-1}``
-    (token i is ``w{i}``; text is words split on spaces), its tokenizer file written to ``folder``."""
+    (token i is ``w{i}``; text is words split on spaces).
+
+    Args:
+        vocab_size: Words in the vocabulary.
+        folder: Where its ``tokenizer.json`` is written.
+    """
     from pathlib import Path
 
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -358,10 +383,19 @@ def toy_codec(vocab_size: int, folder) -> "TextCodec":
     return TextCodec(path)
 
 
-def toy_engine(target: LanguageModel, drafter: DraftInferrer | None, folder, **options) -> "Engine":
-    """An :class:`~specdec_rt.engine.engine.Engine` over any backend's models (no export folder):
-    ``options`` are the Engine's (``slots``, ``executor``, ``models``, ``eos_ids``, ``config``...).
-    The codec is :func:`toy_codec` over the target's vocabulary."""
+def toy_engine(
+    target: LanguageModel, drafter: DraftInferrer | None, folder: str | os.PathLike[str], **options: Any
+) -> Engine:
+    """An :class:`~specdec_rt.engine.engine.Engine` over any backend's models (no export folder).
+
+    Args:
+        target: The target model.
+        drafter: The drafter (``None``: plain decoding only).
+        folder: Where the codec's tokenizer file goes (:func:`toy_codec` over the target's
+            vocabulary).
+        **options: The Engine's options (``slots``, ``executor``, ``models``, ``eos_ids``,
+            ``config``...).
+    """
     from .engine.engine import Engine
 
     config = options.pop("config", None)
@@ -369,10 +403,21 @@ def toy_engine(target: LanguageModel, drafter: DraftInferrer | None, folder, **o
 
 
 def toy_pair(
-    vocab_size: int = 8, order: int = 2, seed: int = 0, distance: float = 0.5, *, sharpness: float = 2.0, **options
+    vocab_size: int = 8, order: int = 2, seed: int = 0, distance: float = 0.5, *, sharpness: float = 2.0, **options: Any
 ) -> tuple[ToyLM, ToyLM]:
-    """``(target, draft)``: the draft's logits are ``(1-distance)*target + distance*noise``.
-    ``options``: more :class:`ToyLM` options for both (``max_length``, ``prefix_cache_tokens``, ...)."""
+    """A target and a draft whose logits are ``(1-distance)*target + distance*noise``.
+
+    Args:
+        vocab_size: Tokens in the vocabulary.
+        order: The models' Markov order.
+        seed: Seed of the target's logits and of the noise.
+        distance: How far the draft is from the target (0: the same model).
+        sharpness: Scale of the logits.
+        **options: More :class:`ToyLM` options for both (``max_length``, ``prefix_cache_tokens``, ...).
+
+    Returns:
+        ``(target, draft)``.
+    """
     target = ToyLM(vocab_size, order, seed, sharpness, **options)
     noise = np.random.default_rng(seed + 10_007).normal(size=target.table.shape) * sharpness
     draft = ToyLM(vocab_size, order, table=(1 - distance) * target.table + distance * noise, **options)
@@ -387,12 +432,24 @@ def toy_scheduler(
     *,
     eos_ids: Iterable[int] = (),
     batched: bool = False,
-    **options,
+    **options: Any,
 ) -> tuple[SpecDecScheduler, ToyLM, ToyLM]:
-    """A scheduler over a :func:`toy_pair`: ``(scheduler, target, draft)``. ``batched=True``
-    runs every model call through one :class:`~specdec_rt.batching.executor.BatchExecutor`, as an Engine
-    does (concurrent requests' single-token steps become batched calls; long feeds are chunked).
-    ``options``: :class:`ToyLM` options for both models (e.g. ``prefix_cache_tokens=...``)."""
+    """A scheduler over a :func:`toy_pair`.
+
+    Args:
+        distance: How far the draft is from the target (0: the same model).
+        vocab_size: Tokens in the vocabulary.
+        seed: Seed of the models.
+        config: The scheduler's speculation policy (default: ``SpecConfig()``).
+        eos_ids: Tokens that end a request.
+        batched: Run every model call through one
+            :class:`~specdec_rt.batching.executor.BatchExecutor`, as an Engine does (concurrent
+            requests' single-token steps become batched calls; long feeds are chunked).
+        **options: :class:`ToyLM` options for both models (e.g. ``prefix_cache_tokens=...``).
+
+    Returns:
+        ``(scheduler, target, draft)``.
+    """
     if batched:  # one step loop for both, as in an Engine
         options["executor"] = BatchExecutor(chunk=4)
     target, draft = toy_pair(vocab_size, seed=seed, distance=distance, **options)
@@ -402,7 +459,17 @@ def toy_scheduler(
 def sequence_distribution(
     model: ToyLM, prompt: Sequence[int], length: int, params: SamplingParams
 ) -> dict[tuple[int, ...], float]:
-    """Exact probability of every generated sequence of ``length`` tokens (no stop ids)."""
+    """Exact probability of every generated sequence of ``length`` tokens (no stop ids).
+
+    Args:
+        model: The target.
+        prompt: The prompt's ids.
+        length: Tokens generated.
+        params: The sampling parameters (temperature, top-k/p, penalties) applied to each step.
+
+    Returns:
+        Sequence -> probability, over all ``V**length`` sequences.
+    """
     out: dict[tuple[int, ...], float] = {}
     for seq in itertools.product(range(model.vocab_size), repeat=length):
         ids = np.array(list(prompt) + list(seq))
@@ -425,8 +492,21 @@ async def sequence_counts(
     rng: np.random.Generator,
     mode: str = "spec",
 ) -> dict[tuple[int, ...], int]:
-    """How often each generated sequence came up in ``n`` sampled runs of ``sched`` (to compare
-    with :func:`sequence_distribution` by :func:`chi_square_pvalue`)."""
+    """How often each generated sequence came up in ``n`` sampled runs of ``sched``.
+
+    Args:
+        sched: The scheduler to run.
+        prompt: The prompt's ids.
+        length: Tokens generated per run.
+        params: The sampling parameters.
+        n: Runs.
+        rng: The random generator every run draws from.
+        mode: ``"spec"`` or ``"ar"``.
+
+    Returns:
+        Sequence -> count, to compare with :func:`sequence_distribution` by
+        :func:`chi_square_pvalue`.
+    """
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(n):
         key = tuple((await sched.run(prompt, length, params, mode=mode, rng=rng)).token_ids)
@@ -443,7 +523,15 @@ async def run_together(
     mode: str = "spec",
 ) -> list[list[int]]:
     """The generated ids of ``prompts`` run at once (one task each: a batched scheduler batches
-    their calls), request i with ``params[i]``, to compare with each run alone."""
+    their calls), to compare with each run alone.
+
+    Args:
+        sched: The scheduler to run.
+        prompts: The prompts' ids.
+        n: Tokens generated per request.
+        params: Each request's sampling parameters (request i: ``params[i]``).
+        mode: ``"spec"`` or ``"ar"``.
+    """
     out: list[list[int]] = [[] for _ in prompts]
 
     async def one(i: int) -> None:
@@ -455,11 +543,17 @@ async def run_together(
     return out
 
 
-def chi_square_pvalue(counts: dict, expected: dict[tuple, float], min_expected: float = 5.0) -> float:
+def chi_square_pvalue(
+    counts: Mapping[tuple[int, ...], int], expected: Mapping[tuple[int, ...], float], min_expected: float = 5.0
+) -> float:
     """Goodness-of-fit p-value of observed ``counts`` against ``expected`` probabilities.
 
-    Outcomes with expected count below ``min_expected`` are pooled into one bin; an observed
-    outcome of probability 0 gives p = 0.
+    An observed outcome of probability 0 gives p = 0.
+
+    Args:
+        counts: Outcome -> times seen (:func:`sequence_counts`).
+        expected: Outcome -> probability (:func:`sequence_distribution`).
+        min_expected: Outcomes expected fewer times than this are pooled into one bin.
     """
     n = sum(counts.values())
     if any(expected.get(k, 0.0) == 0.0 for k, c in counts.items() if c):
@@ -516,7 +610,18 @@ async def check_greedy_lossless(
     eos_ids: Iterable[int] = (),
 ) -> None:
     """Assert that greedy speculative decoding with ``drafter`` reproduces greedy plain decoding
-    with ``verifier`` token for token on every prompt. Raises ``AssertionError`` naming the prompt."""
+    with ``verifier`` token for token on every prompt.
+
+    Args:
+        drafter: The drafter under test.
+        verifier: The target's verifier.
+        prompts: The prompts' ids.
+        max_new_tokens: Tokens generated per prompt.
+        eos_ids: Tokens that end a request.
+
+    Raises:
+        AssertionError: A prompt whose outputs differ, named with both outputs.
+    """
     sched = SpecDecScheduler(drafter, verifier, eos_ids=eos_ids)
     for prompt in prompts:
         ar = await sched.run(prompt, max_new_tokens, mode="ar")
@@ -525,20 +630,26 @@ async def check_greedy_lossless(
             raise AssertionError(f"prompt {list(prompt)}: spec {spec.token_ids} != ar {ar.token_ids}")
 
 
-def rejection_cases(max_k: int = 6, max_vocab: int = 8):
+def rejection_cases(max_k: int = 6, max_vocab: int = 8) -> SearchStrategy[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Hypothesis strategy of valid ``(draft_ids [k], q [k, V], p [k+1, V])`` with each draft id
-    drawn from the support of its q row (as a real drafter would). Needs ``hypothesis``."""
+    drawn from the support of its q row (as a real drafter would). Needs ``hypothesis``.
+
+    Args:
+        max_k: The most drafts ``k``.
+        max_vocab: The largest vocabulary ``V``.
+    """
     from hypothesis import strategies as st
 
     @st.composite
-    def cases(draw):
+    def cases(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         k = draw(st.integers(1, max_k))
         v = draw(st.integers(1, max_vocab))
         weights = st.lists(st.one_of(st.just(0.0), st.floats(0.01, 10.0)), min_size=v, max_size=v)
 
-        def row():
-            w = np.array(draw(weights.filter(lambda w: sum(w) > 0)))
-            return w / w.sum()
+        def row() -> np.ndarray:
+            weight = np.array(draw(weights.filter(lambda w: sum(w) > 0)))
+            normalized: np.ndarray = weight / weight.sum()
+            return normalized
 
         q = np.stack([row() for _ in range(k)])
         p = np.stack([row() for _ in range(k + 1)])

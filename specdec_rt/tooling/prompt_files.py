@@ -10,7 +10,9 @@ from typing import Any
 
 from ..errors import InvalidInputError
 
-__all__ = ["read_prompt_file", "label"]
+__all__ = ["read_prompt_file", "label", "PromptText"]
+
+PromptText = str | list[dict[str, Any]]  # a prompt: text, or chat messages
 
 
 def read_prompt_file(path: str | None, default: str = "data/prompts.jsonl") -> list[dict[str, Any]]:
@@ -57,7 +59,7 @@ def read_prompt_file(path: str | None, default: str = "data/prompts.jsonl") -> l
     return out
 
 
-def label(text: str | list[dict[str, Any]]) -> str:
+def label(text: PromptText) -> str:
     """A prompt's text for progress lines: the string, or the last message's text."""
     if isinstance(text, str):
         return text

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from ...errors import InvalidInputError
+from ...ort import default_threads
 from ..reports import write_report
 from .args import bench_args, split_list
 from .micro import memory_bandwidth_gbs, request_memory, step_costs, weight_bytes
@@ -29,7 +30,6 @@ from .runner import (
     Runner,
     Sample,
     build_our_modes,
-    default_threads,
     load_prompts,
     log,
     machine_info,
@@ -39,6 +39,7 @@ from .runner import (
 if TYPE_CHECKING:
     from ...ort.manifest import Manifest
     from ...text.codec import TextCodec
+    from .hf import BaselineResult
 
 __all__ = ["run_bench"]
 
@@ -148,7 +149,7 @@ def _llama_modes(
         say=log,
     )
     log(f"llama.cpp modes: {', '.join(llama)}")
-    return llama
+    return {name: runner for name, runner in llama.items()}
 
 
 def _llama_results(report: dict[str, Any], samples: list[Sample], codec: TextCodec) -> str:
@@ -181,11 +182,11 @@ def _write(
     log(f"wrote {', '.join(str(p) for p in (out / 'bench.json', out / 'bench.md', png, acc_png) if p)}")
 
 
-async def _micro(ctx, m, max_length) -> dict[str, Any]:
+async def _micro(ctx: dict[str, Any], m: Manifest, max_length: int) -> dict[str, Any]:
     target = ctx["target"]
     log("micro: step costs (verify width 5 vs 1, context 2000 vs 100)")
     costs = await step_costs(target, progress=log, long=min(2000, max_length - 8))
-    micro = dict(costs)
+    micro: dict[str, Any] = dict(costs)
     log("micro: memory of target + default draft + KV for one 2,048-token request (a fresh process)")
     draft_dir = m.draft_dir()
     micro["memory"] = request_memory(m.folder, draft_dir, target.threads)
@@ -203,7 +204,9 @@ async def _micro(ctx, m, max_length) -> dict[str, Any]:
     return micro
 
 
-def _hf_modes(wanted, ctx, *, threads, cache_dir, skipped) -> dict[str, Any]:
+def _hf_modes(
+    wanted: list[str], ctx: dict[str, Any], *, threads: int, cache_dir: Path, skipped: dict[str, str]
+) -> dict[str, Runner]:
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         for w in wanted:
             skipped[w] = "needs torch + transformers (pip install -e '.[export,bench]')"
@@ -217,7 +220,7 @@ def _hf_modes(wanted, ctx, *, threads, cache_dir, skipped) -> dict[str, Any]:
         "hf_prompt_lookup": hf.hf_prompt_lookup,
         "optimum_ar": hf.optimum_ar,
     }
-    modes = {}
+    modes: dict[str, Runner] = {}
     for w in wanted:
         if w == "optimum_ar" and importlib.util.find_spec("optimum") is None:
             skipped[w] = "needs optimum-onnx (the bench extra)"
@@ -234,14 +237,10 @@ class _HFRunner:
     """A runner (``runner.Runner``) over one Hugging Face baseline ``fn(ids, n) -> (new ids,
     seconds)``; ``kind``: the assistant model's, for ``hf_assisted`` (the report names it)."""
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn: Callable[[list[int], int], BaselineResult]) -> None:
         self.fn = fn
         self.kind: str | None = None
 
-    async def __call__(self, ids: list[int], n: int) -> tuple[Any, ...]:
+    async def __call__(self, ids: list[int], n: int) -> tuple[list[int], float, None]:
         new, secs = self.fn(ids, n)
         return new, secs, None
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(run_bench(None))

@@ -34,7 +34,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +46,7 @@ from .args import bench_args
 
 if TYPE_CHECKING:
     from ...ort.manifest import Manifest
+    from ...ort.model import OrtModel
 
 __all__ = [
     "DEFAULT_TEXT",
@@ -79,7 +80,8 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     """``[n, V]`` logits -> float64 log-probabilities ``[n, V]``."""
     x = np.asarray(logits, dtype=np.float64)  # [n, V]
     m = x.max(axis=-1, keepdims=True)  # [n, 1]
-    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+    logp: np.ndarray = x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+    return logp
 
 
 def kl_rows(base_logp: np.ndarray, logp: np.ndarray, floor: float = LOGP_FLOOR) -> np.ndarray:
@@ -87,7 +89,8 @@ def kl_rows(base_logp: np.ndarray, logp: np.ndarray, floor: float = LOGP_FLOOR) 
     whose base log-probability is above ``floor`` (llama.cpp's rule)."""
     keep = base_logp > floor  # [n, V]
     terms = np.where(keep, np.exp(base_logp) * (base_logp - logp), 0.0)  # [n, V]
-    return terms.sum(axis=-1)
+    kl: np.ndarray = terms.sum(axis=-1)
+    return kl
 
 
 @dataclass
@@ -144,7 +147,7 @@ def windows(tokens: list[int] | np.ndarray, window: int, bos: int | None) -> np.
             "(llama-perplexity's rule); give a longer --text or a smaller --window"
         )
     n = ids.size // window
-    out = ids[: n * window].reshape(n, window).copy()
+    out: np.ndarray = ids[: n * window].reshape(n, window).copy()
     if bos is not None:
         out[:, 0] = bos
     return out
@@ -220,7 +223,7 @@ class KldBase:
 
     @property
     def chunks(self) -> int:
-        return self.tokens.shape[0]
+        return int(self.tokens.shape[0])
 
     def logp(self, chunk: int) -> np.ndarray:
         """The base log-probabilities of a chunk's scored positions, float64 ``[n, V]``: each row
@@ -251,7 +254,7 @@ def read_kld_base(path: str | Path) -> KldBase:
     return KldBase(window, vocab, tokens, raw[at:].view(np.uint16).reshape(chunks, n, nv))
 
 
-def quantized_targets(folder: Path, manifest) -> list[tuple[str, list[str], Path]]:
+def quantized_targets(folder: Path, manifest: Manifest) -> list[tuple[str, list[str], Path]]:
     """``(label, names, folder)`` for each distinct quantized copy of the model: its quantized
     drafts (``draft-q8`` ...) and built sibling recipes (``<name>-q8``, ``<name>-q4``); copies with
     the same weight file (its sha256 in the manifest) are one row with every name."""
@@ -279,20 +282,21 @@ def quantized_targets(folder: Path, manifest) -> list[tuple[str, list[str], Path
     return found
 
 
-def _source_id(m) -> str | None:
+def _source_id(m: Manifest) -> str | None:
     """What a model was exported from: its source file's sha256, else its path or file name."""
     src = m.raw.get("source") or {}
-    return src.get("sha256") or src.get("path") or src.get("file")
+    found = src.get("sha256") or src.get("path") or src.get("file")
+    return None if found is None else str(found)
 
 
-def _window_logits(model, window: np.ndarray) -> np.ndarray:
+def _window_logits(model: OrtModel, window: np.ndarray) -> np.ndarray:
     """Logits ``[n, V]`` of a window's scored positions (``len // 2 .. len - 2``), from a fresh
     cache in one call."""
     size = window.size
     first = size // 2
     s = model.start()
     try:
-        out = s.run_sync(np.asarray(window, dtype=np.int64), size - first, 0)  # [size - first, V]
+        out: np.ndarray = s.run_sync(np.asarray(window, dtype=np.int64), size - first, 0)  # [size - first, V]
     finally:
         s.rollback(0)
         s.close()
@@ -300,13 +304,13 @@ def _window_logits(model, window: np.ndarray) -> np.ndarray:
 
 
 def measure(
-    target,
+    target: OrtModel,
     quants: Mapping[str, Any],
     chunks: np.ndarray,
     llama_base: KldBase | None = None,
     *,
-    say=_log,
-) -> dict[str, dict]:
+    say: Callable[[str], object] = _log,
+) -> dict[str, dict[str, Any]]:
     """Teacher-forced agreement over ``chunks`` ``[n, window]``: each of ``quants`` (label ->
     model) against ``target`` (float32), and ``target`` against ``llama_base`` (llama.cpp's F32
     log-probabilities of the same chunks) when given. Models: ``OrtModel``-like (``start()``
@@ -350,8 +354,8 @@ def _run_perplexity(tool: Path, args: list[str]) -> LlamaKld:
 
 
 def _llama_side(
-    args: argparse.Namespace, text: Path, *, window: int, threads: int, manifest, out: Path
-) -> tuple[dict, KldBase]:
+    args: argparse.Namespace, text: Path, *, window: int, threads: int, manifest: Manifest, out: Path
+) -> tuple[dict[str, Any], KldBase]:
     """llama-perplexity on F32 (the base) and each other GGUF; the base file read back."""
     from .llamacpp import find_tools, resolve_ggufs
 
@@ -435,10 +439,11 @@ def run_agreement(args: argparse.Namespace) -> int:
     """The ``bench --agreement`` command (see the module docstring): a table on stdout,
     ``<out>/agreement.json`` and ``agreement.md``."""
     from ...engine.loading import ensure_built
+    from ...ort import default_threads
     from ...ort.manifest import load_manifest
     from ...text.codec import TextCodec
     from ..reports import write_report
-    from .runner import default_threads, machine_info
+    from .runner import machine_info
 
     window = args.window or DEFAULT_WINDOW
     text = Path(args.text).expanduser() if args.text else DEFAULT_TEXT

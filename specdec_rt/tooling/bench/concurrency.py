@@ -20,12 +20,13 @@ import argparse
 import asyncio
 import statistics
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..prompt_files import read_prompt_file
+from ..prompt_files import PromptText, read_prompt_file
 from ..reports import pyplot, save_figure, write_report
 from .args import bench_args, parse_levels
 from .runner import log
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["run_concurrency"]
 
 
-def load_texts(path: str | None, limit: int | None) -> list:
+def load_texts(path: str | None, limit: int | None) -> list[PromptText]:
     """Prompts as the Engine takes them (text or chat messages); default: general chat. A bad
     file is a one-line error (:func:`~specdec_rt.tooling.prompt_files.read_prompt_file`)."""
     out = [d["text"] for d in read_prompt_file(path, "data/chat_general.jsonl")]
@@ -51,7 +52,7 @@ async def _heartbeat(stalls: list[float], period: float = 0.01) -> None:
         stalls.append(time.perf_counter() - t - period)
 
 
-async def _one(engine, prompt, n: int, mode: str) -> dict[str, Any]:
+async def _one(engine: Engine, prompt: PromptText, n: int, mode: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     first, last, gaps, ids = None, None, [], []
     async with engine.stream(prompt, n, mode=mode) as events:
@@ -67,13 +68,13 @@ async def _one(engine, prompt, n: int, mode: str) -> dict[str, Any]:
     return {"ids": ids, "ttft": first, "gaps": gaps}
 
 
-async def run_level(engine, prompts: list, n: int, mode: str, *, clients: int) -> dict[str, Any]:
+async def run_level(engine: Engine, prompts: list[PromptText], n: int, mode: str, *, clients: int) -> dict[str, Any]:
     """All prompts through ``clients`` closed-loop clients; aggregate and per-request numbers."""
     queue = list(enumerate(prompts))[::-1]
-    results: dict[int, dict] = {}
+    results: dict[int, dict[str, Any]] = {}
     stalls: list[float] = []
 
-    async def client():
+    async def client() -> None:
         while queue:
             i, p = queue.pop()
             results[i] = await _one(engine, p, n, mode)
@@ -132,7 +133,7 @@ class _Levels:
     """Every level (0: one after another) in both modes, ``--repeats`` times, on one warmed-up
     Engine or (``--cold``) a fresh one per level and repeat; ``draft``: the engines' draft."""
 
-    def __init__(self, args: argparse.Namespace, folder: Path, levels: list[int], prompts: list[Any]) -> None:
+    def __init__(self, args: argparse.Namespace, folder: Path, levels: list[int], prompts: list[PromptText]) -> None:
         self.args, self.folder, self.levels, self.prompts = args, folder, levels, prompts
         self.n: int = args.max_new_tokens
         self.cold = bool(args.cold)
@@ -192,7 +193,9 @@ class _Levels:
         fresh = await self.load(prefix_cache=False) if engine is None else None
         try:
             for mode in ("spec", "ar") if rep % 2 == 0 else ("ar", "spec"):
-                r = await run_level(fresh or engine, self.prompts, self.n, mode, clients=max(1, c))
+                runner = fresh or engine
+                assert runner is not None
+                r = await run_level(runner, self.prompts, self.n, mode, clients=max(1, c))
                 self.runs.setdefault(f"{c}/{mode}", []).append(r)
                 log(
                     f"repeat {rep + 1}/{self.args.repeats} {'sequential' if c == 0 else f'c={c}'} {mode}: "
@@ -206,11 +209,12 @@ class _Levels:
 def summarize(runs: dict[str, list[dict[str, Any]]], levels: list[int]) -> list[dict[str, Any]]:
     """Medians per (level, mode) and the ratios the bars name."""
 
-    def median(xs):  # of the runs that measured it (a run of one event a request has no ITL)
-        xs = [x for x in xs if x is not None]
-        return statistics.median(xs) if xs else None
+    def median(values: Iterable[float | None]) -> float | None:
+        """Of the runs that measured it (a run of one event a request has no ITL)."""
+        measured = [x for x in values if x is not None]
+        return statistics.median(measured) if measured else None
 
-    med = {
+    med: dict[str, dict[str, Any]] = {
         k: {f: median(r[f] for r in v) for f in ("tokens_per_s", "ttft_p50", "itl_p50", "itl_p99", "max_stall")}
         for k, v in runs.items()
     }

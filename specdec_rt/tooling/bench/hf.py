@@ -12,14 +12,22 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ...errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from ...ort.manifest import Manifest
+
+# a baseline's answer: the new ids and the seconds generate() took
+BaselineResult = tuple[list[int], float]
 
 __all__ = ["HFBaselines", "load_source_model"]
 
 
-def _source_of(manifest) -> tuple[Path, str | None]:
+def _source_of(manifest: Manifest) -> tuple[Path, str | None]:
     """``(folder, gguf file name or None)`` the manifest says the weights came from: a recipe's
     file inside the download cache (a name, no path), or the checkpoint folder or GGUF file it
     was exported from (read as safetensors or GGUF only: never a pickle, whoever wrote the manifest)."""
@@ -46,7 +54,7 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")[:100] or "model"
 
 
-def load_source_model(manifest, threads: int):
+def load_source_model(manifest: Manifest, threads: int) -> Any:
     """The PyTorch model the export was built from, float32, eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -55,7 +63,7 @@ def load_source_model(manifest, threads: int):
     folder, gguf = _source_of(manifest)
     kw: dict[str, object] = {"gguf_file": gguf} if gguf else {}
     kw = kw or {"use_safetensors": True}  # a folder's *.bin would be unpickled
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
+    model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
     return model.eval()
 
 
@@ -63,7 +71,13 @@ class HFBaselines:
     """Runs the Hugging Face modes on prompt ids; each call returns ``(new_ids, seconds)``."""
 
     def __init__(
-        self, manifest, draft_manifest=None, *, threads: int = 2, cache_dir: Path | None = None, log=print
+        self,
+        manifest: Manifest,
+        draft_manifest: Manifest | None = None,
+        *,
+        threads: int = 2,
+        cache_dir: Path | None = None,
+        log: Callable[[str], object] = print,
     ) -> None:
         import torch
 
@@ -71,14 +85,14 @@ class HFBaselines:
         self.manifest, self.log = manifest, log
         self.model = load_source_model(manifest, threads)
         self.eos = list(manifest.eos_ids)
-        self._assistant = None
+        self._assistant: Any = None  # a PyTorch model
         self._draft_manifest = draft_manifest
-        self._optimum = None
+        self._optimum: Any = None  # optimum's ORTModelForCausalLM
         self._cache_dir = cache_dir
         self.threads = threads
         self.assistant_kind: str | None = None
 
-    def _generate(self, model, ids, n, **kw):
+    def _generate(self, model: Any, ids: Sequence[int], n: int, **kw: Any) -> BaselineResult:
         torch = self.torch
         x = torch.tensor([list(ids)])
         t = time.perf_counter()
@@ -94,18 +108,19 @@ class HFBaselines:
             )
         dt = time.perf_counter() - t
         # prompt lookup can overshoot max_new_tokens within its last round: keep n, as we do
-        return out[0, x.shape[1] :][:n].tolist(), dt
+        new: list[int] = out[0, x.shape[1] :][:n].tolist()
+        return new, dt
 
-    def hf_ar(self, ids, n):
+    def hf_ar(self, ids: Sequence[int], n: int) -> BaselineResult:
         return self._generate(self.model, ids, n)
 
-    def hf_prompt_lookup(self, ids, n):
+    def hf_prompt_lookup(self, ids: Sequence[int], n: int) -> BaselineResult:
         return self._generate(self.model, ids, n, prompt_lookup_num_tokens=10)
 
-    def hf_assisted(self, ids, n):
+    def hf_assisted(self, ids: Sequence[int], n: int) -> BaselineResult:
         return self._generate(self.model, ids, n, assistant_model=self.assistant())
 
-    def assistant(self):
+    def assistant(self) -> Any:
         """The draft in PyTorch: the draft's own source checkpoint if it has one, else a dynamic
         int8 copy of the target (the closest PyTorch analogue of a quantized-copy draft)."""
         if self._assistant is None:
@@ -126,7 +141,7 @@ class HFBaselines:
                 self.assistant_kind = "dynamic int8 copy of the target (PyTorch)"
         return self._assistant
 
-    def optimum_ar(self, ids, n):
+    def optimum_ar(self, ids: Sequence[int], n: int) -> BaselineResult:
         import numpy as np
 
         model = self._optimum_model()
@@ -143,20 +158,24 @@ class HFBaselines:
             pad_token_id=self.eos[0],
         )
         dt = time.perf_counter() - t
-        return out[0, x.shape[1] :].tolist(), dt
+        new: list[int] = out[0, x.shape[1] :].tolist()
+        return new, dt
 
-    def _optimum_model(self):
+    def _optimum_model(self) -> Any:
         if self._optimum is None:
             import onnxruntime as ort
             from optimum.onnxruntime import ORTModelForCausalLM
 
-            folder = self._cache_dir / f"optimum-{_slug(self.manifest.name)}"
+            from ...ort.manifest import cache_root
             from ...ort.setup import _configure_threads
+
+            cache_dir = self._cache_dir or cache_root() / "bench"
+            folder = cache_dir / f"optimum-{_slug(self.manifest.name)}"
 
             so = ort.SessionOptions()
             _configure_threads(so, self.threads)  # the same thread-pool rules as our models
             if not (folder / "model.onnx").exists():
-                hf_dir = self._cache_dir / f"hf-{_slug(self.manifest.name)}"
+                hf_dir = cache_dir / f"hf-{_slug(self.manifest.name)}"
                 if not (hf_dir / "config.json").exists():
                     self.log(f"saving the PyTorch checkpoint for optimum to {hf_dir}")
                     self.model.save_pretrained(hf_dir)

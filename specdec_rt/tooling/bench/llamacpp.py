@@ -37,6 +37,7 @@ from ...errors import InvalidInputError, SpecDecError
 if TYPE_CHECKING:
     from ...ort.manifest import Manifest
     from ...text.codec import TextCodec
+    from .runner import Sample
 
 __all__ = [
     "LlamaTiming",
@@ -157,7 +158,12 @@ def quant_label(path: Path) -> str:
     return re.sub(r"[^a-z0-9_]+", "_", part.lower()).strip("_") or "model"
 
 
-def resolve_ggufs(spec: str | None, tools: dict[str, Path], manifest=None, say=print) -> dict[str, Path]:
+def resolve_ggufs(
+    spec: str | None,
+    tools: dict[str, Path],
+    manifest: Manifest | None = None,
+    say: Callable[[str], object] = print,
+) -> dict[str, Path]:
     """``label -> file`` from ``--llama-gguf`` (comma-separated files, or a folder of ``*.gguf``);
     without it, F32 / Q8_0 files made from the model's source GGUF (once, cached) and the source."""
     if spec:
@@ -181,7 +187,7 @@ def resolve_ggufs(spec: str | None, tools: dict[str, Path], manifest=None, say=p
     return _default_ggufs(tools, manifest, say)
 
 
-def _default_ggufs(tools: dict[str, Path], manifest, say) -> dict[str, Path]:
+def _default_ggufs(tools: dict[str, Path], manifest: Manifest | None, say: Callable[[str], object]) -> dict[str, Path]:
     from ...ort.manifest import cache_root
 
     name = ((manifest.raw.get("source") or {}).get("file") if manifest is not None else None) or ""
@@ -340,18 +346,18 @@ def _version(tool: Path) -> str | None:
     return m.group(1) if m else None
 
 
-def summarize_llamacpp(samples, codec) -> list[dict[str, Any]]:
+def summarize_llamacpp(samples: list[Sample], codec: TextCodec) -> list[dict[str, Any]]:
     """Medians per llama.cpp mode, and for our ``ar`` / ``spec`` too, per prompt: end-to-end and
     decode-only tokens/s, ours/theirs ratios, and whether the text equals our ``ar`` text (over
     the shorter of the two)."""
     by = {(s.mode, s.prompt, s.repeat): s for s in samples}  # ratios pair the runs of one pass
     ar_text = {p: codec.decode(s.token_ids) for (m, p, _), s in by.items() if m == "ar"}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for mode in dict.fromkeys(s.mode for s in samples):
         if not (mode in ("ar", "spec") or mode.startswith("llamacpp_")):
             continue
         xs = [s for s in samples if s.mode == mode]
-        row = {
+        row: dict[str, Any] = {
             "mode": mode,
             "tokens_per_s": statistics.median(s.tokens_per_s for s in xs),
             "decode_tokens_per_s": statistics.median(_decode_tps(s) for s in xs),
@@ -365,10 +371,11 @@ def summarize_llamacpp(samples, codec) -> list[dict[str, Any]]:
                     if (ours, s.prompt, s.repeat) in by
                 ]
                 row[f"{ours}_vs_this"] = statistics.median(r) if r else None
-            same = [_agree(s.extra["text"], ar_text[s.prompt]) for s in xs if s.prompt in ar_text]
+            extras = [(s.prompt, s.extra or {}) for s in xs]  # a llama.cpp runner's details: always there
+            same = [_agree(extra["text"], ar_text[prompt]) for prompt, extra in extras if prompt in ar_text]
             row["same_text_as_ar"] = f"{sum(same)}/{len(same)}" if same else None
             row["prompt_tokens_match"] = all(
-                s.extra["llama"]["prompt_tokens"] == s.extra["prompt_tokens_ours"] for s in xs
+                extra["llama"]["prompt_tokens"] == extra["prompt_tokens_ours"] for _, extra in extras
             )
         rows.append(row)
     return rows
@@ -380,10 +387,10 @@ def _agree(a: str, b: str) -> bool:
     return a.startswith(b) or b.startswith(a)
 
 
-def _decode_tps(s) -> float:
+def _decode_tps(s: Sample) -> float:
     """Tokens/s after the first emission: llama.cpp's eval phase; ours after the first round."""
     if s.extra and "decode_tokens_per_s" in s.extra:
-        return s.extra["decode_tokens_per_s"]
+        return float(s.extra["decode_tokens_per_s"])
     st = s.stats
     if st is None or st.time_to_first_token is None or not st.history:
         return 0.0

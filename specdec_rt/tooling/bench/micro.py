@@ -8,16 +8,23 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ...ort.manifest import Manifest
+    from ...ort.model import OrtModel
+    from ...speculation.protocols import CacheSession
 
 __all__ = ["step_costs", "memory_bandwidth_gbs", "rss_mb", "weight_bytes", "request_memory"]
 
 
 def rss_mb() -> dict[str, float]:
     """Resident memory of this process now and at its peak (Linux ``/proc``), in MB."""
-    out = {}
+    out: dict[str, float] = {}
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -40,11 +47,11 @@ def memory_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
     return 2 * src.nbytes / best / 1e9
 
 
-def weight_bytes(manifest) -> int:
+def weight_bytes(manifest: Manifest) -> int:
     """Bytes of weights a decoding step reads: the ONNX file and its external data, less the
     float32 embedding table (a step reads one row of it)."""
     files = manifest.raw.get("files", {})
-    total = sum(info.get("bytes", 0) for name, info in files.items() if name.startswith(manifest.onnx_file.name))
+    total: int = sum(info.get("bytes", 0) for name, info in files.items() if name.startswith(manifest.onnx_file.name))
     return total - manifest.vocab_size * manifest.hidden_size * 4
 
 
@@ -65,7 +72,7 @@ print(json.dumps({"tokens": n, **rss_mb()}))
 """
 
 
-def request_memory(folder, draft_folder, threads: int) -> dict[str, Any]:
+def request_memory(folder: Path, draft_folder: Path | None, threads: int) -> dict[str, Any]:
     """Resident memory of a fresh process holding the target, one draft and the KV caches of one
     2,048-token request (prefill + 48 generated tokens), in MB."""
     import json
@@ -78,10 +85,11 @@ def request_memory(folder, draft_folder, threads: int) -> dict[str, Any]:
         text=True,
         check=True,
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    memory: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return memory
 
 
-async def _time(session, ids: np.ndarray, rows: int, back_to: int) -> float:
+async def _time(session: CacheSession, ids: np.ndarray, rows: int, back_to: int) -> float:
     t = time.perf_counter()
     await session.extend(ids, rows)
     dt = time.perf_counter() - t
@@ -90,7 +98,13 @@ async def _time(session, ids: np.ndarray, rows: int, back_to: int) -> float:
 
 
 async def step_costs(
-    model, *, reps: int = 20, short: int = 100, long: int = 2000, width: int = 5, progress=lambda msg: None
+    model: OrtModel,
+    *,
+    reps: int = 20,
+    short: int = 100,
+    long: int = 2000,
+    width: int = 5,
+    progress: Callable[[str], object] = lambda msg: None,
 ) -> dict[str, Any]:
     """Median seconds of (a) one call over ``width`` new positions vs one over 1 position at
     context ``short``; (b) a 1-token step at context ``long`` vs ``short``. Interleaved."""
@@ -102,7 +116,9 @@ async def step_costs(
         await s_short.extend(rng.integers(0, vocab, short), 1)
         progress(f"prefilling {long} tokens")
         await s_long.extend(rng.integers(0, vocab, long), 1)
-        one, wide, at_long = [], [], []
+        one: list[float] = []
+        wide: list[float] = []
+        at_long: list[float] = []
         tok1 = rng.integers(0, vocab, 1)
         tokw = rng.integers(0, vocab, width)
         for _ in range(3):  # warm-up

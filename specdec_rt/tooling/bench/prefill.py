@@ -42,6 +42,7 @@ from .runner import log, machine_info
 
 if TYPE_CHECKING:
     from ...ort import OrtModel
+    from ...ort.manifest import Manifest
 
 __all__ = [
     "DEFAULT_LENGTHS",
@@ -111,7 +112,7 @@ def parse_batched_bench(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def _label(manifest) -> str:
+def _label(manifest: Manifest) -> str:
     q = manifest.quantization
     return f"q{q.get('bits', '')}" if q else manifest.raw.get("onnx", {}).get("dtype", "float32").replace("float", "f")
 
@@ -141,7 +142,7 @@ def pair_label(ours: str, theirs: list[str]) -> str | None:
     return next((t for t in theirs if t == ours), None) or next((t for t in theirs if t.startswith(ours + "_")), None)
 
 
-async def _prefill_once(model, length: int, rng: np.random.Generator) -> float:
+async def _prefill_once(model: OrtModel, length: int, rng: np.random.Generator) -> float:
     s = model.start()
     try:
         ids = rng.integers(3, model.vocab_size, length)
@@ -160,7 +161,9 @@ async def our_prefill(
     return {(label, n): await _prefill_once(m, n, rng) for n in order for label, m in models.items()}
 
 
-async def our_steps(model, rows: list[int], rng: np.random.Generator, reps: int = STEP_REPS) -> dict[int, float]:
+async def our_steps(
+    model: OrtModel, rows: list[int], rng: np.random.Generator, reps: int = STEP_REPS
+) -> dict[int, float]:
     """Median seconds of one decode step of ``B`` rows in one call, per ``B`` in ``rows``; each
     row holds a ``STEP_CONTEXT``-token prompt, rolled back to it after every step."""
     sessions = [model.start() for _ in range(max(rows))]
@@ -291,7 +294,7 @@ def _load_targets(
 async def _prefill_rounds(
     models: dict[str, OrtModel],
     lengths: list[int],
-    rng,
+    rng: np.random.Generator,
     *,
     rounds: int,
     tools: dict[str, Path],

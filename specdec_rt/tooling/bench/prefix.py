@@ -26,13 +26,17 @@ import itertools
 import json
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..prompt_files import label
+from ..prompt_files import PromptText, label
 from ..reports import pyplot, save_figure, write_report
 from .concurrency import load_texts
 from .runner import log
+
+if TYPE_CHECKING:
+    from ...engine.engine import Engine
 
 __all__ = ["run_prefix"]
 
@@ -77,7 +81,7 @@ def system_prompt(rules: int = 28) -> str:
     )
 
 
-async def _ttft(engine, prompt, n: int) -> tuple[float, list[int], str, int]:
+async def _ttft(engine: Engine, prompt: PromptText, n: int) -> tuple[float, list[int], str, int]:
     """Client-side time to first token, the ids, the text and the cached prompt tokens."""
     t0, first, ids, text, stats = time.perf_counter(), None, [], [], None
     async with engine.stream(prompt, n) as events:
@@ -90,7 +94,7 @@ async def _ttft(engine, prompt, n: int) -> tuple[float, list[int], str, int]:
     return first or 0.0, ids, "".join(text), stats.cached_prompt_tokens if stats else 0
 
 
-def _fit(engine, texts: list[str], tokens: int) -> list[str]:
+def _fit(engine: Engine, texts: list[str], tokens: int) -> list[str]:
     """Each text cut to about ``tokens`` tokens, and to a third of the model's context at most
     (the tiny test models hold 512 tokens)."""
     tokens = min(tokens, engine.target.max_length // 3)
@@ -101,7 +105,7 @@ def _fit(engine, texts: list[str], tokens: int) -> list[str]:
     return out
 
 
-async def multi_turn(engines: dict[str, Any], convs: int, turns: int, n: int) -> dict[str, Any]:
+async def multi_turn(engines: dict[str, Engine], convs: int, turns: int, n: int) -> dict[str, Any]:
     """TTFT per turn, both engines, conversations fed their own answers."""
     out: dict[str, list[list[float]]] = {name: [[] for _ in range(turns)] for name in engines}  # TTFT per turn
     cached: list[list[int]] = [[] for _ in range(turns)]  # cached prompt tokens per turn
@@ -132,7 +136,9 @@ async def multi_turn(engines: dict[str, Any], convs: int, turns: int, n: int) ->
     }
 
 
-async def shared_prompt(engines: dict[str, Any], questions: list, c: int, n: int, *, waves: int) -> dict[str, Any]:
+async def shared_prompt(
+    engines: dict[str, Engine], questions: list[str], c: int, n: int, *, waves: int
+) -> dict[str, Any]:
     """``c`` requests at once sharing one long system prompt: p50 TTFT per wave and engine."""
     system = {"role": "system", "content": _fit(engines["cache"], [system_prompt()], 500)[0]}
     res: dict[str, list[float]] = {name: [] for name in engines}  # p50 TTFT per wave
@@ -163,7 +169,7 @@ async def shared_prompt(engines: dict[str, Any], questions: list, c: int, n: int
     }
 
 
-def pressure_budget(engine, n: int) -> tuple[list[str], int]:
+def pressure_budget(engine: Engine, n: int) -> tuple[list[str], int]:
     """The memory-pressure scenario's six opening documents, and a budget with room for two of
     the conversations they start (KV bytes per token over the engine's models)."""
     from ...engine.factory import engine_models
@@ -174,7 +180,7 @@ def pressure_budget(engine, n: int) -> tuple[list[str], int]:
     return docs, 2 * longest * per_token
 
 
-async def pressure(load, docs: list[str], budget: int, n: int) -> dict[str, Any]:
+async def pressure(load: Callable[..., Awaitable[Engine]], docs: list[str], budget: int, n: int) -> dict[str, Any]:
     """Six conversations rotating through a cache with room for two: bytes, evictions, hits."""
     engine = await load(prefix_cache_bytes=budget)
     peak, hits = 0, 0
@@ -207,7 +213,7 @@ async def _prefix(args: argparse.Namespace) -> int:
 
     folder = ensure_built(args.model, say=log)
 
-    async def load(**kw):
+    async def load(**kw: Any) -> Engine:
         return await Engine.load(
             folder,
             draft=args.draft,

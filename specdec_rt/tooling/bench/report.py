@@ -5,9 +5,14 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..reports import pyplot, save_figure
+
+if TYPE_CHECKING:
+    from .runner import Sample
+
+RunIndex = dict[tuple[int, int], "Sample"]  # a mode's runs by (prompt, repeat)
 
 __all__ = ["summarize", "format_table", "plot", "plot_acceptance"]
 
@@ -21,9 +26,14 @@ def _q(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
 
 
-def _mode_summary(samples, by_prompt_ar, by_prompt_hf) -> dict[str, Any]:
+def _mode_summary(samples: list[Sample], by_prompt_ar: RunIndex, by_prompt_hf: RunIndex) -> dict[str, Any]:
     tps = [s.tokens_per_s for s in samples]
-    out = {"tokens_per_s": statistics.median(tps), "p25": _q(tps, 0.25), "p75": _q(tps, 0.75), "n": len(samples)}
+    out: dict[str, Any] = {
+        "tokens_per_s": statistics.median(tps),
+        "p25": _q(tps, 0.25),
+        "p75": _q(tps, 0.75),
+        "n": len(samples),
+    }
     for ref_name, ref in (("ar", by_prompt_ar), ("hf_ar", by_prompt_hf)):  # keyed (prompt, repeat)
         ratios = [
             s.tokens_per_s / ref[s.prompt, s.repeat].tokens_per_s
@@ -60,20 +70,22 @@ def _mode_summary(samples, by_prompt_ar, by_prompt_hf) -> dict[str, Any]:
     return out
 
 
-def summarize(samples) -> dict[str, Any]:
+def summarize(samples: list[Sample]) -> dict[str, Any]:
     """``{"modes": {mode: {...}}, "categories": {category: {mode: {...}}}}`` (medians, ratios)."""
-    by_mode = defaultdict(list)
+    by_mode: defaultdict[str, list[Sample]] = defaultdict(list)
     for s in samples:
         by_mode[s.mode].append(s)
 
-    def index(mode, subset):  # a mode's runs by (prompt, repeat): ratios pair runs of one pass
+    def index(
+        mode: str, subset: list[Sample]
+    ) -> RunIndex:  # a mode's runs by (prompt, repeat): ratios pair runs of one pass
         return {(s.prompt, s.repeat): s for s in subset if s.mode == mode}
 
     modes = {m: _mode_summary(xs, index("ar", samples), index("hf_ar", samples)) for m, xs in by_mode.items()}
     categories = {}
     for cat in sorted({s.category for s in samples}):
         sub = [s for s in samples if s.category == cat]
-        per = defaultdict(list)
+        per: defaultdict[str, list[Sample]] = defaultdict(list)
         for s in sub:
             per[s.mode].append(s)
         categories[cat] = {m: _mode_summary(xs, index("ar", sub), index("hf_ar", sub)) for m, xs in per.items()}
@@ -87,7 +99,7 @@ def format_table(summary: dict[str, Any]) -> str:
     ]
     for m, d in summary["modes"].items():
 
-        def f(key, fmt, d=d):
+        def f(key: str, fmt: str, d: dict[str, Any] = d) -> str:
             return format(d[key], fmt) if d.get(key) is not None else "-"
 
         rows.append(
@@ -131,22 +143,22 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> Path | None:
     return save_figure(fig, path)
 
 
-def plot_acceptance(samples, path: Path, mode: str = "spec") -> Path | None:
+def plot_acceptance(samples: list[Sample], path: Path, mode: str = "spec") -> Path | None:
     """Acceptance over time for one speculative mode: the EWMA after each round of every prompt,
     and the acceptance at each draft position (given the earlier ones were accepted)."""
-    runs = [s for s in samples if s.mode == mode and s.stats is not None and s.stats.history]
+    runs = [s.stats for s in samples if s.mode == mode and s.stats is not None and s.stats.history]
     if not runs:
         return None
     plt = pyplot()
     if plt is None:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for s in runs:
-        ewma = [r.ewma for r in s.stats.history if r.ewma is not None]
+    for stats in runs:
+        ewma = [r.ewma for r in stats.history if r.ewma is not None]
         ax1.plot(range(1, len(ewma) + 1), ewma, alpha=0.35, linewidth=1)
     ax1.axhline(0.4, color="red", linestyle="--", linewidth=0.8, label="fall back below 0.4")
     ax1.axhline(0.6, color="green", linestyle="--", linewidth=0.8, label="resume above 0.6")
-    fallbacks = sum(1 for s in runs for f in s.stats.fallbacks if f.to == "ar")
+    fallbacks = sum(1 for stats in runs for f in stats.fallbacks if f.to == "ar")
     ax1.set_title(f"{mode}: acceptance EWMA per round ({len(runs)} prompts, {fallbacks} fallbacks)")
     ax1.set_xlabel("round")
     ax1.set_ylabel("acceptance EWMA")
@@ -154,8 +166,8 @@ def plot_acceptance(samples, path: Path, mode: str = "spec") -> Path | None:
     ax1.legend(fontsize=8)
     drafted: defaultdict[int, int] = defaultdict(int)  # position -> drafted there, in all
     accepted: defaultdict[int, int] = defaultdict(int)  # ... accepted
-    for s in runs:
-        for i, (d, a) in enumerate(zip(s.stats.position_drafted, s.stats.position_accepted)):
+    for stats in runs:
+        for i, (d, a) in enumerate(zip(stats.position_drafted, stats.position_accepted)):
             drafted[i] += d
             accepted[i] += a
     pos = sorted(i for i in drafted if drafted[i])
@@ -177,7 +189,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def f(d, key, fmt):
+    def f(d: dict[str, Any], key: str, fmt: str) -> str:
         return format(d[key], fmt) if d.get(key) is not None else "-"
 
     for m, d in report["modes"].items():

@@ -40,7 +40,7 @@ class Sample:
     token_ids: list[int]
     seconds: float
     stats: Stats | None = None
-    extra: dict | None = None  # a runner's own details; ``extra["tokens"]``: the count it made
+    extra: dict[str, Any] | None = None  # a runner's own details; ``extra["tokens"]``: the count it made
     repeat: int = 0  # which pass over the prompts (ratios pair the modes' runs of one pass)
 
     @property
@@ -72,7 +72,7 @@ def load_prompts(
 
 
 # -> (ids, seconds, stats) or (ids, seconds, stats, extra): see Sample.extra (llama.cpp runs)
-Runner = Callable[[list[int], int], Awaitable[tuple]]
+Runner = Callable[[list[int], int], Awaitable[tuple[Any, ...]]]
 
 
 BENCH_TREE_NODES = 3  # the tree modes: main chain + the draft's runner-up at the first 3 depths
