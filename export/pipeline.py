@@ -115,7 +115,7 @@ class SourceRef:
 
     def _local_path(self) -> str:
         if self.path is None:
-            raise ValueError("a SourceRef has a path or a recipe entry")
+            raise ValueError("a SourceRef needs a path, or a recipe entry with its recipe")
         return self.path
 
 

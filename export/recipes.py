@@ -146,8 +146,8 @@ def _check_source(path: str | Path, where: str, entry: object) -> None:
     wheels = source.get("wheels")
     if not isinstance(wheels, list) or not 0 < len(wheels) <= MAX_WHEELS:
         raise _bad(path, f"{where}.wheels", wheels, f"a list of 1 to {MAX_WHEELS} wheels")
-    for i, entry in enumerate(wheels):
-        at = f"{where}.wheels[{i}]"
+    for index, entry in enumerate(wheels):
+        at = f"{where}.wheels[{index}]"
         wheel = _dict(path, at, entry)
         _match(path, f"{at}.name", wheel.get("name"), _PACKAGE)
         version = _match(path, f"{at}.version", wheel.get("version"), _VERSION)
@@ -184,8 +184,8 @@ def check_recipe(parsed: object, path: str | Path = "<recipe>") -> dict[str, Any
     if not isinstance(drafts, list) or len(drafts) > 16:
         raise _bad(path, "drafts", drafts, "a list of at most 16 drafts")
     names: set[str] = set()
-    for i, entry in enumerate(drafts):
-        at = f"drafts[{i}]"
+    for index, entry in enumerate(drafts):
+        at = f"drafts[{index}]"
         draft = _dict(path, at, entry)
         name = _match(path, f"{at}.name", draft.get("name"), _NAME)
         if name in names:
