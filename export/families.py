@@ -39,6 +39,7 @@ row (Falcon's ``new_decoder_architecture``, OPT's ``do_layer_norm_before``, Stab
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 __all__ = ["Family", "Variant", "FAMILY_TABLE", "LAYOUTS", "ACTIVATIONS", "WINDOW_RULES", "ROUTERS", "QK_NORMS"]
 
@@ -132,7 +133,7 @@ class Family:
     sparse_step: bool = False  # decoder_sparse_step / mlp_only_layers pick the sparse layers (Qwen-MoE)
     # GPT-OSS: each expert's SwiGLU clamped (gate <= limit, |up| <= limit) as
     # gate * sigmoid(alpha * gate) * (up + beta): (alpha, beta, limit); () plain silu(gate) * up
-    swiglu: tuple[float, float, float] = ()
+    swiglu: tuple[float, ...] = ()
     sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS's attention sinks)
     embed_proj_key: str = ""  # a config key: the embeddings' width, projected in and out when not hidden (OPT)
     variants: tuple[Variant, ...] = ()  # the row as a config option changes it, applied in order
@@ -142,7 +143,8 @@ class Family:
         row = self
         for variant in self.variants:
             if variant.applies(config):
-                row = replace(row, **dict(variant.changes))
+                changes: dict[str, Any] = dict(variant.changes)
+                row = replace(row, **changes)
         return row
 
 

@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import numpy.typing as npt
 import onnx
 from onnx import TensorProto, helper
 
@@ -86,7 +87,10 @@ OPSET = 21
 MS = "com.microsoft"
 
 
-def rotary_tables(model, spec: ModelSpec, module=None) -> tuple[np.ndarray, np.ndarray]:
+Array = npt.NDArray[Any]
+
+
+def rotary_tables(model: Any, spec: ModelSpec, module: Any = None) -> tuple[Array, Array]:
     """cos, sin float32 [max_positions, width / 2] from the model's own rotary module, ``width``
     the graph's rotated dimensions of a head (all of it, or Phi-3's partial part: padded to
     ``layout.rotary_width``).
@@ -96,56 +100,62 @@ def rotary_tables(model, spec: ModelSpec, module=None) -> tuple[np.ndarray, np.n
     `cat(f, f)` (non-interleaved), over the rotated dimensions only. ``module``: another rotary
     module of the model (Gemma 3's ``rotary_emb_local``).
     """
-    import torch
-
+    half = spec.rotary // 2
     if spec.rotary_interleaved and getattr(_decoder(model), "rotary_emb", None) is not None:
-        rot = _decoder(model).rotary_emb  # Cohere's and GLM's: one angle per pair
-        with torch.no_grad():
-            pos = torch.arange(spec.max_positions, dtype=torch.long)[None]
-            cos_t, sin_t = rot(torch.zeros(1, dtype=torch.float32), pos)
-        cos_i, sin_i = cos_t[0].float().numpy(), sin_t[0].float().numpy()
-        half = spec.rotary // 2
-        if cos_i.shape[-1] != spec.rotary:
-            raise UnsupportedModelError(f"unsupported interleaved rotary table of {cos_i.shape[-1]} dimensions")
-        if np.array_equal(cos_i[:, ::2], cos_i[:, 1::2]):  # each angle twice in a row (Cohere)
-            cos_i, sin_i = cos_i[:, ::2], sin_i[:, ::2]
-        elif np.array_equal(cos_i[:, :half], cos_i[:, half:]):  # Llama's cat(f, f), paired by GLM's apply
-            cos_i, sin_i = cos_i[:, :half], sin_i[:, :half]
-        else:
-            raise UnsupportedModelError("unsupported rotary table: neither interleaved nor halves")
-        pad = rotary_width(spec.own_head_dim, spec.rotary) // 2 - half
-        cos = np.pad(cos_i, ((0, 0), (0, pad)), constant_values=1.0)
-        sin = np.pad(sin_i, ((0, 0), (0, pad)), constant_values=0.0)
-        return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
-    if spec.rotary_interleaved:  # GPT-J: its attention's own table, [P, rotary] = cat(sin, cos)
+        cos, sin = _interleaved_angles(_module_tables(_decoder(model).rotary_emb, spec), spec)
+    elif spec.rotary_interleaved:  # GPT-J: its attention's own table, [P, rotary] = cat(sin, cos)
         table = model.base_model.h[0].attn.embed_positions[: spec.max_positions].float().numpy()
-        half = spec.rotary // 2
         if table.shape != (spec.max_positions, spec.rotary):
             raise UnsupportedModelError(f"unsupported rotary table of shape {table.shape} for {spec.rotary} dimensions")
-        pad = rotary_width(spec.own_head_dim, spec.rotary) // 2 - half
-        cos = np.pad(table[:, half:], ((0, 0), (0, pad)), constant_values=1.0)
-        sin = np.pad(table[:, :half], ((0, 0), (0, pad)), constant_values=0.0)
-        return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
-    rot = _rotary_module(model) if module is None else module
+        cos, sin = table[:, half:], table[:, :half]
+    else:
+        cos, sin = _halves_angles(_module_tables(_rotary_module(model) if module is None else module, spec), spec)
+    pad = rotary_width(spec.own_head_dim, spec.rotary) // 2 - half  # padded dimensions turn by angle 0
+    cos = np.pad(cos, ((0, 0), (0, pad)), constant_values=1.0)
+    sin = np.pad(sin, ((0, 0), (0, pad)), constant_values=0.0)
+    return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+
+
+def _module_tables(rot: Any, spec: ModelSpec) -> tuple[Array, Array]:
+    """A transformers rotary module's cos and sin ``[P, d]`` at positions 0 .. P - 1."""
+    import torch
+
     with torch.no_grad():
         pos = torch.arange(spec.max_positions, dtype=torch.long)[None]  # [1, P]
         cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)  # [1, P, d] each
-    cos, sin = cos[0].float().numpy(), sin[0].float().numpy()
+    return cos[0].float().numpy(), sin[0].float().numpy()
+
+
+def _interleaved_angles(tables: tuple[Array, Array], spec: ModelSpec) -> tuple[Array, Array]:
+    """One column per turned pair ``[P, rotary / 2]`` of an interleaved family's tables
+    (Cohere's: each angle twice in a row; GLM's: Llama's ``cat(f, f)``, paired by its apply)."""
+    cos, sin = tables
     half = spec.rotary // 2
-    if cos.shape[-1] == half:  # GPT-OSS's module: one angle per pair i, i + d / 2 (Llama's pairs)
-        cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
+    if cos.shape[-1] != spec.rotary:
+        raise UnsupportedModelError(f"unsupported interleaved rotary table of {cos.shape[-1]} dimensions")
+    if np.array_equal(cos[:, ::2], cos[:, 1::2]):
+        return cos[:, ::2], sin[:, ::2]
+    if np.array_equal(cos[:, :half], cos[:, half:]):
+        return cos[:, :half], sin[:, :half]
+    raise UnsupportedModelError("unsupported rotary table: neither interleaved nor halves")
+
+
+def _halves_angles(tables: tuple[Array, Array], spec: ModelSpec) -> tuple[Array, Array]:
+    """One column per turned pair ``[P, rotary / 2]`` of Llama-style tables ``cat(f, f)`` (or
+    GPT-OSS's module, which gives each angle once)."""
+    cos, sin = tables
+    half = spec.rotary // 2
+    if cos.shape[-1] == half:
+        return cos, sin
     if cos.shape[-1] != spec.rotary or not np.array_equal(cos[:, :half], cos[:, half:]):
         raise UnsupportedModelError(
             f"unsupported rotary layout (partial or interleaved): a table of "
             f"{cos.shape[-1]} dimensions for {spec.rotary} rotated ones"
         )
-    pad = rotary_width(spec.own_head_dim, spec.rotary) // 2 - half  # padded dimensions turn by angle 0
-    cos = np.pad(cos[:, :half], ((0, 0), (0, pad)), constant_values=1.0)
-    sin = np.pad(sin[:, :half], ((0, 0), (0, pad)), constant_values=0.0)
-    return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+    return cos[:, :half], sin[:, :half]
 
 
-def _decoder(model):
+def _decoder(model: Any) -> Any:
     """The decoder stack holding the rotary modules: ``model.model`` (Llama and most), else the
     base model (GPT-NeoX's ``gpt_neox``)."""
     inner = getattr(model, "model", None)
@@ -153,7 +163,7 @@ def _decoder(model):
     return inner if rotary else model.base_model
 
 
-def _rotary_module(model, local: bool = False):
+def _rotary_module(model: Any, local: bool = False) -> Any:
     """The rotary module of the global layers, or (``local``) of the sliding ones: Gemma 3's
     ``rotary_emb_local``, OLMo 3's ``rotary_embs['sliding_attention']``."""
     decoder = _decoder(model)
@@ -175,7 +185,10 @@ class _Graph:
         self.grids: dict[str, int] = {}  # weights kept on their source's grid, by form
         self._block_sums: dict[tuple[str, int], str] = {}  # (input, block size) -> its sums over blocks (offsets)
 
-    def node(self, op, inputs, outputs, name, domain="", **attrs) -> list[str]:
+    def node(
+        self, op: str, inputs: list[str], outputs: list[str], name: str, *, domain: str = "", **attrs: Any
+    ) -> list[str]:
+        """Add one node ``op`` (attributes ``attrs``); returns its output names."""
         self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
         return outputs
 
@@ -206,58 +219,64 @@ class _Graph:
         shape = self.node("Slice", ["padded_shape", lo, hi], ["/positions/shape"], "/positions/Shape")[0]
         return self.node("Reshape", [rows, shape], ["position_rows"], "/positions/Rows")[0]
 
-    def init(self, name: str, array: np.ndarray) -> str:
+    def init(self, name: str, array: Array) -> str:
         """Add an initializer named after its node path (`layers.0/attn/qkv.weight`)."""
         name = name.lstrip("/")
         self.inits.append(self.data.add(name, array))
         return name
 
-    def linear(self, x: str, w: np.ndarray, name: str, bias: np.ndarray | None = None, out: str | None = None) -> str:
+    def linear(self, x: str, w: Array, name: str, bias: Array | None = None, *, out: str | None = None) -> str:
         """`x @ w (+ bias)` for `w` float32 [K, N]; MatMulNBits when quantizing."""
         final = out or f"{name}/output"
-        out = f"{name}/matmul" if bias is not None else final
+        product = f"{name}/matmul" if bias is not None else final
         if self.quant is None:
-            self.node("MatMul", [x, self.init(f"{name}.weight", w)], [out], f"{name}/MatMul")
+            self.node("MatMul", [x, self.init(f"{name}.weight", w)], [product], f"{name}/MatMul")
         else:
-            grid = find_grid(w, self.quant.block_size, self.quant.grids) if self.quant.source_grid else None
-            form = grid.form if grid else "requantized"
-            self.grids[form] = self.grids.get(form, 0) + 1
-            q, bits = (grid.q, grid.bits) if grid else (quantize(w, self.quant), self.quant.bits)
-            ins = [x, self.init(f"{name}.weight_q", q.packed), self.init(f"{name}.scales", q.scales)]
-            if q.zero_points is not None:  # symmetric: none (the kernel's default, 2^(bits-1))
-                ins.append(self.init(f"{name}.zero_points", q.zero_points))
-            offsets = grid is not None and grid.offsets is not None
-            bs = grid.block_size if grid else self.quant.block_size
-            self.node(
-                "MatMulNBits",
-                ins,
-                [f"{name}/codes" if offsets else out],
-                f"{name}/MatMulNBits",
-                domain=MS,
-                K=q.k,
-                N=q.n,
-                bits=bits,
-                block_size=bs,
-                accuracy_level=self.quant.accuracy_level,
-            )
-            if offsets:  # + sum over each block of x, times the block's offset
-                part = self.node(
-                    "MatMul",
-                    [self.block_sums(x, q.k, bs), self.init(f"{name}.offsets", grid.offsets)],
-                    [f"{name}/offset"],
-                    f"{name}/Offsets",
-                )[0]
-                self.node("Add", [f"{name}/codes", part], [out], f"{name}/AddOffsets")
+            self.quantized_linear(x, w, name, self.quant, out=product)
         if bias is None:
-            return out
-        return self.node("Add", [out, self.init(f"{name}.bias", bias)], [final], f"{name}/Add")[0]
+            return product
+        return self.node("Add", [product, self.init(f"{name}.bias", bias)], [final], f"{name}/Add")[0]
+
+    def quantized_linear(self, x: str, w: Array, name: str, quant: QuantSpec, *, out: str) -> None:
+        """``x @ w`` as MatMulNBits: on the source's grid where ``w`` lies on one (plus the sum
+        over each block of x times the block's offset, where the grid has offsets), else
+        requantized by ``quant``."""
+        grid = find_grid(w, quant.block_size, quant.grids) if quant.source_grid else None
+        form = grid.form if grid else "requantized"
+        self.grids[form] = self.grids.get(form, 0) + 1
+        q, bits = (grid.q, grid.bits) if grid else (quantize(w, quant), quant.bits)
+        ins = [x, self.init(f"{name}.weight_q", q.packed), self.init(f"{name}.scales", q.scales)]
+        if q.zero_points is not None:  # symmetric: none (the kernel's default, 2^(bits-1))
+            ins.append(self.init(f"{name}.zero_points", q.zero_points))
+        offsets = grid.offsets if grid is not None else None
+        bs = grid.block_size if grid else quant.block_size
+        self.node(
+            "MatMulNBits",
+            ins,
+            [f"{name}/codes" if offsets is not None else out],
+            f"{name}/MatMulNBits",
+            domain=MS,
+            K=q.k,
+            N=q.n,
+            bits=bits,
+            block_size=bs,
+            accuracy_level=quant.accuracy_level,
+        )
+        if offsets is not None:  # + sum over each block of x, times the block's offset
+            part = self.node(
+                "MatMul",
+                [self.block_sums(x, q.k, bs), self.init(f"{name}.offsets", offsets)],
+                [f"{name}/offset"],
+                f"{name}/Offsets",
+            )[0]
+            self.node("Add", [f"{name}/codes", part], [out], f"{name}/AddOffsets")
 
     def block_sums(self, x: str, k: int, bs: int) -> str:
         """``x [1, N, K]`` summed over each block of ``bs`` along K: ``[1, N, K / bs]`` (once per
         input and block size)."""
         key = (x, bs)
         if key not in self._block_sums:
-            tag = x if bs == self.quant.block_size else f"{x}/b{bs}"
+            tag = x if self.quant is not None and bs == self.quant.block_size else f"{x}/b{bs}"
             shape = self.init(f"{tag}/block_shape", np.array([0, 0, k // bs, bs], dtype=np.int64))
             rows = self.node("Reshape", [x, shape], [f"{tag}/blocks"], f"{tag}/Blocks")[0]
             axes = self.init(f"{tag}/block_axis", np.array([-1], dtype=np.int64))
@@ -267,11 +286,11 @@ class _Graph:
         return self._block_sums[key]
 
     def layer_norm(
-        self, x: str, skip: str | None, w: np.ndarray, b: np.ndarray | None, name: str, out: str | None = None
+        self, x: str, skip: str | None, w: Array, *, bias: Array | None, name: str, out: str | None = None
     ) -> tuple[str, str]:
-        """LayerNorm(x + skip) * w (+ b); returns (normed, x + skip)."""
+        """LayerNorm(x + skip) * w (+ bias); returns (normed, x + skip)."""
         eps, out = self.eps, out or f"{name}/output"
-        ins = [self.init(f"{name}.weight", w)] + ([self.init(f"{name}.bias", b)] if b is not None else [])
+        ins = [self.init(f"{name}.weight", w)] + ([self.init(f"{name}.bias", bias)] if bias is not None else [])
         if skip is None:
             return self.node("LayerNormalization", [x, *ins], [out], name, axis=-1, epsilon=eps, stash_type=1)[0], x
         out, _, _, summed = self.node(
@@ -284,7 +303,7 @@ class _Graph:
         )
         return out, summed
 
-    def rms_norm(self, x: str, skip: str | None, w: np.ndarray, name: str, out: str | None = None):
+    def rms_norm(self, x: str, skip: str | None, w: Array, name: str, *, out: str | None = None) -> tuple[str, str]:
         """RMSNorm(x + skip) * w; returns (normed, x + skip)."""
         eps, out = self.eps, out or f"{name}/output"
         weight = self.init(f"{name}.weight", w)
@@ -303,8 +322,10 @@ class _Graph:
         return out, summed
 
 
-def _np(t) -> np.ndarray:
-    return t.detach().float().numpy()
+def _np(t: Any) -> Array:
+    """A torch tensor as a float32 numpy array."""
+    array: Array = t.detach().float().numpy()
+    return array
 
 
 def build_onnx(
@@ -323,12 +344,12 @@ def build_onnx(
     sd = _graph_weights(model, spec)
     out_dir = Path(out_dir)
     with ExternalDataWriter(out_dir / "model.onnx.data") as data:
-        g = _Graph(data, quant, spec.rms_eps)
-        blocks = _Blocks(g, sd, spec)
+        graph = _Graph(data, quant, spec.rms_eps)
+        blocks = _Blocks(graph, sd, spec)
         if not spec.learned_positions:
-            _rotary_inits(g, model, spec)
+            _rotary_inits(graph, model, spec)
         stream, res = blocks.embed(), None  # stream: the branch output to add; res: the running residual
-        g.position_rows()  # [B, S] for attention, from the packed [1, N]
+        graph.position_rows()  # [B, S] for attention, from the packed [1, N]
         for i in range(spec.num_layers):
             stream, res = blocks.layer(i, stream, res)
             if on_layer:
@@ -337,7 +358,7 @@ def build_onnx(
     inputs, outputs = decoder_io(
         spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size, hidden=spec.hidden_size
     )
-    return save_graph(g, "decoder", inputs, outputs, path=out_dir / "model.onnx", producer="specdec-rt export")
+    return save_graph(graph, "decoder", inputs, outputs, path=out_dir / "model.onnx", producer="specdec-rt export")
 
 
 def _graph_weights(model: Any, spec: ModelSpec) -> dict[str, Any]:
@@ -366,30 +387,31 @@ def _stack_head_norms(sd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _rotary_inits(g: _Graph, model: Any, spec: ModelSpec) -> None:
+def _rotary_inits(graph: _Graph, model: Any, spec: ModelSpec) -> None:
     """The rotary tables ``cos_cache`` / ``sin_cache`` ``[P, d / 2]`` and, where sliding layers
     turn by their own module (Gemma 3's ``rope_local_base_freq``, OLMo 3's unscaled one),
     ``cos_cache_local`` / ``sin_cache_local``."""
     cos, sin = rotary_tables(model, spec)
-    g.init("cos_cache", cos)
-    g.init("sin_cache", sin)
+    graph.init("cos_cache", cos)
+    graph.init("sin_cache", sin)
     if spec.local_rope:
         cos, sin = rotary_tables(model, spec, _rotary_module(model, local=True))
-        g.init("cos_cache_local", cos)
-        g.init("sin_cache_local", sin)
+        graph.init("cos_cache_local", cos)
+        graph.init("sin_cache_local", sin)
 
 
 class _Blocks:
     """The per-layer building blocks a family combines (``export.families``), on one graph."""
 
-    def __init__(self, g: _Graph, sd: dict[str, Any], spec: ModelSpec):
-        self.g, self.sd, self.spec = g, sd, spec
+    def __init__(self, graph: _Graph, sd: dict[str, Any], spec: ModelSpec):
+        self.g, self.sd, self.spec = graph, sd, spec
 
-    def weight(self, key: str) -> np.ndarray:
+    def weight(self, key: str) -> Array:
         """``<key>.weight`` as float32, ``[in, out]`` (a MatMul's right side)."""
-        return _np(self.sd[key + ".weight"]).T
+        w: Array = _np(self.sd[key + ".weight"]).T
+        return w
 
-    def bias(self, key: str) -> np.ndarray | None:
+    def bias(self, key: str) -> Array | None:
         """``<key>.bias`` when the checkpoint has one (check_weights allowed it)."""
         b = self.sd.get(key + ".bias")
         return None if b is None else _np(b)
@@ -398,79 +420,83 @@ class _Blocks:
         """The input embeddings ``[1, N, H]``: the token rows (projected in: OPT-350M), times the
         family's scale (Gemma: sqrt(hidden), rounded to float32 as transformers does), plus the
         learned position rows (``position_ids`` + offset)."""
-        g, spec = self.g, self.spec
-        table = g.init("embed_tokens.weight", _np(self.sd["model.embed_tokens.weight"]))
-        x = g.node("Gather", [table, "input_ids"], ["/embed/output"], "/embed/Gather")[0]
+        graph, spec = self.g, self.spec
+        table = graph.init("embed_tokens.weight", _np(self.sd["model.embed_tokens.weight"]))
+        x_embed = graph.node("Gather", [table, "input_ids"], ["/embed/output"], "/embed/Gather")[0]
         if spec.embed_dim:
-            x = g.linear(x, self.weight("model.project_in"), "/embed/project_in")
+            x_embed = graph.linear(x_embed, self.weight("model.project_in"), "/embed/project_in")
         if spec.embed_scale:
-            scale = g.init("/embed/scale", np.array(spec.embed_scale, dtype=np.float32))
-            x = g.node("Mul", [x, scale], ["/embed/scaled"], "/embed/Scale")[0]
+            scale = graph.init("/embed/scale", np.array(spec.embed_scale, dtype=np.float32))
+            x_embed = graph.node("Mul", [x_embed, scale], ["/embed/scaled"], "/embed/Scale")[0]
         if not spec.learned_positions:
-            return x
+            return x_embed
         rows = "position_ids"
         if spec.position_offset:
-            off = g.init("/embed_positions/offset", np.array(spec.position_offset, dtype=np.int64))
-            rows = g.node("Add", [rows, off], ["/embed_positions/rows"], "/embed_positions/Offset")[0]
-        positions = g.init("embed_positions.weight", _np(self.sd["model.embed_positions.weight"]))
-        pos = g.node("Gather", [positions, rows], ["/embed_positions/output"], "/embed_positions/Gather")[0]
-        return g.node("Add", [x, pos], ["/embed/positioned"], "/embed/AddPositions")[0]
+            off = graph.init("/embed_positions/offset", np.array(spec.position_offset, dtype=np.int64))
+            rows = graph.node("Add", [rows, off], ["/embed_positions/rows"], "/embed_positions/Offset")[0]
+        positions = graph.init("embed_positions.weight", _np(self.sd["model.embed_positions.weight"]))
+        pos = graph.node("Gather", [positions, rows], ["/embed_positions/output"], "/embed_positions/Gather")[0]
+        return graph.node("Add", [x_embed, pos], ["/embed/positioned"], "/embed/AddPositions")[0]
 
     def layer(self, i: int, stream: str, res: str | None) -> tuple[str, str | None]:
         """Layer ``i`` in the family's layout, from the branch output still to add (``stream``)
         and the running residual; returns the same pair after it."""
-        p, n, layout = f"model.layers.{i}.", f"/layers.{i}", self.spec.layout
+        key, name, layout = f"model.layers.{i}.", f"/layers.{i}", self.spec.layout
         if layout in ("post", "post_ln"):  # attention reads the residual itself
-            h = res = self.add(stream, res, f"{n}/attn_residual")
+            normed = res = self.add(stream, res, f"{name}/attn_residual")
         else:
-            h, res = self.norm(stream, res, p + "input_layernorm", f"{n}/input_layernorm")
-        o = self.attention(h, i)
+            normed, res = self.norm(stream, res, key + "input_layernorm", f"{name}/input_layernorm")
+        attended = self.attention(normed, i)
         if layout in ("parallel", "parallel2"):  # the MLP reads the layer's input too; one add
             if layout == "parallel2":  # GPT-NeoX, Falcon's ln_mlp: its own norm of the input
-                h, _ = self.norm(res, None, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
-            m = self.ffn(h, i, p + "mlp.", f"{n}/mlp")
-            both = self.g.node("Add", [o, m], [f"{n}/branches"], f"{n}/Branches")[0]
-            return self.scaled(both, f"{n}/branch"), res
+                normed, _ = self.norm(res, None, key + "post_attention_layernorm", f"{name}/post_attention_layernorm")
+            mlp_out = self.ffn(normed, i, key + "mlp.", f"{name}/mlp")
+            both = self.g.node("Add", [attended, mlp_out], [f"{name}/branches"], f"{name}/Branches")[0]
+            return self.scaled(both, f"{name}/branch"), res
         if layout == "post_ln":  # OPT-350M: LayerNorm(x + attention), LayerNorm(h + MLP)
-            h, _ = self.norm(o, res, p + "input_layernorm", f"{n}/input_layernorm")
-            m = self.ffn(h, i, p + "mlp.", f"{n}/mlp")
-            out, _ = self.norm(m, h, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
+            normed, _ = self.norm(attended, res, key + "input_layernorm", f"{name}/input_layernorm")
+            mlp_out = self.ffn(normed, i, key + "mlp.", f"{name}/mlp")
+            out, _ = self.norm(mlp_out, normed, key + "post_attention_layernorm", f"{name}/post_attention_layernorm")
             return out, None
-        return self.sequential(i, self.scaled(o, f"{n}/attn"), res)
+        return self.sequential(i, self.scaled(attended, f"{name}/attn"), res)
 
-    def sequential(self, i: int, o: str, res: str) -> tuple[str, str | None]:
+    def sequential(self, i: int, attended: str, res: str) -> tuple[str, str | None]:
         """The rest of a layer whose MLP follows attention: the output added (``pre``), or
         normed then added (``sandwich``: normed again for the MLP; ``post``), then the MLP."""
-        p, n, layout = f"model.layers.{i}.", f"/layers.{i}", self.spec.layout
+        key, name, layout = f"model.layers.{i}.", f"/layers.{i}", self.spec.layout
         if layout == "pre":
-            h, res = self.norm(o, res, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
+            normed, res = self.norm(attended, res, key + "post_attention_layernorm", f"{name}/post_attention_layernorm")
         else:
-            o, _ = self.norm(o, None, p + "post_attention_layernorm", f"{n}/post_attention_layernorm")
+            attended, _ = self.norm(
+                attended, None, key + "post_attention_layernorm", f"{name}/post_attention_layernorm"
+            )
             if layout == "sandwich":
-                h, res = self.norm(o, res, p + "pre_feedforward_layernorm", f"{n}/pre_feedforward_layernorm")
+                normed, res = self.norm(
+                    attended, res, key + "pre_feedforward_layernorm", f"{name}/pre_feedforward_layernorm"
+                )
             else:
-                h = res = self.add(o, res, f"{n}/mlp_residual")
-        stream = self.ffn(h, i, p + "mlp.", f"{n}/mlp")
+                normed = res = self.add(attended, res, f"{name}/mlp_residual")
+        stream = self.ffn(normed, i, key + "mlp.", f"{name}/mlp")
         if layout in ("sandwich", "post"):
-            stream, _ = self.norm(stream, None, p + "post_feedforward_layernorm", f"{n}/mlp/post_norm")
-        return self.scaled(stream, f"{n}/mlp"), res
+            stream, _ = self.norm(stream, None, key + "post_feedforward_layernorm", f"{name}/mlp/post_norm")
+        return self.scaled(stream, f"{name}/mlp"), res
 
-    def attention(self, h: str, i: int) -> str:
-        """Layer ``i``'s attention on ``h`` ``[1, N, H]``: the fused q/k/v projection (heads
+    def attention(self, normed: str, i: int) -> str:
+        """Layer ``i``'s attention on ``normed`` ``[1, N, H]``: the fused q/k/v projection (heads
         padded, clamped, normed), GroupQueryAttention over the rows, the output projection."""
-        g, spec, n, att = self.g, self.spec, f"/layers.{i}", f"model.layers.{i}.self_attn."
-        qkv = self.qkv(h, att, f"{n}/attn")
+        graph, spec, name, att = self.g, self.spec, f"/layers.{i}", f"model.layers.{i}.self_attn."
+        qkv = self.qkv(normed, att, f"{name}/attn")
         rotary = i not in spec.nope_layers and not spec.learned_positions  # SmolLM3: some layers have none
         window = spec.windows[i] if spec.windows else 0  # 0: every earlier position
         softcap = {"softcap": spec.attn_softcap} if spec.attn_softcap else {}
-        ins = gqa_inputs(g.unpack(qkv, f"{n}/attn"), i, rotary=rotary, local=i in spec.local_rope_layers)
+        ins = gqa_inputs(graph.unpack(qkv, f"{name}/attn"), i, rotary=rotary, local=i in spec.local_rope_layers)
         if spec.sinks:  # GPT-OSS: exp(sink) of each head joins its softmax's denominator
-            ins[11] = g.init(f"{n}/attn/head_sink", _np(self.sd[att + "sinks"]))
-        rows = g.node(
+            ins[11] = graph.init(f"{name}/attn/head_sink", _np(self.sd[att + "sinks"]))
+        rows = graph.node(
             "GroupQueryAttention",
             ins,
-            [f"{n}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
-            f"{n}/attn/GroupQueryAttention",
+            [f"{name}/attn/rows", f"present.{i}.key", f"present.{i}.value"],
+            f"{name}/attn/GroupQueryAttention",
             domain=MS,
             num_heads=spec.num_heads,
             kv_num_heads=spec.num_kv_heads,
@@ -480,11 +506,11 @@ class _Blocks:
             local_window_size=window if window else -1,  # itself and the window - 1 before it
             **softcap,
         )[0]
-        a = g.pack(rows, f"{n}/attn")  # [1, N, nh d]
+        packed = graph.pack(rows, f"{name}/attn")  # [1, N, nh d]
         w_o = self.padded(_np(self.sd[att + "o_proj.weight"]), spec.num_heads, spec.head_dim).T  # zero rows for padding
-        return g.linear(a, w_o, f"{n}/attn/o_proj", self.bias(att + "o_proj"))
+        return graph.linear(packed, w_o, f"{name}/attn/o_proj", self.bias(att + "o_proj"))
 
-    def padded(self, w: np.ndarray, heads: int, size: int) -> np.ndarray:
+    def padded(self, w: Array, heads: int, size: int) -> Array:
         """``layout.pad_heads`` of ``w``'s last axis (``heads`` model heads) to heads of ``size``."""
         spec = self.spec
         return pad_heads(w, heads, spec.own_head_dim, size, rotary=spec.rotary, interleaved=spec.rotary_interleaved)
@@ -492,7 +518,7 @@ class _Blocks:
     def qkv(self, h: str, att: str, name: str) -> str:
         """q, k and v of ``h`` in one MatMul ``[1, N, (nh + 2 kv) d]`` (q and k left unpadded
         where they are normed first: the norm pads them), clamped (OLMo), q and k normed."""
-        g, spec = self.g, self.spec
+        graph, spec = self.g, self.spec
         heads = {"q": spec.num_heads, "k": spec.num_kv_heads, "v": spec.num_kv_heads}
         normed = spec.qk_norm or spec.qk_norm_full
         size = {p: spec.own_head_dim if normed and p != "v" else spec.head_dim for p in "qkv"}
@@ -502,40 +528,42 @@ class _Blocks:
             b_qkv = np.concatenate(
                 [self.padded(_np(self.sd[att + f"{p}_proj.bias"]), heads[p], size[p]) for p in "qkv"]
             )
-        qkv = g.linear(h, w_qkv, f"{name}/qkv", b_qkv)
+        qkv = graph.linear(h, w_qkv, f"{name}/qkv", b_qkv)
         del w_qkv
         if spec.clip_qkv:  # OLMo: q, k and v clamped (padding stays 0)
-            lo = g.init(f"{name}/clip_lo", np.array(-spec.clip_qkv, dtype=np.float32))
-            hi = g.init(f"{name}/clip_hi", np.array(spec.clip_qkv, dtype=np.float32))
-            qkv = g.node("Clip", [qkv, lo, hi], [f"{name}/clipped"], f"{name}/Clip")[0]
-        return _norm_heads(g, qkv, self.sd, att=att, spec=spec, name=name) if normed else qkv
+            lo = graph.init(f"{name}/clip_lo", np.array(-spec.clip_qkv, dtype=np.float32))
+            hi = graph.init(f"{name}/clip_hi", np.array(spec.clip_qkv, dtype=np.float32))
+            qkv = graph.node("Clip", [qkv, lo, hi], [f"{name}/clipped"], f"{name}/Clip")[0]
+        return _norm_heads(graph, qkv, self.sd, att=att, spec=spec, name=name) if normed else qkv
 
     def lm_head(self, stream: str, res: str | None) -> None:
         """``hidden_states`` (the last branch added, the final norm: none after ``post_ln``
         layers) and ``logits`` of the rows ``logits_index`` picks (projected out: OPT-350M),
         times ``logit_scale`` (Cohere), over ``logits_scaling`` (Granite), soft-capped (Gemma 2)."""
-        g, spec = self.g, self.spec
+        graph, spec = self.g, self.spec
         if spec.layout == "post_ln":
-            g.node("Identity", [stream], ["hidden_states"], "/norm/Identity")
+            graph.node("Identity", [stream], ["hidden_states"], "/norm/Identity")
         else:
             self.norm(stream, res, "model.norm", "/norm", out="hidden_states")
-        picked = g.node("Gather", ["hidden_states", "logits_index"], ["/lm_head/rows"], "/lm_head/Gather", axis=1)[0]
+        picked = graph.node("Gather", ["hidden_states", "logits_index"], ["/lm_head/rows"], "/lm_head/Gather", axis=1)[
+            0
+        ]
         if spec.embed_dim:
-            picked = g.linear(picked, self.weight("model.project_out"), "/lm_head/project_out")
+            picked = graph.linear(picked, self.weight("model.project_out"), "/lm_head/project_out")
         head = self.sd.get("lm_head.weight", self.sd["model.embed_tokens.weight"])
-        steps = [(op, c) for op, c in (("Mul", spec.logits_scale), ("Div", spec.logits_divisor)) if c]
+        steps = [(op, by) for op, by in (("Mul", spec.logits_scale), ("Div", spec.logits_divisor)) if by]
         cap = spec.final_softcap
         last = not (steps or cap)
-        logits = g.linear(picked, _np(head).T, "/lm_head", self.bias("lm_head"), out="logits" if last else None)
-        for j, (op, c) in enumerate(steps):
-            const = g.init(f"/lm_head/{op.lower()}_by", np.array(c, dtype=np.float32))
+        logits = graph.linear(picked, _np(head).T, "/lm_head", self.bias("lm_head"), out="logits" if last else None)
+        for j, (op, by) in enumerate(steps):
+            const = graph.init(f"/lm_head/{op.lower()}_by", np.array(by, dtype=np.float32))
             out = "logits" if j == len(steps) - 1 and not cap else f"/lm_head/{op.lower()}"
-            logits = g.node(op, [logits, const], [out], f"/lm_head/{op}")[0]
+            logits = graph.node(op, [logits, const], [out], f"/lm_head/{op}")[0]
         if cap:  # Gemma 2: tanh(logits / cap) * cap
-            c = g.init("/lm_head/softcap", np.array(cap, dtype=np.float32))
-            t = g.node("Div", [logits, c], ["/lm_head/capped"], "/lm_head/SoftcapDiv")[0]
-            t = g.node("Tanh", [t], ["/lm_head/tanh"], "/lm_head/Tanh")[0]
-            g.node("Mul", [t, c], ["logits"], "/lm_head/SoftcapMul")
+            limit = graph.init("/lm_head/softcap", np.array(cap, dtype=np.float32))
+            scaled = graph.node("Div", [logits, limit], ["/lm_head/capped"], "/lm_head/SoftcapDiv")[0]
+            bent = graph.node("Tanh", [scaled], ["/lm_head/tanh"], "/lm_head/Tanh")[0]
+            graph.node("Mul", [bent, limit], ["logits"], "/lm_head/SoftcapMul")
 
     def norm(self, x: str, skip: str | None, key: str, name: str, out: str | None = None) -> tuple[str, str]:
         """The family's norm (``<key>.weight`` + its offset, LayerNorm's bias) of ``x + skip``;
@@ -544,7 +572,7 @@ class _Blocks:
         if self.spec.norm_offset:
             w = w + np.float32(self.spec.norm_offset)
         if self.spec.norm == "layer":
-            return self.g.layer_norm(x, skip, w, self.bias(key), name, out=out)
+            return self.g.layer_norm(x, skip, w, bias=self.bias(key), name=name, out=out)
         return self.g.rms_norm(x, skip, w, name, out=out)
 
     def add(self, x: str, res: str | None, name: str) -> str:
@@ -570,107 +598,107 @@ class _Blocks:
         chosen expert's SwiGLU (``swiglu_fusion=1``: gate and up rows interleaved, ``alpha`` 1 and
         ``beta`` 0: ``silu(gate) * up``), weighed and summed; a step reads the k active experts,
         not all E. Plus a shared expert behind its sigmoid gate (Qwen2-MoE)."""
-        g, sd, spec = self.g, self.sd, self.spec
+        graph, sd, spec = self.g, self.sd, self.spec
         if spec.act != "silu":
             raise UnsupportedModelError(f"unsupported experts' activation {spec.act}: need silu")
         hidden = spec.hidden_size
-        rows = g.node(
-            "Reshape", [h, g.init(f"{m}/rows_shape", np.array([-1, hidden], dtype=np.int64))], [f"{m}/x"], f"{m}/Rows"
-        )[0]  # [N, H]
-        logits = g.linear(rows, _np(sd[key + "gate.weight"]).T, f"{m}/router", self.bias(key + "gate"))  # [N, E]
-        width = spec.expert_size
-        b1 = b2 = ""
-        if key + "experts.fc1.weight" in sd:  # GPT-OSS: [E, H, 2W], gate and up columns interleaved
-            fc1 = np.ascontiguousarray(_np(sd[key + "experts.fc1.weight"]).transpose(0, 2, 1))
-            fc2 = np.ascontiguousarray(_np(sd[key + "experts.fc2.weight"]).transpose(0, 2, 1))
-            b1 = g.init(f"{m}/experts.fc1.bias", _np(sd[key + "experts.fc1.bias"]))
-            b2 = g.init(f"{m}/experts.fc2.bias", _np(sd[key + "experts.fc2.bias"]))
-        else:
-            gate_up, down = _stacked_experts(sd, key, spec)  # [E, H, 2W] (gate | up), [E, W, H]
-            fc1 = np.stack([gate_up[..., :width], gate_up[..., width:]], axis=-1).reshape(gate_up.shape)
-            del gate_up
-            fc1 = np.ascontiguousarray(fc1.transpose(0, 2, 1))  # [E, 2W, H]: rows gate_0, up_0, gate_1, ...
-            fc2 = np.ascontiguousarray(down.transpose(0, 2, 1))  # [E, H, W]
-            del down
-        want = (spec.num_experts, 2 * width, hidden), (spec.num_experts, hidden, width)
-        if (fc1.shape, fc2.shape) != want:
-            raise UnsupportedModelError(f"unsupported experts of {key}: {fc1.shape} and {fc2.shape}, need {want}")
-        normalize = spec.norm_topk or spec.router == "topk_softmax"
-        alpha, beta, limit = spec.swiglu or (1.0, 0.0, 0.0)
-        attrs: dict = dict(
-            k=spec.experts_per_token,
-            activation_type="swiglu",
-            swiglu_fusion=1,
-            activation_alpha=alpha,
-            activation_beta=beta,
-            normalize_routing_weights=int(normalize),
-        )
-        if limit:  # GPT-OSS: gate <= limit, -limit <= up <= limit
-            attrs["swiglu_limit"] = limit
-        block = g.quant.block_size if g.quant else 0
-        if g.quant is None or hidden % block or width % block:  # QMoE takes whole blocks only
-            ins = [rows, logits, g.init(f"{m}/experts.fc1", fc1), b1, g.init(f"{m}/experts.fc2", fc2), b2]
-            y = g.node("MoE", ins, [f"{m}/experts_rows"], f"{m}/MoE", domain=MS, **attrs)[0]
-        else:  # QMoE: each expert's matrices in MatMulNBits' blocks (the same codes, scales, zero points)
-            fc1_q, fc2_q = (
-                _quantized_experts(g, fc1, f"{m}/experts.fc1"),
-                _quantized_experts(g, fc2, f"{m}/experts.fc2"),
-            )
-            ins = [rows, logits, fc1_q[0], fc1_q[1], b1, fc2_q[0], fc2_q[1], b2]
-            if fc1_q[2]:  # asymmetric: the zero points are QMoE's 12th and 13th inputs
-                ins += ["", "", "", fc1_q[2], fc2_q[2]]
-            quant = g.quant
-            g.grids["requantized"] = g.grids.get("requantized", 0) + 2
-            y = g.node(
-                "QMoE",
-                ins,
-                [f"{m}/experts_rows"],
-                f"{m}/QMoE",
-                domain=MS,
-                expert_weight_bits=quant.bits,
-                block_size=quant.block_size,
-                accuracy_level=quant.accuracy_level,
-                **attrs,
-            )[0]
-        del fc1, fc2
-        packed = g.init(f"{m}/packed_shape", np.array([1, -1, hidden], dtype=np.int64))
-        out = g.node("Reshape", [y, packed], [f"{m}/experts_out"], f"{m}/Packed")[0]  # [1, N, H]
+        shape = graph.init(f"{m}/rows_shape", np.array([-1, hidden], dtype=np.int64))
+        rows = graph.node("Reshape", [h, shape], [f"{m}/x"], f"{m}/Rows")[0]  # [N, H]
+        logits = graph.linear(rows, _np(sd[key + "gate.weight"]).T, f"{m}/router", self.bias(key + "gate"))  # [N, E]
+        routed = self.experts(rows, logits, key, m)
+        packed = graph.init(f"{m}/packed_shape", np.array([1, -1, hidden], dtype=np.int64))
+        out = graph.node("Reshape", [routed, packed], [f"{m}/experts_out"], f"{m}/Packed")[0]  # [1, N, H]
         if not spec.shared_expert_size:
             return out
         shared = self.mlp(h, key + "shared_expert.", f"{m}/shared_expert")
         gate_w = _np(sd[key + "shared_expert_gate.weight"]).T  # [H, 1]
-        opened = g.node("Sigmoid", [g.linear(h, gate_w, f"{m}/shared_gate")], [f"{m}/shared_open"], f"{m}/SharedGate")
-        shared = g.node("Mul", [opened[0], shared], [f"{m}/shared"], f"{m}/SharedMul")[0]
-        return g.node("Add", [out, shared], [f"{m}/output"], f"{m}/AddShared")[0]
+        opened = graph.node(
+            "Sigmoid", [graph.linear(h, gate_w, f"{m}/shared_gate")], [f"{m}/shared_open"], f"{m}/SharedGate"
+        )
+        shared = graph.node("Mul", [opened[0], shared], [f"{m}/shared"], f"{m}/SharedMul")[0]
+        return graph.node("Add", [out, shared], [f"{m}/output"], f"{m}/AddShared")[0]
+
+    def expert_weights(self, key: str, m: str) -> tuple[Array, Array, str, str]:
+        """The layer's experts as MoE takes them: fc1 ``[E, 2W, H]`` (rows gate_0, up_0, gate_1,
+        ...), fc2 ``[E, H, W]``, and the names of their biases (``""``: none; GPT-OSS has them)."""
+        graph, sd, spec = self.g, self.sd, self.spec
+        width = spec.expert_size
+        if key + "experts.fc1.weight" in sd:  # GPT-OSS: [E, H, 2W], gate and up columns interleaved
+            fc1 = np.ascontiguousarray(_np(sd[key + "experts.fc1.weight"]).transpose(0, 2, 1))
+            fc2 = np.ascontiguousarray(_np(sd[key + "experts.fc2.weight"]).transpose(0, 2, 1))
+            b1 = graph.init(f"{m}/experts.fc1.bias", _np(sd[key + "experts.fc1.bias"]))
+            b2 = graph.init(f"{m}/experts.fc2.bias", _np(sd[key + "experts.fc2.bias"]))
+        else:
+            gate_up, down = _stacked_experts(sd, key, spec)  # [E, H, 2W] (gate | up), [E, W, H]
+            fc1 = np.stack([gate_up[..., :width], gate_up[..., width:]], axis=-1).reshape(gate_up.shape)
+            del gate_up
+            fc1 = np.ascontiguousarray(fc1.transpose(0, 2, 1))
+            fc2 = np.ascontiguousarray(down.transpose(0, 2, 1))
+            b1 = b2 = ""
+        want = (spec.num_experts, 2 * width, spec.hidden_size), (spec.num_experts, spec.hidden_size, width)
+        if (fc1.shape, fc2.shape) != want:
+            raise UnsupportedModelError(f"unsupported experts of {key}: {fc1.shape} and {fc2.shape}, need {want}")
+        return fc1, fc2, b1, b2
+
+    def experts(self, rows: str, logits: str, key: str, m: str) -> str:
+        """The MoE node on ``rows`` ``[N, H]`` routed by ``logits`` ``[N, E]``: ``MoE`` in float32,
+        or ``QMoE`` with MatMulNBits' blocks when quantizing and each expert's widths are whole
+        blocks."""
+        graph, spec = self.g, self.spec
+        fc1, fc2, b1, b2 = self.expert_weights(key, m)
+        alpha, beta, limit = spec.swiglu or (1.0, 0.0, 0.0)
+        attrs: dict[str, Any] = {
+            "k": spec.experts_per_token,
+            "activation_type": "swiglu",
+            "swiglu_fusion": 1,
+            "activation_alpha": alpha,
+            "activation_beta": beta,
+            "normalize_routing_weights": int(spec.norm_topk or spec.router == "topk_softmax"),
+        }
+        if limit:  # GPT-OSS: gate <= limit, -limit <= up <= limit
+            attrs["swiglu_limit"] = limit
+        quant = graph.quant
+        if quant is None or spec.hidden_size % quant.block_size or spec.expert_size % quant.block_size:
+            ins = [rows, logits, graph.init(f"{m}/experts.fc1", fc1), b1, graph.init(f"{m}/experts.fc2", fc2), b2]
+            return graph.node("MoE", ins, [f"{m}/experts_rows"], f"{m}/MoE", domain=MS, **attrs)[0]
+        fc1_q = _quantized_experts(graph, fc1, f"{m}/experts.fc1")
+        fc2_q = _quantized_experts(graph, fc2, f"{m}/experts.fc2")
+        del fc1, fc2
+        ins = [rows, logits, fc1_q[0], fc1_q[1], b1, fc2_q[0], fc2_q[1], b2]
+        if fc1_q[2]:  # asymmetric: the zero points are QMoE's 12th and 13th inputs
+            ins += ["", "", "", fc1_q[2], fc2_q[2]]
+        graph.grids["requantized"] = graph.grids.get("requantized", 0) + 2
+        attrs.update(expert_weight_bits=quant.bits, block_size=quant.block_size, accuracy_level=quant.accuracy_level)
+        return graph.node("QMoE", ins, [f"{m}/experts_rows"], f"{m}/QMoE", domain=MS, **attrs)[0]
 
     def mlp(self, h: str, key: str, m: str) -> str:
         """``down(act(gate(h)) * up(h))``, or ``down(act(up(h)))`` for a plain MLP, with biases
         where the checkpoint has them."""
-        g, sd = self.g, self.sd
+        graph, sd = self.g, self.sd
         gate = None
         if self.spec.gated:
-            gate = g.linear(h, _np(sd[key + "gate_proj.weight"]).T, f"{m}/gate_proj", self.bias(key + "gate_proj"))
-        up = g.linear(h, _np(sd[key + "up_proj.weight"]).T, f"{m}/up_proj", self.bias(key + "up_proj"))
+            gate = graph.linear(h, _np(sd[key + "gate_proj.weight"]).T, f"{m}/gate_proj", self.bias(key + "gate_proj"))
+        up = graph.linear(h, _np(sd[key + "up_proj.weight"]).T, f"{m}/up_proj", self.bias(key + "up_proj"))
         act = self.activation(gate if gate is not None else up, m)
         if gate is not None:
-            act = g.node("Mul", [act, up], [f"{m}/act"], f"{m}/Mul")[0]
-        return g.linear(act, _np(sd[key + "down_proj.weight"]).T, f"{m}/down_proj", self.bias(key + "down_proj"))
+            act = graph.node("Mul", [act, up], [f"{m}/act"], f"{m}/Mul")[0]
+        return graph.linear(act, _np(sd[key + "down_proj.weight"]).T, f"{m}/down_proj", self.bias(key + "down_proj"))
 
     def activation(self, x: str, m: str) -> str:
-        g, kind = self.g, self.spec.act
+        graph, kind = self.g, self.spec.act
         if kind == "silu":
-            sig = g.node("Sigmoid", [x], [f"{m}/sigmoid"], f"{m}/Sigmoid")[0]
-            return g.node("Mul", [x, sig], [f"{m}/silu"], f"{m}/SiLU")[0]  # ORT: QuickGelu
+            sig = graph.node("Sigmoid", [x], [f"{m}/sigmoid"], f"{m}/Sigmoid")[0]
+            return graph.node("Mul", [x, sig], [f"{m}/silu"], f"{m}/SiLU")[0]  # ORT: QuickGelu
         if kind in ("gelu", "gelu_tanh"):  # erf, or the tanh approximation (gelu_new, gelu_pytorch_tanh)
             extra = {"approximate": "tanh"} if kind == "gelu_tanh" else {}
-            return g.node("Gelu", [x], [f"{m}/gelu"], f"{m}/Gelu", **extra)[0]
-        r = g.node("Relu", [x], [f"{m}/relu"], f"{m}/Relu")[0]
+            return graph.node("Gelu", [x], [f"{m}/gelu"], f"{m}/Gelu", **extra)[0]
+        r = graph.node("Relu", [x], [f"{m}/relu"], f"{m}/Relu")[0]
         if kind == "relu":
             return r
-        return g.node("Mul", [r, r], [f"{m}/relu2"], f"{m}/Square")[0]  # relu2
+        return graph.node("Mul", [r, r], [f"{m}/relu2"], f"{m}/Square")[0]  # relu2
 
 
-def _stacked_experts(sd, key: str, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+def _stacked_experts(sd: dict[str, Any], key: str, spec: ModelSpec) -> tuple[Array, Array]:
     """A layer's experts as two stacks: gate | up ``[E, H, 2W]`` and down ``[E, W, H]``, from
     one module per expert (``experts.{j}.gate_proj`` ...) or stacked ones (Granite-MoE's
     ``[E, 2W, H]`` gate then up, ``[E, H, W]``)."""
@@ -697,40 +725,40 @@ def _stacked_experts(sd, key: str, spec: ModelSpec) -> tuple[np.ndarray, np.ndar
     return np.ascontiguousarray(gate_up), np.ascontiguousarray(down)
 
 
-def _quantized_experts(g: _Graph, w: np.ndarray, name: str) -> tuple[str, str, str]:
+def _quantized_experts(graph: _Graph, w: Array, name: str) -> tuple[str, str, str]:
     """Stacked expert matrices ``[E, N, K]`` (``y = W x``) quantized as MatMulNBits does each
     (``export.quant``): QMoE's codes ``[E, N, K * bits / 8]``, scales ``[E, N, K / block]`` and
     zero points (``""`` when symmetric) initializers."""
-    assert g.quant is not None
-    qs = [quantize(np.ascontiguousarray(w[e].T), g.quant) for e in range(w.shape[0])]
-    codes = g.init(f"{name}.weight_q", np.stack([q.packed.reshape(q.n, -1) for q in qs]))
-    scales = g.init(f"{name}.scales", np.stack([q.scales.reshape(q.n, -1) for q in qs]).astype(np.float32))
+    assert graph.quant is not None
+    qs = [quantize(np.ascontiguousarray(w[e].T), graph.quant) for e in range(w.shape[0])]
+    codes = graph.init(f"{name}.weight_q", np.stack([q.packed.reshape(q.n, -1) for q in qs]))
+    scales = graph.init(f"{name}.scales", np.stack([q.scales.reshape(q.n, -1) for q in qs]).astype(np.float32))
     zeros = ""
     if qs[0].zero_points is not None:
-        zeros = g.init(f"{name}.zero_points", np.stack([np.asarray(q.zero_points).reshape(q.n, -1) for q in qs]))
+        zeros = graph.init(f"{name}.zero_points", np.stack([np.asarray(q.zero_points).reshape(q.n, -1) for q in qs]))
     return codes, scales, zeros
 
 
-def _norm_heads(g: _Graph, qkv: str, sd: dict[str, Any], *, att: str, spec: ModelSpec, name: str) -> str:
+def _norm_heads(graph: _Graph, qkv: str, sd: dict[str, Any], *, att: str, spec: ModelSpec, name: str) -> str:
     """The norms of queries and keys before rotary (``q_norm``, ``k_norm``) on the fused
     projection ``[1, N, (nh + kv) own + kv d]``: each head (Qwen3's RMSNorm, Gemma 3's with
     ``1 + w``; a LayerNorm: StableLM, Phi-2, Cohere) or the whole projection (OLMo 2), split,
     normed and padded to the graph's head size, joined again ``[1, N, (nh + 2 kv) d]``."""
     own, d, nh, kv = spec.own_head_dim, spec.head_dim, spec.num_heads, spec.num_kv_heads
-    sizes = g.init(f"{name}/qkv_split", np.array([nh * own, kv * own, kv * d], dtype=np.int64))
-    q, k, v = g.node("Split", [qkv, sizes], [f"{name}/q", f"{name}/k", f"{name}/v"], f"{name}/Split", axis=-1)
+    sizes = graph.init(f"{name}/qkv_split", np.array([nh * own, kv * own, kv * d], dtype=np.int64))
+    q, k, v = graph.node("Split", [qkv, sizes], [f"{name}/q", f"{name}/k", f"{name}/v"], f"{name}/Split", axis=-1)
     normed = []
     for x, part, heads in ((q, "q", nh), (k, "k", kv)):
         w, b = _np(sd[f"{att}{part}_norm.weight"]), sd.get(f"{att}{part}_norm.bias")
         if spec.norm_offset:
             w = w + np.float32(spec.norm_offset)
         bias = None if b is None else _np(b)
-        normed.append(_head_norm(g, x, w, heads=heads, spec=spec, name=f"{name}/{part}_norm", bias=bias))
-    return g.node("Concat", [*normed, v], [f"{name}/qkv_normed"], f"{name}/Concat", axis=-1)[0]
+        normed.append(_head_norm(graph, x, w, heads=heads, spec=spec, name=f"{name}/{part}_norm", bias=bias))
+    return graph.node("Concat", [*normed, v], [f"{name}/qkv_normed"], f"{name}/Concat", axis=-1)[0]
 
 
 def _head_norm(
-    g: _Graph, x: str, w: np.ndarray, *, heads: int, spec: ModelSpec, name: str, bias: np.ndarray | None = None
+    graph: _Graph, x: str, w: Array, *, heads: int, spec: ModelSpec, name: str, bias: Array | None = None
 ) -> str:
     """The norm of each head of ``x`` ``[1, N, heads * own]`` (RMSNorm: Qwen3; LayerNorm with
     a weight and bias ``[own]`` shared by the heads, or ``[heads, own]`` one a head), or of all of
@@ -739,34 +767,38 @@ def _head_norm(
     is one input times 1, exactly)."""
     own, padded, full = spec.own_head_dim, spec.head_dim, spec.qk_norm_full
     if full:
-        x, _ = g.rms_norm(x, None, w, name)
+        x, _ = graph.rms_norm(x, None, w, name)
         if padded == own:
             return x
-    shape = g.init(f"{name}/head_shape", np.array([0, 0, heads, own], dtype=np.int64))
-    out = g.node("Reshape", [x, shape], [f"{name}/heads"], f"{name}/Heads")[0]
+    shape = graph.init(f"{name}/head_shape", np.array([0, 0, heads, own], dtype=np.int64))
+    out = graph.node("Reshape", [x, shape], [f"{name}/heads"], f"{name}/Heads")[0]
     if spec.qk_layer_norm:
-        out = _head_layer_norm(g, out, w, name=name, bias=bias)
+        out = _head_layer_norm(graph, out, w, name=name, bias=bias)
     elif not full:
-        out = g.rms_norm(out, None, w, name)[0]
+        out = graph.rms_norm(out, None, w, name)[0]
     if padded != own:
         eye = np.eye(own, dtype=np.float32)
         scatter = pad_heads(eye, 1, own, padded, rotary=spec.rotary, interleaved=spec.rotary_interleaved)
-        out = g.node("MatMul", [out, g.init(f"{name}/pad", scatter)], [f"{name}/padded"], f"{name}/Pad")[0]
-    flat = g.init(f"{name}/flat_shape", np.array([0, 0, heads * padded], dtype=np.int64))
-    return g.node("Reshape", [out, flat], [f"{name}/flat"], f"{name}/Flat")[0]
+        out = graph.node("MatMul", [out, graph.init(f"{name}/pad", scatter)], [f"{name}/padded"], f"{name}/Pad")[0]
+    flat = graph.init(f"{name}/flat_shape", np.array([0, 0, heads * padded], dtype=np.int64))
+    return graph.node("Reshape", [out, flat], [f"{name}/flat"], f"{name}/Flat")[0]
 
 
-def _head_layer_norm(g: _Graph, rows: str, w: np.ndarray, *, name: str, bias: np.ndarray | None) -> str:
+def _head_layer_norm(graph: _Graph, rows: str, w: Array, *, name: str, bias: Array | None) -> str:
     """LayerNorm over the last axis of ``rows`` ``[1, N, heads, own]``: one op with a weight
     (and bias) ``[own]``; with one a head (``[heads, own]``), a LayerNorm without, then times
     the weights (plus the biases)."""
     if w.ndim == 1:
-        return g.layer_norm(rows, None, w, bias, name)[0]
-    normed = g.layer_norm(rows, None, np.ones(w.shape[-1], np.float32), None, name)[0]
-    out = g.node("Mul", [normed, g.init(f"{name}/head_weights", w)], [f"{name}/weighted"], f"{name}/HeadWeights")[0]
+        return graph.layer_norm(rows, None, w, bias=bias, name=name)[0]
+    normed = graph.layer_norm(rows, None, np.ones(w.shape[-1], np.float32), bias=None, name=name)[0]
+    out = graph.node(
+        "Mul", [normed, graph.init(f"{name}/head_weights", w)], [f"{name}/weighted"], f"{name}/HeadWeights"
+    )[0]
     if bias is None:
         return out
-    return g.node("Add", [out, g.init(f"{name}/head_biases", bias)], [f"{name}/biased"], f"{name}/HeadBiases")[0]
+    return graph.node("Add", [out, graph.init(f"{name}/head_biases", bias)], [f"{name}/biased"], f"{name}/HeadBiases")[
+        0
+    ]
 
 
 def gqa_inputs(qkv: str, layer: int, *, packed: bool = True, rotary: bool = True, local: bool = False) -> list[str]:
@@ -809,7 +841,7 @@ def decoder_io(
     ``PACKED_INPUTS`` that lay them out as rows for attention."""
     f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
     vi = helper.make_tensor_value_info
-    kv_shape = ["batch_size", kv_heads, "max_cache_length", head_dim]
+    kv_shape: list[str | int | None] = ["batch_size", kv_heads, "max_cache_length", head_dim]
     inputs = [
         vi("input_ids", i64, ["batch_size", "sequence_length"]),
         *extra_inputs,
@@ -838,7 +870,7 @@ def decoder_io(
 
 
 def save_graph(
-    g: _Graph,
+    graph: _Graph,
     name: str,
     inputs: list[onnx.ValueInfoProto],
     outputs: list[onnx.ValueInfoProto],
@@ -847,13 +879,13 @@ def save_graph(
     producer: str,
 ) -> dict[str, Any]:
     """Write the accumulated graph as ``path`` (opset 21 + com.microsoft); returns its stats."""
-    graph = helper.make_graph(g.nodes, name, inputs, outputs, initializer=g.inits)
+    built = helper.make_graph(graph.nodes, name, inputs, outputs, initializer=graph.inits)
     proto = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)], producer_name=producer
+        built, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)], producer_name=producer
     )
     proto.ir_version = 10
     onnx.save_model(proto, str(path))
-    stats = {"nodes": len(g.nodes), "weights_bytes": g.data.bytes_written}
-    if g.grids:  # MatMulNBits weights by form: "q4_1" / "q8_0" kept on the source's grid
-        stats["weight_forms"] = dict(sorted(g.grids.items()))
+    stats: dict[str, Any] = {"nodes": len(graph.nodes), "weights_bytes": graph.data.bytes_written}
+    if graph.grids:  # MatMulNBits weights by form: "q4_1" / "q8_0" kept on the source's grid
+        stats["weight_forms"] = dict(sorted(graph.grids.items()))
     return stats

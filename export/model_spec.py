@@ -31,7 +31,7 @@ MIN_POSITIONS = 2  # a prompt token and one generated token
 NOT_YET = {
     "gemma3": "Gemma 3 with its vision tower: multimodal; its text model (gemma3_text) exports",
     "gemma3n": "Gemma 3n: not yet; multimodal",
-    # GroupQueryAttention adds no per-head bias to the scores; ALiBi needs one growing with distance
+    # ALiBi needs a per-head bias by key position and chain-only verification (docs/export.md)
     "bloom": "ALiBi position biases: not yet",
     "mpt": "ALiBi position biases: not yet",
 }
@@ -138,7 +138,7 @@ class ModelSpec:
     norm_topk: bool = False  # the top k weights renormalised to sum to 1
     shared_expert_size: int = 0  # a shared expert's width, behind a sigmoid gate (0: none; Qwen2-MoE)
     moe_layers: tuple[int, ...] = ()  # the layers with experts (the others: a dense MLP)
-    swiglu: tuple[float, float, float] = ()  # the experts' clamped SwiGLU (alpha, beta, limit): GPT-OSS
+    swiglu: tuple[float, ...] = ()  # the experts' clamped SwiGLU (alpha, beta, limit): GPT-OSS
     sinks: bool = False  # attention sinks: a learned logit per head in each softmax (GPT-OSS)
 
     @property
@@ -193,7 +193,7 @@ class ModelSpec:
             **_experts(config, fam),
         )
 
-    def manifest(self) -> dict:
+    def manifest(self) -> dict[str, Any]:
         """The manifest's `architecture` record."""
         keep = (
             "family",
@@ -214,7 +214,7 @@ class ModelSpec:
         return record
 
 
-def _positive_number(config, key: str, value=None) -> float:
+def _positive_number(config: Any, key: str, value: Any = None) -> float:
     """``config.<key>`` as a float that is finite and > 0, else UnsupportedModelError naming it
     (a NaN or negative epsilon, a zero rotary base, would only fail deep inside ONNX Runtime or
     give garbage tables)."""
@@ -330,7 +330,7 @@ def _blocks(config: Any, fam: Family) -> dict[str, Any]:
     }
 
 
-def _multipliers(config: Any, fam: Family) -> dict[str, float]:
+def _multipliers(config: Any, fam: Family) -> dict[str, Any]:
     """The scales of ``ModelSpec``: attention's scale and soft-cap, the embeddings', each
     branch's, the logits' (0: none)."""
     scale = 0.0
@@ -365,7 +365,7 @@ def _embed_dim(config: Any, fam: Family) -> int:
     return _count(config, fam.embed_proj_key)
 
 
-def _count(config, key: str, low: int = 1) -> int:
+def _count(config: Any, key: str, low: int = 1) -> int:
     """``config.<key>`` as an int >= ``low``, else UnsupportedModelError naming it."""
     value = getattr(config, key, None)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -373,7 +373,7 @@ def _count(config, key: str, low: int = 1) -> int:
     return value
 
 
-def _experts(config, fam: Family) -> dict:
+def _experts(config: Any, fam: Family) -> dict[str, Any]:
     """The mixture-of-experts fields of ``ModelSpec`` as transformers reads them: the expert
     count, the top k (at most the count), each expert's width, the router and whether its top k
     weights are renormalised, a shared expert, and the sparse layers (Qwen-MoE: layer i has
@@ -409,7 +409,7 @@ def _experts(config, fam: Family) -> dict:
     }
 
 
-def _check_rope(config) -> None:
+def _check_rope(config: Any) -> None:
     """The rotary base (``rope_theta``, or ``rope_parameters['rope_theta']``) and, with rope
     scaling, its ``factor``: finite and > 0."""
     theta = getattr(config, "rope_theta", None)
@@ -425,7 +425,7 @@ def _check_rope(config) -> None:
         _positive_number(config, "rope_scaling.factor", scaling["factor"])
 
 
-def _rotary_dim(config, fam: Family, own: int) -> int:
+def _rotary_dim(config: Any, fam: Family, own: int) -> int:
     """The rotated dimensions of each head: the family's fraction of it (``partial_rotary_factor``,
     GPT-NeoX's ``rotary_pct``), as transformers counts them (``int(head_dim * factor)``), or its
     count (GPT-J's ``rotary_dim``), else all."""
@@ -453,20 +453,20 @@ def _rotary_dim(config, fam: Family, own: int) -> int:
     return rotary
 
 
-def _clip(config, key: str) -> float:
+def _clip(config: Any, key: str) -> float:
     """OLMo's ``clip_qkv``: 0 when the family has none or it is unset (None), else a number > 0."""
     value = getattr(config, key, None) if key else None
     return 0.0 if value is None else _positive_number(config, key, value)
 
 
-def _softcap(config, key: str) -> float:
+def _softcap(config: Any, key: str) -> float:
     """Gemma's ``attn_logit_softcapping`` / ``final_logit_softcapping``: 0 when unset (None),
     else a finite number > 0."""
     value = getattr(config, key, None)
     return 0.0 if value is None else _positive_number(config, key, value)
 
 
-def _windows(config, fam: Family, limit: int) -> tuple[int, ...]:
+def _windows(config: Any, fam: Family, limit: int) -> tuple[int, ...]:
     """Each layer's sliding window as transformers reads it (0: full attention), or () when no
     layer's window is shorter than ``limit`` positions. By the family's rule
     (``export.families.WINDOW_RULES``): Mistral, Phi-3 and Starcoder2 slide every layer when
@@ -488,7 +488,7 @@ def _windows(config, fam: Family, limit: int) -> tuple[int, ...]:
     return tuple(window if s else 0 for s in sliding)
 
 
-def _layer_types(config) -> list[bool]:
+def _layer_types(config: Any) -> list[bool]:
     """``layer_types`` as one flag a layer, True for ``sliding_attention``."""
     layers = config.num_hidden_layers
     types = getattr(config, "layer_types", None)
@@ -501,7 +501,7 @@ def _layer_types(config) -> list[bool]:
     return [t == "sliding_attention" for t in types]
 
 
-def _local_rope_layers(config) -> tuple[int, ...]:
+def _local_rope_layers(config: Any) -> tuple[int, ...]:
     """The layers that turn by their own rotary module (Gemma 3's ``rope_local_base_freq``, OLMo
     3's unscaled one): transformers picks the rotary module by ``layer_types`` (a ``sliding_attention`` layer turns by the local base), not by
     whether the window is shorter than the context, so a window that covers every exported
@@ -509,7 +509,7 @@ def _local_rope_layers(config) -> tuple[int, ...]:
     return tuple(i for i, sliding in enumerate(_layer_types(config)) if sliding)
 
 
-def _global_nope(config, fam: Family) -> tuple[int, ...]:
+def _global_nope(config: Any, fam: Family) -> tuple[int, ...]:
     """EXAONE 4's layers without rotary: with a ``sliding_window`` set, transformers turns only
     the layers ``layer_types`` marks sliding (whether or not the window covers the context)."""
     if not fam.nope_global or getattr(config, "sliding_window", None) is None:
@@ -532,7 +532,7 @@ def _nope_layers(config: Any) -> tuple[int, ...]:
     return tuple(i for i, use_rope in enumerate(flags) if not use_rope)
 
 
-def _longrope_limit(config) -> int | None:
+def _longrope_limit(config: Any) -> int | None:
     """LongRoPE switches every position to its long factors once a sequence passes the original
     length (transformers recomputes the whole table), which a cache of rotated keys cannot follow:
     such a model is capped at its original length, where the short factors hold throughout."""

@@ -3,7 +3,10 @@ head_dim apart from hidden / heads), Phi-3 and Phi-4-mini (fused qkv and gate/up
 LongRoPE), SmolLM3 (layers without rotary), Gemma 2 (soft-capping, sandwich norms, GeGLU, a
 sliding window on every other layer) and Gemma 3 (q/k norms, a local rotary base for its sliding
 layers, a scaled global one), with windows of 8 positions, far shorter than prompt + answer, and
-Llama 3's rope scaling beside them. Each is a tiny
+Llama 3's rope scaling beside them, and the options that change a family's blocks (OPT-350M's
+projected embeddings and post-norm layers, the q/k LayerNorms of StableLM, Phi-2 and Cohere,
+Falcon-40B's grouped q/k/v and Falcon 2's single norm) and Cohere 2 on 3 layers of hidden 96
+over 6 heads (2 KV heads). Each is a tiny
 random checkpoint built here from a transformers config (seeded, no download), exported with
 its int8 quantized copy as the draft, then:
 
@@ -830,3 +833,46 @@ def test_moe_experts_run_as_one_op_and_drafts_quantize_them(tmp_path_factory, ca
     size = (folder / "model.onnx.data").stat().st_size
     draft_size = (folder / "draft-q8" / "model.onnx.data").stat().st_size
     assert draft_size < (0.4 if quantized else 0.7) * size
+
+
+@pytest.mark.parametrize(
+    "family,kw,want",
+    [
+        (
+            "falcon",
+            {"new_decoder_architecture": True, "num_kv_heads": 2, "multi_query": True},
+            {"num_kv_heads": 2, "layout": "parallel2", "fused_qkv": "heads"},  # multi_query ignored, as transformers
+        ),
+        (
+            "falcon",
+            {"new_decoder_architecture": True, "num_kv_heads": 2, "num_ln_in_parallel_attn": 1},
+            {"num_kv_heads": 2, "layout": "parallel", "fused_qkv": "heads"},
+        ),
+        ("falcon", {"multi_query": True}, {"num_kv_heads": 1, "layout": "parallel", "fused_qkv": "rows"}),
+        ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 16}, {"layout": "post_ln", "embed_dim": 16}),
+        ("opt", {"word_embed_proj_dim": 32}, {"layout": "pre", "embed_dim": 0}),  # as wide as hidden: no projection
+        ("stablelm", {"qk_layernorm": True}, {"qk_norm": True, "qk_layer_norm": True}),
+        ("stablelm", {}, {"qk_norm": False, "qk_layer_norm": False}),
+        ("cohere", {"use_qk_norm": True}, {"qk_norm": True, "qk_layer_norm": True}),
+        ("cohere2", {"sliding_window": 24}, {"windows": (24, 24, 24, 0), "nope_layers": (3,)}),
+    ],
+)
+def test_spec_reads_the_family_variants(family, kw, want):
+    """A config option that changes a family's blocks selects its row's variant, as transformers
+    builds the model (Falcon's new_decoder_architecture ignores multi_query; Cohere 2's global
+    layers, every 4th, neither slide nor turn)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        **kw,
+    )
+    spec = ModelSpec.from_config(config)
+    assert {key: getattr(spec, key) for key in want} == want
