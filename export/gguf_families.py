@@ -31,6 +31,7 @@ from .gguf_meta import GGUFInfo
 __all__ = ["NEW_GGUF_FAMILIES", "gguf_config_overrides", "register_gguf_families"]
 
 NEW_GGUF_FAMILIES = ("qwen3", "phi3", "smollm3", "gemma2", "gemma3")  # llama.cpp names Gemma 3's text model gemma3
+UNKNOWN_TO_TRANSFORMERS = ("gemma", "phi2", "olmo2", "granite", "gptneox")  # architectures its GGUF table lacks
 SMOLLM3_NOPE_STEP = 4  # llama.cpp: hparams.n_no_rope_layer_step = 4 (layer i rotates iff (i + 1) % 4)
 # llama.cpp's Gemma rules (src/llama-model.cpp): every `pattern`-th layer is global (set_swa_pattern),
 # Gemma 2's window 4096 and soft-caps 50 / 30 without their keys, Gemma 3's local base 10000, and the
@@ -236,24 +237,42 @@ def gguf_config_overrides(info: GGUFInfo, path) -> dict:
     return out
 
 
-def _phi3_tokenizer(tokenizer_dict):
+def _phi3_tokenizer(tokenizer_dict: dict[str, Any]) -> Any:
     """Phi-3 / 3.5 files carry a SentencePiece vocabulary (`llama`), Phi-4-mini's a byte-level
     BPE one (`gpt2`): transformers' table gives both the SentencePiece converter."""
-    from transformers.integrations.ggml import GGUFGPTConverter, GGUFPhi3Converter
+    from transformers.integrations.ggml import GGUFPhi3Converter
 
     if tokenizer_dict.get("tokenizer_type") != "gpt2":
         return GGUFPhi3Converter(tokenizer_dict)
+    return _byte_level(tokenizer_dict)
+
+
+def _byte_level(tokenizer_dict: dict[str, Any]) -> Any:
+    """GPT-2's converter with the file's own special tokens, none where it has none (a tokenizer
+    class would otherwise add `<unk>`, `<s>`, `</s>` past the vocabulary)."""
+    from transformers.integrations.ggml import GGUFGPTConverter
+
     converter = GGUFGPTConverter(tokenizer_dict)
-    # the file's own special tokens, none where it has none: Phi-3's tokenizer class
-    # (LlamaTokenizerFast) would otherwise add `<unk>`, `<s>`, `</s>` past the vocabulary
     tokens = tokenizer_dict.get("tokens") or []
     for attr in ("unk", "bos", "eos", "pad"):
         key = "unknown_token_id" if attr == "unk" else "padding_token_id" if attr == "pad" else f"{attr}_token_id"
-        i = tokenizer_dict.get(key, tokenizer_dict.get(f"{attr}_token_id"))
+        index = tokenizer_dict.get(key, tokenizer_dict.get(f"{attr}_token_id"))
         converter.additional_kwargs[f"{attr}_token"] = (
-            tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+            tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
         )
     return converter
+
+
+def vocabulary_converter(tokenizer_dict: dict[str, Any]) -> Any:
+    """A byte-level BPE vocabulary (`gpt2`) as GPT-2's converter builds it; a SentencePiece one
+    (`llama`) as SentencePiece segments it (`GemmaSentencePiece`)."""
+    if tokenizer_dict.get("tokenizer_type") == "gpt2":
+        return _byte_level(tokenizer_dict)
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        return GemmaSentencePiece(tokenizer_dict)
+    raise UnsupportedModelError(
+        f"GGUF vocabulary type {str(tokenizer_dict.get('tokenizer_type'))[:40]!r} is not supported"
+    )
 
 
 def _smollm3_tokenizer(tokenizer_dict):
@@ -353,3 +372,7 @@ def register_gguf_families() -> None:
     ggml.GGUF_TO_FAST_CONVERTERS["phi3"] = cast(Any, _phi3_tokenizer)
     for family in ("gemma2", "gemma3_text"):  # SentencePiece BPE, not transformers' Unigram
         ggml.GGUF_TO_FAST_CONVERTERS[family] = cast(Any, GemmaSentencePiece)
+    for arch in UNKNOWN_TO_TRANSFORMERS:  # read by export.gguf_import; transformers reads the vocabulary
+        ggml.GGUF_CONFIG_MAPPING.setdefault(arch, {})
+        if arch not in loader.GGUF_SUPPORTED_ARCHITECTURES:
+            loader.GGUF_SUPPORTED_ARCHITECTURES.append(arch)

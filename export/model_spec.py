@@ -23,8 +23,10 @@ __all__ = [
 
 # model_type of a checkpoint folder: a row of export.families.FAMILY_TABLE each
 SUPPORTED_FAMILIES = tuple(FAMILY_TABLE)
-GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3")  # general.architecture
-# of a GGUF (Mistral: llama; gemma3: Gemma 3's text model)
+GGUF_FAMILIES = (  # general.architecture of a GGUF (Mistral: llama; gemma3: Gemma 3's text model)
+    *("llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3"),
+    *("gemma", "phi2", "gpt2", "starcoder2", "olmo2", "granite", "gptneox", "falcon", "qwen2moe", "qwen3moe"),
+)
 MAX_POSITIONS_CAP = 32768
 MIN_POSITIONS = 2  # a prompt token and one generated token
 # families refused on purpose, with why (named in the refusal); the rest by what config.json shows

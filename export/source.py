@@ -14,6 +14,7 @@ from typing import Any
 
 from .errors import CorruptSourceError, ExportError, SourceNotFoundError, one_line
 from .gguf_families import gguf_config_overrides, register_gguf_families
+from .gguf_import import IMPORTED_FAMILIES, imported_config, load_imported_model
 from .gguf_meta import check_model, read_gguf_info
 from .model_spec import GGUF_FAMILIES, SUPPORTED_FAMILIES, unsupported_architecture
 
@@ -56,6 +57,8 @@ class Source:
 
         kwargs: dict[str, Any] = {}
         try:
+            if self.gguf_file and self.family in IMPORTED_FAMILIES:  # transformers cannot load these
+                return load_imported_model(self.path)
             if self.gguf_file:  # the config values transformers' GGUF table misses (export.gguf_families)
                 register_gguf_families()
                 overrides = gguf_config_overrides(read_gguf_info(self.path), self.path)
@@ -113,6 +116,8 @@ def open_source(src: str | os.PathLike[str], record: dict[str, Any] | None = Non
         if family in GGUF_FAMILIES:  # metadata vs tensor index, memory: before loading
             check_model(info, path)
             gguf_config_overrides(info, path)  # the family's own keys, bounded and checked
+            if family in IMPORTED_FAMILIES:
+                imported_config(info, path)
         kind, folder, gguf_file = "gguf", path.resolve().parent, path.name
         default_record = {"kind": "gguf", "path": str(path.resolve())}
     else:

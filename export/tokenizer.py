@@ -65,13 +65,17 @@ def load_tokenizer(folder: Path, gguf_file: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
     from .gguf_families import register_gguf_families
+    from .gguf_import import IMPORTED_FAMILIES, load_imported_tokenizer
 
     try:
         if gguf_file:
             register_gguf_families()  # SmolLM3, Phi-4-mini's byte-level vocabulary
-        tok = AutoTokenizer.from_pretrained(  # type: ignore[no-untyped-call]  # transformers: unannotated
-            str(folder), gguf_file=gguf_file
-        )
+        if gguf_file and read_gguf_info(Path(folder) / gguf_file).architecture in IMPORTED_FAMILIES:
+            tok = load_imported_tokenizer(Path(folder) / gguf_file)
+        else:
+            tok = AutoTokenizer.from_pretrained(  # type: ignore[no-untyped-call]  # transformers: unannotated
+                str(folder), gguf_file=gguf_file
+            )
     except Exception as exc:  # noqa: BLE001 - any loader failure is a source problem
         raise CorruptSourceError(f"cannot load the tokenizer from {folder}: {one_line(exc)}") from exc
     if not getattr(tok, "is_fast", False):

@@ -81,11 +81,11 @@ def test_unsupported_gguf_architecture(capsys, tmp_path):
 
 
 def test_a_gguf_of_a_family_only_folders_export_says_so(capsys, tmp_path):
-    src = write_gguf(tmp_path / "gpt.gguf", arch="gpt2")
+    src = write_gguf(tmp_path / "stablelm.gguf", arch="stablelm")
     _fails(
         capsys,
         [str(src), "--out", str(tmp_path / "o")],
-        "unsupported architecture gpt2 (GGUF files of gpt2: not yet; its checkpoint folders export); supported: llama",
+        "unsupported architecture stablelm (GGUF files of stablelm: not yet; its checkpoint folders export); supported: llama",
     )
 
 

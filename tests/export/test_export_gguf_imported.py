@@ -1,0 +1,172 @@
+"""GGUF files of the families transformers cannot load (export.gguf_import), written as
+llama.cpp's converter writes them (gguf_convert), quantized (Q4_0 layers, Q8_0 embedding):
+the float export decodes exactly as the PyTorch model of the same weights, and an int4 export
+carries the file's own blocks over."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("gguf")
+
+from gguf_convert import ARCHES, write_llama_cpp_gguf  # noqa: E402
+
+from export.manifest import read_manifest  # noqa: E402
+from export.pipeline import Request, run  # noqa: E402
+from export.ui import Reporter  # noqa: E402
+from export.validate import KVSession  # noqa: E402
+
+pytestmark = pytest.mark.export
+
+PROMPT, NEW = 12, 28
+# the int4 graph's MatMuls of 2 layers on the file's grids: Q4_0 layers (found as 4-bit codes
+# with a step, "q4_k"), the Q8_0 LM head; q/k/v fused in one MatMul. QMoE requantizes the
+# experts (2 per layer) and the float32 routers (and Qwen2-MoE's shared-expert gate) are
+# quantized as any float weight: the graph has no grids for them
+_DENSE = {"q4_k": 2 * 4, "q8_0": 1}  # qkv, o, up, down
+_GATED = {"q4_k": 2 * 5, "q8_0": 1}  # qkv, o, gate, up, down
+EXPECTED_FORMS = {
+    "gemma": _GATED,
+    "phi": _DENSE,
+    "gpt2": _DENSE,
+    "starcoder2": _DENSE,
+    "olmo2": _GATED,
+    "granite": _GATED,
+    "gpt_neox": _DENSE,
+    "falcon": _DENSE,
+    "qwen2_moe": {"q4_k": 2 * 5, "q8_0": 1, "requantized": 2 * (2 + 1 + 1)},  # shared expert on grids
+    "qwen3_moe": {"q4_k": 2 * 2, "q8_0": 1, "requantized": 2 * (2 + 1)},
+}
+
+
+def _greedy(model, prompt: list[int], count: int) -> list[int]:
+    import torch
+
+    seq = list(prompt)
+    with torch.no_grad():
+        while len(seq) < len(prompt) + count:  # each step from scratch
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+def _engine_tokens(out, prompt: list[int], count: int) -> list[list[int]]:
+    from specdec_rt import Engine
+
+    async def main():
+        async with await Engine.load(out, draft="ngram", warmup=False) as engine:
+            return [
+                (await engine.generate(prompt, max_new_tokens=count, mode=mode, ignore_eos=True)).token_ids
+                for mode in ("ar", "spec")
+            ]
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("family", list(ARCHES))
+def test_a_llama_cpp_gguf_exports_exactly_and_keeps_its_blocks(tmp_path, family):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = write_llama_cpp_gguf(tmp_path / f"{family}.gguf", family, quantized=True)
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-hf", attn_implementation="eager").eval()
+    out = tmp_path / "out"
+    run(Request(src=str(src), out=out, threads=1), Reporter(quiet=True))
+    manifest = read_manifest(out)
+    assert manifest["source"]["kind"] == "gguf" and manifest["validation"]["greedy_agreement"] == 1.0
+    ids = np.random.default_rng(1).integers(3, 384, 20)
+    with torch.no_grad():
+        want_logits = original(torch.tensor(ids[None])).logits[0].numpy()
+    np.testing.assert_allclose(KVSession(out, manifest, max_len=64).forward(ids, 0), want_logits, atol=1e-4)
+    prompt = [int(t) for t in ids[:PROMPT]]
+    want = _greedy(original, prompt, NEW)
+    assert _engine_tokens(out, prompt, NEW) == [want, want]
+    quant = tmp_path / "int4"
+    run(Request(src=str(src), out=quant, threads=1, quantize="int4", validate=False), Reporter(quiet=True))
+    forms = read_manifest(quant)["onnx"]["weight_forms"]
+    assert forms == EXPECTED_FORMS[family]
+
+
+def test_the_imported_families_keys_are_bounded_before_loading(tmp_path):
+    """Hostile values of the keys these files are read by fail in the header check, naming the key."""
+    from gguf_bytes import patch_kv
+
+    from export.errors import CorruptSourceError, UnsupportedModelError
+    from export.source import open_source
+
+    bad = tmp_path / "bad.gguf"
+    cases = {
+        "qwen3_moe": [
+            ("qwen3moe.expert_count", 1 << 20, CorruptSourceError, "expert_count"),
+            (
+                "qwen3moe.expert_used_count",
+                5,
+                CorruptSourceError,
+                "expert_used_count = 5 is not an integer from 1 to 4",
+            ),
+            ("qwen3moe.attention.key_length", 48, UnsupportedModelError, "key length 48 and value length 32 differ"),
+        ],
+        "granite": [
+            ("granite.attention.scale", float("nan"), CorruptSourceError, "attention.scale"),
+            ("granite.logit_scale", -1.5, CorruptSourceError, "logit_scale"),
+        ],
+        "gpt_neox": [("gptneox.rope.dimension_count", 9, CorruptSourceError, "rope.dimension_count")],
+        "falcon": [("falcon.attention.head_count_kv", 2, UnsupportedModelError, "new_decoder_architecture")],
+    }
+    for family, patches in cases.items():
+        data = write_llama_cpp_gguf(tmp_path / f"{family}.gguf", family).read_bytes()
+        for key, value, error, fragment in patches:
+            bad.write_bytes(patch_kv(data, key, value))
+            with pytest.raises(error, match=fragment):
+                open_source(bad)
+
+
+def test_a_tensor_without_a_place_or_a_parameter_without_a_tensor_is_refused(tmp_path):
+    """A file with a tensor the model has no parameter for would compute something else; one
+    without a parameter's tensor would leave it random: both refused when loading."""
+    import gguf
+
+    from export.errors import CorruptSourceError, UnsupportedModelError
+    from export.source import open_source
+
+    src = write_llama_cpp_gguf(tmp_path / "olmo2.gguf", "olmo2")
+    reader = gguf.GGUFReader(str(src))
+    for extra, drop, error, fragment in (
+        ("blk.0.attn_norm.weight", None, UnsupportedModelError, "blk.0.attn_norm.weight has no place"),
+        (None, "blk.1.attn_k_norm.weight", CorruptSourceError, "has no tensor for 1 parameters"),
+    ):
+        writer = gguf.GGUFWriter(str(tmp_path / "edited.gguf"), "olmo2")
+        for field in reader.fields.values():
+            if not field.name.startswith(("GGUF.", "general.architecture")):
+                writer.add_key_value(
+                    field.name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
+                )
+        for tensor in reader.tensors:
+            if tensor.name != drop:
+                writer.add_tensor(tensor.name, np.array(tensor.data))
+        if extra:
+            writer.add_tensor(extra, np.ones(64, dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(error, match=fragment):
+            open_source(tmp_path / "edited.gguf").load_model()
+
+
+def test_a_phi2_file_of_the_original_layout_splits_its_fused_qkv(tmp_path):
+    """Phi-2 files converted from Microsoft's original layout hold q, k, v in one `attn_qkv`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from export.source import open_source
+
+    src = write_llama_cpp_gguf(tmp_path / "phi.gguf", "phi", quantized=True, fused_qkv=True)
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / "phi-hf", attn_implementation="eager").eval()
+    loaded = open_source(src).load_model()
+    ids = torch.tensor([list(range(5, 37))])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, original(ids).logits)
