@@ -49,7 +49,9 @@ picks any of the N positions. For one row the layout is the identity.
 `past_key_values.{i}.*` and `present.{i}.*` are meant to be bound to one preallocated buffer
 `[B, kv, max_len, d]` (GroupQueryAttention then appends in place). The LM head is always its own
 `[H, V]` initializer, also for tied embeddings, so MatMulNBits quantization covers it.
-With a `QuantSpec`, every MatMul becomes `com.microsoft.MatMulNBits`.
+With a `QuantSpec`, every MatMul becomes `com.microsoft.MatMulNBits`, and the embedding's Gather a
+`com.microsoft.GatherBlockQuantized` of quantized blocks (tied: the LM head's own, stored once;
+``export.quant.quantize_embedding``).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ from .errors import UnsupportedModelError
 from .grid import find_grid
 from .layout import check_weights, pad_heads, rename, rotary_width, split_fused
 from .model_spec import ModelSpec
-from .quant import QuantSpec, quantize
+from .quant import EMBED_TABLE, QuantSpec, quantize, quantize_embedding
 from .weights import ExternalDataWriter
 
 __all__ = [
@@ -354,12 +356,9 @@ def build_onnx(
                 g.init("cos_cache_local", cos)
                 g.init("sin_cache_local", sin)
             del cos, sin
-        x = g.node(
-            "Gather",
-            [g.init("embed_tokens.weight", _np(sd["model.embed_tokens.weight"])), "input_ids"],
-            ["/embed/output"],
-            "/embed/Gather",
-        )[0]  # [B, S, H]
+        words = _np(sd["model.embed_tokens.weight"])  # quantized: written by quantize_embedding
+        embed = g.init(EMBED_TABLE, words) if quant is None else EMBED_TABLE
+        x = g.node("Gather", [embed, "input_ids"], ["/embed/output"], "/embed/Gather")[0]  # [B, S, H]
         if spec.embed_scale:  # Gemma: x sqrt(hidden), rounded to float32 first as transformers does
             scale = g.init("/embed/scale", np.array(spec.embed_scale, dtype=np.float32))
             x = g.node("Mul", [x, scale], ["/embed/scaled"], "/embed/Scale")[0]
@@ -466,9 +465,11 @@ def build_onnx(
             t = g.node("Div", [logits, c], ["/lm_head/capped"], "/lm_head/SoftcapDiv")[0]
             t = g.node("Tanh", [t], ["/lm_head/tanh"], "/lm_head/Tanh")[0]
             g.node("Mul", [t, c], ["logits"], "/lm_head/SoftcapMul")
+        embedding = quantize_embedding(g, words, _np(head)) if quant is not None else None
 
     inputs, outputs = decoder_io(spec.num_layers, kv, d, spec.vocab_size, spec.hidden_size)
-    return save_graph(g, "decoder", inputs, outputs, out_dir / "model.onnx", "specdec-rt export")
+    stats = save_graph(g, "decoder", inputs, outputs, out_dir / "model.onnx", "specdec-rt export")
+    return stats | ({"embedding": embedding} if embedding else {})
 
 
 class _Blocks:

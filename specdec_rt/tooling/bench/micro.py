@@ -40,11 +40,12 @@ def memory_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
 
 
 def weight_bytes(manifest) -> int:
-    """Bytes of weights a decoding step reads: the ONNX file and its external data, less the
-    float32 embedding table (a step reads one row of it)."""
+    """Bytes of weights a decoding step reads: the ONNX file and its external data, less a
+    float32 embedding table (a step reads one row of it; a quantized one is the LM head's or small)."""
     files = manifest.raw.get("files", {})
     total = sum(info.get("bytes", 0) for name, info in files.items() if name.startswith(manifest.onnx_file.name))
-    return total - manifest.vocab_size * manifest.hidden_size * 4
+    quantized_table = manifest.raw.get("onnx", {}).get("embedding", {}).get("op") == "GatherBlockQuantized"
+    return total - (0 if quantized_table else manifest.vocab_size * manifest.hidden_size * 4)
 
 
 _MEMORY_PROBE = """
