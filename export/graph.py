@@ -51,7 +51,7 @@ picks any of the N positions. For one row the layout is the identity.
 `[H, V]` initializer, also for tied embeddings, so MatMulNBits quantization covers it.
 With a `QuantSpec`, every MatMul becomes `com.microsoft.MatMulNBits`, and the embedding's Gather a
 `com.microsoft.GatherBlockQuantized` of quantized blocks (tied: the LM head's own, stored once;
-``export.quant.quantize_embedding``).
+``export.embedding.quantize_embedding``).
 """
 
 from __future__ import annotations
@@ -66,11 +66,12 @@ from onnx import TensorProto, helper
 
 from specdec_rt.manifest_schema import IO_NAMES, PACKED_ROLES, TREE_ROLES  # the names the manifest gives
 
+from .embedding import EMBED_TABLE, quantize_embedding
 from .errors import UnsupportedModelError
 from .grid import find_grid
 from .layout import check_weights, pad_heads, rename, rotary_width, split_fused
 from .model_spec import ModelSpec
-from .quant import EMBED_TABLE, QuantSpec, quantize, quantize_embedding
+from .quant import QuantSpec, quantize
 from .weights import ExternalDataWriter
 
 __all__ = [

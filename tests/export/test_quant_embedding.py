@@ -1,4 +1,4 @@
-"""The embedding table of a quantized export (export.quant.quantize_embedding): gathered by
+"""The embedding table of a quantized export (export.embedding.quantize_embedding): gathered by
 GatherBlockQuantized from quantized blocks, no float32 copy; a tied table is the LM head's own
 MatMulNBits blocks, stored once. Its rows are the dequantized blocks to the bit, so the graph's
 logits equal those of the same graph gathering from the dequantized float32 table."""
@@ -18,9 +18,10 @@ gguf = pytest.importorskip("gguf")
 import onnx  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+from export.embedding import EMBED_TABLE, quantize_embedding  # noqa: E402
 from export.graph import _Graph  # noqa: E402
 from export.grid import find_grid, grid_dequantize  # noqa: E402
-from export.quant import EMBED_TABLE, QuantizedWeight, QuantSpec, dequantize, quantize, quantize_embedding  # noqa: E402
+from export.quant import QuantizedWeight, QuantSpec, dequantize, quantize  # noqa: E402
 from export.weights import ExternalDataWriter  # noqa: E402
 
 pytestmark = pytest.mark.export
