@@ -17,10 +17,11 @@ from pathlib import Path
 
 import anyio
 
+from ...engine.memory import peak_resident_bytes
 from ...errors import InvalidInputError
 from ..reports import write_report
 from .args import bench_args, split_list
-from .micro import memory_bandwidth_gbs, request_memory, step_costs, weight_bytes
+from .micro import loaded_memory, memory_bandwidth_gbs, request_memory, step_costs, weight_bytes
 from .report import format_markdown, format_micro, format_table, plot, plot_acceptance, summarize
 from .runner import HF_MODES, build_our_modes, default_threads, load_prompts, log, machine_info, run_modes
 
@@ -58,6 +59,8 @@ async def _bench(args) -> int:
     m = ctx["manifest"]
     drafts = len(m.drafts) + len(args.add_draft or ())
     log(f"loaded {m.name} and {drafts} draft(s) in {time.perf_counter() - t0:.1f} s; {threads} threads")
+    memory = loaded_memory(ctx)
+    log(f"weights {memory['weights_mb']:.0f} MB on disk; resident {memory['rss_mb']:.0f} MB once loaded")
 
     modes_arg = split_list(args.modes, "--modes") if isinstance(args.modes, str) else args.modes
     wanted = modes_arg or list(ours) + list(HF_MODES)
@@ -75,6 +78,7 @@ async def _bench(args) -> int:
             "decoding": "greedy",
         },
         "skipped": {},
+        "memory": memory,
     }
 
     if args.micro:  # before any PyTorch model is loaded, so memory is ours alone
@@ -95,6 +99,7 @@ async def _bench(args) -> int:
         modes.update(llama)
     samples = await run_modes(modes, prompts, args.max_new_tokens, args.repeats)
     report.update(summarize(samples))
+    memory["peak_rss_mb"] = peak_resident_bytes() / 2**20  # every mode run in this process included
     markdown, table = format_markdown(report), format_table(report)
     if llama_bin:
         from .llamacpp import format_llamacpp, summarize_llamacpp

@@ -48,6 +48,14 @@ def weight_bytes(manifest) -> int:
     return total - (0 if quantized_table else manifest.vocab_size * manifest.hidden_size * 4)
 
 
+def loaded_memory(ctx: dict) -> dict[str, float]:
+    """Bytes of the loaded models' weight files and this process's resident memory, in MB."""
+    from ...engine.memory import resident_bytes, weights_bytes
+
+    files = [model.manifest.onnx_file for model in [ctx["target"], *ctx.get("draft_models", [])]]
+    return {"weights_mb": weights_bytes(files) / 2**20, "rss_mb": resident_bytes() / 2**20}
+
+
 _MEMORY_PROBE = """
 import json, sys, anyio
 from specdec_rt.ort import OrtModel, OrtTargetVerifier, OrtDraftInferrer, use_global_thread_pool
