@@ -49,7 +49,9 @@ picks any of the N positions. For one row the layout is the identity.
 `past_key_values.{i}.*` and `present.{i}.*` are meant to be bound to one preallocated buffer
 `[B, kv, max_len, d]` (GroupQueryAttention then appends in place). The LM head is always its own
 `[H, V]` initializer, also for tied embeddings, so MatMulNBits quantization covers it.
-With a `QuantSpec`, every MatMul becomes `com.microsoft.MatMulNBits`.
+With a `QuantSpec`, every MatMul becomes `com.microsoft.MatMulNBits`, and the embedding's Gather a
+`com.microsoft.GatherBlockQuantized` of quantized blocks (tied: the LM head's own, stored once;
+``export.embedding.quantize_embedding``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from onnx import TensorProto, helper
 
 from specdec_rt.manifest_schema import IO_NAMES, PACKED_ROLES, TREE_ROLES  # the names the manifest gives
 
+from .embedding import EMBED_TABLE, quantize_embedding
 from .errors import UnsupportedModelError
 from .grid import find_grid
 from .layout import check_weights, pad_heads, rename, rotary_width, split_fused
@@ -354,11 +357,12 @@ def build_onnx(
             stream, res = blocks.layer(i, stream, res)
             if on_layer:
                 on_layer(i)
-        blocks.lm_head(stream, res)
+        embedding = blocks.lm_head(stream, res)
     inputs, outputs = decoder_io(
         spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size, hidden=spec.hidden_size
     )
-    return save_graph(graph, "decoder", inputs, outputs, path=out_dir / "model.onnx", producer="specdec-rt export")
+    stats = save_graph(graph, "decoder", inputs, outputs, path=out_dir / "model.onnx", producer="specdec-rt export")
+    return stats | ({"embedding": embedding} if embedding else {})
 
 
 def _graph_weights(model: Any, spec: ModelSpec) -> dict[str, Any]:
@@ -421,7 +425,8 @@ class _Blocks:
         family's scale (Gemma: sqrt(hidden), rounded to float32 as transformers does), plus the
         learned position rows (``position_ids`` + offset)."""
         graph, spec = self.g, self.spec
-        table = graph.init("embed_tokens.weight", _np(self.sd["model.embed_tokens.weight"]))
+        words = _np(self.sd["model.embed_tokens.weight"])  # quantized: written by quantize_embedding
+        table = graph.init(EMBED_TABLE, words) if graph.quant is None else EMBED_TABLE
         x_embed = graph.node("Gather", [table, "input_ids"], ["/embed/output"], "/embed/Gather")[0]
         if spec.embed_dim:
             x_embed = graph.linear(x_embed, self.weight("model.project_in"), "/embed/project_in")
@@ -536,7 +541,7 @@ class _Blocks:
             qkv = graph.node("Clip", [qkv, lo, hi], [f"{name}/clipped"], f"{name}/Clip")[0]
         return _norm_heads(graph, qkv, self.sd, att=att, spec=spec, name=name) if normed else qkv
 
-    def lm_head(self, stream: str, res: str | None) -> None:
+    def lm_head(self, stream: str, res: str | None) -> dict[str, object] | None:
         """``hidden_states`` (the last branch added, the final norm: none after ``post_ln``
         layers) and ``logits`` of the rows ``logits_index`` picks (projected out: OPT-350M),
         times ``logit_scale`` (Cohere), over ``logits_scaling`` (Granite), soft-capped (Gemma 2)."""
@@ -564,6 +569,9 @@ class _Blocks:
             scaled = graph.node("Div", [logits, limit], ["/lm_head/capped"], "/lm_head/SoftcapDiv")[0]
             bent = graph.node("Tanh", [scaled], ["/lm_head/tanh"], "/lm_head/Tanh")[0]
             graph.node("Mul", [bent, limit], ["logits"], "/lm_head/SoftcapMul")
+        if graph.quant is None:
+            return None
+        return quantize_embedding(graph, _np(self.sd["model.embed_tokens.weight"]), _np(head))
 
     def norm(self, x: str, skip: str | None, key: str, name: str, out: str | None = None) -> tuple[str, str]:
         """The family's norm (``<key>.weight`` + its offset, LayerNorm's bias) of ``x + skip``;

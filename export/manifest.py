@@ -101,6 +101,7 @@ def build_manifest(
             **onnx_section(quantization),
             "nodes": graph["nodes"],
             **({"weight_forms": graph["weight_forms"]} if "weight_forms" in graph else {}),
+            **({"embedding": graph["embedding"]} if "embedding" in graph else {}),
         },
         "drafts": drafts or [],
         "exact_to": exact_to,

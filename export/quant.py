@@ -34,9 +34,9 @@ class QuantSpec:
     source_grid: bool = False  # True: a weight already on a llama.cpp grid keeps it (export.grid)
     grids: tuple[str, ...] | None = None  # with source_grid: the forms kept (None: every one export.grid finds)
 
-    def manifest(self) -> dict:
+    def manifest(self) -> dict[str, object]:
         """The manifest's `onnx.quantization` record."""
-        record = {
+        record: dict[str, object] = {
             "method": "MatMulNBits",
             "bits": self.bits,
             "block_size": self.block_size,
@@ -89,7 +89,8 @@ class QuantizedWeight:
 
 def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """Pack 4-bit codes along the last axis (even length), low nibble first."""
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    packed: np.ndarray = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return packed
 
 
 def quantize(weight: np.ndarray, spec: QuantSpec) -> QuantizedWeight:
@@ -129,6 +130,7 @@ def quantize(weight: np.ndarray, spec: QuantSpec) -> QuantizedWeight:
 def dequantize(q: QuantizedWeight, spec: QuantSpec) -> np.ndarray:
     """Reconstruct float32 [K, N] exactly as the MatMulNBits kernel reads the weight."""
     n, n_blocks, _ = q.packed.shape
+    zp: np.ndarray | None = None  # None: symmetric
     if spec.bits == 4:
         codes = np.stack([q.packed & 0x0F, q.packed >> 4], axis=-1).reshape(n, n_blocks, -1)
         if q.zero_points is not None:
@@ -136,7 +138,7 @@ def dequantize(q: QuantizedWeight, spec: QuantSpec) -> np.ndarray:
             zp = zp[:, :n_blocks]
     else:
         codes, zp = q.packed, q.zero_points
-    if q.zero_points is None:  # symmetric: ORT's default zero point
+    if zp is None:  # ORT's default zero point
         zp = np.full((n, n_blocks), 1 << (spec.bits - 1), dtype=np.uint8)
     w = (codes.astype(np.float32) - zp[..., None].astype(np.float32)) * q.scales[..., None]
     return np.ascontiguousarray(w.reshape(n, -1)[:, : q.k].T)  # [K, N]

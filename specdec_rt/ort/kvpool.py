@@ -21,11 +21,13 @@ device-to-device copy; a copy through the host would cost more than it saves).
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from ..errors import InferenceError, ModelLoadError
-from ..kvcache.prefix import PrefixCache
+from ..kvcache.prefix import Hit, PrefixCache
 
 __all__ = ["KVPool"]
 
@@ -73,10 +75,10 @@ class KVPool:
         kv_heads: int,
         head_dim: int,
         running: int,
+        *,
         max_len: int,
         device: str,
-        ort=None,
-        *,
+        ort: Any = None,
         entries: int = 0,
         budget_bytes: int = 0,
         block: int = 64,
@@ -126,24 +128,25 @@ class KVPool:
         moved with the KV by the prefix cache)."""
         if self.hidden is None:
             self.hidden = _HostBuffer((self.shape[0], self.shape[2], size))
-        return self.hidden.array[slot]
+        rows: np.ndarray = self.hidden.array[slot]
+        return rows
 
     def copy(self, src: int, dst: int, start: int, stop: int) -> None:
         """Copy positions ``start .. stop-1`` of slot ``src`` into slot ``dst`` (worker thread)."""
         for part in self.copy_parts(src, dst, start, stop):
             part()
 
-    def copy_parts(self, src: int, dst: int, start: int, stop: int) -> list:
+    def copy_parts(self, src: int, dst: int, start: int, stop: int) -> list[Callable[[], None]]:
         """The same copy as one callable per layer (and one for the hidden states)."""
 
-        def layer(pair):
-            def run():
+        def layer(pair: tuple[Any, ...]) -> Callable[[], None]:
+            def run() -> None:
                 for buf in pair:
                     buf.array[dst, :, start:stop] = buf.array[src, :, start:stop]
 
             return run
 
-        def hidden():
+        def hidden() -> None:
             if self.hidden is not None:
                 self.hidden.array[dst, start:stop] = self.hidden.array[src, start:stop]
 
@@ -163,7 +166,7 @@ class KVPool:
             base = slot * self.shape[2] * row
             self.hidden.release(base + start * row, base + stop * row)
 
-    def acquire(self, tokens: np.ndarray | None = None):
+    def acquire(self, tokens: np.ndarray | None = None) -> tuple[int, Hit | None]:
         """A running slot and the prefix-cache hit for ``tokens`` (see ``PrefixCache.acquire``)."""
         return self.cache.acquire(tokens)
 

@@ -193,9 +193,9 @@ class OrtModel(LanguageModel):
                     )
             return not np.array_equal(lone[0], pair[0])
         finally:
-            s.rollback(0)  # nothing for the prefix cache to keep, and the slot's KV as it was
-            for array in self.open_pool().host_arrays():
-                array[s.slot] = 0
+            s.rollback(0)  # nothing for the prefix cache to keep, and the slot's KV as it was:
+            for array in self.open_pool().host_arrays():  # only the positions written, so the rest
+                array[s.slot, :, : ids.size + 1] = 0  # of the slot stays uncommitted (ort.kvpool)
             s.close()
 
     @property

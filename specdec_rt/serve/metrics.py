@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
 from ..types import Stats
@@ -99,6 +99,7 @@ class Metrics:
         self.loop_lag_worst = Gauge(
             "specdec_event_loop_lag_worst_seconds", "The worst event-loop lag since the server started", registry=r
         )
+        self.weights_bytes = self._memory_gauges(r)
         self._show_reasons()
 
     def _show_reasons(self) -> None:
@@ -120,6 +121,17 @@ class Metrics:
             self.rejected.labels(reason)
         for reason in ("cancelled", "timeout", "consumer_timeout", "error", "shutdown"):
             self.aborted.labels(reason)
+
+    @staticmethod
+    def _memory_gauges(registry: CollectorRegistry) -> Gauge:
+        """The process's figures (``process_resident_memory_bytes`` ..., from Linux /proc) and the
+        loaded models' weight bytes (set when the engine attaches); returns the latter."""
+        ProcessCollector(registry=registry)
+        return Gauge(
+            "specdec_model_weights_bytes",
+            "Bytes of the loaded models' weight files (ONNX graph + external data)",
+            registry=registry,
+        )
 
     def observe_batch(self, rows: int) -> None:
         """A ``batch_listeners`` callback (may be called from the engine's worker threads)."""

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import anyio
 
+from ..engine.memory import engine_weights_bytes
 from ..engine.served import DEFAULT_SLOTS, ServedEngine
 from ..logs import get_logger
 from ..speculation.protocols import check_implements
@@ -79,6 +80,7 @@ class Serving:
         if self.config.slots is None:
             self.slots = engine.slots
         self.model_name = self.model_name or engine.name
+        self.metrics.weights_bytes.set(engine_weights_bytes(engine))
         listeners = engine.batch_listeners  # one call per batched target call
         if listeners is not None:
             listeners.append(self.metrics.observe_batch)

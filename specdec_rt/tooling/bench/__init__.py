@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ...engine.memory import peak_resident_bytes
 from ...errors import InvalidInputError
 from ...ort import default_threads
 from ..reports import write_report
 from .args import bench_args, split_list
-from .micro import memory_bandwidth_gbs, request_memory, step_costs, weight_bytes
+from .micro import loaded_memory, memory_bandwidth_gbs, request_memory, step_costs, weight_bytes
 from .report import format_markdown, format_micro, format_table, plot, plot_acceptance, summarize
 from .runner import (
     HF_MODES,
@@ -64,6 +65,8 @@ async def _bench(args: argparse.Namespace) -> int:
     m = ctx["manifest"]
     drafts = len(m.drafts) + len(args.add_draft or ())
     log(f"loaded {m.name} and {drafts} draft(s) in {time.perf_counter() - t0:.1f} s; {threads} threads")
+    memory = loaded_memory(ctx)
+    log(f"weights {memory['weights_mb']:.0f} MB on disk; resident {memory['rss_mb']:.0f} MB once loaded")
     wanted = _wanted_modes(args, ours)
     report: dict[str, Any] = {
         "model": ctx["info"],
@@ -76,6 +79,7 @@ async def _bench(args: argparse.Namespace) -> int:
             "decoding": "greedy",
         },
         "skipped": {},
+        "memory": memory,
     }
     if args.micro:  # before any PyTorch model is loaded, so memory is ours alone
         report["micro"] = await _micro(ctx, m, max_length)
@@ -88,6 +92,7 @@ async def _bench(args: argparse.Namespace) -> int:
         modes.update(_llama_modes(args, report, codec=codec, manifest=m, threads=threads, ctx_size=max_length))
     samples = await run_modes(modes, prompts, args.max_new_tokens, args.repeats)
     report.update(summarize(samples))
+    memory["peak_rss_mb"] = peak_resident_bytes() / 2**20  # every mode run in this process included
     markdown, table = format_markdown(report), format_table(report)
     if args.llama_cpp:
         llama_tables = _llama_results(report, samples, codec)

@@ -48,11 +48,20 @@ def memory_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
 
 
 def weight_bytes(manifest: Manifest) -> int:
-    """Bytes of weights a decoding step reads: the ONNX file and its external data, less the
-    float32 embedding table (a step reads one row of it)."""
+    """Bytes of weights a decoding step reads: the ONNX file and its external data, less a
+    float32 embedding table (a step reads one row of it; a quantized one is the LM head's or small)."""
     files = manifest.raw.get("files", {})
     total: int = sum(info.get("bytes", 0) for name, info in files.items() if name.startswith(manifest.onnx_file.name))
-    return total - manifest.vocab_size * manifest.hidden_size * 4
+    quantized_table = manifest.raw.get("onnx", {}).get("embedding", {}).get("op") == "GatherBlockQuantized"
+    return total - (0 if quantized_table else manifest.vocab_size * manifest.hidden_size * 4)
+
+
+def loaded_memory(ctx: dict[str, Any]) -> dict[str, float]:
+    """Bytes of the loaded models' weight files and this process's resident memory, in MB."""
+    from ...engine.memory import resident_bytes, weights_bytes
+
+    files = [model.manifest.onnx_file for model in [ctx["target"], *ctx.get("draft_models", [])]]
+    return {"weights_mb": weights_bytes(files) / 2**20, "rss_mb": resident_bytes() / 2**20}
 
 
 _MEMORY_PROBE = """
