@@ -338,6 +338,19 @@ def overlap_ngrams(texts: Sequence[str], encode: Callable[[str], list[int]], n: 
     return grams
 
 
+def encode_long(encode: Callable[[str], list[int]], text: str, piece: int = 50_000) -> list[int]:
+    """Token ids of a long text, encoded in pieces of at most ``piece`` characters cut after a
+    newline (a tokenizer may refuse one very long input)."""
+    ids: list[int] = []
+    start = 0
+    while start < len(text):
+        end = len(text) if len(text) - start <= piece else text.rfind("\n", start, start + piece) + 1
+        end = end if end > start else start + piece
+        ids += encode(text[start:end])
+        start = end
+    return ids
+
+
 def _overlaps(window: Sequence[int], grams: set[tuple[int, ...]], n: int = NGRAM) -> bool:
     return any(tuple(window[i : i + n]) in grams for i in range(len(window) - n + 1))
 
@@ -368,7 +381,7 @@ def _source_windows(
     stats = SourceStats(name=name, licence=SOURCE_LICENCE[name])
     windows: list[np.ndarray] = []
     for text in collect_documents(name, roots, stats, seed=spec.seed):
-        ids = encode(text)
+        ids = encode_long(encode, text)
         for start in range(0, len(ids), spec.window):
             win = ids[start : start + spec.window]
             if len(win) < MIN_WINDOW:

@@ -155,3 +155,16 @@ def test_train_draft_with_a_corpus_end_to_end(tiny_llama, tmp_path, monkeypatch)
     got = {s["name"]: s for s in report["corpus"]["sources"]}
     assert got["python-docs"]["licences"] == {"MIT": 2} and got["python-stdlib"]["licence"] == "PSF-2.0"
     assert 400 <= report["corpus"]["positions_used"] <= report["corpus"]["positions_available"]
+
+
+def test_long_documents_are_encoded_in_pieces():
+    text = "".join(f"line {i} of a long file\n" for i in range(5000))
+    calls = []
+
+    def encode(piece: str) -> list[int]:
+        calls.append(len(piece))
+        return _encode(piece)
+
+    assert C.encode_long(encode, text, piece=1000) == _encode(text)
+    assert max(calls) <= 1000 and len(calls) > 10
+    assert C.encode_long(_encode, "x" * 2500, piece=1000) == _encode("x" * 1000) * 2 + _encode("x" * 500)
