@@ -233,7 +233,14 @@ def assemble_draft(
     t = target_tensors(target_dir, TARGET_TENSORS)
     out_dir.mkdir(parents=True)
     graph = build_head_onnx(
-        weights, cfg, vocab, t["embed_tokens.weight"], t["lm_head.weight"], t["cos_cache"], t["sin_cache"], out_dir
+        weights,
+        cfg,
+        vocab,
+        embed=t["embed_tokens.weight"],
+        lm_head=t["lm_head.weight"],
+        cos=t["cos_cache"],
+        sin=t["sin_cache"],
+        out_dir=out_dir,
     )
     np.save(out_dir / "vocab.npy", vocab)
     for fname in TOKENIZER_FILES:

@@ -57,7 +57,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="PyTorch device: auto (cuda if present), cpu, cuda")
     p.add_argument("-q", "--quiet", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
+    _add_corpus_args(p)
     return p
+
+
+def _add_corpus_args(p: argparse.ArgumentParser) -> None:
+    """The corpus stage: text already on the machine, read by the target at prefill speed."""
+    R = TrainDraftRequest
+    p.add_argument(
+        "--corpus",
+        metavar="SOURCES",
+        help="also distil on text already on this machine, read by the target at prefill speed: "
+        "comma-separated from python-stdlib, python-docs, man, doc, licenses (or all)",
+    )
+    p.add_argument(
+        "--corpus-tokens",
+        type=int,
+        default=R.corpus_tokens,
+        metavar="N",
+        help=f"teacher-forced corpus positions to build (default {R.corpus_tokens})",
+    )
+    p.add_argument("--corpus-window", type=int, default=R.corpus_window, help="tokens per corpus window")
 
 
 def main(argv: list[str]) -> int:
@@ -85,6 +105,9 @@ def main(argv: list[str]) -> int:
         batch_tokens=args.batch_tokens,
         eval_every=args.eval_every,
         device=args.device,
+        corpus=args.corpus,
+        corpus_tokens=args.corpus_tokens,
+        corpus_window=args.corpus_window,
     )
     report, code = one_line_errors(
         lambda: run_train_draft(req, ui), args.verbose, "interrupted (checkpoints kept; rerun with --resume)"

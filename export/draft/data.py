@@ -15,10 +15,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Shard", "load_shards", "generate_shards", "shard_path"]
+__all__ = ["Shard", "load_shards", "save_shard", "generate_shards", "shard_path", "top_k"]
 
 TOPK = 8
 
@@ -57,6 +58,13 @@ def shard_path(data_dir: Path, index: int) -> Path:
     return Path(data_dir) / f"shard-{index:05d}.npz"
 
 
+def save_shard(path: Path, shard: Shard) -> None:
+    """Write ``shard`` to ``path`` atomically (a half-written file never has the final name)."""
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **{k: getattr(shard, k) for k in Shard.__dataclass_fields__})
+    tmp.rename(path)
+
+
 def load_shards(data_dir: Path) -> list[Shard]:
     out = []
     for path in sorted(Path(data_dir).glob("shard-?????.npz")):  # not a half-written .tmp.npz
@@ -65,7 +73,7 @@ def load_shards(data_dir: Path) -> list[Shard]:
     return out
 
 
-def _topk(logits, k: int):
+def top_k(logits, k: int):
     """logits [..., V] torch -> (ids int32 [..., k], probs float16 [..., k]) of softmax(logits)."""
     import torch
 
@@ -74,7 +82,7 @@ def _topk(logits, k: int):
     return ids.to(torch.int32).cpu().numpy(), vals.to(torch.float16).cpu().numpy()
 
 
-def last_hidden(model, **inputs):
+def last_hidden(model: Any, **inputs: Any) -> tuple[Any, Any]:
     """The features the shipped head reads: (h [B, S, H], the normalised last hidden state;
     logits [B, S, V])."""
     h = model.model(**inputs).last_hidden_state
@@ -107,7 +115,7 @@ def _generate_batch(
             model, input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
         )  # [B, L, F], [B, L, V]
         feats.append(h.half().cpu().numpy())
-        a, b = _topk(logits, topk)
+        a, b = top_k(logits, topk)
         tk_ids.append(a), tk_p.append(b)
         nxt = logits[:, -1].argmax(-1)  # [B]
         done = torch.zeros(B, dtype=torch.bool)
@@ -128,7 +136,7 @@ def _generate_batch(
                 use_cache=True,
             )
             feats.append(h.half().cpu().numpy())
-            a, b = _topk(logits, topk)
+            a, b = top_k(logits, topk)
             tk_ids.append(a), tk_p.append(b)
             nxt = logits[:, -1].argmax(-1)
     feats = np.concatenate(feats, axis=1)  # [B, L + steps, H]
@@ -145,12 +153,12 @@ def _generate_batch(
         plens.append(len(p))
         f.append(feats[b, rows]), ti.append(tk_ids[b, rows]), tp.append(tk_p[b, rows])
     return Shard(
-        np.array(toks, np.int32),
-        np.array(starts, np.int64),
-        np.array(plens, np.int32),
-        np.concatenate(f),
-        np.concatenate(ti),
-        np.concatenate(tp),
+        tokens=np.array(toks, np.int32),
+        starts=np.array(starts, np.int64),
+        prompt_lens=np.array(plens, np.int32),
+        feats=np.concatenate(f),
+        topk_ids=np.concatenate(ti),
+        topk_p=np.concatenate(tp),
     )
 
 
@@ -172,7 +180,7 @@ def generate_shards(
     data_dir.mkdir(parents=True, exist_ok=True)
     have = sum(s.answer_tokens for s in load_shards(data_dir))
     n_batches = (len(prompt_ids) + batch - 1) // batch
-    t0, made = time.monotonic(), 0
+    t0, cpu0, made = time.monotonic(), time.process_time(), 0
     for i in range(n_batches):
         path = shard_path(data_dir, i)
         if path.exists():
@@ -183,15 +191,14 @@ def generate_shards(
             log("data: time budget reached")
             break
         shard = _generate_batch(model, prompt_ids[i * batch : (i + 1) * batch], max_new, eos, TOPK)
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, **{k: getattr(shard, k) for k in Shard.__dataclass_fields__})
-        tmp.rename(path)
+        save_shard(path, shard)
         have += shard.answer_tokens
         made += shard.answer_tokens
         rate = made / (time.monotonic() - t0)
         eta = (tokens_goal - have) / rate if rate else float("inf")
         log(
             f"data: shard {i + 1}/{n_batches}, {have:,}/{tokens_goal:,} answer tokens, "
-            f"{rate:.0f} tok/s, ETA {eta / 60:.1f} min"
+            f"{rate:.0f} tok/s ({made / max(time.process_time() - cpu0, 1e-9):.0f} per CPU-second), "
+            f"ETA {eta / 60:.1f} min"
         )
     return have

@@ -60,6 +60,7 @@ def build_head_onnx(
     head: dict[str, np.ndarray],
     cfg: dict,
     vocab: np.ndarray,
+    *,
     embed: np.ndarray,
     lm_head: np.ndarray,
     cos: np.ndarray,

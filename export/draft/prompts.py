@@ -4,16 +4,14 @@ Templates x topics give a few thousand chat-style requests (advice, explanations
 arithmetic, translation, summaries). Topics come from the lists below plus the names of Python's
 standard-library modules (they ship with every machine). The split into train / validation is by
 a hash of the prompt text, so it is stable as lists grow. The benchmark prompts
-(`specdec_rt/tooling/data/prompts.jsonl`) are never used for training: they are removed here.
+(every prompt set under `specdec_rt/tooling/data`) are never used for training: they are removed here.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import sys
-from pathlib import Path
 
 __all__ = ["training_prompts", "split_of"]
 
@@ -132,14 +130,10 @@ def _modules() -> list[str]:
 
 
 def _bench_prompts() -> set[str]:
-    path = Path(__file__).resolve().parents[2] / "specdec_rt" / "data" / "prompts.jsonl"
-    if not path.exists():
-        return set()
-    out = set()
-    for line in path.read_text().splitlines():
-        for msg in json.loads(line)["messages"]:
-            out.add(msg["content"].strip())
-    return out
+    """The benchmark prompts (every shipped prompt set, ``specdec_rt/tooling/data``)."""
+    from .corpus import benchmark_texts
+
+    return {text.strip() for text in benchmark_texts()}
 
 
 def split_of(prompt: str, val_fraction: float = 0.04) -> str:

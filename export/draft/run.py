@@ -18,6 +18,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +29,8 @@ from .train import TrainConfig, load_checkpoint
 
 __all__ = ["TrainDraftRequest", "run_train_draft"]
 
-DATA_KEYS = ("arch", "batch", "max_new", "seed", "prompts", "val_prompts")  # fixed once data exists
+# fixed once data exists
+DATA_KEYS = ("arch", "batch", "max_new", "seed", "prompts", "val_prompts", "corpus", "corpus_window")
 RESERVE_S = 120.0  # time kept back from training for export and validation
 
 
@@ -57,6 +59,10 @@ class TrainDraftRequest:
     seed: int = 0
     threads: int | None = None
     device: str = "auto"  # PyTorch device for data generation and training: auto = cuda if present
+    corpus: str | None = None  # teacher-forced text sources (export.draft.corpus.SOURCES), comma-separated
+    corpus_tokens: int = 1_000_000  # teacher-forced positions to build from the corpus
+    corpus_window: int = 512  # tokens per corpus window
+    corpus_shard: int = 32  # windows per corpus shard
 
 
 def _target_dirs(req: TrainDraftRequest, ui: Reporter) -> tuple[Path, str]:
@@ -115,11 +121,11 @@ def _state(work: Path, req: TrainDraftRequest) -> dict:
         saved = json.loads(path.read_text())
         if not req.resume:
             raise UsageError(f"{work.parent} holds a run already; pass --resume to continue it or choose another --out")
-        diff = [k for k in DATA_KEYS if saved["settings"].get(k) != mine[k]]
+        diff = [k for k in DATA_KEYS if saved["settings"].get(k, getattr(TrainDraftRequest, k)) != mine[k]]
         if diff:
             raise UsageError(
                 f"--resume with different {', '.join(diff)} than the saved run "
-                "(" + ", ".join(f"{k}={saved['settings'][k]}" for k in diff) + ")"
+                "(" + ", ".join(f"{k}={saved['settings'].get(k, getattr(TrainDraftRequest, k))}" for k in diff) + ")"
             )
         return saved
     work.mkdir(parents=True, exist_ok=True)
@@ -128,17 +134,54 @@ def _state(work: Path, req: TrainDraftRequest) -> dict:
     return saved
 
 
+@dataclass(kw_only=True)
+class _Run:
+    """One run's fixed facts, shared by the stages."""
+
+    req: TrainDraftRequest
+    ui: Reporter
+    folder: Path  # the target's export folder
+    source: str  # its PyTorch checkpoint / GGUF
+    out: Path
+    deadline: float | None  # time.monotonic() at which --time-budget ends
+    device: str
+    tm: Any  # the target's manifest
+    codec: Any  # its TextCodec
+
+    @property
+    def work(self) -> Path:
+        return self.out / "work"
+
+
 def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
     """Run (or resume) every stage; returns the report (also written to OUT/report.json)."""
-    ui = ui or Reporter()
+    run = _open_run(req, ui or Reporter())
+    report: dict[str, Any] = {"target": str(run.folder), "out": str(run.out)}
+    stopped = _data_stage(run)
+    if stopped is None and run.req.corpus:
+        stopped = _corpus_stage(run, report)
+    trained = stopped if stopped is not None else _train_stage(run, report)
+    if isinstance(trained, str):
+        return _stopped(run.out, report, trained, run.ui)
+    draft = _export_stage(run, report, trained)
+    _validate_stage(run, report, trained=trained, draft=draft)
+    report["status"] = "done"
+    _write_report(run.out, report, run.ui)
+    return report
+
+
+def _open_run(req: TrainDraftRequest, ui: Reporter) -> _Run:
+    """Check the request, find the target, create or check the work folder, set up PyTorch."""
     if req.arch != "eagle":
         raise UsageError(f"--arch {req.arch}: only 'eagle' is built (see docs/train-draft.md)")
-    start = time.monotonic()
-    deadline = None if req.time_budget is None else start + 60.0 * req.time_budget
+    if req.corpus:
+        from .corpus import parse_sources
+
+        parse_sources(req.corpus)  # a misspelt source fails before any work
+    deadline = None if req.time_budget is None else time.monotonic() + 60.0 * req.time_budget
     folder, source = _target_dirs(req, ui)
     out = Path(req.out or folder.parent / f"{folder.name}-eagle").expanduser().absolute()
-    work = out / "work"
-    _state(work, req)
+    _state(out / "work", req)
     import torch
 
     torch.set_num_threads(req.threads or torch.get_num_threads())
@@ -148,51 +191,141 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
     from specdec_rt.text.codec import TextCodec
 
     tm = load_manifest(folder)
-    codec = TextCodec.from_manifest(tm)
-    train_ids, val_ids = _prompts(req, codec)
-    report = {"target": str(folder), "out": str(out)}
+    return _Run(
+        req=req,
+        ui=ui,
+        folder=folder,
+        source=source,
+        out=out,
+        deadline=deadline,
+        device=device,
+        tm=tm,
+        codec=TextCodec.from_manifest(tm),
+    )
 
-    # 1. data (validation first: training needs it from the first evaluation)
-    from .data import generate_shards, load_shards
 
+def _data_stage(run: _Run) -> str | None:
+    """The target's answers to the training prompts (validation first: training needs it from
+    the first evaluation). Returns why it stopped, or None when the answer data is complete."""
+    from .data import generate_shards
+
+    req, work, ui = run.req, run.work, run.ui
     data_done = work / "data" / "done.json"
-    if not data_done.exists():
-        with ui.stage("load the target in PyTorch (data generation)"):
-            model = _load_torch(source).to(device)
-        eos = set(tm.eos_ids) or {0}
-        gen = dict(batch=req.batch, max_new=req.max_new, eos=eos, log=ui.log)
-        with ui.stage(f"data: {len(val_ids)} validation answers"):
-            generate_shards(model, val_ids, work / "data" / "val", tokens_goal=10**12, deadline=deadline, **gen)
-        with ui.stage(f"data: training answers, goal {req.tokens:,} tokens"):
-            have = generate_shards(
-                model, train_ids, work / "data" / "train", tokens_goal=req.tokens, deadline=deadline, **gen
-            )
-        del model
-        n_val = len(list((work / "data" / "val").glob("shard-?????.npz")))
-        if deadline is not None and time.monotonic() > deadline or n_val < -(-len(val_ids) // req.batch):
-            return _stopped(
-                out,
-                report,
-                f"time budget reached during data generation ({have:,} of {req.tokens:,} tokens); rerun with --resume",
-                ui,
-            )
-        data_done.write_text(json.dumps({"answer_tokens": have}))
+    if data_done.exists():
+        return None
+    train_ids, val_ids = _prompts(req, run.codec)
+    with ui.stage("load the target in PyTorch (data generation)"):
+        model = _load_torch(run.source).to(run.device)
+    gen = dict(batch=req.batch, max_new=req.max_new, eos=set(run.tm.eos_ids) or {0}, log=ui.log)
+    with ui.stage(f"data: {len(val_ids)} validation answers"):
+        generate_shards(model, val_ids, work / "data" / "val", tokens_goal=10**12, deadline=run.deadline, **gen)
+    with ui.stage(f"data: training answers, goal {req.tokens:,} tokens"):
+        have = generate_shards(
+            model, train_ids, work / "data" / "train", tokens_goal=req.tokens, deadline=run.deadline, **gen
+        )
+    del model
+    n_val = len(list((work / "data" / "val").glob("shard-?????.npz")))
+    if run.deadline is not None and time.monotonic() > run.deadline or n_val < -(-len(val_ids) // req.batch):
+        return f"time budget reached during data generation ({have:,} of {req.tokens:,} tokens); rerun with --resume"
+    data_done.write_text(json.dumps({"answer_tokens": have}))
+    return None
+
+
+def _corpus_stage(run: _Run, report: dict[str, Any]) -> str | None:
+    """Collect the corpus once (``work/corpus``), then write teacher-forced shards
+    (``work/data/corpus``) up to ``--corpus-tokens`` positions. Returns why it stopped, or
+    None when the corpus data is complete."""
+    from .corpus import corpus_shards
+
+    corpus = _collect_corpus(run, report)
+    done = run.work / "data" / "corpus-done.json"
+    if done.exists():
+        return None
+    with run.ui.stage("load the target in PyTorch (teacher forcing)"):
+        model = _load_torch(run.source).to(run.device)
+    goal = min(run.req.corpus_tokens, corpus.positions)
+    with run.ui.stage(f"corpus: teacher-forced shards, goal {goal:,} positions"):
+        have = corpus_shards(
+            model,
+            corpus,
+            run.work / "data" / "corpus",
+            per_shard=run.req.corpus_shard,
+            positions_goal=goal,
+            deadline=run.deadline,
+            log=run.ui.log,
+        )
+    if have < goal:
+        return (
+            f"time budget reached during corpus teacher forcing ({have:,} of {goal:,} positions); rerun with --resume"
+        )
+    done.write_text(json.dumps({"positions": have}))
+    return None
+
+
+def _collect_corpus(run: _Run, report: dict[str, Any]) -> Any:
+    """The corpus windows, collected on the first run and read back on a resumed one; the
+    per-source record goes to the report and the log."""
+    from .corpus import CorpusSpec, build_corpus, load_corpus, parse_sources, save_corpus
+
+    folder = run.work / "corpus"
+    corpus = load_corpus(folder)
+    if corpus is None:
+        names = tuple(parse_sources(run.req.corpus or ""))
+        spec = CorpusSpec(
+            sources=names, window=run.req.corpus_window, max_tokens_per_source=run.req.corpus_tokens, seed=run.req.seed
+        )
+        with run.ui.stage(f"corpus: collect {', '.join(names)}"):
+            corpus = build_corpus(spec, run.codec.encode)
+            save_corpus(folder, corpus)
+    report["corpus"] = {
+        "sources": json.loads((folder / "sources.json").read_text()),
+        "windows": len(corpus),
+        "positions_available": corpus.positions,
+    }
+    for st in corpus.stats:
+        run.ui.log(
+            f"corpus: {st.name}: {st.files:,} files, {st.bytes:,} bytes, {st.tokens:,} tokens kept, "
+            f"{st.duplicates} duplicate and {st.benchmark_overlap} benchmark-overlapping windows dropped"
+        )
+    return corpus
+
+
+@dataclass(kw_only=True)
+class _Trained:
+    """What training leaves for the export and validation stages."""
+
+    head: Any  # the PyTorch EagleHead
+    cfg: Any  # its HeadConfig
+    vocab: np.ndarray
+    summary: dict[str, Any]
+    val_shards: list[Any]
+
+
+def _train_stage(run: _Run, report: dict[str, Any]) -> _Trained | str:
+    """Train the head on the answer shards (and the corpus shards). Returns the trained head,
+    or why it stopped."""
+    from .data import load_shards
+    from .train import make_batches, reduced_vocab, train
+
+    req, work, tm = run.req, run.work, run.tm
     train_sh, val_sh = load_shards(work / "data" / "train"), load_shards(work / "data" / "val")
     report["train_answer_tokens"] = sum(s.answer_tokens for s in train_sh)
     report["train_sequences"] = sum(len(s.prompt_lens) for s in train_sh)
-
-    # 2. train
-    from .train import make_batches, reduced_vocab, train
-
+    if req.corpus:
+        corpus_sh = load_shards(work / "data" / "corpus")
+        report["corpus"]["positions_used"] = sum(s.answer_tokens for s in corpus_sh)
+        train_sh = train_sh + corpus_sh
     vocab_path = work / "vocab.npy"
     if not vocab_path.exists():
         np.save(vocab_path, reduced_vocab(train_sh, req.vocab_size, list(tm.eos_ids)))
     vocab = np.load(vocab_path)
     cover = _coverage(val_sh, vocab)
-    ui.log(f"train: reduced vocabulary {vocab.size} tokens covers {cover:.2%} of the target's validation argmax tokens")
-    head, cfg = _new_head(folder, tm, vocab)
-    head.to(device)
-    with ui.stage("train: batches"):
+    run.ui.log(
+        f"train: reduced vocabulary {vocab.size} tokens covers {cover:.2%} of the target's validation argmax tokens"
+    )
+    head, cfg = _new_head(run.folder, tm, vocab)
+    head.to(run.device)
+    with run.ui.stage("train: batches"):
         train_b = make_batches(train_sh, vocab, req.batch_tokens, tm.vocab_size)
         val_b = make_batches(val_sh, vocab, req.batch_tokens, tm.vocab_size)
     tcfg = TrainConfig(
@@ -203,65 +336,68 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
         seed=req.seed,
         eval_every=req.eval_every,
     )
-    train_deadline = None if deadline is None else deadline - min(RESERVE_S, 0.2 * 60 * req.time_budget)
-    with ui.stage(f"train: {len(train_b)} batches x {req.epochs} epochs, depth {req.depth}"):
-        stop = None if train_deadline is None else (lambda: time.monotonic() > train_deadline)
-        summary = train(head, train_b, val_b, tcfg, work, stop, ui.log)
+    budget_end = None if run.deadline is None else run.deadline - min(RESERVE_S, 0.2 * 60 * (req.time_budget or 0))
+    with run.ui.stage(f"train: {len(train_b)} batches x {req.epochs} epochs, depth {req.depth}"):
+        stop = None if budget_end is None else (lambda: time.monotonic() > budget_end)
+        summary = train(head, train_b, val_b, tcfg, work=work, should_stop=stop, log=run.ui.log)
     report["training"] = {k: v for k, v in summary.items() if k != "curve"}
     report["curve"] = summary["curve"]
     report["vocab"] = {"size": int(vocab.size), "val_argmax_coverage": round(cover, 5)}
     if summary["stopped"] != "done":
-        return _stopped(
-            out,
-            report,
-            f"time budget reached at training step {summary['step']}/{summary['total_steps']}; rerun with --resume",
-            ui,
-        )
+        return f"time budget reached at training step {summary['step']}/{summary['total_steps']}; rerun with --resume"
+    return _Trained(head=head, cfg=cfg, vocab=vocab, summary=summary, val_shards=val_sh)
 
-    # 3. export: the shippable head file, then the draft folder
+
+def _export_stage(run: _Run, report: dict[str, Any], trained: _Trained) -> Path:
+    """``head.npz`` (the best checkpoint, float16), then the ONNX draft folder assembled with
+    the target; the PyTorch head is left holding the shipped float16 weights."""
     from .assemble import assemble_draft, save_head
 
-    head.load_state_dict(load_checkpoint(work / "best.pt"), strict=False)
+    head, summary = trained.head, trained.summary
+    head.load_state_dict(load_checkpoint(run.work / "best.pt"), strict=False)
     head.to("cpu")
     training = {
         "answer_tokens": report["train_answer_tokens"],
+        "corpus_positions": report.get("corpus", {}).get("positions_used", 0),
         "steps": summary["step"],
-        "depth": req.depth,
+        "depth": run.req.depth,
         "val_top1": summary["curve"][-1]["val"],
         "best_val_top1_depth1": summary["best_val_top1"],
     }
     head_file = save_head(
-        out / "head.npz",
+        run.out / "head.npz",
         _weights(head),
-        vocab,
-        {**cfg.to_dict(), "target_vocab_size": tm.vocab_size, "training": training},
+        trained.vocab,
+        {**trained.cfg.to_dict(), "target_vocab_size": run.tm.vocab_size, "training": training},
     )
     _load_weights(head, head_file)  # the shipped float16 weights: what the ONNX draft computes
-    draft = out / "draft"
+    draft = run.out / "draft"
     shutil.rmtree(draft, ignore_errors=True)
     head_sha = sha256_file(head_file)
-    with ui.stage("export: assemble the ONNX draft"):
+    with run.ui.stage("export: assemble the ONNX draft"):
         assemble_draft(
-            folder, head_file, draft, source={"kind": "trained head", "file": "head.npz", "sha256": head_sha}
+            run.folder, head_file, draft, source={"kind": "trained head", "file": "head.npz", "sha256": head_sha}
         )
-    # 4. validate
-    with ui.stage("validate: ONNX head vs PyTorch head"):
-        report["onnx_max_abs_diff"] = _check_onnx(head, draft, val_sh)
+    report["head_file"] = {"path": str(head_file), "bytes": head_file.stat().st_size, "sha256": head_sha}
+    return draft
+
+
+def _validate_stage(run: _Run, report: dict[str, Any], *, trained: _Trained, draft: Path) -> None:
+    """The ONNX head against the PyTorch head, then acceptance per depth through the runtime."""
     from .evaluate import measure_acceptance
 
-    with ui.stage(f"validate: acceptance on {req.eval_prompts} held-out prompts (k={req.eval_k})"):
+    with run.ui.stage("validate: ONNX head vs PyTorch head"):
+        report["onnx_max_abs_diff"] = _check_onnx(trained.head, draft, trained.val_shards)
+    req = run.req
+    with run.ui.stage(f"validate: acceptance on {req.eval_prompts} held-out prompts (k={req.eval_k})"):
         report["acceptance"] = measure_acceptance(
-            folder,
+            run.folder,
             draft,
             _eval_prompts(req.eval_prompts),
             k=req.eval_k,
             max_new_tokens=req.eval_new_tokens,
             threads=req.threads,
         )
-    report["head_file"] = {"path": str(head_file), "bytes": head_file.stat().st_size, "sha256": head_sha}
-    report["status"] = "done"
-    _write_report(out, report, ui)
-    return report
 
 
 def _load_torch(source: str):

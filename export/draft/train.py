@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from .eagle import EagleHead
 
 __all__ = ["TrainConfig", "Batch", "make_batches", "reduced_vocab", "train", "evaluate", "load_checkpoint"]
 
+_Optim = tuple[list[torch.nn.Parameter], torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]
 FEAT_W = 0.2
 DEPTH_W = (1.0, 0.8, 0.6, 0.5)
 
@@ -54,12 +55,12 @@ class Batch:
         if self.tokens.device == torch.device(device):
             return self
         return Batch(
-            self.tokens.to(device),
-            self.feats.to(device),
-            self.label_idx.to(device),
-            self.label_p.to(device),
-            self.loss_mask.to(device),
-            self.n_tokens,
+            tokens=self.tokens.to(device),
+            feats=self.feats.to(device),
+            label_idx=self.label_idx.to(device),
+            label_p=self.label_p.to(device),
+            loss_mask=self.loss_mask.to(device),
+            n_tokens=self.n_tokens,
         )
 
 
@@ -119,12 +120,12 @@ def _collate(seqs, lookup: np.ndarray) -> Batch:
         mask[b, : t - 2] = m
         n += int(m.sum())
     return Batch(
-        torch.from_numpy(tokens),
-        torch.from_numpy(feats),
-        torch.from_numpy(idx),
-        torch.from_numpy(p),
-        torch.from_numpy(mask),
-        n,
+        tokens=torch.from_numpy(tokens),
+        feats=torch.from_numpy(feats),
+        label_idx=torch.from_numpy(idx),
+        label_p=torch.from_numpy(p),
+        loss_mask=torch.from_numpy(mask),
+        n_tokens=n,
     )
 
 
@@ -198,11 +199,35 @@ def load_checkpoint(path: Path, device="cpu"):
         ) from exc
 
 
+def _optimizer(head: EagleHead, cfg: TrainConfig, total: int) -> _Optim:
+    """AdamW over the trainable weights; linear warm-up, then a cosine down to 5% at ``total``."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda i: min(1.0, (i + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(i, total) / total)) * 0.95 + 0.05,
+    )
+    return params, opt, sched
+
+
+def _step(head: EagleHead, b: Batch, *, depth: int, optim: _Optim, losses: Callable[..., Any]) -> torch.Tensor:
+    """One optimizer step on the depth-weighted loss (gradients clipped to norm 1)."""
+    params, opt, sched = optim
+    loss: torch.Tensor = sum(DEPTH_W[s] * part for s, (part, _, _) in enumerate(losses(head, b, depth)))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+    return loss
+
+
 def train(
     head: EagleHead,
     train_b: list[Batch],
     val_b: list[Batch],
     cfg: TrainConfig,
+    *,
     work: Path,
     should_stop: Callable[[], bool] | None,
     log,
@@ -214,14 +239,9 @@ def train(
     stopped and resumed ends with the same weights as one that never stopped. ``losses``: see
     :func:`evaluate`."""
     torch.manual_seed(cfg.seed)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = len(train_b)
     total = max(1, int(cfg.epochs * steps_per_epoch))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda i: min(1.0, (i + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(i, total) / total)) * 0.95 + 0.05,
-    )
+    params, opt, sched = _optimizer(head, cfg, total)
     ck, best_p, curve_p = work / "ckpt.pt", work / "best.pt", work / "curve.json"
     state = {"step": 0, "tokens": 0, "best": -1.0, "curve": []}
     if ck.exists():
@@ -255,12 +275,7 @@ def train(
             break
         i = state["step"]
         b = train_b[orders[i // steps_per_epoch][i % steps_per_epoch]]
-        loss = sum(DEPTH_W[s] * part for s, (part, _, _) in enumerate(losses(head, b, cfg.depth)))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
+        loss = _step(head, b, depth=cfg.depth, optim=(params, opt, sched), losses=losses)
         state["step"] += 1
         state["tokens"] += b.n_tokens
         if state["step"] % cfg.eval_every == 0 or state["step"] == total:

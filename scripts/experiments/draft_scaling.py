@@ -39,10 +39,14 @@ def main(run: Path, sizes: list[int]) -> None:
         head, cfg = _new_head(target, tm, vocab)
         tb = make_batches(shards, vocab, int(settings["batch_tokens"]), tm.vocab_size)
         vb = make_batches(val, vocab, int(settings["batch_tokens"]), tm.vocab_size)
-        tcfg = TrainConfig(depth=int(settings["depth"]), lr=float(settings["lr"]), epochs=4.0,
-                           batch_tokens=int(settings["batch_tokens"]))
+        tcfg = TrainConfig(
+            depth=int(settings["depth"]),
+            lr=float(settings["lr"]),
+            epochs=4.0,
+            batch_tokens=int(settings["batch_tokens"]),
+        )
         t0 = time.monotonic()
-        summary = train(head, tb, vb, tcfg, out, None, lambda s: print(f"[{n}] {s}", flush=True))
+        summary = train(head, tb, vb, tcfg, work=out, should_stop=None, log=lambda s: print(f"[{n}] {s}", flush=True))
         head.load_state_dict(torch.load(out / "best.pt", weights_only=True), strict=False)
         hf = save_head(out / "head.npz", _weights(head), vocab, {**cfg.to_dict(), "target_vocab_size": tm.vocab_size})
         draft = out / "draft"
@@ -52,9 +56,13 @@ def main(run: Path, sizes: list[int]) -> None:
             shutil.rmtree(draft)
         assemble_draft(target, hf, draft)
         acc = measure_acceptance(target, draft, _eval_prompts(14), k=4, max_new_tokens=64, threads=2)
-        rep = {"shards": n, "answer_tokens": sum(s.answer_tokens for s in shards),
-               "train_seconds": round(time.monotonic() - t0), "val_top1": summary["curve"][-1]["val"],
-               "heldout": acc}
+        rep = {
+            "shards": n,
+            "answer_tokens": sum(s.answer_tokens for s in shards),
+            "train_seconds": round(time.monotonic() - t0),
+            "val_top1": summary["curve"][-1]["val"],
+            "heldout": acc,
+        }
         (out / "report.json").write_text(json.dumps(rep, indent=1))
         print(json.dumps(rep), flush=True)
 

@@ -102,8 +102,8 @@ def run_variant(variant, make_head, train_b, evals, *, cfg, log):
     losses = variant_losses(variant)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as work:
-        summary = T.train(model, train_b, evals["val"], cfg, Path(work), None,
-                          lambda msg: log(f"{variant}: {msg}"), losses=losses)
+        summary = T.train(model, train_b, evals["val"], cfg, work=Path(work), should_stop=None,
+                          log=lambda msg: log(f"{variant}: {msg}"), losses=losses)
     out = {"train_s": round(time.monotonic() - t0, 1),
            "curve": [{**c, "val": np.round(c["val"], 4).tolist()} for c in summary["curve"]],
            "params": sum(p.numel() for p in model.parameters() if p.requires_grad)}

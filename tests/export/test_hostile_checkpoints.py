@@ -61,7 +61,7 @@ def test_resume_with_a_planted_checkpoint(tmp_path):
     sentinel = tmp_path / "pwned"
     torch.save(_Evil(sentinel), tmp_path / "ckpt.pt")
     with pytest.raises(CorruptSourceError, match="ckpt.pt"):
-        train(_Head(), [], [], TrainConfig(), tmp_path, None, lambda s: None)
+        train(_Head(), [], [], TrainConfig(), work=tmp_path, should_stop=None, log=lambda s: None)
     assert not sentinel.exists()
 
 

@@ -207,7 +207,15 @@ def test_stopped_training_resumes_to_the_same_weights(trained, tiny_llama, tmp_p
         head, _ = _new_head(tiny_llama, tm, vocab)
         for stop_after in stops:
             calls = iter(range(10**6))
-            train(head, tb, vb, cfg, work, (lambda: next(calls) >= stop_after) if stop_after else None, lambda s: None)
+            train(
+                head,
+                tb,
+                vb,
+                cfg,
+                work=work,
+                should_stop=(lambda: next(calls) >= stop_after) if stop_after else None,
+                log=lambda s: None,
+            )
             head, _ = _new_head(tiny_llama, tm, vocab)  # a new process would start from scratch
         head.load_state_dict(torch.load(work / "ckpt.pt", weights_only=True)["head"])
         return head.state_dict()
