@@ -562,7 +562,8 @@ async def _run_levels(
     t_start = time.perf_counter()
     async with _client(args, max(levels)) as client:
         entry = await _served_entry(client, url)
-        target = _Target(client, url, args.served_model or str(entry.get("id") or "default"), prompts, args)
+        served = args.served_model or str(entry.get("id") or "default")
+        target = _Target(client=client, url=url, served=served, prompts=prompts, args=args)
         modes = _modes_for(modes, entry)
         await _warm_up(target, modes, seconds)
         todo = [(c, m) for c in levels for m in modes]

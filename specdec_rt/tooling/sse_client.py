@@ -169,31 +169,31 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     import anyio
     import httpx
 
-    s = RequestSample(mode=body.get("mode", "?"))
+    sample = RequestSample(mode=body.get("mode", "?"))
     t0 = time.perf_counter()
     try:
         with anyio.fail_after(timeout_s):
             async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
                 if resp.status_code == 429:
                     await resp.aread()
-                    s.status, s.retry_after = REJECTED, _retry_after(resp.headers.get("retry-after"))
-                    s.e2e = time.perf_counter() - t0
-                    return s
+                    sample.status, sample.retry_after = REJECTED, _retry_after(resp.headers.get("retry-after"))
+                    sample.e2e = time.perf_counter() - t0
+                    return sample
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode("utf-8", "replace")
                     raise _StreamError(f"HTTP {resp.status_code}: {_error_message(text)}")
-                await _read_stream(resp, _Recorder(s, t0))
-        s.e2e = time.perf_counter() - t0
-        if not s.usage_reported:
-            s.completion_tokens = s.chunks  # a server without usage: one token per chunk, a guess
-        s.status = OK
+                await _read_stream(resp, _Recorder(sample, t0))
+        sample.e2e = time.perf_counter() - t0
+        if not sample.usage_reported:
+            sample.completion_tokens = sample.chunks  # a server without usage: one token per chunk, a guess
+        sample.status = OK
     except _StreamError as exc:
-        s.status, s.error, s.e2e = ERROR, str(exc)[:200], time.perf_counter() - t0
+        sample.status, sample.error, sample.e2e = ERROR, str(exc)[:200], time.perf_counter() - t0
     except TimeoutError:
-        s.status, s.error, s.e2e = ERROR, f"timed out after {timeout_s:g} s", time.perf_counter() - t0
+        sample.status, sample.error, sample.e2e = ERROR, f"timed out after {timeout_s:g} s", time.perf_counter() - t0
     except httpx.HTTPError as exc:
-        s.status, s.error, s.e2e = ERROR, f"{type(exc).__name__}: {exc}"[:200], time.perf_counter() - t0
-    return s
+        sample.status, sample.error, sample.e2e = ERROR, f"{type(exc).__name__}: {exc}"[:200], time.perf_counter() - t0
+    return sample
 
 
 class _StreamError(Exception):

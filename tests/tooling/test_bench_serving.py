@@ -84,14 +84,14 @@ def test_tags_make_every_request_of_every_level_a_new_prompt():
         tag_messages([{"role": "system", "content": "s"}], "[1-1]")
 
 
-def _ok(server, ttft, itl, e2e, tokens):
+def _ok(server, ttft, itl, e2e, *, tokens):
     return RequestSample(server, "ok", ttft=ttft, itl=list(itl), e2e=e2e, completion_tokens=tokens, chunks=len(itl) + 1)
 
 
 def test_level_summary_adds_p90s_to_the_load_test_summary():
     samples = [
-        _ok(OURS, 0.1, [0.01, 0.02, 0.03, 0.04], 0.2, 10),
-        _ok(OURS, 0.3, [0.05], 0.4, 6),
+        _ok(OURS, 0.1, [0.01, 0.02, 0.03, 0.04], 0.2, tokens=10),
+        _ok(OURS, 0.3, [0.05], 0.4, tokens=6),
         RequestSample(OURS, "error", e2e=0.1, error="HTTP 500: boom"),
     ]
     p = summarize_level(samples, 2.0, 4, OURS)
@@ -123,7 +123,7 @@ def test_ratios_and_identical_counts_per_level():
 
 
 def test_table_and_markdown_show_every_phase_and_ratio():
-    phases = [summarize_level([_ok(name, 0.1, [0.02], 0.3, 4)], 1.0, 2, name) for name in (OURS, LLAMA)]
+    phases = [summarize_level([_ok(name, 0.1, [0.02], 0.3, tokens=4)], 1.0, 2, name) for name in (OURS, LLAMA)]
     report = {
         "model": "tiny",
         "settings": {

@@ -34,7 +34,7 @@ def test_percentile_matches_numpy_linear_interpolation():
         percentile([1.0], 101)
 
 
-def _ok(ttft, itl, e2e, tokens, chunks, mode="spec"):
+def _ok(ttft, itl, e2e, tokens, *, chunks, mode="spec"):
     return RequestSample(
         mode, "ok", ttft=ttft, itl=list(itl), e2e=e2e, completion_tokens=tokens, chunks=chunks, usage_reported=True
     )
@@ -42,8 +42,8 @@ def _ok(ttft, itl, e2e, tokens, chunks, mode="spec"):
 
 def test_summarize_phase_on_synthetic_samples():
     samples = [
-        _ok(0.1, [0.01, 0.02], 0.3, 3, 3),
-        _ok(0.2, [0.03], 0.5, 5, 2),
+        _ok(0.1, [0.01, 0.02], 0.3, 3, chunks=3),
+        _ok(0.2, [0.03], 0.5, 5, chunks=2),
         RequestSample("spec", "429", e2e=0.001, retry_after=1.0),
         RequestSample("spec", "error", e2e=0.05, error="HTTP 500: boom"),
     ]

@@ -62,9 +62,9 @@ async def _bench(args: argparse.Namespace) -> int:
     prompts = load_prompts(codec, args.prompts, _categories(args), args.limit)
     t0 = time.perf_counter()
     ours, ctx = build_our_modes(folder, threads, max_length, args.add_draft or ())
-    m = ctx["manifest"]
-    drafts = len(m.drafts) + len(args.add_draft or ())
-    log(f"loaded {m.name} and {drafts} draft(s) in {time.perf_counter() - t0:.1f} s; {threads} threads")
+    manifest = ctx["manifest"]
+    drafts = len(manifest.drafts) + len(args.add_draft or ())
+    log(f"loaded {manifest.name} and {drafts} draft(s) in {time.perf_counter() - t0:.1f} s; {threads} threads")
     memory = loaded_memory(ctx)
     log(f"weights {memory['weights_mb']:.0f} MB on disk; resident {memory['rss_mb']:.0f} MB once loaded")
     wanted = _wanted_modes(args, ours)
@@ -82,14 +82,14 @@ async def _bench(args: argparse.Namespace) -> int:
         "memory": memory,
     }
     if args.micro:  # before any PyTorch model is loaded, so memory is ours alone
-        report["micro"] = await _micro(ctx, m, max_length)
+        report["micro"] = await _micro(ctx, manifest, max_length)
     modes: dict[str, Runner] = {k: v for k, v in ours.items() if k in wanted}
     hf_wanted = [w for w in wanted if w in HF_MODES]
     if hf_wanted:
         cache_dir = cache_root() / "bench"
         modes.update(_hf_modes(hf_wanted, ctx, threads=threads, cache_dir=cache_dir, skipped=report["skipped"]))
     if args.llama_cpp:
-        modes.update(_llama_modes(args, report, codec=codec, manifest=m, threads=threads, ctx_size=max_length))
+        modes.update(_llama_modes(args, report, codec=codec, manifest=manifest, threads=threads, ctx_size=max_length))
     samples = await run_modes(modes, prompts, args.max_new_tokens, args.repeats)
     report.update(summarize(samples))
     memory["peak_rss_mb"] = peak_resident_bytes() / 2**20  # every mode run in this process included
@@ -100,7 +100,7 @@ async def _bench(args: argparse.Namespace) -> int:
     if "hf_assisted" in modes:
         assisted = modes["hf_assisted"]
         report["model"]["hf_assistant"] = assisted.kind if isinstance(assisted, _HFRunner) else None
-    title = f"{m.name}: {len(prompts)} prompts, {args.max_new_tokens} new tokens"
+    title = f"{manifest.name}: {len(prompts)} prompts, {args.max_new_tokens} new tokens"
     _write(args, report, samples, title=title, markdown=markdown, table=table)
     return 0
 
@@ -182,8 +182,8 @@ def _write(
     if not args.json:
         if report.get("micro"):
             print("\n" + format_micro(report["micro"]))
-        for k, v in report["skipped"].items():
-            print(f"skipped {k}: {v}")
+        for mode, why in report["skipped"].items():
+            print(f"skipped {mode}: {why}")
     log(f"wrote {', '.join(str(p) for p in (out / 'bench.json', out / 'bench.md', png, acc_png) if p)}")
 
 

@@ -551,7 +551,7 @@ def _score(
 def _llama_rows(report: dict[str, Any], *, positions: int) -> list[dict[str, Any]]:
     """llama.cpp's rows: each of its quantizations against its F32, from llama-perplexity's lines."""
     rows = []
-    for label, r in report["llama_cpp"]["runs"].items():
+    for label, run in report["llama_cpp"]["runs"].items():
         if label == "f32":
             continue
         rows.append(
@@ -561,11 +561,11 @@ def _llama_rows(report: dict[str, Any], *, positions: int) -> list[dict[str, Any
                 "vs": "llama.cpp F32",
                 "names": [Path(report["llama_cpp"]["gguf"][label]).name],
                 "positions": positions,
-                "top1": r["top1"],
-                "kl_mean": r["kl_mean"],
-                "kl_stderr": r["kl_stderr"],
-                "ppl": r["ppl"],
-                "ppl_base": r["ppl_base"],
+                "top1": run["top1"],
+                "kl_mean": run["kl_mean"],
+                "kl_stderr": run["kl_stderr"],
+                "ppl": run["ppl"],
+                "ppl_base": run["ppl_base"],
             }
         )
     return rows

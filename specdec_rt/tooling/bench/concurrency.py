@@ -166,8 +166,8 @@ class _Levels:
             for rep in range(self.args.repeats):
                 # odd repeats run the levels and modes backwards: a machine that drifts (shared, noisy)
                 # then biases neither end of the ratios the bars name (c=8 against one after another)
-                for c in order if rep % 2 == 0 else order[::-1]:
-                    await self._level(engine, c, rep, t_start)
+                for level in order if rep % 2 == 0 else order[::-1]:
+                    await self._level(engine, level, rep, t_start)
         finally:
             if engine is not None:
                 await engine.aclose()
@@ -175,31 +175,31 @@ class _Levels:
 
     async def _warm_up(self, engine: Engine | None) -> None:
         """The shared engine: each prompt shape alone, then every batch size in both modes."""
-        prompts, n, levels = self.prompts, self.n, self.levels
+        prompts, tokens, levels = self.prompts, self.n, self.levels
         if engine is None:
             log(
-                f"{len(prompts)} prompts x {n} tokens, concurrency {levels}: a fresh engine per level and "
+                f"{len(prompts)} prompts x {tokens} tokens, concurrency {levels}: a fresh engine per level and "
                 "repeat (only Engine.load's own warm-up), prefix cache off"
             )
             return
-        log(f"{len(prompts)} prompts x {n} tokens, concurrency {levels}, draft {engine.draft_name}; warming up")
-        for p in prompts[:4]:  # alone, on these prompts: their shapes and arena (Engine.load measured the costs)
-            await engine.generate(p, n)
+        log(f"{len(prompts)} prompts x {tokens} tokens, concurrency {levels}, draft {engine.draft_name}; warming up")
+        for prompt in prompts[:4]:  # alone, on these prompts: their shapes and arena (Engine.load measured the costs)
+            await engine.generate(prompt, tokens)
         for mode in ("spec", "ar"):  # batched: every batch size's shapes, and its step costs
-            await asyncio.gather(*[engine.generate(p, n, mode=mode) for p in prompts[: max(levels)]])
+            await asyncio.gather(*[engine.generate(prompt, tokens, mode=mode) for prompt in prompts[: max(levels)]])
 
-    async def _level(self, engine: Engine | None, c: int, rep: int, t_start: float) -> None:
+    async def _level(self, engine: Engine | None, level: int, rep: int, t_start: float) -> None:
         """Level ``c`` in both modes (backwards on odd repeats), on ``engine`` or a fresh one."""
         fresh = await self.load(prefix_cache=False) if engine is None else None
         try:
             for mode in ("spec", "ar") if rep % 2 == 0 else ("ar", "spec"):
                 runner = fresh or engine
                 assert runner is not None
-                r = await run_level(runner, self.prompts, self.n, mode, clients=max(1, c))
-                self.runs.setdefault(f"{c}/{mode}", []).append(r)
+                result = await run_level(runner, self.prompts, self.n, mode, clients=max(1, level))
+                self.runs.setdefault(f"{level}/{mode}", []).append(result)
                 log(
-                    f"repeat {rep + 1}/{self.args.repeats} {'sequential' if c == 0 else f'c={c}'} {mode}: "
-                    f"{r['tokens_per_s']:.1f} tok/s ({time.perf_counter() - t_start:.0f} s)"
+                    f"repeat {rep + 1}/{self.args.repeats} {'sequential' if level == 0 else f'c={level}'} {mode}: "
+                    f"{result['tokens_per_s']:.1f} tok/s ({time.perf_counter() - t_start:.0f} s)"
                 )
         finally:
             if fresh is not None:

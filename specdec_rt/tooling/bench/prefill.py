@@ -304,8 +304,8 @@ async def _prefill_rounds(
     """Every shape once untimed, then ``rounds`` rounds of ours and llama-bench's per GGUF:
     prefill tokens/s per (label, length), ours and theirs."""
     for mdl in models.values():
-        for n in lengths:
-            await _prefill_once(mdl, n, rng)
+        for length in lengths:
+            await _prefill_once(mdl, length, rng)
     ours: dict[tuple[str, int], list[float]] = {}
     theirs: dict[tuple[str, int], list[float]] = {}
     for rnd in range(rounds):
@@ -314,9 +314,9 @@ async def _prefill_rounds(
         for label, path in ggufs.items():
             cmd = [str(tools["bench"]), "-m", str(path), "-p", ",".join(map(str, lengths)), "-n", "0"]
             text = _run_tool([*cmd, "-t", str(threads), "-r", "1", "-o", "json"], "llama-bench")
-            for t in parse_llama_bench(text):
-                if t["n_gen"] == 0 and t["n_prompt"] in lengths:
-                    theirs.setdefault((label, t["n_prompt"]), []).append(t["tokens_per_s"])
+            for test in parse_llama_bench(text):
+                if test["n_gen"] == 0 and test["n_prompt"] in lengths:
+                    theirs.setdefault((label, test["n_prompt"]), []).append(test["tokens_per_s"])
         log(f"prefill round {rnd + 1}/{rounds} done")
     return ours, theirs
 
@@ -333,13 +333,13 @@ def _prefill_rows(
     out = []
     for label in models:
         other = pair_label(label, ggufs)
-        for n in lengths:
-            got, their = ours[label, n], theirs.get((other, n), []) if other else []
+        for length in lengths:
+            got, their = ours[label, length], theirs.get((other, length), []) if other else []
             out.append(
                 {
                     "target": label,
                     "model": models[label].name,
-                    "prompt_tokens": n,
+                    "prompt_tokens": length,
                     "tokens_per_s": statistics.median(got),
                     "best_tokens_per_s": max(got),
                     "runs": got,
@@ -367,15 +367,15 @@ def _step_rows(
     out = []
     for label in models:
         other = pair_label(label, ggufs)
-        for b in rows:
-            mine = steps[label, b]
-            them = llama_steps.get((other, b)) if other else None
+        for count in rows:
+            mine = steps[label, count]
+            them = llama_steps.get((other, count)) if other else None
             out.append(
                 {
                     "target": label,
-                    "rows": b,
+                    "rows": count,
                     "step_ms": mine * 1e3,
-                    "tokens_per_s": b / mine,
+                    "tokens_per_s": count / mine,
                     "llama_cpp": other,
                     "llama_step_ms": them,
                     "llama_over_ours": them / (mine * 1e3) if them else None,  # > 1: ours is faster

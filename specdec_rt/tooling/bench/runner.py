@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 from ...drafters import CombinedDrafter, NgramDrafter
 from ...engine.factory import as_target, model_drafter, resolve_draft_spec
@@ -19,6 +19,11 @@ from ...speculation.scheduler import SpecDecScheduler
 from ...text.codec import TextCodec
 from ...types import Stats
 from ..prompt_files import label, read_prompt_file
+
+if TYPE_CHECKING:
+    from ...ort import OrtDraftInferrer
+    from ...ort.eagle import EagleDrafter
+    from ...ort.manifest import Manifest
 
 __all__ = ["Prompt", "Sample", "load_prompts", "build_our_modes", "run_modes"]
 
@@ -85,25 +90,23 @@ def build_our_modes(
     ``spec_ngram``, ``spec_<draft>`` per exported draft (and per folder in ``extra_drafts``, e.g.
     a ``train-draft`` output), ``spec_ngram+<draft>`` for the first draft and for EAGLE drafts;
     with a target that verifies trees, ``spec_tree`` and ``spec_<draft>_tree`` (draft trees)."""
-    m = as_target(load_manifest(folder))  # a draft folder as the model is a target here
-    alone = not m.drafts and not extra_drafts  # no draft model beside it, as in an Engine
-    target = OrtModel(m, max_length=max_length, threads=threads, slots=2, alone=alone)
+    manifest = as_target(load_manifest(folder))  # a draft folder as the model is a target here
+    alone = not manifest.drafts and not extra_drafts  # no draft model beside it, as in an Engine
+    target = OrtModel(manifest, max_length=max_length, threads=threads, slots=2, alone=alone)
     verifier = OrtTargetVerifier(target)
     sharing = OrtTargetVerifier(target, share_hidden=True)  # same model; for EAGLE drafts only
-    manifests = [load_manifest(folder / d["path"]) for d in m.drafts]
-    manifests += [load_manifest(Path(p)) for p in extra_drafts]
-    drafts = {dm.name: model_drafter(m, dm, max_length=max_length, threads=threads, slots=2) for dm in manifests}
+    drafts = _draft_models(folder, manifest, extra_drafts, max_length=max_length, threads=threads)
     drafters: dict[str, DraftInferrer] = {"ngram": NgramDrafter()}
     drafters.update(drafts)
-    for i, (name, d) in enumerate(drafts.items()):
-        if i == 0 or d.needs_target_hidden:
-            drafters[f"ngram+{name}"] = CombinedDrafter(NgramDrafter(), d)
-    default = resolve_draft_spec(m, None)
+    for index, (name, draft) in enumerate(drafts.items()):
+        if index == 0 or draft.needs_target_hidden:
+            drafters[f"ngram+{name}"] = CombinedDrafter(NgramDrafter(), draft)
+    default = resolve_draft_spec(manifest, None)
 
     def runner(drafter: DraftInferrer | None, config: SpecConfig | None = None) -> _SchedulerRunner:
         chosen = sharing if drafter is not None and drafter.needs_target_hidden else verifier
         mode = "ar" if drafter is None else "spec"
-        return _SchedulerRunner(SpecDecScheduler(drafter, chosen, config, eos_ids=m.eos_ids), mode)
+        return _SchedulerRunner(SpecDecScheduler(drafter, chosen, config, eos_ids=manifest.eos_ids), mode)
 
     modes: dict[str, Runner] = {"ar": runner(None), "spec": runner(drafters[default])}
     modes.update({f"spec_{name}": runner(drafter) for name, drafter in drafters.items()})
@@ -114,20 +117,31 @@ def build_our_modes(
                 continue  # EAGLE drafts: chains (their verifier shares hidden states)
             modes["spec_tree" if name == default else f"spec_{name}_tree"] = runner(drafters[name], trees)
     info = {
-        "target": m.name,
-        "exact_to": m.exact_to,
+        "target": manifest.name,
+        "exact_to": manifest.exact_to,
         "default_drafter": default,
-        "drafts": {n: d.model.manifest.raw.get("onnx", {}).get("quantization") for n, d in drafts.items()},
+        "drafts": {n: draft.model.manifest.raw.get("onnx", {}).get("quantization") for n, draft in drafts.items()},
         "threads": threads,
         "provider": target.device,
     }
     return modes, {
-        "manifest": m,
+        "manifest": manifest,
         "target": target,
         "info": info,
-        "draft_models": [d.model for d in drafts.values()],
-        "draft_manifest": next((d.model.manifest for d in drafts.values() if not d.needs_target_hidden), None),
+        "draft_models": [draft.model for draft in drafts.values()],
+        "draft_manifest": next(
+            (draft.model.manifest for draft in drafts.values() if not draft.needs_target_hidden), None
+        ),
     }
+
+
+def _draft_models(
+    folder: Path, manifest: Manifest, extra_drafts: Sequence[str | Path], *, max_length: int | None, threads: int
+) -> dict[str, OrtDraftInferrer | EagleDrafter]:
+    """The drafters of the folder's draft models and of ``extra_drafts``, by name."""
+    manifests = [load_manifest(folder / draft["path"]) for draft in manifest.drafts]
+    manifests += [load_manifest(Path(p)) for p in extra_drafts]
+    return {dm.name: model_drafter(manifest, dm, max_length=max_length, threads=threads, slots=2) for dm in manifests}
 
 
 class _SchedulerRunner:

@@ -573,8 +573,8 @@ async def _run_servers(servers: dict[str, _Server], plan: _Plan) -> _Results:
         results.info = {name: await _models(http, srv.url, key) for name, srv in servers.items()}
         driver = _Driver(clients, {name: _first_id(results.info[name]) for name in servers}, plan, results)
         await driver.warm_up()
-        for n, level in enumerate(plan.levels):
-            turn = [OURS, LLAMA] if n % 2 == 0 else [LLAMA, OURS]
+        for index, level in enumerate(plan.levels):
+            turn = [OURS, LLAMA] if index % 2 == 0 else [LLAMA, OURS]
             results.order.append(turn)
             requests = level_requests(plan.prompts, level, plan.count)
             for name in turn:
@@ -597,13 +597,13 @@ class _Driver:
         warm = tag_messages(self.plan.prompts[0], "[warm-up]")
         usage = {}
         for name, client in self.clients.items():
-            s, _ = await one_chat(
+            sample, _ = await one_chat(
                 client, self.served[name], warm, max_tokens=self.plan.max_tokens, include_usage=True, server=name
             )
-            if s.status != OK:
-                raise SpecDecError(f"{name}: the warm-up request failed: {s.error}")
-            usage[name] = s.usage_reported
-            log(f"warm-up {name}: {s.e2e or 0:.2f} s, usage chunk {'yes' if s.usage_reported else 'no'}")
+            if sample.status != OK:
+                raise SpecDecError(f"{name}: the warm-up request failed: {sample.error}")
+            usage[name] = sample.usage_reported
+            log(f"warm-up {name}: {sample.e2e or 0:.2f} s, usage chunk {'yes' if sample.usage_reported else 'no'}")
         self.include_usage = all(usage.values())
         self.codec = None if self.include_usage else _codec(self.plan.folder)
         self.results.token_count = (
@@ -622,20 +622,20 @@ class _Driver:
             include_usage=self.include_usage,
         )
         if self.codec is not None:
-            for s, text in zip(samples, got):
+            for sample, text in zip(samples, got):
                 if text is not None:
-                    s.completion_tokens = len(self.codec.tokenizer.encode(text, add_special_tokens=False).ids)
-        p = summarize_level(samples, wall, level, name)
-        self.results.phases.append(p)
+                    sample.completion_tokens = len(self.codec.tokenizer.encode(text, add_special_tokens=False).ids)
+        phase = summarize_level(samples, wall, level, name)
+        self.results.phases.append(phase)
         self.results.texts[name, level] = got
         self.results.records += [
-            {"server": name, "concurrency": level, "request": i, **s.to_dict(), "text": t}
-            for i, (s, t) in enumerate(zip(samples, got))
+            {"server": name, "concurrency": level, "request": i, **sample.to_dict(), "text": t}
+            for i, (sample, t) in enumerate(zip(samples, got))
         ]
         log(
-            f"{level} in flight, {name}: {p['ok']}/{p['requests']} ok, {p['tokens_per_s']:.1f} tok/s, "
-            f"TTFT p50 {_f(p['ttft_p50_ms'], '.0f', ' ms')}, ITL p50 {_f(p['itl_p50_ms'], '.1f', ' ms')}"
-            f" ({wall:.1f} s)" + (f"; e.g. {p['error_examples'][0]}" if p["error_examples"] else "")
+            f"{level} in flight, {name}: {phase['ok']}/{phase['requests']} ok, {phase['tokens_per_s']:.1f} tok/s, "
+            f"TTFT p50 {_f(phase['ttft_p50_ms'], '.0f', ' ms')}, ITL p50 {_f(phase['itl_p50_ms'], '.1f', ' ms')}"
+            f" ({wall:.1f} s)" + (f"; e.g. {phase['error_examples'][0]}" if phase["error_examples"] else "")
         )
 
 
