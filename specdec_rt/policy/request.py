@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 from ..errors import InvalidInputError
 from ..types import FallbackEvent, Mode
 from .acceptance import CATCHUP_FREE, CHEAP_PRIOR, AcceptanceEWMA, CostModel
+from .arms import RoundToken
 from .config import SpecConfig
 
 __all__ = ["RequestPolicy"]
@@ -46,7 +47,7 @@ class RequestPolicy:
         self._lag = 0  # this round: tokens the draft model had to read before drafting
         self.free_only = False  # the draft model never drafts for this request (its prefill would not pay)
         self._deferred = False  # the first round left the draft's prefill to the next (defer_draft_prefill)
-        self._round: tuple | None = None  # this round's entry in the batch's RoundLedger
+        self._round: RoundToken | None = None  # this round's entry in the batch's RoundLedger
 
     def best_k(self, batch: int = 1, cheap: bool = False) -> tuple[int, float]:
         """The draft length with the highest predicted speedup, and that speedup, for a request
