@@ -224,9 +224,9 @@ class SpecDecScheduler:
         calls share with the others, its shape (a chain, or a tree), and where a chain stops."""
         ctx, policy = run.ctx, run.policy
         batch = max(self.running, self._admitted())
-        k = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
+        length = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
         alone = batch == 1 or run.rates is None
-        depth, nodes = self._tree_shape(ctx, run.tree, policy, k, alone=alone, rates=run.rates)
+        depth, nodes = self._tree_shape(ctx, run.tree, policy, length, alone=alone, rates=run.rates)
         plan = DraftPlan(
             tree_nodes=nodes,
             chain_stop=self._chain_stop(ctx, policy, depth=depth, nodes=nodes, batch=batch),
