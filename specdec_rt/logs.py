@@ -16,7 +16,7 @@ __all__ = ["get_logger", "configure_cli_logging"]
 
 def get_logger(name: str = "specdec_rt") -> structlog.stdlib.BoundLogger:
     """A structlog logger writing ``event key=value ...`` lines to stdlib logger ``name``."""
-    return structlog.wrap_logger(
+    logger: structlog.stdlib.BoundLogger = structlog.wrap_logger(
         logging.getLogger(name),
         processors=[
             structlog.stdlib.filter_by_level,
@@ -25,6 +25,7 @@ def get_logger(name: str = "specdec_rt") -> structlog.stdlib.BoundLogger:
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,
     )
+    return logger
 
 
 def configure_cli_logging(level: int = logging.WARNING) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -211,7 +211,7 @@ class Stats:
         self.fallbacks.extend(other.fallbacks)
         self.acceptance_ewma = other.acceptance_ewma
 
-    def to_dict(self, history: bool = False) -> dict:
+    def to_dict(self, history: bool = False) -> dict[str, Any]:
         """JSON-ready summary (derived rates included; per-round history only if asked)."""
         d = asdict(self)
         if not history:

@@ -46,7 +46,7 @@ import bisect
 import collections
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, cast, runtime_checkable
 
 import anyio
 import numpy as np
@@ -67,6 +67,9 @@ RAGGED_MAX = 16  # most new positions of a call batched with other rows (more: r
 # A request alone runs its single-token steps that measured at most this many seconds on the
 # event loop's own thread, saving the hand-over to the worker (docs/decisions/0004-inline-small-steps.md)
 INLINE_MAX_S = 0.015
+
+#: a model call's work, run in the worker thread: one result a call (None: not finished yet)
+_Job = Callable[[], "list[Any]"]
 
 
 class BatchedModel(Protocol):
@@ -111,7 +114,7 @@ class BatchedSession(Protocol):
         """Tokens whose KV entries the cache holds."""
         ...
 
-    def run_sync(self, ids: np.ndarray, rows: int, past: int, **extra) -> Any:
+    def run_sync(self, ids: np.ndarray, rows: int, past: int, **extra: Any) -> Any:
         """Feed ``ids`` [S] after ``past`` cached tokens; the logits of the last ``rows``."""
         ...
 
@@ -121,10 +124,10 @@ class _Call:
     session: BatchedSession
     ids: np.ndarray  # [S] int64
     rows: int  # logits rows wanted (of the last positions)
-    extra: dict
-    future: asyncio.Future
+    extra: dict[str, Any]
+    future: asyncio.Future[Any]  # the logits (or logits and hidden states) of the call
     done: int = 0  # positions already fed (chunked calls)
-    hidden: list = field(default_factory=list)  # hidden states of fed chunks, when asked for
+    hidden: list[np.ndarray] = field(default_factory=list)  # hidden states of fed chunks, when asked for
 
     @property
     def model(self) -> BatchedModel:
@@ -166,7 +169,7 @@ class _Call:
         )
 
     @property
-    def source(self):
+    def source(self) -> BatchedSession | None:
         """The running session whose prompt this one copies at its first call, while that
         session has not computed it yet."""
         return self.session.waits_for
@@ -184,11 +187,10 @@ class BatchExecutor:
         self.listeners: list[Callable[[Any, int, float], None]] = []
         self._pending: list[_Call] = []
         self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._closed = False
-        self._step_s: dict[
-            tuple[int, int, int], collections.deque
-        ] = {}  # (id(model), rows, positions) -> recent seconds
+        #: (id(model), rows, positions) -> recent seconds
+        self._step_s: dict[tuple[int, int, int], collections.deque[float]] = {}
         self._least: dict[tuple[int, int, int], float] = {}  # ... -> the least of them (asked every round)
         self._shapes: dict[tuple[int, int], list[int]] = {}  # (id(model), rows) -> measured positions, sorted
         self._seen: set[tuple[int, int, int]] = set()
@@ -205,7 +207,7 @@ class BatchExecutor:
         self.clients: Callable[[], int] | None = None
 
     # ------------------------------------------------------------------ the callers' side
-    async def extend(self, session, ids: np.ndarray, rows: int, **extra):
+    async def extend(self, session: object, ids: np.ndarray, rows: int, **extra: Any) -> Any:
         """Feed ``ids`` ``[S]`` to ``session`` and return the logits of the last ``rows``
         positions (``(logits, hidden)`` with ``hidden=True``), batched with other requests."""
         if self._closed:
@@ -215,7 +217,8 @@ class BatchExecutor:
         if self._task is None or self._task.done() or self._wake is None:  # (the event comes with the task)
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._loop(self._wake), name="specdec-batch-executor")
-        call = _Call(session, np.asarray(ids, dtype=np.int64), rows, extra, loop.create_future())
+        checked = cast(BatchedSession, session)  # (check_implements above)
+        call = _Call(checked, np.asarray(ids, dtype=np.int64), rows, extra, loop.create_future())
         self._pending.append(call)
         self._wake.set()
         try:
@@ -226,7 +229,7 @@ class BatchExecutor:
                 if call in self._pending:
                     self._pending.remove(call)
 
-    def after_call(self, session, fn: Callable[[], Any]) -> None:
+    def after_call(self, session: object, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` now, or, while a call of ``session`` runs in the worker thread, as soon
         as that call returns (on the event loop). A session that closes (its request cancelled
         mid-call) clears its IO binding this way, never under a running call."""
@@ -263,13 +266,13 @@ class BatchExecutor:
             self._chore = None
         return True
 
-    def step_seconds(self, model, rows: int, positions: int | None = None) -> float | None:
+    def step_seconds(self, model: object, rows: int, positions: int | None = None) -> float | None:
         """Measured seconds of one batched call of ``rows`` rows and ``positions`` new positions
         in all (default ``rows``: a single-token step), None if not measured yet: the least of the
         recent samples, since timing noise on a shared machine only adds."""
         return self._least.get((id(model), rows, positions or rows))
 
-    def record(self, model, rows: int, positions: int, seconds: float) -> None:
+    def record(self, model: object, rows: int, positions: int, seconds: float) -> None:
         """One batched call's cost, seconds for ``rows`` rows and ``positions`` new positions in all."""
         key = (id(model), rows, positions)
         self._seen.add(key)
@@ -280,7 +283,7 @@ class BatchExecutor:
         recent.append(seconds)
         self._least[key] = min(recent)
 
-    def measured_positions(self, model, rows: int) -> list[int]:
+    def measured_positions(self, model: object, rows: int) -> list[int]:
         """The position counts (sorted) of the batched calls of ``rows`` rows measured so far."""
         return self._shapes.get((id(model), rows), [])
 
@@ -370,7 +373,7 @@ class BatchExecutor:
         together = {id(c) for group in prompts.values() for c in group}
         return groups, prompts, [c for c in singles if id(c) not in together]
 
-    async def _run(self, calls: list[_Call], make_job: Callable[[list[_Call]], Callable[[], list]]) -> None:
+    async def _run(self, calls: list[_Call], make_job: Callable[[list[_Call]], _Job]) -> None:
         calls = [c for c in calls if not c.future.done()]  # a caller cancelled meanwhile is skipped
         if self._closed or not calls:
             return
@@ -417,8 +420,8 @@ class BatchExecutor:
             if r is not None and not c.future.done():
                 c.future.set_result(r)
 
-    def _batch_job(self, group: list[_Call]) -> Callable[[], list]:
-        def job():  # in the worker thread
+    def _batch_job(self, group: list[_Call]) -> _Job:
+        def job() -> list[Any]:  # in the worker thread
             sessions = [c.session for c in group]
             if len(group) == 1:
                 c = group[0]
@@ -432,8 +435,8 @@ class BatchExecutor:
 
         return job
 
-    def _prefill_job(self, group: list[_Call]) -> Callable[[], list]:
-        def job():  # in the worker thread
+    def _prefill_job(self, group: list[_Call]) -> _Job:
+        def job() -> list[Any]:  # in the worker thread
             size = ALONE_CHUNKS * self.chunk  # per row: what is left goes on as single calls
             ends = [c.ids.size if c.ids.size <= size + 1 else size for c in group]
             logits = group[0].model.run_prefill_batch_sync(
@@ -445,8 +448,8 @@ class BatchExecutor:
 
         return job
 
-    def _single_job(self, c: _Call) -> Callable[[], list]:
-        def job():  # in the worker thread
+    def _single_job(self, c: _Call) -> _Job:
+        def job() -> list[Any]:  # in the worker thread
             s, n = c.session, c.ids.size
             while c.done < n:
                 # while other calls wait, feed at most `chunk` positions and give them a turn;

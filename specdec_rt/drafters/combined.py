@@ -37,7 +37,7 @@ class CombinedDrafter(DraftInferrer):
         self.needs_target_hidden = model.needs_target_hidden
         self.cheap_drafts = True  # honours ctx.plan.cheap_drafts: n-gram proposals only
 
-    def cached_prefix(self, tokens) -> int:
+    def cached_prefix(self, tokens: np.ndarray) -> int:
         """What the model drafter's prefix cache holds of ``tokens`` (its prefill is the rest)."""
         return self.model.cached_prefix(tokens)
 

@@ -7,7 +7,7 @@ Implements :class:`~specdec_rt.speculation.protocols.DraftInferrer`; a model dra
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -47,10 +47,11 @@ class NgramDrafter(DraftInferrer):
         for starts in self._matches(hay, n_min):
             if starts.size:
                 start = int(starts[-1])  # the latest match
-                return hay[start : start + k].copy()
-        return hay[:0].copy()
+                found: np.ndarray = hay[start : start + k].copy()
+                return found
+        return np.array(hay[:0])
 
-    def _matches(self, hay: np.ndarray, n_min: int | None):
+    def _matches(self, hay: np.ndarray, n_min: int | None) -> Iterator[np.ndarray]:
         """For n from ``n_max`` down to ``n_min`` (default ``self.n_min``): where the tokens
         following each earlier occurrence of the last n tokens of ``hay`` ``[W]`` start, oldest
         first (the suffix itself is not an occurrence)."""

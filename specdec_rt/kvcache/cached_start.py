@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .prefix import Hit, PrefixCache
+from .prefix import Hit, PrefixCache, Source
 
 __all__ = ["CachedStart"]
 
@@ -35,10 +35,10 @@ class CachedStart:
         return self._deferred is None
 
     @property
-    def waits_for(self):
+    def waits_for(self) -> Source | None:
         """The running session whose prompt this one will copy, while it has not computed it."""
         hit = self._deferred
-        if hit is None or hit.owner.stable_length() >= hit.length:
+        if hit is None or hit.owner is None or hit.owner.stable_length() >= hit.length:
             return None
         return hit.owner
 

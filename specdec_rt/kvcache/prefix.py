@@ -31,6 +31,7 @@ together with one long shared prompt prefill it once.
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -82,7 +83,7 @@ class Hit:
 @dataclass(eq=False)
 class _Entry:
     ids: np.ndarray  # [n] the tokens whose KV the slot holds
-    keys: list = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
     used: int = 0  # LRU clock
     ready: bool = True  # an entry being stashed is not a source until its copy is done
     owner: Source | None = None  # a residue: the session that left it
@@ -92,14 +93,14 @@ class _Entry:
 class _Live:
     session: Source
     tokens: np.ndarray  # [n] committed tokens when it started
-    keys: list = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
 
 
 class _Stash:
     """Copying a residue into an entry slot, one part (a layer) at a time, in the worker thread,
     so that a model call waits for one part at most."""
 
-    def __init__(self, parts: list, entry: _Entry) -> None:
+    def __init__(self, parts: list[Callable[[], None]], entry: _Entry) -> None:
         self.parts, self.entry, self.cancelled = collections.deque(parts), entry, False
 
     def step(self) -> bool:
@@ -134,7 +135,7 @@ class PrefixCache:
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         token_bytes: int = 1,
         copy: Callable[[int, int, int, int], None] | None = None,
-        copy_parts: Callable[[int, int, int, int], list] | None = None,
+        copy_parts: Callable[[int, int, int, int], list[Callable[[], None]]] | None = None,
         discard: Callable[[int, int, int], None] | None = None,
     ) -> None:
         check_int(block, "prefix cache block size", 1, numpy=False)
@@ -153,7 +154,9 @@ class PrefixCache:
         self._stashes: dict[int, _Stash] = {}  # free running slot -> its copy into an entry, under way
         self._live: dict[int, _Live] = {}  # running slot -> its session, a possible source
         self._index: dict[int, set[int]] = {}  # block key -> slots (entries, residues, live) holding it
-        self._ops: collections.deque = collections.deque()  # data moves for the worker thread, in order
+        self._ops: collections.deque[Callable[[], None]] = (
+            collections.deque()
+        )  # data moves for the worker thread, in order
         self._applying = False  # apply() is running them (see apply)
         self._pinned: int | None = None  # an entry a hit is about to copy: not evicted meanwhile
         self._clock = 0
@@ -201,7 +204,10 @@ class PrefixCache:
                 if dst is not None:
                     self._evict(dst)
         else:  # lowest first (batches stay packed), but not one whose residue is still to copy
-            done = lambda s: s not in self._residue or (s in self._stashes and self._stashes[s].entry.ready)  # noqa: E731
+
+            def done(free: int) -> bool:
+                return free not in self._residue or (free in self._stashes and self._stashes[free].entry.ready)
+
             slot = min(self._free, key=lambda s: (not done(s), s))
             # what it held is copied out before the new session writes; that copy may need an
             # entry slot, but never the hit's own (its copy into this slot comes after)
@@ -215,7 +221,7 @@ class PrefixCache:
         if hit is not None:
             self.hit_tokens += hit.length if hit.owner is None else 0
             if hit.slot in self._entries:
-                self._ops.append(lambda s=hit.slot, n=hit.length: self._copy(s, slot, 0, n))
+                self._ops.append(functools.partial(self._copy, hit.slot, slot, 0, hit.length))
                 self._entries[hit.slot].used = self._tick()
         return slot, hit
 
@@ -377,7 +383,7 @@ class PrefixCache:
             if dst is not None:  # the entry it would have extended or reused is gone: free its slot
                 self._spare.append(dst)
                 if self._discard is not None:
-                    self._ops.append(lambda d=dst: self._discard(d, 0, n))
+                    self._ops.append(functools.partial(self._discard, dst, 0, n))
             return None
         if dst is None:
             dst = self._spare.pop(0)
@@ -398,14 +404,14 @@ class PrefixCache:
         self._drop_keys(s, e.keys)
         self.evictions += e.ready
         if self._discard is not None and e.ids.size > keep:
-            self._ops.append(lambda: self._discard(s, keep, e.ids.size))
+            self._ops.append(functools.partial(self._discard, s, keep, e.ids.size))
         self._spare.append(s)
 
-    def _add_keys(self, slot: int, keys: list) -> None:
+    def _add_keys(self, slot: int, keys: list[int]) -> None:
         for k in keys:
             self._index.setdefault(k, set()).add(slot)
 
-    def _drop_keys(self, slot: int, keys: list) -> None:
+    def _drop_keys(self, slot: int, keys: list[int]) -> None:
         for k in keys:
             held = self._index.get(k)
             if held is not None:

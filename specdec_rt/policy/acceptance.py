@@ -35,7 +35,7 @@ from typing import Callable, Protocol, Sequence
 
 from .arms import BatchArms, RoundLedger
 from .config import SpecConfig
-from .verify_fit import fit_line
+from .verify_fit import Line, fit_line
 
 __all__ = ["AcceptanceEWMA", "BatchArms", "CostModel", "expected_tokens"]
 
@@ -119,10 +119,10 @@ class CostModel:
     draft_step_s: Callable[[int], float | None] | None = None  # batched draft model step of B rows
     batch_arms: dict[int, BatchArms] = field(default_factory=dict)  # batch -> measured kinds of round
     ledger: RoundLedger = field(default_factory=RoundLedger)  # kinds of round running now (their purity)
-    _line: tuple | None = field(default=None, repr=False, compare=False)  # _verify_line, until verify_s changes
+    _line: Line | None = field(default=None, repr=False, compare=False)  # _verify_line, until verify_s changes
     since_plain: int = 0  # rounds alone timed since the last plain step was (the unit of every cost)
 
-    def __setattr__(self, name: str, value) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         if name == "verify_s":  # a new dict of measurements: the fitted line goes with the old one
             object.__setattr__(self, "_line", None)
         object.__setattr__(self, name, value)

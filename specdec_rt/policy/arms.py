@@ -28,7 +28,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-__all__ = ["BatchArms", "RoundLedger", "ROUND_KINDS"]
+__all__ = ["BatchArms", "RoundLedger", "RoundToken", "ROUND_KINDS"]
 
 ARM_PROBE_EVERY = 24  # rounds (per request of the batch) between probes of the slower kind
 ARM_PROBE_MAX = 192  # ... at most, once probes keep confirming the kind in use
@@ -38,6 +38,9 @@ ARM_MIN_SAMPLES = 3  # rounds of a kind before its rate counts
 ARM_MARGIN = 1.02  # model drafts in a batch must be this much faster per request than plain rounds
 
 ROUND_KINDS = ("plain", "drafts", "other")  # other: a prompt's round, or a draft catching up
+#: a round in a :class:`RoundLedger`: its kind, whether it started alone among the kinds, and
+#: how many rounds of each other kind had started by then
+RoundToken = tuple[str, bool, tuple[int, ...]]
 
 
 def _median_of(rates: list[float]) -> float | None:
@@ -131,16 +134,16 @@ class RoundLedger:
         self.active = dict.fromkeys(ROUND_KINDS, 0)
         self.started = dict.fromkeys(ROUND_KINDS, 0)
 
-    def start(self, kind: str) -> tuple:
+    def start(self, kind: str) -> RoundToken:
         others = [o for o in ROUND_KINDS if o != kind]
         clean = not any(self.active[o] for o in others)
         self.active[kind] += 1
         self.started[kind] += 1
         return kind, clean, tuple(self.started[o] for o in others)
 
-    def end(self, token: tuple) -> bool:
+    def end(self, token: RoundToken) -> bool:
         """End the round ``token`` (from :meth:`start`); True if no round of another kind ran
         during it."""
         kind, clean, seen = token
         self.active[kind] -= 1
-        return clean and seen == tuple(self.started[o] for o in ROUND_KINDS if o != kind)
+        return clean and seen == tuple(self.started[other] for other in ROUND_KINDS if other != kind)

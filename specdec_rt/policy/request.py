@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 from ..errors import InvalidInputError
 from ..types import FallbackEvent, Mode
 from .acceptance import CATCHUP_FREE, CHEAP_PRIOR, AcceptanceEWMA, CostModel
+from .arms import RoundToken
 from .config import SpecConfig
 
 __all__ = ["RequestPolicy"]
@@ -46,7 +47,7 @@ class RequestPolicy:
         self._lag = 0  # this round: tokens the draft model had to read before drafting
         self.free_only = False  # the draft model never drafts for this request (its prefill would not pay)
         self._deferred = False  # the first round left the draft's prefill to the next (defer_draft_prefill)
-        self._round: tuple | None = None  # this round's entry in the batch's RoundLedger
+        self._round: RoundToken | None = None  # this round's entry in the batch's RoundLedger
 
     def best_k(self, batch: int = 1, cheap: bool = False) -> tuple[int, float]:
         """The draft length with the highest predicted speedup, and that speedup, for a request
@@ -141,21 +142,21 @@ class RequestPolicy:
         self._deferred = True
         if not self.cheap_drafts:
             return 0
-        k, _ = self.best_k(batch, cheap=True)  # (no gain rule: beside a prefill, positions are ~free)
+        length = self.best_k(batch, cheap=True)[0]  # (no gain rule: beside a prefill, positions are ~free)
         self.cheap = True
-        return min(k, remaining - 1)
+        return min(length, remaining - 1)
 
     def _batch_drafts(self, remaining: int, batch: int, *, caught_up: bool, lag: int) -> int | None:
         """In a batch, plain batched steps are left only for a clear gain (``resume_speedup``,
         hysteresis): model drafts when that kind of round was measured faster (else predicted
         so); ``None``: no model drafts, but free ones may pay (the caller's rule); 0: plain."""
-        k, gain = self.best_k(batch)
+        length, gain = self.best_k(batch)
         behind = not caught_up and not self.costs.catchup_pays_batch(lag, remaining, gain, batch)
         alone = self.best_k()[1] if batch == 2 else 0.0  # 2 requests explore drafts if they pay alone
         if not self.free_only and self.costs.batch_drafts(
             batch, gain, caught_up=caught_up, behind=behind, alone_gain=alone
         ):
-            return min(k, remaining - 1)
+            return min(length, remaining - 1)
         return None if self.cheap_drafts and self.costs.batched_verify else 0
 
     def observe(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 __all__ = ["fit_line"]
 
-Line = tuple  # (base seconds of a plain step or None, j, s)
+Line = tuple[float | None, float, float]  # (base seconds of a plain step or None, j, s)
 
 
 def fit_line(verify_s: dict[int, float], s_default: float) -> Line:

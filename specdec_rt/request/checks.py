@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..checks import brief_repr, check_bool, check_int
 from ..errors import InvalidInputError
 from ..policy.config import SpecConfig
+from ..text.codec import IncrementalDecoder
 from ..text.tools import call_grammar, call_schemas, supports_tools
+from ..types import FinishReason
 
 __all__ = [
     "MAX_STOP_STRINGS",
@@ -33,7 +36,7 @@ MAX_STOP_STRINGS = 64  # each event searches for every stop string (OpenAI allow
 MAX_STOP_CHARS = 256  # per stop string: a stream holds back up to this much text (stop_prefix_len)
 
 
-def check_stop(stop) -> list[str]:
+def check_stop(stop: object) -> list[str]:
     """``stop`` as a list: None, a string or a list/tuple of non-empty strings of valid Unicode."""
     if stop is None:
         return []
@@ -54,7 +57,7 @@ def check_stop(stop) -> list[str]:
     return list(stops)
 
 
-def check_prompt_size(prompt, limit: int) -> None:
+def check_prompt_size(prompt: object, limit: int) -> None:
     """The cheap checks of a prompt: its type, and at most ``limit`` characters of text (each
     chat message counts one more, so a list of millions of empty messages is refused at once)."""
     if isinstance(prompt, str):
@@ -71,7 +74,7 @@ def check_prompt_size(prompt, limit: int) -> None:
         raise InvalidInputError(f"prompt has {size} characters, more than max_prompt_chars={limit}")
 
 
-def token_id_prompt(prompt, vocab_size: int) -> list[int] | None:
+def token_id_prompt(prompt: object, vocab_size: int) -> list[int] | None:
     """A prompt given as token ids (a non-empty list or tuple of integers): the ids, each checked
     to be in ``0..vocab_size - 1``; None for text and chat messages."""
     if not (
@@ -88,7 +91,7 @@ def token_id_prompt(prompt, vocab_size: int) -> list[int] | None:
     return [int(t) for t in prompt]
 
 
-def _text_size(value) -> int:
+def _text_size(value: object) -> int:
     """Characters of a message field: a string, or the text parts of a content list (each part
     counts one more, so a million empty parts is refused too)."""
     if isinstance(value, str):
@@ -122,7 +125,14 @@ def stop_prefix_len(text: str, stops: list[str], since: int = 0) -> int:
 
 
 def cut_at_stop(
-    decoder, text: str, ids, stops: list[str], *, finished, done: int = 0, min_tokens: int = 0
+    decoder: IncrementalDecoder,
+    text: str,
+    ids: Sequence[int],
+    stops: list[str],
+    *,
+    finished: FinishReason | bool | None,
+    done: int = 0,
+    min_tokens: int = 0,
 ) -> tuple[list[int], str, int | None]:
     """Feed one event's ids to ``decoder`` one at a time, stopping at the first token whose
     text completes a stop string. Returns (the ids kept, the text so far, where the earliest
@@ -149,17 +159,17 @@ class RequestShape:
     a JSON ``schema`` or a ``lark`` grammar to hold the answer to, ``tools`` to render."""
 
     prompt_top: int | None = None
-    schema: dict | None = None
-    tools: list | None = None
+    schema: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     lark: str | None = None
-    checks: tuple = ()  # JSON schemas the lark grammar embeds, each compiled on its own first
+    checks: tuple[dict[str, Any], ...] = ()  # JSON schemas the lark grammar embeds, each compiled on its own first
     min_tokens: int = 0  # no end-of-sequence token before this many tokens
     ignore_eos: bool = False  # end-of-sequence tokens do not end the answer
 
 
-def check_length_options(min_tokens, ignore_eos, max_new_tokens: int) -> tuple[int, bool]:
+def check_length_options(min_tokens: object, ignore_eos: object, max_new_tokens: int) -> tuple[int, bool]:
     """``(min_tokens, ignore_eos)`` checked: an integer from 0 to ``max_new_tokens``, a bool."""
-    check_int(
+    count: int = check_int(
         min_tokens,
         "min_tokens",
         0,
@@ -167,12 +177,17 @@ def check_length_options(min_tokens, ignore_eos, max_new_tokens: int) -> tuple[i
         numpy=False,
         what=f"an integer from 0 to max_new_tokens ({brief_repr(max_new_tokens)})",
     )
-    return min_tokens, check_bool(ignore_eos, "ignore_eos")
+    return count, check_bool(ignore_eos, "ignore_eos")
 
 
 def tool_shape(
-    prompt, tools, choice, stops: list[str], *, template: str | None
-) -> tuple[list | None, str | None, tuple[dict, ...]]:
+    prompt: object,
+    tools: Sequence[dict[str, Any]] | None,
+    choice: str | dict[str, Any],
+    stops: list[str],
+    *,
+    template: str | None,
+) -> tuple[list[dict[str, Any]] | None, str | None, tuple[dict[str, Any], ...]]:
     """(the tools to render, a call grammar) from ``tools`` / ``choice`` (checked already, e.g.
     by :class:`~specdec_rt.request.params.RequestParams`; ``choice`` None resolved) for this
     prompt. With ``"none"`` the tools are still rendered where the ``template`` can (the model
@@ -191,7 +206,9 @@ def tool_shape(
     return list(tools), call_grammar(tools, choice), tuple(call_schemas(tools, choice))
 
 
-def check_load_args(name_or_path, draft, *, max_length, threads, spec_config) -> None:
+def check_load_args(
+    name_or_path: object, draft: object, *, max_length: object, threads: object, spec_config: object
+) -> None:
     """Engine.load's arguments of the wrong type or range, named (before any file is read)."""
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
         raise InvalidInputError(f"name_or_path must be a recipe name or a folder, got {brief_repr(name_or_path)}")

@@ -89,17 +89,17 @@ class RequestParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     prompt_logprobs: int | None = None
-    response_format: dict | None = None
-    tools: Sequence[dict] | None = ()
-    tool_choice: str | dict | None = None
+    response_format: dict[str, Any] | None = None
+    tools: Sequence[dict[str, Any]] | None = ()
+    tool_choice: str | dict[str, Any] | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     #: the sampler's view (:meth:`sampling_params`), built with the checks
     _sampling: SamplingParams = field(init=False, repr=False, compare=False)
     #: the JSON schema ``response_format`` holds the answer to (None: free text)
-    _schema: dict | None = field(init=False, repr=False, compare=False)
+    _schema: dict[str, Any] | None = field(init=False, repr=False, compare=False)
     #: ``tool_choice`` as it applies (None resolved against ``tools``)
-    _choice: str | dict = field(init=False, repr=False, compare=False)
+    _choice: str | dict[str, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: the checked (canonical) values go in this way
@@ -112,7 +112,7 @@ class RequestParams:
             ("repetition_penalty", self.repetition_penalty, 1.0),
         ):
             put(self, name, off if value is None else value)
-        bias: Any = self.logit_bias  # a dict or pairs: SamplingParams keeps them as sorted pairs
+        bias: Any = self.logit_bias  # a dict[str, Any] or pairs: SamplingParams keeps them as sorted pairs
         put(
             self,
             "_sampling",
@@ -127,7 +127,7 @@ class RequestParams:
                 repetition_penalty=self.repetition_penalty,
             ),
         )
-        # keep no reference to the caller's dict: what the sampler uses is what this object shows
+        # keep no reference to the caller's dict[str, Any]: what the sampler uses is what this object shows
         sampled_bias = self._sampling.logit_bias
         put(self, "logit_bias", None if sampled_bias is None else dict(sampled_bias))
         put(self, "logprobs", check_top_logprobs(self.logprobs))
@@ -175,7 +175,7 @@ class RequestParams:
         return self._sampling
 
     @property
-    def json_schema(self) -> dict | None:
+    def json_schema(self) -> dict[str, Any] | None:
         """The JSON schema ``response_format`` holds the answer to, or None (free text)."""
         return self._schema
 
@@ -185,7 +185,7 @@ class RequestParams:
         return bool(self.tools) and self._choice != "none"
 
     @property
-    def effective_tool_choice(self) -> str | dict:
+    def effective_tool_choice(self) -> str | dict[str, Any]:
         """``tool_choice`` as it applies: None means ``"auto"`` with tools, ``"none"`` without."""
         return self._choice
 

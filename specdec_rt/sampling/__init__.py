@@ -121,7 +121,7 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_BIAS = 100.0  # |bias|, as in OpenAI's API
 
 
-def _check_bias(bias) -> tuple[tuple[int, float], ...] | None:
+def _check_bias(bias: object) -> tuple[tuple[int, float], ...] | None:
     """``None``/empty -> None; a dict (or pairs) of non-negative int ids -> finite biases in
     [-100, 100] -> sorted ``((id, bias), ...)``; else :class:`InvalidInputError` naming the entry."""
     if bias is None:
@@ -131,7 +131,7 @@ def _check_bias(bias) -> tuple[tuple[int, float], ...] | None:
         raise InvalidInputError(
             f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases, got {brief_repr(bias)}"
         )
-    out = {}
+    out: dict[int, float] = {}
     for pair in pairs:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise InvalidInputError(f"logit_bias entries must be (token id, bias) pairs, got {brief_repr(pair)}")
@@ -169,7 +169,7 @@ def greedy_ids(logits: np.ndarray, params: SamplingParams | None = None) -> np.n
     (``np.argmax`` would pick a NaN, or id 0 of a row of -inf, and greedy decoding would go on
     with it). One look at each chosen value."""
     z = np.asarray(logits) if params is None else biased(np.asarray(logits), params)
-    ids = np.argmax(z, axis=-1)  # [...]
+    ids: np.ndarray = np.argmax(z, axis=-1)  # [...]
     top = np.take_along_axis(z, ids[..., None], axis=-1)[..., 0]  # [...] NaN if the row holds one
     if not np.isfinite(top).all():
         raise InvalidInputError(
@@ -215,7 +215,7 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         kth = -np.partition(-scaled, params.top_k - 1, axis=-1)[..., params.top_k - 1 : params.top_k]
         scaled = np.where(scaled < kth, -np.inf, scaled)
     with np.errstate(over="ignore"):
-        probs = np.exp(scaled - peak)  # an overflow below the peak is -inf: weight 0
+        probs: np.ndarray = np.exp(scaled - peak)  # an overflow below the peak is -inf: weight 0
     probs /= probs.sum(axis=-1, keepdims=True)  # each sum >= 1 (the maximum's weight)
     if params.top_p is not None and params.top_p < 1.0:
         probs = _top_p(probs, params.top_p)
@@ -255,7 +255,8 @@ def uniforms(rng: np.random.Generator, n: int) -> np.ndarray:
     draw = getattr(rng, "random", None)
     if not callable(draw):
         raise InvalidInputError(f"rng must be a numpy.random.Generator, got {brief_repr(rng)}")
-    return draw(n)
+    draws: np.ndarray = draw(n)
+    return draws
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
@@ -363,7 +364,7 @@ def check_rows(name: str, a: np.ndarray) -> None:
         raise InvalidInputError(f"{name} row {r} sums to {sums[r]:.6g}, not 1 (tolerance {ROW_SUM_TOLERANCE})")
 
 
-def _check(draft_ids, q, p) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _check(draft_ids: np.ndarray, q: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     draft_ids = np.asarray(draft_ids)
     q = np.asarray(q)
     p = np.asarray(p)

@@ -36,12 +36,12 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
+from ..checks import brief_repr
 from ..errors import InvalidInputError
-from . import brief_repr
 
 __all__ = [
     "Constraint",
@@ -102,13 +102,13 @@ class Constraint(Protocol):
         keeps its ``inner`` constraint (or None) instead (:class:`MinTokens` does)."""
 
 
-def constrained(scores: np.ndarray, constraint: Constraint, before: Sequence[Sequence[int]]) -> np.ndarray:
+def constrained(scores: np.ndarray, constraint: Constraint, before: Sequence[Iterable[int]]) -> np.ndarray:
     """Rows ``[n, V]`` (a copy) with the tokens ``constraint`` disallows at -inf; ``before[i]``:
     the uncommitted tokens between the committed ones and row ``i``'s position."""
     return masked(scores, masks_of(constraint, before))
 
 
-def masks_of(constraint: Constraint, before: Sequence[Sequence[int]]) -> list[np.ndarray | None]:
+def masks_of(constraint: Constraint, before: Sequence[Iterable[int]]) -> list[np.ndarray | None]:
     """``constraint``'s mask ``[V']`` (or None: a path it rules out) after each of ``before``."""
     return [constraint.allowed([int(t) for t in path]) for path in before]
 
@@ -248,13 +248,13 @@ def json_text(value: Any, what: str) -> str:
         raise InvalidInputError(f"{what} is not JSON: {type(exc).__name__}: {exc}"[:300]) from None
 
 
-def _stopped(matcher) -> str:
+def _stopped(matcher: Any) -> str:  # an llguidance LLMatcher
     """The grammar engine's error, its first line (what follows is its internal state)."""
-    first = (matcher.get_error() or "stopped").strip().splitlines()[0]
+    first: str = (matcher.get_error() or "stopped").strip().splitlines()[0]
     return f"the grammar stopped: {first[:300]}"
 
 
-def check_response_format(response_format: Any) -> dict | None:
+def check_response_format(response_format: Any) -> dict[str, Any] | None:
     """OpenAI's ``response_format`` checked: None or ``{"type": "text"}`` (no constraint),
     ``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"schema": {...},
     "name": ..., "strict": ...}}``. Returns the JSON schema to follow, or None."""
@@ -279,7 +279,7 @@ def check_response_format(response_format: Any) -> dict | None:
         raise InvalidInputError(
             f"response_format json_schema must be an object with a 'schema' object, got {brief_repr(spec, 120)}"
         )
-    schema = spec.get("schema", {})
+    schema: dict[str, Any] = spec.get("schema", {})
     if len(json_text(schema, "response_format's schema")) > MAX_SCHEMA_CHARS:
         raise InvalidInputError(f"response_format's schema is longer than {MAX_SCHEMA_CHARS} characters")
     return schema
@@ -292,10 +292,18 @@ class GrammarFactory:
     plain tokenization of a piece of text: no BOS or other added tokens) come from the engine's
     codec; ``eos_ids``: the tokens that end a generation (allowed once the grammar is complete)."""
 
-    def __init__(self, token_bytes, is_special, encode, *, vocab_size: int, eos_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        token_bytes: Callable[[int], bytes],
+        is_special: Callable[[int], bool],
+        encode: Callable[[str], list[int]],
+        *,
+        vocab_size: int,
+        eos_ids: Sequence[int],
+    ) -> None:
         self._bytes, self._special, self._encode = token_bytes, is_special, encode
         self.vocab_size, self.eos_ids = vocab_size, [int(t) for t in eos_ids]
-        self._tokenizer = None
+        self._tokenizer: Any = None  # an llguidance LLTokenizer, once built
         self._usable: np.ndarray | None = None
         #: sha256 of a grammar refused as too costly -> why (the newest REFUSED_KEPT), shared by
         #: the grammar threads
@@ -303,7 +311,7 @@ class GrammarFactory:
         self._lock = threading.Lock()
         self._building = threading.Lock()  # held while the tokenizer is built
 
-    def _llg(self):
+    def _llg(self) -> Any:  # the llguidance module
         try:
             import llguidance
         except ImportError:
@@ -323,7 +331,8 @@ class GrammarFactory:
             return False
         return True
 
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
+        """The llguidance tokenizer of this model's vocabulary, built at the first call."""
         if self._tokenizer is None:
             with self._building:  # once, however many grammar threads need it first at once
                 if self._tokenizer is None:
@@ -343,7 +352,7 @@ class GrammarFactory:
         self._usable, self._tokenizer = usable, tokenizer  # (the tokenizer last: it says both are there)
 
     def build(
-        self, schema: dict | None = None, lark: str | None = None, what: str = "response_format"
+        self, schema: dict[str, Any] | None = None, lark: str | None = None, what: str = "response_format"
     ) -> GrammarConstraint:
         """A fresh constraint for a request that must follow a JSON ``schema`` or a ``lark``
         grammar (llguidance's dialect; in a worker thread: a big one takes a while to compile).
@@ -391,13 +400,21 @@ class _TokenTable:
     of a million characters for ``^(a{500}){500}$``), in this thread, holding the GIL, and reads
     only the first tokens: the first ``FORCED_CHARS`` characters are encoded."""
 
-    def __init__(self, token_bytes, is_special, encode, *, vocab_size: int, eos: int) -> None:
+    def __init__(
+        self,
+        token_bytes: Callable[[int], bytes],
+        is_special: Callable[[int], bool],
+        encode: Callable[[str], list[int]],
+        *,
+        vocab_size: int,
+        eos: int,
+    ) -> None:
         self.eos_token_id, self.bos_token_id = eos, None
         self.tokens = [token_bytes(i) for i in range(vocab_size)]
         self.special_token_ids = [i for i in range(vocab_size) if is_special(i)]
         self._encode = encode
 
-    def __call__(self, text) -> list[int]:
+    def __call__(self, text: str | bytes | Sequence[int]) -> list[int]:
         if not isinstance(text, str):  # (a character takes at most 4 bytes: a cut one falls past the end)
             text = bytes(text[: 4 * FORCED_CHARS]).decode("utf-8", "replace")
         return self._encode(text[:FORCED_CHARS])

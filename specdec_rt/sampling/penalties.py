@@ -18,7 +18,7 @@ alike; exactness holds for the penalized target distribution, position by positi
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -33,7 +33,7 @@ def penalized(
     prompt: np.ndarray,
     generated: np.ndarray,
     *,
-    before: Sequence[Sequence[int]],
+    before: Sequence[Iterable[int]],
 ) -> np.ndarray:
     """``logits`` ``[n, V]`` with the request's penalties applied (the same array when it has
     none). Row i's generated tokens are ``generated`` ``[G]`` then ``before[i]`` (the drafts

@@ -9,6 +9,8 @@ The values are those :mod:`specdec_rt.sampling.logprobs` reports for generated t
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import anyio
 import numpy as np
 
@@ -19,7 +21,21 @@ __all__ = ["prompt_logprobs", "SCORE_CHUNK"]
 SCORE_CHUNK = 64  # prompt positions per call: their logits [64, V] exist one chunk at a time
 
 
-async def prompt_logprobs(model, ids: np.ndarray, top: int = 0) -> list[TokenLogprob | None]:
+class _Session(Protocol):
+    """What is used here of a backend's cache session (``speculation.protocols.CacheSession``)."""
+
+    async def extend(self, ids: np.ndarray, logits_rows: int) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+class ScoredModel(Protocol):
+    """What is used here of a backend model (``speculation.protocols.LanguageModel``)."""
+
+    def start(self) -> _Session: ...
+
+
+async def prompt_logprobs(model: ScoredModel, ids: np.ndarray, top: int = 0) -> list[TokenLogprob | None]:
     """``ids`` ``[L]`` -> ``[None, lp(ids[1] | ids[:1]), ..., lp(ids[L-1] | ids[:L-1])]``, each
     with the ``top`` most likely tokens at its position.
 

@@ -33,7 +33,10 @@ that :func:`tree_accept` samples from, so tests check the math in closed form.
 
 from __future__ import annotations
 
+from typing import Protocol, Sequence
+
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import InferenceError, InvalidInputError
 from . import check_rows, sample
@@ -48,14 +51,23 @@ __all__ = [
     "tree_parents",
     "chain_length",
     "tree_depth",
+    "Linked",
 ]
+
+
+class Linked(Protocol):
+    """A draft as the tree functions read it (a ``DraftToken``): the index of the draft it
+    continues, ``-1`` for the committed tokens, ``None`` for the previous draft."""
+
+    @property
+    def parent(self) -> int | None: ...
 
 
 class DraftTree:
     """``tokens`` ``[n]`` int, ``parents`` ``[n]`` int (``-1`` = root, else an earlier node:
     parents come before children), ``q`` ``[n, V]`` float or None (deterministic: one-hot)."""
 
-    def __init__(self, tokens, parents, q: np.ndarray | None = None) -> None:
+    def __init__(self, tokens: npt.ArrayLike, parents: npt.ArrayLike, q: np.ndarray | None = None) -> None:
         for name, ids in (("tokens", tokens), ("parents", parents)):
             a = np.asarray(ids)
             if a.size and not np.issubdtype(a.dtype, np.integer):
@@ -87,13 +99,14 @@ class DraftTree:
 
     def q_row(self, node: int, vocab: int) -> np.ndarray:
         if self.q is not None:
-            return self.q[node]
+            given: np.ndarray = self.q[node]
+            return given
         row = np.zeros(vocab)
         row[self.tokens[node]] = 1.0
         return row
 
 
-def depths_of(parents) -> np.ndarray:
+def depths_of(parents: Sequence[int] | np.ndarray) -> np.ndarray:
     """``[n]`` depth of each node of a valid ``parents`` (-1 or an earlier node): 1 + its parent's."""
     out = np.empty(len(parents), dtype=np.int64)
     for i, par in enumerate(parents):
@@ -101,7 +114,7 @@ def depths_of(parents) -> np.ndarray:
     return out
 
 
-def tree_parents(drafts) -> list[int]:
+def tree_parents(drafts: Sequence[Linked]) -> list[int]:
     """Each draft's parent index (``-1``: the committed tokens) from ``DraftToken.parent``; a
     chain's are ``i - 1``. A parent that is not earlier is a drafter's bug: ``InferenceError``."""
     parents = [i - 1 if d.parent is None else int(d.parent) for i, d in enumerate(drafts)]
@@ -110,17 +123,17 @@ def tree_parents(drafts) -> list[int]:
     return parents
 
 
-def chain_length(drafts) -> int:
+def chain_length(drafts: Sequence[Linked]) -> int:
     """How many drafts, from the first, form a chain (a tree's main chain)."""
     return next((i for i, d in enumerate(drafts) if d.parent is not None and d.parent != i - 1), len(drafts))
 
 
-def tree_depth(drafts) -> int:
+def tree_depth(drafts: Sequence[Linked]) -> int:
     """The longest path of a draft tree (a chain's length): what one round can accept."""
     return int(depths_of(tree_parents(drafts)).max(initial=0))
 
 
-def chain(tokens, q: np.ndarray | None = None) -> DraftTree:
+def chain(tokens: Sequence[int] | np.ndarray, q: np.ndarray | None = None) -> DraftTree:
     """A chain of drafts as a tree with one branch."""
     n = len(tokens)
     return DraftTree(tokens, np.arange(n) - 1, q)

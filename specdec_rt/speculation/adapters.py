@@ -14,13 +14,14 @@ The KV bookkeeping of speculative decoding lives here, once, for every backend:
 from __future__ import annotations
 
 from time import perf_counter
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..checks import brief_repr
 from ..errors import ContextLengthError, InferenceError, InvalidInputError
 from ..policy.confidence import confidence
-from ..sampling import biased, brief_repr, greedy_accept, greedy_ids, rejection_sample, sample, warp
+from ..sampling import biased, greedy_accept, greedy_ids, rejection_sample, sample, warp
 from ..sampling.logprobs import token_logprobs
 from ..sampling.tree import DraftTree, chain_length, greedy_tree_accept, tree_accept, tree_parents
 from ..types import DraftToken, Verdict
@@ -65,9 +66,9 @@ class SyncedSession:
         self._matched = m
         return tokens[m:]
 
-    async def extend(self, ids: np.ndarray, logits_rows: int, **extra):
+    async def extend(self, ids: np.ndarray, logits_rows: int, **extra: Any) -> Any:  # the backend's return
         """Feed ``ids`` ``[S]``; logits of the last ``logits_rows`` positions ``[rows, V]``
-        (``extra``: backend options such as ``hidden=True``)."""
+        (``extra``: backend options such as ``hidden=True``, which returns ``(logits, hidden)``)."""
         n = self.session.length
         if n + ids.size > self.ids.size:
             raise ContextLengthError(
@@ -199,8 +200,9 @@ class ModelDrafter(_ModelUser, DraftInferrer):
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.exp(logits - logits.max())  # [V]
-    return z / z.sum()
+    weights: np.ndarray = np.exp(logits - logits.max())  # [V]
+    probs: np.ndarray = weights / weights.sum()
+    return probs
 
 
 class ModelVerifier(_ModelUser, TargetVerifier):

@@ -11,10 +11,10 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
 
-from ..checks import check_int
+from ..checks import brief_repr, check_int
 from ..errors import ContextLengthError, InvalidInputError
 from ..policy.confidence import ChainStop
-from ..sampling import SamplingParams, brief_repr
+from ..sampling import SamplingParams
 from ..sampling.constraints import GRAMMAR_THREADS, Constraint, constrained, masked, masks_of
 from ..sampling.logprobs import check_top_logprobs
 from ..sampling.penalties import penalized
@@ -185,7 +185,7 @@ class RequestContext:
             self.finish_reason = "length"
         return ids
 
-    def penalized(self, logits: np.ndarray, before) -> np.ndarray:
+    def penalized(self, logits: np.ndarray, before: Sequence[Iterable[int]]) -> np.ndarray:
         """Rows ``[n, V]`` with this request's repetition penalties (:mod:`specdec_rt.sampling.penalties`;
         the same array when it has none); ``before[i]``: the uncommitted tokens (drafts) between
         the committed ones and row i's position."""
@@ -198,7 +198,7 @@ class RequestContext:
         """Whether :meth:`scores` changes the model's rows (penalties or a constraint)."""
         return self.params.penalized or self.constraint is not None
 
-    def scores(self, logits: np.ndarray, before) -> np.ndarray:
+    def scores(self, logits: np.ndarray, before: Sequence[Iterable[int]]) -> np.ndarray:
         """Rows ``[n, V]`` as this request scores them: the repetition penalties
         (:meth:`penalized`), then the constraint's disallowed tokens at -inf
         (:func:`~specdec_rt.sampling.constraints.constrained`); the same array when neither applies."""
@@ -218,7 +218,8 @@ class RequestContext:
     def state(self, owner: object, factory: Callable[[], S]) -> S:
         """Per-request state of ``owner`` (e.g. a KV cache session), created on first use."""
         try:
-            return self._state[owner]
+            found: S = self._state[owner]
+            return found
         except KeyError:
             value = self._state[owner] = factory()
             return value

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from ..checks import brief_repr
 from ..errors import InvalidInputError
 from ..kvcache.prefix import PrefixCache
-from ..sampling import brief_repr
 from ..types import DraftToken, Verdict
 
 if TYPE_CHECKING:

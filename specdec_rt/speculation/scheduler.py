@@ -15,7 +15,7 @@ from typing import Any, AsyncGenerator, Iterable, Sequence
 
 import numpy as np
 
-from ..checks import check_bool, check_int, is_int
+from ..checks import brief_repr, check_bool, check_int, is_int
 from ..errors import InferenceError, InvalidInputError, SpecDecError
 from ..logs import get_logger
 from ..policy.acceptance import AcceptanceEWMA, CostModel
@@ -23,7 +23,7 @@ from ..policy.confidence import ChainStop, ConfidenceRates
 from ..policy.config import SpecConfig
 from ..policy.request import RequestPolicy
 from ..policy.tree import TreePolicy, TreeRates
-from ..sampling import SamplingParams, brief_repr
+from ..sampling import SamplingParams
 from ..sampling.constraints import Constraint
 from ..sampling.logprobs import TokenLogprob
 from ..sampling.tree import chain_length, tree_depth, tree_parents
@@ -224,9 +224,9 @@ class SpecDecScheduler:
         calls share with the others, its shape (a chain, or a tree), and where a chain stops."""
         ctx, policy = run.ctx, run.policy
         batch = max(self.running, self._admitted())
-        k = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
+        length = policy.draft_length(ctx.remaining, batch, ctx.generated.size)
         alone = batch == 1 or run.rates is None
-        depth, nodes = self._tree_shape(ctx, run.tree, policy, k, alone=alone, rates=run.rates)
+        depth, nodes = self._tree_shape(ctx, run.tree, policy, length, alone=alone, rates=run.rates)
         plan = DraftPlan(
             tree_nodes=nodes,
             chain_stop=self._chain_stop(ctx, policy, depth=depth, nodes=nodes, batch=batch),
@@ -465,25 +465,27 @@ class RequestStream:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.context.generated.tolist()
+        ids: list[int] = self.context.generated.tolist()
+        return ids
 
 
-def _drafts_checked(drafts, most: int, ctx: RequestContext) -> list[DraftToken]:
+def _drafts_checked(drafts: Iterable[object], most: int, ctx: RequestContext) -> list[DraftToken]:
     """A plug-in drafter's proposals, at most ``most``: each a :class:`DraftToken` whose id is a
     token of the vocabulary (else an :class:`InferenceError` that names the drafter's mistake,
     not a failure inside the target's call or a verdict blamed on the verifier)."""
-    drafts = list(drafts)[:most]
+    checked: list[DraftToken] = []
     vocab = ctx.vocab_size
-    for i, d in enumerate(drafts):
-        if not isinstance(d, DraftToken) or not is_int(d.id):
-            raise InferenceError(f"drafter returned {brief_repr(d)} as draft {i}: need a DraftToken with an integer id")
-        tid = d.id
-        if tid < 0 or (vocab is not None and tid >= vocab):
+    for index, draft in enumerate(list(drafts)[:most]):
+        if not isinstance(draft, DraftToken) or not is_int(draft.id):
+            why = "need a DraftToken with an integer id"
+            raise InferenceError(f"drafter returned {brief_repr(draft)} as draft {index}: {why}")
+        if draft.id < 0 or (vocab is not None and draft.id >= vocab):
             raise InferenceError(
-                f"drafter proposed token id {tid} (draft {i}), outside the vocabulary "
+                f"drafter proposed token id {draft.id} (draft {index}), outside the vocabulary "
                 f"(ids 0..{'?' if vocab is None else vocab - 1})"
             )
-    return drafts
+        checked.append(draft)
+    return checked
 
 
 def _checked(
