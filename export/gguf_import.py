@@ -64,7 +64,7 @@ def _key(info: GGUFInfo, key: str) -> Any:
     return info.metadata.get(f"{info.architecture}.{key}")
 
 
-def _count(info: GGUFInfo, path: Path, key: str, bounds: tuple[int, int], default: int | None = None) -> int:
+def _count(info: GGUFInfo, path: Path, key: str, *, bounds: tuple[int, int], default: int | None = None) -> int:
     value = _key(info, key)
     if value is None and default is not None:
         return default
@@ -138,15 +138,15 @@ def _layer_norm(info: GGUFInfo, path: Path) -> float:
 def _head_size(info: GGUFInfo, path: Path, common: Config) -> int:
     """`attention.key_length` (= value length), else hidden / heads."""
     default = common["hidden_size"] // common["num_attention_heads"]
-    key = _count(info, path, "attention.key_length", (1, 1024), default=default)
-    value = _count(info, path, "attention.value_length", (1, 1024), default=key)
+    key = _count(info, path, "attention.key_length", bounds=(1, 1024), default=default)
+    value = _count(info, path, "attention.value_length", bounds=(1, 1024), default=key)
     if value != key:
         raise UnsupportedModelError(f"GGUF {path}: key length {key} and value length {value} differ")
     return key
 
 
 def _rotary_fraction(info: GGUFInfo, path: Path, head: int) -> float:
-    dims = _count(info, path, "rope.dimension_count", (2, head), default=head)
+    dims = _count(info, path, "rope.dimension_count", bounds=(2, head), default=head)
     if dims % 2:
         raise CorruptSourceError(f"GGUF {path}: {info.architecture}.rope.dimension_count = {dims} is odd")
     return dims / head
@@ -242,11 +242,11 @@ def _falcon(info: GGUFInfo, path: Path) -> Config:
 
 
 def _experts(info: GGUFInfo, path: Path) -> Config:
-    count = _count(info, path, "expert_count", (1, MAX_EXPERTS))
+    count = _count(info, path, "expert_count", bounds=(1, MAX_EXPERTS))
     return {
         "num_experts": count,
-        "num_experts_per_tok": _count(info, path, "expert_used_count", (1, count)),
-        "moe_intermediate_size": _count(info, path, "expert_feed_forward_length", (1, MAX_WIDTH)),
+        "num_experts_per_tok": _count(info, path, "expert_used_count", bounds=(1, count)),
+        "moe_intermediate_size": _count(info, path, "expert_feed_forward_length", bounds=(1, MAX_WIDTH)),
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "use_sliding_window": False,
@@ -255,7 +255,7 @@ def _experts(info: GGUFInfo, path: Path) -> Config:
 
 
 def _qwen2moe(info: GGUFInfo, path: Path) -> Config:
-    shared = _count(info, path, "expert_shared_feed_forward_length", (1, MAX_WIDTH))
+    shared = _count(info, path, "expert_shared_feed_forward_length", bounds=(1, MAX_WIDTH))
     return {
         **_common(info, path),
         **_experts(info, path),
@@ -288,9 +288,8 @@ def _unnorm(tensors: dict[str, Array], config: Config) -> None:
 
 def _unpermute_rows(weight: Array, heads: int) -> Array:
     """Llama's converter interleaved each head's two rotary halves; back to halves."""
-    return (
-        weight.reshape(heads, weight.shape[0] // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-    )
+    halves = weight.reshape(heads, weight.shape[0] // heads // 2, 2, *weight.shape[1:])
+    return np.ascontiguousarray(halves.swapaxes(1, 2).reshape(weight.shape), dtype=np.float32)
 
 
 def _unpermute(tensors: dict[str, Array], config: Config) -> None:
@@ -411,7 +410,9 @@ def load_imported_model(path: Path) -> Any:
     family = FAMILIES[info.architecture]
     model_type, values = imported_config(info, path)
     config = AutoConfig.for_model(model_type, **values)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]  # transformers is untyped
+        config, dtype=torch.float32, attn_implementation="eager"
+    )
     tensors = _read_tensors(path)
     if family.tensors is not None:
         family.tensors(tensors, values)
@@ -430,7 +431,10 @@ def load_imported_tokenizer(path: Path) -> Any:
     from .gguf_families import register_gguf_families, vocabulary_converter
 
     register_gguf_families()
-    parsed = load_gguf_checkpoint(str(path), return_tensors=False)
+    parsed = load_gguf_checkpoint(str(path), return_tensors=False)  # type: ignore[no-untyped-call]  # transformers is untyped
     converter = vocabulary_converter(parsed["tokenizer"])
     settings = {k: v for k, v in parsed["tokenizer_config"].items() if k == "chat_template"}
-    return PreTrainedTokenizerFast(tokenizer_object=converter.converted(), **settings, **converter.additional_kwargs)
+    fast = converter.converted()
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers is untyped
+        tokenizer_object=fast, **settings, **converter.additional_kwargs
+    )

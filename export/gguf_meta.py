@@ -204,9 +204,9 @@ def _read_index(reader: _Reader, count: int) -> tuple[dict[str, tuple[tuple[int,
 
 @lru_cache(maxsize=8)
 def _read(path: str, size: int, mtime_ns: int) -> GGUFInfo:
-    with open(path, "rb", buffering=1 << 20) as f:
-        reader = _Reader(f, size)
-        if f.read(4) != b"GGUF":
+    with open(path, "rb", buffering=1 << 20) as handle:
+        reader = _Reader(handle, size)
+        if handle.read(4) != b"GGUF":
             raise CorruptSourceError(f"{path} is not a GGUF file (bad magic)")
         version = reader.unpack("I")
         if version not in (2, 3):
@@ -218,7 +218,7 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFInfo:
         align = meta.get("general.alignment", 32)
         if type(align) is not int or not 1 <= align <= MAX_ALIGNMENT or align & (align - 1):
             raise ValueError(f"general.alignment {align!r} is not a power of two up to {MAX_ALIGNMENT}")
-        data_start = -(-f.tell() // align) * align
+        data_start = -(-handle.tell() // align) * align
     return GGUFInfo(
         metadata=meta,
         n_tensors=n_tensors,
