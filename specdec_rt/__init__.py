@@ -35,7 +35,7 @@ _LAZY = {  # ONNX Runtime is imported only when these are used
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 

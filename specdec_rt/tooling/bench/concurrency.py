@@ -54,7 +54,8 @@ async def _heartbeat(stalls: list[float], period: float = 0.01) -> None:
 
 async def _one(engine: Engine, prompt: PromptText, n: int, mode: str) -> dict[str, Any]:
     t0 = time.perf_counter()
-    first, last, gaps, ids = None, None, [], []
+    ids: list[int] = []
+    first, last, gaps = None, None, []
     async with engine.stream(prompt, n, mode=mode) as events:
         async for ev in events:
             now = time.perf_counter()

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...errors import InvalidInputError
 from ..prompt_files import PromptText, label
 from ..reports import pyplot, save_figure, write_report
 from .concurrency import load_texts
@@ -83,7 +84,8 @@ def system_prompt(rules: int = 28) -> str:
 
 async def _ttft(engine: Engine, prompt: PromptText, n: int) -> tuple[float, list[int], str, int]:
     """Client-side time to first token, the ids, the text and the cached prompt tokens."""
-    t0, first, ids, text, stats = time.perf_counter(), None, [], [], None
+    ids: list[int] = []
+    t0, first, text, stats = time.perf_counter(), None, [], None
     async with engine.stream(prompt, n) as events:
         async for ev in events:
             if ev.token_ids and first is None:
@@ -173,9 +175,13 @@ def pressure_budget(engine: Engine, n: int) -> tuple[list[str], int]:
     """The memory-pressure scenario's six opening documents, and a budget with room for two of
     the conversations they start (KV bytes per token over the engine's models)."""
     from ...engine.factory import engine_models
+    from ...ort.model import OrtModel
 
     docs = _fit(engine, documents(6), 400)
-    per_token = sum(m.open_pool().token_bytes for m in engine_models(engine.target, engine.drafter))
+    if not isinstance(engine.target, OrtModel):
+        raise InvalidInputError("the prefix bench measures ONNX Runtime models' KV pools only")
+    models = engine_models(engine.target, engine.drafter)
+    per_token = sum(model.open_pool().token_bytes for model in models)
     longest = max(len(engine.codec.encode_prompt([{"role": "user", "content": d}])) for d in docs) + 3 * n
     return docs, 2 * longest * per_token
 
