@@ -39,8 +39,8 @@ def main() -> None:
     ap.add_argument("--answer-tokens", type=int, default=64)
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--threads", type=int, default=2)
-    a = ap.parse_args()
-    deadline = time.monotonic() + 60 * a.minutes
+    args = ap.parse_args()
+    deadline = time.monotonic() + 60 * args.minutes
 
     import torch
 
@@ -59,16 +59,18 @@ def main() -> None:
     from specdec_rt.ort.manifest import load_manifest
     from specdec_rt.text.codec import TextCodec
 
-    torch.set_num_threads(a.threads)
+    torch.set_num_threads(args.threads)
     ui = Reporter()
-    req = TrainDraftRequest(target=a.target, prompts=a.answer_batch)
+    req = TrainDraftRequest(target=args.target, prompts=args.answer_batch)
     folder, source = _target_dirs(req, ui)
     tm = load_manifest(folder)
     codec = TextCodec.from_manifest(tm)
-    work = a.out.expanduser() / "work"
+    work = args.out.expanduser() / "work"
     corpus = load_corpus(work / "corpus")
     if corpus is None:
-        spec = CorpusSpec(sources=tuple(parse_sources(a.sources)), window=a.window, max_tokens_per_source=a.positions)
+        spec = CorpusSpec(
+            sources=tuple(parse_sources(args.sources)), window=args.window, max_tokens_per_source=args.positions
+        )
         corpus, wall, cpu = _timed(lambda: build_corpus(spec, codec.encode))
         save_corpus(work / "corpus", corpus)
         ui.log(f"corpus: collected {len(corpus):,} windows, {corpus.positions:,} positions in {wall:.0f} s")
@@ -77,7 +79,9 @@ def main() -> None:
     ui.log(f"target loaded in {wall:.0f} s")
     train_ids, _ = _prompts(req, codec)
     eos = set(tm.eos_ids) or {0}
-    shard, wall, cpu = _timed(lambda: _generate_batch(model, train_ids[: a.answer_batch], a.answer_tokens, eos, 8))
+    shard, wall, cpu = _timed(
+        lambda: _generate_batch(model, train_ids[: args.answer_batch], args.answer_tokens, eos, 8)
+    )
     summary["answers"] = {"tokens": shard.answer_tokens, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1)}
     ui.log(
         f"answers: {shard.answer_tokens} tokens, {shard.answer_tokens / wall:.0f}/s, {shard.answer_tokens / cpu:.0f} per CPU-s"
@@ -88,20 +92,20 @@ def main() -> None:
     ui.log(
         f"teacher forced: {shard.answer_tokens} positions, {shard.answer_tokens / wall:.0f}/s, {shard.answer_tokens / cpu:.0f} per CPU-s"
     )
-    (a.out.expanduser() / "throughput.json").write_text(json.dumps(summary, indent=1))
+    (args.out.expanduser() / "throughput.json").write_text(json.dumps(summary, indent=1))
     (have, wall, cpu) = _timed(
         lambda: corpus_shards(
             model,
             corpus,
             work / "data" / "corpus",
-            per_shard=a.per_shard,
-            positions_goal=min(a.positions, corpus.positions),
+            per_shard=args.per_shard,
+            positions_goal=min(args.positions, corpus.positions),
             deadline=deadline,
             log=ui.log,
         )
     )
     summary["built"] = {"positions_on_disk": have, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1)}
-    (a.out.expanduser() / "throughput.json").write_text(json.dumps(summary, indent=1))
+    (args.out.expanduser() / "throughput.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "sources"}))
 
 
