@@ -14,10 +14,13 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import math
 import os
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, ParamSpec, Sequence, TypeVar
 
 import anyio
 import numpy as np
@@ -55,6 +58,39 @@ __all__ = [
 ]
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _once_positional(count: int) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """Accept the first ``count`` keyword-only options by position too, as before they became
+    keyword-only, with a DeprecationWarning naming them (removed in 0.3)."""
+
+    def wrap(func: Callable[_P, _R]) -> Callable[_P, _R]:
+        params = inspect.signature(func).parameters.values()
+        positional = sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        legacy = [p.name for p in params if p.kind is p.KEYWORD_ONLY][:count]
+
+        @functools.wraps(func)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            extra = args[positional:]
+            if not extra or len(extra) > len(legacy):
+                return func(*args, **kwargs)
+            names = legacy[: len(extra)]
+            if twice := [name for name in names if name in kwargs]:
+                raise TypeError(f"{func.__qualname__} got {twice[0]} both by position and by keyword")
+            warnings.warn(
+                f"{func.__qualname__}: pass {', '.join(names)} by keyword (positional use is deprecated)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return func(*args[:positional], **dict(zip(names, extra)), **kwargs)
+
+        return call
+
+    return wrap
+
+
 class ToyLM(LanguageModel):
     """A fixed random order-``order`` Markov LM: ``logits(next | last order tokens)``.
 
@@ -82,6 +118,7 @@ class ToyLM(LanguageModel):
             (batched with other requests' calls, as in an Engine); ``None``: each call runs at once.
     """
 
+    @_once_positional(2)
     def __init__(
         self,
         vocab_size: int = 8,
@@ -402,6 +439,7 @@ def toy_engine(
     return Engine(target, drafter, toy_codec(target.vocab_size, folder), config, **options)
 
 
+@_once_positional(1)
 def toy_pair(
     vocab_size: int = 8, order: int = 2, seed: int = 0, distance: float = 0.5, *, sharpness: float = 2.0, **options: Any
 ) -> tuple[ToyLM, ToyLM]:
@@ -424,6 +462,7 @@ def toy_pair(
     return target, draft
 
 
+@_once_positional(2)
 def toy_scheduler(
     distance: float = 0.5,
     vocab_size: int = 8,
@@ -482,6 +521,7 @@ def sequence_distribution(
     return out
 
 
+@_once_positional(3)
 async def sequence_counts(
     sched: SpecDecScheduler,
     prompt: Sequence[int],
@@ -514,6 +554,7 @@ async def sequence_counts(
     return counts
 
 
+@_once_positional(1)
 async def run_together(
     sched: SpecDecScheduler,
     prompts: Sequence[Sequence[int]],
@@ -601,6 +642,7 @@ def _chi2_sf(x: float, dof: int) -> float:
     return min(1.0, math.exp(-z + a * math.log(z) - math.lgamma(a)) * h)
 
 
+@_once_positional(1)
 async def check_greedy_lossless(
     drafter: DraftInferrer,
     verifier: TargetVerifier,
