@@ -59,8 +59,7 @@ async def _bench(args) -> int:
     m = ctx["manifest"]
     drafts = len(m.drafts) + len(args.add_draft or ())
     log(f"loaded {m.name} and {drafts} draft(s) in {time.perf_counter() - t0:.1f} s; {threads} threads")
-    memory = loaded_memory(ctx)
-    log(f"weights {memory['weights_mb']:.0f} MB on disk; resident {memory['rss_mb']:.0f} MB once loaded")
+    memory = loaded_memory(ctx, say=log)
 
     modes_arg = split_list(args.modes, "--modes") if isinstance(args.modes, str) else args.modes
     wanted = modes_arg or list(ours) + list(HF_MODES)
