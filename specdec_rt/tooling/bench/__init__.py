@@ -65,8 +65,7 @@ async def _bench(args: argparse.Namespace) -> int:
     manifest = ctx["manifest"]
     drafts = len(manifest.drafts) + len(args.add_draft or ())
     log(f"loaded {manifest.name} and {drafts} draft(s) in {time.perf_counter() - t0:.1f} s; {threads} threads")
-    memory = loaded_memory(ctx)
-    log(f"weights {memory['weights_mb']:.0f} MB on disk; resident {memory['rss_mb']:.0f} MB once loaded")
+    memory = loaded_memory(ctx, say=log)
     wanted = _wanted_modes(args, ours)
     report: dict[str, Any] = {
         "model": ctx["info"],

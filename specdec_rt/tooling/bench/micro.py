@@ -56,12 +56,15 @@ def weight_bytes(manifest: Manifest) -> int:
     return total - (0 if quantized_table else manifest.vocab_size * manifest.hidden_size * 4)
 
 
-def loaded_memory(ctx: dict[str, Any]) -> dict[str, float]:
-    """Bytes of the loaded models' weight files and this process's resident memory, in MB."""
+def loaded_memory(ctx: dict[str, Any], say: Callable[[str], None] = lambda msg: None) -> dict[str, float]:
+    """Bytes of the loaded models' weight files and this process's resident memory, in MB (and
+    a line saying so)."""
     from ...engine.memory import resident_bytes, weights_bytes
 
     files = [model.manifest.onnx_file for model in [ctx["target"], *ctx.get("draft_models", [])]]
-    return {"weights_mb": weights_bytes(files) / 2**20, "rss_mb": resident_bytes() / 2**20}
+    memory = {"weights_mb": weights_bytes(files) / 2**20, "rss_mb": resident_bytes() / 2**20}
+    say(f"weights {memory['weights_mb']:.0f} MB on disk; resident {memory['rss_mb']:.0f} MB once loaded")
+    return memory
 
 
 _MEMORY_PROBE = """
