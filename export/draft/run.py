@@ -436,7 +436,7 @@ def _new_head(folder: Path, tm, vocab: np.ndarray):
         embed,
         lm,
         torch.from_numpy(t["cos_cache"]),
-        torch.from_numpy(t["sin_cache"]),
+        sin=torch.from_numpy(t["sin_cache"]),
         norm_weight=torch.from_numpy(t["norm.weight"].copy()),
     )
     return head, cfg
