@@ -62,10 +62,10 @@ def load_head(path: Path) -> tuple[dict[str, npt.NDArray[np.float32]], npt.NDArr
     and the array."""
     path = Path(path)
     try:
-        with zipfile.ZipFile(path) as z:
-            cfg = _read_config(z, path)
-            vocab = _read_vocab(z, path, cfg)
-            weights = _read_weights(z, path, cfg)
+        with zipfile.ZipFile(path) as archive:
+            cfg = _read_config(archive, path)
+            vocab = _read_vocab(archive, path, cfg)
+            weights = _read_weights(archive, path, cfg)
     except ExportError:
         raise
     except (

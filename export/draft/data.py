@@ -158,10 +158,10 @@ def _greedy(
     cache = DynamicCache()
     steps = _Steps()
     with torch.inference_mode():
-        h, logits = features(
+        feats, logits = features(
             model, input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
         )  # [B, L, F], [B, L, V]
-        nxt = steps.keep(h, logits, topk)  # [B]
+        nxt = steps.keep(feats, logits, topk)  # [B]
         done = torch.zeros(batch, dtype=torch.bool)
         last = pos[:, -1]
         for step in range(max_new):
@@ -171,7 +171,7 @@ def _greedy(
                 break
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long, device=dev)], dim=1)
             last = last + 1
-            h, logits = features(
+            feats, logits = features(
                 model,
                 input_ids=nxt[:, None],
                 attention_mask=mask,
@@ -179,7 +179,7 @@ def _greedy(
                 past_key_values=cache,
                 use_cache=True,
             )
-            nxt = steps.keep(h, logits, topk)
+            nxt = steps.keep(feats, logits, topk)
     return steps
 
 

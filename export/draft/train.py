@@ -294,11 +294,11 @@ class _Trainer:
         while state["step"] < self.total:
             if should_stop is not None and should_stop():
                 return "time budget"
-            i = state["step"]
-            b = train_b[orders[i // per_epoch][i % per_epoch]]
-            loss = _step(self.head, b, depth=self.cfg.depth, optim=self.optim, losses=self.losses)
+            index = state["step"]
+            batch = train_b[orders[index // per_epoch][index % per_epoch]]
+            loss = _step(self.head, batch, depth=self.cfg.depth, optim=self.optim, losses=self.losses)
             state["step"] += 1
-            state["tokens"] += b.n_tokens
+            state["tokens"] += batch.n_tokens
             if state["step"] % self.cfg.eval_every == 0 or state["step"] == self.total:
                 val = self.validate(val_b)
                 done = state["step"] - step0
