@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
     report, code = one_line_errors(
         lambda: run_train_draft(req, ui), args.verbose, "interrupted (checkpoints kept; rerun with --resume)"
     )
-    if code:
+    if code or report is None:
         return code
     if report["status"] != "done":
         print(report["why"], file=sys.stderr)

@@ -13,15 +13,20 @@ prompt order is fixed by the seed.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["Shard", "load_shards", "save_shard", "generate_shards", "shard_path", "top_k"]
 
 TOPK = 8
+
+# one sequence: (tokens [T], prompt_len, feats [T-1, H], topk_ids [T-1, K], topk_p [T-1, K])
+Sequence = tuple[npt.NDArray[np.int32], int, npt.NDArray[np.float16], npt.NDArray[np.int32], npt.NDArray[np.float16]]
 
 
 @dataclass
@@ -30,14 +35,14 @@ class Shard:
     ``prompt_lens`` [S]; per sequence s of T_s tokens, rows ``starts[s] - s .. starts[s+1] - s - 1``
     of ``feats`` [N-S, H] float16, ``topk_ids`` [N-S, K] int32, ``topk_p`` [N-S, K] float16."""
 
-    tokens: np.ndarray
-    starts: np.ndarray
-    prompt_lens: np.ndarray
-    feats: np.ndarray
-    topk_ids: np.ndarray
-    topk_p: np.ndarray
+    tokens: npt.NDArray[np.int32]
+    starts: npt.NDArray[np.int64]
+    prompt_lens: npt.NDArray[np.int32]
+    feats: npt.NDArray[np.float16]
+    topk_ids: npt.NDArray[np.int32]
+    topk_p: npt.NDArray[np.float16]
 
-    def sequences(self):
+    def sequences(self) -> Iterator[Sequence]:
         """(tokens [T], prompt_len, feats [T-1, H], topk_ids [T-1, K], topk_p [T-1, K])."""
         for s in range(len(self.prompt_lens)):
             a, b = int(self.starts[s]), int(self.starts[s + 1])
@@ -66,14 +71,14 @@ def save_shard(path: Path, shard: Shard) -> None:
 
 
 def load_shards(data_dir: Path) -> list[Shard]:
-    out = []
+    out: list[Shard] = []
     for path in sorted(Path(data_dir).glob("shard-?????.npz")):  # not a half-written .tmp.npz
         with np.load(path) as z:
             out.append(Shard(**{k: z[k] for k in Shard.__dataclass_fields__}))
     return out
 
 
-def top_k(logits, k: int):
+def top_k(logits: Any, k: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float16]]:
     """logits [..., V] torch -> (ids int32 [..., k], probs float16 [..., k]) of softmax(logits)."""
     import torch
 
@@ -89,45 +94,84 @@ def last_hidden(model: Any, **inputs: Any) -> tuple[Any, Any]:
     return h, model.lm_head(h)
 
 
+Features = Callable[..., tuple[Any, Any]]  # (model, **forward inputs) -> (features, logits)
+
+
 def _generate_batch(
-    model, prompts: list[list[int]], max_new: int, eos: set[int], topk: int, features=last_hidden
+    model: Any,
+    prompts: list[list[int]],
+    max_new: int,
+    eos: set[int],
+    *,
+    topk: int,
+    features: Features = last_hidden,
 ) -> Shard:
     """Greedy answers for one batch of prompt ids; features and top-k labels at every position.
     ``features(model, **inputs)`` returns ``(features [B, S, F], logits [B, S, V])`` of a forward
     (:func:`last_hidden`; an experiment may keep more, e.g. several layers)."""
+    steps = _greedy(model, prompts, max_new, eos, topk=topk, features=features)
+    return _shard_of(prompts, steps, eos)
+
+
+@dataclass
+class _Steps:
+    """What a greedy run kept, one array per forward (concatenated along the sequence axis)."""
+
+    feats: list[npt.NDArray[np.float16]] = field(default_factory=list)  # [B, S, F] each
+    topk_ids: list[npt.NDArray[np.int32]] = field(default_factory=list)  # [B, S, K] each
+    topk_p: list[npt.NDArray[np.float16]] = field(default_factory=list)  # [B, S, K] each
+    generated: list[npt.NDArray[np.int64]] = field(default_factory=list)  # [B] per new token
+
+    def keep(self, h: Any, logits: Any, topk: int) -> Any:
+        """Store one forward's features and top-k labels; returns the greedy next tokens [B]."""
+        self.feats.append(h.half().cpu().numpy())
+        ids, probs = top_k(logits, topk)
+        self.topk_ids.append(ids)
+        self.topk_p.append(probs)
+        return logits[:, -1].argmax(-1)
+
+
+def _left_padded(prompts: list[list[int]], pad: int) -> tuple[Any, Any, Any]:
+    """(input ids, attention mask, position ids), each [B, L], prompts aligned to the right."""
+    import torch
+
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((batch, width), pad, dtype=torch.long)
+    mask = torch.zeros((batch, width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos
+
+
+def _greedy(
+    model: Any, prompts: list[list[int]], max_new: int, eos: set[int], *, topk: int, features: Features
+) -> _Steps:
+    """Prefill the batch, then decode greedily until every row hit ``eos`` or ``max_new``."""
     import torch
     from transformers import DynamicCache
 
-    B, L = len(prompts), max(len(p) for p in prompts)
-    pad = next(iter(eos))
-    ids = torch.full((B, L), pad, dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, L - len(p) :] = torch.tensor(p)
-        mask[b, L - len(p) :] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
     dev = next(model.parameters()).device
-    ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+    ids, mask, pos = (t.to(dev) for t in _left_padded(prompts, next(iter(eos))))
+    batch = ids.shape[0]
     cache = DynamicCache()
-    feats, tk_ids, tk_p, gen = [], [], [], []
+    steps = _Steps()
     with torch.inference_mode():
-        h, logits = features(
+        feats, logits = features(
             model, input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
         )  # [B, L, F], [B, L, V]
-        feats.append(h.half().cpu().numpy())
-        a, b = top_k(logits, topk)
-        tk_ids.append(a), tk_p.append(b)
-        nxt = logits[:, -1].argmax(-1)  # [B]
-        done = torch.zeros(B, dtype=torch.bool)
+        nxt = steps.keep(feats, logits, topk)  # [B]
+        done = torch.zeros(batch, dtype=torch.bool)
         last = pos[:, -1]
         for step in range(max_new):
-            gen.append(nxt.cpu().numpy().copy())
+            steps.generated.append(nxt.cpu().numpy().copy())
             done |= torch.tensor([int(t) in eos for t in nxt.tolist()])
             if bool(done.all()) or step == max_new - 1:
                 break
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long, device=dev)], dim=1)
+            mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long, device=dev)], dim=1)
             last = last + 1
-            h, logits = features(
+            feats, logits = features(
                 model,
                 input_ids=nxt[:, None],
                 attention_mask=mask,
@@ -135,35 +179,42 @@ def _generate_batch(
                 past_key_values=cache,
                 use_cache=True,
             )
-            feats.append(h.half().cpu().numpy())
-            a, b = top_k(logits, topk)
-            tk_ids.append(a), tk_p.append(b)
-            nxt = logits[:, -1].argmax(-1)
-    feats = np.concatenate(feats, axis=1)  # [B, L + steps, H]
-    tk_ids, tk_p = np.concatenate(tk_ids, axis=1), np.concatenate(tk_p, axis=1)
-    gen = np.stack(gen, axis=1)  # [B, n]
-    toks, starts, plens, f, ti, tp = [], [0], [], [], [], []
-    for b, p in enumerate(prompts):
-        ans = gen[b].tolist()
+            nxt = steps.keep(feats, logits, topk)
+    return steps
+
+
+def _shard_of(prompts: list[list[int]], steps: _Steps, eos: set[int]) -> Shard:
+    """Cut each row at its first ``eos`` and pack the rows' positions 0..T-2 into one shard."""
+    width = max(len(p) for p in prompts)
+    feats = np.concatenate(steps.feats, axis=1)  # [B, L + steps, H]
+    tk_ids, tk_p = np.concatenate(steps.topk_ids, axis=1), np.concatenate(steps.topk_p, axis=1)
+    gen = np.stack(steps.generated, axis=1)  # [B, n]
+    toks: list[int] = []
+    starts, plens = [0], []
+    rows_f, rows_ti, rows_tp = [], [], []
+    for row, prompt in enumerate(prompts):
+        ans = gen[row].tolist()
         stop = next((i + 1 for i, t in enumerate(ans) if t in eos), len(ans))
-        seq = list(p) + ans[:stop]
-        rows = slice(L - len(p), L - len(p) + len(seq) - 1)  # positions 0..T-2 of this sequence
+        seq = list(prompt) + ans[:stop]
+        rows = slice(width - len(prompt), width - len(prompt) + len(seq) - 1)  # positions 0..T-2
         toks += seq
         starts.append(len(toks))
-        plens.append(len(p))
-        f.append(feats[b, rows]), ti.append(tk_ids[b, rows]), tp.append(tk_p[b, rows])
+        plens.append(len(prompt))
+        rows_f.append(feats[row, rows])
+        rows_ti.append(tk_ids[row, rows])
+        rows_tp.append(tk_p[row, rows])
     return Shard(
         tokens=np.array(toks, np.int32),
         starts=np.array(starts, np.int64),
         prompt_lens=np.array(plens, np.int32),
-        feats=np.concatenate(f),
-        topk_ids=np.concatenate(ti),
-        topk_p=np.concatenate(tp),
+        feats=np.concatenate(rows_f),
+        topk_ids=np.concatenate(rows_ti),
+        topk_p=np.concatenate(rows_tp),
     )
 
 
 def generate_shards(
-    model,
+    model: Any,
     prompt_ids: list[list[int]],
     data_dir: Path,
     *,
@@ -172,7 +223,7 @@ def generate_shards(
     eos: set[int],
     tokens_goal: int,
     deadline: float | None,
-    log,
+    log: Callable[[str], None],
 ) -> int:
     """Write shards until ``tokens_goal`` answer tokens exist, the prompts run out, or the
     ``deadline`` (time.monotonic) passes. Returns the answer tokens on disk. Resumable."""
@@ -190,7 +241,7 @@ def generate_shards(
         if deadline is not None and time.monotonic() > deadline:
             log("data: time budget reached")
             break
-        shard = _generate_batch(model, prompt_ids[i * batch : (i + 1) * batch], max_new, eos, TOPK)
+        shard = _generate_batch(model, prompt_ids[i * batch : (i + 1) * batch], max_new, eos, topk=TOPK)
         save_shard(path, shard)
         have += shard.answer_tokens
         made += shard.answer_tokens

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,7 @@ class HeadConfig:
     rms_eps: float
     draft_vocab: int  # V', the reduced output vocabulary
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -47,11 +48,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(weight.clone() if weight is not None else torch.ones(n))
 
-    def forward(self, x):
+    def forward(self, x: Any) -> Any:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def _rotate(x, cos, sin):
+def _rotate(x: Any, cos: Any, sin: Any) -> Any:
     """HF non-interleaved rotary: x [B, n, T, d], cos/sin [T, d/2]."""
     d = x.shape[-1] // 2
     c, s = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # [T, d]
@@ -64,7 +65,22 @@ class EagleHead(nn.Module):
     ``lm_head`` [V', H] (rows of the target's head for the reduced vocabulary), ``cos``/``sin``
     [P, d/2] (the target's rotary tables)."""
 
-    def __init__(self, cfg: HeadConfig, embed, lm_head, cos, sin, norm_weight=None, init_layer=None):
+    embed: Any
+    lm_head: Any
+    cos: Any
+    sin: Any
+
+    def __init__(
+        self,
+        cfg: HeadConfig,
+        embed: Any,
+        lm_head: Any,
+        cos: Any,
+        *,
+        sin: Any,
+        norm_weight: Any = None,
+        init_layer: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = c = cfg
         H, nh, kv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
@@ -95,7 +111,7 @@ class EagleHead(nn.Module):
         return {k: v.detach().clone() for k, v in self.state_dict().items()}
 
     # ---- pieces shared by training and the reference forward -------------------------------
-    def _qkv(self, z, pos):
+    def _qkv(self, z: Any, pos: Any) -> tuple[Any, Any, Any]:
         """z [B, T, H], pos [T] -> q [B, nh, T, d], k/v [B, kv, T, d] (rotary applied)."""
         c, (B, T, _) = self.cfg, z.shape
         x = self.ln1(z)
@@ -105,7 +121,7 @@ class EagleHead(nn.Module):
         cos, sin = self.cos[pos], self.sin[pos]
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
-    def _finish(self, z, attn):
+    def _finish(self, z: Any, attn: Any) -> Any:
         """Residual + MLP + output norm: z [B, T, H], attn [B, nh, T, d] -> g [B, T, H]."""
         B, T, _ = z.shape
         u = z + self.o(attn.transpose(1, 2).reshape(B, T, -1))
@@ -113,11 +129,11 @@ class EagleHead(nn.Module):
         u = u + self.down(F.silu(self.gate(x)) * self.up(x))
         return self.norm(u)
 
-    def logits(self, g):
+    def logits(self, g: Any) -> Any:
         """g [..., H] -> logits over the reduced vocabulary [..., V']."""
         return g @ self.lm_head.T
 
-    def unrolled(self, tokens, feats, depth: int):
+    def unrolled(self, tokens: Any, feats: Any, depth: int) -> list[Any]:
         """Training forward. tokens [B, T] (x_0..x_{T-1}), feats [B, T-1, H] (h_0..h_{T-2}).
 
         Returns ``depth`` tensors g^(s) [B, T-1, H]: g^(s)[:, j] predicts h_{j+1} at draft depth
@@ -129,15 +145,19 @@ class EagleHead(nn.Module):
         pos = torch.arange(T1, device=feats.device)
         emb = self.embed[tokens[:, 1:]]  # [B, T-1, H]: e(x_{j+1}) at position j
         rep = c.num_heads // c.num_kv_heads
-        ks, vs, outs = [], [], []
+        ks: list[Any] = []
+        vs: list[Any] = []
+        outs: list[Any] = []
         f = feats
         j = pos[:, None]
         i = pos[None, :]
         for s in range(1, depth + 1):
             z = self.fc(torch.cat([emb, f], -1))  # [B, T-1, H]
             q, k, v = self._qkv(z, pos)
-            ks.append(k), vs.append(v)
-            scores, values = [], []
+            ks.append(k)
+            vs.append(v)
+            scores: list[Any] = []
+            values: list[Any] = []
             for t in range(1, s + 1):  # keys of depth t
                 if t == 1:
                     allowed = i <= j - s + 1  # committed positions: true features
@@ -156,7 +176,9 @@ class EagleHead(nn.Module):
         return outs
 
     @torch.no_grad()
-    def step(self, tokens_next, feats, past, start: int):
+    def step(
+        self, tokens_next: Any, feats: Any, past: tuple[Any, Any] | None, start: int
+    ) -> tuple[Any, tuple[Any, Any]]:
         """Reference incremental forward (what the ONNX graph computes).
 
         tokens_next [S] (x_{j+1}), feats [S, H] (h_j) for positions start..start+S-1;

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import onnx
 from onnx import TensorProto, helper
 
@@ -58,62 +60,82 @@ def target_tensors(folder: Path, names: tuple[str, ...]) -> dict[str, np.ndarray
 
 def build_head_onnx(
     head: dict[str, np.ndarray],
-    cfg: dict,
-    vocab: np.ndarray,
+    cfg: dict[str, Any],
+    vocab: npt.NDArray[np.int64],
     *,
     embed: np.ndarray,
     lm_head: np.ndarray,
     cos: np.ndarray,
     sin: np.ndarray,
     out_dir: Path,
-) -> dict:
+) -> dict[str, Any]:
     """Write ``model.onnx`` + ``model.onnx.data``. ``head``: HEAD_KEYS -> float arrays;
     ``vocab`` [V'] full ids; ``embed`` [V, H]; ``lm_head`` [H, V] (the target graph's layout)."""
-    H, nh, kv, d = cfg["hidden_size"], cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
-    f = {k: np.asarray(v, np.float32) for k, v in head.items()}
+    hidden, kv, head_dim = cfg["hidden_size"], cfg["num_kv_heads"], cfg["head_dim"]
+    weights = {k: np.asarray(v, np.float32) for k, v in head.items()}
     out_dir = Path(out_dir)
     with ExternalDataWriter(out_dir / "model.onnx.data") as data:
-        g = _Graph(data, None, cfg["rms_eps"])
-        g.init("cos_cache", cos)
-        g.init("sin_cache", sin)
-        e16 = g.node(
-            "Gather",
-            [g.init("embed_tokens.weight_fp16", embed.astype(np.float16)), "input_ids"],
-            ["/embed/gathered"],
-            "/embed/Gather",
-        )[0]
-        e = g.node("Cast", [e16], ["/embed/output"], "/embed/Cast", to=TensorProto.FLOAT)[0]
-        cat = g.node("Concat", [e, "features"], ["/fc/input"], "/fc/Concat", axis=-1)[0]
-        z = g.linear(cat, f["fc"].T, "/fc")  # [B, S, H]
-        h, _ = g.rms_norm(z, None, f["ln1"], "/layer/input_layernorm")
-        qkv = g.linear(h, np.concatenate([f["q"].T, f["k"].T, f["v"].T], axis=1), "/layer/attn/qkv")
-        a = g.node(
-            "GroupQueryAttention",
-            gqa_inputs(qkv, 0, packed=False),
-            ["/layer/attn/output", "present.0.key", "present.0.value"],
-            "/layer/attn/GroupQueryAttention",
-            domain=MS,
-            num_heads=nh,
-            kv_num_heads=kv,
-            scale=1.0 / math.sqrt(d),
-            do_rotary=1,
-            rotary_interleaved=0,
-            local_window_size=-1,
-        )[0]
-        o = g.linear(a, f["o"].T, "/layer/attn/o_proj")
-        x, u = g.rms_norm(o, z, f["ln2"], "/layer/post_attention_layernorm")
-        gate = g.linear(x, f["gate"].T, "/layer/mlp/gate_proj")
-        up = g.linear(x, f["up"].T, "/layer/mlp/up_proj")
-        sig = g.node("Sigmoid", [gate], ["/layer/mlp/sigmoid"], "/layer/mlp/Sigmoid")[0]
-        silu = g.node("Mul", [gate, sig], ["/layer/mlp/silu"], "/layer/mlp/SiLU")[0]
-        act = g.node("Mul", [silu, up], ["/layer/mlp/act"], "/layer/mlp/Mul")[0]
-        down = g.linear(act, f["down"].T, "/layer/mlp/down_proj")
-        g.rms_norm(down, u, f["norm"], "/norm", out="hidden_states")
-        picked = g.node("Gather", ["hidden_states", "logits_index"], ["/lm_head/rows"], "/lm_head/Gather", axis=1)[0]
-        g.linear(picked, np.ascontiguousarray(lm_head[:, vocab]), "/lm_head", out="logits")
+        graph = _Graph(data, None, cfg["rms_eps"])
+        graph.init("cos_cache", cos)
+        graph.init("sin_cache", sin)
+        fused = _fc(graph, weights, embed)
+        attn = _attention(graph, weights, fused, cfg)
+        attn_out = graph.linear(attn, weights["o"].T, "/layer/attn/o_proj")
+        mlp_in, residual = graph.rms_norm(attn_out, fused, weights["ln2"], "/layer/post_attention_layernorm")
+        down = _mlp(graph, weights, mlp_in)
+        graph.rms_norm(down, residual, weights["norm"], "/norm", out="hidden_states")
+        picked = graph.node("Gather", ["hidden_states", "logits_index"], ["/lm_head/rows"], "/lm_head/Gather", axis=1)[
+            0
+        ]
+        graph.linear(picked, np.ascontiguousarray(lm_head[:, vocab]), "/lm_head", out="logits")
 
-    features = helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch_size", "sequence_length", H])
-    inputs, outputs = decoder_io(1, kv, d, int(vocab.size), hidden=H, extra_inputs=(features,), packed=False)
-    return save_graph(
-        g, "eagle_head", inputs, outputs, path=out_dir / "model.onnx", producer="specdec-rt export train-draft"
+    features = helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch_size", "sequence_length", hidden])
+    inputs, outputs = decoder_io(
+        1, kv, head_dim, int(vocab.size), hidden=hidden, extra_inputs=(features,), packed=False
     )
+    return save_graph(
+        graph, "eagle_head", inputs, outputs, path=out_dir / "model.onnx", producer="specdec-rt export train-draft"
+    )
+
+
+def _fc(graph: _Graph, weights: dict[str, np.ndarray], embed: np.ndarray) -> str:
+    """z = Concat(e(input_ids), features) W_fc (returned as ``fused``), with the embedding stored as float16."""
+    emb16 = graph.node(
+        "Gather",
+        [graph.init("embed_tokens.weight_fp16", embed.astype(np.float16)), "input_ids"],
+        ["/embed/gathered"],
+        "/embed/Gather",
+    )[0]
+    emb = graph.node("Cast", [emb16], ["/embed/output"], "/embed/Cast", to=TensorProto.FLOAT)[0]
+    cat = graph.node("Concat", [emb, "features"], ["/fc/input"], "/fc/Concat", axis=-1)[0]
+    return graph.linear(cat, weights["fc"].T, "/fc")  # [B, S, H]
+
+
+def _attention(graph: _Graph, weights: dict[str, np.ndarray], fused: str, cfg: dict[str, Any]) -> str:
+    """GroupQueryAttention over the normalised z (rotary inside, KV cache slot 0)."""
+    normed, _ = graph.rms_norm(fused, None, weights["ln1"], "/layer/input_layernorm")
+    w_qkv = np.concatenate([weights["q"].T, weights["k"].T, weights["v"].T], axis=1)
+    qkv = graph.linear(normed, w_qkv, "/layer/attn/qkv")
+    return graph.node(
+        "GroupQueryAttention",
+        gqa_inputs(qkv, 0, packed=False),
+        ["/layer/attn/output", "present.0.key", "present.0.value"],
+        "/layer/attn/GroupQueryAttention",
+        domain=MS,
+        num_heads=cfg["num_heads"],
+        kv_num_heads=cfg["num_kv_heads"],
+        scale=1.0 / math.sqrt(cfg["head_dim"]),
+        do_rotary=1,
+        rotary_interleaved=0,
+        local_window_size=-1,
+    )[0]
+
+
+def _mlp(graph: _Graph, weights: dict[str, np.ndarray], mlp_in: str) -> str:
+    """down(silu(gate(x)) * up(x)) for x = ``mlp_in``."""
+    gate = graph.linear(mlp_in, weights["gate"].T, "/layer/mlp/gate_proj")
+    up = graph.linear(mlp_in, weights["up"].T, "/layer/mlp/up_proj")
+    sig = graph.node("Sigmoid", [gate], ["/layer/mlp/sigmoid"], "/layer/mlp/Sigmoid")[0]
+    silu = graph.node("Mul", [gate, sig], ["/layer/mlp/silu"], "/layer/mlp/SiLU")[0]
+    act = graph.node("Mul", [silu, up], ["/layer/mlp/act"], "/layer/mlp/Mul")[0]
+    return graph.linear(act, weights["down"].T, "/layer/mlp/down_proj")

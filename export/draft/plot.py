@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 __all__ = ["plot_curve"]
 
 
-def plot_curve(report: dict, path: Path) -> Path:
+def plot_curve(report: dict[str, Any], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -18,14 +18,20 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import ExportError, SourceNotFoundError, UsageError
 from ..tokenizer import sha256_file
 from ..ui import Reporter
 from .train import TrainConfig, load_checkpoint
+
+if TYPE_CHECKING:
+    from .data import Shard
+    from .eagle import EagleHead, HeadConfig
+    from .evaluate import Prompt
 
 __all__ = ["TrainDraftRequest", "run_train_draft"]
 
@@ -86,14 +92,16 @@ def _target_dirs(req: TrainDraftRequest, ui: Reporter) -> tuple[Path, str]:
         return folder, req.source
     src = manifest.get("source", {})
     if src.get("kind") == "recipe":
-        recipe = load_recipe(find_recipe(src["recipe"]))
-        return folder, str(fetch_source(recipe["target"]))
+        found = find_recipe(src["recipe"])
+        if found is None:
+            raise SourceNotFoundError(f"{folder}: its manifest names recipe {src['recipe']!r}, which is not known")
+        return folder, str(fetch_source(load_recipe(found)["target"]))
     if src.get("path"):
         return folder, src["path"]
     raise UsageError(f"{folder}: its manifest does not say where its weights came from; pass --source")
 
 
-def _prompts(req: TrainDraftRequest, codec) -> tuple[list[list[int]], list[list[int]]]:
+def _prompts(req: TrainDraftRequest, codec: Any) -> tuple[list[list[int]], list[list[int]]]:
     from .prompts import split_of, training_prompts
 
     allp = training_prompts(req.seed)
@@ -103,22 +111,23 @@ def _prompts(req: TrainDraftRequest, codec) -> tuple[list[list[int]], list[list[
     return [enc(p) for p in train], [enc(p) for p in val]
 
 
-def _eval_prompts(n: int) -> list:
+def _eval_prompts(n: int) -> list[Prompt]:
     """Held-out prompts (the benchmark set, never trained on), chat first."""
     import importlib.resources
 
     lines = importlib.resources.files("specdec_rt.tooling.data").joinpath("prompts.jsonl").read_text().splitlines()
     rows = [json.loads(x) for x in lines if x.strip()]
     rows.sort(key=lambda r: r["category"] != "chat")
-    return [r["messages"] for r in rows[:n]]
+    messages: list[Prompt] = [r["messages"] for r in rows[:n]]
+    return messages
 
 
-def _state(work: Path, req: TrainDraftRequest) -> dict:
+def _state(work: Path, req: TrainDraftRequest) -> dict[str, Any]:
     """The run's fixed settings; a resumed run must match them."""
     path = work / "run.json"
     mine = {k: getattr(req, k) for k in DATA_KEYS}
     if path.exists():
-        saved = json.loads(path.read_text())
+        saved: dict[str, Any] = json.loads(path.read_text())
         if not req.resume:
             raise UsageError(f"{work.parent} holds a run already; pass --resume to continue it or choose another --out")
         diff = [k for k in DATA_KEYS if saved["settings"].get(k, getattr(TrainDraftRequest, k)) != mine[k]]
@@ -153,7 +162,7 @@ class _Run:
         return self.out / "work"
 
 
-def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict:
+def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict[str, Any]:
     """Run (or resume) every stage; returns the report (also written to OUT/report.json)."""
     run = _open_run(req, ui or Reporter())
     report: dict[str, Any] = {"target": str(run.folder), "out": str(run.out)}
@@ -216,12 +225,30 @@ def _data_stage(run: _Run) -> str | None:
     train_ids, val_ids = _prompts(req, run.codec)
     with ui.stage("load the target in PyTorch (data generation)"):
         model = _load_torch(run.source).to(run.device)
-    gen = dict(batch=req.batch, max_new=req.max_new, eos=set(run.tm.eos_ids) or {0}, log=ui.log)
+    eos = set(run.tm.eos_ids) or {0}
     with ui.stage(f"data: {len(val_ids)} validation answers"):
-        generate_shards(model, val_ids, work / "data" / "val", tokens_goal=10**12, deadline=run.deadline, **gen)
+        generate_shards(
+            model,
+            val_ids,
+            work / "data" / "val",
+            batch=req.batch,
+            max_new=req.max_new,
+            eos=eos,
+            tokens_goal=10**12,
+            deadline=run.deadline,
+            log=ui.log,
+        )
     with ui.stage(f"data: training answers, goal {req.tokens:,} tokens"):
         have = generate_shards(
-            model, train_ids, work / "data" / "train", tokens_goal=req.tokens, deadline=run.deadline, **gen
+            model,
+            train_ids,
+            work / "data" / "train",
+            batch=req.batch,
+            max_new=req.max_new,
+            eos=eos,
+            tokens_goal=req.tokens,
+            deadline=run.deadline,
+            log=ui.log,
         )
     del model
     n_val = len(list((work / "data" / "val").glob("shard-?????.npz")))
@@ -400,7 +427,7 @@ def _validate_stage(run: _Run, report: dict[str, Any], *, trained: _Trained, dra
         )
 
 
-def _load_torch(source: str):
+def _load_torch(source: str) -> Any:
     import torch
 
     from ..source import open_source
@@ -409,7 +436,7 @@ def _load_torch(source: str):
     return model.to(torch.float32).eval()
 
 
-def _new_head(folder: Path, tm, vocab: np.ndarray):
+def _new_head(folder: Path, tm: Any, vocab: npt.NDArray[np.int64]) -> tuple[EagleHead, HeadConfig]:
     import torch
 
     from .assemble import TARGET_TENSORS
@@ -436,13 +463,13 @@ def _new_head(folder: Path, tm, vocab: np.ndarray):
         embed,
         lm,
         torch.from_numpy(t["cos_cache"]),
-        torch.from_numpy(t["sin_cache"]),
+        sin=torch.from_numpy(t["sin_cache"]),
         norm_weight=torch.from_numpy(t["norm.weight"].copy()),
     )
     return head, cfg
 
 
-def _graph_facts(folder: Path, tm) -> tuple[int, float]:
+def _graph_facts(folder: Path, tm: Any) -> tuple[int, float]:
     """The target's MLP width and RMSNorm epsilon, read off its graph (one parse): the head's
     layer copies the target's shape."""
     import onnx
@@ -463,14 +490,14 @@ def _graph_facts(folder: Path, tm) -> tuple[int, float]:
     return width, eps
 
 
-def _weights(head) -> dict[str, np.ndarray]:
+def _weights(head: EagleHead) -> dict[str, np.ndarray]:
     from .graph import HEAD_KEYS
 
     sd = head.state_dict()
     return {k: sd[f"{k}.weight"].detach().float().numpy() for k in HEAD_KEYS}
 
 
-def _load_weights(head, head_file: Path) -> None:
+def _load_weights(head: EagleHead, head_file: Path) -> None:
     import torch
 
     from .assemble import load_head
@@ -479,12 +506,12 @@ def _load_weights(head, head_file: Path) -> None:
     head.load_state_dict({f"{k}.weight": torch.from_numpy(w) for k, w in weights.items()}, strict=False)
 
 
-def _coverage(shards, vocab: np.ndarray) -> float:
+def _coverage(shards: list[Shard], vocab: npt.NDArray[np.int64]) -> float:
     top = np.concatenate([s.topk_ids[:, 0] for s in shards]) if shards else np.zeros(0, np.int64)
     return float(np.isin(top, vocab).mean()) if top.size else float("nan")
 
 
-def _check_onnx(head, draft: Path, val_sh) -> float:
+def _check_onnx(head: EagleHead, draft: Path, val_sh: list[Shard]) -> float:
     """Max |logit| difference between the ONNX draft and the PyTorch head on one sequence,
     fed in two chunks (prefill, then one step) to exercise the KV cache."""
     import anyio
@@ -497,7 +524,7 @@ def _check_onnx(head, draft: Path, val_sh) -> float:
     m = OrtModel(draft, slots=1, max_length=64)
     s = m.start()
 
-    async def go():
+    async def go() -> npt.NDArray[np.float32]:
         a, _ = await s.extend(tok[1:n].astype(np.int64), n - 1, features=feats[: n - 1].astype(np.float32), hidden=True)
         b, _ = await s.extend(
             tok[n : n + 1].astype(np.int64), 1, features=feats[n - 1 : n].astype(np.float32), hidden=True
@@ -517,7 +544,7 @@ def _check_onnx(head, draft: Path, val_sh) -> float:
     return diff
 
 
-def _stopped(out: Path, report: dict, why: str, ui: Reporter) -> dict:
+def _stopped(out: Path, report: dict[str, Any], why: str, ui: Reporter) -> dict[str, Any]:
     report["status"] = "stopped"
     report["why"] = why
     ui.log(why)
@@ -525,7 +552,7 @@ def _stopped(out: Path, report: dict, why: str, ui: Reporter) -> dict:
     return report
 
 
-def _write_report(out: Path, report: dict, ui: Reporter) -> None:
+def _write_report(out: Path, report: dict[str, Any], ui: Reporter) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     if report.get("curve"):

@@ -11,15 +11,17 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, TypedDict
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
-from .data import Shard
+from .data import Sequence, Shard
 from .eagle import EagleHead
 
 __all__ = ["TrainConfig", "Batch", "make_batches", "reduced_vocab", "train", "evaluate", "load_checkpoint"]
@@ -27,6 +29,8 @@ __all__ = ["TrainConfig", "Batch", "make_batches", "reduced_vocab", "train", "ev
 _Optim = tuple[list[torch.nn.Parameter], torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]
 FEAT_W = 0.2
 DEPTH_W = (1.0, 0.8, 0.6, 0.5)
+# (head, batch, depth) -> per depth (loss, top-1 agreements, positions); see _losses
+Losses = Callable[[Any, "Batch", int], list[tuple[Any, int, int]]]
 
 
 @dataclass
@@ -39,7 +43,7 @@ class TrainConfig:
     warmup: int = 50
     eval_every: int = 100  # optimizer steps
     seed: int = 0
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -51,7 +55,7 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T-1] bool: position j predicts an answer token x_{j+2}
     n_tokens: int
 
-    def to(self, device) -> "Batch":
+    def to(self, device: Any) -> "Batch":
         if self.tokens.device == torch.device(device):
             return self
         return Batch(
@@ -84,7 +88,8 @@ def make_batches(shards: list[Shard], vocab: np.ndarray, batch_tokens: int, full
     lookup[vocab] = np.arange(vocab.size)
     seqs = [s for sh in shards for s in sh.sequences() if len(s[0]) >= 3]
     seqs.sort(key=lambda s: len(s[0]))
-    batches, cur = [], []
+    batches: list[Batch] = []
+    cur: list[Sequence] = []
     for s in seqs:
         cur.append(s)
         if len(cur) * len(s[0]) >= batch_tokens:
@@ -95,7 +100,7 @@ def make_batches(shards: list[Shard], vocab: np.ndarray, batch_tokens: int, full
     return batches
 
 
-def _collate(seqs, lookup: np.ndarray) -> Batch:
+def _collate(seqs: list[Sequence], lookup: npt.NDArray[np.int64]) -> Batch:
     B, T = len(seqs), max(len(s[0]) for s in seqs)
     H, K = seqs[0][2].shape[1], seqs[0][3].shape[1]
     tokens = np.zeros((B, T), np.int64)
@@ -133,10 +138,11 @@ def _losses(
     head: EagleHead,
     b: Batch,
     depth: int,
-    inputs: Callable | None = None,
-    target: Callable | None = None,
+    *,
+    inputs: Callable[[Any], Any] | None = None,
+    target: Callable[[Any], Any] | None = None,
     feat_w: float = FEAT_W,
-):
+) -> list[tuple[Any, int, int]]:
     """Per depth: (loss, top-1 agreement count, positions). Top-1: the draft's argmax equals
     the target's argmax (label index 0, the largest soft label). ``inputs`` / ``target`` map
     the batch's features to what the head reads at depth 1 and to the h its guesses are
@@ -147,7 +153,7 @@ def _losses(
     outs = head.unrolled(b.tokens, b.feats if inputs is None else inputs(b.feats), depth)
     feat_next = torch.cat([h[:, 1:], torch.zeros_like(h[:, :1])], 1)  # h_{j+1}
     j = torch.arange(h.shape[1], device=h.device)
-    res = []
+    res: list[tuple[Any, int, int]] = []
     for s, g in enumerate(outs, start=1):
         m = b.loss_mask & (j >= s - 1)[None, :]
         gm = g[m]  # [N, H]
@@ -160,7 +166,7 @@ def _losses(
 
 
 @torch.no_grad()
-def evaluate(head: EagleHead, batches: list[Batch], depth: int, losses: Callable = _losses) -> list[float]:
+def evaluate(head: EagleHead, batches: list[Batch], depth: int, losses: Losses = _losses) -> list[float]:
     """Top-1 agreement with the target per depth (conditional on the earlier depths being right
     only in that the inputs are the teacher-forced tokens). ``losses``: :func:`_losses` or a
     variant of it (same signature)."""
@@ -174,7 +180,7 @@ def evaluate(head: EagleHead, batches: list[Batch], depth: int, losses: Callable
     return [h / max(t, 1) for h, t in zip(hit, tot)]
 
 
-def _save(path: Path, obj) -> None:
+def _save(path: Path, obj: Any) -> None:
     """Checkpoints hold only tensors, numbers, strings and plain containers (state dicts), so
     `load_checkpoint` can read them with PyTorch's restricted (weights-only) unpickler."""
     tmp = path.with_suffix(".tmp")
@@ -182,7 +188,7 @@ def _save(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, device="cpu"):
+def load_checkpoint(path: Path, device: Any = "cpu") -> Any:
     """Read `ckpt.pt` / `best.pt` with `weights_only=True`: a crafted file in a work folder
     cannot run code on `--resume` (anything but tensors and plain containers is refused)."""
     import pickle
@@ -210,16 +216,101 @@ def _optimizer(head: EagleHead, cfg: TrainConfig, total: int) -> _Optim:
     return params, opt, sched
 
 
-def _step(head: EagleHead, b: Batch, *, depth: int, optim: _Optim, losses: Callable[..., Any]) -> torch.Tensor:
+def _step(head: EagleHead, b: Batch, *, depth: int, optim: _Optim, losses: Losses) -> Any:
     """One optimizer step on the depth-weighted loss (gradients clipped to norm 1)."""
     params, opt, sched = optim
-    loss: torch.Tensor = sum(DEPTH_W[s] * part for s, (part, _, _) in enumerate(losses(head, b, depth)))
+    loss: Any = sum(DEPTH_W[s] * part for s, (part, _, _) in enumerate(losses(head, b, depth)))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
     sched.step()
     return loss
+
+
+class _State(TypedDict):
+    """Training progress, saved in every checkpoint."""
+
+    step: int
+    tokens: int
+    best: float
+    curve: list[dict[str, Any]]
+
+
+@dataclass
+class _Trainer:
+    """One training run's fixed inputs and its progress; writes ``work/ckpt.pt``, ``best.pt``
+    and ``curve.json``."""
+
+    head: EagleHead
+    optim: _Optim
+    cfg: TrainConfig
+    work: Path
+    losses: Losses
+    log: Callable[[str], None]
+    total: int
+    steps_per_epoch: int
+    state: _State = field(default_factory=lambda: _State(step=0, tokens=0, best=-1.0, curve=[]))
+
+    def resume(self) -> None:
+        """Load ``work/ckpt.pt`` (weights, optimizer, schedule, progress) when it exists."""
+        ck = self.work / "ckpt.pt"
+        if not ck.exists():
+            return
+        _, opt, sched = self.optim
+        saved = load_checkpoint(ck, next(self.head.parameters()).device)
+        self.head.load_state_dict(saved["head"], strict=False)
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        self.state = saved["state"]
+        self.log(f"train: resumed at step {self.state['step']}/{self.total}")
+
+    def checkpoint(self) -> None:
+        _, opt, sched = self.optim
+        _save(
+            self.work / "ckpt.pt",
+            {"head": self.head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "state": self.state},
+        )
+
+    def validate(self, val_b: list[Batch]) -> list[float]:
+        """Add a curve point; a new best depth-1 agreement replaces ``best.pt``."""
+        state = self.state
+        val = evaluate(self.head, val_b, self.cfg.depth, self.losses)
+        state["curve"].append({"step": state["step"], "tokens": state["tokens"], "val": val})
+        (self.work / "curve.json").write_text(json.dumps(state["curve"], indent=1))
+        if val[0] > state["best"]:
+            state["best"] = val[0]
+            _save(self.work / "best.pt", self.head.state_dict())
+        return val
+
+    def run(self, train_b: list[Batch], val_b: list[Batch], should_stop: Callable[[], bool] | None) -> str:
+        """Step until ``total`` (returns "done") or ``should_stop()`` (returns "time budget");
+        validates and checkpoints every ``eval_every`` steps."""
+        state, per_epoch = self.state, self.steps_per_epoch
+        rng = np.random.default_rng(self.cfg.seed)
+        orders = [rng.permutation(per_epoch) for _ in range(int(math.ceil(self.cfg.epochs)) + 1)]
+        t0, step0 = time.monotonic(), state["step"]
+        self.head.train()
+        while state["step"] < self.total:
+            if should_stop is not None and should_stop():
+                return "time budget"
+            index = state["step"]
+            batch = train_b[orders[index // per_epoch][index % per_epoch]]
+            loss = _step(self.head, batch, depth=self.cfg.depth, optim=self.optim, losses=self.losses)
+            state["step"] += 1
+            state["tokens"] += batch.n_tokens
+            if state["step"] % self.cfg.eval_every == 0 or state["step"] == self.total:
+                val = self.validate(val_b)
+                done = state["step"] - step0
+                eta = (self.total - state["step"]) * (time.monotonic() - t0) / max(done, 1)
+                self.log(
+                    f"train: step {state['step']}/{self.total} (epoch {state['step'] / per_epoch:.2f}), "
+                    f"loss {loss.item():.3f}, val top-1 by depth "
+                    + " ".join(f"{v:.3f}" for v in val)
+                    + f", ETA {eta / 60:.1f} min"
+                )
+                self.checkpoint()
+        return "done"
 
 
 def train(
@@ -230,9 +321,9 @@ def train(
     *,
     work: Path,
     should_stop: Callable[[], bool] | None,
-    log,
-    losses: Callable = _losses,
-) -> dict:
+    log: Callable[[str], None],
+    losses: Losses = _losses,
+) -> dict[str, Any]:
     """Train (resuming from ``work/ckpt.pt``); keeps ``work/best.pt`` (best validation depth-1
     agreement) and ``work/curve.json`` ([{tokens, step, val: [per depth]}]). ``should_stop()`` is
     asked before every step (a time budget); stopping writes a checkpoint. Deterministic: a run
@@ -241,57 +332,22 @@ def train(
     torch.manual_seed(cfg.seed)
     steps_per_epoch = len(train_b)
     total = max(1, int(cfg.epochs * steps_per_epoch))
-    params, opt, sched = _optimizer(head, cfg, total)
-    ck, best_p, curve_p = work / "ckpt.pt", work / "best.pt", work / "curve.json"
-    state = {"step": 0, "tokens": 0, "best": -1.0, "curve": []}
-    if ck.exists():
-        saved = load_checkpoint(ck, next(head.parameters()).device)
-        head.load_state_dict(saved["head"], strict=False)
-        opt.load_state_dict(saved["opt"])
-        sched.load_state_dict(saved["sched"])
-        state = saved["state"]
-        log(f"train: resumed at step {state['step']}/{total}")
-    rng = np.random.default_rng(cfg.seed)
-    orders = [rng.permutation(steps_per_epoch) for _ in range(int(math.ceil(cfg.epochs)) + 1)]
-    t0, step0 = time.monotonic(), state["step"]
-
-    def checkpoint():
-        _save(ck, {"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "state": state})
-
-    def validate():
-        val = evaluate(head, val_b, cfg.depth, losses)
-        state["curve"].append({"step": state["step"], "tokens": state["tokens"], "val": val})
-        curve_p.write_text(json.dumps(state["curve"], indent=1))
-        if val[0] > state["best"]:
-            state["best"] = val[0]
-            _save(best_p, head.state_dict())
-        return val
-
-    head.train()
-    stopped = "done"
-    while state["step"] < total:
-        if should_stop is not None and should_stop():
-            stopped = "time budget"
-            break
-        i = state["step"]
-        b = train_b[orders[i // steps_per_epoch][i % steps_per_epoch]]
-        loss = _step(head, b, depth=cfg.depth, optim=(params, opt, sched), losses=losses)
-        state["step"] += 1
-        state["tokens"] += b.n_tokens
-        if state["step"] % cfg.eval_every == 0 or state["step"] == total:
-            val = validate()
-            done = state["step"] - step0
-            eta = (total - state["step"]) * (time.monotonic() - t0) / max(done, 1)
-            log(
-                f"train: step {state['step']}/{total} (epoch {state['step'] / steps_per_epoch:.2f}), "
-                f"loss {loss.item():.3f}, val top-1 by depth "
-                + " ".join(f"{v:.3f}" for v in val)
-                + f", ETA {eta / 60:.1f} min"
-            )
-            checkpoint()
+    trainer = _Trainer(
+        head=head,
+        optim=_optimizer(head, cfg, total),
+        cfg=cfg,
+        work=work,
+        losses=losses,
+        log=log,
+        total=total,
+        steps_per_epoch=steps_per_epoch,
+    )
+    trainer.resume()
+    stopped = trainer.run(train_b, val_b, should_stop)
+    state = trainer.state
     if stopped == "done" and (not state["curve"] or state["curve"][-1]["step"] != state["step"]):
-        validate()  # (a stop does not validate: the curve and best.pt stay those of one run)
-    checkpoint()
+        trainer.validate(val_b)  # (a stop does not validate: the curve and best.pt stay those of one run)
+    trainer.checkpoint()
     return {
         "stopped": stopped,
         "step": state["step"],

@@ -80,7 +80,7 @@ def main() -> None:
     train_ids, _ = _prompts(req, codec)
     eos = set(tm.eos_ids) or {0}
     shard, wall, cpu = _timed(
-        lambda: _generate_batch(model, train_ids[: args.answer_batch], args.answer_tokens, eos, 8)
+        lambda: _generate_batch(model, train_ids[: args.answer_batch], args.answer_tokens, eos, topk=8)
     )
     summary["answers"] = {"tokens": shard.answer_tokens, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1)}
     ui.log(

@@ -59,7 +59,7 @@ def make_shards(model, prompts, folder: Path, eos, *, log, batch=64, max_new=128
         path = D.shard_path(folder, i // batch)
         if path.exists():
             continue
-        sh = D._generate_batch(model, prompts[i:i + batch], max_new, eos, D.TOPK, features=hidden_features)
+        sh = D._generate_batch(model, prompts[i:i + batch], max_new, eos, topk=D.TOPK, features=hidden_features)
         np.savez(path.with_suffix(".tmp.npz"), **{k: getattr(sh, k) for k in D.Shard.__dataclass_fields__})
         path.with_suffix(".tmp.npz").rename(path)
         log(f"{folder.name}: shard {i // batch + 1}/{-(-len(prompts) // batch)}, "

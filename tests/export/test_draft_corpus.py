@@ -123,7 +123,7 @@ def test_teacher_forced_shards_equal_the_data_stage(tiny_llama, tmp_path):
     for win, (tok, plen, feats, ids, probs) in zip(windows, seqs):
         assert np.array_equal(tok, win) and plen == 1  # every predicted position trains
         # the data stage on the same tokens as a prompt: its rows 0..T-2 are the prompt's positions
-        ref = _generate_batch(model, [win.tolist()], 1, {0}, 8)
+        ref = _generate_batch(model, [win.tolist()], 1, {0}, topk=8)
         n = len(win) - 1
         np.testing.assert_allclose(feats.astype(np.float32), ref.feats[:n].astype(np.float32), atol=2e-3, rtol=2e-3)
         assert np.array_equal(ids, ref.topk_ids[:n])

@@ -242,7 +242,7 @@ def test_unrolled_training_matches_incremental_drafting(depth):
     V, T = 50, 12
     emb = torch.randn(V, 32)
     pos = torch.arange(64)[:, None] * (1e-2 * torch.arange(1, 5))[None]
-    head = EagleHead(cfg, emb, emb[:20], torch.cos(pos), torch.sin(pos))
+    head = EagleHead(cfg, emb, emb[:20], torch.cos(pos), sin=torch.sin(pos))
     for p in head.parameters():
         p.data += 0.1 * torch.randn_like(p)
     tokens = torch.randint(0, V, (1, T))
