@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 try:
     import fcntl
 except ImportError:  # (Windows: no flock; each process measures on its own, and says so)
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None  # type: ignore[assignment]  # the module or None, tested before use
 
 from ..logs import get_logger
 from ..manifest_schema import MANIFEST
@@ -228,9 +228,9 @@ def _row(raw: object) -> TuneRow:
         precision=_text(raw.get("precision"), 16),
         draft=_text(raw.get("draft"), 200),
         tok_s_1=float(nums["tok_s_1"]),  # type: ignore[arg-type]  # checked above
-        tok_s_c=float(nums["tok_s_c"]),  # type: ignore[arg-type]
+        tok_s_c=float(nums["tok_s_c"]),  # type: ignore[arg-type]  # checked above
         concurrency=concurrency,
-        acceptance=float(nums["acceptance"]),  # type: ignore[arg-type]
+        acceptance=float(nums["acceptance"]),  # type: ignore[arg-type]  # checked above
         exact=exact,
         note=_text(raw.get("note", ""), 300),
         categories=_categories(raw.get("categories")),

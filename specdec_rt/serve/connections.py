@@ -168,7 +168,7 @@ class LimitedH11Protocol(H11Protocol):
         self.client_key = ""  # client_key() of the peer, once connected
         self._deadline: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # asyncio hands a Transport here
         super().connection_made(transport)
         self.client_key = client_key(self.client[0]) if self.client else ""
         limits = self.limits

@@ -89,7 +89,7 @@ def load_json(body: bytes, *, stepwise: bool = False) -> Any:
         if not stepwise:
             return json.loads(body)
         decoder = json.JSONDecoder()
-        decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
+        decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]  # typeshed omits json.scanner's py_make_scanner
         return decoder.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
     except ValueError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None

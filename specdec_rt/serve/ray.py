@@ -439,7 +439,7 @@ def _replica_grpc_on_loopback() -> bool:
     except ImportError:
         return False
     original = getattr(ray_replica, "add_port_to_grpc_server", None)
-    if original is None or not _is_loopback(ray.util.get_node_ip_address()):  # type: ignore[no-untyped-call, unused-ignore]
+    if original is None or not _is_loopback(ray.util.get_node_ip_address()):  # type: ignore[no-untyped-call, unused-ignore]  # Ray: unannotated
         return False
     if getattr(original, "specdec_loopback", False):
         return True
@@ -449,6 +449,6 @@ def _replica_grpc_on_loopback() -> bool:
             address = "127.0.0.1:" + address.rsplit(":", 1)[1]
         return original(server, address)
 
-    on_loopback.specdec_loopback = True  # type: ignore[attr-defined]
+    on_loopback.specdec_loopback = True  # type: ignore[attr-defined]  # a mark on the function object
     ray_replica.add_port_to_grpc_server = on_loopback  # type: ignore[attr-defined, unused-ignore]  # Ray's private module
     return True
