@@ -13,7 +13,7 @@ __all__ = ["SpecConfig"]
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Every threshold of adaptive speculation. All configurable; the defaults are the issue's."""
+    """Every threshold of adaptive speculation, each with a default and all configurable."""
 
     alpha: float = 0.1  # EWMA weight of the newest round
     initial_acceptance: float = 0.7  # EWMA before anything was observed
