@@ -30,7 +30,7 @@ FinishReason = Literal["length", "stop", "cancelled", "error"]
 
 @dataclass(frozen=True)
 class DraftToken:
-    """One drafted token (the Go design's ``DraftToken{ID, Probs}``).
+    """One drafted token, and the draft distribution it was drawn from.
 
     ``probs`` is the draft distribution ``q`` ``[V]`` the token was drawn from. ``None`` means a
     deterministic proposal (greedy drafting, n-gram lookup): ``q`` is one-hot at ``id``, which keeps

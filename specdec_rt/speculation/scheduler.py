@@ -61,6 +61,19 @@ class SpecDecScheduler:
         eos_ids: Iterable[int] = (),
         batch: BatchCosts | None = None,
     ) -> None:
+        """A scheduler over a drafter and a verifier, each checked against its Protocol.
+
+        Args:
+            drafter: Proposes the drafts (``None``: ``mode="ar"`` only).
+            verifier: Checks them with the target and accepts by rejection sampling.
+            config: The speculation policy (default: ``SpecConfig()``).
+            eos_ids: Ids that end a request.
+            batch: The costs of the batch its requests share (an Engine's step loop), or
+                ``None``: costs come from its own rounds.
+
+        Raises:
+            InvalidInputError: ``drafter`` or ``verifier`` lacks a member of its Protocol.
+        """
         if drafter is not None:
             check_implements(drafter, DraftInferrer, "drafter")
         check_implements(verifier, TargetVerifier, "verifier")
@@ -118,14 +131,31 @@ class SpecDecScheduler:
     ) -> "RequestStream":
         """Start a request; an async iterator of :class:`TokenEvent` as tokens become final.
 
-        Arguments are checked here, before any model work: a bad value raises
-        :class:`~specdec_rt.errors.InvalidInputError` (``ContextLengthError`` if the prompt plus
-        ``max_new_tokens`` does not fit). Generation stops after exactly ``max_new_tokens`` tokens
-        or at the first EOS / stop id (which is emitted; nothing after it is). ``logprobs=n``:
-        every event also carries its tokens' log-probabilities under the target, each with the
-        ``n`` (0..20) most likely tokens there (:mod:`specdec_rt.sampling.logprobs`). ``constraint``:
-        which tokens may come next (:mod:`specdec_rt.sampling.constraints`), for draft and target alike.
-        ``ignore_eos``: an EOS id does not end the request (``stop_ids`` still do).
+        Arguments are checked here, before any model work. Generation stops after exactly
+        ``max_new_tokens`` tokens or at the first EOS / stop id (which is emitted; nothing after
+        it is).
+
+        Args:
+            prompt_ids: The prompt's token ids.
+            max_new_tokens: Tokens to generate at most.
+            params: Sampling parameters (default: greedy).
+            mode: ``"spec"`` (speculative; needs a drafter) or ``"ar"`` (plain decoding).
+            stop_ids: Ids that end the request, besides the EOS ids.
+            rng: The sampling generator (default: from ``params.seed``).
+            logprobs: ``n``: every event also carries its tokens' log-probabilities under the
+                target, each with the ``n`` (0..20) most likely tokens there
+                (:mod:`specdec_rt.sampling.logprobs`).
+            constraint: Which tokens may come next (:mod:`specdec_rt.sampling.constraints`),
+                for draft and target alike.
+            ignore_eos: An EOS id does not end the request (``stop_ids`` still do).
+
+        Returns:
+            The request's stream of events.
+
+        Raises:
+            InvalidInputError: A bad value, ``mode="spec"`` without a drafter, or ``logprobs``
+                from a verifier that does not report them.
+            ContextLengthError: The prompt plus ``max_new_tokens`` does not fit the models.
         """
         if mode == "spec" and self.drafter is None:
             raise InvalidInputError("mode 'spec' needs a drafter; this scheduler has none (use mode='ar')")
@@ -180,7 +210,22 @@ class SpecDecScheduler:
         params: SamplingParams | None = None,
         **kwargs: Any,
     ) -> GenerationResult:
-        """The whole request: generated ids and stats (same arguments as :meth:`stream`)."""
+        """The whole request: generated ids and stats.
+
+        Args:
+            prompt_ids: The prompt's token ids.
+            max_new_tokens: Tokens to generate at most.
+            params: Sampling parameters (default: greedy).
+            **kwargs: :meth:`stream`'s keywords.
+
+        Returns:
+            The generated ids and the request's stats.
+
+        Raises:
+            InvalidInputError: As :meth:`stream`.
+            ContextLengthError: As :meth:`stream`.
+            InferenceError: A model call failed.
+        """
         it = self.stream(prompt_ids, max_new_tokens, params, **kwargs)
         async with contextlib.aclosing(it):
             async for _ in it:
