@@ -81,8 +81,20 @@ class SamplingParams:
 
     :attr:`penalized` says whether any penalty is on.
 
-    Bad values (wrong types, bools, NaN, inf, negative, ``top_p`` outside (0, 1]) raise
-    :class:`InvalidInputError` naming the field.
+    Attributes:
+        temperature: 0 (or below :data:`MIN_TEMPERATURE`): greedy; above: samples.
+        top_k: Keep the k most likely tokens (``None``: all).
+        top_p: Keep the smallest set of most likely tokens holding this much mass (``None``:
+            all).
+        seed: Makes a request reproducible.
+        logit_bias: ``((id, bias), ...)`` by id (a dict is taken too).
+        presence_penalty: -2..2 (0: off).
+        frequency_penalty: -2..2 (0: off).
+        repetition_penalty: 0.01..10 (1: off).
+
+    Raises:
+        InvalidInputError: A bad value (wrong types, bools, NaN, inf, negative, ``top_p``
+            outside (0, 1]), naming the field.
     """
 
     temperature: float = 0.0

@@ -490,7 +490,11 @@ class Round:
 
 class RequestStream:
     """One request's async iterator of :class:`TokenEvent`; ``stats`` and ``token_ids`` hold
-    what it has committed so far (complete once iteration ends). ``aclose()`` ends it early."""
+    what it has committed so far (complete once iteration ends). ``aclose()`` ends it early.
+
+    Attributes:
+        context: The request's :class:`RequestContext`.
+    """
 
     def __init__(self, agen: AsyncGenerator[TokenEvent, None], ctx: RequestContext) -> None:
         self._agen, self.context = agen, ctx
@@ -502,14 +506,17 @@ class RequestStream:
         return await self._agen.__anext__()
 
     async def aclose(self) -> None:
+        """End the request early: its model state is released; committed tokens stay."""
         await self._agen.aclose()
 
     @property
     def stats(self) -> Stats:
+        """The request's counters so far."""
         return self.context.stats
 
     @property
     def token_ids(self) -> list[int]:
+        """The tokens generated so far (prompt excluded)."""
         ids: list[int] = self.context.generated.tolist()
         return ids
 
