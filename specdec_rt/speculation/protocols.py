@@ -72,11 +72,14 @@ class ModelCaps:
 class DraftInferrer(Protocol):
     """Proposes draft tokens for a request.
 
-    Declared attributes (their defaults hold for a drafter that sets nothing):
-    ``max_length`` the longest sequence it can hold (``None``: no limit); ``cheap_drafts``: it can
-    propose drafts that cost nothing (n-gram matches) when ``ctx.plan.cheap_drafts`` asks for them
-    only; ``needs_target_hidden``: it reads the target's hidden states (EAGLE), so the verifier
-    must share them.
+    The declared attributes' defaults hold for a drafter that sets nothing.
+
+    Attributes:
+        max_length: The longest sequence it can hold (``None``: no limit).
+        cheap_drafts: It can propose drafts that cost nothing (n-gram matches) when
+            ``ctx.plan.cheap_drafts`` asks for them only.
+        needs_target_hidden: It reads the target's hidden states (EAGLE), so the verifier must
+            share them.
     """
 
     max_length: int | None = None
@@ -121,12 +124,15 @@ class DraftInferrer(Protocol):
 class TargetVerifier(Protocol):
     """Checks a request's drafts with the target in one call.
 
-    Declared attributes: ``max_length`` (``None``: no limit); ``vocab_size`` (``None``: the
-    logits' width is not checked); ``reports_logprobs``: when ``ctx.logprobs`` is not None, its
-    verdicts carry one :class:`~specdec_rt.sampling.logprobs.TokenLogprob` a token (requests that
-    ask for them need it); ``trees``: it verifies a draft tree (drafts with parents) in one call;
-    ``batched_verify``: verifies of concurrent requests share one batched call (so a verify costs
-    a batch its real positions only).
+    Attributes:
+        max_length: The longest sequence it can hold (``None``: no limit).
+        vocab_size: The logits' width (``None``: not checked).
+        reports_logprobs: When ``ctx.logprobs`` is not None, its verdicts carry one
+            :class:`~specdec_rt.sampling.logprobs.TokenLogprob` a token (requests that ask for
+            them need it).
+        trees: It verifies a draft tree (drafts with parents) in one call.
+        batched_verify: Verifies of concurrent requests share one batched call (so a verify
+            costs a batch its real positions only).
     """
 
     max_length: int | None = None
@@ -170,10 +176,12 @@ class TargetVerifier(Protocol):
 class CacheSession(Protocol):
     """One request's model state: the KV entries of the first ``length`` tokens fed to it.
 
-    Declared attributes: ``cached_tokens``, the prompt positions a prefix cache supplied at
-    start, and ``cache_queried``, whether a cache was asked at all (both reported in stats);
-    ``copy_pending``: its start copies a prompt another session has not computed yet (such a
-    session takes no tree call until it has).
+    Attributes:
+        cached_tokens: The prompt positions a prefix cache supplied at start (reported in
+            stats).
+        cache_queried: Whether a cache was asked at all (reported in stats).
+        copy_pending: Its start copies a prompt another session has not computed yet (such a
+            session takes no tree call until it has).
     """
 
     cached_tokens: int = 0
@@ -251,8 +259,14 @@ class CacheSession(Protocol):
 class LanguageModel(Protocol):
     """A causal LM with a KV cache: ``vocab_size``, ``max_length``, ``caps`` and ``start()``.
 
-    ``prefix_cache``: the :class:`~specdec_rt.kvcache.prefix.PrefixCache` of a model with
-    ``caps.caches_prefixes`` (an Engine reports its counts and turns it off while warming up)."""
+    Attributes:
+        vocab_size: The logits' width.
+        max_length: The longest sequence a session can hold.
+        caps: What it can do (:class:`ModelCaps`; default: a plain model).
+        prefix_cache: The :class:`~specdec_rt.kvcache.prefix.PrefixCache` of a model with
+            ``caps.caches_prefixes`` (an Engine reports its counts and turns it off while
+            warming up).
+    """
 
     vocab_size: int
     max_length: int
