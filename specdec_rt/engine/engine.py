@@ -94,6 +94,32 @@ class Engine:
     stream raises :class:`~specdec_rt.errors.ConsumerTimeoutError` after the events already
     waiting. The clock runs only while events wait, so a request waiting for a slot or for a
     slow model is never cut; a consumer is cut only if it takes no event for that long.
+
+    Any backend that implements :class:`~specdec_rt.speculation.protocols.LanguageModel` runs here.
+
+    Args:
+        target: The target model.
+        drafter: The drafter (``None``: plain decoding only).
+        codec: The tokenizer and chat template.
+        config: The speculation policy (default: ``SpecConfig()``).
+        slots: Requests that run (and are batched) at once.
+        draft_name: The draft's name, for callers that show it.
+        verifier: Default a :class:`~specdec_rt.speculation.adapters.ModelVerifier` of
+            ``target`` (sharing hidden states when the drafter needs them).
+        executor: The step loop every model was built with, which batches their calls
+            (``None``: a loop of its own, and models that run their calls themselves).
+        models: Every model to close with the engine, the target first (default: the target).
+        eos_ids: Ids that end a request.
+        name: The model's name in replies.
+        manifest: The export's manifest, kept for callers that show it.
+        consumer_timeout: Seconds a request waits for its consumer to take an event before it
+            ends with :class:`~specdec_rt.errors.ConsumerTimeoutError` (see above; ``None`` or
+            ``0``: never, a stream nobody reads then holds its slot until it is closed or
+            dropped).
+
+    Raises:
+        InvalidInputError: ``consumer_timeout`` is not a number >= 0, or ``target`` /
+            ``drafter`` lacks a member of its Protocol.
     """
 
     #: which of the folder's targets and drafts :meth:`load` chose, and how (None: built by hand)
@@ -116,34 +142,7 @@ class Engine:
         manifest: Any = None,
         consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT,
     ) -> None:
-        """An engine over models built already (:meth:`load` builds them from an export folder).
-
-        Any backend that implements :class:`~specdec_rt.speculation.protocols.LanguageModel` runs here.
-
-        Args:
-            target: The target model.
-            drafter: The drafter (``None``: plain decoding only).
-            codec: The tokenizer and chat template.
-            config: The speculation policy (default: ``SpecConfig()``).
-            slots: Requests that run (and are batched) at once.
-            draft_name: The draft's name, for callers that show it.
-            verifier: Default a :class:`~specdec_rt.speculation.adapters.ModelVerifier` of
-                ``target`` (sharing hidden states when the drafter needs them).
-            executor: The step loop every model was built with, which batches their calls
-                (``None``: a loop of its own, and models that run their calls themselves).
-            models: Every model to close with the engine, the target first (default: the target).
-            eos_ids: Ids that end a request.
-            name: The model's name in replies.
-            manifest: The export's manifest, kept for callers that show it.
-            consumer_timeout: Seconds a request waits for its consumer to take an event before it
-                ends with :class:`~specdec_rt.errors.ConsumerTimeoutError` (see above; ``None`` or
-                ``0``: never, a stream nobody reads then holds its slot until it is closed or
-                dropped).
-
-        Raises:
-            InvalidInputError: ``consumer_timeout`` is not a number >= 0, or ``target`` /
-                ``drafter`` lacks a member of its Protocol.
-        """
+        """An engine over models built already (:meth:`load` builds them from an export folder)."""
         consumer_timeout = check_number(consumer_timeout, "consumer_timeout", 0, optional=True) or None
         eos = tuple(int(t) for t in eos_ids)
         check_implements(target, LanguageModel, "target")
@@ -392,14 +391,13 @@ class Engine:
         """Generate a completion.
 
         Args:
-            prompt: A string, chat messages ``[{"role": ..., "content": ...}]`` rendered with
-                the model's chat template (content: a string, or OpenAI-style text parts
-                ``[{"type": "text", "text": ...}]``, joined), or token ids (a list of ints, used
-                as they are).
+            prompt: A string, chat messages ``[{"role": ..., "content": ...}]`` rendered with the
+                model's chat template (content: a string, or OpenAI-style text parts ``[{"type":
+                "text", "text": ...}]``, joined), or token ids (a list of ints, used as they are).
             params: A :class:`~specdec_rt.request.params.RequestParams` (None: the defaults; an
                 integer: ``max_new_tokens``, the older form).
-            **overrides: Its fields as keywords (``max_new_tokens=64, temperature=0.7,
-                seed=1``), which win over ``params``. The fields (sampling, ``mode``, ``stop``,
+            **overrides: Its fields as keywords (``max_new_tokens=64, temperature=0.7, seed=1``),
+                which win over ``params``. The fields (sampling, ``mode``, ``stop``,
                 log-probabilities, ``response_format``, ``tools``, ``min_tokens``, ...) are
                 documented on :class:`~specdec_rt.request.params.RequestParams`.
 
@@ -408,12 +406,11 @@ class Engine:
             (log-probabilities, the prompt's, tool calls).
 
         Raises:
-            InvalidInputError: An unknown keyword (named), a bad parameter, or
-                ``mode="spec"`` on an engine without a draft model.
+            InvalidInputError: An unknown keyword (named), a bad parameter, or ``mode="spec"`` on an
+                engine without a draft model.
             ContextLengthError: The prompt and ``max_new_tokens`` do not fit the model.
             EngineClosedError: The engine is closed.
-            SpecDecError: The request failed (its KV slots are released; the engine stays
-                usable).
+            SpecDecError: The request failed (its KV slots are released; the engine stays usable).
         """
         parts: list[str] = []
         ids: list[int] = []
@@ -428,22 +425,8 @@ class Engine:
                 ids.extend(ev.token_ids)
                 lps.extend(ev.logprobs or ())
                 stats = ev.stats or stats
-        text = "".join(parts)
         assert stats is not None  # the stream's last event carries them
-        return EngineResult(
-            text=text,
-            token_ids=ids,
-            stats=stats,
-            prompt_tokens=stats.prompt_tokens if stats else 0,
-            logprobs=lps if request.logprobs is not None else None,
-            prompt_token_ids=None if first.prompt_token_ids is None else list(first.prompt_token_ids),
-            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
-            tool_calls=(
-                parse_tool_calls(text, [t["function"]["name"] for t in request.tools or ()])[1]
-                if request.calls_tools
-                else None
-            ),
-        )
+        return _result(request, first, text="".join(parts), ids=ids, logprobs=lps, stats=stats)
 
     def stream(self, prompt: Prompt, params: RequestParams | int | None = None, **overrides: Any) -> "EngineStream":
         """Like :meth:`generate`, as an async iterator of :class:`StreamEvent` (also an async
@@ -452,9 +435,8 @@ class Engine:
         Cheap checks run here and raise at once (the parameters, see
         :class:`~specdec_rt.request.params.RequestParams`; a draft model for ``mode="spec"``;
         ``tools`` with chat messages; the prompt's type and size: at most ``max_prompt_chars``
-        characters).
-        Rendering the chat template and tokenizing run in a worker thread (a prompt of 16k
-        characters or more: in a child process, see :attr:`prompt_encoder`), so a huge prompt
+        characters). Rendering the chat template and tokenizing run in a worker thread (a prompt of
+        16k characters or more: in a child process, see :attr:`prompt_encoder`), so a huge prompt
         never stalls the event loop; what they find (e.g. ``ContextLengthError``) is raised by
         :meth:`EngineStream.ready` and by the first iteration, still before any model work.
 
@@ -478,17 +460,7 @@ class Engine:
         elif request.mode == "spec" and self.drafter is None:
             raise InvalidInputError("this engine has no draft model: load it with draft=... or use mode='ar'")
         stops = list(request.stop or ())  # (a tuple of strings once checked)
-        shape = RequestShape(
-            request.prompt_logprobs,
-            request.json_schema,
-            *tool_shape(prompt, request.tools, request.effective_tool_choice, stops, template=self.codec.chat_template),
-            request.min_tokens,
-            request.ignore_eos,
-        )
-        if shape.schema is not None and shape.lark is not None:
-            raise InvalidInputError(
-                f"response_format and tool_choice={request.tool_choice!r} cannot both hold the answer"
-            )
+        shape = self._shape(prompt, request, stops)
         check_prompt_size(prompt, self.max_prompt_chars)
         send: MemoryObjectSendStream[StreamEvent | Exception]
         receive: MemoryObjectReceiveStream[StreamEvent | Exception]
@@ -502,6 +474,22 @@ class Engine:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return stream
+
+    def _shape(self, prompt: Prompt, request: RequestParams, stops: list[str]) -> RequestShape:
+        """What the request asks of its answer beyond sampling (prompt log-probabilities, a JSON
+        schema, tools, minimum tokens); a response format and a tool grammar cannot both hold it."""
+        shape = RequestShape(
+            request.prompt_logprobs,
+            request.json_schema,
+            *tool_shape(prompt, request.tools, request.effective_tool_choice, stops, template=self.codec.chat_template),
+            request.min_tokens,
+            request.ignore_eos,
+        )
+        if shape.schema is not None and shape.lark is not None:
+            raise InvalidInputError(
+                f"response_format and tool_choice={request.tool_choice!r} cannot both hold the answer"
+            )
+        return shape
 
     def _encode(
         self, prompt: Prompt, max_new_tokens: int, truncate_prompt: bool, tools: Sequence[dict[str, Any]] | None = None
@@ -796,6 +784,34 @@ class _MeasuredBatch(BatchCosts):
 
     def admitted(self) -> int:
         return min(len(self.engine._tasks), self.engine.slots)
+
+
+def _result(
+    request: RequestParams,
+    first: StreamEvent,
+    *,
+    text: str,
+    ids: list[int],
+    logprobs: list[TokenLogprob],
+    stats: Stats,
+) -> EngineResult:
+    """:meth:`Engine.generate`'s result from its stream's events: ``first`` is the event with the
+    prompt's log-probabilities (when asked); tool calls are parsed from ``text`` when the request
+    has tools."""
+    return EngineResult(
+        text=text,
+        token_ids=ids,
+        stats=stats,
+        prompt_tokens=stats.prompt_tokens,
+        logprobs=logprobs if request.logprobs is not None else None,
+        prompt_token_ids=None if first.prompt_token_ids is None else list(first.prompt_token_ids),
+        prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
+        tool_calls=(
+            parse_tool_calls(text, [t["function"]["name"] for t in request.tools or ()])[1]
+            if request.calls_tools
+            else None
+        ),
+    )
 
 
 def _request_params(params: object, overrides: dict[str, Any]) -> RequestParams:

@@ -194,11 +194,9 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Logits ``[..., V]`` -> probabilities ``[..., V]`` (same float dtype; float64 stays float64).
 
     The logit bias, then temperature, then top-k, then softmax, then top-p, as Hugging Face
-    ``generate`` orders them.
-    If dividing by the temperature overflows, each row is shifted by its maximum first, so the
-    scaled logits are <= 0 (an overflow is -inf, a weight of 0) and every row keeps its maximum
-    at weight 1: no temperature turns finite logits into NaN. Greedy parameters give a one-hot
-    row at the argmax.
+    ``generate`` orders them. If dividing by the temperature overflows, each row is shifted by its
+    maximum first, so the scaled logits are <= 0 (an overflow is -inf, a weight of 0) and every row
+    keeps its maximum at weight 1: no temperature turns finite logits into NaN.
 
     Args:
         logits: The model's logits ``[..., V]``.
@@ -208,8 +206,7 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         The probabilities ``[..., V]``.
 
     Raises:
-        InvalidInputError: An empty last axis, or a row with NaN, +inf or no finite logit (not a
-            distribution), named.
+        InvalidInputError: An empty last axis, or a row with NaN, +inf or no finite logit, named.
     """
     z = np.asarray(logits)
     if not np.issubdtype(z.dtype, np.floating):

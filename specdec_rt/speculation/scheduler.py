@@ -132,8 +132,7 @@ class SpecDecScheduler:
         """Start a request; an async iterator of :class:`TokenEvent` as tokens become final.
 
         Arguments are checked here, before any model work. Generation stops after exactly
-        ``max_new_tokens`` tokens or at the first EOS / stop id (which is emitted; nothing after
-        it is).
+        ``max_new_tokens`` tokens or at the first EOS / stop id (emitted; nothing after it is).
 
         Args:
             prompt_ids: The prompt's token ids.
@@ -142,29 +141,19 @@ class SpecDecScheduler:
             mode: ``"spec"`` (speculative; needs a drafter) or ``"ar"`` (plain decoding).
             stop_ids: Ids that end the request, besides the EOS ids.
             rng: The sampling generator (default: from ``params.seed``).
-            logprobs: ``n``: every event also carries its tokens' log-probabilities under the
-                target, each with the ``n`` (0..20) most likely tokens there
-                (:mod:`specdec_rt.sampling.logprobs`).
-            constraint: Which tokens may come next (:mod:`specdec_rt.sampling.constraints`),
-                for draft and target alike.
+            logprobs: ``n``: every event also carries its tokens' log-probabilities under the target,
+                each with the ``n`` (0..20) most likely there (:mod:`specdec_rt.sampling.logprobs`).
+            constraint: Which tokens may come next (:mod:`specdec_rt.sampling.constraints`), draft and target alike.
             ignore_eos: An EOS id does not end the request (``stop_ids`` still do).
 
         Returns:
             The request's stream of events.
 
         Raises:
-            InvalidInputError: A bad value, ``mode="spec"`` without a drafter, or ``logprobs``
-                from a verifier that does not report them.
+            InvalidInputError: A bad value, ``mode="spec"`` without a drafter, ``logprobs`` the verifier lacks.
             ContextLengthError: The prompt plus ``max_new_tokens`` does not fit the models.
         """
-        if mode == "spec" and self.drafter is None:
-            raise InvalidInputError("mode 'spec' needs a drafter; this scheduler has none (use mode='ar')")
-        if logprobs is not None and not self.verifier.reports_logprobs:
-            raise InvalidInputError(
-                f"logprobs: this verifier ({type(self.verifier).__name__}) does not report "
-                "log-probabilities (its reports_logprobs is False)"
-            )
-        ends = (set() if check_bool(ignore_eos, "ignore_eos") else self.eos_ids) | set(stop_ids)
+        ends = self._ends(mode, logprobs, ignore_eos=ignore_eos, stop_ids=stop_ids)
         ctx = RequestContext(
             prompt_ids,
             max_new_tokens,
@@ -176,6 +165,24 @@ class SpecDecScheduler:
             logprobs=logprobs,
             constraint=constraint,
         )
+        return self._open(ctx, mode)
+
+    def _ends(self, mode: Mode, logprobs: int | None, *, ignore_eos: bool, stop_ids: Iterable[int]) -> set[int]:
+        """The ids that end the request (the EOS ids unless ``ignore_eos``, and ``stop_ids``), once
+        the models are checked to serve it: a drafter for ``mode="spec"``, a verifier that reports
+        log-probabilities for ``logprobs`` (else an :class:`InvalidInputError`)."""
+        if mode == "spec" and self.drafter is None:
+            raise InvalidInputError("mode 'spec' needs a drafter; this scheduler has none (use mode='ar')")
+        if logprobs is not None and not self.verifier.reports_logprobs:
+            raise InvalidInputError(
+                f"logprobs: this verifier ({type(self.verifier).__name__}) does not report "
+                "log-probabilities (its reports_logprobs is False)"
+            )
+        return (set() if check_bool(ignore_eos, "ignore_eos") else set(self.eos_ids)) | set(stop_ids)
+
+    def _open(self, ctx: RequestContext, mode: Mode) -> RequestStream:
+        """The request's stream over its loop, with its policy, tree policy and tree rates (a
+        seeded request's decisions depend on its seed alone, never on timings)."""
         seeded = ctx.params.seed is not None and not ctx.params.greedy
         tree = TreePolicy(self.tree_nodes if self.trees and mode == "spec" else 0, self.config.alpha)
         rates = self.tree_rates if self.config.measure_costs and not seeded else None  # timings decide?
