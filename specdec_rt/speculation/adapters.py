@@ -147,7 +147,11 @@ class _ModelUser:
 
 
 class ModelDrafter(_ModelUser, DraftInferrer):
-    """Draft with a (small) language model: k autoregressive steps from its own cache."""
+    """Draft with a (small) language model: k autoregressive steps from its own cache.
+
+    Args:
+        model: The draft model.
+    """
 
     def cached_prefix(self, tokens: np.ndarray) -> int:
         """Tokens of ``tokens`` its model's prefix cache holds: its prefill costs only the rest."""
