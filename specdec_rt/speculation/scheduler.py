@@ -1,8 +1,8 @@
-"""``SpecDecScheduler``: draft, verify, accept, update stats (a port of the Go scheduler).
+"""``SpecDecScheduler``: draft, verify, accept, update stats.
 
-Differences from the Go sketch, on purpose: the context is the whole sequence (not the last
-``draftLen`` tokens), a rejection resamples from ``norm(max(0, p - q))`` (not from ``p``), and a
-fully accepted round also emits the target's bonus token.
+Drafter and verifier read the whole committed sequence (not a window of its last tokens), a
+rejection resamples from ``norm(max(0, p - q))`` (not from ``p``: that keeps the target's
+distribution), and a fully accepted round also emits the target's bonus token.
 """
 
 from __future__ import annotations
