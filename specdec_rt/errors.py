@@ -40,7 +40,11 @@ class InvalidInputError(SpecDecError, ValueError):
 
 class ContextLengthError(InvalidInputError):
     """The prompt (plus the requested new tokens) does not fit the model's KV cache.
-    ``prompt_tokens`` and ``max_length``, when known: the room left is their difference."""
+
+    Attributes:
+        prompt_tokens: The prompt's tokens, when known.
+        max_length: The model's longest sequence, when known: the room left is the difference.
+    """
 
     def __init__(self, message: str, prompt_tokens: int | None = None, max_length: int | None = None) -> None:
         super().__init__(message)
@@ -62,7 +66,11 @@ class InferenceError(SpecDecError):
 class ConsumerTimeoutError(SpecDecError):
     """A request ended because its consumer took none of its waiting events for ``timeout``
     seconds (the engine's ``consumer_timeout``): a stream kept but no longer read. Its KV slot
-    was freed when it ended; the engine is fine."""
+    was freed when it ended; the engine is fine.
+
+    Attributes:
+        timeout: The seconds the consumer had, when known.
+    """
 
     def __init__(self, message: str, timeout: float | None = None) -> None:
         super().__init__(message)

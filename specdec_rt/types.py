@@ -30,16 +30,19 @@ FinishReason = Literal["length", "stop", "cancelled", "error"]
 
 @dataclass(frozen=True)
 class DraftToken:
-    """One drafted token (the Go design's ``DraftToken{ID, Probs}``).
+    """One drafted token, and the draft distribution it was drawn from.
 
-    ``probs`` is the draft distribution ``q`` ``[V]`` the token was drawn from. ``None`` means a
-    deterministic proposal (greedy drafting, n-gram lookup): ``q`` is one-hot at ``id``, which keeps
-    rejection sampling exact without building a ``[V]`` row.
-
-    ``parent``: for a *tree* of drafts, the index of the draft this one continues (``-1``: the
-    committed tokens; an earlier index otherwise); ``None`` means the previous draft (a chain).
     A drafter lists a tree's main chain first (each continuing the one before), then the other
     nodes, so a verifier that takes chains only keeps that prefix.
+
+    Attributes:
+        id: The token.
+        probs: The draft distribution ``q`` ``[V]`` the token was drawn from. ``None`` means a
+            deterministic proposal (greedy drafting, n-gram lookup): ``q`` is one-hot at ``id``,
+            which keeps rejection sampling exact without building a ``[V]`` row.
+        parent: For a *tree* of drafts, the index of the draft this one continues (``-1``: the
+            committed tokens; an earlier index otherwise); ``None`` means the previous draft (a
+            chain).
     """
 
     id: int
@@ -57,10 +60,17 @@ class DraftToken:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What one verification emitted: ``tokens[:accepted]`` are accepted drafts, ``tokens[-1]``
-    is the target's recovered (after a rejection) or bonus (after full acceptance) token.
-    ``path``: for a tree, the indices of the accepted drafts (a path from the committed tokens);
-    ``None``: the first ``accepted`` drafts."""
+    """What one verification emitted.
+
+    Attributes:
+        tokens: ``[accepted + 1]``: ``tokens[:accepted]`` are accepted drafts, ``tokens[-1]`` is
+            the target's recovered (after a rejection) or bonus (after full acceptance) token.
+        accepted: How many drafts were accepted.
+        path: For a tree, the indices of the accepted drafts (a path from the committed tokens);
+            ``None``: the first ``accepted`` drafts.
+        logprobs: When the request asked for them (``ctx.logprobs``): one per token, the
+            target's log-probability of it (:mod:`specdec_rt.sampling.logprobs`).
+    """
 
     tokens: np.ndarray  # [accepted + 1] int64
     accepted: int
@@ -72,7 +82,16 @@ class Verdict:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """Tokens that became final in one scheduler round, in order."""
+    """Tokens that became final in one scheduler round, in order.
+
+    Attributes:
+        token_ids: The tokens.
+        index: Position of ``token_ids[0]`` among the generated tokens.
+        drafted: Drafts proposed this round (0: a plain target step).
+        accepted: Drafts accepted this round.
+        finished: Why the request ended, on its last event.
+        logprobs: One per token id, when the request asked for them.
+    """
 
     token_ids: tuple[int, ...]
     index: int  # position of token_ids[0] among the generated tokens
@@ -228,7 +247,12 @@ class Stats:
 
 @dataclass
 class GenerationResult:
-    """A finished request: the generated ids (prompt excluded) and its stats."""
+    """A finished request (what ``SpecDecScheduler.run`` returns).
+
+    Attributes:
+        token_ids: The generated ids (prompt excluded).
+        stats: The request's counters.
+    """
 
     token_ids: list[int]
     stats: Stats

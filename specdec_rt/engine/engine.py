@@ -94,6 +94,32 @@ class Engine:
     stream raises :class:`~specdec_rt.errors.ConsumerTimeoutError` after the events already
     waiting. The clock runs only while events wait, so a request waiting for a slot or for a
     slow model is never cut; a consumer is cut only if it takes no event for that long.
+
+    Any backend that implements :class:`~specdec_rt.speculation.protocols.LanguageModel` runs here.
+
+    Args:
+        target: The target model.
+        drafter: The drafter (``None``: plain decoding only).
+        codec: The tokenizer and chat template.
+        config: The speculation policy (default: ``SpecConfig()``).
+        slots: Requests that run (and are batched) at once.
+        draft_name: The draft's name, for callers that show it.
+        verifier: Default a :class:`~specdec_rt.speculation.adapters.ModelVerifier` of
+            ``target`` (sharing hidden states when the drafter needs them).
+        executor: The step loop every model was built with, which batches their calls
+            (``None``: a loop of its own, and models that run their calls themselves).
+        models: Every model to close with the engine, the target first (default: the target).
+        eos_ids: Ids that end a request.
+        name: The model's name in replies.
+        manifest: The export's manifest, kept for callers that show it.
+        consumer_timeout: Seconds a request waits for its consumer to take an event before it
+            ends with :class:`~specdec_rt.errors.ConsumerTimeoutError` (see above; ``None`` or
+            ``0``: never, a stream nobody reads then holds its slot until it is closed or
+            dropped).
+
+    Raises:
+        InvalidInputError: ``consumer_timeout`` is not a number >= 0, or ``target`` /
+            ``drafter`` lacks a member of its Protocol.
     """
 
     #: which of the folder's targets and drafts :meth:`load` chose, and how (None: built by hand)
@@ -116,19 +142,7 @@ class Engine:
         manifest: Any = None,
         consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT,
     ) -> None:
-        """An engine over models built already (:meth:`load` builds them from an export folder).
-
-        Any backend that implements :class:`~specdec_rt.speculation.protocols.LanguageModel` runs here:
-        ``target`` and ``drafter`` (``None``: plain decoding only); ``verifier``: default a
-        :class:`~specdec_rt.speculation.adapters.ModelVerifier` of ``target`` (sharing hidden states when
-        the drafter needs them); ``executor``: the step loop every model was built with, which
-        batches their calls (``None``: a loop of its own, and models that run their calls
-        themselves); ``models``: every model to close with the engine, the target first (default:
-        the target); ``eos_ids``: ids that end a request; ``name``: the model's name in replies;
-        ``manifest``: the export's manifest, kept for callers that show it;
-        ``consumer_timeout``: seconds a request waits for its consumer to take an event before it
-        ends with :class:`~specdec_rt.errors.ConsumerTimeoutError` (see above; ``None`` or ``0``:
-        never, a stream nobody reads then holds its slot until it is closed or dropped)."""
+        """An engine over models built already (:meth:`load` builds them from an export folder)."""
         consumer_timeout = check_number(consumer_timeout, "consumer_timeout", 0, optional=True) or None
         eos = tuple(int(t) for t in eos_ids)
         check_implements(target, LanguageModel, "target")
@@ -221,30 +235,53 @@ class Engine:
     ) -> "Engine":
         """Load a built recipe (``"smollm2-135m"``) or an export folder.
 
-        ``draft``: ``None`` for the default (``DEFAULT_DRAFT``: n-gram lookup, else the manifest's
-        first draft model), ``"none"``, ``"ngram"``, a draft model (a name from the manifest such as
-        ``"q4"``, ``"model"`` for the first, or a folder), or ``"ngram+<draft model>"``.
-        ``slots``: requests that run (and are batched) at once; KV memory is committed only for
-        the positions a request uses. A recipe that is not built raises
-        :class:`~specdec_rt.errors.ModelNotBuiltError` naming the command that builds it.
-        ``prefix_cache``: keep what finished requests computed (prompt and answer) and start new
-        requests from the longest cached prefix (:mod:`specdec_rt.kvcache.prefix`; CPU), in at most
-        ``prefix_cache_bytes`` of KV memory over all models (least recently used entries go first).
-        ``warmup``: build the grammar engine's token table (if llguidance is installed) and run
-        :meth:`warm_up` before returning (about a second on the default model).
-        ``consumer_timeout``: seconds (default 30) a request whose consumer takes none of its
-        waiting events may wait before it ends with
-        :class:`~specdec_rt.errors.ConsumerTimeoutError` and frees its slot (``None`` or ``0``:
-        no limit; see :class:`Engine`).
-        ``precision``: which of the folder's targets runs (:mod:`specdec_rt.engine.precision`):
-        ``"exported"`` (default: the folder's own), ``"float32"`` / ``"int8"`` / ``"int4"`` (a
-        quantized copy among its drafts, loaded as the target; an error names what the folder
-        offers), or ``"auto"``: the fastest exact configuration on this machine, target and
-        draft, measured on first use (about a minute on the default model; progress goes to the
-        ``specdec_rt.engine.tune`` logger at info level, which ``serve`` shows on stderr)
-        and cached in ``~/.cache/specdec-rt/tune/`` (:mod:`specdec_rt.engine.tune`; engines or
-        processes loading the same at once measure once, the others wait and read it); an explicit
-        ``draft`` wins over the tuned one. :attr:`choice` says what was chosen and how.
+        Args:
+            name_or_path: A recipe's name or an export folder.
+            draft: ``None`` for the default (``DEFAULT_DRAFT``: n-gram lookup, else the
+                manifest's first draft model), ``"none"``, ``"ngram"``, a draft model (a name from
+                the manifest such as ``"q4"``, ``"model"`` for the first, or a folder), or
+                ``"ngram+<draft model>"``.
+            max_length: KV capacity per request, prompt and answer (``None``: 4096), capped at
+                the model's positions.
+            threads: ONNX Runtime's intra-op threads per model (``None``: the CPUs this process
+                may use).
+            provider: ``"auto"`` (CUDA when onnxruntime-gpu sees a GPU, else CPU), ``"cpu"`` or
+                ``"cuda"``.
+            slots: Requests that run (and are batched) at once; KV memory is committed only for
+                the positions a request uses.
+            spec_config: The speculation policy (default: ``SpecConfig()``).
+            prefix_cache: Keep what finished requests computed (prompt and answer) and start new
+                requests from the longest cached prefix (:mod:`specdec_rt.kvcache.prefix`; CPU).
+            prefix_cache_bytes: The prefix cache's KV memory over all models (least recently
+                used entries go first).
+            warmup: Build the grammar engine's token table (if llguidance is installed) and run
+                :meth:`warm_up` before returning (about a second on the default model).
+            consumer_timeout: Seconds (default 30) a request whose consumer takes none of its
+                waiting events may wait before it ends with
+                :class:`~specdec_rt.errors.ConsumerTimeoutError` and frees its slot (``None`` or
+                ``0``: no limit; see :class:`Engine`).
+            precision: Which of the folder's targets runs (:mod:`specdec_rt.engine.precision`):
+                ``"exported"`` (default: the folder's own), ``"float32"`` / ``"int8"`` /
+                ``"int4"`` (a quantized copy among its drafts, loaded as the target; an error
+                names what the folder offers), or ``"auto"``: the fastest exact configuration on
+                this machine, target and draft, measured on first use (about a minute on the
+                default model; progress goes to the ``specdec_rt.engine.tune`` logger at info
+                level, which ``serve`` shows on stderr) and cached in
+                ``~/.cache/specdec-rt/tune/`` (:mod:`specdec_rt.engine.tune`; engines or
+                processes loading the same at once measure once, the others wait and read it);
+                an explicit ``draft`` wins over the tuned one. :attr:`choice` says what was
+                chosen and how.
+
+        Returns:
+            The loaded engine.
+
+        Raises:
+            ModelNotBuiltError: A recipe that is not built (the error names the command that
+                builds it).
+            ModelLoadError: A folder or draft that cannot be loaded (no manifest, a draft
+                whose vocabulary differs from the target's, ...).
+            InvalidInputError: An option out of range, or a ``precision`` the folder does not
+                offer.
         """
         options = LoadOptions(
             draft=draft,
@@ -307,7 +344,12 @@ class Engine:
 
     async def warm_up(self, requests: int = WARMUP_REQUESTS, max_new_tokens: int = WARMUP_TOKENS) -> None:
         """Run ``requests`` short requests one after another before serving, then forget them
-        except what they measured (see :func:`specdec_rt.engine.warmup.warm_up`, which says why)."""
+        except what they measured (see :func:`specdec_rt.engine.warmup.warm_up`, which says why).
+
+        Args:
+            requests: How many warm-up requests run.
+            max_new_tokens: Tokens each of them generates.
+        """
         await warm_up(self, requests, max_new_tokens)
 
     @classmethod
@@ -346,17 +388,30 @@ class Engine:
     async def generate(
         self, prompt: Prompt, params: RequestParams | int | None = None, **overrides: Any
     ) -> EngineResult:
-        """Generate a completion. ``prompt``: a string, chat messages
-        ``[{"role": ..., "content": ...}]`` rendered with the model's chat template (content: a
-        string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``, joined), or token
-        ids (a list of ints, used as they are).
+        """Generate a completion.
 
-        ``params``: a :class:`~specdec_rt.request.params.RequestParams` (None: the defaults; an
-        integer: ``max_new_tokens``, the older form); ``overrides``: its fields as keywords
-        (``max_new_tokens=64, temperature=0.7, seed=1``), which win over ``params``. The fields
-        (sampling, ``mode``, ``stop``, log-probabilities, ``response_format``, ``tools``,
-        ``min_tokens``, ...) are documented on :class:`~specdec_rt.request.params.RequestParams`;
-        an unknown keyword is an :class:`~specdec_rt.errors.InvalidInputError` naming it."""
+        Args:
+            prompt: A string, chat messages ``[{"role": ..., "content": ...}]`` rendered with the
+                model's chat template (content: a string, or OpenAI-style text parts ``[{"type":
+                "text", "text": ...}]``, joined), or token ids (a list of ints, used as they are).
+            params: A :class:`~specdec_rt.request.params.RequestParams` (None: the defaults; an
+                integer: ``max_new_tokens``, the older form).
+            **overrides: Its fields as keywords (``max_new_tokens=64, temperature=0.7, seed=1``),
+                which win over ``params``. The fields (sampling, ``mode``, ``stop``,
+                log-probabilities, ``response_format``, ``tools``, ``min_tokens``, ...) are
+                documented on :class:`~specdec_rt.request.params.RequestParams`.
+
+        Returns:
+            The text, its token ids, the request's statistics, and what the request asked for
+            (log-probabilities, the prompt's, tool calls).
+
+        Raises:
+            InvalidInputError: An unknown keyword (named), a bad parameter, or ``mode="spec"`` on an
+                engine without a draft model.
+            ContextLengthError: The prompt and ``max_new_tokens`` do not fit the model.
+            EngineClosedError: The engine is closed.
+            SpecDecError: The request failed (its KV slots are released; the engine stays usable).
+        """
         parts: list[str] = []
         ids: list[int] = []
         lps: list[TokenLogprob] = []
@@ -370,22 +425,8 @@ class Engine:
                 ids.extend(ev.token_ids)
                 lps.extend(ev.logprobs or ())
                 stats = ev.stats or stats
-        text = "".join(parts)
         assert stats is not None  # the stream's last event carries them
-        return EngineResult(
-            text=text,
-            token_ids=ids,
-            stats=stats,
-            prompt_tokens=stats.prompt_tokens if stats else 0,
-            logprobs=lps if request.logprobs is not None else None,
-            prompt_token_ids=None if first.prompt_token_ids is None else list(first.prompt_token_ids),
-            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
-            tool_calls=(
-                parse_tool_calls(text, [t["function"]["name"] for t in request.tools or ()])[1]
-                if request.calls_tools
-                else None
-            ),
-        )
+        return _result(request, first, text="".join(parts), ids=ids, logprobs=lps, stats=stats)
 
     def stream(self, prompt: Prompt, params: RequestParams | int | None = None, **overrides: Any) -> "EngineStream":
         """Like :meth:`generate`, as an async iterator of :class:`StreamEvent` (also an async
@@ -394,11 +435,23 @@ class Engine:
         Cheap checks run here and raise at once (the parameters, see
         :class:`~specdec_rt.request.params.RequestParams`; a draft model for ``mode="spec"``;
         ``tools`` with chat messages; the prompt's type and size: at most ``max_prompt_chars``
-        characters).
-        Rendering the chat template and tokenizing run in a worker thread (a prompt of 16k
-        characters or more: in a child process, see :attr:`prompt_encoder`), so a huge prompt
+        characters). Rendering the chat template and tokenizing run in a worker thread (a prompt of
+        16k characters or more: in a child process, see :attr:`prompt_encoder`), so a huge prompt
         never stalls the event loop; what they find (e.g. ``ContextLengthError``) is raised by
-        :meth:`EngineStream.ready` and by the first iteration, still before any model work."""
+        :meth:`EngineStream.ready` and by the first iteration, still before any model work.
+
+        Args:
+            prompt: As :meth:`generate`'s.
+            params: As :meth:`generate`'s.
+            **overrides: As :meth:`generate`'s.
+
+        Returns:
+            The request's stream; the request runs in a task of its own from now on.
+
+        Raises:
+            InvalidInputError: A bad parameter or prompt (the checks above).
+            EngineClosedError: The engine is closed.
+        """
         if self._closed:
             raise EngineClosedError("this engine is closed")
         request = _request_params(params, overrides)
@@ -407,17 +460,7 @@ class Engine:
         elif request.mode == "spec" and self.drafter is None:
             raise InvalidInputError("this engine has no draft model: load it with draft=... or use mode='ar'")
         stops = list(request.stop or ())  # (a tuple of strings once checked)
-        shape = RequestShape(
-            request.prompt_logprobs,
-            request.json_schema,
-            *tool_shape(prompt, request.tools, request.effective_tool_choice, stops, template=self.codec.chat_template),
-            request.min_tokens,
-            request.ignore_eos,
-        )
-        if shape.schema is not None and shape.lark is not None:
-            raise InvalidInputError(
-                f"response_format and tool_choice={request.tool_choice!r} cannot both hold the answer"
-            )
+        shape = self._shape(prompt, request, stops)
         check_prompt_size(prompt, self.max_prompt_chars)
         send: MemoryObjectSendStream[StreamEvent | Exception]
         receive: MemoryObjectReceiveStream[StreamEvent | Exception]
@@ -431,6 +474,22 @@ class Engine:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return stream
+
+    def _shape(self, prompt: Prompt, request: RequestParams, stops: list[str]) -> RequestShape:
+        """What the request asks of its answer beyond sampling (prompt log-probabilities, a JSON
+        schema, tools, minimum tokens); a response format and a tool grammar cannot both hold it."""
+        shape = RequestShape(
+            request.prompt_logprobs,
+            request.json_schema,
+            *tool_shape(prompt, request.tools, request.effective_tool_choice, stops, template=self.codec.chat_template),
+            request.min_tokens,
+            request.ignore_eos,
+        )
+        if shape.schema is not None and shape.lark is not None:
+            raise InvalidInputError(
+                f"response_format and tool_choice={request.tool_choice!r} cannot both hold the answer"
+            )
+        return shape
 
     def _encode(
         self, prompt: Prompt, max_new_tokens: int, truncate_prompt: bool, tools: Sequence[dict[str, Any]] | None = None
@@ -626,7 +685,9 @@ class Engine:
     async def aclose(self) -> None:
         """Stop the step loop after the model call in flight, end running requests with
         :class:`EngineClosedError`, then release the models (ONNX Runtime sessions and KV pools).
-        Later calls raise :class:`EngineClosedError`."""
+
+        A second call does nothing. Requests started after it raise :class:`EngineClosedError`.
+        """
         if self._closed:
             return
         self._closed = True
@@ -723,6 +784,34 @@ class _MeasuredBatch(BatchCosts):
 
     def admitted(self) -> int:
         return min(len(self.engine._tasks), self.engine.slots)
+
+
+def _result(
+    request: RequestParams,
+    first: StreamEvent,
+    *,
+    text: str,
+    ids: list[int],
+    logprobs: list[TokenLogprob],
+    stats: Stats,
+) -> EngineResult:
+    """:meth:`Engine.generate`'s result from its stream's events: ``first`` is the event with the
+    prompt's log-probabilities (when asked); tool calls are parsed from ``text`` when the request
+    has tools."""
+    return EngineResult(
+        text=text,
+        token_ids=ids,
+        stats=stats,
+        prompt_tokens=stats.prompt_tokens,
+        logprobs=logprobs if request.logprobs is not None else None,
+        prompt_token_ids=None if first.prompt_token_ids is None else list(first.prompt_token_ids),
+        prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
+        tool_calls=(
+            parse_tool_calls(text, [t["function"]["name"] for t in request.tools or ()])[1]
+            if request.calls_tools
+            else None
+        ),
+    )
 
 
 def _request_params(params: object, overrides: dict[str, Any]) -> RequestParams:

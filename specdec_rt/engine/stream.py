@@ -24,8 +24,22 @@ __all__ = ["EngineResult", "EngineStream", "StreamEvent"]
 
 @dataclass
 class EngineResult:
-    """A finished generation: ``text`` (special tokens skipped), ``token_ids`` (prompt excluded),
-    ``stats`` (``tokens_per_s``, ``acceptance_rate``, ``mean_accepted``, ``mode``, ...)."""
+    """A finished generation (:meth:`Engine.generate <specdec_rt.engine.engine.Engine.generate>`).
+
+    Attributes:
+        text: The answer (special tokens skipped).
+        token_ids: The generated ids (prompt excluded).
+        stats: The request's counters (``tokens_per_s``, ``acceptance_rate``, ``mean_accepted``,
+            ``mode``, ...).
+        prompt_tokens: The prompt's length in tokens.
+        logprobs: One per token id, when asked (``logprobs=``).
+        prompt_token_ids: With ``prompt_logprobs=``: the prompt's token ids.
+        prompt_logprobs: With ``prompt_logprobs=``: each prompt token's log-probability after the
+            ones before it (the first: None).
+        tool_calls: With ``tools``: the calls in ``text`` (OpenAI's shape: ``id``, ``type``,
+            ``function.name``, ``function.arguments`` as a JSON string), maybe none; ``text``
+            stays the whole answer.
+    """
 
     text: str
     token_ids: list[int]
@@ -47,8 +61,20 @@ class EngineResult:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """New text (never a broken UTF-8 character; may be empty while one is incomplete) and the
-    token ids that became final with it. ``finished`` is set on the last event."""
+    """New text and the token ids that became final with it (one event of
+    :meth:`Engine.stream <specdec_rt.engine.engine.Engine.stream>`).
+
+    Attributes:
+        text: New text (never a broken UTF-8 character; may be empty while one is incomplete).
+        token_ids: The ids that became final with it.
+        finished: Why the request ended, on the last event.
+        stats: The request's counters, on the last event.
+        logprobs: One per token id, when asked (``logprobs=``).
+        prompt_token_ids: With ``prompt_logprobs=``: on the first event (no text, no tokens), the
+            prompt's token ids.
+        prompt_logprobs: With ``prompt_logprobs=``: on the first event, their log-probabilities
+            (the first: None).
+    """
 
     text: str
     token_ids: tuple[int, ...]

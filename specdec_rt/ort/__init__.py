@@ -24,17 +24,25 @@ __all__ = [
 
 
 class OrtTargetVerifier(ModelVerifier):
-    """The target: verifies k drafts in one ONNX Runtime call (k+1 logits rows).
-
-    ``model``: an :class:`OrtModel`, or a folder / manifest plus ``OrtModel`` options.
-    ``share_hidden``: keep the target's hidden states for an EAGLE drafter (see ``ModelVerifier``).
-    """
+    """The target: verifies k drafts in one ONNX Runtime call (k+1 logits rows)."""
 
     model: OrtModel
 
     def __init__(
         self, model: OrtModel | str | os.PathLike[str] | Manifest, *, share_hidden: bool = False, **options: Any
     ) -> None:
+        """A verifier over an ONNX Runtime target.
+
+        Args:
+            model: An :class:`OrtModel`, or a folder / manifest to build one from.
+            share_hidden: Keep the target's hidden states for an EAGLE drafter (see
+                ``ModelVerifier``).
+            **options: :class:`OrtModel`'s options, when ``model`` is a folder or manifest.
+
+        Raises:
+            ModelLoadError: The folder cannot be loaded.
+            InvalidInputError: ``share_hidden`` with a model that returns no hidden states.
+        """
         super().__init__(
             model if isinstance(model, OrtModel) else OrtModel(model, **options), share_hidden=share_hidden
         )
@@ -47,4 +55,13 @@ class OrtDraftInferrer(ModelDrafter):
     model: OrtModel
 
     def __init__(self, model: OrtModel | str | os.PathLike[str] | Manifest, **options: Any) -> None:
+        """A drafter over an ONNX Runtime draft model.
+
+        Args:
+            model: An :class:`OrtModel`, or a folder / manifest to build one from.
+            **options: :class:`OrtModel`'s options, when ``model`` is a folder or manifest.
+
+        Raises:
+            ModelLoadError: The folder cannot be loaded.
+        """
         super().__init__(model if isinstance(model, OrtModel) else OrtModel(model, **options))

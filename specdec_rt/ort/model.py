@@ -38,17 +38,31 @@ MIN_CACHE_ENTRIES = 16  # prefix-cache entry slots (address space only until use
 class OrtModel(LanguageModel):
     """A model folder from ``python -m export``, run by ONNX Runtime.
 
-    ``max_length``: KV capacity per request (default min(4096, the model's max positions));
-    ``slots``: concurrent requests; ``threads``: intra-op threads (default: usable CPUs; ignored
-    after :func:`use_global_thread_pool`); ``alone``: no other model runs beside it (no draft model), so
-    its threads keep spinning between runs (see ``ort.setup._configure_threads``);
-    ``provider``: ``"auto"`` | ``"cpu"`` | ``"cuda"``. Calls run in a worker thread, one at a time
-    on the model's :class:`~specdec_rt.batching.executor.BatchExecutor` (``executor``; an Engine shares one
-    between its models), which batches the single-token steps of concurrent requests.
+    Calls run in a worker thread, one at a time on the model's
+    :class:`~specdec_rt.batching.executor.BatchExecutor`, which batches the single-token steps of
+    concurrent requests.
 
-    ``prefix_cache_bytes > 0`` keeps what finished requests computed in ``cache_entries`` extra
-    slots (default max(slots, 16); :mod:`specdec_rt.kvcache.prefix`, CPU only): ``start(prefix)`` begins with the
-    longest cached prefix. ``block``: tokens per indexed block.
+    Args:
+        folder: An export folder, or its loaded manifest.
+        max_length: KV capacity per request (default min(4096, the model's max positions);
+            more than the graph holds is capped, with a warning).
+        slots: Concurrent requests.
+        threads: Intra-op threads (default: usable CPUs; ignored after
+            :func:`use_global_thread_pool`).
+        provider: ``"auto"`` | ``"cpu"`` | ``"cuda"``.
+        prefix_cache_bytes: Above 0: keep what finished requests computed in
+            ``cache_entries`` extra slots (:mod:`specdec_rt.kvcache.prefix`, CPU only), in at
+            most this many bytes; ``start(prefix)`` begins with the longest cached prefix.
+        cache_entries: The prefix cache's slots (default max(slots, 16)).
+        block: Tokens per indexed block of the prefix cache.
+        alone: No other model runs beside it (no draft model), so its threads keep spinning
+            between runs (see ``ort.setup._configure_threads``).
+        executor: The step loop its calls run on (an Engine shares one between its models;
+            default: one of its own).
+
+    Raises:
+        ModelLoadError: A manifest that fails its checks, a graph ONNX Runtime cannot load,
+            a capacity under 2 or ``slots`` under 1.
     """
 
     def __init__(
@@ -65,6 +79,7 @@ class OrtModel(LanguageModel):
         alone: bool = False,
         executor: BatchExecutor | None = None,
     ) -> None:
+        """Load the folder's graph and commit its KV pool."""
         import onnxruntime as ort
 
         self.manifest = m = folder if isinstance(folder, Manifest) else load_manifest(folder)

@@ -13,7 +13,37 @@ __all__ = ["SpecConfig"]
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Every threshold of adaptive speculation. All configurable; the defaults are the issue's."""
+    """Every threshold of adaptive speculation, each with a default and all configurable.
+
+    Attributes:
+        alpha: EWMA weight of the newest round.
+        initial_acceptance: The acceptance EWMA before anything was observed.
+        k_init: Draft length when ``adapt_k`` is off.
+        k_min: The shortest draft length ``adapt_k`` chooses.
+        k_max: The longest.
+        adapt_k: Choose each round's draft length from the acceptance and the measured costs.
+        fallback_below: Plain decoding when the acceptance EWMA falls below this.
+        zero_rounds: Plain decoding after this many rounds in a row accepted nothing.
+        min_speedup: Plain decoding when no draft length is predicted to gain this much.
+        resume_above: A probe resumes speculation only at an acceptance of at least this (>=
+            ``fallback_below``: hysteresis).
+        resume_speedup: The predicted gain a probe needs to resume speculation; in a batch,
+            plain batched steps are left only for this clear a gain.
+        probe_every: Plain steps between probes of speculation after a fallback.
+        probe_backoff: A probe that does not resume multiplies the wait by this.
+        probe_max_every: The longest wait between probes.
+        draft_cost: Default cost of a draft token, in target steps, until measured.
+        verify_cost_per_token: Default extra cost per verified position, likewise.
+        measure_costs: False: always use the two defaults above (toy models, tests).
+        tree_nodes: Drafts beyond the main chain a request alone may add (a draft tree, 0..16).
+        confidence_stop: A request alone stops a model chain where the draft is unsure.
+        defer_draft_prefill: The first round verifies free drafts only (n-gram matches, or
+            none): a request's first token never waits for the draft model's prefill, which its
+            next round does.
+
+    Raises:
+        InvalidInputError: A value out of range or an inconsistent pair, naming the field.
+    """
 
     alpha: float = 0.1  # EWMA weight of the newest round
     initial_acceptance: float = 0.7  # EWMA before anything was observed

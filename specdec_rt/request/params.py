@@ -33,46 +33,58 @@ DEFAULT_MAX_NEW_TOKENS = 256
 
 @dataclass(frozen=True)
 class RequestParams:
-    """One request's parameters. Bad values raise :class:`~specdec_rt.errors.InvalidInputError`
-    naming the field, when the object is made (or :meth:`replace`-d).
+    """One request's parameters, checked when the object is made (or :meth:`replace`-d).
 
-    * ``max_new_tokens``: at most this many tokens are generated (a positive integer).
-    * ``temperature``, ``top_k``, ``top_p``, ``seed``: sampling (:class:`~specdec_rt.sampling.SamplingParams`;
-      temperature 0 is greedy, ``seed`` makes a sampled request reproducible).
-    * ``mode``: ``"spec"`` (speculative) or ``"ar"`` (plain decoding); the same output either way.
-      ``None`` (the default): the engine's own, ``"spec"`` when it has a drafter (a draft model
-      or n-gram lookup) and ``"ar"`` when it has none (``draft="none"``, or what
-      ``precision="auto"`` chose); ``"spec"`` on an engine without a drafter is an error.
-    * ``stop``: strings that end the generation (the text is cut before the stop string;
-      ``token_ids`` end with the token that completes it, in either mode; a stream holds back
-      text that may start one). A string or a sequence of them; kept as a tuple.
-    * ``truncate_prompt``: keep only the last prompt tokens that fit instead of raising
-      ``ContextLengthError``.
-    * ``logprobs=n`` (0..20): each token's log-probability under the target model (before
-      temperature, top-k, top-p; the same in either mode) with the ``n`` most likely tokens
-      there (:class:`~specdec_rt.sampling.logprobs.TokenLogprob`).
-    * ``logit_bias``: ``{token id: bias}`` (-100 to 100) added to the logits before temperature,
-      top-k, top-p and greedy's argmax (-100 bans a token), in either mode; the reported
-      log-probabilities stay the model's own.
-    * ``presence_penalty`` / ``frequency_penalty`` (-2 to 2, OpenAI's; None: 0) and
-      ``repetition_penalty`` (0.01 to 10; 1 or None is off) discourage tokens already generated
-      (:mod:`specdec_rt.sampling.penalties`); speculation stays exact for the penalized target.
-    * ``prompt_logprobs=n`` (0..20): also each prompt token's log-probability after the ones
-      before it, with the ``n`` most likely tokens there (``EngineResult.prompt_logprobs``; the
-      first token has none); one more pass of the target over the prompt, whose KV the prefix
-      cache then hands to the generation (:mod:`specdec_rt.sampling.prompt_logprobs`).
-    * ``response_format``: OpenAI's, ``{"type": "json_object"}`` or ``{"type": "json_schema",
-      "json_schema": {"schema": {...}}}``: only tokens that keep the output on its way to such
-      JSON are chosen, by draft and target alike, and the end-of-sequence token only once it is
-      complete (:mod:`specdec_rt.sampling.constraints`; needs the ``structured`` extra).
-    * ``tools`` (OpenAI's function list; with chat messages and a template that renders them;
-      kept as a tuple) and ``tool_choice`` (``"auto"``, ``"none"``, ``"required"`` or a named
-      function, held to by a grammar; None: ``"auto"`` with tools): the calls in the answer are
-      ``EngineResult.tool_calls`` (:mod:`specdec_rt.text.tools`).
-    * ``min_tokens``: no end-of-sequence token before that many tokens (draft and target alike),
-      nor a stop string completed by one of them (0 to ``max_new_tokens``).
-    * ``ignore_eos``: go on past end-of-sequence tokens, up to ``max_new_tokens`` or a stop
-      string (vLLM's rules and options, which load-testing tools send).
+    Attributes:
+        max_new_tokens: At most this many tokens are generated (a positive integer).
+        temperature: Sampling temperature (:class:`~specdec_rt.sampling.SamplingParams`); 0 is
+            greedy.
+        top_k: Keep the k most likely tokens.
+        top_p: Keep the smallest set of most likely tokens holding this much mass.
+        seed: Makes a sampled request reproducible.
+        mode: ``"spec"`` (speculative) or ``"ar"`` (plain decoding); the same output either
+            way. ``None`` (the default): the engine's own, ``"spec"`` when it has a drafter (a
+            draft model or n-gram lookup) and ``"ar"`` when it has none (``draft="none"``, or
+            what ``precision="auto"`` chose); ``"spec"`` on an engine without a drafter is an
+            error.
+        stop: Strings that end the generation (the text is cut before the stop string;
+            ``token_ids`` end with the token that completes it, in either mode; a stream holds
+            back text that may start one). A string or a sequence of them; kept as a tuple.
+        truncate_prompt: Keep only the last prompt tokens that fit instead of raising
+            ``ContextLengthError``.
+        logprobs: ``n`` (0..20): each token's log-probability under the target model (before
+            temperature, top-k, top-p; the same in either mode) with the ``n`` most likely
+            tokens there (:class:`~specdec_rt.sampling.logprobs.TokenLogprob`).
+        logit_bias: ``{token id: bias}`` (-100 to 100) added to the logits before temperature,
+            top-k, top-p and greedy's argmax (-100 bans a token), in either mode; the reported
+            log-probabilities stay the model's own.
+        presence_penalty: -2 to 2 (OpenAI's; None: 0); with the next two, discourages tokens
+            already generated (:mod:`specdec_rt.sampling.penalties`); speculation stays exact
+            for the penalized target.
+        frequency_penalty: -2 to 2 (OpenAI's; None: 0).
+        repetition_penalty: 0.01 to 10 (1 or None is off).
+        prompt_logprobs: ``n`` (0..20): also each prompt token's log-probability after the ones
+            before it, with the ``n`` most likely tokens there
+            (``EngineResult.prompt_logprobs``; the first token has none); one more pass of the
+            target over the prompt, whose KV the prefix cache then hands to the generation
+            (:mod:`specdec_rt.sampling.prompt_logprobs`).
+        response_format: OpenAI's, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+            "json_schema": {"schema": {...}}}``: only tokens that keep the output on its way to
+            such JSON are chosen, by draft and target alike, and the end-of-sequence token only
+            once it is complete (:mod:`specdec_rt.sampling.constraints`; needs the
+            ``structured`` extra).
+        tools: OpenAI's function list (with chat messages and a template that renders them;
+            kept as a tuple): the calls in the answer are ``EngineResult.tool_calls``
+            (:mod:`specdec_rt.text.tools`).
+        tool_choice: ``"auto"``, ``"none"``, ``"required"`` or a named function, held to by a
+            grammar (None: ``"auto"`` with tools).
+        min_tokens: No end-of-sequence token before that many tokens (draft and target alike),
+            nor a stop string completed by one of them (0 to ``max_new_tokens``).
+        ignore_eos: Go on past end-of-sequence tokens, up to ``max_new_tokens`` or a stop
+            string (vLLM's rules and options, which load-testing tools send).
+
+    Raises:
+        InvalidInputError: A bad value, naming the field.
     """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS

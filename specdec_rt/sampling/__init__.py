@@ -81,8 +81,20 @@ class SamplingParams:
 
     :attr:`penalized` says whether any penalty is on.
 
-    Bad values (wrong types, bools, NaN, inf, negative, ``top_p`` outside (0, 1]) raise
-    :class:`InvalidInputError` naming the field.
+    Attributes:
+        temperature: 0 (or below :data:`MIN_TEMPERATURE`): greedy; above: samples.
+        top_k: Keep the k most likely tokens (``None``: all).
+        top_p: Keep the smallest set of most likely tokens holding this much mass (``None``:
+            all).
+        seed: Makes a request reproducible.
+        logit_bias: ``((id, bias), ...)`` by id (a dict is taken too).
+        presence_penalty: -2..2 (0: off).
+        frequency_penalty: -2..2 (0: off).
+        repetition_penalty: 0.01..10 (1: off).
+
+    Raises:
+        InvalidInputError: A bad value (wrong types, bools, NaN, inf, negative, ``top_p``
+            outside (0, 1]), naming the field.
     """
 
     temperature: float = 0.0
@@ -182,11 +194,19 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Logits ``[..., V]`` -> probabilities ``[..., V]`` (same float dtype; float64 stays float64).
 
     The logit bias, then temperature, then top-k, then softmax, then top-p, as Hugging Face
-    ``generate`` orders them.
-    If dividing by the temperature overflows, each row is shifted by its maximum first, so the
-    scaled logits are <= 0 (an overflow is -inf, a weight of 0) and every row keeps its maximum
-    at weight 1: no temperature turns finite logits into NaN. A row with NaN, +inf or no finite
-    logit is not a distribution: :class:`InvalidInputError` naming the row.
+    ``generate`` orders them. If dividing by the temperature overflows, each row is shifted by its
+    maximum first, so the scaled logits are <= 0 (an overflow is -inf, a weight of 0) and every row
+    keeps its maximum at weight 1: no temperature turns finite logits into NaN.
+
+    Args:
+        logits: The model's logits ``[..., V]``.
+        params: The bias, temperature, top-k and top-p to apply.
+
+    Returns:
+        The probabilities ``[..., V]``.
+
+    Raises:
+        InvalidInputError: An empty last axis, or a row with NaN, +inf or no finite logit, named.
     """
     z = np.asarray(logits)
     if not np.issubdtype(z.dtype, np.floating):
@@ -262,9 +282,19 @@ def uniforms(rng: np.random.Generator, n: int) -> np.ndarray:
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """One token id drawn from the distribution ``probs`` ``[V]`` (need not be normalized).
 
-    Inverse-CDF with one uniform; tokens of probability 0 are never returned. A row that is not
-    a distribution (empty, NaN, inf, negative entries, all zero) raises
-    :class:`InvalidInputError` saying which: nothing is ever picked from NaN.
+    Inverse-CDF with one uniform; tokens of probability 0 are never returned. Nothing is ever
+    picked from NaN.
+
+    Args:
+        probs: The weights ``[V]``.
+        rng: The generator the uniform comes from.
+
+    Returns:
+        The drawn token id.
+
+    Raises:
+        InvalidInputError: A row that is not a distribution (not 1-D, empty, NaN, inf, negative
+            entries, all zero), saying which.
     """
     probs = np.asarray(probs)
     if probs.ndim != 1 or probs.size == 0:
@@ -290,20 +320,29 @@ def rejection_sample(
 ) -> np.ndarray:  # [n+1] int: accepted prefix of draft_ids (n tokens), then one more
     """Speculative rejection sampling (the module docstring states the math).
 
-    Returns the accepted prefix of ``draft_ids`` followed by exactly one token: the recovered token
-    resampled from ``norm(max(0, p_n - q_n))`` at the first rejection ``n``, or the bonus token
-    from ``p_k`` when all ``k`` drafts were accepted. Length 1..k+1.
-
     Greedy decoding is this same call with one-hot ``p`` and ``q``; it then reduces to exact token
     matching (see :func:`greedy_accept`, the fast path with the same result).
 
-    Raises :class:`InvalidInputError` (a ``ValueError``) naming the problem for k = 0, shapes that
-    do not fit, ids out of range, NaN/inf or negative entries, rows not summing to 1.
     A draft token with ``q_i(x_i) = 0`` (impossible if it was drawn from ``q``) is rejected with
     certainty, which says nothing about ``p``: the token then comes from ``p_n`` itself, not from
     the residual (whose lemma assumes ``x_n ~ q_n``), so the output is still distributed as ``p``.
     Rows are taken as given: exactness is to rows that sum to 1 (within ``ROW_SUM_TOLERANCE``
     they are accepted, not renormalised).
+
+    Args:
+        draft_ids: The drafted tokens ``x_1..x_k`` ``[k]``.
+        q: The draft distributions the drafts were drawn from ``[k, V]``.
+        p: The target distributions at the same positions, plus one ``[k+1, V]``.
+        rng: The generator of the acceptance tests and the resampled token.
+
+    Returns:
+        The accepted prefix of ``draft_ids`` followed by exactly one token ``[n+1]``: the
+        recovered token resampled from ``norm(max(0, p_n - q_n))`` at the first rejection ``n``,
+        or the bonus token from ``p_k`` when all ``k`` drafts were accepted. Length 1..k+1.
+
+    Raises:
+        InvalidInputError: (a ``ValueError``) naming the problem: k = 0, shapes that do not fit,
+            ids out of range, NaN/inf or negative entries, rows not summing to 1.
     """
     draft_ids, q, p = _check(draft_ids, q, p)
     k = draft_ids.shape[0]
@@ -329,7 +368,19 @@ def greedy_accept(
 ) -> np.ndarray:  # [n+1] int
     """Exact-match acceptance: :func:`rejection_sample` with one-hot ``p`` and ``q``, without
     building ``[k, V]`` one-hot arrays. Accepts drafts while they equal the target's argmax, then
-    emits the target's token at the first mismatch (or the bonus after k matches)."""
+    emits the target's token at the first mismatch (or the bonus after k matches).
+
+    Args:
+        draft_ids: The drafted tokens ``[k]``.
+        target_ids: The target's argmax at each position ``[k+1]``.
+
+    Returns:
+        The accepted drafts followed by the target's token ``[n+1]``.
+
+    Raises:
+        InvalidInputError: Ids that are not a 1-D integer array, a negative id, or ``target_ids``
+            not of shape ``[k+1]``.
+    """
     draft_ids, target_ids = np.asarray(draft_ids), np.asarray(target_ids)
     for name, ids in (("draft_ids", draft_ids), ("target_ids", target_ids)):
         if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):

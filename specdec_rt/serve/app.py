@@ -34,16 +34,27 @@ __all__ = ["create_app", "begin_drain"]
 def create_app(engine_or_loader: ServedEngine | Loader, config: AppConfig | None = None, **options: Any) -> Starlette:
     """The ASGI app.
 
-    ``engine_or_loader``: a loaded engine (an :class:`~specdec_rt.Engine`, or any
-    :class:`~specdec_rt.engine.served.ServedEngine`; the app is ready at once and never closes
-    it), or an async callable that returns one: the app's lifespan loads it in the background at
-    startup (``/health`` and the completion routes answer 503 until then) and closes it at
-    shutdown. ``config``: the app's options (:class:`~specdec_rt.serve.options.AppConfig`: slots,
-    queue, timeouts, limits, access); ``options``: its fields by keyword, over ``config``
-    (``create_app(engine, slots=4, api_keys=[...])``). An engine that lacks a member the server
-    needs, or an unknown option, is refused here. ``app.state.serving`` holds the state;
-    :func:`begin_drain` starts a graceful shutdown. The JSON routes take ``application/json``
-    only (415).
+    ``app.state.serving`` holds the state; :func:`begin_drain` starts a graceful shutdown. The
+    JSON routes take ``application/json`` only (415).
+
+    Args:
+        engine_or_loader: A loaded engine (an :class:`~specdec_rt.Engine`, or any
+            :class:`~specdec_rt.engine.served.ServedEngine`; the app is ready at once and never
+            closes it), or an async callable that returns one: the app's lifespan loads it in
+            the background at startup (``/health`` and the completion routes answer 503 until
+            then) and closes it at shutdown.
+        config: The app's options (:class:`~specdec_rt.serve.options.AppConfig`: slots, queue,
+            timeouts, limits, access; default: ``AppConfig()``).
+        **options: Its fields by keyword, over ``config``
+            (``create_app(engine, slots=4, api_keys=[...])``).
+
+    Returns:
+        The Starlette app.
+
+    Raises:
+        TypeError: An unknown option (named).
+        InvalidInputError: A bad option value, or an engine that lacks a member the server
+            needs.
     """
     config = replace(config or AppConfig(), **options)  # an unknown keyword: TypeError naming it
     access = Access.checked(config.api_keys, config.allowed_hosts, config.allowed_origins)

@@ -61,32 +61,43 @@ def _check_count(name: str, value: object, least: int) -> None:
 @dataclass(frozen=True)
 class AppConfig:
     """The app around an engine (:func:`~specdec_rt.serve.app.create_app`; each field is also
-    one of its keywords).
+    one of its keywords). The counts and timeouts are checked at construction.
 
-    ``slots``: requests generating at once (``None``: the engine's ``slots``, once it is loaded;
-    give the engine the same number); ``max_queued``: admitted requests waiting for a slot; past
-    ``slots + max_queued`` a request gets 429 with ``Retry-After: retry_after``.
-    ``model_name``: the model's id in replies (``None``: the engine's ``name``).
-    ``request_timeout``: seconds per request, queueing included (504 after; ``None``: no limit).
-    ``max_body_bytes``: larger bodies get 413. ``default_max_tokens``: for requests without
-    ``max_tokens``. ``wait_for_load``: the lifespan startup returns only once the engine is
-    loaded, and fails if it cannot be (for hosts that route to an app only after its startup,
-    such as a Ray Serve replica). ``drain_timeout``: seconds admitted requests get once draining
-    began; those still running then end with a 503 ``draining`` error (a stream: one error
-    event) instead of being cut off (``None``: no limit). ``consumer_timeout``: seconds a streamed
-    response may wait for its client to take a chunk: past that the request ends and frees its
-    slot at once, and the client's stream ends (with an error event if the connection still
-    takes one); ``None`` or ``0``: no limit. Give a loaded engine the same (its own
-    ``consumer_timeout``; the CLI does). ``max_prompt_logprob_work``: a completion with ``echo``
-    and ``logprobs`` may ask for at most this many prompt log-probability entries, prompt tokens
-    x (1 + ``logprobs``) x ``n`` (400 past it, before its prompt is scored; ``None``: no limit).
+    Attributes:
+        slots: Requests generating at once (``None``: the engine's ``slots``, once it is loaded;
+            give the engine the same number).
+        max_queued: Admitted requests waiting for a slot; past ``slots + max_queued`` a request
+            gets 429 with ``Retry-After: retry_after``.
+        model_name: The model's id in replies (``None``: the engine's ``name``).
+        request_timeout: Seconds per request, queueing included (504 after; ``None``: no limit).
+        max_body_bytes: Larger bodies get 413.
+        default_max_tokens: For requests without ``max_tokens``.
+        retry_after: Seconds in the 429's ``Retry-After``.
+        wait_for_load: The lifespan startup returns only once the engine is loaded, and fails if
+            it cannot be (for hosts that route to an app only after its startup, such as a Ray
+            Serve replica).
+        drain_timeout: Seconds admitted requests get once draining began; those still running
+            then end with a 503 ``draining`` error (a stream: one error event) instead of being
+            cut off (``None``: no limit).
+        api_keys: Every route but ``/health`` needs ``Authorization: Bearer <one of them>`` (401
+            otherwise; none: no key needed). Access is checked by the app
+            (:mod:`specdec_rt.serve.guard`).
+        allowed_hosts: The ``Host`` names the app answers to, others get 421 (``None``: any,
+            for an app behind a proxy that checks them; ``guard.host_names`` gives the CLI's
+            list).
+        allowed_origins: Web origins whose pages may call the app, with CORS answers; a request
+            with any other ``Origin`` gets 403.
+        consumer_timeout: Seconds a streamed response may wait for its client to take a chunk:
+            past that the request ends and frees its slot at once, and the client's stream ends
+            (with an error event if the connection still takes one); ``None`` or ``0``: no
+            limit. Give a loaded engine the same (its own ``consumer_timeout``; the CLI does).
+        max_prompt_logprob_work: A completion with ``echo`` and ``logprobs`` may ask for at most
+            this many prompt log-probability entries, prompt tokens x (1 + ``logprobs``) x ``n``
+            (400 past it, before its prompt is scored; ``None``: no limit).
 
-    Access (:mod:`specdec_rt.serve.guard`, checked by the app): ``api_keys``: every route but
-    ``/health`` needs ``Authorization: Bearer <one of them>`` (401 otherwise; none: no key
-    needed). ``allowed_hosts``: the ``Host`` names the app answers to, others get 421 (``None``:
-    any, for an app behind a proxy that checks them; ``guard.host_names`` gives the CLI's list).
-    ``allowed_origins``: web origins whose pages may call the app, with CORS answers; a request
-    with any other ``Origin`` gets 403.
+    Raises:
+        InvalidInputError: ``slots`` or ``max_queued`` not an integer in range, or a timeout
+            that is not a number >= 0.
     """
 
     slots: int | None = None

@@ -147,7 +147,11 @@ class _ModelUser:
 
 
 class ModelDrafter(_ModelUser, DraftInferrer):
-    """Draft with a (small) language model: k autoregressive steps from its own cache."""
+    """Draft with a (small) language model: k autoregressive steps from its own cache.
+
+    Args:
+        model: The draft model.
+    """
 
     def cached_prefix(self, tokens: np.ndarray) -> int:
         """Tokens of ``tokens`` its model's prefix cache holds: its prefill costs only the rest."""
@@ -218,6 +222,17 @@ class ModelVerifier(_ModelUser, TargetVerifier):
     reports_logprobs = True  # verdicts carry the tokens' log-probabilities when a request asks
 
     def __init__(self, model: LanguageModel, sampler: Sampler = rejection_sample, share_hidden: bool = False) -> None:
+        """A verifier over ``model``.
+
+        Args:
+            model: The target.
+            sampler: The rejection sampler.
+            share_hidden: Keep the target's hidden states for the drafter.
+
+        Raises:
+            InvalidInputError: ``share_hidden`` with a target whose ``caps.hidden_states`` is
+                False.
+        """
         super().__init__(model)
         if share_hidden and not model.caps.hidden_states:
             raise InvalidInputError(

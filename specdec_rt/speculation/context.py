@@ -47,12 +47,32 @@ class DraftPlan:
 
 
 class RequestContext:
-    """The Go design's ``ctx``: what a request has committed so far, and per-model state.
+    """One request's state: what it has committed so far, and per-model state.
 
     ``tokens`` is the whole sequence (prompt + generated tokens that are final); only
     :meth:`commit` appends to it, after a verification completed, so a cancelled round leaves it
     as it was. Models keep their per-request state (KV cache sessions) in :meth:`state`, keyed by
     the model object, and must tolerate caches that ran ahead of ``tokens``.
+
+    Args:
+        prompt_ids: The prompt's token ids.
+        max_new_tokens: Tokens the request may generate.
+        params: Sampling parameters (default: ``SamplingParams()``, greedy).
+        stop_ids: Ids that end the request (the id itself is kept).
+        *legacy: The keywords below by position, in their order (deprecated: a
+            ``DeprecationWarning`` names them).
+        max_length: The models' longest sequence (``None``: no limit).
+        rng: The sampling generator (default: seeded with ``params.seed``).
+        vocab_size: The models' vocabulary (``None``: ids are not checked against it).
+        logprobs: ``None``: no log-probabilities; ``n``: each emitted token's, with the
+            ``n`` most likely alternatives.
+        constraint: Which tokens may come next (a response format), or ``None``.
+
+    Raises:
+        InvalidInputError: An empty prompt, an id that is negative or outside the
+            vocabulary, a bad ``max_new_tokens``, ``logprobs`` or ``logit_bias`` id, an
+            option given both by position and by keyword, or too many positional arguments.
+        ContextLengthError: The prompt plus ``max_new_tokens`` exceeds ``max_length``.
     """
 
     def __init__(
@@ -68,6 +88,7 @@ class RequestContext:
         logprobs: int | None = None,
         constraint: Constraint | None = None,
     ) -> None:
+        """A request's context, its arguments checked."""
         if legacy:  # the form before the keywords: max_length, rng, vocab_size, logprobs, constraint
             max_length, rng, vocab_size, logprobs, constraint = _legacy_args(
                 legacy, max_length=max_length, rng=rng, vocab_size=vocab_size, logprobs=logprobs, constraint=constraint

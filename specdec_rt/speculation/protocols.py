@@ -1,5 +1,4 @@
-"""The interfaces the scheduler talks to (a port of the Go design's ``DraftInferrer`` /
-``TargetVerifier``), and the per-request model state underneath them.
+"""The interfaces the scheduler talks to (``DraftInferrer`` / ``TargetVerifier``), and the per-request model state underneath them.
 
 Two levels:
 
@@ -71,13 +70,16 @@ class ModelCaps:
 
 @runtime_checkable
 class DraftInferrer(Protocol):
-    """Proposes draft tokens (Go: ``GenerateDraft(ctx, k) []DraftToken``).
+    """Proposes draft tokens for a request.
 
-    Declared attributes (their defaults hold for a drafter that sets nothing):
-    ``max_length`` the longest sequence it can hold (``None``: no limit); ``cheap_drafts``: it can
-    propose drafts that cost nothing (n-gram matches) when ``ctx.plan.cheap_drafts`` asks for them
-    only; ``needs_target_hidden``: it reads the target's hidden states (EAGLE), so the verifier
-    must share them.
+    The declared attributes' defaults hold for a drafter that sets nothing.
+
+    Attributes:
+        max_length: The longest sequence it can hold (``None``: no limit).
+        cheap_drafts: It can propose drafts that cost nothing (n-gram matches) when
+            ``ctx.plan.cheap_drafts`` asks for them only.
+        needs_target_hidden: It reads the target's hidden states (EAGLE), so the verifier must
+            share them.
     """
 
     max_length: int | None = None
@@ -86,28 +88,51 @@ class DraftInferrer(Protocol):
 
     async def generate_draft(self, ctx: "RequestContext", k: int) -> Sequence[DraftToken]:
         """Up to ``k`` tokens that continue ``ctx.tokens``; fewer (even none) is allowed.
-        ``ctx.plan`` (:class:`~specdec_rt.speculation.context.DraftPlan`) says what this round
-        asks beyond that: tree nodes, where to stop a chain, cheap drafts only."""
+
+        Args:
+            ctx: The request: its committed tokens, its per-model state, and ``ctx.plan``
+                (:class:`~specdec_rt.speculation.context.DraftPlan`): what this round asks beyond
+                ``k`` (tree nodes, where to stop a chain, cheap drafts only).
+            k: The most tokens the main chain may have.
+
+        Returns:
+            The drafts, each a :class:`~specdec_rt.types.DraftToken` with the distribution it was
+            drawn from (a tree's nodes name their parents).
+        """
         ...
 
     def release(self, ctx: "RequestContext") -> None:
-        """Free this request's state (called once when the request ends, however it ends)."""
+        """Free this request's state (called once when the request ends, however it ends).
+
+        Args:
+            ctx: The request that ended.
+        """
 
     def cached_prefix(self, tokens: np.ndarray) -> int:
-        """How many of ``tokens`` [T] its caches already hold (its prefill costs only the rest)."""
+        """How many of ``tokens`` its caches already hold (its prefill costs only the rest).
+
+        Args:
+            tokens: A request's committed tokens ``[T]``.
+
+        Returns:
+            The length of the prefix held.
+        """
         return 0
 
 
 @runtime_checkable
 class TargetVerifier(Protocol):
-    """Checks drafts with the target in one call (Go: ``VerifyAndAccept(ctx, drafts)``).
+    """Checks a request's drafts with the target in one call.
 
-    Declared attributes: ``max_length`` (``None``: no limit); ``vocab_size`` (``None``: the
-    logits' width is not checked); ``reports_logprobs``: when ``ctx.logprobs`` is not None, its
-    verdicts carry one :class:`~specdec_rt.sampling.logprobs.TokenLogprob` a token (requests that
-    ask for them need it); ``trees``: it verifies a draft tree (drafts with parents) in one call;
-    ``batched_verify``: verifies of concurrent requests share one batched call (so a verify costs
-    a batch its real positions only).
+    Attributes:
+        max_length: The longest sequence it can hold (``None``: no limit).
+        vocab_size: The logits' width (``None``: not checked).
+        reports_logprobs: When ``ctx.logprobs`` is not None, its verdicts carry one
+            :class:`~specdec_rt.sampling.logprobs.TokenLogprob` a token (requests that ask for
+            them need it).
+        trees: It verifies a draft tree (drafts with parents) in one call.
+        batched_verify: Verifies of concurrent requests share one batched call (so a verify
+            costs a batch its real positions only).
     """
 
     max_length: int | None = None
@@ -128,21 +153,35 @@ class TargetVerifier(Protocol):
         """Score ``ctx.tokens + drafts`` and return the accepted prefix plus one target token.
 
         With no drafts this is one plain decoding step (a verdict of one token).
+
+        Args:
+            ctx: The request: its committed tokens, sampling parameters and per-model state.
+            drafts: The drafter's proposals (a chain, or a tree when :attr:`trees`).
+
+        Returns:
+            The verdict: the tokens to commit (the accepted drafts, then the target's token),
+            how many drafts were accepted, and the log-probabilities when the request asks.
         """
         ...
 
     def release(self, ctx: "RequestContext") -> None:
-        """Free this request's state (called once when the request ends, however it ends)."""
+        """Free this request's state (called once when the request ends, however it ends).
+
+        Args:
+            ctx: The request that ended.
+        """
 
 
 @runtime_checkable
 class CacheSession(Protocol):
     """One request's model state: the KV entries of the first ``length`` tokens fed to it.
 
-    Declared attributes: ``cached_tokens``, the prompt positions a prefix cache supplied at
-    start, and ``cache_queried``, whether a cache was asked at all (both reported in stats);
-    ``copy_pending``: its start copies a prompt another session has not computed yet (such a
-    session takes no tree call until it has).
+    Attributes:
+        cached_tokens: The prompt positions a prefix cache supplied at start (reported in
+            stats).
+        cache_queried: Whether a cache was asked at all (reported in stats).
+        copy_pending: Its start copies a prompt another session has not computed yet (such a
+            session takes no tree call until it has).
     """
 
     cached_tokens: int = 0
@@ -159,16 +198,30 @@ class CacheSession(Protocol):
         ...
 
     async def extend(self, ids: np.ndarray, logits_rows: int, *args: Any, **extra: Any) -> np.ndarray:
-        """Append ``ids`` ``[S]`` (prefill is the first extend) and return the logits of the last
-        ``logits_rows`` of them, ``[logits_rows, V]``. Never copies the cached entries.
-        ``extra`` holds only what the model's caps allow: ``hidden=True`` (``hidden_states``:
-        then ``(logits, hidden [S, H])``), ``tree=parents`` (``trees``). (``*args: Any, **extra:
-        Any`` leave the rest of the signature to each backend, as its caps say: a plain model's
-        ``extend(ids, logits_rows)`` implements it.)"""
+        """Append ``ids`` (prefill is the first extend) and return the logits of the last
+        ``logits_rows`` of them. Never copies the cached entries.
+
+        (``*args: Any, **extra: Any`` leave the rest of the signature to each backend, as its
+        caps say: a plain model's ``extend(ids, logits_rows)`` implements it.)
+
+        Args:
+            ids: The tokens to feed ``[S]``.
+            logits_rows: How many of the last positions' logits to return.
+            *args: Nothing the scheduler passes; a backend's own.
+            **extra: Only what the model's caps allow: ``hidden=True`` (``hidden_states``),
+                ``tree=parents`` (``trees``).
+
+        Returns:
+            The logits ``[logits_rows, V]``; with ``hidden=True``, ``(logits, hidden [S, H])``.
+        """
         ...
 
     def rollback(self, length: int) -> None:
-        """Forget every position from ``length`` on. O(1): the next extend overwrites them."""
+        """Forget every position from ``length`` on. O(1): the next extend overwrites them.
+
+        Args:
+            length: The positions to keep.
+        """
         ...
 
     def close(self) -> None:
@@ -177,13 +230,28 @@ class CacheSession(Protocol):
 
     def accept_tree(self, start: int, keep: np.ndarray) -> None:
         """After a tree call from ``start`` (models with ``caps.trees``): keep positions
-        ``start + keep`` [n], moved to ``start ..``."""
+        ``start + keep``, moved to ``start ..``.
+
+        Args:
+            start: The first position the tree call fed.
+            keep: The accepted path's offsets from ``start`` ``[n]``.
+
+        Raises:
+            NotImplementedError: The default: a model without ``caps.trees``.
+        """
         name = type(self).__name__  # (more than a bare raise: a default, not an abstract method, to type checkers)
         raise NotImplementedError(f"{name} verifies no trees (its model's caps.trees is False)")
 
     def hidden_rows(self, size: int) -> np.ndarray | None:
-        """Where this request's target hidden states live, ``[max_length, size]``, if the
-        backend keeps them per slot (so a prefix-cache hit keeps them too); ``None``: anywhere."""
+        """Where this request's target hidden states live, if the backend keeps them per slot
+        (so a prefix-cache hit keeps them too).
+
+        Args:
+            size: The hidden width.
+
+        Returns:
+            The rows ``[max_length, size]``, or ``None`` (the default): anywhere.
+        """
         return None
 
 
@@ -191,8 +259,14 @@ class CacheSession(Protocol):
 class LanguageModel(Protocol):
     """A causal LM with a KV cache: ``vocab_size``, ``max_length``, ``caps`` and ``start()``.
 
-    ``prefix_cache``: the :class:`~specdec_rt.kvcache.prefix.PrefixCache` of a model with
-    ``caps.caches_prefixes`` (an Engine reports its counts and turns it off while warming up)."""
+    Attributes:
+        vocab_size: The logits' width.
+        max_length: The longest sequence a session can hold.
+        caps: What it can do (:class:`ModelCaps`; default: a plain model).
+        prefix_cache: The :class:`~specdec_rt.kvcache.prefix.PrefixCache` of a model with
+            ``caps.caches_prefixes`` (an Engine reports its counts and turns it off while
+            warming up).
+    """
 
     vocab_size: int
     max_length: int
@@ -200,16 +274,31 @@ class LanguageModel(Protocol):
     prefix_cache: PrefixCache | None = None  # with caps.caches_prefixes: its bookkeeping (stats, budget)
 
     def start(self, prefix: np.ndarray | None = None, *, batch_invariant: bool = False) -> CacheSession:
-        """A fresh cache session for one request. ``prefix`` [T]: its committed tokens, for a model
-        with ``caps.caches_prefixes`` (the session then starts with ``length`` of them cached; any
-        other model ignores it and starts empty). ``batch_invariant``: this session's logits must
-        not depend on which other sessions share its calls, nor on how many positions a call
-        feeds (a seeded sampled request); a backend whose kernels round differently by call shape
-        keeps such a session on one path."""
+        """A fresh cache session for one request.
+
+        Args:
+            prefix: Its committed tokens ``[T]``, for a model with ``caps.caches_prefixes`` (the
+                session then starts with ``length`` of them cached; any other model ignores it
+                and starts empty).
+            batch_invariant: This session's logits must not depend on which other sessions
+                share its calls, nor on how many positions a call feeds (a seeded sampled
+                request); a backend whose kernels round differently by call shape keeps such a
+                session on one path.
+
+        Returns:
+            The session.
+        """
         ...
 
     def cached_prefix(self, tokens: np.ndarray) -> int:
-        """How many of ``tokens`` [T] its prefix cache holds now (0 without one); changes nothing."""
+        """How many of ``tokens`` its prefix cache holds now (0 without one); changes nothing.
+
+        Args:
+            tokens: A request's tokens ``[T]``.
+
+        Returns:
+            The length of the cached prefix.
+        """
         return 0
 
     def close(self) -> None:

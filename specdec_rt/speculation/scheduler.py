@@ -1,8 +1,8 @@
-"""``SpecDecScheduler``: draft, verify, accept, update stats (a port of the Go scheduler).
+"""``SpecDecScheduler``: draft, verify, accept, update stats.
 
-Differences from the Go sketch, on purpose: the context is the whole sequence (not the last
-``draftLen`` tokens), a rejection resamples from ``norm(max(0, p - q))`` (not from ``p``), and a
-fully accepted round also emits the target's bonus token.
+Drafter and verifier read the whole committed sequence (not a window of its last tokens), a
+rejection resamples from ``norm(max(0, p - q))`` (not from ``p``: that keeps the target's
+distribution), and a fully accepted round also emits the target's bonus token.
 """
 
 from __future__ import annotations
@@ -61,6 +61,19 @@ class SpecDecScheduler:
         eos_ids: Iterable[int] = (),
         batch: BatchCosts | None = None,
     ) -> None:
+        """A scheduler over a drafter and a verifier, each checked against its Protocol.
+
+        Args:
+            drafter: Proposes the drafts (``None``: ``mode="ar"`` only).
+            verifier: Checks them with the target and accepts by rejection sampling.
+            config: The speculation policy (default: ``SpecConfig()``).
+            eos_ids: Ids that end a request.
+            batch: The costs of the batch its requests share (an Engine's step loop), or
+                ``None``: costs come from its own rounds.
+
+        Raises:
+            InvalidInputError: ``drafter`` or ``verifier`` lacks a member of its Protocol.
+        """
         if drafter is not None:
             check_implements(drafter, DraftInferrer, "drafter")
         check_implements(verifier, TargetVerifier, "verifier")
@@ -118,23 +131,29 @@ class SpecDecScheduler:
     ) -> "RequestStream":
         """Start a request; an async iterator of :class:`TokenEvent` as tokens become final.
 
-        Arguments are checked here, before any model work: a bad value raises
-        :class:`~specdec_rt.errors.InvalidInputError` (``ContextLengthError`` if the prompt plus
-        ``max_new_tokens`` does not fit). Generation stops after exactly ``max_new_tokens`` tokens
-        or at the first EOS / stop id (which is emitted; nothing after it is). ``logprobs=n``:
-        every event also carries its tokens' log-probabilities under the target, each with the
-        ``n`` (0..20) most likely tokens there (:mod:`specdec_rt.sampling.logprobs`). ``constraint``:
-        which tokens may come next (:mod:`specdec_rt.sampling.constraints`), for draft and target alike.
-        ``ignore_eos``: an EOS id does not end the request (``stop_ids`` still do).
+        Arguments are checked here, before any model work. Generation stops after exactly
+        ``max_new_tokens`` tokens or at the first EOS / stop id (emitted; nothing after it is).
+
+        Args:
+            prompt_ids: The prompt's token ids.
+            max_new_tokens: Tokens to generate at most.
+            params: Sampling parameters (default: greedy).
+            mode: ``"spec"`` (speculative; needs a drafter) or ``"ar"`` (plain decoding).
+            stop_ids: Ids that end the request, besides the EOS ids.
+            rng: The sampling generator (default: from ``params.seed``).
+            logprobs: ``n``: every event also carries its tokens' log-probabilities under the target,
+                each with the ``n`` (0..20) most likely there (:mod:`specdec_rt.sampling.logprobs`).
+            constraint: Which tokens may come next (:mod:`specdec_rt.sampling.constraints`), draft and target alike.
+            ignore_eos: An EOS id does not end the request (``stop_ids`` still do).
+
+        Returns:
+            The request's stream of events.
+
+        Raises:
+            InvalidInputError: A bad value, ``mode="spec"`` without a drafter, ``logprobs`` the verifier lacks.
+            ContextLengthError: The prompt plus ``max_new_tokens`` does not fit the models.
         """
-        if mode == "spec" and self.drafter is None:
-            raise InvalidInputError("mode 'spec' needs a drafter; this scheduler has none (use mode='ar')")
-        if logprobs is not None and not self.verifier.reports_logprobs:
-            raise InvalidInputError(
-                f"logprobs: this verifier ({type(self.verifier).__name__}) does not report "
-                "log-probabilities (its reports_logprobs is False)"
-            )
-        ends = (set() if check_bool(ignore_eos, "ignore_eos") else self.eos_ids) | set(stop_ids)
+        ends = self._ends(mode, logprobs, ignore_eos=ignore_eos, stop_ids=stop_ids)
         ctx = RequestContext(
             prompt_ids,
             max_new_tokens,
@@ -146,6 +165,24 @@ class SpecDecScheduler:
             logprobs=logprobs,
             constraint=constraint,
         )
+        return self._open(ctx, mode)
+
+    def _ends(self, mode: Mode, logprobs: int | None, *, ignore_eos: bool, stop_ids: Iterable[int]) -> set[int]:
+        """The ids that end the request (the EOS ids unless ``ignore_eos``, and ``stop_ids``), once
+        the models are checked to serve it: a drafter for ``mode="spec"``, a verifier that reports
+        log-probabilities for ``logprobs`` (else an :class:`InvalidInputError`)."""
+        if mode == "spec" and self.drafter is None:
+            raise InvalidInputError("mode 'spec' needs a drafter; this scheduler has none (use mode='ar')")
+        if logprobs is not None and not self.verifier.reports_logprobs:
+            raise InvalidInputError(
+                f"logprobs: this verifier ({type(self.verifier).__name__}) does not report "
+                "log-probabilities (its reports_logprobs is False)"
+            )
+        return (set() if check_bool(ignore_eos, "ignore_eos") else set(self.eos_ids)) | set(stop_ids)
+
+    def _open(self, ctx: RequestContext, mode: Mode) -> RequestStream:
+        """The request's stream over its loop, with its policy, tree policy and tree rates (a
+        seeded request's decisions depend on its seed alone, never on timings)."""
         seeded = ctx.params.seed is not None and not ctx.params.greedy
         tree = TreePolicy(self.tree_nodes if self.trees and mode == "spec" else 0, self.config.alpha)
         rates = self.tree_rates if self.config.measure_costs and not seeded else None  # timings decide?
@@ -180,7 +217,22 @@ class SpecDecScheduler:
         params: SamplingParams | None = None,
         **kwargs: Any,
     ) -> GenerationResult:
-        """The whole request: generated ids and stats (same arguments as :meth:`stream`)."""
+        """The whole request: generated ids and stats.
+
+        Args:
+            prompt_ids: The prompt's token ids.
+            max_new_tokens: Tokens to generate at most.
+            params: Sampling parameters (default: greedy).
+            **kwargs: :meth:`stream`'s keywords.
+
+        Returns:
+            The generated ids and the request's stats.
+
+        Raises:
+            InvalidInputError: As :meth:`stream`.
+            ContextLengthError: As :meth:`stream`.
+            InferenceError: A model call failed.
+        """
         it = self.stream(prompt_ids, max_new_tokens, params, **kwargs)
         async with contextlib.aclosing(it):
             async for _ in it:
@@ -445,7 +497,11 @@ class Round:
 
 class RequestStream:
     """One request's async iterator of :class:`TokenEvent`; ``stats`` and ``token_ids`` hold
-    what it has committed so far (complete once iteration ends). ``aclose()`` ends it early."""
+    what it has committed so far (complete once iteration ends). ``aclose()`` ends it early.
+
+    Attributes:
+        context: The request's :class:`RequestContext`.
+    """
 
     def __init__(self, agen: AsyncGenerator[TokenEvent, None], ctx: RequestContext) -> None:
         self._agen, self.context = agen, ctx
@@ -457,14 +513,17 @@ class RequestStream:
         return await self._agen.__anext__()
 
     async def aclose(self) -> None:
+        """End the request early: its model state is released; committed tokens stay."""
         await self._agen.aclose()
 
     @property
     def stats(self) -> Stats:
+        """The request's counters so far."""
         return self.context.stats
 
     @property
     def token_ids(self) -> list[int]:
+        """The tokens generated so far (prompt excluded)."""
         ids: list[int] = self.context.generated.tolist()
         return ids
 
