@@ -231,7 +231,7 @@ def generate_shards(
     data_dir.mkdir(parents=True, exist_ok=True)
     have = sum(s.answer_tokens for s in load_shards(data_dir))
     n_batches = (len(prompt_ids) + batch - 1) // batch
-    t0, cpu0, made = time.monotonic(), time.process_time(), 0
+    t0, cpu0, made, shards_made = time.monotonic(), time.process_time(), 0, 0
     for i in range(n_batches):
         path = shard_path(data_dir, i)
         if path.exists():
@@ -244,11 +244,14 @@ def generate_shards(
         shard = _generate_batch(model, prompt_ids[i * batch : (i + 1) * batch], max_new, eos, topk=TOPK)
         save_shard(path, shard)
         have += shard.answer_tokens
-        made += shard.answer_tokens
-        rate = made / (time.monotonic() - t0)
-        eta = (tokens_goal - have) / rate if rate else float("inf")
+        made, shards_made = made + shard.answer_tokens, shards_made + 1
+        elapsed = time.monotonic() - t0
+        rate = made / elapsed
+        shards_left = sum(not shard_path(data_dir, j).exists() for j in range(i + 1, n_batches))
+        eta = min((tokens_goal - have) / rate if rate else float("inf"), shards_left * elapsed / shards_made)
+        goal = "all prompts" if tokens_goal >= 10**12 else f"{tokens_goal:,}"
         log(
-            f"data: shard {i + 1}/{n_batches}, {have:,}/{tokens_goal:,} answer tokens, "
+            f"data: shard {i + 1}/{n_batches}, {have:,}/{goal} answer tokens, "
             f"{rate:.0f} tok/s ({made / max(time.process_time() - cpu0, 1e-9):.0f} per CPU-second), "
             f"ETA {eta / 60:.1f} min"
         )

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import ModelLoadError
 from ..sampling import greedy_ids, sample, warp
-from ..speculation.adapters import TARGET_HIDDEN
+from ..speculation.adapters import SIBLING_RANKS, TARGET_HIDDEN
 from ..speculation.context import RequestContext
 from ..speculation.protocols import DraftInferrer
 from ..types import DraftToken
@@ -114,12 +114,34 @@ class EagleDrafter(DraftInferrer):
         logits, g = await s.extend(ids, 1, features=h, hidden=True)  # [1, V'], [S, H]
         st.true_len = n - 1
         drafts: list[DraftToken] = []
+        nodes = ctx.plan.tree_nodes
+        candidates: list[tuple[float, int, int]] = []  # (head probability of reaching the node, depth, id)
+        reach = 1.0  # head probability of the chain so far
         while True:
             drafts.append(self._pick(logits[0], ctx, drafts))
+            if nodes:
+                reach = self._siblings(logits[0], drafts[-1].id, depth=len(drafts) - 1, reach=reach, into=candidates)
             if len(drafts) == k:
-                return drafts
+                break
             x = np.array([drafts[-1].id], dtype=np.int64)
             logits, g = await s.extend(x, 1, features=g[-1:], hidden=True)  # its own guess of h
+        chosen = sorted(candidates, reverse=True)[:nodes]
+        return drafts + [DraftToken(y, parent=i - 1) for _, i, y in sorted(chosen, key=lambda c: c[1])]
+
+    def _siblings(
+        self, logits: np.ndarray, chain_id: int, *, depth: int, reach: float, into: list[tuple[float, int, int]]
+    ) -> float:
+        """The head's ``SIBLING_RANKS`` best alternatives to the chain's token at ``depth``, scored
+        by the head's probability of reaching them (EAGLE-2's rule), appended to ``into``.
+        Returns the chain's reach one level deeper. logits [V']."""
+        q = np.exp(logits - logits.max())  # [V']
+        q /= q.sum()
+        ranks = min(SIBLING_RANKS + 1, q.size)
+        best = np.argpartition(q, -ranks)[-ranks:]  # [ranks] in V'
+        into += [(reach * float(q[j]), depth, int(self.vocab[j])) for j in best if self.vocab[j] != chain_id]
+        at = np.searchsorted(self.vocab, chain_id)  # the chain's token in V' (absent: penalties moved it)
+        inside = at < self.vocab.size and self.vocab[at] == chain_id
+        return reach * float(q[at]) if inside else 0.0
 
     def _pick(self, logits: np.ndarray, ctx: RequestContext, drafts: Sequence[DraftToken] = ()) -> DraftToken:
         """logits [V'] -> a draft token with a full-vocabulary id (and q when sampling), after

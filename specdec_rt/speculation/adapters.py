@@ -253,9 +253,9 @@ class ModelVerifier(_ModelUser, TargetVerifier):
 
     @property
     def trees(self) -> bool:
-        """Whether it verifies a draft tree in one call (a model with ``caps.trees``; not while
-        sharing hidden states)."""
-        return self.model.caps.trees and not self.share_hidden
+        """Whether it verifies a draft tree in one call (a model with ``caps.trees``; while
+        sharing hidden states, the accepted path's states are shared)."""
+        return self.model.caps.trees
 
     async def verify_and_accept(self, ctx: RequestContext, drafts: Sequence[DraftToken]) -> Verdict:
         chain = chain_length(drafts)
@@ -302,8 +302,12 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         m, start = tail.size, s.session.length
         feed = np.concatenate([tail, tree.tokens])  # [m + n]
         links = np.concatenate([np.arange(m) - 1, np.where(tree.parents < 0, m - 1, m + tree.parents)])  # [m + n]
+        hidden = None
         async with ctx.scoring([[]] + [_path_tokens(tree, j) for j in range(n)]) as score:  # row 1+j: after node j
-            logits = await s.extend(feed, n + 1, tree=links)  # [n + 1, V]: after the tail, after each node
+            if self.share_hidden:  # logits [n + 1, V]: after the tail, after each node; hidden [m + n, H]
+                logits, hidden = await s.extend(feed, n + 1, tree=links, hidden=True)
+            else:
+                logits = await s.extend(feed, n + 1, tree=links)
             _note_cached_prompt(ctx, s, first)
             scores = await score(logits)
         if ctx.params.greedy:
@@ -312,7 +316,12 @@ class ModelVerifier(_ModelUser, TargetVerifier):
             p = warp(scores, ctx.params)  # [n + 1, V]
             tree.q = _q_rows(drafts, p)
             path, out = tree_accept(tree, p, ctx.rng)
-        s.accept_tree(start, np.concatenate([np.arange(m), m + path]))
+        keep = np.concatenate([np.arange(m), m + path])  # the tail, then the accepted nodes
+        s.accept_tree(start, keep)
+        if hidden is not None:  # the committed positions' states, in their new order
+            states = hidden[keep]  # [m + accepted, H]
+            width = states.shape[-1]
+            ctx.state(TARGET_HIDDEN, lambda: TargetHidden(self.model.max_length, width, s.session)).write(start, states)
         lp = (
             None if ctx.logprobs is None else token_logprobs(logits[np.concatenate([[0], 1 + path])], out, ctx.logprobs)
         )

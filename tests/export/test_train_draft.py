@@ -311,3 +311,59 @@ def test_eagle_greedy_drafts_follow_the_logit_bias_and_penalties(trained):
     if gap + 0.5 <= 2.0:
         assert drafter._pick(logits, penal, [DraftToken(raw)]).id == second
     assert drafter._pick(logits, penal).id == raw  # nothing generated yet: no penalty
+
+
+def test_eagle_trees_are_lossless_and_the_head_reads_the_path_states(trained, tiny_llama):
+    """A head tree (the head's runner-up tokens beside its chain, verified in one call): greedy
+    output and log-probabilities equal plain decoding, and after tree rounds the hidden states
+    the head reads are the target's own for the committed tokens (the accepted path's,
+    compacted), as one forward over them computes."""
+    from specdec_rt.ort import OrtModel
+    from specdec_rt.ort.eagle import EagleDrafter
+    from specdec_rt.speculation.adapters import TARGET_HIDDEN, ModelVerifier
+    from specdec_rt.speculation.scheduler import SpecDecScheduler
+
+    seen: list[tuple[np.ndarray, np.ndarray]] = []
+
+    class Recording(EagleDrafter):
+        async def generate_draft(self, ctx, k):
+            feats = ctx.peek_state(TARGET_HIDDEN)
+            if feats is not None:  # rows h_0 .. h_{n-2}: after each committed token but the last
+                seen.append((ctx.tokens.copy(), feats.rows[: ctx.tokens.size - 1].copy()))
+            return await super().generate_draft(ctx, k)
+
+    target = OrtModel(tiny_llama, slots=2)
+    assert target.caps.trees
+    cfg = SpecConfig(
+        k_init=3, tree_nodes=3, measure_costs=False, adapt_k=False, fallback_below=0.0, min_speedup=0.0
+    )  # every round a tree
+    sched = SpecDecScheduler(Recording(trained / "draft", slots=1), ModelVerifier(target, share_hidden=True), cfg)
+    plain = SpecDecScheduler(None, ModelVerifier(target), SpecConfig(measure_costs=False))
+    for prompt in ([5, 6, 7, 8, 9], [11, 3, 3, 40, 2, 17]):
+        tree = anyio.run(lambda: sched.run(prompt, 32, SamplingParams()))
+        ar = anyio.run(lambda: plain.run(prompt, 32, SamplingParams(), mode="ar"))
+        assert tree.token_ids == ar.token_ids
+        assert tree.stats.tree_nodes > 0 and tree.stats.accepted > 0
+    assert len(seen) > 4
+
+    async def engine_runs() -> None:  # the same through the Engine, log-probabilities too
+        async with await Engine.load(tiny_llama, draft=str(trained / "draft"), spec_config=cfg) as eng:
+            for prompt in PROMPTS:
+                ar = await eng.generate(prompt, max_new_tokens=32, mode="ar", logprobs=2)
+                spec = await eng.generate(prompt, max_new_tokens=32, logprobs=2)
+                assert spec.token_ids == ar.token_ids, prompt
+                assert np.allclose([t.logprob for t in spec.logprobs], [t.logprob for t in ar.logprobs], atol=1e-4)
+                assert spec.stats.tree_nodes > 0
+
+    anyio.run(engine_runs)
+
+    async def states(tokens: np.ndarray) -> np.ndarray:
+        s = target.start()
+        try:
+            _, hidden = await s.extend(tokens[:-1], 1, hidden=True)  # [n - 1, H]
+            return np.asarray(hidden)
+        finally:
+            s.close()
+
+    for tokens, rows in seen:
+        assert np.allclose(rows, anyio.run(states, tokens), atol=1e-4), tokens.size

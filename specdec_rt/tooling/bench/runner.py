@@ -113,8 +113,8 @@ def build_our_modes(
     if target.tree:  # the same drafters with draft trees (each model draft's runner-up as siblings)
         trees = SpecConfig(tree_nodes=BENCH_TREE_NODES)
         for name in dict.fromkeys([default, *drafts, *(n for n in drafters if n.startswith("ngram+"))]):
-            if name == "ngram" or drafters[name].needs_target_hidden:
-                continue  # EAGLE drafts: chains (their verifier shares hidden states)
+            if name == "ngram":
+                continue
             modes["spec_tree" if name == default else f"spec_{name}_tree"] = runner(drafters[name], trees)
     info = {
         "target": manifest.name,
