@@ -27,6 +27,9 @@ Building blocks:
   ``norm_topk``), beside a shared expert behind a sigmoid gate (Qwen2-MoE), on every layer or
   those ``decoder_sparse_step`` / ``mlp_only_layers`` leave sparse (the rest a dense MLP); GPT-OSS's
   experts have biases and a clamped SwiGLU (``swiglu``), its attention sinks (``sinks``);
+  DeepSeek-V3's grouped sigmoid router, ungated shared experts and first dense layers
+  (``dense_first_key``);
+- multi-head latent attention (``latent``: DeepSeek-V3's low-rank q and kv projections, ``export.mla``);
 - multipliers: the embeddings (x sqrt(hidden): Gemma; ``embedding_multiplier``: Granite), each
   branch before its residual add (``residual_multiplier``), the logits (/ ``logits_scaling``);
 - embeddings narrower than the layers, projected in and out (OPT-350M's ``word_embed_proj_dim``).
@@ -65,8 +68,9 @@ ACTIVATIONS = {
 WINDOW_RULES = ("", "all", "opt_in", "layer_types")
 # how a router turns its logits into the top k experts' weights: "softmax_topk" (softmax over all
 # experts, the k largest: Mixtral, Qwen2 / Qwen3-MoE, OLMoE), "topk_softmax" (the k largest
-# logits, softmax over them: Granite-MoE)
-ROUTERS = ("softmax_topk", "topk_softmax")
+# logits, softmax over them: Granite-MoE), "sigmoid_grouped" (DeepSeek-V3: sigmoid scores, the best
+# groups of experts by their biased scores, the top k of those, weighed by their scores: export.mla)
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
 
 
 @dataclass(frozen=True)
@@ -131,10 +135,13 @@ class Family:
     norm_topk: str = "norm_topk_prob"  # a config flag: the top k weights renormalised to 1 ("*": always)
     shared_expert_key: str = ""  # a config key: the width of a shared expert behind a sigmoid gate
     sparse_step: bool = False  # decoder_sparse_step / mlp_only_layers pick the sparse layers (Qwen-MoE)
+    dense_first_key: str = ""  # a config key: that many first layers have a dense MLP (DeepSeek)
+    shared_count_key: str = ""  # a config key: shared experts as one MLP of that many widths, no gate (DeepSeek)
     # GPT-OSS: each expert's SwiGLU clamped (gate <= limit, |up| <= limit) as
     # gate * sigmoid(alpha * gate) * (up + beta): (alpha, beta, limit); () plain silu(gate) * up
     swiglu: tuple[float, ...] = ()
     sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS's attention sinks)
+    latent: bool = False  # multi-head latent attention: q, k, v from low-rank projections (DeepSeek, export.mla)
     embed_proj_key: str = ""  # a config key: the embeddings' width, projected in and out when not hidden (OPT)
     variants: tuple[Variant, ...] = ()  # the row as a config option changes it, applied in order
 
@@ -520,6 +527,16 @@ FAMILY_TABLE: dict[str, Family] = {
                 (".mlp.experts.down_proj_bias", ".mlp.experts.fc2.bias"),
                 (".mlp.experts.down_proj", ".mlp.experts.fc2.weight"),
             ),
+        ),
+        # DeepSeek-V3: multi-head latent attention, a grouped sigmoid router with routed_scaling_factor,
+        # shared experts added as they are, the first first_k_dense_replace layers dense (export.mla)
+        Family(
+            "deepseek_v3",
+            latent=True,
+            experts_key="n_routed_experts",
+            router="sigmoid_grouped",
+            dense_first_key="first_k_dense_replace",
+            shared_count_key="n_shared_experts",
         ),
         Family(
             "gpt_neox",

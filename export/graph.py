@@ -71,6 +71,7 @@ from .embedding import EMBED_TABLE, quantize_embedding
 from .errors import UnsupportedModelError
 from .grid import find_grid
 from .layout import check_weights, pad_heads, rename, rotary_width, split_fused
+from .mla import grouped_router, latent_attention
 from .model_spec import ModelSpec
 from .quant import QuantSpec, quantize
 from .weights import ExternalDataWriter
@@ -490,6 +491,8 @@ class _Blocks:
         """Layer ``i``'s attention on ``normed`` ``[1, N, H]``: the fused q/k/v projection (heads
         padded, clamped, normed), GroupQueryAttention over the rows, the output projection."""
         graph, spec, name, att = self.g, self.spec, f"/layers.{i}", f"model.layers.{i}.self_attn."
+        if spec.latent is not None:  # DeepSeek's multi-head latent attention (export.mla)
+            return latent_attention(self, normed, i)
         qkv = self.qkv(normed, att, f"{name}/attn")
         rotary = i not in spec.nope_layers and not spec.learned_positions  # SmolLM3: some layers have none
         window = spec.windows[i] if spec.windows else 0  # 0: every earlier position
@@ -605,7 +608,8 @@ class _Blocks:
         when ``spec.norm_topk``; Granite-MoE's softmax over the top k logits is the same), each
         chosen expert's SwiGLU (``swiglu_fusion=1``: gate and up rows interleaved, ``alpha`` 1 and
         ``beta`` 0: ``silu(gate) * up``), weighed and summed; a step reads the k active experts,
-        not all E. Plus a shared expert behind its sigmoid gate (Qwen2-MoE)."""
+        not all E. Plus a shared expert behind its sigmoid gate (Qwen2-MoE), or shared experts
+        added as they are after DeepSeek's grouped sigmoid router (``export.mla``)."""
         graph, sd, spec = self.g, self.sd, self.spec
         if spec.act != "silu":
             raise UnsupportedModelError(f"unsupported experts' activation {spec.act}: need silu")
@@ -613,11 +617,20 @@ class _Blocks:
         shape = graph.init(f"{m}/rows_shape", np.array([-1, hidden], dtype=np.int64))
         rows = graph.node("Reshape", [h, shape], [f"{m}/x"], f"{m}/Rows")[0]  # [N, H]
         logits = graph.linear(rows, _np(sd[key + "gate.weight"]).T, f"{m}/router", self.bias(key + "gate"))  # [N, E]
+        factor = ""
+        if spec.grouped is not None:  # DeepSeek's grouped sigmoid router (export.mla)
+            bias = _np(sd[key + "gate.e_score_correction_bias"])
+            logits, factor = grouped_router(graph, logits, bias, spec=spec, name=f"{m}/router")
         routed = self.experts(rows, logits, key, m)
+        if factor:  # the op's weights sum to 1: times routed_scaling_factor (and the scores' sum)
+            routed = graph.node("Mul", [routed, factor], [f"{m}/experts_scaled"], f"{m}/RoutedScale")[0]
         packed = graph.init(f"{m}/packed_shape", np.array([1, -1, hidden], dtype=np.int64))
         out = graph.node("Reshape", [routed, packed], [f"{m}/experts_out"], f"{m}/Packed")[0]  # [1, N, H]
         if not spec.shared_expert_size:
             return out
+        if not spec.shared_gate:  # DeepSeek's shared experts: one MLP, always added
+            shared = self.mlp(h, key + "shared_experts.", f"{m}/shared_experts")
+            return graph.node("Add", [out, shared], [f"{m}/output"], f"{m}/AddShared")[0]
         shared = self.mlp(h, key + "shared_expert.", f"{m}/shared_expert")
         gate_w = _np(sd[key + "shared_expert_gate.weight"]).T  # [H, 1]
         opened = graph.node(
@@ -661,7 +674,7 @@ class _Blocks:
             "swiglu_fusion": 1,
             "activation_alpha": alpha,
             "activation_beta": beta,
-            "normalize_routing_weights": int(spec.norm_topk or spec.router == "topk_softmax"),
+            "normalize_routing_weights": int(spec.norm_topk or spec.router != "softmax_topk"),
         }
         if limit:  # GPT-OSS: gate <= limit, -limit <= up <= limit
             attrs["swiglu_limit"] = limit

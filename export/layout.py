@@ -123,6 +123,12 @@ def split_fused(sd: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
     return out
 
 
+# multi-head latent attention's tensors in a layer (export.mla); biases with attention_bias
+LATENT_WEIGHTS = [
+    *(f"self_attn.{n}.weight" for n in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa")),
+    *(f"self_attn.{n}.weight" for n in ("kv_a_layernorm", "kv_b_proj")),
+    *(f"self_attn.{n}.bias" for n in ("q_a_proj", "kv_a_proj_with_mqa")),
+]
 # each layout's norms in a layer (export.families.LAYOUTS)
 LAYOUT_NORMS = {
     "pre": ("input_layernorm", "post_attention_layernorm"),
@@ -159,9 +165,15 @@ def check_weights(sd: dict[str, Any], spec: ModelSpec) -> None:
     if spec.swiglu:  # GPT-OSS: stacked experts with biases, a router bias, attention sinks
         moe += [f"mlp.experts.fc{n}.{t}" for n in (1, 2) for t in ("weight", "bias")] + ["mlp.gate.bias"]
         parts.append("self_attn.sinks")
-    if spec.shared_expert_size:
+    if spec.shared_expert_size and spec.shared_gate:
         moe += [f"mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")]
         moe.append("mlp.shared_expert_gate.weight")
+    elif spec.shared_expert_size:  # DeepSeek's shared experts, no gate
+        moe += [f"mlp.shared_experts.{n}_proj.weight" for n in ("gate", "up", "down")]
+    if spec.grouped is not None:  # DeepSeek's router: its selection bias
+        moe.append("mlp.gate.e_score_correction_bias")
+    if spec.latent is not None:
+        parts += LATENT_WEIGHTS
     known = {f"model.layers.{i}.{part}" for i in range(spec.num_layers) for part in parts}
     known |= {f"model.layers.{i}.{part}" for i in spec.moe_layers for part in moe}
     known |= {"model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"}

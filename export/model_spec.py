@@ -11,6 +11,7 @@ from typing import Any
 from .errors import UnsupportedModelError
 from .families import ACTIVATIONS, FAMILY_TABLE, Family
 from .layout import graph_head_dim
+from .mla import GroupedRouting, LatentAttention, grouped_routing, latent_heads, latent_scale
 
 __all__ = [
     "ModelSpec",
@@ -139,9 +140,12 @@ class ModelSpec:
     router: str = "softmax_topk"  # export.families.ROUTERS
     norm_topk: bool = False  # the top k weights renormalised to sum to 1
     shared_expert_size: int = 0  # a shared expert's width, behind a sigmoid gate (0: none; Qwen2-MoE)
+    shared_gate: bool = True  # the shared expert behind a sigmoid gate; else always added (DeepSeek)
     moe_layers: tuple[int, ...] = ()  # the layers with experts (the others: a dense MLP)
     swiglu: tuple[float, ...] = ()  # the experts' clamped SwiGLU (alpha, beta, limit): GPT-OSS
     sinks: bool = False  # attention sinks: a learned logit per head in each softmax (GPT-OSS)
+    latent: LatentAttention | None = None  # DeepSeek's multi-head latent attention (export.mla)
+    grouped: GroupedRouting | None = None  # DeepSeek's grouped sigmoid router (export.mla)
 
     @property
     def learned_positions(self) -> bool:
@@ -179,7 +183,7 @@ class ModelSpec:
         windows = _windows(config, fam, limit)
         eps = _positive_number(config, fam.eps_key) if fam.eps_key else 1e-5  # nn.LayerNorm's default
         _check_rope(config)
-        heads = _heads(config, fam)
+        heads = latent_heads(config) if fam.latent else _heads(config, fam)
         return cls(
             family=fam.name,
             num_layers=config.num_hidden_layers,
@@ -340,6 +344,8 @@ def _multipliers(config: Any, fam: Family) -> dict[str, Any]:
         scale = _positive_number(config, fam.attn_scale) ** -0.5
     elif fam.attn_scale:
         scale = _positive_number(config, fam.attn_scale)
+    elif fam.latent:
+        scale = latent_scale(config)
     embed_scale = 0.0
     if fam.embed_scale == "sqrt_hidden":
         embed_scale = math.sqrt(config.hidden_size)
@@ -395,19 +401,27 @@ def _experts(config: Any, fam: Family) -> dict[str, Any]:
         if not isinstance(dense, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
             raise UnsupportedModelError(f"unsupported mlp_only_layers {dense!r}: need a list of layer numbers")
         sparse = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+    elif fam.dense_first_key:  # DeepSeek: the first first_k_dense_replace layers dense
+        sparse = tuple(layers)[_count(config, fam.dense_first_key, low=0) :]
     else:
         sparse = tuple(layers)
     norm = fam.norm_topk == "*" or bool(fam.norm_topk and getattr(config, fam.norm_topk, False))
+    width = _count(config, fam.expert_width_key)
+    shared = _count(config, fam.shared_expert_key) if fam.shared_expert_key else 0
+    if fam.shared_count_key:  # DeepSeek: n_shared_experts experts' widths, one MLP without a gate
+        shared = width * _count(config, fam.shared_count_key)
     return {
         "num_experts": experts,
         "experts_per_token": top,
-        "expert_size": _count(config, fam.expert_width_key),
+        "expert_size": width,
         "router": fam.router,
         "norm_topk": norm,
-        "shared_expert_size": _count(config, fam.shared_expert_key) if fam.shared_expert_key else 0,
+        "shared_expert_size": shared,
+        "shared_gate": not fam.shared_count_key,
         "moe_layers": sparse,
         "swiglu": fam.swiglu,
         "sinks": fam.sinks,
+        "grouped": grouped_routing(config, experts, top) if fam.router == "sigmoid_grouped" else None,
     }
 
 

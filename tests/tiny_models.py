@@ -61,6 +61,23 @@ AUTO_FAMILIES: dict[str, dict] = {
     "olmoe": dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2),
     "granitemoe": dict(tie_word_embeddings=True, num_local_experts=4, num_experts_per_tok=2),
     "gpt_oss": dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
+    # latent attention (q_lora_rank, kv_lora_rank, rope / nope / value head parts), grouped routing
+    "deepseek_v3": dict(
+        tie_word_embeddings=False,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=48,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+    ),
 }
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", *AUTO_FAMILIES)
 BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text", "gemma")  # tokenizers that add bos to plain text

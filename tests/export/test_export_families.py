@@ -293,6 +293,39 @@ CASES = {
         dict(layers=3, head_dim=16, window=WINDOW),
         ({"sliding_window": 4096}, "no_sinks", "no_swiglu_limit", {"num_experts_per_tok": 1}),
     ),
+    # DeepSeek-V3: latent attention (q through q_lora_rank 48, kv through kv_lora_rank 32; of each
+    # of 6 heads 8 rotary, 16 unrotated, a value of 12), 4 experts in 2 groups of which 1 is kept,
+    # top 2 by biased sigmoid scores, x 2.5, a shared expert, layer 0 dense (tests/tiny_models.py)
+    "deepseek_v3": (
+        "deepseek_v3",
+        dict(SIX_HEADS, kv_heads=6),
+        (
+            {"rope_interleave": False},
+            {"topk_group": 2},
+            {"routed_scaling_factor": 1.0},
+            "no_score_bias",
+            "no_shared_expert",
+        ),
+    ),
+    "deepseek_v3-q-proj": (  # a plain q_proj, halves rotary, the top k unnormed, YaRN's mscale, biases
+        "deepseek_v3",
+        dict(
+            SIX_HEADS,
+            kv_heads=6,
+            q_lora_rank=None,
+            rope_interleave=False,
+            norm_topk_prob=False,
+            attention_bias=True,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        ),
+        ({"rope_interleave": True}, {"norm_topk_prob": True}, {"rope_scaling": None}),
+    ),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
 
@@ -309,7 +342,23 @@ def _scale_experts(ckpt: Path) -> None:
     model.save_pretrained(ckpt)
 
 
-_TWEAKS = {"gpt_oss": _scale_experts}  # a case's checkpoint changed after it is built
+def _bias_router(ckpt: Path) -> None:
+    """DeepSeek's routers' e_score_correction_bias (0 as built) set at random, saved back."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                bias = layer.mlp.gate.e_score_correction_bias
+                bias.copy_(torch.randn(bias.shape, generator=generator) * 0.1)
+    model.save_pretrained(ckpt)
+
+
+# a case's checkpoint changed after it is built
+_TWEAKS = {"gpt_oss": _scale_experts, "deepseek_v3": _bias_router, "deepseek_v3-q-proj": _bias_router}
 
 
 @contextlib.contextmanager
@@ -403,6 +452,8 @@ def test_manifest_and_validation(exported):
         assert m["architecture"]["max_positions"] == 128 and m["architecture"]["head_dim"] == 64
     if case in ("phi3", "qwen3-head24"):  # heads padded: 16 = 12 rotated + 4 -> 16 + 4 -> 32; 24 -> 32
         assert m["architecture"]["head_dim"] == 32
+    if case.startswith("deepseek_v3"):  # whole keys cached, one a head: 8 rotated -> 16, + 16 unrotated
+        assert (m["architecture"]["head_dim"], m["architecture"]["num_kv_heads"]) == (32, 6)
     if case == "gemma3-wide-window":  # no layer masked: the manifest names no window
         assert m["architecture"]["max_positions"] == WIDE and "sliding_window" not in m["architecture"]
     elif CASES[case][1].get("window"):  # the real context, not the window
@@ -460,12 +511,19 @@ def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
             other = _model(ckpt)
             for layer in other.model.layers:
                 layer.mlp.experts.limit = float("inf")
-        elif undo == "no_shared_expert":  # Qwen2-MoE's shared expert left out
+        elif undo == "no_shared_expert":  # Qwen2-MoE's shared expert (DeepSeek's shared_experts) left out
             other = _model(ckpt)
             with torch.no_grad():
                 for layer in other.model.layers:
-                    if hasattr(layer.mlp, "shared_expert"):
-                        layer.mlp.shared_expert.down_proj.weight.zero_()
+                    shared = getattr(layer.mlp, "shared_expert", getattr(layer.mlp, "shared_experts", None))
+                    if shared is not None:
+                        shared.down_proj.weight.zero_()
+        elif undo == "no_score_bias":  # DeepSeek's routers chose by the scores alone
+            other = _model(ckpt)
+            with torch.no_grad():
+                for layer in other.model.layers:
+                    if hasattr(layer.mlp, "gate"):
+                        layer.mlp.gate.e_score_correction_bias.zero_()
         elif undo == "plain_norms":  # Gemma's and Nemotron's norms as w, not 1 + w
             other = _model(ckpt)
             with torch.no_grad():
@@ -632,7 +690,7 @@ def _refused(capsys, tmp_path, config: dict, *fragments: str) -> str:
             {"model_type": "gemma3", "vision_config": {}, "text_config": {}},
             "Gemma 3 with its vision tower: multimodal; its text model (gemma3_text) exports",
         ),
-        ({"model_type": "deepseek_v3", "n_routed_experts": 8}, "mixture of experts"),
+        ({"model_type": "deepseek_v2", "n_routed_experts": 8}, "mixture of experts"),
         ({"model_type": "dbrx"}, "mixture of experts"),
         ({"model_type": "llava", "vision_config": {}, "text_config": {}}, "multimodal"),
         ({"model_type": "mamba", "state_size": 16}, "state-space layers"),
@@ -876,3 +934,70 @@ def test_spec_reads_the_family_variants(family, kw, want):
     )
     spec = ModelSpec.from_config(config)
     assert {key: getattr(spec, key) for key in want} == want
+
+
+def _deepseek_config(**kw):
+    from transformers import AutoConfig
+
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=2,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=40,
+    )
+    return AutoConfig.for_model("deepseek_v3", **{**base, **kw})
+
+
+def test_deepseek_spec_reads_transformers_numbers():
+    """DeepSeek-V3's spec as transformers builds the model: experts from layer
+    first_k_dense_replace on, attention's softmax scale (YaRN's mscale_all_dim squared), heads
+    holding the padded rotary part and the unrotated one, or the value where it is wider."""
+    from transformers import AutoModelForCausalLM
+
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "mscale_all_dim": 0.7}
+    config = _deepseek_config(rope_scaling=yarn)
+    model = AutoModelForCausalLM.from_config(config)
+    routed = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate"))
+    spec = ModelSpec.from_config(config)
+    assert spec.moe_layers == routed == (2, 3) and spec.num_experts == 8
+    assert spec.attn_scale == pytest.approx(model.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert spec.attn_scale != pytest.approx(24**-0.5)
+    assert (spec.head_dim, spec.num_kv_heads, spec.rotary) == (48, 2, 8)  # the value of 40, padded
+    assert spec.latent is not None and spec.latent.interleaved and spec.latent.q_rank == 16
+    assert spec.grouped is not None and (spec.grouped.groups, spec.grouped.top_groups) == (4, 2)
+    assert spec.shared_expert_size == 16 and not spec.shared_gate
+    assert ModelSpec.from_config(_deepseek_config(v_head_dim=8)).head_dim == 32  # 16 + 16
+
+
+@pytest.mark.parametrize(
+    "kw,fragment",
+    [
+        ({"num_key_value_heads": 1}, "unsupported num_key_value_heads 1 with latent attention"),
+        ({"n_group": 3}, "unsupported n_group 3 of 8 experts"),
+        ({"n_group": 8, "topk_group": 4}, "unsupported n_group 8 of 8 experts: need groups of 2 or more"),
+        ({"topk_group": 5}, "unsupported topk_group 5: more than the 4 groups"),
+        ({"topk_group": 1, "num_experts_per_tok": 3}, "unsupported num_experts_per_tok 3: more than the 2 experts"),
+        ({"routed_scaling_factor": 0.0}, "unsupported routed_scaling_factor 0.0"),
+        ({"qk_rope_head_dim": 7}, "unsupported qk_rope_head_dim 7"),
+        ({"kv_lora_rank": None}, "unsupported kv_lora_rank None"),
+    ],
+)
+def test_deepseek_options_the_graph_cannot_express_are_refused(kw, fragment):
+    ModelSpec.from_config(_deepseek_config())  # the base is fine
+    with pytest.raises(UnsupportedModelError) as exc:
+        ModelSpec.from_config(_deepseek_config(**kw))
+    assert fragment in str(exc.value)
