@@ -453,6 +453,8 @@ FAMILY_TABLE: dict[str, Family] = {
         Family("seed_oss"),  # Llama's graph (its o_proj bias: attention_out_bias)
         Family("helium", rotary_interleaved=True),  # Llama with GLM's interleaved rotary
         Family("ministral", windows="layer_types"),  # Llama with windows on the layers layer_types marks
+        # ERNIE 4.5: Llama with GLM's interleaved rotary, biases on every projection (use_bias)
+        Family("ernie4_5", rotary_interleaved=True, mlp_bias_key="use_bias"),
         # mixtures of experts (export.graph's MoE block)
         Family(
             "mixtral",

@@ -54,6 +54,7 @@ AUTO_FAMILIES: dict[str, dict] = {
     "seed_oss": dict(tie_word_embeddings=False),
     "helium": dict(tie_word_embeddings=False),
     "ministral": dict(tie_word_embeddings=False),
+    "ernie4_5": dict(tie_word_embeddings=True),
     # mixtures of experts: 4 experts, top 2 (options set each family's own fields)
     "mixtral": dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
@@ -259,6 +260,7 @@ def build_tiny_checkpoint(
             "helium",
             "ministral",
             "exaone4",
+            "ernie4_5",
         ):  # default heads of 256, 128
             options.setdefault("head_dim", hidden // heads)
         if window:

@@ -223,6 +223,11 @@ CASES = {
         ({"sliding_window": 4096},),
     ),
     # the variants of 3 layers, hidden 96 over 6 heads (2 KV heads where the family has them)
+    "ernie4_5": (  # GLM's interleaved rotary, biases on every projection, heads of 24 (padded to 32)
+        "ernie4_5",
+        dict(SIX_HEADS, head_dim=24, use_bias=True),
+        ("halves_rotary", {"use_bias": False}),
+    ),
     "opt-350m": (  # embeddings of 48 projected in and out, each layer's norms after its adds
         "opt",
         dict(SIX_HEADS, kv_heads=6, word_embed_proj_dim=48, do_layer_norm_before=False),
