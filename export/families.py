@@ -24,8 +24,10 @@ Building blocks:
   Granite's ``attention_multiplier``), sliding windows (``WINDOW_RULES``);
 - mixtures of experts (``moe``): a router picks each token's top k experts (``ROUTERS``), each a
   gated MLP, their outputs weighed by the router's probabilities (renormalised over the k:
-  ``norm_topk``), beside a shared expert behind a sigmoid gate (Qwen2-MoE), on every layer or
-  those ``decoder_sparse_step`` / ``mlp_only_layers`` leave sparse (the rest a dense MLP); GPT-OSS's
+  ``norm_topk``), beside a shared expert behind a sigmoid gate (Qwen2-MoE) or ungated (ERNIE
+  4.5, whose router picks by the probabilities plus a correction bias), on every layer or
+  those ``decoder_sparse_step`` / ``mlp_only_layers`` leave sparse, or a range of them
+  (``sparse_range``; the rest a dense MLP); GPT-OSS's
   experts have biases and a clamped SwiGLU (``swiglu``), its attention sinks (``sinks``);
 - multipliers: the embeddings (x sqrt(hidden): Gemma; ``embedding_multiplier``: Granite), each
   branch before its residual add (``residual_multiplier``), the logits (/ ``logits_scaling``);
@@ -65,8 +67,10 @@ ACTIVATIONS = {
 WINDOW_RULES = ("", "all", "opt_in", "layer_types")
 # how a router turns its logits into the top k experts' weights: "softmax_topk" (softmax over all
 # experts, the k largest: Mixtral, Qwen2 / Qwen3-MoE, OLMoE), "topk_softmax" (the k largest
-# logits, softmax over them: Granite-MoE)
-ROUTERS = ("softmax_topk", "topk_softmax")
+# logits, softmax over them: Granite-MoE), "softmax_biased" (softmax over all experts, the k
+# largest of the probabilities plus a per-expert correction bias, which picks only: the weights
+# are the chosen probabilities, renormalised: ERNIE 4.5's moe_statics.e_score_correction_bias)
+ROUTERS = ("softmax_topk", "topk_softmax", "softmax_biased")
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,12 @@ class Family:
     norm_topk: str = "norm_topk_prob"  # a config flag: the top k weights renormalised to 1 ("*": always)
     shared_expert_key: str = ""  # a config key: the width of a shared expert behind a sigmoid gate
     sparse_step: bool = False  # decoder_sparse_step / mlp_only_layers pick the sparse layers (Qwen-MoE)
+    # config keys (start, interval, end): layer i has experts when start <= i <= end and
+    # (i + 1) % interval == 0 (ERNIE 4.5's moe_layer_start_index / _interval / _end_index)
+    sparse_range: tuple[str, str, str] | None = None
+    # a config key: the count of shared experts, one ungated MLP of count x the expert width added
+    # to the routed experts' sum (ERNIE 4.5's moe_num_shared_experts; 0: none)
+    shared_experts_key: str = ""
     # GPT-OSS: each expert's SwiGLU clamped (gate <= limit, |up| <= limit) as
     # gate * sigmoid(alpha * gate) * (up + beta): (alpha, beta, limit); () plain silu(gate) * up
     swiglu: tuple[float, ...] = ()
@@ -502,6 +512,20 @@ FAMILY_TABLE: dict[str, Family] = {
                 (".block_sparse_moe.input_linear.", ".mlp.experts.gate_up_proj."),
                 (".block_sparse_moe.output_linear.", ".mlp.experts.down_proj."),
             ),
+        ),
+        # ERNIE 4.5 MoE: the dense row's graph with experts (biases where use_bias, on the LM head
+        # too) routed by softmax with a correction bias for the choice, ungated shared experts,
+        # experts on the layers of moe_layer_start_index .. _end_index each moe_layer_interval-th
+        Family(
+            "ernie4_5_moe",
+            rotary_interleaved=True,
+            mlp_bias_key="use_bias",
+            experts_key="moe_num_experts",
+            router="softmax_biased",
+            norm_topk="*",
+            shared_experts_key="moe_num_shared_experts",
+            sparse_range=("moe_layer_start_index", "moe_layer_interval", "moe_layer_end_index"),
+            renames=((".mlp.shared_experts.", ".mlp.shared_expert."),),
         ),
         # GPT-OSS: attention sinks, q/k/v/o biases, windows on layer_types' sliding layers (YaRN
         # through its own rotary tables); experts with biases, their gate and up columns

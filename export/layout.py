@@ -155,13 +155,22 @@ def check_weights(sd: dict[str, Any], spec: ModelSpec) -> None:
     if spec.qk_layer_norm:  # LayerNorms of each head: Phi-2's have a bias
         parts += ["self_attn.q_norm.bias", "self_attn.k_norm.bias"]
     moe = [f"mlp.{n}.weight" for n in ("gate", "experts.gate_up_proj", "experts.down_proj")]
-    moe += [f"mlp.experts.{j}.{n}_proj.weight" for j in range(spec.num_experts) for n in ("gate", "up", "down")]
+    expert_kinds = ("weight", "bias") if spec.mlp_bias else ("weight",)  # ERNIE 4.5's experts: use_bias
+    moe += [
+        f"mlp.experts.{j}.{n}_proj.{t}"
+        for j in range(spec.num_experts)
+        for n in ("gate", "up", "down")
+        for t in expert_kinds
+    ]
+    if spec.router == "softmax_biased":  # ERNIE 4.5: the correction bias of the experts' choice
+        moe.append("mlp.moe_statics.e_score_correction_bias")
     if spec.swiglu:  # GPT-OSS: stacked experts with biases, a router bias, attention sinks
         moe += [f"mlp.experts.fc{n}.{t}" for n in (1, 2) for t in ("weight", "bias")] + ["mlp.gate.bias"]
         parts.append("self_attn.sinks")
     if spec.shared_expert_size:
-        moe += [f"mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")]
-        moe.append("mlp.shared_expert_gate.weight")
+        moe += [f"mlp.shared_expert.{n}_proj.{t}" for n in ("gate", "up", "down") for t in expert_kinds]
+        if spec.shared_expert_gated:
+            moe.append("mlp.shared_expert_gate.weight")
     known = {f"model.layers.{i}.{part}" for i in range(spec.num_layers) for part in parts}
     known |= {f"model.layers.{i}.{part}" for i in spec.moe_layers for part in moe}
     known |= {"model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"}

@@ -62,6 +62,7 @@ AUTO_FAMILIES: dict[str, dict] = {
     "olmoe": dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2),
     "granitemoe": dict(tie_word_embeddings=True, num_local_experts=4, num_experts_per_tok=2),
     "gpt_oss": dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
+    "ernie4_5_moe": dict(tie_word_embeddings=True, moe_num_experts=4, moe_k=2, moe_intermediate_size=64),
 }
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", *AUTO_FAMILIES)
 BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text", "gemma")  # tokenizers that add bos to plain text
