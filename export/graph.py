@@ -636,7 +636,8 @@ class _Blocks:
         """ERNIE 4.5's choice as logits for MoE's softmax and top k: the top k of
         ``softmax(logits) + e_score_correction_bias`` keep their logits, every other expert gets
         -inf, so MoE picks exactly those k and its softmax weighs them by their probabilities
-        renormalised over the k (``moe_norm_min``, the floor of that sum, binds only below 1e-12)."""
+        renormalised over the k (``moe_norm_min``, the floor of that sum, left out: 1e-12 as
+        released, it binds only where the k probabilities sum below it)."""
         graph, spec = self.g, self.spec
         correction = _np(self.sd[key + "moe_statics.e_score_correction_bias"]).reshape(spec.num_experts)
         probs = graph.node("Softmax", [logits], [f"{m}/router_probs"], f"{m}/RouterSoftmax", axis=-1)[0]
