@@ -24,8 +24,10 @@ Building blocks:
   Granite's ``attention_multiplier``), sliding windows (``WINDOW_RULES``);
 - mixtures of experts (``moe``): a router picks each token's top k experts (``ROUTERS``), each a
   gated MLP, their outputs weighed by the router's probabilities (renormalised over the k:
-  ``norm_topk``), beside a shared expert behind a sigmoid gate (Qwen2-MoE), on every layer or
-  those ``decoder_sparse_step`` / ``mlp_only_layers`` leave sparse (the rest a dense MLP); GPT-OSS's
+  ``norm_topk``), beside a shared expert behind a sigmoid gate (Qwen2-MoE) or ungated (ERNIE
+  4.5, whose router picks by the probabilities plus a correction bias), on every layer or
+  those ``decoder_sparse_step`` / ``mlp_only_layers`` leave sparse, or a range of them
+  (``sparse_range``; the rest a dense MLP); GPT-OSS's
   experts have biases and a clamped SwiGLU (``swiglu``), its attention sinks (``sinks``);
   DeepSeek-V3's grouped sigmoid router, ungated shared experts and first dense layers
   (``dense_first_key``);
@@ -69,8 +71,11 @@ WINDOW_RULES = ("", "all", "opt_in", "layer_types")
 # how a router turns its logits into the top k experts' weights: "softmax_topk" (softmax over all
 # experts, the k largest: Mixtral, Qwen2 / Qwen3-MoE, OLMoE), "topk_softmax" (the k largest
 # logits, softmax over them: Granite-MoE), "sigmoid_grouped" (DeepSeek-V3: sigmoid scores, the best
-# groups of experts by their biased scores, the top k of those, weighed by their scores: export.mla)
-ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
+# groups of experts by their biased scores, the top k of those, weighed by their scores: export.mla),
+# "softmax_biased" (softmax over all experts, the k largest of the probabilities plus a per-expert
+# correction bias, which picks only: the weights are the chosen probabilities, renormalised:
+# ERNIE 4.5's moe_statics.e_score_correction_bias)
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "softmax_biased")
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,12 @@ class Family:
     shared_expert_key: str = ""  # a config key: the width of a shared expert behind a sigmoid gate
     sparse_step: bool = False  # decoder_sparse_step / mlp_only_layers pick the sparse layers (Qwen-MoE)
     dense_first_key: str = ""  # a config key: that many first layers have a dense MLP (DeepSeek)
-    shared_count_key: str = ""  # a config key: shared experts as one MLP of that many widths, no gate (DeepSeek)
+    # a config key: the count of shared experts, one ungated MLP of count x the expert width added
+    # to the routed experts' sum (DeepSeek's n_shared_experts, ERNIE 4.5's moe_num_shared_experts; 0: none)
+    shared_count_key: str = ""
+    # config keys (start, interval, end): layer i has experts when start <= i <= end and
+    # (i + 1) % interval == 0 (ERNIE 4.5's moe_layer_start_index / _interval / _end_index)
+    sparse_range: tuple[str, str, str] | None = None
     # GPT-OSS: each expert's SwiGLU clamped (gate <= limit, |up| <= limit) as
     # gate * sigmoid(alpha * gate) * (up + beta): (alpha, beta, limit); () plain silu(gate) * up
     swiglu: tuple[float, ...] = ()
@@ -460,6 +470,8 @@ FAMILY_TABLE: dict[str, Family] = {
         Family("seed_oss"),  # Llama's graph (its o_proj bias: attention_out_bias)
         Family("helium", rotary_interleaved=True),  # Llama with GLM's interleaved rotary
         Family("ministral", windows="layer_types"),  # Llama with windows on the layers layer_types marks
+        # ERNIE 4.5: Llama with GLM's interleaved rotary, biases on every projection (use_bias)
+        Family("ernie4_5", rotary_interleaved=True, mlp_bias_key="use_bias"),
         # mixtures of experts (export.graph's MoE block)
         Family(
             "mixtral",
@@ -508,6 +520,20 @@ FAMILY_TABLE: dict[str, Family] = {
                 (".block_sparse_moe.output_linear.", ".mlp.experts.down_proj."),
             ),
         ),
+        # ERNIE 4.5 MoE: the dense row's graph with experts (biases where use_bias, on the LM head
+        # too) routed by softmax with a correction bias for the choice, ungated shared experts,
+        # experts on the layers of moe_layer_start_index .. _end_index each moe_layer_interval-th
+        Family(
+            "ernie4_5_moe",
+            rotary_interleaved=True,
+            mlp_bias_key="use_bias",
+            experts_key="moe_num_experts",
+            router="softmax_biased",
+            norm_topk="*",
+            shared_count_key="moe_num_shared_experts",
+            sparse_range=("moe_layer_start_index", "moe_layer_interval", "moe_layer_end_index"),
+            renames=((".mlp.shared_experts.", ".mlp.shared_expert."),),
+        ),
         # GPT-OSS: attention sinks, q/k/v/o biases, windows on layer_types' sliding layers (YaRN
         # through its own rotary tables); experts with biases, their gate and up columns
         # interleaved, the clamped SwiGLU (transformers' constants), softmax over the top k logits
@@ -537,6 +563,7 @@ FAMILY_TABLE: dict[str, Family] = {
             router="sigmoid_grouped",
             dense_first_key="first_k_dense_replace",
             shared_count_key="n_shared_experts",
+            renames=((".mlp.shared_experts.", ".mlp.shared_expert."),),
         ),
         Family(
             "gpt_neox",

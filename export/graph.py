@@ -608,8 +608,10 @@ class _Blocks:
         when ``spec.norm_topk``; Granite-MoE's softmax over the top k logits is the same), each
         chosen expert's SwiGLU (``swiglu_fusion=1``: gate and up rows interleaved, ``alpha`` 1 and
         ``beta`` 0: ``silu(gate) * up``), weighed and summed; a step reads the k active experts,
-        not all E. Plus a shared expert behind its sigmoid gate (Qwen2-MoE), or shared experts
-        added as they are after DeepSeek's grouped sigmoid router (``export.mla``)."""
+        not all E. ERNIE 4.5 picks the experts by the probabilities plus a correction bias
+        (``biased_choice``). Plus a shared expert behind its sigmoid gate (Qwen2-MoE), or shared
+        experts added as they are (ERNIE 4.5; DeepSeek, after its grouped sigmoid router:
+        ``export.mla``)."""
         graph, sd, spec = self.g, self.sd, self.spec
         if spec.act != "silu":
             raise UnsupportedModelError(f"unsupported experts' activation {spec.act}: need silu")
@@ -621,6 +623,8 @@ class _Blocks:
         if spec.grouped is not None:  # DeepSeek's grouped sigmoid router (export.mla)
             bias = _np(sd[key + "gate.e_score_correction_bias"])
             logits, factor = grouped_router(graph, logits, bias, spec=spec, name=f"{m}/router")
+        elif spec.router == "softmax_biased":
+            logits = self.biased_choice(logits, key, m)
         routed = self.experts(rows, logits, key, m)
         if factor:  # the op's weights sum to 1: times routed_scaling_factor (and the scores' sum)
             routed = graph.node("Mul", [routed, factor], [f"{m}/experts_scaled"], f"{m}/RoutedScale")[0]
@@ -628,16 +632,37 @@ class _Blocks:
         out = graph.node("Reshape", [routed, packed], [f"{m}/experts_out"], f"{m}/Packed")[0]  # [1, N, H]
         if not spec.shared_expert_size:
             return out
-        if not spec.shared_gate:  # DeepSeek's shared experts: one MLP, always added
-            shared = self.mlp(h, key + "shared_experts.", f"{m}/shared_experts")
-            return graph.node("Add", [out, shared], [f"{m}/output"], f"{m}/AddShared")[0]
         shared = self.mlp(h, key + "shared_expert.", f"{m}/shared_expert")
+        if not spec.shared_gate:  # DeepSeek's, ERNIE 4.5's: added as they are
+            return graph.node("Add", [out, shared], [f"{m}/output"], f"{m}/AddShared")[0]
         gate_w = _np(sd[key + "shared_expert_gate.weight"]).T  # [H, 1]
         opened = graph.node(
             "Sigmoid", [graph.linear(h, gate_w, f"{m}/shared_gate")], [f"{m}/shared_open"], f"{m}/SharedGate"
         )
         shared = graph.node("Mul", [opened[0], shared], [f"{m}/shared"], f"{m}/SharedMul")[0]
         return graph.node("Add", [out, shared], [f"{m}/output"], f"{m}/AddShared")[0]
+
+    def biased_choice(self, logits: str, key: str, m: str) -> str:
+        """ERNIE 4.5's choice as logits for MoE's softmax and top k: the top k of
+        ``softmax(logits) + e_score_correction_bias`` keep their logits, every other expert gets
+        -inf, so MoE picks exactly those k and its softmax weighs them by their probabilities
+        renormalised over the k (``moe_norm_min``, the floor of that sum, left out: 1e-12 as
+        released, it binds only where the k probabilities sum below it)."""
+        graph, spec = self.g, self.spec
+        correction = _np(self.sd[key + "moe_statics.e_score_correction_bias"]).reshape(spec.num_experts)
+        probs = graph.node("Softmax", [logits], [f"{m}/router_probs"], f"{m}/RouterSoftmax", axis=-1)[0]
+        scores = graph.node(
+            "Add", [probs, graph.init(f"{m}/e_score_correction_bias", correction)], [f"{m}/scores"], f"{m}/Correct"
+        )[0]
+        top = graph.init(f"{m}/top_k", np.array([spec.experts_per_token], dtype=np.int64))
+        chosen = graph.node("TopK", [scores, top], [f"{m}/top_scores", f"{m}/chosen"], f"{m}/TopK", axis=-1)[1]
+        kept = graph.node("GatherElements", [logits, chosen], [f"{m}/chosen_logits"], f"{m}/Kept", axis=-1)[0]
+        shape = graph.node("Shape", [logits], [f"{m}/logits_shape"], f"{m}/LogitsShape")[0]
+        floor = helper.make_tensor("value", TensorProto.FLOAT, [1], [-np.inf])
+        unchosen = graph.node("ConstantOfShape", [shape], [f"{m}/unchosen"], f"{m}/Unchosen", value=floor)[0]
+        choice = f"{m}/choice_logits"
+        graph.node("ScatterElements", [unchosen, chosen, kept], [choice], f"{m}/Choice", axis=-1)
+        return choice
 
     def expert_weights(self, key: str, m: str) -> tuple[Array, Array, str, str]:
         """The layer's experts as MoE takes them: fc1 ``[E, 2W, H]`` (rows gate_0, up_0, gate_1,
@@ -656,6 +681,10 @@ class _Blocks:
             fc1 = np.ascontiguousarray(fc1.transpose(0, 2, 1))
             fc2 = np.ascontiguousarray(down.transpose(0, 2, 1))
             b1 = b2 = ""
+            if key + "experts.0.gate_proj.bias" in sd:  # ERNIE 4.5's use_bias: fc1's as its rows
+                gate_up_b, down_b = _stacked_expert_biases(sd, key, spec)
+                b1 = graph.init(f"{m}/experts.fc1.bias", gate_up_b)
+                b2 = graph.init(f"{m}/experts.fc2.bias", down_b)
         want = (spec.num_experts, 2 * width, spec.hidden_size), (spec.num_experts, spec.hidden_size, width)
         if (fc1.shape, fc2.shape) != want:
             raise UnsupportedModelError(f"unsupported experts of {key}: {fc1.shape} and {fc2.shape}, need {want}")
@@ -744,6 +773,17 @@ def _stacked_experts(sd: dict[str, Any], key: str, spec: ModelSpec) -> tuple[Arr
             f"unsupported experts of {key}: gate/up {gate_up.shape} and down {down.shape}, need {want[0]} and {want[1]}"
         )
     return np.ascontiguousarray(gate_up), np.ascontiguousarray(down)
+
+
+def _stacked_expert_biases(sd: dict[str, Any], key: str, spec: ModelSpec) -> tuple[Array, Array]:
+    """The biases of a layer's experts (one module per expert) as MoE takes them: fc1's
+    ``[E, 2W]`` (gate_0, up_0, gate_1, ...: fc1's rows) and fc2's ``[E, H]``."""
+    e = key + "experts."
+    gate = np.stack([_np(sd[f"{e}{j}.gate_proj.bias"]) for j in range(spec.num_experts)])
+    up = np.stack([_np(sd[f"{e}{j}.up_proj.bias"]) for j in range(spec.num_experts)])
+    down = np.stack([_np(sd[f"{e}{j}.down_proj.bias"]) for j in range(spec.num_experts)])
+    gate_up = np.stack([gate, up], axis=-1).reshape(spec.num_experts, 2 * spec.expert_size)
+    return gate_up, down
 
 
 def _quantized_experts(graph: _Graph, w: Array, name: str) -> tuple[str, str, str]:

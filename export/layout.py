@@ -161,15 +161,22 @@ def check_weights(sd: dict[str, Any], spec: ModelSpec) -> None:
     if spec.qk_layer_norm:  # LayerNorms of each head: Phi-2's have a bias
         parts += ["self_attn.q_norm.bias", "self_attn.k_norm.bias"]
     moe = [f"mlp.{n}.weight" for n in ("gate", "experts.gate_up_proj", "experts.down_proj")]
-    moe += [f"mlp.experts.{j}.{n}_proj.weight" for j in range(spec.num_experts) for n in ("gate", "up", "down")]
+    expert_kinds = ("weight", "bias") if spec.mlp_bias else ("weight",)  # ERNIE 4.5's experts: use_bias
+    moe += [
+        f"mlp.experts.{j}.{n}_proj.{t}"
+        for j in range(spec.num_experts)
+        for n in ("gate", "up", "down")
+        for t in expert_kinds
+    ]
+    if spec.router == "softmax_biased":  # ERNIE 4.5: the correction bias of the experts' choice
+        moe.append("mlp.moe_statics.e_score_correction_bias")
     if spec.swiglu:  # GPT-OSS: stacked experts with biases, a router bias, attention sinks
         moe += [f"mlp.experts.fc{n}.{t}" for n in (1, 2) for t in ("weight", "bias")] + ["mlp.gate.bias"]
         parts.append("self_attn.sinks")
-    if spec.shared_expert_size and spec.shared_gate:
-        moe += [f"mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")]
-        moe.append("mlp.shared_expert_gate.weight")
-    elif spec.shared_expert_size:  # DeepSeek's shared experts, no gate
-        moe += [f"mlp.shared_experts.{n}_proj.weight" for n in ("gate", "up", "down")]
+    if spec.shared_expert_size:
+        moe += [f"mlp.shared_expert.{n}_proj.{t}" for n in ("gate", "up", "down") for t in expert_kinds]
+        if spec.shared_gate:
+            moe.append("mlp.shared_expert_gate.weight")
     if spec.grouped is not None:  # DeepSeek's router: its selection bias
         moe.append("mlp.gate.e_score_correction_bias")
     if spec.latent is not None:

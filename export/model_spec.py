@@ -140,7 +140,7 @@ class ModelSpec:
     router: str = "softmax_topk"  # export.families.ROUTERS
     norm_topk: bool = False  # the top k weights renormalised to sum to 1
     shared_expert_size: int = 0  # a shared expert's width, behind a sigmoid gate (0: none; Qwen2-MoE)
-    shared_gate: bool = True  # the shared expert behind a sigmoid gate; else always added (DeepSeek)
+    shared_gate: bool = True  # the shared expert behind a sigmoid gate; else always added (DeepSeek, ERNIE 4.5)
     moe_layers: tuple[int, ...] = ()  # the layers with experts (the others: a dense MLP)
     swiglu: tuple[float, ...] = ()  # the experts' clamped SwiGLU (alpha, beta, limit): GPT-OSS
     sinks: bool = False  # attention sinks: a learned logit per head in each softmax (GPT-OSS)
@@ -384,8 +384,10 @@ def _count(config: Any, key: str, low: int = 1) -> int:
 def _experts(config: Any, fam: Family) -> dict[str, Any]:
     """The mixture-of-experts fields of ``ModelSpec`` as transformers reads them: the expert
     count, the top k (at most the count), each expert's width, the router and whether its top k
-    weights are renormalised, a shared expert, and the sparse layers (Qwen-MoE: layer i has
-    experts when it is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``)."""
+    weights are renormalised, a shared expert (ERNIE 4.5's ungated: its count x the expert
+    width), and the sparse layers (Qwen-MoE: layer i has experts when it is not in
+    ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``; ERNIE 4.5: when
+    ``start <= i <= end`` and ``(i + 1) % interval == 0``, ``fam.sparse_range``'s keys)."""
     if not fam.experts_key:
         return {}
     experts = _count(config, fam.experts_key)
@@ -403,13 +405,17 @@ def _experts(config: Any, fam: Family) -> dict[str, Any]:
         sparse = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
     elif fam.dense_first_key:  # DeepSeek: the first first_k_dense_replace layers dense
         sparse = tuple(layers)[_count(config, fam.dense_first_key, low=0) :]
+    elif fam.sparse_range:
+        start, interval, end = fam.sparse_range
+        low, every, high = _count(config, start, low=0), _count(config, interval), _count(config, end, low=-1)
+        sparse = tuple(i for i in layers if low <= i <= high and (i + 1) % every == 0)
     else:
         sparse = tuple(layers)
     norm = fam.norm_topk == "*" or bool(fam.norm_topk and getattr(config, fam.norm_topk, False))
     width = _count(config, fam.expert_width_key)
     shared = _count(config, fam.shared_expert_key) if fam.shared_expert_key else 0
-    if fam.shared_count_key:  # DeepSeek: n_shared_experts experts' widths, one MLP without a gate
-        shared = width * _count(config, fam.shared_count_key)
+    if fam.shared_count_key:  # DeepSeek, ERNIE 4.5: that many experts' widths, one MLP without a gate
+        shared = width * _count(config, fam.shared_count_key, low=0)
     return {
         "num_experts": experts,
         "experts_per_token": top,

@@ -54,6 +54,7 @@ AUTO_FAMILIES: dict[str, dict] = {
     "seed_oss": dict(tie_word_embeddings=False),
     "helium": dict(tie_word_embeddings=False),
     "ministral": dict(tie_word_embeddings=False),
+    "ernie4_5": dict(tie_word_embeddings=True),
     # mixtures of experts: 4 experts, top 2 (options set each family's own fields)
     "mixtral": dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
@@ -78,6 +79,7 @@ AUTO_FAMILIES: dict[str, dict] = {
         qk_nope_head_dim=16,
         v_head_dim=12,
     ),
+    "ernie4_5_moe": dict(tie_word_embeddings=True, moe_num_experts=4, moe_k=2, moe_intermediate_size=64),
 }
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", *AUTO_FAMILIES)
 BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text", "gemma")  # tokenizers that add bos to plain text
@@ -276,6 +278,7 @@ def build_tiny_checkpoint(
             "helium",
             "ministral",
             "exaone4",
+            "ernie4_5",
         ):  # default heads of 256, 128
             options.setdefault("head_dim", hidden // heads)
         if window:

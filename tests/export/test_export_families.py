@@ -223,6 +223,11 @@ CASES = {
         ({"sliding_window": 4096},),
     ),
     # the variants of 3 layers, hidden 96 over 6 heads (2 KV heads where the family has them)
+    "ernie4_5": (  # GLM's interleaved rotary, biases on every projection, heads of 24 (padded to 32)
+        "ernie4_5",
+        dict(SIX_HEADS, head_dim=24, use_bias=True),
+        ("halves_rotary", {"use_bias": False}),
+    ),
     "opt-350m": (  # embeddings of 48 projected in and out, each layer's norms after its adds
         "opt",
         dict(SIX_HEADS, kv_heads=6, word_embed_proj_dim=48, do_layer_norm_before=False),
@@ -285,6 +290,13 @@ CASES = {
         "granitemoe",
         dict(layers=3, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0),
         ({"num_experts_per_tok": 1}, {"residual_multiplier": 1.0}, {"logits_scaling": 1.0}),
+    ),
+    # experts picked by softmax + a correction bias, with biases (use_bias: the LM head's too),
+    # 2 ungated shared experts (one MLP of 2 x 64), layer 0 a dense MLP (moe_layer_start_index 1)
+    "ernie4_5_moe": (
+        "ernie4_5_moe",
+        dict(SIX_HEADS, use_bias=True),
+        ("no_correction_bias", "no_shared_expert", {"num_experts_per_tok": 1}, {"use_bias": False}),
     ),
     # attention sinks, biases, windows on every other layer, experts with biases and the clamped
     # SwiGLU (their gate / up weights x 10 so that the clamp at 7 binds)
@@ -511,19 +523,27 @@ def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
             other = _model(ckpt)
             for layer in other.model.layers:
                 layer.mlp.experts.limit = float("inf")
-        elif undo == "no_shared_expert":  # Qwen2-MoE's shared expert (DeepSeek's shared_experts) left out
+        elif undo == "no_shared_expert":  # Qwen2-MoE's shared expert (DeepSeek's, ERNIE 4.5's shared experts) left out
             other = _model(ckpt)
             with torch.no_grad():
                 for layer in other.model.layers:
-                    shared = getattr(layer.mlp, "shared_expert", getattr(layer.mlp, "shared_experts", None))
+                    shared = getattr(layer.mlp, "shared_expert", None) or getattr(layer.mlp, "shared_experts", None)
                     if shared is not None:
                         shared.down_proj.weight.zero_()
+                        if shared.down_proj.bias is not None:
+                            shared.down_proj.bias.zero_()
         elif undo == "no_score_bias":  # DeepSeek's routers chose by the scores alone
             other = _model(ckpt)
             with torch.no_grad():
                 for layer in other.model.layers:
                     if hasattr(layer.mlp, "gate"):
                         layer.mlp.gate.e_score_correction_bias.zero_()
+        elif undo == "no_correction_bias":  # ERNIE 4.5's experts picked by their probabilities alone
+            other = _model(ckpt)
+            with torch.no_grad():
+                for layer in other.model.layers:
+                    if hasattr(layer.mlp, "moe_statics"):
+                        layer.mlp.moe_statics.e_score_correction_bias.zero_()
         elif undo == "plain_norms":  # Gemma's and Nemotron's norms as w, not 1 + w
             other = _model(ckpt)
             with torch.no_grad():
@@ -765,6 +785,8 @@ def test_a_gemma3_gguf_without_its_numbers_fails_naming_the_key(capsys, tmp_path
         ("qwen2_moe", {"decoder_sparse_step": 0}, "unsupported decoder_sparse_step 0"),
         ("qwen3_moe", {"moe_intermediate_size": None}, "unsupported moe_intermediate_size None"),
         ("olmoe", {"clip_qkv": 8.0}, "unsupported option clip_qkv"),
+        ("ernie4_5_moe", {"moe_layer_interval": 0}, "unsupported moe_layer_interval 0"),
+        ("ernie4_5_moe", {"moe_num_shared_experts": None}, "unsupported moe_num_shared_experts None"),
     ],
 )
 def test_family_options_the_graph_cannot_express_are_refused(family, kw, fragment):
@@ -843,6 +865,8 @@ def test_spec_reads_each_family_as_transformers_does(family, kw, layers, nope, r
         ("mixtral", {}),
         ("granitemoe", {}),
         ("gpt_oss", {}),
+        ("ernie4_5_moe", {}),  # from layer 1 (moe_layer_start_index) to the last
+        ("ernie4_5_moe", {"moe_layer_start_index": 0, "moe_layer_interval": 2, "moe_layer_end_index": 3}),
     ],
 )
 def test_spec_reads_the_sparse_layers_as_transformers_builds_them(family, kw):
@@ -872,7 +896,7 @@ def test_spec_reads_the_sparse_layers_as_transformers_builds_them(family, kw):
     assert spec.manifest()["num_experts"] == spec.num_experts > 3
 
 
-@pytest.mark.parametrize("case,quantized", [("mixtral", True), ("qwen2_moe", False)])
+@pytest.mark.parametrize("case,quantized", [("mixtral", True), ("qwen2_moe", False), ("ernie4_5_moe", True)])
 def test_moe_experts_run_as_one_op_and_drafts_quantize_them(tmp_path_factory, case, quantized):
     """The experts are ONNX Runtime's MoE op in the target (routing inside: a step reads the
     active experts only) and QMoE in the int8 draft, with the MatMuls' blocks, where each
