@@ -208,7 +208,7 @@ def _refusal(folder: Path, key: dict[str, Any]) -> str | None:
         return "absent"
     try:
         _check_private(folder, directory=True)
-        names = sorted(os.listdir(folder))
+        names = _first_names(folder, 4)
         if names != sorted((GRAPH, DATA, RECORD)):
             return f"holds {names[:6]}, not exactly {GRAPH}, {DATA} and {RECORD}"
         for name in names:
@@ -225,6 +225,18 @@ def _refusal(folder: Path, key: dict[str, Any]) -> str | None:
     except (OSError, ValueError, RecursionError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def _first_names(folder: Path, most: int) -> list[str]:
+    """The names of at most ``most`` entries of ``folder``, sorted (a planted folder may hold
+    many)."""
+    names = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            names.append(entry.name)
+            if len(names) >= most:
+                break
+    return sorted(names)
 
 
 def _check_private(path: Path, *, directory: bool) -> None:
