@@ -200,3 +200,10 @@ def test_copies_are_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(prepack, "MAX_TOTAL_BYTES", 250)
     prepack._prune(tmp_path, keep=old[0])
     assert sorted(p.name for p in tmp_path.iterdir()) == [".build-alive", "m-0", "m-4"]
+
+
+def test_shared_weights_must_be_a_bool(tiny_llama):
+    from specdec_rt.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="shared_weights"):
+        asyncio.run(Engine.load(tiny_llama, shared_weights="yes"))
