@@ -207,3 +207,12 @@ def test_shared_weights_must_be_a_bool(tiny_llama):
 
     with pytest.raises(InvalidInputError, match="shared_weights"):
         asyncio.run(Engine.load(tiny_llama, shared_weights="yes"))
+
+
+def test_a_load_waits_for_the_process_building_the_copy(tiny_llama, every_graph, monkeypatch):
+    folder = tiny_llama / "draft-q4"
+    monkeypatch.setattr(prepack, "LOCK_WAIT_S", 0.3)
+    with prepack._BuildLock(the_copy(folder)) as held:  # another builder (flock: per open file)
+        assert held
+        assert load(folder, True).prepacked is None  # waited 0.3 s, then loaded the export's graph
+    assert load(folder, True).prepacked == the_copy(folder) / GRAPH  # the lock free: built
