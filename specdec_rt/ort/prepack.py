@@ -122,9 +122,10 @@ def _sha256(path: Path, limit: int, *, follow: bool = True) -> str:
     return hashlib.sha256(read_regular(path, limit, follow=follow)).hexdigest()
 
 
-def _identity(path: Path) -> list[int]:
-    """A file's size, modification time, change time and inode (a link itself, not followed)."""
-    st = os.lstat(path)
+def _identity(path: Path, *, follow: bool = False) -> list[int]:
+    """A file's size, modification time, change time and inode (of a link itself unless
+    ``follow``)."""
+    st = os.stat(path, follow_symlinks=follow)
     return [int(getattr(st, field)) for field in STAMP_STAT]
 
 
@@ -140,7 +141,7 @@ def prepack_key(onnx_file: Path, *, level: str) -> dict[str, Any]:
         **cpu_facts(),
         "source": str(onnx_file.resolve()),
         "graph_sha256": _sha256(onnx_file, MAX_GRAPH_BYTES),
-        "files": {path.name: _identity(path) for path in source_files(onnx_file)},
+        "files": {path.name: _identity(path, follow=True) for path in source_files(onnx_file)},
     }
 
 
