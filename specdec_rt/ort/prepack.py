@@ -70,6 +70,7 @@ log = get_logger("specdec_rt")
 PREPACK_VERSION = 1  # the copies' layout and record: a change builds every copy again
 PREPACK_DIR_ENV = "SPECDEC_RT_PREPACK_DIR"  # the copies' own folder (tests point it at a temporary one)
 MIN_SOURCE_BYTES = 16 << 20  # a graph whose files are smaller loads as it is: a copy would share little
+MIN_ORT = (1, 21)  # the first ONNX Runtime that writes packed weights to a file and maps them back
 MAX_COPIES = 8
 MAX_TOTAL_BYTES = 64 << 30
 MIN_FREE_BYTES = 2 << 30  # what the disk keeps free after a copy is written
@@ -154,13 +155,14 @@ def copy_folder(key: dict[str, Any]) -> Path:
 
 def prepacked_copy(onnx_file: Path, *, ort: Any, options: Callable[[], Any]) -> PrepackedCopy | None:
     """``onnx_file``'s prepacked copy, built first when there is none or the one there is
-    refused; None when there is none to have (a graph under :data:`MIN_SOURCE_BYTES`, a cache
+    refused; None when there is none to have (a graph under :data:`MIN_SOURCE_BYTES`, an ONNX
+    Runtime older than :data:`MIN_ORT`, a cache
     that cannot be written, a disk nearly full, another process building it for longer than
     :data:`LOCK_WAIT_S`, ONNX Runtime failing to write it; a warning says which): then load
     ``onnx_file`` itself. ``options``: a new ``SessionOptions`` as the model's sessions get them
     (threads, optimization level); the copy is written and loaded on the CPU."""
     try:
-        if sum(path.stat().st_size for path in source_files(onnx_file)) < MIN_SOURCE_BYTES:
+        if sum(path.stat().st_size for path in source_files(onnx_file)) < MIN_SOURCE_BYTES or not _maps_packed(ort):
             return None
         key = prepack_key(onnx_file, level=str(options().graph_optimization_level))
         folder = copy_folder(key)
@@ -174,6 +176,13 @@ def prepacked_copy(onnx_file: Path, *, ort: Any, options: Callable[[], Any]) -> 
     except (OSError, ValueError) as exc:
         log.warning("prepack.unavailable", graph=str(onnx_file), error=f"{type(exc).__name__}: {exc}"[:300])
         return None
+
+
+def _maps_packed(ort: Any) -> bool:
+    """Whether this ONNX Runtime writes packed weights to a file and maps them back (older ones
+    ignore the option: a copy would share nothing)."""
+    found = re.match(r"(\d+)\.(\d+)", str(getattr(ort, "__version__", "")))
+    return found is not None and (int(found[1]), int(found[2])) >= MIN_ORT
 
 
 def _build_under_lock(

@@ -81,10 +81,13 @@ def test_engine_greedy_tokens_are_the_same(tiny_llama, every_graph):
     assert asyncio.run(tokens(True)) == asyncio.run(tokens(False))
 
 
-def test_small_graphs_load_as_they_are(tiny_llama, monkeypatch, tmp_path):
+def test_small_graphs_and_old_runtimes_load_as_they_are(tiny_llama, monkeypatch, tmp_path):
     monkeypatch.setenv(prepack.PREPACK_DIR_ENV, str(tmp_path / "prepacked"))
     model = load(tiny_llama, True)  # under MIN_SOURCE_BYTES: no copy made
     assert model.prepacked is None and not (tmp_path / "prepacked").exists()
+    monkeypatch.setattr(prepack, "MIN_SOURCE_BYTES", 0)
+    monkeypatch.setattr(prepack, "MIN_ORT", (99, 0))  # an ONNX Runtime that would not map packed weights
+    assert load(tiny_llama, True).prepacked is None and not (tmp_path / "prepacked").exists()
 
 
 def _garble_data(copy: Path) -> None:
