@@ -112,7 +112,7 @@ def source_files(onnx_file: Path) -> list[Path]:
     (``model.onnx.data``), in name order after the graph."""
     found = [onnx_file]
     with os.scandir(onnx_file.parent) as entries:
-        for entry in sorted(entries, key=lambda e: e.name):
+        for entry in sorted(entries, key=lambda item: item.name):
             named = entry.name.startswith(onnx_file.name) and entry.name != onnx_file.name
             if named and entry.is_file():
                 found.append(Path(entry.path))
@@ -285,10 +285,10 @@ def _build(onnx_file: Path, folder: Path, key: dict[str, Any], *, ort: Any, opti
             "data": _identity(tmp / DATA),
         }
         fd = os.open(tmp / RECORD, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(record, f)
-            f.flush()
-            os.fsync(f.fileno())
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(record, out)
+            out.flush()
+            os.fsync(out.fileno())
         _fsync_dir(tmp)
         os.rename(tmp, folder)  # (the lock keeps others from building it; a folder there was removed)
         _fsync_dir(root)
