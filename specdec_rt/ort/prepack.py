@@ -156,11 +156,11 @@ def copy_folder(key: dict[str, Any]) -> Path:
 def prepacked_copy(onnx_file: Path, *, ort: Any, options: Callable[[], Any]) -> PrepackedCopy | None:
     """``onnx_file``'s prepacked copy, built first when there is none or the one there is
     refused; None when there is none to have (a graph under :data:`MIN_SOURCE_BYTES`, an ONNX
-    Runtime older than :data:`MIN_ORT`, a cache
-    that cannot be written, a disk nearly full, another process building it for longer than
-    :data:`LOCK_WAIT_S`, ONNX Runtime failing to write it; a warning says which): then load
-    ``onnx_file`` itself. ``options``: a new ``SessionOptions`` as the model's sessions get them
-    (threads, optimization level); the copy is written and loaded on the CPU."""
+    Runtime older than :data:`MIN_ORT`; with a warning: a cache that cannot be written, a disk
+    nearly full, another process building it for longer than :data:`LOCK_WAIT_S`, ONNX Runtime
+    failing to write it): then load ``onnx_file`` itself. ``options``: a new ``SessionOptions``
+    as the model's sessions get them (threads, optimization level); the copy is written and
+    loaded on the CPU."""
     try:
         if sum(path.stat().st_size for path in source_files(onnx_file)) < MIN_SOURCE_BYTES or not _maps_packed(ort):
             return None
