@@ -31,6 +31,27 @@ def _tune_files_of_our_own(tmp_path_factory):
         os.environ[TUNE_DIR_ENV] = before
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _prepacked_copies_of_our_own(tmp_path_factory):
+    """Prepacked copies that tests' loads write (specdec_rt.ort.prepack) go to a temporary
+    folder, not the user's cache; child processes inherit it. Removed at the end (the real
+    model's copies take 1.6 GB)."""
+    import os
+    import shutil
+
+    from specdec_rt.ort.prepack import PREPACK_DIR_ENV
+
+    before = os.environ.get(PREPACK_DIR_ENV)
+    folder = tmp_path_factory.mktemp("prepacked")
+    os.environ[PREPACK_DIR_ENV] = str(folder)
+    yield
+    shutil.rmtree(folder, ignore_errors=True)
+    if before is None:
+        os.environ.pop(PREPACK_DIR_ENV, None)
+    else:
+        os.environ[PREPACK_DIR_ENV] = before
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A tiny random Llama export with an int4 quantized-copy draft (draft-q4)."""

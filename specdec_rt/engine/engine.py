@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, cast
 
 import anyio
@@ -232,6 +232,7 @@ class Engine:
         warmup: bool = DEFAULT_LOAD.warmup,
         consumer_timeout: float | None = DEFAULT_LOAD.consumer_timeout,
         precision: str = DEFAULT_LOAD.precision,
+        shared_weights: bool = DEFAULT_LOAD.shared_weights,
     ) -> "Engine":
         """Load a built recipe (``"smollm2-135m"``) or an export folder.
 
@@ -271,6 +272,10 @@ class Engine:
                 processes loading the same at once measure once, the others wait and read it);
                 an explicit ``draft`` wins over the tuned one. :attr:`choice` says what was
                 chosen and how.
+            shared_weights: On the CPU, map each model's weights as ONNX Runtime packs them
+                from a copy written once per machine (``~/.cache/specdec-rt/prepacked/``), so
+                processes on one export share them (docs/memory.md). ``False``: each process
+                packs its own, in private memory. The outputs are the same.
 
         Returns:
             The loaded engine.
@@ -283,25 +288,15 @@ class Engine:
             InvalidInputError: An option out of range, or a ``precision`` the folder does not
                 offer.
         """
-        options = LoadOptions(
-            draft=draft,
-            max_length=max_length,
-            threads=threads,
-            provider=provider,
-            slots=slots,
-            spec_config=spec_config,
-            prefix_cache=prefix_cache,
-            prefix_cache_bytes=prefix_cache_bytes,
-            warmup=warmup,
-            consumer_timeout=consumer_timeout,
-            precision=precision,
-        )
+        given = locals()  # the keywords: LoadOptions' fields, by name
+        options = LoadOptions(**{f.name: given[f.name] for f in fields(LoadOptions)})
         return await cls._from_options(name_or_path, options)
 
     @classmethod
     async def _from_options(cls, name_or_path: str | os.PathLike[str], options: LoadOptions) -> "Engine":
         """:meth:`load` with its keywords as one :class:`~specdec_rt.engine.factory.LoadOptions`."""
         check_bool(options.warmup, "warmup")
+        check_bool(options.shared_weights, "shared_weights")
         check_precision(options.precision)
         tuned = _Tuned()
         if options.precision == "auto":

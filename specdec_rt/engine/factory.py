@@ -31,6 +31,7 @@ from ..ort import (
 )
 from ..ort.eagle import EagleDrafter
 from ..ort.manifest import cache_root
+from ..ort.setup import ISA_FLAGS, cpu_facts
 from ..policy.config import SpecConfig
 from ..speculation.adapters import ModelDrafter
 from ..speculation.protocols import DraftInferrer, TargetVerifier
@@ -60,7 +61,9 @@ __all__ = [
     "build_parts",
     "resolve_model_dir",
     "use_global_thread_pool",
-]  # the last two and cache_root: ort's, for the layers above
+    "ISA_FLAGS",
+    "cpu_facts",
+]  # cache_root, resolve_model_dir, use_global_thread_pool, ISA_FLAGS, cpu_facts: ort's, for the layers above
 
 # The drafter when Engine.load gets draft=None: n-gram lookup plus the recipe's first draft
 # (docs/decisions/0008-default-draft-q8.md).
@@ -84,6 +87,7 @@ class LoadOptions:
     warmup: bool = True
     consumer_timeout: float | None = DEFAULT_CONSUMER_TIMEOUT
     precision: str = "exported"
+    shared_weights: bool = True  # map a prepacked copy of each graph (ort.prepack): processes share it
 
     @property
     def cache_bytes(self) -> int:
@@ -364,6 +368,7 @@ def build_parts(name_or_path: str | os.PathLike[str], options: LoadOptions) -> E
         slots=options.slots,
         prefix_cache_bytes=options.cache_bytes,
         executor=executor,
+        shared_weights=options.shared_weights,
     )
     alone = resolve_draft_spec(home, draft) in ("ngram", "none")  # no draft model beside the target
     target = OrtModel(candidate.manifest, **opts, alone=alone)

@@ -28,7 +28,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import re
 import stat
 import sys
@@ -44,7 +43,7 @@ except ImportError:  # (Windows: no flock; each process measures on its own, and
 
 from ..logs import get_logger
 from ..manifest_schema import MANIFEST
-from .factory import cache_root, runtime_facts
+from .factory import ISA_FLAGS, cache_root, cpu_facts, runtime_facts
 
 if TYPE_CHECKING:
     from ..ort import Manifest
@@ -61,7 +60,9 @@ __all__ = [
     "write_cached",
     "lock_path",
     "TuneLock",
-]
+    "ISA_FLAGS",
+    "cpu_facts",
+]  # the last two: ort.setup's, where the tune key and the prepacked copies' key read them
 
 log = get_logger("specdec_rt.engine.tune")
 
@@ -72,28 +73,6 @@ MAX_CATEGORIES = 8  # prompt categories per row
 MAX_TOKENS = 4096  # the answer length a file may say was measured
 ONE_STREAM_WEIGHT = 2 / 3  # the score's exponent of the one-stream rate (the latency case); 1/3 for several at once
 MAX_CACHE_FILES = 64  # results kept in the folder (the oldest go first)
-# the CPU features ONNX Runtime's MLAS kernels choose between (x86 and Arm)
-ISA_FLAGS = (
-    "avx",
-    "avx2",
-    "fma",
-    "f16c",
-    "avx_vnni",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_int8",
-    "amx_bf16",
-    "asimd",
-    "asimddp",
-    "i8mm",
-    "sve",
-    "bf16",
-)
 _TEXT = re.compile(r"^[\x20-\x7e]*$")  # printable ASCII: what the file may say in a string field
 _CATEGORY = re.compile(r"^[a-z][a-z0-9_-]{0,15}$")  # a prompt category's name ("chat", "code", ...)
 
@@ -254,23 +233,6 @@ def _categories(raw: object) -> tuple[CategoryRate, ...]:
 
 
 # ---------------------------------------------------------------------- the key
-def cpu_facts() -> dict[str, Any]:
-    """The CPU's model name and the instruction-set flags of :data:`ISA_FLAGS` it has (Linux:
-    from /proc/cpuinfo; elsewhere what :mod:`platform` says, and no flags)."""
-    name, flags = platform.processor() or platform.machine(), set()
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            text = f.read(1 << 20)  # the first CPUs' entries say it all
-        for line in text.splitlines():
-            label, _, value = line.partition(":")
-            label = label.strip().lower()
-            if label in ("model name", "hardware", "cpu model") and name in (platform.processor(), platform.machine()):
-                name = value.strip()
-            elif label in ("flags", "features"):
-                flags |= set(value.split())
-    return {"cpu": name[:200], "machine": platform.machine(), "isa": sorted(flags & set(ISA_FLAGS))}
-
-
 def model_stamp(home: Manifest) -> str:
     """A hash of the folder's and its drafts' ``manifest.json`` and of each listed file's size
     and modification time: a rebuilt or edited model is another key."""

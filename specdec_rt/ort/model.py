@@ -13,6 +13,7 @@ they are (host memory on CPU, device memory with CUDA).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -25,6 +26,7 @@ from ..logs import get_logger
 from ..speculation.protocols import LanguageModel, ModelCaps
 from .kvpool import KVPool
 from .manifest import PACKED_ROLES, Manifest, load_manifest
+from .prepack import discard_copy, prepacked_copy
 from .session import OrtSession
 from .setup import _configure_threads, check_graph, default_threads, pick_providers, use_global_thread_pool
 from .tree import packed_layout as _packed_layout
@@ -59,6 +61,10 @@ class OrtModel(LanguageModel):
             between runs (see ``ort.setup._configure_threads``).
         executor: The step loop its calls run on (an Engine shares one between its models;
             default: one of its own).
+        shared_weights: On the CPU, load the graph's prepacked copy (:mod:`specdec_rt.ort.prepack`,
+            built on first use): ONNX Runtime maps its packed weights from a file, so processes
+            on one export share them; :attr:`prepacked` names the copy loaded (None: the
+            export's own graph, its packed weights in private memory).
 
     Raises:
         ModelLoadError: A manifest that fails its checks, a graph ONNX Runtime cannot load,
@@ -78,6 +84,7 @@ class OrtModel(LanguageModel):
         block: int = DEFAULT_BLOCK,
         alone: bool = False,
         executor: BatchExecutor | None = None,
+        shared_weights: bool = False,
     ) -> None:
         """Load the folder's graph and commit its KV pool."""
         import onnxruntime as ort
@@ -85,9 +92,8 @@ class OrtModel(LanguageModel):
         self.manifest = m = folder if isinstance(folder, Manifest) else load_manifest(folder)
         self.name, self.vocab_size = m.name, m.vocab_size
         self.max_length = self._checked_length(max_length, slots)
-        self.session: Any = self._open_session(ort, threads=threads, alone=alone, provider=provider)
-        self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
-        self._choose_paths()  # (the graph checked first)
+        self.session: Any = self._open_session(ort, threads, alone=alone, provider=provider, shared=shared_weights)
+        self._choose_paths()  # (the graph checked first; sets the device)
         entries = max(slots, MIN_CACHE_ENTRIES) if cache_entries is None else cache_entries
         self.pool: KVPool | None = KVPool(
             layers=m.num_layers,
@@ -131,23 +137,47 @@ class OrtModel(LanguageModel):
             raise ModelLoadError(f"slots must be >= 1, got {slots!r}")
         return length
 
-    def _open_session(self, ort: Any, *, threads: int | None, alone: bool, provider: str) -> Any:
-        """The ONNX Runtime session of the model's graph (sets :attr:`threads`)."""
+    def _open_session(self, ort: Any, threads: int | None, *, alone: bool, provider: str, shared: bool) -> Any:
+        """The ONNX Runtime session of the model's graph, or of its prepacked copy when
+        ``shared`` and on the CPU (sets :attr:`threads` and :attr:`prepacked`)."""
         m = self.manifest
-        options = ort.SessionOptions()
-        self.threads = _configure_threads(options, threads or default_threads(), alone)
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3
         providers = pick_providers(provider, ort)
+        self.prepacked: Path | None = None  # the prepacked copy loaded (_open_copy)
+
+        def options() -> Any:
+            so = ort.SessionOptions()
+            self.threads = _configure_threads(so, threads or default_threads(), alone)
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            so.log_severity_level = 3
+            return so
+
+        if shared and providers == ["CPUExecutionProvider"]:
+            copy = prepacked_copy(m.onnx_file, ort=ort, options=options)
+            session = None if copy is None else self._open_copy(ort, copy.graph, options())
+            if session is not None:
+                return session
         try:
-            return ort.InferenceSession(str(m.onnx_file), options, providers=providers)
+            return ort.InferenceSession(str(m.onnx_file), options(), providers=providers)
         except Exception as exc:  # noqa: BLE001 - ORT raises its own hierarchy
             raise ModelLoadError(f"{m.onnx_file}: ONNX Runtime cannot load it: {exc}") from exc
 
+    def _open_copy(self, ort: Any, graph: Path, options: Any) -> Any:
+        """A session on the prepacked copy ``graph``, checked against the manifest; None (the
+        copy removed, with a warning) when ONNX Runtime cannot load it or it fails the check."""
+        try:
+            session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+            check_graph(self.manifest, session)
+        except Exception as exc:  # noqa: BLE001 - ORT raises its own hierarchy; ModelLoadError from the check
+            discard_copy(graph.parent, f"{type(exc).__name__}: {exc}")
+            return None
+        self.prepacked = graph
+        return session
+
     def _choose_paths(self) -> None:
         """Check the graph against the manifest, then choose which kernel paths the model's
-        calls take, from its graph and device."""
+        calls take, from its graph and device (set here: where its session runs)."""
         m = self.manifest
+        self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
         check_graph(m, self.session)
         self.has_hidden = bool(m.outputs.get("hidden")) and m.outputs["hidden"] in {
             o.name for o in self.session.get_outputs()

@@ -1,9 +1,11 @@
-"""Setting up an ONNX Runtime session for a model folder: threads, providers, and the check
-that the graph has what its manifest names."""
+"""Setting up an ONNX Runtime session for a model folder: threads, providers, the CPU facts its
+kernels depend on, and the check that the graph has what its manifest names."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ from ..errors import ModelLoadError
 from ..manifest_schema import MANIFEST
 from .manifest import PACKED_ROLES, Manifest
 
-__all__ = ["default_threads", "pick_providers", "use_global_thread_pool", "check_graph"]
+__all__ = ["default_threads", "pick_providers", "use_global_thread_pool", "check_graph", "ISA_FLAGS", "cpu_facts"]
 
 
 def default_threads() -> int:
@@ -41,6 +43,47 @@ def pick_providers(provider: str, ort: Any) -> list[str]:
         if "CUDAExecutionProvider" in available
         else ["CPUExecutionProvider"]
     )
+
+
+# the CPU features ONNX Runtime's MLAS kernels choose between (x86 and Arm)
+ISA_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+    "asimd",
+    "asimddp",
+    "i8mm",
+    "sve",
+    "bf16",
+)
+
+
+def cpu_facts() -> dict[str, Any]:
+    """The CPU's model name and the instruction-set flags of :data:`ISA_FLAGS` it has (Linux:
+    from /proc/cpuinfo; elsewhere what :mod:`platform` says, and no flags)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            text = f.read(1 << 20)  # the first CPUs' entries say it all
+        for line in text.splitlines():
+            label, _, value = line.partition(":")
+            label = label.strip().lower()
+            if label in ("model name", "hardware", "cpu model") and name in (platform.processor(), platform.machine()):
+                name = value.strip()
+            elif label in ("flags", "features"):
+                flags |= set(value.split())
+    return {"cpu": name[:200], "machine": platform.machine(), "isa": sorted(flags & set(ISA_FLAGS))}
 
 
 _GLOBAL_POOL: dict[str, int] = {"threads": 0}

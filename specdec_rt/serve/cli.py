@@ -163,6 +163,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "(python -m specdec_rt tune shows the table; processes starting at once measure once); "
         "'exported' the folder's own; or pinned",
     )
+    p.add_argument(
+        "--shared-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="map a prepacked copy of each model's weights, written once per machine to the cache, so "
+        "servers on one model share them (default on; --no-shared-weights: each packs its own)",
+    )
     p.add_argument("--no-build", action="store_true", help="fail instead of building a missing recipe")
     p.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
 
@@ -413,6 +420,7 @@ def _options(args: argparse.Namespace, access: Access, folder: Path) -> dict[str
         provider=args.provider,
         prefix_cache=args.prefix_cache,
         prefix_cache_bytes=args.prefix_cache_bytes,
+        shared_weights=args.shared_weights,
         threads=args.threads,
         model_name=args.served_model_name or Path(str(args.model)).name,
         consumer_timeout=args.consumer_timeout or None,

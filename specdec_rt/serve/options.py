@@ -171,6 +171,7 @@ class ServeOptions:
     precision: str = "exported"  # Engine.load's; "auto": measure (or read the tune cache) at load
     prefix_cache: bool = True
     prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES
+    shared_weights: bool = True  # Engine.load's: map each model's prepacked copy
     model_name: str | None = None
     threads: int | None = None
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # never in a log line
@@ -198,6 +199,7 @@ class ServeOptions:
             prefix_cache_bytes=self.prefix_cache_bytes,
             consumer_timeout=self.consumer_timeout,
             precision=self.precision,
+            shared_weights=self.shared_weights,
         )
 
     def app_config(self, **overrides: Any) -> AppConfig:

@@ -230,7 +230,7 @@ def _parse(key: str, value: Any) -> Any:
         return float(value)
     if key == "replicas":
         return value if value == "auto" else int(value)
-    if key == "prefix_cache":
+    if key in ("prefix_cache", "shared_weights"):
         return value.lower() in ("1", "true", "yes", "on")
     if key in ("api_keys", "allowed_hosts", "allowed_origins"):  # comma separated
         return tuple(v.strip() for v in value.split(",") if v.strip())

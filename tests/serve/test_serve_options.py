@@ -74,8 +74,12 @@ def test_the_flags_default_to_the_librarys_defaults(tmp_path):
     args = _serve_args()
     opts, defaults = ServeOptions(**_options(args, _access(args), tmp_path)), ServeOptions(model="m")
     for name in ("slots", "max_queued", "request_timeout", "max_body_bytes", "default_max_tokens",
-                 "consumer_timeout", "max_prompt_logprob_work", "prefix_cache", "prefix_cache_bytes"):  # fmt: skip
+                 "consumer_timeout", "max_prompt_logprob_work", "prefix_cache", "prefix_cache_bytes",
+                 "shared_weights"):  # fmt: skip
         assert getattr(opts, name) == getattr(defaults, name), name
+    assert opts.engine_options()["shared_weights"] is True
+    args = _serve_args("--no-shared-weights")
+    assert ServeOptions(**_options(args, _access(args), tmp_path)).engine_options()["shared_weights"] is False
     assert opts.slots == DEFAULT_SLOTS and opts.consumer_timeout == AppConfig().consumer_timeout
     limits = ConnectionLimits()
     for f in fields(ConnectionLimits):
