@@ -13,7 +13,8 @@ Building blocks:
   ``sandwich`` (Gemma 2 / 3: a norm after attention's and the MLP's output too), ``post``
   (OLMo 2: no norm before attention or the MLP, one after each), ``parallel`` (Phi-2: attention
   and the MLP read the same normed input, both added to the residual), ``parallel2`` (GPT-NeoX:
-  each reads its own norm of the same input);
+  each reads its own norm of the same input), ``pre_normed`` (BLOOM's
+  ``apply_residual_connection_post_layernorm``: Llama's, each residual taken after its norm);
 - MLPs gated (``act(gate) * up``) or plain (``act(up)``), biases on any projection, activations
   ``ACTIVATIONS``;
 - attention: q/k norms per head (Qwen3; LayerNorm: StableLM, Phi-2, Cohere) or over the whole
@@ -29,7 +30,10 @@ Building blocks:
   experts have biases and a clamped SwiGLU (``swiglu``), its attention sinks (``sinks``);
 - multipliers: the embeddings (x sqrt(hidden): Gemma; ``embedding_multiplier``: Granite), each
   branch before its residual add (``residual_multiplier``), the logits (/ ``logits_scaling``);
-- embeddings narrower than the layers, projected in and out (OPT-350M's ``word_embed_proj_dim``).
+- embeddings narrower than the layers, projected in and out (OPT-350M's ``word_embed_proj_dim``),
+  or normed (BLOOM's ``word_embeddings_layernorm``);
+- positions: rotary, learned absolute rows added to the embeddings, or ALiBi (each head's slope
+  times the key's position added to its scores; such a model verifies chains only).
 
 A config option that turns a family into another combination of blocks is a ``Variant`` of its
 row (Falcon's ``new_decoder_architecture``, OPT's ``do_layer_norm_before``, StableLM's
@@ -41,9 +45,21 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["Family", "Variant", "FAMILY_TABLE", "LAYOUTS", "ACTIVATIONS", "WINDOW_RULES", "ROUTERS", "QK_NORMS"]
+__all__ = [
+    "Family",
+    "Variant",
+    "FAMILY_TABLE",
+    "LAYOUTS",
+    "POSITIONS",
+    "ACTIVATIONS",
+    "WINDOW_RULES",
+    "ROUTERS",
+    "QK_NORMS",
+]
 
-LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2", "post_ln")
+LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2", "post_ln", "pre_normed")
+# how a family places its tokens: rotary q and k, learned rows added to the embeddings, or ALiBi
+POSITIONS = ("rope", "learned", "alibi")
 # the norms of queries and keys before rotary: "" none; "head" RMSNorm of each head (Qwen3);
 # "full" RMSNorm of the whole projection (OLMo 2); "layer" LayerNorm of each head, its weight
 # (and bias) shared by the heads (Phi-2) or one a head (StableLM's, Cohere's)
@@ -97,6 +113,7 @@ class Family:
     gated: bool = True  # the MLP: act(gate) * up, else act(up)
     acts: tuple[str, ...] = ("silu", "swish")  # the activations accepted (ACTIVATIONS keys)
     act_keys: tuple[str, ...] = ("hidden_act",)  # the config keys naming it, first set one wins
+    act_default: str = ""  # the activation when no act_keys is set (BLOOM has no key: its tanh GELU)
     mlp_bias_key: str = "mlp_bias"  # a config flag for MLP biases ("*": always; "": never)
     qk_norm: str = ""  # QK_NORMS
     rotary_key: str = ""  # the config's fraction of each head that turns (partial rotary)
@@ -118,7 +135,7 @@ class Family:
     require: tuple[str, ...] = ()  # config flags the graph needs true (OPT's do_layer_norm_before)
     # the checkpoint's tensor names as Llama's (substring replacements, in order)
     renames: tuple[tuple[str, str], ...] = ()
-    positions: str = "rope"  # "rope" | "learned" (absolute position embeddings added to the input)
+    positions: str = "rope"  # POSITIONS: "rope" | "learned" (absolute position embeddings added to the input) | "alibi"
     position_offset: int = 0  # learned: the table's row of position p is p + offset (OPT: 2)
     kv_key: str = "num_key_value_heads"  # the config's KV heads ("": as many as heads)
     multi_query_key: str = ""  # a config flag for one KV head (GPTBigCode; its c_attn then holds q, k, v rows)
@@ -136,6 +153,10 @@ class Family:
     swiglu: tuple[float, ...] = ()
     sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS's attention sinks)
     embed_proj_key: str = ""  # a config key: the embeddings' width, projected in and out when not hidden (OPT)
+    embed_norm: bool = False  # a LayerNorm of the embeddings (BLOOM's word_embeddings_layernorm)
+    # the config keys of the context, first set one wins; else context_default (ALiBi has no table)
+    context_keys: tuple[str, ...] = ("max_position_embeddings",)
+    context_default: int = 0
     variants: tuple[Variant, ...] = ()  # the row as a config option changes it, applied in order
 
     def for_config(self, config: object) -> Family:
@@ -189,6 +210,16 @@ _GPT2_NAMES = (  # GPT-2 and GPTBigCode
     (".attn.c_proj.", ".self_attn.o_proj."),
     (".mlp.c_fc.", ".mlp.up_proj."),
     (".mlp.c_proj.", ".mlp.down_proj."),
+)
+_BLOOM_NAMES = (
+    ("transformer.word_embeddings_layernorm.", "model.embed_norm."),
+    ("transformer.word_embeddings.", "model.embed_tokens."),
+    ("transformer.h.", "model.layers."),
+    ("transformer.ln_f.", "model.norm."),
+    (".self_attention.query_key_value.", ".self_attn.qkv_proj."),
+    (".self_attention.dense.", ".self_attn.o_proj."),
+    (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
+    (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
 )
 _NEOX_NAMES = (
     ("gpt_neox.embed_in.", "model.embed_tokens."),
@@ -534,6 +565,28 @@ FAMILY_TABLE: dict[str, Family] = {
             rotary_key="rotary_pct",
             fused_qkv="heads",
             renames=_NEOX_NAMES,
+        ),
+        # BLOOM: ALiBi, a LayerNorm of the embeddings, q/k/v fused per head, LayerNorms and biases
+        # everywhere, its tanh GELU (no config key), an MLP of 4 x hidden, a tied LM head; the
+        # residuals taken after the norms with apply_residual_connection_post_layernorm
+        Family(
+            "bloom",
+            kv_key="",
+            norm="layer",
+            eps_key="layer_norm_epsilon",
+            gated=False,
+            acts=("gelu_pytorch_tanh",),
+            act_keys=(),
+            act_default="gelu_pytorch_tanh",
+            mlp_bias_key="*",
+            fused_qkv="heads",
+            intermediate_key="",
+            positions="alibi",
+            embed_norm=True,
+            context_keys=("max_position_embeddings", "seq_length"),
+            context_default=2048,  # its training context
+            renames=_BLOOM_NAMES,
+            variants=(Variant((("apply_residual_connection_post_layernorm", True),), (("layout", "pre_normed"),)),),
         ),
     )
 }

@@ -33,8 +33,7 @@ MIN_POSITIONS = 2  # a prompt token and one generated token
 NOT_YET = {
     "gemma3": "Gemma 3 with its vision tower: multimodal; its text model (gemma3_text) exports",
     "gemma3n": "Gemma 3n: not yet; multimodal",
-    # ALiBi needs a per-head bias by key position and chain-only verification (docs/export.md)
-    "bloom": "ALiBi position biases: not yet",
+    # ALiBi as MPT computes it (its slopes, relative positions, options): not yet (docs/export.md)
     "mpt": "ALiBi position biases: not yet",
 }
 # (what, model_type fragments, config.json keys): every kind a refused config shows is named
@@ -142,10 +141,19 @@ class ModelSpec:
     moe_layers: tuple[int, ...] = ()  # the layers with experts (the others: a dense MLP)
     swiglu: tuple[float, ...] = ()  # the experts' clamped SwiGLU (alpha, beta, limit): GPT-OSS
     sinks: bool = False  # attention sinks: a learned logit per head in each softmax (GPT-OSS)
+    # ALiBi (BLOOM): no rotary; each head's slope x the key's cache slot added to its scores, so
+    # the model verifies chains only (a tree's nodes sit in slots past their positions)
+    alibi: bool = False
+    embed_norm: bool = False  # a LayerNorm of the embeddings (BLOOM's word_embeddings_layernorm)
 
     @property
     def learned_positions(self) -> bool:
         return self.position_offset >= 0
+
+    @property
+    def rotary_positions(self) -> bool:
+        """q and k turn by rotary tables (neither learned positions nor ALiBi)."""
+        return not self.learned_positions and not self.alibi
 
     @property
     def own_head_dim(self) -> int:
@@ -175,7 +183,7 @@ class ModelSpec:
     def from_config(cls, config: Any, max_positions: int | None = None) -> ModelSpec:
         """Read a transformers config; reject what the graph cannot express."""
         fam = _family_row(config)
-        limit = _context(config, max_positions)
+        limit = _context(config, fam, max_positions)
         windows = _windows(config, fam, limit)
         eps = _positive_number(config, fam.eps_key) if fam.eps_key else 1e-5  # nn.LayerNorm's default
         _check_rope(config)
@@ -213,6 +221,8 @@ class ModelSpec:
             record["experts_per_token"] = self.experts_per_token
         if self.windows:  # sliding layers: the runtime verifies chains (see specdec_rt.ort.model)
             record["sliding_window"] = self.sliding_window
+        if self.alibi:  # biases by cache slot: chains too
+            record["alibi"] = True
         return record
 
 
@@ -237,7 +247,7 @@ def _family_row(config: Any) -> Family:
     if family not in SUPPORTED_FAMILIES:
         raise unsupported_architecture(family)
     fam = FAMILY_TABLE[family].for_config(config)
-    act = next((getattr(config, k) for k in fam.act_keys if getattr(config, k, None)), None)
+    act = _activation(config, fam)
     if act not in fam.acts:
         raise UnsupportedModelError(f"unsupported activation {act}; need {' or '.join(fam.acts)}")
     for flag in (fam.causal_key, *fam.refuse):
@@ -250,17 +260,28 @@ def _family_row(config: Any) -> Family:
     return fam
 
 
-def _context(config: Any, max_positions: int | None) -> int:
-    """The exported positions: the model's (at most ``MAX_POSITIONS_CAP``, LongRoPE's original
-    length), capped by ``max_positions``; at least ``MIN_POSITIONS``."""
-    limit = min(config.max_position_embeddings, MAX_POSITIONS_CAP)
+def _activation(config: Any, fam: Family) -> str | None:
+    """The activation the config names (its first set ``act_keys``), else the family's own."""
+    named = next((getattr(config, k) for k in fam.act_keys if getattr(config, k, None)), None)
+    return named if named is not None else (fam.act_default or None)
+
+
+def _context(config: Any, fam: Family, max_positions: int | None) -> int:
+    """The exported positions: the model's (its first set ``context_keys``, else the family's
+    default; at most ``MAX_POSITIONS_CAP``, LongRoPE's original length), capped by
+    ``max_positions``; at least ``MIN_POSITIONS``."""
+    key = next((k for k in fam.context_keys if getattr(config, k, None) is not None), None)
+    model_limit = getattr(config, key) if key else fam.context_default
+    if key is None and not model_limit:
+        raise UnsupportedModelError(f"unsupported config without {' or '.join(fam.context_keys)}: need a context")
+    limit = min(model_limit, MAX_POSITIONS_CAP)
     if max_positions:
         limit = min(limit, max_positions)
     limit = min(limit, _longrope_limit(config) or limit)
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < MIN_POSITIONS:
         raise UnsupportedModelError(
-            f"unsupported context of {limit!r} positions (max_position_embeddings "
-            f"{config.max_position_embeddings!r}): need at least {MIN_POSITIONS}"
+            f"unsupported context of {limit!r} positions ({key or 'default'} "
+            f"{model_limit!r}): need at least {MIN_POSITIONS}"
         )
     return limit
 
@@ -291,10 +312,10 @@ def _heads(config: Any, fam: Family) -> dict[str, Any]:
     own = getattr(config, "head_dim", None) or config.hidden_size // heads
     if isinstance(own, bool) or not isinstance(own, int) or own < 1:
         raise UnsupportedModelError(f"unsupported head_dim {own!r}: need a positive integer")
-    learned = fam.positions == "learned"
-    if own % 2 and not learned:
+    learned, turned = fam.positions == "learned", fam.positions == "rope"
+    if own % 2 and turned:
         raise UnsupportedModelError(f"unsupported head size {own}: rotary embeddings need an even one")
-    rotary = own if learned else _rotary_dim(config, fam, own)
+    rotary = _rotary_dim(config, fam, own) if turned else own
     padded = graph_head_dim(own, rotary)
     return {
         "num_heads": heads,
@@ -321,7 +342,7 @@ def _blocks(config: Any, fam: Family) -> dict[str, Any]:
         "norm_offset": fam.norm_offset,
         "layout": layout,
         "gated": fam.gated,
-        "act": ACTIVATIONS[next(getattr(config, k) for k in fam.act_keys if getattr(config, k, None))],
+        "act": ACTIVATIONS[str(_activation(config, fam))],
         "mlp_bias": mlp_bias,
         "rotary_interleaved": fam.rotary_interleaved,
         "conv1d": fam.conv1d,
@@ -329,6 +350,8 @@ def _blocks(config: Any, fam: Family) -> dict[str, Any]:
         "clip_qkv": _clip(config, fam.clip_key),
         "renames": fam.renames,
         "embed_dim": _embed_dim(config, fam),
+        "embed_norm": fam.embed_norm,
+        "alibi": fam.positions == "alibi",
     }
 
 

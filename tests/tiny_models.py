@@ -54,6 +54,7 @@ AUTO_FAMILIES: dict[str, dict] = {
     "seed_oss": dict(tie_word_embeddings=False),
     "helium": dict(tie_word_embeddings=False),
     "ministral": dict(tie_word_embeddings=False),
+    "bloom": dict(tie_word_embeddings=True),  # ALiBi; its MLP 4 x hidden whatever `intermediate` says
     # mixtures of experts: 4 experts, top 2 (options set each family's own fields)
     "mixtral": dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
