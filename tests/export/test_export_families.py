@@ -5,8 +5,8 @@ sliding window on every other layer) and Gemma 3 (q/k norms, a local rotary base
 layers, a scaled global one), with windows of 8 positions, far shorter than prompt + answer, and
 Llama 3's rope scaling beside them, and the options that change a family's blocks (OPT-350M's
 projected embeddings and post-norm layers, the q/k LayerNorms of StableLM, Phi-2 and Cohere,
-Falcon-40B's grouped q/k/v and Falcon 2's single norm) and Cohere 2 on 3 layers of hidden 96
-over 6 heads (2 KV heads). Each is a tiny
+Falcon-40B's grouped q/k/v and Falcon 2's single norm), Cohere 2 and BLOOM (ALiBi, both ways of
+taking its residuals) on 3 layers of hidden 96 over 6 heads (2 KV heads). Each is a tiny
 random checkpoint built here from a transformers config (seeded, no download), exported with
 its int8 quantized copy as the draft, then:
 
@@ -17,8 +17,9 @@ its int8 quantized copy as the draft, then:
 - greedy decoding through the Engine, ``ar`` and ``spec`` (the q8 draft, n-gram lookup), equals
   PyTorch's greedy tokens over a prompt and answer of 48 positions.
 
-A windowed family also runs packed batches of concurrent requests, prefix-cache hits past the
-window, and verifies chains only (no trees: see ``specdec_rt.ort.model``).
+A windowed family (and BLOOM's ALiBi) also runs packed batches of concurrent requests,
+prefix-cache hits past the window, and verifies chains only (no trees: see
+``specdec_rt.ort.model``); BLOOM decodes exactly with an int4 draft too.
 
 Then the refusals: Gemma 1 (not yet), mixture-of-experts, multimodal and state-space families fail
 before any work with one line naming the family and the supported ones."""
@@ -263,6 +264,18 @@ CASES = {
         ),
         ({"sliding_window": 4096}, "halves_rotary", {"logit_scale": 1.0}),
     ),
+    # ALiBi (6 heads: the slopes of a head count that is not a power of 2), the embeddings'
+    # LayerNorm, q/k/v per head, biases, the tanh GELU; the residuals after the norms or before
+    "bloom": (
+        "bloom",
+        dict(SIX_HEADS),
+        ("no_alibi", "no_embed_norm", {"apply_residual_connection_post_layernorm": True}),
+    ),
+    "bloom-normed-residual": (
+        "bloom",
+        dict(SIX_HEADS, apply_residual_connection_post_layernorm=True),
+        ("no_alibi", {"apply_residual_connection_post_layernorm": False}),
+    ),
     # mixtures of experts: 4 experts, top 2 (tests/tiny_models.py), routed per position
     "mixtral": ("mixtral", dict(layers=3), ({"num_experts_per_tok": 1},)),  # renormalised over the top k
     "qwen2_moe": (  # a shared expert behind a sigmoid gate; layer 1 a dense MLP (mlp_only_layers)
@@ -409,6 +422,7 @@ def test_manifest_and_validation(exported):
         assert m["architecture"]["max_positions"] == 512 and m["architecture"]["sliding_window"] == WINDOW
     else:
         assert "sliding_window" not in m["architecture"]
+    assert m["architecture"].get("alibi", False) is (CASES[case][0] == "bloom")  # chains only
 
 
 def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
@@ -451,6 +465,20 @@ def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
                 module.apply_rotary_pos_emb = saved
             assert np.abs(got - halves_logits).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
             continue
+        elif undo == "no_alibi":  # BLOOM without its position biases
+            from transformers.models.bloom import modeling_bloom
+
+            build = modeling_bloom.build_alibi_tensor
+            modeling_bloom.build_alibi_tensor = lambda *args, **kw: torch.zeros_like(build(*args, **kw))
+            try:
+                plain = _logits(_model(ckpt), ids)
+            finally:
+                modeling_bloom.build_alibi_tensor = build
+            assert np.abs(got - plain).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
+            continue
+        elif undo == "no_embed_norm":  # BLOOM's embeddings used as they are
+            other = _model(ckpt)
+            other.transformer.word_embeddings_layernorm = torch.nn.Identity()
         elif undo == "no_sinks":  # GPT-OSS's attention sinks at -inf: nothing joins the softmax
             other = _model(ckpt)
             with torch.no_grad():
@@ -510,13 +538,14 @@ def _greedy(model, prompt: list[int], total: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3", "starcoder2", "ministral", "gpt_oss", "cohere2"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "starcoder2", "ministral", "gpt_oss", "cohere2", "bloom"])
 def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory, case):
-    """Sliding windows in every path the runtime has: several requests at once (packed rows of
-    different lengths past the window, prefill and decode and verifies batched together), prefix-
-    cache hits longer than the window, and verification by chains: a tree's nodes would sit in the
-    cache past their real positions, where GroupQueryAttention's window would cut them wrong, so a
-    windowed model has no tree capability and refuses a tree call."""
+    """Sliding windows (and ALiBi: BLOOM) in every path the runtime has: several requests at once
+    (packed rows of different lengths past the window, prefill and decode and verifies batched
+    together), prefix-cache hits longer than the window, and verification by chains: a tree's
+    nodes would sit in the cache past their real positions, where GroupQueryAttention's window
+    would cut them wrong (and ALiBi's bias by cache slot would place them wrong), so such a model
+    has no tree capability and refuses a tree call."""
     from specdec_rt import Engine
     from specdec_rt.errors import InferenceError
     from specdec_rt.ort import OrtModel
@@ -551,7 +580,9 @@ def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory,
 
     m = OrtModel(folder, slots=1)
     try:
-        assert m.manifest.sliding_window == WINDOW and not m.caps.trees and m.ragged
+        alibi = CASES[case][0] == "bloom"
+        assert m.manifest.alibi is alibi and m.manifest.sliding_window == (0 if alibi else WINDOW)
+        assert not m.caps.trees and m.ragged
         s = m.start()
         s.run_sync(np.array(prompts[1], dtype=np.int64), 1, 0)
         with pytest.raises(InferenceError, match="cannot verify a tree"):
@@ -559,6 +590,36 @@ def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory,
         s.close()
     finally:
         m.close()
+
+
+def test_alibi_with_an_int4_draft_decodes_exactly(tmp_path_factory):
+    """BLOOM (residuals after the norms) with its int4 copy as the draft: the draft's graph adds
+    the same slopes' bias in front of MatMulNBits of 4 bits, and ``spec`` with it, several
+    requests at once, gives PyTorch's greedy tokens."""
+    from specdec_rt import Engine
+
+    _, ckpt = _export("bloom-normed-residual", tmp_path_factory)
+    folder = tmp_path_factory.mktemp("bloom-q4") / "onnx"
+    run(Request(src=str(ckpt), out=folder, draft_quant="int4", threads=1), Reporter(quiet=True))
+    m = read_manifest(folder)
+    assert m["drafts"] == [{"name": "q4", "path": "draft-q4"}]
+    assert read_manifest(folder / "draft-q4")["architecture"]["alibi"] is True
+    model = _model(ckpt)
+    rng = np.random.default_rng(29)
+    prompts = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in (7, 16)]
+    want = [_greedy(model, p, POSITIONS) for p in prompts]
+
+    async def main():
+        async with await Engine.load(folder, draft="q4", slots=2, warmup=False) as engine:
+            results = await asyncio.gather(
+                *[
+                    engine.generate(p, max_new_tokens=len(w), mode="spec", ignore_eos=True)
+                    for p, w in zip(prompts, want)
+                ]
+            )
+            return [r.token_ids for r in results]
+
+    assert asyncio.run(main()) == want
 
 
 def test_gemma3_window_covering_the_exported_context_keeps_the_local_rope_base(tmp_path):
@@ -637,7 +698,7 @@ def _refused(capsys, tmp_path, config: dict, *fragments: str) -> str:
         ({"model_type": "llava", "vision_config": {}, "text_config": {}}, "multimodal"),
         ({"model_type": "mamba", "state_size": 16}, "state-space layers"),
         ({"model_type": "some_new_thing", "moe_intermediate_size": 64}, "mixture of experts"),
-        ({"model_type": "bloom"}, "ALiBi position biases: not yet"),
+        ({"model_type": "mpt"}, "ALiBi position biases: not yet"),
         ({"model_type": "xglm"}, None),
     ],
 )
@@ -855,6 +916,12 @@ def test_moe_experts_run_as_one_op_and_drafts_quantize_them(tmp_path_factory, ca
         ("stablelm", {}, {"qk_norm": False, "qk_layer_norm": False}),
         ("cohere", {"use_qk_norm": True}, {"qk_norm": True, "qk_layer_norm": True}),
         ("cohere2", {"sliding_window": 24}, {"windows": (24, 24, 24, 0), "nope_layers": (3,)}),
+        (  # BLOOM's MLP is 4 x hidden whatever intermediate_size says; its GELU has no config key
+            "bloom",
+            {"apply_residual_connection_post_layernorm": True},
+            {"layout": "pre_normed", "alibi": True, "embed_norm": True, "intermediate_size": 128, "act": "gelu_tanh"},
+        ),
+        ("bloom", {}, {"layout": "pre", "alibi": True, "num_kv_heads": 4, "fused_qkv": "heads", "rotary_dim": 0}),
     ],
 )
 def test_spec_reads_the_family_variants(family, kw, want):
@@ -876,3 +943,15 @@ def test_spec_reads_the_family_variants(family, kw, want):
     )
     spec = ModelSpec.from_config(config)
     assert {key: getattr(spec, key) for key in want} == want
+
+
+@pytest.mark.parametrize("kw,want", [({}, 2048), ({"seq_length": 300}, 300), ({"max_position_embeddings": 96}, 96)])
+def test_bloom_context_from_its_config(kw, want):
+    """BLOOM's configs name no max_position_embeddings (ALiBi has no table): the context is its
+    seq_length where set, else its training context of 2048; --max-positions caps it."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("bloom", vocab_size=64, hidden_size=32, n_layer=2, n_head=4, **kw)
+    assert not kw or getattr(config, next(iter(kw))) == want
+    assert ModelSpec.from_config(config).max_positions == want
+    assert ModelSpec.from_config(config, max_positions=40).max_positions == 40
