@@ -668,6 +668,21 @@ def test_a_manifest_sliding_window_is_checked(tmp_path_factory, value):
         check_manifest(folder, raw)
 
 
+@pytest.mark.parametrize("value", ["true", 1, None])
+def test_a_manifest_alibi_flag_is_checked(tmp_path_factory, value):
+    """``architecture.alibi`` (which turns trees off) is true or false, or the folder is refused
+    naming it."""
+    from specdec_rt.errors import ModelLoadError
+    from specdec_rt.ort.manifest import check_manifest
+
+    folder, _ = _export("bloom", tmp_path_factory)
+    raw = json.loads((folder / "manifest.json").read_text())
+    assert check_manifest(folder, raw).alibi is True
+    raw["architecture"]["alibi"] = value
+    with pytest.raises(ModelLoadError, match="architecture.alibi"):
+        check_manifest(folder, raw)
+
+
 def _refused(capsys, tmp_path, config: dict, *fragments: str) -> str:
     """Export a folder holding only ``config.json``: it must fail on the config alone."""
     from export.cli import main
