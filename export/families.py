@@ -58,8 +58,9 @@ __all__ = [
 ]
 
 LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2", "post_ln", "pre_normed")
-# how a family places its tokens: rotary q and k, learned rows added to the embeddings, or ALiBi
-POSITIONS = ("rope", "learned", "alibi")
+# how a family places its tokens: rotary q and k, learned rows added to the embeddings, or ALiBi:
+# each head's slope x the key's position (BLOOM), or x its distance back from the last key (MPT)
+POSITIONS = ("rope", "learned", "alibi", "alibi_relative")
 # the norms of queries and keys before rotary: "" none; "head" RMSNorm of each head (Qwen3);
 # "full" RMSNorm of the whole projection (OLMo 2); "layer" LayerNorm of each head, its weight
 # (and bias) shared by the heads (Phi-2) or one a head (StableLM's, Cohere's)
@@ -105,7 +106,9 @@ class Family:
     norm: str = "rms"  # "rms" | "layer" (LayerNorm; its bias when the checkpoint has one)
     norm_offset: float = 0.0  # a norm multiplies by weight + offset (Gemma: 1)
     norm_weights: bool = True  # norms have a weight (OLMo 1's LayerNorm has neither weight nor bias)
-    clip_key: str = ""  # a config key: q, k and v clamped to +-it after their projection (OLMo's clip_qkv)
+    # a config key (a sub-config's: "attn_config.clip_qkv"): q, k and v clamped to +-it after their
+    # projection (OLMo's clip_qkv)
+    clip_key: str = ""
     eps_key: str = "rms_norm_eps"  # the config's norm epsilon
     layout: str = "pre"  # LAYOUTS
     parallel_key: str = ""  # a config flag that turns the layout to `parallel_layout` (when true)
@@ -123,6 +126,7 @@ class Family:
     windows: str = ""  # WINDOW_RULES
     embed_scale: str = ""  # "" | "sqrt_hidden" (Gemma) | a config key (Granite: embedding_multiplier)
     attn_scale: str = ""  # "" (1 / sqrt(head)) | "query_pre_attn_scalar" (^-0.5) | a config key (the scale)
+    attn_scale_default: bool = False  # attn_scale's key may be None: 1 / sqrt(head) (MPT's softmax_scale)
     residual_key: str = ""  # a config key: each branch times it before its residual add (Granite)
     logits_key: str = ""  # a config key: the logits divided by it (Granite's logits_scaling)
     logits_scale_key: str = ""  # a config key: the logits times it (Cohere's logit_scale)
@@ -135,7 +139,7 @@ class Family:
     require: tuple[str, ...] = ()  # config flags the graph needs true (OPT's do_layer_norm_before)
     # the checkpoint's tensor names as Llama's (substring replacements, in order)
     renames: tuple[tuple[str, str], ...] = ()
-    positions: str = "rope"  # POSITIONS: "rope" | "learned" (absolute position embeddings added to the input) | "alibi"
+    positions: str = "rope"  # POSITIONS: "rope" | "learned" (absolute position rows added to the input) | ALiBi
     position_offset: int = 0  # learned: the table's row of position p is p + offset (OPT: 2)
     kv_key: str = "num_key_value_heads"  # the config's KV heads ("": as many as heads)
     multi_query_key: str = ""  # a config flag for one KV head (GPTBigCode; its c_attn then holds q, k, v rows)
@@ -220,6 +224,16 @@ _BLOOM_NAMES = (
     (".self_attention.dense.", ".self_attn.o_proj."),
     (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
     (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
+)
+_MPT_NAMES = (
+    ("transformer.wte.", "model.embed_tokens."),
+    ("transformer.blocks.", "model.layers."),
+    ("transformer.norm_f.", "model.norm."),
+    (".norm_1.", ".input_layernorm."),
+    (".norm_2.", ".post_attention_layernorm."),
+    (".attn.Wqkv.", ".self_attn.qkv_proj."),
+    (".attn.out_proj.", ".self_attn.o_proj."),
+    (".ffn.", ".mlp."),
 )
 _NEOX_NAMES = (
     ("gpt_neox.embed_in.", "model.embed_tokens."),
@@ -587,6 +601,29 @@ FAMILY_TABLE: dict[str, Family] = {
             context_default=2048,  # its training context
             renames=_BLOOM_NAMES,
             variants=(Variant((("apply_residual_connection_post_layernorm", True),), (("layout", "pre_normed"),)),),
+        ),
+        # MPT as transformers builds it: ALiBi by the distance back from the last key (slopes
+        # with alibi_bias_max 8), LayerNorms without bias, q, k, v rows of Wqkv (clamped by
+        # attn_config.clip_qkv), its softmax_scale, the exact GELU in an MLP of 4 x hidden, no
+        # biases, a tied LM head (transformers ignores expansion_ratio, no_bias, qk_ln, logit_scale)
+        Family(
+            "mpt",
+            kv_key="",
+            norm="layer",
+            eps_key="layer_norm_epsilon",
+            gated=False,
+            acts=("gelu",),
+            act_keys=(),
+            act_default="gelu",
+            mlp_bias_key="",
+            fused_qkv="rows",
+            intermediate_key="",
+            clip_key="attn_config.clip_qkv",
+            attn_scale="attn_config.softmax_scale",
+            attn_scale_default=True,
+            positions="alibi_relative",
+            context_keys=("max_seq_len",),
+            renames=_MPT_NAMES,
         ),
     )
 }

@@ -351,10 +351,10 @@ def build_onnx(
         graph = _Graph(data, quant, spec.rms_eps)
         if spec.rotary_positions:
             _rotary_inits(graph, model, spec)
-        bias = _alibi_bias(graph, alibi_slopes(model, spec.num_heads)) if spec.alibi else "attention_bias"
+        graph.position_rows()  # [B, S] for attention, from the packed [1, N]
+        bias = _alibi_bias(graph, alibi_slopes(model, spec.num_heads), spec.alibi) if spec.alibi else "attention_bias"
         blocks = _Blocks(graph, sd, spec, attention_bias=bias)
         stream, res = blocks.embed(), None  # stream: the branch output to add; res: the running residual
-        graph.position_rows()  # [B, S] for attention, from the packed [1, N]
         for i in range(spec.num_layers):
             stream, res = blocks.layer(i, stream, res)
             if on_layer:
@@ -393,19 +393,26 @@ def _stack_head_norms(sd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _alibi_bias(graph: _Graph, slopes: Array) -> str:
-    """The attention bias every layer takes with ALiBi (BLOOM): the runtime's ``attention_bias``
+def _alibi_bias(graph: _Graph, slopes: Array, kind: str) -> str:
+    """The attention bias every layer takes with ALiBi: the runtime's ``attention_bias``
     ``[1, 1, S, T]`` (causal zeros or a mask) plus each head's slope times each key's cache slot
-    ``[1, H, 1, T]``, as ``[1, H, S, T]``: a slot is the key's position in a chain (the only
-    calls such a model takes). The products in float32, as transformers' ``build_alibi_tensor``."""
+    (``absolute``, BLOOM's: ``[1, H, 1, T]``), or times the slot less the query's position
+    (``relative``, MPT's: ``[B, H, S, T]``, at most 0, the same in a call of any length), summed
+    ``[1 or B, H, S, T]``. A slot is the key's position in a chain (the only calls such a model
+    takes). Float32 products of whole numbers, as transformers' ALiBi tensors."""
     shape = graph.node("Shape", ["attention_bias"], ["/alibi/bias_shape"], "/alibi/BiasShape")[0]
     last = graph.init("/alibi/last_axis", np.array(3, dtype=np.int64))
     total = graph.node("Gather", [shape, last], ["/alibi/total"], "/alibi/Total", axis=0)[0]  # scalar T
     zero, one = graph.init("/alibi/zero", np.array(0, np.int64)), graph.init("/alibi/one", np.array(1, np.int64))
     slots = graph.node("Range", [zero, total, one], ["/alibi/slots"], "/alibi/Slots")[0]  # [T]
     keys = graph.node("Cast", [slots], ["/alibi/keys"], "/alibi/Keys", to=TensorProto.FLOAT)[0]
+    if kind == "relative":  # key - query: [B, 1, S, T]
+        rows = graph.node("Cast", ["position_rows"], ["/alibi/queries"], "/alibi/Queries", to=TensorProto.FLOAT)[0]
+        axes = graph.init("/alibi/query_axes", np.array([1, 3], dtype=np.int64))
+        queries = graph.node("Unsqueeze", [rows, axes], ["/alibi/query_rows"], "/alibi/QueryRows")[0]  # [B, 1, S, 1]
+        keys = graph.node("Sub", [keys, queries], ["/alibi/distances"], "/alibi/Distances")[0]
     heads = graph.init("/alibi/slopes", slopes.astype(np.float32).reshape(1, -1, 1, 1))
-    per_head = graph.node("Mul", [heads, keys], ["/alibi/per_head"], "/alibi/Slopes")[0]  # [1, H, 1, T]
+    per_head = graph.node("Mul", [heads, keys], ["/alibi/per_head"], "/alibi/Slopes")[0]
     return graph.node("Add", ["attention_bias", per_head], ["/alibi/bias"], "/alibi/Bias")[0]
 
 

@@ -33,8 +33,6 @@ MIN_POSITIONS = 2  # a prompt token and one generated token
 NOT_YET = {
     "gemma3": "Gemma 3 with its vision tower: multimodal; its text model (gemma3_text) exports",
     "gemma3n": "Gemma 3n: not yet; multimodal",
-    # ALiBi as MPT computes it (its slopes, relative positions, options): not yet (docs/export.md)
-    "mpt": "ALiBi position biases: not yet",
 }
 # (what, model_type fragments, config.json keys): every kind a refused config shows is named
 _KINDS = (
@@ -141,9 +139,10 @@ class ModelSpec:
     moe_layers: tuple[int, ...] = ()  # the layers with experts (the others: a dense MLP)
     swiglu: tuple[float, ...] = ()  # the experts' clamped SwiGLU (alpha, beta, limit): GPT-OSS
     sinks: bool = False  # attention sinks: a learned logit per head in each softmax (GPT-OSS)
-    # ALiBi (BLOOM): no rotary; each head's slope x the key's cache slot added to its scores, so
-    # the model verifies chains only (a tree's nodes sit in slots past their positions)
-    alibi: bool = False
+    # ALiBi: no rotary; each head's slope x the key's cache slot ("absolute": BLOOM) or x the slot
+    # less the last one ("relative": MPT) added to its scores, so the model verifies chains only
+    # (a tree's nodes sit in slots past their positions); "": none
+    alibi: str = ""
     embed_norm: bool = False  # a LayerNorm of the embeddings (BLOOM's word_embeddings_layernorm)
 
     @property
@@ -230,7 +229,7 @@ def _positive_number(config: Any, key: str, value: Any = None) -> float:
     """``config.<key>`` as a float that is finite and > 0, else UnsupportedModelError naming it
     (a NaN or negative epsilon, a zero rotary base, would only fail deep inside ONNX Runtime or
     give garbage tables)."""
-    value = getattr(config, key, None) if value is None else value
+    value = _lookup(config, key) if value is None else value
     try:
         number = float(value)
     except (TypeError, ValueError, OverflowError):
@@ -238,6 +237,17 @@ def _positive_number(config: Any, key: str, value: Any = None) -> float:
     if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
         raise UnsupportedModelError(f"unsupported {key} {value!r}: need a finite number > 0")
     return number
+
+
+def _lookup(config: Any, key: str) -> Any:
+    """``config.<key>``, through sub-configs for a dotted key (MPT's ``attn_config.clip_qkv``:
+    an object or a dict); None where any part is missing."""
+    value = config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+        if value is None:
+            return None
+    return value
 
 
 def _family_row(config: Any) -> Family:
@@ -351,7 +361,7 @@ def _blocks(config: Any, fam: Family) -> dict[str, Any]:
         "renames": fam.renames,
         "embed_dim": _embed_dim(config, fam),
         "embed_norm": fam.embed_norm,
-        "alibi": fam.positions == "alibi",
+        "alibi": {"alibi": "absolute", "alibi_relative": "relative"}.get(fam.positions, ""),
     }
 
 
@@ -361,7 +371,7 @@ def _multipliers(config: Any, fam: Family) -> dict[str, Any]:
     scale = 0.0
     if fam.attn_scale == "query_pre_attn_scalar":
         scale = _positive_number(config, fam.attn_scale) ** -0.5
-    elif fam.attn_scale:
+    elif fam.attn_scale and not (fam.attn_scale_default and _lookup(config, fam.attn_scale) is None):
         scale = _positive_number(config, fam.attn_scale)
     embed_scale = 0.0
     if fam.embed_scale == "sqrt_hidden":
@@ -480,7 +490,7 @@ def _rotary_dim(config: Any, fam: Family, own: int) -> int:
 
 def _clip(config: Any, key: str) -> float:
     """OLMo's ``clip_qkv``: 0 when the family has none or it is unset (None), else a number > 0."""
-    value = getattr(config, key, None) if key else None
+    value = _lookup(config, key) if key else None
     return 0.0 if value is None else _positive_number(config, key, value)
 
 

@@ -276,6 +276,13 @@ CASES = {
         dict(SIX_HEADS, apply_residual_connection_post_layernorm=True),
         ("no_alibi", {"apply_residual_connection_post_layernorm": False}),
     ),
+    # ALiBi by the distance back to the key, q/k/v rows clamped, its own softmax_scale, LayerNorms
+    # without bias, the exact GELU, no biases
+    "mpt": (
+        "mpt",
+        dict(SIX_HEADS, attn_config={"clip_qkv": 0.3, "softmax_scale": 0.2}),
+        ("no_alibi", "no_clip", "default_scale"),
+    ),
     # mixtures of experts: 4 experts, top 2 (tests/tiny_models.py), routed per position
     "mixtral": ("mixtral", dict(layers=3), ({"num_experts_per_tok": 1},)),  # renormalised over the top k
     "qwen2_moe": (  # a shared expert behind a sigmoid gate; layer 1 a dense MLP (mlp_only_layers)
@@ -422,7 +429,7 @@ def test_manifest_and_validation(exported):
         assert m["architecture"]["max_positions"] == 512 and m["architecture"]["sliding_window"] == WINDOW
     else:
         assert "sliding_window" not in m["architecture"]
-    assert m["architecture"].get("alibi", False) is (CASES[case][0] == "bloom")  # chains only
+    assert m["architecture"].get("alibi", False) is (CASES[case][0] in ("bloom", "mpt"))  # chains only
 
 
 def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
@@ -465,17 +472,27 @@ def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
                 module.apply_rotary_pos_emb = saved
             assert np.abs(got - halves_logits).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
             continue
-        elif undo == "no_alibi":  # BLOOM without its position biases
-            from transformers.models.bloom import modeling_bloom
+        elif undo == "no_alibi":  # BLOOM or MPT without its position biases
+            import importlib
 
-            build = modeling_bloom.build_alibi_tensor
-            modeling_bloom.build_alibi_tensor = lambda *args, **kw: torch.zeros_like(build(*args, **kw))
+            family = CASES[case][0]
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+            name = "build_mpt_alibi_tensor" if family == "mpt" else "build_alibi_tensor"
+            build = getattr(module, name)
+            setattr(module, name, lambda *args, **kw: torch.zeros_like(build(*args, **kw)))
             try:
                 plain = _logits(_model(ckpt), ids)
             finally:
-                modeling_bloom.build_alibi_tensor = build
+                setattr(module, name, build)
             assert np.abs(got - plain).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
             continue
+        elif undo in ("no_clip", "default_scale"):  # MPT's q/k/v unclamped, or scaled by 1 / sqrt(head)
+            other = _model(ckpt)
+            for block in other.transformer.blocks:
+                if undo == "no_clip":
+                    block.attn.clip_qkv = None
+                else:
+                    block.attn.softmax_scale = block.attn.head_dim**-0.5
         elif undo == "no_embed_norm":  # BLOOM's embeddings used as they are
             other = _model(ckpt)
             other.transformer.word_embeddings_layernorm = torch.nn.Identity()
@@ -538,9 +555,9 @@ def _greedy(model, prompt: list[int], total: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3", "starcoder2", "ministral", "gpt_oss", "cohere2", "bloom"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "starcoder2", "ministral", "gpt_oss", "cohere2", "bloom", "mpt"])
 def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory, case):
-    """Sliding windows (and ALiBi: BLOOM) in every path the runtime has: several requests at once
+    """Sliding windows (and ALiBi: BLOOM, MPT) in every path the runtime has: several requests at once
     (packed rows of different lengths past the window, prefill and decode and verifies batched
     together), prefix-cache hits longer than the window, and verification by chains: a tree's
     nodes would sit in the cache past their real positions, where GroupQueryAttention's window
@@ -580,7 +597,7 @@ def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory,
 
     m = OrtModel(folder, slots=1)
     try:
-        alibi = CASES[case][0] == "bloom"
+        alibi = CASES[case][0] in ("bloom", "mpt")
         assert m.manifest.alibi is alibi and m.manifest.sliding_window == (0 if alibi else WINDOW)
         assert not m.caps.trees and m.ragged
         s = m.start()
@@ -713,7 +730,6 @@ def _refused(capsys, tmp_path, config: dict, *fragments: str) -> str:
         ({"model_type": "llava", "vision_config": {}, "text_config": {}}, "multimodal"),
         ({"model_type": "mamba", "state_size": 16}, "state-space layers"),
         ({"model_type": "some_new_thing", "moe_intermediate_size": 64}, "mixture of experts"),
-        ({"model_type": "mpt"}, "ALiBi position biases: not yet"),
         ({"model_type": "xglm"}, None),
     ],
 )
@@ -934,9 +950,21 @@ def test_moe_experts_run_as_one_op_and_drafts_quantize_them(tmp_path_factory, ca
         (  # BLOOM's MLP is 4 x hidden whatever intermediate_size says; its GELU has no config key
             "bloom",
             {"apply_residual_connection_post_layernorm": True},
-            {"layout": "pre_normed", "alibi": True, "embed_norm": True, "intermediate_size": 128, "act": "gelu_tanh"},
+            {
+                "layout": "pre_normed",
+                "alibi": "absolute",
+                "embed_norm": True,
+                "intermediate_size": 128,
+                "act": "gelu_tanh",
+            },
         ),
-        ("bloom", {}, {"layout": "pre", "alibi": True, "num_kv_heads": 4, "fused_qkv": "heads", "rotary_dim": 0}),
+        ("bloom", {}, {"layout": "pre", "alibi": "absolute", "num_kv_heads": 4, "fused_qkv": "heads", "rotary_dim": 0}),
+        (  # MPT as transformers builds it: 4 x hidden (not expansion_ratio), its options in attn_config
+            "mpt",
+            {"expansion_ratio": 2, "max_seq_len": 80, "attn_config": {"clip_qkv": 6.0, "softmax_scale": 0.5}},
+            {"alibi": "relative", "intermediate_size": 128, "clip_qkv": 6.0, "attn_scale": 0.5, "act": "gelu"},
+        ),
+        ("mpt", {}, {"alibi": "relative", "clip_qkv": 0.0, "attn_scale": 0.0, "fused_qkv": "rows", "layout": "pre"}),
     ],
 )
 def test_spec_reads_the_family_variants(family, kw, want):
