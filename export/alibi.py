@@ -4,8 +4,9 @@ ALiBi adds ``slope_h x position(key)`` to each head's attention scores, with no 
 position table: softmax is unchanged by a constant over a query's keys, so BLOOM's bias by the
 key's absolute position and MPT's by its distance back from the last key (``slope_h x (key -
 last)``, at most 0) both equal the paper's ``-slope_h x (query - key)``. The graph adds it to the
-attention bias the runtime feeds (``export.graph``), by cache slot: a slot is its position for a
-chain, not for a tree's nodes, so such a model verifies chains only.
+attention bias the runtime feeds (``export.graph``), by cache slot (MPT's: the slot less the
+query's position): a slot is its position for a chain, not for a tree's nodes, so such a model
+verifies chains only.
 """
 
 from __future__ import annotations

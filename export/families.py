@@ -59,7 +59,7 @@ __all__ = [
 
 LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2", "post_ln", "pre_normed")
 # how a family places its tokens: rotary q and k, learned rows added to the embeddings, or ALiBi:
-# each head's slope x the key's position (BLOOM), or x its distance back from the last key (MPT)
+# each head's slope x the key's position (BLOOM), or x its distance from the query (MPT)
 POSITIONS = ("rope", "learned", "alibi", "alibi_relative")
 # the norms of queries and keys before rotary: "" none; "head" RMSNorm of each head (Qwen3);
 # "full" RMSNorm of the whole projection (OLMo 2); "layer" LayerNorm of each head, its weight
@@ -602,8 +602,8 @@ FAMILY_TABLE: dict[str, Family] = {
             renames=_BLOOM_NAMES,
             variants=(Variant((("apply_residual_connection_post_layernorm", True),), (("layout", "pre_normed"),)),),
         ),
-        # MPT as transformers builds it: ALiBi by the distance back from the last key (slopes
-        # with alibi_bias_max 8), LayerNorms without bias, q, k, v rows of Wqkv (clamped by
+        # MPT as transformers builds it: ALiBi by the key's distance from the query (slopes with
+        # alibi_bias_max 8; transformers' from the last key: a constant per row apart), LayerNorms without bias, q, k, v rows of Wqkv (clamped by
         # attn_config.clip_qkv), its softmax_scale, the exact GELU in an MLP of 4 x hidden, no
         # biases, a tied LM head (transformers ignores expansion_ratio, no_bias, qk_ln, logit_scale)
         Family(

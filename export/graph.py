@@ -527,7 +527,7 @@ class _Blocks:
         window = spec.windows[i] if spec.windows else 0  # 0: every earlier position
         softcap = {"softcap": spec.attn_softcap} if spec.attn_softcap else {}
         ins = gqa_inputs(graph.unpack(qkv, f"{name}/attn"), i, rotary=rotary, local=i in spec.local_rope_layers)
-        ins[10] = self.attention_bias  # ALiBi: the runtime's bias plus the slopes' [1, H, S, T]
+        ins[10] = self.attention_bias  # ALiBi: the runtime's bias plus the slopes' [1 or B, H, S, T]
         if spec.sinks:  # GPT-OSS: exp(sink) of each head joins its softmax's denominator
             ins[11] = graph.init(f"{name}/attn/head_sink", _np(self.sd[att + "sinks"]))
         rows = graph.node(

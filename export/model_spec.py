@@ -140,7 +140,7 @@ class ModelSpec:
     swiglu: tuple[float, ...] = ()  # the experts' clamped SwiGLU (alpha, beta, limit): GPT-OSS
     sinks: bool = False  # attention sinks: a learned logit per head in each softmax (GPT-OSS)
     # ALiBi: no rotary; each head's slope x the key's cache slot ("absolute": BLOOM) or x the slot
-    # less the last one ("relative": MPT) added to its scores, so the model verifies chains only
+    # less the query's position ("relative": MPT) added to its scores, so the model verifies chains only
     # (a tree's nodes sit in slots past their positions); "": none
     alibi: str = ""
     embed_norm: bool = False  # a LayerNorm of the embeddings (BLOOM's word_embeddings_layernorm)
