@@ -39,6 +39,11 @@ global layer beside it sees all of them), so rollback and the prefix cache are u
 tree's nodes sit in the cache past their real positions, so a windowed model verifies chains
 (``architecture.sliding_window`` in the manifest tells the runtime).
 
+**ALiBi.** BLOOM and MPT have no rotary: every layer's GroupQueryAttention takes one bias, the
+runtime's ``attention_bias`` plus each head's slope times the key's cache slot (MPT: less the
+query's position), built once from the bias's width (``_alibi_bias``). A tree's nodes sit in the
+cache past their positions, so such a model verifies chains too (``architecture.alibi``).
+
 **Packed positions.** The new positions of all the rows of a call (B requests, N positions in
 all) come as one row: the MatMuls, which are nearly all the work, run on the N real positions;
 only attention sees them as B right-padded rows of S (``query_seqlens`` ``[B]`` tells it each
