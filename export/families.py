@@ -59,8 +59,9 @@ __all__ = [
 
 LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2", "post_ln", "pre_normed")
 # how a family places its tokens: rotary q and k, learned rows added to the embeddings, or ALiBi:
-# each head's slope x the key's position (BLOOM), or x its distance from the query (MPT)
-POSITIONS = ("rope", "learned", "alibi", "alibi_relative")
+# each head's slope x the key's position (BLOOM; in bfloat16, before the scale: Falcon-RW), or x
+# its distance from the query (MPT)
+POSITIONS = ("rope", "learned", "alibi", "alibi_relative", "alibi_bf16")
 # the norms of queries and keys before rotary: "" none; "head" RMSNorm of each head (Qwen3);
 # "full" RMSNorm of the whole projection (OLMo 2); "layer" LayerNorm of each head, its weight
 # (and bias) shared by the heads (Phi-2) or one a head (StableLM's, Cohere's)
@@ -425,7 +426,8 @@ FAMILY_TABLE: dict[str, Family] = {
         # Falcon (7B layout): multi-query, attention and MLP side by side on one LayerNorm
         # (parallel_attn); new_decoder_architecture (40B, 180B): num_kv_heads, each group's q heads,
         # k and v in turn, attention on ln_attn and the MLP on ln_mlp (one input_layernorm when
-        # num_ln_in_parallel_attn is 1: Falcon 2); ALiBi refused
+        # num_ln_in_parallel_attn is 1: Falcon 2); alibi (Falcon-RW): BLOOM's biases rounded to
+        # bfloat16, added before the scale
         Family(
             "falcon",
             kv_key="",
@@ -439,7 +441,6 @@ FAMILY_TABLE: dict[str, Family] = {
             fused_qkv="heads",
             multi_query_key="multi_query",
             intermediate_key="ffn_hidden_size",
-            refuse=("alibi",),
             renames=(
                 ("transformer.word_embeddings.", "model.embed_tokens."),
                 (".ln_attn.", ".input_layernorm."),
@@ -465,6 +466,7 @@ FAMILY_TABLE: dict[str, Family] = {
                 Variant(
                     (("new_decoder_architecture", True), ("num_ln_in_parallel_attn", 1)), (("layout", "parallel"),)
                 ),
+                Variant((("alibi", True),), (("positions", "alibi_bf16"),)),
             ),
         ),
         # Cohere (Command R): LayerNorm without bias, attention and MLP on one norm, interleaved

@@ -357,7 +357,7 @@ def build_onnx(
         if spec.rotary_positions:
             _rotary_inits(graph, model, spec)
         graph.position_rows()  # [B, S] for attention, from the packed [1, N]
-        bias = _alibi_bias(graph, alibi_slopes(model, spec.num_heads), spec.alibi) if spec.alibi else "attention_bias"
+        bias = _alibi_bias(graph, alibi_slopes(model, spec.num_heads), spec) if spec.alibi else "attention_bias"
         blocks = _Blocks(graph, sd, spec, attention_bias=bias)
         stream, res = blocks.embed(), None  # stream: the branch output to add; res: the running residual
         for i in range(spec.num_layers):
@@ -398,27 +398,50 @@ def _stack_head_norms(sd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _alibi_bias(graph: _Graph, slopes: Array, kind: str) -> str:
+def _alibi_bias(graph: _Graph, slopes: Array, spec: ModelSpec) -> str:
     """The attention bias every layer takes with ALiBi: the runtime's ``attention_bias``
     ``[1, 1, S, T]`` (causal zeros or a mask) plus each head's slope times each key's cache slot
-    (``absolute``, BLOOM's: ``[1, H, 1, T]``), or times the slot less the query's position
-    (``relative``, MPT's: ``[B, H, S, T]``, at most 0, the same in a call of any length), summed
-    ``[1 or B, H, S, T]``. A slot is the key's position in a chain (the only calls such a model
-    takes). Float32 products of whole numbers, as transformers' ALiBi tensors."""
+    (``absolute``, BLOOM's: ``[1, H, 1, T]``; ``bfloat16``, Falcon-RW's: the slots, the slopes and
+    their products rounded to bfloat16, then times attention's scale, as transformers adds them
+    before it), or times the slot less the query's position (``relative``, MPT's: ``[B, H, S, T]``,
+    at most 0, the same in a call of any length), summed ``[1 or B, H, S, T]``. A slot is the
+    key's position in a chain (the only calls such a model takes). Float32 products of whole
+    numbers, as transformers' ALiBi tensors."""
+    keys = _alibi_keys(graph, spec.alibi)
+    heads = graph.init("/alibi/slopes", slopes.astype(np.float32).reshape(1, -1, 1, 1))
+    per_head = graph.node("Mul", [heads, keys], ["/alibi/per_head"], "/alibi/Slopes")[0]
+    if spec.alibi == "bfloat16":
+        per_head = _bfloat16(graph, per_head, "/alibi/per_head")
+        scale = spec.attn_scale or 1.0 / math.sqrt(spec.own_head_dim)
+        factor = graph.init("/alibi/scale", np.array(scale, dtype=np.float32))
+        per_head = graph.node("Mul", [per_head, factor], ["/alibi/scaled"], "/alibi/Scale")[0]
+    return graph.node("Add", ["attention_bias", per_head], ["/alibi/bias"], "/alibi/Bias")[0]
+
+
+def _alibi_keys(graph: _Graph, kind: str) -> str:
+    """Each key's cache slot 0 .. T - 1 as float32 ``[T]`` (T: the width of the runtime's
+    ``attention_bias``), rounded to bfloat16 (``bfloat16``), or less each query's position
+    (``relative``: ``[B, 1, S, T]``, from ``position_rows``)."""
     shape = graph.node("Shape", ["attention_bias"], ["/alibi/bias_shape"], "/alibi/BiasShape")[0]
     last = graph.init("/alibi/last_axis", np.array(3, dtype=np.int64))
     total = graph.node("Gather", [shape, last], ["/alibi/total"], "/alibi/Total", axis=0)[0]  # scalar T
     zero, one = graph.init("/alibi/zero", np.array(0, np.int64)), graph.init("/alibi/one", np.array(1, np.int64))
     slots = graph.node("Range", [zero, total, one], ["/alibi/slots"], "/alibi/Slots")[0]  # [T]
     keys = graph.node("Cast", [slots], ["/alibi/keys"], "/alibi/Keys", to=TensorProto.FLOAT)[0]
-    if kind == "relative":  # key - query: [B, 1, S, T]
-        rows = graph.node("Cast", ["position_rows"], ["/alibi/queries"], "/alibi/Queries", to=TensorProto.FLOAT)[0]
-        axes = graph.init("/alibi/query_axes", np.array([1, 3], dtype=np.int64))
-        queries = graph.node("Unsqueeze", [rows, axes], ["/alibi/query_rows"], "/alibi/QueryRows")[0]  # [B, 1, S, 1]
-        keys = graph.node("Sub", [keys, queries], ["/alibi/distances"], "/alibi/Distances")[0]
-    heads = graph.init("/alibi/slopes", slopes.astype(np.float32).reshape(1, -1, 1, 1))
-    per_head = graph.node("Mul", [heads, keys], ["/alibi/per_head"], "/alibi/Slopes")[0]
-    return graph.node("Add", ["attention_bias", per_head], ["/alibi/bias"], "/alibi/Bias")[0]
+    if kind == "bfloat16":
+        return _bfloat16(graph, keys, "/alibi/keys")
+    if kind != "relative":
+        return keys
+    rows = graph.node("Cast", ["position_rows"], ["/alibi/queries"], "/alibi/Queries", to=TensorProto.FLOAT)[0]
+    axes = graph.init("/alibi/query_axes", np.array([1, 3], dtype=np.int64))
+    queries = graph.node("Unsqueeze", [rows, axes], ["/alibi/query_rows"], "/alibi/QueryRows")[0]  # [B, 1, S, 1]
+    return graph.node("Sub", [keys, queries], ["/alibi/distances"], "/alibi/Distances")[0]
+
+
+def _bfloat16(graph: _Graph, x: str, name: str) -> str:
+    """``x`` (float32) rounded to bfloat16 and back."""
+    rounded = graph.node("Cast", [x], [f"{name}_bf16"], f"{name}/ToBfloat16", to=TensorProto.BFLOAT16)[0]
+    return graph.node("Cast", [rounded], [f"{name}_rounded"], f"{name}/FromBfloat16", to=TensorProto.FLOAT)[0]
 
 
 def _rotary_inits(graph: _Graph, model: Any, spec: ModelSpec) -> None:

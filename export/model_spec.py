@@ -139,8 +139,9 @@ class ModelSpec:
     moe_layers: tuple[int, ...] = ()  # the layers with experts (the others: a dense MLP)
     swiglu: tuple[float, ...] = ()  # the experts' clamped SwiGLU (alpha, beta, limit): GPT-OSS
     sinks: bool = False  # attention sinks: a learned logit per head in each softmax (GPT-OSS)
-    # ALiBi: no rotary; each head's slope x the key's cache slot ("absolute": BLOOM) or x the slot
-    # less the query's position ("relative": MPT) added to its scores, so the model verifies chains only
+    # ALiBi: no rotary; each head's slope x the key's cache slot ("absolute": BLOOM; "bfloat16":
+    # rounded as Falcon-RW's, before the scale) or x the slot less the query's position
+    # ("relative": MPT) added to its scores, so the model verifies chains only
     # (a tree's nodes sit in slots past their positions); "": none
     alibi: str = ""
     embed_norm: bool = False  # a LayerNorm of the embeddings (BLOOM's word_embeddings_layernorm)
@@ -361,7 +362,7 @@ def _blocks(config: Any, fam: Family) -> dict[str, Any]:
         "renames": fam.renames,
         "embed_dim": _embed_dim(config, fam),
         "embed_norm": fam.embed_norm,
-        "alibi": {"alibi": "absolute", "alibi_relative": "relative"}.get(fam.positions, ""),
+        "alibi": {"alibi": "absolute", "alibi_relative": "relative", "alibi_bf16": "bfloat16"}.get(fam.positions, ""),
     }
 
 

@@ -5,9 +5,9 @@ sliding window on every other layer) and Gemma 3 (q/k norms, a local rotary base
 layers, a scaled global one), with windows of 8 positions, far shorter than prompt + answer, and
 Llama 3's rope scaling beside them, and the options that change a family's blocks (OPT-350M's
 projected embeddings and post-norm layers, the q/k LayerNorms of StableLM, Phi-2 and Cohere,
-Falcon-40B's grouped q/k/v and Falcon 2's single norm), Cohere 2 and BLOOM (ALiBi, both ways of
-taking its residuals) on 3 layers of hidden 96 over 6 heads (2 KV heads). Each is a tiny
-random checkpoint built here from a transformers config (seeded, no download), exported with
+Falcon-40B's grouped q/k/v and Falcon 2's single norm), Cohere 2 and the ALiBi models (BLOOM,
+both ways of taking its residuals; MPT; Falcon-RW) on 3 layers of hidden 96 over 6 heads (2 KV
+heads). Each is a tiny random checkpoint built here from a transformers config (seeded, no download), exported with
 its int8 quantized copy as the draft, then:
 
 - its logits over 48 positions (prefill, a decode, a rejected verify, chunks on the cache) equal
@@ -17,7 +17,7 @@ its int8 quantized copy as the draft, then:
 - greedy decoding through the Engine, ``ar`` and ``spec`` (the q8 draft, n-gram lookup), equals
   PyTorch's greedy tokens over a prompt and answer of 48 positions.
 
-A windowed family (and BLOOM's ALiBi) also runs packed batches of concurrent requests,
+A windowed family (and an ALiBi one) also runs packed batches of concurrent requests,
 prefix-cache hits past the window, and verifies chains only (no trees: see
 ``specdec_rt.ort.model``); BLOOM decodes exactly with an int4 draft too.
 
@@ -276,6 +276,12 @@ CASES = {
         dict(SIX_HEADS, apply_residual_connection_post_layernorm=True),
         ("no_alibi", {"apply_residual_connection_post_layernorm": False}),
     ),
+    # Falcon-RW: BLOOM's ALiBi rounded to bfloat16 and added before the scale, q, k, v per head, biases
+    "falcon-rw": (
+        "falcon",
+        dict(SIX_HEADS, multi_query=False, parallel_attn=False, bias=True, alibi=True),
+        ("no_alibi", {"activation": "relu"}),
+    ),
     # ALiBi by the distance back to the key, q/k/v rows clamped, its own softmax_scale, LayerNorms
     # without bias, the exact GELU, no biases
     "mpt": (
@@ -315,6 +321,12 @@ CASES = {
     ),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
+
+
+def _alibi(case: str) -> bool:
+    """Whether a case's model has ALiBi position biases (BLOOM, MPT, Falcon-RW)."""
+    family, options, _ = CASES[case]
+    return family in ("bloom", "mpt") or bool(options.get("alibi"))
 
 
 def _scale_experts(ckpt: Path) -> None:
@@ -386,10 +398,10 @@ def _model(ckpt: Path, **config):
     cfg = AutoConfig.from_pretrained(ckpt)
     for key, value in config.items():
         setattr(cfg, key, value)
-    # eager: transformers' SDPA path leaves out Gemma 2's attention soft-capping
-    return AutoModelForCausalLM.from_pretrained(
-        ckpt, config=cfg, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    # eager: transformers' SDPA path leaves out Gemma 2's attention soft-capping; but Falcon-RW's
+    # eager path adds ALiBi twice (its causal mask carries it too): SDPA adds it once, as trained
+    attn = "sdpa" if cfg.model_type == "falcon" and getattr(cfg, "alibi", False) else "eager"
+    return AutoModelForCausalLM.from_pretrained(ckpt, config=cfg, dtype=torch.float32, attn_implementation=attn).eval()
 
 
 def _logits(model, ids: np.ndarray) -> np.ndarray:
@@ -429,7 +441,7 @@ def test_manifest_and_validation(exported):
         assert m["architecture"]["max_positions"] == 512 and m["architecture"]["sliding_window"] == WINDOW
     else:
         assert "sliding_window" not in m["architecture"]
-    assert m["architecture"].get("alibi", False) is (CASES[case][0] in ("bloom", "mpt"))  # chains only
+    assert m["architecture"].get("alibi", False) is _alibi(case)  # chains only
 
 
 def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
@@ -472,7 +484,7 @@ def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
                 module.apply_rotary_pos_emb = saved
             assert np.abs(got - halves_logits).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
             continue
-        elif undo == "no_alibi":  # BLOOM or MPT without its position biases
+        elif undo == "no_alibi":  # BLOOM, MPT or Falcon-RW without its position biases
             import importlib
 
             family = CASES[case][0]
@@ -555,7 +567,9 @@ def _greedy(model, prompt: list[int], total: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3", "starcoder2", "ministral", "gpt_oss", "cohere2", "bloom", "mpt"])
+@pytest.mark.parametrize(
+    "case", ["gemma2", "gemma3", "starcoder2", "ministral", "gpt_oss", "cohere2", "bloom", "mpt", "falcon-rw"]
+)
 def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory, case):
     """Sliding windows (and ALiBi: BLOOM, MPT) in every path the runtime has: several requests at once
     (packed rows of different lengths past the window, prefill and decode and verifies batched
@@ -597,7 +611,7 @@ def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory,
 
     m = OrtModel(folder, slots=1)
     try:
-        alibi = CASES[case][0] in ("bloom", "mpt")
+        alibi = _alibi(case)
         assert m.manifest.alibi is alibi and m.manifest.sliding_window == (0 if alibi else WINDOW)
         assert not m.caps.trees and m.ragged
         s = m.start()
@@ -782,7 +796,6 @@ def test_a_gemma3_gguf_without_its_numbers_fails_naming_the_key(capsys, tmp_path
         ("gemma2", {"layer_types": ["sliding_attention"]}, "unsupported layer_types ['sliding_attention']"),
         ("gemma3_text", {"use_bidirectional_attention": True}, "unsupported option use_bidirectional_attention"),
         ("gemma3_text", {"rope_local_base_freq": 0.0}, "unsupported rope_local_base_freq 0.0"),
-        ("falcon", {"alibi": True}, "unsupported option alibi=True"),
         (  # transformers builds ln_attn / ln_mlp only for parallel layers
             "falcon",
             {"new_decoder_architecture": True, "parallel_attn": False},
@@ -941,6 +954,7 @@ def test_moe_experts_run_as_one_op_and_drafts_quantize_them(tmp_path_factory, ca
             {"num_kv_heads": 2, "layout": "parallel", "fused_qkv": "heads"},
         ),
         ("falcon", {"multi_query": True}, {"num_kv_heads": 1, "layout": "parallel", "fused_qkv": "rows"}),
+        ("falcon", {"alibi": True, "parallel_attn": False}, {"alibi": "bfloat16", "layout": "pre", "rotary_dim": 0}),
         ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 16}, {"layout": "post_ln", "embed_dim": 16}),
         ("opt", {"word_embed_proj_dim": 32}, {"layout": "pre", "embed_dim": 0}),  # as wide as hidden: no projection
         ("stablelm", {"qk_layernorm": True}, {"qk_norm": True, "qk_layer_norm": True}),
