@@ -13,7 +13,8 @@ Building blocks:
   ``sandwich`` (Gemma 2 / 3: a norm after attention's and the MLP's output too), ``post``
   (OLMo 2: no norm before attention or the MLP, one after each), ``parallel`` (Phi-2: attention
   and the MLP read the same normed input, both added to the residual), ``parallel2`` (GPT-NeoX:
-  each reads its own norm of the same input);
+  each reads its own norm of the same input), ``pre_normed`` (BLOOM's
+  ``apply_residual_connection_post_layernorm``: Llama's, each residual taken after its norm);
 - MLPs gated (``act(gate) * up``) or plain (``act(up)``), biases on any projection, activations
   ``ACTIVATIONS``;
 - attention: q/k norms per head (Qwen3; LayerNorm: StableLM, Phi-2, Cohere) or over the whole
@@ -34,7 +35,10 @@ Building blocks:
 - multi-head latent attention (``latent``: DeepSeek-V3's low-rank q and kv projections, ``export.mla``);
 - multipliers: the embeddings (x sqrt(hidden): Gemma; ``embedding_multiplier``: Granite), each
   branch before its residual add (``residual_multiplier``), the logits (/ ``logits_scaling``);
-- embeddings narrower than the layers, projected in and out (OPT-350M's ``word_embed_proj_dim``).
+- embeddings narrower than the layers, projected in and out (OPT-350M's ``word_embed_proj_dim``),
+  or normed (BLOOM's ``word_embeddings_layernorm``);
+- positions: rotary, learned absolute rows added to the embeddings, or ALiBi (each head's slope
+  times the key's position added to its scores; such a model verifies chains only).
 
 A config option that turns a family into another combination of blocks is a ``Variant`` of its
 row (Falcon's ``new_decoder_architecture``, OPT's ``do_layer_norm_before``, StableLM's
@@ -46,9 +50,23 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["Family", "Variant", "FAMILY_TABLE", "LAYOUTS", "ACTIVATIONS", "WINDOW_RULES", "ROUTERS", "QK_NORMS"]
+__all__ = [
+    "Family",
+    "Variant",
+    "FAMILY_TABLE",
+    "LAYOUTS",
+    "POSITIONS",
+    "ACTIVATIONS",
+    "WINDOW_RULES",
+    "ROUTERS",
+    "QK_NORMS",
+]
 
-LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2", "post_ln")
+LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2", "post_ln", "pre_normed")
+# how a family places its tokens: rotary q and k, learned rows added to the embeddings, or ALiBi:
+# each head's slope x the key's position (BLOOM; in bfloat16, before the scale: Falcon-RW), or x
+# its distance from the query (MPT)
+POSITIONS = ("rope", "learned", "alibi", "alibi_relative", "alibi_bf16")
 # the norms of queries and keys before rotary: "" none; "head" RMSNorm of each head (Qwen3);
 # "full" RMSNorm of the whole projection (OLMo 2); "layer" LayerNorm of each head, its weight
 # (and bias) shared by the heads (Phi-2) or one a head (StableLM's, Cohere's)
@@ -98,7 +116,9 @@ class Family:
     norm: str = "rms"  # "rms" | "layer" (LayerNorm; its bias when the checkpoint has one)
     norm_offset: float = 0.0  # a norm multiplies by weight + offset (Gemma: 1)
     norm_weights: bool = True  # norms have a weight (OLMo 1's LayerNorm has neither weight nor bias)
-    clip_key: str = ""  # a config key: q, k and v clamped to +-it after their projection (OLMo's clip_qkv)
+    # a config key (a sub-config's: "attn_config.clip_qkv"): q, k and v clamped to +-it after their
+    # projection (OLMo's clip_qkv)
+    clip_key: str = ""
     eps_key: str = "rms_norm_eps"  # the config's norm epsilon
     layout: str = "pre"  # LAYOUTS
     parallel_key: str = ""  # a config flag that turns the layout to `parallel_layout` (when true)
@@ -106,6 +126,7 @@ class Family:
     gated: bool = True  # the MLP: act(gate) * up, else act(up)
     acts: tuple[str, ...] = ("silu", "swish")  # the activations accepted (ACTIVATIONS keys)
     act_keys: tuple[str, ...] = ("hidden_act",)  # the config keys naming it, first set one wins
+    act_default: str = ""  # the activation when no act_keys is set (BLOOM has no key: its tanh GELU)
     mlp_bias_key: str = "mlp_bias"  # a config flag for MLP biases ("*": always; "": never)
     qk_norm: str = ""  # QK_NORMS
     rotary_key: str = ""  # the config's fraction of each head that turns (partial rotary)
@@ -115,6 +136,7 @@ class Family:
     windows: str = ""  # WINDOW_RULES
     embed_scale: str = ""  # "" | "sqrt_hidden" (Gemma) | a config key (Granite: embedding_multiplier)
     attn_scale: str = ""  # "" (1 / sqrt(head)) | "query_pre_attn_scalar" (^-0.5) | a config key (the scale)
+    attn_scale_default: bool = False  # attn_scale's key may be None: 1 / sqrt(head) (MPT's softmax_scale)
     residual_key: str = ""  # a config key: each branch times it before its residual add (Granite)
     logits_key: str = ""  # a config key: the logits divided by it (Granite's logits_scaling)
     logits_scale_key: str = ""  # a config key: the logits times it (Cohere's logit_scale)
@@ -127,7 +149,7 @@ class Family:
     require: tuple[str, ...] = ()  # config flags the graph needs true (OPT's do_layer_norm_before)
     # the checkpoint's tensor names as Llama's (substring replacements, in order)
     renames: tuple[tuple[str, str], ...] = ()
-    positions: str = "rope"  # "rope" | "learned" (absolute position embeddings added to the input)
+    positions: str = "rope"  # POSITIONS: "rope" | "learned" (absolute position rows added to the input) | ALiBi
     position_offset: int = 0  # learned: the table's row of position p is p + offset (OPT: 2)
     kv_key: str = "num_key_value_heads"  # the config's KV heads ("": as many as heads)
     multi_query_key: str = ""  # a config flag for one KV head (GPTBigCode; its c_attn then holds q, k, v rows)
@@ -153,6 +175,10 @@ class Family:
     sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS's attention sinks)
     latent: bool = False  # multi-head latent attention: q, k, v from low-rank projections (DeepSeek, export.mla)
     embed_proj_key: str = ""  # a config key: the embeddings' width, projected in and out when not hidden (OPT)
+    embed_norm: bool = False  # a LayerNorm of the embeddings (BLOOM's word_embeddings_layernorm)
+    # the config keys of the context, first set one wins; else context_default (ALiBi has no table)
+    context_keys: tuple[str, ...] = ("max_position_embeddings",)
+    context_default: int = 0
     variants: tuple[Variant, ...] = ()  # the row as a config option changes it, applied in order
 
     def for_config(self, config: object) -> Family:
@@ -206,6 +232,26 @@ _GPT2_NAMES = (  # GPT-2 and GPTBigCode
     (".attn.c_proj.", ".self_attn.o_proj."),
     (".mlp.c_fc.", ".mlp.up_proj."),
     (".mlp.c_proj.", ".mlp.down_proj."),
+)
+_BLOOM_NAMES = (
+    ("transformer.word_embeddings_layernorm.", "model.embed_norm."),
+    ("transformer.word_embeddings.", "model.embed_tokens."),
+    ("transformer.h.", "model.layers."),
+    ("transformer.ln_f.", "model.norm."),
+    (".self_attention.query_key_value.", ".self_attn.qkv_proj."),
+    (".self_attention.dense.", ".self_attn.o_proj."),
+    (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
+    (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
+)
+_MPT_NAMES = (
+    ("transformer.wte.", "model.embed_tokens."),
+    ("transformer.blocks.", "model.layers."),
+    ("transformer.norm_f.", "model.norm."),
+    (".norm_1.", ".input_layernorm."),
+    (".norm_2.", ".post_attention_layernorm."),
+    (".attn.Wqkv.", ".self_attn.qkv_proj."),
+    (".attn.out_proj.", ".self_attn.o_proj."),
+    (".ffn.", ".mlp."),
 )
 _NEOX_NAMES = (
     ("gpt_neox.embed_in.", "model.embed_tokens."),
@@ -397,7 +443,8 @@ FAMILY_TABLE: dict[str, Family] = {
         # Falcon (7B layout): multi-query, attention and MLP side by side on one LayerNorm
         # (parallel_attn); new_decoder_architecture (40B, 180B): num_kv_heads, each group's q heads,
         # k and v in turn, attention on ln_attn and the MLP on ln_mlp (one input_layernorm when
-        # num_ln_in_parallel_attn is 1: Falcon 2); ALiBi refused
+        # num_ln_in_parallel_attn is 1: Falcon 2); alibi (Falcon-RW): BLOOM's biases rounded to
+        # bfloat16, added before the scale
         Family(
             "falcon",
             kv_key="",
@@ -411,7 +458,6 @@ FAMILY_TABLE: dict[str, Family] = {
             fused_qkv="heads",
             multi_query_key="multi_query",
             intermediate_key="ffn_hidden_size",
-            refuse=("alibi",),
             renames=(
                 ("transformer.word_embeddings.", "model.embed_tokens."),
                 (".ln_attn.", ".input_layernorm."),
@@ -437,6 +483,7 @@ FAMILY_TABLE: dict[str, Family] = {
                 Variant(
                     (("new_decoder_architecture", True), ("num_ln_in_parallel_attn", 1)), (("layout", "parallel"),)
                 ),
+                Variant((("alibi", True),), (("positions", "alibi_bf16"),)),
             ),
         ),
         # Cohere (Command R): LayerNorm without bias, attention and MLP on one norm, interleaved
@@ -578,6 +625,51 @@ FAMILY_TABLE: dict[str, Family] = {
             rotary_key="rotary_pct",
             fused_qkv="heads",
             renames=_NEOX_NAMES,
+        ),
+        # BLOOM: ALiBi, a LayerNorm of the embeddings, q/k/v fused per head, LayerNorms and biases
+        # everywhere, its tanh GELU (no config key), an MLP of 4 x hidden, a tied LM head; the
+        # residuals taken after the norms with apply_residual_connection_post_layernorm
+        Family(
+            "bloom",
+            kv_key="",
+            norm="layer",
+            eps_key="layer_norm_epsilon",
+            gated=False,
+            acts=("gelu_pytorch_tanh",),
+            act_keys=(),
+            act_default="gelu_pytorch_tanh",
+            mlp_bias_key="*",
+            fused_qkv="heads",
+            intermediate_key="",
+            positions="alibi",
+            embed_norm=True,
+            context_keys=("max_position_embeddings", "seq_length"),
+            context_default=2048,  # its training context
+            renames=_BLOOM_NAMES,
+            variants=(Variant((("apply_residual_connection_post_layernorm", True),), (("layout", "pre_normed"),)),),
+        ),
+        # MPT as transformers builds it: ALiBi by the key's distance from the query (slopes with
+        # alibi_bias_max 8; transformers' from the last key: a constant per row apart), LayerNorms without bias, q, k, v rows of Wqkv (clamped by
+        # attn_config.clip_qkv), its softmax_scale, the exact GELU in an MLP of 4 x hidden, no
+        # biases, a tied LM head (transformers ignores expansion_ratio, no_bias, qk_ln, logit_scale)
+        Family(
+            "mpt",
+            kv_key="",
+            norm="layer",
+            eps_key="layer_norm_epsilon",
+            gated=False,
+            acts=("gelu",),
+            act_keys=(),
+            act_default="gelu",
+            mlp_bias_key="",
+            fused_qkv="rows",
+            intermediate_key="",
+            clip_key="attn_config.clip_qkv",
+            attn_scale="attn_config.softmax_scale",
+            attn_scale_default=True,
+            positions="alibi_relative",
+            context_keys=("max_seq_len",),
+            renames=_MPT_NAMES,
         ),
     )
 }

@@ -39,6 +39,11 @@ global layer beside it sees all of them), so rollback and the prefix cache are u
 tree's nodes sit in the cache past their real positions, so a windowed model verifies chains
 (``architecture.sliding_window`` in the manifest tells the runtime).
 
+**ALiBi.** BLOOM and MPT have no rotary: every layer's GroupQueryAttention takes one bias, the
+runtime's ``attention_bias`` plus each head's slope times the key's cache slot (MPT: less the
+query's position), built once from the bias's width (``_alibi_bias``). A tree's nodes sit in the
+cache past their positions, so such a model verifies chains too (``architecture.alibi``).
+
 **Packed positions.** The new positions of all the rows of a call (B requests, N positions in
 all) come as one row: the MatMuls, which are nearly all the work, run on the N real positions;
 only attention sees them as B right-padded rows of S (``query_seqlens`` ``[B]`` tells it each
@@ -67,6 +72,7 @@ from onnx import TensorProto, helper
 
 from specdec_rt.manifest_schema import IO_NAMES, PACKED_ROLES, TREE_ROLES  # the names the manifest gives
 
+from .alibi import alibi_slopes
 from .embedding import EMBED_TABLE, quantize_embedding
 from .errors import UnsupportedModelError
 from .grid import find_grid
@@ -349,11 +355,12 @@ def build_onnx(
     out_dir = Path(out_dir)
     with ExternalDataWriter(out_dir / "model.onnx.data") as data:
         graph = _Graph(data, quant, spec.rms_eps)
-        blocks = _Blocks(graph, sd, spec)
-        if not spec.learned_positions:
+        if spec.rotary_positions:
             _rotary_inits(graph, model, spec)
-        stream, res = blocks.embed(), None  # stream: the branch output to add; res: the running residual
         graph.position_rows()  # [B, S] for attention, from the packed [1, N]
+        bias = _alibi_bias(graph, alibi_slopes(model, spec.num_heads), spec) if spec.alibi else "attention_bias"
+        blocks = _Blocks(graph, sd, spec, attention_bias=bias)
+        stream, res = blocks.embed(), None  # stream: the branch output to add; res: the running residual
         for i in range(spec.num_layers):
             stream, res = blocks.layer(i, stream, res)
             if on_layer:
@@ -392,6 +399,52 @@ def _stack_head_norms(sd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _alibi_bias(graph: _Graph, slopes: Array, spec: ModelSpec) -> str:
+    """The attention bias every layer takes with ALiBi: the runtime's ``attention_bias``
+    ``[1, 1, S, T]`` (causal zeros or a mask) plus each head's slope times each key's cache slot
+    (``absolute``, BLOOM's: ``[1, H, 1, T]``; ``bfloat16``, Falcon-RW's: the slots, the slopes and
+    their products rounded to bfloat16, then times attention's scale, as transformers adds them
+    before it), or times the slot less the query's position (``relative``, MPT's: ``[B, H, S, T]``,
+    at most 0, the same in a call of any length), summed ``[1 or B, H, S, T]``. A slot is the
+    key's position in a chain (the only calls such a model takes). Float32 products of whole
+    numbers, as transformers' ALiBi tensors."""
+    keys = _alibi_keys(graph, spec.alibi)
+    heads = graph.init("/alibi/slopes", slopes.astype(np.float32).reshape(1, -1, 1, 1))
+    per_head = graph.node("Mul", [heads, keys], ["/alibi/per_head"], "/alibi/Slopes")[0]
+    if spec.alibi == "bfloat16":
+        per_head = _bfloat16(graph, per_head, "/alibi/per_head")
+        scale = spec.attn_scale or 1.0 / math.sqrt(spec.own_head_dim)
+        factor = graph.init("/alibi/scale", np.array(scale, dtype=np.float32))
+        per_head = graph.node("Mul", [per_head, factor], ["/alibi/scaled"], "/alibi/Scale")[0]
+    return graph.node("Add", ["attention_bias", per_head], ["/alibi/bias"], "/alibi/Bias")[0]
+
+
+def _alibi_keys(graph: _Graph, kind: str) -> str:
+    """Each key's cache slot 0 .. T - 1 as float32 ``[T]`` (T: the width of the runtime's
+    ``attention_bias``), rounded to bfloat16 (``bfloat16``), or less each query's position
+    (``relative``: ``[B, 1, S, T]``, from ``position_rows``)."""
+    shape = graph.node("Shape", ["attention_bias"], ["/alibi/bias_shape"], "/alibi/BiasShape")[0]
+    last = graph.init("/alibi/last_axis", np.array(3, dtype=np.int64))
+    total = graph.node("Gather", [shape, last], ["/alibi/total"], "/alibi/Total", axis=0)[0]  # scalar T
+    zero, one = graph.init("/alibi/zero", np.array(0, np.int64)), graph.init("/alibi/one", np.array(1, np.int64))
+    slots = graph.node("Range", [zero, total, one], ["/alibi/slots"], "/alibi/Slots")[0]  # [T]
+    keys = graph.node("Cast", [slots], ["/alibi/keys"], "/alibi/Keys", to=TensorProto.FLOAT)[0]
+    if kind == "bfloat16":
+        return _bfloat16(graph, keys, "/alibi/keys")
+    if kind != "relative":
+        return keys
+    rows = graph.node("Cast", ["position_rows"], ["/alibi/queries"], "/alibi/Queries", to=TensorProto.FLOAT)[0]
+    axes = graph.init("/alibi/query_axes", np.array([1, 3], dtype=np.int64))
+    queries = graph.node("Unsqueeze", [rows, axes], ["/alibi/query_rows"], "/alibi/QueryRows")[0]  # [B, 1, S, 1]
+    return graph.node("Sub", [keys, queries], ["/alibi/distances"], "/alibi/Distances")[0]
+
+
+def _bfloat16(graph: _Graph, x: str, name: str) -> str:
+    """``x`` (float32) rounded to bfloat16 and back."""
+    rounded = graph.node("Cast", [x], [f"{name}_bf16"], f"{name}/ToBfloat16", to=TensorProto.BFLOAT16)[0]
+    return graph.node("Cast", [rounded], [f"{name}_rounded"], f"{name}/FromBfloat16", to=TensorProto.FLOAT)[0]
+
+
 def _rotary_inits(graph: _Graph, model: Any, spec: ModelSpec) -> None:
     """The rotary tables ``cos_cache`` / ``sin_cache`` ``[P, d / 2]`` and, where sliding layers
     turn by their own module (Gemma 3's ``rope_local_base_freq``, OLMo 3's unscaled one),
@@ -408,8 +461,9 @@ def _rotary_inits(graph: _Graph, model: Any, spec: ModelSpec) -> None:
 class _Blocks:
     """The per-layer building blocks a family combines (``export.families``), on one graph."""
 
-    def __init__(self, graph: _Graph, sd: dict[str, Any], spec: ModelSpec):
+    def __init__(self, graph: _Graph, sd: dict[str, Any], spec: ModelSpec, *, attention_bias: str = "attention_bias"):
         self.g, self.sd, self.spec = graph, sd, spec
+        self.attention_bias = attention_bias  # what attention adds to its scores (ALiBi's sum, or the input)
 
     def weight(self, key: str) -> Array:
         """``<key>.weight`` as float32, ``[in, out]`` (a MatMul's right side)."""
@@ -423,8 +477,8 @@ class _Blocks:
 
     def embed(self) -> str:
         """The input embeddings ``[1, N, H]``: the token rows (projected in: OPT-350M), times the
-        family's scale (Gemma: sqrt(hidden), rounded to float32 as transformers does), plus the
-        learned position rows (``position_ids`` + offset)."""
+        family's scale (Gemma: sqrt(hidden), rounded to float32 as transformers does), normed
+        (BLOOM), plus the learned position rows (``position_ids`` + offset)."""
         graph, spec = self.g, self.spec
         words = _np(self.sd["model.embed_tokens.weight"])  # quantized: written by quantize_embedding
         table = graph.init(EMBED_TABLE, words) if graph.quant is None else EMBED_TABLE
@@ -434,6 +488,8 @@ class _Blocks:
         if spec.embed_scale:
             scale = graph.init("/embed/scale", np.array(spec.embed_scale, dtype=np.float32))
             x_embed = graph.node("Mul", [x_embed, scale], ["/embed/scaled"], "/embed/Scale")[0]
+        if spec.embed_norm:
+            x_embed, _ = self.norm(x_embed, None, "model.embed_norm", "/embed_norm")
         if not spec.learned_positions:
             return x_embed
         rows = "position_ids"
@@ -452,6 +508,8 @@ class _Blocks:
             normed = res = self.add(stream, res, f"{name}/attn_residual")
         else:
             normed, res = self.norm(stream, res, key + "input_layernorm", f"{name}/input_layernorm")
+            if layout == "pre_normed":  # BLOOM: the normed input is the residual
+                res = normed
         attended = self.attention(normed, i)
         if layout in ("parallel", "parallel2"):  # the MLP reads the layer's input too; one add
             if layout == "parallel2":  # GPT-NeoX, Falcon's ln_mlp: its own norm of the input
@@ -467,11 +525,13 @@ class _Blocks:
         return self.sequential(i, self.scaled(attended, f"{name}/attn"), res)
 
     def sequential(self, i: int, attended: str, res: str) -> tuple[str, str | None]:
-        """The rest of a layer whose MLP follows attention: the output added (``pre``), or
-        normed then added (``sandwich``: normed again for the MLP; ``post``), then the MLP."""
+        """The rest of a layer whose MLP follows attention: the output added (``pre``; the sum's
+        norm the residual: ``pre_normed``), or normed then added (``sandwich``: normed again for
+        the MLP; ``post``), then the MLP."""
         key, name, layout = f"model.layers.{i}.", f"/layers.{i}", self.spec.layout
-        if layout == "pre":
+        if layout in ("pre", "pre_normed"):
             normed, res = self.norm(attended, res, key + "post_attention_layernorm", f"{name}/post_attention_layernorm")
+            res = normed if layout == "pre_normed" else res
         else:
             attended, _ = self.norm(
                 attended, None, key + "post_attention_layernorm", f"{name}/post_attention_layernorm"
@@ -494,10 +554,11 @@ class _Blocks:
         if spec.latent is not None:  # DeepSeek's multi-head latent attention (export.mla)
             return latent_attention(self, normed, i)
         qkv = self.qkv(normed, att, f"{name}/attn")
-        rotary = i not in spec.nope_layers and not spec.learned_positions  # SmolLM3: some layers have none
+        rotary = i not in spec.nope_layers and spec.rotary_positions  # SmolLM3: some layers have none
         window = spec.windows[i] if spec.windows else 0  # 0: every earlier position
         softcap = {"softcap": spec.attn_softcap} if spec.attn_softcap else {}
         ins = gqa_inputs(graph.unpack(qkv, f"{name}/attn"), i, rotary=rotary, local=i in spec.local_rope_layers)
+        ins[10] = self.attention_bias  # ALiBi: the runtime's bias plus the slopes' [1 or B, H, S, T]
         if spec.sinks:  # GPT-OSS: exp(sink) of each head joins its softmax's denominator
             ins[11] = graph.init(f"{name}/attn/head_sink", _np(self.sd[att + "sinks"]))
         rows = graph.node(

@@ -142,6 +142,7 @@ LAYOUT_NORMS = {
     "parallel": ("input_layernorm",),
     "parallel2": ("input_layernorm", "post_attention_layernorm"),
     "post_ln": ("input_layernorm", "post_attention_layernorm"),
+    "pre_normed": ("input_layernorm", "post_attention_layernorm"),
 }
 
 
@@ -190,6 +191,8 @@ def check_weights(sd: dict[str, Any], spec: ModelSpec) -> None:
         known |= {f"model.norm.{t}" for t in norm_kinds}
     if spec.embed_dim:  # embeddings projected in and out (OPT-350M)
         known |= {"model.project_in.weight", "model.project_out.weight"}
+    if spec.embed_norm:  # a LayerNorm of the embeddings (BLOOM)
+        known |= {"model.embed_norm.weight", "model.embed_norm.bias"}
     extra = sorted(k for k in sd if k not in known and not k.endswith("rotary_emb.inv_freq"))
     if extra:
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""

@@ -34,9 +34,6 @@ MIN_POSITIONS = 2  # a prompt token and one generated token
 NOT_YET = {
     "gemma3": "Gemma 3 with its vision tower: multimodal; its text model (gemma3_text) exports",
     "gemma3n": "Gemma 3n: not yet; multimodal",
-    # ALiBi needs a per-head bias by key position and chain-only verification (docs/export.md)
-    "bloom": "ALiBi position biases: not yet",
-    "mpt": "ALiBi position biases: not yet",
 }
 # (what, model_type fragments, config.json keys): every kind a refused config shows is named
 _KINDS = (
@@ -146,10 +143,21 @@ class ModelSpec:
     sinks: bool = False  # attention sinks: a learned logit per head in each softmax (GPT-OSS)
     latent: LatentAttention | None = None  # DeepSeek's multi-head latent attention (export.mla)
     grouped: GroupedRouting | None = None  # DeepSeek's grouped sigmoid router (export.mla)
+    # ALiBi: no rotary; each head's slope x the key's cache slot ("absolute": BLOOM; "bfloat16":
+    # rounded as Falcon-RW's, before the scale) or x the slot less the query's position
+    # ("relative": MPT) added to its scores, so the model verifies chains only
+    # (a tree's nodes sit in slots past their positions); "": none
+    alibi: str = ""
+    embed_norm: bool = False  # a LayerNorm of the embeddings (BLOOM's word_embeddings_layernorm)
 
     @property
     def learned_positions(self) -> bool:
         return self.position_offset >= 0
+
+    @property
+    def rotary_positions(self) -> bool:
+        """q and k turn by rotary tables (neither learned positions nor ALiBi)."""
+        return not self.learned_positions and not self.alibi
 
     @property
     def own_head_dim(self) -> int:
@@ -179,7 +187,7 @@ class ModelSpec:
     def from_config(cls, config: Any, max_positions: int | None = None) -> ModelSpec:
         """Read a transformers config; reject what the graph cannot express."""
         fam = _family_row(config)
-        limit = _context(config, max_positions)
+        limit = _context(config, fam, max_positions)
         windows = _windows(config, fam, limit)
         eps = _positive_number(config, fam.eps_key) if fam.eps_key else 1e-5  # nn.LayerNorm's default
         _check_rope(config)
@@ -217,6 +225,8 @@ class ModelSpec:
             record["experts_per_token"] = self.experts_per_token
         if self.windows:  # sliding layers: the runtime verifies chains (see specdec_rt.ort.model)
             record["sliding_window"] = self.sliding_window
+        if self.alibi:  # biases by cache slot: chains too
+            record["alibi"] = True
         return record
 
 
@@ -224,7 +234,7 @@ def _positive_number(config: Any, key: str, value: Any = None) -> float:
     """``config.<key>`` as a float that is finite and > 0, else UnsupportedModelError naming it
     (a NaN or negative epsilon, a zero rotary base, would only fail deep inside ONNX Runtime or
     give garbage tables)."""
-    value = getattr(config, key, None) if value is None else value
+    value = _lookup(config, key) if value is None else value
     try:
         number = float(value)
     except (TypeError, ValueError, OverflowError):
@@ -234,6 +244,17 @@ def _positive_number(config: Any, key: str, value: Any = None) -> float:
     return number
 
 
+def _lookup(config: Any, key: str) -> Any:
+    """``config.<key>``, through sub-configs for a dotted key (MPT's ``attn_config.clip_qkv``:
+    an object or a dict); None where any part is missing."""
+    value = config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+        if value is None:
+            return None
+    return value
+
+
 def _family_row(config: Any) -> Family:
     """The config's family row (``export.families``) with the variants its options select,
     after the checks of its activation and of the options the graph has no block for."""
@@ -241,7 +262,7 @@ def _family_row(config: Any) -> Family:
     if family not in SUPPORTED_FAMILIES:
         raise unsupported_architecture(family)
     fam = FAMILY_TABLE[family].for_config(config)
-    act = next((getattr(config, k) for k in fam.act_keys if getattr(config, k, None)), None)
+    act = _activation(config, fam)
     if act not in fam.acts:
         raise UnsupportedModelError(f"unsupported activation {act}; need {' or '.join(fam.acts)}")
     for flag in (fam.causal_key, *fam.refuse):
@@ -254,17 +275,28 @@ def _family_row(config: Any) -> Family:
     return fam
 
 
-def _context(config: Any, max_positions: int | None) -> int:
-    """The exported positions: the model's (at most ``MAX_POSITIONS_CAP``, LongRoPE's original
-    length), capped by ``max_positions``; at least ``MIN_POSITIONS``."""
-    limit = min(config.max_position_embeddings, MAX_POSITIONS_CAP)
+def _activation(config: Any, fam: Family) -> str | None:
+    """The activation the config names (its first set ``act_keys``), else the family's own."""
+    named = next((getattr(config, k) for k in fam.act_keys if getattr(config, k, None)), None)
+    return named if named is not None else (fam.act_default or None)
+
+
+def _context(config: Any, fam: Family, max_positions: int | None) -> int:
+    """The exported positions: the model's (its first set ``context_keys``, else the family's
+    default; at most ``MAX_POSITIONS_CAP``, LongRoPE's original length), capped by
+    ``max_positions``; at least ``MIN_POSITIONS``."""
+    key = next((k for k in fam.context_keys if getattr(config, k, None) is not None), None)
+    model_limit = getattr(config, key) if key else fam.context_default
+    if key is None and not model_limit:
+        raise UnsupportedModelError(f"unsupported config without {' or '.join(fam.context_keys)}: need a context")
+    limit = min(model_limit, MAX_POSITIONS_CAP)
     if max_positions:
         limit = min(limit, max_positions)
     limit = min(limit, _longrope_limit(config) or limit)
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < MIN_POSITIONS:
         raise UnsupportedModelError(
-            f"unsupported context of {limit!r} positions (max_position_embeddings "
-            f"{config.max_position_embeddings!r}): need at least {MIN_POSITIONS}"
+            f"unsupported context of {limit!r} positions ({key or 'default'} "
+            f"{model_limit!r}): need at least {MIN_POSITIONS}"
         )
     return limit
 
@@ -295,10 +327,10 @@ def _heads(config: Any, fam: Family) -> dict[str, Any]:
     own = getattr(config, "head_dim", None) or config.hidden_size // heads
     if isinstance(own, bool) or not isinstance(own, int) or own < 1:
         raise UnsupportedModelError(f"unsupported head_dim {own!r}: need a positive integer")
-    learned = fam.positions == "learned"
-    if own % 2 and not learned:
+    learned, turned = fam.positions == "learned", fam.positions == "rope"
+    if own % 2 and turned:
         raise UnsupportedModelError(f"unsupported head size {own}: rotary embeddings need an even one")
-    rotary = own if learned else _rotary_dim(config, fam, own)
+    rotary = _rotary_dim(config, fam, own) if turned else own
     padded = graph_head_dim(own, rotary)
     return {
         "num_heads": heads,
@@ -325,7 +357,7 @@ def _blocks(config: Any, fam: Family) -> dict[str, Any]:
         "norm_offset": fam.norm_offset,
         "layout": layout,
         "gated": fam.gated,
-        "act": ACTIVATIONS[next(getattr(config, k) for k in fam.act_keys if getattr(config, k, None))],
+        "act": ACTIVATIONS[str(_activation(config, fam))],
         "mlp_bias": mlp_bias,
         "rotary_interleaved": fam.rotary_interleaved,
         "conv1d": fam.conv1d,
@@ -333,6 +365,8 @@ def _blocks(config: Any, fam: Family) -> dict[str, Any]:
         "clip_qkv": _clip(config, fam.clip_key),
         "renames": fam.renames,
         "embed_dim": _embed_dim(config, fam),
+        "embed_norm": fam.embed_norm,
+        "alibi": {"alibi": "absolute", "alibi_relative": "relative", "alibi_bf16": "bfloat16"}.get(fam.positions, ""),
     }
 
 
@@ -342,7 +376,7 @@ def _multipliers(config: Any, fam: Family) -> dict[str, Any]:
     scale = 0.0
     if fam.attn_scale == "query_pre_attn_scalar":
         scale = _positive_number(config, fam.attn_scale) ** -0.5
-    elif fam.attn_scale:
+    elif fam.attn_scale and not (fam.attn_scale_default and _lookup(config, fam.attn_scale) is None):
         scale = _positive_number(config, fam.attn_scale)
     elif fam.latent:
         scale = latent_scale(config)
@@ -477,7 +511,7 @@ def _rotary_dim(config: Any, fam: Family, own: int) -> int:
 
 def _clip(config: Any, key: str) -> float:
     """OLMo's ``clip_qkv``: 0 when the family has none or it is unset (None), else a number > 0."""
-    value = getattr(config, key, None) if key else None
+    value = _lookup(config, key) if key else None
     return 0.0 if value is None else _positive_number(config, key, value)
 
 

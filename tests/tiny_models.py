@@ -55,6 +55,8 @@ AUTO_FAMILIES: dict[str, dict] = {
     "helium": dict(tie_word_embeddings=False),
     "ministral": dict(tie_word_embeddings=False),
     "ernie4_5": dict(tie_word_embeddings=True),
+    "bloom": dict(tie_word_embeddings=True),  # ALiBi; its MLP 4 x hidden whatever `intermediate` says
+    "mpt": dict(tie_word_embeddings=True),  # ALiBi by distance; MLP 4 x hidden; context max_seq_len
     # mixtures of experts: 4 experts, top 2 (options set each family's own fields)
     "mixtral": dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
@@ -268,6 +270,8 @@ def build_tiny_checkpoint(
             options.setdefault("ffn_dim", intermediate)
         if family == "falcon":
             options.setdefault("ffn_hidden_size", intermediate)
+        if family == "mpt":
+            options.setdefault("max_seq_len", max_positions)
         if family in ("gpt_bigcode", "gptj", "gpt2"):
             options.setdefault("n_inner", intermediate)
         if family in (

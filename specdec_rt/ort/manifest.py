@@ -155,6 +155,8 @@ class Manifest:
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
     # the longest window of the graph's sliding layers (0: none); such a model verifies chains
     sliding_window: int = 0
+    # ALiBi position biases (BLOOM): added by cache slot, so such a model verifies chains too
+    alibi: bool = False
 
     def kv_name(self, role: str, layer: int) -> str:
         """ONNX name of ``past_key`` / ``past_value`` / ``present_key`` / ``present_value``."""
@@ -255,6 +257,7 @@ def _read_fields(folder: Path, raw: dict[str, Any], path: Path) -> Manifest:
         sliding_window=_int(
             arch.get("sliding_window", 0), "architecture.sliding_window", path, lo=0, hi=LIMITS["max_positions"][1]
         ),
+        alibi=_bool(arch.get("alibi", False), "architecture.alibi", path),
     )
 
 

@@ -196,9 +196,11 @@ class OrtModel(LanguageModel):
         # logits equal its path's as a chain only to float rounding (~1e-6: attention sums the
         # path's keys at other indices), which int8 activations would amplify: quantized targets
         # verify chains too. So do models with sliding windows: GroupQueryAttention windows a query by
-        # its index in the cache, and a tree's nodes sit there past their real positions
+        # its index in the cache, and a tree's nodes sit there past their real positions; and
+        # ALiBi models, whose graph biases each key by its index in the cache
         self.biased = self.ragged  # with positions: both checked at load with the packed inputs
-        self.tree = self.ragged and self.device == "cpu" and not quantized and not m.sliding_window
+        chains_only = bool(m.sliding_window) or m.alibi
+        self.tree = self.ragged and self.device == "cpu" and not quantized and not chains_only
 
     def _measure_rounding(self) -> None:
         """Measured at load: where a lone position's logits differ from its logits in a

@@ -72,11 +72,20 @@ def test_truncated_gguf(capsys, tmp_path, keep):
 
 
 def test_unsupported_gguf_architecture(capsys, tmp_path):
+    src = write_gguf(tmp_path / "xglm.gguf", arch="xglm")
+    _fails(
+        capsys,
+        [str(src), "--out", str(tmp_path / "o")],
+        "unsupported architecture xglm; supported: llama, qwen2, qwen3, phi3, smollm3, gemma2, gemma3",
+    )
+
+
+def test_a_bloom_gguf_says_its_checkpoint_folders_export(capsys, tmp_path):
     src = write_gguf(tmp_path / "bloom.gguf", arch="bloom")
     _fails(
         capsys,
         [str(src), "--out", str(tmp_path / "o")],
-        "unsupported architecture bloom (ALiBi position biases: not yet); supported: llama, qwen2, qwen3, phi3, smollm3, gemma2, gemma3",
+        "unsupported architecture bloom (GGUF files of bloom: not yet; its checkpoint folders export); supported: llama",
     )
 
 
@@ -90,15 +99,14 @@ def test_a_gguf_of_a_family_only_folders_export_says_so(capsys, tmp_path):
 
 
 def test_unsupported_checkpoint_architecture(capsys, tmp_path):
-    from transformers import BloomConfig, BloomForCausalLM
+    from transformers import XGLMConfig, XGLMForCausalLM
 
-    BloomForCausalLM(BloomConfig(n_layer=2, hidden_size=32, n_head=2, vocab_size=100)).save_pretrained(
-        tmp_path / "bloom"
-    )
+    config = XGLMConfig(num_layers=2, d_model=32, attention_heads=2, ffn_dim=64, vocab_size=100)
+    XGLMForCausalLM(config).save_pretrained(tmp_path / "xglm")
     _fails(
         capsys,
-        [str(tmp_path / "bloom"), "--out", str(tmp_path / "o")],
-        "unsupported architecture bloom (ALiBi position biases: not yet); supported: llama, mistral, qwen2",
+        [str(tmp_path / "xglm"), "--out", str(tmp_path / "o")],
+        "unsupported architecture xglm; supported: llama, mistral, qwen2",
     )
 
 

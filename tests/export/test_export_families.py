@@ -5,9 +5,9 @@ sliding window on every other layer) and Gemma 3 (q/k norms, a local rotary base
 layers, a scaled global one), with windows of 8 positions, far shorter than prompt + answer, and
 Llama 3's rope scaling beside them, and the options that change a family's blocks (OPT-350M's
 projected embeddings and post-norm layers, the q/k LayerNorms of StableLM, Phi-2 and Cohere,
-Falcon-40B's grouped q/k/v and Falcon 2's single norm) and Cohere 2 on 3 layers of hidden 96
-over 6 heads (2 KV heads). Each is a tiny
-random checkpoint built here from a transformers config (seeded, no download), exported with
+Falcon-40B's grouped q/k/v and Falcon 2's single norm), Cohere 2 and the ALiBi models (BLOOM,
+both ways of taking its residuals; MPT; Falcon-RW) on 3 layers of hidden 96 over 6 heads (2 KV
+heads). Each is a tiny random checkpoint built here from a transformers config (seeded, no download), exported with
 its int8 quantized copy as the draft, then:
 
 - its logits over 48 positions (prefill, a decode, a rejected verify, chunks on the cache) equal
@@ -17,8 +17,9 @@ its int8 quantized copy as the draft, then:
 - greedy decoding through the Engine, ``ar`` and ``spec`` (the q8 draft, n-gram lookup), equals
   PyTorch's greedy tokens over a prompt and answer of 48 positions.
 
-A windowed family also runs packed batches of concurrent requests, prefix-cache hits past the
-window, and verifies chains only (no trees: see ``specdec_rt.ort.model``).
+A windowed family (and an ALiBi one) also runs packed batches of concurrent requests,
+prefix-cache hits past the window, and verifies chains only (no trees: see
+``specdec_rt.ort.model``); BLOOM decodes exactly with an int4 draft too.
 
 Then the refusals: Gemma 1 (not yet), mixture-of-experts, multimodal and state-space families fail
 before any work with one line naming the family and the supported ones."""
@@ -268,6 +269,31 @@ CASES = {
         ),
         ({"sliding_window": 4096}, "halves_rotary", {"logit_scale": 1.0}),
     ),
+    # ALiBi (6 heads: the slopes of a head count that is not a power of 2), the embeddings'
+    # LayerNorm, q/k/v per head, biases, the tanh GELU; the residuals after the norms or before
+    "bloom": (
+        "bloom",
+        dict(SIX_HEADS),
+        ("no_alibi", "no_embed_norm", {"apply_residual_connection_post_layernorm": True}),
+    ),
+    "bloom-normed-residual": (
+        "bloom",
+        dict(SIX_HEADS, apply_residual_connection_post_layernorm=True),
+        ("no_alibi", {"apply_residual_connection_post_layernorm": False}),
+    ),
+    # Falcon-RW: BLOOM's ALiBi rounded to bfloat16 and added before the scale, q, k, v per head, biases
+    "falcon-rw": (
+        "falcon",
+        dict(SIX_HEADS, multi_query=False, parallel_attn=False, bias=True, alibi=True),
+        ("no_alibi", {"activation": "relu"}),
+    ),
+    # ALiBi by the distance back to the key, q/k/v rows clamped, its own softmax_scale, LayerNorms
+    # without bias, the exact GELU, no biases
+    "mpt": (
+        "mpt",
+        dict(SIX_HEADS, attn_config={"clip_qkv": 0.3, "softmax_scale": 0.2}),
+        ("no_alibi", "no_clip", "default_scale"),
+    ),
     # mixtures of experts: 4 experts, top 2 (tests/tiny_models.py), routed per position
     "mixtral": ("mixtral", dict(layers=3), ({"num_experts_per_tok": 1},)),  # renormalised over the top k
     "qwen2_moe": (  # a shared expert behind a sigmoid gate; layer 1 a dense MLP (mlp_only_layers)
@@ -340,6 +366,12 @@ CASES = {
     ),
 }
 _EXPORTS: dict[str, tuple[Path, Path]] = {}
+
+
+def _alibi(case: str) -> bool:
+    """Whether a case's model has ALiBi position biases (BLOOM, MPT, Falcon-RW)."""
+    family, options, _ = CASES[case]
+    return family in ("bloom", "mpt") or bool(options.get("alibi"))
 
 
 def _scale_experts(ckpt: Path) -> None:
@@ -427,10 +459,10 @@ def _model(ckpt: Path, **config):
     cfg = AutoConfig.from_pretrained(ckpt)
     for key, value in config.items():
         setattr(cfg, key, value)
-    # eager: transformers' SDPA path leaves out Gemma 2's attention soft-capping
-    return AutoModelForCausalLM.from_pretrained(
-        ckpt, config=cfg, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    # eager: transformers' SDPA path leaves out Gemma 2's attention soft-capping; but Falcon-RW's
+    # eager path adds ALiBi twice (its causal mask carries it too): SDPA adds it once, as trained
+    attn = "sdpa" if cfg.model_type == "falcon" and getattr(cfg, "alibi", False) else "eager"
+    return AutoModelForCausalLM.from_pretrained(ckpt, config=cfg, dtype=torch.float32, attn_implementation=attn).eval()
 
 
 def _logits(model, ids: np.ndarray) -> np.ndarray:
@@ -472,6 +504,7 @@ def test_manifest_and_validation(exported):
         assert m["architecture"]["max_positions"] == 512 and m["architecture"]["sliding_window"] == WINDOW
     else:
         assert "sliding_window" not in m["architecture"]
+    assert m["architecture"].get("alibi", False) is _alibi(case)  # chains only
 
 
 def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
@@ -514,6 +547,30 @@ def test_logits_equal_pytorch_and_the_family_difference_matters(exported):
                 module.apply_rotary_pos_emb = saved
             assert np.abs(got - halves_logits).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
             continue
+        elif undo == "no_alibi":  # BLOOM, MPT or Falcon-RW without its position biases
+            import importlib
+
+            family = CASES[case][0]
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+            name = "build_mpt_alibi_tensor" if family == "mpt" else "build_alibi_tensor"
+            build = getattr(module, name)
+            setattr(module, name, lambda *args, **kw: torch.zeros_like(build(*args, **kw)))
+            try:
+                plain = _logits(_model(ckpt), ids)
+            finally:
+                setattr(module, name, build)
+            assert np.abs(got - plain).max() > 100 * ATOL, f"{case}: {undo} changes nothing here"
+            continue
+        elif undo in ("no_clip", "default_scale"):  # MPT's q/k/v unclamped, or scaled by 1 / sqrt(head)
+            other = _model(ckpt)
+            for block in other.transformer.blocks:
+                if undo == "no_clip":
+                    block.attn.clip_qkv = None
+                else:
+                    block.attn.softmax_scale = block.attn.head_dim**-0.5
+        elif undo == "no_embed_norm":  # BLOOM's embeddings used as they are
+            other = _model(ckpt)
+            other.transformer.word_embeddings_layernorm = torch.nn.Identity()
         elif undo == "no_sinks":  # GPT-OSS's attention sinks at -inf: nothing joins the softmax
             other = _model(ckpt)
             with torch.no_grad():
@@ -588,13 +645,16 @@ def _greedy(model, prompt: list[int], total: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3", "starcoder2", "ministral", "gpt_oss", "cohere2"])
+@pytest.mark.parametrize(
+    "case", ["gemma2", "gemma3", "starcoder2", "ministral", "gpt_oss", "cohere2", "bloom", "mpt", "falcon-rw"]
+)
 def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory, case):
-    """Sliding windows in every path the runtime has: several requests at once (packed rows of
-    different lengths past the window, prefill and decode and verifies batched together), prefix-
-    cache hits longer than the window, and verification by chains: a tree's nodes would sit in the
-    cache past their real positions, where GroupQueryAttention's window would cut them wrong, so a
-    windowed model has no tree capability and refuses a tree call."""
+    """Sliding windows (and ALiBi: BLOOM, MPT) in every path the runtime has: several requests at once
+    (packed rows of different lengths past the window, prefill and decode and verifies batched
+    together), prefix-cache hits longer than the window, and verification by chains: a tree's
+    nodes would sit in the cache past their real positions, where GroupQueryAttention's window
+    would cut them wrong (and ALiBi's bias by cache slot would place them wrong), so such a model
+    has no tree capability and refuses a tree call."""
     from specdec_rt import Engine
     from specdec_rt.errors import InferenceError
     from specdec_rt.ort import OrtModel
@@ -629,7 +689,9 @@ def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory,
 
     m = OrtModel(folder, slots=1)
     try:
-        assert m.manifest.sliding_window == WINDOW and not m.caps.trees and m.ragged
+        alibi = _alibi(case)
+        assert m.manifest.alibi is alibi and m.manifest.sliding_window == (0 if alibi else WINDOW)
+        assert not m.caps.trees and m.ragged
         s = m.start()
         s.run_sync(np.array(prompts[1], dtype=np.int64), 1, 0)
         with pytest.raises(InferenceError, match="cannot verify a tree"):
@@ -637,6 +699,36 @@ def test_windowed_models_batch_cache_and_verify_chains_exactly(tmp_path_factory,
         s.close()
     finally:
         m.close()
+
+
+def test_alibi_with_an_int4_draft_decodes_exactly(tmp_path_factory):
+    """BLOOM (residuals after the norms) with its int4 copy as the draft: the draft's graph adds
+    the same slopes' bias in front of MatMulNBits of 4 bits, and ``spec`` with it, several
+    requests at once, gives PyTorch's greedy tokens."""
+    from specdec_rt import Engine
+
+    _, ckpt = _export("bloom-normed-residual", tmp_path_factory)
+    folder = tmp_path_factory.mktemp("bloom-q4") / "onnx"
+    run(Request(src=str(ckpt), out=folder, draft_quant="int4", threads=1), Reporter(quiet=True))
+    m = read_manifest(folder)
+    assert m["drafts"] == [{"name": "q4", "path": "draft-q4"}]
+    assert read_manifest(folder / "draft-q4")["architecture"]["alibi"] is True
+    model = _model(ckpt)
+    rng = np.random.default_rng(29)
+    prompts = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in (7, 16)]
+    want = [_greedy(model, p, POSITIONS) for p in prompts]
+
+    async def main():
+        async with await Engine.load(folder, draft="q4", slots=2, warmup=False) as engine:
+            results = await asyncio.gather(
+                *[
+                    engine.generate(p, max_new_tokens=len(w), mode="spec", ignore_eos=True)
+                    for p, w in zip(prompts, want)
+                ]
+            )
+            return [r.token_ids for r in results]
+
+    assert asyncio.run(main()) == want
 
 
 def test_gemma3_window_covering_the_exported_context_keeps_the_local_rope_base(tmp_path):
@@ -685,6 +777,21 @@ def test_a_manifest_sliding_window_is_checked(tmp_path_factory, value):
         check_manifest(folder, raw)
 
 
+@pytest.mark.parametrize("value", ["true", 1, None])
+def test_a_manifest_alibi_flag_is_checked(tmp_path_factory, value):
+    """``architecture.alibi`` (which turns trees off) is true or false, or the folder is refused
+    naming it."""
+    from specdec_rt.errors import ModelLoadError
+    from specdec_rt.ort.manifest import check_manifest
+
+    folder, _ = _export("bloom", tmp_path_factory)
+    raw = json.loads((folder / "manifest.json").read_text())
+    assert check_manifest(folder, raw).alibi is True
+    raw["architecture"]["alibi"] = value
+    with pytest.raises(ModelLoadError, match="architecture.alibi"):
+        check_manifest(folder, raw)
+
+
 def _refused(capsys, tmp_path, config: dict, *fragments: str) -> str:
     """Export a folder holding only ``config.json``: it must fail on the config alone."""
     from export.cli import main
@@ -715,7 +822,6 @@ def _refused(capsys, tmp_path, config: dict, *fragments: str) -> str:
         ({"model_type": "llava", "vision_config": {}, "text_config": {}}, "multimodal"),
         ({"model_type": "mamba", "state_size": 16}, "state-space layers"),
         ({"model_type": "some_new_thing", "moe_intermediate_size": 64}, "mixture of experts"),
-        ({"model_type": "bloom"}, "ALiBi position biases: not yet"),
         ({"model_type": "xglm"}, None),
     ],
 )
@@ -768,7 +874,6 @@ def test_a_gemma3_gguf_without_its_numbers_fails_naming_the_key(capsys, tmp_path
         ("gemma2", {"layer_types": ["sliding_attention"]}, "unsupported layer_types ['sliding_attention']"),
         ("gemma3_text", {"use_bidirectional_attention": True}, "unsupported option use_bidirectional_attention"),
         ("gemma3_text", {"rope_local_base_freq": 0.0}, "unsupported rope_local_base_freq 0.0"),
-        ("falcon", {"alibi": True}, "unsupported option alibi=True"),
         (  # transformers builds ln_attn / ln_mlp only for parallel layers
             "falcon",
             {"new_decoder_architecture": True, "parallel_attn": False},
@@ -931,12 +1036,31 @@ def test_moe_experts_run_as_one_op_and_drafts_quantize_them(tmp_path_factory, ca
             {"num_kv_heads": 2, "layout": "parallel", "fused_qkv": "heads"},
         ),
         ("falcon", {"multi_query": True}, {"num_kv_heads": 1, "layout": "parallel", "fused_qkv": "rows"}),
+        ("falcon", {"alibi": True, "parallel_attn": False}, {"alibi": "bfloat16", "layout": "pre", "rotary_dim": 0}),
         ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 16}, {"layout": "post_ln", "embed_dim": 16}),
         ("opt", {"word_embed_proj_dim": 32}, {"layout": "pre", "embed_dim": 0}),  # as wide as hidden: no projection
         ("stablelm", {"qk_layernorm": True}, {"qk_norm": True, "qk_layer_norm": True}),
         ("stablelm", {}, {"qk_norm": False, "qk_layer_norm": False}),
         ("cohere", {"use_qk_norm": True}, {"qk_norm": True, "qk_layer_norm": True}),
         ("cohere2", {"sliding_window": 24}, {"windows": (24, 24, 24, 0), "nope_layers": (3,)}),
+        (  # BLOOM's MLP is 4 x hidden whatever intermediate_size says; its GELU has no config key
+            "bloom",
+            {"apply_residual_connection_post_layernorm": True},
+            {
+                "layout": "pre_normed",
+                "alibi": "absolute",
+                "embed_norm": True,
+                "intermediate_size": 128,
+                "act": "gelu_tanh",
+            },
+        ),
+        ("bloom", {}, {"layout": "pre", "alibi": "absolute", "num_kv_heads": 4, "fused_qkv": "heads", "rotary_dim": 0}),
+        (  # MPT as transformers builds it: 4 x hidden (not expansion_ratio), its options in attn_config
+            "mpt",
+            {"expansion_ratio": 2, "max_seq_len": 80, "attn_config": {"clip_qkv": 6.0, "softmax_scale": 0.5}},
+            {"alibi": "relative", "intermediate_size": 128, "clip_qkv": 6.0, "attn_scale": 0.5, "act": "gelu"},
+        ),
+        ("mpt", {}, {"alibi": "relative", "clip_qkv": 0.0, "attn_scale": 0.0, "fused_qkv": "rows", "layout": "pre"}),
     ],
 )
 def test_spec_reads_the_family_variants(family, kw, want):
@@ -1025,3 +1149,15 @@ def test_deepseek_options_the_graph_cannot_express_are_refused(kw, fragment):
     with pytest.raises(UnsupportedModelError) as exc:
         ModelSpec.from_config(_deepseek_config(**kw))
     assert fragment in str(exc.value)
+
+
+@pytest.mark.parametrize("kw,want", [({}, 2048), ({"seq_length": 300}, 300), ({"max_position_embeddings": 96}, 96)])
+def test_bloom_context_from_its_config(kw, want):
+    """BLOOM's configs name no max_position_embeddings (ALiBi has no table): the context is its
+    seq_length where set, else its training context of 2048; --max-positions caps it."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("bloom", vocab_size=64, hidden_size=32, n_layer=2, n_head=4, **kw)
+    assert not kw or getattr(config, next(iter(kw))) == want
+    assert ModelSpec.from_config(config).max_positions == want
+    assert ModelSpec.from_config(config, max_positions=40).max_positions == 40

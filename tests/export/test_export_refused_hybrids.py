@@ -1,7 +1,7 @@
 """Families the graph has no block for are refused from their config alone, one line naming the
 ``model_type`` and why: the hybrids with state-space layers (Mamba, Jamba, Falcon-H1, Bamba,
 Zamba, Granite 4 hybrids), convolution layers (LFM2), recurrent layers (RWKV, RecurrentGemma,
-xLSTM), linear attention (Qwen3-Next), ALiBi (BLOOM, MPT) and multimodal towers, each with the
+xLSTM), linear attention (Qwen3-Next) and multimodal towers, each with the
 ``config.json`` transformers writes for it (``AutoConfig.for_model(...).to_dict()``)."""
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ CASES = {
     "recurrent_gemma": "recurrent layers",
     "xlstm": "recurrent layers",
     "qwen3_next": "linear attention, mixture of experts",
-    "bloom": "ALiBi position biases: not yet",
-    "mpt": "ALiBi position biases: not yet",
     "lfm2_vl": "convolution layers, multimodal",  # its text model is LFM2
     "qwen2_vl": "multimodal",
     "llava": "multimodal",
