@@ -222,3 +222,29 @@ def test_a_phi2_file_of_the_original_layout_splits_its_fused_qkv(tmp_path):
     ids = torch.tensor([list(range(5, 37))])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, original(ids).logits)
+
+
+def test_an_f16_bloom_file_loads_the_checkpoint_of_its_rounded_weights(tmp_path):
+    """`--outtype f16`: the converter writes the matrices as F16 and the norms and biases as F32;
+    read back, the model is the checkpoint's with its matrices rounded to float16, bit for bit."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from export.source import open_source
+
+    src = write_llama_cpp_gguf(tmp_path / "bloom.gguf", "bloom")
+    matrices = {
+        t.name: np.array(t.data).astype(np.float16) for t in gguf.GGUFReader(str(src)).tensors if t.data.ndim == 2
+    }
+    edited = _rewritten(src, tmp_path / "f16.gguf", "bloom", extra=matrices)
+    assert {t.tensor_type.name for t in gguf.GGUFReader(str(edited)).tensors if t.name in matrices} == {"F16"}
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / "bloom-hf", attn_implementation="eager").eval()
+    with torch.no_grad():
+        for param in original.parameters():
+            if param.ndim == 2:
+                param.copy_(param.half().float())
+    loaded = open_source(edited).load_model()
+    ids = torch.tensor([list(range(5, 37))])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, original(ids).logits)
