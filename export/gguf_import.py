@@ -16,6 +16,7 @@ wrote each parameter as), undoing the converter's rearrangements:
 | `granite` | granite | q/k rows permuted (Llama's converter); multipliers as `*_scale` (only when set) | rows un-permuted; a missing attention scale is llama.cpp's 1/sqrt(head) |
 | `gptneox` | gpt_neox | fused q/k/v regrouped from per head to q, k, v | regrouped per head; `rotary_pct`, `use_parallel_residual` |
 | `falcon` | falcon | fused q/k/v (one KV head: as Falcon 7B keeps them) | multi-query; grouped KV heads (40B, 180B) refused |
+| `bloom` | bloom | names without `transformer.`, fused q/k/v regrouped as GPT-NeoX's, context = `seq_length` or the width | regrouped per head; ALiBi (no key: llama.cpp's bias 8 is BLOOM's) |
 | `qwen2moe` | qwen2_moe | experts stacked `ffn_*_exps [E, ...]`, shared expert and its gate | one expert per slice; top k weights not renormalised (llama.cpp) |
 | `qwen3moe` | qwen3_moe | experts stacked, `attention.key_length` | one expert per slice; top k weights renormalised (llama.cpp) |
 
@@ -58,6 +59,7 @@ class ImportedFamily:
     model_type: str
     config: Callable[[GGUFInfo, Path], Config]
     tensors: Callable[[dict[str, Array], Config], None] | None = None  # undo the converter, in place
+    prefix: str = ""  # what the converter strips from the parameters' names before gguf-py's map
 
 
 def _key(info: GGUFInfo, key: str) -> Any:
@@ -241,6 +243,55 @@ def _falcon(info: GGUFInfo, path: Path) -> Config:
     }
 
 
+def _check_bloom_shapes(info: GGUFInfo, path: Path, hidden: int, layers: int) -> None:
+    """The embeddings' norm and every layer's attention and MLP matrices as BLOOM's, from the
+    header: a fused q/k/v of another size could not be regrouped by heads."""
+    expected: dict[str, tuple[int, ...]] = {"token_embd_norm.weight": (hidden,)}
+    for layer in range(layers):
+        for kind, shape in (
+            ("attn_qkv.weight", (hidden, 3 * hidden)),
+            ("attn_qkv.bias", (3 * hidden,)),
+            ("attn_output.weight", (hidden, hidden)),
+            ("ffn_up.weight", (hidden, 4 * hidden)),
+            ("ffn_down.weight", (4 * hidden, hidden)),
+        ):
+            expected[f"blk.{layer}.{kind}"] = shape
+    for name, dims in expected.items():
+        got = _dims(info, name)
+        if got != dims:
+            raise CorruptSourceError(
+                f"GGUF {path}: {name} is {list(got) if got else 'missing'}, BLOOM's is {list(dims)}"
+            )
+
+
+def _bloom(info: GGUFInfo, path: Path) -> Config:
+    """BLOOM: one KV head a head, an MLP of 4 x the width, q/k/v fused, ALiBi (llama.cpp's bias
+    8 for every bloom file, BLOOM's slopes); no rotary."""
+    common = _common(info, path)
+    hidden, heads = common["hidden_size"], common["num_attention_heads"]
+    if common["num_key_value_heads"] != heads:
+        raise UnsupportedModelError(
+            f"GGUF {path}: bloom.attention.head_count_kv = {common['num_key_value_heads']} is not "
+            f"bloom.attention.head_count = {heads}: BLOOM has a KV head per head"
+        )
+    if common["intermediate_size"] != 4 * hidden:
+        raise UnsupportedModelError(
+            f"GGUF {path}: bloom.feed_forward_length = {common['intermediate_size']} is not BLOOM's 4 x {hidden}"
+        )
+    _check_bloom_shapes(info, path, hidden, common["num_hidden_layers"])
+    return {
+        "vocab_size": common["vocab_size"],
+        "hidden_size": hidden,
+        "num_hidden_layers": common["num_hidden_layers"],  # BloomConfig's n_layer, n_head
+        "num_attention_heads": heads,
+        "layer_norm_epsilon": _layer_norm(info, path),
+        "apply_residual_connection_post_layernorm": False,  # llama.cpp adds the un-normed input
+        "max_position_embeddings": common["max_position_embeddings"],
+        "tie_word_embeddings": common["tie_word_embeddings"],
+        **{k: common[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+    }
+
+
 def _experts(info: GGUFInfo, path: Path) -> Config:
     count = _count(info, path, "expert_count", bounds=(1, MAX_EXPERTS))
     return {
@@ -317,7 +368,7 @@ def _transpose_conv1d(tensors: dict[str, Array], config: Config) -> None:
 
 
 def _regroup_qkv(tensors: dict[str, Array], config: Config) -> None:
-    """GPT-NeoX: the converter moved q, k, v of every head into three runs; back per head."""
+    """GPT-NeoX, BLOOM: the converter moved q, k, v of every head into three runs; back per head."""
     heads = config["num_attention_heads"]
     for name in _layers(tensors, ".attn_qkv.weight") + _layers(tensors, ".attn_qkv.bias"):
         fused = tensors[name]
@@ -334,6 +385,7 @@ FAMILIES: dict[str, ImportedFamily] = {
     "granite": ImportedFamily(model_type="granite", config=_granite, tensors=_unpermute),
     "gptneox": ImportedFamily(model_type="gpt_neox", config=_gptneox, tensors=_regroup_qkv),
     "falcon": ImportedFamily(model_type="falcon", config=_falcon),
+    "bloom": ImportedFamily(model_type="bloom", config=_bloom, tensors=_regroup_qkv, prefix="transformer."),
     "qwen2moe": ImportedFamily(model_type="qwen2_moe", config=_qwen2moe),
     "qwen3moe": ImportedFamily(model_type="qwen3_moe", config=_qwen3moe),
 }
@@ -355,16 +407,18 @@ def _read_tensors(path: Path) -> dict[str, Array]:
 
 
 def _gguf_names(model: Any, arch: str) -> dict[str, tuple[str, int | None]]:
-    """Hugging Face parameter -> (GGUF tensor, expert index or None), by gguf-py's name map."""
+    """Hugging Face parameter -> (GGUF tensor, expert index or None), by gguf-py's name map
+    (of the name as the converter gave it to the map: BLOOM's without `transformer.`)."""
     import gguf
 
+    prefix = FAMILIES[arch].prefix
     arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     name_map = gguf.get_tensor_name_map(arch_id, model.config.num_hidden_layers)
     out: dict[str, tuple[str, int | None]] = {}
     for hf_name in model.state_dict():
         base, suffix = hf_name.rsplit(".", 1)
         expert = re.search(r"\.experts\.(\d+)\.", base)
-        generic = re.sub(r"\.experts\.\d+\.", ".experts.", base)
+        generic = re.sub(r"\.experts\.\d+\.", ".experts.", base.removeprefix(prefix))
         gguf_name = name_map.get_name(generic)
         if gguf_name is not None:
             out[hf_name] = (f"{gguf_name}.{suffix}", int(expert.group(1)) if expert else None)

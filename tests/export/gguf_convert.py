@@ -19,6 +19,8 @@ What the converter does per family (and what is mimicked here):
 - falcon: context 2048, one KV head for a multi-query model, q/k/v kept (its transform is the
   identity for one KV head)
 - qwen2moe / qwen3moe: experts stacked as `ffn_*_exps` [E, out, in], expert counts and widths
+- bloom: names mapped without `transformer.`; fused q/k/v regrouped as GPT-NeoX's; context
+  `seq_length` or the width, feed_forward_length 4 x hidden, head_count_kv = head_count
 
 ``quantized``: the layers' matrices as Q4_0, the embedding / LM head as Q8_0; the checkpoint
 is rounded onto those grids first (the rounding moves with whole rows, so it is the same on
@@ -42,6 +44,7 @@ ARCHES = {
     "granite": "granite",
     "gpt_neox": "gptneox",
     "falcon": "falcon",
+    "bloom": "bloom",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
 }
@@ -61,6 +64,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     },
     "gpt_neox": {"kv_heads": 4, "rotary_pct": 0.5},
     "falcon": {"intermediate": 4 * HIDDEN},
+    "bloom": {"intermediate": 4 * HIDDEN, "kv_heads": 4},
     "qwen2_moe": {"shared_expert_intermediate_size": 64, "moe_intermediate_size": 64},
     "qwen3_moe": {"moe_intermediate_size": 64, "norm_topk_prob": True, "head_dim": 32},  # head apart from 64 / 4
 }
@@ -113,6 +117,8 @@ def _names(model: Any, arch: str) -> dict[str, tuple[str, int | None]]:
     out = {}
     for hf_name in model.state_dict():
         base, suffix = hf_name.rsplit(".", 1)
+        if arch == "bloom":  # BloomModel.modify_tensors: re.sub(r"transformer\.", "", name)
+            base = base.removeprefix("transformer.")
         expert = re.search(r"\.experts\.(\d+)\.", base)
         mapped = name_map.get_name(re.sub(r"\.experts\.\d+\.", ".experts.", base))
         if mapped is None:
@@ -159,7 +165,7 @@ def _metadata(writer: Any, family: str, cfg: Any) -> None:
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_embedding_length(hidden)
     writer.add_head_count(heads)
-    if family in ("phi", "gpt2", "falcon"):
+    if family in ("phi", "gpt2", "falcon", "bloom"):
         writer.add_feed_forward_length(4 * hidden)
     else:
         writer.add_feed_forward_length(cfg.intermediate_size)
@@ -173,6 +179,11 @@ def _metadata(writer: Any, family: str, cfg: Any) -> None:
         writer.add_context_length(2048)
         writer.add_tensor_data_layout("jploski")
         writer.add_head_count_kv(1)
+        writer.add_layer_norm_eps(cfg.layer_norm_epsilon)
+        return
+    if family == "bloom":
+        writer.add_context_length(getattr(cfg, "seq_length", hidden))  # config.json's seq_length, else the width
+        writer.add_head_count_kv(heads)
         writer.add_layer_norm_eps(cfg.layer_norm_epsilon)
         return
     writer.add_context_length(cfg.max_position_embeddings)
@@ -260,7 +271,7 @@ def _one(name: str, weight: np.ndarray, family: str, cfg: Any) -> np.ndarray:
     if family == "granite" and re.fullmatch(r"blk\.\d+\.attn_[qk]\.weight", name):
         heads = cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads
         return _permute(weight, heads)
-    if family == "gpt_neox" and ".attn_qkv." in name:
+    if family in ("gpt_neox", "bloom") and ".attn_qkv." in name:
         heads = cfg.num_attention_heads
         grouped = weight.reshape(heads, 3, -1, *weight.shape[1:])
         return np.concatenate([grouped[:, i].reshape(-1, *weight.shape[1:]) for i in range(3)])

@@ -38,6 +38,7 @@ EXPECTED_FORMS = {
     "granite": _GATED,
     "gpt_neox": _DENSE,
     "falcon": _DENSE,
+    "bloom": _DENSE,
     "qwen2_moe": {"q4_k": 2 * 5, "q8_0": 1, "requantized": 2 * (2 + 1 + 1)},  # shared expert on grids
     "qwen3_moe": {"q4_k": 2 * 2, "q8_0": 1, "requantized": 2 * (2 + 1)},
 }
@@ -115,6 +116,12 @@ def test_the_imported_families_keys_are_bounded_before_loading(tmp_path):
         ],
         "gpt_neox": [("gptneox.rope.dimension_count", 9, CorruptSourceError, "rope.dimension_count")],
         "falcon": [("falcon.attention.head_count_kv", 2, UnsupportedModelError, "new_decoder_architecture")],
+        "bloom": [
+            ("bloom.attention.head_count_kv", 2, UnsupportedModelError, "BLOOM has a KV head per head"),
+            ("bloom.feed_forward_length", 128, CorruptSourceError, r"blk\.0\.ffn_up\.weight is \[64, 256\]"),
+            ("bloom.context_length", 1 << 31, CorruptSourceError, "context_length"),
+            ("bloom.attention.layer_norm_epsilon", -1.0, CorruptSourceError, "layer_norm_epsilon"),
+        ],
     }
     for family, patches in cases.items():
         data = write_llama_cpp_gguf(tmp_path / f"{family}.gguf", family).read_bytes()
@@ -124,37 +131,82 @@ def test_the_imported_families_keys_are_bounded_before_loading(tmp_path):
                 open_source(bad)
 
 
+def _rewritten(src, out, arch: str, *, drop: str | None = None, extra: dict | None = None):
+    """``src`` written again to ``out`` without the tensor ``drop``, with the tensors ``extra``
+    added (or put in place of one of the same name)."""
+    import gguf
+
+    extra = extra or {}
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(out), arch)
+    for field in reader.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(
+                field.name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
+            )
+    for tensor in reader.tensors:
+        if tensor.name != drop and tensor.name not in extra:
+            writer.add_tensor(tensor.name, np.array(tensor.data))
+    for name, value in extra.items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def test_a_tensor_without_a_place_or_a_parameter_without_a_tensor_is_refused(tmp_path):
     """A file with a tensor the model has no parameter for would compute something else; one
     without a parameter's tensor would leave it random: both refused when loading."""
-    import gguf
-
     from export.errors import CorruptSourceError, UnsupportedModelError
     from export.source import open_source
 
     src = write_llama_cpp_gguf(tmp_path / "olmo2.gguf", "olmo2")
-    reader = gguf.GGUFReader(str(src))
     for extra, drop, error, fragment in (
         ("blk.0.attn_norm.weight", None, UnsupportedModelError, "blk.0.attn_norm.weight has no place"),
         (None, "blk.1.attn_k_norm.weight", CorruptSourceError, "has no tensor for 1 parameters"),
     ):
-        writer = gguf.GGUFWriter(str(tmp_path / "edited.gguf"), "olmo2")
-        for field in reader.fields.values():
-            if not field.name.startswith(("GGUF.", "general.architecture")):
-                writer.add_key_value(
-                    field.name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
-                )
-        for tensor in reader.tensors:
-            if tensor.name != drop:
-                writer.add_tensor(tensor.name, np.array(tensor.data))
-        if extra:
-            writer.add_tensor(extra, np.ones(64, dtype=np.float32))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        added = {extra: np.ones(64, dtype=np.float32)} if extra else None
+        edited = _rewritten(src, tmp_path / "edited.gguf", "olmo2", drop=drop, extra=added)
         with pytest.raises(error, match=fragment):
-            open_source(tmp_path / "edited.gguf").load_model()
+            open_source(edited).load_model()
+
+
+def test_a_bloom_file_of_other_shapes_is_refused_naming_the_tensor(tmp_path):
+    """BLOOM's fused q/k/v is regrouped by heads: a file whose matrices are not BLOOM's shapes
+    (any layer's), or that lacks the embeddings' norm, fails in the header check."""
+    from export.errors import CorruptSourceError
+    from export.source import open_source
+
+    src = write_llama_cpp_gguf(tmp_path / "bloom.gguf", "bloom")
+    for drop, extra, fragment in (
+        (None, {"blk.1.attn_qkv.weight": np.ones((128, 64), np.float32)}, r"blk\.1\.attn_qkv\.weight is \[64, 128\]"),
+        (None, {"blk.1.attn_output.weight": np.ones((64, 32), np.float32)}, r"blk\.1\.attn_output\.weight is"),
+        ("token_embd_norm.weight", None, "token_embd_norm.weight is missing"),
+    ):
+        edited = _rewritten(src, tmp_path / "edited.gguf", "bloom", drop=drop, extra=extra)
+        with pytest.raises(CorruptSourceError, match=fragment):
+            open_source(edited)
+
+
+def test_a_bloom_file_with_its_embedding_again_as_output_loads_an_untied_head(tmp_path):
+    """Older llama.cpp converters wrote BLOOM's embedding again as `output`: read as an untied
+    LM head holding the same values, the model computes what the checkpoint's does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from export.source import open_source
+
+    src = write_llama_cpp_gguf(tmp_path / "bloom.gguf", "bloom")
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / "bloom-hf", attn_implementation="eager").eval()
+    embedding = original.transformer.word_embeddings.weight.detach().numpy()
+    edited = _rewritten(src, tmp_path / "edited.gguf", "bloom", extra={"output.weight": embedding})
+    loaded = open_source(edited).load_model()
+    assert loaded.config.tie_word_embeddings is False and loaded.config.n_layer == original.config.n_layer
+    ids = torch.tensor([list(range(5, 37))])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, original(ids).logits)
 
 
 def test_a_phi2_file_of_the_original_layout_splits_its_fused_qkv(tmp_path):
@@ -167,6 +219,32 @@ def test_a_phi2_file_of_the_original_layout_splits_its_fused_qkv(tmp_path):
     src = write_llama_cpp_gguf(tmp_path / "phi.gguf", "phi", quantized=True, fused_qkv=True)
     original = AutoModelForCausalLM.from_pretrained(tmp_path / "phi-hf", attn_implementation="eager").eval()
     loaded = open_source(src).load_model()
+    ids = torch.tensor([list(range(5, 37))])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, original(ids).logits)
+
+
+def test_an_f16_bloom_file_loads_the_checkpoint_of_its_rounded_weights(tmp_path):
+    """`--outtype f16`: the converter writes the matrices as F16 and the norms and biases as F32;
+    read back, the model is the checkpoint's with its matrices rounded to float16, bit for bit."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from export.source import open_source
+
+    src = write_llama_cpp_gguf(tmp_path / "bloom.gguf", "bloom")
+    matrices = {
+        t.name: np.array(t.data).astype(np.float16) for t in gguf.GGUFReader(str(src)).tensors if t.data.ndim == 2
+    }
+    edited = _rewritten(src, tmp_path / "f16.gguf", "bloom", extra=matrices)
+    assert {t.tensor_type.name for t in gguf.GGUFReader(str(edited)).tensors if t.name in matrices} == {"F16"}
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / "bloom-hf", attn_implementation="eager").eval()
+    with torch.no_grad():
+        for param in original.parameters():
+            if param.ndim == 2:
+                param.copy_(param.half().float())
+    loaded = open_source(edited).load_model()
     ids = torch.tensor([list(range(5, 37))])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, original(ids).logits)
