@@ -338,13 +338,14 @@ def _train_stage(run: _Run, report: dict[str, Any]) -> _Trained | str:
     train_sh, val_sh = load_shards(work / "data" / "train"), load_shards(work / "data" / "val")
     report["train_answer_tokens"] = sum(s.answer_tokens for s in train_sh)
     report["train_sequences"] = sum(len(s.prompt_lens) for s in train_sh)
+    corpus_sh = load_shards(work / "data" / "corpus") if req.corpus else []
     if req.corpus:
-        corpus_sh = load_shards(work / "data" / "corpus")
         report["corpus"]["positions_used"] = sum(s.answer_tokens for s in corpus_sh)
-        train_sh = train_sh + corpus_sh
     vocab_path = work / "vocab.npy"
-    if not vocab_path.exists():
-        np.save(vocab_path, reduced_vocab(train_sh, req.vocab_size, list(tm.eos_ids)))
+    if not vocab_path.exists():  # the answers and the corpus weigh the same in the vocabulary
+        vocab = reduced_vocab(train_sh, req.vocab_size, list(tm.eos_ids), more=[corpus_sh] if corpus_sh else [])
+        np.save(vocab_path, vocab)
+    train_sh = train_sh + corpus_sh
     vocab = np.load(vocab_path)
     cover = _coverage(val_sh, vocab)
     run.ui.log(

@@ -68,16 +68,26 @@ class Batch:
         )
 
 
-def reduced_vocab(shards: list[Shard], size: int, always: list[int]) -> np.ndarray:
+def reduced_vocab(
+    shards: list[Shard], size: int, always: list[int], *, more: tuple[list[Shard], ...] | list[list[Shard]] = ()
+) -> np.ndarray:
     """The ``size`` tokens the target predicts most often (argmax, then answer tokens), plus
-    ``always`` (eos); sorted ids [V'] int64 -- index i of the draft's output is token ids[i]."""
-    counts: dict[int, int] = {}
-    for sh in shards:
-        for arr in (sh.topk_ids[:, 0], sh.tokens):
-            u, c = np.unique(arr, return_counts=True)
-            for a, b in zip(u.tolist(), c.tolist()):
-                counts[a] = counts.get(a, 0) + b
-    ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    ``always`` (eos); sorted ids [V'] int64 -- index i of the draft's output is token ids[i].
+
+    ``more``: other groups of shards (the corpus) counted with the same total weight as
+    ``shards`` each, so a large corpus does not push out the answers' tokens."""
+    weights: dict[int, float] = {}
+    for group in (shards, *more):
+        counts: dict[int, int] = {}
+        for sh in group:
+            for arr in (sh.topk_ids[:, 0], sh.tokens):
+                u, c = np.unique(arr, return_counts=True)
+                for a, b in zip(u.tolist(), c.tolist()):
+                    counts[a] = counts.get(a, 0) + b
+        total = sum(counts.values()) or 1
+        for token, n in counts.items():
+            weights[token] = weights.get(token, 0.0) + n / total
+    ranked = [t for t, _ in sorted(weights.items(), key=lambda kv: (-kv[1], kv[0]))]
     keep = list(dict.fromkeys(list(always) + ranked))[:size]
     return np.array(sorted(keep), dtype=np.int64)
 

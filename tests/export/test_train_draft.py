@@ -367,3 +367,21 @@ def test_eagle_trees_are_lossless_and_the_head_reads_the_path_states(trained, ti
 
     for tokens, rows in seen:
         assert np.allclose(rows, anyio.run(states, tokens), atol=1e-4), tokens.size
+
+
+def test_reduced_vocabulary_weighs_the_answers_as_much_as_a_larger_corpus():
+    """A corpus ten times the answers does not push the answers' own tokens out of V'."""
+    from types import SimpleNamespace
+
+    from export.draft.train import reduced_vocab
+
+    def shard(tokens):
+        ids = np.asarray(tokens, dtype=np.int64)
+        return SimpleNamespace(tokens=ids, topk_ids=ids[:, None])
+
+    answers = [shard([1, 2, 3] * 10)]  # 30 positions over 3 tokens
+    corpus = [shard(list(range(10, 20)) * 30)]  # 300 positions, 10 tokens, each as frequent as an answer token
+    pooled = reduced_vocab(answers + corpus, 6, [0])
+    assert not {1, 2, 3} & set(pooled.tolist())  # pooled: each corpus token counts 60, an answer token 20
+    weighed = reduced_vocab(answers, 6, [0], more=[corpus])
+    assert {0, 1, 2, 3} <= set(weighed.tolist()) and weighed.size == 6
