@@ -106,6 +106,7 @@ class OrtModel(LanguageModel):
             entries=entries if prefix_cache_bytes else 0,
             budget_bytes=prefix_cache_bytes,
             block=block,
+            dtype=m.kv_dtype,
         )
         self.prefix_cache: PrefixCache = self.pool.cache  # slot bookkeeping; .enabled: it keeps prefixes
         self.executor = executor or BatchExecutor()  # an Engine's factory gives all its models one
@@ -296,7 +297,7 @@ class OrtModel(LanguageModel):
                 where = {
                     "device_type": self.device,
                     "device_id": 0,
-                    "element_type": np.float32,
+                    "element_type": pool.dtype.type,
                     "shape": shape,
                     "buffer_ptr": pool.pointer(layer, which, first_slot),
                 }
