@@ -116,6 +116,11 @@ class KVPool:
             discard=self.discard,
         )
 
+    @property
+    def reserved_per_slot(self) -> int:
+        """Bytes one slot reserves, every layer's K and V (committed only as positions are written)."""
+        return self.token_bytes * self.shape[2]
+
     def pointer(self, layer: int, which: int, slot: int) -> int:
         """Address of ``slot``'s ``[1, kv_heads, max_len + 1, d]`` slice (which: 0 key, 1 value);
         ``[B, ...]`` from there covers slots ``slot .. slot + B - 1``."""

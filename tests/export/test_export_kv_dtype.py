@@ -53,10 +53,12 @@ def test_pool_is_half_the_bytes(half, tiny_llama):
     pools = {}
     for folder in (half, tiny_llama):
         sess = KVSession(folder, read_manifest(folder), max_len=64)
-        pools[folder] = (sess.model.open_pool().dtype, sess.model.open_pool().slot_bytes)
+        pool = sess.model.open_pool()
+        pools[folder] = (pool.dtype, pool.slot_bytes, pool.token_bytes, pool.reserved_per_slot)
         sess.close()
     assert pools[half][0] == np.float16 and pools[tiny_llama][0] == np.float32
-    assert pools[half][1] * 2 == pools[tiny_llama][1]
+    assert [n * 2 for n in pools[half][1:]] == list(pools[tiny_llama][1:])
+    assert pools[half][2] == 2 * 2 * 2 * 16 * 2  # layers x K, V x kv heads x head_dim x 2 bytes
 
 
 def test_logits_stay_close_to_the_float32_kv_export(half, tiny_llama):
