@@ -372,8 +372,9 @@ def build_onnx(
     """
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if kv_dtype != "float32" and spec.latent is not None:
-        raise UnsupportedModelError(f"--kv-dtype {kv_dtype}: multi-head latent attention keeps its cache in float32")
+    if kv_dtype != "float32" and (spec.latent is not None or spec.alibi):
+        what = "ALiBi's biases grow with the position, past float16's" if spec.alibi else "latent attention's cache is"
+        raise UnsupportedModelError(f"--kv-dtype {kv_dtype}: {what} float32 only")
     sd = _graph_weights(model, spec)
     out_dir = Path(out_dir)
     with ExternalDataWriter(out_dir / "model.onnx.data") as data:

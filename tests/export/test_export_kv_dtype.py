@@ -16,8 +16,10 @@ pytest.importorskip("transformers")
 
 from tiny_models import export_tiny  # noqa: E402
 
-from export.errors import UsageError  # noqa: E402
+from export.errors import UnsupportedModelError, UsageError  # noqa: E402
+from export.graph import build_onnx  # noqa: E402
 from export.manifest import read_manifest  # noqa: E402
+from export.model_spec import ModelSpec  # noqa: E402
 from export.pipeline import Request, run  # noqa: E402
 from export.ui import Reporter  # noqa: E402
 from export.validate import KVSession  # noqa: E402
@@ -92,3 +94,22 @@ def test_greedy_spec_equals_greedy_ar_of_the_float16_graph(half, draft):
 def test_unknown_kv_dtype_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="'bfloat16'"):
         run(Request(src=str(tmp_path), out=tmp_path / "out", kv_dtype="bfloat16"), Reporter(quiet=True))
+
+
+def test_alibi_refuses_a_float16_kv(tmp_path):
+    """ALiBi's bias is a slope times the key's slot: float16 rounds it by up to 2 past 4,096."""
+    spec = ModelSpec(
+        family="bloom",
+        num_layers=1,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=16,
+        intermediate_size=1,
+        vocab_size=8,
+        max_positions=64,
+        rms_eps=1e-5,
+        alibi="absolute",
+    )
+    with pytest.raises(UnsupportedModelError, match="ALiBi"):
+        build_onnx(None, spec, tmp_path, kv_dtype="float16")
