@@ -39,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quantize", choices=["int4", "int8"], help="quantize the target itself")
     p.add_argument(
+        "--kv-dtype",
+        choices=["float32", "float16"],
+        default="float32",
+        help="the KV cache's element type (float16: half the KV memory, attention in float16; "
+        "greedy output is then exact to this graph, not the float32 one: docs/memory.md)",
+    )
+    p.add_argument(
         "--max-positions",
         type=int,
         metavar="N",
@@ -116,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 validate=args.validate,
                 force=args.force,
                 threads=args.threads,
+                kv_dtype=args.kv_dtype,
             ),
             ui,
         )

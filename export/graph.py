@@ -70,7 +70,7 @@ import numpy.typing as npt
 import onnx
 from onnx import TensorProto, helper
 
-from specdec_rt.manifest_schema import IO_NAMES, PACKED_ROLES, TREE_ROLES  # the names the manifest gives
+from specdec_rt.manifest_schema import IO_NAMES, KV_DTYPES, PACKED_ROLES, TREE_ROLES  # the names the manifest gives
 
 from .alibi import alibi_slopes
 from .embedding import EMBED_TABLE, quantize_embedding
@@ -194,6 +194,23 @@ class _Graph:
         self.quant = quant
         self.grids: dict[str, int] = {}  # weights kept on their source's grid, by form
         self._block_sums: dict[tuple[str, int], str] = {}  # (input, block size) -> its sums over blocks (offsets)
+        self.kv_dtype = "float32"  # the KV cache's, and so GroupQueryAttention's, element type
+
+    def to_kv(self, x: str, name: str) -> str:
+        """Float32 ``x`` as attention's element type (a ``Cast`` for a float16 cache)."""
+        if self.kv_dtype == "float32":
+            return x
+        return self.node("Cast", [x], [f"{name}/as_kv"], f"{name}/ToKV", to=TensorProto.FLOAT16)[0]
+
+    def from_kv(self, x: str, name: str) -> str:
+        """Attention's output ``x`` back in float32."""
+        if self.kv_dtype == "float32":
+            return x
+        return self.node("Cast", [x], [f"{name}/from_kv"], f"{name}/FromKV", to=TensorProto.FLOAT)[0]
+
+    def kv_init(self, name: str, array: Array) -> str:
+        """An initializer attention reads (rotary tables, sinks), in attention's element type."""
+        return self.init(name, array.astype(np.float16) if self.kv_dtype == "float16" else array)
 
     def node(
         self, op: str, inputs: list[str], outputs: list[str], name: str, *, domain: str = "", **attrs: Any
@@ -345,20 +362,29 @@ def build_onnx(
     quant: QuantSpec | None = None,
     *,
     on_layer: Callable[[int], None] | None = None,
+    kv_dtype: str = "float32",
 ) -> dict[str, Any]:
     """Write `model.onnx` + `model.onnx.data` into `out_dir`; returns {"nodes": n, ...}.
 
     `model` is a transformers causal LM of a supported family (``ModelSpec.family``) in
-    float32. `on_layer(i)` is called after each layer (progress bars).
+    float32. `on_layer(i)` is called after each layer (progress bars). ``kv_dtype``
+    ``"float16"``: the KV cache and attention itself in float16 (see :func:`_attention_dtype`).
     """
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if kv_dtype != "float32" and (spec.latent is not None or spec.alibi):
+        what = "ALiBi's biases grow with the position, past float16's" if spec.alibi else "latent attention's cache is"
+        raise UnsupportedModelError(f"--kv-dtype {kv_dtype}: {what} float32 only")
     sd = _graph_weights(model, spec)
     out_dir = Path(out_dir)
     with ExternalDataWriter(out_dir / "model.onnx.data") as data:
         graph = _Graph(data, quant, spec.rms_eps)
+        graph.kv_dtype = kv_dtype
         if spec.rotary_positions:
             _rotary_inits(graph, model, spec)
         graph.position_rows()  # [B, S] for attention, from the packed [1, N]
         bias = _alibi_bias(graph, alibi_slopes(model, spec.num_heads), spec) if spec.alibi else "attention_bias"
+        bias = graph.to_kv(bias, "/attention_bias")
         blocks = _Blocks(graph, sd, spec, attention_bias=bias)
         stream, res = blocks.embed(), None  # stream: the branch output to add; res: the running residual
         for i in range(spec.num_layers):
@@ -367,7 +393,7 @@ def build_onnx(
                 on_layer(i)
         embedding = blocks.lm_head(stream, res)
     inputs, outputs = decoder_io(
-        spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size, hidden=spec.hidden_size
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size, hidden=spec.hidden_size, kv_dtype=kv_dtype
     )
     stats = save_graph(graph, "decoder", inputs, outputs, path=out_dir / "model.onnx", producer="specdec-rt export")
     return stats | ({"embedding": embedding} if embedding else {})
@@ -450,12 +476,12 @@ def _rotary_inits(graph: _Graph, model: Any, spec: ModelSpec) -> None:
     turn by their own module (Gemma 3's ``rope_local_base_freq``, OLMo 3's unscaled one),
     ``cos_cache_local`` / ``sin_cache_local``."""
     cos, sin = rotary_tables(model, spec)
-    graph.init("cos_cache", cos)
-    graph.init("sin_cache", sin)
+    graph.kv_init("cos_cache", cos)
+    graph.kv_init("sin_cache", sin)
     if spec.local_rope:
         cos, sin = rotary_tables(model, spec, _rotary_module(model, local=True))
-        graph.init("cos_cache_local", cos)
-        graph.init("sin_cache_local", sin)
+        graph.kv_init("cos_cache_local", cos)
+        graph.kv_init("sin_cache_local", sin)
 
 
 class _Blocks:
@@ -557,10 +583,11 @@ class _Blocks:
         rotary = i not in spec.nope_layers and spec.rotary_positions  # SmolLM3: some layers have none
         window = spec.windows[i] if spec.windows else 0  # 0: every earlier position
         softcap = {"softcap": spec.attn_softcap} if spec.attn_softcap else {}
-        ins = gqa_inputs(graph.unpack(qkv, f"{name}/attn"), i, rotary=rotary, local=i in spec.local_rope_layers)
+        rows_in = graph.to_kv(graph.unpack(qkv, f"{name}/attn"), f"{name}/attn")
+        ins = gqa_inputs(rows_in, i, rotary=rotary, local=i in spec.local_rope_layers)
         ins[10] = self.attention_bias  # ALiBi: the runtime's bias plus the slopes' [1 or B, H, S, T]
         if spec.sinks:  # GPT-OSS: exp(sink) of each head joins its softmax's denominator
-            ins[11] = graph.init(f"{name}/attn/head_sink", _np(self.sd[att + "sinks"]))
+            ins[11] = graph.kv_init(f"{name}/attn/head_sink", _np(self.sd[att + "sinks"]))
         rows = graph.node(
             "GroupQueryAttention",
             ins,
@@ -575,7 +602,7 @@ class _Blocks:
             local_window_size=window if window else -1,  # itself and the window - 1 before it
             **softcap,
         )[0]
-        packed = graph.pack(rows, f"{name}/attn")  # [1, N, nh d]
+        packed = graph.pack(graph.from_kv(rows, f"{name}/attn"), f"{name}/attn")  # [1, N, nh d]
         w_o = self.padded(_np(self.sd[att + "o_proj.weight"]), spec.num_heads, spec.head_dim).T  # zero rows for padding
         return graph.linear(packed, w_o, f"{name}/attn/o_proj", self.bias(att + "o_proj"))
 
@@ -956,12 +983,14 @@ def decoder_io(
     hidden: int,
     extra_inputs: tuple[onnx.ValueInfoProto, ...] = (),
     packed: bool = True,
+    kv_dtype: str = "float32",
 ) -> tuple[list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]]:
     """The graph inputs / outputs every decoder graph of this exporter has (the manifest's
     names), plus ``extra_inputs`` (value infos). ``packed``: the positions of all rows come
     packed in one row (``input_ids`` ``[1, N]``, ``logits_index`` over the N), with the
-    ``PACKED_INPUTS`` that lay them out as rows for attention."""
+    ``PACKED_INPUTS`` that lay them out as rows for attention. ``kv_dtype``: the KV's type."""
     f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+    kv_type = TensorProto.FLOAT16 if kv_dtype == "float16" else f32
     vi = helper.make_tensor_value_info
     kv_shape: list[str | int | None] = ["batch_size", kv_heads, "max_cache_length", head_dim]
     inputs = [
@@ -986,8 +1015,8 @@ def decoder_io(
     ]
     for i in range(num_layers):
         for kind in ("key", "value"):
-            inputs.append(vi(f"past_key_values.{i}.{kind}", f32, kv_shape))
-            outputs.append(vi(f"present.{i}.{kind}", f32, kv_shape))
+            inputs.append(vi(f"past_key_values.{i}.{kind}", kv_type, kv_shape))
+            outputs.append(vi(f"present.{i}.{kind}", kv_type, kv_shape))
     return inputs, outputs
 
 

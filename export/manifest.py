@@ -46,8 +46,8 @@ __all__ = [
 ]
 
 
-def onnx_section(quantization: dict[str, Any] | None) -> dict[str, Any]:
-    """The manifest's `onnx` record for graphs from `export.graph`."""
+def onnx_section(quantization: dict[str, Any] | None, kv_dtype: str = "float32") -> dict[str, Any]:
+    """The manifest's `onnx` record for graphs from `export.graph` (``kv_dtype``: the KV cache's)."""
     return {
         "file": "model.onnx",
         "data_file": "model.onnx.data",
@@ -55,7 +55,7 @@ def onnx_section(quantization: dict[str, Any] | None) -> dict[str, Any]:
         "quantization": quantization,
         "inputs": {k: IO_NAMES[k] for k in (*REQUIRED_INPUTS, *PACKED_ROLES, *TREE_ROLES)},
         "outputs": {"logits": IO_NAMES["logits"], "hidden": IO_NAMES["hidden"]},
-        "kv": {"layout": KV_LAYOUT, "shared_buffer": True, "dtype": "float32", **{k: IO_NAMES[k] for k in KV_ROLES}},
+        "kv": {"layout": KV_LAYOUT, "shared_buffer": True, "dtype": kv_dtype, **{k: IO_NAMES[k] for k in KV_ROLES}},
     }
 
 
@@ -83,6 +83,7 @@ def build_manifest(
     graph: dict[str, Any],
     drafts: list[dict[str, Any]] | None = None,
     draft_of: str | None = None,
+    kv_dtype: str = "float32",
 ) -> dict[str, Any]:
     """Assemble the manifest for a finished folder (hashes every file in it)."""
     manifest: dict[str, Any] = {
@@ -98,7 +99,7 @@ def build_manifest(
             "sha256": sha256_file(Path(folder) / "tokenizer.json"),
         },
         "onnx": {
-            **onnx_section(quantization),
+            **onnx_section(quantization, kv_dtype),
             "nodes": graph["nodes"],
             **({"weight_forms": graph["weight_forms"]} if "weight_forms" in graph else {}),
             **({"embedding": graph["embedding"]} if "embedding" in graph else {}),

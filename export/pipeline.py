@@ -17,12 +17,14 @@ import gc
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+
+from specdec_rt.manifest_schema import KV_DTYPES
 
 from . import __version__
 from .errors import (
@@ -78,6 +80,7 @@ class Request:
     validate: bool = True
     force: bool = False
     threads: int | None = None
+    kv_dtype: str = "float32"  # the KV cache's element type (KV_DTYPES), every folder's
 
 
 @dataclass
@@ -129,6 +132,7 @@ class Job:
     ref: SourceRef | None  # None: built from the target's weights
     quantize: str | None
     head: dict[str, Any] | None = None  # a trained EAGLE head shipped with the recipe: {path, sha256}
+    kv_dtype: str = "float32"  # the KV cache's element type
 
     def build_key(self) -> dict[str, Any]:
         src: object = self.ref.fingerprint() if self.ref else "target"
@@ -136,7 +140,8 @@ class Job:
             src = {"trained_head": self.head["sha256"]}
         # the form, not just the bits (a draft's int4 keeps fewer grids than a target's)
         quant = quant_spec(self.quantize, self.role).manifest() if self.quantize else None
-        return {"name": self.name, "role": self.role, "source": src, "quantize": quant}
+        key = {"name": self.name, "role": self.role, "source": src, "quantize": quant}
+        return key | ({"kv_dtype": self.kv_dtype} if self.kv_dtype != "float32" else {})
 
 
 @dataclass
@@ -166,6 +171,8 @@ def _check_options(req: Request) -> None:
     for opt, value in (("--quantize", req.quantize), ("--draft-quant", req.draft_quant)):
         if value is not None and value not in QUANT_SPECS:
             raise UsageError(f"{opt} must be one of {', '.join(QUANT_SPECS)}")
+    if req.kv_dtype not in KV_DTYPES:
+        raise UsageError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {req.kv_dtype!r}")
     positions = req.max_positions
     if positions is not None and (
         isinstance(positions, bool) or not isinstance(positions, int) or positions < MIN_POSITIONS
@@ -218,6 +225,7 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
     else:
         out = model_dir(name)
     jobs = [Job(name=name, role="target", subdir="", ref=target, quantize=quantize)] + drafts
+    jobs = [replace(job, kv_dtype=req.kv_dtype) for job in jobs]
     out = out.absolute()
     for job in drafts:  # a draft folder is a plain subfolder of the output, never elsewhere
         if not NAME_RE.fullmatch(job.name):
@@ -225,7 +233,18 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
     return out, name, jobs, max_positions
 
 
-def _exact_to(source: Source, quantize: str | None, role: str = "target") -> str:
+def _exact_to(source: Source, quantize: str | None, role: str = "target", kv_dtype: str = "float32") -> str:
+    exact = _exact_weights(source, quantize, role)
+    if kv_dtype == "float32":
+        return exact
+    return (
+        f"{exact}; its KV cache and attention in {kv_dtype}: greedy output is exact to this "
+        "graph, not to the float32-KV one"
+    )
+
+
+def _exact_weights(source: Source, quantize: str | None, role: str) -> str:
+    """What a graph with a float32 KV is exact to."""
     what = (
         f"the float32 dequantization of {source.path.name} (sha256 {source.record.get('sha256', 'unpinned')})"
         if source.gguf_file
@@ -325,7 +344,7 @@ class _Builder:
         quant = quant_spec(job.quantize, job.role) if job.quantize else None
         with self.ui.stage(f"write ONNX graph for {_label(job)}"):
             bar = self.ui.bar(base.spec.num_layers, "layers", "layer")
-            graph = build_onnx(model, base.spec, folder, quant, on_layer=lambda i: bar.update(1))
+            graph = build_onnx(model, base.spec, folder, quant, on_layer=lambda i: bar.update(1), kv_dtype=job.kv_dtype)
             bar.close()
         if job.role == "target":
             info = self.target_info = save_tokenizer(base.tok, folder, model.generation_config)
@@ -353,12 +372,13 @@ class _Builder:
             tok=written.info,
             folder=written.folder,
             quantization=quant.manifest() if quant else None,
-            exact_to=_exact_to(base.src, job.quantize, job.role),
+            exact_to=_exact_to(base.src, job.quantize, job.role, job.kv_dtype),
             source=source,
             build=self.build if job.role == "target" else {"exporter": __version__},
             validation=report.manifest() if report else None,
             graph=written.graph,
             draft_of=self.name if job.role == "draft" else None,
+            kv_dtype=job.kv_dtype,
         )
         if job.role == "draft":
             write_manifest(written.folder, manifest)
@@ -376,7 +396,7 @@ class _Builder:
                 "name": job.name,
                 "role": job.role,
                 "architecture": base.spec.manifest(),
-                "onnx": onnx_section(written.quant.manifest() if written.quant else None),
+                "onnx": onnx_section(written.quant.manifest() if written.quant else None, job.kv_dtype),
             }
             return validate_graph(
                 written.folder,
@@ -385,7 +405,7 @@ class _Builder:
                 base.ref.logits,
                 prompt_len=base.ref.prompt_len,
                 threads=self.req.threads,
-                quantized=written.quant is not None,
+                quantized=written.quant is not None or job.kv_dtype != "float32",  # correlation floor
                 label=_label(job),
             )
 

@@ -33,6 +33,7 @@ __all__ = [
     "MODEL_ROLES",
     "KV_LAYOUT",
     "KV_ROLES",
+    "KV_DTYPES",
     "REQUIRED_INPUTS",
     "PACKED_ROLES",
     "TREE_ROLES",
@@ -88,6 +89,7 @@ MAX_TOKEN_ID = 1 << 22  # token ids are 0 .. MAX_TOKEN_ID - 1
 MODEL_ROLES = ("target", "draft")  # "role"
 KV_LAYOUT = "BNSH"  # onnx.kv.layout: [B, kv_heads, max_len, head_dim], past and present in one buffer
 KV_ROLES = ("past_key", "past_value", "present_key", "present_value")  # onnx.kv name templates
+KV_DTYPES = ("float32", "float16")  # onnx.kv.dtype: the cache's element type (float16 halves it)
 REQUIRED_INPUTS = ("input_ids", "seqlens_k", "total_sequence_length", "logits_index")  # onnx.inputs of every graph
 # Packed rows: all rows' new positions in one row for the MatMuls, laid out as right-padded rows
 # for attention only (a batch of verifies pays for its real positions, not the padding)

@@ -246,8 +246,8 @@ def assemble_draft(
         vocab,
         embed=tensors["embed_tokens.weight"],
         lm_head=tensors["lm_head.weight"],
-        cos=tensors["cos_cache"],
-        sin=tensors["sin_cache"],
+        cos=tensors["cos_cache"].astype(np.float32),  # float16 in a target with a float16 KV
+        sin=tensors["sin_cache"].astype(np.float32),
         out_dir=out_dir,
     )
     np.save(out_dir / "vocab.npy", vocab)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import InferenceError, ModelLoadError
 from ..kvcache.prefix import Hit, PrefixCache
@@ -35,10 +36,11 @@ PAGE = mmap.PAGESIZE
 
 
 class _HostBuffer:
-    """A zero-filled float32 array in an anonymous memory map (pages committed on write)."""
+    """A zero-filled array of ``dtype`` in an anonymous memory map (pages committed on write)."""
 
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        nbytes = int(np.prod(shape)) * 4
+    def __init__(self, shape: tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> None:
+        self.itemsize = np.dtype(dtype).itemsize
+        nbytes = int(np.prod(shape)) * self.itemsize
         private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
         # private: MADV_DONTNEED then frees the pages (a shared map would keep them in memory)
         try:
@@ -51,7 +53,7 @@ class _HostBuffer:
         if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a slot's rows are ~1 MB runs: 2 MB pages would
             self.map.madvise(mmap.MADV_NOHUGEPAGE)  # commit (and zero) memory nobody writes
         # typed: numpy's stubs give reshape(tuple[int, ...]) the shape type of a 0-d array
-        self.array: np.ndarray = np.frombuffer(self.map, dtype=np.float32, count=int(np.prod(shape))).reshape(shape)
+        self.array: np.ndarray = np.frombuffer(self.map, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
 
     def release(self, start: int, stop: int) -> None:
         """Give the whole pages inside bytes ``start .. stop-1`` back (they read as zeros)."""
@@ -62,7 +64,8 @@ class _HostBuffer:
 
 class KVPool:
     """Key and value buffers for ``running + entries`` slots, per layer
-    ``[slots, kv_heads, max_len + 1, d]``, and the slot bookkeeping (``cache``).
+    ``[slots, kv_heads, max_len + 1, d]`` of ``dtype`` (the manifest's ``onnx.kv.dtype``:
+    float16 halves every byte count), and the slot bookkeeping (``cache``).
 
     Position ``max_len`` of every slot is scratch: a batched call writes the dummy token of a row
     that takes no part in it there when the row's cache is full (see ``OrtModel.run_batch_sync``).
@@ -82,20 +85,23 @@ class KVPool:
         entries: int = 0,
         budget_bytes: int = 0,
         block: int = 64,
+        dtype: str = "float32",
     ) -> None:
         entries = entries if device == "cpu" else 0  # CUDA: no prefix cache (see above)
         slots = running + entries
         self.shape = (slots, kv_heads, max_len + 1, head_dim)
         self.device = device
-        self.slot_bytes = int(np.prod(self.shape[1:])) * 4  # float32
-        self.token_bytes = layers * 2 * kv_heads * head_dim * 4  # one position, every layer, K and V
+        self.dtype = np.dtype(dtype)
+        size = self.dtype.itemsize
+        self.slot_bytes = int(np.prod(self.shape[1:])) * size
+        self.token_bytes = layers * 2 * kv_heads * head_dim * size  # one position, every layer, K and V
         self._buffers = []  # [layer] -> (key, value)
         for _ in range(layers):
             if device == "cpu":
-                pair = (_HostBuffer(self.shape), _HostBuffer(self.shape))
+                pair = (_HostBuffer(self.shape, self.dtype), _HostBuffer(self.shape, self.dtype))
             else:
                 pair = tuple(
-                    ort.OrtValue.ortvalue_from_shape_and_type(self.shape, np.float32, "cuda", 0) for _ in range(2)
+                    ort.OrtValue.ortvalue_from_shape_and_type(self.shape, self.dtype.type, "cuda", 0) for _ in range(2)
                 )
             self._buffers.append(pair)
         self.hidden: _HostBuffer | None = None  # [slots, max_len + 1, H] target hidden states, if kept
@@ -109,6 +115,11 @@ class KVPool:
             copy_parts=self.copy_parts,
             discard=self.discard,
         )
+
+    @property
+    def reserved_per_slot(self) -> int:
+        """Bytes one slot reserves, every layer's K and V (committed only as positions are written)."""
+        return self.token_bytes * self.shape[2]
 
     def pointer(self, layer: int, which: int, slot: int) -> int:
         """Address of ``slot``'s ``[1, kv_heads, max_len + 1, d]`` slice (which: 0 key, 1 value);
@@ -154,13 +165,14 @@ class KVPool:
 
     def discard(self, slot: int, start: int, stop: int) -> None:
         """Give the memory of positions ``start .. stop-1`` of ``slot`` back (worker thread)."""
-        rows = self.shape[2] * self.shape[3] * 4  # bytes per kv head
+        position = self.shape[3] * self.dtype.itemsize  # bytes per position of one kv head
+        rows = self.shape[2] * position  # bytes per kv head
         for pair in self._buffers:
             for buf in pair:
                 if isinstance(buf, _HostBuffer):
-                    for h in range(self.shape[1]):
-                        base = (slot * self.shape[1] + h) * rows
-                        buf.release(base + start * self.shape[3] * 4, base + stop * self.shape[3] * 4)
+                    for head in range(self.shape[1]):
+                        base = (slot * self.shape[1] + head) * rows
+                        buf.release(base + start * position, base + stop * position)
         if self.hidden is not None:
             row = self.hidden.array.shape[2] * 4
             base = slot * self.shape[2] * row

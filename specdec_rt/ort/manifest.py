@@ -29,6 +29,7 @@ from typing import Any
 from ..errors import ModelLoadError, ModelNotBuiltError
 from ..manifest_schema import (
     CACHE_ENV,
+    KV_DTYPES,
     KV_LAYOUT,
     KV_ROLES,
     LIMITS,
@@ -157,6 +158,8 @@ class Manifest:
     sliding_window: int = 0
     # ALiBi position biases (BLOOM): added by cache slot, so such a model verifies chains too
     alibi: bool = False
+    # the KV cache's element type (onnx.kv.dtype, one of KV_DTYPES)
+    kv_dtype: str = "float32"
 
     def kv_name(self, role: str, layer: int) -> str:
         """ONNX name of ``past_key`` / ``past_value`` / ``present_key`` / ``present_value``."""
@@ -258,7 +261,15 @@ def _read_fields(folder: Path, raw: dict[str, Any], path: Path) -> Manifest:
             arch.get("sliding_window", 0), "architecture.sliding_window", path, lo=0, hi=LIMITS["max_positions"][1]
         ),
         alibi=_bool(arch.get("alibi", False), "architecture.alibi", path),
+        kv_dtype=_kv_dtype(kv.get("dtype", "float32"), path),
     )
+
+
+def _kv_dtype(value: Any, path: Path) -> str:
+    """``onnx.kv.dtype``, one of :data:`KV_DTYPES`."""
+    if not isinstance(value, str) or value not in KV_DTYPES:
+        raise ModelLoadError(f"{path}: onnx.kv.dtype {_short(value)} is not one of {', '.join(KV_DTYPES)}")
+    return value
 
 
 def _check_graph_names(m: Manifest, path: Path) -> None:

@@ -95,17 +95,8 @@ class OrtModel(LanguageModel):
         self.session: Any = self._open_session(ort, threads, alone=alone, provider=provider, shared=shared_weights)
         self._choose_paths()  # (the graph checked first; sets the device)
         entries = max(slots, MIN_CACHE_ENTRIES) if cache_entries is None else cache_entries
-        self.pool: KVPool | None = KVPool(
-            layers=m.num_layers,
-            kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim,
-            running=slots,
-            max_len=self.max_length,
-            device=self.device,
-            ort=ort,
-            entries=entries if prefix_cache_bytes else 0,
-            budget_bytes=prefix_cache_bytes,
-            block=block,
+        self.pool: KVPool | None = self._new_pool(
+            ort, slots, entries=entries if prefix_cache_bytes else 0, budget_bytes=prefix_cache_bytes, block=block
         )
         self.prefix_cache: PrefixCache = self.pool.cache  # slot bookkeeping; .enabled: it keeps prefixes
         self.executor = executor or BatchExecutor()  # an Engine's factory gives all its models one
@@ -286,6 +277,33 @@ class OrtModel(LanguageModel):
         self._batch_io.clear()
         self._owners.clear()
 
+    def _new_pool(self, ort: Any, slots: int, *, entries: int, budget_bytes: int, block: int) -> KVPool:
+        """The KV pool of ``slots`` running slots and ``entries`` prefix-cache slots, in the
+        manifest's ``onnx.kv.dtype``; logs its element type and bytes (``model.kv_pool``)."""
+        m = self.manifest
+        pool = KVPool(
+            layers=m.num_layers,
+            kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            running=slots,
+            max_len=self.max_length,
+            device=self.device,
+            ort=ort,
+            entries=entries,
+            budget_bytes=budget_bytes,
+            block=block,
+            dtype=m.kv_dtype,
+        )
+        get_logger("specdec_rt").info(
+            "model.kv_pool",
+            model=self.name,
+            dtype=self.manifest.kv_dtype,
+            slots=slots,
+            bytes_per_token=pool.token_bytes,
+            bytes_per_slot=pool.reserved_per_slot,
+        )
+        return pool
+
     def _bind_kv(self, io: Any, first_slot: int, rows: int) -> None:
         """Bind every layer's past and present KV to the same ``[rows, kv, max_len + 1, d]``
         slice of the pool, starting at ``first_slot``: appends happen in place."""
@@ -296,7 +314,7 @@ class OrtModel(LanguageModel):
                 where = {
                     "device_type": self.device,
                     "device_id": 0,
-                    "element_type": np.float32,
+                    "element_type": pool.dtype.type,
                     "shape": shape,
                     "buffer_ptr": pool.pointer(layer, which, first_slot),
                 }

@@ -168,6 +168,12 @@ def test_kv_name_templates_are_checked(model, template):
     assert time.perf_counter() - t0 < 1.0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "FLOAT16", 2, None, ["float16"]])
+def test_kv_dtype_outside_the_known_ones_is_refused_naming_it(model, dtype):
+    model["man"]["onnx"]["kv"]["dtype"] = dtype
+    _fails(model["write"](), f"onnx.kv.dtype {dtype!r}")
+
+
 @pytest.mark.parametrize("text", ["[]", "null", "3", '"manifest"', "[" * 100000, "{bad json", "\xff\xfe"])
 def test_manifest_that_is_not_an_object(model, text):
     """Was: AttributeError ('list' object has no attribute 'get')."""
