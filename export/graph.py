@@ -76,7 +76,7 @@ from .alibi import alibi_slopes
 from .embedding import EMBED_TABLE, quantize_embedding
 from .errors import UnsupportedModelError
 from .grid import find_grid
-from .layout import check_weights, pad_heads, rename, rotary_width, split_fused
+from .layout import check_weights, gqa_inputs, pad_heads, rename, rotary_width, split_fused
 from .mla import grouped_router, latent_attention
 from .model_spec import ModelSpec
 from .quant import QuantSpec, quantize
@@ -947,30 +947,6 @@ def _head_layer_norm(graph: _Graph, rows: str, w: Array, *, name: str, bias: Arr
         return out
     return graph.node("Add", [out, graph.init(f"{name}/head_biases", bias)], [f"{name}/biased"], f"{name}/HeadBiases")[
         0
-    ]
-
-
-def gqa_inputs(qkv: str, layer: int, *, packed: bool = True, rotary: bool = True, local: bool = False) -> list[str]:
-    """GroupQueryAttention's inputs: QKV, the layer's KV, the sequence lengths, the rotary
-    tables (none for a layer without rotary, ``rotary=False``; a sliding layer's own, ``local``:
-    Gemma 3), and for ``packed`` graphs: (10th, 11th) ``position_rows`` ``[B, S]`` and
-    ``attention_bias`` ``[1, 1, S, total]`` (a tree mask: each new position sees what the bias
-    leaves at 0, besides causal order), and (17th) ``query_seqlens`` ``[B]``, the new positions
-    of each row. With it ONNX Runtime's CPU kernel takes several rows of several new positions
-    *with* a past in one call (rows right-padded; padding is neither attended to nor written to
-    the cache; a row with 0 new positions is left untouched), which a batched verify needs;
-    without it, only batch 1."""
-    tables = ["", ""] if not rotary else ["cos_cache_local", "sin_cache_local"] if local else ["cos_cache", "sin_cache"]
-    return [
-        qkv,
-        "",
-        "",
-        f"past_key_values.{layer}.key",
-        f"past_key_values.{layer}.value",
-        "seqlens_k",
-        "total_sequence_length",
-        *tables,
-        *(["position_rows", "attention_bias"] + [""] * 5 + ["query_seqlens"] if packed else []),
     ]
 
 

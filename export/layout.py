@@ -22,6 +22,7 @@ __all__ = [
     "split_fused",
     "graph_head_dim",
     "rotary_width",
+    "gqa_inputs",
 ]
 
 # ONNX Runtime's CPU GroupQueryAttention with rotary takes head sizes that are multiples of 16 only; a model
@@ -199,3 +200,27 @@ def check_weights(sd: dict[str, Any], spec: ModelSpec) -> None:
         raise UnsupportedModelError(
             f"unsupported weights {', '.join(extra[:3])}{more}: the graph has no place for them"
         )
+
+
+def gqa_inputs(qkv: str, layer: int, *, packed: bool = True, rotary: bool = True, local: bool = False) -> list[str]:
+    """GroupQueryAttention's inputs: QKV, the layer's KV, the sequence lengths, the rotary
+    tables (none for a layer without rotary, ``rotary=False``; a sliding layer's own, ``local``:
+    Gemma 3), and for ``packed`` graphs: (10th, 11th) ``position_rows`` ``[B, S]`` and
+    ``attention_bias`` ``[1, 1, S, total]`` (a tree mask: each new position sees what the bias
+    leaves at 0, besides causal order), and (17th) ``query_seqlens`` ``[B]``, the new positions
+    of each row. With it ONNX Runtime's CPU kernel takes several rows of several new positions
+    *with* a past in one call (rows right-padded; padding is neither attended to nor written to
+    the cache; a row with 0 new positions is left untouched), which a batched verify needs;
+    without it, only batch 1."""
+    tables = ["", ""] if not rotary else ["cos_cache_local", "sin_cache_local"] if local else ["cos_cache", "sin_cache"]
+    return [
+        qkv,
+        "",
+        "",
+        f"past_key_values.{layer}.key",
+        f"past_key_values.{layer}.value",
+        "seqlens_k",
+        "total_sequence_length",
+        *tables,
+        *(["position_rows", "attention_bias"] + [""] * 5 + ["query_seqlens"] if packed else []),
+    ]

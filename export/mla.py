@@ -38,7 +38,7 @@ import numpy.typing as npt
 from onnx import TensorProto, helper
 
 from .errors import UnsupportedModelError
-from .layout import HEAD_MULTIPLE, pad_heads, rotary_width
+from .layout import HEAD_MULTIPLE, gqa_inputs, pad_heads, rotary_width
 
 if TYPE_CHECKING:
     from .graph import _Blocks, _Graph
@@ -273,8 +273,6 @@ def latent_attention(blocks: _Blocks, normed: str, layer: int) -> str:
     """Layer ``layer``'s latent attention on ``normed`` ``[1, N, H]``: queries, whole keys and
     values, GroupQueryAttention (partial rotary on each head's first ``turned`` dimensions), the
     output projection (zero rows for each head's padding past its value)."""
-    from .graph import gqa_inputs
-
     graph, spec = blocks.g, blocks.spec
     assert spec.latent is not None
     name, att = f"/layers.{layer}/attn", f"model.layers.{layer}.self_attn."
