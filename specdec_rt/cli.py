@@ -59,6 +59,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(sub)
     demo = sub.add_parser("demo", help="the main job: build the default model if needed, stream, compare")
     _model_args(demo)
+    _shared_weights_arg(demo)
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--no-build", action="store_true", help="fail instead of building a missing model")
     bench = sub.add_parser("bench", help="side-by-side benchmark (see docs/benchmarks.md)")
@@ -80,6 +81,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _add_generate_parser(sub: argparse._SubParsersAction[_OneLineParser]) -> None:
     gen = sub.add_parser("generate", help="generate text with speculative (or plain) decoding")
     _model_args(gen)
+    _shared_weights_arg(gen)
     gen.add_argument("--prompt", required=True, help="the prompt text (a user message with --chat)")
     gen.add_argument("--chat", action="store_true", help="render the prompt with the chat template")
     gen.add_argument(
@@ -197,6 +199,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_count, default=None, help="ONNX Runtime intra-op threads per model (1-256)")
     p.add_argument("--max-length", type=int, default=None, help="KV cache capacity per request")
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
+
+
+def _shared_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--shared-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="map a prepacked copy of each model's weights, written once per machine to the cache "
+        "(default on; --no-shared-weights: pack them in this process, a lower peak for a lone one)",
+    )
 
 
 async def _generate(args: argparse.Namespace) -> int:

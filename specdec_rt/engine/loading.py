@@ -51,8 +51,8 @@ def ensure_built(model: str, allow_build: bool = True, say: Callable[[str], None
 
 async def load_engine(args: argparse.Namespace, draft: str | None = None) -> Engine:
     """An :class:`~specdec_rt.Engine` (one slot) from the CLI's model options (``--model``,
-    ``--draft``, ``--threads``, ``--max-length``, ``--provider``); ``draft`` overrides
-    ``args.draft``."""
+    ``--draft``, ``--threads``, ``--max-length``, ``--provider``, ``--shared-weights``);
+    ``draft`` overrides ``args.draft``."""
     from .engine import Engine
 
     return await Engine.load(
@@ -62,4 +62,5 @@ async def load_engine(args: argparse.Namespace, draft: str | None = None) -> Eng
         max_length=args.max_length,
         provider=args.provider,
         slots=1,
+        shared_weights=args.shared_weights,
     )

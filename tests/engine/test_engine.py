@@ -438,3 +438,23 @@ def test_cli_generate_json_schema(tiny_llama, tmp_path):
             cmd + extra if extra[0] == "--json-object" else cmd[:-2] + extra, capture_output=True, text=True
         )
         assert bad.returncode in (1, 2) and needle in bad.stderr and bad.stdout == ""
+
+
+@pytest.mark.parametrize("command", ["generate", "demo"])
+def test_cli_shared_weights_flag_reaches_the_engine(monkeypatch, command):
+    """``--no-shared-weights`` (default on) reaches Engine.load for the commands that load one."""
+    from specdec_rt.cli import _build_parser
+    from specdec_rt.engine import loading
+    from specdec_rt.engine.engine import Engine
+
+    seen = []
+
+    async def fake_load(model, **kw):
+        seen.append(kw["shared_weights"])
+
+    monkeypatch.setattr(Engine, "load", staticmethod(fake_load))
+    extra = ["--prompt", "x"] if command == "generate" else []
+    for flags, want in (([], True), (["--no-shared-weights"], False), (["--shared-weights"], True)):
+        args = _build_parser().parse_args([command, "--model", "m", *extra, *flags])
+        anyio.run(loading.load_engine, args)
+        assert seen[-1] is want, flags
