@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import ModelLoadError
 from ..sampling import greedy_ids, sample, warp
-from ..speculation.adapters import SIBLING_RANKS, TARGET_HIDDEN
+from ..speculation.adapters import SIBLING_RANKS, TARGET_HIDDEN, softmax, with_siblings
 from ..speculation.context import RequestContext
 from ..speculation.protocols import DraftInferrer
 from ..types import DraftToken
@@ -125,8 +125,7 @@ class EagleDrafter(DraftInferrer):
                 break
             x = np.array([drafts[-1].id], dtype=np.int64)
             logits, g = await s.extend(x, 1, features=g[-1:], hidden=True)  # its own guess of h
-        chosen = sorted(candidates, reverse=True)[:nodes]
-        return drafts + [DraftToken(y, parent=i - 1) for _, i, y in sorted(chosen, key=lambda c: c[1])]
+        return with_siblings(drafts, candidates, nodes)
 
     def _siblings(
         self, logits: np.ndarray, chain_id: int, *, depth: int, reach: float, into: list[tuple[float, int, int]]
@@ -134,8 +133,7 @@ class EagleDrafter(DraftInferrer):
         """The head's ``SIBLING_RANKS`` best alternatives to the chain's token at ``depth``, scored
         by the head's probability of reaching them (EAGLE-2's rule), appended to ``into``.
         Returns the chain's reach one level deeper. logits [V']."""
-        q = np.exp(logits - logits.max())  # [V']
-        q /= q.sum()
+        q = softmax(logits)  # [V']
         ranks = min(SIBLING_RANKS + 1, q.size)
         best = np.argpartition(q, -ranks)[-ranks:]  # [ranks] in V'
         into += [(reach * float(q[j]), depth, int(self.vocab[j])) for j in best if self.vocab[j] != chain_id]

@@ -28,7 +28,15 @@ from ..types import DraftToken, Verdict
 from .context import RequestContext
 from .protocols import CacheSession, DraftInferrer, LanguageModel, TargetVerifier
 
-__all__ = ["SyncedSession", "ModelDrafter", "ModelVerifier", "TargetHidden", "TARGET_HIDDEN"]
+__all__ = [
+    "SyncedSession",
+    "ModelDrafter",
+    "ModelVerifier",
+    "TargetHidden",
+    "TARGET_HIDDEN",
+    "softmax",
+    "with_siblings",
+]
 
 TARGET_HIDDEN = "target_hidden"  # RequestContext state key of the verifier's TargetHidden
 TREE_TAIL_MAX = 8  # a tree goes after at most this many uncommitted tokens (not after a prompt)
@@ -185,7 +193,7 @@ class ModelDrafter(_ModelUser, DraftInferrer):
                 scores = biased(logits, ctx.params)  # [V] the logits the target's argmax will read
                 x = int(greedy_ids(scores))
                 drafts.append(DraftToken(x))  # deterministic: q is one-hot at x
-                q = _softmax(scores) if plan.tree_nodes else None  # [V] only to rank siblings
+                q = softmax(scores) if plan.tree_nodes else None  # [V] only to rank siblings
             else:
                 q = warp(logits, ctx.params)  # [V]
                 x = sample(q, ctx.rng)
@@ -199,11 +207,19 @@ class ModelDrafter(_ModelUser, DraftInferrer):
                 reach *= float(q[x])
             feed = np.array([x], dtype=np.int64)  # the last draft is never fed: it may be rejected
         plan.draft_steps = (max(len(drafts) - 1, 0), stepped)  # one draft per call
-        chosen = sorted(candidates, reverse=True)[: plan.tree_nodes]
-        return drafts + [DraftToken(y, parent=i - 1) for _, i, y in sorted(chosen, key=lambda c: c[1])]
+        return with_siblings(drafts, candidates, plan.tree_nodes)
 
 
-def _softmax(logits: np.ndarray) -> np.ndarray:
+def with_siblings(
+    drafts: list[DraftToken], candidates: Sequence[tuple[float, int, int]], nodes: int
+) -> list[DraftToken]:
+    """The chain ``drafts`` plus the ``nodes`` most probable ``candidates`` (probability of
+    reaching it, depth, token id) as tree nodes, each a child of the chain's token above it."""
+    chosen = sorted(candidates, reverse=True)[:nodes]
+    return drafts + [DraftToken(y, parent=i - 1) for _, i, y in sorted(chosen, key=lambda c: c[1])]
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
     weights: np.ndarray = np.exp(logits - logits.max())  # [V]
     probs: np.ndarray = weights / weights.sum()
     return probs
@@ -272,9 +288,7 @@ class ModelVerifier(_ModelUser, TargetVerifier):
             if self.share_hidden:
                 start = s.session.length
                 logits, hidden = await s.extend(feed, k + 1, hidden=True)  # hidden [S, H]
-                ctx.state(
-                    TARGET_HIDDEN, lambda: TargetHidden(self.model.max_length, hidden.shape[-1], s.session)
-                ).write(start, hidden)
+                self._share_states(ctx, s, start, hidden)
             else:
                 logits = await s.extend(feed, k + 1)  # [k+1, V]: p_0 .. p_k before warping
             _note_cached_prompt(ctx, s, first)
@@ -290,6 +304,11 @@ class ModelVerifier(_ModelUser, TargetVerifier):
                 out = self.sampler(draft_ids, _q_rows(drafts, p), p, ctx.rng)
         lp = None if ctx.logprobs is None else token_logprobs(logits[: out.size], out, ctx.logprobs)
         return Verdict(tokens=out, accepted=len(out) - 1, logprobs=lp)
+
+    def _share_states(self, ctx: RequestContext, s: SyncedSession, start: int, states: np.ndarray) -> None:
+        """The target's hidden states ``[S, H]`` of positions ``start ..``, for the drafter."""
+        width = states.shape[-1]
+        ctx.state(TARGET_HIDDEN, lambda: TargetHidden(self.model.max_length, width, s.session)).write(start, states)
 
     async def _verify_tree(self, ctx: RequestContext, drafts: Sequence[DraftToken], parents: list[int]) -> Verdict:
         """One call over the n tree nodes after the uncommitted tail (as a chain), then the tree
@@ -319,9 +338,7 @@ class ModelVerifier(_ModelUser, TargetVerifier):
         keep = np.concatenate([np.arange(m), m + path])  # the tail, then the accepted nodes
         s.accept_tree(start, keep)
         if hidden is not None:  # the committed positions' states, in their new order
-            states = hidden[keep]  # [m + accepted, H]
-            width = states.shape[-1]
-            ctx.state(TARGET_HIDDEN, lambda: TargetHidden(self.model.max_length, width, s.session)).write(start, states)
+            self._share_states(ctx, s, start, hidden[keep])  # [m + accepted, H]
         lp = (
             None if ctx.logprobs is None else token_logprobs(logits[np.concatenate([[0], 1 + path])], out, ctx.logprobs)
         )
