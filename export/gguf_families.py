@@ -33,7 +33,7 @@ from .gguf_meta import GGUFInfo
 __all__ = ["NEW_GGUF_FAMILIES", "gguf_config_overrides", "register_gguf_families"]
 
 NEW_GGUF_FAMILIES = ("qwen3", "phi3", "smollm3", "gemma2", "gemma3")  # llama.cpp names Gemma 3's text model gemma3
-UNKNOWN_TO_TRANSFORMERS = ("gemma", "phi2", "olmo2", "granite", "gptneox")  # architectures its GGUF table lacks
+UNKNOWN_TO_TRANSFORMERS = ("gemma", "phi2", "olmo2", "granite", "gptneox", "mpt")  # architectures its GGUF table lacks
 SMOLLM3_NOPE_STEP = 4  # llama.cpp: hparams.n_no_rope_layer_step = 4 (layer i rotates iff (i + 1) % 4)
 Config = dict[str, Any]
 

@@ -17,6 +17,7 @@ wrote each parameter as), undoing the converter's rearrangements:
 | `gptneox` | gpt_neox | fused q/k/v regrouped from per head to q, k, v | regrouped per head; `rotary_pct`, `use_parallel_residual` |
 | `falcon` | falcon | fused q/k/v (one KV head: as Falcon 7B keeps them) | multi-query; grouped KV heads (40B, 180B) refused |
 | `bloom` | bloom | names without `transformer.`, fused q/k/v regrouped as GPT-NeoX's, context = `seq_length` or the width | regrouped per head; ALiBi (no key: llama.cpp's bias 8 is BLOOM's) |
+| `mpt` | mpt | q/k/v rows of `Wqkv` as they are, `attention.clamp_kqv` (clip_qkv, when set), `attention.max_alibi_bias` | as is; the clamp; ALiBi with bias 8 only (transformers' MPT's); no biases, q/k norms or position table |
 | `qwen2moe` | qwen2_moe | experts stacked `ffn_*_exps [E, ...]`, shared expert and its gate | one expert per slice; top k weights not renormalised (llama.cpp) |
 | `qwen3moe` | qwen3_moe | experts stacked, `attention.key_length` | one expert per slice; top k weights renormalised (llama.cpp) |
 
@@ -49,6 +50,7 @@ MAX_EXPERTS = 1024
 MAX_WIDTH = 1 << 20
 LLAMA_ROPE_BASE = 10000.0  # llama.cpp's rope.freq_base without the key
 FALCON_CONTEXT = 2048  # what the converter writes (not in Falcon's config.json)
+MPT_ALIBI_BIAS = 8.0  # the only alibi_bias_max transformers' MPT builds its slopes with
 IGNORED = ("rope_freqs.weight",)  # precomputed tables the Hugging Face model derives itself
 
 
@@ -292,6 +294,89 @@ def _bloom(info: GGUFInfo, path: Path) -> Config:
     }
 
 
+def _mpt_layer_shapes(hidden: int, layers: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor of an MPT file as transformers' MPT has it (no biases, no q/k norms, no
+    position table), by name, in ggml order; `output.weight` apart (an untied head)."""
+    expected: dict[str, tuple[int, ...]] = {"output_norm.weight": (hidden,)}
+    for layer in range(layers):
+        for kind, shape in (
+            ("attn_norm.weight", (hidden,)),
+            ("attn_qkv.weight", (hidden, 3 * hidden)),
+            ("attn_output.weight", (hidden, hidden)),
+            ("ffn_norm.weight", (hidden,)),
+            ("ffn_up.weight", (hidden, 4 * hidden)),
+            ("ffn_down.weight", (4 * hidden, hidden)),
+        ):
+            expected[f"blk.{layer}.{kind}"] = shape
+    return expected
+
+
+def _check_mpt_tensors(info: GGUFInfo, path: Path, hidden: int, layers: int) -> None:
+    """Each layer's matrices and norms as MPT's, from the header, and no tensor llama.cpp's MPT
+    graph takes but transformers' MPT lacks (biases, q/k norms, a position table, AWQ scales)."""
+    expected = _mpt_layer_shapes(hidden, layers)
+    for name, dims in expected.items():
+        got = _dims(info, name)
+        if got != dims:
+            raise CorruptSourceError(f"GGUF {path}: {name} is {list(got) if got else 'missing'}, MPT's is {list(dims)}")
+    extra = sorted(set(info.tensors) - set(expected) - {"token_embd.weight", "output.weight"})
+    if extra:
+        raise UnsupportedModelError(
+            f"GGUF {path}: tensor {extra[0]} has no place in an mpt model (transformers' MPT has no biases, "
+            f"q/k norms or position table; {len(extra)} such tensors)"
+        )
+
+
+def _mpt_alibi(info: GGUFInfo, path: Path) -> None:
+    """llama.cpp's MPT graph takes its ALiBi slopes from `attention.max_alibi_bias` (0: none, a
+    learned position table); transformers' MPT always builds them with 8, the same slopes."""
+    bias = _key(info, "attention.max_alibi_bias")
+    if type(bias) not in (int, float) or not math.isfinite(bias):
+        raise CorruptSourceError(f"GGUF {path}: mpt.attention.max_alibi_bias = {bias!r} is not a finite number")
+    if bias == 0:
+        raise UnsupportedModelError(
+            f"GGUF {path}: mpt.attention.max_alibi_bias = {bias!r}: MPT without ALiBi (a learned position "
+            "table) is not supported"
+        )
+    if bias != MPT_ALIBI_BIAS:
+        raise UnsupportedModelError(
+            f"GGUF {path}: mpt.attention.max_alibi_bias = {bias!r}: transformers' MPT has ALiBi with "
+            f"alibi_bias_max {MPT_ALIBI_BIAS:g} only"
+        )
+
+
+def _mpt(info: GGUFInfo, path: Path) -> Config:
+    """MPT: one KV head a head, an MLP of 4 x the width, q/k/v rows fused as transformers'
+    `Wqkv` keeps them, ALiBi (bias 8), q/k/v clamped by `attention.clamp_kqv`, 1/sqrt(head)."""
+    common = _common(info, path)
+    hidden, heads = common["hidden_size"], common["num_attention_heads"]
+    if common["num_key_value_heads"] != heads:
+        raise UnsupportedModelError(
+            f"GGUF {path}: mpt.attention.head_count_kv = {common['num_key_value_heads']} is not "
+            f"mpt.attention.head_count = {heads}: transformers' MPT has a KV head per head"
+        )
+    if common["intermediate_size"] != 4 * hidden:
+        raise UnsupportedModelError(
+            f"GGUF {path}: mpt.feed_forward_length = {common['intermediate_size']} is not MPT's 4 x {hidden}"
+        )
+    _mpt_alibi(info, path)
+    clamp = _positive(info, path, "attention.clamp_kqv", 0.0) or None  # llama.cpp: no clamp without the key
+    _check_mpt_tensors(info, path, hidden, common["num_hidden_layers"])
+    return {
+        "vocab_size": common["vocab_size"],
+        "d_model": hidden,
+        "n_heads": heads,
+        "n_layers": common["num_hidden_layers"],
+        "expansion_ratio": 4,
+        "max_seq_len": common["max_position_embeddings"],
+        "layer_norm_epsilon": _layer_norm(info, path),
+        "attn_config": {"clip_qkv": clamp, "softmax_scale": None, "alibi": True, "alibi_bias_max": 8},
+        "no_bias": True,
+        "tie_word_embeddings": common["tie_word_embeddings"],
+        **{k: common[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+    }
+
+
 def _experts(info: GGUFInfo, path: Path) -> Config:
     count = _count(info, path, "expert_count", bounds=(1, MAX_EXPERTS))
     return {
@@ -386,6 +471,7 @@ FAMILIES: dict[str, ImportedFamily] = {
     "gptneox": ImportedFamily(model_type="gpt_neox", config=_gptneox, tensors=_regroup_qkv),
     "falcon": ImportedFamily(model_type="falcon", config=_falcon),
     "bloom": ImportedFamily(model_type="bloom", config=_bloom, tensors=_regroup_qkv, prefix="transformer."),
+    "mpt": ImportedFamily(model_type="mpt", config=_mpt),
     "qwen2moe": ImportedFamily(model_type="qwen2_moe", config=_qwen2moe),
     "qwen3moe": ImportedFamily(model_type="qwen3_moe", config=_qwen3moe),
 }

@@ -27,7 +27,7 @@ SUPPORTED_FAMILIES = tuple(FAMILY_TABLE)
 GGUF_FAMILIES = (  # general.architecture of a GGUF (Mistral: llama; gemma3: Gemma 3's text model)
     *("llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3"),
     *("gemma", "phi2", "gpt2", "starcoder2", "olmo2", "granite", "gptneox", "falcon", "qwen2moe", "qwen3moe"),
-    "bloom",
+    *("bloom", "mpt"),
 )
 MAX_POSITIONS_CAP = 32768
 MIN_POSITIONS = 2  # a prompt token and one generated token

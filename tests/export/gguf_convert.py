@@ -21,6 +21,9 @@ What the converter does per family (and what is mimicked here):
 - qwen2moe / qwen3moe: experts stacked as `ffn_*_exps` [E, out, in], expert counts and widths
 - bloom: names mapped without `transformer.`; fused q/k/v regrouped as GPT-NeoX's; context
   `seq_length` or the width, feed_forward_length 4 x hidden, head_count_kv = head_count
+- mpt: names as gguf-py maps them, tensors as they are (q, k, v rows of `Wqkv`); context
+  `max_seq_len`, feed_forward_length 4 x hidden, no head_count_kv (MPT configs name none),
+  layer_norm_epsilon 1e-5, `attention.clamp_kqv` where `clip_qkv` is set, `attention.max_alibi_bias`
 
 ``quantized``: the layers' matrices as Q4_0, the embedding / LM head as Q8_0; the checkpoint
 is rounded onto those grids first (the rounding moves with whole rows, so it is the same on
@@ -45,6 +48,7 @@ ARCHES = {
     "gpt_neox": "gptneox",
     "falcon": "falcon",
     "bloom": "bloom",
+    "mpt": "mpt",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
 }
@@ -65,6 +69,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "gpt_neox": {"kv_heads": 4, "rotary_pct": 0.5},
     "falcon": {"intermediate": 4 * HIDDEN},
     "bloom": {"intermediate": 4 * HIDDEN, "kv_heads": 4},
+    # six heads (head 16): llama.cpp's ALiBi slopes for a head count not a power of two
+    "mpt": {"hidden": 96, "heads": 6, "kv_heads": 6, "intermediate": 384, "attn_config": {"clip_qkv": 0.3}},
     "qwen2_moe": {"shared_expert_intermediate_size": 64, "moe_intermediate_size": 64},
     "qwen3_moe": {"moe_intermediate_size": 64, "norm_topk_prob": True, "head_dim": 32},  # head apart from 64 / 4
 }
@@ -165,7 +171,7 @@ def _metadata(writer: Any, family: str, cfg: Any) -> None:
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_embedding_length(hidden)
     writer.add_head_count(heads)
-    if family in ("phi", "gpt2", "falcon", "bloom"):
+    if family in ("phi", "gpt2", "falcon", "bloom", "mpt"):
         writer.add_feed_forward_length(4 * hidden)
     else:
         writer.add_feed_forward_length(cfg.intermediate_size)
@@ -186,6 +192,9 @@ def _metadata(writer: Any, family: str, cfg: Any) -> None:
         writer.add_head_count_kv(heads)
         writer.add_layer_norm_eps(cfg.layer_norm_epsilon)
         return
+    if family == "mpt":
+        _mpt(writer, cfg)
+        return
     writer.add_context_length(cfg.max_position_embeddings)
     if family == "gpt_neox":
         writer.add_rope_dimension_count(int(cfg.rotary_pct * (hidden // heads)))
@@ -199,6 +208,15 @@ def _metadata(writer: Any, family: str, cfg: Any) -> None:
         writer.add_add_bos_token(False)
         return
     _text_model(writer, family, cfg)
+
+
+def _mpt(writer: Any, cfg: Any) -> None:
+    """MPTModel.set_gguf_parameters: the norm epsilon a constant, the clamp only when set."""
+    writer.add_context_length(cfg.max_seq_len)
+    writer.add_layer_norm_eps(1e-5)
+    if cfg.attn_config.clip_qkv is not None:
+        writer.add_clamp_kqv(cfg.attn_config.clip_qkv)
+    writer.add_max_alibi_bias(cfg.attn_config.alibi_bias_max if cfg.attn_config.alibi else 0.0)
 
 
 def _text_model(writer: Any, family: str, cfg: Any) -> None:

@@ -80,12 +80,12 @@ def test_unsupported_gguf_architecture(capsys, tmp_path):
     )
 
 
-def test_an_mpt_gguf_says_its_checkpoint_folders_export(capsys, tmp_path):
-    src = write_gguf(tmp_path / "mpt.gguf", arch="mpt")
+def test_a_gptj_gguf_says_its_checkpoint_folders_export(capsys, tmp_path):
+    src = write_gguf(tmp_path / "gptj.gguf", arch="gptj")
     _fails(
         capsys,
         [str(src), "--out", str(tmp_path / "o")],
-        "unsupported architecture mpt (GGUF files of mpt: not yet; its checkpoint folders export); supported: llama",
+        "unsupported architecture gptj (GGUF files of gptj: not yet; its checkpoint folders export); supported: llama",
     )
 
 

@@ -39,6 +39,7 @@ EXPECTED_FORMS = {
     "gpt_neox": _DENSE,
     "falcon": _DENSE,
     "bloom": _DENSE,
+    "mpt": _DENSE,
     "qwen2_moe": {"q4_k": 2 * 5, "q8_0": 1, "requantized": 2 * (2 + 1 + 1)},  # shared expert on grids
     "qwen3_moe": {"q4_k": 2 * 2, "q8_0": 1, "requantized": 2 * (2 + 1)},
 }
@@ -122,6 +123,16 @@ def test_the_imported_families_keys_are_bounded_before_loading(tmp_path):
             ("bloom.context_length", 1 << 31, CorruptSourceError, "context_length"),
             ("bloom.attention.layer_norm_epsilon", -1.0, CorruptSourceError, "layer_norm_epsilon"),
         ],
+        "mpt": [
+            ("mpt.attention.max_alibi_bias", 4.0, UnsupportedModelError, "alibi_bias_max 8 only"),
+            ("mpt.attention.max_alibi_bias", 0.0, UnsupportedModelError, "MPT without ALiBi"),
+            ("mpt.attention.max_alibi_bias", float("inf"), CorruptSourceError, "max_alibi_bias = inf"),
+            ("mpt.attention.clamp_kqv", float("nan"), CorruptSourceError, "clamp_kqv = nan"),
+            ("mpt.attention.clamp_kqv", -0.3, CorruptSourceError, "clamp_kqv"),
+            ("mpt.feed_forward_length", 192, CorruptSourceError, r"blk\.0\.ffn_up\.weight is \[96, 384\]"),
+            ("mpt.context_length", 1 << 31, CorruptSourceError, "context_length"),
+            ("mpt.attention.layer_norm_epsilon", float("nan"), CorruptSourceError, "layer_norm_epsilon"),
+        ],
     }
     for family, patches in cases.items():
         data = write_llama_cpp_gguf(tmp_path / f"{family}.gguf", family).read_bytes()
@@ -131,19 +142,25 @@ def test_the_imported_families_keys_are_bounded_before_loading(tmp_path):
                 open_source(bad)
 
 
-def _rewritten(src, out, arch: str, *, drop: str | None = None, extra: dict | None = None):
+def _rewritten(src, out, arch: str, *, drop: str | None = None, extra: dict | None = None, keys: dict | None = None):
     """``src`` written again to ``out`` without the tensor ``drop``, with the tensors ``extra``
-    added (or put in place of one of the same name)."""
+    added (or put in place of one of the same name), and the metadata ``keys`` set (an int as
+    uint32, a float as float32) or, where None, left out."""
     import gguf
 
-    extra = extra or {}
+    extra, keys = extra or {}, keys or {}
     reader = gguf.GGUFReader(str(src))
     writer = gguf.GGUFWriter(str(out), arch)
     for field in reader.fields.values():
-        if not field.name.startswith(("GGUF.", "general.architecture")):
+        if not field.name.startswith(("GGUF.", "general.architecture")) and field.name not in keys:
             writer.add_key_value(
                 field.name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
             )
+    for key, value in keys.items():
+        if type(value) is int:
+            writer.add_uint32(key, value)
+        elif value is not None:
+            writer.add_float32(key, value)
     for tensor in reader.tensors:
         if tensor.name != drop and tensor.name not in extra:
             writer.add_tensor(tensor.name, np.array(tensor.data))
@@ -190,20 +207,72 @@ def test_a_bloom_file_of_other_shapes_is_refused_naming_the_tensor(tmp_path):
             open_source(edited)
 
 
-def test_a_bloom_file_with_its_embedding_again_as_output_loads_an_untied_head(tmp_path):
-    """Older llama.cpp converters wrote BLOOM's embedding again as `output`: read as an untied
-    LM head holding the same values, the model computes what the checkpoint's does."""
+def test_an_mpt_file_of_other_shapes_or_more_tensors_is_refused_naming_them(tmp_path):
+    """transformers' MPT has q, k, v of every head in one matrix, one KV head a head, and no
+    biases, q/k norms or position table (llama.cpp's MPT graph takes them where a file has them):
+    a file with any of those, or a matrix of another shape in any layer, fails in the header check."""
+    from export.errors import CorruptSourceError, UnsupportedModelError
+    from export.source import open_source
+
+    src = write_llama_cpp_gguf(tmp_path / "mpt.gguf", "mpt")
+    ones, matrix = np.ones(96, np.float32), np.ones((192, 96), np.float32)
+    corrupt, unsupported = CorruptSourceError, UnsupportedModelError
+    for edit, error, fragment in (
+        (
+            {"extra": {"blk.1.attn_qkv.weight": matrix}},
+            corrupt,
+            r"blk\.1\.attn_qkv\.weight is \[96, 192\], MPT's is \[96, 288\]",
+        ),
+        ({"drop": "blk.1.ffn_norm.weight"}, corrupt, r"blk\.1\.ffn_norm\.weight is missing"),
+        ({"extra": {"blk.0.attn_output.bias": ones}}, unsupported, r"blk\.0\.attn_output\.bias has no place in an mpt"),
+        ({"extra": {"blk.1.attn_q_norm.weight": ones}}, unsupported, r"blk\.1\.attn_q_norm\.weight has no place"),
+        ({"extra": {"position_embd.weight": matrix}}, unsupported, r"position_embd\.weight has no place"),
+        ({"keys": {"mpt.attention.head_count_kv": 2}}, unsupported, "a KV head per head"),
+        ({"keys": {"mpt.attention.max_alibi_bias": None}}, corrupt, "max_alibi_bias = None"),
+    ):
+        edited = _rewritten(src, tmp_path / "edited.gguf", "mpt", **edit)
+        with pytest.raises(error, match=fragment):
+            open_source(edited)
+
+
+def test_an_mpt_file_clamps_qkv_by_its_clamp_kqv(tmp_path):
+    """The tiny checkpoint's `clip_qkv` (0.3) clamps: its file, read with `attention.clamp_kqv`,
+    is the checkpoint bit for bit; without the key (llama.cpp: no clamp) another model."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from export.source import open_source
 
-    src = write_llama_cpp_gguf(tmp_path / "bloom.gguf", "bloom")
-    original = AutoModelForCausalLM.from_pretrained(tmp_path / "bloom-hf", attn_implementation="eager").eval()
-    embedding = original.transformer.word_embeddings.weight.detach().numpy()
-    edited = _rewritten(src, tmp_path / "edited.gguf", "bloom", extra={"output.weight": embedding})
+    src = write_llama_cpp_gguf(tmp_path / "mpt.gguf", "mpt")
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / "mpt-hf", attn_implementation="eager").eval()
+    unclamped = _rewritten(src, tmp_path / "unclamped.gguf", "mpt", keys={"mpt.attention.clamp_kqv": None})
+    ids = torch.tensor([list(range(5, 37))])
+    with torch.no_grad():
+        want = original(ids).logits
+        assert torch.equal(open_source(src).load_model()(ids).logits, want)
+        loaded = open_source(unclamped).load_model()
+        assert loaded.config.attn_config.clip_qkv is None
+        assert (loaded(ids).logits - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+def test_a_file_with_its_embedding_again_as_output_loads_an_untied_head(tmp_path, family):
+    """Older llama.cpp converters wrote BLOOM's and MPT's embedding again as `output`: read as an
+    untied LM head holding the same values, the model computes what the checkpoint's does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from export.source import open_source
+
+    src = write_llama_cpp_gguf(tmp_path / f"{family}.gguf", family)
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-hf", attn_implementation="eager").eval()
+    embedding = original.get_input_embeddings().weight.detach().numpy()
+    edited = _rewritten(src, tmp_path / "edited.gguf", family, extra={"output.weight": embedding})
     loaded = open_source(edited).load_model()
-    assert loaded.config.tie_word_embeddings is False and loaded.config.n_layer == original.config.n_layer
+    assert loaded.config.tie_word_embeddings is False
+    assert loaded.config.num_hidden_layers == original.config.num_hidden_layers
+    head = loaded.get_output_embeddings().weight
+    assert head is not loaded.get_input_embeddings().weight and torch.equal(head, torch.from_numpy(embedding))
     ids = torch.tensor([list(range(5, 37))])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, original(ids).logits)
@@ -224,7 +293,8 @@ def test_a_phi2_file_of_the_original_layout_splits_its_fused_qkv(tmp_path):
         assert torch.equal(loaded(ids).logits, original(ids).logits)
 
 
-def test_an_f16_bloom_file_loads_the_checkpoint_of_its_rounded_weights(tmp_path):
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+def test_an_f16_file_loads_the_checkpoint_of_its_rounded_weights(tmp_path, family):
     """`--outtype f16`: the converter writes the matrices as F16 and the norms and biases as F32;
     read back, the model is the checkpoint's with its matrices rounded to float16, bit for bit."""
     import gguf
@@ -233,13 +303,13 @@ def test_an_f16_bloom_file_loads_the_checkpoint_of_its_rounded_weights(tmp_path)
 
     from export.source import open_source
 
-    src = write_llama_cpp_gguf(tmp_path / "bloom.gguf", "bloom")
+    src = write_llama_cpp_gguf(tmp_path / f"{family}.gguf", family)
     matrices = {
         t.name: np.array(t.data).astype(np.float16) for t in gguf.GGUFReader(str(src)).tensors if t.data.ndim == 2
     }
-    edited = _rewritten(src, tmp_path / "f16.gguf", "bloom", extra=matrices)
+    edited = _rewritten(src, tmp_path / "f16.gguf", family, extra=matrices)
     assert {t.tensor_type.name for t in gguf.GGUFReader(str(edited)).tensors if t.name in matrices} == {"F16"}
-    original = AutoModelForCausalLM.from_pretrained(tmp_path / "bloom-hf", attn_implementation="eager").eval()
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-hf", attn_implementation="eager").eval()
     with torch.no_grad():
         for param in original.parameters():
             if param.ndim == 2:
