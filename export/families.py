@@ -213,6 +213,18 @@ _COHERE = Family(
     logits_scale_key="logit_scale",
     variants=(Variant((("use_qk_norm", True),), (("qk_norm", "layer"),)),),
 )
+# BLOOM's and MPT's common ground: ALiBi models (positions set by each row) with LayerNorms
+# (layer_norm_epsilon), one KV head a head, a plain MLP of 4 x hidden, an activation no config
+# key names (act_default, set by each row)
+_ALIBI_LAYER_NORM = Family(
+    "",
+    kv_key="",
+    norm="layer",
+    eps_key="layer_norm_epsilon",
+    gated=False,
+    act_keys=(),
+    intermediate_key="",
+)
 _PHI_NAMES = (
     (".self_attn.dense.", ".self_attn.o_proj."),
     (".mlp.fc1.", ".mlp.up_proj."),
@@ -629,18 +641,13 @@ FAMILY_TABLE: dict[str, Family] = {
         # BLOOM: ALiBi, a LayerNorm of the embeddings, q/k/v fused per head, LayerNorms and biases
         # everywhere, its tanh GELU (no config key), an MLP of 4 x hidden, a tied LM head; the
         # residuals taken after the norms with apply_residual_connection_post_layernorm
-        Family(
-            "bloom",
-            kv_key="",
-            norm="layer",
-            eps_key="layer_norm_epsilon",
-            gated=False,
+        replace(
+            _ALIBI_LAYER_NORM,
+            name="bloom",
             acts=("gelu_pytorch_tanh",),
-            act_keys=(),
             act_default="gelu_pytorch_tanh",
             mlp_bias_key="*",
             fused_qkv="heads",
-            intermediate_key="",
             positions="alibi",
             embed_norm=True,
             context_keys=("max_position_embeddings", "seq_length"),
@@ -652,18 +659,13 @@ FAMILY_TABLE: dict[str, Family] = {
         # alibi_bias_max 8; transformers' from the last key: a constant per row apart), LayerNorms without bias, q, k, v rows of Wqkv (clamped by
         # attn_config.clip_qkv), its softmax_scale, the exact GELU in an MLP of 4 x hidden, no
         # biases, a tied LM head (transformers ignores expansion_ratio, no_bias, qk_ln, logit_scale)
-        Family(
-            "mpt",
-            kv_key="",
-            norm="layer",
-            eps_key="layer_norm_epsilon",
-            gated=False,
+        replace(
+            _ALIBI_LAYER_NORM,
+            name="mpt",
             acts=("gelu",),
-            act_keys=(),
             act_default="gelu",
             mlp_bias_key="",
             fused_qkv="rows",
-            intermediate_key="",
             clip_key="attn_config.clip_qkv",
             attn_scale="attn_config.softmax_scale",
             attn_scale_default=True,

@@ -21,6 +21,7 @@ __all__ = [
     "rename",
     "split_fused",
     "graph_head_dim",
+    "head_fields",
     "rotary_width",
     "gqa_inputs",
 ]
@@ -42,6 +43,25 @@ def graph_head_dim(own: int, rotary: int) -> int:
     """The graph's head size for a model head of ``own`` dimensions whose first ``rotary`` turn:
     the padded rotated part, the model's unrotated rest, padded to a multiple of HEAD_MULTIPLE."""
     return -(-(rotary_width(own, rotary) + own - rotary) // HEAD_MULTIPLE) * HEAD_MULTIPLE
+
+
+def head_fields(
+    *, heads: int, kv_heads: int, own: int, rotary: int, padded: int, fused: str = "", position_offset: int = -1
+) -> dict[str, Any]:
+    """``ModelSpec``'s head fields: ``heads`` query heads over ``kv_heads`` KV heads, each of
+    ``own`` model dimensions whose first ``rotary`` turn, in graph heads of ``padded``;
+    ``model_head_dim`` and ``rotary_dim`` are 0 where they equal the graph's head size and the
+    model's. ``fused``: how a fused q/k/v holds them; ``position_offset``: the learned
+    positions' row offset (-1: no learned positions)."""
+    return {
+        "num_heads": heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": padded,
+        "model_head_dim": own if own != padded else 0,
+        "rotary_dim": rotary if rotary != own else 0,
+        "fused_qkv": fused,
+        "position_offset": position_offset,
+    }
 
 
 def pad_heads(

@@ -38,7 +38,7 @@ import numpy.typing as npt
 from onnx import TensorProto, helper
 
 from .errors import UnsupportedModelError
-from .layout import HEAD_MULTIPLE, gqa_inputs, pad_heads, rotary_width
+from .layout import HEAD_MULTIPLE, gqa_inputs, head_fields, pad_heads, rotary_width
 
 if TYPE_CHECKING:
     from .graph import _Blocks, _Graph
@@ -109,17 +109,8 @@ def latent_heads(config: Any) -> dict[str, Any]:
     )
     width = max(latent.turned + latent.nope, latent.value)
     padded = -(-width // HEAD_MULTIPLE) * HEAD_MULTIPLE
-    own = latent.nope + latent.rope
-    return {
-        "num_heads": heads,
-        "num_kv_heads": heads,
-        "head_dim": padded,
-        "model_head_dim": own if own != padded else 0,
-        "rotary_dim": rope if rope != own else 0,
-        "fused_qkv": "",
-        "position_offset": -1,
-        "latent": latent,
-    }
+    fields = head_fields(heads=heads, kv_heads=heads, own=latent.nope + rope, rotary=rope, padded=padded)
+    return {**fields, "latent": latent}
 
 
 def latent_scale(config: Any) -> float:

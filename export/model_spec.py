@@ -10,7 +10,7 @@ from typing import Any
 
 from .errors import UnsupportedModelError
 from .families import ACTIVATIONS, FAMILY_TABLE, Family
-from .layout import graph_head_dim
+from .layout import graph_head_dim, head_fields
 from .mla import GroupedRouting, LatentAttention, grouped_routing, latent_heads, latent_scale
 
 __all__ = [
@@ -332,16 +332,15 @@ def _heads(config: Any, fam: Family) -> dict[str, Any]:
     if own % 2 and turned:
         raise UnsupportedModelError(f"unsupported head size {own}: rotary embeddings need an even one")
     rotary = _rotary_dim(config, fam, own) if turned else own
-    padded = graph_head_dim(own, rotary)
-    return {
-        "num_heads": heads,
-        "num_kv_heads": kv_heads,
-        "head_dim": padded,
-        "model_head_dim": own if padded != own else 0,
-        "rotary_dim": rotary if rotary != own else 0,
-        "fused_qkv": fused,
-        "position_offset": fam.position_offset if learned else -1,
-    }
+    return head_fields(
+        heads=heads,
+        kv_heads=kv_heads,
+        own=own,
+        rotary=rotary,
+        padded=graph_head_dim(own, rotary),
+        fused=fused,
+        position_offset=fam.position_offset if learned else -1,
+    )
 
 
 def _blocks(config: Any, fam: Family) -> dict[str, Any]:

@@ -5,7 +5,8 @@ Each ``check_*`` returns the value when it is good and otherwise raises ``error`
 :class:`~specdec_rt.errors.InvalidInputError`) with ``"<name> must be <what>, got <value>"``:
 ``what`` is built from the bounds (``"a positive integer"``, ``"an integer in 0..20"``,
 ``"None or an integer >= 2"``) unless the caller words it. The ``is_*`` predicates say the
-same without raising, for a caller whose message has another shape.
+same without raising, for a caller whose message has another shape. :func:`positional_keywords`
+takes keyword-only options a caller still passes by position, with a DeprecationWarning.
 
 The lowest layer beside :mod:`specdec_rt.errors`: it imports nothing else of specdec_rt.
 """
@@ -14,13 +15,15 @@ from __future__ import annotations
 
 import math
 import reprlib
+import warnings
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
 from .errors import InvalidInputError
 
-__all__ = ["brief_repr", "check_bool", "check_int", "check_number", "is_int", "is_number"]
+__all__ = ["brief_repr", "check_bool", "check_int", "check_number", "is_int", "is_number", "positional_keywords"]
 
 
 def brief_repr(value: Any, limit: int = 80) -> str:
@@ -124,3 +127,27 @@ def check_bool(value: Any, name: str, *, error: type[Exception] = InvalidInputEr
     if not isinstance(value, bool):
         raise error(f"{name} must be True or False, got {brief_repr(value)}")
     return value
+
+
+def positional_keywords(
+    owner: str,
+    names: Sequence[str],
+    values: Sequence[Any],
+    given: Collection[str],
+    *,
+    error: type[Exception] = InvalidInputError,
+    stacklevel: int = 2,
+) -> dict[str, Any]:
+    """The keyword-only options ``names`` a caller of ``owner`` passed by position (``values``:
+    the first of them, in order, as before they became keywords) as keywords, after a
+    DeprecationWarning naming them; one also given by keyword (in ``given``) is ``error``.
+    ``stacklevel`` is ``warnings.warn``'s, counted from the function that calls this one."""
+    named = list(names[: len(values)])
+    if twice := [name for name in named if name in given]:
+        raise error(f"{owner} got {twice[0]} both by position and by keyword")
+    warnings.warn(
+        f"{owner}: pass {', '.join(named)} by keyword (positional use is deprecated)",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return dict(zip(named, values))

@@ -19,13 +19,13 @@ import inspect
 import itertools
 import math
 import os
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, ParamSpec, Sequence, TypeVar
 
 import anyio
 import numpy as np
 
 from .batching import BatchExecutor
+from .checks import positional_keywords
 from .kvcache.cached_start import CachedStart
 from .kvcache.prefix import Hit, PrefixCache
 from .policy.config import SpecConfig
@@ -76,15 +76,8 @@ def _once_positional(count: int) -> Callable[[Callable[_P, _R]], Callable[_P, _R
             extra = args[positional:]
             if not extra or len(extra) > len(legacy):
                 return func(*args, **kwargs)
-            names = legacy[: len(extra)]
-            if twice := [name for name in names if name in kwargs]:
-                raise TypeError(f"{func.__qualname__} got {twice[0]} both by position and by keyword")
-            warnings.warn(
-                f"{func.__qualname__}: pass {', '.join(names)} by keyword (positional use is deprecated)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return func(*args[:positional], **dict(zip(names, extra)), **kwargs)
+            named = positional_keywords(func.__qualname__, legacy, extra, kwargs, error=TypeError, stacklevel=2)
+            return func(*args[:positional], **named, **kwargs)
 
         return call
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import warnings
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
 
-from ..checks import brief_repr, check_int
+from ..checks import brief_repr, check_int, positional_keywords
 from ..errors import ContextLengthError, InvalidInputError
 from ..policy.confidence import ChainStop
 from ..sampling import SamplingParams
@@ -278,15 +277,9 @@ def _legacy_args(legacy: tuple[Any, ...], **given: Any) -> tuple[Any, ...]:
     keywords): the five in order, a keyword given too or a sixth is an InvalidInputError."""
     if len(legacy) > len(_LEGACY):
         raise InvalidInputError(f"RequestContext takes at most 4 positional arguments, got {4 + len(legacy)}")
-    twice = [name for name in _LEGACY[: len(legacy)] if given[name] is not None]
-    if twice:
-        raise InvalidInputError(f"RequestContext got {twice[0]} both by position and by keyword")
-    warnings.warn(
-        f"RequestContext: pass {', '.join(_LEGACY[: len(legacy)])} by keyword (positional use is deprecated)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return tuple(legacy) + tuple(given[name] for name in _LEGACY[len(legacy) :])
+    keywords = [name for name, value in given.items() if value is not None]
+    named = positional_keywords("RequestContext", _LEGACY, legacy, keywords, stacklevel=3)
+    return tuple({**given, **named}[name] for name in _LEGACY)
 
 
 class Scoring:

@@ -80,21 +80,13 @@ def test_unsupported_gguf_architecture(capsys, tmp_path):
     )
 
 
-def test_a_gptj_gguf_says_its_checkpoint_folders_export(capsys, tmp_path):
-    src = write_gguf(tmp_path / "gptj.gguf", arch="gptj")
+@pytest.mark.parametrize("arch", ["stablelm", "gptj"])
+def test_a_gguf_of_a_family_only_folders_export_says_so(capsys, tmp_path, arch):
+    src = write_gguf(tmp_path / f"{arch}.gguf", arch=arch)
     _fails(
         capsys,
         [str(src), "--out", str(tmp_path / "o")],
-        "unsupported architecture gptj (GGUF files of gptj: not yet; its checkpoint folders export); supported: llama",
-    )
-
-
-def test_a_gguf_of_a_family_only_folders_export_says_so(capsys, tmp_path):
-    src = write_gguf(tmp_path / "stablelm.gguf", arch="stablelm")
-    _fails(
-        capsys,
-        [str(src), "--out", str(tmp_path / "o")],
-        "unsupported architecture stablelm (GGUF files of stablelm: not yet; its checkpoint folders export); supported: llama",
+        f"unsupported architecture {arch} (GGUF files of {arch}: not yet; its checkpoint folders export); supported: llama",
     )
 
 
