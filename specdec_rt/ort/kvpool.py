@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,9 +31,27 @@ import numpy.typing as npt
 from ..errors import InferenceError, ModelLoadError
 from ..kvcache.prefix import Hit, PrefixCache
 
-__all__ = ["KVPool"]
+__all__ = ["KVPool", "KVUsage"]
 
 PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVUsage:
+    """A KV pool's figures at one moment: ``position_bytes`` (one position, every layer's K and
+    V), ``reserved_bytes`` (the pool's buffers, every slot at ``max_len + 1`` positions, prefix-cache
+    slots included) and ``positions`` (the positions the open sessions hold, summed over slots)."""
+
+    position_bytes: int
+    reserved_bytes: int
+    positions: int
+    #: bytes of the buffers in memory now (committed pages), when asked for; None: not measured
+    resident_bytes: int | None = None
+
+    @property
+    def used_bytes(self) -> int:
+        """KV bytes the open sessions hold: ``positions * position_bytes``."""
+        return self.positions * self.position_bytes
 
 
 class _HostBuffer:
@@ -54,6 +73,20 @@ class _HostBuffer:
             self.map.madvise(mmap.MADV_NOHUGEPAGE)  # commit (and zero) memory nobody writes
         # typed: numpy's stubs give reshape(tuple[int, ...]) the shape type of a 0-d array
         self.array: np.ndarray = np.frombuffer(self.map, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+
+    def resident_bytes(self) -> int | None:
+        """Bytes of the map's pages in memory now (``/proc/self/pagemap``; None where it cannot
+        be read). A read of the page table, safe from any thread."""
+        first = self.array.ctypes.data // PAGE
+        pages = -(-(self.array.ctypes.data + self.array.nbytes) // PAGE) - first
+        try:
+            with open("/proc/self/pagemap", "rb") as pagemap:
+                pagemap.seek(first * 8)
+                entries = np.frombuffer(pagemap.read(pages * 8), dtype=np.uint64)
+        except (OSError, ValueError):
+            return None
+        in_memory = (entries >> np.uint64(62)) & np.uint64(3)  # bit 63: present, bit 62: swapped
+        return int(np.count_nonzero(in_memory)) * PAGE
 
     def release(self, start: int, stop: int) -> None:
         """Give the whole pages inside bytes ``start .. stop-1`` back (they read as zeros)."""
@@ -120,6 +153,25 @@ class KVPool:
     def reserved_per_slot(self) -> int:
         """Bytes one slot reserves, every layer's K and V (committed only as positions are written)."""
         return self.token_bytes * self.shape[2]
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the key and value buffers, every slot (running and prefix-cache ones)."""
+        return self.reserved_per_slot * self.shape[0]
+
+    def resident_bytes(self) -> int | None:
+        """Bytes of the key and value buffers in memory now: the pages written so far on the CPU
+        (None where the page table cannot be read), everything on CUDA (allocated up front)."""
+        if self.device != "cpu":
+            return self.reserved_bytes
+        total = 0
+        for pair in self._buffers:
+            for buf in pair:
+                resident = buf.resident_bytes() if isinstance(buf, _HostBuffer) else None
+                if resident is None:
+                    return None
+                total += resident
+        return total
 
     def pointer(self, layer: int, which: int, slot: int) -> int:
         """Address of ``slot``'s ``[1, kv_heads, max_len + 1, d]`` slice (which: 0 key, 1 value);
