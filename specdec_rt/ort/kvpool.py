@@ -85,8 +85,8 @@ class _HostBuffer:
                 entries = np.frombuffer(pagemap.read(pages * 8), dtype=np.uint64)
         except (OSError, ValueError):
             return None
-        in_memory = (entries >> np.uint64(62)) & np.uint64(3)  # bit 63: present, bit 62: swapped
-        return int(np.count_nonzero(in_memory)) * PAGE
+        present = entries >> np.uint64(63)  # bit 63: the page is in memory (62: swapped out)
+        return int(np.count_nonzero(present)) * PAGE
 
     def release(self, start: int, stop: int) -> None:
         """Give the whole pages inside bytes ``start .. stop-1`` back (they read as zeros)."""
