@@ -4,6 +4,7 @@ weight files (specdec_rt.engine.memory)."""
 from __future__ import annotations
 
 import mmap
+import sys
 
 import anyio
 import pytest
@@ -15,6 +16,7 @@ from serve_util import EchoEngine, client, metric, metric_values, run  # noqa: E
 
 from specdec_rt.engine.memory import (  # noqa: E402
     engine_weights_bytes,
+    mapped_bytes,
     peak_resident_bytes,
     resident_bytes,
     weight_files,
@@ -33,6 +35,18 @@ def test_resident_memory_is_read_and_the_peak_is_no_lower():
         assert peak_resident_bytes() >= resident_bytes() > 0
     finally:
         block.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps")
+def test_mapped_bytes_counts_a_files_mapping_and_its_resident_pages(tmp_path):
+    path = tmp_path / "model.onnx.data"
+    path.write_bytes(b"\1" * (64 * mmap.PAGESIZE))
+    assert mapped_bytes([path]) == (0, 0)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        assert mapped_bytes([path]).mapped == 64 * mmap.PAGESIZE
+        sum(view[i * mmap.PAGESIZE] for i in range(16))  # 16 pages read
+        assert 16 * mmap.PAGESIZE <= mapped_bytes([path]).resident <= 64 * mmap.PAGESIZE
+    assert mapped_bytes([path]) == (0, 0) and mapped_bytes([]) == (0, 0)
 
 
 @pytest.mark.export
