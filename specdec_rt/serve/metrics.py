@@ -42,7 +42,7 @@ class MemoryCollector(Collector):
 
     def refresh(self) -> None:
         """Read how much of the weight files is mapped and resident (``/proc/self/smaps``) and
-        what the KV pools commit (``/proc/self/pagemap``): tens of milliseconds in a loaded
+        what the KV pools commit (``mincore``): tens of milliseconds in a loaded
         process, so the server runs it in a worker thread."""
         self.weights = mapped_bytes(self.weight_files)
         self.kv_resident = {
