@@ -12,6 +12,7 @@ positions are written. ``/metrics`` and ``python -m specdec_rt bench`` report th
 from __future__ import annotations
 
 import os
+import re
 import resource
 import sys
 from collections.abc import Iterable
@@ -126,38 +127,26 @@ class Mapped(NamedTuple):
     resident: int
 
 
-def _smaps_entries() -> Iterable[tuple[str, int, int]]:
-    """``(path, size, rss)`` of each mapping in ``/proc/self/smaps`` (none off Linux)."""
-    path, size, rss = "", 0, 0
-    with open("/proc/self/smaps", encoding="utf-8", errors="replace") as smaps:
-        for line in smaps:
-            field = line.split(maxsplit=1)[0]
-            if not field.endswith(":"):  # a mapping's header: address perms offset dev inode [path]
-                if path:
-                    yield path, size, rss
-                parts = line.split(maxsplit=5)
-                path, size, rss = (parts[5].strip() if len(parts) > 5 else ""), 0, 0
-            elif field == "Size:":
-                size = int(line.split()[1]) * 1024
-            elif field == "Rss:":
-                rss = int(line.split()[1]) * 1024
-    if path:
-        yield path, size, rss
-
-
 def mapped_bytes(files: Iterable[Path]) -> Mapped:
     """How much of ``files`` this process maps, and how much of that is resident (Linux
     ``/proc/self/smaps``; zeros elsewhere)."""
-    wanted = {str(path.resolve()) for path in files}
-    mapped = resident = 0
+    wanted = sorted({str(path.resolve()) for path in files})
     if not wanted:
         return Mapped(0, 0)
     try:
-        for path, size, rss in _smaps_entries():
-            if path in wanted:
-                mapped, resident = mapped + size, resident + rss
-    except (OSError, ValueError, IndexError):
+        with open("/proc/self/smaps", encoding="utf-8", errors="replace") as smaps:
+            text = smaps.read()
+    except OSError:
         return Mapped(0, 0)
+    # a mapping's header (address perms offset dev inode path), then its Size:, ..., Rss: lines
+    entry = re.compile(
+        r"^\S+ \S+ \S+ \S+ \S+ +(?:" + "|".join(map(re.escape, wanted)) + r")\n"
+        r"Size: +(\d+) kB\n(?:\w+: .*\n)*?Rss: +(\d+) kB$",
+        re.MULTILINE,
+    )
+    mapped = resident = 0
+    for found in entry.finditer(text):
+        mapped, resident = mapped + int(found[1]) * 1024, resident + int(found[2]) * 1024
     return Mapped(mapped, resident)
 
 
