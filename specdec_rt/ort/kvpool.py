@@ -20,8 +20,12 @@ device-to-device copy; a copy through the host would cost more than it saves).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import mmap
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,9 +34,39 @@ import numpy.typing as npt
 from ..errors import InferenceError, ModelLoadError
 from ..kvcache.prefix import Hit, PrefixCache
 
-__all__ = ["KVPool"]
+__all__ = ["KVPool", "KVUsage"]
 
 PAGE = mmap.PAGESIZE
+
+
+@functools.cache
+def _mincore() -> Callable[[ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], int] | None:
+    """The C library's ``mincore`` (None where there is none: Windows)."""
+    try:
+        mincore = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).mincore
+    except (OSError, AttributeError, TypeError):
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    mincore.restype = ctypes.c_int
+    return mincore
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVUsage:
+    """A KV pool's figures at one moment: ``position_bytes`` (one position, every layer's K and
+    V), ``reserved_bytes`` (the pool's buffers, every slot at ``max_len + 1`` positions, prefix-cache
+    slots included) and ``positions`` (the positions the open sessions hold, summed over slots)."""
+
+    position_bytes: int
+    reserved_bytes: int
+    positions: int
+    #: bytes of the buffers in memory now (committed pages), when asked for; None: not measured
+    resident_bytes: int | None = None
+
+    @property
+    def used_bytes(self) -> int:
+        """KV bytes the open sessions hold: ``positions * position_bytes``."""
+        return self.positions * self.position_bytes
 
 
 class _HostBuffer:
@@ -54,6 +88,18 @@ class _HostBuffer:
             self.map.madvise(mmap.MADV_NOHUGEPAGE)  # commit (and zero) memory nobody writes
         # typed: numpy's stubs give reshape(tuple[int, ...]) the shape type of a 0-d array
         self.array: np.ndarray = np.frombuffer(self.map, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+
+    def resident_bytes(self) -> int | None:
+        """Bytes of the map's pages in memory now (``mincore(2)``, a few milliseconds per GiB
+        reserved; None where it is not available). Safe from any thread."""
+        mincore = _mincore()
+        if mincore is None:
+            return None
+        pages = np.zeros(-(-self.array.nbytes // PAGE), dtype=np.uint8)
+        address, length = ctypes.c_void_p(self.array.ctypes.data), ctypes.c_size_t(self.array.nbytes)
+        if mincore(address, length, pages.ctypes.data_as(ctypes.c_void_p)) != 0:
+            return None
+        return int(np.count_nonzero(pages & 1)) * PAGE  # bit 0: the page is in memory
 
     def release(self, start: int, stop: int) -> None:
         """Give the whole pages inside bytes ``start .. stop-1`` back (they read as zeros)."""
@@ -120,6 +166,25 @@ class KVPool:
     def reserved_per_slot(self) -> int:
         """Bytes one slot reserves, every layer's K and V (committed only as positions are written)."""
         return self.token_bytes * self.shape[2]
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the key and value buffers, every slot (running and prefix-cache ones)."""
+        return self.reserved_per_slot * self.shape[0]
+
+    def resident_bytes(self) -> int | None:
+        """Bytes of the key and value buffers in memory now: the pages written so far on the CPU
+        (None where ``mincore`` is not available), everything on CUDA (allocated up front)."""
+        if self.device != "cpu":
+            return self.reserved_bytes
+        total = 0
+        for pair in self._buffers:
+            for buf in pair:
+                resident = buf.resident_bytes() if isinstance(buf, _HostBuffer) else None
+                if resident is None:
+                    return None
+                total += resident
+        return total
 
     def pointer(self, layer: int, which: int, slot: int) -> int:
         """Address of ``slot``'s ``[1, kv_heads, max_len + 1, d]`` slice (which: 0 key, 1 value);

@@ -24,7 +24,7 @@ from ..errors import InferenceError, ModelLoadError
 from ..kvcache.prefix import DEFAULT_BLOCK, PrefixCache
 from ..logs import get_logger
 from ..speculation.protocols import LanguageModel, ModelCaps
-from .kvpool import KVPool
+from .kvpool import KVPool, KVUsage
 from .manifest import PACKED_ROLES, Manifest, load_manifest
 from .prepack import discard_copy, prepacked_copy
 from .session import OrtSession
@@ -245,6 +245,21 @@ class OrtModel(LanguageModel):
         if self.pool is None:
             raise InferenceError(f"model {self.name} is closed")
         return self.pool
+
+    def kv_usage(self, resident: bool = False) -> KVUsage | None:
+        """The KV pool's bytes per position, bytes reserved and positions the open sessions hold
+        now, and with ``resident`` the bytes its pages commit (None once closed). Safe from any
+        thread: it reads a snapshot of the sessions and the page table."""
+        pool = self.pool
+        if pool is None:
+            return None
+        sessions = list(self._owners.values())  # one C-level copy: no resize can interleave
+        return KVUsage(
+            position_bytes=pool.token_bytes,
+            reserved_bytes=pool.reserved_bytes,
+            positions=sum(session.length for session in sessions),
+            resident_bytes=pool.resident_bytes() if resident else None,
+        )
 
     def cached_prefix(self, tokens: np.ndarray) -> int:
         """Tokens of ``tokens`` [T] the prefix cache holds now (0 with the cache off)."""

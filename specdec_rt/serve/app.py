@@ -119,7 +119,9 @@ class _Routes:
         )
 
     async def metrics(self, request: Request) -> Response:
-        body, content_type = self.serving.metrics.render(request.headers.get("accept"))
+        metrics = self.serving.metrics
+        await anyio.to_thread.run_sync(metrics.memory.refresh)  # reads /proc/self/smaps: off the loop
+        body, content_type = metrics.render(request.headers.get("accept"))
         return Response(body, headers={"content-type": content_type})
 
 

@@ -7,11 +7,15 @@ it streamed; it has no final ``Stats``, so its drafts are not counted).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 
+from ..engine.memory import Mapped, ModelKV, mapped_bytes, peak_resident_bytes
 from ..types import Stats
 
 __all__ = ["Metrics"]
@@ -23,8 +27,79 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+class MemoryCollector(Collector):
+    """Memory gauges read when scraped: each model's KV pool (``kv(resident)``: bytes per
+    position, reserved, held by running requests; labelled by ``role`` and ``model``), and, as
+    of the last :meth:`refresh` (run off the event loop), the pools' committed pages and the
+    weight files as mapped into this process; the process's peak resident memory. Its resident
+    memory now is the process collector's ``process_resident_memory_bytes``."""
+
+    def __init__(self, kv: Callable[[bool], Sequence[ModelKV]]) -> None:
+        self.kv = kv
+        self.weight_files: list[Path] = []  # set when the engine attaches
+        self.weights = Mapped(0, 0)
+        self.kv_resident: dict[tuple[str, str], int] = {}  # (role, model) -> bytes
+
+    def refresh(self) -> None:
+        """Read how much of the weight files is mapped and resident (``/proc/self/smaps``) and
+        what the KV pools commit (``mincore``): tens of milliseconds in a loaded
+        process, so the server runs it in a worker thread."""
+        self.weights = mapped_bytes(self.weight_files)
+        self.kv_resident = {
+            (role, model): usage.resident_bytes
+            for role, model, usage in self.kv(True)
+            if usage.resident_bytes is not None
+        }
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["role", "model"]
+        families = {
+            "position": GaugeMetricFamily(
+                "specdec_kv_position_bytes", "KV bytes of one position (every layer's K and V)", labels=labels
+            ),
+            "reserved": GaugeMetricFamily(
+                "specdec_kv_reserved_bytes",
+                "KV pool size: every slot at max_length + 1 positions (address space; committed as written)",
+                labels=labels,
+            ),
+            "used": GaugeMetricFamily(
+                "specdec_kv_used_bytes",
+                "KV bytes of the positions running requests hold (positions x bytes per position)",
+                labels=labels,
+            ),
+        }
+        resident = GaugeMetricFamily(
+            "specdec_kv_resident_bytes",
+            "KV pool pages in memory (a slot keeps what its longest request wrote), as of the scrape",
+            labels=labels,
+        )
+        for role, model, usage in self.kv(False):
+            families["position"].add_metric([role, model], usage.position_bytes)
+            families["reserved"].add_metric([role, model], usage.reserved_bytes)
+            families["used"].add_metric([role, model], usage.used_bytes)
+            if (role, model) in self.kv_resident:
+                resident.add_metric([role, model], self.kv_resident[role, model])
+        yield from families.values()
+        yield resident
+        yield GaugeMetricFamily(
+            "specdec_model_weights_mapped_bytes",
+            "Bytes of the weight files (exports' and prepacked copies') mapped into this process",
+            value=self.weights.mapped,
+        )
+        yield GaugeMetricFamily(
+            "specdec_model_weights_resident_bytes",
+            "Of the mapped weight files, the pages resident in this process",
+            value=self.weights.resident,
+        )
+        yield GaugeMetricFamily(
+            "specdec_process_resident_memory_peak_bytes",
+            "The most resident memory this process has held (VmHWM)",
+            value=peak_resident_bytes(),
+        )
+
+
 class Metrics:
-    """The server's metrics. ``running`` / ``waiting`` / ``slots_free`` are read when scraped."""
+    """The server's metrics. ``running`` / ``waiting`` / ``slots_free`` / ``kv`` are read when scraped."""
 
     def __init__(
         self,
@@ -32,6 +107,8 @@ class Metrics:
         waiting: Callable[[], float],
         cache_bytes: Callable[[], float] = lambda: 0.0,
         slots_free: Callable[[], float] = lambda: 0.0,
+        *,
+        kv: Callable[[bool], Sequence[ModelKV]] = lambda resident: [],
     ) -> None:
         self.registry = r = CollectorRegistry()
         self._worst_lag = 0.0
@@ -64,43 +141,57 @@ class Metrics:
         self.aborted = Counter(
             "specdec_requests_aborted", "Requests ended early after admission", ["reason"], registry=r
         )
+        self._cache_metrics(r, cache_bytes)
+        self.loop_lag_worst = Gauge(
+            "specdec_event_loop_lag_worst_seconds", "The worst event-loop lag since the server started", registry=r
+        )
+        self._histograms(r)
+        self.weights_bytes = self._memory_gauges(r)
+        self.memory = MemoryCollector(kv)
+        r.register(self.memory)
+        self._show_reasons()
+
+    def _cache_metrics(self, registry: CollectorRegistry, cache_bytes: Callable[[], float]) -> None:
+        """The prefix cache's counters and the bytes it holds (``cache_bytes``, read when scraped)."""
+        self.cache_hit_tokens = Counter(
+            "specdec_prefix_cache_hit_tokens",
+            "Prompt tokens the prefix cache supplied (not computed)",
+            registry=registry,
+        )
+        self.cache_queries = Counter(
+            "specdec_prefix_cache_queries",
+            "Requests that looked their prompt up in the prefix cache",
+            registry=registry,
+        )
+        self.cache_bytes = Gauge("specdec_prefix_cache_bytes", "KV memory the prefix cache holds", registry=registry)
+        self.cache_bytes.set_function(cache_bytes)
+
+    def _histograms(self, registry: CollectorRegistry) -> None:
+        """The latency, batch-size and event-loop-lag histograms."""
         self.ttft = Histogram(
             "specdec_time_to_first_token_seconds",
             "Arrival to the first generated token",
             buckets=LATENCY_BUCKETS,
-            registry=r,
+            registry=registry,
         )
         self.itl = Histogram(
             "specdec_inter_token_latency_seconds",
             "Time between consecutive streamed events of a request",
             buckets=ITL_BUCKETS,
-            registry=r,
+            registry=registry,
         )
         self.e2e = Histogram(
-            "specdec_e2e_request_latency_seconds", "Arrival to the last token", buckets=E2E_BUCKETS, registry=r
+            "specdec_e2e_request_latency_seconds", "Arrival to the last token", buckets=E2E_BUCKETS, registry=registry
         )
-        self.cache_hit_tokens = Counter(
-            "specdec_prefix_cache_hit_tokens", "Prompt tokens the prefix cache supplied (not computed)", registry=r
-        )
-        self.cache_queries = Counter(
-            "specdec_prefix_cache_queries", "Requests that looked their prompt up in the prefix cache", registry=r
-        )
-        self.cache_bytes = Gauge("specdec_prefix_cache_bytes", "KV memory the prefix cache holds", registry=r)
-        self.cache_bytes.set_function(cache_bytes)
         self.batch_size = Histogram(
-            "specdec_batch_size", "Rows in one batched target-model call", buckets=BATCH_BUCKETS, registry=r
+            "specdec_batch_size", "Rows in one batched target-model call", buckets=BATCH_BUCKETS, registry=registry
         )
         self.loop_lag = Histogram(
             "specdec_event_loop_lag_seconds",
             "How late the event loop woke its watchdog (every request waits as long)",
             buckets=LOOP_LAG_BUCKETS,
-            registry=r,
+            registry=registry,
         )
-        self.loop_lag_worst = Gauge(
-            "specdec_event_loop_lag_worst_seconds", "The worst event-loop lag since the server started", registry=r
-        )
-        self.weights_bytes = self._memory_gauges(r)
-        self._show_reasons()
 
     def _show_reasons(self) -> None:
         """Create every known label of the counters, so a scrape shows each one at 0."""
@@ -125,7 +216,7 @@ class Metrics:
     @staticmethod
     def _memory_gauges(registry: CollectorRegistry) -> Gauge:
         """The process's figures (``process_resident_memory_bytes`` ..., from Linux /proc) and the
-        loaded models' weight bytes (set when the engine attaches); returns the latter."""
+        loaded models' weight bytes on disk (set when the engine attaches); returns the latter."""
         ProcessCollector(registry=registry)
         return Gauge(
             "specdec_model_weights_bytes",

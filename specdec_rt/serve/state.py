@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import anyio
 
-from ..engine.memory import engine_weights_bytes
+from ..engine.memory import ModelKV, engine_kv, engine_weight_files, engine_weights_bytes
 from ..engine.served import DEFAULT_SLOTS, ServedEngine
 from ..logs import get_logger
 from ..speculation.protocols import check_implements
@@ -51,7 +51,7 @@ class Serving:
         self.loader: Loader | None = None
         self.state: State = "loading"
         self.on_load_error: Callable[[BaseException], None] | None = None  # the CLI exits on it
-        self.metrics = Metrics(self._running, self._waiting, self._cache_bytes, self._slots_free)
+        self.metrics = Metrics(self._running, self._waiting, self._cache_bytes, self._slots_free, kv=self._kv)
         self._listening: MutableSequence[Callable[[int], None]] | None = None
         self.model_name = config.model_name
         if callable(engine_or_loader) and not isinstance(engine_or_loader, ServedEngine):
@@ -81,6 +81,7 @@ class Serving:
             self.slots = engine.slots
         self.model_name = self.model_name or engine.name
         self.metrics.weights_bytes.set(engine_weights_bytes(engine))
+        self.metrics.memory.weight_files = engine_weight_files(engine)
         listeners = engine.batch_listeners  # one call per batched target call
         if listeners is not None:
             listeners.append(self.metrics.observe_batch)
@@ -204,6 +205,11 @@ class Serving:
     def _cache_bytes(self) -> float:
         info = None if self._engine is None else self._engine.prefix_cache
         return 0.0 if info is None else float(info["bytes"])
+
+    def _kv(self, resident: bool) -> list[ModelKV]:
+        """The engine's KV pools (with ``resident``, their committed bytes: from any thread)."""
+        engine = self._engine
+        return [] if engine is None else engine_kv(engine, resident=resident)
 
     def _waiting(self) -> float:
         n = None if self._engine is None else self._engine.waiting

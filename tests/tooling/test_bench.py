@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from specdec_rt.tooling.bench.report import format_micro
+from specdec_rt.tooling.bench.report import format_memory, format_micro
 
 pytestmark = pytest.mark.export
 
@@ -365,3 +365,33 @@ def test_the_warm_up_forgets_the_times_of_a_schedulers_first_request():
     samples = anyio.run(run_modes, modes, [Prompt("chat", [5, 6], "p")], 16)
     assert calls[:3] == [("spec", 8), ("spec", 8), ("hf_ar", 8)] and forgotten == [1]
     assert len(samples) == 2 and all(s.token_ids == [5] * 16 for s in samples)
+
+
+def test_bench_reports_weights_resident_memory_and_kv(tiny_llama, tmp_path):
+    """``memory`` in bench.json: weights on disk / mapped / resident, RSS, and per model its role,
+    KV bytes per position and what its pool reserves; bench.md shows them as a table."""
+    from specdec_rt.ort.manifest import load_manifest
+
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "specdec_rt", "bench", "--model", str(tiny_llama), "--limit", "1"]
+    cmd += ["--max-new-tokens", "4", "--max-length", "256", "--modes", "ar,spec_q4", "--json", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    memory = json.loads(proc.stdout)["memory"]
+    files = [tiny_llama / "model.onnx", tiny_llama / "model.onnx.data"]
+    files += [tiny_llama / "draft-q4" / "model.onnx", tiny_llama / "draft-q4" / "model.onnx.data"]
+    assert memory["weights_mb"] == pytest.approx(sum(f.stat().st_size for f in files) / 2**20)
+    assert 0 <= memory["weights_resident_mb"] <= memory["weights_mapped_mb"]
+    assert memory["peak_rss_mb"] >= memory["rss_mb"] > 0
+    manifests = {"target": load_manifest(tiny_llama), "draft": load_manifest(tiny_llama / "draft-q4")}
+    assert sorted(kv["role"] for kv in memory["kv"].values()) == ["draft", "target"]
+    for name, kv in memory["kv"].items():
+        m = manifests[kv["role"]]
+        assert name == m.name
+        assert kv["bytes_per_position"] == m.num_layers * 2 * m.num_kv_heads * m.head_dim * 4  # float32 KV
+        assert kv["positions_per_slot"] == 257
+        slots = kv["reserved_mb"] * 2**20 / (kv["bytes_per_position"] * 257)
+        assert slots == int(slots) >= 2  # bench's two running slots (and any prefix-cache slots)
+    table = format_memory(memory)
+    assert table in (out / "bench.md").read_text()
+    assert f"{memory['kv'][manifests['target'].name]['reserved_mb']:.0f} MB reserved" in table

@@ -25,7 +25,7 @@ from ...ort import default_threads
 from ..reports import write_report
 from .args import bench_args, split_list
 from .micro import loaded_memory, memory_bandwidth_gbs, request_memory, step_costs, weight_bytes
-from .report import format_markdown, format_micro, format_table, plot, plot_acceptance, summarize
+from .report import format_markdown, format_memory, format_micro, format_table, plot, plot_acceptance, summarize
 from .runner import (
     HF_MODES,
     Runner,
@@ -179,6 +179,7 @@ def _write(
     report["acceptance_chart"] = str(acc_png) if acc_png else None
     write_report(out, "bench", report, markdown, table=table, as_json=args.json)
     if not args.json:
+        print("\n" + format_memory(report["memory"]))
         if report.get("micro"):
             print("\n" + format_micro(report["micro"]))
         for mode, why in report["skipped"].items():

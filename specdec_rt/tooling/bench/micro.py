@@ -56,15 +56,46 @@ def weight_bytes(manifest: Manifest) -> int:
     return total - (0 if quantized_table else manifest.vocab_size * manifest.hidden_size * 4)
 
 
-def loaded_memory(ctx: dict[str, Any], say: Callable[[str], None] = lambda msg: None) -> dict[str, float]:
-    """Bytes of the loaded models' weight files and this process's resident memory, in MB (and
-    a line saying so)."""
-    from ...engine.memory import resident_bytes, weights_bytes
+def loaded_memory(ctx: dict[str, Any], say: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
+    """This process's memory once the models are loaded, and a line saying so: the weight files'
+    MB on disk (``weights_mb``), mapped and resident in this process (``weights_mapped_mb``,
+    ``weights_resident_mb``), resident memory (``rss_mb``), and per model (``kv``, by name) its
+    role, KV bytes per position, positions per slot and MB its KV pool reserves."""
+    from ...engine.memory import mapped_bytes, models_weight_files, resident_bytes, weights_bytes
 
-    files = [model.manifest.onnx_file for model in [ctx["target"], *ctx.get("draft_models", [])]]
-    memory = {"weights_mb": weights_bytes(files) / 2**20, "rss_mb": resident_bytes() / 2**20}
-    say(f"weights {memory['weights_mb']:.0f} MB on disk; resident {memory['rss_mb']:.0f} MB once loaded")
+    models = [ctx["target"], *ctx.get("draft_models", [])]
+    mapped = mapped_bytes(models_weight_files(models))
+    memory: dict[str, Any] = {
+        "weights_mb": weights_bytes([model.manifest.onnx_file for model in models]) / 2**20,
+        "weights_mapped_mb": mapped.mapped / 2**20,
+        "weights_resident_mb": mapped.resident / 2**20,
+        "rss_mb": resident_bytes() / 2**20,
+        "kv": _kv_figures(models, target=ctx["target"]),
+    }
+    kv_reserved = sum(kv["reserved_mb"] for kv in memory["kv"].values())
+    say(
+        f"weights {memory['weights_mb']:.0f} MB on disk, {memory['weights_resident_mb']:.0f} MB of them "
+        f"resident; resident {memory['rss_mb']:.0f} MB once loaded; KV pools reserve {kv_reserved:.0f} MB "
+        "(committed as positions are written)"
+    )
     return memory
+
+
+def _kv_figures(models: list[Any], target: object) -> dict[str, dict[str, Any]]:
+    """Per model with a KV pool, by name: its role, KV bytes per position, positions per slot
+    and MB its pool reserves."""
+    from ...engine.memory import models_kv
+
+    figures = {}
+    for model in models:
+        for role, name, usage in models_kv([model], target=target):
+            figures[name] = {
+                "role": role,
+                "bytes_per_position": usage.position_bytes,
+                "positions_per_slot": model.max_length + 1,
+                "reserved_mb": usage.reserved_bytes / 2**20,
+            }
+    return figures
 
 
 _MEMORY_PROBE = """

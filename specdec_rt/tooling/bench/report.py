@@ -217,8 +217,29 @@ def format_markdown(report: dict[str, Any]) -> str:
                     else "-"
                 )
             lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    if report.get("memory"):
+        lines += ["", format_memory(report["memory"])]
     if report.get("micro"):
         lines += ["", format_micro(report["micro"])]
+    return "\n".join(lines)
+
+
+def format_memory(memory: dict[str, Any]) -> str:
+    """The bench process's memory (``report["memory"]``: weights, resident memory, KV pools) as
+    a markdown table."""
+    lines = ["| memory | value |", "|---|---|"]
+    lines.append(
+        f"| weight files | {memory.get('weights_mb', 0):.0f} MB on disk; "
+        f"{memory.get('weights_mapped_mb', 0):.0f} MB mapped, {memory.get('weights_resident_mb', 0):.0f} MB resident |"
+    )
+    lines.append(f"| resident memory, models loaded | {memory.get('rss_mb', 0):.0f} MB |")
+    if "peak_rss_mb" in memory:
+        lines.append(f"| peak resident memory, every mode run | {memory['peak_rss_mb']:.0f} MB |")
+    for name, kv in memory.get("kv", {}).items():
+        lines.append(
+            f"| KV of `{name}` ({kv['role']}) | {kv['bytes_per_position'] / 1024:.1f} KiB per position; "
+            f"{kv['reserved_mb']:.0f} MB reserved ({kv['positions_per_slot']} positions per slot) |"
+        )
     return "\n".join(lines)
 
 
