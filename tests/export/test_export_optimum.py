@@ -91,6 +91,15 @@ def test_the_manifest_and_the_log_say_optimum_built_it(built):
     assert "optimum" in built.log.split("built by")[1].splitlines()[2]  # the summary's row
 
 
+def test_a_second_identical_export_is_a_no_op_on_the_command_line(built, capsys):
+    from export.cli import main
+
+    assert main([str(built.ckpt), "--out", str(built.folder), "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == str(built.folder)
+    assert "is up to date" in captured.err
+
+
 def test_a_native_export_says_native(tiny_llama):
     assert _manifest(tiny_llama)["builder"] == "native"
 
@@ -154,6 +163,17 @@ def test_greedy_ar_and_spec_give_pytorchs_tokens(built):
     assert spec.token_ids == want
     assert spec.stats.drafted > 0
     assert all(r.token_ids == want for r in together)  # concurrent requests, one call at a time
+
+
+def test_the_generate_command_agrees_in_both_modes(built, capsys):
+    from specdec_rt.cli import main
+
+    docs = {}
+    for mode, draft in (("ar", "none"), ("spec", "ngram")):
+        argv = ["generate", "--model", str(built.folder), "--draft", draft, "--mode", mode, "--threads", "1"]
+        assert main([*argv, "--prompt", "ab ab ab ab ab", "--max-new-tokens", "16", "--json"]) == 0
+        docs[mode] = json.loads(capsys.readouterr().out)
+    assert docs["spec"]["token_ids"] == docs["ar"]["token_ids"] and len(docs["ar"]["token_ids"]) >= 1
 
 
 def test_caps_declare_what_it_lacks_and_calls_past_them_are_refused(built):
