@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -132,7 +133,6 @@ def export_graph(src: Path, folder: Path, *, family: str, threads: int | None) -
 def child(argv: list[str]) -> None:
     """The child process: optimum's export of ``src`` into ``work``, saved into ``out``."""
     src, work, out, threads = argv
-    import onnx
     import torch
     from optimum.exporters.onnx import main_export
 
@@ -149,10 +149,33 @@ def child(argv: list[str]) -> None:
         no_post_process=True,
         do_validation=False,
     )
-    model = onnx.load(str(Path(work) / GRAPH))  # with its external data, wherever optimum put it
+    place_graph(Path(work), Path(out))
+
+
+def place_graph(work: Path, out: Path) -> None:
+    """optimum's ``work/model.onnx`` as ``out/model.onnx`` + ``out/model.onnx.data``. Weights in
+    the graph itself (a model under 2 GB) are written out to the data file; weights already in
+    one data file beside it (optimum's ``model.onnx_data`` for larger ones) keep it, moved and
+    renamed, the graph's references rewritten: never loaded, so no second copy in memory."""
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+
+    model = onnx.load(str(work / GRAPH), load_external_data=False)
+    # (every tensor, initializers and constants in subgraphs too: onnx's own walk, pinned onnx)
+    tensors = [t for t in onnx.external_data_helper._get_all_tensors(model) if uses_external_data(t)]
+    where = {entry.value for t in tensors for entry in t.external_data if entry.key == "location"}
+    if len(where) == 1 and (work / next(iter(where))).resolve().parent == work.resolve():
+        shutil.move(work / where.pop(), out / DATA)
+        for tensor in tensors:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = DATA
+        onnx.save_model(model, str(out / GRAPH))
+        return
+    model = onnx.load(str(work / GRAPH))  # embedded weights (or several files): all loaded
     onnx.save_model(
         model,
-        str(Path(out) / GRAPH),
+        str(out / GRAPH),
         save_as_external_data=True,
         all_tensors_to_one_file=True,
         location=DATA,

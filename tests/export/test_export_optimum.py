@@ -269,3 +269,36 @@ def test_a_hostile_optimum_manifest_is_refused_at_load(built, tmp_path):
         (folder / "manifest.json").write_text(json.dumps(m))
         with pytest.raises(ModelLoadError, match=what):
             load_manifest(folder, verify_hashes="never")
+
+
+@pytest.mark.parametrize("layout", ["embedded", "one data file"])
+def test_optimums_graph_is_placed_as_model_onnx_and_its_data_file(tmp_path, layout):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from export.optimum_path import DATA, GRAPH, place_graph
+
+    weight = np.arange(64, dtype=np.float32).reshape(8, 8)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    if layout == "embedded":
+        onnx.save_model(model, str(work / GRAPH))
+    else:  # as optimum writes a model over 2 GB
+        onnx.save_model(
+            model, str(work / GRAPH), save_as_external_data=True, location="model.onnx_data", size_threshold=0
+        )
+    place_graph(work, out)
+    assert sorted(p.name for p in out.iterdir()) == [GRAPH, DATA]
+    stored = onnx.load(str(out / GRAPH), load_external_data=False).graph.initializer[0]
+    assert {e.key: e.value for e in stored.external_data}["location"] == DATA
+    loaded = onnx.load(str(out / GRAPH)).graph.initializer[0]  # (ONNX Runtime may hold a global pool here)
+    assert np.array_equal(numpy_helper.to_array(loaded), weight)
