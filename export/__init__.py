@@ -2,8 +2,10 @@
 
 The output folder is what the `specdec_rt` runtime loads (docs/manifest.md). The manifest's
 schema is the runtime's `specdec_rt.manifest_schema`, the one module both packages share;
-validation runs the graph through the runtime's `specdec_rt.ort`. This package needs the
-`export` extra (torch, transformers, onnx, onnxruntime, gguf); the runtime never imports it
+validation runs the graph through the runtime's `specdec_rt.ort`. A checkpoint of a family the
+graph builder lacks, that optimum-onnx exports, is built through optimum (`export.optimum_path`).
+This package needs the `export` extra (torch, transformers, onnx, onnxruntime, gguf,
+optimum-onnx); the runtime never imports it
 (except to build a recipe that is missing).
 
     python -m export smollm2-135m                  # a recipe from models/, into the cache

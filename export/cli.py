@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m export",
         description="Export a checkpoint folder, .gguf file or recipe (Llama, Mistral, Qwen2/3, Phi-3, "
-        "SmolLM3, Gemma 2/3: docs/export.md) to ONNX + manifest.json for specdec_rt.",
+        "SmolLM3, Gemma 2/3, ...; other causal LMs optimum-onnx exports, such as GPT-Neo and CodeGen, "
+        "through optimum: docs/export.md) to ONNX + manifest.json for specdec_rt.",
     )
     p.add_argument("src", nargs="?", help="checkpoint folder, .gguf file, or recipe name")
     p.add_argument("--out", type=Path, help="output folder (default: the cache's models/<name>)")
@@ -73,6 +74,7 @@ def summary(result: Result, ui: Reporter) -> str:
             [
                 folder.relative_to(result.out).as_posix() if folder != result.out else ".",
                 man["role"],
+                man.get("builder", "native"),
                 f"int{q['bits']}" if q else "fp32",
                 man["onnx"]["nodes"],
                 format_bytes(files["model.onnx.data"]["bytes"]),
@@ -82,7 +84,8 @@ def summary(result: Result, ui: Reporter) -> str:
             ]
         )
     table = format_table(
-        ["folder", "role", "weights", "nodes", "model.onnx.data", "total", "max|dlogit|", "greedy agree"], rows
+        ["folder", "role", "built by", "weights", "nodes", "model.onnx.data", "total", "max|dlogit|", "greedy agree"],
+        rows,
     )
     stages = format_table(["stage", "seconds"], [[s, f"{t:.1f}"] for s, t in ui.timings])
     return f"\n{table}\n\n{stages}\n"

@@ -38,6 +38,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "MANIFEST",
     "build_manifest",
+    "assemble_manifest",
     "write_manifest",
     "read_manifest",
     "is_export_manifest",
@@ -85,12 +86,54 @@ def build_manifest(
     draft_of: str | None = None,
     kv_dtype: str = "float32",
 ) -> dict[str, Any]:
-    """Assemble the manifest for a finished folder (hashes every file in it)."""
+    """Assemble the manifest for a finished folder of `export.graph` (hashes every file in it)."""
+    onnx = {
+        **onnx_section(quantization, kv_dtype),
+        "nodes": graph["nodes"],
+        **({"weight_forms": graph["weight_forms"]} if "weight_forms" in graph else {}),
+        **({"embedding": graph["embedding"]} if "embedding" in graph else {}),
+    }
+    return assemble_manifest(
+        name=name,
+        role=role,
+        builder="native",
+        architecture=spec.manifest(),
+        onnx=onnx,
+        tok=tok,
+        folder=folder,
+        exact_to=exact_to,
+        source=source,
+        build=build,
+        validation=validation,
+        drafts=drafts,
+        draft_of=draft_of,
+    )
+
+
+def assemble_manifest(
+    *,
+    name: str,
+    role: str,
+    builder: str,
+    architecture: dict[str, Any],
+    onnx: dict[str, Any],
+    tok: TokenizerInfo,
+    folder: Path,
+    exact_to: str,
+    source: dict[str, Any],
+    build: dict[str, Any],
+    validation: dict[str, Any] | None,
+    drafts: list[dict[str, Any]] | None = None,
+    draft_of: str | None = None,
+) -> dict[str, Any]:
+    """The manifest of a finished folder whose graph ``builder`` built (one of ``BUILDERS``),
+    with its ``architecture`` and ``onnx`` records (hashes every file in it)."""
     manifest: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "name": name,
         "role": role,
-        "architecture": spec.manifest(),
+        "builder": builder,
+        "architecture": architecture,
         "special_tokens": {"bos": tok.bos, "eos": tok.eos, "pad": tok.pad},
         "tokenizer": {
             "file": "tokenizer.json",
@@ -98,12 +141,7 @@ def build_manifest(
             "chat_template": tok.chat_template,
             "sha256": sha256_file(Path(folder) / "tokenizer.json"),
         },
-        "onnx": {
-            **onnx_section(quantization, kv_dtype),
-            "nodes": graph["nodes"],
-            **({"weight_forms": graph["weight_forms"]} if "weight_forms" in graph else {}),
-            **({"embedding": graph["embedding"]} if "embedding" in graph else {}),
-        },
+        "onnx": onnx,
         "drafts": drafts or [],
         "exact_to": exact_to,
         "source": source,

@@ -20,6 +20,7 @@ __all__ = [
     "MAX_POSITIONS_CAP",
     "MIN_POSITIONS",
     "unsupported_architecture",
+    "refusal_reason",
 ]
 
 # model_type of a checkpoint folder: a row of export.families.FAMILY_TABLE each
@@ -56,7 +57,26 @@ _KINDS = (
         ("vl", "vision", "llava", "mllama", "idefics", "multimodal", "smolvlm", "paligemma"),
         ("vision_config", "audio_config", "text_config"),
     ),
+    ("encoder-decoder", ("bart", "pegasus", "marian", "blenderbot", "t5"), ()),
 )
+
+
+def refusal_reason(
+    family: object, supported: tuple[str, ...] = SUPPORTED_FAMILIES, config: dict[str, Any] | None = None
+) -> str | None:
+    """Why a family no graph builder takes is refused, when that is known: ``NOT_YET``, else
+    each kind of layer or model the runtime has no place for (state-space, convolution or
+    recurrent layers, linear attention, experts, multimodal towers, encoder-decoders), from the
+    model_type or ``config``, config.json's keys; None when nothing is known against it."""
+    why = NOT_YET.get(family) if isinstance(family, str) else None
+    if why is None and supported is GGUF_FAMILIES and family in SUPPORTED_FAMILIES:
+        why = f"GGUF files of {family}: not yet; its checkpoint folders export"
+    if why is not None:
+        return why
+    name = family.lower() if isinstance(family, str) else ""
+    keys = config or {}
+    kinds = [w for w, frags, ks in _KINDS if any(f in name for f in frags) or any(k in keys for k in ks)]
+    return ", ".join(kinds) or None
 
 
 def unsupported_architecture(
@@ -67,14 +87,7 @@ def unsupported_architecture(
     known (``NOT_YET``; else each kind of layer the graph has no block for: state-space,
     convolution or recurrent layers, linear attention, experts, multimodal towers, from the
     model_type or ``config``, config.json's keys), and the supported ones."""
-    why = NOT_YET.get(family) if isinstance(family, str) else None
-    if why is None and supported is GGUF_FAMILIES and family in SUPPORTED_FAMILIES:
-        why = f"GGUF files of {family}: not yet; its checkpoint folders export"
-    name = family.lower() if isinstance(family, str) else ""
-    if why is None:
-        keys = config or {}
-        kinds = [w for w, frags, ks in _KINDS if any(f in name for f in frags) or any(k in keys for k in ks)]
-        why = ", ".join(kinds) or None
+    why = refusal_reason(family, supported, config)
     return UnsupportedModelError(
         f"unsupported architecture {family}{f' ({why})' if why else ''}; supported: {', '.join(supported)}"
     )

@@ -39,6 +39,7 @@ from .graph import build_onnx
 from .manifest import (
     MANIFEST,
     SCHEMA_VERSION,
+    assemble_manifest,
     build_manifest,
     is_export_manifest,
     is_up_to_date,
@@ -414,12 +415,16 @@ class _Builder:
         ONNX Runtime sessions of validation load its graphs."""
         opened = self.open_all(jobs)
         target = jobs[0]
+        _check_builders(jobs, opened)
         # groups: a model with a source, plus the quantized copies built from its weights
         groups = [[target] + [j for j in jobs[1:] if j.ref is None and j.head is None]]
         groups += [[j] for j in jobs[1:] if j.ref is not None]
         manifests = {}
         for group in groups:
             src, tok = opened[group[0].name]
+            if src.builder == "optimum":  # alone in its group (_check_builders)
+                manifests[group[0].name] = self.optimum_folder(group[0], src, tok, staging)
+                continue
             model, base = self._load(src, tok, group[0].name)
             written = [self.write_folder(job, model, base, staging) for job in group]
             del model
@@ -432,6 +437,41 @@ class _Builder:
         manifest = manifests[target.name]
         manifest["drafts"] = [{"name": j.name, "path": j.subdir} for j in jobs[1:]]
         write_manifest(staging, manifest)  # last: the folder is complete
+
+    def optimum_folder(self, job: Job, src: Source, tok: Any, staging: Path) -> dict[str, Any]:
+        """Build one folder through optimum (`export.optimum_path`) and its manifest."""
+        from .optimum_path import OptimumJob, build_optimum_folder, optimum_version
+
+        folder = staging / job.subdir
+        order = OptimumJob(
+            name=job.name,
+            role=job.role,
+            folder=folder,
+            max_positions=self.max_positions,
+            validate=self.req.validate,
+            threads=self.req.threads,
+        )
+        fields = build_optimum_folder(order, src, tok, self.ui)
+        if job.role == "target":
+            self.target_info = fields["tok"]
+        manifest = assemble_manifest(
+            name=job.name,
+            role=job.role,
+            builder="optimum",
+            architecture=fields["architecture"],
+            onnx=fields["onnx"],
+            tok=fields["tok"],
+            folder=folder,
+            exact_to=f"{_exact_weights(src, None, job.role)}, as optimum-onnx {optimum_version()} exports it",
+            source=dict(src.record),
+            build=self.build if job.role == "target" else {"exporter": __version__},
+            validation=fields["validation"],
+            draft_of=self.name if job.role == "draft" else None,
+        )
+        if job.role == "draft":
+            write_manifest(folder, manifest)
+        self.folders.append((job.name, folder, manifest))
+        return manifest
 
     def trained_head(self, job: Job, staging: Path) -> None:
         """Assemble a shipped EAGLE head with the just-built target (no PyTorch needed)."""
@@ -468,6 +508,19 @@ class _Builder:
                 seq, logits = reference_logits(model, ids, new_tokens(spec.max_positions, len(ids)))
                 ref = _Reference(seq, logits, len(ids))
         return model, _Model(src=src, tok=tok, spec=spec, ref=ref)
+
+
+def _check_builders(jobs: list[Job], opened: dict[str, tuple[Source, Any]]) -> None:
+    """A UsageError when a folder built through optimum is asked for what only the native graph
+    builder offers: quantization (of it, or a quantized copy of the target as a draft), a
+    float16 KV cache, a trained draft head on it."""
+    from .optimum_path import check_options
+
+    target_src = opened[jobs[0].name][0]
+    for job in jobs:
+        src = opened[job.name][0] if job.name in opened else target_src  # a copy of the target: its source
+        if src.builder == "optimum" or (job.head is not None and target_src.builder == "optimum"):
+            check_options(src.family, quantize=job.quantize, kv_dtype=job.kv_dtype, head=job.head is not None)
 
 
 def _label(job: Job) -> str:

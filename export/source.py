@@ -31,6 +31,7 @@ class Source:
     family: str
     label: str  # default output name
     record: dict[str, Any] = field(default_factory=dict)  # the manifest's `source`
+    builder: str = "native"  # what builds its graph: "native" (export.graph) or "optimum" (export.optimum_path)
 
     @property
     def path(self) -> Path:
@@ -123,14 +124,20 @@ def open_source(src: str | os.PathLike[str], record: dict[str, Any] | None = Non
     else:
         raise SourceNotFoundError(f"{path} is neither a checkpoint folder nor a .gguf file")
     supported = GGUF_FAMILIES if gguf_file else SUPPORTED_FAMILIES
+    builder = "native"
     if family not in supported:
-        raise unsupported_architecture(family, supported, settings)
+        from .optimum_families import optimum_builds
+
+        if gguf_file or not optimum_builds(family, settings):
+            raise unsupported_architecture(family, supported, settings)
+        builder = "optimum"
     label = path.stem if gguf_file else path.name
     return Source(
         kind=kind,
         folder=folder,
         gguf_file=gguf_file,
-        family=family,
+        family=str(family),  # (one of `supported`, or a model_type optimum_builds checked)
         label=label,
         record=record or default_record,
+        builder=builder,
     )

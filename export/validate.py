@@ -46,8 +46,9 @@ _PROMPT = (
 
 
 class KVSession:
-    """One sequence (batch 1) on an exported graph, run by the runtime itself: an
-    :class:`~specdec_rt.ort.OrtModel` of one slot (its session set-up, the check that the graph
+    """One sequence (batch 1) on an exported graph, run by the runtime itself: the model the
+    manifest's ``builder`` calls for (:func:`~specdec_rt.ort.open_model`: a graph built through
+    optimum runs as a :class:`~specdec_rt.ort.ConcatKVModel`), an :class:`~specdec_rt.ort.OrtModel` of one slot (its session set-up, the check that the graph
     has what the manifest names, its KV pool bound as shared past/present buffers) and that
     slot's :class:`~specdec_rt.ort.OrtSession` calls.
 
@@ -68,14 +69,14 @@ class KVSession:
         threads: int | None = None,
         bind_hidden: bool = False,
     ) -> None:
-        from specdec_rt.ort import OrtModel
+        from specdec_rt.ort import open_model
         from specdec_rt.ort.manifest import check_manifest
 
         arch = manifest["architecture"]
         if max_len > arch["max_positions"]:
             raise ValueError(f"max_len {max_len} > max_positions {arch['max_positions']}")
         fields = {"schema_version": SCHEMA_VERSION, "tokenizer": {"file": "tokenizer.json"}, **manifest}
-        self.model = OrtModel(
+        self.model = open_model(
             check_manifest(model_dir, fields), max_length=max_len, slots=1, threads=threads, provider="cpu"
         )
         self.session = self.model.start()

@@ -32,6 +32,9 @@ __all__ = [
     "MAX_TOKEN_ID",
     "MODEL_ROLES",
     "KV_LAYOUT",
+    "CONCAT_KV_LAYOUT",
+    "BUILDERS",
+    "CONCAT_INPUTS",
     "KV_ROLES",
     "KV_DTYPES",
     "REQUIRED_INPUTS",
@@ -88,6 +91,15 @@ MAX_TOKEN_ID = 1 << 22  # token ids are 0 .. MAX_TOKEN_ID - 1
 
 MODEL_ROLES = ("target", "draft")  # "role"
 KV_LAYOUT = "BNSH"  # onnx.kv.layout: [B, kv_heads, max_len, head_dim], past and present in one buffer
+# onnx.kv.layout of a graph built through optimum ("builder": "optimum"): past [B, kv_heads,
+# past, head_dim] in, present [B, kv_heads, past + new, head_dim] out, separate tensors (the
+# runtime keeps each present and feeds it back as the next call's past)
+CONCAT_KV_LAYOUT = "BNSH-concat"
+# "builder": what built the folder's graph: this exporter's own graph builder (export.graph, the
+# default of a manifest without the field) or optimum-onnx's exporter (export.optimum_path)
+BUILDERS = ("native", "optimum")
+# onnx.inputs of a graph built through optimum (position_ids may be null: a graph without it)
+CONCAT_INPUTS = ("input_ids", "attention_mask")
 KV_ROLES = ("past_key", "past_value", "present_key", "present_value")  # onnx.kv name templates
 KV_DTYPES = ("float32", "float16")  # onnx.kv.dtype: the cache's element type (float16 halves it)
 REQUIRED_INPUTS = ("input_ids", "seqlens_k", "total_sequence_length", "logits_index")  # onnx.inputs of every graph

@@ -24,6 +24,7 @@ __all__ = [
     "export_tiny",
     "plain_spec_together",
     "FAMILIES",
+    "OPTIMUM_FAMILIES",
     "CHATML_TEMPLATE",
 ]
 
@@ -84,6 +85,41 @@ AUTO_FAMILIES: dict[str, dict] = {
     "ernie4_5_moe": dict(tie_word_embeddings=True, moe_num_experts=4, moe_k=2, moe_intermediate_size=64),
 }
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", *AUTO_FAMILIES)
+# families no native graph takes, built through optimum-onnx (export.optimum_path); their configs'
+# own names for the sizes (GPT-Neo: every other layer local, a window of 8 the tests run past)
+OPTIMUM_FAMILIES = ("gpt_neo", "codegen")
+
+
+def _optimum_config(family: str, common: dict, layers: int, hidden: int, heads: int, intermediate: int) -> dict:
+    """The config options of a tiny ``OPTIMUM_FAMILIES`` model, in the family's own names."""
+    ids = {k: common[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range")}
+    positions = common["max_position_embeddings"]
+    if family == "gpt_neo":
+        kinds = (["global", "local"] * layers)[:layers]
+        return dict(
+            ids,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            attention_types=[[[kind], 1] for kind in kinds],
+            window_size=8,
+            intermediate_size=intermediate,
+            max_position_embeddings=positions,
+            tie_word_embeddings=True,
+        )
+    return dict(  # codegen: partial rotary (8 of 16 dimensions)
+        ids,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        rotary_dim=8,
+        n_inner=intermediate,
+        n_positions=positions,
+        n_ctx=positions,
+        tie_word_embeddings=False,
+    )
+
+
 BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3_text", "gemma")  # tokenizers that add bos to plain text
 CHATML_TEMPLATE = (
     "{{ bos_token if add_bos_in_template else '' }}"
@@ -262,6 +298,11 @@ def build_tiny_checkpoint(
         if window:
             common["sliding_window"] = window
         model = Gemma3ForCausalLM(Gemma3TextConfig(**common, tie_word_embeddings=True))
+    elif family in OPTIMUM_FAMILIES:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        options = _optimum_config(family, common, layers, hidden, heads, intermediate)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **options))
     elif family in AUTO_FAMILIES:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -289,7 +330,7 @@ def build_tiny_checkpoint(
             options["sliding_window"] = window
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **options), attn_implementation="eager")
     else:
-        raise ValueError(f"family must be one of {FAMILIES}")
+        raise ValueError(f"family must be one of {FAMILIES + OPTIMUM_FAMILIES}")
     with torch.no_grad():  # norms and biases away from their 1/0 init, so they matter
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:

@@ -291,6 +291,7 @@ def _draft_manifest(
         "schema_version": SCHEMA_VERSION,
         "name": name,
         "role": "draft",
+        "builder": "native",
         "kind": "eagle",
         "architecture": {
             "family": "eagle",

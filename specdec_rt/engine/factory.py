@@ -24,8 +24,10 @@ from ..ort import (
     OrtDraftInferrer,
     OrtModel,
     OrtTargetVerifier,
+    RuntimeModel,
     default_threads,
     load_manifest,
+    open_model,
     resolve_model_dir,
     use_global_thread_pool,
 )
@@ -282,7 +284,7 @@ def model_drafter(m: Manifest, dm: Manifest, **opts: Any) -> OrtDraftInferrer | 
         return drafter
     if dm.vocab_size != m.vocab_size:
         raise ModelLoadError(f"{dm.folder}: vocab_size {dm.vocab_size} != the target's {m.vocab_size}")
-    return OrtDraftInferrer(OrtModel(dm, **opts))
+    return OrtDraftInferrer(open_model(dm, **opts))
 
 
 def make_drafter(m: Manifest, spec: str | None, opts: dict[str, Any]) -> tuple[DraftInferrer | None, str | None]:
@@ -315,13 +317,13 @@ def make_drafter(m: Manifest, spec: str | None, opts: dict[str, Any]) -> tuple[D
     return model, label
 
 
-def engine_models(target: OrtModel, drafter: DraftInferrer | None) -> list[OrtModel]:
+def engine_models(target: RuntimeModel, drafter: DraftInferrer | None) -> list[RuntimeModel]:
     """The models of an engine: its target, then the models its drafter runs (a draft model, a
     combined drafter's model, an EAGLE head), all ONNX Runtime models as the factory builds them."""
     found = [target]
     for part in _drafter_parts(drafter):
         if isinstance(part, (ModelDrafter, EagleDrafter)) and part.model not in found:
-            found.append(cast(OrtModel, part.model))
+            found.append(cast(RuntimeModel, part.model))
     return found
 
 
@@ -336,7 +338,7 @@ class EngineParts:
     """What :meth:`Engine.load` builds from an export folder, every model on one step loop."""
 
     manifest: Manifest  # the target's (a promoted draft's: under the folder's name)
-    target: OrtModel
+    target: RuntimeModel  # a ConcatKVModel for a folder built through optimum
     verifier: TargetVerifier
     drafter: DraftInferrer | None
     draft_name: str | None
@@ -371,7 +373,7 @@ def build_parts(name_or_path: str | os.PathLike[str], options: LoadOptions) -> E
         shared_weights=options.shared_weights,
     )
     alone = resolve_draft_spec(home, draft) in ("ngram", "none")  # no draft model beside the target
-    target = OrtModel(candidate.manifest, **opts, alone=alone)
+    target = open_model(candidate.manifest, **opts, alone=alone)  # by the manifest's builder
     drafter, draft_name = make_drafter(home, draft, opts)  # (a promoted target shares home's vocabulary)
     models = engine_models(target, drafter)
     _share_cache_budget(models, options.cache_bytes)
@@ -390,10 +392,10 @@ def build_parts(name_or_path: str | os.PathLike[str], options: LoadOptions) -> E
     )
 
 
-def _share_cache_budget(models: list[OrtModel], budget: int) -> None:
+def _share_cache_budget(models: list[RuntimeModel], budget: int) -> None:
     """Split ``budget`` bytes among the models that cache prefixes, in proportion to their KV
-    bytes per token."""
-    caching = [mod for mod in models if mod.caches_prefixes]
+    bytes per token (a ConcatKVModel caches none)."""
+    caching = [mod for mod in models if isinstance(mod, OrtModel) and mod.caches_prefixes]
     for mod in caching:
         per_token = sum(x.open_pool().token_bytes for x in caching)
         mod.prefix_cache.budget_bytes = budget * mod.open_pool().token_bytes // per_token

@@ -28,7 +28,10 @@ from typing import Any
 
 from ..errors import ModelLoadError, ModelNotBuiltError
 from ..manifest_schema import (
+    BUILDERS,
     CACHE_ENV,
+    CONCAT_INPUTS,
+    CONCAT_KV_LAYOUT,
     KV_DTYPES,
     KV_LAYOUT,
     KV_ROLES,
@@ -160,6 +163,9 @@ class Manifest:
     alibi: bool = False
     # the KV cache's element type (onnx.kv.dtype, one of KV_DTYPES)
     kv_dtype: str = "float32"
+    # what built the graph (one of BUILDERS): "native" (export.graph: a shared KV pool, packed
+    # rows, trees) or "optimum" (past in, present out: specdec_rt.ort.concat_kv runs it)
+    builder: str = "native"
 
     def kv_name(self, role: str, layer: int) -> str:
         """ONNX name of ``past_key`` / ``past_value`` / ``present_key`` / ``present_value``."""
@@ -262,7 +268,15 @@ def _read_fields(folder: Path, raw: dict[str, Any], path: Path) -> Manifest:
         ),
         alibi=_bool(arch.get("alibi", False), "architecture.alibi", path),
         kv_dtype=_kv_dtype(kv.get("dtype", "float32"), path),
+        builder=_builder(raw.get("builder", "native"), path),
     )
+
+
+def _builder(value: Any, path: Path) -> str:
+    """``builder``, one of :data:`BUILDERS` (a manifest without it: ``"native"``)."""
+    if not isinstance(value, str) or value not in BUILDERS:
+        raise ModelLoadError(f"{path}: builder {_short(value)} is not one of {', '.join(BUILDERS)}")
+    return value
 
 
 def _kv_dtype(value: Any, path: Path) -> str:
@@ -274,6 +288,9 @@ def _kv_dtype(value: Any, path: Path) -> str:
 
 def _check_graph_names(m: Manifest, path: Path) -> None:
     """The graph's input, output and KV names that the runtime needs."""
+    if m.builder == "optimum":
+        _check_concat_names(m, path)
+        return
     for role in REQUIRED_INPUTS:
         if not m.inputs.get(role):
             raise ModelLoadError(f"{path}: onnx.inputs.{role} is missing")
@@ -285,10 +302,33 @@ def _check_graph_names(m: Manifest, path: Path) -> None:
             f"{path}: KV layout {_short(m.kv.get('layout'))} shared={_short(m.kv.get('shared_buffer'))}; "
             f"this runtime needs {KV_LAYOUT} with a shared past/present buffer"
         )
+    _check_kv_names(m, path)
+
+
+def _check_kv_names(m: Manifest, path: Path) -> None:
+    """The four KV name templates: each valid, all different."""
     for role in KV_ROLES:
         _check_kv_template(m.kv.get(role), f"onnx.kv.{role}", path)
     if len({m.kv[r] for r in KV_ROLES}) != len(KV_ROLES):
         raise ModelLoadError(f"{path}: onnx.kv names must differ from one another")
+
+
+def _check_concat_names(m: Manifest, path: Path) -> None:
+    """The names of a graph built through optimum: ``CONCAT_INPUTS`` (``position_ids`` optional),
+    logits, and separate past / present KV tensors (:data:`CONCAT_KV_LAYOUT`, float32)."""
+    for role in CONCAT_INPUTS:
+        if not m.inputs.get(role):
+            raise ModelLoadError(f"{path}: onnx.inputs.{role} is missing (a graph built through optimum)")
+    if not m.outputs.get("logits"):
+        raise ModelLoadError(f"{path}: onnx.outputs.logits is missing")
+    if m.kv.get("layout") != CONCAT_KV_LAYOUT or m.kv.get("shared_buffer") is not False:
+        raise ModelLoadError(
+            f"{path}: KV layout {_short(m.kv.get('layout'))} shared={_short(m.kv.get('shared_buffer'))}; "
+            f"a graph built through optimum has {CONCAT_KV_LAYOUT} with separate past and present tensors"
+        )
+    if m.kv_dtype != "float32" or m.quantization is not None:
+        raise ModelLoadError(f"{path}: a graph built through optimum is float32 (onnx.kv.dtype, onnx.quantization)")
+    _check_kv_names(m, path)
 
 
 def _check_files(m: Manifest, files: Any, path: Path) -> dict[str, Any]:

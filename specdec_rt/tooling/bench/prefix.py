@@ -181,7 +181,9 @@ def pressure_budget(engine: Engine, n: int) -> tuple[list[str], int]:
     if not isinstance(engine.target, OrtModel):
         raise InvalidInputError("the prefix bench measures ONNX Runtime models' KV pools only")
     models = engine_models(engine.target, engine.drafter)
-    per_token = sum(model.open_pool().token_bytes for model in models)
+    if not all(isinstance(model, OrtModel) for model in models):
+        raise InvalidInputError("the prefix bench measures ONNX Runtime models' KV pools only")
+    per_token = sum(model.open_pool().token_bytes for model in models if isinstance(model, OrtModel))
     longest = max(len(engine.codec.encode_prompt([{"role": "user", "content": d}])) for d in docs) + 3 * n
     return docs, 2 * longest * per_token
 
