@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -22,6 +22,8 @@ __all__ = [
     "GenerationResult",
     "Mode",
     "FinishReason",
+    "KVUsage",
+    "ReportsKV",
 ]
 
 Mode = Literal["spec", "ar"]
@@ -260,3 +262,32 @@ class GenerationResult:
     @property
     def finish_reason(self) -> FinishReason | None:
         return self.stats.finish_reason
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVUsage:
+    """A KV pool's figures at one moment: ``position_bytes`` (one position, every layer's K and
+    V), ``reserved_bytes`` (the pool's buffers, every slot at ``max_len + 1`` positions, prefix-cache
+    slots included) and ``positions`` (the positions the open sessions hold, summed over slots)."""
+
+    position_bytes: int
+    reserved_bytes: int
+    positions: int
+    #: bytes of the buffers in memory now (committed pages), when asked for; None: not measured
+    resident_bytes: int | None = None
+
+    @property
+    def used_bytes(self) -> int:
+        """KV bytes the open sessions hold: ``positions * position_bytes``."""
+        return self.positions * self.position_bytes
+
+
+@runtime_checkable
+class ReportsKV(Protocol):
+    """A model that reports its KV pool's figures (:class:`~specdec_rt.ort.model.OrtModel` does)."""
+
+    name: str
+
+    def kv_usage(self, resident: bool = False) -> KVUsage | None:
+        """The pool's figures now (None once closed); ``resident``: with its committed pages."""
+        ...

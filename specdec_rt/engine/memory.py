@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-from ..ort.kvpool import KVUsage
+from ..types import KVUsage, ReportsKV
 
 __all__ = [
     "resident_bytes",
@@ -152,7 +152,7 @@ def mapped_bytes(files: Iterable[Path]) -> Mapped:
 
 class ModelKV(NamedTuple):
     """One model's KV pool figures: its ``role`` in the engine (``target`` or ``draft``), its
-    ``model`` name and its :class:`~specdec_rt.ort.kvpool.KVUsage`."""
+    ``model`` name and its :class:`~specdec_rt.types.KVUsage`."""
 
     role: str
     model: str
@@ -171,9 +171,10 @@ def models_kv(models: Iterable[object], target: object = None, resident: bool = 
     pages commit (a read of the page table). Closed models are left out."""
     found: list[ModelKV] = []
     for model in models:
-        kv_usage = getattr(model, "kv_usage", None)
-        usage = kv_usage(resident=resident) if callable(kv_usage) else None
-        if isinstance(usage, KVUsage):
+        if not isinstance(model, ReportsKV):
+            continue
+        usage = model.kv_usage(resident=resident)
+        if usage is not None:
             role = "target" if model is target or target is None and not found else "draft"
-            found.append(ModelKV(role, str(getattr(model, "name", "")), usage))
+            found.append(ModelKV(role, model.name, usage))
     return found

@@ -25,7 +25,6 @@ import ctypes.util
 import functools
 import mmap
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ import numpy.typing as npt
 
 from ..errors import InferenceError, ModelLoadError
 from ..kvcache.prefix import Hit, PrefixCache
+from ..types import KVUsage
 
 __all__ = ["KVPool", "KVUsage"]
 
@@ -49,24 +49,6 @@ def _mincore() -> Callable[[ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], 
     mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     mincore.restype = ctypes.c_int
     return mincore
-
-
-@dataclass(frozen=True, kw_only=True)
-class KVUsage:
-    """A KV pool's figures at one moment: ``position_bytes`` (one position, every layer's K and
-    V), ``reserved_bytes`` (the pool's buffers, every slot at ``max_len + 1`` positions, prefix-cache
-    slots included) and ``positions`` (the positions the open sessions hold, summed over slots)."""
-
-    position_bytes: int
-    reserved_bytes: int
-    positions: int
-    #: bytes of the buffers in memory now (committed pages), when asked for; None: not measured
-    resident_bytes: int | None = None
-
-    @property
-    def used_bytes(self) -> int:
-        """KV bytes the open sessions hold: ``positions * position_bytes``."""
-        return self.positions * self.position_bytes
 
 
 class _HostBuffer:
