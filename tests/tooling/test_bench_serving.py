@@ -222,7 +222,9 @@ def test_end_to_end_against_two_real_servers(tiny_llama, capsys, tmp_path):
         assert (c["identical"], c["compared"]) == (same, 3)
         expected = [p for p in report["phases"] if p["concurrency"] == c["concurrency"]]
         by = {p["mode"]: p for p in expected}
-        assert c["tokens_per_s_ratio"] == pytest.approx(by[OURS]["tokens_per_s"] / by[LLAMA]["tokens_per_s"], rel=1e-3)
+        # both phases' rates and the ratio are rounded to 3 decimals: slow rates move the ratio
+        ratio = by[OURS]["tokens_per_s"] / by[LLAMA]["tokens_per_s"]
+        assert c["tokens_per_s_ratio"] == pytest.approx(ratio, rel=1e-3, abs=2e-3)
     ours = report["servers"][OURS]
     assert ours["cmd"][:5] == ["-m", "specdec_rt", "serve", "--model", str(tiny_llama)]
     assert ours["cmd"][ours["cmd"].index("--slots") + 1] == "2"  # the highest level
