@@ -11,15 +11,20 @@ Both are in units of one plain target step (one token through the target alone):
   that k itself, where one was measured.
 
 Until something is measured the configured defaults stand (``measured`` False).
+
+And the acceptance at each draft depth, from :class:`~specdec_rt.types.Stats` counts
+(:func:`acceptance_by_depth`).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import TypedDict
 
+from ..types import Stats
 from .acceptance import CostModel
 
-__all__ = ["CostFigures", "cost_figures"]
+__all__ = ["CostFigures", "DepthRow", "SpeculationFigures", "acceptance_by_depth", "cost_figures"]
 
 
 class CostFigures(TypedDict):
@@ -47,3 +52,44 @@ def cost_figures(costs: CostModel, k_max: int) -> CostFigures:
         "verify_cost": {str(k): costs.verify_cost(k) for k in range(1, k_max + 1)},
         "verify_measured": {} if base is None else {str(k): v / base for k, v in sorted(measured_verify.items())},
     }
+
+
+class DepthRow(TypedDict):
+    """Draft depth ``depth`` (1: a round's first draft) over some requests: ``drafted`` rounds
+    tried it (every earlier draft accepted), ``accepted`` kept it; ``rate`` = accepted / drafted,
+    which is P(accepted | every earlier draft accepted)."""
+
+    depth: int
+    drafted: int
+    accepted: int
+    rate: float
+
+
+def acceptance_by_depth(stats: list[Stats]) -> list[DepthRow]:
+    """Each depth's counts summed over ``stats`` (``Stats.position_drafted`` /
+    ``position_accepted``); depths that no round tried are left out."""
+    drafted: defaultdict[int, int] = defaultdict(int)
+    accepted: defaultdict[int, int] = defaultdict(int)
+    for x in stats:
+        for index, (tried, kept) in enumerate(zip(x.position_drafted, x.position_accepted)):
+            drafted[index] += tried
+            accepted[index] += kept
+    return [
+        {
+            "depth": index + 1,
+            "drafted": drafted[index],
+            "accepted": accepted[index],
+            "rate": accepted[index] / drafted[index],
+        }
+        for index in sorted(drafted)
+        if drafted[index]
+    ]
+
+
+class SpeculationFigures(TypedDict):
+    """What an engine's speculation measured since it started: ``drafter`` (its draft spec),
+    ``costs`` now and ``acceptance_by_depth`` over its finished requests."""
+
+    drafter: str
+    costs: CostFigures
+    acceptance_by_depth: list[DepthRow]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal
 
+from ...policy.figures import acceptance_by_depth
 from ..reports import pyplot, save_figure
 
 if TYPE_CHECKING:
@@ -75,38 +76,6 @@ def _speculation_summary(stats: list[Stats]) -> dict[str, Any]:
         "per_position_acceptance": [row["rate"] for row in by_depth],
         "acceptance_by_depth": by_depth,
     }
-
-
-class DepthRow(TypedDict):
-    """Draft depth ``depth`` (1: a round's first draft) over some runs: ``drafted`` rounds tried
-    it (every earlier draft accepted), ``accepted`` kept it; ``rate`` = accepted / drafted, which
-    is P(accepted | every earlier draft accepted)."""
-
-    depth: int
-    drafted: int
-    accepted: int
-    rate: float
-
-
-def acceptance_by_depth(stats: list[Stats]) -> list[DepthRow]:
-    """Each depth's counts summed over ``stats`` (``Stats.position_drafted`` / ``position_accepted``),
-    depths that no round tried left out."""
-    drafted: defaultdict[int, int] = defaultdict(int)
-    accepted: defaultdict[int, int] = defaultdict(int)
-    for x in stats:
-        for index, (tried, kept) in enumerate(zip(x.position_drafted, x.position_accepted)):
-            drafted[index] += tried
-            accepted[index] += kept
-    return [
-        {
-            "depth": index + 1,
-            "drafted": drafted[index],
-            "accepted": accepted[index],
-            "rate": accepted[index] / drafted[index],
-        }
-        for index in sorted(drafted)
-        if drafted[index]
-    ]
 
 
 def median_costs(figures: list[CostFigures]) -> dict[str, Any]:
