@@ -7,72 +7,21 @@ it streamed; it has no final ``Stats``, so its drafts are not counted).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
 from ..types import Stats
+from .speculation_metrics import CostCollector, depth_label
 
-if TYPE_CHECKING:
-    from ..policy.figures import CostFigures
-
-__all__ = ["Metrics", "CostCollector", "depth_label"]
+__all__ = ["Metrics"]
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-MAX_DEPTH = 16  # draft depths (and verify lengths k) from here on share one label, "16+"
-
-
-def depth_label(depth: int) -> str:
-    """A draft depth or verify length as a label value: ``"1"`` .. ``"15"``, then ``"16+"``
-    (a bounded set, whatever ``k_max`` a server runs with)."""
-    return str(depth) if depth < MAX_DEPTH else f"{MAX_DEPTH}+"
-
-
-class CostCollector:
-    """Gauges of the measured costs of speculation, read from ``source`` when scraped (the
-    engine's :class:`~specdec_rt.policy.figures.CostFigures`; None: no drafter, no samples):
-    the draft token and the verify call over k drafts, in plain target steps, and whether they
-    were measured (0: the configured defaults). ``drafter`` labels them and the per-depth counters."""
-
-    def __init__(self) -> None:
-        self.source: Callable[[], CostFigures | None] | None = None
-        self.drafter = "none"
-
-    def describe(self) -> list[Metric]:
-        return self._families(None)
-
-    def collect(self) -> list[Metric]:
-        return self._families(self.source() if self.source is not None else None)
-
-    def _families(self, figures: CostFigures | None) -> list[Metric]:
-        draft = GaugeMetricFamily(
-            "specdec_spec_decode_draft_cost_target_steps",
-            "Measured cost of one draft token, in plain target steps",
-            labels=["drafter"],
-        )
-        verify = GaugeMetricFamily(
-            "specdec_spec_decode_verify_cost_target_steps",
-            "Measured cost of one verify call over k drafts (fitted in k), in plain target steps",
-            labels=["drafter", "k"],
-        )
-        measured = GaugeMetricFamily(
-            "specdec_spec_decode_costs_measured",
-            "1: the cost gauges are measured; 0: the configured defaults, nothing timed yet",
-            labels=["drafter"],
-        )
-        if figures is not None:
-            draft.add_metric([self.drafter], figures["draft_cost"])
-            for k, cost in figures["verify_cost"].items():
-                if int(k) <= MAX_DEPTH:
-                    verify.add_metric([self.drafter, depth_label(int(k))], cost)
-            measured.add_metric([self.drafter], float(figures["measured"]))
-        return [draft, verify, measured]
 
 
 class Metrics:

@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, MutableSequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import anyio
 
 from ..engine.memory import engine_weights_bytes
-from ..engine.served import DEFAULT_SLOTS, ReportsSpeculation, ServedEngine
+from ..engine.served import DEFAULT_SLOTS, ServedEngine
 from ..logs import get_logger
 from ..speculation.protocols import check_implements
 from .metrics import Metrics
 from .options import AppConfig
 from .protocol import APIError
-
-if TYPE_CHECKING:
-    from ..policy.figures import CostFigures
 
 __all__ = ["Serving"]
 
@@ -84,7 +81,6 @@ class Serving:
             self.slots = engine.slots
         self.model_name = self.model_name or engine.name
         self.metrics.weights_bytes.set(engine_weights_bytes(engine))
-        self._report_speculation(engine)
         listeners = engine.batch_listeners  # one call per batched target call
         if listeners is not None:
             listeners.append(self.metrics.observe_batch)
@@ -93,17 +89,7 @@ class Serving:
         if watch is not None and self.metrics.observe_loop not in watch.listeners:
             watch.listeners.append(self.metrics.observe_loop)
         self.start_watch()
-
-    def _report_speculation(self, engine: ServedEngine) -> None:
-        """The cost gauges read the engine's measurements when scraped; the per-depth counters
-        are labelled with its drafter (its draft spec, else the one it reports, else "default")."""
-        costs = self.metrics.costs
-        costs.drafter = engine.choice.draft if engine.choice is not None else "default"
-        if isinstance(engine, ReportsSpeculation):
-            figures = engine.speculation_figures()
-            if figures is not None and engine.choice is None:
-                costs.drafter = figures["drafter"]
-            costs.source = lambda: _costs_of(engine)
+        self.metrics.costs.attach(engine)  # the cost gauges read its measurements when scraped
 
     def start_watch(self) -> None:
         """Start the engine's event-loop watchdog, if it has one and a loop runs here."""
@@ -223,9 +209,3 @@ class Serving:
     def _waiting(self) -> float:
         n = None if self._engine is None else self._engine.waiting
         return max(0, self.admitted - self.slots) if n is None else n
-
-
-def _costs_of(engine: ReportsSpeculation) -> CostFigures | None:
-    """The engine's measured costs now (None: it has no drafter)."""
-    figures = engine.speculation_figures()
-    return None if figures is None else figures["costs"]

@@ -209,49 +209,6 @@ def plot_acceptance(samples: list[Sample], path: Path, mode: str = "spec") -> Pa
     return save_figure(fig, path)
 
 
-def format_markdown(report: dict[str, Any]) -> str:
-    """Markdown tables of a bench report: modes, categories, micro-benchmarks."""
-    lines = [
-        "| mode | tokens/s (median) | p25-p75 | vs our ar | vs hf_ar | acceptance | mean accepted | tokens per target call | identical to ar |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-
-    def f(d: dict[str, Any], key: str, fmt: str) -> str:
-        return format(d[key], fmt) if d.get(key) is not None else "-"
-
-    for m, d in report["modes"].items():
-        lines.append(
-            f"| `{m}` | {d['tokens_per_s']:.1f} | {d['p25']:.1f}-{d['p75']:.1f} | "
-            f"{f(d, 'speedup_vs_ar', '.2f')} | {f(d, 'speedup_vs_hf_ar', '.2f')} | "
-            f"{f(d, 'acceptance_rate', '.2f')} | {f(d, 'mean_accepted', '.2f')} | "
-            f"{f(d, 'tokens_per_target_call', '.2f')} | {f(d, 'identical_to_ar', '.0%')} |"
-        )
-    spec = [m for m in report["modes"] if m.startswith("spec")]
-    if spec and len(report.get("categories", {})) > 1:
-        lines += [
-            "",
-            "| category | " + " | ".join(f"`{m}` vs ar (acceptance, mean accepted)" for m in spec) + " |",
-            "|---|" + "---|" * len(spec),
-        ]
-        for cat, modes in report["categories"].items():
-            cells = []
-            for m in spec:
-                d = modes.get(m, {})
-                cells.append(
-                    f"{f(d, 'speedup_vs_ar', '.2f')}x ({f(d, 'acceptance_rate', '.2f')}, "
-                    f"{f(d, 'mean_accepted', '.2f')})"
-                    if d
-                    else "-"
-                )
-            lines.append(f"| {cat} | " + " | ".join(cells) + " |")
-    depths, costs = format_depths(report["modes"]), format_costs(report["modes"])
-    lines += ["", depths] if depths else []
-    lines += ["", costs] if costs else []
-    if report.get("micro"):
-        lines += ["", format_micro(report["micro"])]
-    return "\n".join(lines)
-
-
 def format_depths(modes: dict[str, Any]) -> str:
     """Acceptance at each draft depth per speculative mode, as a markdown table ("" if none):
     each cell P(accepted | earlier accepted) and its counts, accepted / rounds that tried it."""
@@ -304,6 +261,49 @@ def format_costs(modes: dict[str, Any]) -> str:
             + " | ".join(verify)
             + f" | {c['measured']}/{c['prompts']} |"
         )
+    return "\n".join(lines)
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """Markdown tables of a bench report: modes, categories, micro-benchmarks."""
+    lines = [
+        "| mode | tokens/s (median) | p25-p75 | vs our ar | vs hf_ar | acceptance | mean accepted | tokens per target call | identical to ar |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(d: dict[str, Any], key: str, fmt: str) -> str:
+        return format(d[key], fmt) if d.get(key) is not None else "-"
+
+    for m, d in report["modes"].items():
+        lines.append(
+            f"| `{m}` | {d['tokens_per_s']:.1f} | {d['p25']:.1f}-{d['p75']:.1f} | "
+            f"{f(d, 'speedup_vs_ar', '.2f')} | {f(d, 'speedup_vs_hf_ar', '.2f')} | "
+            f"{f(d, 'acceptance_rate', '.2f')} | {f(d, 'mean_accepted', '.2f')} | "
+            f"{f(d, 'tokens_per_target_call', '.2f')} | {f(d, 'identical_to_ar', '.0%')} |"
+        )
+    depths, costs = format_depths(report["modes"]), format_costs(report["modes"])
+    lines += ["", depths] if depths else []
+    lines += ["", costs] if costs else []
+    spec = [m for m in report["modes"] if m.startswith("spec")]
+    if spec and len(report.get("categories", {})) > 1:
+        lines += [
+            "",
+            "| category | " + " | ".join(f"`{m}` vs ar (acceptance, mean accepted)" for m in spec) + " |",
+            "|---|" + "---|" * len(spec),
+        ]
+        for cat, modes in report["categories"].items():
+            cells = []
+            for m in spec:
+                d = modes.get(m, {})
+                cells.append(
+                    f"{f(d, 'speedup_vs_ar', '.2f')}x ({f(d, 'acceptance_rate', '.2f')}, "
+                    f"{f(d, 'mean_accepted', '.2f')})"
+                    if d
+                    else "-"
+                )
+            lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    if report.get("micro"):
+        lines += ["", format_micro(report["micro"])]
     return "\n".join(lines)
 
 
