@@ -31,6 +31,7 @@ from ..errors import (
 )
 from ..kvcache.prefix import PrefixCache
 from ..policy.config import SpecConfig
+from ..policy.figures import SpeculationFigures, acceptance_by_depth, cost_figures
 from ..request.checks import (
     MAX_STOP_STRINGS,  # noqa: F401 - re-exported (the stop-string limit)
     RequestShape,
@@ -208,6 +209,19 @@ class Engine:
             "entries": sum(len(c.entries()) for c in caches),
             "evictions": sum(c.evictions for c in caches),
             "bytes": sum(c.bytes for c in caches),
+        }
+
+    def speculation_figures(self) -> SpeculationFigures | None:
+        """The drafter's name, the draft and verify costs the scheduler measured so far (in plain
+        target steps) and the acceptance per draft depth over the finished requests; ``None``
+        without a drafter. The server's ``/metrics`` and ``/v1/models`` show them."""
+        if self.drafter is None:
+            return None
+        scheduler = self.scheduler
+        return {
+            "drafter": self.draft_name or "default",
+            "costs": cost_figures(scheduler.costs, scheduler.config.k_max),
+            "acceptance_by_depth": acceptance_by_depth([scheduler.totals]),
         }
 
     def _tell_batch(self, model: LanguageModel, rows: int, seconds: float) -> None:

@@ -18,11 +18,19 @@ from .loop_watch import LoopWatch
 from .stream import StreamEvent
 
 if TYPE_CHECKING:
+    from ..policy.figures import SpeculationFigures
     from ..request.params import RequestParams
     from .engine import Prompt
     from .precision import PrecisionChoice
 
-__all__ = ["DEFAULT_SLOTS", "DEFAULT_CONSUMER_TIMEOUT", "ServedEngine", "ServedStream", "EventIterator"]
+__all__ = [
+    "DEFAULT_SLOTS",
+    "DEFAULT_CONSUMER_TIMEOUT",
+    "ServedEngine",
+    "ServedStream",
+    "EventIterator",
+    "ReportsSpeculation",
+]
 
 DEFAULT_SLOTS = 8  # requests batched at once; a slot's KV memory is committed only as it is used
 #: seconds a request waits for its consumer to take an event (its buffer full) before it ends
@@ -114,6 +122,18 @@ class ServedEngine(Protocol):
     async def aclose(self) -> None:
         """Release what it holds (called by a server that loaded it, at shutdown)."""
         return None
+
+
+@runtime_checkable
+class ReportsSpeculation(Protocol):
+    """An engine that tells what its speculation measured (an :class:`~specdec_rt.engine.engine.Engine`
+    does): the server then shows the measured costs in ``/metrics`` and ``/v1/models``, and labels
+    the per-depth draft counters with its drafter. Optional: an engine without it shows neither."""
+
+    def speculation_figures(self) -> SpeculationFigures | None:
+        """The drafter, its measured costs and the acceptance per draft depth so far (``None``:
+        no drafter)."""
+        ...
 
 
 class EventIterator(ServedStream):

@@ -219,6 +219,11 @@ class CostModel:
         base, _, s = self._verify_line()
         return base, s
 
+    def plain_step_s(self) -> float | None:
+        """Seconds of one plain target step, the unit of every relative cost: measured, else
+        the verify line's value at k = 0 (None while no target call was timed)."""
+        return self._base_and_slope()[0]
+
     def relative(self) -> tuple[float, float]:
         """``(d, s)``: draft-token cost and verify slope, in units of one plain target step."""
         base, s = self._base_and_slope()

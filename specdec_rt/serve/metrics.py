@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from ..engine.memory import Mapped, ModelKV, mapped_bytes, peak_resident_bytes
 from ..types import Stats
+from .speculation_metrics import CostCollector, depth_label
 
 __all__ = ["Metrics"]
 
@@ -122,15 +123,7 @@ class Metrics:
         self.slots_free.set_function(slots_free)
         self.generation_tokens = Counter("specdec_generation_tokens", "Generated tokens", registry=r)
         self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.drafts = Counter(
-            "specdec_spec_decode_num_drafts",
-            "Speculative rounds (a draft of k >= 1 tokens, then one verify call)",
-            registry=r,
-        )
-        self.draft_tokens = Counter("specdec_spec_decode_num_draft_tokens", "Drafted tokens", registry=r)
-        self.accepted_tokens = Counter(
-            "specdec_spec_decode_num_accepted_tokens", "Drafted tokens the target accepted", registry=r
-        )
+        self._speculation_metrics(r)
         self.success = Counter("specdec_request_success", "Requests that finished", ["finished_reason"], registry=r)
         self.rejected = Counter(
             "specdec_requests_rejected",
@@ -213,6 +206,33 @@ class Metrics:
         for reason in ("cancelled", "timeout", "consumer_timeout", "error", "shutdown"):
             self.aborted.labels(reason)
 
+    def _speculation_metrics(self, registry: CollectorRegistry) -> None:
+        """The drafts' counters, in all and per draft depth, and the measured costs (read from
+        the engine when scraped)."""
+        self.drafts = Counter(
+            "specdec_spec_decode_num_drafts",
+            "Speculative rounds (a draft of k >= 1 tokens, then one verify call)",
+            registry=registry,
+        )
+        self.draft_tokens = Counter("specdec_spec_decode_num_draft_tokens", "Drafted tokens", registry=registry)
+        self.accepted_tokens = Counter(
+            "specdec_spec_decode_num_accepted_tokens", "Drafted tokens the target accepted", registry=registry
+        )
+        self.depth_drafted = Counter(
+            "specdec_spec_decode_num_drafts_per_depth",
+            "Rounds that drafted at this depth, every earlier draft accepted (depth 1: every round)",
+            ["depth", "drafter"],
+            registry=registry,
+        )
+        self.depth_accepted = Counter(
+            "specdec_spec_decode_num_accepted_tokens_per_depth",
+            "Drafts the target accepted at this depth; over the drafts there: P(accepted | earlier accepted)",
+            ["depth", "drafter"],
+            registry=registry,
+        )
+        self.costs = CostCollector()
+        registry.register(self.costs)
+
     @staticmethod
     def _memory_gauges(registry: CollectorRegistry) -> Gauge:
         """The process's figures (``process_resident_memory_bytes`` ..., from Linux /proc) and the
@@ -244,6 +264,12 @@ class Metrics:
         self.drafts.inc(stats.rounds)
         self.draft_tokens.inc(stats.drafted)
         self.accepted_tokens.inc(stats.accepted)
+        drafter = self.costs.drafter
+        for index, (tried, kept) in enumerate(zip(stats.position_drafted, stats.position_accepted)):
+            if tried:
+                depth = depth_label(index + 1)
+                self.depth_drafted.labels(depth, drafter).inc(tried)
+                self.depth_accepted.labels(depth, drafter).inc(kept)
 
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
         """(body, content type) in the format the scraper's ``Accept`` header asks for:

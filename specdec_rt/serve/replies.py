@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from ..engine.served import ServedEngine
+from ..engine.served import ReportsSpeculation, ServedEngine
 from ..request.checks import stop_prefix_len
 from ..sampling.logprobs import TokenLogprob, json_logprob
 from ..text.tools import CALL_OPEN, parse_tool_calls
@@ -244,10 +244,17 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 
 def models_body(model: str, created: int, engine: ServedEngine | None = None) -> dict[str, Any]:
     """``/v1/models``: the one model, with what the engine runs once it is loaded (``precision``,
-    ``draft``, ``exact_to``, ``chosen_by``: :class:`~specdec_rt.engine.precision.PrecisionChoice`)."""
-    entry = {"id": model, "object": "model", "created": created, "owned_by": "specdec-rt"}
+    ``draft``, ``exact_to``, ``chosen_by``: :class:`~specdec_rt.engine.precision.PrecisionChoice`)
+    and, from an engine that reports them, ``speculation``: its drafter, the measured draft and
+    verify costs in plain target steps and the acceptance per draft depth
+    (:class:`~specdec_rt.policy.figures.SpeculationFigures`)."""
+    entry: dict[str, Any] = {"id": model, "object": "model", "created": created, "owned_by": "specdec-rt"}
     if engine is not None and engine.choice is not None:
         entry.update(engine.choice.as_dict())
+    if isinstance(engine, ReportsSpeculation):
+        figures = engine.speculation_figures()
+        if figures is not None:
+            entry["speculation"] = figures
     return {"object": "list", "data": [entry]}
 
 

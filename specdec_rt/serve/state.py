@@ -90,6 +90,7 @@ class Serving:
         if watch is not None and self.metrics.observe_loop not in watch.listeners:
             watch.listeners.append(self.metrics.observe_loop)
         self.start_watch()
+        self.metrics.costs.attach(engine)  # the cost gauges read its measurements when scraped
 
     def start_watch(self) -> None:
         """Start the engine's event-loop watchdog, if it has one and a loop runs here."""

@@ -309,6 +309,56 @@ def test_ratios_pair_the_runs_of_one_repeat():
     assert modes["spec"]["identical_to_ar"] == 1.0
 
 
+def test_a_bench_report_gives_acceptance_per_depth_from_the_stats_and_the_measured_costs():
+    """On the toy pair: each depth's acceptance in the report is the sum of the runs' own
+    ``Stats`` counts (depth 1 is tried once per round; every accepted draft sits at one depth),
+    the costs are the scheduler's measurements after each prompt (medians), and bench.md shows
+    both."""
+    import anyio
+
+    from specdec_rt.policy.config import SpecConfig
+    from specdec_rt.speculation.adapters import ModelVerifier
+    from specdec_rt.speculation.scheduler import SpecDecScheduler
+    from specdec_rt.testing import toy_scheduler
+    from specdec_rt.tooling.bench.report import format_markdown, summarize
+    from specdec_rt.tooling.bench.runner import Prompt, _SchedulerRunner, run_modes
+
+    # a toy draft costs what its target does: speculation must not fall back for its cost alone
+    keep_drafting = SpecConfig(min_speedup=0.0, fallback_below=0.0, zero_rounds=1000)
+    spec, target, _ = toy_scheduler(0.2, 16, 3, keep_drafting)
+    modes = {
+        "ar": _SchedulerRunner(SpecDecScheduler(None, ModelVerifier(target)), "ar"),
+        "spec": _SchedulerRunner(spec, "spec"),
+    }
+    prompts = [Prompt("chat", [1, 2, 3], "a"), Prompt("code", [4, 5, 6, 7], "b"), Prompt("chat", [2, 9], "c")]
+    samples = anyio.run(run_modes, modes, prompts, 40)
+    report = summarize(samples)
+    stats = [s.stats for s in samples if s.mode == "spec" and s.stats is not None]
+    rows = report["modes"]["spec"]["acceptance_by_depth"]
+    assert len(stats) == 3 and len(rows) >= 2
+    for row in rows:
+        index = row["depth"] - 1
+        drafted = sum(x.position_drafted[index] for x in stats if index < len(x.position_drafted))
+        accepted = sum(x.position_accepted[index] for x in stats if index < len(x.position_accepted))
+        assert (row["drafted"], row["accepted"]) == (drafted, accepted) and drafted > 0
+        assert row["rate"] == accepted / drafted
+    assert rows[0]["drafted"] == sum(x.rounds for x in stats)
+    assert sum(row["accepted"] for row in rows) == sum(x.accepted for x in stats)
+    assert "acceptance_by_depth" not in report["modes"]["ar"] and "costs" not in report["modes"]["ar"]
+
+    costs = report["modes"]["spec"]["costs"]
+    assert costs["prompts"] == 3 and costs["draft_cost"] > 0 and costs["plain_step_ms"] > 0
+    assert list(costs["verify_cost"]) == [str(k) for k in range(1, spec.config.k_max + 1)]
+    assert all(costs["verify_cost"][k] >= 1.0 for k in costs["verify_cost"]) and costs["verify_measured"]
+    final = spec.costs  # the last prompt's figures are the scheduler's now: the medians lie within reach
+    assert costs["draft_token_ms"] > 0 and final.draft_token_s is not None
+
+    markdown = format_markdown(report)
+    first = rows[0]
+    assert f"| `spec` | {first['rate']:.2f} ({first['accepted']}/{first['drafted']}) |" in markdown
+    assert "verify k=1" in markdown and f"{costs['draft_cost']:.2f} (" in markdown
+
+
 def test_a_level_without_gaps_has_no_inter_token_latency():
     """A request that streams one event has no gap to measure: ITL is None ("-"), not 0 ms."""
     from specdec_rt.tooling.bench.concurrency import format_markdown, summarize

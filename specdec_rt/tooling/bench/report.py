@@ -5,16 +5,19 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+from ...policy.figures import acceptance_by_depth
 from ..reports import pyplot, save_figure
 
 if TYPE_CHECKING:
+    from ...policy.figures import CostFigures
+    from ...types import Stats
     from .runner import Sample
 
 RunIndex = dict[tuple[int, int], "Sample"]  # a mode's runs by (prompt, repeat)
 
-__all__ = ["summarize", "format_table", "plot", "plot_acceptance"]
+__all__ = ["summarize", "format_table", "plot", "plot_acceptance", "acceptance_by_depth", "median_costs"]
 
 
 def _q(xs: list[float], q: float) -> float:
@@ -51,23 +54,53 @@ def _mode_summary(samples: list[Sample], by_prompt_ar: RunIndex, by_prompt_hf: R
         out["identical_to_ar"] = sum(same) / len(same) if same else None
     stats = [s.stats for s in samples if s.stats is not None and s.stats.drafted]
     if stats:
-        drafted, accepted = sum(x.drafted for x in stats), sum(x.accepted for x in stats)
-        rounds = sum(x.rounds for x in stats)
-        calls = sum(x.rounds + x.ar_steps for x in stats)
-        out.update(
-            acceptance_rate=accepted / drafted,
-            mean_accepted=accepted / rounds,
-            tokens_per_target_call=sum(x.new_tokens for x in stats) / calls,
-            fallbacks=sum(len(x.fallbacks) for x in stats),
-        )
-        pos_d: defaultdict[int, int] = defaultdict(int)  # position -> drafted there, in all
-        pos_a: defaultdict[int, int] = defaultdict(int)  # ... accepted
-        for x in stats:
-            for i, (d, a) in enumerate(zip(x.position_drafted, x.position_accepted)):
-                pos_d[i] += d
-                pos_a[i] += a
-        out["per_position_acceptance"] = [pos_a[i] / pos_d[i] for i in sorted(pos_d) if pos_d[i]]
+        out.update(_speculation_summary(stats))
+    costs = [s.extra["costs"] for s in samples if s.extra and "costs" in s.extra]
+    if costs:
+        out["costs"] = median_costs(costs)
     return out
+
+
+def _speculation_summary(stats: list[Stats]) -> dict[str, Any]:
+    """A speculative mode's counters over its runs: acceptance, tokens per target call, and the
+    acceptance at each draft depth (summed counts, so rates weigh prompts by their rounds)."""
+    drafted, accepted = sum(x.drafted for x in stats), sum(x.accepted for x in stats)
+    rounds = sum(x.rounds for x in stats)
+    calls = sum(x.rounds + x.ar_steps for x in stats)
+    by_depth = acceptance_by_depth(stats)
+    return {
+        "acceptance_rate": accepted / drafted,
+        "mean_accepted": accepted / rounds,
+        "tokens_per_target_call": sum(x.new_tokens for x in stats) / calls,
+        "fallbacks": sum(len(x.fallbacks) for x in stats),
+        "per_position_acceptance": [row["rate"] for row in by_depth],
+        "acceptance_by_depth": by_depth,
+    }
+
+
+def median_costs(figures: list[CostFigures]) -> dict[str, Any]:
+    """The medians over prompts of the costs measured after each (:func:`~specdec_rt.policy.figures.cost_figures`):
+    ``draft_cost`` per draft token and ``verify_cost`` / ``verify_measured`` per k, in plain
+    target steps; ``plain_step_ms``, ``draft_token_ms``; ``prompts`` and ``measured`` (how many
+    prompts' figures were measured rather than the configured defaults)."""
+
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    def per_k(key: Literal["verify_cost", "verify_measured"]) -> dict[str, float | None]:
+        ks = sorted({k for f in figures for k in f[key]}, key=int)
+        return {k: median([f[key].get(k) for f in figures]) for k in ks}
+
+    return {
+        "prompts": len(figures),
+        "measured": sum(f["measured"] for f in figures),
+        "plain_step_ms": median([f["plain_step_ms"] for f in figures]),
+        "draft_token_ms": median([f["draft_token_ms"] for f in figures]),
+        "draft_cost": median([f["draft_cost"] for f in figures]),
+        "verify_cost": per_k("verify_cost"),
+        "verify_measured": per_k("verify_measured"),
+    }
 
 
 def summarize(samples: list[Sample]) -> dict[str, Any]:
@@ -164,22 +197,71 @@ def plot_acceptance(samples: list[Sample], path: Path, mode: str = "spec") -> Pa
     ax1.set_ylabel("acceptance EWMA")
     ax1.set_ylim(0, 1.02)
     ax1.legend(fontsize=8)
-    drafted: defaultdict[int, int] = defaultdict(int)  # position -> drafted there, in all
-    accepted: defaultdict[int, int] = defaultdict(int)  # ... accepted
-    for stats in runs:
-        for i, (d, a) in enumerate(zip(stats.position_drafted, stats.position_accepted)):
-            drafted[i] += d
-            accepted[i] += a
-    pos = sorted(i for i in drafted if drafted[i])
-    ax2.bar([i + 1 for i in pos], [accepted[i] / drafted[i] for i in pos], color="#2ca02c")
-    for i in pos:
-        ax2.text(i + 1, accepted[i] / drafted[i] + 0.01, str(drafted[i]), ha="center", fontsize=7)
+    depths = acceptance_by_depth(runs)
+    ax2.bar([row["depth"] for row in depths], [row["rate"] for row in depths], color="#2ca02c")
+    for row in depths:
+        ax2.text(row["depth"], row["rate"] + 0.01, str(row["drafted"]), ha="center", fontsize=7)
     ax2.set_xlabel("draft position (numbers: rounds that reached it)")
     ax2.set_ylabel("P(accepted | earlier accepted)")
     ax2.set_ylim(0, 1.05)
     ax2.set_title("acceptance by draft position")
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def format_depths(modes: dict[str, Any]) -> str:
+    """Acceptance at each draft depth per speculative mode, as a markdown table ("" if none):
+    each cell P(accepted | earlier accepted) and its counts, accepted / rounds that tried it."""
+    rows = {m: d["acceptance_by_depth"] for m, d in modes.items() if d.get("acceptance_by_depth")}
+    if not rows:
+        return ""
+    deepest = max(row["depth"] for by_depth in rows.values() for row in by_depth)
+    lines = [
+        "Acceptance at each draft depth: P(accepted | every earlier draft accepted), "
+        "accepted / rounds that drafted that deep, summed over prompts.",
+        "",
+        "| mode | " + " | ".join(f"depth {n}" for n in range(1, deepest + 1)) + " |",
+        "|---|" + "---|" * deepest,
+    ]
+    for mode, by_depth in rows.items():
+        cells = {row["depth"]: f"{row['rate']:.2f} ({row['accepted']}/{row['drafted']})" for row in by_depth}
+        lines.append(f"| `{mode}` | " + " | ".join(cells.get(n, "-") for n in range(1, deepest + 1)) + " |")
+    return "\n".join(lines)
+
+
+def format_costs(modes: dict[str, Any]) -> str:
+    """The measured draft and verify costs per speculative mode, as a markdown table ("" if
+    none), with how they were measured."""
+    rows = {m: d["costs"] for m, d in modes.items() if d.get("costs")}
+    if not rows:
+        return ""
+    ks = sorted({k for c in rows.values() for k in c["verify_cost"]}, key=int)
+    lines = [
+        "Costs in plain target steps (one token through the target alone), as the policy measured "
+        "them: EWMAs of the draft model's seconds per step and of the verify calls' seconds at each "
+        "draft count k, the verify cost fitted as a line in k (measured value in brackets where "
+        "that k was run); medians over prompts of the figures after each prompt.",
+        "",
+        "| mode | plain step | draft token | " + " | ".join(f"verify k={k}" for k in ks) + " | measured |",
+        "|---|---|---|" + "---|" * len(ks) + "---|",
+    ]
+
+    def number(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for mode, c in rows.items():
+        verify = [
+            number(c["verify_cost"].get(k), ".2f")
+            + (f" ({c['verify_measured'][k]:.2f})" if c["verify_measured"].get(k) is not None else "")
+            for k in ks
+        ]
+        lines.append(
+            f"| `{mode}` | {number(c['plain_step_ms'], '.2f')} ms | {number(c['draft_cost'], '.2f')} "
+            f"({number(c['draft_token_ms'], '.2f')} ms) | "
+            + " | ".join(verify)
+            + f" | {c['measured']}/{c['prompts']} |"
+        )
+    return "\n".join(lines)
 
 
 def format_markdown(report: dict[str, Any]) -> str:
@@ -199,6 +281,9 @@ def format_markdown(report: dict[str, Any]) -> str:
             f"{f(d, 'acceptance_rate', '.2f')} | {f(d, 'mean_accepted', '.2f')} | "
             f"{f(d, 'tokens_per_target_call', '.2f')} | {f(d, 'identical_to_ar', '.0%')} |"
         )
+    depths, costs = format_depths(report["modes"]), format_costs(report["modes"])
+    lines += ["", depths] if depths else []
+    lines += ["", costs] if costs else []
     spec = [m for m in report["modes"] if m.startswith("spec")]
     if spec and len(report.get("categories", {})) > 1:
         lines += [

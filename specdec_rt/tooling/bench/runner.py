@@ -14,6 +14,7 @@ from ...engine.factory import as_target, model_drafter, resolve_draft_spec
 from ...errors import InvalidInputError
 from ...ort import OrtModel, OrtTargetVerifier, default_threads, load_manifest, resolve_model_dir
 from ...policy.config import SpecConfig
+from ...policy.figures import cost_figures
 from ...speculation.protocols import DraftInferrer
 from ...speculation.scheduler import SpecDecScheduler
 from ...text.codec import TextCodec
@@ -154,7 +155,12 @@ class _SchedulerRunner:
     async def __call__(self, ids: list[int], n: int) -> tuple[Any, ...]:
         t = time.perf_counter()
         res = await self.scheduler.run(ids, n, mode=self.mode)
-        return res.token_ids, time.perf_counter() - t, res.stats
+        seconds = time.perf_counter() - t
+        if res.stats is None or not res.stats.drafted:
+            return res.token_ids, seconds, res.stats
+        # the costs the scheduler measured so far, this request's rounds included
+        costs = cost_figures(self.scheduler.costs, self.scheduler.config.k_max)
+        return res.token_ids, seconds, res.stats, {"costs": costs}
 
 
 async def run_modes(modes: dict[str, Runner], prompts: list[Prompt], n: int, repeats: int = 1) -> list[Sample]:
