@@ -330,9 +330,10 @@ class _Builder:
                 if job.name in opened:
                     src, tok = opened[job.name]
                     compare_tokenizers(target_tok, tok)
-                    if src.vocab_size() != target_src.vocab_size():
+                    if _wider(src.vocab_size(), target_src.vocab_size()):
                         raise TokenizerMismatchError(
-                            f"draft vocabulary size {src.vocab_size()} != target's {target_src.vocab_size()}"
+                            f"draft vocabulary size {src.vocab_size()} > target's {target_src.vocab_size()} "
+                            "(the draft could propose ids the target lacks)"
                         )
         return opened
 
@@ -468,6 +469,14 @@ class _Builder:
                 seq, logits = reference_logits(model, ids, new_tokens(spec.max_positions, len(ids)))
                 ref = _Reference(seq, logits, len(ids))
         return model, _Model(src=src, tok=tok, spec=spec, ref=ref)
+
+
+def _wider(draft: int | None, target: int | None) -> bool:
+    """True when a draft's logits are wider than its target's, or one width is unknown: a narrower
+    draft is widened at run time (its missing ids never proposed)."""
+    if draft is None or target is None:
+        return draft != target
+    return draft > target
 
 
 def _label(job: Job) -> str:
