@@ -282,10 +282,10 @@ def model_drafter(m: Manifest, dm: Manifest, **opts: Any) -> OrtDraftInferrer | 
         raise ModelLoadError(
             f"{dm.folder}: vocab_size {dm.vocab_size} > the target's {m.vocab_size} (it could propose ids the target lacks)"
         )
-    drafter = OrtDraftInferrer(OrtModel(dm, **opts))
+    model_draft = OrtDraftInferrer(OrtModel(dm, **opts))
     if dm.vocab_size < m.vocab_size:  # a padded target (e.g. 152064 rows against the draft's 151936)
-        drafter.widen(m.vocab_size)
-    return drafter
+        model_draft.widen(m.vocab_size)
+    return model_draft
 
 
 def check_draft_tokenizer(m: Manifest, dm: Manifest) -> None:
