@@ -296,6 +296,37 @@ def _phi3_tokenizer(tokenizer_dict: dict[str, Any]) -> Any:
     return _byte_level(tokenizer_dict)
 
 
+QWEN2_CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def _qwen2_tokenizer(tokenizer_dict: dict[str, Any]) -> Any:
+    """transformers' Qwen2 converter, which adds Qwen's three chat specials by name, adding only
+    those the file lists: a Qwen2 file without them (DeepSeek-R1-Distill-Qwen's `<｜User｜>`...)
+    would get them as new ids past its embedding."""
+    from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import Qwen2Converter
+    from transformers.integrations.ggml import GGUFQwen2Converter
+
+    class ListedSpecials(GGUFQwen2Converter):
+        def converted(
+            self, vocab: dict[str, int] | None = None, merges: list[tuple[str, str]] | None = None
+        ) -> Any:  # (called without arguments: the file's vocabulary and merges)
+            tokens = list(self.original_tokenizer.tokens)
+            vocab = vocab or {word: i for i, word in enumerate(tokens)}
+            tokenizer = Qwen2Converter.converted(self, vocab, merges or self.original_tokenizer.merges)
+            listed = set(tokens)
+            specials = [AddedToken(t, normalized=False, special=True) for t in QWEN2_CHAT_SPECIALS if t in listed]
+            tokenizer.add_special_tokens(specials)
+            return tokenizer
+
+    converter = ListedSpecials(tokenizer_dict)  # type: ignore[no-untyped-call]  # transformers is untyped
+    if QWEN2_CHAT_SPECIALS[0] not in set(tokenizer_dict.get("tokens") or ()):
+        # Qwen2TokenizerFast's defaults name <|endoftext|> as unk, eos and pad: none (the file's
+        # own eos / pad are set from its ids after loading)
+        converter.additional_kwargs = {"unk_token": None, "eos_token": None, "pad_token": None}
+    return converter
+
+
 def _byte_level(tokenizer_dict: dict[str, Any]) -> Any:
     """GPT-2's converter with the file's own special tokens, none where it has none (a tokenizer
     class would otherwise add `<unk>`, `<s>`, `</s>` past the vocabulary)."""
@@ -420,6 +451,7 @@ def register_gguf_families() -> None:
     # the table holds converter classes; a function that returns a converter is called the same way
     ggml.GGUF_TO_FAST_CONVERTERS["smollm3"] = cast(Any, _smollm3_tokenizer)
     ggml.GGUF_TO_FAST_CONVERTERS["phi3"] = cast(Any, _phi3_tokenizer)
+    ggml.GGUF_TO_FAST_CONVERTERS["qwen2"] = cast(Any, _qwen2_tokenizer)
     for family in ("gemma2", "gemma3_text"):  # SentencePiece BPE, not transformers' Unigram
         ggml.GGUF_TO_FAST_CONVERTERS[family] = cast(Any, GemmaSentencePiece)
     for arch in UNKNOWN_TO_TRANSFORMERS:  # read by export.gguf_import; transformers reads the vocabulary

@@ -331,9 +331,10 @@ class _Builder:
                 if job.name in opened:
                     src, tok = opened[job.name]
                     compare_tokenizers(target_tok, tok)
-                    if src.vocab_size() != target_src.vocab_size():
+                    if _wider(src.vocab_size(), target_src.vocab_size()):
                         raise TokenizerMismatchError(
-                            f"draft vocabulary size {src.vocab_size()} != target's {target_src.vocab_size()}"
+                            f"draft vocabulary size {src.vocab_size()} > target's {target_src.vocab_size()} "
+                            "(the draft could propose ids the target lacks)"
                         )
         return opened
 
@@ -521,6 +522,14 @@ def _check_builders(jobs: list[Job], opened: dict[str, tuple[Source, Any]]) -> N
         src = opened[job.name][0] if job.name in opened else target_src  # a copy of the target: its source
         if src.builder == "optimum" or (job.head is not None and target_src.builder == "optimum"):
             check_options(src.family, quantize=job.quantize, kv_dtype=job.kv_dtype, head=job.head is not None)
+
+
+def _wider(draft: int | None, target: int | None) -> bool:
+    """True when a draft's logits are wider than its target's, or one width is unknown: a narrower
+    draft is widened at run time (its missing ids never proposed)."""
+    if draft is None or target is None:
+        return draft != target
+    return draft > target
 
 
 def _label(job: Job) -> str:

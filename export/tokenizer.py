@@ -9,12 +9,12 @@ rendered chat template before a folder is published.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specdec_rt.manifest_schema import TEXT_TAGS
+from specdec_rt.text.vocab_match import vocabulary_mismatch
 
 from .errors import CorruptSourceError, TokenizerMismatchError, one_line
 from .gguf_meta import read_gguf_info
@@ -173,26 +173,16 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _identity(tok: Any) -> dict[str, object]:
-    """The parts of a tokenizer that decide token ids."""
-    spec = json.loads(tok.backend_tokenizer.to_str())
-    model = spec.get("model", {})
-    return {
-        "vocabulary": model.get("vocab"),
-        "merges": model.get("merges"),
-        "added tokens": [(t["id"], t["content"], t["special"]) for t in spec.get("added_tokens", [])],
-        "special ids": (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, _adds_bos(tok)),
-    }
-
-
 def compare_tokenizers(target: Any, draft: Any) -> None:
-    """Raise `TokenizerMismatchError` naming the first part where draft and target differ."""
-    a, b = _identity(target), _identity(draft)
-    for part in a:
-        if a[part] != b[part]:
-            raise TokenizerMismatchError(
-                f"draft tokenizer differs from the target's ({part}); a draft must share the target's tokenizer exactly"
-            )
+    """Raise `TokenizerMismatchError` naming the first id whose meaning differs between draft and
+    target (`specdec_rt.text.vocab_match`: the same ordinary tokens and merges; special tokens,
+    bos / eos and the chat template may differ, since the draft reads and proposes the target's
+    ids and is given the target's tokenizer files)."""
+    why = vocabulary_mismatch(target.backend_tokenizer.to_str(), draft.backend_tokenizer.to_str())
+    if why is not None:
+        raise TokenizerMismatchError(
+            f"draft tokenizer differs from the target's ({why}); a draft must share the target's ordinary tokens"
+        )
 
 
 def check_encoding(out_dir: Path, info: TokenizerInfo) -> None:

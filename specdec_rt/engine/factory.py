@@ -38,6 +38,7 @@ from ..policy.config import SpecConfig
 from ..speculation.adapters import ModelDrafter
 from ..speculation.protocols import DraftInferrer, TargetVerifier
 from ..text.codec import TextCodec
+from ..text.vocab_match import vocabulary_mismatch
 from .precision import PINNED_PRECISIONS
 from .served import DEFAULT_CONSUMER_TIMEOUT, DEFAULT_SLOTS
 
@@ -269,10 +270,7 @@ def model_drafter(m: Manifest, dm: Manifest, **opts: Any) -> OrtDraftInferrer | 
     ONNX Runtime. Checks that it shares the target's tokenizer and vocabulary. ``opts``:
     :class:`OrtModel` options."""
     if m.tokenizer_sha256 and dm.tokenizer_sha256 and dm.tokenizer_sha256 != m.tokenizer_sha256:
-        raise ModelLoadError(
-            f"{dm.folder}: its tokenizer differs from the target's ({m.folder}); "
-            "a draft must share the target's vocabulary"
-        )
+        check_draft_tokenizer(m, dm)
     if dm.raw.get("kind") == "eagle":
         # the head is fed the target's hidden states and never starts from a cached prefix: the
         # target's cache keeps those states instead
@@ -282,9 +280,29 @@ def model_drafter(m: Manifest, dm: Manifest, **opts: Any) -> OrtDraftInferrer | 
                 f"{dm.folder}: drafts for a vocabulary of {drafter.target_vocab_size}, the target has {m.vocab_size}"
             )
         return drafter
-    if dm.vocab_size != m.vocab_size:
-        raise ModelLoadError(f"{dm.folder}: vocab_size {dm.vocab_size} != the target's {m.vocab_size}")
-    return OrtDraftInferrer(open_model(dm, **opts))
+    if dm.vocab_size > m.vocab_size:
+        raise ModelLoadError(
+            f"{dm.folder}: vocab_size {dm.vocab_size} > the target's {m.vocab_size} (it could propose ids the target lacks)"
+        )
+    model_draft = OrtDraftInferrer(open_model(dm, **opts))
+    if dm.vocab_size < m.vocab_size:  # a padded target (e.g. 152064 rows against the draft's 151936)
+        model_draft.widen(m.vocab_size)
+    return model_draft
+
+
+def check_draft_tokenizer(m: Manifest, dm: Manifest) -> None:
+    """Refuse draft ``dm`` of target ``m`` when its tokenizer file gives an id another meaning
+    than the target's (the rule of :mod:`specdec_rt.text.vocab_match`: ordinary tokens and merges
+    the same, special tokens' texts may differ)."""
+    try:
+        why = vocabulary_mismatch(m.tokenizer_file.read_text("utf-8"), dm.tokenizer_file.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        why = f"unreadable tokenizer.json ({type(exc).__name__}: {str(exc)[:200]})"
+    if why is not None:
+        raise ModelLoadError(
+            f"{dm.folder}: its tokenizer differs from the target's ({m.folder}): {why}; "
+            "a draft must share the target's vocabulary"
+        )
 
 
 def make_drafter(m: Manifest, spec: str | None, opts: dict[str, Any]) -> tuple[DraftInferrer | None, str | None]:

@@ -49,10 +49,19 @@ class SyncedSession:
     """A :class:`CacheSession` plus the ids it holds, kept consistent with committed tokens."""
 
     def __init__(
-        self, session: CacheSession, capacity: int, tokens: np.ndarray | None = None, vocab_size: int | None = None
+        self,
+        session: CacheSession,
+        capacity: int,
+        tokens: np.ndarray | None = None,
+        vocab_size: int | None = None,
+        *,
+        model_vocab: int | None = None,
     ) -> None:
         self.session = session
         self.vocab_size = vocab_size  # the logits' width every call must have (None: unchecked)
+        # a model narrower than ``vocab_size`` (a draft of a padded target): ids past its own are
+        # fed as id 0, its logits widened with -inf (never proposed)
+        self.model_vocab = model_vocab
         self.ids = np.zeros(capacity, dtype=np.int64)  # [capacity] ids whose KV the cache holds
         self._matched = 0  # ids[:_matched] are known to equal committed tokens (which never change)
         if session.length:  # a prefix cache hit: the first `length` of `tokens` are cached
@@ -84,14 +93,21 @@ class SyncedSession:
             )
         self.ids[n : n + ids.size] = ids  # before the call: a cancelled call may still have written them
         self._matched = min(self._matched, n)
-        out = await self.session.extend(ids, logits_rows, **extra)
+        narrow = self.model_vocab
+        fed = ids if narrow is None else np.where(ids < narrow, ids, 0)
+        out = await self.session.extend(fed, logits_rows, **extra)
         logits = out[0] if isinstance(out, tuple) else out
-        if self.vocab_size is not None and (np.ndim(logits) != 2 or np.shape(logits) != (logits_rows, self.vocab_size)):
+        width = self.vocab_size if narrow is None else narrow
+        if width is not None and (np.ndim(logits) != 2 or np.shape(logits) != (logits_rows, width)):
             raise InferenceError(
                 f"the model returned logits of shape {np.shape(logits)} for {logits_rows} rows "
-                f"of its vocabulary of {self.vocab_size}"
+                f"of its vocabulary of {width}"
             )
-        return out
+        if narrow is None or self.vocab_size is None or narrow == self.vocab_size:
+            return out
+        wide = np.full((logits_rows, self.vocab_size), -np.inf, dtype=np.asarray(logits).dtype)
+        wide[:, :narrow] = logits
+        return (wide, *out[1:]) if isinstance(out, tuple) else wide
 
     def accept_tree(self, start: int, keep: np.ndarray) -> None:
         """After a tree call that started at ``start``: keep positions ``start + keep`` (the
@@ -127,6 +143,7 @@ class _ModelUser:
         self.model = model
         self.vocab_size: int | None = model.vocab_size  # (None in the Protocols: no limit)
         self.max_length: int | None = model.max_length
+        self.model_vocab: int | None = None  # set by `widen`: the model's own, narrower width
 
     def _session(self, ctx: RequestContext) -> SyncedSession:
         # a seeded sampled request's output must depend on its seed alone (greedy output does
@@ -140,13 +157,30 @@ class _ModelUser:
         """A model with a prefix cache (``caps.caches_prefixes``) starts from what it holds of
         ``tokens`` (unless ``cached=False``); any other starts empty. ``same_path``: the session
         must be batch-invariant (:meth:`LanguageModel.start`)."""
+        narrow = self.model_vocab
         if cached and self.model.caps.caches_prefixes:
             return SyncedSession(
-                self.model.start(tokens, batch_invariant=same_path), self.model.max_length, tokens, self.vocab_size
+                self.model.start(tokens, batch_invariant=same_path),
+                self.model.max_length,
+                tokens,
+                self.vocab_size,
+                model_vocab=narrow,
             )
         return SyncedSession(
-            self.model.start(batch_invariant=same_path), self.model.max_length, vocab_size=self.vocab_size
+            self.model.start(batch_invariant=same_path),
+            self.model.max_length,
+            vocab_size=self.vocab_size,
+            model_vocab=narrow,
         )
+
+    def widen(self, vocab_size: int) -> None:
+        """Serve a target whose vocabulary of ``vocab_size`` ids is wider than the model's: the
+        logits get ``-inf`` past the model's ids (never proposed) and target ids the model lacks
+        are fed as id 0 (what follows them is still verified by the target)."""
+        own = self.model.vocab_size
+        if own is None or vocab_size < own:
+            raise InvalidInputError(f"cannot widen a vocabulary of {own} ids to {vocab_size}")
+        self.model_vocab, self.vocab_size = own, vocab_size
 
     def release(self, ctx: RequestContext) -> None:
         s = ctx.pop_state(self)
