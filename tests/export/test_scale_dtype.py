@@ -161,3 +161,42 @@ def _k_quant(kind, k=256, n=24, seed=0):
 
 def _external_length(tensor):
     return next((int(e.value) for e in tensor.external_data if e.key == "length"), len(tensor.raw_data))
+
+
+def test_an_unknown_scale_dtype_is_a_usage_error_naming_it(tmp_path):
+    from export.errors import UsageError
+    from export.pipeline import Request, run
+    from export.ui import Reporter
+
+    with pytest.raises(UsageError, match="'bfloat16'"):
+        run(Request(src=str(tmp_path), out=tmp_path / "out", scale_dtype="bfloat16"), Reporter(quiet=True))
+
+
+def test_the_build_key_names_a_float16_scale_dtype_only():
+    """An export built before the option keeps its key (no rebuild); float16 is another build."""
+    from export.pipeline import Job
+
+    def key(scale_dtype, quantize="int4"):
+        return Job(name="t", role="target", subdir="", ref=None, quantize=quantize, scale_dtype=scale_dtype).build_key()
+
+    assert "scale_dtype" not in key("float32")["quantize"]
+    assert key("float16")["quantize"]["scale_dtype"] == "float16"
+    assert key("float16", quantize=None)["quantize"] is None  # float32 weights: nothing to store
+
+
+@pytest.mark.parametrize("value,ok", [("float16", True), (None, True), ("bf16", False), (16, False)])
+def test_a_recipe_may_name_a_scale_dtype(tmp_path, value, ok):
+    from pathlib import Path
+
+    from export.errors import ExportError
+    from export.recipes import load_recipe
+
+    recipe = json.loads((Path(__file__).parents[2] / "models/qwen2.5-coder-1.5b-q4/recipe.json").read_text())
+    recipe.setdefault("export", {})["scale_dtype"] = value
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(recipe))
+    if ok:
+        assert load_recipe(path)["export"]["scale_dtype"] == value
+    else:
+        with pytest.raises(ExportError, match="export.scale_dtype"):
+            load_recipe(path)
