@@ -81,9 +81,8 @@ class Request:
     force: bool = False
     threads: int | None = None
     kv_dtype: str = "float32"  # the KV cache's element type (KV_DTYPES), every folder's
-    scale_dtype: str | None = (
-        None  # quantized folders' scales and offsets (SCALE_DTYPES; None: the recipe's, else float32)
-    )
+    # quantized folders' stored scales and offsets (SCALE_DTYPES; None: the recipe's, else float32)
+    scale_dtype: str | None = None
 
 
 @dataclass
