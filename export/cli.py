@@ -47,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
         "greedy output is then exact to this graph, not the float32 one: docs/memory.md)",
     )
     p.add_argument(
+        "--scale-dtype",
+        choices=["float32", "float16"],
+        help="element type of a quantized graph's stored scales and block offsets (default: the "
+        "recipe's, else float32; float16: a smaller file, weights within 2^-11 of each scale: "
+        "docs/memory.md)",
+    )
+    p.add_argument(
         "--max-positions",
         type=int,
         metavar="N",
@@ -127,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 force=args.force,
                 threads=args.threads,
                 kv_dtype=args.kv_dtype,
+                scale_dtype=args.scale_dtype,
             ),
             ui,
         )

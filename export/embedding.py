@@ -39,6 +39,8 @@ class GraphParts(Protocol):
 
     def init(self, name: str, array: np.ndarray) -> str: ...
 
+    def scales_init(self, name: str, values: np.ndarray, *, offsets: bool = False) -> str: ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class _Blocks:
@@ -134,9 +136,13 @@ def _own_blocks(g: GraphParts, table: np.ndarray, spec: QuantSpec) -> _Blocks | 
     del weight
     return _Blocks(
         data=g.init("embed_tokens.weight_q", q.packed.reshape(q.n, -1)),
-        scales=g.init("embed_tokens.scales", q.scales),
+        scales=g.scales_init("embed_tokens.scales", q.scales),
         zero_points=None if q.zero_points is None else g.init("embed_tokens.zero_points", q.zero_points),
-        offsets=None if grid is None or grid.offsets is None else g.init("embed_tokens.offsets", grid.offsets),
+        offsets=(
+            None
+            if grid is None or grid.offsets is None
+            else g.scales_init("embed_tokens.offsets", grid.offsets, offsets=True)
+        ),
         bits=bits,
         block_size=block_size,
         tied=False,

@@ -79,7 +79,7 @@ from .grid import find_grid
 from .layout import check_weights, gqa_inputs, pad_heads, rename, rotary_width, split_fused
 from .mla import grouped_router, latent_attention
 from .model_spec import ModelSpec
-from .quant import QuantSpec, quantize
+from .quant import QuantSpec, quantize, stored_scales
 from .weights import ExternalDataWriter
 
 __all__ = [
@@ -193,6 +193,7 @@ class _Graph:
         self.data = data
         self.quant = quant
         self.grids: dict[str, int] = {}  # weights kept on their source's grid, by form
+        self.scale_dtypes: dict[str, int] = {}  # scale and offset tensors by stored element type
         self._block_sums: dict[tuple[str, int], str] = {}  # (input, block size) -> its sums over blocks (offsets)
         self.kv_dtype = "float32"  # the KV cache's, and so GroupQueryAttention's, element type
 
@@ -252,6 +253,21 @@ class _Graph:
         self.inits.append(self.data.add(name, array))
         return name
 
+    def scales_init(self, name: str, values: Array, *, offsets: bool = False) -> str:
+        """A weight's float32 scales (or ``offsets``: block offsets) ``name``, stored as
+        ``quant.scale_dtype`` asks (``export.quant.stored_scales``): a float16 initializer
+        ``name_f16`` and a ``Cast`` to float32 named ``name``, which ONNX Runtime folds when the
+        session loads."""
+        spec = self.quant if self.quant is not None else QuantSpec(bits=8)
+        stored = stored_scales(values, spec, offsets=offsets)
+        kind = str(stored.dtype)
+        if spec.scale_dtype != "float32":
+            self.scale_dtypes[kind] = self.scale_dtypes.get(kind, 0) + 1
+        if stored.dtype == np.float32:
+            return self.init(name, stored)
+        half = self.init(f"{name}_f16", stored)
+        return self.node("Cast", [half], [name.lstrip("/")], f"{name.lstrip('/')}/Cast", to=TensorProto.FLOAT)[0]
+
     def linear(self, x: str, w: Array, name: str, bias: Array | None = None, *, out: str | None = None) -> str:
         """`x @ w (+ bias)` for `w` float32 [K, N]; MatMulNBits when quantizing."""
         final = out or f"{name}/output"
@@ -272,7 +288,7 @@ class _Graph:
         form = grid.form if grid else "requantized"
         self.grids[form] = self.grids.get(form, 0) + 1
         q, bits = (grid.q, grid.bits) if grid else (quantize(w, quant), quant.bits)
-        ins = [x, self.init(f"{name}.weight_q", q.packed), self.init(f"{name}.scales", q.scales)]
+        ins = [x, self.init(f"{name}.weight_q", q.packed), self.scales_init(f"{name}.scales", q.scales)]
         if q.zero_points is not None:  # symmetric: none (the kernel's default, 2^(bits-1))
             ins.append(self.init(f"{name}.zero_points", q.zero_points))
         offsets = grid.offsets if grid is not None else None
@@ -292,7 +308,7 @@ class _Graph:
         if offsets is not None:  # + sum over each block of x, times the block's offset
             part = self.node(
                 "MatMul",
-                [self.block_sums(x, q.k, bs), self.init(f"{name}.offsets", offsets)],
+                [self.block_sums(x, q.k, bs), self.scales_init(f"{name}.offsets", offsets, offsets=True)],
                 [f"{name}/offset"],
                 f"{name}/Offsets",
             )[0]
@@ -1015,4 +1031,6 @@ def save_graph(
     stats: dict[str, Any] = {"nodes": len(graph.nodes), "weights_bytes": graph.data.bytes_written}
     if graph.grids:  # MatMulNBits weights by form: "q4_1" / "q8_0" kept on the source's grid
         stats["weight_forms"] = dict(sorted(graph.grids.items()))
+    if graph.scale_dtypes:  # with a float16 scale_dtype: the scale and offset tensors by stored type
+        stats["scale_dtypes"] = dict(sorted(graph.scale_dtypes.items()))
     return stats

@@ -91,6 +91,7 @@ def build_manifest(
         **onnx_section(quantization, kv_dtype),
         "nodes": graph["nodes"],
         **({"weight_forms": graph["weight_forms"]} if "weight_forms" in graph else {}),
+        **({"scale_dtypes": graph["scale_dtypes"]} if "scale_dtypes" in graph else {}),
         **({"embedding": graph["embedding"]} if "embedding" in graph else {}),
     }
     return assemble_manifest(

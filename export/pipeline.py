@@ -49,7 +49,7 @@ from .manifest import (
 )
 from .model_spec import MIN_POSITIONS, ModelSpec
 from .paths import inside, model_dir
-from .quant import QUANT_SPECS, QuantSpec, quant_spec
+from .quant import QUANT_SPECS, SCALE_DTYPES, QuantSpec, quant_spec
 from .recipes import NAME_RE, fetch_source, find_recipe, list_recipes, load_recipe
 from .source import Source, open_source
 from .tokenizer import (
@@ -82,6 +82,8 @@ class Request:
     force: bool = False
     threads: int | None = None
     kv_dtype: str = "float32"  # the KV cache's element type (KV_DTYPES), every folder's
+    # quantized folders' stored scales and offsets (SCALE_DTYPES; None: the recipe's, else float32)
+    scale_dtype: str | None = None
 
 
 @dataclass
@@ -134,13 +136,19 @@ class Job:
     quantize: str | None
     head: dict[str, Any] | None = None  # a trained EAGLE head shipped with the recipe: {path, sha256}
     kv_dtype: str = "float32"  # the KV cache's element type
+    scale_dtype: str = "float32"  # a quantized folder's scales and offsets, as stored
+
+    def quant(self) -> QuantSpec | None:
+        """The folder's QuantSpec (None: float32 weights)."""
+        return quant_spec(self.quantize, self.role, self.scale_dtype) if self.quantize else None
 
     def build_key(self) -> dict[str, Any]:
         src: object = self.ref.fingerprint() if self.ref else "target"
         if self.head is not None:
             src = {"trained_head": self.head["sha256"]}
         # the form, not just the bits (a draft's int4 keeps fewer grids than a target's)
-        quant = quant_spec(self.quantize, self.role).manifest() if self.quantize else None
+        spec = self.quant()
+        quant = spec.manifest() if spec else None
         key = {"name": self.name, "role": self.role, "source": src, "quantize": quant}
         return key | ({"kv_dtype": self.kv_dtype} if self.kv_dtype != "float32" else {})
 
@@ -172,6 +180,8 @@ def _check_options(req: Request) -> None:
     for opt, value in (("--quantize", req.quantize), ("--draft-quant", req.draft_quant)):
         if value is not None and value not in QUANT_SPECS:
             raise UsageError(f"{opt} must be one of {', '.join(QUANT_SPECS)}")
+    if req.scale_dtype is not None and req.scale_dtype not in SCALE_DTYPES:
+        raise UsageError(f"--scale-dtype must be one of {', '.join(SCALE_DTYPES)}, got {req.scale_dtype!r}")
     if req.kv_dtype not in KV_DTYPES:
         raise UsageError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {req.kv_dtype!r}")
     positions = req.max_positions
@@ -226,7 +236,10 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
     else:
         out = model_dir(name)
     jobs = [Job(name=name, role="target", subdir="", ref=target, quantize=quantize)] + drafts
-    jobs = [replace(job, kv_dtype=req.kv_dtype) for job in jobs]
+    scale_dtype = req.scale_dtype or options.get("scale_dtype") or "float32"
+    if scale_dtype not in SCALE_DTYPES:
+        raise UsageError(f"the recipe's scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {scale_dtype!r}")
+    jobs = [replace(job, kv_dtype=req.kv_dtype, scale_dtype=scale_dtype) for job in jobs]
     out = out.absolute()
     for job in drafts:  # a draft folder is a plain subfolder of the output, never elsewhere
         if not NAME_RE.fullmatch(job.name):
@@ -234,8 +247,15 @@ def _plan(req: Request) -> tuple[Path, str, list[Job], int | None]:
     return out, name, jobs, max_positions
 
 
-def _exact_to(source: Source, quantize: str | None, role: str = "target", kv_dtype: str = "float32") -> str:
-    exact = _exact_weights(source, quantize, role)
+def _exact_to(source: Source, spec: QuantSpec | None, quantize: str | None, kv_dtype: str = "float32") -> str:
+    """What a folder's graph is exact to: its weights' source, quantized by ``spec``
+    (``--quantize`` name ``quantize``), and its KV cache's element type."""
+    exact = _exact_weights(source, spec, quantize)
+    if spec is not None and spec.scale_dtype != "float32":
+        exact = (
+            f"{exact}; its scales and block offsets stored in {spec.scale_dtype} (onnx.scale_dtypes): "
+            "greedy output is exact to this graph, not to the one with float32 scales"
+        )
     if kv_dtype == "float32":
         return exact
     return (
@@ -244,16 +264,15 @@ def _exact_to(source: Source, quantize: str | None, role: str = "target", kv_dty
     )
 
 
-def _exact_weights(source: Source, quantize: str | None, role: str) -> str:
-    """What a graph with a float32 KV is exact to."""
+def _exact_weights(source: Source, spec: QuantSpec | None, quantize: str | None) -> str:
+    """What a graph with a float32 KV and float32 scales is exact to."""
     what = (
         f"the float32 dequantization of {source.path.name} (sha256 {source.record.get('sha256', 'unpinned')})"
         if source.gguf_file
         else f"the float32 checkpoint {source.path}"
     )
-    if quantize is None:
+    if spec is None:
         return what
-    spec = quant_spec(quantize, role)
     if spec.source_grid and source.gguf_file:
         grids = "" if spec.grids is None else f" in a form of {', '.join(spec.grids)}"
         return (
@@ -343,7 +362,7 @@ class _Builder:
         weights); a draft's tokenizer files are the target's, copied from ``staging``."""
         folder = staging / job.subdir
         folder.mkdir(parents=True)
-        quant = quant_spec(job.quantize, job.role) if job.quantize else None
+        quant = job.quant()
         with self.ui.stage(f"write ONNX graph for {_label(job)}"):
             bar = self.ui.bar(base.spec.num_layers, "layers", "layer")
             graph = build_onnx(model, base.spec, folder, quant, on_layer=lambda i: bar.update(1), kv_dtype=job.kv_dtype)
@@ -374,7 +393,7 @@ class _Builder:
             tok=written.info,
             folder=written.folder,
             quantization=quant.manifest() if quant else None,
-            exact_to=_exact_to(base.src, job.quantize, job.role, job.kv_dtype),
+            exact_to=_exact_to(base.src, quant, job.quantize, job.kv_dtype),
             source=source,
             build=self.build if job.role == "target" else {"exporter": __version__},
             validation=report.manifest() if report else None,

@@ -52,6 +52,7 @@ FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")  # a file name, no se
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 MEMBER_RE = re.compile(r"[A-Za-z0-9._+-]+(?:/[A-Za-z0-9._+-]+){0,15}")  # a path inside a wheel
 QUANTIZE = (None, "int4", "int8")
+SCALE_DTYPES = (None, "float32", "float16")  # export.quant.SCALE_DTYPES, or the default
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,8 @@ def check_recipe(parsed: object, path: str | Path = "<recipe>") -> dict[str, Any
         raise _bad(path, "export.max_positions", mp, "an integer from 2 to 1048576")
     if options.get("quantize") not in QUANTIZE:
         raise _bad(path, "export.quantize", options.get("quantize"), "null, int4 or int8")
+    if options.get("scale_dtype") not in SCALE_DTYPES:
+        raise _bad(path, "export.scale_dtype", options.get("scale_dtype"), "null, float32 or float16")
     drafts = [] if recipe.get("drafts") is None else recipe["drafts"]
     if not isinstance(drafts, list) or len(drafts) > 16:
         raise _bad(path, "drafts", drafts, "a list of at most 16 drafts")
