@@ -255,7 +255,7 @@ def _features_dir(name_or_path: str, tm: Any) -> Path:
         if mine != theirs
     ]
     if differs:
-        raise UsageError(f"--features-from {name_or_path}: not a copy of the target (its {', '.join(differs)} differ)")
+        raise UsageError(f"--features-from {name_or_path}: not a copy of the target (different {', '.join(differs)})")
     if not fm.outputs.get("hidden"):
         raise UsageError(f"--features-from {name_or_path}: its graph has no hidden_states output")
     return fm.folder

@@ -135,6 +135,10 @@ def test_relabel_with_the_float32_export_reproduces_pytorch(head_fp32, tiny_llam
     np.testing.assert_allclose(again.topk_p.astype(np.float32), shard.topk_p.astype(np.float32), atol=2e-2)
 
 
-def test_features_from_must_be_a_copy_of_the_target(tiny_llama, tiny_qwen, tmp_path):
-    assert _train(tiny_llama, tmp_path / "run", "--features-from", str(tmp_path / "nowhere")) == 2
+def test_features_from_must_be_a_copy_of_the_target(tiny_llama, tiny_qwen, tmp_path, capsys):
+    nowhere = tmp_path / "nowhere"
+    assert _train(tiny_llama, tmp_path / "run", "--features-from", str(nowhere)) == 2
+    assert f"--features-from {nowhere}" in capsys.readouterr().err
     assert _train(tiny_llama, tmp_path / "run2", "--features-from", str(tiny_qwen)) == 2
+    err = capsys.readouterr().err
+    assert f"--features-from {tiny_qwen}: not a copy of the target (different tokenizer" in err
