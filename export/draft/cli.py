@@ -78,6 +78,12 @@ def _add_corpus_args(p: argparse.ArgumentParser) -> None:
         help=f"teacher-forced corpus positions to build (default {R.corpus_tokens})",
     )
     p.add_argument("--corpus-window", type=int, default=R.corpus_window, help="tokens per corpus window")
+    p.add_argument(
+        "--features-from",
+        metavar="MODEL",
+        help="train on the hidden states and top-k labels of this quantized copy of the target "
+        "(export folder or recipe, e.g. smollm2-135m-q8), read by ONNX Runtime: the head drafts for it",
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -108,6 +114,7 @@ def main(argv: list[str]) -> int:
         corpus=args.corpus,
         corpus_tokens=args.corpus_tokens,
         corpus_window=args.corpus_window,
+        features_from=args.features_from,
     )
     report, code = one_line_errors(
         lambda: run_train_draft(req, ui), args.verbose, "interrupted (checkpoints kept; rerun with --resume)"

@@ -6,6 +6,9 @@ can be trained over several sessions: ``--time-budget`` stops cleanly (checkpoin
 
     data      the target answers training prompts (greedy, batched PyTorch); every position's
               normalised hidden state and top-k next-token distribution -> work/data/{val,train}
+    corpus    (--corpus) text on the machine, teacher-forced by the target -> work/data/corpus
+    features  (--features-from) the same tokens read again by a quantized copy of the target
+              (ONNX Runtime): its hidden states and top-k -> work/features/{val,train,corpus}
     train     EAGLE head, multi-depth unrolled training, best checkpoint by validation top-1
     export    head.npz (float16, what ships) -> draft/ (ONNX + manifest, assembled with the target)
     validate  ONNX vs PyTorch head; acceptance per depth on held-out prompts through the runtime
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["TrainDraftRequest", "run_train_draft"]
 
 # fixed once data exists
-DATA_KEYS = ("arch", "batch", "max_new", "seed", "prompts", "val_prompts", "corpus", "corpus_window")
+DATA_KEYS = ("arch", "batch", "max_new", "seed", "prompts", "val_prompts", "corpus", "corpus_window", "features_from")
 RESERVE_S = 120.0  # time kept back from training for export and validation
 
 
@@ -69,6 +72,7 @@ class TrainDraftRequest:
     corpus_tokens: int = 1_000_000  # teacher-forced positions to build from the corpus
     corpus_window: int = 512  # tokens per corpus window
     corpus_shard: int = 32  # windows per corpus shard
+    features_from: str | None = None  # export folder or recipe of the copy the head drafts for (int8/int4)
 
 
 def _target_dirs(req: TrainDraftRequest, ui: Reporter) -> tuple[Path, str]:
@@ -87,7 +91,9 @@ def _target_dirs(req: TrainDraftRequest, ui: Reporter) -> tuple[Path, str]:
         folder = run(Request(src=req.target), ui).out  # a no-op when already built
     manifest = json.loads((folder / "manifest.json").read_text())
     if manifest["onnx"].get("quantization"):
-        raise UsageError(f"--target {folder}: a quantized target; train drafts for the float32 one")
+        raise UsageError(
+            f"--target {folder}: a quantized target; pass the float32 one as --target and this one as --features-from"
+        )
     if req.source:
         return folder, req.source
     src = manifest.get("source", {})
@@ -156,10 +162,21 @@ class _Run:
     device: str
     tm: Any  # the target's manifest
     codec: Any  # its TextCodec
+    features: Path | None = None  # --features-from: the export the head reads features from
 
     @property
     def work(self) -> Path:
         return self.out / "work"
+
+    @property
+    def shards(self) -> Path:
+        """The training and validation shards: the float32 target's, or --features-from's."""
+        return self.work / ("features" if self.features else "data")
+
+    @property
+    def runtime_target(self) -> Path:
+        """The target the head drafts for at run time (validation measures acceptance on it)."""
+        return self.features or self.folder
 
 
 def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict[str, Any]:
@@ -169,6 +186,9 @@ def run_train_draft(req: TrainDraftRequest, ui: Reporter | None = None) -> dict[
     stopped = _data_stage(run)
     if stopped is None and run.req.corpus:
         stopped = _corpus_stage(run, report)
+    if stopped is None and run.features is not None:
+        report["features_from"] = str(run.features)
+        stopped = _features_stage(run, run.features)
     trained = stopped if stopped is not None else _train_stage(run, report)
     if isinstance(trained, str):
         return _stopped(run.out, report, trained, run.ui)
@@ -200,6 +220,7 @@ def _open_run(req: TrainDraftRequest, ui: Reporter) -> _Run:
     from specdec_rt.text.codec import TextCodec
 
     tm = load_manifest(folder)
+    features = _features_dir(req.features_from, tm) if req.features_from else None
     return _Run(
         req=req,
         ui=ui,
@@ -210,7 +231,34 @@ def _open_run(req: TrainDraftRequest, ui: Reporter) -> _Run:
         device=device,
         tm=tm,
         codec=TextCodec.from_manifest(tm),
+        features=features,
     )
+
+
+def _features_dir(name_or_path: str, tm: Any) -> Path:
+    """The export folder ``--features-from`` names; it must be a copy of the target (same
+    tokenizer, vocabulary and hidden size) whose graph outputs hidden states."""
+    from specdec_rt.errors import ModelLoadError
+    from specdec_rt.ort.manifest import load_manifest, resolve_model_dir
+
+    try:
+        fm = load_manifest(resolve_model_dir(name_or_path))
+    except ModelLoadError as e:
+        raise UsageError(f"--features-from {name_or_path}: {e}") from e
+    differs = [
+        what
+        for what, mine, theirs in (
+            ("tokenizer", tm.tokenizer_sha256, fm.tokenizer_sha256),
+            ("vocab_size", tm.vocab_size, fm.vocab_size),
+            ("hidden_size", tm.hidden_size, fm.hidden_size),
+        )
+        if mine != theirs
+    ]
+    if differs:
+        raise UsageError(f"--features-from {name_or_path}: not a copy of the target (different {', '.join(differs)})")
+    if not fm.outputs.get("hidden"):
+        raise UsageError(f"--features-from {name_or_path}: its graph has no hidden_states output")
+    return fm.folder
 
 
 def _data_stage(run: _Run) -> str | None:
@@ -317,6 +365,32 @@ def _collect_corpus(run: _Run, report: dict[str, Any]) -> Any:
     return corpus
 
 
+def _features_stage(run: _Run, features: Path) -> str | None:
+    """Every answer and corpus shard read again by the ``--features-from`` export: its hidden
+    states and top-k labels replace the float32 target's (``work/features``). Returns why it
+    stopped, or None when complete."""
+    from .relabel import open_features_model, relabel_shards
+
+    done = run.work / "features" / "done.json"
+    if done.exists():
+        return None
+    length = max(2048, run.req.corpus_window + 1, run.req.max_new + 1024)
+    with run.ui.stage(f"features: load {features} (ONNX Runtime)"):
+        model = open_features_model(features, max_length=length, threads=run.req.threads)
+    try:
+        for part in ("val", "train", "corpus"):
+            src = run.work / "data" / part
+            if not src.is_dir():
+                continue
+            with run.ui.stage(f"features: {part} shards read by {features.name}"):
+                if not relabel_shards(model, src, run.work / "features" / part, deadline=run.deadline, log=run.ui.log):
+                    return f"time budget reached while reading features ({part} shards); rerun with --resume"
+    finally:
+        model.close()
+    done.write_text(json.dumps({"features_from": str(features)}))
+    return None
+
+
 @dataclass(kw_only=True)
 class _Trained:
     """What training leaves for the export and validation stages."""
@@ -335,10 +409,10 @@ def _train_stage(run: _Run, report: dict[str, Any]) -> _Trained | str:
     from .train import make_batches, reduced_vocab, train
 
     req, work, tm = run.req, run.work, run.tm
-    train_sh, val_sh = load_shards(work / "data" / "train"), load_shards(work / "data" / "val")
+    train_sh, val_sh = load_shards(run.shards / "train"), load_shards(run.shards / "val")
     report["train_answer_tokens"] = sum(s.answer_tokens for s in train_sh)
     report["train_sequences"] = sum(len(s.prompt_lens) for s in train_sh)
-    corpus_sh = load_shards(work / "data" / "corpus") if req.corpus else []
+    corpus_sh = load_shards(run.shards / "corpus") if req.corpus else []
     if req.corpus:
         report["corpus"]["positions_used"] = sum(s.answer_tokens for s in corpus_sh)
     vocab_path = work / "vocab.npy"
@@ -419,13 +493,14 @@ def _validate_stage(run: _Run, report: dict[str, Any], *, trained: _Trained, dra
     req = run.req
     with run.ui.stage(f"validate: acceptance on {req.eval_prompts} held-out prompts (k={req.eval_k})"):
         report["acceptance"] = measure_acceptance(
-            run.folder,
+            run.runtime_target,
             draft,
             _eval_prompts(req.eval_prompts),
             k=req.eval_k,
             max_new_tokens=req.eval_new_tokens,
             threads=req.threads,
         )
+        report["acceptance"]["target"] = str(run.runtime_target)
 
 
 def _load_torch(source: str) -> Any:
