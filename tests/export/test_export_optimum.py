@@ -165,9 +165,13 @@ def test_greedy_ar_and_spec_give_pytorchs_tokens(built):
     assert all(r.token_ids == want for r in together)  # concurrent requests, one call at a time
 
 
-def test_the_generate_command_agrees_in_both_modes(built, capsys):
+def test_the_generate_command_agrees_in_both_modes(built, capsys, monkeypatch):
+    import specdec_rt.ort
     from specdec_rt.cli import main
 
+    # the CLI owns its process and sets ONNX Runtime's global thread pool, which would bind every
+    # later session of this test process (plain ones then fail): keep per-session pools here
+    monkeypatch.setattr(specdec_rt.ort, "use_global_thread_pool", lambda threads=None: False)
     docs = {}
     for mode, draft in (("ar", "none"), ("spec", "ngram")):
         argv = ["generate", "--model", str(built.folder), "--draft", draft, "--mode", mode, "--threads", "1"]
