@@ -13,13 +13,10 @@ pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 gguf = pytest.importorskip("gguf")
 
-import onnx  # noqa: E402
-from onnx import TensorProto, helper  # noqa: E402
+from linear_graph import linear_session  # noqa: E402
 
-from export.graph import _Graph  # noqa: E402
 from export.grid import find_grid, grid_dequantize  # noqa: E402
 from export.quant import QuantSpec  # noqa: E402
-from export.weights import ExternalDataWriter  # noqa: E402
 
 pytestmark = pytest.mark.export
 Q = gguf.GGMLQuantizationType
@@ -111,22 +108,8 @@ def test_constant_blocks_stay_exact():
 
 def _linear_session(tmp_path, w, accuracy_level):
     """``x @ w`` as `_Graph.linear` emits it for an int4 spec that keeps source grids."""
-    with ExternalDataWriter(tmp_path / "m.onnx.data") as data:
-        g = _Graph(data, QuantSpec(bits=4, accuracy_level=accuracy_level, source_grid=True), 1e-6)
-        g.linear("x", w, "/lin", out="y")
-    graph = helper.make_graph(
-        g.nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "N", w.shape[0]])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "N", w.shape[1]])],
-        initializer=g.inits,
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-    )
-    model.ir_version = 10
-    onnx.save_model(model, str(tmp_path / "m.onnx"))
-    return ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]), g.grids
+    sess, g = linear_session(tmp_path, w, QuantSpec(bits=4, accuracy_level=accuracy_level, source_grid=True))
+    return sess, g.grids
 
 
 @pytest.mark.parametrize(

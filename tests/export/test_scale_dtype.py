@@ -89,32 +89,14 @@ def test_a_float16_linear_computes_the_weight_with_rounded_scales(tmp_path, kind
     import dataclasses
 
     import gguf
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
+    from linear_graph import linear_session
 
-    from export.graph import _Graph
     from export.grid import find_grid, grid_dequantize
-    from export.weights import ExternalDataWriter
 
     q = gguf.GGMLQuantizationType
     w = _k_quant(q[kind]) if kind in ("Q4_K", "Q6_K") else _on_grid(q[kind])
     spec = QuantSpec(bits=4, accuracy_level=0, source_grid=True, scale_dtype="float16")
-    with ExternalDataWriter(tmp_path / "m.onnx.data") as data:
-        g = _Graph(data, spec, 1e-6)
-        g.linear("x", w, "/lin", out="y")
-    graph = helper.make_graph(
-        g.nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "N", w.shape[0]])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "N", w.shape[1]])],
-        initializer=g.inits,
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-    )
-    model.ir_version = 10
-    onnx.save_model(model, str(tmp_path / "m.onnx"))
-    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    sess, g = linear_session(tmp_path, w, spec)
     assert sum(g.scale_dtypes.values()) == (2 if kind in ("Q4_K", "Q4_1") else 1)  # scales (+ offsets)
 
     grid = find_grid(w)
