@@ -219,9 +219,7 @@ class ConcatKVSession(CacheSession, BatchedSession):
         """
         if self._closed:
             raise InferenceError("KV cache session is closed")
-        asked = sorted(k for k, v in extra.items() if v is not None and v is not False)
-        if args or asked:
-            raise InferenceError(f"{self.model.name} (built through optimum) takes no {', '.join(asked) or 'options'}")
+        _refuse_options(self.model.name, args, extra)
         size = int(np.size(ids))
         if not 1 <= logits_rows <= size:
             raise InferenceError(f"logits_rows={logits_rows} must be in 1..{size}")
@@ -242,9 +240,7 @@ class ConcatKVSession(CacheSession, BatchedSession):
         """
         if self._closed:
             raise InferenceError("KV cache session is closed")
-        asked = sorted(k for k, v in extra.items() if v is not None and v is not False)
-        if asked:
-            raise InferenceError(f"{self.model.name} (built through optimum) takes no {', '.join(asked)}")
+        _refuse_options(self.model.name, (), extra)
         if not 0 <= past <= self._held:
             raise InferenceError(f"past={past} must be in 0..{self._held} (the positions this session holds)")
         tokens = np.asarray(ids, dtype=np.int64).reshape(-1)  # [S]
@@ -268,6 +264,14 @@ class ConcatKVSession(CacheSession, BatchedSession):
             self._kv = []
             self._held = self._length = 0
             self.model.release(self)
+
+
+def _refuse_options(name: str, args: tuple[Any, ...], extra: dict[str, Any]) -> None:
+    """An InferenceError naming the options set in ``extra`` (or positional ``args``): a graph
+    built through optimum has no tree, hidden-state or feature inputs and outputs."""
+    asked = sorted(k for k, v in extra.items() if v is not None and v is not False)
+    if args or asked:
+        raise InferenceError(f"{name} (built through optimum) takes no {', '.join(asked) or 'options'}")
 
 
 def check_concat_graph(m: Manifest, session: Any) -> bool:
